@@ -1,0 +1,80 @@
+/*
+ * asteria/linalg.h - host linear algebra for preconditioner refreshes (LAPACKE/OpenBLAS).
+ *
+ * Owns: the O(n^3) REFRESH kernels of Shampoo, SOAP and KL-Shampoo, in float32 and float64,
+ * single-block and batched (many same-shape blocks laid out contiguously).
+ *
+ * Conventions
+ *  - Matrices are dense, square n x n, ROW-MAJOR (torch's layout), no padding.
+ *  - "Eigenvectors as columns": Q[i*n + j] is component i of eigenvector j.
+ *  - Outputs are written only on success. On any failure (non-convergence, NaN/Inf in the
+ *    input or the result, bad argument) the output buffers are left exactly as they were, so
+ *    the caller keeps its previous preconditioner.
+ *  - float32 calls that fail numerically are retried once in float64; the result is rounded
+ *    back to float32. ast_linalg_last_retried() says whether that happened in this thread.
+ *  - Batched entry points process `batch` blocks; they stop at the first failing block and
+ *    return its code with *failed_index set (blocks before it are written, blocks from it on are
+ *    untouched).
+ *
+ * Threading: no shared mutable state; each call allocates its own workspace. Callers run many
+ * calls concurrently from pool workers; OpenBLAS is kept at one thread per call
+ * (ast_linalg_init sets that once, before workers start).
+ */
+#ifndef ASTERIA_LINALG_H
+#define ASTERIA_LINALG_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum ast_dtype { AST_F32 = 0, AST_F64 = 1 } ast_dtype;
+
+/* Size of one element of dtype (4 or 8), 0 for an unknown dtype. */
+size_t ast_dtype_size(ast_dtype dt);
+
+/* Pin OpenBLAS to one thread per call. Idempotent; call before concurrent use. */
+void ast_linalg_init(void);
+
+/* 1 if the last failing-then-retried float32 call on this thread used the float64 retry. */
+int ast_linalg_last_retried(void);
+
+/* Symmetric eigendecomposition via ?syevd. A is n x n symmetric (only its values are read, A is
+ * not modified). w: n eigenvalues in DESCENDING order; q: eigenvectors as columns in the same
+ * order. Either w or q may be NULL when not wanted (not both). */
+int ast_linalg_eigh(ast_dtype dt, int n, const void *a, void *w, void *q);
+int ast_linalg_eigh_batched(ast_dtype dt, int batch, int n, const void *a, void *w, void *q,
+                            int *failed_index);
+
+/* Inverse p-th root X = (A + eps I)^(-1/p), computed from the eigendecomposition of A with its
+ * eigenvalues clamped at 0 before eps is added: X = Q diag((max(l,0)+eps)^(-1/p)) Q^T.
+ * p > 0, eps >= 0 (eps == 0 with a zero eigenvalue is reported as AST_ENONFINITE). */
+int ast_linalg_inv_root(ast_dtype dt, int n, const void *a, double p, double eps, void *x);
+int ast_linalg_inv_root_batched(ast_dtype dt, int batch, int n, const void *a, double p,
+                                double eps, void *x, int *failed_index);
+
+/* Coupled-Newton inverse p-th root of (A + eps I) (Higham / Guo-Higham iteration), p a positive
+ * integer. Stops when ||M - I||_inf < tol or after max_iter iterations (AST_ENOCONV). */
+int ast_linalg_newton_inv_root(ast_dtype dt, int n, const void *a, int p, double eps,
+                               int max_iter, double tol, void *x);
+
+/* SOAP's refresh of one factor F with its current basis Q (one QR power-iteration step):
+ *   e = diag(Q^T F Q); s = argsort(e, descending); Q_new = qr(F Q[:, s]).Q
+ * perm receives s (n int64 entries) so the caller can permute its second moment. Ties in e keep
+ * their original order (stable sort). q_new may not alias q or f. */
+int ast_linalg_soap_refresh(ast_dtype dt, int n, const void *f, const void *q, void *q_new,
+                            int64_t *perm);
+int ast_linalg_soap_refresh_batched(ast_dtype dt, int batch, int n, const void *f, const void *q,
+                                    void *q_new, int64_t *perm, int *failed_index);
+
+/* KL-Shampoo's refresh: Q_new = qr(F Q).Q (no sorting). */
+int ast_linalg_qr_refresh(ast_dtype dt, int n, const void *f, const void *q, void *q_new);
+int ast_linalg_qr_refresh_batched(ast_dtype dt, int batch, int n, const void *f, const void *q,
+                                  void *q_new, int *failed_index);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,95 @@
+/*
+ * asteria/pool.h - the worker pool that runs REFRESH jobs off the training thread.
+ *
+ * Owns: N pthreads pinned with hwloc, a job queue ordered by deadline step, a done-queue drained
+ * by the owner thread, supersede / cancel, clean shutdown, fork safety.
+ *
+ * Model (libuv's threadpool, adapted):
+ *  - ast_pool_submit() enqueues a job keyed by (block, version). A queued job of the same block
+ *    with a lower version is superseded: it is removed from the queue and completes with status
+ *    AST_ESUPERSEDED. Submitting a version <= one already queued for the block is AST_EINVAL.
+ *  - Workers pop the job with the smallest deadline (ties: lowest ticket, i.e. FIFO) and run it
+ *    with no pool lock held.
+ *  - Every job, whatever its fate (ran, failed, cancelled, superseded, dropped at shutdown),
+ *    produces exactly one ast_completion, carrying its ctx so the owner can free it.
+ *  - Completions are drained by the owner: ast_pool_poll() (non-blocking), ast_pool_wait()
+ *    (one ticket, blocking on a condition variable, never spinning).
+ *  - Cancel succeeds only while the job is still queued.
+ *
+ * Thread safety: every function may be called from any thread, except ast_pool_destroy, which
+ * must not race with other calls on the same pool. Job run functions must not call back into
+ * the pool that runs them except ast_pool_submit.
+ */
+#ifndef ASTERIA_POOL_H
+#define ASTERIA_POOL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct ast_pool ast_pool;
+
+typedef struct ast_pool_opts {
+    int workers;         /* >= 1; 0 means: one per core of the core set */
+    const char *cpuset;  /* hwloc list syntax ("0-3,6"), or NULL: the cores the calling thread
+                            does not currently run on (all cores if that leaves none) */
+    int pin;             /* 1: bind each worker to one core of the set (round robin); 0: no binding */
+} ast_pool_opts;
+
+void ast_pool_opts_init(ast_pool_opts *o);
+
+typedef struct ast_job {
+    uint64_t block;              /* supersede key */
+    uint64_t version;            /* monotonically increasing per block */
+    int64_t deadline;            /* step by which the result must be installed: queue order */
+    int (*run)(void *ctx);       /* runs on a worker; returns 0 or a negative AST_E* code */
+    void *ctx;
+} ast_job;
+
+typedef struct ast_completion {
+    uint64_t ticket;
+    uint64_t block;
+    uint64_t version;
+    int64_t deadline;
+    int status;                  /* run()'s result, or AST_ECANCELED / AST_ESUPERSEDED / AST_ESHUTDOWN */
+    void *ctx;
+    uint64_t queued_ns, started_ns, done_ns; /* CLOCK_MONOTONIC; started_ns == 0 if never ran */
+    int worker;                  /* index of the worker that ran it, -1 if none */
+} ast_completion;
+
+typedef struct ast_pool_stats {
+    uint64_t submitted, queued, running, done, failed, superseded, cancelled;
+    uint64_t busy_ns;            /* total time workers spent inside run() */
+    int workers;
+} ast_pool_stats;
+
+int ast_pool_create(const ast_pool_opts *opts, ast_pool **out);
+/* Stops accepting jobs, completes every queued job with AST_ESHUTDOWN, waits for running jobs,
+ * joins the workers and frees the pool. Undrained completions are discarded: call
+ * ast_pool_poll first if ctx pointers must be freed. */
+void ast_pool_destroy(ast_pool *pool);
+
+int ast_pool_submit(ast_pool *pool, const ast_job *job, uint64_t *ticket);
+/* 0: removed from the queue (a completion with AST_ECANCELED is published);
+ * AST_EBUSY: running; AST_ENOENT: finished or unknown ticket. */
+int ast_pool_cancel(ast_pool *pool, uint64_t ticket);
+/* Moves up to cap completions to out; *n receives the count. Never blocks. */
+int ast_pool_poll(ast_pool *pool, ast_completion *out, size_t cap, size_t *n);
+/* Blocks until the job with this ticket has completed, removes its completion from the
+ * done-queue and copies it to out. timeout_ns < 0: wait forever; AST_ETIMEDOUT on expiry;
+ * AST_ENOENT if the ticket is unknown or its completion was already drained. */
+int ast_pool_wait(ast_pool *pool, uint64_t ticket, int64_t timeout_ns, ast_completion *out);
+/* Blocks until the done-queue is non-empty or timeout; then behaves as ast_pool_poll. */
+int ast_pool_wait_any(ast_pool *pool, int64_t timeout_ns, ast_completion *out, size_t cap,
+                      size_t *n);
+int ast_pool_stats_get(ast_pool *pool, ast_pool_stats *out);
+/* Cores the workers were bound to, as an hwloc list string, into buf. */
+int ast_pool_cpuset(ast_pool *pool, char *buf, size_t len);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,13 @@
+"""Asteria: second-order optimizers (SOAP, Shampoo, KL-Shampoo) with their expensive REFRESH
+work moved off the training critical path, onto libasteria's C worker pool.
+
+Swap ``torch.optim.AdamW`` for ``asteria.SOAP`` (or ``Shampoo``, ``KLShampoo``) and tune the
+staleness budget through ``runtime={"staleness": 5, ...}``.
+"""
+
+from asteria.config import RuntimeConfig
+from asteria.optim import KLShampoo, SOAP, Shampoo
+
+__version__ = "0.1.0"
+
+__all__ = ["SOAP", "Shampoo", "KLShampoo", "RuntimeConfig", "__version__"]

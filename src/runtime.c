@@ -1,0 +1,556 @@
+/*
+ * runtime.c - the Asteria runtime: REFRESH job submission over the worker pool.
+ *
+ * Owns: the validated config, the pool, the registered host-buffer table (with a reference
+ * count per buffer held by every job that reads or writes it), per-block consecutive-failure
+ * counters, the stats counters and the last-error message.
+ *
+ * Locking: rt->mu guards buffers[], fails[] and last_error. It is never held while calling into
+ * the pool's blocking functions or while a job computes. Jobs run on pool workers and touch only
+ * their own ast__rjob and the buffers whose references they hold, so they take no runtime lock.
+ * Stats counters that jobs or callers bump concurrently are C11 atomics.
+ */
+#include "asteria/runtime.h"
+
+#include "asteria/errors.h"
+#include "asteria/linalg.h"
+#include "asteria/pool.h"
+
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef struct rbuf {
+    uint64_t handle;
+    uintptr_t base;
+    size_t nbytes;
+    unsigned refs;   /* jobs that still use it */
+} rbuf;
+
+typedef struct rfail {
+    uint64_t block;
+    int count;
+} rfail;
+
+#define JOB_MAX_BUFS 4
+
+typedef struct rjob {
+    ast_refresh req;
+    uint64_t bufs[JOB_MAX_BUFS];
+    int nbufs;
+    int failed_index;
+    int retried;
+} rjob;
+
+struct ast_runtime {
+    ast_config cfg;
+    ast_pool *pool;
+    pthread_mutex_t mu;
+    rbuf *buffers;
+    size_t nbuffers, capbuffers;
+    uint64_t next_handle;
+    rfail *fails;
+    size_t nfails, capfails;
+    char last_error[1024];
+
+    _Atomic uint64_t jobs_submitted, jobs_done, jobs_failed, jobs_superseded, jobs_cancelled;
+    _Atomic uint64_t jobs_retried, nonfinite_skipped, installs, barrier_waits, barrier_wait_ns;
+    _Atomic uint64_t bytes_registered;
+    _Atomic int64_t max_install_lag, last_install_step;
+};
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static int set_error(ast_runtime *rt, int code, const char *fmt, ...)
+{
+    char msg[900];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    pthread_mutex_lock(&rt->mu);
+    snprintf(rt->last_error, sizeof rt->last_error, "%s: %s", ast_err_name(code), msg);
+    pthread_mutex_unlock(&rt->mu);
+    return code;
+}
+
+int ast_runtime_create_msg(const ast_config *cfg, ast_runtime **out, char *errbuf, size_t len)
+{
+    if (!out)
+        return AST_EINVAL;
+    *out = NULL;
+    ast_config defaults;
+    if (!cfg) {
+        ast_config_init(&defaults);
+        cfg = &defaults;
+    }
+    int rc = ast_config_validate(cfg, errbuf, len);
+    if (rc)
+        return rc;
+    ast_runtime *rt = calloc(1, sizeof *rt);
+    if (!rt)
+        return AST_ENOMEM;
+    rt->cfg = *cfg;
+    rt->next_handle = 1;
+    atomic_init(&rt->max_install_lag, -1);
+    atomic_init(&rt->last_install_step, -1);
+    if (pthread_mutex_init(&rt->mu, NULL)) {
+        free(rt);
+        return AST_ENOMEM;
+    }
+    ast_linalg_init();
+    ast_pool_opts po;
+    ast_pool_opts_init(&po);
+    po.workers = cfg->workers;
+    po.cpuset = cfg->cpuset[0] ? cfg->cpuset : NULL;
+    po.pin = cfg->pin;
+    rc = ast_pool_create(&po, &rt->pool);
+    if (rc) {
+        if (errbuf && len)
+            snprintf(errbuf, len, "worker pool: %s (workers=%d, cpuset='%s')", ast_strerror(rc),
+                     cfg->workers, cfg->cpuset);
+        pthread_mutex_destroy(&rt->mu);
+        free(rt);
+        return rc;
+    }
+    *out = rt;
+    return 0;
+}
+
+int ast_runtime_create(const ast_config *cfg, ast_runtime **out)
+{
+    return ast_runtime_create_msg(cfg, out, NULL, 0);
+}
+
+void ast_runtime_destroy(ast_runtime *rt)
+{
+    if (!rt)
+        return;
+    /* Drain what finished so each job's context is freed; the pool then completes the rest
+     * with AST_ESHUTDOWN, whose contexts are freed from the final drain below. */
+    ast_pool *pool = rt->pool;
+    rt->pool = NULL;
+    ast_completion c[64];
+    size_t n;
+    do {
+        n = 0;
+        ast_pool_poll(pool, c, 64, &n);
+        for (size_t i = 0; i < n; i++)
+            free(c[i].ctx);
+    } while (n);
+    ast_pool_destroy(pool);
+    free(rt->buffers);
+    free(rt->fails);
+    pthread_mutex_destroy(&rt->mu);
+    free(rt);
+}
+
+const ast_config *ast_runtime_config(const ast_runtime *rt) { return rt ? &rt->cfg : NULL; }
+
+int ast_runtime_last_error(ast_runtime *rt, char *buf, size_t len)
+{
+    if (!rt || !buf || !len)
+        return AST_EINVAL;
+    pthread_mutex_lock(&rt->mu);
+    snprintf(buf, len, "%s", rt->last_error);
+    pthread_mutex_unlock(&rt->mu);
+    return 0;
+}
+
+int ast_runtime_register(ast_runtime *rt, void *ptr, size_t nbytes, uint64_t *handle)
+{
+    if (!rt || !ptr || !nbytes || !handle)
+        return AST_EINVAL;
+    pthread_mutex_lock(&rt->mu);
+    if (rt->nbuffers == rt->capbuffers) {
+        size_t cap = rt->capbuffers ? rt->capbuffers * 2 : 64;
+        rbuf *nb = realloc(rt->buffers, cap * sizeof *nb);
+        if (!nb) {
+            pthread_mutex_unlock(&rt->mu);
+            return AST_ENOMEM;
+        }
+        rt->buffers = nb;
+        rt->capbuffers = cap;
+    }
+    rbuf *b = &rt->buffers[rt->nbuffers++];
+    b->handle = rt->next_handle++;
+    b->base = (uintptr_t)ptr;
+    b->nbytes = nbytes;
+    b->refs = 0;
+    *handle = b->handle;
+    pthread_mutex_unlock(&rt->mu);
+    atomic_fetch_add(&rt->bytes_registered, nbytes);
+    return 0;
+}
+
+static rbuf *find_handle_locked(ast_runtime *rt, uint64_t handle)
+{
+    for (size_t i = 0; i < rt->nbuffers; i++)
+        if (rt->buffers[i].handle == handle)
+            return &rt->buffers[i];
+    return NULL;
+}
+
+int ast_runtime_unregister(ast_runtime *rt, uint64_t handle)
+{
+    if (!rt)
+        return AST_EINVAL;
+    pthread_mutex_lock(&rt->mu);
+    rbuf *b = find_handle_locked(rt, handle);
+    if (!b) {
+        pthread_mutex_unlock(&rt->mu);
+        return set_error(rt, AST_ENOENT, "unregister: no buffer with handle %" PRIu64, handle);
+    }
+    if (b->refs) {
+        unsigned refs = b->refs;
+        pthread_mutex_unlock(&rt->mu);
+        return set_error(rt, AST_EBUSY, "unregister: buffer %" PRIu64 " is used by %u job(s)",
+                         handle, refs);
+    }
+    size_t nbytes = b->nbytes;
+    *b = rt->buffers[--rt->nbuffers];
+    pthread_mutex_unlock(&rt->mu);
+    atomic_fetch_sub(&rt->bytes_registered, nbytes);
+    return 0;
+}
+
+/* The registered buffer that holds [p, p+nbytes) entirely, or NULL. */
+static rbuf *find_range_locked(ast_runtime *rt, const void *p, size_t nbytes)
+{
+    uintptr_t a = (uintptr_t)p;
+    for (size_t i = 0; i < rt->nbuffers; i++) {
+        rbuf *b = &rt->buffers[i];
+        if (a >= b->base && nbytes <= b->nbytes && a - b->base <= b->nbytes - nbytes)
+            return b;
+    }
+    return NULL;
+}
+
+static int job_run(void *ctx)
+{
+    rjob *j = ctx;
+    const ast_refresh *r = &j->req;
+    int rc;
+    j->failed_index = -1;
+    switch (r->op) {
+    case AST_OP_EIGH:
+        rc = ast_linalg_eigh_batched(r->dtype, r->batch, r->n, r->in0, r->out1, r->out0,
+                                     &j->failed_index);
+        break;
+    case AST_OP_INV_ROOT:
+        rc = ast_linalg_inv_root_batched(r->dtype, r->batch, r->n, r->in0, r->p, r->eps, r->out0,
+                                         &j->failed_index);
+        break;
+    case AST_OP_NEWTON_ROOT: {
+        size_t stride = (size_t)r->n * (size_t)r->n * ast_dtype_size(r->dtype);
+        rc = 0;
+        for (int b = 0; b < r->batch && !rc; b++) {
+            rc = ast_linalg_newton_inv_root(r->dtype, r->n, (const char *)r->in0 + b * stride,
+                                            (int)r->p, r->eps, 100, 1e-6,
+                                            (char *)r->out0 + b * stride);
+            if (rc)
+                j->failed_index = b;
+        }
+        break;
+    }
+    case AST_OP_SOAP_QR:
+        rc = ast_linalg_soap_refresh_batched(r->dtype, r->batch, r->n, r->in0, r->in1, r->out0,
+                                             (int64_t *)r->out1, &j->failed_index);
+        break;
+    case AST_OP_KL_QR:
+        rc = ast_linalg_qr_refresh_batched(r->dtype, r->batch, r->n, r->in0, r->in1, r->out0,
+                                           &j->failed_index);
+        break;
+    default:
+        rc = AST_EINVAL;
+    }
+    j->retried = ast_linalg_last_retried();
+    return rc;
+}
+
+int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket)
+{
+    if (!rt || !req || !ticket)
+        return AST_EINVAL;
+    if (!rt->pool)
+        return set_error(rt, AST_ESHUTDOWN, "submit: runtime is shutting down");
+    size_t esz = ast_dtype_size(req->dtype);
+    if (!esz)
+        return set_error(rt, AST_EINVAL, "submit: dtype %d; allowed: float32 (0), float64 (1)",
+                         (int)req->dtype);
+    if (req->n <= 0 || req->batch <= 0)
+        return set_error(rt, AST_EINVAL, "submit: n=%d batch=%d; allowed: both >= 1", req->n,
+                         req->batch);
+    size_t mat = (size_t)req->batch * (size_t)req->n * (size_t)req->n * esz;
+    size_t vec = (size_t)req->batch * (size_t)req->n * esz;
+    size_t perm = (size_t)req->batch * (size_t)req->n * sizeof(int64_t);
+    const void *ptrs[JOB_MAX_BUFS] = {req->in0, req->in1, req->out0, req->out1};
+    size_t sizes[JOB_MAX_BUFS] = {mat, mat, mat, 0};
+    int need[JOB_MAX_BUFS] = {1, 0, 1, 0};
+    switch (req->op) {
+    case AST_OP_EIGH:
+        sizes[3] = vec;
+        break;
+    case AST_OP_INV_ROOT:
+    case AST_OP_NEWTON_ROOT:
+        if (!(req->p > 0))
+            return set_error(rt, AST_EINVAL, "submit: root p=%g; allowed: p > 0", req->p);
+        if (req->op == AST_OP_NEWTON_ROOT && req->p != (double)(int)req->p)
+            return set_error(rt, AST_EINVAL,
+                             "submit: newton_root needs an integer p, got %g", req->p);
+        break;
+    case AST_OP_SOAP_QR:
+        need[1] = need[3] = 1;
+        sizes[3] = perm;
+        break;
+    case AST_OP_KL_QR:
+        need[1] = 1;
+        break;
+    default:
+        return set_error(rt, AST_EINVAL,
+                         "submit: op %d; allowed: eigh (1), inv_root (2), newton_root (3), "
+                         "soap_qr (4), kl_qr (5)",
+                         (int)req->op);
+    }
+    rjob *j = calloc(1, sizeof *j);
+    if (!j)
+        return AST_ENOMEM;
+    j->req = *req;
+    static const char *const names[JOB_MAX_BUFS] = {"in0", "in1", "out0", "out1"};
+    pthread_mutex_lock(&rt->mu);
+    rbuf *held[JOB_MAX_BUFS];
+    int nheld = 0;
+    for (int i = 0; i < JOB_MAX_BUFS; i++) {
+        if (!ptrs[i]) {
+            if (need[i]) {
+                pthread_mutex_unlock(&rt->mu);
+                free(j);
+                return set_error(rt, AST_EINVAL, "submit: %s is required for op %d", names[i],
+                                 (int)req->op);
+            }
+            continue;
+        }
+        if (!sizes[i]) {
+            pthread_mutex_unlock(&rt->mu);
+            free(j);
+            return set_error(rt, AST_EINVAL, "submit: %s must be NULL for op %d", names[i],
+                             (int)req->op);
+        }
+        rbuf *b = find_range_locked(rt, ptrs[i], sizes[i]);
+        if (!b) {
+            pthread_mutex_unlock(&rt->mu);
+            free(j);
+            return set_error(rt, AST_ERANGE,
+                             "submit: %s [%p, +%zu bytes) is not inside a registered buffer", names[i],
+                             ptrs[i], sizes[i]);
+        }
+        held[nheld++] = b;
+    }
+    for (int i = 0; i < nheld; i++) {
+        held[i]->refs++;
+        j->bufs[j->nbufs++] = held[i]->handle;
+    }
+    pthread_mutex_unlock(&rt->mu);
+
+    ast_job job = {.block = req->block, .version = req->version, .deadline = req->deadline,
+                   .run = job_run, .ctx = j};
+    int rc = ast_pool_submit(rt->pool, &job, ticket);
+    if (rc) {
+        pthread_mutex_lock(&rt->mu);
+        for (int i = 0; i < j->nbufs; i++) {
+            rbuf *b = find_handle_locked(rt, j->bufs[i]);
+            if (b)
+                b->refs--;
+        }
+        pthread_mutex_unlock(&rt->mu);
+        free(j);
+        return set_error(rt, rc, "submit: pool refused block %" PRIu64 " version %" PRIu64,
+                         req->block, req->version);
+    }
+    atomic_fetch_add(&rt->jobs_submitted, 1);
+    return 0;
+}
+
+int ast_runtime_cancel(ast_runtime *rt, uint64_t ticket)
+{
+    if (!rt || !rt->pool)
+        return AST_EINVAL;
+    return ast_pool_cancel(rt->pool, ticket);
+}
+
+static int *fail_slot_locked(ast_runtime *rt, uint64_t block)
+{
+    for (size_t i = 0; i < rt->nfails; i++)
+        if (rt->fails[i].block == block)
+            return &rt->fails[i].count;
+    if (rt->nfails == rt->capfails) {
+        size_t cap = rt->capfails ? rt->capfails * 2 : 64;
+        rfail *nf = realloc(rt->fails, cap * sizeof *nf);
+        if (!nf)
+            return NULL;
+        rt->fails = nf;
+        rt->capfails = cap;
+    }
+    rt->fails[rt->nfails].block = block;
+    rt->fails[rt->nfails].count = 0;
+    return &rt->fails[rt->nfails++].count;
+}
+
+/* Turns a pool completion into a result on the owner's thread: drops the job's buffer
+ * references, applies the consecutive-failure rule, counts, frees the job. */
+static void finish(ast_runtime *rt, const ast_completion *c, ast_result *r)
+{
+    rjob *j = c->ctx;
+    memset(r, 0, sizeof *r);
+    r->ticket = c->ticket;
+    r->block = c->block;
+    r->version = c->version;
+    r->status = c->status;
+    r->queued_ns = c->queued_ns;
+    r->started_ns = c->started_ns;
+    r->done_ns = c->done_ns;
+    r->worker = c->worker;
+    r->failed_index = -1;
+    r->snapshot_step = j ? j->req.snapshot_step : -1;
+    if (j) {
+        r->failed_index = j->failed_index;
+        r->retried_f64 = j->retried;
+    }
+    pthread_mutex_lock(&rt->mu);
+    if (j) {
+        for (int i = 0; i < j->nbufs; i++) {
+            rbuf *b = find_handle_locked(rt, j->bufs[i]);
+            if (b && b->refs)
+                b->refs--;
+        }
+    }
+    int computed = c->status != AST_ECANCELED && c->status != AST_ESUPERSEDED &&
+                   c->status != AST_ESHUTDOWN;
+    if (computed) {
+        int *cnt = fail_slot_locked(rt, c->block);
+        if (c->status == 0) {
+            if (cnt)
+                *cnt = 0;
+        } else if (cnt && ++*cnt >= rt->cfg.max_failures) {
+            snprintf(rt->last_error, sizeof rt->last_error,
+                     "AST_EFAILED: block %" PRIu64 " failed %d consecutive refreshes (last: %s)",
+                     c->block, *cnt, ast_err_name(c->status));
+            r->status = AST_EFAILED;
+        }
+    }
+    pthread_mutex_unlock(&rt->mu);
+    if (c->status == AST_ESUPERSEDED)
+        atomic_fetch_add(&rt->jobs_superseded, 1);
+    else if (c->status == AST_ECANCELED)
+        atomic_fetch_add(&rt->jobs_cancelled, 1);
+    else if (computed) {
+        atomic_fetch_add(&rt->jobs_done, 1);
+        if (c->status)
+            atomic_fetch_add(&rt->jobs_failed, 1);
+        if (r->retried_f64)
+            atomic_fetch_add(&rt->jobs_retried, 1);
+    }
+    free(j);
+}
+
+int ast_runtime_poll(ast_runtime *rt, ast_result *out, size_t cap, size_t *n)
+{
+    if (!rt || !n || (cap && !out))
+        return AST_EINVAL;
+    *n = 0;
+    if (!rt->pool)
+        return AST_ESHUTDOWN;
+    ast_completion c[64];
+    while (*n < cap) {
+        size_t want = cap - *n < 64 ? cap - *n : 64, got = 0;
+        int rc = ast_pool_poll(rt->pool, c, want, &got);
+        if (rc)
+            return rc;
+        for (size_t i = 0; i < got; i++)
+            finish(rt, &c[i], &out[(*n)++]);
+        if (got < want)
+            break;
+    }
+    return 0;
+}
+
+int ast_runtime_wait(ast_runtime *rt, uint64_t ticket, int64_t timeout_ns, ast_result *out)
+{
+    if (!rt || !out)
+        return AST_EINVAL;
+    if (!rt->pool)
+        return AST_ESHUTDOWN;
+    ast_completion c;
+    int rc = ast_pool_wait(rt->pool, ticket, 0, &c);
+    if (rc == AST_ETIMEDOUT) {
+        uint64_t t0 = now_ns();
+        rc = ast_pool_wait(rt->pool, ticket, timeout_ns, &c);
+        atomic_fetch_add(&rt->barrier_waits, 1);
+        atomic_fetch_add(&rt->barrier_wait_ns, now_ns() - t0);
+    }
+    if (rc)
+        return rc == AST_ETIMEDOUT
+                   ? set_error(rt, rc, "wait: ticket %" PRIu64 " not done within %" PRId64 " ns",
+                               ticket, timeout_ns)
+                   : rc;
+    finish(rt, &c, out);
+    return 0;
+}
+
+void ast_runtime_note_install(ast_runtime *rt, int64_t snapshot_step, int64_t install_step)
+{
+    if (!rt)
+        return;
+    atomic_fetch_add(&rt->installs, 1);
+    int64_t lag = install_step - snapshot_step;
+    int64_t cur = atomic_load(&rt->max_install_lag);
+    while (lag > cur && !atomic_compare_exchange_weak(&rt->max_install_lag, &cur, lag))
+        ;
+    atomic_store(&rt->last_install_step, install_step);
+}
+
+void ast_runtime_note_nonfinite(ast_runtime *rt)
+{
+    if (rt)
+        atomic_fetch_add(&rt->nonfinite_skipped, 1);
+}
+
+int ast_runtime_stats_get(ast_runtime *rt, ast_stats *out)
+{
+    if (!rt || !out)
+        return AST_EINVAL;
+    memset(out, 0, sizeof *out);
+    if (rt->pool) {
+        ast_pool_stats ps;
+        if (ast_pool_stats_get(rt->pool, &ps) == 0) {
+            out->jobs_queued = ps.queued;
+            out->jobs_running = ps.running;
+            out->worker_busy_ns = ps.busy_ns;
+            out->workers = ps.workers;
+        }
+    }
+    out->jobs_submitted = atomic_load(&rt->jobs_submitted);
+    out->jobs_done = atomic_load(&rt->jobs_done);
+    out->jobs_failed = atomic_load(&rt->jobs_failed);
+    out->jobs_superseded = atomic_load(&rt->jobs_superseded);
+    out->jobs_cancelled = atomic_load(&rt->jobs_cancelled);
+    out->jobs_retried_f64 = atomic_load(&rt->jobs_retried);
+    out->nonfinite_skipped = atomic_load(&rt->nonfinite_skipped);
+    out->installs = atomic_load(&rt->installs);
+    out->max_install_lag = atomic_load(&rt->max_install_lag);
+    out->last_installed_version_step = atomic_load(&rt->last_install_step);
+    out->barrier_waits = atomic_load(&rt->barrier_waits);
+    out->barrier_wait_ns = atomic_load(&rt->barrier_wait_ns);
+    out->bytes_registered = atomic_load(&rt->bytes_registered);
+    return 0;
+}
