@@ -5,7 +5,7 @@
  * count per buffer held by every job that reads or writes it), per-block consecutive-failure
  * counters, the stats counters and the last-error message.
  *
- * Locking: rt->mu guards buffers[], fails[] and last_error. It is never held while calling into
+ * Locking: rt->mu guards buffers[], fails[], the live-job list and last_error. It is never held while calling into
  * the pool's blocking functions or while a job computes. Jobs run on pool workers and touch only
  * their own ast__rjob and the buffers whose references they hold, so they take no runtime lock.
  * Stats counters that jobs or callers bump concurrently are C11 atomics.
@@ -40,6 +40,7 @@ typedef struct rfail {
 #define JOB_MAX_BUFS 4
 
 typedef struct rjob {
+    struct rjob *prev, *next; /* rt->live list: jobs whose completion is not yet drained */
     ast_refresh req;
     uint64_t bufs[JOB_MAX_BUFS];
     int nbufs;
@@ -56,6 +57,7 @@ struct ast_runtime {
     uint64_t next_handle;
     rfail *fails;
     size_t nfails, capfails;
+    rjob *live;
     char last_error[1024];
 
     _Atomic uint64_t jobs_submitted, jobs_done, jobs_failed, jobs_superseded, jobs_cancelled;
@@ -136,19 +138,14 @@ void ast_runtime_destroy(ast_runtime *rt)
 {
     if (!rt)
         return;
-    /* Drain what finished so each job's context is freed; the pool then completes the rest
-     * with AST_ESHUTDOWN, whose contexts are freed from the final drain below. */
-    ast_pool *pool = rt->pool;
+    /* The pool finishes running jobs and drops queued ones; every job context not drained by
+     * the owner is still on the live list and is freed here. */
+    ast_pool_destroy(rt->pool);
     rt->pool = NULL;
-    ast_completion c[64];
-    size_t n;
-    do {
-        n = 0;
-        ast_pool_poll(pool, c, 64, &n);
-        for (size_t i = 0; i < n; i++)
-            free(c[i].ctx);
-    } while (n);
-    ast_pool_destroy(pool);
+    for (rjob *j = rt->live, *next; j; j = next) {
+        next = j->next;
+        free(j);
+    }
     free(rt->buffers);
     free(rt->fails);
     pthread_mutex_destroy(&rt->mu);
@@ -234,6 +231,17 @@ static rbuf *find_range_locked(ast_runtime *rt, const void *p, size_t nbytes)
             return b;
     }
     return NULL;
+}
+
+static void unlink_locked(ast_runtime *rt, rjob *j)
+{
+    if (j->prev)
+        j->prev->next = j->next;
+    else if (rt->live == j)
+        rt->live = j->next;
+    if (j->next)
+        j->next->prev = j->prev;
+    j->prev = j->next = NULL;
 }
 
 static int job_run(void *ctx)
@@ -360,6 +368,10 @@ int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket
         held[i]->refs++;
         j->bufs[j->nbufs++] = held[i]->handle;
     }
+    j->next = rt->live;
+    if (rt->live)
+        rt->live->prev = j;
+    rt->live = j;
     pthread_mutex_unlock(&rt->mu);
 
     ast_job job = {.block = req->block, .version = req->version, .deadline = req->deadline,
@@ -372,6 +384,7 @@ int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket
             if (b)
                 b->refs--;
         }
+        unlink_locked(rt, j);
         pthread_mutex_unlock(&rt->mu);
         free(j);
         return set_error(rt, rc, "submit: pool refused block %" PRIu64 " version %" PRIu64,
@@ -433,6 +446,7 @@ static void finish(ast_runtime *rt, const ast_completion *c, ast_result *r)
             if (b && b->refs)
                 b->refs--;
         }
+        unlink_locked(rt, j);
     }
     int computed = c->status != AST_ECANCELED && c->status != AST_ESUPERSEDED &&
                    c->status != AST_ESHUTDOWN;
