@@ -1,0 +1,541 @@
+/*
+ * bench_linalg.c - blocks per second of the REFRESH kernels (eigh, inverse 4th root, SOAP's QR
+ * refresh), each measured three ways in the same run so that the ratios do not depend on how
+ * the machine drifts between runs:
+ *   bare   the ast_linalg_* call in a loop on the main thread (one OpenBLAS thread),
+ *   pool1  the same jobs through an ast_pool with 1 worker,
+ *   pool2  ... with 2 workers.
+ * Pools are created with an explicit cpuset of every core this process may run on (the default
+ * set leaves out the caller's core, which on a 2-core machine leaves one) and pin = 1; the main
+ * thread sleeps in ast_pool_wait_any while the workers run. Every job has its own input and
+ * output buffers and its own block id, so nothing is superseded and no two workers share a
+ * cache line.
+ *
+ * The number of jobs per (op, n) is chosen from one timed warm-up call so that each bare
+ * measurement lasts about --budget seconds (at least 4 jobs: 2 per worker; at most 256), and the
+ * same count is used for all three ways.
+ *
+ * Writes JSON (machine, versions, command line, timestamp, per op and size: blocks_per_s for
+ * bare/pool1/pool2 and the ratios pool2/pool1, pool1/bare) and prints a table.
+ *
+ * Usage: bench_linalg [--dtype f32|f64] [--sizes 256,512,1024,2048] [--budget SECONDS]
+ *                     [--quick] [--out PATH]
+ */
+#include "asteria/build_config.h"
+#include "asteria/errors.h"
+#include "asteria/linalg.h"
+#include "asteria/pool.h"
+
+#include <cblas.h>
+#include <errno.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/utsname.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_SIZES 16
+#define MIN_JOBS 4
+#define MAX_JOBS 256
+#define ROOT_P 4        /* Shampoo's -1/(2*order) for a matrix */
+#define ROOT_EPS 1e-12  /* Shampoo's default epsilon */
+
+typedef enum op { OP_EIGH, OP_ROOT, OP_SOAP, OP_COUNT } op;
+static const char *const op_names[OP_COUNT] = {"eigh", "inv_root", "soap_refresh"};
+
+typedef enum mode { M_BARE, M_POOL1, M_POOL2, M_COUNT } mode;
+static const char *const mode_names[M_COUNT] = {"bare", "pool1", "pool2"};
+
+typedef struct job_ctx {
+    op kind;
+    ast_dtype dt;
+    int n;
+    void *a, *q, *out, *vec;
+    int64_t *perm;
+} job_ctx;
+
+typedef struct measure {
+    double seconds, blocks_per_s, utilisation; /* utilisation: worker busy time / (wall * workers) */
+} measure;
+
+typedef struct result {
+    op kind;
+    int n, jobs;
+    double warmup_s;
+    measure m[M_COUNT];
+} result;
+
+static double now_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static void die(const char *what, int rc)
+{
+    fprintf(stderr, "bench_linalg: %s: %s (%s)\n", what, ast_strerror(rc), ast_err_name(rc));
+    exit(1);
+}
+
+static void *xmalloc(size_t bytes)
+{
+    void *p = malloc(bytes);
+    if (!p) {
+        fprintf(stderr, "bench_linalg: out of memory (%zu bytes)\n", bytes);
+        exit(1);
+    }
+    return p;
+}
+
+static int run_job(void *arg)
+{
+    const job_ctx *c = arg;
+    switch (c->kind) {
+    case OP_EIGH:
+        return ast_linalg_eigh(c->dt, c->n, c->a, c->vec, c->out);
+    case OP_ROOT:
+        return ast_linalg_inv_root(c->dt, c->n, c->a, ROOT_P, ROOT_EPS, c->out);
+    case OP_SOAP:
+        return ast_linalg_soap_refresh(c->dt, c->n, c->a, c->q, c->out, c->perm);
+    case OP_COUNT:
+        break;
+    }
+    return AST_EINVAL;
+}
+
+/* ---- inputs ----------------------------------------------------------------------------- */
+
+typedef struct inputs {
+    void *spd;   /* G G^T / n + I: a well-conditioned factor */
+    void *basis; /* an orthogonal matrix: qr(G).Q */
+} inputs;
+
+static void make_inputs(ast_dtype dt, int n, inputs *in)
+{
+    const size_t nn = (size_t)n * n, es = ast_dtype_size(dt);
+    void *g = xmalloc(nn * es), *id = xmalloc(nn * es);
+    in->spd = xmalloc(nn * es);
+    in->basis = xmalloc(nn * es);
+    uint64_t s = 0x2545F4914F6CDD1DULL;
+    for (size_t i = 0; i < nn; i++) {
+        s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+        double v = (double)(s >> 11) * 0x1p-53 - 0.5;
+        if (dt == AST_F32)
+            ((float *)g)[i] = (float)v;
+        else
+            ((double *)g)[i] = v;
+    }
+    memset(id, 0, nn * es);
+    if (dt == AST_F32) {
+        float *a = in->spd, *e = id;
+        cblas_ssyrk(CblasRowMajor, CblasUpper, CblasNoTrans, n, n, 1.0f / n, g, n, 0, a, n);
+        for (int i = 0; i < n; i++) {
+            a[(size_t)i * n + i] += 1;
+            e[(size_t)i * n + i] = 1;
+            for (int j = 0; j < i; j++)
+                a[(size_t)i * n + j] = a[(size_t)j * n + i];
+        }
+    } else {
+        double *a = in->spd, *e = id;
+        cblas_dsyrk(CblasRowMajor, CblasUpper, CblasNoTrans, n, n, 1.0 / n, g, n, 0, a, n);
+        for (int i = 0; i < n; i++) {
+            a[(size_t)i * n + i] += 1;
+            e[(size_t)i * n + i] = 1;
+            for (int j = 0; j < i; j++)
+                a[(size_t)i * n + j] = a[(size_t)j * n + i];
+        }
+    }
+    int rc = ast_linalg_qr_refresh(dt, n, id, g, in->basis);
+    if (rc)
+        die("building the orthogonal basis", rc);
+    free(g);
+    free(id);
+}
+
+static job_ctx *make_jobs(op kind, ast_dtype dt, int n, const inputs *in, int jobs)
+{
+    const size_t nn = (size_t)n * n, es = ast_dtype_size(dt);
+    job_ctx *c = xmalloc((size_t)jobs * sizeof *c);
+    for (int j = 0; j < jobs; j++) {
+        c[j] = (job_ctx){.kind = kind, .dt = dt, .n = n};
+        c[j].a = xmalloc(nn * es);
+        memcpy(c[j].a, in->spd, nn * es);
+        c[j].out = xmalloc(nn * es);
+        memset(c[j].out, 0, nn * es); /* fault the pages in before timing */
+        if (kind == OP_EIGH)
+            c[j].vec = xmalloc((size_t)n * es);
+        if (kind == OP_SOAP) {
+            c[j].q = xmalloc(nn * es);
+            memcpy(c[j].q, in->basis, nn * es);
+            c[j].perm = xmalloc((size_t)n * sizeof(int64_t));
+        }
+    }
+    return c;
+}
+
+static void free_jobs(job_ctx *c, int jobs)
+{
+    for (int j = 0; j < jobs; j++) {
+        free(c[j].a);
+        free(c[j].q);
+        free(c[j].out);
+        free(c[j].vec);
+        free(c[j].perm);
+    }
+    free(c);
+}
+
+/* ---- measurements ------------------------------------------------------------------------- */
+
+static measure run_bare(job_ctx *c, int jobs)
+{
+    double t0 = now_s();
+    for (int j = 0; j < jobs; j++) {
+        int rc = run_job(&c[j]);
+        if (rc)
+            die(op_names[c[j].kind], rc);
+    }
+    double dt = now_s() - t0;
+    return (measure){.seconds = dt, .blocks_per_s = jobs / dt, .utilisation = 1};
+}
+
+static uint64_t next_block = 1;
+
+/* Submits jobs [first, first+count) and sleeps in ast_pool_wait_any until all completed. */
+static void pool_round(ast_pool *pool, job_ctx *c, int first, int count)
+{
+    for (int j = first; j < first + count; j++) {
+        ast_job job = {.block = next_block++, .version = 1, .deadline = j, .run = run_job,
+                       .ctx = &c[j]};
+        uint64_t ticket;
+        int rc = ast_pool_submit(pool, &job, &ticket);
+        if (rc)
+            die("ast_pool_submit", rc);
+    }
+    ast_completion done[64];
+    for (int left = count; left > 0;) {
+        size_t got = 0;
+        int rc = ast_pool_wait_any(pool, -1, done, 64, &got);
+        if (rc)
+            die("ast_pool_wait_any", rc);
+        for (size_t i = 0; i < got; i++)
+            if (done[i].status)
+                die("pool job", done[i].status);
+        left -= (int)got;
+    }
+}
+
+static measure run_pool(ast_pool *pool, int workers, job_ctx *c, int jobs)
+{
+    ast_pool_stats s0, s1;
+    pool_round(pool, c, 0, workers); /* every worker's first OpenBLAS call and page faults */
+    ast_pool_stats_get(pool, &s0);
+    double t0 = now_s();
+    pool_round(pool, c, 0, jobs);
+    double dt = now_s() - t0;
+    ast_pool_stats_get(pool, &s1);
+    return (measure){.seconds = dt,
+                     .blocks_per_s = jobs / dt,
+                     .utilisation = (double)(s1.busy_ns - s0.busy_ns) * 1e-9 / (dt * workers)};
+}
+
+/* ---- machine description ---------------------------------------------------------------- */
+
+/* The CPUs this process may run on as an hwloc list ("0-1", "0,2-3"); returns their count. */
+static int allowed_cpus(char *buf, size_t len)
+{
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof set, &set) != 0) {
+        snprintf(buf, len, "0");
+        return 1;
+    }
+    size_t off = 0;
+    int count = 0;
+    buf[0] = '\0';
+    for (int c = 0; c < CPU_SETSIZE; c++) {
+        if (!CPU_ISSET(c, &set))
+            continue;
+        int e = c;
+        while (e + 1 < CPU_SETSIZE && CPU_ISSET(e + 1, &set))
+            e++;
+        off += (size_t)snprintf(buf + off, off < len ? len - off : 0, "%s%d", off ? "," : "", c);
+        if (e > c)
+            off += (size_t)snprintf(buf + off, off < len ? len - off : 0, "-%d", e);
+        count += e - c + 1;
+        c = e;
+    }
+    return count;
+}
+
+static void cpu_model(char *buf, size_t len)
+{
+    snprintf(buf, len, "unknown");
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    if (!f)
+        return;
+    char line[512];
+    while (fgets(line, sizeof line, f)) {
+        char *colon = strchr(line, ':');
+        if (strncmp(line, "model name", 10) == 0 && colon) {
+            colon++;
+            while (*colon == ' ' || *colon == '\t')
+                colon++;
+            colon[strcspn(colon, "\n")] = '\0';
+            snprintf(buf, len, "%s", colon);
+            break;
+        }
+    }
+    fclose(f);
+}
+
+static void json_str(FILE *f, const char *s)
+{
+    fputc('"', f);
+    for (; *s; s++) {
+        unsigned char ch = (unsigned char)*s;
+        if (ch == '"' || ch == '\\')
+            fprintf(f, "\\%c", ch);
+        else if (ch < 0x20)
+            fprintf(f, "\\u%04x", ch);
+        else
+            fputc(ch, f);
+    }
+    fputc('"', f);
+}
+
+static void mkdir_parent(const char *path)
+{
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s", path);
+    for (char *p = dir + 1; *p; p++) {
+        if (*p != '/')
+            continue;
+        *p = '\0';
+        if (mkdir(dir, 0777) != 0 && errno != EEXIST)
+            return;
+        *p = '/';
+    }
+}
+
+/* Other processes on the machine skew every number; the load average says whether they did. */
+static double load1(void)
+{
+    double l[1];
+    return getloadavg(l, 1) == 1 ? l[0] : -1;
+}
+
+static void write_json(const char *path, int argc, char **argv, ast_dtype dt, double budget,
+                       const char *cpus, const char *pool_sets[M_COUNT], const double load[2],
+                       const result *r, int nr)
+{
+    mkdir_parent(path);
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        fprintf(stderr, "bench_linalg: cannot write %s: %s\n", path, strerror(errno));
+        exit(1);
+    }
+    struct utsname u;
+    uname(&u);
+    char model[256], stamp[64], cmd[4096] = "";
+    cpu_model(model, sizeof model);
+    time_t t = time(NULL);
+    struct tm tm;
+    gmtime_r(&t, &tm);
+    strftime(stamp, sizeof stamp, "%Y-%m-%dT%H:%M:%SZ", &tm);
+    for (int i = 0; i < argc; i++) {
+        strncat(cmd, argv[i], sizeof cmd - strlen(cmd) - 2);
+        if (i + 1 < argc)
+            strncat(cmd, " ", sizeof cmd - strlen(cmd) - 1);
+    }
+
+    fprintf(f, "{\n  \"benchmark\": \"bench_linalg\",\n  \"timestamp\": ");
+    json_str(f, stamp);
+    fprintf(f, ",\n  \"command\": ");
+    json_str(f, cmd);
+    fprintf(f, ",\n  \"machine\": {\"sysname\": ");
+    json_str(f, u.sysname);
+    fprintf(f, ", \"nodename\": ");
+    json_str(f, u.nodename);
+    fprintf(f, ", \"release\": ");
+    json_str(f, u.release);
+    fprintf(f, ", \"version\": ");
+    json_str(f, u.version);
+    fprintf(f, ", \"machine\": ");
+    json_str(f, u.machine);
+    fprintf(f, ", \"cpu_model\": ");
+    json_str(f, model);
+    fprintf(f, ", \"nproc\": %ld, \"allowed_cpus\": ", sysconf(_SC_NPROCESSORS_ONLN));
+    json_str(f, cpus);
+    fprintf(f, ", \"loadavg1_start\": %.2f, \"loadavg1_end\": %.2f", load[0], load[1]);
+    fprintf(f, "},\n  \"versions\": {\"asteria\": ");
+    json_str(f, ASTERIA_VERSION_STRING);
+    fprintf(f, ", \"openblas_config\": ");
+    json_str(f, openblas_get_config());
+    fprintf(f, ", \"openblas_threads_per_call\": %d},\n", openblas_get_num_threads());
+    fprintf(f, "  \"settings\": {\"dtype\": \"%s\", \"budget_s\": %g, \"min_jobs\": %d, "
+               "\"max_jobs\": %d, \"inv_root_p\": %d, \"inv_root_eps\": %g, \"pool_pin\": 1, "
+               "\"pool1_cpus\": ",
+            dt == AST_F32 ? "f32" : "f64", budget, MIN_JOBS, MAX_JOBS, ROOT_P, ROOT_EPS);
+    json_str(f, pool_sets[M_POOL1]);
+    fprintf(f, ", \"pool2_cpus\": ");
+    json_str(f, pool_sets[M_POOL2]);
+    fprintf(f, "},\n  \"results\": [\n");
+    for (int i = 0; i < nr; i++) {
+        const result *x = &r[i];
+        fprintf(f, "    {\"op\": \"%s\", \"n\": %d, \"jobs\": %d, \"warmup_s\": %.6f", op_names[x->kind],
+                x->n, x->jobs, x->warmup_s);
+        for (int m = 0; m < M_COUNT; m++)
+            fprintf(f, ",\n     \"%s\": {\"blocks_per_s\": %.6g, \"seconds\": %.6f, "
+                       "\"worker_utilisation\": %.4f}",
+                    mode_names[m], x->m[m].blocks_per_s, x->m[m].seconds, x->m[m].utilisation);
+        fprintf(f, ",\n     \"ratio_pool2_pool1\": %.4f, \"ratio_pool1_bare\": %.4f}%s\n",
+                x->m[M_POOL2].blocks_per_s / x->m[M_POOL1].blocks_per_s,
+                x->m[M_POOL1].blocks_per_s / x->m[M_BARE].blocks_per_s, i + 1 < nr ? "," : "");
+    }
+    fprintf(f, "  ]\n}\n");
+    if (fclose(f) != 0) {
+        fprintf(stderr, "bench_linalg: writing %s failed\n", path);
+        exit(1);
+    }
+}
+
+/* ---- main -------------------------------------------------------------------------------- */
+
+static void usage(void)
+{
+    fprintf(stderr, "usage: bench_linalg [--dtype f32|f64] [--sizes N,N,...] [--budget SECONDS]\n"
+                    "                    [--quick] [--out PATH]\n");
+    exit(2);
+}
+
+static int parse_sizes(const char *s, int *sizes)
+{
+    int k = 0;
+    while (*s && k < MAX_SIZES) {
+        char *end;
+        long v = strtol(s, &end, 10);
+        if (end == s || v < 1 || v > 32766)
+            usage();
+        sizes[k++] = (int)v;
+        s = *end == ',' ? end + 1 : end;
+        if (*end && *end != ',')
+            usage();
+    }
+    return k;
+}
+
+int main(int argc, char **argv)
+{
+    ast_dtype dt = AST_F32;
+    int sizes[MAX_SIZES] = {256, 512, 1024, 2048}, nsizes = 4;
+    double budget = 3.0;
+    const char *out = "benchmarks/results/bench_linalg.json";
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--dtype") && i + 1 < argc) {
+            i++;
+            if (!strcmp(argv[i], "f32"))
+                dt = AST_F32;
+            else if (!strcmp(argv[i], "f64"))
+                dt = AST_F64;
+            else
+                usage();
+        } else if (!strcmp(argv[i], "--sizes") && i + 1 < argc) {
+            nsizes = parse_sizes(argv[++i], sizes);
+        } else if (!strcmp(argv[i], "--budget") && i + 1 < argc) {
+            budget = atof(argv[++i]);
+            if (!(budget > 0))
+                usage();
+        } else if (!strcmp(argv[i], "--quick")) {
+            sizes[0] = 64, sizes[1] = 128, nsizes = 2;
+            budget = 0.05;
+        } else if (!strcmp(argv[i], "--out") && i + 1 < argc) {
+            out = argv[++i];
+        } else {
+            usage();
+        }
+    }
+
+    ast_linalg_init();
+    double load[2] = {load1(), 0};
+    char cpus[256], sets[M_COUNT][256] = {"main thread", "", ""};
+    allowed_cpus(cpus, sizeof cpus);
+    ast_pool *pools[M_COUNT] = {NULL, NULL, NULL};
+    for (int m = M_POOL1; m <= M_POOL2; m++) {
+        ast_pool_opts o;
+        ast_pool_opts_init(&o);
+        o.workers = m == M_POOL1 ? 1 : 2;
+        o.cpuset = cpus;
+        o.pin = 1;
+        int rc = ast_pool_create(&o, &pools[m]);
+        if (rc)
+            die("ast_pool_create", rc);
+        ast_pool_cpuset(pools[m], sets[m], sizeof sets[m]);
+    }
+    const char *pool_sets[M_COUNT] = {sets[0], sets[1], sets[2]};
+    fprintf(stderr, "bench_linalg: dtype %s, cpus %s, pool1 on %s, pool2 on %s, budget %.2fs\n",
+            dt == AST_F32 ? "f32" : "f64", cpus, sets[M_POOL1], sets[M_POOL2], budget);
+    if (load[0] > 0.5)
+        fprintf(stderr, "bench_linalg: warning: load average %.2f, other processes will skew the "
+                        "numbers\n", load[0]);
+
+    result *res = xmalloc((size_t)nsizes * OP_COUNT * sizeof *res);
+    int nr = 0;
+    for (int s = 0; s < nsizes; s++) {
+        const int n = sizes[s];
+        inputs in;
+        make_inputs(dt, n, &in);
+        for (int k = 0; k < OP_COUNT; k++) {
+            result *r = &res[nr++];
+            r->kind = (op)k;
+            r->n = n;
+            /* One call sizes the run and warms the main thread (OpenBLAS buffers, malloc). */
+            job_ctx *probe = make_jobs(r->kind, dt, n, &in, 1);
+            double t0 = now_s();
+            int rc = run_job(probe);
+            r->warmup_s = now_s() - t0;
+            if (rc)
+                die(op_names[k], rc);
+            free_jobs(probe, 1);
+            int jobs = (int)(budget / r->warmup_s + 0.5);
+            jobs += jobs & 1;
+            r->jobs = jobs < MIN_JOBS ? MIN_JOBS : jobs > MAX_JOBS ? MAX_JOBS : jobs;
+
+            job_ctx *c = make_jobs(r->kind, dt, n, &in, r->jobs);
+            r->m[M_BARE] = run_bare(c, r->jobs);
+            r->m[M_POOL1] = run_pool(pools[M_POOL1], 1, c, r->jobs);
+            r->m[M_POOL2] = run_pool(pools[M_POOL2], 2, c, r->jobs);
+            free_jobs(c, r->jobs);
+            fprintf(stderr, "  %-12s n=%-5d jobs=%-4d bare %9.3f  pool1 %9.3f  pool2 %9.3f blocks/s\n",
+                    op_names[k], n, r->jobs, r->m[M_BARE].blocks_per_s,
+                    r->m[M_POOL1].blocks_per_s, r->m[M_POOL2].blocks_per_s);
+        }
+        free(in.spd);
+        free(in.basis);
+    }
+    for (int m = M_POOL1; m <= M_POOL2; m++)
+        ast_pool_destroy(pools[m]);
+
+    load[1] = load1();
+    write_json(out, argc, argv, dt, budget, cpus, pool_sets, load, res, nr);
+
+    printf("\nbench_linalg (%s; blocks per second; pool2/pool1 is the 2-worker speed-up)\n",
+           dt == AST_F32 ? "float32" : "float64");
+    printf("%-13s %5s %5s %11s %11s %11s %12s %11s\n", "op", "n", "jobs", "bare", "pool1",
+           "pool2", "pool2/pool1", "pool1/bare");
+    for (int i = 0; i < nr; i++) {
+        const result *x = &res[i];
+        printf("%-13s %5d %5d %11.3f %11.3f %11.3f %12.3f %11.3f\n", op_names[x->kind], x->n,
+               x->jobs, x->m[M_BARE].blocks_per_s, x->m[M_POOL1].blocks_per_s,
+               x->m[M_POOL2].blocks_per_s,
+               x->m[M_POOL2].blocks_per_s / x->m[M_POOL1].blocks_per_s,
+               x->m[M_POOL1].blocks_per_s / x->m[M_BARE].blocks_per_s);
+    }
+    printf("results: %s\n", out);
+    free(res);
+    return 0;
+}

@@ -1,0 +1,789 @@
+/*
+ * linalg.c - the host REFRESH kernels (asteria/linalg.h): eigh, inverse p-th roots (eigen and
+ * coupled Newton), SOAP's and KL-Shampoo's QR power-iteration refreshes.
+ *
+ * Owns: nothing beyond the call. Every call allocates its own workspace (one block) and frees it
+ * before returning; the only state outside a call is a pthread_once flag and a thread-local
+ * "retried" flag, so any number of threads may call in concurrently with no locks.
+ *
+ * May call: LAPACKE (?syevd, ?geqrf, ?orgqr, ?lange) and CBLAS (?gemm, ?syrk, ?dot, ?scal) only.
+ * OpenBLAS is pinned to one thread (ast_linalg_init, also run lazily by every entry point):
+ * parallelism comes from running many blocks on pool workers, and a multithreaded OpenBLAS
+ * inside each worker would oversubscribe the cores.
+ *
+ * Layout: the public API is row-major. The kernels hand LAPACK column-major buffers; for
+ * symmetric inputs the two layouts coincide, and the one transposition that remains (of an
+ * eigenvector or Q matrix) is fused with the copy into the caller's output.
+ *
+ * The algorithms are written once over a table of typed primitives (`kern`), instantiated for
+ * float and double by AST__LINALG_TYPED; run() owns validation, the input NaN/Inf check, the
+ * float32 -> float64 retry and batching, so each kernel only computes.
+ *
+ * Semantics this file adds to the header:
+ *  - n must be in [1, LINALG_NMAX] (LAPACK's 32-bit workspace sizes bound n).
+ *  - ast_linalg_last_retried() reports the most recent ast_linalg_* call of the thread (any
+ *    block of a batched call); every call resets it.
+ *  - Batched calls set *failed_index (may be NULL) to -1 on success, to the failing block
+ *    otherwise, and to 0 when the arguments themselves are rejected (nothing was written).
+ *  - Newton stops early with AST_ENOCONV once the iteration stalls (no new best ||M - I|| for
+ *    NEWTON_STALL steps) or diverges (error above twice the best), rather than burning the
+ *    remaining iterations at the rounding floor.
+ */
+#include "asteria/linalg.h"
+
+#include "asteria/errors.h"
+
+#include <cblas.h>
+#include <float.h>
+#include <lapacke.h>
+#include <limits.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Largest n whose ?syevd workspace (1 + 6n + 2n^2) fits a 32-bit lapack_int. */
+#define LINALG_NMAX 32766
+#define WS_ALIGN 64
+#define TRANSPOSE_TILE 32
+#define NEWTON_STALL 5
+
+static pthread_once_t init_once = PTHREAD_ONCE_INIT;
+static _Thread_local int tl_retried;
+
+/* ---- typed primitives ------------------------------------------------------------------------ */
+
+/* All matrices are n x n. "cm" marks column-major buffers handed to LAPACK. */
+typedef struct kern {
+    size_t es;     /* element size */
+    double maxval; /* largest finite value of the type */
+    lapack_int (*syevd)(lapack_int n, void *a_cm, void *w, void *work, lapack_int lwork,
+                        lapack_int *iwork, lapack_int liwork);
+    lapack_int (*geqrf)(lapack_int n, void *a_cm, void *tau, void *work, lapack_int lwork);
+    lapack_int (*orgqr)(lapack_int n, void *a_cm, const void *tau, void *work, lapack_int lwork);
+    double (*lange)(char norm, int n, const void *a_cm);
+    void (*gemm)(CBLAS_ORDER order, CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int n, const void *a,
+                 const void *b, void *c);
+    void (*syrk)(int n, const void *a_cm, void *c_cm); /* lower triangle of A A^T */
+    double (*dot)(int n, const void *x, int incx, const void *y, int incy);
+    void (*scal)(int count, double alpha, void *x);
+    double (*get)(const void *v, size_t i);
+    int (*finite)(size_t count, const void *v);
+    /* dst[i*n + j] = src_cm[i + jj*n], jj = n-1-j if reverse else j */
+    void (*transpose)(int n, const void *src_cm, void *dst, int reverse);
+    void (*mirror_lower)(int n, void *a_cm);
+    void (*shift_diag)(int n, void *a, double c);
+    double (*dist_identity_inf)(int n, const void *a); /* ||A - I||_inf */
+    void (*symmetrize)(int n, void *a);
+} kern;
+
+/* The float32 dot accumulates in double (dsdot) so the ordering of SOAP's e is not decided by
+ * float32 cancellation. */
+#define AST__LINALG_TYPED(T, P, DOT, MAXV)                                                         \
+    static lapack_int P##_syevd(lapack_int n, void *a, void *w, void *work, lapack_int lwork,     \
+                                lapack_int *iwork, lapack_int liwork)                             \
+    {                                                                                             \
+        return LAPACKE_##P##syevd_work(LAPACK_COL_MAJOR, 'V', 'L', n, a, n, w, work, lwork,      \
+                                       iwork, liwork);                                            \
+    }                                                                                             \
+    static lapack_int P##_geqrf(lapack_int n, void *a, void *tau, void *work, lapack_int lwork)   \
+    {                                                                                             \
+        return LAPACKE_##P##geqrf_work(LAPACK_COL_MAJOR, n, n, a, n, tau, work, lwork);          \
+    }                                                                                             \
+    static lapack_int P##_orgqr(lapack_int n, void *a, const void *tau, void *work,               \
+                                lapack_int lwork)                                                 \
+    {                                                                                             \
+        return LAPACKE_##P##orgqr_work(LAPACK_COL_MAJOR, n, n, n, a, n, tau, work, lwork);       \
+    }                                                                                             \
+    static double P##_lange(char norm, int n, const void *a)                                      \
+    {                                                                                             \
+        return LAPACKE_##P##lange_work(LAPACK_COL_MAJOR, norm, n, n, a, n, NULL);                \
+    }                                                                                             \
+    static void P##_gemm(CBLAS_ORDER order, CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int n,        \
+                         const void *a, const void *b, void *c)                                   \
+    {                                                                                             \
+        cblas_##P##gemm(order, ta, tb, n, n, n, 1, a, n, b, n, 0, c, n);                          \
+    }                                                                                             \
+    static void P##_syrk(int n, const void *a, void *c)                                           \
+    {                                                                                             \
+        cblas_##P##syrk(CblasColMajor, CblasLower, CblasNoTrans, n, n, 1, a, n, 0, c, n);         \
+    }                                                                                             \
+    static double P##_dot(int n, const void *x, int incx, const void *y, int incy)                \
+    {                                                                                             \
+        return DOT(n, x, incx, y, incy);                                                          \
+    }                                                                                             \
+    static void P##_scal(int count, double alpha, void *x)                                        \
+    {                                                                                             \
+        cblas_##P##scal(count, (T)alpha, x, 1);                                                   \
+    }                                                                                             \
+    static double P##_get(const void *v, size_t i) { return ((const T *)v)[i]; }                  \
+    static int P##_finite(size_t count, const void *v)                                            \
+    {                                                                                             \
+        const T *x = v;                                                                           \
+        for (size_t i = 0; i < count; i++)                                                        \
+            if (!isfinite(x[i]))                                                                  \
+                return 0;                                                                         \
+        return 1;                                                                                 \
+    }                                                                                             \
+    static void P##_transpose(int n, const void *src, void *dst, int reverse)                     \
+    {                                                                                             \
+        const T *s = src;                                                                         \
+        T *d = dst;                                                                               \
+        for (int i0 = 0; i0 < n; i0 += TRANSPOSE_TILE)                                            \
+            for (int j0 = 0; j0 < n; j0 += TRANSPOSE_TILE)                                        \
+                for (int j = j0; j < n && j < j0 + TRANSPOSE_TILE; j++) {                         \
+                    const T *col = s + (size_t)(reverse ? n - 1 - j : j) * n;                     \
+                    for (int i = i0; i < n && i < i0 + TRANSPOSE_TILE; i++)                       \
+                        d[(size_t)i * n + j] = col[i];                                            \
+                }                                                                                 \
+    }                                                                                             \
+    static void P##_mirror_lower(int n, void *a)                                                  \
+    {                                                                                             \
+        T *x = a;                                                                                 \
+        for (int j = 0; j < n; j++)                                                               \
+            for (int i = j + 1; i < n; i++)                                                       \
+                x[(size_t)i * n + j] = x[(size_t)j * n + i];                                      \
+    }                                                                                             \
+    static void P##_shift_diag(int n, void *a, double c)                                          \
+    {                                                                                             \
+        T *x = a;                                                                                 \
+        for (int i = 0; i < n; i++)                                                               \
+            x[(size_t)i * n + i] += (T)c;                                                         \
+    }                                                                                             \
+    static double P##_dist_identity_inf(int n, const void *a)                                     \
+    {                                                                                             \
+        const T *x = a;                                                                           \
+        double worst = 0;                                                                         \
+        for (int i = 0; i < n; i++) {                                                             \
+            double row = 0;                                                                       \
+            for (int j = 0; j < n; j++)                                                           \
+                row += fabs((double)x[(size_t)i * n + j] - (i == j));                             \
+            if (!(row <= worst))                                                                  \
+                worst = row;                                                                      \
+        }                                                                                         \
+        return worst;                                                                             \
+    }                                                                                             \
+    static void P##_symmetrize(int n, void *a)                                                    \
+    {                                                                                             \
+        T *x = a;                                                                                 \
+        for (int i = 0; i < n; i++)                                                               \
+            for (int j = i + 1; j < n; j++) {                                                     \
+                T v = (T)0.5 * (x[(size_t)i * n + j] + x[(size_t)j * n + i]);                     \
+                x[(size_t)i * n + j] = x[(size_t)j * n + i] = v;                                  \
+            }                                                                                     \
+    }                                                                                             \
+    static const kern P##_kern = {                                                                \
+        .es = sizeof(T),                                                                          \
+        .maxval = MAXV,                                                                           \
+        .syevd = P##_syevd,                                                                       \
+        .geqrf = P##_geqrf,                                                                       \
+        .orgqr = P##_orgqr,                                                                       \
+        .lange = P##_lange,                                                                       \
+        .gemm = P##_gemm,                                                                         \
+        .syrk = P##_syrk,                                                                         \
+        .dot = P##_dot,                                                                           \
+        .scal = P##_scal,                                                                         \
+        .get = P##_get,                                                                           \
+        .finite = P##_finite,                                                                     \
+        .transpose = P##_transpose,                                                               \
+        .mirror_lower = P##_mirror_lower,                                                         \
+        .shift_diag = P##_shift_diag,                                                             \
+        .dist_identity_inf = P##_dist_identity_inf,                                               \
+        .symmetrize = P##_symmetrize,                                                             \
+    };
+
+AST__LINALG_TYPED(float, s, cblas_dsdot, FLT_MAX)
+AST__LINALG_TYPED(double, d, cblas_ddot, DBL_MAX)
+
+static const kern *kern_for(ast_dtype dt)
+{
+    switch (dt) {
+    case AST_F32:
+        return &s_kern;
+    case AST_F64:
+        return &d_kern;
+    }
+    return NULL;
+}
+
+/* ---- workspace ------------------------------------------------------------------------------- */
+
+static size_t ws_round(size_t x) { return (x + WS_ALIGN - 1) & ~(size_t)(WS_ALIGN - 1); }
+
+/* One allocation for all of a call's buffers, each WS_ALIGN-aligned. Returns the block to free,
+ * or NULL (out of memory). */
+static void *ws_alloc(int count, const size_t *sizes, void **out)
+{
+    size_t total = 0;
+    for (int i = 0; i < count; i++) {
+        size_t s = ws_round(sizes[i] ? sizes[i] : 1);
+        if (s < sizes[i] || total > SIZE_MAX - s)
+            return NULL;
+        total += s;
+    }
+    char *base = aligned_alloc(WS_ALIGN, total);
+    if (!base)
+        return NULL;
+    size_t off = 0;
+    for (int i = 0; i < count; i++) {
+        out[i] = base + off;
+        off += ws_round(sizes[i] ? sizes[i] : 1);
+    }
+    return base;
+}
+
+/* LAPACK reports workspace sizes as floating-point values in the work array's type; a float
+ * may round a large size down, so never go below the documented minimum. */
+static lapack_int ws_lwork(const kern *K, const void *query, lapack_int minimum)
+{
+    double q = ceil(K->get(query, 0));
+    if (!(q < (double)INT32_MAX))
+        return INT32_MAX;
+    return (lapack_int)q > minimum ? (lapack_int)q : minimum;
+}
+
+/* ---- kernels ----------------------------------------------------------------------------------
+ * Each writes its outputs only after every check has passed. Inputs are known finite. */
+
+typedef struct op_args {
+    int n;
+    const void *in0;   /* A or F */
+    const void *in1;   /* Q (refreshes) */
+    void *mat;         /* q (eigh), x (roots), q_new (refreshes); may be NULL for eigh */
+    void *vec;         /* w (eigh) */
+    int64_t *perm;     /* SOAP */
+    double p, eps, tol;
+    int ip, max_iter;
+} op_args;
+
+/* Eigendecomposition of the symmetric a into z_cm (eigenvectors as columns) and w, ascending. */
+static int eig_core(const kern *K, int n, const void *a, void *z_cm, void *w)
+{
+    const size_t nn = (size_t)n * n;
+    double wq = 0;
+    lapack_int iq = 0;
+
+    memcpy(z_cm, a, nn * K->es);
+    if (K->syevd(n, z_cm, w, &wq, -1, &iq, -1) != 0)
+        return AST_EINVAL;
+    lapack_int lwork = ws_lwork(K, &wq, 1 + 6 * n + 2 * n * n);
+    lapack_int liwork = iq > 3 + 5 * n ? iq : 3 + 5 * n;
+    size_t sz[2] = {(size_t)lwork * K->es, (size_t)liwork * sizeof(lapack_int)};
+    void *buf[2];
+    void *base = ws_alloc(2, sz, buf);
+    if (!base)
+        return AST_ENOMEM;
+    lapack_int info = K->syevd(n, z_cm, w, buf[0], lwork, buf[1], liwork);
+    free(base);
+    if (info > 0)
+        return AST_ENOCONV;
+    if (info < 0)
+        return AST_EINVAL;
+    if (!K->finite((size_t)n, w) || !K->finite(nn, z_cm))
+        return AST_ENONFINITE;
+    return 0;
+}
+
+static int k_eigh(const kern *K, const op_args *o)
+{
+    const int n = o->n;
+    const size_t es = K->es;
+    size_t sz[2] = {(size_t)n * n * es, (size_t)n * es};
+    void *buf[2];
+    void *base = ws_alloc(2, sz, buf);
+    if (!base)
+        return AST_ENOMEM;
+    int rc = eig_core(K, n, o->in0, buf[0], buf[1]);
+    if (rc == 0) {
+        /* LAPACK returns ascending order; the contract is descending. */
+        if (o->vec)
+            for (int j = 0; j < n; j++)
+                memcpy((char *)o->vec + (size_t)j * es, (char *)buf[1] + (size_t)(n - 1 - j) * es,
+                       es);
+        if (o->mat)
+            K->transpose(n, buf[0], o->mat, 1);
+    }
+    free(base);
+    return rc;
+}
+
+/* X = Q D Q^T with D = diag((max(l,0)+eps)^(-1/p)), formed as B B^T with B = Q D^(1/2): syrk does
+ * half the flops of a gemm and yields an exactly symmetric X. */
+static int k_inv_root(const kern *K, const op_args *o)
+{
+    const int n = o->n;
+    const size_t es = K->es, nn = (size_t)n * n;
+    size_t sz[3] = {nn * es, (size_t)n * es, nn * es};
+    void *buf[3];
+    void *base = ws_alloc(3, sz, buf);
+    if (!base)
+        return AST_ENOMEM;
+    char *z = buf[0];
+    int rc = eig_core(K, n, o->in0, z, buf[1]);
+    for (int j = 0; rc == 0 && j < n; j++) {
+        double l = fmax(K->get(buf[1], (size_t)j), 0.0) + o->eps;
+        double d = pow(l, -0.5 / o->p);
+        if (l == 0 || !(d <= K->maxval))
+            rc = AST_ENONFINITE;
+        else
+            K->scal(n, d, z + (size_t)j * n * es);
+    }
+    if (rc == 0) {
+        K->syrk(n, z, buf[2]);
+        K->mirror_lower(n, buf[2]);
+        if (!K->finite(nn, buf[2]))
+            rc = AST_ENONFINITE;
+        else
+            memcpy(o->mat, buf[2], nn * es); /* symmetric: column- and row-major agree */
+    }
+    free(base);
+    return rc;
+}
+
+/* buf[0] <- buf[0]^p by repeated squaring, buf[1] and buf[2] scratch. The three pointers are
+ * permuted so that buf[0] holds the power on return and the other two are free. */
+static void mat_pow(const kern *K, int n, int p, void *buf[3])
+{
+    void *b = buf[0], *r = NULL, *f1 = buf[1], *f2 = buf[2], *t;
+    for (;;) {
+        if (p & 1) {
+            if (!r && p == 1) {
+                r = b;
+                break;
+            }
+            if (!r) {
+                memcpy(f1, b, (size_t)n * n * K->es);
+                r = f1;
+                f1 = f2;
+                f2 = NULL;
+            } else {
+                K->gemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, r, b, f1);
+                t = r, r = f1, f1 = t;
+            }
+        }
+        p >>= 1;
+        if (!p)
+            break;
+        K->gemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, b, b, f1);
+        t = b, b = f1, f1 = t;
+    }
+    buf[0] = r;
+    if (r == b) {
+        buf[1] = f1;
+        buf[2] = f2;
+    } else {
+        buf[1] = b;
+        buf[2] = f1;
+    }
+}
+
+/*
+ * Coupled Newton iteration for (A + eps I)^(-1/p) (Guo & Higham 2006, eq. 3.3; the form used
+ * by Distributed Shampoo):
+ *     X_0 = z^(1/p) I,  M_0 = z (A + eps I)
+ *     T_k = ((p+1) I - M_k) / p,  X_{k+1} = X_k T_k,  M_{k+1} = T_k^p M_k
+ * M_k -> I and X_k -> (A + eps I)^(-1/p). For SPD input the scalar map x -> x ((p+1-x)/p)^p
+ * sends (0, p+1) into (0, 1] and then increases monotonically to its fixed point 1, so any z
+ * with z lambda_max < p+1 converges. z = (p+1) / (2 lambda_max) puts the spectrum in
+ * (0, (p+1)/2], a margin of 2 from the boundary; lambda_max is bounded above by
+ * min(||A||_F, ||A||_1) (exact bounds for symmetric A, no power-iteration estimate that could
+ * fall short). The coupled form is numerically stable (Iannazzo 2006), unlike the uncoupled
+ * Newton iteration. Indefinite input is outside its domain and ends in AST_ENOCONV or
+ * AST_ENONFINITE; the eigen path (ast_linalg_inv_root) clamps instead.
+ */
+static int k_newton(const kern *K, const op_args *o)
+{
+    const int n = o->n, p = o->ip;
+    const size_t es = K->es, nn = (size_t)n * n;
+    size_t sz[5] = {nn * es, nn * es, nn * es, nn * es, nn * es};
+    void *buf[5];
+    void *base = ws_alloc(5, sz, buf);
+    if (!base)
+        return AST_ENOMEM;
+    void *m = buf[0], *x = buf[1], *s[3] = {buf[2], buf[3], buf[4]}, *t;
+    int rc;
+
+    memcpy(m, o->in0, nn * es);
+    K->shift_diag(n, m, o->eps);
+    double bound = fmin(K->lange('F', n, m), K->lange('1', n, m));
+    double z = (p + 1) / (2 * bound), x0 = pow(z, 1.0 / p);
+    if (!(bound > 0) || !(bound <= K->maxval) || !(x0 <= K->maxval) || !(z <= K->maxval)) {
+        rc = AST_ENONFINITE; /* singular (A + eps I == 0) or a norm beyond the type's range */
+        goto out;
+    }
+    K->scal((int)nn, z, m);
+    memset(x, 0, nn * es);
+    K->shift_diag(n, x, x0);
+
+    double err = K->dist_identity_inf(n, m), best = err;
+    int stall = 0;
+    for (int it = 0;; it++) {
+        if (!isfinite(err)) {
+            rc = AST_ENONFINITE;
+            goto out;
+        }
+        if (err < o->tol)
+            break;
+        if (it == o->max_iter || (best < 1 && (err > 2 * best || stall >= NEWTON_STALL))) {
+            rc = AST_ENOCONV;
+            goto out;
+        }
+        memcpy(s[0], m, nn * es);
+        K->scal((int)nn, -1.0 / p, s[0]);
+        K->shift_diag(n, s[0], (p + 1.0) / p);
+        K->gemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, x, s[0], s[1]);
+        t = x, x = s[1], s[1] = t;
+        mat_pow(K, n, p, s);
+        K->gemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, s[0], m, s[1]);
+        t = m, m = s[1], s[1] = t;
+        err = K->dist_identity_inf(n, m);
+        if (err < best) {
+            best = err;
+            stall = 0;
+        } else {
+            stall++;
+        }
+    }
+    /* X is a polynomial in A, symmetric in exact arithmetic; rounding in the products is not. */
+    K->symmetrize(n, x);
+    if (!K->finite(nn, x)) {
+        rc = AST_ENONFINITE;
+        goto out;
+    }
+    memcpy(o->mat, x, nn * es);
+    rc = 0;
+out:
+    free(base);
+    return rc;
+}
+
+/* c_cm = F Q in column-major. The row-major buffers read as column-major are F^T and Q^T, so
+ * transposing both operands yields F Q. */
+static int fq_product(const kern *K, int n, const void *f, const void *q, void *c_cm)
+{
+    K->gemm(CblasColMajor, CblasTrans, CblasTrans, n, f, q, c_cm);
+    return K->finite((size_t)n * n, c_cm) ? 0 : AST_ENONFINITE;
+}
+
+/* Replaces g_cm by the Q factor of its Householder QR (geqrf + orgqr, torch.linalg.qr's
+ * convention), then writes it row-major to out. */
+static int qr_q(const kern *K, int n, void *g_cm, void *out)
+{
+    double q1 = 0, q2 = 0;
+    if (K->geqrf(n, g_cm, NULL, &q1, -1) != 0 || K->orgqr(n, g_cm, NULL, &q2, -1) != 0)
+        return AST_EINVAL;
+    lapack_int l1 = ws_lwork(K, &q1, n), l2 = ws_lwork(K, &q2, n);
+    lapack_int lwork = l1 > l2 ? l1 : l2;
+    size_t sz[2] = {(size_t)n * K->es, (size_t)lwork * K->es};
+    void *buf[2];
+    void *base = ws_alloc(2, sz, buf);
+    if (!base)
+        return AST_ENOMEM;
+    int rc = 0;
+    if (K->geqrf(n, g_cm, buf[0], buf[1], lwork) != 0 ||
+        K->orgqr(n, g_cm, buf[0], buf[1], lwork) != 0)
+        rc = AST_EINVAL;
+    else if (!K->finite((size_t)n * n, g_cm))
+        rc = AST_ENONFINITE;
+    else
+        K->transpose(n, g_cm, out, 0);
+    free(base);
+    return rc;
+}
+
+typedef struct ranked {
+    double e;
+    int64_t i;
+} ranked;
+
+/* Descending e; the index breaks ties, which makes qsort's order that of a stable sort. */
+static int ranked_cmp(const void *pa, const void *pb)
+{
+    const ranked *a = pa, *b = pb;
+    if (a->e != b->e)
+        return a->e > b->e ? -1 : 1;
+    return (a->i > b->i) - (a->i < b->i);
+}
+
+/* F Q[:, s] = (F Q)[:, s]: permuting the product's columns equals the product with permuted
+ * columns, and in column-major each column moves as one memcpy. */
+static int k_soap(const kern *K, const op_args *o)
+{
+    const int n = o->n;
+    const size_t es = K->es, nn = (size_t)n * n;
+    size_t sz[3] = {nn * es, nn * es, (size_t)n * sizeof(ranked)};
+    void *buf[3];
+    void *base = ws_alloc(3, sz, buf);
+    if (!base)
+        return AST_ENOMEM;
+    char *c = buf[0], *g = buf[1];
+    ranked *r = buf[2];
+    int rc = fq_product(K, n, o->in0, o->in1, c);
+    for (int j = 0; rc == 0 && j < n; j++) {
+        r[j].e = K->dot(n, (const char *)o->in1 + (size_t)j * es, n, c + (size_t)j * n * es, 1);
+        r[j].i = j;
+        if (!isfinite(r[j].e))
+            rc = AST_ENONFINITE;
+    }
+    if (rc == 0) {
+        qsort(r, (size_t)n, sizeof *r, ranked_cmp);
+        for (int j = 0; j < n; j++)
+            memcpy(g + (size_t)j * n * es, c + (size_t)r[j].i * n * es, (size_t)n * es);
+        rc = qr_q(K, n, g, o->mat);
+    }
+    if (rc == 0)
+        for (int j = 0; j < n; j++)
+            o->perm[j] = r[j].i;
+    free(base);
+    return rc;
+}
+
+static int k_qr_refresh(const kern *K, const op_args *o)
+{
+    const size_t nn = (size_t)o->n * o->n;
+    void *c = malloc(nn * K->es);
+    if (!c)
+        return AST_ENOMEM;
+    int rc = fq_product(K, o->n, o->in0, o->in1, c);
+    if (rc == 0)
+        rc = qr_q(K, o->n, c, o->mat);
+    free(c);
+    return rc;
+}
+
+/* ---- dispatch: validation, input checks, float64 retry, batching ----------------------------- */
+
+typedef enum op_kind { OP_EIGH, OP_INV_ROOT, OP_NEWTON, OP_SOAP, OP_QR } op_kind;
+
+typedef int (*kernel_fn)(const kern *K, const op_args *o);
+
+static const kernel_fn kernels[] = {
+    [OP_EIGH] = k_eigh,
+    [OP_INV_ROOT] = k_inv_root,
+    [OP_NEWTON] = k_newton,
+    [OP_SOAP] = k_soap,
+    [OP_QR] = k_qr_refresh,
+};
+
+static int overlaps(const void *a, size_t alen, const void *b, size_t blen)
+{
+    uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+    return x < y + blen && y < x + alen;
+}
+
+static int validate(op_kind kind, const op_args *o, int batch, size_t es)
+{
+    if (o->n < 1 || o->n > LINALG_NMAX || batch < 0 || !o->in0)
+        return AST_EINVAL;
+    const size_t span = (size_t)batch * o->n * o->n * es;
+    switch (kind) {
+    case OP_EIGH:
+        return o->vec || o->mat ? 0 : AST_EINVAL;
+    case OP_INV_ROOT:
+        return o->mat && o->p > 0 && o->p <= DBL_MAX && o->eps >= 0 && o->eps <= DBL_MAX
+                   ? 0
+                   : AST_EINVAL;
+    case OP_NEWTON:
+        return o->mat && o->ip >= 1 && o->eps >= 0 && o->eps <= DBL_MAX && o->max_iter >= 0 &&
+                       o->tol > 0 && o->tol <= DBL_MAX
+                   ? 0
+                   : AST_EINVAL;
+    case OP_SOAP:
+        if (!o->perm)
+            return AST_EINVAL;
+        /* fall through */
+    case OP_QR:
+        if (!o->in1 || !o->mat || overlaps(o->mat, span, o->in0, span) ||
+            overlaps(o->mat, span, o->in1, span))
+            return AST_EINVAL;
+        return 0;
+    }
+    return AST_EINVAL;
+}
+
+static double *to_f64(size_t count, const void *src)
+{
+    double *d = malloc(count * sizeof *d);
+    const float *s = src;
+    if (d)
+        for (size_t i = 0; i < count; i++)
+            d[i] = s[i];
+    return d;
+}
+
+/* A float64 success whose result overflows float32 is still a failure. */
+static int fits_f32(size_t count, const double *v)
+{
+    for (size_t i = 0; i < count; i++)
+        if (!(fabs(v[i]) <= FLT_MAX))
+            return 0;
+    return 1;
+}
+
+static void to_f32(size_t count, const double *src, void *dst)
+{
+    float *f = dst;
+    for (size_t i = 0; i < count; i++)
+        f[i] = (float)src[i];
+}
+
+static int retry_f64(op_kind kind, const op_args *o)
+{
+    const size_t n = (size_t)o->n, nn = n * n;
+    op_args d = *o;
+    double *in0 = to_f64(nn, o->in0);
+    double *in1 = o->in1 ? to_f64(nn, o->in1) : NULL;
+    double *mat = o->mat ? malloc(nn * sizeof *mat) : NULL;
+    double *vec = o->vec ? malloc(n * sizeof *vec) : NULL;
+    int64_t *perm = o->perm ? malloc(n * sizeof *perm) : NULL;
+    int rc;
+
+    if (!in0 || (o->in1 && !in1) || (o->mat && !mat) || (o->vec && !vec) ||
+        (o->perm && !perm)) {
+        rc = AST_ENOMEM;
+        goto out;
+    }
+    d.in0 = in0, d.in1 = in1, d.mat = mat, d.vec = vec, d.perm = perm;
+    rc = kernels[kind](&d_kern, &d);
+    if (rc != 0)
+        goto out;
+    /* Check everything before writing anything, so a failure leaves every output untouched. */
+    if ((mat && !fits_f32(nn, mat)) || (vec && !fits_f32(n, vec))) {
+        rc = AST_ENONFINITE;
+        goto out;
+    }
+    if (mat)
+        to_f32(nn, mat, o->mat);
+    if (vec)
+        to_f32(n, vec, o->vec);
+    if (perm)
+        memcpy(o->perm, perm, n * sizeof *perm);
+out:
+    free(in0);
+    free(in1);
+    free(mat);
+    free(vec);
+    free(perm);
+    return rc;
+}
+
+static int run_block(const kern *K, ast_dtype dt, op_kind kind, const op_args *o)
+{
+    const size_t nn = (size_t)o->n * o->n;
+    if (!K->finite(nn, o->in0) || (o->in1 && !K->finite(nn, o->in1)))
+        return AST_ENONFINITE; /* bad input: a float64 retry could not help */
+    int rc = kernels[kind](K, o);
+    if (dt == AST_F32 && (rc == AST_ENOCONV || rc == AST_ENONFINITE)) {
+        tl_retried = 1;
+        rc = retry_f64(kind, o);
+    }
+    return rc;
+}
+
+static int run(ast_dtype dt, op_kind kind, const op_args *o, int batch, int *failed_index)
+{
+    const kern *K = kern_for(dt);
+    tl_retried = 0;
+    if (failed_index)
+        *failed_index = 0;
+    if (!K)
+        return AST_EINVAL;
+    int rc = validate(kind, o, batch, K->es);
+    if (rc != 0)
+        return rc;
+    ast_linalg_init();
+
+    const size_t n = (size_t)o->n, mstride = n * n * K->es, vstride = n * K->es;
+    for (int b = 0; b < batch; b++) {
+        op_args blk = *o;
+        blk.in0 = (const char *)o->in0 + b * mstride;
+        if (o->in1)
+            blk.in1 = (const char *)o->in1 + b * mstride;
+        if (o->mat)
+            blk.mat = (char *)o->mat + b * mstride;
+        if (o->vec)
+            blk.vec = (char *)o->vec + b * vstride;
+        if (o->perm)
+            blk.perm = o->perm + b * n;
+        rc = run_block(K, dt, kind, &blk);
+        if (rc != 0) {
+            if (failed_index)
+                *failed_index = b;
+            return rc;
+        }
+    }
+    if (failed_index)
+        *failed_index = -1;
+    return 0;
+}
+
+/* ---- public API ------------------------------------------------------------------------------ */
+
+size_t ast_dtype_size(ast_dtype dt)
+{
+    const kern *K = kern_for(dt);
+    return K ? K->es : 0;
+}
+
+static void init_once_fn(void) { openblas_set_num_threads(1); }
+
+void ast_linalg_init(void) { pthread_once(&init_once, init_once_fn); }
+
+int ast_linalg_last_retried(void) { return tl_retried; }
+
+int ast_linalg_eigh(ast_dtype dt, int n, const void *a, void *w, void *q)
+{
+    return ast_linalg_eigh_batched(dt, 1, n, a, w, q, NULL);
+}
+
+int ast_linalg_eigh_batched(ast_dtype dt, int batch, int n, const void *a, void *w, void *q,
+                            int *failed_index)
+{
+    op_args o = {.n = n, .in0 = a, .mat = q, .vec = w};
+    return run(dt, OP_EIGH, &o, batch, failed_index);
+}
+
+int ast_linalg_inv_root(ast_dtype dt, int n, const void *a, double p, double eps, void *x)
+{
+    return ast_linalg_inv_root_batched(dt, 1, n, a, p, eps, x, NULL);
+}
+
+int ast_linalg_inv_root_batched(ast_dtype dt, int batch, int n, const void *a, double p,
+                                double eps, void *x, int *failed_index)
+{
+    op_args o = {.n = n, .in0 = a, .mat = x, .p = p, .eps = eps};
+    return run(dt, OP_INV_ROOT, &o, batch, failed_index);
+}
+
+int ast_linalg_newton_inv_root(ast_dtype dt, int n, const void *a, int p, double eps,
+                               int max_iter, double tol, void *x)
+{
+    op_args o = {.n = n, .in0 = a, .mat = x, .ip = p, .eps = eps, .max_iter = max_iter,
+                 .tol = tol};
+    return run(dt, OP_NEWTON, &o, 1, NULL);
+}
+
+int ast_linalg_soap_refresh(ast_dtype dt, int n, const void *f, const void *q, void *q_new,
+                            int64_t *perm)
+{
+    return ast_linalg_soap_refresh_batched(dt, 1, n, f, q, q_new, perm, NULL);
+}
+
+int ast_linalg_soap_refresh_batched(ast_dtype dt, int batch, int n, const void *f, const void *q,
+                                    void *q_new, int64_t *perm, int *failed_index)
+{
+    op_args o = {.n = n, .in0 = f, .in1 = q, .mat = q_new, .perm = perm};
+    return run(dt, OP_SOAP, &o, batch, failed_index);
+}
+
+int ast_linalg_qr_refresh(ast_dtype dt, int n, const void *f, const void *q, void *q_new)
+{
+    return ast_linalg_qr_refresh_batched(dt, 1, n, f, q, q_new, NULL);
+}
+
+int ast_linalg_qr_refresh_batched(ast_dtype dt, int batch, int n, const void *f, const void *q,
+                                  void *q_new, int *failed_index)
+{
+    op_args o = {.n = n, .in0 = f, .in1 = q, .mat = q_new};
+    return run(dt, OP_QR, &o, batch, failed_index);
+}

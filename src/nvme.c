@@ -1,0 +1,955 @@
+/*
+ * nvme.c - the NVMe tier's record engine: record format, probe, batched io_uring I/O (nvme.h).
+ *
+ * Owns: an engine's ring, its staging arena and the record files of its store id. May call:
+ * liburing, zlib (crc32), cuda_mem (staging device-side payloads), POSIX file calls. errno and
+ * CQE results become AST_E* codes here through ast_err_from_errno.
+ *
+ * Locking: none; one thread at a time per engine (store.c holds its mutex around every call).
+ *
+ * A batch runs in rounds. A round hands each staging slot to the next chunk of the batch in
+ * record order (starting a record opens its file, so at most one round's worth of files is
+ * open), prepares one SQE per chunk, submits them with one io_uring_submit_and_wait, reaps every
+ * CQE (resubmitting remainders of short transfers and -EAGAIN/-EINTR), then, with the ring idle,
+ * post-processes the round's reads in stream order (header check, running CRC, payload copy-out)
+ * and finalises the records whose I/O is complete (rename, or verify). Because every round
+ * drains, a slot's data is never touched while the kernel owns it, and a read's CRC can be
+ * accumulated in file order without crc32_combine.
+ */
+#include "nvme.h"
+
+#include "asteria/build_config.h"
+#include "asteria/errors.h"
+#include "cuda_mem.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#if ASTERIA_HAVE_URING
+#include <liburing.h>
+#endif
+
+#define DEFAULT_DEPTH 64u
+#define ARENA_TARGET (16u << 20) /* staging bytes aimed at, whatever the depth */
+#define SLOT_MIN (64u << 10)
+#define SLOT_MAX (1u << 20)
+#define MAX_RETRIES 64u          /* completions without progress before a chunk is given up */
+#define PATH_BYTES 4096
+
+enum op_kind { OP_WRITE, OP_READ, OP_SYNC };
+
+/* One SQE's worth of work; op k uses staging slot k. */
+struct op {
+    size_t rec;
+    int kind;
+    uint64_t off;    /* file offset of the chunk */
+    size_t len;
+    size_t done;     /* bytes completed so far */
+    unsigned tries;  /* completions that made no progress */
+    int faulted;     /* the injected fault of this op has fired */
+};
+
+struct ast__nvme {
+    char *dir;
+    uint64_t store_id;
+    int direct;
+    int fixed;
+    int broken;  /* the ring failed in a way that leaves it unusable: every later batch fails */
+    unsigned depth;
+    size_t slot_size;
+    unsigned char *arena;
+    struct op *ops;
+    unsigned faults, fault_skip;
+#if ASTERIA_HAVE_URING
+    struct io_uring ring;
+#endif
+};
+
+static int set_err(char *err, size_t len, int code, const char *fmt, ...)
+{
+    if (err && len) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, len, fmt, ap);
+        va_end(ap);
+    }
+    return code;
+}
+
+static uint64_t round_up(uint64_t v, uint64_t a)
+{
+    return (v + a - 1) / a * a;
+}
+
+uint64_t ast__nvme_record_bytes(size_t nbytes)
+{
+    return round_up((uint64_t)AST__NVME_HEADER + nbytes + AST__NVME_TRAILER, AST__NVME_ALIGN);
+}
+
+static int path_of(const ast__nvme *n, uint64_t block_id, const char *suffix, char *buf,
+                   size_t len)
+{
+    int w = snprintf(buf, len, "%s/ast-%016" PRIx64 "-%016" PRIx64 "%s", n->dir, n->store_id,
+                     block_id, suffix);
+    return (w < 0 || (size_t)w >= len) ? AST_EINVAL : 0;
+}
+
+int ast__nvme_record_path(const ast__nvme *n, uint64_t block_id, char *buf, size_t len)
+{
+    return path_of(n, block_id, ".rec", buf, len);
+}
+
+int ast__nvme_direct(const ast__nvme *n)
+{
+    return n->direct;
+}
+
+int ast__nvme_fixed(const ast__nvme *n)
+{
+    return n->fixed;
+}
+
+void ast__nvme_inject_fault(ast__nvme *n, unsigned faults, unsigned skip)
+{
+    n->faults = faults;
+    n->fault_skip = skip;
+}
+
+int ast__nvme_remove(ast__nvme *n, uint64_t block_id)
+{
+    char path[PATH_BYTES];
+    int rc = ast__nvme_record_path(n, block_id, path, sizeof path);
+    if (rc)
+        return rc;
+    if (unlink(path) != 0 && errno != ENOENT)
+        return ast_err_from_errno(errno);
+    return 0;
+}
+
+#if ASTERIA_HAVE_URING
+
+static const unsigned char REC_MAGIC[4] = {'A', 'S', 'T', 'R'};
+static const unsigned char END_MAGIC[4] = {'R', 'T', 'S', 'A'};
+
+static void put_le(unsigned char *p, uint64_t v, unsigned bytes)
+{
+    for (unsigned i = 0; i < bytes; i++)
+        p[i] = (unsigned char)(v >> (8 * i));
+}
+
+static uint64_t get_le(const unsigned char *p, unsigned bytes)
+{
+    uint64_t v = 0;
+    for (unsigned i = 0; i < bytes; i++)
+        v |= (uint64_t)p[i] << (8 * i);
+    return v;
+}
+
+static uint32_t crc_of(uint32_t crc, const unsigned char *p, size_t n)
+{
+    return (uint32_t)crc32(crc, p, (uInt)n);
+}
+
+static void encode_header(const ast__nvme *n, const ast__nvme_io *io, unsigned char *h)
+{
+    memset(h, 0, AST__NVME_HEADER);
+    memcpy(h, REC_MAGIC, 4);
+    put_le(h + 4, AST__NVME_VERSION, 2);
+    put_le(h + 6, AST__NVME_HEADER, 2);
+    put_le(h + 8, n->store_id, 8);
+    put_le(h + 16, io->block_id, 8);
+    put_le(h + 24, io->generation, 8);
+    put_le(h + 32, io->len, 8);
+    put_le(h + 60, crc_of(0, h, 60), 4);
+}
+
+/* Files of this store are "ast-<store id>-*"; close removes exactly those. */
+static void remove_store_files(const ast__nvme *n)
+{
+    char prefix[64];
+    DIR *d = opendir(n->dir);
+    struct dirent *e;
+
+    if (!d)
+        return;
+    snprintf(prefix, sizeof prefix, "ast-%016" PRIx64 "-", n->store_id);
+    while ((e = readdir(d)) != NULL) {
+        if (strncmp(e->d_name, prefix, strlen(prefix)) == 0)
+            unlinkat(dirfd(d), e->d_name, 0);
+    }
+    closedir(d);
+}
+
+/* ---- probe -------------------------------------------------------------------------------- */
+
+/* Opens the probe file, honouring injected faults, as open(2) would report them. */
+static int probe_open(const ast__nvme *n, const char *path, int direct)
+{
+    if (n->faults & AST__FAULT_EROFS) {
+        errno = EROFS;
+        return -1;
+    }
+    if (direct && (n->faults & AST__FAULT_NO_ODIRECT)) {
+        errno = EINVAL;
+        return -1;
+    }
+    return open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | (direct ? O_DIRECT : 0), 0600);
+}
+
+/* Creates, writes one aligned block to and removes a probe file: tells whether the directory is
+ * writable and whether its filesystem takes O_DIRECT (EINVAL from open or from the first aligned
+ * write means it does not). *direct_ok reports the latter; a nonzero return the former. */
+static int probe_file(const ast__nvme *n, const char *path, int direct, int *direct_ok,
+                      char *err, size_t len)
+{
+    void *buf = NULL;
+    int fd, rc = 0;
+    ssize_t w;
+
+    *direct_ok = 1;
+    if (posix_memalign(&buf, AST__NVME_ALIGN, AST__NVME_ALIGN) != 0)
+        return set_err(err, len, AST_ENOMEM, "nvme_dir '%s': no memory for the probe", n->dir);
+    memset(buf, 0, AST__NVME_ALIGN);
+    fd = probe_open(n, path, direct);
+    if (fd < 0) {
+        if (direct && errno == EINVAL) {
+            /* Some filesystems (ramfs) create the file before refusing O_DIRECT. */
+            unlink(path);
+            *direct_ok = 0;
+        } else {
+            rc = set_err(err, len, ast_err_from_errno(errno),
+                         "nvme_dir '%s': cannot create a file there: %s", n->dir,
+                         strerror(errno));
+        }
+        free(buf);
+        return rc;
+    }
+    w = pwrite(fd, buf, AST__NVME_ALIGN, 0);
+    if (w != (ssize_t)AST__NVME_ALIGN) {
+        int e = w < 0 ? errno : EIO;
+        if (direct && e == EINVAL)
+            *direct_ok = 0;
+        else
+            rc = set_err(err, len, ast_err_from_errno(e),
+                         "nvme_dir '%s': cannot write a probe file there: %s", n->dir,
+                         strerror(e));
+    }
+    close(fd);
+    unlink(path);
+    free(buf);
+    return rc;
+}
+
+static int probe_dir(ast__nvme *n, ast_direct_policy policy, char *err, size_t len)
+{
+    char path[PATH_BYTES];
+    struct stat st;
+    int ok = 0, rc;
+
+    if (stat(n->dir, &st) != 0)
+        return set_err(err, len, ast_err_from_errno(errno), "nvme_dir '%s': %s", n->dir,
+                       strerror(errno));
+    if (!S_ISDIR(st.st_mode))
+        return set_err(err, len, AST_ENOENT, "nvme_dir '%s': not a directory", n->dir);
+    rc = snprintf(path, sizeof path, "%s/ast-%016" PRIx64 "-probe", n->dir, n->store_id);
+    if (rc < 0 || (size_t)rc >= sizeof path)
+        return set_err(err, len, AST_EINVAL, "nvme_dir '%s': path too long", n->dir);
+
+    rc = probe_file(n, path, 1, &ok, err, len);
+    if (rc)
+        return rc;
+    if (ok) {
+        n->direct = 1;
+        return 0;
+    }
+    if (policy == AST_DIRECT_REQUIRE)
+        return set_err(err, len, AST_ENOTSUP,
+                       "nvme_dir '%s': its filesystem does not support O_DIRECT (open or aligned "
+                       "write returned EINVAL); AST_DIRECT_FALLBACK would use buffered I/O + "
+                       "fdatasync",
+                       n->dir);
+    n->direct = 0;
+    return probe_file(n, path, 0, &ok, err, len);
+}
+
+/* ---- open / close -------------------------------------------------------------------------- */
+
+int ast__nvme_open(const ast__nvme_opts *o, ast__nvme **out, char *err, size_t len)
+{
+    ast__nvme *n;
+    struct iovec *iov;
+    unsigned depth;
+    int rc;
+
+    *out = NULL;
+    if (!o || !o->dir || !o->dir[0])
+        return set_err(err, len, AST_EINVAL, "nvme_dir is empty");
+    if (o->direct != AST_DIRECT_REQUIRE && o->direct != AST_DIRECT_FALLBACK)
+        return set_err(err, len, AST_EINVAL, "direct policy %d is neither REQUIRE nor FALLBACK",
+                       (int)o->direct);
+    depth = o->queue_depth ? o->queue_depth : DEFAULT_DEPTH;
+    if (depth > AST__NVME_MAX_DEPTH)
+        return set_err(err, len, AST_EINVAL, "queue_depth %u is above the maximum %u", depth,
+                       AST__NVME_MAX_DEPTH);
+
+    n = calloc(1, sizeof *n);
+    if (!n || !(n->dir = strdup(o->dir))) {
+        free(n);
+        return set_err(err, len, AST_ENOMEM, "nvme_dir '%s': out of memory", o->dir);
+    }
+    n->store_id = o->store_id;
+    n->faults = o->faults;
+    n->depth = depth;
+    n->slot_size = (ARENA_TARGET / depth) / AST__NVME_ALIGN * AST__NVME_ALIGN;
+    if (n->slot_size < SLOT_MIN)
+        n->slot_size = SLOT_MIN;
+    if (n->slot_size > SLOT_MAX)
+        n->slot_size = SLOT_MAX;
+
+    rc = probe_dir(n, o->direct, err, len);
+    if (rc) {
+        free(n->dir);
+        free(n);
+        return rc;
+    }
+
+    rc = io_uring_queue_init(depth, &n->ring, 0);
+    if (rc < 0) {
+        int code = (rc == -ENOSYS || rc == -EPERM) ? AST_ENOTSUP : ast_err_from_errno(-rc);
+        set_err(err, len, code, "nvme_dir '%s': io_uring_queue_init(%u): %s%s", n->dir, depth,
+                strerror(-rc),
+                code == AST_ENOTSUP ? " (io_uring disabled by sysctl or seccomp?)" : "");
+        free(n->dir);
+        free(n);
+        return code;
+    }
+    n->ops = calloc(depth, sizeof *n->ops);
+    iov = calloc(depth, sizeof *iov);
+    if (!n->ops || !iov ||
+        posix_memalign((void **)&n->arena, AST__NVME_ALIGN, (size_t)depth * n->slot_size) != 0) {
+        free(iov);
+        n->arena = NULL;
+        ast__nvme_close(n);
+        return set_err(err, len, AST_ENOMEM, "nvme_dir '%s': no memory for %u staging slots of "
+                       "%zu bytes", o->dir, depth, n->slot_size);
+    }
+    memset(n->arena, 0, (size_t)depth * n->slot_size);
+    for (unsigned i = 0; i < depth; i++) {
+        iov[i].iov_base = n->arena + (size_t)i * n->slot_size;
+        iov[i].iov_len = n->slot_size;
+    }
+    /* Registration pins the arena; where RLIMIT_MEMLOCK refuses, plain I/O on it still works. */
+    n->fixed = io_uring_register_buffers(&n->ring, iov, depth) == 0;
+    free(iov);
+    *out = n;
+    return 0;
+}
+
+void ast__nvme_close(ast__nvme *n)
+{
+    if (!n)
+        return;
+    io_uring_queue_exit(&n->ring);
+    remove_store_files(n);
+    free(n->arena);
+    free(n->ops);
+    free(n->dir);
+    free(n);
+}
+
+/* ---- batches ------------------------------------------------------------------------------- */
+
+enum rec_state { REC_PENDING, REC_ACTIVE, REC_DONE, REC_FAILED };
+
+struct rec {
+    int state;
+    int err;           /* first failure; the record fails once its ops are drained */
+    int fd;
+    int faulty;        /* the injected ENOSPC applies to this record */
+    int sync_state;    /* buffered writes: 0 none yet, 1 issued, 2 done */
+    unsigned inflight; /* ops of this record owned by the kernel */
+    uint64_t stream;   /* bytes to transfer */
+    uint64_t staged;   /* bytes handed to ops */
+    uint64_t done;     /* write: bytes written; read: bytes post-processed (a prefix) */
+    uint64_t file_size;
+    uint32_t crc;
+    int header_checked;
+    int pad_bad;       /* read: a nonzero byte in the padding */
+    unsigned char hdr[AST__NVME_HEADER];
+    unsigned char trl[AST__NVME_TRAILER];
+};
+
+struct batch {
+    ast__nvme *n;
+    ast__nvme_io *ios;
+    struct rec *recs;
+    size_t count;
+    int writing;
+    unsigned nops;     /* ops issued this round (op k uses slot k) */
+    unsigned inflight; /* SQEs owned by the kernel */
+    uint64_t bytes;
+    size_t first_fail; /* lowest failed index, count if none */
+    int first_code;
+    char *err;
+    size_t errlen;
+};
+
+static unsigned char *slot(const ast__nvme *n, unsigned k)
+{
+    return n->arena + (size_t)k * n->slot_size;
+}
+
+/* Records the first failure of record i; the message is kept if it is the batch's lowest. */
+static void rec_fail(struct batch *b, size_t i, int code, const char *fmt, ...)
+{
+    struct rec *r = &b->recs[i];
+    char path[PATH_BYTES];
+    char cause[512];
+    va_list ap;
+
+    if (r->err)
+        return;
+    r->err = code;
+    b->ios[i].result = code;
+    if (i >= b->first_fail)
+        return;
+    b->first_fail = i;
+    b->first_code = code;
+    if (!b->err || !b->errlen)
+        return;
+    va_start(ap, fmt);
+    vsnprintf(cause, sizeof cause, fmt, ap);
+    va_end(ap);
+    if (ast__nvme_record_path(b->n, b->ios[i].block_id, path, sizeof path) != 0)
+        snprintf(path, sizeof path, "%s/...", b->n->dir);
+    snprintf(b->err, b->errlen, "block %" PRIu64 ", file %s: %s", b->ios[i].block_id, path,
+             cause);
+}
+
+/* The part [*s0, *s1) of stream range [lo, hi) inside chunk [a, a + nb); 0 if empty. */
+static int overlap(uint64_t a, uint64_t nb, uint64_t lo, uint64_t hi, uint64_t *s0, uint64_t *s1)
+{
+    *s0 = a > lo ? a : lo;
+    *s1 = a + nb < hi ? a + nb : hi;
+    return *s0 < *s1;
+}
+
+static int copy_payload(void *dst, const void *src, size_t n, int on_device, char *msg,
+                        size_t len)
+{
+    if (on_device)
+        return ast__cuda_memcpy(dst, src, n, msg, len);
+    memcpy(dst, src, n);
+    return 0;
+}
+
+/* Fills a slot with stream bytes [a, a + nb) of record i: header, payload, trailer, padding.
+ * Staging runs in stream order, so the CRC is complete when the trailer is reached. */
+static int stage_write(struct batch *b, size_t i, unsigned char *p, uint64_t a, uint64_t nb)
+{
+    const ast__nvme_io *io = &b->ios[i];
+    struct rec *r = &b->recs[i];
+    const uint64_t H = AST__NVME_HEADER, P = H + io->len, T = P + AST__NVME_TRAILER;
+    uint64_t s0, s1;
+    char msg[256];
+
+    memset(p, 0, nb);
+    if (overlap(a, nb, 0, H, &s0, &s1))
+        memcpy(p + (s0 - a), r->hdr + s0, s1 - s0);
+    if (io->data && overlap(a, nb, H, P, &s0, &s1)) {
+        int rc = copy_payload(p + (s0 - a), (const unsigned char *)io->data + (s0 - H), s1 - s0,
+                              io->on_device, msg, sizeof msg);
+        if (rc) {
+            rec_fail(b, i, rc, "staging the payload: %s", msg);
+            return rc;
+        }
+    }
+    if (overlap(a, nb, 0, P, &s0, &s1))
+        r->crc = crc_of(r->crc, p + (s0 - a), s1 - s0);
+    if (overlap(a, nb, P, T, &s0, &s1)) {
+        unsigned char t[AST__NVME_TRAILER];
+        put_le(t, r->crc, 4);
+        memcpy(t + 4, END_MAGIC, 4);
+        memcpy(p + (s0 - a), t + (s0 - P), s1 - s0);
+    }
+    return 0;
+}
+
+static void prep_sqe(struct batch *b, unsigned k)
+{
+    ast__nvme *n = b->n;
+    struct op *o = &n->ops[k];
+    struct rec *r = &b->recs[o->rec];
+    struct io_uring_sqe *sqe = io_uring_get_sqe(&n->ring);
+    unsigned char *buf = slot(n, k) + o->done;
+    unsigned nb = (unsigned)(o->len - o->done);
+    uint64_t off = o->off + o->done;
+
+    if (!sqe) { /* cannot happen: the ring has at least depth entries; flush and retry anyway */
+        io_uring_submit(&n->ring);
+        sqe = io_uring_get_sqe(&n->ring);
+    }
+    switch (o->kind) {
+    case OP_WRITE:
+        if (n->fixed)
+            io_uring_prep_write_fixed(sqe, r->fd, buf, nb, off, (int)k);
+        else
+            io_uring_prep_write(sqe, r->fd, buf, nb, off);
+        break;
+    case OP_READ:
+        if (n->fixed)
+            io_uring_prep_read_fixed(sqe, r->fd, buf, nb, off, (int)k);
+        else
+            io_uring_prep_read(sqe, r->fd, buf, nb, off);
+        break;
+    default:
+        io_uring_prep_fsync(sqe, r->fd, IORING_FSYNC_DATASYNC);
+        break;
+    }
+    io_uring_sqe_set_data64(sqe, k);
+    b->inflight++;
+}
+
+static void issue(struct batch *b, size_t i, int kind)
+{
+    ast__nvme *n = b->n;
+    struct rec *r = &b->recs[i];
+    unsigned k = b->nops;
+    struct op *o = &n->ops[k];
+
+    memset(o, 0, sizeof *o);
+    o->rec = i;
+    o->kind = kind;
+    if (kind != OP_SYNC) {
+        o->off = r->staged;
+        o->len = r->stream - r->staged < n->slot_size ? (size_t)(r->stream - r->staged)
+                                                       : n->slot_size;
+        if (kind == OP_WRITE && stage_write(b, i, slot(n, k), o->off, o->len) != 0)
+            return;
+        r->staged += o->len;
+    } else {
+        r->sync_state = 1;
+    }
+    b->nops++;
+    r->inflight++;
+    prep_sqe(b, k);
+}
+
+static int open_flags(const ast__nvme *n, int base)
+{
+    return base | O_CLOEXEC | (n->direct ? O_DIRECT : 0);
+}
+
+/* Opens record i's file and sizes its transfer. */
+static void start_record(struct batch *b, size_t i)
+{
+    ast__nvme *n = b->n;
+    ast__nvme_io *io = &b->ios[i];
+    struct rec *r = &b->recs[i];
+    char path[PATH_BYTES];
+    struct stat st;
+
+    r->state = REC_ACTIVE;
+    r->fd = -1;
+    if (n->broken) {
+        rec_fail(b, i, AST_EIO, "the io_uring ring failed earlier (%s)", strerror(-n->broken));
+        return;
+    }
+    if (path_of(n, io->block_id, b->writing ? ".tmp" : ".rec", path, sizeof path) != 0) {
+        rec_fail(b, i, AST_EINVAL, "path too long");
+        return;
+    }
+    if (b->writing) {
+        if (n->faults & AST__FAULT_EROFS)
+            errno = EROFS;
+        else
+            r->fd = open(path, open_flags(n, O_WRONLY | O_CREAT | O_TRUNC), 0600);
+        if (r->fd < 0) {
+            rec_fail(b, i, ast_err_from_errno(errno), "cannot create %s: %s", path,
+                     strerror(errno));
+            return;
+        }
+        r->stream = ast__nvme_record_bytes(io->len);
+        if (!(n->faults & AST__FAULT_NO_FALLOCATE) &&
+            fallocate(r->fd, 0, 0, (off_t)r->stream) != 0 && errno != EOPNOTSUPP &&
+            errno != ENOSYS) {
+            rec_fail(b, i, ast_err_from_errno(errno), "cannot reserve %" PRIu64 " bytes: %s",
+                     r->stream, strerror(errno));
+            return;
+        }
+        if (n->faults & AST__FAULT_ENOSPC) {
+            if (n->fault_skip)
+                n->fault_skip--;
+            else
+                r->faulty = 1;
+        }
+        encode_header(n, io, r->hdr);
+        r->crc = crc_of(0, NULL, 0);
+        return;
+    }
+    r->fd = open(path, open_flags(n, O_RDONLY));
+    if (r->fd < 0) {
+        rec_fail(b, i, ast_err_from_errno(errno), "cannot open the record: %s", strerror(errno));
+        return;
+    }
+    if (fstat(r->fd, &st) != 0) {
+        rec_fail(b, i, ast_err_from_errno(errno), "fstat: %s", strerror(errno));
+        return;
+    }
+    r->file_size = (uint64_t)st.st_size;
+    r->stream = ast__nvme_record_bytes(io->len);
+    if (round_up(r->file_size, AST__NVME_ALIGN) < r->stream)
+        r->stream = round_up(r->file_size, AST__NVME_ALIGN);
+    r->crc = crc_of(0, NULL, 0);
+}
+
+/* Header of record i, complete in r->hdr: damaged is ECORRUPT, intact but not ours EFOREIGN. */
+static void check_header(struct batch *b, size_t i)
+{
+    const ast__nvme_io *io = &b->ios[i];
+    struct rec *r = &b->recs[i];
+    const unsigned char *h = r->hdr;
+    uint64_t sid = get_le(h + 8, 8), bid = get_le(h + 16, 8), gen = get_le(h + 24, 8);
+    uint64_t plen = get_le(h + 32, 8);
+
+    r->header_checked = 1;
+    if (memcmp(h, REC_MAGIC, 4) != 0 || get_le(h + 60, 4) != crc_of(0, h, 60))
+        rec_fail(b, i, AST_ECORRUPT, "record header damaged (bad magic or header checksum)");
+    else if (get_le(h + 4, 2) != AST__NVME_VERSION || get_le(h + 6, 2) != AST__NVME_HEADER)
+        rec_fail(b, i, AST_ECORRUPT, "record format version %u (header %u bytes); this build "
+                 "reads version %u", (unsigned)get_le(h + 4, 2), (unsigned)get_le(h + 6, 2),
+                 AST__NVME_VERSION);
+    else if (sid != b->n->store_id)
+        rec_fail(b, i, AST_EFOREIGN, "record belongs to store %016" PRIx64 ", not to this store "
+                 "%016" PRIx64, sid, b->n->store_id);
+    else if (bid != io->block_id)
+        rec_fail(b, i, AST_EFOREIGN, "record holds block %" PRIu64 ", not block %" PRIu64, bid,
+                 io->block_id);
+    else if (gen != io->generation)
+        rec_fail(b, i, AST_EFOREIGN, "stale record: generation %" PRIu64 ", expected %" PRIu64,
+                 gen, io->generation);
+    else if (plen != io->len)
+        rec_fail(b, i, AST_ECORRUPT, "record payload is %" PRIu64 " bytes, the block has %zu",
+                 plen, io->len);
+}
+
+/* Consumes stream bytes [a, a + nb) of record i from a slot, in stream order. */
+static void absorb_read(struct batch *b, size_t i, const unsigned char *p, uint64_t a,
+                        uint64_t nb)
+{
+    const ast__nvme_io *io = &b->ios[i];
+    struct rec *r = &b->recs[i];
+    const uint64_t H = AST__NVME_HEADER, P = H + io->len, T = P + AST__NVME_TRAILER;
+    uint64_t s0, s1;
+    char msg[256];
+
+    if (r->err || a != r->done) /* after a gap (the file ended early) nothing is usable */
+        return;
+    r->done = a + nb;
+    if (overlap(a, nb, 0, H, &s0, &s1))
+        memcpy(r->hdr + s0, p + (s0 - a), s1 - s0);
+    if (!r->header_checked && r->done >= H) {
+        check_header(b, i);
+        if (r->err)
+            return;
+    }
+    if (overlap(a, nb, 0, P, &s0, &s1))
+        r->crc = crc_of(r->crc, p + (s0 - a), s1 - s0);
+    if (overlap(a, nb, H, P, &s0, &s1)) {
+        int rc = copy_payload((unsigned char *)io->data + (s0 - H), p + (s0 - a), s1 - s0,
+                              io->on_device, msg, sizeof msg);
+        if (rc)
+            rec_fail(b, i, rc, "copying the payload out: %s", msg);
+    }
+    if (overlap(a, nb, P, T, &s0, &s1))
+        memcpy(r->trl + (s0 - P), p + (s0 - a), s1 - s0);
+    /* The padding carries no data, but a flipped byte anywhere in the file is still damage. */
+    if (overlap(a, nb, T, UINT64_MAX, &s0, &s1)) {
+        for (uint64_t j = s0; j < s1; j++) {
+            if (p[j - a] != 0) {
+                r->pad_bad = 1;
+                break;
+            }
+        }
+    }
+}
+
+static void complete(struct batch *b, unsigned k, int res)
+{
+    ast__nvme *n = b->n;
+    struct op *o = &n->ops[k];
+    struct rec *r = &b->recs[o->rec];
+
+    b->inflight--;
+    /* Injected faults pretend the kernel said less than it did; resubmitting is idempotent. */
+    if (!o->faulted && res > 0 && (n->faults & AST__FAULT_EAGAIN)) {
+        o->faulted = 1;
+        res = -EAGAIN;
+    } else if (!o->faulted && o->kind != OP_SYNC && (n->faults & AST__FAULT_SHORT_IO) &&
+               res > (int)AST__NVME_ALIGN) {
+        o->faulted = 1;
+        res = (int)round_up((uint64_t)res / 2, AST__NVME_ALIGN);
+    }
+    if (o->kind == OP_WRITE && r->faulty && res >= 0)
+        res = -ENOSPC;
+
+    if (res < 0) {
+        if ((res == -EAGAIN || res == -EINTR) && o->tries++ < MAX_RETRIES) {
+            prep_sqe(b, k);
+            return;
+        }
+        r->inflight--;
+        if (o->kind == OP_SYNC)
+            rec_fail(b, o->rec, ast_err_from_errno(-res), "fdatasync: %s", strerror(-res));
+        else
+            rec_fail(b, o->rec, ast_err_from_errno(-res), "%s of %zu bytes at offset %" PRIu64
+                     ": %s", o->kind == OP_WRITE ? "write" : "read", o->len - o->done,
+                     o->off + o->done, strerror(-res));
+        return;
+    }
+    if (o->kind == OP_SYNC) {
+        r->sync_state = 2;
+        r->inflight--;
+        return;
+    }
+    b->bytes += (uint64_t)res;
+    o->done += (size_t)res;
+    if (o->done < o->len) {
+        int eof = o->kind == OP_READ && (res == 0 || o->off + o->done >= r->file_size);
+        if (!eof) {
+            if (res == 0 && o->tries++ >= MAX_RETRIES) {
+                r->inflight--;
+                rec_fail(b, o->rec, AST_EIO, "write at offset %" PRIu64 " makes no progress",
+                         o->off + o->done);
+                return;
+            }
+            prep_sqe(b, k);
+            return;
+        }
+    }
+    r->inflight--;
+    if (o->kind == OP_WRITE)
+        r->done += o->len;
+}
+
+/* Submits the round's SQEs and reaps until the kernel owns none. */
+static void drain(struct batch *b)
+{
+    ast__nvme *n = b->n;
+
+    while (b->inflight) {
+        struct io_uring_cqe *cqe;
+        unsigned head, seen = 0;
+        /* One enter submits the round and waits for all of it (the CQ ring holds 2 * depth). */
+        int rc = io_uring_submit_and_wait(&n->ring, b->inflight);
+
+        if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY) {
+            /* The ring refused work it had accepted before: nothing can be trusted now. */
+            n->broken = rc;
+            for (unsigned k = 0; k < b->nops; k++) {
+                b->recs[n->ops[k].rec].inflight = 0;
+                rec_fail(b, n->ops[k].rec, AST_EIO, "io_uring_submit: %s", strerror(-rc));
+            }
+            b->inflight = 0;
+            return;
+        }
+        io_uring_for_each_cqe(&n->ring, head, cqe)
+        {
+            complete(b, (unsigned)io_uring_cqe_get_data64(cqe), cqe->res);
+            seen++;
+        }
+        io_uring_cq_advance(&n->ring, seen);
+    }
+}
+
+static void verify_read(struct batch *b, size_t i)
+{
+    const ast__nvme_io *io = &b->ios[i];
+    struct rec *r = &b->recs[i];
+    uint64_t want = ast__nvme_record_bytes(io->len);
+    uint32_t stored;
+
+    if (r->done < AST__NVME_HEADER || r->file_size < want)
+        rec_fail(b, i, AST_ECORRUPT, "truncated record: the file has %" PRIu64 " bytes, the "
+                 "record of a %zu-byte block has %" PRIu64, r->file_size, io->len, want);
+    else if (r->file_size > want)
+        rec_fail(b, i, AST_ECORRUPT, "oversized record: the file has %" PRIu64 " bytes, the "
+                 "record of a %zu-byte block has %" PRIu64, r->file_size, io->len, want);
+    else if (r->done < AST__NVME_HEADER + io->len + AST__NVME_TRAILER)
+        rec_fail(b, i, AST_ECORRUPT, "truncated record: only %" PRIu64 " bytes could be read",
+                 r->done);
+    else if ((stored = (uint32_t)get_le(r->trl, 4)) != r->crc ||
+             memcmp(r->trl + 4, END_MAGIC, 4) != 0)
+        rec_fail(b, i, AST_ECORRUPT, "checksum mismatch: stored crc32 %08" PRIx32 ", computed "
+                 "%08" PRIx32, stored, r->crc);
+    else if (r->pad_bad)
+        rec_fail(b, i, AST_ECORRUPT, "damaged padding after the payload (nonzero bytes)");
+}
+
+/* Completes what can be completed of record i once none of its ops is in flight. */
+static void finalize(struct batch *b, size_t i)
+{
+    ast__nvme *n = b->n;
+    struct rec *r = &b->recs[i];
+    char tmp[PATH_BYTES], path[PATH_BYTES];
+
+    if (r->state != REC_ACTIVE || r->inflight)
+        return;
+    if (!r->err) {
+        if (r->staged < r->stream)
+            return; /* more chunks to come */
+        if (b->writing) {
+            if (!n->direct && r->sync_state != 2)
+                return; /* the next round issues (or has issued) its fdatasync */
+            path_of(n, b->ios[i].block_id, ".tmp", tmp, sizeof tmp);
+            ast__nvme_record_path(n, b->ios[i].block_id, path, sizeof path);
+            if (close(r->fd) != 0)
+                rec_fail(b, i, ast_err_from_errno(errno), "close: %s", strerror(errno));
+            else if (rename(tmp, path) != 0)
+                rec_fail(b, i, ast_err_from_errno(errno), "rename from %s: %s", tmp,
+                         strerror(errno));
+            r->fd = -1;
+        } else {
+            verify_read(b, i);
+        }
+    }
+    if (r->fd >= 0)
+        close(r->fd);
+    r->fd = -1;
+    if (r->err) {
+        if (b->writing && path_of(n, b->ios[i].block_id, ".tmp", tmp, sizeof tmp) == 0)
+            unlink(tmp);
+        r->state = REC_FAILED;
+        return;
+    }
+    r->state = REC_DONE;
+}
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static int run_batch(ast__nvme *n, ast__nvme_io *ios, size_t count, int writing,
+                     ast__nvme_xfer *x, char *err, size_t len)
+{
+    struct batch b;
+    size_t cursor = 0, hi = 0, ok = 0;
+    uint64_t t0 = now_ns();
+
+    memset(&b, 0, sizeof b);
+    b.n = n;
+    b.ios = ios;
+    b.count = count;
+    b.writing = writing;
+    b.first_fail = count;
+    b.err = err;
+    b.errlen = len;
+    if (err && len)
+        err[0] = '\0';
+    for (size_t i = 0; i < count; i++)
+        ios[i].result = 0;
+    if (count && !(b.recs = calloc(count, sizeof *b.recs)))
+        return set_err(err, len, AST_ENOMEM, "no memory for a batch of %zu records", count);
+
+    while (cursor < count) {
+        b.nops = 0;
+        /* The record at the cursor always gets a slot, so every round makes progress. */
+        for (size_t i = cursor; i < count && b.nops < n->depth; i++) {
+            struct rec *r = &b.recs[i];
+            if (r->state == REC_PENDING) {
+                start_record(&b, i);
+                hi = i + 1;
+            }
+            if (r->state != REC_ACTIVE || r->err)
+                continue;
+            if (writing && !n->direct && r->done == r->stream && r->sync_state == 0)
+                issue(&b, i, OP_SYNC);
+            while (!r->err && r->staged < r->stream && b.nops < n->depth)
+                issue(&b, i, writing ? OP_WRITE : OP_READ);
+        }
+        drain(&b);
+        if (!writing) {
+            for (unsigned k = 0; k < b.nops; k++) {
+                const struct op *o = &n->ops[k];
+                if (o->kind == OP_READ)
+                    absorb_read(&b, o->rec, slot(n, k), o->off, o->done);
+            }
+        }
+        for (size_t i = cursor; i < hi; i++)
+            finalize(&b, i);
+        while (cursor < count && (b.recs[cursor].state == REC_DONE ||
+                                  b.recs[cursor].state == REC_FAILED))
+            cursor++;
+    }
+    for (size_t i = 0; i < count; i++)
+        ok += b.recs[i].state == REC_DONE;
+    free(b.recs);
+    if (x) {
+        x->bytes = b.bytes;
+        x->ns = now_ns() - t0;
+        x->records = ok;
+    }
+    return b.first_fail < count ? b.first_code : 0;
+}
+
+int ast__nvme_write(ast__nvme *n, ast__nvme_io *ios, size_t count, ast__nvme_xfer *x,
+                    char *err, size_t len)
+{
+    return run_batch(n, ios, count, 1, x, err, len);
+}
+
+int ast__nvme_read(ast__nvme *n, ast__nvme_io *ios, size_t count, ast__nvme_xfer *x, char *err,
+                   size_t len)
+{
+    return run_batch(n, ios, count, 0, x, err, len);
+}
+
+#else /* !ASTERIA_HAVE_URING */
+
+int ast__nvme_open(const ast__nvme_opts *o, ast__nvme **out, char *err, size_t len)
+{
+    *out = NULL;
+    return set_err(err, len, AST_ENOTSUP, "nvme_dir '%s': libasteria was built without liburing "
+                   "(ASTERIA_WITH_URING=OFF), so there is no NVMe tier",
+                   o && o->dir ? o->dir : "");
+}
+
+void ast__nvme_close(ast__nvme *n)
+{
+    /* ast__nvme_open never succeeds without liburing: there is nothing to close. */
+    (void)n;
+}
+
+static int no_uring(size_t count, ast__nvme_io *ios, char *err, size_t len)
+{
+    for (size_t i = 0; i < count; i++)
+        ios[i].result = AST_ENOTSUP;
+    return set_err(err, len, AST_ENOTSUP, "built without liburing");
+}
+
+int ast__nvme_write(ast__nvme *n, ast__nvme_io *ios, size_t count, ast__nvme_xfer *x,
+                    char *err, size_t len)
+{
+    return no_uring(count, ios, err, len);
+}
+
+int ast__nvme_read(ast__nvme *n, ast__nvme_io *ios, size_t count, ast__nvme_xfer *x, char *err,
+                   size_t len)
+{
+    return no_uring(count, ios, err, len);
+}
+
+#endif

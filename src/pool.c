@@ -516,8 +516,13 @@ static int cpulist_check(const char *s, long *count, long *maxv)
 }
 
 #if ASTERIA_HAVE_HWLOC
-/* The core set as a PU bitmap: opts->cpuset (every core must exist and be allowed), or the
- * allowed cores minus the core the calling thread last ran on (all allowed if that is empty). */
+/* The core set as a PU bitmap.
+ *  - opts->cpuset: every core named must exist and be allowed to this process by the OS
+ *    (cgroup); it is an explicit request, so it may lie outside the process's current affinity.
+ *  - default: the cores the process may run on (the union of its threads' affinities, so a
+ *    launcher's taskset / numactl is respected even when the caller pinned itself), minus the
+ *    core (all its hardware threads) the calling thread last ran on; all of them if that
+ *    leaves none. */
 static int core_set(ast_pool *p, const char *spec, hwloc_bitmap_t set)
 {
     hwloc_const_bitmap_t allowed = hwloc_topology_get_allowed_cpuset(p->topo);
@@ -529,18 +534,26 @@ static int core_set(ast_pool *p, const char *spec, hwloc_bitmap_t set)
             return AST_EINVAL;
         return 0;
     }
-    hwloc_bitmap_copy(set, allowed);
-    hwloc_bitmap_t here = hwloc_bitmap_alloc();
-    if (!here)
+    hwloc_bitmap_t base = hwloc_bitmap_alloc(), here = hwloc_bitmap_alloc();
+    if (!base || !here) {
+        hwloc_bitmap_free(base);
+        hwloc_bitmap_free(here);
         return AST_ENOMEM;
+    }
+    if (hwloc_get_cpubind(p->topo, base, HWLOC_CPUBIND_PROCESS) == 0)
+        hwloc_bitmap_and(base, base, allowed);
+    if (hwloc_bitmap_iszero(base))
+        hwloc_bitmap_copy(base, allowed);
+    hwloc_bitmap_copy(set, base);
     if (hwloc_get_last_cpu_location(p->topo, here, HWLOC_CPUBIND_THREAD) == 0 &&
         !hwloc_bitmap_iszero(here)) {
         hwloc_obj_t pu = hwloc_get_pu_obj_by_os_index(p->topo, (unsigned)hwloc_bitmap_first(here));
         hwloc_obj_t core = pu ? hwloc_get_ancestor_obj_by_type(p->topo, HWLOC_OBJ_CORE, pu) : NULL;
-        hwloc_bitmap_andnot(set, allowed, core ? core->cpuset : here);
+        hwloc_bitmap_andnot(set, base, core ? core->cpuset : here);
         if (hwloc_bitmap_iszero(set))
-            hwloc_bitmap_copy(set, allowed);
+            hwloc_bitmap_copy(set, base);
     }
+    hwloc_bitmap_free(base);
     hwloc_bitmap_free(here);
     return 0;
 }

@@ -1,0 +1,829 @@
+/*
+ * store.c - blocks of optimizer state, one tier each; per-tier accounting; moves (store.h).
+ *
+ * Owns: the block table (id -> tier, size, memory, NVMe record generation), the counters behind
+ * ast_store_stats, the store's NVMe engine (nvme.c) and its last-error message. May call:
+ * cuda_mem.h (pinned, device and managed memory, copies), nvme.h (records), libc.
+ *
+ * Locking: one mutex per store. Every public function holds it for its whole duration, the I/O
+ * batches of a move to or from NVME included, so allocation, free, lookups and stats on a store
+ * wait while one of its moves does I/O. That keeps a block from being freed, moved or read
+ * back while its record is in flight without a per-block "busy" state every caller would have to
+ * handle; moves are issued in batches by one planner, so the serialisation costs little. The
+ * engine and cuda_mem take no locks, so there is no lock order to keep. ast_store_close must
+ * not race with any other call on the same store.
+ *
+ * Accounting: bytes[] counts block payload bytes (an NVMe record's header and padding are not
+ * counted; nvme_bytes_written/read count everything the kernel transferred).
+ * nvme_budget_bytes caps bytes[AST_TIER_NVME].
+ */
+#include "asteria/store.h"
+
+#include "asteria/build_config.h"
+#include "asteria/errors.h"
+#include "cuda_mem.h"
+#include "nvme.h"
+
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+#include <unistd.h>
+
+#define ERR_BYTES 1024
+#define TABLE_BITS 6u /* 64 slots to start */
+
+struct blk {
+    uint64_t id;
+    ast_tier tier;
+    size_t nbytes;
+    void *ptr;     /* NULL on NVME */
+    uint64_t gen;  /* generation of the block's newest NVMe record */
+    uint64_t mark; /* stamp of the last move batch that named it: catches duplicate ids */
+};
+
+/* Open addressing, linear probing, backward-shift deletion; ids are never 0. */
+struct table {
+    struct blk **slots;
+    size_t cap; /* 2^bits */
+    unsigned bits;
+    size_t n;
+};
+
+struct ast_store {
+    pthread_mutex_t mu;
+    struct table tab;
+    uint64_t next_id;
+    uint64_t stamp;
+    uint64_t store_id;
+    uint64_t nvme_budget;
+    ast__nvme *nvme;
+    ast_store_stats st;
+    int cuda_probed;
+    int ndev;
+    char err[ERR_BYTES];
+};
+
+static const char *const TIER_NAMES[AST_TIER_COUNT] = {"host", "host_pinned", "device", "uvm",
+                                                        "nvme"};
+
+const char *ast_tier_name(ast_tier t)
+{
+    return (unsigned)t < AST_TIER_COUNT ? TIER_NAMES[t] : NULL;
+}
+
+int ast_tier_parse(const char *name, ast_tier *out)
+{
+    if (!name || !out)
+        return AST_EINVAL;
+    for (int t = 0; t < AST_TIER_COUNT; t++) {
+        if (strcmp(name, TIER_NAMES[t]) == 0) {
+            *out = (ast_tier)t;
+            return 0;
+        }
+    }
+    return AST_EINVAL;
+}
+
+void ast_store_opts_init(ast_store_opts *o)
+{
+    if (!o)
+        return;
+    memset(o, 0, sizeof *o);
+    o->nvme_dir = NULL;
+    o->direct = AST_DIRECT_REQUIRE;
+}
+
+/* ---- block table --------------------------------------------------------------------------- */
+
+/* Fibonacci hashing: the top bits of id * 2^64/phi spread consecutive ids over the table. */
+static size_t home(const struct table *t, uint64_t id)
+{
+    return (size_t)((id * UINT64_C(0x9E3779B97F4A7C15)) >> (64 - t->bits));
+}
+
+static int tab_init(struct table *t, unsigned bits)
+{
+    t->cap = (size_t)1 << bits;
+    t->bits = bits;
+    t->n = 0;
+    t->slots = calloc(t->cap, sizeof *t->slots);
+    return t->slots ? 0 : AST_ENOMEM;
+}
+
+static struct blk *tab_find(const struct table *t, uint64_t id)
+{
+    for (size_t i = home(t, id);; i = (i + 1) & (t->cap - 1)) {
+        if (!t->slots[i])
+            return NULL;
+        if (t->slots[i]->id == id)
+            return t->slots[i];
+    }
+}
+
+static void tab_place(struct table *t, struct blk *b)
+{
+    size_t i = home(t, b->id);
+    while (t->slots[i])
+        i = (i + 1) & (t->cap - 1);
+    t->slots[i] = b;
+    t->n++;
+}
+
+static int tab_insert(struct table *t, struct blk *b)
+{
+    if ((t->n + 1) * 2 > t->cap) {
+        struct table g;
+        if (tab_init(&g, t->bits + 1) != 0)
+            return AST_ENOMEM;
+        for (size_t i = 0; i < t->cap; i++) {
+            if (t->slots[i])
+                tab_place(&g, t->slots[i]);
+        }
+        free(t->slots);
+        *t = g;
+    }
+    tab_place(t, b);
+    return 0;
+}
+
+static void tab_remove(struct table *t, uint64_t id)
+{
+    size_t mask = t->cap - 1, i = home(t, id), j;
+
+    while (t->slots[i]->id != id)
+        i = (i + 1) & mask;
+    /* Pull later members of the probe run back so no lookup meets a hole before its key. */
+    for (j = (i + 1) & mask; t->slots[j]; j = (j + 1) & mask) {
+        size_t k = home(t, t->slots[j]->id);
+        int stays = i <= j ? (i < k && k <= j) : (i < k || k <= j);
+        if (!stays) {
+            t->slots[i] = t->slots[j];
+            i = j;
+        }
+    }
+    t->slots[i] = NULL;
+    t->n--;
+}
+
+/* ---- helpers (store mutex held) -------------------------------------------------------------- */
+
+static int fail(ast_store *s, int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(s->err, sizeof s->err, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+static int valid_tier(ast_tier t)
+{
+    return (unsigned)t < AST_TIER_COUNT;
+}
+
+/* Device and managed memory are copied with the CUDA runtime, everything else with memcpy. */
+static int device_side(ast_tier t)
+{
+    return t == AST_TIER_DEVICE || t == AST_TIER_UVM;
+}
+
+/* Whether blocks can live in tier t on this store and machine; the message says why not. */
+static int tier_ready(ast_store *s, ast_tier t)
+{
+    char msg[256] = "";
+    ast__cuda_coherence c;
+    int coherent, rc;
+
+    switch (t) {
+    case AST_TIER_HOST:
+        return 0;
+    case AST_TIER_NVME:
+        return s->nvme ? 0
+                       : fail(s, AST_ENOTSUP, "tier nvme: this store has no NVMe tier "
+                              "(ast_store_opts.nvme_dir was NULL)");
+    default:
+        break;
+    }
+    if (!s->cuda_probed) {
+        s->ndev = ast__cuda_device_count();
+        s->cuda_probed = 1;
+    }
+    if (s->ndev == 0)
+        return fail(s, AST_ENODEV, "tier %s: no CUDA device (%s)", ast_tier_name(t),
+                    ASTERIA_HAVE_CUDA ? "cudaGetDeviceCount reports none or no driver is loaded"
+                                      : "libasteria was built without CUDA");
+    if (t != AST_TIER_UVM)
+        return 0;
+    rc = ast__cuda_coherent_host_access(&coherent, &c, msg, sizeof msg);
+    if (rc)
+        return fail(s, rc, "tier uvm: %s", msg);
+    if (!coherent)
+        return fail(s, AST_ENOTSUP, "tier uvm: device %d has no coherent host access to managed "
+                    "memory (concurrentManagedAccess=%d, pageableMemoryAccessUsesHostPageTables"
+                    "=%d)", c.device, c.concurrent_managed, c.pageable_host_tables);
+    return 0;
+}
+
+static int mem_alloc(ast_tier t, size_t n, void **p, char *msg, size_t len)
+{
+    switch (t) {
+    case AST_TIER_HOST:
+        *p = calloc(1, n);
+        if (!*p) {
+            snprintf(msg, len, "calloc(%zu) failed", n);
+            return AST_ENOMEM;
+        }
+        return 0;
+    case AST_TIER_HOST_PINNED:
+        return ast__cuda_host_alloc(p, n, msg, len);
+    case AST_TIER_DEVICE:
+        return ast__cuda_malloc(p, n, msg, len);
+    case AST_TIER_UVM:
+        return ast__cuda_managed_alloc(p, n, msg, len);
+    default:
+        snprintf(msg, len, "tier %d has no memory of its own", (int)t);
+        return AST_EINVAL;
+    }
+}
+
+static void mem_free(ast_tier t, void *p)
+{
+    switch (t) {
+    case AST_TIER_HOST:
+        free(p);
+        break;
+    case AST_TIER_HOST_PINNED:
+        ast__cuda_host_free(p, NULL, 0);
+        break;
+    case AST_TIER_DEVICE:
+    case AST_TIER_UVM:
+        ast__cuda_free(p, NULL, 0);
+        break;
+    default:
+        break;
+    }
+}
+
+static int mem_copy(ast_tier dt, void *dst, ast_tier st, const void *src, size_t n, char *msg,
+                    size_t len)
+{
+    if (device_side(dt) || device_side(st))
+        return ast__cuda_memcpy(dst, src, n, msg, len);
+    memcpy(dst, src, n);
+    return 0;
+}
+
+static void account(ast_store *s, ast_tier t, size_t nbytes, int sign)
+{
+    if (sign > 0) {
+        s->st.bytes[t] += nbytes;
+        s->st.blocks[t]++;
+    } else {
+        s->st.bytes[t] -= nbytes;
+        s->st.blocks[t]--;
+    }
+}
+
+static void count_io(ast_store *s, int writing, const ast__nvme_xfer *x)
+{
+    if (writing) {
+        s->st.nvme_bytes_written += x->bytes;
+        s->st.nvme_write_ns += x->ns;
+        s->st.nvme_writes += x->records;
+    } else {
+        s->st.nvme_bytes_read += x->bytes;
+        s->st.nvme_read_ns += x->ns;
+        s->st.nvme_reads += x->records;
+    }
+}
+
+/* NVMe budget check for adding nbytes on top of pending bytes already granted in this call. */
+static int within_budget(const ast_store *s, uint64_t pending, size_t nbytes)
+{
+    return s->nvme_budget == 0 || s->st.bytes[AST_TIER_NVME] + pending + nbytes <= s->nvme_budget;
+}
+
+static uint64_t random_id(void)
+{
+    uint64_t v = 0;
+    struct timespec ts;
+
+    if (getrandom(&v, sizeof v, 0) != (ssize_t)sizeof v) {
+        clock_gettime(CLOCK_REALTIME, &ts);
+        v = ((uint64_t)ts.tv_sec << 32) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)getpid() << 16) ^
+            (uint64_t)(uintptr_t)&v;
+    }
+    return v ? v : 1;
+}
+
+/* ---- open / close -------------------------------------------------------------------------- */
+
+int ast__store_open_faults(const ast_store_opts *opts, unsigned faults, ast_store **out,
+                           char *errbuf, size_t len)
+{
+    ast_store_opts defaults;
+    ast_store *s;
+    int rc;
+
+    if (errbuf && len)
+        errbuf[0] = '\0';
+    if (!out) {
+        if (errbuf && len)
+            snprintf(errbuf, len, "ast_store_open: out is NULL");
+        return AST_EINVAL;
+    }
+    *out = NULL;
+    if (!opts) {
+        ast_store_opts_init(&defaults);
+        opts = &defaults;
+    }
+    s = calloc(1, sizeof *s);
+    if (!s || tab_init(&s->tab, TABLE_BITS) != 0) {
+        free(s);
+        if (errbuf && len)
+            snprintf(errbuf, len, "ast_store_open: out of memory");
+        return AST_ENOMEM;
+    }
+    pthread_mutex_init(&s->mu, NULL);
+    s->next_id = 1;
+    s->store_id = random_id();
+    s->nvme_budget = opts->nvme_budget_bytes;
+    s->st.nvme_direct = -1;
+    if (opts->nvme_dir) {
+        ast__nvme_opts no = {opts->nvme_dir, opts->direct, opts->queue_depth, s->store_id,
+                             faults};
+        rc = ast__nvme_open(&no, &s->nvme, errbuf, len);
+        if (rc) {
+            ast_store_close(s);
+            return rc;
+        }
+        s->st.nvme_direct = ast__nvme_direct(s->nvme);
+    }
+    *out = s;
+    return 0;
+}
+
+int ast_store_open_msg(const ast_store_opts *opts, ast_store **out, char *errbuf, size_t len)
+{
+    return ast__store_open_faults(opts, 0, out, errbuf, len);
+}
+
+int ast_store_open(const ast_store_opts *opts, ast_store **out)
+{
+    return ast_store_open_msg(opts, out, NULL, 0);
+}
+
+void ast_store_close(ast_store *s)
+{
+    if (!s)
+        return;
+    for (size_t i = 0; i < s->tab.cap; i++) {
+        struct blk *b = s->tab.slots[i];
+        if (b) {
+            mem_free(b->tier, b->ptr);
+            free(b);
+        }
+    }
+    ast__nvme_close(s->nvme); /* removes every record file of this store, NVME blocks' too */
+    free(s->tab.slots);
+    pthread_mutex_destroy(&s->mu);
+    free(s);
+}
+
+ast__nvme *ast__store_nvme(ast_store *s)
+{
+    return s ? s->nvme : NULL;
+}
+
+/* ---- blocks -------------------------------------------------------------------------------- */
+
+int ast_store_alloc(ast_store *s, ast_tier tier, size_t nbytes, uint64_t *id)
+{
+    char msg[ERR_BYTES / 2] = "";
+    struct blk *b;
+    int rc;
+
+    if (!s || !id || !valid_tier(tier))
+        return AST_EINVAL;
+    pthread_mutex_lock(&s->mu);
+    if (nbytes == 0 || nbytes > SIZE_MAX / 2) {
+        rc = fail(s, AST_EINVAL, "alloc: %zu bytes is not a valid block size", nbytes);
+        goto out;
+    }
+    rc = tier_ready(s, tier);
+    if (rc)
+        goto out;
+    b = calloc(1, sizeof *b);
+    if (!b) {
+        rc = fail(s, AST_ENOMEM, "alloc: out of memory");
+        goto out;
+    }
+    b->id = s->next_id;
+    b->tier = tier;
+    b->nbytes = nbytes;
+    if (tier == AST_TIER_NVME) {
+        /* A zero-filled block on NVME is a record of zeros (data NULL). */
+        ast__nvme_io io = {b->id, 1, NULL, nbytes, 0, 0};
+        ast__nvme_xfer x = {0, 0, 0};
+        if (!within_budget(s, 0, nbytes)) {
+            rc = fail(s, AST_ENOSPC, "alloc on nvme: no space left for %zu bytes under "
+                      "nvme_budget_bytes %" PRIu64 " (%" PRIu64 " in use)", nbytes, s->nvme_budget,
+                      s->st.bytes[AST_TIER_NVME]);
+            free(b);
+            goto out;
+        }
+        rc = ast__nvme_write(s->nvme, &io, 1, &x, msg, sizeof msg);
+        count_io(s, 1, &x);
+        b->gen = 1;
+    } else {
+        rc = mem_alloc(tier, nbytes, &b->ptr, msg, sizeof msg);
+    }
+    if (rc == 0 && (rc = tab_insert(&s->tab, b)) != 0) {
+        mem_free(tier, b->ptr);
+        if (tier == AST_TIER_NVME)
+            ast__nvme_remove(s->nvme, b->id);
+        snprintf(msg, sizeof msg, "out of memory for the block table");
+    }
+    if (rc) {
+        free(b);
+        rc = fail(s, rc, "alloc of %zu bytes on %s: %s", nbytes, ast_tier_name(tier), msg);
+        goto out;
+    }
+    s->next_id++;
+    account(s, tier, nbytes, +1);
+    *id = b->id;
+out:
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+static struct blk *find(ast_store *s, uint64_t id, const char *what)
+{
+    struct blk *b = id ? tab_find(&s->tab, id) : NULL;
+    if (!b)
+        fail(s, AST_ENOENT, "%s: no block %" PRIu64 " in this store", what, id);
+    return b;
+}
+
+int ast_store_free(ast_store *s, uint64_t id)
+{
+    struct blk *b;
+    int rc = 0;
+
+    if (!s)
+        return AST_EINVAL;
+    pthread_mutex_lock(&s->mu);
+    b = find(s, id, "free");
+    if (!b) {
+        rc = AST_ENOENT;
+    } else {
+        if (b->tier == AST_TIER_NVME)
+            ast__nvme_remove(s->nvme, id); /* a file that cannot go now goes at close */
+        else
+            mem_free(b->tier, b->ptr);
+        account(s, b->tier, b->nbytes, -1);
+        tab_remove(&s->tab, id);
+        free(b);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+void *ast_store_data(ast_store *s, uint64_t id)
+{
+    struct blk *b;
+    void *p = NULL;
+
+    if (!s)
+        return NULL;
+    pthread_mutex_lock(&s->mu);
+    b = find(s, id, "data");
+    if (b)
+        p = b->ptr;
+    pthread_mutex_unlock(&s->mu);
+    return p;
+}
+
+int ast_store_size(ast_store *s, uint64_t id, size_t *nbytes)
+{
+    struct blk *b;
+
+    if (!s || !nbytes)
+        return AST_EINVAL;
+    pthread_mutex_lock(&s->mu);
+    b = find(s, id, "size");
+    if (b)
+        *nbytes = b->nbytes;
+    pthread_mutex_unlock(&s->mu);
+    return b ? 0 : AST_ENOENT;
+}
+
+int ast_store_tier(ast_store *s, uint64_t id, ast_tier *tier)
+{
+    struct blk *b;
+
+    if (!s || !tier)
+        return AST_EINVAL;
+    pthread_mutex_lock(&s->mu);
+    b = find(s, id, "tier");
+    if (b)
+        *tier = b->tier;
+    pthread_mutex_unlock(&s->mu);
+    return b ? 0 : AST_ENOENT;
+}
+
+/* ---- moves --------------------------------------------------------------------------------- */
+
+/* The first failure of a move, by position in ids, and how many blocks failed. */
+struct move_err {
+    size_t idx;
+    int code;
+    size_t failed;
+    char msg[ERR_BYTES / 2];
+};
+
+static void move_failed(struct move_err *e, size_t idx, int code, const char *fmt, ...)
+{
+    e->failed++;
+    if (idx >= e->idx)
+        return;
+    e->idx = idx;
+    e->code = code;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->msg, sizeof e->msg, fmt, ap);
+    va_end(ap);
+}
+
+static int move_memory(struct blk *b, ast_tier dst, char *msg, size_t len)
+{
+    void *p = NULL;
+    int rc = mem_alloc(dst, b->nbytes, &p, msg, len);
+    if (rc)
+        return rc;
+    rc = mem_copy(dst, p, b->tier, b->ptr, b->nbytes, msg, len);
+    if (rc) {
+        mem_free(dst, p);
+        return rc;
+    }
+    mem_free(b->tier, b->ptr);
+    b->ptr = p;
+    return 0;
+}
+
+/* Writes the listed blocks (positions pos[0..n) in ids) to NVME in one batch. */
+static size_t move_to_nvme(ast_store *s, struct blk **bl, const size_t *pos, size_t n,
+                           struct move_err *e)
+{
+    ast__nvme_io *ios = calloc(n ? n : 1, sizeof *ios);
+    size_t *at = calloc(n ? n : 1, sizeof *at);
+    ast__nvme_xfer x = {0, 0, 0};
+    char msg[ERR_BYTES / 2] = "";
+    uint64_t pending = 0;
+    size_t m = 0, moved = 0, first = SIZE_MAX;
+
+    if (!ios || !at) {
+        for (size_t i = 0; i < n; i++)
+            move_failed(e, pos[i], AST_ENOMEM, "block %" PRIu64 ": out of memory for the batch",
+                        bl[i]->id);
+        free(ios);
+        free(at);
+        return 0;
+    }
+    for (size_t i = 0; i < n; i++) {
+        struct blk *b = bl[i];
+        if (!within_budget(s, pending, b->nbytes)) {
+            move_failed(e, pos[i], AST_ENOSPC, "block %" PRIu64 " (%zu bytes): no space left under "
+                        "nvme_budget_bytes %" PRIu64 " (%" PRIu64 " in use)", b->id, b->nbytes,
+                        s->nvme_budget, s->st.bytes[AST_TIER_NVME] + pending);
+            continue;
+        }
+        pending += b->nbytes;
+        ios[m] = (ast__nvme_io){b->id, b->gen + 1, b->ptr, b->nbytes, device_side(b->tier), 0};
+        at[m++] = i;
+    }
+    if (m && ast__nvme_write(s->nvme, ios, m, &x, msg, sizeof msg) != 0) {
+        for (size_t j = 0; j < m; j++) {
+            if (ios[j].result) {
+                first = j;
+                break;
+            }
+        }
+    }
+    count_io(s, 1, &x);
+    for (size_t j = 0; j < m; j++) {
+        struct blk *b = bl[at[j]];
+        if (ios[j].result) {
+            move_failed(e, pos[at[j]], ios[j].result, "%s",
+                        j == first ? msg : ast_strerror(ios[j].result));
+            continue;
+        }
+        account(s, b->tier, b->nbytes, -1);
+        mem_free(b->tier, b->ptr);
+        b->ptr = NULL;
+        b->tier = AST_TIER_NVME;
+        b->gen = ios[j].generation;
+        account(s, AST_TIER_NVME, b->nbytes, +1);
+        moved++;
+    }
+    free(ios);
+    free(at);
+    return moved;
+}
+
+/* Reads the listed NVME blocks into fresh memory of tier dst in one batch. */
+static size_t move_from_nvme(ast_store *s, struct blk **bl, const size_t *pos, size_t n,
+                             ast_tier dst, struct move_err *e)
+{
+    ast__nvme_io *ios = calloc(n ? n : 1, sizeof *ios);
+    size_t *at = calloc(n ? n : 1, sizeof *at);
+    ast__nvme_xfer x = {0, 0, 0};
+    char msg[ERR_BYTES / 2] = "";
+    size_t m = 0, moved = 0, first = SIZE_MAX;
+
+    if (!ios || !at) {
+        for (size_t i = 0; i < n; i++)
+            move_failed(e, pos[i], AST_ENOMEM, "block %" PRIu64 ": out of memory for the batch",
+                        bl[i]->id);
+        free(ios);
+        free(at);
+        return 0;
+    }
+    for (size_t i = 0; i < n; i++) {
+        struct blk *b = bl[i];
+        void *p = NULL;
+        int rc = mem_alloc(dst, b->nbytes, &p, msg, sizeof msg);
+        if (rc) {
+            move_failed(e, pos[i], rc, "block %" PRIu64 ": %s", b->id, msg);
+            continue;
+        }
+        ios[m] = (ast__nvme_io){b->id, b->gen, p, b->nbytes, device_side(dst), 0};
+        at[m++] = i;
+    }
+    msg[0] = '\0';
+    if (m && ast__nvme_read(s->nvme, ios, m, &x, msg, sizeof msg) != 0) {
+        for (size_t j = 0; j < m; j++) {
+            if (ios[j].result) {
+                first = j;
+                break;
+            }
+        }
+    }
+    count_io(s, 0, &x);
+    for (size_t j = 0; j < m; j++) {
+        struct blk *b = bl[at[j]];
+        if (ios[j].result) {
+            mem_free(dst, ios[j].data); /* the record stays, the block stays on NVME */
+            move_failed(e, pos[at[j]], ios[j].result, "%s",
+                        j == first ? msg : ast_strerror(ios[j].result));
+            continue;
+        }
+        ast__nvme_remove(s->nvme, b->id); /* stale now; its generation guards it until close */
+        account(s, AST_TIER_NVME, b->nbytes, -1);
+        b->ptr = ios[j].data;
+        b->tier = dst;
+        account(s, dst, b->nbytes, +1);
+        moved++;
+    }
+    free(ios);
+    free(at);
+    return moved;
+}
+
+int ast_store_move(ast_store *s, const uint64_t *ids, size_t n, ast_tier dst, size_t *moved)
+{
+    struct move_err e;
+    struct blk **bl = NULL;
+    size_t *pos = NULL;
+    size_t done = 0, nw = 0, nr = 0;
+    uint64_t stamp;
+    int rc = 0;
+
+    if (moved)
+        *moved = 0;
+    if (!s || (!ids && n) || !valid_tier(dst))
+        return AST_EINVAL;
+    if (n == 0)
+        return 0;
+    pthread_mutex_lock(&s->mu);
+    e.idx = SIZE_MAX;
+    e.code = 0;
+    e.failed = 0;
+    e.msg[0] = '\0';
+    bl = malloc(n * sizeof *bl);
+    pos = malloc(n * sizeof *pos);
+    if (!bl || !pos) {
+        rc = fail(s, AST_ENOMEM, "move of %zu blocks: out of memory", n);
+        goto out;
+    }
+    /* Refuse a malformed request before anything moves. */
+    stamp = ++s->stamp;
+    for (size_t i = 0; i < n; i++) {
+        struct blk *b = find(s, ids[i], "move");
+        if (!b) {
+            rc = AST_ENOENT;
+            goto out;
+        }
+        if (b->mark == stamp) {
+            rc = fail(s, AST_EINVAL, "move: block %" PRIu64 " is listed twice", ids[i]);
+            goto out;
+        }
+        b->mark = stamp;
+    }
+    rc = tier_ready(s, dst);
+    if (rc)
+        goto out;
+
+    /* Memory to memory, one block at a time; NVMe transfers are collected for one batch. */
+    for (size_t i = 0; i < n; i++) {
+        struct blk *b = tab_find(&s->tab, ids[i]);
+        char msg[ERR_BYTES / 2] = "";
+        ast_tier from = b->tier;
+
+        if (from == dst) {
+            done++;
+        } else if (dst == AST_TIER_NVME || from == AST_TIER_NVME) {
+            bl[nw + nr] = b;
+            pos[nw + nr] = i;
+            if (dst == AST_TIER_NVME)
+                nw++;
+            else
+                nr++;
+        } else if ((rc = move_memory(b, dst, msg, sizeof msg)) != 0) {
+            move_failed(&e, i, rc, "block %" PRIu64 " from %s: %s", b->id, ast_tier_name(from),
+                        msg);
+        } else {
+            account(s, from, b->nbytes, -1);
+            account(s, dst, b->nbytes, +1);
+            done++;
+        }
+    }
+    /* Only one of nw and nr can be nonzero: dst is NVME or it is not. */
+    if (nw)
+        done += move_to_nvme(s, bl, pos, nw, &e);
+    if (nr)
+        done += move_from_nvme(s, bl, pos, nr, dst, &e);
+
+    rc = e.code;
+    if (rc) {
+        if (e.failed > 1)
+            fail(s, rc, "move to %s: %s (and %zu more blocks failed)", ast_tier_name(dst),
+                 e.msg, e.failed - 1);
+        else
+            fail(s, rc, "move to %s: %s", ast_tier_name(dst), e.msg);
+    }
+out:
+    if (moved)
+        *moved = done;
+    pthread_mutex_unlock(&s->mu);
+    free(bl);
+    free(pos);
+    return rc;
+}
+
+/* ---- introspection ------------------------------------------------------------------------- */
+
+int ast_store_stats_get(ast_store *s, ast_store_stats *out)
+{
+    if (!s || !out)
+        return AST_EINVAL;
+    pthread_mutex_lock(&s->mu);
+    *out = s->st;
+    pthread_mutex_unlock(&s->mu);
+    return 0;
+}
+
+int ast_store_last_error(ast_store *s, char *buf, size_t len)
+{
+    if (!s || !buf || !len)
+        return AST_EINVAL;
+    pthread_mutex_lock(&s->mu);
+    snprintf(buf, len, "%s", s->err);
+    pthread_mutex_unlock(&s->mu);
+    return 0;
+}
+
+int ast_store_record_path(ast_store *s, uint64_t id, char *buf, size_t len)
+{
+    struct blk *b;
+    int rc;
+
+    if (!s || !buf || !len)
+        return AST_EINVAL;
+    pthread_mutex_lock(&s->mu);
+    b = find(s, id, "record_path");
+    if (!b)
+        rc = AST_ENOENT;
+    else if (b->tier != AST_TIER_NVME)
+        rc = fail(s, AST_ESTATE, "record_path: block %" PRIu64 " is on tier %s, not on nvme", id,
+                  ast_tier_name(b->tier));
+    else if ((rc = ast__nvme_record_path(s->nvme, id, buf, len)) != 0)
+        rc = fail(s, rc, "record_path: a buffer of %zu bytes is too small", len);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}

@@ -7,6 +7,8 @@
 #include "asteria/linalg.h"
 #include "asteria/pool.h"
 #include "asteria/runtime.h"
+#include "asteria/shadow.h"
 #include "asteria/store.h"
+#include "asteria/trace.h"
 
 #endif

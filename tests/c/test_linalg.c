@@ -1,0 +1,1251 @@
+/*
+ * test_linalg.c - asteria/linalg.h against matrices with known spectra and against plain
+ * restatements of every formula in the header.
+ *
+ * The restatements are float64 and use other LAPACK drivers than the code under test where one
+ * exists (?syev, the QR algorithm, for the eigen-formula; row-major LAPACKE for the QR), so a
+ * shared mistake in layout or ordering does not cancel out.
+ *
+ * Tolerances have the form C * n * u * kappa. A backward-stable O(n^3) kernel returns the exact
+ * answer for an input perturbed by a small multiple of n u ||A|| (u = unit roundoff: 2^-24 for
+ * float32, 2^-53 for float64); the quantity compared amplifies that by at most its condition
+ * number kappa (1 for residuals and orthogonality, cond(A) for a smooth function of A such as
+ * an inverse root or a QR factor). C = 10 absorbs the constant in front of n u without letting
+ * an O(1) bug (wrong order, wrong transpose, wrong sign convention) through.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include "asteria/errors.h"
+#include "asteria/linalg.h"
+
+#include <cblas.h>
+#include <lapacke.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define U32 0x1p-24
+#define U64 0x1p-53
+#define TOL_C 10.0
+#define PI 3.14159265358979323846
+#define SENTINEL 0xA5
+
+#define assert_le(x, bound)                                                                    \
+    do {                                                                                       \
+        double x_ = (x), b_ = (bound);                                                         \
+        if (!(x_ <= b_))                                                                       \
+            fail_msg("%s = %.3e exceeds %.3e (line %d)", #x, x_, b_, __LINE__);                 \
+    } while (0)
+
+static const ast_dtype dtypes[] = {AST_F64, AST_F32};
+
+static double uround(ast_dtype dt) { return dt == AST_F32 ? U32 : U64; }
+static double tol_for(ast_dtype dt, int n, double kappa) { return TOL_C * n * uround(dt) * kappa; }
+
+/* ---- deterministic random numbers (xorshift64*) ----------------------------------------- */
+
+static uint64_t rng_state;
+
+static void rng_seed(uint64_t s) { rng_state = s * 0x9e3779b97f4a7c15ULL + 1; }
+
+static double urand(void)
+{
+    rng_state ^= rng_state >> 12;
+    rng_state ^= rng_state << 25;
+    rng_state ^= rng_state >> 27;
+    return (double)((rng_state * 2685821657736338717ULL) >> 11) * 0x1p-53;
+}
+
+static double nrand(void)
+{
+    double u1 = urand(), u2 = urand();
+    return sqrt(-2 * log(u1 + 0x1p-60)) * cos(2 * PI * u2);
+}
+
+/* ---- buffers ------------------------------------------------------------------------------ */
+
+static void *xalloc(size_t bytes)
+{
+    void *p = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+    assert_non_null(p);
+    return p;
+}
+
+static double *dalloc(size_t count) { return xalloc(count * sizeof(double)); }
+
+/* A copy of src in dtype dt (float64 values rounded for float32). */
+static void *to_dt(ast_dtype dt, size_t count, const double *src)
+{
+    void *p = xalloc(count * ast_dtype_size(dt));
+    for (size_t i = 0; i < count; i++) {
+        if (dt == AST_F32)
+            ((float *)p)[i] = (float)src[i];
+        else
+            ((double *)p)[i] = src[i];
+    }
+    return p;
+}
+
+static void from_dt(ast_dtype dt, size_t count, const void *src, double *dst)
+{
+    for (size_t i = 0; i < count; i++)
+        dst[i] = dt == AST_F32 ? ((const float *)src)[i] : ((const double *)src)[i];
+}
+
+/* Rounds to dt and back: the input a float32 call actually sees. */
+static void round_to(ast_dtype dt, size_t count, double *v)
+{
+    if (dt == AST_F32)
+        for (size_t i = 0; i < count; i++)
+            v[i] = (float)v[i];
+}
+
+static void fill_sentinel(void *p, size_t bytes) { memset(p, SENTINEL, bytes); }
+
+static int sentinel_intact(const void *p, size_t bytes)
+{
+    const unsigned char *c = p;
+    for (size_t i = 0; i < bytes; i++)
+        if (c[i] != SENTINEL)
+            return 0;
+    return 1;
+}
+
+/* ---- float64 row-major matrix helpers (n x n) ---------------------------------------------- */
+
+static void mm(int n, const double *a, const double *b, double *c)
+{
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1, a, n, b, n, 0, c, n);
+}
+
+static void mtm(int n, const double *a, const double *b, double *c)
+{
+    cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, n, n, 1, a, n, b, n, 0, c, n);
+}
+
+static void eye(int n, double *a, double c)
+{
+    memset(a, 0, (size_t)n * n * sizeof *a);
+    for (int i = 0; i < n; i++)
+        a[(size_t)i * n + i] = c;
+}
+
+static double fro(size_t count, const double *a)
+{
+    double s = 0;
+    for (size_t i = 0; i < count; i++)
+        s += a[i] * a[i];
+    return sqrt(s);
+}
+
+static double fro_diff(size_t count, const double *a, const double *b)
+{
+    double s = 0;
+    for (size_t i = 0; i < count; i++)
+        s += (a[i] - b[i]) * (a[i] - b[i]);
+    return sqrt(s);
+}
+
+static double rel_diff(size_t count, const double *a, const double *ref)
+{
+    return fro_diff(count, a, ref) / fro(count, ref);
+}
+
+/* ||A - c I||_F */
+static double dist_eye(int n, const double *a, double c)
+{
+    double s = 0;
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < n; j++) {
+            double d = a[(size_t)i * n + j] - (i == j ? c : 0);
+            s += d * d;
+        }
+    return sqrt(s);
+}
+
+/* Q factor of a Householder QR, row-major, through LAPACKE's row-major interface. */
+static void qr_q_ref(int n, double *g)
+{
+    double *tau = dalloc((size_t)n);
+    assert_int_equal(LAPACKE_dgeqrf(LAPACK_ROW_MAJOR, n, n, g, n, tau), 0);
+    assert_int_equal(LAPACKE_dorgqr(LAPACK_ROW_MAJOR, n, n, n, g, n, tau), 0);
+    free(tau);
+}
+
+static void rand_orthogonal(int n, double *u)
+{
+    for (size_t i = 0; i < (size_t)n * n; i++)
+        u[i] = nrand();
+    qr_q_ref(n, u);
+}
+
+/* a = U diag(lam) U^T, made exactly symmetric (the kernels read one triangle). */
+static void from_spectrum(int n, const double *lam, const double *u, double *a)
+{
+    double *b = dalloc((size_t)n * n);
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < n; j++)
+            b[(size_t)i * n + j] = u[(size_t)i * n + j] * lam[j];
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1, b, n, u, n, 0, a, n);
+    for (int i = 0; i < n; i++)
+        for (int j = i + 1; j < n; j++)
+            a[(size_t)i * n + j] = a[(size_t)j * n + i] =
+                0.5 * (a[(size_t)i * n + j] + a[(size_t)j * n + i]);
+    free(b);
+}
+
+/* A random symmetric matrix with spectrum lam; U receives the eigenbasis when non-NULL. */
+static double *rand_with_spectrum(int n, const double *lam, double *u_out)
+{
+    double *u = u_out ? u_out : dalloc((size_t)n * n), *a = dalloc((size_t)n * n);
+    rand_orthogonal(n, u);
+    from_spectrum(n, lam, u, a);
+    if (!u_out)
+        free(u);
+    return a;
+}
+
+static void sort_desc(int n, double *v)
+{
+    for (int i = 1; i < n; i++)
+        for (int j = i; j > 0 && v[j - 1] < v[j]; j--) {
+            double t = v[j];
+            v[j] = v[j - 1];
+            v[j - 1] = t;
+        }
+}
+
+static double max_abs(int n, const double *v)
+{
+    double m = 0;
+    for (int i = 0; i < n; i++)
+        m = fmax(m, fabs(v[i]));
+    return m;
+}
+
+/* ---- restatements ------------------------------------------------------------------------- */
+
+/* X = Q diag((max(l,0)+eps)^(-1/p)) Q^T with Q, l from dsyev. */
+static void inv_root_ref(int n, const double *a, double p, double eps, double *x)
+{
+    double *z = dalloc((size_t)n * n), *w = dalloc((size_t)n), *b = dalloc((size_t)n * n);
+    memcpy(z, a, (size_t)n * n * sizeof *z);
+    assert_int_equal(LAPACKE_dsyev(LAPACK_ROW_MAJOR, 'V', 'U', n, z, n, w), 0);
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < n; j++)
+            b[(size_t)i * n + j] = z[(size_t)i * n + j] * pow(fmax(w[j], 0) + eps, -1 / p);
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1, b, n, z, n, 0, x, n);
+    free(z);
+    free(w);
+    free(b);
+}
+
+/* ||X^p (A + eps I) - I||_F */
+static double root_residual(int n, const double *x, int p, const double *a, double eps)
+{
+    const size_t nn = (size_t)n * n;
+    double *acc = dalloc(nn), *t = dalloc(nn), *ap = dalloc(nn);
+    memcpy(ap, a, nn * sizeof *ap);
+    for (int i = 0; i < n; i++)
+        ap[(size_t)i * n + i] += eps;
+    memcpy(acc, ap, nn * sizeof *acc);
+    for (int k = 0; k < p; k++) {
+        mm(n, x, acc, t);
+        memcpy(acc, t, nn * sizeof *acc);
+    }
+    double r = dist_eye(n, acc, 1);
+    free(acc);
+    free(t);
+    free(ap);
+    return r;
+}
+
+/* e = diag(Q^T F Q); s = stable argsort descending; Q_new = qr(F Q[:, s]).Q */
+static void soap_ref(int n, const double *f, const double *q, double *q_new, int64_t *perm)
+{
+    const size_t nn = (size_t)n * n;
+    double *fq = dalloc(nn), *c = dalloc(nn), *e = dalloc((size_t)n), *qs = dalloc(nn);
+    mm(n, f, q, fq);
+    mtm(n, q, fq, c);
+    for (int j = 0; j < n; j++) {
+        e[j] = c[(size_t)j * n + j];
+        perm[j] = j;
+    }
+    for (int i = 1; i < n; i++)
+        for (int j = i; j > 0 && e[perm[j - 1]] < e[perm[j]]; j--) {
+            int64_t t = perm[j];
+            perm[j] = perm[j - 1];
+            perm[j - 1] = t;
+        }
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < n; j++)
+            qs[(size_t)i * n + j] = q[(size_t)i * n + perm[j]];
+    mm(n, f, qs, q_new);
+    qr_q_ref(n, q_new);
+    free(fq);
+    free(c);
+    free(e);
+    free(qs);
+}
+
+static void kl_ref(int n, const double *f, const double *q, double *q_new)
+{
+    mm(n, f, q, q_new);
+    qr_q_ref(n, q_new);
+}
+
+/* ---- calls through a dtype (float64 in, float64 out) --------------------------------------- */
+
+static int call_eigh(ast_dtype dt, int n, const double *a, double *w, double *q)
+{
+    const size_t nn = (size_t)n * n, es = ast_dtype_size(dt);
+    void *ad = to_dt(dt, nn, a), *wd = xalloc(n * es), *qd = xalloc(nn * es);
+    void *acopy = xalloc(nn * es);
+    memcpy(acopy, ad, nn * es);
+    int rc = ast_linalg_eigh(dt, n, ad, w ? wd : NULL, q ? qd : NULL);
+    assert_memory_equal(acopy, ad, nn * es); /* the input is only read */
+    if (rc == 0 && w)
+        from_dt(dt, (size_t)n, wd, w);
+    if (rc == 0 && q)
+        from_dt(dt, nn, qd, q);
+    free(ad);
+    free(wd);
+    free(qd);
+    free(acopy);
+    return rc;
+}
+
+static int call_inv_root(ast_dtype dt, int n, const double *a, double p, double eps, double *x)
+{
+    const size_t nn = (size_t)n * n;
+    void *ad = to_dt(dt, nn, a), *xd = xalloc(nn * ast_dtype_size(dt));
+    int rc = ast_linalg_inv_root(dt, n, ad, p, eps, xd);
+    if (rc == 0)
+        from_dt(dt, nn, xd, x);
+    free(ad);
+    free(xd);
+    return rc;
+}
+
+static int call_newton(ast_dtype dt, int n, const double *a, int p, double eps, int max_iter,
+                       double tol, double *x)
+{
+    const size_t nn = (size_t)n * n;
+    void *ad = to_dt(dt, nn, a), *xd = xalloc(nn * ast_dtype_size(dt));
+    int rc = ast_linalg_newton_inv_root(dt, n, ad, p, eps, max_iter, tol, xd);
+    if (rc == 0)
+        from_dt(dt, nn, xd, x);
+    free(ad);
+    free(xd);
+    return rc;
+}
+
+static int call_refresh(ast_dtype dt, int n, const double *f, const double *q, double *q_new,
+                        int64_t *perm)
+{
+    const size_t nn = (size_t)n * n;
+    void *fd = to_dt(dt, nn, f), *qd = to_dt(dt, nn, q), *od = xalloc(nn * ast_dtype_size(dt));
+    int rc = perm ? ast_linalg_soap_refresh(dt, n, fd, qd, od, perm)
+                  : ast_linalg_qr_refresh(dt, n, fd, qd, od);
+    if (rc == 0)
+        from_dt(dt, nn, od, q_new);
+    free(fd);
+    free(qd);
+    free(od);
+    return rc;
+}
+
+/* ---- checks -------------------------------------------------------------------------------- */
+
+/* w descending; ||A Q - Q diag(w)||_F <= tol ||A||_F; ||Q^T Q - I||_F <= tol. */
+static void check_eigh(int n, const double *a, const double *w, const double *q, double tol)
+{
+    const size_t nn = (size_t)n * n;
+    double *aq = dalloc(nn), *qtq = dalloc(nn);
+    for (int j = 1; j < n; j++)
+        if (!(w[j - 1] >= w[j]))
+            fail_msg("eigenvalues not descending at %d: %g < %g", j, w[j - 1], w[j]);
+    mm(n, a, q, aq);
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < n; j++)
+            aq[(size_t)i * n + j] -= q[(size_t)i * n + j] * w[j];
+    assert_le(fro(nn, aq), tol * fmax(fro(nn, a), 1e-300));
+    mtm(n, q, q, qtq);
+    assert_le(dist_eye(n, qtq, 1), tol);
+    free(aq);
+    free(qtq);
+}
+
+static void check_orthonormal(int n, const double *q, double tol)
+{
+    double *qtq = dalloc((size_t)n * n);
+    mtm(n, q, q, qtq);
+    assert_le(dist_eye(n, qtq, 1), tol);
+    free(qtq);
+}
+
+/* ---- eigh ------------------------------------------------------------------------------------ */
+
+static void test_dtype_size(void **state)
+{
+    (void)state;
+    assert_int_equal(ast_dtype_size(AST_F32), 4);
+    assert_int_equal(ast_dtype_size(AST_F64), 8);
+    assert_int_equal(ast_dtype_size((ast_dtype)7), 0);
+}
+
+static void test_eigh_identity(void **state)
+{
+    (void)state;
+    static const int sizes[] = {1, 5, 64};
+    for (size_t d = 0; d < 2; d++)
+        for (size_t s = 0; s < 3; s++) {
+            const int n = sizes[s];
+            double *a = dalloc((size_t)n * n), *w = dalloc((size_t)n), *q = dalloc((size_t)n * n);
+            eye(n, a, 1);
+            assert_int_equal(call_eigh(dtypes[d], n, a, w, q), 0);
+            for (int j = 0; j < n; j++)
+                assert_le(fabs(w[j] - 1), tol_for(dtypes[d], n, 1));
+            check_eigh(n, a, w, q, tol_for(dtypes[d], n, 1));
+            free(a);
+            free(w);
+            free(q);
+        }
+}
+
+/* A diagonal matrix's eigenvectors are unit vectors: checks the ordering and the
+ * "eigenvectors as columns" layout exactly. */
+static void test_eigh_diagonal(void **state)
+{
+    (void)state;
+    static const double lam[] = {-3, 0.5, 7, 2, -1, 4.25, 0, 9, 1.5};
+    const int n = 9;
+    for (size_t d = 0; d < 2; d++) {
+        double *a = dalloc(81), *w = dalloc(9), *q = dalloc(81), sorted[9];
+        memset(a, 0, 81 * sizeof *a);
+        for (int i = 0; i < n; i++)
+            a[i * n + i] = lam[i];
+        memcpy(sorted, lam, sizeof sorted);
+        sort_desc(n, sorted);
+        assert_int_equal(call_eigh(dtypes[d], n, a, w, q), 0);
+        for (int j = 0; j < n; j++) {
+            assert_le(fabs(w[j] - sorted[j]), tol_for(dtypes[d], n, 1) * 9);
+            for (int i = 0; i < n; i++)
+                assert_le(fabs(fabs(q[i * n + j]) - (lam[i] == sorted[j])), tol_for(dtypes[d], n, 1));
+        }
+        free(a);
+        free(w);
+        free(q);
+    }
+}
+
+typedef enum spectrum { SP_RANDOM, SP_RANK_DEFICIENT, SP_ILL, SP_CLUSTERED } spectrum;
+
+/* float64 cond 1e8; float32 cond 1e6 (its 1/u is 1.7e7, so 1e8 would be rank-deficient). */
+static void make_spectrum(spectrum sp, ast_dtype dt, int n, double *lam)
+{
+    for (int i = 0; i < n; i++) {
+        switch (sp) {
+        case SP_RANDOM:
+            lam[i] = 10 * urand() - 5;
+            break;
+        case SP_RANK_DEFICIENT:
+            lam[i] = i < n / 3 ? 1 + urand() : 0;
+            break;
+        case SP_ILL:
+            lam[i] = pow(10, -(dt == AST_F32 ? 6.0 : 8.0) * i / (n - 1));
+            break;
+        case SP_CLUSTERED:
+            lam[i] = (double)(i % 4);
+            break;
+        }
+    }
+}
+
+static void test_eigh_spectra(void **state)
+{
+    (void)state;
+    static const int sizes[] = {2, 37, 100};
+    rng_seed(1);
+    for (int sp = SP_RANDOM; sp <= SP_CLUSTERED; sp++)
+        for (size_t d = 0; d < 2; d++)
+            for (size_t s = 0; s < 3; s++) {
+                const int n = sizes[s];
+                const ast_dtype dt = dtypes[d];
+                double *lam = dalloc((size_t)n), *w = dalloc((size_t)n);
+                double *q = dalloc((size_t)n * n);
+                make_spectrum((spectrum)sp, dt, n, lam);
+                double *a = rand_with_spectrum(n, lam, NULL);
+                round_to(dt, (size_t)n * n, a);
+                assert_int_equal(call_eigh(dt, n, a, w, q), 0);
+                check_eigh(n, a, w, q, tol_for(dt, n, 1));
+                /* Weyl: each eigenvalue moves by at most the backward error's 2-norm. */
+                sort_desc(n, lam);
+                for (int j = 0; j < n; j++)
+                    assert_le(fabs(w[j] - lam[j]), tol_for(dt, n, 1) * max_abs(n, lam));
+                free(lam);
+                free(w);
+                free(q);
+                free(a);
+            }
+}
+
+static void test_eigh_partial_outputs(void **state)
+{
+    (void)state;
+    const int n = 20;
+    double lam[20], w[20], w2[20], q[400], q2[400];
+    rng_seed(2);
+    make_spectrum(SP_RANDOM, AST_F64, n, lam);
+    double *a = rand_with_spectrum(n, lam, NULL);
+    assert_int_equal(call_eigh(AST_F64, n, a, w, q), 0);
+    assert_int_equal(call_eigh(AST_F64, n, a, w2, NULL), 0);
+    assert_int_equal(call_eigh(AST_F64, n, a, NULL, q2), 0);
+    assert_memory_equal(w, w2, sizeof w);
+    assert_memory_equal(q, q2, sizeof q);
+    free(a);
+}
+
+/* ---- non-finite input and bad arguments ---------------------------------------------------- */
+
+/* Every entry point rejects NaN/Inf in any input (either triangle of a symmetric one) with
+ * AST_ENONFINITE, leaves its outputs untouched, and does not retry: a bad input is not a
+ * numerical failure. */
+static void test_nonfinite_input(void **state)
+{
+    (void)state;
+    const int n = 6;
+    const size_t nn = 36;
+    static const size_t where[] = {2 * 6 + 3, 3 * 6 + 2, 0};
+    const double bad[] = {NAN, INFINITY, -INFINITY};
+    for (size_t d = 0; d < 2; d++)
+        for (size_t k = 0; k < 3; k++) {
+            const ast_dtype dt = dtypes[d];
+            const size_t es = ast_dtype_size(dt);
+            double base[36], id[36];
+            rng_seed(3);
+            for (size_t i = 0; i < nn; i++)
+                base[i] = urand();
+            eye(n, id, 1);
+            base[where[k]] = bad[k];
+            void *a = to_dt(dt, nn, base), *good = to_dt(dt, nn, id);
+            void *o1 = xalloc(nn * es), *o2 = xalloc(nn * es);
+            int64_t perm[6];
+            fill_sentinel(o1, nn * es);
+            fill_sentinel(o2, nn * es);
+            fill_sentinel(perm, sizeof perm);
+            assert_int_equal(ast_linalg_eigh(dt, n, a, o1, o2), AST_ENONFINITE);
+            assert_int_equal(ast_linalg_inv_root(dt, n, a, 2, 1e-6, o1), AST_ENONFINITE);
+            assert_int_equal(ast_linalg_newton_inv_root(dt, n, a, 2, 1e-6, 50, 1e-4, o1),
+                             AST_ENONFINITE);
+            assert_int_equal(ast_linalg_soap_refresh(dt, n, a, good, o1, perm), AST_ENONFINITE);
+            assert_int_equal(ast_linalg_soap_refresh(dt, n, good, a, o1, perm), AST_ENONFINITE);
+            assert_int_equal(ast_linalg_qr_refresh(dt, n, a, good, o1), AST_ENONFINITE);
+            assert_int_equal(ast_linalg_qr_refresh(dt, n, good, a, o1), AST_ENONFINITE);
+            assert_int_equal(ast_linalg_last_retried(), 0);
+            assert_true(sentinel_intact(o1, nn * es));
+            assert_true(sentinel_intact(o2, nn * es));
+            assert_true(sentinel_intact(perm, sizeof perm));
+            free(a);
+            free(good);
+            free(o1);
+            free(o2);
+        }
+}
+
+static void test_bad_args(void **state)
+{
+    (void)state;
+    const int n = 4;
+    double a[16], q[16], o[16], w[4];
+    int64_t perm[4];
+    int fi = 99;
+    eye(n, a, 2);
+    eye(n, q, 1);
+    fill_sentinel(o, sizeof o);
+    fill_sentinel(w, sizeof w);
+    fill_sentinel(perm, sizeof perm);
+    const ast_dtype bad_dt = (ast_dtype)5;
+
+    assert_int_equal(ast_linalg_eigh(bad_dt, n, a, w, o), AST_EINVAL);
+    assert_int_equal(ast_linalg_eigh(AST_F64, 0, a, w, o), AST_EINVAL);
+    assert_int_equal(ast_linalg_eigh(AST_F64, -1, a, w, o), AST_EINVAL);
+    assert_int_equal(ast_linalg_eigh(AST_F64, 40000, a, w, o), AST_EINVAL);
+    assert_int_equal(ast_linalg_eigh(AST_F64, n, NULL, w, o), AST_EINVAL);
+    assert_int_equal(ast_linalg_eigh(AST_F64, n, a, NULL, NULL), AST_EINVAL);
+    assert_int_equal(ast_linalg_inv_root(AST_F64, n, a, 0, 1e-6, o), AST_EINVAL);
+    assert_int_equal(ast_linalg_inv_root(AST_F64, n, a, -2, 1e-6, o), AST_EINVAL);
+    assert_int_equal(ast_linalg_inv_root(AST_F64, n, a, NAN, 1e-6, o), AST_EINVAL);
+    assert_int_equal(ast_linalg_inv_root(AST_F64, n, a, INFINITY, 1e-6, o), AST_EINVAL);
+    assert_int_equal(ast_linalg_inv_root(AST_F64, n, a, 2, -1e-6, o), AST_EINVAL);
+    assert_int_equal(ast_linalg_inv_root(AST_F64, n, a, 2, NAN, o), AST_EINVAL);
+    assert_int_equal(ast_linalg_inv_root(AST_F64, n, a, 2, 1e-6, NULL), AST_EINVAL);
+    assert_int_equal(ast_linalg_newton_inv_root(AST_F64, n, a, 0, 1e-6, 50, 1e-6, o), AST_EINVAL);
+    assert_int_equal(ast_linalg_newton_inv_root(AST_F64, n, a, 2, -1, 50, 1e-6, o), AST_EINVAL);
+    assert_int_equal(ast_linalg_newton_inv_root(AST_F64, n, a, 2, 0, -1, 1e-6, o), AST_EINVAL);
+    assert_int_equal(ast_linalg_newton_inv_root(AST_F64, n, a, 2, 0, 50, 0, o), AST_EINVAL);
+    assert_int_equal(ast_linalg_newton_inv_root(AST_F64, n, a, 2, 0, 50, NAN, o), AST_EINVAL);
+    assert_int_equal(ast_linalg_soap_refresh(AST_F64, n, a, q, o, NULL), AST_EINVAL);
+    assert_int_equal(ast_linalg_soap_refresh(AST_F64, n, a, NULL, o, perm), AST_EINVAL);
+    assert_int_equal(ast_linalg_soap_refresh(AST_F64, n, a, q, NULL, perm), AST_EINVAL);
+    assert_int_equal(ast_linalg_qr_refresh(AST_F64, n, a, NULL, o), AST_EINVAL);
+    assert_true(sentinel_intact(o, sizeof o));
+    assert_true(sentinel_intact(w, sizeof w));
+    assert_true(sentinel_intact(perm, sizeof perm));
+
+    /* q_new may not alias q or f, also partially. */
+    double qc[16], fc[16], big[32];
+    memcpy(qc, q, sizeof qc);
+    memcpy(fc, a, sizeof fc);
+    assert_int_equal(ast_linalg_soap_refresh(AST_F64, n, fc, qc, qc, perm), AST_EINVAL);
+    assert_int_equal(ast_linalg_soap_refresh(AST_F64, n, fc, qc, fc, perm), AST_EINVAL);
+    assert_int_equal(ast_linalg_qr_refresh(AST_F64, n, fc, qc, qc), AST_EINVAL);
+    memcpy(big, q, sizeof qc);
+    assert_int_equal(ast_linalg_qr_refresh(AST_F64, n, fc, big, big + 8), AST_EINVAL);
+    assert_memory_equal(qc, q, sizeof qc);
+    assert_memory_equal(fc, a, sizeof fc);
+    assert_true(sentinel_intact(perm, sizeof perm));
+
+    /* Rejected batched arguments: nothing written, failed_index 0. */
+    assert_int_equal(ast_linalg_eigh_batched(AST_F64, -1, n, a, w, o, &fi), AST_EINVAL);
+    assert_int_equal(fi, 0);
+    fi = 99;
+    assert_int_equal(ast_linalg_inv_root_batched(AST_F64, 1, n, a, 0, 0, o, &fi), AST_EINVAL);
+    assert_int_equal(fi, 0);
+    assert_true(sentinel_intact(o, sizeof o));
+}
+
+/* ---- inverse roots ------------------------------------------------------------------------- */
+
+/* Against both the construction (U diag((l+eps)^(-1/p)) U^T from the known U, l) and the
+ * eigen-formula through dsyev; and X^p (A + eps I) = I. Spectrum in [1, 100] (kappa 100). */
+static void test_inv_root_restatement(void **state)
+{
+    (void)state;
+    static const double ps[] = {1, 2, 4, 2.5};
+    static const double epss[] = {0, 1e-3};
+    const int n = 48;
+    const size_t nn = (size_t)n * n;
+    rng_seed(4);
+    for (size_t d = 0; d < 2; d++)
+        for (size_t pi = 0; pi < 4; pi++)
+            for (size_t ei = 0; ei < 2; ei++) {
+                const ast_dtype dt = dtypes[d];
+                const double p = ps[pi], eps = epss[ei];
+                double *lam = dalloc((size_t)n), *u = dalloc(nn), *lr = dalloc((size_t)n);
+                double *x = dalloc(nn), *xc = dalloc(nn), *xe = dalloc(nn);
+                for (int i = 0; i < n; i++)
+                    lam[i] = pow(10, 2 * urand());
+                double *a = rand_with_spectrum(n, lam, u);
+                round_to(dt, nn, a);
+                assert_int_equal(call_inv_root(dt, n, a, p, eps, x), 0);
+                for (int i = 0; i < n; i++)
+                    lr[i] = pow(lam[i] + eps, -1 / p);
+                from_spectrum(n, lr, u, xc);
+                inv_root_ref(n, a, p, eps, xe);
+                const double tol = tol_for(dt, n, 100);
+                /* The float32 input was rounded: X moves by up to kappa * u32 from that alone. */
+                assert_le(rel_diff(nn, x, xc), tol + (dt == AST_F32 ? 100 * U32 : 0));
+                assert_le(rel_diff(nn, x, xe), tol);
+                if (p == floor(p))
+                    assert_le(root_residual(n, x, (int)p, a, eps) / sqrt(n), tol * p);
+                free(lam);
+                free(u);
+                free(lr);
+                free(x);
+                free(xc);
+                free(xe);
+                free(a);
+            }
+}
+
+/* Rank-deficient and indefinite spectra: eigenvalues are clamped at 0 before eps is added. */
+static void test_inv_root_clamp(void **state)
+{
+    (void)state;
+    const int n = 30;
+    const size_t nn = (size_t)n * n;
+    const double eps = 1e-2;
+    rng_seed(5);
+    for (size_t d = 0; d < 2; d++)
+        for (int kind = 0; kind < 2; kind++) {
+            const ast_dtype dt = dtypes[d];
+            double *lam = dalloc((size_t)n), *u = dalloc(nn), *lr = dalloc((size_t)n);
+            double *x = dalloc(nn), *xc = dalloc(nn), *xe = dalloc(nn);
+            for (int i = 0; i < n; i++)
+                lam[i] = i < n / 2 ? 1 + 9 * urand() : (kind == 0 ? 0 : -5 * urand());
+            double *a = rand_with_spectrum(n, lam, u);
+            round_to(dt, nn, a);
+            assert_int_equal(call_inv_root(dt, n, a, 2, eps, x), 0);
+            for (int i = 0; i < n; i++)
+                lr[i] = pow(fmax(lam[i], 0) + eps, -0.5);
+            from_spectrum(n, lr, u, xc);
+            inv_root_ref(n, a, 2, eps, xe);
+            /* kappa of the clamped, regularised spectrum: 10 / eps. The clamp turns the
+             * eigensolver's O(u ||A||) noise on zero eigenvalues into O(u ||A|| / eps). */
+            const double tol = tol_for(dt, n, 10 / eps);
+            assert_le(rel_diff(nn, x, xc), tol);
+            assert_le(rel_diff(nn, x, xe), tol);
+            free(lam);
+            free(u);
+            free(lr);
+            free(x);
+            free(xc);
+            free(xe);
+            free(a);
+        }
+}
+
+/* cond 1e8 in float64: X^2 A = I to C n u kappa (the residual of an eigen-based root grows with
+ * kappa, not kappa^2, because the error is aligned with the eigenbasis). float32 at cond 1e6
+ * can only be asked for a regularised root: eps = 1e-3 caps kappa at 1e3. */
+static void test_inv_root_ill_conditioned(void **state)
+{
+    (void)state;
+    const int n = 40;
+    const size_t nn = (size_t)n * n;
+    double *lam = dalloc((size_t)n), *u = dalloc(nn), *x = dalloc(nn), *xe = dalloc(nn);
+    rng_seed(6);
+    make_spectrum(SP_ILL, AST_F64, n, lam);
+    double *a = rand_with_spectrum(n, lam, u);
+    assert_int_equal(call_inv_root(AST_F64, n, a, 2, 0, x), 0);
+    assert_le(root_residual(n, x, 2, a, 0) / sqrt(n), tol_for(AST_F64, n, 1e8));
+    inv_root_ref(n, a, 2, 0, xe);
+    assert_le(rel_diff(nn, x, xe), tol_for(AST_F64, n, 1e8));
+    free(a);
+
+    make_spectrum(SP_ILL, AST_F32, n, lam);
+    a = rand_with_spectrum(n, lam, u);
+    round_to(AST_F32, nn, a);
+    assert_int_equal(call_inv_root(AST_F32, n, a, 2, 1e-3, x), 0);
+    inv_root_ref(n, a, 2, 1e-3, xe);
+    assert_le(rel_diff(nn, x, xe), tol_for(AST_F32, n, 1e3));
+    assert_le(root_residual(n, x, 2, a, 1e-3) / sqrt(n), tol_for(AST_F32, n, 1e3));
+    free(a);
+    free(lam);
+    free(u);
+    free(x);
+    free(xe);
+}
+
+static void test_inv_root_identity_and_singular(void **state)
+{
+    (void)state;
+    const int n = 3;
+    double a[9], x[9];
+    eye(n, a, 1);
+    for (size_t d = 0; d < 2; d++) {
+        assert_int_equal(call_inv_root(dtypes[d], n, a, 4, 0.5, x), 0);
+        assert_le(dist_eye(n, x, pow(1.5, -0.25)), tol_for(dtypes[d], n, 1));
+    }
+    /* An exact zero eigenvalue with eps == 0 has no inverse root. float32 retries in float64,
+     * which fails the same way; the outputs stay untouched either way. */
+    const double diag[9] = {3, 0, 0, 0, 0, 0, 0, 0, 1};
+    for (size_t d = 0; d < 2; d++) {
+        const ast_dtype dt = dtypes[d];
+        void *ad = to_dt(dt, 9, diag), *xd = xalloc(9 * ast_dtype_size(dt));
+        fill_sentinel(xd, 9 * ast_dtype_size(dt));
+        assert_int_equal(ast_linalg_inv_root(dt, n, ad, 2, 0, xd), AST_ENONFINITE);
+        assert_int_equal(ast_linalg_last_retried(), dt == AST_F32);
+        assert_true(sentinel_intact(xd, 9 * ast_dtype_size(dt)));
+        free(ad);
+        free(xd);
+    }
+}
+
+/* Newton against the eigen root. Converged means ||X^p A' - I||_inf < tol, so X is within about
+ * tol/p (relative) of the exact root, plus the rounding of the eigen root it is compared with. */
+static void test_newton_vs_eigen(void **state)
+{
+    (void)state;
+    static const int ps[] = {1, 2, 4, 3};
+    const int n = 48;
+    const size_t nn = (size_t)n * n;
+    rng_seed(7);
+    for (size_t d = 0; d < 2; d++)
+        for (size_t pi = 0; pi < 4; pi++) {
+            const ast_dtype dt = dtypes[d];
+            const double tol = dt == AST_F64 ? 1e-10 : 1e-3, eps = 1e-6;
+            double *lam = dalloc((size_t)n), *x = dalloc(nn), *xe = dalloc(nn);
+            for (int i = 0; i < n; i++)
+                lam[i] = pow(10, 2 * urand());
+            double *a = rand_with_spectrum(n, lam, NULL);
+            round_to(dt, nn, a);
+            assert_int_equal(call_newton(dt, n, a, ps[pi], eps, 100, tol, x), 0);
+            assert_int_equal(ast_linalg_last_retried(), 0);
+            inv_root_ref(n, a, ps[pi], eps, xe);
+            assert_le(rel_diff(nn, x, xe), tol + tol_for(dt, n, 100));
+            free(lam);
+            free(x);
+            free(xe);
+            free(a);
+        }
+}
+
+static void test_newton_failures(void **state)
+{
+    (void)state;
+    const int n = 16;
+    const size_t nn = 256;
+    double lam[16];
+    rng_seed(8);
+    for (int i = 0; i < n; i++)
+        lam[i] = pow(10, 3 * urand());
+    double *a = rand_with_spectrum(n, lam, NULL), *x = dalloc(nn), *xe = dalloc(nn);
+    void *xd = xalloc(nn * 8);
+
+    /* Not converged within max_iter: AST_ENOCONV, output untouched. */
+    fill_sentinel(xd, nn * 8);
+    assert_int_equal(ast_linalg_newton_inv_root(AST_F64, n, a, 2, 0, 2, 1e-10, xd), AST_ENOCONV);
+    assert_true(sentinel_intact(xd, nn * 8));
+    /* A zero matrix with eps = 0 is singular. */
+    memset(x, 0, nn * sizeof *x);
+    assert_int_equal(ast_linalg_newton_inv_root(AST_F64, n, x, 2, 0, 50, 1e-10, xd),
+                     AST_ENONFINITE);
+    assert_true(sentinel_intact(xd, nn * 8));
+    /* max_iter 0 accepts only the starting point, which is never I (z maps lambda_max to
+     * (p+1)/2); a multiple of I needs a handful of the quadratic steps. */
+    eye(n, x, 4);
+    assert_int_equal(ast_linalg_newton_inv_root(AST_F64, n, x, 2, 0, 0, 1e-12, xd), AST_ENOCONV);
+    assert_true(sentinel_intact(xd, nn * 8));
+    assert_int_equal(call_newton(AST_F64, n, x, 2, 0, 8, 1e-12, xe), 0);
+    assert_le(dist_eye(n, xe, 0.5), tol_for(AST_F64, n, 1));
+
+    /* float32 cannot reach 1e-9 (its rounding floor is ~n u32): the float32 iteration stalls,
+     * the float64 retry converges and is rounded back. */
+    assert_int_equal(call_newton(AST_F32, n, a, 2, 0, 100, 1e-9, x), 0);
+    assert_int_equal(ast_linalg_last_retried(), 1);
+    round_to(AST_F32, nn, a);
+    inv_root_ref(n, a, 2, 0, xe);
+    assert_le(rel_diff(nn, x, xe), 10 * U32);
+    free(a);
+    free(x);
+    free(xe);
+    free(xd);
+}
+
+/* ---- SOAP and KL refreshes ----------------------------------------------------------------- */
+
+/* A basis near F's eigenbasis but scrambled: SOAP's situation between refreshes, and it keeps
+ * e's gaps (>= 9/(n-1)) far above float32 rounding so the permutation is decided exactly. */
+static void near_eigenbasis(int n, const double *u, double *q)
+{
+    for (int j = 0; j < n; j++) {
+        int src = (j * 7 + 3) % n;
+        for (int i = 0; i < n; i++)
+            q[(size_t)i * n + j] = u[(size_t)i * n + src] + 0.02 * nrand();
+    }
+    qr_q_ref(n, q);
+}
+
+static void test_soap_refresh_restatement(void **state)
+{
+    (void)state;
+    const int n = 40; /* coprime with 7, so near_eigenbasis permutes */
+    const size_t nn = (size_t)n * n;
+    rng_seed(9);
+    for (size_t d = 0; d < 2; d++) {
+        const ast_dtype dt = dtypes[d];
+        double *lam = dalloc((size_t)n), *u = dalloc(nn), *q = dalloc(nn);
+        double *qn = dalloc(nn), *qr = dalloc(nn);
+        int64_t perm[40], pr[40];
+        for (int i = 0; i < n; i++)
+            lam[i] = 1 + 9.0 * i / (n - 1);
+        double *f = rand_with_spectrum(n, lam, u);
+        near_eigenbasis(n, u, q);
+        round_to(dt, nn, f);
+        round_to(dt, nn, q);
+        assert_int_equal(call_refresh(dt, n, f, q, qn, perm), 0);
+        soap_ref(n, f, q, qr, pr);
+        assert_memory_equal(perm, pr, sizeof perm);
+        /* kappa: cond(F Q[:, s]) = cond(F) = 10. */
+        assert_le(fro_diff(nn, qn, qr), tol_for(dt, n, 10) * sqrt(n));
+        check_orthonormal(n, qn, tol_for(dt, n, 1));
+        free(lam);
+        free(u);
+        free(q);
+        free(qn);
+        free(qr);
+        free(f);
+    }
+}
+
+/* Ties in e keep their original order; exact with Q = I and a diagonal F. */
+static void test_soap_refresh_ties(void **state)
+{
+    (void)state;
+    static const double diag[] = {1, 3, 3, 2, 3};
+    static const int64_t expect[] = {1, 2, 4, 3, 0};
+    const int n = 5;
+    double f[25], q[25], qn[25], qr[25];
+    int64_t perm[5], pr[5];
+    memset(f, 0, sizeof f);
+    for (int i = 0; i < n; i++)
+        f[i * n + i] = diag[i];
+    eye(n, q, 1);
+    for (size_t d = 0; d < 2; d++) {
+        assert_int_equal(call_refresh(dtypes[d], n, f, q, qn, perm), 0);
+        assert_memory_equal(perm, expect, sizeof perm);
+        soap_ref(n, f, q, qr, pr);
+        assert_memory_equal(pr, expect, sizeof pr);
+        assert_le(fro_diff(25, qn, qr), tol_for(dtypes[d], n, 1));
+    }
+}
+
+/* Repeated refreshes are power iteration: Q converges to F's eigenbasis with the eigenvalues in
+ * descending order, at rate (l_{i+1}/l_i)^k = (7/8)^300 ~ 4e-18 here. */
+static void test_soap_refresh_converges(void **state)
+{
+    (void)state;
+    const int n = 8;
+    double lam[8], f[64], q[64], qn[64], c[64], fq[64];
+    int64_t perm[8];
+    rng_seed(10);
+    for (int i = 0; i < n; i++)
+        lam[i] = 1 + i;
+    double *g = rand_with_spectrum(n, lam, NULL);
+    memcpy(f, g, sizeof f);
+    free(g);
+    rand_orthogonal(n, q);
+    for (int k = 0; k < 300; k++) {
+        assert_int_equal(ast_linalg_soap_refresh(AST_F64, n, f, q, qn, perm), 0);
+        memcpy(q, qn, sizeof q);
+    }
+    for (int j = 0; j < n; j++)
+        assert_int_equal(perm[j], j);
+    mm(n, f, q, fq);
+    mtm(n, q, fq, c);
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < n; j++)
+            assert_le(fabs(c[i * n + j] - (i == j ? lam[n - 1 - i] : 0)), 1e-10);
+}
+
+static void test_qr_refresh_restatement(void **state)
+{
+    (void)state;
+    const int n = 40;
+    const size_t nn = (size_t)n * n;
+    rng_seed(11);
+    for (size_t d = 0; d < 2; d++) {
+        const ast_dtype dt = dtypes[d];
+        double *lam = dalloc((size_t)n), *q = dalloc(nn), *qn = dalloc(nn), *qr = dalloc(nn);
+        for (int i = 0; i < n; i++)
+            lam[i] = 1 + 9 * urand();
+        double *f = rand_with_spectrum(n, lam, NULL);
+        rand_orthogonal(n, q);
+        round_to(dt, nn, f);
+        round_to(dt, nn, q);
+        assert_int_equal(call_refresh(dt, n, f, q, qn, NULL), 0);
+        kl_ref(n, f, q, qr);
+        assert_le(fro_diff(nn, qn, qr), tol_for(dt, n, 10) * sqrt(n));
+        check_orthonormal(n, qn, tol_for(dt, n, 1));
+        free(lam);
+        free(q);
+        free(qn);
+        free(qr);
+        free(f);
+    }
+}
+
+/* ---- batched --------------------------------------------------------------------------------- */
+
+typedef enum bop { B_EIGH, B_ROOT, B_SOAP, B_QR } bop;
+
+/* vec: w for eigh, perm for SOAP. */
+static int call_single(bop op, ast_dtype dt, int n, const void *a, const void *q, void *m,
+                       void *vec)
+{
+    switch (op) {
+    case B_EIGH:
+        return ast_linalg_eigh(dt, n, a, vec, m);
+    case B_ROOT:
+        return ast_linalg_inv_root(dt, n, a, 2, 1e-4, m);
+    case B_SOAP:
+        return ast_linalg_soap_refresh(dt, n, a, q, m, vec);
+    case B_QR:
+        return ast_linalg_qr_refresh(dt, n, a, q, m);
+    }
+    return -100;
+}
+
+static int call_batched(bop op, ast_dtype dt, int batch, int n, const void *a, const void *q,
+                        void *m, void *vec, int *fi)
+{
+    switch (op) {
+    case B_EIGH:
+        return ast_linalg_eigh_batched(dt, batch, n, a, vec, m, fi);
+    case B_ROOT:
+        return ast_linalg_inv_root_batched(dt, batch, n, a, 2, 1e-4, m, fi);
+    case B_SOAP:
+        return ast_linalg_soap_refresh_batched(dt, batch, n, a, q, m, vec, fi);
+    case B_QR:
+        return ast_linalg_qr_refresh_batched(dt, batch, n, a, q, m, fi);
+    }
+    return -100;
+}
+
+/* Each block of a batched call equals the single call bitwise; at the first failing block the
+ * call stops: blocks before it written, from it on untouched, failed_index set. */
+static void test_batched(void **state)
+{
+    (void)state;
+    enum { B = 4, N = 12 };
+    const size_t nn = N * N;
+    rng_seed(12);
+    for (size_t d = 0; d < 2; d++)
+        for (int op = B_EIGH; op <= B_QR; op++) {
+            const ast_dtype dt = dtypes[d];
+            const size_t es = ast_dtype_size(dt);
+            const size_t vb = op == B_SOAP ? N * sizeof(int64_t) : N * es;
+            double *a64 = dalloc(B * nn), *q64 = dalloc(B * nn), lam[N];
+            for (int b = 0; b < B; b++) {
+                for (int i = 0; i < N; i++)
+                    lam[i] = 1 + 9 * urand();
+                double *f = rand_with_spectrum(N, lam, NULL);
+                memcpy(a64 + b * nn, f, nn * sizeof *f);
+                free(f);
+                rand_orthogonal(N, q64 + b * nn);
+            }
+            char *a = to_dt(dt, B * nn, a64), *q = to_dt(dt, B * nn, q64);
+            char *m = xalloc(B * nn * es), *v = xalloc(B * vb);
+            char *m1 = xalloc(nn * es), *v1 = xalloc(vb);
+            int fi = 99;
+
+            fill_sentinel(m, B * nn * es);
+            fill_sentinel(v, B * vb);
+            assert_int_equal(call_batched((bop)op, dt, B, N, a, q, m, v, &fi), 0);
+            assert_int_equal(fi, -1);
+            for (int b = 0; b < B; b++) {
+                assert_int_equal(call_single((bop)op, dt, N, a + b * nn * es, q + b * nn * es,
+                                             m1, v1),
+                                 0);
+                assert_memory_equal(m1, m + b * nn * es, nn * es);
+                if (op == B_EIGH || op == B_SOAP)
+                    assert_memory_equal(v1, v + b * vb, vb);
+            }
+
+            /* Poison block 2 (its F for refreshes too, so every op sees it). */
+            for (int fail_at = 0; fail_at < B; fail_at += 2) {
+                char *poison = a + (size_t)fail_at * nn * es + 5 * es;
+                char saved[8];
+                memcpy(saved, poison, es);
+                if (dt == AST_F32)
+                    *(float *)poison = NAN;
+                else
+                    *(double *)poison = NAN;
+                fill_sentinel(m, B * nn * es);
+                fill_sentinel(v, B * vb);
+                fi = 99;
+                assert_int_equal(call_batched((bop)op, dt, B, N, a, q, m, v, &fi),
+                                 AST_ENONFINITE);
+                assert_int_equal(fi, fail_at);
+                for (int b = 0; b < fail_at; b++) {
+                    assert_int_equal(call_single((bop)op, dt, N, a + b * nn * es,
+                                                 q + b * nn * es, m1, v1),
+                                     0);
+                    assert_memory_equal(m1, m + b * nn * es, nn * es);
+                }
+                assert_true(sentinel_intact(m + (size_t)fail_at * nn * es,
+                                            (size_t)(B - fail_at) * nn * es));
+                assert_true(sentinel_intact(v + (size_t)fail_at * vb, (size_t)(B - fail_at) * vb));
+                memcpy(poison, saved, es);
+            }
+
+            /* An empty batch succeeds and writes nothing. */
+            fi = 99;
+            fill_sentinel(m, nn * es);
+            assert_int_equal(call_batched((bop)op, dt, 0, N, a, q, m, v, &fi), 0);
+            assert_int_equal(fi, -1);
+            assert_true(sentinel_intact(m, nn * es));
+            free(a64);
+            free(q64);
+            free(a);
+            free(q);
+            free(m);
+            free(v);
+            free(m1);
+            free(v1);
+        }
+}
+
+/* ---- the float32 -> float64 retry ------------------------------------------------------------ */
+
+/* F = 3e38 * ones(2) is finite in float32, but F Q with Q a 45-degree rotation has entries
+ * 3e38 * sqrt(2) > FLT_MAX: the float32 product overflows, the float64 retry does not, and its
+ * orthonormal result rounds back to float32 without loss of range. The float32 answer must be
+ * exactly the float64 answer (on the same inputs) rounded. */
+static void test_retry_f64(void **state)
+{
+    (void)state;
+    const float big = 3e38f, r = (float)(1 / sqrt(2.0));
+    const float f32[4] = {big, big, big, big}, q32[4] = {r, -r, r, r};
+    const double f64[4] = {big, big, big, big}, q64[4] = {r, -r, r, r};
+    float o32[4], w32[2];
+    double o64[4], w64[2];
+    int64_t p32[2], p64[2];
+
+    assert_int_equal(ast_linalg_soap_refresh(AST_F32, 2, f32, q32, o32, p32), 0);
+    assert_int_equal(ast_linalg_last_retried(), 1);
+    assert_int_equal(ast_linalg_soap_refresh(AST_F64, 2, f64, q64, o64, p64), 0);
+    assert_int_equal(ast_linalg_last_retried(), 0);
+    assert_memory_equal(p32, p64, sizeof p32);
+    for (int i = 0; i < 4; i++)
+        assert_true(o32[i] == (float)o64[i]);
+
+    assert_int_equal(ast_linalg_qr_refresh(AST_F32, 2, f32, q32, o32), 0);
+    assert_int_equal(ast_linalg_last_retried(), 1);
+    assert_int_equal(ast_linalg_qr_refresh(AST_F64, 2, f64, q64, o64), 0);
+    for (int i = 0; i < 4; i++)
+        assert_true(o32[i] == (float)o64[i]);
+
+    /* Its largest eigenvalue, 6e38, overflows float32: the float32 inverse root fails, the
+     * float64 one succeeds (the eigenvalue only enters as 6e38^(-1/2)). */
+    assert_int_equal(ast_linalg_inv_root(AST_F32, 2, f32, 2, 1, o32), 0);
+    assert_int_equal(ast_linalg_last_retried(), 1);
+    assert_int_equal(ast_linalg_inv_root(AST_F64, 2, f64, 2, 1, o64), 0);
+    for (int i = 0; i < 4; i++)
+        assert_true(o32[i] == (float)o64[i]);
+
+    /* eigh must return 6e38 itself, which float32 cannot hold even after the retry. */
+    fill_sentinel(w32, sizeof w32);
+    fill_sentinel(o32, sizeof o32);
+    assert_int_equal(ast_linalg_eigh(AST_F32, 2, f32, w32, o32), AST_ENONFINITE);
+    assert_int_equal(ast_linalg_last_retried(), 1);
+    assert_true(sentinel_intact(w32, sizeof w32));
+    assert_true(sentinel_intact(o32, sizeof o32));
+    assert_int_equal(ast_linalg_eigh(AST_F64, 2, f64, w64, o64), 0);
+    assert_le(fabs(w64[0] - 6e38) / 6e38, 1e-7);
+
+    /* Clean float32 input: no retry, and the flag is reset by the next call. */
+    const float id[4] = {1, 0, 0, 1};
+    assert_int_equal(ast_linalg_eigh(AST_F32, 2, id, w32, o32), 0);
+    assert_int_equal(ast_linalg_last_retried(), 0);
+}
+
+/* ---- concurrency ---------------------------------------------------------------------------- */
+
+enum { TN = 48, TTHREADS = 4, TREPS = 3 };
+
+typedef struct thread_case {
+    const float *a32;
+    const double *a64, *q64;
+    const float *ref_w32, *ref_x32;
+    const double *ref_q64, *ref_x64, *ref_s64;
+    const int64_t *ref_perm;
+    int ok, retried_at_start;
+} thread_case;
+
+static void *thread_main(void *arg)
+{
+    thread_case *c = arg;
+    float w32[TN], x32[TN * TN], q32[TN * TN];
+    double q64[TN * TN], x64[TN * TN], s64[TN * TN];
+    int64_t perm[TN];
+    c->retried_at_start = ast_linalg_last_retried();
+    ast_linalg_init();
+    c->ok = 1;
+    for (int r = 0; r < TREPS && c->ok; r++) {
+        c->ok &= ast_linalg_eigh(AST_F32, TN, c->a32, w32, q32) == 0 &&
+                 memcmp(w32, c->ref_w32, sizeof w32) == 0;
+        c->ok &= ast_linalg_inv_root(AST_F32, TN, c->a32, 4, 1e-6, x32) == 0 &&
+                 memcmp(x32, c->ref_x32, sizeof x32) == 0;
+        c->ok &= ast_linalg_eigh(AST_F64, TN, c->a64, NULL, q64) == 0 &&
+                 memcmp(q64, c->ref_q64, sizeof q64) == 0;
+        c->ok &= ast_linalg_newton_inv_root(AST_F64, TN, c->a64, 2, 1e-6, 100, 1e-10, x64) == 0 &&
+                 memcmp(x64, c->ref_x64, sizeof x64) == 0;
+        c->ok &= ast_linalg_soap_refresh(AST_F64, TN, c->a64, c->q64, s64, perm) == 0 &&
+                 memcmp(s64, c->ref_s64, sizeof s64) == 0 &&
+                 memcmp(perm, c->ref_perm, sizeof perm) == 0;
+    }
+    return NULL;
+}
+
+/* Concurrent calls from several threads give bitwise the single-threaded results (no shared
+ * workspace, OpenBLAS on one thread per call), and the retry flag is per thread. Under TSan this
+ * is the race check for the module. */
+static void test_concurrent(void **state)
+{
+    (void)state;
+    const size_t nn = TN * TN;
+    double lam[TN];
+    rng_seed(13);
+    for (int i = 0; i < TN; i++)
+        lam[i] = pow(10, 2 * urand());
+    double *a64 = rand_with_spectrum(TN, lam, NULL), *q64 = dalloc(nn);
+    rand_orthogonal(TN, q64);
+    float *a32 = to_dt(AST_F32, nn, a64);
+    float *w32 = xalloc(TN * 4), *x32 = xalloc(nn * 4), *q32 = xalloc(nn * 4);
+    double *rq = dalloc(nn), *rx = dalloc(nn), *rs = dalloc(nn);
+    int64_t perm[TN];
+    assert_int_equal(ast_linalg_eigh(AST_F32, TN, a32, w32, q32), 0);
+    assert_int_equal(ast_linalg_inv_root(AST_F32, TN, a32, 4, 1e-6, x32), 0);
+    assert_int_equal(ast_linalg_eigh(AST_F64, TN, a64, NULL, rq), 0);
+    assert_int_equal(ast_linalg_newton_inv_root(AST_F64, TN, a64, 2, 1e-6, 100, 1e-10, rx), 0);
+    assert_int_equal(ast_linalg_soap_refresh(AST_F64, TN, a64, q64, rs, perm), 0);
+
+    /* Leave this thread's flag set: other threads must not see it. */
+    const float big[4] = {3e38f, 3e38f, 3e38f, 3e38f}, rot[4] = {0.6f, -0.8f, 0.8f, 0.6f};
+    float qn[4];
+    int64_t p2[2];
+    assert_int_equal(ast_linalg_soap_refresh(AST_F32, 2, big, rot, qn, p2), 0);
+    assert_int_equal(ast_linalg_last_retried(), 1);
+
+    pthread_t th[TTHREADS];
+    thread_case cs[TTHREADS];
+    for (int t = 0; t < TTHREADS; t++) {
+        cs[t] = (thread_case){.a32 = a32, .a64 = a64, .q64 = q64, .ref_w32 = w32,
+                              .ref_x32 = x32, .ref_q64 = rq, .ref_x64 = rx, .ref_s64 = rs,
+                              .ref_perm = perm};
+        assert_int_equal(pthread_create(&th[t], NULL, thread_main, &cs[t]), 0);
+    }
+    for (int t = 0; t < TTHREADS; t++) {
+        assert_int_equal(pthread_join(th[t], NULL), 0);
+        assert_true(cs[t].ok);
+        assert_int_equal(cs[t].retried_at_start, 0);
+    }
+    assert_int_equal(ast_linalg_last_retried(), 1);
+    free(a64);
+    free(q64);
+    free(a32);
+    free(w32);
+    free(x32);
+    free(q32);
+    free(rq);
+    free(rx);
+    free(rs);
+}
+
+int main(void)
+{
+    ast_linalg_init();
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_dtype_size),
+        cmocka_unit_test(test_eigh_identity),
+        cmocka_unit_test(test_eigh_diagonal),
+        cmocka_unit_test(test_eigh_spectra),
+        cmocka_unit_test(test_eigh_partial_outputs),
+        cmocka_unit_test(test_nonfinite_input),
+        cmocka_unit_test(test_bad_args),
+        cmocka_unit_test(test_inv_root_restatement),
+        cmocka_unit_test(test_inv_root_clamp),
+        cmocka_unit_test(test_inv_root_ill_conditioned),
+        cmocka_unit_test(test_inv_root_identity_and_singular),
+        cmocka_unit_test(test_newton_vs_eigen),
+        cmocka_unit_test(test_newton_failures),
+        cmocka_unit_test(test_soap_refresh_restatement),
+        cmocka_unit_test(test_soap_refresh_ties),
+        cmocka_unit_test(test_soap_refresh_converges),
+        cmocka_unit_test(test_qr_refresh_restatement),
+        cmocka_unit_test(test_batched),
+        cmocka_unit_test(test_retry_f64),
+        cmocka_unit_test(test_concurrent),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

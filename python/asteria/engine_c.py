@@ -1,0 +1,242 @@
+"""``CEngine``: the ``mode="async"`` REFRESH engine, over libasteria's C worker pool.
+
+Owns: one ``asteria._C.Runtime`` and, per job whose result has not been handed out yet, its host
+tensors (input snapshots, outputs) with their buffer registrations. Workers read and write those
+buffers from their own threads, so each job's tensors stay referenced, and registered, until the
+runtime has reported the job finished (``poll`` or ``wait``); only then are they unregistered.
+May call: torch, ``asteria.engine``, ``asteria._C``.
+Threading: single-threaded use (the optimizer's training thread), no locks. The GIL is released
+inside ``_C``'s blocking calls, so other Python threads run while this one waits at the barrier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from typing import Any, Mapping, Optional
+
+import torch
+
+from asteria import _C
+from asteria.engine import Engine, Result, check_op
+
+_C_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+_WITH_BASIS = ("soap_qr", "kl_qr")
+
+
+def c_config(cfg: Any) -> dict[str, Any]:
+    """The ``_C.Runtime`` config dict of ``cfg``: None, a dict passed through, or any object with
+    the config attributes (``asteria.RuntimeConfig``). A None value keeps the C default (for
+    ``workers``: the cores the training thread does not use)."""
+    if cfg is None:
+        return {}
+    if isinstance(cfg, Mapping):
+        return dict(cfg)
+    out: dict[str, Any] = {}
+    for key in _C.config_keys():
+        value = getattr(cfg, key, None)
+        if isinstance(value, enum.Enum):
+            value = value.value
+        elif isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        elif isinstance(value, Mapping):
+            value = dict(value)  # _C writes a placement dict as "kind=tier,..."
+        out[key] = value
+    return out
+
+
+@dataclasses.dataclass
+class _Job:
+    op: str
+    device: torch.device
+    dtype: torch.dtype
+    pinned: bool
+    buffers: tuple[torch.Tensor, ...]   # every registered tensor, inputs first
+    outputs: Optional[tuple[torch.Tensor, ...]]
+    handles: tuple[int, ...]
+    result: Any = None                 # the _C.Result, once the runtime reported it
+
+
+def _snapshot(t: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    out = torch.empty(t.shape, dtype=dtype, pin_memory=pin)
+    with torch.no_grad():
+        out.copy_(t.detach())  # blocking, so the caller may mutate t as soon as submit returns
+    return out
+
+
+class CEngine(Engine):
+    """REFRESH jobs on libasteria's worker pool (``mode="async"``)."""
+
+    def __init__(self, cfg: Any = None) -> None:
+        self._closed = True  # until the runtime exists, so __del__ has nothing to do
+        self._rt = _C.Runtime(c_config(cfg))
+        self._jobs: dict[int, _Job] = {}
+        self._final_stats: Optional[dict[str, Any]] = None
+        self._closed = False
+
+    @property
+    def runtime(self) -> "_C.Runtime":
+        return self._rt
+
+    # ---- jobs ---------------------------------------------------------------------------------
+
+    def submit(self, op, f, q=None, *, block, version, deadline, snapshot_step, p=0.0,
+               eps=0.0) -> int:
+        self._check_open()
+        check_op(op, (f, q))
+        if not f.is_floating_point():
+            raise ValueError(f"REFRESH input must be a real floating tensor, got {f.dtype}")
+        batch, n = int(f.shape[0]), int(f.shape[1])
+        if batch == 0 or n == 0:
+            raise ValueError(f"REFRESH input must be non-empty, got shape {tuple(f.shape)}")
+        self._poll()  # release the buffers of jobs that finished meanwhile
+        cdtype = f.dtype if f.dtype in _C_DTYPES else torch.float32
+        pin = f.device.type == "cuda" and torch.cuda.is_available()
+
+        inputs = [_snapshot(f, cdtype, pin)]
+        if op in _WITH_BASIS:
+            inputs.append(_snapshot(q, cdtype, pin))
+        outputs = [torch.empty((batch, n, n), dtype=cdtype, pin_memory=pin)]
+        if op == "eigh":
+            outputs.append(torch.empty((batch, n), dtype=cdtype, pin_memory=pin))
+        elif op == "soap_qr":
+            outputs.append(torch.empty((batch, n), dtype=torch.int64, pin_memory=pin))
+        buffers = (*inputs, *outputs)
+
+        def addr(ts: list, i: int) -> Optional[int]:
+            return ts[i].data_ptr() if i < len(ts) else None
+
+        handles: list[int] = []
+        try:
+            for t in buffers:
+                handles.append(self._rt.register(t.data_ptr(), t.numel() * t.element_size()))
+            ticket = self._rt.submit(
+                op, _C_DTYPES[cdtype], n, batch, addr(inputs, 0), addr(inputs, 1),
+                addr(outputs, 0), addr(outputs, 1), p=float(p), eps=float(eps), block=block,
+                version=version, deadline=deadline, snapshot_step=snapshot_step)
+        except BaseException:
+            for h in handles:
+                self._rt.unregister(h)
+            raise
+        self._jobs[ticket] = _Job(op=op, device=f.device, dtype=f.dtype, pinned=pin,
+                                  buffers=buffers, outputs=tuple(outputs), handles=tuple(handles))
+        return ticket
+
+    def ready(self, ticket: int) -> bool:
+        job = self._job(ticket)
+        if job.result is None and not self._closed:
+            self._poll()
+        return job.result is not None
+
+    def wait(self, ticket: int, timeout: Optional[float] = None) -> Result:
+        """The job's result (bounded barrier, GIL released). ``timeout`` in seconds: on expiry
+        TimeoutError and the ticket stays pending."""
+        job = self._job(ticket)
+        if job.result is None:
+            self._check_open()
+            self._collect(self._rt.wait(ticket, timeout))
+        del self._jobs[ticket]
+        return self._result(job)
+
+    def cancel(self, ticket: int) -> bool:
+        job = self._jobs.get(ticket)
+        if job is None or job.result is not None or self._closed:
+            return False
+        if not self._rt.cancel(ticket):
+            return False
+        # A successful cancel publishes the completion at once: collect it without waiting.
+        self._collect(self._rt.wait(ticket, 0.0))
+        return True
+
+    # ---- counters -------------------------------------------------------------------------------
+
+    def note_install(self, snapshot_step: int, install_step: int) -> None:
+        self._check_open()
+        self._rt.note_install(snapshot_step, install_step)
+
+    def note_nonfinite(self) -> None:
+        self._check_open()
+        self._rt.note_nonfinite()
+
+    def stats(self) -> dict[str, Any]:
+        if self._closed:
+            return dict(self._final_stats or {})
+        return self._rt.stats()
+
+    def close(self) -> None:
+        """Cancel queued jobs, wait for running ones (GIL released), free the runtime; the job
+        tensors are dropped only after that. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for ticket, job in self._jobs.items():
+            if job.result is None:
+                self._rt.cancel(ticket)
+        self._final_stats = self._rt.stats()
+        self._rt.close()
+        self._jobs.clear()
+
+    def __del__(self) -> None:
+        # Before the job tensors go away with this object, no worker may still write them.
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("CEngine is closed")
+
+    def _job(self, ticket: int) -> _Job:
+        try:
+            return self._jobs[ticket]
+        except KeyError:
+            raise ValueError(f"unknown or already waited-for ticket {ticket}") from None
+
+    def _poll(self) -> None:
+        for res in self._rt.poll():
+            self._collect(res)
+
+    def _collect(self, res: Any) -> None:
+        """The runtime is done with a job: unregister and drop its buffers (keeping the outputs
+        of a success) and remember its result."""
+        job = self._jobs.get(res.ticket)
+        if job is None:
+            return
+        for h in job.handles:
+            self._rt.unregister(h)
+        job.handles = ()
+        job.buffers = ()
+        if res.status != 0:
+            job.outputs = None
+        job.result = res
+
+    def _result(self, job: _Job) -> Result:
+        res = job.result
+        outputs, error = None, ""
+        if res.status == 0:
+            outputs = tuple(self._restore(t, job) for t in job.outputs)
+        else:
+            error = self._describe(job, res)
+        return Result(ticket=res.ticket, block=res.block, version=res.version,
+                      snapshot_step=res.snapshot_step, status=res.status, outputs=outputs,
+                      error=error, retried_f64=bool(res.retried_f64))
+
+    @staticmethod
+    def _restore(t: torch.Tensor, job: _Job) -> torch.Tensor:
+        dtype = job.dtype if t.is_floating_point() else t.dtype
+        return t.to(device=job.device, dtype=dtype, non_blocking=job.pinned)
+
+    def _describe(self, job: _Job, res: Any) -> str:
+        name = _C.err_name(res.status)
+        msg = f"{job.op}: {name}: {_C.strerror(res.status)}"
+        if res.started_ns and res.failed_index >= 0:  # only a job that ran has one
+            msg += f" (block {res.failed_index} of the batch)"
+        if not self._closed:
+            detail = self._rt.last_error()
+            if detail.startswith(name + ":"):  # the runtime's message about this failure
+                msg += f"; {detail[len(name) + 1:].strip()}"
+        return msg

@@ -1,0 +1,180 @@
+"""``TorchEngine``: the ``mode="sync"`` REFRESH engine, the native reference.
+
+Owns: nothing but a table of finished results and its counters. Every job is computed inline
+with ``torch.linalg`` at ``submit`` time, on the inputs' own device and dtype, so ``ready`` is
+always true and ``wait`` never blocks. It may call only torch. Single-threaded use (the
+optimizer's training thread); no locks.
+
+Numerics follow include/asteria/linalg.h: eigenvalues descending, inverse roots with eigenvalues
+clamped at 0 before eps, SOAP's stable descending sort, float32 retried once in float64, and a
+failure (non-finite input or result, a torch error, non-convergence) reported as a negative
+status with no outputs, so the caller keeps its previous preconditioner.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from asteria.engine import Engine, Result, check_op
+
+AST_ENOCONV = -7
+AST_ENONFINITE = -8
+
+NEWTON_MAX_ITER = 100  # same limits as the C pool's coupled Newton (src/runtime.c)
+NEWTON_TOL = 1e-6
+
+
+class _Failure(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def _eye_like(f: torch.Tensor) -> torch.Tensor:
+    return torch.eye(f.shape[-1], dtype=f.dtype, device=f.device).expand_as(f)
+
+
+def _eigh(f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    w, q = torch.linalg.eigh(f)
+    return q.flip(-1), w.flip(-1)
+
+
+def _inv_root(f: torch.Tensor, p: float, eps: float) -> tuple[torch.Tensor]:
+    w, q = torch.linalg.eigh(f)
+    w = w.clamp(min=0.0) + eps
+    if bool((w <= 0).any()):
+        raise _Failure(AST_ENONFINITE, "inv_root: zero eigenvalue with eps = 0")
+    x = (q * w.pow(-1.0 / p).unsqueeze(-2)) @ q.transpose(-1, -2)
+    return (x,)
+
+
+def _newton_root(f: torch.Tensor, p: float, eps: float) -> tuple[torch.Tensor]:
+    """Coupled Newton iteration (Guo & Higham) for (F + eps I)^(-1/p), p a positive integer."""
+    root = int(p)
+    eye = _eye_like(f)
+    a = f + eps * eye
+    z = (root + 1) / (2.0 * torch.linalg.matrix_norm(a, ord="fro"))
+    z = z.view(-1, 1, 1)
+    x = z.pow(1.0 / root) * eye
+    m = z * a
+    for _ in range(NEWTON_MAX_ITER):
+        err = torch.linalg.matrix_norm(m - eye, ord=float("inf")).max()
+        if float(err) < NEWTON_TOL:
+            return (x,)
+        mp = ((root + 1) * eye - m) / root
+        x = x @ mp
+        m = torch.linalg.matrix_power(mp, root) @ m
+    raise _Failure(AST_ENOCONV, f"newton_root: no convergence in {NEWTON_MAX_ITER} iterations")
+
+
+def _soap_qr(f: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    est = torch.einsum("bij,bik,bkj->bj", q, f, q)  # diag(Q^T F Q)
+    perm = torch.argsort(est, dim=-1, descending=True, stable=True)
+    qs = torch.gather(q, 2, perm.unsqueeze(1).expand_as(q))
+    return torch.linalg.qr(f @ qs).Q, perm
+
+
+def _kl_qr(f: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor]:
+    return (torch.linalg.qr(f @ q).Q,)
+
+
+def compute(op: str, f: torch.Tensor, q: Optional[torch.Tensor], p: float,
+            eps: float) -> tuple[torch.Tensor, ...]:
+    """One REFRESH op on batched inputs, in their dtype. Raises _Failure."""
+    if op == "eigh":
+        out = _eigh(f)
+    elif op == "inv_root":
+        out = _inv_root(f, p, eps)
+    elif op == "newton_root":
+        out = _newton_root(f, p, eps)
+    elif op == "soap_qr":
+        out = _soap_qr(f, q)
+    else:
+        out = _kl_qr(f, q)
+    for t in out:
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise _Failure(AST_ENONFINITE, f"{op}: non-finite result")
+    return out
+
+
+def _compute_with_retry(op, f, q, p, eps) -> tuple[tuple[torch.Tensor, ...], bool]:
+    """float32 that fails numerically is retried once in float64, rounded back (linalg.h)."""
+    with torch.no_grad():
+        try:
+            return compute(op, f, q, p, eps), False
+        except (_Failure, RuntimeError):
+            if f.dtype != torch.float32:
+                raise
+        out = compute(op, f.double(), None if q is None else q.double(), p, eps)
+    return tuple(t.to(f.dtype) if t.is_floating_point() else t for t in out), True
+
+
+class TorchEngine(Engine):
+    """Inline torch.linalg engine for ``mode="sync"``."""
+
+    def __init__(self) -> None:
+        self._next_ticket = 1
+        self._done: dict[int, Result] = {}
+        self._closed = False
+        self._stats: dict[str, Any] = {
+            "jobs_submitted": 0, "jobs_done": 0, "jobs_failed": 0, "jobs_retried_f64": 0,
+            "nonfinite_skipped": 0, "installs": 0, "max_install_lag": 0,
+            "barrier_waits": 0, "barrier_wait_ns": 0, "workers": 0,
+        }
+
+    def submit(self, op, f, q=None, *, block, version, deadline, snapshot_step, p=0.0,
+               eps=0.0) -> int:
+        if self._closed:
+            raise RuntimeError("TorchEngine is closed")
+        check_op(op, (f, q))
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        self._stats["jobs_submitted"] += 1
+        status, outputs, error, retried = 0, None, "", False
+        try:
+            if not bool(torch.isfinite(f).all()) or (
+                    q is not None and not bool(torch.isfinite(q).all())):
+                raise _Failure(AST_ENONFINITE, f"{op}: non-finite input")
+            outputs, retried = _compute_with_retry(op, f, q, p, eps)
+        except _Failure as exc:
+            status, error = exc.status, str(exc)
+        except RuntimeError as exc:  # torch.linalg's own failures (non-convergence)
+            status, error = AST_ENOCONV, str(exc)
+        self._stats["jobs_done"] += 1
+        if status:
+            self._stats["jobs_failed"] += 1
+        if retried:
+            self._stats["jobs_retried_f64"] += 1
+        self._done[ticket] = Result(ticket=ticket, block=block, version=version,
+                                    snapshot_step=snapshot_step, status=status,
+                                    outputs=outputs, error=error, retried_f64=retried)
+        return ticket
+
+    def ready(self, ticket: int) -> bool:
+        return ticket in self._done
+
+    def wait(self, ticket: int) -> Result:
+        try:
+            return self._done.pop(ticket)
+        except KeyError:
+            raise ValueError(f"unknown or already waited-for ticket {ticket}") from None
+
+    def cancel(self, ticket: int) -> bool:
+        return False  # every job finished at submit time
+
+    def note_install(self, snapshot_step: int, install_step: int) -> None:
+        self._stats["installs"] += 1
+        self._stats["max_install_lag"] = max(self._stats["max_install_lag"],
+                                             install_step - snapshot_step)
+
+    def note_nonfinite(self) -> None:
+        self._stats["nonfinite_skipped"] += 1
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._stats)
+
+    def close(self) -> None:
+        self._closed = True
+        self._done.clear()

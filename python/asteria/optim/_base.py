@@ -1,0 +1,489 @@
+"""The staleness scheduler and the torch.optim plumbing shared by SOAP, Shampoo and KL-Shampoo.
+
+Owns: the REFRESH engine of one optimizer, the rounds of REFRESH jobs in flight, the global step
+counter, the block layouts, and the counters behind ``asteria_stats()``. It calls the engine
+(``asteria.engine``), the functional kernels only through its subclasses, and torch.
+
+Schedule (DESIGN.md, "Staleness"). Steps are counted per ``step()`` call (t = 1, 2, ...).
+ - At the end of step t, first every round whose time has come is installed: its install step
+   (t_snapshot + S) is t, or (``install="eager"``) all its jobs are ready. Then the factors that
+   came due in step t (k % f == 0 for their parameter) are snapshotted and submitted: one
+   batched job per (op, factor size, dtype, device), grouped over all same-shape blocks of all
+   parameters. A round whose install step is t (``mode="sync"``, or S = 0) is installed at once.
+   So a refresh always starts from the newest installed basis, and with 0 <= S <= f a parameter
+   never has two refreshes in flight.
+ - The first-step eigendecomposition of SOAP and KL-Shampoo goes through the engine too, but is
+   waited for at once whatever S is: before it no basis exists to precondition with. A factor
+   that is c*I (the all-zero "fake step" of torch.distributed.checkpoint) gets the identity as
+   its basis without any job.
+ - A parameter with a non-finite gradient is skipped entirely (parameter, state, step count and
+   refresh schedule untouched) and counted. A job that fails keeps the previous preconditioner.
+ - ``state_dict()`` waits for the rounds in flight and stores their results, not installed,
+   with the number of steps until their install, in the parameters' state; ``load_state_dict``
+   turns them back into rounds, so the run resumes on the same trajectory.
+
+Single-threaded: everything runs on the caller's thread; the engine's workers never see this
+module's objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import defaultdict
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from asteria import engine as _engine_mod
+from asteria.config import RuntimeConfig
+from asteria.optim._blocking import Layout, make_layout
+from asteria.optim import functional as F
+
+INIT = "init"        # first-step eigendecomposition, installed in the step that submitted it
+REFRESH = "refresh"  # periodic refresh, installed S steps later
+
+_PENDING_IN = "pending.install_in"
+_PENDING_AGE = "pending.age"
+_PENDING = ".pending"
+
+
+def require(key: str, ok: bool, value: Any, allowed: str) -> None:
+    """Raise ValueError naming a bad hyperparameter and what it may be."""
+    if not ok:
+        raise ValueError(f"invalid {key}: {value!r}; allowed: {allowed}")
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_common(group: dict, beta_max: Sequence[bool] = (False, False)) -> None:
+    """Checks every optimizer shares: lr, betas, weight decay, frequency, block size.
+    ``beta_max[i]`` allows betas[i] == 1."""
+    lr = group["lr"]
+    lr_value = float(lr) if isinstance(lr, torch.Tensor) and lr.numel() == 1 else lr
+    require("lr", isinstance(lr_value, (int, float)) and lr_value >= 0.0, lr, "a float >= 0")
+    betas = group["betas"]
+    require("betas", isinstance(betas, (tuple, list)) and len(betas) == 2, betas,
+            "a pair (beta1, beta2)")
+    for i, b in enumerate(betas):
+        hi = "1]" if beta_max[i] else "1)"
+        ok = isinstance(b, (int, float)) and 0.0 <= b and (b <= 1.0 if beta_max[i] else b < 1.0)
+        require(f"betas[{i}]", ok, b, f"a float in [0, {hi}")
+    wd = group["weight_decay"]
+    require("weight_decay", isinstance(wd, (int, float)) and wd >= 0.0, wd, "a float >= 0")
+    f = group["precondition_frequency"]
+    require("precondition_frequency", is_int(f) and f >= 1, f, "an integer >= 1")
+    bs = group["block_size"]
+    require("block_size", bs is None or (is_int(bs) and bs >= 1), bs, "None or an integer >= 1")
+
+
+@dataclasses.dataclass
+class _Job:
+    ticket: int
+    targets: list  # [(param, block index j, block dimension)], one per batch entry
+
+
+class _Round:
+    """The REFRESH jobs snapshotted at one step end; installed together, at one step end."""
+
+    def __init__(self, kind: str, snapshot_step: int, install_step: int, jobs: list[_Job],
+                 outputs: Optional[dict] = None):
+        self.kind = kind
+        self.snapshot_step = snapshot_step
+        self.install_step = install_step
+        self.jobs = jobs
+        self.failed = 0
+        # param -> {(j, dim): output tuple, or None where the job failed}; None until resolved
+        self.outputs = outputs
+
+    def ready(self, engine) -> bool:
+        return self.outputs is not None or all(engine.ready(j.ticket) for j in self.jobs)
+
+    def resolve(self, engine) -> dict:
+        """Wait (the bounded barrier) for every job and keep the results."""
+        if self.outputs is None:
+            out: dict = {}
+            for job in self.jobs:
+                res = engine.wait(job.ticket)
+                if res.status:
+                    self.failed += 1
+                for b, (p, j, dim) in enumerate(job.targets):
+                    per_param = out.setdefault(p, {})
+                    per_param[(j, dim)] = (None if res.status
+                                           else tuple(o[b] for o in res.outputs))
+            self.outputs = out
+        return self.outputs
+
+    def drop(self, engine) -> None:
+        if self.outputs is None:
+            for job in self.jobs:
+                engine.cancel(job.ticket)  # a job already running just finishes
+                engine.wait(job.ticket)
+        self.outputs = {}
+
+
+def eigh_input(f: torch.Tensor) -> torch.Tensor:
+    """The references decompose F + 1e-30 I."""
+    return f + 1e-30 * torch.eye(f.shape[0], dtype=f.dtype, device=f.device)
+
+
+def init_bases(state, members: list, factors: list, name: str) -> list:
+    """Store first-step factors with the identity as their basis; return [(p, j, dims)] of the
+    factors that are not c*I and so need a real eigendecomposition."""
+    need: dict = {}
+    for i, f in enumerate(factors):
+        if f is None:
+            continue
+        eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
+        for (p, j), fi, trivial in zip(members, f.unbind(0), F.is_scaled_identity(f)):
+            state[p][f"b{j}.{name}{i}"] = fi.clone()
+            state[p][f"b{j}.Q{i}"] = eye.clone()
+            if not trivial:
+                need.setdefault((p, j), []).append(i)
+    return [(p, j, dims) for (p, j), dims in need.items()]
+
+
+def install_bases(state, outputs: dict) -> None:
+    """Install eigenbases (first-step eigh, KL-Shampoo's QR): Q_i = output 0; failures keep Q."""
+    for p, outs in outputs.items():
+        for (j, dim), out in outs.items():
+            if out is not None:
+                state[p][f"b{j}.Q{dim}"].copy_(out[0])
+
+
+def stacks_of(state, outputs: dict, shape_key: str, basis_key: str):
+    """Group the blocks of a round's outputs into stacks of one shape, dtype and factor dims:
+    yields (members, has_factor)."""
+    stacks: dict = {}
+    for p, outs in outputs.items():
+        st = state[p]
+        for j in sorted({j for j, _ in outs}):
+            ref = st[f"b{j}.{shape_key}"]
+            has = tuple(f"b{j}.{basis_key}{i}" in st for i in range(ref.dim()))
+            stacks.setdefault((tuple(ref.shape), ref.dtype, ref.device, has), []).append((p, j))
+    for (_, _, _, has), members in stacks.items():
+        yield members, list(has)
+
+
+class AsteriaOptimizer(torch.optim.Optimizer):
+    """Base of the Asteria optimizers. Subclasses supply the math through the hooks below."""
+
+    #: SOAP and KL-Shampoo spend their first step on the initial eigenbasis (no update).
+    _init_step = True
+
+    def __init__(self, params: Iterable, defaults: dict, runtime: Any) -> None:
+        self._closed = False
+        self._engine = None
+        self._check_hyperparameters(defaults)
+        self._cfg = RuntimeConfig.from_user(runtime)
+        self._async = self._cfg.mode == "async"
+        self._pindex: dict[torch.Tensor, int] = {}  # stable ids for the engine's block keys
+        self._gindex: dict[torch.Tensor, int] = {}  # param -> index of its group
+        super().__init__(params, defaults)
+        self._delay = self._cfg.staleness if self._async else 0
+        self._eager = self._async and self._cfg.install == "eager"
+        self._t = 0
+        self._rounds: list[_Round] = []
+        self._layouts: dict[torch.Tensor, Layout] = {}
+        self._block_keys: dict[tuple, int] = {}
+        self._versions: dict[int, int] = {}
+        self._counters = {"nonfinite_skipped": 0, "refreshes_submitted": 0,
+                          "refresh_failures": 0, "installs": 0, "max_install_lag": 0}
+        self._engine = _engine_mod.make_engine(self._cfg)
+
+    # ---- hooks for subclasses -----------------------------------------------------------------
+    def _check_hyperparameters(self, group: dict) -> None:
+        raise NotImplementedError
+
+    def _uses_adamw(self, p: torch.Tensor, group: dict) -> bool:
+        raise NotImplementedError
+
+    def _adamw_hparams(self, group: dict) -> tuple[float, float, float]:
+        """(beta1, beta2, eps) of the AdamW update of 1-D parameters."""
+        raise NotImplementedError
+
+    def _max_dim(self, group: dict) -> int:
+        raise NotImplementedError
+
+    def _merge_dims(self, group: dict) -> bool:
+        return False
+
+    def _create_state(self, p: torch.Tensor, group: dict, layout: Layout) -> None:
+        raise NotImplementedError
+
+    def _batch_tag(self, p: torch.Tensor, j: int) -> Any:
+        """Extra key that separates blocks of one shape into different stacks."""
+        return None
+
+    def _init_blocks(self, group: dict, members: list, g: torch.Tensor) -> list:
+        """First step of fresh blocks; returns [(p, j, dims)] needing an eigendecomposition."""
+        raise NotImplementedError
+
+    def _step_blocks(self, group: dict, members: list, w: torch.Tensor, g: torch.Tensor,
+                     steps: list[int]) -> None:
+        raise NotImplementedError
+
+    def _refresh_input(self, kind: str, p: torch.Tensor, j: int, dim: int):
+        """(op, F, Q or None, p, eps) of one factor's REFRESH job."""
+        raise NotImplementedError
+
+    def _install(self, kind: str, outputs: dict) -> None:
+        raise NotImplementedError
+
+    # ---- torch.optim plumbing -----------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        merged = dict(self.defaults)
+        merged.update({k: v for k, v in param_group.items() if k != "params"})
+        self._check_hyperparameters(merged)
+        if self._async:
+            self._cfg.check_frequency(merged["precondition_frequency"])
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:
+            self._pindex.setdefault(p, len(self._pindex))
+            self._gindex[p] = len(self.param_groups) - 1
+
+    def group_of(self, p: torch.Tensor) -> dict:
+        return self.param_groups[self._gindex[p]]
+
+    def has_factor(self, block_shape: Sequence[int], group: dict) -> list[bool]:
+        """Which dimensions of a block get a factor (the others are identity)."""
+        limit = self._max_dim(group)
+        return [d <= limit for d in block_shape]
+
+    def layout(self, p: torch.Tensor, group: dict) -> Layout:
+        lay = self._layouts.get(p)
+        if lay is None:
+            lay = make_layout(p.shape, group["block_size"], self._merge_dims(group),
+                              self._max_dim(group))
+            self._layouts[p] = lay
+        return lay
+
+    def stack(self, members: list, name: str) -> torch.Tensor:
+        return torch.stack([self.state[p][f"b{j}.{name}"] for p, j in members])
+
+    def stack_dims(self, members: list, name: str, has: Sequence[bool]) -> list:
+        return [self.stack(members, f"{name}{i}") if h else None for i, h in enumerate(has)]
+
+    def unstack(self, members: list, name: str, x: torch.Tensor) -> None:
+        for (p, j), xi in zip(members, x.unbind(0)):
+            self.state[p][f"b{j}.{name}"].copy_(xi)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self._closed:
+            raise RuntimeError("step() on a closed Asteria optimizer")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._t += 1
+        due: list = []
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            params = self._drop_nonfinite(params)
+            self._adamw(group, [p for p in params if self._uses_adamw(p, group)])
+            pre = [p for p in params if not self._uses_adamw(p, group)]
+            if pre:
+                due.extend(self._precond_step(group, pre))
+        self._step_end(due)
+        return loss
+
+    def _drop_nonfinite(self, params: list) -> list:
+        by_device: dict = defaultdict(list)
+        for i, p in enumerate(params):
+            if p.grad.is_sparse:
+                raise RuntimeError("Asteria optimizers do not support sparse gradients")
+            by_device[p.grad.device].append(i)
+        finite = [True] * len(params)
+        for idx in by_device.values():
+            flags = torch.stack([torch.isfinite(params[i].grad).all() for i in idx]).tolist()
+            for i, ok in zip(idx, flags):
+                finite[i] = ok
+        for p, ok in zip(params, finite):
+            if not ok:
+                self._counters["nonfinite_skipped"] += 1
+                self._engine.note_nonfinite()
+        return [p for p, ok in zip(params, finite) if ok]
+
+    def _adamw(self, group: dict, params: list) -> None:
+        if not params:
+            return
+        for p in params:
+            st = self.state[p]
+            if not st:
+                st["step"] = 0
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["step"] += 1
+        beta1, beta2, eps = self._adamw_hparams(group)
+        F.adamw_step(params, [p.grad for p in params],
+                     [self.state[p]["exp_avg"] for p in params],
+                     [self.state[p]["exp_avg_sq"] for p in params],
+                     [self.state[p]["step"] for p in params],
+                     lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=eps,
+                     weight_decay=group["weight_decay"])
+
+    def _precond_step(self, group: dict, params: list) -> list:
+        """Run the kernels over stacks of same-shape blocks; return the factors now due."""
+        stacks: dict = defaultdict(list)
+        for p in params:
+            st = self.state[p]
+            lay = self.layout(p, group)
+            phase = "step"
+            if not st:
+                self._create_state(p, group, lay)
+                if self._init_step:
+                    phase = INIT
+            if phase == "step":
+                st["step"] += 1
+            for j, bshape in enumerate(lay.block_shapes):
+                key = (phase, bshape, p.dtype, p.device, self._batch_tag(p, j))
+                stacks[key].append((p, j))
+        due: list = []
+        freq = group["precondition_frequency"]
+        grads = {p: self._layouts[p].blocks(p.grad) for p in params}
+        weights = {p: self._layouts[p].blocks(p) for p in params}
+        for (phase, bshape, _, _, _), members in stacks.items():
+            g = torch.stack([grads[p][j] for p, j in members])
+            if phase == INIT:
+                due.extend((INIT, p, j, dims) for p, j, dims in self._init_blocks(group, members, g))
+                continue
+            w = torch.stack([weights[p][j] for p, j in members])
+            steps = [self.state[p]["step"] for p, _ in members]
+            self._step_blocks(group, members, w, g, steps)
+            for (p, j), wi in zip(members, w.unbind(0)):
+                self._layouts[p].write(p, j, wi)
+            dims = [i for i, h in enumerate(self.has_factor(bshape, group)) if h]
+            if dims:
+                due.extend((REFRESH, p, j, dims) for (p, j), k in zip(members, steps)
+                           if k % freq == 0)
+        return due
+
+    # ---- the scheduler ------------------------------------------------------------------------
+    def _step_end(self, due: list) -> None:
+        t = self._t
+        for rnd in list(self._rounds):
+            if rnd.install_step <= t or (self._eager and rnd.ready(self._engine)):
+                self._install_round(rnd)
+        for kind in (INIT, REFRESH):
+            items = [d for d in due if d[0] == kind]
+            if not items:
+                continue
+            rnd = self._submit(kind, items, t if kind == INIT else t + self._delay)
+            if rnd.install_step == t or (self._eager and rnd.ready(self._engine)):
+                self._install_round(rnd)
+            else:
+                self._rounds.append(rnd)
+
+    def _submit(self, kind: str, items: list, install_step: int) -> _Round:
+        groups: dict = defaultdict(list)
+        for _, p, j, dims in items:
+            for dim in dims:
+                op, f, q, pw, eps = self._refresh_input(kind, p, j, dim)
+                groups[(op, f.shape[-1], f.dtype, f.device, pw, eps)].append((p, j, dim, f, q))
+        jobs = []
+        for (op, _, _, _, pw, eps), entries in groups.items():
+            f = torch.stack([e[3] for e in entries])
+            q = None if entries[0][4] is None else torch.stack([e[4] for e in entries])
+            targets = [(p, j, dim) for p, j, dim, _, _ in entries]
+            key = (kind, op, tuple((self._pindex[p], j, dim) for p, j, dim in targets))
+            block = self._block_keys.setdefault(key, len(self._block_keys) + 1)
+            version = self._versions[block] = self._versions.get(block, 0) + 1
+            ticket = self._engine.submit(op, f, q, block=block, version=version,
+                                         deadline=install_step, snapshot_step=self._t,
+                                         p=pw, eps=eps)
+            self._counters["refreshes_submitted"] += 1
+            jobs.append(_Job(ticket, targets))
+        return _Round(kind, self._t, install_step, jobs)
+
+    def _install_round(self, rnd: _Round) -> None:
+        outputs = rnd.resolve(self._engine)
+        self._install(rnd.kind, outputs)
+        self._counters["refresh_failures"] += rnd.failed
+        lag = self._t - rnd.snapshot_step
+        for _ in range(len(rnd.jobs) or len(outputs)):
+            self._engine.note_install(rnd.snapshot_step, self._t)
+            self._counters["installs"] += 1
+        self._counters["max_install_lag"] = max(self._counters["max_install_lag"], lag)
+        if rnd in self._rounds:
+            self._rounds.remove(rnd)
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """torch.optim's state dict; a refresh in flight is waited for and stored, not installed,
+        as ``b{j}.pending{dim}.{i}`` tensors plus ``pending.install_in`` / ``pending.age``."""
+        for rnd in self._rounds:
+            rnd.resolve(self._engine)
+        sd = super().state_dict()
+        index = {}
+        for p in itertools.chain.from_iterable(g["params"] for g in self.param_groups):
+            index.setdefault(p, len(index))
+        for rnd in self._rounds:
+            for p, outs in rnd.outputs.items():
+                st = dict(sd["state"][index[p]])
+                st[_PENDING_IN] = rnd.install_step - self._t
+                st[_PENDING_AGE] = self._t - rnd.snapshot_step
+                for (j, dim), out in outs.items():
+                    for i, tensor in enumerate(out or ()):
+                        st[f"b{j}{_PENDING}{dim}.{i}"] = tensor
+                sd["state"][index[p]] = st
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for rnd in self._rounds:
+            rnd.drop(self._engine)
+        self._rounds = []
+        dtypes = {i: {k: v.dtype for k, v in st.items() if isinstance(v, torch.Tensor)}
+                  for i, st in state_dict["state"].items()}
+        super().load_state_dict(state_dict)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        rounds: dict = {}
+        for i, p in zip(saved_ids, params):
+            if p not in self.state:
+                continue
+            st = self.state[p]
+            # torch casts every floating-point state to the parameter's dtype: undo that (the
+            # int64 permutations, KL-Shampoo's compute dtype), and never alias the caller's dict
+            for k, dt in dtypes.get(i, {}).items():
+                st[k] = st[k].to(dtype=dt, copy=True)
+            if _PENDING_IN not in st:
+                continue
+            install_in, age = st.pop(_PENDING_IN), st.pop(_PENDING_AGE)
+            outs: dict = defaultdict(dict)
+            for k in [k for k in st if _PENDING in k]:
+                block, rest = k.split(_PENDING)
+                dim, idx = rest.split(".")
+                outs[(int(block[1:]), int(dim))][int(idx)] = st.pop(k)
+            rnd = rounds.get((install_in, age))
+            if rnd is None:
+                rnd = rounds[(install_in, age)] = _Round(
+                    REFRESH, self._t - age, self._t + install_in, [], outputs={})
+            rnd.outputs[p] = {key: tuple(v[n] for n in sorted(v)) for key, v in outs.items()}
+        self._rounds = list(rounds.values())
+
+    # ---- runtime ------------------------------------------------------------------------------
+    def asteria_stats(self) -> dict:
+        """engine.stats() plus this optimizer's counters."""
+        stats = dict(self._engine.stats())
+        stats.update(self._counters)
+        return stats
+
+    def close(self) -> None:
+        """Release the engine (workers, buffers). Idempotent; the optimizer cannot step after."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the engine module may already be gone
+            pass

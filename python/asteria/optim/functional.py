@@ -1,0 +1,265 @@
+"""Functional step kernels of SOAP, Shampoo and KL-Shampoo (DESIGN.md, "The optimizers").
+
+Owns the math, nothing else: no optimizer state, no engine, no scheduling. The optimizer classes
+stack same-shape blocks and call these kernels once per stack; tests may call them directly.
+
+Conventions
+ - A stack ``x`` has shape ``(B, d_0, ..., d_{r-1})``: B blocks of one shape.
+ - Per-dimension matrices (factors L/R/S, bases Q, roots) come as a list with one entry per
+   block dimension: a ``(B, d_i, d_i)`` tensor, or ``None`` for a dimension without a factor
+   (larger than max_precond_dim: identity).
+ - ``steps``: each block's step count k after this step's increment (python ints), so blocks of
+   parameters that skipped a step (non-finite gradient) can share a stack.
+ - Kernels update their tensor arguments in place.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+Mats = Sequence[Optional[torch.Tensor]]
+
+
+def mode_mul(x: torch.Tensor, m: torch.Tensor, dim: int) -> torch.Tensor:
+    """Contract block dimension ``dim`` of ``x`` with the first index of ``m`` (B, d, e):
+    ``y[.., b, ..] = sum_a x[.., a, ..] m[a, b]``; for a matrix and dim 0 that is ``m^T x``."""
+    xm = x.movedim(dim + 1, -1)
+    shape = xm.shape
+    y = torch.bmm(xm.reshape(shape[0], -1, shape[-1]), m)
+    return y.reshape(*shape[:-1], m.shape[-1]).movedim(-1, dim + 1)
+
+
+def project(x: torch.Tensor, bases: Mats) -> torch.Tensor:
+    """Coordinates in the eigenbases: ``Q_L^T X Q_R`` for a matrix."""
+    for i, q in enumerate(bases):
+        if q is not None:
+            x = mode_mul(x, q, i)
+    return x
+
+
+def project_back(x: torch.Tensor, bases: Mats) -> torch.Tensor:
+    """Back from the eigenbases: ``Q_L X Q_R^T`` for a matrix."""
+    for i, q in enumerate(bases):
+        if q is not None:
+            x = mode_mul(x, q.transpose(1, 2), i)
+    return x
+
+
+def gram(g: torch.Tensor, dim: int) -> torch.Tensor:
+    """``G G^T`` along block dimension ``dim``, contracting every other dimension: (B, d, d)."""
+    gm = g.movedim(dim + 1, 1).reshape(g.shape[0], g.shape[dim + 1], -1)
+    return torch.bmm(gm, gm.transpose(1, 2))
+
+
+def is_scaled_identity(f: torch.Tensor) -> list[bool]:
+    """Per block: is ``f`` c*I (c = 0 included)? The identity is then a valid eigenbasis and no
+    eigendecomposition is needed (the all-zero "fake step" of torch.distributed.checkpoint)."""
+    diag = f.diagonal(dim1=1, dim2=2)
+    off = (f - torch.diag_embed(diag)).flatten(1)
+    return ((off == 0).all(1) & (diag == diag[:, :1]).all(1)).tolist()
+
+
+def _per_block(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
+    """A (B, 1, ..., 1) tensor broadcasting one scalar per block against ``like``."""
+    t = torch.tensor(list(values), dtype=like.dtype, device=like.device)
+    return t.view(-1, *([1] * (like.dim() - 1)))
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    return x.square().flatten(1).mean(1).sqrt().view(-1, *([1] * (x.dim() - 1)))
+
+
+def _frobenius(x: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(x.flatten(1), dim=1).view(-1, *([1] * (x.dim() - 1)))
+
+
+# --------------------------------------------------------------------------------------------
+# AdamW for 1-D (and 0-D) parameters: torch.optim.AdamW's update, over lists of any shapes.
+
+def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor],
+               exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
+               steps: Sequence[int], *, lr: float, beta1: float, beta2: float, eps: float,
+               weight_decay: float) -> None:
+    if not params:
+        return
+    torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
+    step_sizes = [-lr / (1.0 - beta1 ** k) for k in steps]
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, [math.sqrt(1.0 - beta2 ** k) for k in steps])
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, step_sizes)
+
+
+# --------------------------------------------------------------------------------------------
+# SOAP
+
+def soap_init(g: torch.Tensor, has_factor: Sequence[bool], *,
+              shampoo_beta: float) -> list[Optional[torch.Tensor]]:
+    """First step: L = lerp(0, G G^T, 1-b_s) (and R, and one per dimension of an N-D block)."""
+    out: list[Optional[torch.Tensor]] = []
+    for i, has in enumerate(has_factor):
+        if has:
+            c = gram(g, i)
+            out.append(torch.zeros_like(c).lerp_(c, 1.0 - shampoo_beta))
+        else:
+            out.append(None)
+    return out
+
+
+def soap_step(w: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor,
+              exp_avg_sq: torch.Tensor, factors: Mats, bases: Mats, steps: Sequence[int], *,
+              lr: float, beta1: float, beta2: float, shampoo_beta: float, eps: float,
+              weight_decay: float, correct_bias: bool, normalize_grads: bool) -> None:
+    """One later SOAP step: moments in the rotated basis, parameter update, then L/R update
+    with the current gradient. The REFRESH (k % f == 0) is the caller's business."""
+    gp = project(g, bases)
+    exp_avg.mul_(beta1).add_(gp, alpha=1.0 - beta1)
+    exp_avg_sq.mul_(beta2).add_(gp.square(), alpha=1.0 - beta2)
+    denom = exp_avg_sq.sqrt().add_(eps)
+    if correct_bias:
+        sizes = [lr * math.sqrt(1.0 - beta2 ** k) / (1.0 - beta1 ** k) for k in steps]
+    else:
+        sizes = [lr] * len(steps)
+    u = project_back(exp_avg / denom, bases)
+    if normalize_grads:
+        u = u / (_rms(u) + 1e-30)
+    w.sub_(_per_block(sizes, w) * u)
+    w.add_(w, alpha=-lr * weight_decay)
+    for i, f in enumerate(factors):
+        if f is not None:
+            f.lerp_(gram(g, i), 1.0 - shampoo_beta)
+
+
+def soap_install(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, old_bases: Mats,
+                 new_bases: Mats, perms: Sequence[Optional[torch.Tensor]]) -> None:
+    """Side effects of installing a refreshed basis: v permuted by each factor's sort order s,
+    m re-expressed in the new basis: m = Q_L,new^T (Q_L,old m Q_R,old^T) Q_R,new."""
+    v = exp_avg_sq
+    for i, perm in enumerate(perms):
+        if perm is not None:
+            shape = [perm.shape[0]] + [1] * (v.dim() - 1)
+            shape[i + 1] = perm.shape[1]
+            v = torch.gather(v, i + 1, perm.view(shape).expand_as(v))
+    exp_avg_sq.copy_(v)
+    exp_avg.copy_(project(project_back(exp_avg, old_bases), new_bases))
+
+
+# --------------------------------------------------------------------------------------------
+# KL-Shampoo
+
+def kl_init(g: torch.Tensor, has_factor: Sequence[bool], *,
+            shampoo_beta: float) -> list[Optional[torch.Tensor]]:
+    """First step: S_i = (1-b)/N_i * G G^T along dim i, N_i = product of the other dims."""
+    numel = math.prod(g.shape[1:])
+    out: list[Optional[torch.Tensor]] = []
+    for i, has in enumerate(has_factor):
+        if has:
+            c = gram(g, i)
+            out.append(torch.zeros_like(c).add_(c, alpha=(1.0 - shampoo_beta) / (numel / g.shape[i + 1])))
+        else:
+            out.append(None)
+    return out
+
+
+def kl_clamp_max(size: int, max_clamp_value: float) -> float:
+    """The reference's cap on s = lam^(-1/2) for a dimension of ``size``."""
+    return float(max(10, min(size, max_clamp_value)))
+
+
+def kl_step(w: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor, factors: Mats,
+            bases: Mats, scales: Sequence[Optional[torch.Tensor]], *, lr: float, beta1: float,
+            shampoo_beta: float, eps: float, weight_decay: float, normalize_grads: bool,
+            clamp: Sequence[Optional[float]]) -> None:
+    """One later KL-Shampoo step. ``g``, ``exp_avg``, factors, bases and ``scales`` (s_i, shape
+    (B, d_i)) are in the compute dtype; ``w`` in the parameter's. U uses the current Q, s; the
+    factor and eigenvalue updates use the PREVIOUS Q, s (all of them, old values throughout)."""
+    b = shampoo_beta
+    exp_avg.lerp_(g, 1.0 - beta1)
+    shape = exp_avg.shape
+
+    def broadcast(i: int, s: torch.Tensor) -> torch.Tensor:
+        view = [shape[0]] + [1] * (len(shape) - 1)
+        view[i + 1] = shape[i + 1]
+        return s.view(view)
+
+    p = torch.ones_like(exp_avg)
+    for i, s in enumerate(scales):
+        if s is not None:
+            p = p * broadcast(i, s)
+    p = p / (1.0 + eps * p)
+    u = project_back(project(exp_avg, bases) * p, bases)
+
+    numel = math.prod(shape[1:])
+    h = project(g, bases)
+    new_scales = []
+    for i, (f, s) in enumerate(zip(factors, scales)):
+        if f is None:
+            continue
+        x = g
+        hs = h
+        for j, (qj, sj) in enumerate(zip(bases, scales)):
+            if j != i and qj is not None:
+                x = mode_mul(x, qj * sj.unsqueeze(1), j)
+                hs = hs * broadcast(j, sj)
+        f.mul_(b).add_(gram(x, i), alpha=(1.0 - b) / (numel / shape[i + 1]))
+        other = [d for d in range(1, len(shape)) if d != i + 1]
+        d = hs.square().mean(dim=other) if other else hs.square()
+        lam = torch.lerp(1.0 / s.square(), d, 1.0 - b)
+        s_new = 1.0 / torch.sqrt(lam)
+        if clamp[i] is not None:
+            s_new = s_new.clamp(max=clamp[i])
+        new_scales.append((s, s_new))
+    for s, s_new in new_scales:
+        s.copy_(s_new)
+
+    if normalize_grads:
+        u = u / (_rms(u) + 1e-30)
+    w.add_(u.to(w.dtype), alpha=-lr)
+    w.add_(w, alpha=-lr * weight_decay)
+
+
+# --------------------------------------------------------------------------------------------
+# Shampoo with Adam grafting
+
+def shampoo_step(w: torch.Tensor, g: torch.Tensor, factors: Mats, roots: Optional[Mats],
+                 momentum: torch.Tensor, grafting_v: torch.Tensor, steps: Sequence[int],
+                 use_roots: Sequence[bool], *, lr: float, beta1: float, beta2: float,
+                 grafting_beta2: float, grafting_epsilon: float, weight_decay: float) -> None:
+    """One Shampoo step. ``roots`` is None while no inverse root was installed; ``use_roots``
+    says per block whether the preconditioned direction applies (k >= start step)."""
+    for i, f in enumerate(factors):
+        if f is None:
+            continue
+        if beta2 == 1.0:
+            f.add_(gram(g, i))
+        else:
+            f.mul_(beta2).add_(gram(g, i), alpha=1.0 - beta2)
+    momentum.mul_(beta1).add_(g, alpha=1.0 - beta1)
+    mh = momentum / _per_block([1.0 - beta1 ** k for k in steps], momentum)
+    grafting_v.mul_(grafting_beta2).addcmul_(g, g, value=1.0 - grafting_beta2)
+    bc2 = _per_block([1.0 - grafting_beta2 ** k for k in steps], grafting_v)
+    a = mh / ((grafting_v / bc2).sqrt() + grafting_epsilon)
+    d = a
+    if roots is not None and any(use_roots):
+        pre = mh
+        for i, r in enumerate(roots):
+            if r is not None:
+                pre = mode_mul(pre, r, i)
+        pn = _frobenius(pre)
+        graft = torch.where(pn > 0, pre * (_frobenius(a) / pn), torch.zeros_like(pre))
+        mask = torch.tensor(list(use_roots), device=w.device).view(-1, *([1] * (w.dim() - 1)))
+        d = torch.where(mask, graft, a)
+    w.add_(d, alpha=-lr)
+    w.add_(w, alpha=-lr * weight_decay)
+
+
+def shampoo_root_input(factor: torch.Tensor, step: int, beta2: float) -> torch.Tensor:
+    """The REFRESH input L/c with the bias correction c = 1 - b2^k (1 for a running sum)."""
+    c = (1.0 - beta2 ** step) if beta2 < 1.0 else 1.0
+    return factor / c

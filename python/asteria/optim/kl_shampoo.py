@@ -1,0 +1,122 @@
+"""``asteria.KLShampoo``: KL-Shampoo (Lin et al., ICLR 2026; yorkerlin/KL-Methods, KL-Shampoo
+mode) with its QR eigenbasis refresh on the Asteria engine.
+
+Owns KL-Shampoo's hyperparameters and per-block state; the math is in ``functional``
+(kl_init / kl_step), the scheduling in ``_base``.
+
+State of a preconditioned parameter, in ``compute_dtype``: ``step`` (k) and per block j
+``b{j}.exp_avg`` (M), and for every dimension i with a factor ``b{j}.S{i}`` (S_a, S_b, ...),
+``b{j}.Q{i}`` (its eigenbasis) and ``b{j}.s{i}`` (s_i = lam_i^(-1/2)). 1-D and 0-D parameters
+are AdamW.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from asteria.optim import functional as F
+from asteria.optim._base import (INIT, AsteriaOptimizer, check_common, eigh_input, init_bases,
+                                 install_bases, is_int, require)
+
+
+class KLShampoo(AsteriaOptimizer):
+    """KL-Shampoo. Keyword names and defaults are the reference's KL-Shampoo mode, plus
+    ``compute_dtype`` (the reference casts to bf16; here float32 by default),
+    ``max_precond_dim`` (a dimension larger than it gets no factor; not in the reference),
+    ``block_size`` and ``runtime``."""
+
+    def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.98), shampoo_beta: float = -1,
+                 eps: float = 1e-8, weight_decay: float = 0.01, precondition_frequency: int = 10,
+                 normalize_grads: bool = False, init_factor: float = 0.1,
+                 using_clamping: bool = True, max_clamp_value: int = 4000,
+                 compute_dtype: torch.dtype = torch.float32, *, max_precond_dim: int = 10000,
+                 block_size: Optional[int] = None, runtime=None):
+        defaults = dict(lr=lr, betas=betas, shampoo_beta=shampoo_beta, eps=eps,
+                        weight_decay=weight_decay, precondition_frequency=precondition_frequency,
+                        normalize_grads=normalize_grads, init_factor=init_factor,
+                        using_clamping=using_clamping, max_clamp_value=max_clamp_value,
+                        compute_dtype=compute_dtype, max_precond_dim=max_precond_dim,
+                        block_size=block_size)
+        super().__init__(params, defaults, runtime)
+
+    def _check_hyperparameters(self, group: dict) -> None:
+        check_common(group)
+        sb = group["shampoo_beta"]
+        require("shampoo_beta", isinstance(sb, (int, float)) and (sb == -1 or 0.0 <= sb < 1.0),
+                sb, "-1 (use betas[1]) or a float in [0, 1)")
+        require("eps", isinstance(group["eps"], (int, float)) and group["eps"] >= 0.0,
+                group["eps"], "a float >= 0")
+        fi = group["init_factor"]
+        require("init_factor", isinstance(fi, (int, float)) and fi > 0.0, fi, "a float > 0")
+        mc = group["max_clamp_value"]
+        require("max_clamp_value", isinstance(mc, (int, float)) and mc > 0, mc, "a number > 0")
+        cd = group["compute_dtype"]
+        require("compute_dtype", isinstance(cd, torch.dtype) and cd.is_floating_point, cd,
+                "a floating-point torch.dtype")
+        md = group["max_precond_dim"]
+        require("max_precond_dim", is_int(md) and md >= 1, md, "an integer >= 1")
+
+    @staticmethod
+    def _shampoo_beta(group: dict) -> float:
+        sb = group["shampoo_beta"]
+        return sb if sb >= 0 else group["betas"][1]
+
+    def _uses_adamw(self, p, group):
+        return p.dim() <= 1
+
+    def _adamw_hparams(self, group):
+        return group["betas"][0], group["betas"][1], group["eps"]
+
+    def _max_dim(self, group):
+        return group["max_precond_dim"]
+
+    def _create_state(self, p, group, layout):
+        st = self.state[p]
+        st["step"] = 0
+        for j, shape in enumerate(layout.block_shapes):
+            st[f"b{j}.exp_avg"] = torch.zeros(shape, dtype=group["compute_dtype"], device=p.device)
+
+    def _init_blocks(self, group, members, g):
+        g = g.to(group["compute_dtype"])
+        has = self.has_factor(g.shape[1:], group)
+        factors = F.kl_init(g, has, shampoo_beta=self._shampoo_beta(group))
+        for i, f in enumerate(factors):
+            if f is None:
+                continue
+            s = 1.0 / torch.sqrt(torch.full((f.shape[-1],), group["init_factor"],
+                                            dtype=f.dtype, device=f.device))
+            for p, j in members:
+                self.state[p][f"b{j}.s{i}"] = s.clone()
+        return init_bases(self.state, members, factors, "S")
+
+    def _step_blocks(self, group, members, w, g, steps):
+        g = g.to(group["compute_dtype"])
+        has = self.has_factor(g.shape[1:], group)
+        m = self.stack(members, "exp_avg")
+        factors = self.stack_dims(members, "S", has)
+        bases = self.stack_dims(members, "Q", has)
+        scales = self.stack_dims(members, "s", has)
+        clamp = [F.kl_clamp_max(d, group["max_clamp_value"]) if h and group["using_clamping"]
+                 else None for d, h in zip(g.shape[1:], has)]
+        F.kl_step(w, g, m, factors, bases, scales, lr=float(group["lr"]),
+                  beta1=group["betas"][0], shampoo_beta=self._shampoo_beta(group),
+                  eps=group["eps"], weight_decay=group["weight_decay"],
+                  normalize_grads=group["normalize_grads"], clamp=clamp)
+        self.unstack(members, "exp_avg", m)
+        for i, h in enumerate(has):
+            if h:
+                self.unstack(members, f"S{i}", factors[i])
+                self.unstack(members, f"s{i}", scales[i])
+
+    def _refresh_input(self, kind, p, j, dim):
+        st = self.state[p]
+        f = st[f"b{j}.S{dim}"]
+        if kind == INIT:
+            return "eigh", eigh_input(f), None, 0.0, 0.0
+        return "kl_qr", f, st[f"b{j}.Q{dim}"], 0.0, 0.0
+
+    def _install(self, kind, outputs):
+        install_bases(self.state, outputs)  # lam (s) is kept: the QR refresh only rotates Q
+

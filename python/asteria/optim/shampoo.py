@@ -1,0 +1,126 @@
+"""``asteria.Shampoo``: Shampoo (Gupta et al. 2018) with Adam grafting, as Distributed Shampoo
+practises it, with its inverse roots computed on the Asteria engine.
+
+Owns Shampoo's hyperparameters and per-block state; the math is in ``functional``
+(shampoo_step / shampoo_root_input), the scheduling in ``_base``.
+
+State of a preconditioned parameter: ``step`` (k) and per block j ``b{j}.momentum`` (m1),
+``b{j}.grafting_v`` (vg), and for every dimension i with a factor ``b{j}.L{i}`` and, once a
+refresh was installed, ``b{j}.Linv{i}`` = (L_i/c + epsilon I)^(-1/(2*order)), order = the
+block's number of dimensions. 1-D and 0-D parameters are AdamW with betas (betas[0],
+grafting_beta2) and eps grafting_epsilon: Shampoo's betas[1] and epsilon belong to the factors.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from asteria.optim import functional as F
+from asteria.optim._base import AsteriaOptimizer, check_common, is_int, require
+
+
+class Shampoo(AsteriaOptimizer):
+    """Shampoo with Adam grafting. ``start_preconditioning_step=-1`` means
+    ``precondition_frequency`` (Distributed Shampoo's convention). ``inverse_exponent_override``:
+    None (root 2*order), a number p (every factor uses the root p), or a dict {order: p}."""
+
+    _init_step = False
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), epsilon: float = 1e-12,
+                 grafting_beta2: float = 0.999, grafting_epsilon: float = 1e-8,
+                 weight_decay: float = 0.0, precondition_frequency: int = 10,
+                 start_preconditioning_step: int = -1, max_preconditioner_dim: int = 1024,
+                 inverse_exponent_override: Union[None, float, dict] = None, *,
+                 block_size: Optional[int] = None, runtime=None):
+        defaults = dict(lr=lr, betas=betas, epsilon=epsilon, grafting_beta2=grafting_beta2,
+                        grafting_epsilon=grafting_epsilon, weight_decay=weight_decay,
+                        precondition_frequency=precondition_frequency,
+                        start_preconditioning_step=start_preconditioning_step,
+                        max_preconditioner_dim=max_preconditioner_dim,
+                        inverse_exponent_override=inverse_exponent_override,
+                        block_size=block_size)
+        super().__init__(params, defaults, runtime)
+
+    def _check_hyperparameters(self, group: dict) -> None:
+        check_common(group, beta_max=(False, True))
+        for key in ("epsilon", "grafting_epsilon"):
+            v = group[key]
+            require(key, isinstance(v, (int, float)) and v >= 0.0, v, "a float >= 0")
+        gb = group["grafting_beta2"]
+        require("grafting_beta2", isinstance(gb, (int, float)) and 0.0 <= gb < 1.0, gb,
+                "a float in [0, 1)")
+        sp = group["start_preconditioning_step"]
+        require("start_preconditioning_step", is_int(sp) and (sp == -1 or sp >= 1), sp,
+                "-1 (= precondition_frequency) or an integer >= 1")
+        md = group["max_preconditioner_dim"]
+        require("max_preconditioner_dim", is_int(md) and md >= 1, md, "an integer >= 1")
+        ov = group["inverse_exponent_override"]
+        values = list(ov.values()) if isinstance(ov, dict) else [ov]
+        require("inverse_exponent_override",
+                ov is None or all(isinstance(v, (int, float)) and v > 0 for v in values), ov,
+                "None, a root p > 0, or a dict {order: p}")
+
+    def _uses_adamw(self, p, group):
+        return p.dim() <= 1
+
+    def _adamw_hparams(self, group):
+        return group["betas"][0], group["grafting_beta2"], group["grafting_epsilon"]
+
+    def _max_dim(self, group):
+        return group["max_preconditioner_dim"]
+
+    def _create_state(self, p, group, layout):
+        st = self.state[p]
+        st["step"] = 0
+        for j, shape in enumerate(layout.block_shapes):
+            st[f"b{j}.momentum"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
+            st[f"b{j}.grafting_v"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
+            for i, has in enumerate(self.has_factor(shape, group)):
+                if has:
+                    st[f"b{j}.L{i}"] = torch.zeros(shape[i], shape[i], dtype=p.dtype,
+                                                   device=p.device)
+
+    def _batch_tag(self, p, j):
+        st = self.state[p]  # True once every factor of the block has an installed root
+        dims = [i for i in range(st[f"b{j}.momentum"].dim()) if f"b{j}.L{i}" in st]
+        return bool(dims) and all(f"b{j}.Linv{i}" in st for i in dims)
+
+    def _step_blocks(self, group, members, w, g, steps):
+        has = self.has_factor(g.shape[1:], group)
+        factors = self.stack_dims(members, "L", has)
+        p0, j0 = members[0]
+        roots = self.stack_dims(members, "Linv", has) if self._batch_tag(p0, j0) else None
+        start = group["start_preconditioning_step"]
+        if start == -1:
+            start = group["precondition_frequency"]
+        m1, vg = self.stack(members, "momentum"), self.stack(members, "grafting_v")
+        F.shampoo_step(w, g, factors, roots, m1, vg, steps, [k >= start for k in steps],
+                       lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
+                       grafting_beta2=group["grafting_beta2"],
+                       grafting_epsilon=group["grafting_epsilon"],
+                       weight_decay=group["weight_decay"])
+        self.unstack(members, "momentum", m1)
+        self.unstack(members, "grafting_v", vg)
+        for i, f in enumerate(factors):
+            if f is not None:
+                self.unstack(members, f"L{i}", f)
+
+    def _refresh_input(self, kind, p, j, dim):
+        group = self.group_of(p)
+        st = self.state[p]
+        order = st[f"b{j}.momentum"].dim()
+        ov = group["inverse_exponent_override"]
+        if isinstance(ov, dict):
+            ov = ov.get(order)
+        root = float(2 * order if ov is None else ov)
+        f = F.shampoo_root_input(st[f"b{j}.L{dim}"], st["step"], group["betas"][1])
+        return "inv_root", f, None, root, float(group["epsilon"])
+
+    def _install(self, kind, outputs):
+        for p, outs in outputs.items():
+            st = self.state[p]
+            for (j, dim), out in outs.items():
+                if out is not None:
+                    st[f"b{j}.Linv{dim}"] = out[0].clone()

@@ -1,0 +1,128 @@
+/*
+ * nvme.h - internal: the NVMe tier's record engine (liburing, O_DIRECT, checksummed records).
+ *
+ * Owns: one directory's record files of one store, the io_uring ring, and a staging arena of
+ * aligned buffers registered with the ring. Knows nothing of tiers or accounting (store.c does).
+ *
+ * Record file <dir>/ast-<store id>-<block id>.rec (ids as 16 hex digits), little-endian:
+ *
+ *   offset 0   header, 64 bytes
+ *      0 u32 magic "ASTR"        4 u16 format version (1)     6 u16 header size (64)
+ *      8 u64 store id           16 u64 block id              24 u64 generation
+ *     32 u64 payload length     40 u8[20] zero                60 u32 crc32 of bytes 0..59
+ *   offset 64  payload
+ *   then       trailer, 8 bytes: u32 crc32 of header + payload, u32 magic "RTSA"
+ *   then       zeros up to a multiple of AST__NVME_ALIGN (the file's size)
+ *
+ * The header's own CRC separates "damaged" from "someone else's": a header that fails it is
+ * AST_ECORRUPT; an intact header of another store, block or generation is AST_EFOREIGN; a file
+ * shorter or longer than the record it should hold is AST_ECORRUPT; a payload that fails the
+ * record CRC is AST_ECORRUPT.
+ *
+ * Writes go to <name>.tmp and are renamed over the record name only once every byte is written
+ * (and, buffered, fdatasync'ed), so a failed write never leaves a partial record under the real
+ * name. Durability policy: records are scratch state of one process's store (the store id is
+ * random per open, and close removes the files), so nothing is fsync'ed for crash safety. With
+ * O_DIRECT the write completions already report device errors; in buffered fallback every record
+ * is fdatasync'ed before the rename so that ENOSPC/EIO from writeback surface while the block's
+ * previous copy still exists. Space is reserved with fallocate() first, so ENOSPC usually comes
+ * before any data moves; a write completion's ENOSPC is handled the same way.
+ *
+ * Batches: ast__nvme_write/read prepare one SQE per staging slot for as many chunks of the
+ * batch as fit (a record is staged in slot-sized chunks, so records larger than a slot and
+ * batches larger than the arena take several rounds), submit once, reap every CQE, and repeat.
+ * Short transfers and -EAGAIN/-EINTR are resubmitted for the remainder.
+ *
+ * Locking: none inside. An engine is used by one thread at a time; the store calls it with its
+ * mutex held.
+ */
+#ifndef ASTERIA_NVME_H
+#define ASTERIA_NVME_H
+
+#include "asteria/store.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define AST__NVME_ALIGN 4096u   /* logical block size: offsets, lengths, buffers, file sizes */
+#define AST__NVME_HEADER 64u
+#define AST__NVME_TRAILER 8u
+#define AST__NVME_VERSION 1u
+#define AST__NVME_MAX_DEPTH 1024u
+
+typedef struct ast__nvme ast__nvme;
+
+typedef struct ast__nvme_opts {
+    const char *dir;
+    ast_direct_policy direct;
+    unsigned queue_depth;  /* ring entries and staging slots; 0: 64 */
+    uint64_t store_id;
+    unsigned faults;       /* AST__FAULT_* armed from the start (tests; 0 otherwise) */
+} ast__nvme_opts;
+
+/* Checks the directory (exists, writable, O_DIRECT per policy) with a probe file, sets up the
+ * ring and the registered staging arena. AST_ENOENT (missing directory), AST_EACCES (not
+ * writable or read-only filesystem), AST_ENOTSUP (no O_DIRECT under AST_DIRECT_REQUIRE, no
+ * io_uring, or built without liburing), AST_ENOSPC, AST_EINVAL; err names the path and cause. */
+int ast__nvme_open(const ast__nvme_opts *o, ast__nvme **out, char *err, size_t len);
+/* Tears the ring down and removes every file of this store id in the directory. NULL is fine. */
+void ast__nvme_close(ast__nvme *n);
+
+/* 1: O_DIRECT in use; 0: buffered + fdatasync. */
+int ast__nvme_direct(const ast__nvme *n);
+/* 1: staging buffers are registered with the ring (fixed-buffer I/O); 0: registration was refused
+ * (for instance by RLIMIT_MEMLOCK) and plain reads/writes on the same buffers are used. */
+int ast__nvme_fixed(const ast__nvme *n);
+/* Size on disk of the record of a payload of nbytes. */
+uint64_t ast__nvme_record_bytes(size_t nbytes);
+int ast__nvme_record_path(const ast__nvme *n, uint64_t block_id, char *buf, size_t len);
+/* Removes a block's record file (absent is fine). */
+int ast__nvme_remove(ast__nvme *n, uint64_t block_id);
+
+/* One record of a batch. */
+typedef struct ast__nvme_io {
+    uint64_t block_id;
+    uint64_t generation;
+    void *data;     /* write: the payload (NULL: zeros); read: where the verified payload goes */
+    size_t len;     /* payload bytes */
+    int on_device;  /* data is device memory: staged with ast__cuda_memcpy instead of memcpy */
+    int result;     /* out: 0 or AST_E* for this record */
+} ast__nvme_io;
+
+typedef struct ast__nvme_xfer {
+    uint64_t bytes;    /* bytes the kernel transferred (headers and padding included) */
+    uint64_t ns;       /* wall time of the batch */
+    uint64_t records;  /* records that succeeded */
+} ast__nvme_xfer;
+
+/* Writes (resp. reads and verifies) count records in one batch. Every record succeeds or fails
+ * on its own (ios[i].result); a failed write leaves no record file, a failed read leaves the
+ * file as it was and may have scribbled on ios[i].data. Returns 0 when all succeeded, else the
+ * code of the lowest-index failure, whose message (naming the block, the file and the cause) is
+ * written to err. x (may be NULL) receives the batch's transfer counts. */
+int ast__nvme_write(ast__nvme *n, ast__nvme_io *ios, size_t count, ast__nvme_xfer *x,
+                    char *err, size_t len);
+int ast__nvme_read(ast__nvme *n, ast__nvme_io *ios, size_t count, ast__nvme_xfer *x,
+                   char *err, size_t len);
+
+/* ---- fault injection, for tests of paths a test machine cannot provoke for real ---- */
+enum ast__fault {
+    AST__FAULT_NO_ODIRECT = 1u << 0,   /* open: the probe's O_DIRECT open fails with EINVAL */
+    AST__FAULT_EROFS = 1u << 1,        /* open and record creation fail with EROFS */
+    AST__FAULT_ENOSPC = 1u << 2,       /* write completions fail with -ENOSPC (after skip records) */
+    AST__FAULT_SHORT_IO = 1u << 3,     /* each SQE's first completion reports half the bytes */
+    AST__FAULT_EAGAIN = 1u << 4,       /* each SQE's first completion reports -EAGAIN */
+    AST__FAULT_NO_FALLOCATE = 1u << 5  /* skip the space reservation: ENOSPC comes from writes */
+};
+/* Arms faults (a mask of AST__FAULT_*; 0 disarms). AST__FAULT_ENOSPC spares the next skip
+ * records. Stays armed until changed. */
+void ast__nvme_inject_fault(ast__nvme *n, unsigned faults, unsigned skip);
+
+/* Test hooks implemented by store.c (the store is the only owner of an engine). */
+/* ast_store_open_msg with faults armed on the engine from its probe on. */
+int ast__store_open_faults(const ast_store_opts *opts, unsigned faults, ast_store **out,
+                           char *errbuf, size_t len);
+/* The store's engine; NULL without an NVMe tier. */
+ast__nvme *ast__store_nvme(ast_store *s);
+
+#endif

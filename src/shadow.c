@@ -1,0 +1,926 @@
+/*
+ * shadow.c - the shadow copy engine: snapshot (D2H) and prefetch (H2D) staging rings on a
+ * low-priority stream (see shadow.h).
+ *
+ * Owns: the shadow stream, the two rings (memory, slot descriptors, per-slot events), the
+ * copy statistics and the last-error text. May call: the CUDA runtime (streams, events, async
+ * copies; cudaError_t is translated in cuda_fail() below, the stream/event counterpart of
+ * cuda_mem.c, which serves the allocations), trace.h, libc.
+ *
+ * One code path for both backends: every ring operation, slot state change and statistic is
+ * shared; only the four be_* functions (copy, query, wait, record a release) differ, and on the
+ * host path they are memcpy or no-ops.
+ *
+ * Slot life cycle (per ring, slots in FIFO order, descriptor of sequence s at slots[s % max]):
+ *   ISSUING --copy enqueued--> INFLIGHT --event passed--> READY
+ *   any of INFLIGHT / READY --release--> RELEASED, --release_after--> RELEASE_PENDING
+ *   RELEASED, or RELEASE_PENDING once its release event passed, is reclaimed when it is the
+ *   oldest live slot; its bytes return to the ring.
+ * A slot in ISSUING is never reclaimed, handed out or released, so the copy may be enqueued
+ * without the lock while the slot's bytes stay reserved.
+ *
+ * Locking: sh->mu guards both rings (offsets, sequence numbers, slot states), the statistics
+ * and last_error. It is held around non-blocking CUDA calls only (cudaEventQuery,
+ * cudaEventRecord). The copy itself (cudaStreamWaitEvent + cudaMemcpyAsync + cudaEventRecord,
+ * which can block on a pageable source, or a memcpy on the host path) runs with the lock
+ * released, and so does cudaEventSynchronize in the waits. Lock order: sh->mu, then the trace
+ * recorder's mutex (trace never calls back). Immutable after creation, read without the lock:
+ * the stream, the ring bases and capacities, the event handles, cuda, device, priority.
+ */
+#include "asteria/shadow.h"
+
+#include "asteria/build_config.h"
+#include "asteria/errors.h"
+#include "asteria/trace.h"
+
+#include "cuda_mem.h"
+
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if ASTERIA_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+#define DEFAULT_RING_BYTES ((size_t)64 << 20)
+#define DEFAULT_MAX_SLOTS 64u
+
+typedef enum slot_state {
+    S_FREE = 0,
+    S_ISSUING,
+    S_INFLIGHT,
+    S_READY,
+    S_RELEASE_PENDING,
+    S_RELEASED
+} slot_state;
+
+typedef struct slot {
+    uint64_t seq;
+    uint64_t key;           /* prefetch key; unused for snapshots */
+    size_t off, nbytes;
+    slot_state state;
+    uint64_t issued_ns;     /* trace base, for the copy span */
+    void *done_ev;          /* cudaEvent_t recorded after the copy (NULL on the host path) */
+    void *release_ev;       /* cudaEvent_t recorded on the consumer's stream by release_after */
+} slot;
+
+typedef struct ring {
+    const char *what;       /* "snapshot ring" / "prefetch ring", for messages */
+    const char *opt;        /* the option that sizes it */
+    ast_trace_dir dir;
+    char *base;
+    size_t cap;             /* a multiple of AST_SHADOW_ALIGN */
+    slot *slots;
+    unsigned max;
+    uint64_t tail_seq, head_seq; /* live slots: [tail_seq, head_seq) */
+    size_t head;            /* byte offset where the next slot would start */
+    uint64_t hwm, wraps;
+} ring;
+
+struct ast_shadow {
+    pthread_mutex_t mu;
+    int cuda;
+    int device;
+    int priority;
+    void *stream;           /* cudaStream_t */
+    ast_trace *trace;
+    ring snap, pre;
+    uint64_t d2h_bytes, h2d_bytes, d2h_copies, h2d_copies, busy;
+    char last_error[1024];
+};
+
+/* ---- errors ------------------------------------------------------------------------------- */
+
+static int vset_error_locked(ast_shadow *sh, int code, const char *fmt, va_list ap)
+{
+    char msg[900];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    snprintf(sh->last_error, sizeof sh->last_error, "%s: %s", ast_err_name(code), msg);
+    return code;
+}
+
+static int set_error_locked(ast_shadow *sh, int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vset_error_locked(sh, code, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+static int set_error(ast_shadow *sh, int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    pthread_mutex_lock(&sh->mu);
+    vset_error_locked(sh, code, fmt, ap);
+    pthread_mutex_unlock(&sh->mu);
+    va_end(ap);
+    return code;
+}
+
+/* ---- backend: the only code that differs between CUDA and host ------------------------------ */
+
+#if ASTERIA_HAVE_CUDA
+static int cuda_fail(cudaError_t e, const char *call, char *err, size_t len)
+{
+    if (err && len)
+        snprintf(err, len, "%s: %s (%s)", call, cudaGetErrorString(e), cudaGetErrorName(e));
+    return AST_ECUDA;
+}
+
+/* Makes sh's device current for the calling thread; *prev receives the one to restore. */
+static void dev_enter(const ast_shadow *sh, int *prev)
+{
+    *prev = -1;
+    if (sh->cuda && cudaGetDevice(prev) == cudaSuccess && *prev != sh->device)
+        cudaSetDevice(sh->device);
+}
+
+static void dev_leave(const ast_shadow *sh, int prev)
+{
+    if (sh->cuda && prev >= 0 && prev != sh->device)
+        cudaSetDevice(prev);
+}
+#else
+static void dev_enter(const ast_shadow *sh, int *prev)
+{
+    *prev = -1;
+}
+
+static void dev_leave(const ast_shadow *sh, int prev)
+{
+}
+#endif
+
+/* Enqueues dst <- src after wait_event, then records done_ev (host path: copies now). */
+static int be_copy(ast_shadow *sh, void *dst, const void *src, size_t n, void *wait_event,
+                   void *done_ev, char *err, size_t len)
+{
+#if ASTERIA_HAVE_CUDA
+    if (sh->cuda) {
+        cudaStream_t s = (cudaStream_t)sh->stream;
+        cudaError_t e;
+        if (wait_event && (e = cudaStreamWaitEvent(s, (cudaEvent_t)wait_event, 0)) != cudaSuccess)
+            return cuda_fail(e, "cudaStreamWaitEvent", err, len);
+        if ((e = cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, s)) != cudaSuccess)
+            return cuda_fail(e, "cudaMemcpyAsync", err, len);
+        if ((e = cudaEventRecord((cudaEvent_t)done_ev, s)) != cudaSuccess)
+            return cuda_fail(e, "cudaEventRecord", err, len);
+        return 0;
+    }
+#endif
+    memcpy(dst, src, n);
+    return 0;
+}
+
+/* 1: the work before ev has completed; 0: not yet; < 0: error. */
+static int be_passed(ast_shadow *sh, void *ev, char *err, size_t len)
+{
+#if ASTERIA_HAVE_CUDA
+    if (sh->cuda) {
+        cudaError_t e = cudaEventQuery((cudaEvent_t)ev);
+        if (e == cudaSuccess)
+            return 1;
+        if (e == cudaErrorNotReady)
+            return 0;
+        return cuda_fail(e, "cudaEventQuery", err, len);
+    }
+#endif
+    return 1;
+}
+
+/* Blocks (the events use cudaEventBlockingSync: the thread sleeps) until ev has passed. */
+static int be_wait(ast_shadow *sh, void *ev, char *err, size_t len)
+{
+#if ASTERIA_HAVE_CUDA
+    if (sh->cuda) {
+        cudaError_t e = cudaEventSynchronize((cudaEvent_t)ev);
+        return e == cudaSuccess ? 0 : cuda_fail(e, "cudaEventSynchronize", err, len);
+    }
+#endif
+    return 0;
+}
+
+/* Records ev on the consumer's stream. */
+static int be_record(ast_shadow *sh, void *ev, uintptr_t stream, char *err, size_t len)
+{
+#if ASTERIA_HAVE_CUDA
+    if (sh->cuda) {
+        cudaError_t e = cudaEventRecord((cudaEvent_t)ev, (cudaStream_t)stream);
+        return e == cudaSuccess ? 0 : cuda_fail(e, "cudaEventRecord(consumer stream)", err, len);
+    }
+#endif
+    return 0;
+}
+
+/* ---- rings (sh->mu held) ------------------------------------------------------------------ */
+
+static uint64_t ring_live(const ring *r)
+{
+    return r->head_seq - r->tail_seq;
+}
+
+static slot *ring_at(ring *r, uint64_t seq)
+{
+    return &r->slots[seq % r->max];
+}
+
+/* Bytes not available: live slots plus the tail skipped by a wrap. */
+static size_t ring_used(ring *r)
+{
+    if (!ring_live(r))
+        return 0;
+    size_t tail = ring_at(r, r->tail_seq)->off;
+    return r->head > tail ? r->head - tail : r->cap - (tail - r->head);
+}
+
+/* Returns released slots at the tail to the ring. */
+static int ring_reclaim(ast_shadow *sh, ring *r)
+{
+    char err[256];
+    while (ring_live(r)) {
+        slot *s = ring_at(r, r->tail_seq);
+        if (s->state == S_RELEASE_PENDING) {
+            int p = be_passed(sh, s->release_ev, err, sizeof err);
+            if (p < 0)
+                return set_error_locked(sh, p, "%s: %s", r->what, err);
+            if (!p)
+                break;
+        } else if (s->state != S_RELEASED) {
+            break;
+        }
+        s->state = S_FREE;
+        r->tail_seq++;
+    }
+    return 0;
+}
+
+/* Reserves AST_SHADOW_ALIGN-rounded nbytes (<= cap, checked by the caller) in FIFO order. */
+static int ring_alloc(ast_shadow *sh, ring *r, size_t nbytes, slot **out)
+{
+    int rc = ring_reclaim(sh, r);
+    if (rc)
+        return rc;
+    size_t a = (nbytes + AST_SHADOW_ALIGN - 1) / AST_SHADOW_ALIGN * AST_SHADOW_ALIGN;
+    size_t off;
+    if (ring_live(r) == r->max) {
+        sh->busy++;
+        return set_error_locked(sh, AST_EBUSY, "%s: all %u slots are in use", r->what, r->max);
+    }
+    if (!ring_live(r)) {
+        off = 0;
+    } else {
+        size_t tail = ring_at(r, r->tail_seq)->off;
+        if (r->head > tail && r->cap - r->head >= a) {
+            off = r->head;
+        } else if (r->head > tail && tail >= a) {
+            off = 0;
+            r->wraps++;
+        } else if (r->head <= tail && tail - r->head >= a) {
+            off = r->head;
+        } else {
+            sh->busy++;
+            return set_error_locked(sh, AST_EBUSY,
+                                    "%s: no room for %zu bytes (%zu of %zu in use by %" PRIu64
+                                    " slots); release slots first",
+                                    r->what, nbytes, ring_used(r), r->cap, ring_live(r));
+        }
+    }
+    slot *s = ring_at(r, r->head_seq);
+    s->seq = r->head_seq++;
+    s->off = off;
+    s->nbytes = nbytes;
+    s->key = 0;
+    s->state = S_ISSUING;
+    r->head = off + a;
+    size_t used = ring_used(r);
+    if (used > r->hwm)
+        r->hwm = used;
+    *out = s;
+    return 0;
+}
+
+/* The live slot of sequence seq, or NULL. */
+static slot *ring_find_seq(ring *r, uint64_t seq)
+{
+    if (seq < r->tail_seq || seq >= r->head_seq)
+        return NULL;
+    slot *s = ring_at(r, seq);
+    return s->seq == seq ? s : NULL;
+}
+
+static int held(const slot *s)
+{
+    return s && (s->state == S_ISSUING || s->state == S_INFLIGHT || s->state == S_READY);
+}
+
+static slot *ring_find_key(ring *r, uint64_t key)
+{
+    for (uint64_t q = r->tail_seq; q < r->head_seq; q++) {
+        slot *s = ring_at(r, q);
+        if (s->key == key && held(s))
+            return s;
+    }
+    return NULL;
+}
+
+static void trace_copy(ast_shadow *sh, ast_trace_kind kind, const ring *r, const slot *s)
+{
+    if (!sh->trace)
+        return;
+    uint64_t now = ast_trace_now(sh->trace);
+    ast_trace_ev ev = {.kind = kind, .lane = AST_TRACE_LANE_SHADOW, .ts_ns = now,
+                       .args = AST_TRACE_ARG_BYTES, .bytes = s->nbytes, .dir = r->dir};
+    if (r->dir == AST_TRACE_DIR_H2D) {
+        ev.args |= AST_TRACE_ARG_BLOCK;
+        ev.block = s->key;
+    }
+    if (kind == AST_TRACE_COPY) {
+        ev.ts_ns = s->issued_ns;
+        ev.dur_ns = now > s->issued_ns ? now - s->issued_ns : 0;
+    }
+    ast_trace_event(sh->trace, &ev);
+}
+
+/* INFLIGHT -> READY once the copy's event has passed. 0 ready, AST_EBUSY not yet, < 0 error. */
+static int slot_poll(ast_shadow *sh, ring *r, slot *s)
+{
+    char err[256];
+    if (s->state == S_READY)
+        return 0;
+    if (s->state == S_ISSUING)
+        return AST_EBUSY;
+    int p = be_passed(sh, s->done_ev, err, sizeof err);
+    if (p < 0)
+        return set_error_locked(sh, p, "%s: %s", r->what, err);
+    if (!p)
+        return AST_EBUSY;
+    s->state = S_READY;
+    trace_copy(sh, AST_TRACE_COPY, r, s);
+    return 0;
+}
+
+/* Blocks until s (seq) is READY; called with sh->mu held, drops it around the wait. */
+static int slot_wait(ast_shadow *sh, ring *r, slot *s)
+{
+    char err[256];
+    int rc = slot_poll(sh, r, s);
+    if (rc != AST_EBUSY)
+        return rc;
+    if (s->state == S_ISSUING)
+        return set_error_locked(sh, AST_EBUSY, "%s: copy still being issued by another thread",
+                                r->what);
+    uint64_t seq = s->seq;
+    void *ev = s->done_ev;
+    pthread_mutex_unlock(&sh->mu);
+    rc = be_wait(sh, ev, err, sizeof err);
+    pthread_mutex_lock(&sh->mu);
+    if (rc)
+        return set_error_locked(sh, rc, "%s: %s", r->what, err);
+    s = ring_find_seq(r, seq);
+    if (!held(s))
+        return set_error_locked(sh, AST_ENOENT, "%s: slot released during the wait", r->what);
+    return slot_poll(sh, r, s);
+}
+
+/* Reserves a slot (for a prefetch: refusing a key already staged), issues the copy with the
+ * lock dropped, and publishes the slot as INFLIGHT; *seq and *off describe it. */
+static int ring_issue(ast_shadow *sh, ring *r, const void *src, size_t n, uint64_t key,
+                      void *wait_event, uint64_t *seq, size_t *off)
+{
+    char err[256];
+    pthread_mutex_lock(&sh->mu);
+    slot *s = NULL;
+    int rc = 0;
+    if (r->dir == AST_TRACE_DIR_H2D && ring_find_key(r, key))
+        rc = set_error_locked(sh, AST_ESTATE, "%s: key %" PRIu64 " is already staged; release "
+                              "it first", r->what, key);
+    if (!rc)
+        rc = ring_alloc(sh, r, n, &s);
+    if (rc) {
+        pthread_mutex_unlock(&sh->mu);
+        return rc;
+    }
+    s->key = key;
+    *seq = s->seq;
+    *off = s->off;
+    void *done_ev = s->done_ev;
+    if (sh->trace)
+        s->issued_ns = ast_trace_now(sh->trace);
+    trace_copy(sh, AST_TRACE_COPY_ISSUED, r, s);
+    pthread_mutex_unlock(&sh->mu);
+
+    rc = be_copy(sh, r->base + *off, src, n, wait_event, done_ev, err, sizeof err);
+
+    pthread_mutex_lock(&sh->mu);
+    s = ring_at(r, *seq); /* ISSUING: nobody else changes it */
+    if (rc) {
+        s->state = S_RELEASED;
+        ring_reclaim(sh, r);
+        set_error_locked(sh, rc, "%s: %zu bytes: %s", r->what, n, err);
+    } else {
+        s->state = S_INFLIGHT;
+        if (r->dir == AST_TRACE_DIR_D2H) {
+            sh->d2h_bytes += n;
+            sh->d2h_copies++;
+        } else {
+            sh->h2d_bytes += n;
+            sh->h2d_copies++;
+        }
+    }
+    pthread_mutex_unlock(&sh->mu);
+    return rc;
+}
+
+/* ---- create / destroy --------------------------------------------------------------------- */
+
+void ast_shadow_opts_init(ast_shadow_opts *o)
+{
+    memset(o, 0, sizeof *o);
+    o->mode = AST_SHADOW_AUTO;
+    o->device = -1;
+    o->snapshot_bytes = DEFAULT_RING_BYTES;
+    o->ring_bytes = DEFAULT_RING_BYTES;
+    o->max_slots = DEFAULT_MAX_SLOTS;
+}
+
+static void ring_free(ast_shadow *sh, ring *r)
+{
+    if (r->slots) {
+        for (unsigned i = 0; i < r->max; i++) {
+#if ASTERIA_HAVE_CUDA
+            if (r->slots[i].done_ev)
+                cudaEventDestroy((cudaEvent_t)r->slots[i].done_ev);
+            if (r->slots[i].release_ev)
+                cudaEventDestroy((cudaEvent_t)r->slots[i].release_ev);
+#endif
+        }
+        free(r->slots);
+    }
+    if (r->base) {
+        if (!sh->cuda)
+            free(r->base);
+        else if (r->dir == AST_TRACE_DIR_D2H)
+            ast__cuda_host_free(r->base, NULL, 0);
+        else
+            ast__cuda_free(r->base, NULL, 0);
+    }
+}
+
+static int ring_init(ast_shadow *sh, ring *r, size_t cap, unsigned max, char *err, size_t len)
+{
+    r->cap = (cap + AST_SHADOW_ALIGN - 1) / AST_SHADOW_ALIGN * AST_SHADOW_ALIGN;
+    r->max = max;
+    r->slots = calloc(max, sizeof *r->slots);
+    if (!r->slots)
+        return AST_ENOMEM;
+    int rc = 0;
+    void *p = NULL;
+    if (!sh->cuda) {
+        p = aligned_alloc(AST_SHADOW_ALIGN, r->cap);
+        if (!p)
+            rc = AST_ENOMEM;
+        else
+            memset(p, 0, r->cap);
+    } else if (r->dir == AST_TRACE_DIR_D2H) {
+        rc = ast__cuda_host_alloc(&p, r->cap, err, len);
+    } else {
+        rc = ast__cuda_malloc(&p, r->cap, err, len);
+    }
+    if (rc) {
+        if (rc == AST_ENOMEM && err && len)
+            snprintf(err, len, "%s: cannot allocate %zu bytes", r->what, r->cap);
+        return rc;
+    }
+    r->base = p;
+#if ASTERIA_HAVE_CUDA
+    for (unsigned i = 0; sh->cuda && i < max; i++) {
+        cudaEvent_t d, q;
+        cudaError_t e = cudaEventCreateWithFlags(&d, cudaEventDisableTiming | cudaEventBlockingSync);
+        if (e != cudaSuccess)
+            return cuda_fail(e, "cudaEventCreateWithFlags", err, len);
+        r->slots[i].done_ev = d;
+        e = cudaEventCreateWithFlags(&q, cudaEventDisableTiming);
+        if (e != cudaSuccess)
+            return cuda_fail(e, "cudaEventCreateWithFlags", err, len);
+        r->slots[i].release_ev = q;
+    }
+#endif
+    return 0;
+}
+
+#if ASTERIA_HAVE_CUDA
+static int cuda_setup(ast_shadow *sh, int want_device, char *err, size_t len)
+{
+    int n = ast__cuda_device_count();
+    cudaError_t e;
+    if (want_device >= n) {
+        if (err && len)
+            snprintf(err, len, "opts.device %d: only %d CUDA device(s)", want_device, n);
+        return AST_EINVAL;
+    }
+    if (want_device < 0 && (e = cudaGetDevice(&want_device)) != cudaSuccess)
+        return cuda_fail(e, "cudaGetDevice", err, len);
+    sh->device = want_device;
+    sh->cuda = 1;
+    int least, greatest;
+    if ((e = cudaDeviceGetStreamPriorityRange(&least, &greatest)) != cudaSuccess)
+        return cuda_fail(e, "cudaDeviceGetStreamPriorityRange", err, len);
+    /* "least" is the lowest priority, which CUDA gives the numerically greatest value. */
+    cudaStream_t s;
+    if ((e = cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, least)) != cudaSuccess)
+        return cuda_fail(e, "cudaStreamCreateWithPriority", err, len);
+    sh->stream = s;
+    if ((e = cudaStreamGetPriority(s, &sh->priority)) != cudaSuccess)
+        return cuda_fail(e, "cudaStreamGetPriority", err, len);
+    return 0;
+}
+#endif
+
+void ast_shadow_destroy(ast_shadow *sh)
+{
+    if (!sh)
+        return;
+    int prev;
+    dev_enter(sh, &prev);
+#if ASTERIA_HAVE_CUDA
+    if (sh->stream)
+        cudaStreamSynchronize((cudaStream_t)sh->stream);
+#endif
+    ring_free(sh, &sh->snap);
+    ring_free(sh, &sh->pre);
+#if ASTERIA_HAVE_CUDA
+    if (sh->stream)
+        cudaStreamDestroy((cudaStream_t)sh->stream);
+#endif
+    dev_leave(sh, prev);
+    pthread_mutex_destroy(&sh->mu);
+    free(sh);
+}
+
+int ast_shadow_create_msg(const ast_shadow_opts *opts, ast_shadow **out, char *errbuf,
+                          size_t len)
+{
+    if (errbuf && len)
+        errbuf[0] = '\0';
+    if (!out)
+        return AST_EINVAL;
+    *out = NULL;
+    ast_shadow_opts o;
+    if (opts)
+        o = *opts;
+    else
+        ast_shadow_opts_init(&o);
+    if (!o.snapshot_bytes || !o.ring_bytes || !o.max_slots ||
+        (unsigned)o.mode > AST_SHADOW_CUDA || o.snapshot_bytes > SIZE_MAX / 2 ||
+        o.ring_bytes > SIZE_MAX / 2) {
+        if (errbuf && len)
+            snprintf(errbuf, len,
+                     "snapshot_bytes (%zu), ring_bytes (%zu) and max_slots (%u) must be > 0, "
+                     "mode one of auto/host/cuda",
+                     o.snapshot_bytes, o.ring_bytes, o.max_slots);
+        return AST_EINVAL;
+    }
+    int ndev = ast__cuda_device_count();
+    if (o.mode == AST_SHADOW_CUDA && ndev == 0) {
+        if (errbuf && len)
+            snprintf(errbuf, len, ASTERIA_HAVE_CUDA ? "mode cuda: no CUDA device present"
+                                                    : "mode cuda: libasteria was built without CUDA");
+        return AST_ENODEV;
+    }
+    ast_shadow *sh = calloc(1, sizeof *sh);
+    if (!sh)
+        return AST_ENOMEM;
+    if (pthread_mutex_init(&sh->mu, NULL)) {
+        free(sh);
+        return AST_ENOMEM;
+    }
+    sh->device = -1;
+    sh->trace = o.trace;
+    sh->snap = (ring){.what = "snapshot ring", .opt = "snapshot_bytes", .dir = AST_TRACE_DIR_D2H};
+    sh->pre = (ring){.what = "prefetch ring", .opt = "ring_bytes", .dir = AST_TRACE_DIR_H2D};
+
+    int rc = 0, prev = -1;
+#if ASTERIA_HAVE_CUDA
+    if (o.mode != AST_SHADOW_HOST && ndev > 0) {
+        if (o.device >= 0 && o.device < ndev) {
+            if (cudaGetDevice(&prev) != cudaSuccess)
+                prev = -1;
+            cudaSetDevice(o.device);
+        }
+        rc = cuda_setup(sh, o.device, errbuf, len);
+    }
+#endif
+    if (!rc)
+        rc = ring_init(sh, &sh->snap, o.snapshot_bytes, o.max_slots, errbuf, len);
+    if (!rc)
+        rc = ring_init(sh, &sh->pre, o.ring_bytes, o.max_slots, errbuf, len);
+#if ASTERIA_HAVE_CUDA
+    if (prev >= 0)
+        cudaSetDevice(prev);
+#endif
+    if (rc) {
+        ast_shadow_destroy(sh);
+        return rc;
+    }
+    *out = sh;
+    return 0;
+}
+
+int ast_shadow_create(const ast_shadow_opts *opts, ast_shadow **out)
+{
+    return ast_shadow_create_msg(opts, out, NULL, 0);
+}
+
+int ast_shadow_is_cuda(const ast_shadow *sh)
+{
+    return sh && sh->cuda;
+}
+
+int ast_shadow_stream_handle(const ast_shadow *sh, uintptr_t *out)
+{
+    if (!sh || !out)
+        return AST_EINVAL;
+    *out = (uintptr_t)sh->stream;
+    return sh->cuda ? 0 : AST_ENODEV;
+}
+
+/* ---- snapshots ---------------------------------------------------------------------------- */
+
+static int check_copy_args(ast_shadow *sh, const ring *r, const void *src, size_t nbytes,
+                           void *wait_event)
+{
+    if (!src || !nbytes)
+        return set_error(sh, AST_EINVAL, "%s: NULL source or zero size", r->what);
+    if (nbytes > r->cap)
+        return set_error(sh, AST_EINVAL,
+                         "%s: a copy of %zu bytes exceeds the ring capacity of %zu bytes "
+                         "(raise opts.%s)",
+                         r->what, nbytes, r->cap, r->opt);
+    if (wait_event && !sh->cuda)
+        return set_error(sh, AST_EINVAL, "%s: an event to wait on needs the CUDA path", r->what);
+    return 0;
+}
+
+int ast_shadow_snapshot(ast_shadow *sh, const void *src, size_t nbytes, void *wait_event,
+                        ast_shadow_ticket *t)
+{
+    if (!sh || !t)
+        return AST_EINVAL;
+    memset(t, 0, sizeof *t);
+    int rc = check_copy_args(sh, &sh->snap, src, nbytes, wait_event);
+    if (rc)
+        return rc;
+    int prev;
+    uint64_t seq;
+    size_t off;
+    dev_enter(sh, &prev);
+    rc = ring_issue(sh, &sh->snap, src, nbytes, 0, wait_event, &seq, &off);
+    dev_leave(sh, prev);
+    if (!rc) {
+        t->id = seq + 1;
+        t->host = sh->snap.base + off;
+        t->nbytes = nbytes;
+    }
+    return rc;
+}
+
+/* The held snapshot slot of t (sh->mu held), or NULL with the error set. */
+static slot *find_ticket(ast_shadow *sh, const ast_shadow_ticket *t)
+{
+    slot *s = t && t->id ? ring_find_seq(&sh->snap, t->id - 1) : NULL;
+    if (!held(s)) {
+        set_error_locked(sh, AST_ENOENT, "snapshot ticket %" PRIu64 " unknown or released",
+                         t ? t->id : 0);
+        return NULL;
+    }
+    return s;
+}
+
+int ast_shadow_snapshot_query(ast_shadow *sh, const ast_shadow_ticket *t)
+{
+    if (!sh)
+        return AST_EINVAL;
+    int prev, rc;
+    dev_enter(sh, &prev);
+    pthread_mutex_lock(&sh->mu);
+    slot *s = find_ticket(sh, t);
+    rc = s ? slot_poll(sh, &sh->snap, s) : AST_ENOENT;
+    pthread_mutex_unlock(&sh->mu);
+    dev_leave(sh, prev);
+    return rc;
+}
+
+int ast_shadow_snapshot_wait(ast_shadow *sh, const ast_shadow_ticket *t)
+{
+    if (!sh)
+        return AST_EINVAL;
+    int prev, rc;
+    dev_enter(sh, &prev);
+    pthread_mutex_lock(&sh->mu);
+    slot *s = find_ticket(sh, t);
+    rc = s ? slot_wait(sh, &sh->snap, s) : AST_ENOENT;
+    pthread_mutex_unlock(&sh->mu);
+    dev_leave(sh, prev);
+    return rc;
+}
+
+int ast_shadow_snapshot_event(ast_shadow *sh, const ast_shadow_ticket *t, void **event)
+{
+    if (!sh || !event)
+        return AST_EINVAL;
+    *event = NULL;
+    pthread_mutex_lock(&sh->mu);
+    slot *s = find_ticket(sh, t);
+    int rc = s ? 0 : AST_ENOENT;
+    if (s)
+        *event = s->done_ev;
+    pthread_mutex_unlock(&sh->mu);
+    return rc;
+}
+
+/* Marks s released (or pending on stream) and reclaims (sh->mu held). */
+static int slot_release(ast_shadow *sh, ring *r, slot *s, int after, uintptr_t stream)
+{
+    char err[256];
+    if (s->state == S_ISSUING)
+        return set_error_locked(sh, AST_EBUSY, "%s: copy still being issued by another thread",
+                                r->what);
+    if (after && sh->cuda) {
+        int rc = be_record(sh, s->release_ev, stream, err, sizeof err);
+        if (rc)
+            return set_error_locked(sh, rc, "%s: %s", r->what, err);
+        s->state = S_RELEASE_PENDING;
+    } else {
+        s->state = S_RELEASED;
+    }
+    return ring_reclaim(sh, r);
+}
+
+int ast_shadow_snapshot_release(ast_shadow *sh, const ast_shadow_ticket *t)
+{
+    if (!sh)
+        return AST_EINVAL;
+    int prev, rc;
+    dev_enter(sh, &prev);
+    pthread_mutex_lock(&sh->mu);
+    slot *s = find_ticket(sh, t);
+    rc = s ? slot_release(sh, &sh->snap, s, 0, 0) : AST_ENOENT;
+    pthread_mutex_unlock(&sh->mu);
+    dev_leave(sh, prev);
+    return rc;
+}
+
+/* ---- prefetch ----------------------------------------------------------------------------- */
+
+int ast_shadow_prefetch(ast_shadow *sh, const void *src, size_t nbytes, uint64_t key,
+                        void **dev)
+{
+    if (!sh)
+        return AST_EINVAL;
+    if (dev)
+        *dev = NULL;
+    int rc = check_copy_args(sh, &sh->pre, src, nbytes, NULL);
+    if (rc)
+        return rc;
+    int prev;
+    uint64_t seq;
+    size_t off;
+    dev_enter(sh, &prev);
+    rc = ring_issue(sh, &sh->pre, src, nbytes, key, NULL, &seq, &off);
+    dev_leave(sh, prev);
+    if (!rc && dev)
+        *dev = sh->pre.base + off;
+    return rc;
+}
+
+/* The held prefetch slot of key (sh->mu held), or NULL with the error set. */
+static slot *find_key(ast_shadow *sh, uint64_t key)
+{
+    slot *s = ring_find_key(&sh->pre, key);
+    if (!s)
+        set_error_locked(sh, AST_ENOENT, "prefetch ring: key %" PRIu64 " is not staged", key);
+    return s;
+}
+
+int ast_shadow_ready_event(ast_shadow *sh, uint64_t key, void **event)
+{
+    if (!sh || !event)
+        return AST_EINVAL;
+    *event = NULL;
+    int rc = 0;
+    pthread_mutex_lock(&sh->mu);
+    slot *s = find_key(sh, key);
+    if (!s)
+        rc = AST_ENOENT;
+    else if (s->state == S_ISSUING)
+        rc = set_error_locked(sh, AST_EBUSY, "prefetch ring: key %" PRIu64
+                              " is still being issued", key);
+    else
+        *event = s->done_ev;
+    pthread_mutex_unlock(&sh->mu);
+    return rc;
+}
+
+int ast_shadow_lookup(ast_shadow *sh, uint64_t key, void **dev, size_t *nbytes)
+{
+    if (!sh)
+        return AST_EINVAL;
+    if (dev)
+        *dev = NULL;
+    if (nbytes)
+        *nbytes = 0;
+    int prev, rc;
+    dev_enter(sh, &prev);
+    pthread_mutex_lock(&sh->mu);
+    slot *s = find_key(sh, key);
+    rc = s ? slot_poll(sh, &sh->pre, s) : AST_ENOENT;
+    if (s) {
+        if (dev)
+            *dev = sh->pre.base + s->off;
+        if (nbytes)
+            *nbytes = s->nbytes;
+    }
+    pthread_mutex_unlock(&sh->mu);
+    dev_leave(sh, prev);
+    return rc;
+}
+
+int ast_shadow_prefetch_wait(ast_shadow *sh, uint64_t key)
+{
+    if (!sh)
+        return AST_EINVAL;
+    int prev, rc;
+    dev_enter(sh, &prev);
+    pthread_mutex_lock(&sh->mu);
+    slot *s = find_key(sh, key);
+    rc = s ? slot_wait(sh, &sh->pre, s) : AST_ENOENT;
+    pthread_mutex_unlock(&sh->mu);
+    dev_leave(sh, prev);
+    return rc;
+}
+
+static int release_key(ast_shadow *sh, uint64_t key, int after, uintptr_t stream)
+{
+    if (!sh)
+        return AST_EINVAL;
+    int prev, rc;
+    dev_enter(sh, &prev);
+    pthread_mutex_lock(&sh->mu);
+    slot *s = find_key(sh, key);
+    rc = s ? slot_release(sh, &sh->pre, s, after, stream) : AST_ENOENT;
+    pthread_mutex_unlock(&sh->mu);
+    dev_leave(sh, prev);
+    return rc;
+}
+
+int ast_shadow_release(ast_shadow *sh, uint64_t key)
+{
+    return release_key(sh, key, 0, 0);
+}
+
+int ast_shadow_release_after(ast_shadow *sh, uint64_t key, uintptr_t stream)
+{
+    return release_key(sh, key, 1, stream);
+}
+
+/* ---- stats / errors ----------------------------------------------------------------------- */
+
+int ast_shadow_stats_get(ast_shadow *sh, ast_shadow_stats *out)
+{
+    if (!sh || !out)
+        return AST_EINVAL;
+    int prev;
+    dev_enter(sh, &prev);
+    pthread_mutex_lock(&sh->mu);
+    ring_reclaim(sh, &sh->pre);
+    ring_reclaim(sh, &sh->snap);
+    *out = (ast_shadow_stats){
+        .d2h_bytes = sh->d2h_bytes, .h2d_bytes = sh->h2d_bytes,
+        .d2h_copies = sh->d2h_copies, .h2d_copies = sh->h2d_copies, .busy = sh->busy,
+        .ring_capacity = sh->pre.cap, .ring_used = ring_used(&sh->pre),
+        .ring_high_water = sh->pre.hwm, .ring_wraps = sh->pre.wraps,
+        .ring_slots = ring_live(&sh->pre),
+        .snapshot_capacity = sh->snap.cap, .snapshot_used = ring_used(&sh->snap),
+        .snapshot_high_water = sh->snap.hwm, .snapshot_wraps = sh->snap.wraps,
+        .snapshot_slots = ring_live(&sh->snap),
+        .is_cuda = sh->cuda, .device = sh->device, .priority = sh->priority};
+    pthread_mutex_unlock(&sh->mu);
+    dev_leave(sh, prev);
+    return 0;
+}
+
+int ast_shadow_last_error(ast_shadow *sh, char *buf, size_t len)
+{
+    if (!sh || !buf || !len)
+        return AST_EINVAL;
+    pthread_mutex_lock(&sh->mu);
+    snprintf(buf, len, "%s", sh->last_error);
+    pthread_mutex_unlock(&sh->mu);
+    return 0;
+}

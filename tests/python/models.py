@@ -1,0 +1,172 @@
+"""Test support: small float64 models with deterministic data, a lockstep driver that trains a
+model with an Asteria optimizer next to a copy trained by a reference, and the check that the
+C extension is there.
+
+Numerics: eigenvectors of a degenerate eigenvalue are arbitrary, and different LAPACKs (torch's
+MKL in ``mode="sync"``, OpenBLAS in the C pool) pick different ones, which moves SOAP and
+KL-Shampoo trajectories at O(1). So every factor must be full rank with distinct eigenvalues:
+ - batches have more tokens (rows of the activations) than any layer is wide, and
+ - every weight matrix is SQUARE: one step's gradient G (m x n) has rank <= min(m, n), so the
+   first-step factor G G^T of a rectangular G has a zero eigenvalue of multiplicity |m - n|
+   whose eigenvectors are arbitrary even with many tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+WIDTH = 8    # every weight matrix is WIDTH x WIDTH
+TOKENS = 32  # rows per batch, > WIDTH
+
+DTYPE = torch.float64
+
+
+def require_c_extension() -> None:
+    """Fail (not skip) when asteria._C is missing: the project's test command always builds it."""
+    try:
+        import asteria._C  # noqa: F401
+    except ImportError as exc:
+        pytest.fail(f"asteria._C is not built ({exc}); build it with: cmake -S . -B build-py "
+                    "-DASTERIA_BUILD_PYTHON=ON && cmake --build build-py --target _C")
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(3))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.tanh(x)
+        return x
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: causal self-attention (2 heads) and a GELU MLP."""
+
+    heads = 2
+
+    def __init__(self):
+        super().__init__()
+        d = WIDTH
+        self.ln1 = nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, d)
+        self.fc2 = nn.Linear(d, d)
+
+    def forward(self, x):  # x: (batch, seq, d)
+        b, s, d = x.shape
+        h = self.ln1(x)
+
+        def split(t):
+            return t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
+
+        q, k, v = split(self.q(h)), split(self.k(h)), split(self.v(h))
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(d // self.heads)
+        att = att.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+        y = (att.softmax(-1) @ v).transpose(1, 2).reshape(b, s, d)
+        x = x + self.o(y)
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+class Tensor3(nn.Module):
+    """One 3-D weight (a, b, c) used as y_n,a = tanh(sum_bc W_abc x_n,bc): for N-D factors."""
+
+    def __init__(self, shape=(4, 3, 5)):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(*shape) / math.sqrt(shape[1] * shape[2]))
+
+    def forward(self, x):
+        return torch.tanh(torch.einsum("abc,nbc->na", self.w, x))
+
+
+def make_model(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = {"mlp": MLP, "block": Block, "tensor3": Tensor3}[kind]()
+    return model.to(DTYPE)
+
+
+def batch(kind: str, step: int, model: nn.Module = None):
+    """Deterministic (input, target) of a step: inputs from a generator seeded by the step,
+    targets from a fixed random map of them."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    if kind == "mlp":
+        x = torch.randn(TOKENS, WIDTH, generator=gen, dtype=DTYPE)
+    elif kind == "block":
+        x = torch.randn(4, TOKENS // 4, WIDTH, generator=gen, dtype=DTYPE)  # 32 tokens
+    else:
+        x = torch.randn(TOKENS, 3, 5, generator=gen, dtype=DTYPE)
+    fixed = torch.Generator().manual_seed(7)
+    if kind == "tensor3":
+        a = torch.randn(4, 3, 5, generator=fixed, dtype=DTYPE)
+        y = torch.sin(torch.einsum("abc,nbc->na", a, x))
+    else:
+        a = torch.randn(WIDTH, WIDTH, generator=fixed, dtype=DTYPE)
+        y = torch.sin(x @ a)
+    return x, y
+
+
+def loss_and_grad(model: nn.Module, kind: str, step: int) -> torch.Tensor:
+    for p in model.parameters():
+        p.grad = None
+    x, y = batch(kind, step)
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    return loss.detach()
+
+
+def params_of(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def lockstep(kind: str, make_opt, make_ref, steps: int, ref_views=None):
+    """Train ``kind`` with ``make_opt(params)`` and a copy with ``make_ref(tensors)``; yield
+    (step, package params, reference params) after every step. ``ref_views(model)`` maps the
+    reference's model to the tensors the reference updates and the matching gradients
+    (default: its parameters)."""
+    model = make_model(kind)
+    twin = copy.deepcopy(model)
+    opt = make_opt(model.parameters())
+    views = ref_views or (lambda m: ([p.data for p in m.parameters()],
+                                     lambda: [p.grad for p in m.parameters()]))
+    tensors, grads = views(twin)
+    ref = make_ref(tensors)
+    try:
+        for t in range(1, steps + 1):
+            loss_and_grad(model, kind, t)
+            loss_and_grad(twin, kind, t)
+            opt.step()
+            ref.step(grads())
+            yield t, params_of(model), params_of(twin)
+    finally:
+        opt.close()
+
+
+def run(kind: str, make_opt, steps: int, model: nn.Module = None):
+    """Train and return (params after every step, the optimizer, closed)."""
+    model = model or make_model(kind)
+    opt = make_opt(model.parameters())
+    traj = []
+    try:
+        for t in range(1, steps + 1):
+            loss_and_grad(model, kind, t)
+            opt.step()
+            traj.append(params_of(model))
+    finally:
+        opt.close()
+    return traj, opt
+
+
+def assert_params_close(got, want, rtol=1e-7, atol=1e-10, what=""):
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol,
+                                   msg=lambda m, i=i: f"{what} param {i}: {m}")
