@@ -58,7 +58,8 @@ typedef struct job_ctx {
 } job_ctx;
 
 typedef struct measure {
-    double seconds, blocks_per_s, utilisation; /* utilisation: worker busy time / (wall * workers) */
+    double seconds, blocks_per_s;
+    double utilisation; /* worker busy time / (wall time * workers) */
 } measure;
 
 typedef struct result {
@@ -387,8 +388,8 @@ static void write_json(const char *path, int argc, char **argv, ast_dtype dt, do
     fprintf(f, "},\n  \"results\": [\n");
     for (int i = 0; i < nr; i++) {
         const result *x = &r[i];
-        fprintf(f, "    {\"op\": \"%s\", \"n\": %d, \"jobs\": %d, \"warmup_s\": %.6f", op_names[x->kind],
-                x->n, x->jobs, x->warmup_s);
+        fprintf(f, "    {\"op\": \"%s\", \"n\": %d, \"jobs\": %d, \"warmup_s\": %.6f",
+                op_names[x->kind], x->n, x->jobs, x->warmup_s);
         for (int m = 0; m < M_COUNT; m++)
             fprintf(f, ",\n     \"%s\": {\"blocks_per_s\": %.6g, \"seconds\": %.6f, "
                        "\"worker_utilisation\": %.4f}",
@@ -510,7 +511,8 @@ int main(int argc, char **argv)
             r->m[M_POOL1] = run_pool(pools[M_POOL1], 1, c, r->jobs);
             r->m[M_POOL2] = run_pool(pools[M_POOL2], 2, c, r->jobs);
             free_jobs(c, r->jobs);
-            fprintf(stderr, "  %-12s n=%-5d jobs=%-4d bare %9.3f  pool1 %9.3f  pool2 %9.3f blocks/s\n",
+            fprintf(stderr,
+                    "  %-12s n=%-5d jobs=%-4d bare %9.3f  pool1 %9.3f  pool2 %9.3f blocks/s\n",
                     op_names[k], n, r->jobs, r->m[M_BARE].blocks_per_s,
                     r->m[M_POOL1].blocks_per_s, r->m[M_POOL2].blocks_per_s);
         }

@@ -17,6 +17,9 @@
 
 static int cuda_fail(cudaError_t e, const char *call, size_t nbytes, char *err, size_t len)
 {
+    /* The runtime also keeps e as the thread's last error; code that checks cudaGetLastError()
+     * after its own launches (PyTorch does) would otherwise blame itself for our failure. */
+    cudaGetLastError();
     if (err && len)
         snprintf(err, len, "%s(%zu bytes): %s (%s)", call, nbytes, cudaGetErrorString(e),
                  cudaGetErrorName(e));
@@ -28,7 +31,7 @@ int ast__cuda_device_count(void)
     int n = 0;
     /* No driver, an old driver or no device all come back as errors here: they mean "none". */
     if (cudaGetDeviceCount(&n) != cudaSuccess) {
-        cudaGetLastError(); /* reset the last-error state so later calls do not report it */
+        cudaGetLastError(); /* likewise: none of our business to leave behind */
         return 0;
     }
     return n > 0 ? n : 0;

@@ -25,9 +25,11 @@
  *    block of a batched call); every call resets it.
  *  - Batched calls set *failed_index (may be NULL) to -1 on success, to the failing block
  *    otherwise, and to 0 when the arguments themselves are rejected (nothing was written).
- *  - Newton stops early with AST_ENOCONV once the iteration stalls (no new best ||M - I|| for
- *    NEWTON_STALL steps) or diverges (error above twice the best), rather than burning the
- *    remaining iterations at the rounding floor.
+ *  - Newton stops early with AST_ENOCONV once the iteration stalls (no new best ||M - I||_inf
+ *    for NEWTON_STALL steps) or diverges (error above twice the best), rather than burning the
+ *    remaining iterations at the rounding floor. Both tests apply only once the best error is
+ *    below 1: before that the inf-norm may grow for a few steps while the exact iteration still
+ *    converges (the 2-norm of M - I shrinks monotonically, the inf-norm need not).
  */
 #include "asteria/linalg.h"
 
@@ -378,18 +380,19 @@ static void mat_pow(const kern *K, int n, int p, void *buf[3])
 }
 
 /*
- * Coupled Newton iteration for (A + eps I)^(-1/p) (Guo & Higham 2006, eq. 3.3; the form used
- * by Distributed Shampoo):
+ * Coupled Newton iteration for (A + eps I)^(-1/p), the inverse Newton iteration in its coupled
+ * form (Guo & Higham, SIAM J. Matrix Anal. Appl. 28, 2006), as Distributed Shampoo uses it:
  *     X_0 = z^(1/p) I,  M_0 = z (A + eps I)
  *     T_k = ((p+1) I - M_k) / p,  X_{k+1} = X_k T_k,  M_{k+1} = T_k^p M_k
- * M_k -> I and X_k -> (A + eps I)^(-1/p). For SPD input the scalar map x -> x ((p+1-x)/p)^p
- * sends (0, p+1) into (0, 1] and then increases monotonically to its fixed point 1, so any z
- * with z lambda_max < p+1 converges. z = (p+1) / (2 lambda_max) puts the spectrum in
- * (0, (p+1)/2], a margin of 2 from the boundary; lambda_max is bounded above by
- * min(||A||_F, ||A||_1) (exact bounds for symmetric A, no power-iteration estimate that could
- * fall short). The coupled form is numerically stable (Iannazzo 2006), unlike the uncoupled
- * Newton iteration. Indefinite input is outside its domain and ends in AST_ENOCONV or
- * AST_ENONFINITE; the eigen path (ast_linalg_inv_root) clamps instead.
+ * M_k -> I and X_k -> (A + eps I)^(-1/p). All iterates are polynomials in A, so it acts on each
+ * eigenvalue by the scalar map x -> x ((p+1-x)/p)^p, which sends (0, p+1) into (0, 1] and then
+ * increases monotonically to its fixed point 1: any z with z lambda_max < p+1 converges for SPD
+ * input. z = (p+1) / (2 lambda_max) keeps the spectrum a factor 2 inside that interval, and
+ * lambda_max is replaced by min(||A||_F, ||A||_1), rigorous upper bounds for symmetric A,
+ * rather than a power-iteration estimate that could fall short of it. The coupled form is
+ * numerically stable (Iannazzo 2006), the uncoupled Newton iteration is not. Indefinite input
+ * is outside the domain and ends in AST_ENOCONV or AST_ENONFINITE; the eigen path
+ * (ast_linalg_inv_root) clamps instead.
  */
 static int k_newton(const kern *K, const op_args *o)
 {

@@ -109,7 +109,7 @@ int ast__nvme_read(ast__nvme *n, ast__nvme_io *ios, size_t count, ast__nvme_xfer
 enum ast__fault {
     AST__FAULT_NO_ODIRECT = 1u << 0,   /* open: the probe's O_DIRECT open fails with EINVAL */
     AST__FAULT_EROFS = 1u << 1,        /* open and record creation fail with EROFS */
-    AST__FAULT_ENOSPC = 1u << 2,       /* write completions fail with -ENOSPC (after skip records) */
+    AST__FAULT_ENOSPC = 1u << 2,       /* write completions fail with -ENOSPC (past skip records) */
     AST__FAULT_SHORT_IO = 1u << 3,     /* each SQE's first completion reports half the bytes */
     AST__FAULT_EAGAIN = 1u << 4,       /* each SQE's first completion reports -EAGAIN */
     AST__FAULT_NO_FALLOCATE = 1u << 5  /* skip the space reservation: ENOSPC comes from writes */

@@ -7,29 +7,38 @@
  * Process-wide: the registry of live pools that the fork handlers walk.
  * May call: errors.h, hwloc, pthreads, libc. Never calls back into the runtime.
  *
+ * Cores: see core_set() for the default set. Worker i binds itself (inside the thread, hwloc
+ * HWLOC_CPUBIND_THREAD) to the i-th core of the set, round robin. ast_pool_cpuset reports the
+ * cores workers are bound to as an hwloc list, or "unpinned (<why>)" when none is (pin=0, built
+ * without hwloc, binding unsupported or refused). Workers run with all signals blocked.
+ * Stats: submitted counts accepted jobs; queued and running are current counts; done counts
+ * jobs that ran to the end (and jobs lost at a fork, see below), failed those of them whose
+ * status is not 0; superseded and cancelled the rest. So while the pool lives,
+ * submitted == queued + running + done + superseded + cancelled.
+ *
  * Lock discipline
  *  - registry_mtx (the one global, with its list head `registry` and `atfork_once`) guards the
- *    list of live pools and nothing else. Taken by ast_pool_create (to link the pool, after its
- *    workers run), ast_pool_destroy (to unlink it, before shutting it down) and the fork
- *    handlers. It is never held while a pool mutex is wanted by someone else, except by the
- *    prepare handler, hence the order below.
+ *    list of live pools and nothing else. Held only to link a pool (end of ast_pool_create,
+ *    once its workers run), to unlink it (start of ast_pool_destroy, before it shuts down) and
+ *    by the fork handlers. Nobody takes it while holding a pool mutex.
  *  - pool->mtx guards everything mutable in a pool: the heap, both hash tables, every job
  *    record's state / status / timestamps / worker, the done-queue, the ticket counter, the
- *    stats, `stopping`, and per worker `current`, `alive`, `bound_pu`, `started`.
- *    Immutable after create (read without the lock): nworkers, pin, the per-worker core plan,
- *    the hwloc topology.
- *  - Lock order: registry_mtx before any pool->mtx; pool mutexes among themselves in registry
- *    order (only the prepare handler holds more than one).
+ *    stats, stopping / need_start / nstarted / ndone_waiters, and per worker current, alive,
+ *    started, bound_pu. Immutable after create (read without the lock): nworkers, pin, each
+ *    worker's plan_pu, unpinned_why, the hwloc topology.
+ *  - Lock order: registry_mtx, then pool mutexes in registry order. Only the prepare handler
+ *    holds more than one lock; every other path holds at most one.
  *  - pool->work_cv (with pool->mtx): workers wait for "heap non-empty or stopping".
  *    pool->done_cv (with pool->mtx): owners wait for "done-queue changed" (ast_pool_wait,
- *    ast_pool_wait_any) and ast_pool_create waits for its workers to report they started.
- *    Completions are published with one broadcast, only when someone waits (ndone_waiters).
- *  - Runs with no lock held: job->run(), the hwloc binding call, pthread_join, the hwloc
- *    topology load, the malloc of a new job record.
+ *    ast_pool_wait_any), and ast_pool_create waits for its workers to report in. A completion
+ *    is published with one broadcast, and only when someone waits (ndone_waiters); waiters for
+ *    different tickets share the variable, so it must be a broadcast.
+ *  - Runs with no lock held: job->run() (which may call ast_pool_submit), the hwloc binding
+ *    call, pthread_join, the hwloc topology load, the malloc of a new job record.
  *
  * Fork (pthread_atfork, installed once): prepare takes registry_mtx then every pool's mutex, so
- * no pool is mid-update when the address space is copied; the parent handler releases them in
- * reverse. The child handler, for every live pool, re-initialises its mutex and condition
+ * no pool is mid-update when the address space is copied; the parent handler releases them.
+ * The child handler, for every live pool, re-initialises its mutex and condition
  * variables (their owners/waiters do not exist in the child), then settles every job that was in
  * flight at fork time, because the parent owns that work and runs it there:
  *  - jobs that were queued or running in the parent are NOT run in the child; each completes in
@@ -472,6 +481,20 @@ static int start_workers(ast_pool *p)
 
 /* ---- cpuset ------------------------------------------------------------------------------ */
 
+/* A decimal core index at c; the character after it, or NULL if there is none or it is huge. */
+static const char *parse_index(const char *c, long *v)
+{
+    if (*c < '0' || *c > '9')
+        return NULL;
+    *v = 0;
+    while (*c >= '0' && *c <= '9') {
+        *v = *v * 10 + (*c++ - '0');
+        if (*v > CPU_INDEX_MAX)
+            return NULL;
+    }
+    return c;
+}
+
 /* Strict hwloc list syntax: "N" or "A-B" (A <= B) items separated by single commas, decimal,
  * nothing else. hwloc's own parser accepts more ("0x3", "2a", "1-"), which a config must not.
  * Counts the cores and reports the largest index. */
@@ -480,28 +503,12 @@ static int cpulist_check(const char *s, long *count, long *maxv)
     long cnt = 0, mx = -1;
     const char *c = s;
     for (;;) {
-        long lo = 0, hi;
-        if (*c < '0' || *c > '9')
+        long lo, hi;
+        if (!(c = parse_index(c, &lo)))
             return AST_EINVAL;
-        while (*c >= '0' && *c <= '9') {
-            lo = lo * 10 + (*c++ - '0');
-            if (lo > CPU_INDEX_MAX)
-                return AST_EINVAL;
-        }
         hi = lo;
-        if (*c == '-') {
-            c++;
-            if (*c < '0' || *c > '9')
-                return AST_EINVAL;
-            hi = 0;
-            while (*c >= '0' && *c <= '9') {
-                hi = hi * 10 + (*c++ - '0');
-                if (hi > CPU_INDEX_MAX)
-                    return AST_EINVAL;
-            }
-            if (hi < lo)
-                return AST_EINVAL;
-        }
+        if (*c == '-' && (!(c = parse_index(c + 1, &hi)) || hi < lo))
+            return AST_EINVAL;
         cnt += hi - lo + 1;
         if (hi > mx)
             mx = hi;
@@ -542,6 +549,8 @@ static int core_set(ast_pool *p, const char *spec, hwloc_bitmap_t set)
     }
     if (hwloc_get_cpubind(p->topo, base, HWLOC_CPUBIND_PROCESS) == 0)
         hwloc_bitmap_and(base, base, allowed);
+    else
+        hwloc_bitmap_zero(base);
     if (hwloc_bitmap_iszero(base))
         hwloc_bitmap_copy(base, allowed);
     hwloc_bitmap_copy(set, base);
@@ -575,7 +584,7 @@ static int plan_workers(ast_pool *p, const ast_pool_opts *o)
     if (!rc && ncores <= 0)
         rc = AST_EINVAL;
     if (!rc) {
-        p->nworkers = o->workers ? o->workers : ncores;
+        p->nworkers = o->workers ? o->workers : ncores < POOL_MAX_WORKERS ? ncores : POOL_MAX_WORKERS;
         p->w = calloc((size_t)p->nworkers, sizeof *p->w);
         if (!p->w)
             rc = AST_ENOMEM;

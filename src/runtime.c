@@ -166,15 +166,18 @@ int ast_runtime_last_error(ast_runtime *rt, char *buf, size_t len)
 
 int ast_runtime_register(ast_runtime *rt, void *ptr, size_t nbytes, uint64_t *handle)
 {
-    if (!rt || !ptr || !nbytes || !handle)
+    if (!rt)
         return AST_EINVAL;
+    if (!ptr || !nbytes || !handle)
+        return set_error(rt, AST_EINVAL, "register: pointer %p, %zu bytes; allowed: a non-NULL "
+                         "pointer and nbytes >= 1", ptr, nbytes);
     pthread_mutex_lock(&rt->mu);
     if (rt->nbuffers == rt->capbuffers) {
         size_t cap = rt->capbuffers ? rt->capbuffers * 2 : 64;
         rbuf *nb = realloc(rt->buffers, cap * sizeof *nb);
         if (!nb) {
             pthread_mutex_unlock(&rt->mu);
-            return AST_ENOMEM;
+            return set_error(rt, AST_ENOMEM, "register: no memory for the buffer table");
         }
         rt->buffers = nb;
         rt->capbuffers = cap;
@@ -332,8 +335,9 @@ int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket
     }
     rjob *j = calloc(1, sizeof *j);
     if (!j)
-        return AST_ENOMEM;
+        return set_error(rt, AST_ENOMEM, "submit: no memory for a job record");
     j->req = *req;
+    j->failed_index = -1;
     static const char *const names[JOB_MAX_BUFS] = {"in0", "in1", "out0", "out1"};
     pthread_mutex_lock(&rt->mu);
     rbuf *held[JOB_MAX_BUFS];
@@ -396,9 +400,16 @@ int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket
 
 int ast_runtime_cancel(ast_runtime *rt, uint64_t ticket)
 {
-    if (!rt || !rt->pool)
+    if (!rt)
         return AST_EINVAL;
-    return ast_pool_cancel(rt->pool, ticket);
+    if (!rt->pool)
+        return set_error(rt, AST_ESHUTDOWN, "cancel: runtime is shutting down");
+    int rc = ast_pool_cancel(rt->pool, ticket);
+    if (rc == AST_EBUSY)
+        return set_error(rt, rc, "cancel: ticket %" PRIu64 " is already running", ticket);
+    if (rc == AST_ENOENT)
+        return set_error(rt, rc, "cancel: ticket %" PRIu64 " is finished or unknown", ticket);
+    return rc;
 }
 
 static int *fail_slot_locked(ast_runtime *rt, uint64_t block)
@@ -512,11 +523,14 @@ int ast_runtime_wait(ast_runtime *rt, uint64_t ticket, int64_t timeout_ns, ast_r
         atomic_fetch_add(&rt->barrier_waits, 1);
         atomic_fetch_add(&rt->barrier_wait_ns, now_ns() - t0);
     }
+    if (rc == AST_ETIMEDOUT)
+        return set_error(rt, rc, "wait: ticket %" PRIu64 " not done within %" PRId64 " ns",
+                         ticket, timeout_ns);
+    if (rc == AST_ENOENT)
+        return set_error(rt, rc, "wait: ticket %" PRIu64 " is unknown or was already collected",
+                         ticket);
     if (rc)
-        return rc == AST_ETIMEDOUT
-                   ? set_error(rt, rc, "wait: ticket %" PRIu64 " not done within %" PRId64 " ns",
-                               ticket, timeout_ns)
-                   : rc;
+        return set_error(rt, rc, "wait: ticket %" PRIu64 ": %s", ticket, ast_strerror(rc));
     finish(rt, &c, out);
     return 0;
 }

@@ -501,7 +501,8 @@ static int ring_init(ast_shadow *sh, ring *r, size_t cap, unsigned max, char *er
 #if ASTERIA_HAVE_CUDA
     for (unsigned i = 0; sh->cuda && i < max; i++) {
         cudaEvent_t d, q;
-        cudaError_t e = cudaEventCreateWithFlags(&d, cudaEventDisableTiming | cudaEventBlockingSync);
+        cudaError_t e =
+            cudaEventCreateWithFlags(&d, cudaEventDisableTiming | cudaEventBlockingSync);
         if (e != cudaSuccess)
             return cuda_fail(e, "cudaEventCreateWithFlags", err, len);
         r->slots[i].done_ev = d;
@@ -514,20 +515,35 @@ static int ring_init(ast_shadow *sh, ring *r, size_t cap, unsigned max, char *er
     return 0;
 }
 
-#if ASTERIA_HAVE_CUDA
-static int cuda_setup(ast_shadow *sh, int want_device, char *err, size_t len)
+/* Chooses the path: CUDA when allowed and a device exists, on opts.device or the current one. */
+static int pick_path(ast_shadow *sh, const ast_shadow_opts *o, int ndev, char *err, size_t len)
 {
-    int n = ast__cuda_device_count();
-    cudaError_t e;
-    if (want_device >= n) {
+#if ASTERIA_HAVE_CUDA
+    if (o->mode == AST_SHADOW_HOST || ndev == 0)
+        return 0;
+    int dev = o->device;
+    if (dev >= ndev) {
         if (err && len)
-            snprintf(err, len, "opts.device %d: only %d CUDA device(s)", want_device, n);
+            snprintf(err, len, "opts.device %d: only %d CUDA device(s)", dev, ndev);
         return AST_EINVAL;
     }
-    if (want_device < 0 && (e = cudaGetDevice(&want_device)) != cudaSuccess)
+    cudaError_t e;
+    if (dev < 0 && (e = cudaGetDevice(&dev)) != cudaSuccess)
         return cuda_fail(e, "cudaGetDevice", err, len);
-    sh->device = want_device;
+    sh->device = dev;
     sh->cuda = 1;
+#endif
+    return 0;
+}
+
+/* The shadow stream, on the current device: non-blocking (no implicit sync with the legacy
+ * default stream, which PyTorch uses) and at the lowest priority. */
+static int stream_init(ast_shadow *sh, char *err, size_t len)
+{
+#if ASTERIA_HAVE_CUDA
+    if (!sh->cuda)
+        return 0;
+    cudaError_t e;
     int least, greatest;
     if ((e = cudaDeviceGetStreamPriorityRange(&least, &greatest)) != cudaSuccess)
         return cuda_fail(e, "cudaDeviceGetStreamPriorityRange", err, len);
@@ -538,9 +554,9 @@ static int cuda_setup(ast_shadow *sh, int want_device, char *err, size_t len)
     sh->stream = s;
     if ((e = cudaStreamGetPriority(s, &sh->priority)) != cudaSuccess)
         return cuda_fail(e, "cudaStreamGetPriority", err, len);
+#endif
     return 0;
 }
-#endif
 
 void ast_shadow_destroy(ast_shadow *sh)
 {
@@ -589,8 +605,9 @@ int ast_shadow_create_msg(const ast_shadow_opts *opts, ast_shadow **out, char *e
     int ndev = ast__cuda_device_count();
     if (o.mode == AST_SHADOW_CUDA && ndev == 0) {
         if (errbuf && len)
-            snprintf(errbuf, len, ASTERIA_HAVE_CUDA ? "mode cuda: no CUDA device present"
-                                                    : "mode cuda: libasteria was built without CUDA");
+            snprintf(errbuf, len, "%s",
+                     ASTERIA_HAVE_CUDA ? "mode cuda: no CUDA device present"
+                                       : "mode cuda: libasteria was built without CUDA");
         return AST_ENODEV;
     }
     ast_shadow *sh = calloc(1, sizeof *sh);
@@ -605,25 +622,16 @@ int ast_shadow_create_msg(const ast_shadow_opts *opts, ast_shadow **out, char *e
     sh->snap = (ring){.what = "snapshot ring", .opt = "snapshot_bytes", .dir = AST_TRACE_DIR_D2H};
     sh->pre = (ring){.what = "prefetch ring", .opt = "ring_bytes", .dir = AST_TRACE_DIR_H2D};
 
-    int rc = 0, prev = -1;
-#if ASTERIA_HAVE_CUDA
-    if (o.mode != AST_SHADOW_HOST && ndev > 0) {
-        if (o.device >= 0 && o.device < ndev) {
-            if (cudaGetDevice(&prev) != cudaSuccess)
-                prev = -1;
-            cudaSetDevice(o.device);
-        }
-        rc = cuda_setup(sh, o.device, errbuf, len);
-    }
-#endif
+    int prev;
+    int rc = pick_path(sh, &o, ndev, errbuf, len);
+    dev_enter(sh, &prev);
+    if (!rc)
+        rc = stream_init(sh, errbuf, len);
     if (!rc)
         rc = ring_init(sh, &sh->snap, o.snapshot_bytes, o.max_slots, errbuf, len);
     if (!rc)
         rc = ring_init(sh, &sh->pre, o.ring_bytes, o.max_slots, errbuf, len);
-#if ASTERIA_HAVE_CUDA
-    if (prev >= 0)
-        cudaSetDevice(prev);
-#endif
+    dev_leave(sh, prev);
     if (rc) {
         ast_shadow_destroy(sh);
         return rc;

@@ -359,6 +359,8 @@ out:
 
 void ast_trace_set_max_events(ast_trace *tr, size_t max_events)
 {
+    if (!tr)
+        return;
     pthread_mutex_lock(&tr->mu);
     tr->max_events = max_events;
     pthread_mutex_unlock(&tr->mu);
@@ -366,6 +368,8 @@ void ast_trace_set_max_events(ast_trace *tr, size_t max_events)
 
 size_t ast_trace_count(ast_trace *tr)
 {
+    if (!tr)
+        return 0;
     pthread_mutex_lock(&tr->mu);
     size_t n = tr->count;
     pthread_mutex_unlock(&tr->mu);
@@ -374,6 +378,8 @@ size_t ast_trace_count(ast_trace *tr)
 
 size_t ast_trace_dropped(ast_trace *tr)
 {
+    if (!tr)
+        return 0;
     pthread_mutex_lock(&tr->mu);
     size_t n = tr->dropped;
     pthread_mutex_unlock(&tr->mu);
@@ -562,7 +568,8 @@ static void put_lane_meta(FILE *f, long pid, int lane, const lane_name *names, s
             snprintf(dflt, sizeof dflt, "lane %d", lane);
         name = dflt;
     }
-    fprintf(f, ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%ld,\"tid\":%d,\"args\":{\"name\":",
+    fprintf(f, ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%ld,\"tid\":%d,"
+               "\"args\":{\"name\":",
             pid, lane_tid(lane));
     put_str(f, name);
     fprintf(f, "}},\n{\"name\":\"thread_sort_index\",\"ph\":\"M\",\"pid\":%ld,\"tid\":%d,"

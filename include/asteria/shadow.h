@@ -59,7 +59,8 @@ typedef struct ast_shadow_opts {
     size_t snapshot_bytes;   /* capacity of the pinned snapshot ring (default 64 MiB) */
     size_t ring_bytes;       /* capacity of the device prefetch ring (default 64 MiB) */
     unsigned max_slots;      /* live slots per ring (default 64) */
-    ast_trace *trace;        /* NULL, or a recorder for copy events (lane "shadow stream") */
+    ast_trace *trace;        /* NULL, or a recorder for copy events (lane "shadow stream");
+                                it must outlive the shadow handle */
 } ast_shadow_opts;
 
 void ast_shadow_opts_init(ast_shadow_opts *o);

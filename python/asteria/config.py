@@ -91,12 +91,9 @@ class RuntimeConfig:
             need("placement", p == "auto",
                  '"auto" or a dict {kind: tier} with kinds ' + ", ".join(PLACEMENT_KINDS)
                  + " and tiers " + ", ".join(TIERS))
-        try:  # TEMPORARY-DEV: removed once _C.validate_config lands
-            from asteria import _C
-        except ImportError:
-            return
-        if hasattr(_C, "validate_config"):
-            _C.validate_config(self.c_items())
+        from asteria import _C
+
+        _C.validate_config(self.c_items())
 
     def placement_for(self, kind: str) -> Optional[str]:
         """The tier the user pinned for a state kind, or None under "auto"."""

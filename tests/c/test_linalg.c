@@ -438,11 +438,34 @@ static void test_eigh_diagonal(void **state)
         for (int j = 0; j < n; j++) {
             assert_le(fabs(w[j] - sorted[j]), tol_for(dtypes[d], n, 1) * 9);
             for (int i = 0; i < n; i++)
-                assert_le(fabs(fabs(q[i * n + j]) - (lam[i] == sorted[j])), tol_for(dtypes[d], n, 1));
+                assert_le(fabs(fabs(q[i * n + j]) - (lam[i] == sorted[j])),
+                          tol_for(dtypes[d], n, 1));
         }
         free(a);
         free(w);
         free(q);
+    }
+}
+
+/* n = 1: every kernel reduces to scalar arithmetic. */
+static void test_one_by_one(void **state)
+{
+    (void)state;
+    const double a = 4, q = -1;
+    double w, v, x;
+    int64_t perm = 7;
+    for (size_t d = 0; d < 2; d++) {
+        const ast_dtype dt = dtypes[d];
+        assert_int_equal(call_eigh(dt, 1, &a, &w, &v), 0);
+        assert_true(w == 4 && fabs(v) == 1);
+        assert_int_equal(call_inv_root(dt, 1, &a, 2, 0, &x), 0);
+        assert_le(fabs(x - 0.5), 2 * uround(dt));
+        assert_int_equal(call_newton(dt, 1, &a, 2, 0, 50, 1e-6, &x), 0);
+        assert_le(fabs(x - 0.5), 1e-6);
+        assert_int_equal(call_refresh(dt, 1, &a, &q, &x, &perm), 0);
+        assert_true(fabs(x) == 1 && perm == 0);
+        assert_int_equal(call_refresh(dt, 1, &a, &q, &x, NULL), 0);
+        assert_true(fabs(x) == 1);
     }
 }
 
@@ -1229,6 +1252,7 @@ int main(void)
         cmocka_unit_test(test_dtype_size),
         cmocka_unit_test(test_eigh_identity),
         cmocka_unit_test(test_eigh_diagonal),
+        cmocka_unit_test(test_one_by_one),
         cmocka_unit_test(test_eigh_spectra),
         cmocka_unit_test(test_eigh_partial_outputs),
         cmocka_unit_test(test_nonfinite_input),

@@ -93,11 +93,11 @@ static void fill_random(void *p, size_t n, uint64_t seed)
 {
     unsigned char *c = p;
     uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-    for (size_t i = 0; i < n; i++) {
+    for (size_t i = 0; i < n; i += 8) {
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
-        c[i] = (unsigned char)x;
+        memcpy(c + i, &x, n - i < 8 ? n - i : 8);
     }
 }
 
@@ -470,7 +470,7 @@ static void test_nvme_roundtrip(void **state)
 /* Many blocks through a small ring: many rounds per batch; moves of subsets; mixed sources. */
 static void test_nvme_batched(void **state)
 {
-    enum { N = 300 };
+    enum { N = 200 };
     char dir[512];
     uint64_t ids[N], half[N / 2], total = 0;
     size_t sizes[N], moved;
@@ -564,16 +564,18 @@ static void test_nvme_short_and_eagain(void **state)
 
     make_dir(dir, sizeof dir, "short");
     for (size_t f = 0; f < sizeof faults / sizeof faults[0]; f++) {
-        ast_store *s = open_store(dir, AST_DIRECT_REQUIRE, 2, 0);
+        /* Default depth: 256 KiB slots, so the 1 MiB block still spans several chunks. */
+        ast_store *s = open_store(dir, AST_DIRECT_REQUIRE, 0, 0);
+        const size_t m = NEDGE - 1; /* all but the 3 MiB block */
         uint64_t ids[NEDGE];
         size_t moved;
         ast__nvme_inject_fault(ast__store_nvme(s), faults[f], 0);
-        for (size_t i = 0; i < NEDGE; i++)
+        for (size_t i = 0; i < m; i++)
             ids[i] = alloc_random(s, AST_TIER_HOST, EDGE_SIZES[i], 7 * f + i);
-        assert_int_equal(ast_store_move(s, ids, NEDGE, AST_TIER_NVME, &moved), 0);
-        assert_int_equal(ast_store_move(s, ids, NEDGE, AST_TIER_HOST, &moved), 0);
-        assert_int_equal(moved, NEDGE);
-        for (size_t i = 0; i < NEDGE; i++)
+        assert_int_equal(ast_store_move(s, ids, m, AST_TIER_NVME, &moved), 0);
+        assert_int_equal(ast_store_move(s, ids, m, AST_TIER_HOST, &moved), 0);
+        assert_int_equal(moved, m);
+        for (size_t i = 0; i < m; i++)
             check_random(ast_store_data(s, ids[i]), EDGE_SIZES[i], 7 * f + i);
         ast_store_close(s);
     }
@@ -673,7 +675,8 @@ static void check_no_odirect(const char *dir, unsigned faults)
     assert_int_equal(st.nvme_direct, 0);
     assert_int_equal(ast__nvme_direct(ast__store_nvme(s)), 0);
     ast_store_close(s);
-    roundtrip(dir, AST_DIRECT_FALLBACK, 0, faults, 0); /* buffered + fdatasync carries the same data */
+    /* Buffered + fdatasync carries the same data. */
+    roundtrip(dir, AST_DIRECT_FALLBACK, 0, faults, 0);
 }
 
 static void test_no_odirect(void **state)
@@ -925,7 +928,7 @@ struct worker {
 static void *worker_main(void *arg)
 {
     struct worker *w = arg;
-    for (unsigned it = 0; it < 25; it++) {
+    for (unsigned it = 0; it < 12; it++) {
         uint64_t ids[4];
         size_t moved;
         ast_store_stats st;

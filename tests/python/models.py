@@ -25,6 +25,10 @@ TOKENS = 32  # rows per batch, > WIDTH
 
 DTYPE = torch.float64
 
+# Tiny tensors: one intra-op thread is faster, and torch's OpenMP threads would fight the C
+# pool's workers (and other jobs) for the two cores of a CI machine.
+torch.set_num_threads(1)
+
 
 def require_c_extension() -> None:
     """Fail (not skip) when asteria._C is missing: the project's test command always builds it."""
@@ -127,11 +131,12 @@ def params_of(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def lockstep(kind: str, make_opt, make_ref, steps: int, ref_views=None):
-    """Train ``kind`` with ``make_opt(params)`` and a copy with ``make_ref(tensors)``; yield
-    (step, package params, reference params) after every step. ``ref_views(model)`` maps the
-    reference's model to the tensors the reference updates and the matching gradients
-    (default: its parameters)."""
+def lockstep(kind: str, make_opt, make_ref, steps: int, ref_views=None, before_step=None):
+    """Train ``kind`` with ``make_opt(params)`` and a copy with ``make_ref(tensors)``. Returns
+    ([(step, package params, reference params)] after every step, the optimizer (closed)).
+    ``ref_views(model)`` maps the reference's model to (the tensors the reference updates, a
+    function returning their gradients); default: its parameters. ``before_step(t, opt, ref)``
+    runs before step t (LR schedules)."""
     model = make_model(kind)
     twin = copy.deepcopy(model)
     opt = make_opt(model.parameters())
@@ -139,15 +144,27 @@ def lockstep(kind: str, make_opt, make_ref, steps: int, ref_views=None):
                                      lambda: [p.grad for p in m.parameters()]))
     tensors, grads = views(twin)
     ref = make_ref(tensors)
+    history = []
     try:
         for t in range(1, steps + 1):
+            if before_step is not None:
+                before_step(t, opt, ref)
             loss_and_grad(model, kind, t)
             loss_and_grad(twin, kind, t)
             opt.step()
             ref.step(grads())
-            yield t, params_of(model), params_of(twin)
+            history.append((t, params_of(model), params_of(twin)))
     finally:
         opt.close()
+    return history, opt
+
+
+def assert_lockstep(history, rtol=1e-7, atol=1e-10):
+    """Every step's parameters agree, and training moved them (the comparison is not vacuous)."""
+    for t, got, want in history:
+        assert_params_close(got, want, rtol=rtol, atol=atol, what=f"step {t}")
+    first, last = history[0][2], history[-1][2]
+    assert max(float((a - b).abs().max()) for a, b in zip(first, last)) > 1e-3
 
 
 def run(kind: str, make_opt, steps: int, model: nn.Module = None):

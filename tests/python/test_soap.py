@@ -1,0 +1,123 @@
+"""asteria.SOAP in mode="sync" against reference.SOAPRef, the plain-torch restatement of
+DESIGN.md's SOAP equations: parameters compared after every step, float64, with refreshes
+(precondition_frequency 5, 30 steps: 5 refreshes after the first-step eigendecomposition).
+
+Models (models.py) use square weight matrices and batches of more tokens than any width, so
+every factor has distinct eigenvalues and its eigenbasis is unique up to signs (to which SOAP
+is invariant); see the models.py docstring for why rectangular layers would not do.
+"""
+
+import pytest
+import torch
+
+from asteria.optim import SOAP
+from models import assert_lockstep, lockstep, make_model
+from reference import SOAPRef
+
+SYNC = {"mode": "sync"}
+
+
+@pytest.mark.parametrize("kind", ["mlp", "block"])
+def test_sync_matches_reference(kind):
+    history, opt = lockstep(kind, lambda p: SOAP(p, precondition_frequency=5, runtime=SYNC),
+                            lambda p: SOAPRef(p, precondition_frequency=5), steps=30)
+    assert_lockstep(history)
+    stats = opt.asteria_stats()
+    # one first-step round, then refreshes at k = 5, 10, ..., 25 (steps 6, 11, ..., 26)
+    assert stats["installs"] == stats["refreshes_submitted"] > 0
+    assert stats["max_install_lag"] == 0 and stats["refresh_failures"] == 0
+
+
+@pytest.mark.parametrize("hp", [
+    dict(normalize_grads=True),
+    dict(correct_bias=False, shampoo_beta=0.9, betas=(0.9, 0.99)),
+    dict(weight_decay=0.1, lr=1e-2, eps=1e-6),
+], ids=["normalize_grads", "no_bias_correction", "weight_decay"])
+def test_sync_matches_reference_hyperparameters(hp):
+    history, _ = lockstep("mlp", lambda p: SOAP(p, precondition_frequency=5, runtime=SYNC, **hp),
+                          lambda p: SOAPRef(p, precondition_frequency=5, **hp), steps=25)
+    assert_lockstep(history)
+
+
+def test_nd_parameter_one_factor_per_dimension():
+    history, opt = lockstep("tensor3", lambda p: SOAP(p, precondition_frequency=5, runtime=SYNC),
+                            lambda p: SOAPRef(p, precondition_frequency=5), steps=25)
+    assert_lockstep(history)
+    (st,) = opt.state.values()
+    assert [st[f"b0.GG{i}"].shape for i in range(3)] == [(4, 4), (3, 3), (5, 5)]
+
+
+def test_max_precond_dim_gives_identity():
+    # dims 0 (4) and 1 (3) get a factor, dim 2 (5 > 4) none
+    history, opt = lockstep(
+        "tensor3", lambda p: SOAP(p, precondition_frequency=5, max_precond_dim=4, runtime=SYNC),
+        lambda p: SOAPRef(p, precondition_frequency=5, max_precond_dim=4), steps=25)
+    assert_lockstep(history)
+    (st,) = opt.state.values()
+    assert "b0.GG2" not in st and "b0.Q2" not in st and st["b0.Q1"].shape == (3, 3)
+
+
+def test_merge_dims_equals_reference_on_merged_view():
+    # (4, 3, 5) with max_precond_dim 15 merges to (12, 5), SOAP's rule
+    def merged(model):
+        w = model.w
+        return [w.data.view(12, 5)], lambda: [w.grad.view(12, 5)]
+
+    history, opt = lockstep(
+        "tensor3",
+        lambda p: SOAP(p, precondition_frequency=5, max_precond_dim=15, merge_dims=True,
+                       runtime=SYNC),
+        lambda p: SOAPRef(p, precondition_frequency=5, max_precond_dim=15), steps=25,
+        ref_views=merged)
+    assert_lockstep(history)
+    (st,) = opt.state.values()
+    assert st["b0.GG0"].shape == (12, 12) and st["b0.GG1"].shape == (5, 5)
+
+
+@pytest.mark.parametrize("block_size", [4, 3])
+def test_block_size_equals_blocks_as_separate_params(block_size):
+    """Each block is an independent SOAP problem; block_size 3 on 8 x 8 leaves 2-wide edges."""
+    edges = [(a, min(a + block_size, 8)) for a in range(0, 8, block_size)]
+
+    def blocks(model):
+        tensors, sources = [], []
+        for p in model.parameters():
+            if p.dim() == 1:
+                tensors.append(p.data)
+                sources.append((p, None))
+                continue
+            for r in edges:
+                for c in edges:
+                    tensors.append(p.data[r[0]:r[1], c[0]:c[1]])
+                    sources.append((p, (r, c)))
+
+        def grads():
+            return [p.grad if rc is None else p.grad[rc[0][0]:rc[0][1], rc[1][0]:rc[1][1]]
+                    for p, rc in sources]
+
+        return tensors, grads
+
+    history, opt = lockstep(
+        "mlp",
+        lambda p: SOAP(p, precondition_frequency=5, block_size=block_size, runtime=SYNC),
+        lambda p: SOAPRef(p, precondition_frequency=5), steps=25, ref_views=blocks)
+    assert_lockstep(history)
+    weight = next(st for st in opt.state.values() if "b0.GG0" in st)
+    assert sum(k.endswith(".exp_avg") for k in weight) == len(edges) ** 2
+
+
+def test_precondition_1d():
+    """precondition_1d routes biases through SOAP (no update in the first step, unlike AdamW).
+    The dimension is kept above max_precond_dim (identity factor): a 1-D factor starts as the
+    rank-one g g^T, whose 7-fold zero eigenvalue has an arbitrary eigenbasis that rounding
+    alone moves at O(1), in the reference as much as here."""
+    history, opt = lockstep(
+        "mlp", lambda p: SOAP(p, precondition_frequency=5, precondition_1d=True,
+                              max_precond_dim=6, runtime=SYNC),
+        lambda p: SOAPRef(p, precondition_frequency=5, precondition_1d=True, max_precond_dim=6),
+        steps=12)
+    assert_lockstep(history)
+    bias = next(p for p in opt.state if p.dim() == 1)
+    assert "b0.exp_avg" in opt.state[bias] and "exp_avg" not in opt.state[bias]
+    _, after_first, _ = history[0]
+    assert torch.equal(after_first[1], make_model("mlp").layers[0].bias.detach())
