@@ -11,15 +11,20 @@
  * output buffers and its own block id, so nothing is superseded and no two workers share a
  * cache line.
  *
- * The number of jobs per (op, n) is chosen from one timed warm-up call so that each bare
- * measurement lasts about --budget seconds (at least 4 jobs: 2 per worker; at most 256), and the
- * same count is used for all three ways.
+ * The machine is shared and noisy, so the three ways are interleaved: each (op, n) runs
+ * --rounds rounds of bare, pool1, pool2 back to back, and reports the median over rounds of the
+ * blocks per second and of the per-round ratios (adjacent in time, so a burst of foreign load
+ * skews one round, not the result). Jobs per round come from one timed warm-up call so that
+ * the bare work of all rounds lasts about --budget seconds (at least 2 per round, one per
+ * worker of pool2; at most MAX_JOBS_ROUND). The load average before and after goes to the JSON.
  *
  * Writes JSON (machine, versions, command line, timestamp, per op and size: blocks_per_s for
  * bare/pool1/pool2 and the ratios pool2/pool1, pool1/bare) and prints a table.
  *
  * Usage: bench_linalg [--dtype f32|f64] [--sizes 256,512,1024,2048] [--budget SECONDS]
- *                     [--quick] [--out PATH]
+ *                     [--rounds R] [--quick] [--out PATH]
+ * Default: float32 (the training dtype), the four sizes, budget 3 s, 3 rounds: about 2.5
+ * minutes on 2 cores. --quick: n = 64, 128 with a tiny budget, a smoke test.
  */
 #include "asteria/build_config.h"
 #include "asteria/errors.h"
@@ -32,14 +37,16 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/utsname.h>
 #include <time.h>
 #include <unistd.h>
 
 #define MAX_SIZES 16
-#define MIN_JOBS 4
-#define MAX_JOBS 256
+#define MAX_ROUNDS 15
+#define MIN_JOBS_ROUND 2
+#define MAX_JOBS_ROUND 128
 #define ROOT_P 4        /* Shampoo's -1/(2*order) for a matrix */
 #define ROOT_EPS 1e-12  /* Shampoo's default epsilon */
 
@@ -60,14 +67,43 @@ typedef struct job_ctx {
 typedef struct measure {
     double seconds, blocks_per_s;
     double utilisation; /* worker busy time / (wall time * workers) */
+    double foreign;     /* CPU share used by other processes (and hypervisor steal) meanwhile */
 } measure;
 
 typedef struct result {
     op kind;
-    int n, jobs;
+    int n, jobs_per_round, rounds;
     double warmup_s;
-    measure m[M_COUNT];
+    measure m[M_COUNT][MAX_ROUNDS];
 } result;
+
+static double median(double *v, int k)
+{
+    for (int i = 1; i < k; i++)
+        for (int j = i; j > 0 && v[j - 1] > v[j]; j--) {
+            double t = v[j];
+            v[j] = v[j - 1];
+            v[j - 1] = t;
+        }
+    return k % 2 ? v[k / 2] : 0.5 * (v[k / 2 - 1] + v[k / 2]);
+}
+
+/* Median over rounds of mode m's blocks per second, or with den >= 0 of the ratio m / den. */
+static double summary(const result *r, mode m, int den)
+{
+    double v[MAX_ROUNDS];
+    for (int i = 0; i < r->rounds; i++)
+        v[i] = r->m[m][i].blocks_per_s / (den >= 0 ? r->m[den][i].blocks_per_s : 1);
+    return median(v, r->rounds);
+}
+
+static double median_utilisation(const result *r, mode m)
+{
+    double v[MAX_ROUNDS];
+    for (int i = 0; i < r->rounds; i++)
+        v[i] = r->m[m][i].utilisation;
+    return median(v, r->rounds);
+}
 
 static double now_s(void)
 {
@@ -192,16 +228,50 @@ static void free_jobs(job_ctx *c, int jobs)
 
 /* ---- measurements ------------------------------------------------------------------------- */
 
+/* What the whole machine and this process spent, to tell foreign load from our own. */
+typedef struct cpu_sample {
+    double wall, own, busy; /* seconds; busy: all CPUs, non-idle incl. steal, from /proc/stat */
+} cpu_sample;
+
+static cpu_sample cpu_now(void)
+{
+    cpu_sample c = {.wall = now_s()};
+    struct rusage ru;
+    if (getrusage(RUSAGE_SELF, &ru) == 0)
+        c.own = (double)ru.ru_utime.tv_sec + 1e-6 * (double)ru.ru_utime.tv_usec +
+                (double)ru.ru_stime.tv_sec + 1e-6 * (double)ru.ru_stime.tv_usec;
+    FILE *f = fopen("/proc/stat", "r");
+    unsigned long long v[8] = {0};
+    if (f) {
+        if (fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu", &v[0], &v[1], &v[2], &v[3],
+                   &v[4], &v[5], &v[6], &v[7]) == 8)
+            c.busy = (double)(v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / (double)sysconf(_SC_CLK_TCK);
+        fclose(f);
+    }
+    return c;
+}
+
+static double foreign_share(cpu_sample a, cpu_sample b)
+{
+    double x = ((b.busy - a.busy) - (b.own - a.own)) /
+               ((b.wall - a.wall) * (double)sysconf(_SC_NPROCESSORS_ONLN));
+    return x > 0 ? x : 0;
+}
+
 static measure run_bare(job_ctx *c, int jobs)
 {
-    double t0 = now_s();
+    cpu_sample c0 = cpu_now();
     for (int j = 0; j < jobs; j++) {
         int rc = run_job(&c[j]);
         if (rc)
             die(op_names[c[j].kind], rc);
     }
-    double dt = now_s() - t0;
-    return (measure){.seconds = dt, .blocks_per_s = jobs / dt, .utilisation = 1};
+    cpu_sample c1 = cpu_now();
+    double dt = c1.wall - c0.wall;
+    return (measure){.seconds = dt,
+                     .blocks_per_s = jobs / dt,
+                     .utilisation = 1,
+                     .foreign = foreign_share(c0, c1)};
 }
 
 static uint64_t next_block = 1;
@@ -233,15 +303,16 @@ static void pool_round(ast_pool *pool, job_ctx *c, int first, int count)
 static measure run_pool(ast_pool *pool, int workers, job_ctx *c, int jobs)
 {
     ast_pool_stats s0, s1;
-    pool_round(pool, c, 0, workers); /* every worker's first OpenBLAS call and page faults */
     ast_pool_stats_get(pool, &s0);
-    double t0 = now_s();
+    cpu_sample c0 = cpu_now();
     pool_round(pool, c, 0, jobs);
-    double dt = now_s() - t0;
+    cpu_sample c1 = cpu_now();
     ast_pool_stats_get(pool, &s1);
+    double dt = c1.wall - c0.wall;
     return (measure){.seconds = dt,
                      .blocks_per_s = jobs / dt,
-                     .utilisation = (double)(s1.busy_ns - s0.busy_ns) * 1e-9 / (dt * workers)};
+                     .utilisation = (double)(s1.busy_ns - s0.busy_ns) * 1e-9 / (dt * workers),
+                     .foreign = foreign_share(c0, c1)};
 }
 
 /* ---- machine description ---------------------------------------------------------------- */
@@ -378,25 +449,29 @@ static void write_json(const char *path, int argc, char **argv, ast_dtype dt, do
     fprintf(f, ", \"openblas_config\": ");
     json_str(f, openblas_get_config());
     fprintf(f, ", \"openblas_threads_per_call\": %d},\n", openblas_get_num_threads());
-    fprintf(f, "  \"settings\": {\"dtype\": \"%s\", \"budget_s\": %g, \"min_jobs\": %d, "
-               "\"max_jobs\": %d, \"inv_root_p\": %d, \"inv_root_eps\": %g, \"pool_pin\": 1, "
-               "\"pool1_cpus\": ",
-            dt == AST_F32 ? "f32" : "f64", budget, MIN_JOBS, MAX_JOBS, ROOT_P, ROOT_EPS);
+    fprintf(f, "  \"settings\": {\"dtype\": \"%s\", \"budget_s\": %g, \"rounds\": %d, "
+               "\"inv_root_p\": %d, \"inv_root_eps\": %g, \"pool_pin\": 1, \"pool1_cpus\": ",
+            dt == AST_F32 ? "f32" : "f64", budget, r[0].rounds, ROOT_P, ROOT_EPS);
     json_str(f, pool_sets[M_POOL1]);
     fprintf(f, ", \"pool2_cpus\": ");
     json_str(f, pool_sets[M_POOL2]);
-    fprintf(f, "},\n  \"results\": [\n");
+    fprintf(f, ",\n    \"summary\": \"blocks_per_s and worker_utilisation: median over rounds; "
+               "ratios: median over rounds of the per-round ratio\"},\n  \"results\": [\n");
     for (int i = 0; i < nr; i++) {
         const result *x = &r[i];
-        fprintf(f, "    {\"op\": \"%s\", \"n\": %d, \"jobs\": %d, \"warmup_s\": %.6f",
-                op_names[x->kind], x->n, x->jobs, x->warmup_s);
-        for (int m = 0; m < M_COUNT; m++)
-            fprintf(f, ",\n     \"%s\": {\"blocks_per_s\": %.6g, \"seconds\": %.6f, "
-                       "\"worker_utilisation\": %.4f}",
-                    mode_names[m], x->m[m].blocks_per_s, x->m[m].seconds, x->m[m].utilisation);
+        fprintf(f, "    {\"op\": \"%s\", \"n\": %d, \"jobs_per_round\": %d, \"rounds\": %d, "
+                   "\"warmup_s\": %.6f",
+                op_names[x->kind], x->n, x->jobs_per_round, x->rounds, x->warmup_s);
+        for (int m = 0; m < M_COUNT; m++) {
+            fprintf(f, ",\n     \"%s\": {\"blocks_per_s\": %.6g, \"worker_utilisation\": %.4f, "
+                       "\"per_round_blocks_per_s\": [",
+                    mode_names[m], summary(x, (mode)m, -1), median_utilisation(x, (mode)m));
+            for (int k = 0; k < x->rounds; k++)
+                fprintf(f, "%s%.6g", k ? ", " : "", x->m[m][k].blocks_per_s);
+            fprintf(f, "]}");
+        }
         fprintf(f, ",\n     \"ratio_pool2_pool1\": %.4f, \"ratio_pool1_bare\": %.4f}%s\n",
-                x->m[M_POOL2].blocks_per_s / x->m[M_POOL1].blocks_per_s,
-                x->m[M_POOL1].blocks_per_s / x->m[M_BARE].blocks_per_s, i + 1 < nr ? "," : "");
+                summary(x, M_POOL2, M_POOL1), summary(x, M_POOL1, M_BARE), i + 1 < nr ? "," : "");
     }
     fprintf(f, "  ]\n}\n");
     if (fclose(f) != 0) {
@@ -410,7 +485,7 @@ static void write_json(const char *path, int argc, char **argv, ast_dtype dt, do
 static void usage(void)
 {
     fprintf(stderr, "usage: bench_linalg [--dtype f32|f64] [--sizes N,N,...] [--budget SECONDS]\n"
-                    "                    [--quick] [--out PATH]\n");
+                    "                    [--rounds R] [--quick] [--out PATH]\n");
     exit(2);
 }
 
@@ -435,6 +510,7 @@ int main(int argc, char **argv)
     ast_dtype dt = AST_F32;
     int sizes[MAX_SIZES] = {256, 512, 1024, 2048}, nsizes = 4;
     double budget = 3.0;
+    int rounds = 3;
     const char *out = "benchmarks/results/bench_linalg.json";
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--dtype") && i + 1 < argc) {
@@ -451,9 +527,14 @@ int main(int argc, char **argv)
             budget = atof(argv[++i]);
             if (!(budget > 0))
                 usage();
+        } else if (!strcmp(argv[i], "--rounds") && i + 1 < argc) {
+            rounds = atoi(argv[++i]);
+            if (rounds < 1 || rounds > MAX_ROUNDS)
+                usage();
         } else if (!strcmp(argv[i], "--quick")) {
             sizes[0] = 64, sizes[1] = 128, nsizes = 2;
             budget = 0.05;
+            rounds = 2;
         } else if (!strcmp(argv[i], "--out") && i + 1 < argc) {
             out = argv[++i];
         } else {
@@ -502,19 +583,26 @@ int main(int argc, char **argv)
             if (rc)
                 die(op_names[k], rc);
             free_jobs(probe, 1);
-            int jobs = (int)(budget / r->warmup_s + 0.5);
-            jobs += jobs & 1;
-            r->jobs = jobs < MIN_JOBS ? MIN_JOBS : jobs > MAX_JOBS ? MAX_JOBS : jobs;
+            int jr = (int)(budget / (rounds * r->warmup_s) + 0.5);
+            jr += jr & 1;
+            jr = jr < MIN_JOBS_ROUND ? MIN_JOBS_ROUND : jr > MAX_JOBS_ROUND ? MAX_JOBS_ROUND : jr;
+            r->jobs_per_round = jr;
+            r->rounds = rounds;
 
-            job_ctx *c = make_jobs(r->kind, dt, n, &in, r->jobs);
-            r->m[M_BARE] = run_bare(c, r->jobs);
-            r->m[M_POOL1] = run_pool(pools[M_POOL1], 1, c, r->jobs);
-            r->m[M_POOL2] = run_pool(pools[M_POOL2], 2, c, r->jobs);
-            free_jobs(c, r->jobs);
+            job_ctx *c = make_jobs(r->kind, dt, n, &in, jr);
+            /* Every worker's first OpenBLAS call and page faults stay out of the rounds. */
+            pool_round(pools[M_POOL1], c, 0, 1);
+            pool_round(pools[M_POOL2], c, 0, 2);
+            for (int i = 0; i < rounds; i++) {
+                r->m[M_BARE][i] = run_bare(c, jr);
+                r->m[M_POOL1][i] = run_pool(pools[M_POOL1], 1, c, jr);
+                r->m[M_POOL2][i] = run_pool(pools[M_POOL2], 2, c, jr);
+            }
+            free_jobs(c, jr);
             fprintf(stderr,
-                    "  %-12s n=%-5d jobs=%-4d bare %9.3f  pool1 %9.3f  pool2 %9.3f blocks/s\n",
-                    op_names[k], n, r->jobs, r->m[M_BARE].blocks_per_s,
-                    r->m[M_POOL1].blocks_per_s, r->m[M_POOL2].blocks_per_s);
+                    "  %-12s n=%-5d jobs=%dx%-3d bare %9.3f  pool1 %9.3f  pool2 %9.3f blocks/s\n",
+                    op_names[k], n, rounds, jr, summary(r, M_BARE, -1), summary(r, M_POOL1, -1),
+                    summary(r, M_POOL2, -1));
         }
         free(in.spd);
         free(in.basis);
@@ -525,17 +613,18 @@ int main(int argc, char **argv)
     load[1] = load1();
     write_json(out, argc, argv, dt, budget, cpus, pool_sets, load, res, nr);
 
-    printf("\nbench_linalg (%s; blocks per second; pool2/pool1 is the 2-worker speed-up)\n",
+    printf("\nbench_linalg (%s; blocks per second, median of rounds; pool2/pool1 is the "
+           "2-worker speed-up)\n",
            dt == AST_F32 ? "float32" : "float64");
-    printf("%-13s %5s %5s %11s %11s %11s %12s %11s\n", "op", "n", "jobs", "bare", "pool1",
+    printf("%-13s %5s %7s %11s %11s %11s %12s %11s\n", "op", "n", "jobs", "bare", "pool1",
            "pool2", "pool2/pool1", "pool1/bare");
     for (int i = 0; i < nr; i++) {
         const result *x = &res[i];
-        printf("%-13s %5d %5d %11.3f %11.3f %11.3f %12.3f %11.3f\n", op_names[x->kind], x->n,
-               x->jobs, x->m[M_BARE].blocks_per_s, x->m[M_POOL1].blocks_per_s,
-               x->m[M_POOL2].blocks_per_s,
-               x->m[M_POOL2].blocks_per_s / x->m[M_POOL1].blocks_per_s,
-               x->m[M_POOL1].blocks_per_s / x->m[M_BARE].blocks_per_s);
+        char jobs[32];
+        snprintf(jobs, sizeof jobs, "%dx%d", x->rounds, x->jobs_per_round);
+        printf("%-13s %5d %7s %11.3f %11.3f %11.3f %12.3f %11.3f\n", op_names[x->kind], x->n, jobs,
+               summary(x, M_BARE, -1), summary(x, M_POOL1, -1), summary(x, M_POOL2, -1),
+               summary(x, M_POOL2, M_POOL1), summary(x, M_POOL1, M_BARE));
     }
     printf("results: %s\n", out);
     free(res);

@@ -3,18 +3,28 @@
  *
  * Owns: the validated config, the pool, the registered host-buffer table (with a reference
  * count per buffer held by every job that reads or writes it), per-block consecutive-failure
- * counters, the stats counters and the last-error message.
+ * counters, the stats counters, the last-error message and, when config.trace is set, the trace
+ * recorder (trace.h) and the writing of its file at destroy.
  *
- * Locking: rt->mu guards buffers[], fails[], the live-job list and last_error. It is never held while calling into
- * the pool's blocking functions or while a job computes. Jobs run on pool workers and touch only
- * their own ast__rjob and the buffers whose references they hold, so they take no runtime lock.
- * Stats counters that jobs or callers bump concurrently are C11 atomics.
+ * Trace events are recorded where the runtime already is: "job queued" in submit (stamped
+ * before the pool sees the job, so it precedes the pool's started_ns); "job started", the
+ * "refresh" span and "job done" when the owner collects the completion (poll / wait), from the
+ * pool's started_ns / done_ns, on the worker's lane; barrier spans in wait; installs in
+ * note_install. Completions never collected are drained at destroy so they are traced too.
+ *
+ * Locking: rt->mu guards buffers[], fails[], the live-job list and last_error. It is never held
+ * while calling into the pool's blocking functions, while a job computes, or while calling into
+ * the trace recorder (which has its own mutex and never calls back), so there is no lock order
+ * to keep. Jobs run on pool workers and touch only their own rjob and the buffers whose
+ * references they hold, so they take no runtime lock. Stats counters that jobs or callers bump
+ * concurrently are C11 atomics. rt->trace is set at creation and freed at destroy only.
  */
 #include "asteria/runtime.h"
 
 #include "asteria/errors.h"
 #include "asteria/linalg.h"
 #include "asteria/pool.h"
+#include "asteria/trace.h"
 
 #include <inttypes.h>
 #include <pthread.h>
@@ -58,6 +68,7 @@ struct ast_runtime {
     rfail *fails;
     size_t nfails, capfails;
     rjob *live;
+    ast_trace *trace; /* NULL unless cfg.trace is set */
     char last_error[1024];
 
     _Atomic uint64_t jobs_submitted, jobs_done, jobs_failed, jobs_superseded, jobs_cancelled;
@@ -110,6 +121,13 @@ int ast_runtime_create_msg(const ast_config *cfg, ast_runtime **out, char *errbu
         free(rt);
         return AST_ENOMEM;
     }
+    if (cfg->trace[0] && (rc = ast_trace_create(&rt->trace)) != 0) {
+        if (errbuf && len)
+            snprintf(errbuf, len, "trace '%s': %s", cfg->trace, ast_strerror(rc));
+        pthread_mutex_destroy(&rt->mu);
+        free(rt);
+        return rc;
+    }
     ast_linalg_init();
     ast_pool_opts po;
     ast_pool_opts_init(&po);
@@ -121,6 +139,7 @@ int ast_runtime_create_msg(const ast_config *cfg, ast_runtime **out, char *errbu
         if (errbuf && len)
             snprintf(errbuf, len, "worker pool: %s (workers=%d, cpuset='%s')", ast_strerror(rc),
                      cfg->workers, cfg->cpuset);
+        ast_trace_destroy(rt->trace);
         pthread_mutex_destroy(&rt->mu);
         free(rt);
         return rc;
@@ -134,14 +153,33 @@ int ast_runtime_create(const ast_config *cfg, ast_runtime **out)
     return ast_runtime_create_msg(cfg, out, NULL, 0);
 }
 
-void ast_runtime_destroy(ast_runtime *rt)
+int ast_runtime_destroy_msg(ast_runtime *rt, char *errbuf, size_t len)
 {
+    if (errbuf && len)
+        errbuf[0] = '\0';
     if (!rt)
-        return;
-    /* The pool finishes running jobs and drops queued ones; every job context not drained by
-     * the owner is still on the live list and is freed here. */
+        return 0;
+    /* Completions the owner never collected are drained first so the trace shows them; the
+     * pool then finishes running jobs and drops queued ones (their events are lost). */
+    if (rt->trace && rt->pool) {
+        ast_result scratch[64];
+        size_t n;
+        do {
+            n = 0;
+            if (ast_runtime_poll(rt, scratch, 64, &n))
+                break;
+        } while (n == 64);
+    }
+    /* Every job context not drained by the owner is still on the live list and is freed here. */
     ast_pool_destroy(rt->pool);
     rt->pool = NULL;
+    int rc = 0;
+    if (rt->trace && rt->cfg.trace[0]) {
+        rc = ast_runtime_trace_write(rt, NULL);
+        if (rc && errbuf && len)
+            ast_runtime_last_error(rt, errbuf, len);
+    }
+    ast_trace_destroy(rt->trace);
     for (rjob *j = rt->live, *next; j; j = next) {
         next = j->next;
         free(j);
@@ -150,6 +188,12 @@ void ast_runtime_destroy(ast_runtime *rt)
     free(rt->fails);
     pthread_mutex_destroy(&rt->mu);
     free(rt);
+    return rc;
+}
+
+void ast_runtime_destroy(ast_runtime *rt)
+{
+    ast_runtime_destroy_msg(rt, NULL, 0);
 }
 
 const ast_config *ast_runtime_config(const ast_runtime *rt) { return rt ? &rt->cfg : NULL; }
@@ -380,6 +424,7 @@ int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket
 
     ast_job job = {.block = req->block, .version = req->version, .deadline = req->deadline,
                    .run = job_run, .ctx = j};
+    uint64_t queued_at = rt->trace ? ast_trace_now(rt->trace) : 0;
     int rc = ast_pool_submit(rt->pool, &job, ticket);
     if (rc) {
         pthread_mutex_lock(&rt->mu);
@@ -395,6 +440,12 @@ int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket
                          req->block, req->version);
     }
     atomic_fetch_add(&rt->jobs_submitted, 1);
+    if (rt->trace) {
+        ast_trace_ev ev = {.kind = AST_TRACE_JOB_QUEUED, .lane = AST_TRACE_LANE_TRAIN,
+                           .ts_ns = queued_at, .args = AST_TRACE_ARG_BLOCK | AST_TRACE_ARG_VERSION,
+                           .block = req->block, .version = req->version};
+        ast_trace_event(rt->trace, &ev);
+    }
     return 0;
 }
 
@@ -428,6 +479,36 @@ static int *fail_slot_locked(ast_runtime *rt, uint64_t block)
     rt->fails[rt->nfails].block = block;
     rt->fails[rt->nfails].count = 0;
     return &rt->fails[rt->nfails++].count;
+}
+
+/* The trace events of one collected completion: for a job that ran, "job started", the
+ * "refresh" span and "job done" on the worker's lane; for one that never ran (cancelled,
+ * superseded, dropped at shutdown), "job done" on the train lane. Recording failures (a full
+ * or out-of-memory recorder) are counted by the recorder as dropped events. */
+static void trace_completion(ast_runtime *rt, const ast_completion *c, const ast_result *r)
+{
+    ast_trace *tr = rt->trace;
+    uint64_t done = c->done_ns ? ast_trace_from_monotonic(tr, c->done_ns) : ast_trace_now(tr);
+    ast_trace_ev ev = {.kind = AST_TRACE_JOB_DONE, .lane = AST_TRACE_LANE_TRAIN, .ts_ns = done,
+                       .args = AST_TRACE_ARG_BLOCK | AST_TRACE_ARG_VERSION, .block = r->block,
+                       .version = r->version, .status = r->status, .worker = c->worker};
+    if (c->started_ns && c->worker >= 0) {
+        uint64_t start = ast_trace_from_monotonic(tr, c->started_ns);
+        ev.lane = c->worker;
+        ev.args |= AST_TRACE_ARG_WORKER;
+        ev.kind = AST_TRACE_JOB_STARTED;
+        ev.ts_ns = start;
+        ast_trace_event(tr, &ev);
+        ev.args |= AST_TRACE_ARG_STATUS;
+        ev.kind = AST_TRACE_JOB_RUN;
+        ev.dur_ns = done > start ? done - start : 0;
+        ast_trace_event(tr, &ev);
+        ev.kind = AST_TRACE_JOB_DONE;
+        ev.ts_ns = done;
+        ev.dur_ns = 0;
+    }
+    ev.args |= AST_TRACE_ARG_STATUS;
+    ast_trace_event(tr, &ev);
 }
 
 /* Turns a pool completion into a result on the owner's thread: drops the job's buffer
@@ -485,6 +566,8 @@ static void finish(ast_runtime *rt, const ast_completion *c, ast_result *r)
         if (r->retried_f64)
             atomic_fetch_add(&rt->jobs_retried, 1);
     }
+    if (rt->trace)
+        trace_completion(rt, c, r);
     free(j);
 }
 
@@ -520,8 +603,20 @@ int ast_runtime_wait(ast_runtime *rt, uint64_t ticket, int64_t timeout_ns, ast_r
     if (rc == AST_ETIMEDOUT) {
         uint64_t t0 = now_ns();
         rc = ast_pool_wait(rt->pool, ticket, timeout_ns, &c);
+        uint64_t t1 = now_ns();
         atomic_fetch_add(&rt->barrier_waits, 1);
-        atomic_fetch_add(&rt->barrier_wait_ns, now_ns() - t0);
+        atomic_fetch_add(&rt->barrier_wait_ns, t1 - t0);
+        if (rt->trace) {
+            ast_trace_ev ev = {.kind = AST_TRACE_BARRIER_WAIT, .lane = AST_TRACE_LANE_TRAIN,
+                               .ts_ns = ast_trace_from_monotonic(rt->trace, t0),
+                               .dur_ns = t1 - t0, .args = AST_TRACE_ARG_STATUS, .status = rc};
+            if (rc == 0) {
+                ev.args |= AST_TRACE_ARG_BLOCK | AST_TRACE_ARG_VERSION;
+                ev.block = c.block;
+                ev.version = c.version;
+            }
+            ast_trace_event(rt->trace, &ev);
+        }
     }
     if (rc == AST_ETIMEDOUT)
         return set_error(rt, rc, "wait: ticket %" PRIu64 " not done within %" PRId64 " ns",
@@ -545,6 +640,14 @@ void ast_runtime_note_install(ast_runtime *rt, int64_t snapshot_step, int64_t in
     while (lag > cur && !atomic_compare_exchange_weak(&rt->max_install_lag, &cur, lag))
         ;
     atomic_store(&rt->last_install_step, install_step);
+    if (rt->trace) {
+        /* trace.h has one step field: version carries the snapshot step (see runtime.h). */
+        ast_trace_ev ev = {.kind = AST_TRACE_INSTALL, .lane = AST_TRACE_LANE_TRAIN,
+                           .ts_ns = ast_trace_now(rt->trace),
+                           .args = AST_TRACE_ARG_STEP | AST_TRACE_ARG_VERSION,
+                           .step = install_step, .version = (uint64_t)snapshot_step};
+        ast_trace_event(rt->trace, &ev);
+    }
 }
 
 void ast_runtime_note_nonfinite(ast_runtime *rt)
@@ -580,5 +683,74 @@ int ast_runtime_stats_get(ast_runtime *rt, ast_stats *out)
     out->barrier_waits = atomic_load(&rt->barrier_waits);
     out->barrier_wait_ns = atomic_load(&rt->barrier_wait_ns);
     out->bytes_registered = atomic_load(&rt->bytes_registered);
+    return 0;
+}
+
+/* ---- trace ------------------------------------------------------------------------------- */
+
+int ast_runtime_tracing(const ast_runtime *rt)
+{
+    return rt && rt->trace;
+}
+
+int ast_runtime_trace_event(ast_runtime *rt, const ast_trace_ev *ev)
+{
+    if (!rt || !ev)
+        return AST_EINVAL;
+    if (!rt->trace)
+        return 0;
+    ast_trace_ev e = *ev;
+    e.ts_ns = e.ts_ns ? ast_trace_from_monotonic(rt->trace, e.ts_ns) : ast_trace_now(rt->trace);
+    int rc = ast_trace_event(rt->trace, &e);
+    if (rc == AST_EINVAL)
+        return set_error(rt, rc, "trace_event: kind %d, lane %d, name %s%s%s; allowed: a kind "
+                         "below %d, a lane in [%d, -1] or a worker index >= 0, a name (required "
+                         "for custom kinds) and category of at most 1023 bytes",
+                         (int)ev->kind, ev->lane, ev->name ? "'" : "", ev->name ? ev->name : "NULL",
+                         ev->name ? "'" : "", AST_TRACE_KIND_COUNT, AST_TRACE_LANE_MIN);
+    if (rc == AST_ENOSPC)
+        return set_error(rt, rc, "trace_event: the recorder's event limit is reached; the event "
+                         "was dropped");
+    if (rc)
+        return set_error(rt, rc, "trace_event: %s", ast_strerror(rc));
+    return 0;
+}
+
+int ast_runtime_trace_name_lane(ast_runtime *rt, int lane, const char *name)
+{
+    if (!rt)
+        return AST_EINVAL;
+    if (!rt->trace)
+        return 0;
+    int rc = ast_trace_name_lane(rt->trace, lane, name);
+    if (rc == AST_EINVAL)
+        return set_error(rt, rc, "trace_name_lane: lane %d, name %s; allowed: a lane in [%d, -1] "
+                         "or a worker index >= 0 and a non-NULL name of at most 1023 bytes",
+                         lane, name ? name : "NULL", AST_TRACE_LANE_MIN);
+    if (rc)
+        return set_error(rt, rc, "trace_name_lane: %s", ast_strerror(rc));
+    return 0;
+}
+
+int ast_runtime_trace_write(ast_runtime *rt, const char *path)
+{
+    if (!rt)
+        return AST_EINVAL;
+    if (!rt->trace)
+        return set_error(rt, AST_ESTATE, "trace_write: this runtime records no trace (config key "
+                         "'trace' is empty)");
+    if (!path || !*path)
+        path = rt->cfg.trace;
+    int rc = ast_trace_write_json(rt->trace, path);
+    if (rc) {
+        /* The recorder's message already names the code: keep only its detail. */
+        char msg[1024];
+        ast_trace_last_error(rt->trace, msg, sizeof msg);
+        const char *d = msg, *name = ast_err_name(rc);
+        size_t n = strlen(name);
+        if (!strncmp(d, name, n) && d[n] == ':')
+            d += n + 1 + (d[n + 1] == ' ');
+        return set_error(rt, rc, "%s", d);
+    }
     return 0;
 }

@@ -2,16 +2,27 @@
  * asteria/runtime.h - the Asteria runtime: configuration, REFRESH job submission, stats.
  *
  * Owns: the validated ast_config, one worker pool, the table of registered host buffers, the
- * per-block failure counters, the stats counters and the last-error message.
+ * per-block failure counters, the stats counters, the last-error message and, when
+ * config.trace is set, a trace recorder (trace.h) whose file is written at destroy.
  *
  * A REFRESH request names an operation from linalg.h and host pointers that must lie inside
  * buffers registered with ast_runtime_register (AST_ERANGE otherwise), so a job never touches
  * memory its owner has not declared. Outputs are written only when the job succeeds. After
  * config.max_failures consecutive failures of one block its completion reports AST_EFAILED.
  *
+ * Trace (config.trace non-empty): the runtime records, on lane "train" (AST_TRACE_LANE_TRAIN),
+ * "job queued" at submit, "barrier wait" spans in ast_runtime_wait (only when it blocked) and
+ * "install" at ast_runtime_note_install (args: step = install step, version = snapshot step:
+ * trace.h has one step field); and on the lane of the worker that ran a job (its index),
+ * "job started", the "refresh" span and "job done" (args block, version, worker, status), from
+ * the pool's started_ns / done_ns, when its completion is collected (poll, wait, or destroy,
+ * which drains completions not yet collected). Jobs still running or queued at destroy get no
+ * done event. Callers add their own events (copies, syncs) with ast_runtime_trace_event.
+ *
  * Thread safety: all functions are thread-safe. The runtime mutex guards the buffer table,
- * failure counters and last-error text; stats counters are atomics. Jobs run on pool workers
- * with no runtime lock held. ast_runtime_destroy must not race with other calls.
+ * failure counters and last-error text; stats counters are atomics; the trace recorder has its
+ * own mutex, never taken with the runtime mutex held. Jobs run on pool workers with no runtime
+ * lock held. ast_runtime_destroy / _destroy_msg must not race with other calls.
  * No global mutable state: everything hangs off the ast_runtime handle.
  */
 #ifndef ASTERIA_RUNTIME_H
@@ -22,6 +33,7 @@
 
 #include "asteria/linalg.h"
 #include "asteria/pool.h"
+#include "asteria/trace.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -128,6 +140,31 @@ void ast_runtime_note_install(ast_runtime *rt, int64_t snapshot_step, int64_t in
 void ast_runtime_note_nonfinite(ast_runtime *rt);
 
 int ast_runtime_stats_get(ast_runtime *rt, ast_stats *out);
+
+/* Destroys rt exactly as ast_runtime_destroy does, and reports whether the configured trace file
+ * was written. RETURN VALUE: 0 (also when no trace is configured); else the code of
+ * ast_runtime_trace_write (AST_ENOENT, AST_EACCES, AST_ENOSPC, AST_EIO, AST_ENOMEM), with its
+ * message, naming the path and the failing call, in errbuf (may be NULL). rt is freed either
+ * way. ast_runtime_destroy is this call with the result dropped. */
+int ast_runtime_destroy_msg(ast_runtime *rt, char *errbuf, size_t len);
+
+/* 1 if rt records a trace (config.trace non-empty), else 0. */
+int ast_runtime_tracing(const ast_runtime *rt);
+/* Records one caller event in rt's trace (see trace.h for the fields). Unlike ast_trace_event,
+ * ev->ts_ns is an absolute CLOCK_MONOTONIC stamp, the clock of ast_result's *_ns fields and of
+ * Python's time.monotonic_ns(); 0 means now. dur_ns is as in trace.h.
+ * RETURN VALUE: 0, also when rt records no trace (the event is discarded); AST_EINVAL (NULL
+ * arguments, unknown kind, lane outside [AST_TRACE_LANE_MIN, -1] and not a worker index, a
+ * custom kind without a name, a name or category over 1023 bytes); AST_ENOMEM; AST_ENOSPC (the
+ * recorder's event cap). Failures set the last-error message. */
+int ast_runtime_trace_event(ast_runtime *rt, const ast_trace_ev *ev);
+/* Names a lane in the trace (ast_trace_name_lane). RETURN VALUE: 0 (also without a trace);
+ * AST_EINVAL; AST_ENOMEM. */
+int ast_runtime_trace_name_lane(ast_runtime *rt, int lane, const char *name);
+/* Writes every event recorded so far as Chrome-trace JSON to path (NULL or "": config.trace),
+ * atomically (trace.h); recording goes on. RETURN VALUE: 0; AST_ESTATE (rt records no trace);
+ * the codes of ast_trace_write_json. Failures set the last-error message (naming the path). */
+int ast_runtime_trace_write(ast_runtime *rt, const char *path);
 
 #ifdef __cplusplus
 }

@@ -177,7 +177,8 @@ class KLShampooRef(_Reference):
         self.b1 = betas[0]
         self.b = shampoo_beta if shampoo_beta >= 0 else betas[1]
         self.eps, self.wd, self.f = eps, weight_decay, precondition_frequency
-        self.init_factor, self.clamping, self.max_clamp = init_factor, using_clamping, max_clamp_value
+        self.init_factor = init_factor
+        self.clamping, self.max_clamp = using_clamping, max_clamp_value
         self.max_dim = max_precond_dim
         self.adamw = _AdamW(lr, betas[0], betas[1], eps, weight_decay)
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from asteria.optim import SOAP
+from asteria.optim import functional as F
 from models import assert_lockstep, lockstep, make_model
 from reference import SOAPRef
 
@@ -121,3 +122,28 @@ def test_precondition_1d():
     assert "b0.exp_avg" in opt.state[bias] and "exp_avg" not in opt.state[bias]
     _, after_first, _ = history[0]
     assert torch.equal(after_first[1], make_model("mlp").layers[0].bias.detach())
+
+
+def test_functional_kernel_is_batched_per_block():
+    """The kernels are plain functions over stacks: a stack of two blocks with different step
+    counts gives each block what it gets alone."""
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    w, g, m, v = rand(2, 5, 3), rand(2, 5, 3), rand(2, 5, 3), rand(2, 5, 3).abs()
+    factors = [rand(2, 5, 5), rand(2, 3, 3)]
+    bases = [torch.linalg.qr(rand(2, 5, 5)).Q, torch.linalg.qr(rand(2, 3, 3)).Q]
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.95, shampoo_beta=0.95, eps=1e-8, weight_decay=0.01,
+              correct_bias=True, normalize_grads=False)
+    single = []
+    for b in range(2):
+        ts = [t[b:b + 1].clone() for t in (w, g, m, v)]
+        fs = [f[b:b + 1].clone() for f in factors]
+        F.soap_step(*ts, fs, [q[b:b + 1] for q in bases], [3 + b], **hp)
+        single.append((ts, fs))
+    F.soap_step(w, g, m, v, factors, bases, [3, 4], **hp)
+    for b, (ts, fs) in enumerate(single):
+        for got, want in zip((w, g, m, v, *factors), (*ts, *fs)):
+            torch.testing.assert_close(got[b:b + 1], want, rtol=1e-13, atol=1e-15)

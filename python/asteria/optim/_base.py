@@ -6,12 +6,14 @@ counter, the block layouts, and the counters behind ``asteria_stats()``. It call
 
 Schedule (DESIGN.md, "Staleness"). Steps are counted per ``step()`` call (t = 1, 2, ...).
  - At the end of step t, first every round whose time has come is installed: its install step
-   (t_snapshot + S) is t, or (``install="eager"``) all its jobs are ready. Then the factors that
+   t_snapshot + S has come (``install="deterministic"``: exactly then, waiting at the bounded
+   barrier if need be), or (``install="eager"``) all its jobs are ready. Then the factors that
    came due in step t (k % f == 0 for their parameter) are snapshotted and submitted: one
    batched job per (op, factor size, dtype, device), grouped over all same-shape blocks of all
    parameters. A round whose install step is t (``mode="sync"``, or S = 0) is installed at once.
    So a refresh always starts from the newest installed basis, and with 0 <= S <= f a parameter
-   never has two refreshes in flight.
+   never has two refreshes in flight. Each job carries a block key that is stable for its set of
+   (parameter, block, dimension) targets, so the C pool's failure counting sees one block.
  - The first-step eigendecomposition of SOAP and KL-Shampoo goes through the engine too, but is
    waited for at once whatever S is: before it no basis exists to precondition with. A factor
    that is c*I (the all-zero "fake step" of torch.distributed.checkpoint) gets the identity as
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import warnings
 from collections import defaultdict
 from typing import Any, Iterable, Optional, Sequence
 
@@ -46,6 +49,7 @@ REFRESH = "refresh"  # periodic refresh, installed S steps later
 _PENDING_IN = "pending.install_in"
 _PENDING_AGE = "pending.age"
 _PENDING = ".pending"
+AST_EFAILED = -18  # include/asteria/errors.h
 
 
 def require(key: str, ok: bool, value: Any, allowed: str) -> None:
@@ -109,6 +113,9 @@ class _Round:
                 res = engine.wait(job.ticket)
                 if res.status:
                     self.failed += 1
+                if res.status == AST_EFAILED:  # K failures in a row: the C runtime surfaces it
+                    warnings.warn(f"Asteria REFRESH keeps failing, previous preconditioner kept: "
+                                  f"{res.error}", RuntimeWarning, stacklevel=4)
                 for b, (p, j, dim) in enumerate(job.targets):
                     per_param = out.setdefault(p, {})
                     per_param[(j, dim)] = (None if res.status
@@ -151,20 +158,6 @@ def install_bases(state, outputs: dict) -> None:
         for (j, dim), out in outs.items():
             if out is not None:
                 state[p][f"b{j}.Q{dim}"].copy_(out[0])
-
-
-def stacks_of(state, outputs: dict, shape_key: str, basis_key: str):
-    """Group the blocks of a round's outputs into stacks of one shape, dtype and factor dims:
-    yields (members, has_factor)."""
-    stacks: dict = {}
-    for p, outs in outputs.items():
-        st = state[p]
-        for j in sorted({j for j, _ in outs}):
-            ref = st[f"b{j}.{shape_key}"]
-            has = tuple(f"b{j}.{basis_key}{i}" in st for i in range(ref.dim()))
-            stacks.setdefault((tuple(ref.shape), ref.dtype, ref.device, has), []).append((p, j))
-    for (_, _, _, has), members in stacks.items():
-        yield members, list(has)
 
 
 class AsteriaOptimizer(torch.optim.Optimizer):
@@ -244,15 +237,15 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             self._pindex.setdefault(p, len(self._pindex))
             self._gindex[p] = len(self.param_groups) - 1
 
-    def group_of(self, p: torch.Tensor) -> dict:
+    def _group_of(self, p: torch.Tensor) -> dict:
         return self.param_groups[self._gindex[p]]
 
-    def has_factor(self, block_shape: Sequence[int], group: dict) -> list[bool]:
+    def _has_factor(self, block_shape: Sequence[int], group: dict) -> list[bool]:
         """Which dimensions of a block get a factor (the others are identity)."""
         limit = self._max_dim(group)
         return [d <= limit for d in block_shape]
 
-    def layout(self, p: torch.Tensor, group: dict) -> Layout:
+    def _layout(self, p: torch.Tensor, group: dict) -> Layout:
         lay = self._layouts.get(p)
         if lay is None:
             lay = make_layout(p.shape, group["block_size"], self._merge_dims(group),
@@ -260,13 +253,13 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             self._layouts[p] = lay
         return lay
 
-    def stack(self, members: list, name: str) -> torch.Tensor:
+    def _stack(self, members: list, name: str) -> torch.Tensor:
         return torch.stack([self.state[p][f"b{j}.{name}"] for p, j in members])
 
-    def stack_dims(self, members: list, name: str, has: Sequence[bool]) -> list:
-        return [self.stack(members, f"{name}{i}") if h else None for i, h in enumerate(has)]
+    def _stack_dims(self, members: list, name: str, has: Sequence[bool]) -> list:
+        return [self._stack(members, f"{name}{i}") if h else None for i, h in enumerate(has)]
 
-    def unstack(self, members: list, name: str, x: torch.Tensor) -> None:
+    def _unstack(self, members: list, name: str, x: torch.Tensor) -> None:
         for (p, j), xi in zip(members, x.unbind(0)):
             self.state[p][f"b{j}.{name}"].copy_(xi)
 
@@ -285,8 +278,9 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             if not params:
                 continue
             params = self._drop_nonfinite(params)
-            self._adamw(group, [p for p in params if self._uses_adamw(p, group)])
-            pre = [p for p in params if not self._uses_adamw(p, group)]
+            adam = [p.numel() == 0 or self._uses_adamw(p, group) for p in params]
+            self._adamw(group, [p for p, a in zip(params, adam) if a])
+            pre = [p for p, a in zip(params, adam) if not a]
             if pre:
                 due.extend(self._precond_step(group, pre))
         self._step_end(due)
@@ -320,7 +314,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             st["step"] += 1
         beta1, beta2, eps = self._adamw_hparams(group)
-        F.adamw_step(params, [p.grad for p in params],
+        F.adamw_step(params, [p.grad.to(p.dtype) for p in params],
                      [self.state[p]["exp_avg"] for p in params],
                      [self.state[p]["exp_avg_sq"] for p in params],
                      [self.state[p]["step"] for p in params],
@@ -332,7 +326,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         stacks: dict = defaultdict(list)
         for p in params:
             st = self.state[p]
-            lay = self.layout(p, group)
+            lay = self._layout(p, group)
             phase = "step"
             if not st:
                 self._create_state(p, group, lay)
@@ -347,17 +341,18 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         freq = group["precondition_frequency"]
         grads = {p: self._layouts[p].blocks(p.grad) for p in params}
         weights = {p: self._layouts[p].blocks(p) for p in params}
-        for (phase, bshape, _, _, _), members in stacks.items():
-            g = torch.stack([grads[p][j] for p, j in members])
+        for (phase, bshape, dtype, _, _), members in stacks.items():
+            g = torch.stack([grads[p][j] for p, j in members]).to(dtype)
             if phase == INIT:
-                due.extend((INIT, p, j, dims) for p, j, dims in self._init_blocks(group, members, g))
+                fresh = self._init_blocks(group, members, g)
+                due.extend((INIT, p, j, dims) for p, j, dims in fresh)
                 continue
             w = torch.stack([weights[p][j] for p, j in members])
             steps = [self.state[p]["step"] for p, _ in members]
             self._step_blocks(group, members, w, g, steps)
             for (p, j), wi in zip(members, w.unbind(0)):
                 self._layouts[p].write(p, j, wi)
-            dims = [i for i, h in enumerate(self.has_factor(bshape, group)) if h]
+            dims = [i for i, h in enumerate(self._has_factor(bshape, group)) if h]
             if dims:
                 due.extend((REFRESH, p, j, dims) for (p, j), k in zip(members, steps)
                            if k % freq == 0)
@@ -405,7 +400,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self._install(rnd.kind, outputs)
         self._counters["refresh_failures"] += rnd.failed
         lag = self._t - rnd.snapshot_step
-        for _ in range(len(rnd.jobs) or len(outputs)):
+        # one install per job; a round restored from a checkpoint has one per parameter
+        for _ in range(len(rnd.jobs) if rnd.jobs else len(outputs)):
             self._engine.note_install(rnd.snapshot_step, self._t)
             self._counters["installs"] += 1
         self._counters["max_install_lag"] = max(self._counters["max_install_lag"], lag)

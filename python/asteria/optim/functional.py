@@ -161,7 +161,8 @@ def kl_init(g: torch.Tensor, has_factor: Sequence[bool], *,
     for i, has in enumerate(has_factor):
         if has:
             c = gram(g, i)
-            out.append(torch.zeros_like(c).add_(c, alpha=(1.0 - shampoo_beta) / (numel / g.shape[i + 1])))
+            alpha = (1.0 - shampoo_beta) / (numel / g.shape[i + 1])
+            out.append(torch.zeros_like(c).add_(c, alpha=alpha))
         else:
             out.append(None)
     return out

@@ -80,7 +80,7 @@ class KLShampoo(AsteriaOptimizer):
 
     def _init_blocks(self, group, members, g):
         g = g.to(group["compute_dtype"])
-        has = self.has_factor(g.shape[1:], group)
+        has = self._has_factor(g.shape[1:], group)
         factors = F.kl_init(g, has, shampoo_beta=self._shampoo_beta(group))
         for i, f in enumerate(factors):
             if f is None:
@@ -93,22 +93,22 @@ class KLShampoo(AsteriaOptimizer):
 
     def _step_blocks(self, group, members, w, g, steps):
         g = g.to(group["compute_dtype"])
-        has = self.has_factor(g.shape[1:], group)
-        m = self.stack(members, "exp_avg")
-        factors = self.stack_dims(members, "S", has)
-        bases = self.stack_dims(members, "Q", has)
-        scales = self.stack_dims(members, "s", has)
+        has = self._has_factor(g.shape[1:], group)
+        m = self._stack(members, "exp_avg")
+        factors = self._stack_dims(members, "S", has)
+        bases = self._stack_dims(members, "Q", has)
+        scales = self._stack_dims(members, "s", has)
         clamp = [F.kl_clamp_max(d, group["max_clamp_value"]) if h and group["using_clamping"]
                  else None for d, h in zip(g.shape[1:], has)]
         F.kl_step(w, g, m, factors, bases, scales, lr=float(group["lr"]),
                   beta1=group["betas"][0], shampoo_beta=self._shampoo_beta(group),
                   eps=group["eps"], weight_decay=group["weight_decay"],
                   normalize_grads=group["normalize_grads"], clamp=clamp)
-        self.unstack(members, "exp_avg", m)
+        self._unstack(members, "exp_avg", m)
         for i, h in enumerate(has):
             if h:
-                self.unstack(members, f"S{i}", factors[i])
-                self.unstack(members, f"s{i}", scales[i])
+                self._unstack(members, f"S{i}", factors[i])
+                self._unstack(members, f"s{i}", scales[i])
 
     def _refresh_input(self, kind, p, j, dim):
         st = self.state[p]

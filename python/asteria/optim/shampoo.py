@@ -77,7 +77,7 @@ class Shampoo(AsteriaOptimizer):
         for j, shape in enumerate(layout.block_shapes):
             st[f"b{j}.momentum"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
             st[f"b{j}.grafting_v"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
-            for i, has in enumerate(self.has_factor(shape, group)):
+            for i, has in enumerate(self._has_factor(shape, group)):
                 if has:
                     st[f"b{j}.L{i}"] = torch.zeros(shape[i], shape[i], dtype=p.dtype,
                                                    device=p.device)
@@ -88,27 +88,27 @@ class Shampoo(AsteriaOptimizer):
         return bool(dims) and all(f"b{j}.Linv{i}" in st for i in dims)
 
     def _step_blocks(self, group, members, w, g, steps):
-        has = self.has_factor(g.shape[1:], group)
-        factors = self.stack_dims(members, "L", has)
+        has = self._has_factor(g.shape[1:], group)
+        factors = self._stack_dims(members, "L", has)
         p0, j0 = members[0]
-        roots = self.stack_dims(members, "Linv", has) if self._batch_tag(p0, j0) else None
+        roots = self._stack_dims(members, "Linv", has) if self._batch_tag(p0, j0) else None
         start = group["start_preconditioning_step"]
         if start == -1:
             start = group["precondition_frequency"]
-        m1, vg = self.stack(members, "momentum"), self.stack(members, "grafting_v")
+        m1, vg = self._stack(members, "momentum"), self._stack(members, "grafting_v")
         F.shampoo_step(w, g, factors, roots, m1, vg, steps, [k >= start for k in steps],
                        lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
                        grafting_beta2=group["grafting_beta2"],
                        grafting_epsilon=group["grafting_epsilon"],
                        weight_decay=group["weight_decay"])
-        self.unstack(members, "momentum", m1)
-        self.unstack(members, "grafting_v", vg)
+        self._unstack(members, "momentum", m1)
+        self._unstack(members, "grafting_v", vg)
         for i, f in enumerate(factors):
             if f is not None:
-                self.unstack(members, f"L{i}", f)
+                self._unstack(members, f"L{i}", f)
 
     def _refresh_input(self, kind, p, j, dim):
-        group = self.group_of(p)
+        group = self._group_of(p)
         st = self.state[p]
         order = st[f"b{j}.momentum"].dim()
         ov = group["inverse_exponent_override"]

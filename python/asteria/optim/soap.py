@@ -17,7 +17,7 @@ import torch
 
 from asteria.optim import functional as F
 from asteria.optim._base import (INIT, AsteriaOptimizer, check_common, eigh_input, init_bases,
-                                 install_bases, is_int, require, stacks_of)
+                                 install_bases, is_int, require)
 
 
 class SOAP(AsteriaOptimizer):
@@ -75,25 +75,25 @@ class SOAP(AsteriaOptimizer):
             st[f"b{j}.exp_avg_sq"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
 
     def _init_blocks(self, group, members, g):
-        has = self.has_factor(g.shape[1:], group)
+        has = self._has_factor(g.shape[1:], group)
         factors = F.soap_init(g, has, shampoo_beta=self._shampoo_beta(group))
         return init_bases(self.state, members, factors, "GG")
 
     def _step_blocks(self, group, members, w, g, steps):
-        has = self.has_factor(g.shape[1:], group)
-        m, v = self.stack(members, "exp_avg"), self.stack(members, "exp_avg_sq")
-        factors = self.stack_dims(members, "GG", has)
-        bases = self.stack_dims(members, "Q", has)
+        has = self._has_factor(g.shape[1:], group)
+        m, v = self._stack(members, "exp_avg"), self._stack(members, "exp_avg_sq")
+        factors = self._stack_dims(members, "GG", has)
+        bases = self._stack_dims(members, "Q", has)
         F.soap_step(w, g, m, v, factors, bases, steps, lr=float(group["lr"]),
                     beta1=group["betas"][0], beta2=group["betas"][1],
                     shampoo_beta=self._shampoo_beta(group), eps=group["eps"],
                     weight_decay=group["weight_decay"], correct_bias=group["correct_bias"],
                     normalize_grads=group["normalize_grads"])
-        self.unstack(members, "exp_avg", m)
-        self.unstack(members, "exp_avg_sq", v)
+        self._unstack(members, "exp_avg", m)
+        self._unstack(members, "exp_avg_sq", v)
         for i, f in enumerate(factors):
             if f is not None:
-                self.unstack(members, f"GG{i}", f)
+                self._unstack(members, f"GG{i}", f)
 
     def _refresh_input(self, kind, p, j, dim):
         st = self.state[p]
@@ -106,9 +106,9 @@ class SOAP(AsteriaOptimizer):
         if kind == INIT:
             install_bases(self.state, outputs)
             return
-        for members, has in stacks_of(self.state, outputs, "exp_avg", "Q"):
-            m, v = self.stack(members, "exp_avg"), self.stack(members, "exp_avg_sq")
-            old = self.stack_dims(members, "Q", has)
+        for members, has in _stacks_of(self.state, outputs):
+            m, v = self._stack(members, "exp_avg"), self._stack(members, "exp_avg_sq")
+            old = self._stack_dims(members, "Q", has)
             new, perms = [], []
             for i, q_old in enumerate(old):
                 if q_old is None:
@@ -124,9 +124,22 @@ class SOAP(AsteriaOptimizer):
                 new.append(torch.stack(qs))
                 perms.append(torch.stack(ps))
             F.soap_install(m, v, old, new, perms)
-            self.unstack(members, "exp_avg", m)
-            self.unstack(members, "exp_avg_sq", v)
+            self._unstack(members, "exp_avg", m)
+            self._unstack(members, "exp_avg_sq", v)
             for i, q in enumerate(new):
                 if q is not None:
-                    self.unstack(members, f"Q{i}", q)
+                    self._unstack(members, f"Q{i}", q)
 
+
+def _stacks_of(state, outputs: dict):
+    """Group the blocks of a round's outputs into stacks of one shape, dtype and factor dims:
+    yields (members, has_factor)."""
+    stacks: dict = {}
+    for p, outs in outputs.items():
+        st = state[p]
+        for j in sorted({j for j, _ in outs}):
+            ref = st[f"b{j}.exp_avg"]
+            has = tuple(f"b{j}.Q{i}" in st for i in range(ref.dim()))
+            stacks.setdefault((tuple(ref.shape), ref.dtype, ref.device, has), []).append((p, j))
+    for (_, _, _, has), members in stacks.items():
+        yield members, list(has)

@@ -1,0 +1,146 @@
+"""Bounded staleness on the real C worker pool (asteria._C, CEngine), all three optimizers.
+
+ - async + deterministic + S=0 equals sync;
+ - async + deterministic + S=k equals the restatement with install_delay=k (a refresh
+   snapshotted at the end of step t installed at the end of step t+k), k = 2, 3, 5 (5 = f:
+   the install and the next snapshot fall on the same step end, install first);
+ - the trajectory is bitwise the same with 1, 2 and 4 workers;
+ - eager installs never use a refresh older than S;
+ - the install happens exactly S steps after the snapshot.
+
+The pool computes with OpenBLAS's LAPACK, sync with torch's (MKL), so results agree to
+rounding (rtol 1e-6), not bitwise; the models keep every factor's eigenvalues distinct (see
+models.py), without which eigenbases would differ at O(1).
+"""
+
+import pytest
+import torch
+
+from asteria.optim import KLShampoo, SOAP, Shampoo
+from models import (assert_lockstep, assert_params_close, lockstep, loss_and_grad, make_model,
+                    require_c_extension, run)
+from reference import KLShampooRef, SOAPRef, ShampooRef
+
+F64 = dict(compute_dtype=torch.float64)
+OPTIMIZERS = {
+    "soap": (lambda p, **kw: SOAP(p, precondition_frequency=5, **kw),
+             lambda p, **kw: SOAPRef(p, precondition_frequency=5, **kw)),
+    "shampoo": (lambda p, **kw: Shampoo(p, lr=3e-3, precondition_frequency=5, **kw),
+                lambda p, **kw: ShampooRef(p, lr=3e-3, precondition_frequency=5, **kw)),
+    "kl_shampoo": (lambda p, **kw: KLShampoo(p, lr=3e-3, precondition_frequency=5, **F64, **kw),
+                   lambda p, **kw: KLShampooRef(p, lr=3e-3, precondition_frequency=5, **kw)),
+}
+NAMES = list(OPTIMIZERS)
+
+
+@pytest.fixture(autouse=True)
+def _c_extension():
+    require_c_extension()
+
+
+def deterministic(s, workers=2):
+    return {"mode": "async", "staleness": s, "install": "deterministic", "workers": workers}
+
+
+@pytest.mark.parametrize("kind", ["mlp", "block"])
+@pytest.mark.parametrize("name", NAMES)
+def test_async_s0_equals_sync(name, kind):
+    make_opt, _ = OPTIMIZERS[name]
+    sync, _ = run(kind, lambda p: make_opt(p, runtime={"mode": "sync"}), 30)
+    asyn, opt = run(kind, lambda p: make_opt(p, runtime=deterministic(0)), 30)
+    for t, (a, b) in enumerate(zip(asyn, sync), 1):
+        assert_params_close(a, b, rtol=1e-6, atol=1e-9, what=f"step {t}")
+    stats = opt.asteria_stats()
+    assert stats["workers"] == 2 and stats["jobs_done"] == stats["jobs_submitted"] > 0
+    assert stats["max_install_lag"] == 0
+
+
+@pytest.mark.parametrize("s", [2, 3, 5])
+@pytest.mark.parametrize("name", NAMES)
+def test_async_deterministic_equals_delayed_reference(name, s):
+    make_opt, make_ref = OPTIMIZERS[name]
+    history, opt = lockstep("mlp", lambda p: make_opt(p, runtime=deterministic(s)),
+                            lambda p: make_ref(p, install_delay=s), steps=30)
+    assert_lockstep(history, rtol=1e-6, atol=1e-9)
+    stats = opt.asteria_stats()
+    assert stats["max_install_lag"] == s and stats["installs"] > 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_async_deterministic_block_equals_delayed_reference(name):
+    make_opt, make_ref = OPTIMIZERS[name]
+    history, _ = lockstep("block", lambda p: make_opt(p, runtime=deterministic(3)),
+                          lambda p: make_ref(p, install_delay=3), steps=30)
+    assert_lockstep(history, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_delayed_trajectory_differs_from_sync(name):
+    """The comparisons above are not vacuous: staleness changes the trajectory."""
+    make_opt, _ = OPTIMIZERS[name]
+    sync, _ = run("mlp", lambda p: make_opt(p, runtime={"mode": "sync"}), 20)
+    late, _ = run("mlp", lambda p: make_opt(p, runtime=deterministic(3)), 20)
+    assert max(float((a - b).abs().max()) for a, b in zip(sync[-1], late[-1])) > 1e-6
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_reproducible_across_worker_counts(name):
+    make_opt, _ = OPTIMIZERS[name]
+    runs = [run("block", lambda p: make_opt(p, runtime=deterministic(3, workers=w)), 25)[0]
+            for w in (1, 2, 4)]
+    for other in runs[1:]:
+        for t, (a, b) in enumerate(zip(runs[0], other), 1):
+            assert_params_close(a, b, rtol=0, atol=0, what=f"step {t}")
+
+
+@pytest.mark.parametrize("s", [1, 3])
+@pytest.mark.parametrize("name", NAMES)
+def test_eager_never_older_than_s(name, s):
+    make_opt, _ = OPTIMIZERS[name]
+    rt = {"mode": "async", "staleness": s, "install": "eager", "workers": 2}
+    traj, opt = run("mlp", lambda p: make_opt(p, runtime=rt), 29)  # last refresh installed
+    stats = opt.asteria_stats()
+    assert stats["installs"] > 0 and stats["installs"] == stats["refreshes_submitted"]
+    assert 0 <= stats["max_install_lag"] <= s
+    assert all(torch.isfinite(p).all() for p in traj[-1])
+
+
+@pytest.mark.parametrize("name", ["soap", "kl_shampoo", "shampoo"])
+def test_install_exactly_s_steps_after_snapshot(name):
+    """With S = 3 the refresh snapshotted at the end of step t changes the basis at the end of
+    step t + 3, not before."""
+    make_opt, _ = OPTIMIZERS[name]
+    model = make_model("mlp")
+    opt = make_opt(model.parameters(), runtime=deterministic(3))
+    w = model.layers[0].weight
+    key = "b0.Linv0" if name == "shampoo" else "b0.Q0"
+    snapshot = 5 if name == "shampoo" else 6  # the step where k reaches 5
+    seen = []
+    for t in range(1, 12):
+        loss_and_grad(model, "mlp", t)
+        opt.step()
+        seen.append(opt.state[w][key].clone() if key in opt.state[w] else None)
+    changes = [t for t in range(2, 12) if seen[t - 1] is not None
+               and (seen[t - 2] is None or not torch.equal(seen[t - 1], seen[t - 2]))]
+    assert changes == [snapshot + 3]
+    opt.close()
+
+
+@pytest.mark.parametrize("name", ["soap", "kl_shampoo"])
+def test_first_step_eigh_is_waited_for_at_once(name):
+    """The initial eigendecomposition runs on the pool too, but installs in step 1 whatever S
+    is: without it there is no basis to precondition with."""
+    make_opt, _ = OPTIMIZERS[name]
+    model = make_model("mlp")
+    opt = make_opt(model.parameters(), runtime=deterministic(5))
+    loss_and_grad(model, "mlp", 1)
+    opt.step()
+    stats = opt.asteria_stats()
+    assert stats["jobs_submitted"] == stats["installs"] == 1  # 6 factors of size 8: one job
+    assert stats["max_install_lag"] == 0
+    q = opt.state[model.layers[0].weight]["b0.Q0"]
+    f = opt.state[model.layers[0].weight]["b0.GG0" if name == "soap" else "b0.S0"]
+    lam = torch.diagonal(q.T @ f @ q)
+    assert torch.all(lam[:-1] >= lam[1:])  # descending eigenvalues, not the identity start
+    torch.testing.assert_close(q.T @ f @ q, torch.diag(lam), rtol=0, atol=1e-12)
+    opt.close()
