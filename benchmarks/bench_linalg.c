@@ -97,6 +97,16 @@ static double summary(const result *r, mode m, int den)
     return median(v, r->rounds);
 }
 
+/* The worst foreign CPU share seen in any round of any way: how far to trust this row. */
+static double max_foreign(const result *r)
+{
+    double x = 0;
+    for (int m = 0; m < M_COUNT; m++)
+        for (int i = 0; i < r->rounds; i++)
+            x = r->m[m][i].foreign > x ? r->m[m][i].foreign : x;
+    return x;
+}
+
 static double median_utilisation(const result *r, mode m)
 {
     double v[MAX_ROUNDS];
@@ -245,7 +255,8 @@ static cpu_sample cpu_now(void)
     if (f) {
         if (fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu", &v[0], &v[1], &v[2], &v[3],
                    &v[4], &v[5], &v[6], &v[7]) == 8)
-            c.busy = (double)(v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / (double)sysconf(_SC_CLK_TCK);
+            c.busy = (double)(v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) /
+                     (double)sysconf(_SC_CLK_TCK);
         fclose(f);
     }
     return c;
@@ -456,7 +467,9 @@ static void write_json(const char *path, int argc, char **argv, ast_dtype dt, do
     fprintf(f, ", \"pool2_cpus\": ");
     json_str(f, pool_sets[M_POOL2]);
     fprintf(f, ",\n    \"summary\": \"blocks_per_s and worker_utilisation: median over rounds; "
-               "ratios: median over rounds of the per-round ratio\"},\n  \"results\": [\n");
+               "ratios: median over rounds of the per-round ratio; foreign_cpu_share: CPU time of "
+               "other processes and hypervisor steal / (wall * nproc) during a measurement\"},\n"
+               "  \"results\": [\n");
     for (int i = 0; i < nr; i++) {
         const result *x = &r[i];
         fprintf(f, "    {\"op\": \"%s\", \"n\": %d, \"jobs_per_round\": %d, \"rounds\": %d, "
@@ -468,10 +481,15 @@ static void write_json(const char *path, int argc, char **argv, ast_dtype dt, do
                     mode_names[m], summary(x, (mode)m, -1), median_utilisation(x, (mode)m));
             for (int k = 0; k < x->rounds; k++)
                 fprintf(f, "%s%.6g", k ? ", " : "", x->m[m][k].blocks_per_s);
+            fprintf(f, "], \"per_round_foreign_cpu_share\": [");
+            for (int k = 0; k < x->rounds; k++)
+                fprintf(f, "%s%.3f", k ? ", " : "", x->m[m][k].foreign);
             fprintf(f, "]}");
         }
-        fprintf(f, ",\n     \"ratio_pool2_pool1\": %.4f, \"ratio_pool1_bare\": %.4f}%s\n",
-                summary(x, M_POOL2, M_POOL1), summary(x, M_POOL1, M_BARE), i + 1 < nr ? "," : "");
+        fprintf(f, ",\n     \"ratio_pool2_pool1\": %.4f, \"ratio_pool1_bare\": %.4f, "
+                   "\"max_foreign_cpu_share\": %.3f}%s\n",
+                summary(x, M_POOL2, M_POOL1), summary(x, M_POOL1, M_BARE), max_foreign(x),
+                i + 1 < nr ? "," : "");
     }
     fprintf(f, "  ]\n}\n");
     if (fclose(f) != 0) {
@@ -616,17 +634,19 @@ int main(int argc, char **argv)
     printf("\nbench_linalg (%s; blocks per second, median of rounds; pool2/pool1 is the "
            "2-worker speed-up)\n",
            dt == AST_F32 ? "float32" : "float64");
-    printf("%-13s %5s %7s %11s %11s %11s %12s %11s\n", "op", "n", "jobs", "bare", "pool1",
-           "pool2", "pool2/pool1", "pool1/bare");
+    printf("%-13s %5s %7s %11s %11s %11s %12s %11s %8s\n", "op", "n", "jobs", "bare", "pool1",
+           "pool2", "pool2/pool1", "pool1/bare", "foreign");
     for (int i = 0; i < nr; i++) {
         const result *x = &res[i];
         char jobs[32];
         snprintf(jobs, sizeof jobs, "%dx%d", x->rounds, x->jobs_per_round);
-        printf("%-13s %5d %7s %11.3f %11.3f %11.3f %12.3f %11.3f\n", op_names[x->kind], x->n, jobs,
-               summary(x, M_BARE, -1), summary(x, M_POOL1, -1), summary(x, M_POOL2, -1),
-               summary(x, M_POOL2, M_POOL1), summary(x, M_POOL1, M_BARE));
+        printf("%-13s %5d %7s %11.3f %11.3f %11.3f %12.3f %11.3f %7.0f%%\n", op_names[x->kind],
+               x->n, jobs, summary(x, M_BARE, -1), summary(x, M_POOL1, -1),
+               summary(x, M_POOL2, -1), summary(x, M_POOL2, M_POOL1),
+               summary(x, M_POOL1, M_BARE), 100 * max_foreign(x));
     }
-    printf("results: %s\n", out);
+    printf("foreign: the largest CPU share other processes took during any measurement of the "
+           "row\nresults: %s\n", out);
     free(res);
     return 0;
 }

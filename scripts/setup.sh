@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
-APT_PKGS=(build-essential cmake pkg-config libopenblas-dev liblapacke-dev liburing-dev
+APT_PKGS=(build-essential cmake ninja-build pkg-config libopenblas-dev liblapacke-dev liburing-dev
           libhwloc-dev libcmocka-dev zlib1g-dev)
 
 missing=()

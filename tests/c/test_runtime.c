@@ -1,5 +1,5 @@
 /* test_runtime.c - runtime: config handling, buffer registration, REFRESH jobs end to end,
- * consecutive-failure rule, barrier stats, shutdown with jobs pending. */
+ * consecutive-failure rule, barrier stats, shutdown with jobs pending, the runtime's trace. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -10,6 +10,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "asteria/errors.h"
 #include "asteria/runtime.h"
@@ -216,6 +219,224 @@ static void test_destroy_with_pending_jobs(void **state)
     free(q);
 }
 
+/* ---- trace ------------------------------------------------------------------------------- */
+
+static void trace_path(char *buf, size_t len, const char *name)
+{
+    const char *base = getenv("ASTERIA_TEST_TMPDIR");
+    if (!base || !*base)
+        base = "/tmp";
+    mkdir(base, 0777);
+    snprintf(buf, len, "%s/%s.%ld.json", base, name, (long)getpid());
+}
+
+static char *slurp(const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return NULL;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *s = malloc((size_t)n + 1);
+    size_t got = fread(s, 1, (size_t)n, f);
+    s[got] = '\0';
+    fclose(f);
+    return s;
+}
+
+/* The "ts" (microseconds) of the first event line naming `name` whose args contain `arg`
+ * (e.g. "\"block\":12,"); -1 if none. The writer puts one event per line. */
+static double event_ts(const char *doc, const char *name, const char *arg, int *tid)
+{
+    char key[128];
+    snprintf(key, sizeof key, "{\"name\":\"%s\",", name);
+    for (const char *line = doc; line && *line;) {
+        const char *end = strchr(line, '\n');
+        size_t n = end ? (size_t)(end - line) : strlen(line);
+        char *l = malloc(n + 1);
+        memcpy(l, line, n);
+        l[n] = '\0';
+        double ts = -1;
+        const char *t = strstr(l, "\"ts\":"), *a = strstr(l, "\"args\":{");
+        if (!strncmp(l, key, strlen(key)) && t && a && strstr(a, arg)) {
+            sscanf(t + 5, "%lf", &ts);
+            const char *p = strstr(l, "\"tid\":");
+            if (tid && p)
+                sscanf(p + 6, "%d", tid);
+        }
+        free(l);
+        if (ts >= 0)
+            return ts;
+        line = end ? end + 1 : NULL;
+    }
+    return -1;
+}
+
+static ast_runtime *make_traced_rt(int workers, const char *path)
+{
+    ast_config c;
+    ast_config_init(&c);
+    c.workers = workers;
+    c.pin = 0;
+    snprintf(c.cpuset, sizeof c.cpuset, "0");
+    snprintf(c.trace, sizeof c.trace, "%s", path);
+    ast_runtime *rt = NULL;
+    char err[256];
+    assert_int_equal(ast_runtime_create_msg(&c, &rt, err, sizeof err), 0);
+    assert_true(ast_runtime_tracing(rt));
+    return rt;
+}
+
+static void test_trace_job_order_and_caller_events(void **state)
+{
+    (void)state;
+    char path[1200];
+    trace_path(path, sizeof path, "runtime_trace");
+    unlink(path);
+    ast_runtime *rt = make_traced_rt(2, path);
+    const int n = 64, jobs = 3;
+    double *f = malloc(sizeof(double) * n * n);
+    double *q = calloc((size_t)jobs * n * n, sizeof(double));
+    spd(f, n, 4);
+    uint64_t h, t[3];
+    assert_int_equal(ast_runtime_register(rt, f, sizeof(double) * n * n, &h), 0);
+    assert_int_equal(ast_runtime_register(rt, q, sizeof(double) * jobs * n * n, &h), 0);
+    for (int i = 0; i < jobs; i++) {
+        ast_refresh r = {.op = AST_OP_EIGH, .dtype = AST_F64, .n = n, .batch = 1, .in0 = f,
+                         .out0 = q + (size_t)i * n * n, .block = 11 + (uint64_t)i, .version = 2,
+                         .deadline = i};
+        assert_int_equal(ast_runtime_submit(rt, &r, &t[i]), 0);
+    }
+    ast_result res;
+    for (int i = 0; i < jobs; i++) {
+        assert_int_equal(ast_runtime_wait(rt, t[i], -1, &res), 0);
+        assert_int_equal(res.status, 0);
+    }
+    ast_runtime_note_install(rt, 4, 9);
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    uint64_t mono = (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
+    ast_trace_ev ev = {.kind = AST_TRACE_COPY, .lane = AST_TRACE_LANE_SHADOW, .ts_ns = mono,
+                       .dur_ns = 5000, .args = AST_TRACE_ARG_BYTES | AST_TRACE_ARG_BLOCK,
+                       .bytes = 4096, .block = 77, .dir = AST_TRACE_DIR_H2D};
+    assert_int_equal(ast_runtime_trace_event(rt, &ev), 0);
+    ev.kind = AST_TRACE_CUSTOM_INSTANT; /* a custom kind needs a name */
+    assert_int_equal(ast_runtime_trace_event(rt, &ev), AST_EINVAL);
+    char msg[512];
+    ast_runtime_last_error(rt, msg, sizeof msg);
+    assert_non_null(strstr(msg, "trace_event"));
+    ev.lane = -1000;
+    ev.name = "x";
+    assert_int_equal(ast_runtime_trace_event(rt, &ev), AST_EINVAL);
+    assert_int_equal(ast_runtime_trace_name_lane(rt, -7, "rank 0 sync"), 0);
+    ast_trace_ev sync = {.kind = AST_TRACE_CUSTOM_SPAN, .name = "sync", .lane = -7,
+                         .dur_ns = 100};
+    assert_int_equal(ast_runtime_trace_event(rt, &sync), 0);
+
+    char err[512] = "x";
+    assert_int_equal(ast_runtime_destroy_msg(rt, err, sizeof err), 0);
+    assert_string_equal(err, "");
+    free(f);
+    free(q);
+
+    char *doc = slurp(path);
+    assert_non_null(doc);
+    for (int i = 0; i < jobs; i++) {
+        char arg[64];
+        snprintf(arg, sizeof arg, "\"block\":%d,", 11 + i);
+        int wtid = -1;
+        double tq = event_ts(doc, "job queued", arg, NULL);
+        double ts = event_ts(doc, "job started", arg, &wtid);
+        double td = event_ts(doc, "job done", arg, NULL);
+        double tr = event_ts(doc, "refresh", arg, NULL);
+        assert_true(tq >= 0 && ts >= 0 && td >= 0 && tr >= 0);
+        assert_true(tq < ts);
+        assert_true(ts < td);
+        assert_true(tr == ts);
+        assert_true(wtid >= 1000 && wtid < 1002); /* a worker lane (tid 1000 + index) */
+    }
+    assert_true(event_ts(doc, "install", "\"step\":9", NULL) >= 0);
+    assert_true(event_ts(doc, "copy", "\"bytes\":4096", NULL) >= 0);
+    assert_non_null(strstr(doc, "\"dir\":\"h2d\""));
+    assert_non_null(strstr(doc, "rank 0 sync"));
+    free(doc);
+    if (system("python3 -c pass >/dev/null 2>&1") == 0) {
+        char cmd[1400];
+        snprintf(cmd, sizeof cmd, "python3 -c \"import json,sys; d=json.load(open(sys.argv[1])); "
+                 "assert len(d['traceEvents']) > 12\" '%s'", path);
+        assert_int_equal(system(cmd), 0);
+    }
+    unlink(path);
+}
+
+static void test_trace_uncollected_and_write_errors(void **state)
+{
+    (void)state;
+    char path[1200];
+    trace_path(path, sizeof path, "runtime_trace_nodir");
+    /* A directory that does not exist: the write at destroy fails and says where. */
+    char bad[1300];
+    snprintf(bad, sizeof bad, "%s.missing/t.json", path);
+    ast_runtime *rt = make_traced_rt(1, bad);
+    double f[16], q[16];
+    spd(f, 4, 2);
+    uint64_t h, t;
+    ast_runtime_register(rt, f, sizeof f, &h);
+    ast_runtime_register(rt, q, sizeof q, &h);
+    ast_refresh r = {.op = AST_OP_EIGH, .dtype = AST_F64, .n = 4, .batch = 1, .in0 = f,
+                     .out0 = q, .block = 5, .version = 1};
+    assert_int_equal(ast_runtime_submit(rt, &r, &t), 0);
+    /* An explicit write to a good path works while recording goes on; the job's completion is
+     * never collected by the caller, so destroy drains it into the trace. */
+    assert_int_equal(ast_runtime_trace_write(rt, path), 0);
+    assert_int_equal(ast_runtime_trace_write(rt, bad), AST_ENOENT);
+    char msg[1400];
+    ast_runtime_last_error(rt, msg, sizeof msg);
+    assert_non_null(strstr(msg, bad));
+    /* Wait until it ran, without collecting it. */
+    ast_stats st;
+    for (int i = 0; i < 2000; i++) {
+        ast_runtime_stats_get(rt, &st);
+        if (!st.jobs_queued && !st.jobs_running)
+            break;
+        usleep(1000);
+    }
+    char err[1400] = "";
+    assert_int_equal(ast_runtime_destroy_msg(rt, err, sizeof err), AST_ENOENT);
+    assert_non_null(strstr(err, bad));
+    struct stat sb;
+    assert_int_not_equal(stat(bad, &sb), 0);
+
+    /* The same job traced to a good path: destroy drains the uncollected completion. */
+    rt = make_traced_rt(1, path);
+    ast_runtime_register(rt, f, sizeof f, &h);
+    ast_runtime_register(rt, q, sizeof q, &h);
+    assert_int_equal(ast_runtime_submit(rt, &r, &t), 0);
+    for (int i = 0; i < 2000; i++) {
+        ast_runtime_stats_get(rt, &st);
+        if (!st.jobs_queued && !st.jobs_running)
+            break;
+        usleep(1000);
+    }
+    ast_runtime_destroy(rt);
+    char *doc = slurp(path);
+    assert_non_null(doc);
+    double tq = event_ts(doc, "job queued", "\"block\":5,", NULL);
+    double td = event_ts(doc, "job done", "\"block\":5,", NULL);
+    assert_true(tq >= 0 && td > tq);
+    free(doc);
+    unlink(path);
+
+    /* Without a trace: events are discarded, writes refused. */
+    rt = make_rt(1, 3);
+    assert_false(ast_runtime_tracing(rt));
+    ast_trace_ev ev = {.kind = AST_TRACE_COPY_ISSUED, .lane = AST_TRACE_LANE_SHADOW};
+    assert_int_equal(ast_runtime_trace_event(rt, &ev), 0);
+    assert_int_equal(ast_runtime_trace_write(rt, path), AST_ESTATE);
+    assert_int_equal(ast_runtime_destroy_msg(rt, err, sizeof err), 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -225,6 +446,8 @@ int main(void)
         cmocka_unit_test(test_repeated_failure_surfaces),
         cmocka_unit_test(test_install_and_nonfinite_stats),
         cmocka_unit_test(test_destroy_with_pending_jobs),
+        cmocka_unit_test(test_trace_job_order_and_caller_events),
+        cmocka_unit_test(test_trace_uncollected_and_write_errors),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
