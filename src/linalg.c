@@ -409,7 +409,7 @@ static int k_newton(const kern *K, const op_args *o)
     memcpy(m, o->in0, nn * es);
     K->shift_diag(n, m, o->eps);
     double bound = fmin(K->lange('F', n, m), K->lange('1', n, m));
-    double z = (p + 1) / (2 * bound), x0 = pow(z, 1.0 / p);
+    double z = (p + 1.0) / (2 * bound), x0 = pow(z, 1.0 / p);
     if (!(bound > 0) || !(bound <= K->maxval) || !(x0 <= K->maxval) || !(z <= K->maxval)) {
         rc = AST_ENONFINITE; /* singular (A + eps I == 0) or a norm beyond the type's range */
         goto out;

@@ -3,6 +3,7 @@
 #define ASTERIA_ASTERIA_H
 
 #include "asteria/build_config.h"
+#include "asteria/coherence.h"
 #include "asteria/errors.h"
 #include "asteria/linalg.h"
 #include "asteria/pool.h"

@@ -521,9 +521,9 @@ static void guard_fini(guard *g)
     pthread_mutex_destroy(&g->lock);
 }
 
-/* Marks one call that will use the handle with the GIL released; -1 with AST_ESHUTDOWN raised if
- * the object is closed (what: "runtime", "store", "shadow"). */
-static int guard_enter(guard *g, int open, mod_state *st, const char *what)
+/* For calls that keep the GIL: 0, or -1 with AST_ESHUTDOWN raised if the object is closed
+ * (what: "runtime", "store", "shadow"). */
+static int guard_open(guard *g, int open, mod_state *st, const char *what)
 {
     if (g->closed || !open) {
         char msg[64];
@@ -531,6 +531,14 @@ static int guard_enter(guard *g, int open, mod_state *st, const char *what)
         raise_ast_error(st, AST_ESHUTDOWN, msg);
         return -1;
     }
+    return 0;
+}
+
+/* Marks one call that will use the handle with the GIL released; -1 as guard_open. */
+static int guard_enter(guard *g, int open, mod_state *st, const char *what)
+{
+    if (guard_open(g, open, st, what) < 0)
+        return -1;
     pthread_mutex_lock(&g->lock);
     g->inflight++;
     pthread_mutex_unlock(&g->lock);
@@ -553,18 +561,6 @@ static void guard_drain(guard *g)
     while (g->inflight)
         pthread_cond_wait(&g->idle, &g->lock);
     pthread_mutex_unlock(&g->lock);
-}
-
-/* For calls that keep the GIL: 0, or -1 with AST_ESHUTDOWN raised. */
-static int guard_open(guard *g, int open, mod_state *st, const char *what)
-{
-    if (g->closed || !open) {
-        char msg[64];
-        snprintf(msg, sizeof msg, "the %s is closed", what);
-        raise_ast_error(st, AST_ESHUTDOWN, msg);
-        return -1;
-    }
-    return 0;
 }
 
 /* A path argument (str, bytes or os.PathLike) copied into buf; -1 with an exception set. */
@@ -1080,7 +1076,7 @@ static int parse_lane(PyObject *o, int *out)
 /* An optional unsigned argument: sets bit in *args when given. */
 static int opt_u64(PyObject *o, uint64_t *out, unsigned *args, unsigned bit)
 {
-    if (!o || o == Py_None)
+    if (o == Py_None)
         return 0;
     if (!conv_u64(o, out))
         return -1;
@@ -1120,9 +1116,8 @@ static PyObject *runtime_trace_event(RuntimeObject *self, PyObject *args, PyObje
         return NULL;
     if (cat_o != Py_None && !(ev.cat = utf8_no_nul(cat_o, "cat")))
         return NULL;
-    unsigned unused_bits = 0;
-    if (opt_u64(ts_o, &ev.ts_ns, &unused_bits, 1) < 0 ||
-        opt_u64(dur_o, &ev.dur_ns, &unused_bits, 1) < 0 ||
+    if ((ts_o != Py_None && !conv_u64(ts_o, &ev.ts_ns)) ||
+        (dur_o != Py_None && !conv_u64(dur_o, &ev.dur_ns)) ||
         opt_u64(block_o, &ev.block, &ev.args, AST_TRACE_ARG_BLOCK) < 0 ||
         opt_u64(version_o, &ev.version, &ev.args, AST_TRACE_ARG_VERSION) < 0 ||
         opt_u64(bytes_o, &ev.bytes, &ev.args, AST_TRACE_ARG_BYTES) < 0)
@@ -1968,9 +1963,17 @@ static PyObject *store_buffer(StoreObject *self, PyObject *arg)
     uint64_t id;
     if (!conv_u64(arg, &id) || st_enter(self, st) < 0)
         return NULL;
-    /* Pin first (GIL held): a concurrent move or free of the block is refused from here on. */
-    pin *p;
-    if (pins_check(self, st, &id, 1, "buffer") < 0 || !(p = pin_get(&self->pins, id))) {
+    /* Pin first (GIL held): a concurrent move or free of the block is refused from here on.
+     * Several buffers may share a block; one being moved or freed cannot be exported. */
+    pin *p = pin_find(&self->pins, id);
+    if (p && p->busy) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "buffer: block %" PRIu64 " is being moved or freed by another "
+                 "thread", id);
+        guard_leave(&self->g);
+        return raise_busy_aware(st, AST_EBUSY, msg);
+    }
+    if (!(p = pin_get(&self->pins, id))) {
         guard_leave(&self->g);
         return NULL;
     }
@@ -2199,7 +2202,7 @@ static int ticket_get(ShadowObject *self, mod_state *st, uint64_t id, ast_shadow
 
 static int ticket_add(ShadowObject *self, const ast_shadow_ticket *t)
 {
-    ast_shadow_ticket *slot = ticket_find(self, 0);
+    ast_shadow_ticket *slot = NULL;
     for (size_t i = 0; !slot && i < self->captickets; i++)
         if (!self->tickets[i].id)
             slot = &self->tickets[i];

@@ -7,6 +7,14 @@ runtime has reported the job finished (``poll`` or ``wait``); only then are they
 May call: torch, ``asteria.engine``, ``asteria._C``.
 Threading: single-threaded use (the optimizer's training thread), no locks. The GIL is released
 inside ``_C``'s blocking calls, so other Python threads run while this one waits at the barrier.
+
+Snapshots (the shadow pipeline's D2H side): with ``shadow=True`` the inputs of a job are copied
+by a ``_C.Shadow`` into its snapshot ring: on CUDA on the lowest-priority shadow stream after
+an event recorded on the current stream (the factor update), on the host path by a memcpy at
+issue. The slot is registered with the runtime for the job and released when the job's
+completion is collected. A full ring (or an input larger than it) falls back to a private
+buffer. Each snapshot is traced as a d2h copy (issued, span, done) before the job's "job
+queued" event.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+import time
 from typing import Any, Mapping, Optional
 
 import torch
@@ -56,6 +65,8 @@ class _Job:
     outputs: Optional[tuple[torch.Tensor, ...]]
     handles: tuple[int, ...]
     result: Any = None                 # the _C.Result, once the runtime reported it
+    snapshots: tuple[int, ...] = ()    # shadow snapshot tickets holding the inputs
+    host_outputs: bool = False         # hand the outputs back on the host, not job.device
 
 
 def _snapshot(t: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -68,12 +79,63 @@ def _snapshot(t: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
 class CEngine(Engine):
     """REFRESH jobs on libasteria's worker pool (``mode="async"``)."""
 
-    def __init__(self, cfg: Any = None) -> None:
+    def __init__(self, cfg: Any = None, *, shadow: bool = False,
+                 snapshot_ring_bytes: int = 64 << 20) -> None:
         self._closed = True  # until the runtime exists, so __del__ has nothing to do
+        self._shadow = None
         self._rt = _C.Runtime(c_config(cfg))
+        self._tracing = bool(getattr(self._rt, "tracing", False))
         self._jobs: dict[int, _Job] = {}
         self._final_stats: Optional[dict[str, Any]] = None
+        self._copies = {"bytes_d2h_snapshots": 0, "bytes_h2d_results": 0,
+                        "snapshots_shadow": 0, "snapshots_fallback": 0}
+        if shadow:
+            cuda = torch.cuda.is_available() and _C.HAVE_CUDA
+            self._shadow = _C.Shadow(mode="auto" if cuda else "host",
+                                     snapshot_ring_bytes=snapshot_ring_bytes,
+                                     prefetch_ring_bytes=4096, slots=1024)
         self._closed = False
+        if self._tracing:
+            self._rt.trace_name_lane("nvme", "nvme tier")
+
+    def trace(self, kind: str, lane: Any, name: Optional[str] = None, **args: Any) -> None:
+        """Record one caller event (copies) in the runtime's trace; a no-op without one."""
+        if self._tracing and not self._closed:
+            self._rt.trace_event(kind, lane, name, **args)
+
+    def trace_write(self, path: Optional[str] = None) -> None:
+        if self._tracing and not self._closed:
+            self._rt.trace_write(path)
+
+    def _snapshot_into_ring(self, t: torch.Tensor, cdtype: torch.dtype, block: int):
+        """(host tensor over a snapshot slot, ticket), or None when the ring has no room."""
+        src = t.detach()
+        if src.dtype != cdtype or not src.is_contiguous():
+            src = src.to(dtype=cdtype).contiguous()
+        nbytes = src.numel() * src.element_size()
+        cuda = src.device.type == "cuda"
+        if cuda != bool(self._shadow.stats()["is_cuda"]):
+            return None
+        event = 0
+        if cuda:
+            ev = torch.cuda.Event()
+            ev.record()
+            event = ev.cuda_event
+        t0 = time.monotonic_ns()
+        try:
+            ticket = self._shadow.snapshot(src.data_ptr(), nbytes, event)
+        except (_C.BusyError, ValueError):
+            return None
+        host_ptr = self._shadow.snapshot_wait(ticket)  # the host path copied at issue
+        t1 = time.monotonic_ns()
+        self.trace("copy_issued", "shadow", bytes=nbytes, direction="d2h", block=block,
+                   ts_ns=t0)
+        self.trace("copy", "shadow", bytes=nbytes, direction="d2h", block=block, ts_ns=t0,
+                   dur_ns=t1 - t0)
+        self.trace("copy_done", "shadow", bytes=nbytes, direction="d2h", block=block, ts_ns=t1)
+        from asteria.tiered import _cpu_view
+
+        return _cpu_view(host_ptr, nbytes, cdtype, src.shape), ticket
 
     @property
     def runtime(self) -> "_C.Runtime":
@@ -82,7 +144,9 @@ class CEngine(Engine):
     # ---- jobs ---------------------------------------------------------------------------------
 
     def submit(self, op, f, q=None, *, block, version, deadline, snapshot_step, p=0.0,
-               eps=0.0) -> int:
+               eps=0.0, host_outputs: bool = False) -> int:
+        """``host_outputs``: hand the outputs back as host tensors (the caller stores them in
+        host memory) instead of copying them to the inputs' device."""
         self._check_open()
         check_op(op, (f, q))
         if not f.is_floating_point():
@@ -94,9 +158,27 @@ class CEngine(Engine):
         cdtype = f.dtype if f.dtype in _C_DTYPES else torch.float32
         pin = f.device.type == "cuda" and torch.cuda.is_available()
 
-        inputs = [_snapshot(f, cdtype, pin)]
-        if op in _WITH_BASIS:
-            inputs.append(_snapshot(q, cdtype, pin))
+        srcs = [f] + ([q] if op in _WITH_BASIS else [])
+        inputs, tickets = [], []
+        for src in srcs:
+            staged = (self._snapshot_into_ring(src, cdtype, block)
+                      if self._shadow is not None else None)
+            if staged is None:
+                t0 = time.monotonic_ns()
+                inputs.append(_snapshot(src, cdtype, pin))
+                nb = inputs[-1].numel() * inputs[-1].element_size()
+                if self._shadow is not None:
+                    self._copies["snapshots_fallback"] += 1
+                    t1 = time.monotonic_ns()
+                    self.trace("copy", "shadow", "snapshot (private buffer)", bytes=nb,
+                               direction="d2h", block=block, ts_ns=t0, dur_ns=t1 - t0)
+                    self.trace("copy_done", "shadow", bytes=nb, direction="d2h", block=block,
+                               ts_ns=t1)
+            else:
+                inputs.append(staged[0])
+                tickets.append(staged[1])
+                self._copies["snapshots_shadow"] += 1
+            self._copies["bytes_d2h_snapshots"] += inputs[-1].numel() * inputs[-1].element_size()
         outputs = [torch.empty((batch, n, n), dtype=cdtype, pin_memory=pin)]
         if op == "eigh":
             outputs.append(torch.empty((batch, n), dtype=cdtype, pin_memory=pin))
@@ -118,9 +200,12 @@ class CEngine(Engine):
         except BaseException:
             for h in handles:
                 self._rt.unregister(h)
+            for tk in tickets:
+                self._shadow.snapshot_release(tk)
             raise
         self._jobs[ticket] = _Job(op=op, device=f.device, dtype=f.dtype, pinned=pin,
-                                  buffers=buffers, outputs=tuple(outputs), handles=tuple(handles))
+                                  buffers=buffers, outputs=tuple(outputs), handles=tuple(handles),
+                                  snapshots=tuple(tickets), host_outputs=host_outputs)
         return ticket
 
     def ready(self, ticket: int) -> bool:
@@ -161,8 +246,11 @@ class CEngine(Engine):
 
     def stats(self) -> dict[str, Any]:
         if self._closed:
-            return dict(self._final_stats or {})
-        return self._rt.stats()
+            out = dict(self._final_stats or {})
+        else:
+            out = self.stats_open()
+        out.update(self._copies)
+        return out
 
     def close(self) -> None:
         """Cancel queued jobs, wait for running ones (GIL released), free the runtime; the job
@@ -173,9 +261,28 @@ class CEngine(Engine):
         for ticket, job in self._jobs.items():
             if job.result is None:
                 self._rt.cancel(ticket)
-        self._final_stats = self._rt.stats()
-        self._rt.close()
-        self._jobs.clear()
+        self._final_stats = self.stats_open()
+        try:
+            self._rt.close()  # writes the trace file when config 'trace' is set
+        finally:
+            for job in self._jobs.values():
+                self._release_snapshots(job)
+            self._jobs.clear()
+            if self._shadow is not None:
+                self._shadow.close()
+
+    def stats_open(self) -> dict[str, Any]:
+        out = self._rt.stats()
+        if self._shadow is not None:
+            sh = self._shadow.stats()
+            out.update({f"snapshot_ring_{k[len('snapshot_'):]}": v for k, v in sh.items()
+                        if k.startswith("snapshot_")})
+        return out
+
+    def _release_snapshots(self, job: _Job) -> None:
+        for tk in job.snapshots:
+            self._shadow.snapshot_release(tk)
+        job.snapshots = ()
 
     def __del__(self) -> None:
         # Before the job tensors go away with this object, no worker may still write them.
@@ -210,6 +317,7 @@ class CEngine(Engine):
             self._rt.unregister(h)
         job.handles = ()
         job.buffers = ()
+        self._release_snapshots(job)
         if res.status != 0:
             job.outputs = None
         job.result = res
@@ -219,6 +327,9 @@ class CEngine(Engine):
         outputs, error = None, ""
         if res.status == 0:
             outputs = tuple(self._restore(t, job) for t in job.outputs)
+            if not job.host_outputs:
+                self._copies["bytes_h2d_results"] += sum(t.numel() * t.element_size()
+                                                         for t in job.outputs)
         else:
             error = self._describe(job, res)
         return Result(ticket=res.ticket, block=res.block, version=res.version,
@@ -228,6 +339,8 @@ class CEngine(Engine):
     @staticmethod
     def _restore(t: torch.Tensor, job: _Job) -> torch.Tensor:
         dtype = job.dtype if t.is_floating_point() else t.dtype
+        if job.host_outputs:
+            return t.to(dtype=dtype)
         return t.to(device=job.device, dtype=dtype, non_blocking=job.pinned)
 
     def _describe(self, job: _Job, res: Any) -> str:

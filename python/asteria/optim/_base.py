@@ -24,6 +24,17 @@ Schedule (DESIGN.md, "Staleness"). Steps are counted per ``step()`` call (t = 1,
    with the number of steps until their install, in the parameters' state; ``load_state_dict``
    turns them back into rounds, so the run resumes on the same trajectory.
 
+Placement (``asteria.placement``, ``asteria.tiered``): at construction the planner assigns a
+tier to every piece of state. Factors and moments always live in ``self.state`` on the
+parameter's device. In ``mode="async"`` roots / eigenbases normally live in a ``Residency``
+(host, pinned, UVM or NVMe blocks) instead of ``self.state``; every access goes through
+``_stack`` / ``_unstack`` / ``_root_*`` so the kernels see exactly the tensors they would see
+with everything on the device (the same values, stacked the same way: results are bitwise
+those of the all-device path). A step with a residency runs in two phases: ``prepare`` (NVMe
+reads and writes, ring prefetches) before anything is mutated, so an I/O failure raises with
+the parameters, the state and the step counter untouched; then the usual step, streaming
+preconditioned stacks through the staging ring in chunks that fit it.
+
 Single-threaded: everything runs on the caller's thread; the engine's workers never see this
 module's objects.
 """
@@ -33,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import warnings
+import weakref
 from collections import defaultdict
 from typing import Any, Iterable, Optional, Sequence
 
@@ -42,6 +54,36 @@ from asteria import engine as _engine_mod
 from asteria.config import RuntimeConfig
 from asteria.optim._blocking import Layout, make_layout
 from asteria.optim import functional as F
+from asteria import placement as _placement
+
+try:  # FSDP2 parameters are DTensors: the optimizer works on their local shards
+    from torch.distributed.tensor import DTensor as _DTensor
+except Exception:  # torch without distributed
+    _DTensor = None
+
+#: the keys of asteria_stats() every mode reports (the benchmark's contract)
+STATS_KEYS = ("bytes_device", "bytes_host", "bytes_host_pinned", "bytes_uvm", "bytes_nvme",
+              "jobs_queued", "jobs_running", "jobs_done", "barrier_waits", "barrier_wait_ns",
+              "bytes_h2d", "bytes_d2h", "bytes_nvme_read", "bytes_nvme_written",
+              "nvme_read_MBps", "nvme_write_MBps")
+
+
+def local(t):
+    """The local shard of a DTensor (a view sharing its storage), else t itself."""
+    if _DTensor is not None and isinstance(t, _DTensor):
+        return t.to_local()
+    return t
+
+
+def _close_all(engine, tiered) -> None:
+    """Finalizer of an optimizer (also at interpreter exit): the engine first (it writes the
+    trace file and stops the workers), then the residency."""
+    try:
+        if engine is not None:
+            engine.close()
+    finally:
+        if tiered is not None:
+            tiered.close()
 
 INIT = "init"        # first-step eigendecomposition, installed in the step that submitted it
 REFRESH = "refresh"  # periodic refresh, installed S steps later
@@ -136,9 +178,10 @@ def eigh_input(f: torch.Tensor) -> torch.Tensor:
     return f + 1e-30 * torch.eye(f.shape[0], dtype=f.dtype, device=f.device)
 
 
-def init_bases(state, members: list, factors: list, name: str) -> list:
+def init_bases(opt, members: list, factors: list, name: str) -> list:
     """Store first-step factors with the identity as their basis; return [(p, j, dims)] of the
     factors that are not c*I and so need a real eigendecomposition."""
+    state = opt.state
     need: dict = {}
     for i, f in enumerate(factors):
         if f is None:
@@ -146,18 +189,18 @@ def init_bases(state, members: list, factors: list, name: str) -> list:
         eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
         for (p, j), fi, trivial in zip(members, f.unbind(0), F.is_scaled_identity(f)):
             state[p][f"b{j}.{name}{i}"] = fi.clone()
-            state[p][f"b{j}.Q{i}"] = eye.clone()
+            opt._root_set(p, f"b{j}.Q{i}", eye)
             if not trivial:
                 need.setdefault((p, j), []).append(i)
     return [(p, j, dims) for (p, j), dims in need.items()]
 
 
-def install_bases(state, outputs: dict) -> None:
+def install_bases(opt, outputs: dict) -> None:
     """Install eigenbases (first-step eigh, KL-Shampoo's QR): Q_i = output 0; failures keep Q."""
     for p, outs in outputs.items():
         for (j, dim), out in outs.items():
             if out is not None:
-                state[p][f"b{j}.Q{dim}"].copy_(out[0])
+                opt._root_set(p, f"b{j}.Q{dim}", out[0])
 
 
 class AsteriaOptimizer(torch.optim.Optimizer):
@@ -169,22 +212,39 @@ class AsteriaOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable, defaults: dict, runtime: Any) -> None:
         self._closed = False
         self._engine = None
+        self._tiered = None
+        self._planning = False
         self._check_hyperparameters(defaults)
         self._cfg = RuntimeConfig.from_user(runtime)
         self._async = self._cfg.mode == "async"
         self._pindex: dict[torch.Tensor, int] = {}  # stable ids for the engine's block keys
         self._gindex: dict[torch.Tensor, int] = {}  # param -> index of its group
+        self._layouts: dict[torch.Tensor, Layout] = {}
         super().__init__(params, defaults)
         self._delay = self._cfg.staleness if self._async else 0
         self._eager = self._async and self._cfg.install == "eager"
         self._t = 0
         self._rounds: list[_Round] = []
-        self._layouts: dict[torch.Tensor, Layout] = {}
         self._block_keys: dict[tuple, int] = {}
         self._versions: dict[int, int] = {}
         self._counters = {"nonfinite_skipped": 0, "refreshes_submitted": 0,
                           "refresh_failures": 0, "installs": 0, "max_install_lag": 0}
-        self._engine = _engine_mod.make_engine(self._cfg)
+        self._pnames: dict[int, str] = {}  # param index -> name (asteria.attach fills it)
+        self._plan: Optional[_placement.Plan] = None
+        self._tkeys: dict[int, list] = {}  # param index -> its tiered state keys
+        if self._async:
+            from asteria.engine_c import CEngine
+
+            self._engine = CEngine(self._cfg, shadow=True)
+        else:
+            self._engine = _engine_mod.make_engine(self._cfg)
+        self._finalizer = None
+        try:
+            self._replan()
+        except BaseException:
+            self._engine.close()
+            raise
+        self._finalizer = weakref.finalize(self, _close_all, self._engine, self._tiered)
 
     # ---- hooks for subclasses -----------------------------------------------------------------
     def _check_hyperparameters(self, group: dict) -> None:
@@ -225,6 +285,137 @@ class AsteriaOptimizer(torch.optim.Optimizer):
     def _install(self, kind: str, outputs: dict) -> None:
         raise NotImplementedError
 
+    def _state_spec(self, p: torch.Tensor, group: dict, layout: Layout) -> list:
+        """[(state name, kind, shape, dtype)] of a preconditioned parameter's state, for the
+        planner; kind is one of "factors", "moments", "roots", "eigenbases"."""
+        raise NotImplementedError
+
+    # ---- placement ----------------------------------------------------------------------------
+    def _entries(self) -> list:
+        out = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                lp = local(p)
+                pidx = self._pindex[p]
+                itemsize = lp.element_size()
+                if lp.numel() == 0 or self._uses_adamw(p, group):
+                    spec = [(n, "moments", tuple(lp.shape), lp.dtype)
+                            for n in ("exp_avg", "exp_avg_sq")]
+                else:
+                    spec = self._state_spec(p, group, self._layout(p, group))
+                for name, kind, shape, dtype in spec:
+                    itemsize = torch.empty((), dtype=dtype).element_size()
+                    out.append(_placement.StateEntry(pidx, name, kind,
+                                                     int(torch.Size(shape).numel()) * itemsize,
+                                                     lp.device))
+        return out
+
+    def _replan(self) -> None:
+        """Plan (or re-plan after add_param_group) the placement of every state tensor, and move
+        existing tensors where the plan wants them."""
+        from asteria import tiered as _tiered_mod
+
+        entries = self._entries()
+        self._kinds = {e.key: e.kind for e in entries}
+        plan = _placement.make_plan(self._cfg, entries)
+        plan.log()
+        self._plan = plan
+        self._tkeys = defaultdict(list)
+        for key, tier in plan.block_tier.items():
+            if tier != "device":
+                self._tkeys[key[0]].append(key)
+        if plan.tiered and self._tiered is None:
+            self._tiered = _tiered_mod.Residency(plan, self._cfg, tracer=self._trace_event,
+                                                 describe=self._describe_key)
+            if self._finalizer is not None:  # the finalizer must close the new residency too
+                self._finalizer.detach()
+                self._finalizer = weakref.finalize(self, _close_all, self._engine,
+                                                   self._tiered)
+        elif self._tiered is not None:
+            self._tiered.plan = plan
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Put every existing root / eigenbasis where the plan says: self.state or residency."""
+        if self._tiered is None:
+            return
+        params = {i: p for p, i in self._pindex.items()}
+        for p, st in list(self.state.items()):
+            pidx = self._pindex.get(p)
+            for name in [n for n in st if isinstance(st[n], torch.Tensor)]:
+                if self._tiered.owns((pidx, name)):
+                    self._tiered.write((pidx, name), st.pop(name))
+        for key in self._tiered.keys():
+            if not self._tiered.owns(key):
+                p = params[key[0]]
+                self.state[p][key[1]] = self._tiered.materialize([key])[key]
+                self._tiered.drop(key)
+        self._tiered.end_step()
+
+    def _describe_key(self, key) -> str:
+        pidx, name = key
+        kind = {"roots": "root", "eigenbases": "eigenbasis"}.get(self._kinds.get(key), "state")
+        pname = self._pnames.get(pidx)
+        who = f"parameter {pidx}" + (f" ({pname})" if pname else "")
+        return f"{kind} block {name!r} of {who}"
+
+    def _trace_event(self, kind: str, lane: Any, name: Optional[str] = None, **args) -> None:
+        tr = getattr(self._engine, "trace", None)
+        if tr is not None:
+            tr(kind, lane, name, **args)
+
+    def asteria_plan(self) -> list[str]:
+        """The planner's decisions, in plain words."""
+        return list(self._plan.decisions) if self._plan is not None else []
+
+    def _key(self, p: torch.Tensor, name: str) -> tuple:
+        return (self._pindex[p], name)
+
+    def _owned(self, p: torch.Tensor, name: str) -> bool:
+        return self._tiered is not None and self._tiered.owns((self._pindex[p], name))
+
+    def _root_has(self, p: torch.Tensor, name: str) -> bool:
+        if self._owned(p, name):
+            return self._tiered.has(self._key(p, name))
+        return name in self.state[p]
+
+    def _root_set(self, p: torch.Tensor, name: str, value: torch.Tensor) -> None:
+        """Set a root / eigenbasis (creating it on first set)."""
+        if self._owned(p, name):
+            self._tiered.write(self._key(p, name), value)
+            return
+        st = self.state[p]
+        if name in st:
+            st[name].copy_(value)
+        else:
+            st[name] = value.to(device=local(p).device, copy=True)
+
+    def _root_for_job(self, p: torch.Tensor, name: str) -> torch.Tensor:
+        """A root / eigenbasis as a REFRESH job input (the engine copies it at submit)."""
+        if self._owned(p, name):
+            return self._tiered.read_host(self._key(p, name))
+        return self.state[p][name]
+
+    def _member_keys(self, p: torch.Tensor, j: int) -> list:
+        prefix = f"b{j}."
+        return [k for k in self._tkeys.get(self._pindex[p], ()) if k[1].startswith(prefix)]
+
+    def _chunks(self, members: list) -> list:
+        """Split a stack's members so that each chunk's staged blocks fit the ring."""
+        if self._tiered is None or not members:
+            return [members]
+        cap = self._plan.ring_bytes
+        chunks, cur, used = [], [], 0
+        for m in members:
+            cost = self._tiered.chunk_cost(self._member_keys(*m))
+            if cur and used + cost > cap:
+                chunks.append(cur)
+                cur, used = [], 0
+            cur.append(m)
+            used += cost
+        chunks.append(cur)
+        return chunks
+
     # ---- torch.optim plumbing -----------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         merged = dict(self.defaults)
@@ -236,6 +427,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         for p in self.param_groups[-1]["params"]:
             self._pindex.setdefault(p, len(self._pindex))
             self._gindex[p] = len(self.param_groups) - 1
+        if getattr(self, "_plan", None) is not None:  # a group added after construction
+            self._replan()
 
     def _group_of(self, p: torch.Tensor) -> dict:
         return self.param_groups[self._gindex[p]]
@@ -248,12 +441,23 @@ class AsteriaOptimizer(torch.optim.Optimizer):
     def _layout(self, p: torch.Tensor, group: dict) -> Layout:
         lay = self._layouts.get(p)
         if lay is None:
-            lay = make_layout(p.shape, group["block_size"], self._merge_dims(group),
+            lay = make_layout(local(p).shape, group["block_size"], self._merge_dims(group),
                               self._max_dim(group))
             self._layouts[p] = lay
         return lay
 
     def _stack(self, members: list, name: str) -> torch.Tensor:
+        if self._tiered is not None:
+            keys = [(self._pindex[p], f"b{j}.{name}") for p, j in members]
+            owned = [self._tiered.owns(k) for k in keys]
+            if any(owned):
+                mine = [k for k, o in zip(keys, owned) if o]
+                staged = iter(self._tiered.borrow(mine))
+                try:
+                    return torch.stack([next(staged) if o else self.state[p][f"b{j}.{name}"]
+                                        for (p, j), o in zip(members, owned)])
+                finally:
+                    self._tiered.give_back(mine)
         return torch.stack([self.state[p][f"b{j}.{name}"] for p, j in members])
 
     def _stack_dims(self, members: list, name: str, has: Sequence[bool]) -> list:
@@ -261,7 +465,10 @@ class AsteriaOptimizer(torch.optim.Optimizer):
 
     def _unstack(self, members: list, name: str, x: torch.Tensor) -> None:
         for (p, j), xi in zip(members, x.unbind(0)):
-            self.state[p][f"b{j}.{name}"].copy_(xi)
+            if self._owned(p, f"b{j}.{name}"):
+                self._tiered.write(self._key(p, f"b{j}.{name}"), xi)
+            else:
+                self.state[p][f"b{j}.{name}"].copy_(xi)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -271,37 +478,70 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._t += 1
-        due: list = []
+        work, skipped = [], 0
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            params = self._drop_nonfinite(params)
-            adam = [p.numel() == 0 or self._uses_adamw(p, group) for p in params]
-            self._adamw(group, [p for p, a in zip(params, adam) if a])
-            pre = [p for p, a in zip(params, adam) if not a]
-            if pre:
-                due.extend(self._precond_step(group, pre))
-        self._step_end(due)
+            finite = self._finite(params)
+            skipped += len(params) - sum(finite)
+            work.append((group, [p for p, ok in zip(params, finite) if ok]))
+        if self._tiered is not None:
+            self._prepare(work)  # may raise: nothing has been changed yet
+        try:
+            self._t += 1
+            for _ in range(skipped):
+                self._counters["nonfinite_skipped"] += 1
+                self._engine.note_nonfinite()
+            due: list = []
+            for group, params in work:
+                adam = [p.numel() == 0 or self._uses_adamw(p, group) for p in params]
+                self._adamw(group, [p for p, a in zip(params, adam) if a])
+                pre = [p for p, a in zip(params, adam) if not a]
+                if pre:
+                    due.extend(self._precond_step(group, pre))
+            self._step_end(due)
+        finally:
+            if self._tiered is not None:
+                self._tiered.end_step()
         return loss
 
-    def _drop_nonfinite(self, params: list) -> list:
+    def _prepare(self, work: list) -> None:
+        """Phase A of a step with a residency: NVMe blocks read back (verified) and written out
+        again, host blocks prefetched into the ring in the order the step uses them."""
+        order: list = []
+        seen: set = set()
+        for group, params in work:
+            for p in params:
+                if self.state[p]:
+                    pidx = self._pindex[p]
+                    if pidx not in seen:
+                        seen.add(pidx)
+                        order.append(pidx)
+        for rnd in self._rounds:
+            ps = [t[0] for job in rnd.jobs for t in job.targets] + list(rnd.outputs or ())
+            for p in ps:
+                pidx = self._pindex[p]
+                if pidx not in seen:
+                    seen.add(pidx)
+                    order.append(pidx)
+        keys = [k for pidx in order for k in self._tkeys.get(pidx, ())]
+        self._tiered.prepare(keys)
+        self._tiered.prefetch(keys, reason="step")
+
+    def _finite(self, params: list) -> list:
         by_device: dict = defaultdict(list)
         for i, p in enumerate(params):
             if p.grad.is_sparse:
                 raise RuntimeError("Asteria optimizers do not support sparse gradients")
-            by_device[p.grad.device].append(i)
+            by_device[local(p.grad).device].append(i)
         finite = [True] * len(params)
         for idx in by_device.values():
-            flags = torch.stack([torch.isfinite(params[i].grad).all() for i in idx]).tolist()
+            flags = torch.stack([torch.isfinite(local(params[i].grad)).all()
+                                 for i in idx]).tolist()
             for i, ok in zip(idx, flags):
                 finite[i] = ok
-        for p, ok in zip(params, finite):
-            if not ok:
-                self._counters["nonfinite_skipped"] += 1
-                self._engine.note_nonfinite()
-        return [p for p, ok in zip(params, finite) if ok]
+        return finite
 
     def _adamw(self, group: dict, params: list) -> None:
         if not params:
@@ -310,11 +550,13 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             st = self.state[p]
             if not st:
                 st["step"] = 0
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg"] = torch.zeros_like(local(p), memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(local(p),
+                                                    memory_format=torch.preserve_format)
             st["step"] += 1
         beta1, beta2, eps = self._adamw_hparams(group)
-        F.adamw_step(params, [p.grad.to(p.dtype) for p in params],
+        data = [local(p) for p in params]
+        F.adamw_step(data, [local(p.grad).to(p.dtype) for p in params],
                      [self.state[p]["exp_avg"] for p in params],
                      [self.state[p]["exp_avg_sq"] for p in params],
                      [self.state[p]["step"] for p in params],
@@ -335,27 +577,30 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             if phase == "step":
                 st["step"] += 1
             for j, bshape in enumerate(lay.block_shapes):
-                key = (phase, bshape, p.dtype, p.device, self._batch_tag(p, j))
+                key = (phase, bshape, p.dtype, local(p).device, self._batch_tag(p, j))
                 stacks[key].append((p, j))
         due: list = []
         freq = group["precondition_frequency"]
-        grads = {p: self._layouts[p].blocks(p.grad) for p in params}
-        weights = {p: self._layouts[p].blocks(p) for p in params}
-        for (phase, bshape, dtype, _, _), members in stacks.items():
-            g = torch.stack([grads[p][j] for p, j in members]).to(dtype)
+        grads = {p: self._layouts[p].blocks(local(p.grad)) for p in params}
+        weights = {p: self._layouts[p].blocks(local(p)) for p in params}
+        for (phase, bshape, dtype, _, _), all_members in stacks.items():
             if phase == INIT:
+                members = all_members
+                g = torch.stack([grads[p][j] for p, j in members]).to(dtype)
                 fresh = self._init_blocks(group, members, g)
                 due.extend((INIT, p, j, dims) for p, j, dims in fresh)
                 continue
-            w = torch.stack([weights[p][j] for p, j in members])
-            steps = [self.state[p]["step"] for p, _ in members]
-            self._step_blocks(group, members, w, g, steps)
-            for (p, j), wi in zip(members, w.unbind(0)):
-                self._layouts[p].write(p, j, wi)
-            dims = [i for i, h in enumerate(self._has_factor(bshape, group)) if h]
-            if dims:
-                due.extend((REFRESH, p, j, dims) for (p, j), k in zip(members, steps)
-                           if k % freq == 0)
+            for members in self._chunks(all_members):  # one chunk without a residency
+                g = torch.stack([grads[p][j] for p, j in members]).to(dtype)
+                w = torch.stack([weights[p][j] for p, j in members])
+                steps = [self.state[p]["step"] for p, _ in members]
+                self._step_blocks(group, members, w, g, steps)
+                for (p, j), wi in zip(members, w.unbind(0)):
+                    self._layouts[p].write(local(p), j, wi)
+                dims = [i for i, h in enumerate(self._has_factor(bshape, group)) if h]
+                if dims:
+                    due.extend((REFRESH, p, j, dims) for (p, j), k in zip(members, steps)
+                               if k % freq == 0)
         return due
 
     # ---- the scheduler ------------------------------------------------------------------------
@@ -383,17 +628,31 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         jobs = []
         for (op, _, _, _, pw, eps), entries in groups.items():
             f = torch.stack([e[3] for e in entries])
-            q = None if entries[0][4] is None else torch.stack([e[4] for e in entries])
+            q = None
+            if entries[0][4] is not None:
+                qs = [e[4] for e in entries]
+                if len({x.device for x in qs}) > 1:  # some in host memory, some on the device
+                    qs = [x.cpu() for x in qs]
+                q = torch.stack(qs)
+                del qs
             targets = [(p, j, dim) for p, j, dim, _, _ in entries]
             key = (kind, op, tuple((self._pindex[p], j, dim) for p, j, dim in targets))
             block = self._block_keys.setdefault(key, len(self._block_keys) + 1)
             version = self._versions[block] = self._versions.get(block, 0) + 1
+            extra = {}
+            if self._tiered is not None and all(
+                    self._owned(p, self._output_name(p, j, dim)) for p, j, dim in targets):
+                extra["host_outputs"] = True  # the results go to host memory: no round trip
             ticket = self._engine.submit(op, f, q, block=block, version=version,
                                          deadline=install_step, snapshot_step=self._t,
-                                         p=pw, eps=eps)
+                                         p=pw, eps=eps, **extra)
             self._counters["refreshes_submitted"] += 1
             jobs.append(_Job(ticket, targets))
         return _Round(kind, self._t, install_step, jobs)
+
+    def _output_name(self, p: torch.Tensor, j: int, dim: int) -> str:
+        """The state name a REFRESH output 0 of (block j, dim) is installed into."""
+        return f"b{j}.Q{dim}"
 
     def _install_round(self, rnd: _Round) -> None:
         outputs = rnd.resolve(self._engine)
@@ -418,6 +677,14 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         index = {}
         for p in itertools.chain.from_iterable(g["params"] for g in self.param_groups):
             index.setdefault(p, len(index))
+        if self._tiered is not None:  # roots / eigenbases as the all-device path stores them
+            params = {i: p for p, i in self._pindex.items()}
+            values = self._tiered.materialize(self._tiered.keys())
+            for (pidx, name), value in values.items():
+                i = index[params[pidx]]
+                st = dict(sd["state"][i])
+                st[name] = value
+                sd["state"][i] = st
         for rnd in self._rounds:
             for p, outs in rnd.outputs.items():
                 st = dict(sd["state"][index[p]])
@@ -433,6 +700,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         for rnd in self._rounds:
             rnd.drop(self._engine)
         self._rounds = []
+        if self._tiered is not None:
+            self._tiered.clear()
         dtypes = {i: {k: v.dtype for k, v in st.items() if isinstance(v, torch.Tensor)}
                   for i, st in state_dict["state"].items()}
         super().load_state_dict(state_dict)
@@ -447,6 +716,9 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             # int64 permutations, KL-Shampoo's compute dtype), and never alias the caller's dict
             for k, dt in dtypes.get(i, {}).items():
                 st[k] = st[k].to(dtype=dt, copy=True)
+            if self._tiered is not None:
+                for name in [n for n in st if self._owned(p, n)]:
+                    self._tiered.write(self._key(p, name), st.pop(name))
             if _PENDING_IN not in st:
                 continue
             install_in, age = st.pop(_PENDING_IN), st.pop(_PENDING_AGE)
@@ -461,19 +733,45 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                     REFRESH, self._t - age, self._t + install_in, [], outputs={})
             rnd.outputs[p] = {key: tuple(v[n] for n in sorted(v)) for key, v in outs.items()}
         self._rounds = list(rounds.values())
+        if self._tiered is not None:
+            self._tiered.end_step()  # NVMe-homed blocks go back to NVMe (best effort)
 
     # ---- runtime ------------------------------------------------------------------------------
     def asteria_stats(self) -> dict:
-        """engine.stats() plus this optimizer's counters."""
-        stats = dict(self._engine.stats())
+        """engine.stats() plus this optimizer's counters, optimizer-state bytes per tier (the
+        staging ring counts as device bytes), copy bytes per direction and NVMe bandwidth."""
+        stats = {k: 0 for k in STATS_KEYS}
+        stats["nvme_read_MBps"] = stats["nvme_write_MBps"] = 0.0
+        stats.update(self._engine.stats())
         stats.update(self._counters)
+        dev = 0
+        for st in self.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    dev += v.numel() * v.element_size()
+        stats["bytes_state_device"] = dev
+        stats["bytes_h2d"] = stats.get("bytes_h2d_results", 0)
+        stats["bytes_d2h"] = stats.get("bytes_d2h_snapshots", 0)
+        if self._tiered is not None:
+            ts = self._tiered.stats()
+            h2d, d2h = ts.pop("bytes_h2d"), ts.pop("bytes_d2h")
+            stats.update(ts)
+            stats["bytes_h2d"] += h2d
+            stats["bytes_d2h"] += d2h
+            dev += self._plan.ring_bytes
+        stats["bytes_device"] = dev
         return stats
 
     def close(self) -> None:
-        """Release the engine (workers, buffers). Idempotent; the optimizer cannot step after."""
+        """Release the engine (workers, buffers; the trace file is written now) and the
+        residency. Idempotent; the optimizer cannot step after."""
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        fin = getattr(self, "_finalizer", None)
+        if fin is not None:
+            fin()
+            return
         engine = getattr(self, "_engine", None)
         if engine is not None:
             engine.close()

@@ -78,6 +78,19 @@ class KLShampoo(AsteriaOptimizer):
         for j, shape in enumerate(layout.block_shapes):
             st[f"b{j}.exp_avg"] = torch.zeros(shape, dtype=group["compute_dtype"], device=p.device)
 
+    def _state_spec(self, p, group, layout):
+        dt = group["compute_dtype"]
+        out = []
+        for j, shape in enumerate(layout.block_shapes):
+            out.append((f"b{j}.exp_avg", "moments", shape, dt))
+            for i, has in enumerate(self._has_factor(shape, group)):
+                if has:
+                    d = shape[i]
+                    out += [(f"b{j}.S{i}", "factors", (d, d), dt),
+                            (f"b{j}.s{i}", "factors", (d,), dt),
+                            (f"b{j}.Q{i}", "eigenbases", (d, d), dt)]
+        return out
+
     def _init_blocks(self, group, members, g):
         g = g.to(group["compute_dtype"])
         has = self._has_factor(g.shape[1:], group)
@@ -89,7 +102,7 @@ class KLShampoo(AsteriaOptimizer):
                                             dtype=f.dtype, device=f.device))
             for p, j in members:
                 self.state[p][f"b{j}.s{i}"] = s.clone()
-        return init_bases(self.state, members, factors, "S")
+        return init_bases(self, members, factors, "S")
 
     def _step_blocks(self, group, members, w, g, steps):
         g = g.to(group["compute_dtype"])
@@ -115,8 +128,8 @@ class KLShampoo(AsteriaOptimizer):
         f = st[f"b{j}.S{dim}"]
         if kind == INIT:
             return "eigh", eigh_input(f), None, 0.0, 0.0
-        return "kl_qr", f, st[f"b{j}.Q{dim}"], 0.0, 0.0
+        return "kl_qr", f, self._root_for_job(p, f"b{j}.Q{dim}"), 0.0, 0.0
 
     def _install(self, kind, outputs):
-        install_bases(self.state, outputs)  # lam (s) is kept: the QR refresh only rotates Q
+        install_bases(self, outputs)  # lam (s) is kept: the QR refresh only rotates Q
 

@@ -82,10 +82,25 @@ class Shampoo(AsteriaOptimizer):
                     st[f"b{j}.L{i}"] = torch.zeros(shape[i], shape[i], dtype=p.dtype,
                                                    device=p.device)
 
+    def _state_spec(self, p, group, layout):
+        dt = p.dtype
+        out = []
+        for j, shape in enumerate(layout.block_shapes):
+            out += [(f"b{j}.momentum", "moments", shape, dt),
+                    (f"b{j}.grafting_v", "moments", shape, dt)]
+            for i, has in enumerate(self._has_factor(shape, group)):
+                if has:
+                    out += [(f"b{j}.L{i}", "factors", (shape[i], shape[i]), dt),
+                            (f"b{j}.Linv{i}", "roots", (shape[i], shape[i]), dt)]
+        return out
+
+    def _output_name(self, p, j, dim):
+        return f"b{j}.Linv{dim}"
+
     def _batch_tag(self, p, j):
         st = self.state[p]  # True once every factor of the block has an installed root
         dims = [i for i in range(st[f"b{j}.momentum"].dim()) if f"b{j}.L{i}" in st]
-        return bool(dims) and all(f"b{j}.Linv{i}" in st for i in dims)
+        return bool(dims) and all(self._root_has(p, f"b{j}.Linv{i}") for i in dims)
 
     def _step_blocks(self, group, members, w, g, steps):
         has = self._has_factor(g.shape[1:], group)
@@ -120,7 +135,6 @@ class Shampoo(AsteriaOptimizer):
 
     def _install(self, kind, outputs):
         for p, outs in outputs.items():
-            st = self.state[p]
             for (j, dim), out in outs.items():
                 if out is not None:
-                    st[f"b{j}.Linv{dim}"] = out[0].clone()
+                    self._root_set(p, f"b{j}.Linv{dim}", out[0])

@@ -74,10 +74,22 @@ class SOAP(AsteriaOptimizer):
             st[f"b{j}.exp_avg"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
             st[f"b{j}.exp_avg_sq"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
 
+    def _state_spec(self, p, group, layout):
+        dt = p.dtype
+        out = []
+        for j, shape in enumerate(layout.block_shapes):
+            out += [(f"b{j}.exp_avg", "moments", shape, dt),
+                    (f"b{j}.exp_avg_sq", "moments", shape, dt)]
+            for i, has in enumerate(self._has_factor(shape, group)):
+                if has:
+                    out += [(f"b{j}.GG{i}", "factors", (shape[i], shape[i]), dt),
+                            (f"b{j}.Q{i}", "eigenbases", (shape[i], shape[i]), dt)]
+        return out
+
     def _init_blocks(self, group, members, g):
         has = self._has_factor(g.shape[1:], group)
         factors = F.soap_init(g, has, shampoo_beta=self._shampoo_beta(group))
-        return init_bases(self.state, members, factors, "GG")
+        return init_bases(self, members, factors, "GG")
 
     def _step_blocks(self, group, members, w, g, steps):
         has = self._has_factor(g.shape[1:], group)
@@ -100,46 +112,50 @@ class SOAP(AsteriaOptimizer):
         f = st[f"b{j}.GG{dim}"]
         if kind == INIT:
             return "eigh", eigh_input(f), None, 0.0, 0.0
-        return "soap_qr", f, st[f"b{j}.Q{dim}"], 0.0, 0.0
+        return "soap_qr", f, self._root_for_job(p, f"b{j}.Q{dim}"), 0.0, 0.0
 
     def _install(self, kind, outputs):
         if kind == INIT:
-            install_bases(self.state, outputs)
+            install_bases(self, outputs)
             return
-        for members, has in _stacks_of(self.state, outputs):
-            m, v = self._stack(members, "exp_avg"), self._stack(members, "exp_avg_sq")
-            old = self._stack_dims(members, "Q", has)
-            new, perms = [], []
-            for i, q_old in enumerate(old):
-                if q_old is None:
-                    new.append(None)
-                    perms.append(None)
-                    continue
-                qs, ps = [], []
-                for (p, j), q in zip(members, q_old.unbind(0)):
-                    out = outputs[p].get((j, i))
-                    qs.append(q if out is None else out[0])
-                    ps.append(torch.arange(q.shape[0], device=q.device) if out is None
-                              else out[1].to(q.device))
-                new.append(torch.stack(qs))
-                perms.append(torch.stack(ps))
-            F.soap_install(m, v, old, new, perms)
-            self._unstack(members, "exp_avg", m)
-            self._unstack(members, "exp_avg_sq", v)
-            for i, q in enumerate(new):
-                if q is not None:
-                    self._unstack(members, f"Q{i}", q)
+        for all_members, has in _stacks_of(self, outputs):
+            for members in self._chunks(all_members):
+                self._install_chunk(members, has, outputs)
+
+    def _install_chunk(self, members, has, outputs):
+        m, v = self._stack(members, "exp_avg"), self._stack(members, "exp_avg_sq")
+        old = self._stack_dims(members, "Q", has)
+        new, perms = [], []
+        for i, q_old in enumerate(old):
+            if q_old is None:
+                new.append(None)
+                perms.append(None)
+                continue
+            qs, ps = [], []
+            for (p, j), q in zip(members, q_old.unbind(0)):
+                out = outputs[p].get((j, i))
+                qs.append(q if out is None else out[0].to(q.device))
+                ps.append(torch.arange(q.shape[0], device=q.device) if out is None
+                          else out[1].to(q.device))
+            new.append(torch.stack(qs))
+            perms.append(torch.stack(ps))
+        F.soap_install(m, v, old, new, perms)
+        self._unstack(members, "exp_avg", m)
+        self._unstack(members, "exp_avg_sq", v)
+        for i, q in enumerate(new):
+            if q is not None:
+                self._unstack(members, f"Q{i}", q)
 
 
-def _stacks_of(state, outputs: dict):
+def _stacks_of(opt, outputs: dict):
     """Group the blocks of a round's outputs into stacks of one shape, dtype and factor dims:
     yields (members, has_factor)."""
     stacks: dict = {}
     for p, outs in outputs.items():
-        st = state[p]
+        st = opt.state[p]
         for j in sorted({j for j, _ in outs}):
             ref = st[f"b{j}.exp_avg"]
-            has = tuple(f"b{j}.Q{i}" in st for i in range(ref.dim()))
+            has = tuple(opt._root_has(p, f"b{j}.Q{i}") for i in range(ref.dim()))
             stacks.setdefault((tuple(ref.shape), ref.dtype, ref.device, has), []).append((p, j))
     for (_, _, _, has), members in stacks.items():
         yield members, list(has)

@@ -1,0 +1,458 @@
+"""Helpers shared by the Python benchmarks (bench_step_time.py, gpu_bench.py).
+
+Owns: the run metadata every result file carries (machine, versions, the exact command, date),
+the step-time statistics (percentile, summary), writing JSON (by default to benchmarks/results/),
+PNG plotting through matplotlib's Agg backend, progress lines, CPU pinning of the training thread,
+and the optimizer-state bytes per memory tier.
+May call: the standard library, torch, and (lazily, where present) asteria and matplotlib. Nothing
+here needs numpy or matplotlib at import time: the GPU machine may lack them.
+
+Tiers are those of DESIGN.md ("store"): device, host_pinned, host, uvm, nvme. "device" is the
+memory of the device that trains (on a CPU-only run: host memory, where the parameters live).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from typing import Any, Iterable, Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
+
+TIERS = ("device", "host_pinned", "host", "uvm", "nvme")
+TIER_KEYS = tuple(f"bytes_{t}" for t in TIERS)
+# Runtime counters worth keeping next to the timings when asteria_stats() reports them.
+RUNTIME_COUNTERS = ("workers", "jobs_submitted", "jobs_queued", "jobs_running", "jobs_done",
+                    "jobs_failed", "jobs_superseded", "installs", "max_install_lag",
+                    "barrier_waits", "barrier_wait_ns", "worker_busy_ns", "bytes_registered",
+                    "bytes_h2d", "bytes_d2h", "bytes_nvme_read", "bytes_nvme_written")
+
+
+# ---- metadata ------------------------------------------------------------------------------
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def loadavg() -> Optional[float]:
+    """The 1-minute load average: says whether other processes shared the machine."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def allowed_cpus() -> list[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def cpu_list(cpus: Iterable[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
+
+
+def machine() -> dict[str, Any]:
+    u = platform.uname()
+    out: dict[str, Any] = {
+        "sysname": u.system, "nodename": u.node, "release": u.release, "version": u.version,
+        "machine": u.machine, "cpu_model": cpu_model(), "nproc": os.cpu_count(),
+        "allowed_cpus": cpu_list(allowed_cpus()), "loadavg1": loadavg(),
+    }
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            kb = int(f.readline().split()[1])
+        out["mem_total_bytes"] = kb * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    gpu = gpu_info()
+    if gpu:
+        out["gpu"] = gpu
+    return out
+
+
+def gpu_info() -> Optional[dict[str, Any]]:
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    i = torch.cuda.current_device()
+    p = torch.cuda.get_device_properties(i)
+    return {"name": p.name, "count": torch.cuda.device_count(),
+            "capability": f"{p.major}.{p.minor}", "total_memory_bytes": p.total_memory,
+            "multiprocessors": p.multi_processor_count}
+
+
+def _dist_version(name: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def git_commit() -> Optional[str]:
+    """HEAD of the checkout (read-only query); None outside a git checkout."""
+    try:
+        r = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
+                           text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (r.stdout.strip() or None) if r.returncode == 0 else None
+
+
+def versions() -> dict[str, Any]:
+    out: dict[str, Any] = {"python": platform.python_version(),
+                           "python_implementation": platform.python_implementation()}
+    try:
+        import torch
+
+        out["torch"] = torch.__version__
+        out["torch_cuda"] = torch.version.cuda
+        out["cudnn"] = torch.backends.cudnn.version() if torch.cuda.is_available() else None
+    except ImportError:
+        out["torch"] = None
+    try:
+        import asteria
+
+        out["asteria"] = asteria.__version__
+        out["asteria_path"] = os.path.dirname(os.path.abspath(asteria.__file__))
+    except ImportError as e:
+        out["asteria"] = None
+        out["asteria_import_error"] = str(e)
+    for name in ("numpy", "matplotlib"):
+        out[name] = _dist_version(name)
+    out["git_commit"] = git_commit()
+    return out
+
+
+def command_line(script: str, argv: Optional[Sequence[str]]) -> str:
+    """The command that reproduces this run: the interpreter, the script, its arguments."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return shlex.join([os.path.basename(sys.executable) or "python3",
+                       os.path.relpath(os.path.abspath(script), os.getcwd())] + args)
+
+
+def run_metadata(benchmark: str, script: str, argv: Optional[Sequence[str]]) -> dict[str, Any]:
+    return {
+        "benchmark": benchmark,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": command_line(script, argv),
+        "cwd": os.getcwd(),
+        "machine": machine(),
+        "versions": versions(),
+    }
+
+
+# ---- statistics ----------------------------------------------------------------------------
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    """The q-th percentile (0 <= q <= 100), linear interpolation between closest ranks (numpy's
+    default), so p99 of a short run lies between its two largest samples."""
+    if not xs:
+        raise ValueError("percentile of an empty sequence")
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    s = sorted(xs)
+    pos = (len(s) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def summarize_ms(times_s: Sequence[float]) -> dict[str, Any]:
+    """median / p99 / max (and friends) of step times given in seconds, reported in ms."""
+    ms = [1e3 * t for t in times_s]
+    med = percentile(ms, 50)
+    p99 = percentile(ms, 99)
+    mx = max(ms)
+    return {"n": len(ms), "median_ms": med, "p99_ms": p99, "max_ms": mx, "min_ms": min(ms),
+            "mean_ms": sum(ms) / len(ms), "p90_ms": percentile(ms, 90),
+            "p99_over_median": p99 / med if med > 0 else None,
+            "max_over_median": mx / med if med > 0 else None}
+
+
+# ---- output --------------------------------------------------------------------------------
+
+def write_json(data: dict, name: str, out_dir: Optional[str] = None) -> str:
+    """Write ``data`` as ``out_dir/name`` (default benchmarks/results/), atomically."""
+    out_dir = out_dir or RESULTS_DIR
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, allow_nan=False, default=_json_default)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _json_default(x: Any) -> Any:
+    if hasattr(x, "item"):  # torch / numpy scalars
+        return x.item()
+    if isinstance(x, (set, tuple)):
+        return list(x)
+    return str(x)
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display). Raises ImportError if absent."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+class Progress:
+    """Progress lines on stdout, flushed, prefixed with the seconds since the start."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.t0 = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def __call__(self, msg: str) -> None:
+        print(f"[{self.name} {self.elapsed():6.1f}s] {msg}", flush=True)
+
+
+# ---- CPU placement -------------------------------------------------------------------------
+
+def split_cores() -> tuple[Optional[int], list[int]]:
+    """(core for the training thread, cores for the worker pool): the first allowed CPU trains,
+    the rest compute. (None, all) when there is a single CPU."""
+    cpus = allowed_cpus()
+    if len(cpus) < 2:
+        return None, cpus
+    return cpus[0], cpus[1:]
+
+
+def pin_thread(cpus: Optional[Iterable[int]]) -> None:
+    """Bind the calling thread (only it: Linux applies pid 0 to the caller) to ``cpus``."""
+    if cpus is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, set(cpus))
+
+
+@contextlib.contextmanager
+def unpinned(all_cpus: Sequence[int]):
+    """Run the body with the calling thread on every allowed CPU, then restore its mask. Threads
+    started in the body (the worker pool) inherit the wide mask, not the training core."""
+    if not hasattr(os, "sched_getaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, set(all_cpus))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def thread_affinities(prefix: str = "ast-pool") -> list[dict[str, str]]:
+    """Name and allowed CPUs of this process's threads whose name starts with ``prefix`` (the C
+    pool names its workers ast-pool-<i>): shows where the workers really ran."""
+    out = []
+    base = "/proc/self/task"
+    try:
+        tids = os.listdir(base)
+    except OSError:
+        return out
+    for tid in sorted(tids, key=int):
+        try:
+            with open(f"{base}/{tid}/comm", encoding="utf-8") as f:
+                name = f.read().strip()
+            if not name.startswith(prefix):
+                continue
+            allowed = ""
+            with open(f"{base}/{tid}/status", encoding="utf-8") as f:
+                for line in f:
+                    if line.startswith("Cpus_allowed_list:"):
+                        allowed = line.split(":", 1)[1].strip()
+            out.append({"name": name, "cpus_allowed": allowed})
+        except OSError:
+            continue
+    return out
+
+
+# ---- optimizer state per tier ----------------------------------------------------------------
+
+def _state_tensors(optimizer) -> Iterable:
+    import torch
+
+    for st in optimizer.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                yield v
+
+
+def state_scan_bytes(optimizer, train_device) -> dict[str, int]:
+    """Bytes per tier of the tensors in ``optimizer.state``, each storage counted once, by where
+    each lives: on the training device -> device; pinned host memory -> host_pinned; other host
+    memory -> host. (A fallback: it cannot see UVM, NVMe or the runtime's own buffers.)"""
+    import torch
+
+    train_type = torch.device(train_device).type
+    seen: set = set()
+    out = {t: 0 for t in TIERS}
+    for t in _state_tensors(optimizer):
+        storage = t.untyped_storage()
+        key = (t.device, storage.data_ptr())
+        if storage.data_ptr() and key in seen:
+            continue
+        seen.add(key)
+        nbytes = storage.nbytes()
+        if t.device.type == train_type:
+            out["device"] += nbytes
+        elif t.device.type == "cpu":
+            pinned = False
+            try:
+                pinned = t.is_pinned()
+            except RuntimeError:  # no accelerator runtime to ask
+                pass
+            out["host_pinned" if pinned else "host"] += nbytes
+        else:
+            out["device"] += nbytes
+    return out
+
+
+def runtime_stats(optimizer) -> dict[str, Any]:
+    """``optimizer.asteria_stats()`` (scalars only), or {} for a plain torch optimizer."""
+    fn = getattr(optimizer, "asteria_stats", None)
+    if fn is None:
+        return {}
+    return {k: v for k, v in fn().items() if isinstance(v, (int, float, str, bool)) or v is None}
+
+
+def tier_bytes(optimizer, train_device, stats: Optional[dict] = None) -> dict[str, Any]:
+    """Optimizer-state bytes per tier. Prefers asteria_stats()'s bytes_<tier> keys (the
+    runtime's own accounting, which sees its staging rings and NVMe files) when it reports all
+    of them; else the scan of optimizer.state. Both are returned, with the source used."""
+    stats = runtime_stats(optimizer) if stats is None else stats
+    scan = state_scan_bytes(optimizer, train_device)
+    if all(k in stats for k in TIER_KEYS):
+        tiers = {t: int(stats[f"bytes_{t}"]) for t in TIERS}
+        source = "asteria_stats"
+    else:
+        tiers = dict(scan)
+        source = "optimizer.state"
+    return {"tiers": tiers, "source": source, "total": sum(tiers.values()), "state_scan": scan}
+
+
+def pick_runtime_counters(stats: dict) -> dict[str, Any]:
+    return {k: stats[k] for k in RUNTIME_COUNTERS if k in stats}
+
+
+# ---- the timed training loop -------------------------------------------------------------------
+
+def device_sync(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def attach_if_available(model, optimizer) -> dict[str, Any]:
+    """``asteria.attach(model, optimizer)`` where this asteria has it (the staging hooks);
+    returns what happened, for the result file. A failing attach is recorded, not fatal."""
+    try:
+        import asteria
+    except ImportError:
+        return {"available": False}
+    if not hasattr(asteria, "attach"):
+        return {"available": False}
+    try:
+        asteria.attach(model, optimizer)
+    except Exception as e:  # an API still in flux must not sink the whole measurement
+        return {"available": True, "attached": False, "error": f"{type(e).__name__}: {e}"}
+    return {"available": True, "attached": True}
+
+
+def train_steps(model, optimizer, batch, steps: int, device, *, autocast_dtype=None,
+                budget_s: Optional[float] = None, log=None, log_every: int = 25,
+                label: str = "", on_step=None) -> dict[str, Any]:
+    """Run up to ``steps`` training steps, ``batch(i)`` giving step i's (x, y) on ``device``.
+    Times every step (zero_grad + forward + backward + optimizer.step, device synchronised
+    around it) and the optimizer step alone. Stops early, after a whole step, once ``budget_s``
+    seconds have passed. Between steps (outside the timed region) it samples the runtime's
+    registered host buffers, whose peak the end-of-run stats would miss. ``on_step(i, step_s,
+    opt_s, loss)`` is called after each step (outside the timed region)."""
+    import torch
+
+    step_s: list[float] = []
+    opt_s: list[float] = []
+    losses: list[float] = []
+    peak_registered = 0
+    stats_fn = getattr(optimizer, "asteria_stats", None)
+    t_start = time.perf_counter()
+    stopped_early = False
+    for i in range(steps):
+        x, y = batch(i)
+        device_sync(device)
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        if autocast_dtype is not None:
+            with torch.autocast(device_type=torch.device(device).type, dtype=autocast_dtype):
+                loss = model(x, y)
+        else:
+            loss = model(x, y)
+        loss.backward()
+        device_sync(device)
+        t1 = time.perf_counter()
+        optimizer.step()
+        device_sync(device)
+        t2 = time.perf_counter()
+        step_s.append(t2 - t0)
+        opt_s.append(t2 - t1)
+        losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step(i, step_s[-1], opt_s[-1], losses[-1])
+        if stats_fn is not None:
+            peak_registered = max(peak_registered, int(stats_fn().get("bytes_registered", 0)))
+        if log is not None and ((i + 1) % log_every == 0 or i + 1 == steps):
+            recent = losses[-log_every:]
+            log(f"{label:>10} step {i + 1:4d}/{steps}  loss {sum(recent) / len(recent):.4f}  "
+                f"step {1e3 * step_s[-1]:8.1f} ms  (opt {1e3 * opt_s[-1]:8.1f} ms)")
+        if budget_s is not None and time.perf_counter() - t_start > budget_s and i + 1 < steps:
+            stopped_early = True
+            if log is not None:
+                log(f"{label:>10} time budget {budget_s:.0f} s spent after {i + 1} steps: stop")
+            break
+    return {"step_s": step_s, "opt_s": opt_s, "losses": losses,
+            "wall_s": time.perf_counter() - t_start, "stopped_early": stopped_early,
+            "peak_bytes_registered": peak_registered}
+
+
+def measured(xs: Sequence[float], warmup: int) -> list[float]:
+    """The samples after the warm-up; if a run stopped inside its warm-up, all but the first
+    step (which holds one-off set-up), so a cut-short run still reports something."""
+    xs = list(xs)
+    if len(xs) > warmup:
+        return xs[warmup:]
+    return xs[1:] or xs
+
+
+def final_loss(losses: Sequence[float], last: int = 10) -> float:
+    """Mean of the last ``last`` training losses, so one noisy batch does not decide."""
+    tail = list(losses[-last:])
+    return sum(tail) / len(tail)

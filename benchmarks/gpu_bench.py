@@ -1,0 +1,422 @@
+"""GPU benchmark: native sync SOAP vs Asteria async SOAP (S=5) vs AdamW on a ~150M-param GPT.
+
+One run measures, per optimizer on the same model, seed and batches (Tiny Shakespeare, context
+512): step-time median / p99 / max (device synchronised around each step), peak device memory
+(torch.cuda.max_memory_allocated; every optimizer runs in its own fresh process, so peaks do not
+carry over) and optimizer-state bytes per tier (asteria_stats() where it has them, else a scan of
+optimizer.state; the JSON says which). Made to finish inside a fixed time: each optimizer gets a
+time budget and stops after the step that spends it; a child that overruns its budget by more than
+a grace period is killed and its streamed steps are kept; the whole run has a deadline too, and an
+optimizer that no longer fits is recorded as skipped.
+
+Defaults: GPT d=1024, 12 layers, 16 heads (~150M params), bf16 autocast, batch 16 x 512,
+precondition_frequency 10, S=5, max_precond_dim 1024 for both SOAPs: the 4096- and 3072-wide
+factors of the MLP and QKV weights get no factor. The C pool runs one batched job per factor size
+on one worker, and the first-step eigendecomposition of 24 4096-wide factors alone would take
+minutes there (--max-precond-dim 10000 measures the full thing, given the time).
+
+    python3 benchmarks/gpu_bench.py                     # on the GPU machine (tests/gpu/run.sh)
+    python3 benchmarks/gpu_bench.py --smoke             # tiny model, any device: tests the logic
+
+Writes $OUT/gpu_bench.json when OUT is set, else benchmarks/results/gpu_bench.json (--out wins),
+and a PNG next to it when matplotlib is there. Exits 77 without a GPU unless --smoke.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+import common  # noqa: E402
+from tinygpt import CharData, GPTConfig, TinyGPT, n_params  # noqa: E402
+
+NAME = "gpu_bench"
+RUNS = ("soap-sync", "soap-async", "adamw")
+SKIP = 77
+CHILD_START_S = 15.0   # import torch, CUDA context, corpus, model: before the budget starts
+CHILD_GRACE_S = 45.0   # one step past the budget (an async barrier can be long) + teardown
+MIN_RUN_S = 20.0       # budget below which an optimizer is skipped rather than started
+
+
+def asteria_or_error() -> tuple[Any, Optional[str]]:
+    try:
+        import asteria
+        import asteria._C  # noqa: F401  (the optimizers validate their config through it)
+    except Exception as e:  # ImportError, or a broken build's OSError
+        return None, f"{type(e).__name__}: {e}"
+    return asteria, None
+
+
+def make_optimizer(name: str, params, args):
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    asteria, err = asteria_or_error()
+    if asteria is None:
+        raise RuntimeError(f"asteria is not importable: {err}")
+    return asteria.SOAP(params, lr=args.lr, precondition_frequency=args.frequency,
+                        max_precond_dim=args.max_precond_dim, block_size=args.block_size,
+                        runtime=runtime_of(name, args))
+
+
+def runtime_of(name: str, args) -> Optional[dict[str, Any]]:
+    if name == "soap-sync":
+        return {"mode": "sync"}
+    if name == "soap-async":
+        rt: dict[str, Any] = {"mode": "async", "staleness": args.staleness,
+                              "install": "deterministic"}
+        if args.workers is not None:
+            rt["workers"] = args.workers
+        return rt
+    return None
+
+
+def gpt_config(args, vocab: int) -> GPTConfig:
+    return GPTConfig(vocab=vocab, block=args.seq, d=args.d, layers=args.layers, heads=args.heads)
+
+
+# ---- child: one optimizer, one process -------------------------------------------------------
+
+def child(args) -> int:
+    """Train under one optimizer; stream every step to args.child_out (JSON lines), then a
+    final "result" line."""
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = open(args.child_out, "a", encoding="utf-8")
+
+    def emit(rec: dict) -> None:
+        out.write(json.dumps(rec, default=str) + "\n")
+        out.flush()
+
+    log = common.Progress(args.child)
+    torch.manual_seed(args.seed)
+    data = CharData(block=args.seq)
+    cfg = gpt_config(args, data.vocab)
+    gen = torch.Generator().manual_seed(args.seed)
+    batches: list = []
+
+    def batch(i: int):
+        while len(batches) <= i:  # same batches in every child: one generator, in order
+            batches.append(tuple(t.to(device, non_blocking=True)
+                                 for t in data.batch("train", args.batch, gen)))
+        return batches[i]
+
+    model = TinyGPT(cfg).to(device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    mem_params = torch.cuda.memory_allocated(device) if cuda else None
+    opt = make_optimizer(args.child, model.parameters(), args)
+    attach = common.attach_if_available(model, opt) if args.child != "adamw" else None
+    dtype = {"bf16": torch.bfloat16, "fp32": None}[args.dtype]
+    log(f"{n_params(model) / 1e6:.1f}M params on {device}; budget {args.budget_s:.0f} s, "
+        f"at most {args.steps} steps")
+    emit({"type": "start", "params": n_params(model), "memory_params_bytes": mem_params,
+          "attach": attach})
+
+    def on_step(i, step_s, opt_s, loss):
+        emit({"type": "step", "i": i, "step_ms": 1e3 * step_s, "opt_ms": 1e3 * opt_s,
+              "loss": loss})
+
+    res = common.train_steps(model, opt, batch, args.steps, device, autocast_dtype=dtype,
+                             budget_s=args.budget_s, log=log, log_every=args.log_every,
+                             label=args.child, on_step=on_step)
+    stats = common.runtime_stats(opt)
+    rec = {"type": "result", "stopped_early": res["stopped_early"], "wall_s": res["wall_s"],
+           "bytes_per_tier": common.tier_bytes(opt, device, stats),
+           "runtime_counters": common.pick_runtime_counters(stats), "asteria_stats": stats,
+           "peak_bytes_registered": res["peak_bytes_registered"]}
+    if cuda:
+        torch.cuda.synchronize()
+        rec["peak_device_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+        rec["peak_device_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    if hasattr(opt, "close"):
+        opt.close()
+    emit(rec)
+    out.close()
+    del model, opt
+    gc.collect()
+    return 0
+
+
+# ---- parent: the run -------------------------------------------------------------------------
+
+def read_child(path: str) -> dict[str, Any]:
+    start, steps, result = {}, [], None
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:  # a line cut by a kill
+                    continue
+                kind = rec.pop("type", None)
+                if kind == "start":
+                    start = rec
+                elif kind == "step":
+                    steps.append(rec)
+                elif kind == "result":
+                    result = rec
+    except OSError:
+        pass
+    return {"start": start, "steps": steps, "result": result}
+
+
+def run_child(name: str, args, argv: Sequence[str], budget: float, hard_limit: float,
+              tmpdir: str, log: common.Progress) -> dict[str, Any]:
+    path = os.path.join(tmpdir, f"{name}.jsonl")
+    if os.path.exists(path):
+        os.remove(path)
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--device", args.device,
+           "--child", name, "--child-out", path, "--budget-s", f"{budget:.1f}"]
+    limit = min(budget + CHILD_START_S + CHILD_GRACE_S, hard_limit)
+    log(f"run {name}: budget {budget:.0f} s (killed after {limit:.0f} s)")
+    t0 = time.perf_counter()
+    # Same process group: a global `timeout` around this script reaches the child too.
+    proc = subprocess.Popen(cmd)
+    timed_out = False
+    try:
+        rc = proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        proc.kill()  # the child starts no processes of its own, only threads
+        rc = proc.wait()
+        log(f"run {name}: killed after {limit:.0f} s; keeping the steps it streamed")
+    got = read_child(path)
+    steps = got["steps"]
+    out: dict[str, Any] = {"optimizer": name, "runtime": runtime_of(name, args),
+                           "returncode": rc, "timed_out": timed_out,
+                           "process_wall_s": time.perf_counter() - t0,
+                           "steps_run": len(steps), **got["start"]}
+    if got["result"] is not None:
+        out.update(got["result"])
+    elif not timed_out:
+        out["error"] = f"child exited {rc} without a result"
+    if steps:
+        ms = [s["step_ms"] for s in steps]
+        kept = common.measured(ms, args.warmup)
+        out["summary"] = common.summarize_ms([t / 1e3 for t in kept])
+        out["opt_step_summary"] = common.summarize_ms(
+            [t / 1e3 for t in common.measured([s["opt_ms"] for s in steps], args.warmup)])
+        out["warmup_excluded"] = len(ms) - len(kept)
+        out["final_loss"] = common.final_loss([s["loss"] for s in steps])
+        out["step_ms"] = ms
+        out["opt_step_ms"] = [s["opt_ms"] for s in steps]
+        out["losses"] = [s["loss"] for s in steps]
+    return out
+
+
+def comparisons(results: dict[str, dict]) -> dict[str, Any]:
+    """Async / sync ratios of the headline numbers (None where a side is missing)."""
+    a, n = results.get("soap-async"), results.get("soap-sync")
+
+    def ratio(get):
+        try:
+            x, y = get(a), get(n)
+        except (KeyError, TypeError):
+            return None
+        return x / y if x is not None and y else None
+
+    out = {f"async_over_sync_{k}": ratio(lambda r, k=k: r["summary"][k])
+           for k in ("median_ms", "p99_ms", "max_ms")}
+    out["async_over_sync_peak_device_memory"] = ratio(lambda r: r["peak_device_memory_bytes"])
+    out["async_over_sync_device_state_bytes"] = ratio(
+        lambda r: r["bytes_per_tier"]["tiers"]["device"])
+    for name, r in (("soap-async", a), ("soap-sync", n)):
+        if r and "summary" in r:
+            out[f"{name}_p99_over_median"] = r["summary"]["p99_over_median"]
+            out[f"{name}_max_over_median"] = r["summary"]["max_over_median"]
+    return out
+
+
+def plot(data: dict, path: str) -> None:
+    plt = common.pyplot()
+    runs = [r for r in data["results"] if r.get("step_ms")]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [2.2, 1]})
+    for r in runs:
+        a.plot(range(1, len(r["step_ms"]) + 1), r["step_ms"], lw=1.1, label=r["optimizer"])
+    a.set(xlabel="step", ylabel="step time (ms, log)", yscale="log", title="Step time vs step")
+    a.grid(True, which="both", alpha=0.3)
+    a.legend(fontsize=8)
+    names = [r["optimizer"] for r in runs]
+    peak = [r.get("peak_device_memory_bytes", 0) / 2**30 for r in runs]
+    state = [r.get("bytes_per_tier", {}).get("tiers", {}).get("device", 0) / 2**30 for r in runs]
+    xs = range(len(runs))
+    b.bar([x - 0.2 for x in xs], peak, 0.4, label="peak device memory")
+    b.bar([x + 0.2 for x in xs], state, 0.4, label="optimizer state on device")
+    b.set_xticks(list(xs), names)
+    b.set(ylabel="GiB", title="Device memory")
+    b.legend(fontsize=8)
+    fig.suptitle(f"{data['model']['params'] / 1e6:.0f}M-param GPT, {data['settings']['device']}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: Optional[Sequence[str]]):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny model, few steps, f=4, S=2: tests the logic on any device")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if there is one)")
+    ap.add_argument("--d", type=int, default=None)
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--heads", type=int, default=None)
+    ap.add_argument("--seq", type=int, default=None, help="context length")
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
+                    help="autocast dtype of forward/backward (default bf16 on cuda, fp32 on cpu)")
+    ap.add_argument("--steps", type=int, default=None, help="most steps per optimizer")
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--budget-s", type=float, default=None, help="seconds per optimizer")
+    ap.add_argument("--total-budget-s", type=float, default=None,
+                    help="deadline for the whole run (children included)")
+    ap.add_argument("--frequency", type=int, default=None)
+    ap.add_argument("--staleness", type=int, default=None)
+    ap.add_argument("--max-precond-dim", type=int, default=None)
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--workers", type=int, default=None,
+                    help="Asteria workers (default: the cores training does not use)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: torch's own; --smoke 1)")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--runs", default=",".join(RUNS))
+    ap.add_argument("--log-every", type=int, default=None)
+    ap.add_argument("--out", default=None, help="JSON path (default $OUT/gpu_bench.json or "
+                                                "benchmarks/results/gpu_bench.json)")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--child", choices=RUNS, help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    s = args.smoke
+    defaults = dict(d=64 if s else 1024, layers=2 if s else 12, heads=2 if s else 16,
+                    seq=64 if s else 512, batch=4 if s else 16, steps=14 if s else 400,
+                    warmup=3 if s else 5, budget_s=15.0 if s else 50.0,
+                    total_budget_s=150.0 if s else 210.0, frequency=4 if s else 10,
+                    staleness=2 if s else 5, max_precond_dim=10000 if s else 1024,
+                    log_every=4 if s else 10, threads=1 if s else None)
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.dtype is None:
+        args.dtype = "bf16" if args.device.startswith("cuda") else "fp32"
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    for r in runs:
+        if r not in RUNS:
+            ap.error(f"unknown run {r!r}; allowed: {', '.join(RUNS)}")
+    args.runs = runs
+    if not 0 <= args.staleness <= args.frequency:
+        ap.error("need 0 <= --staleness <= --frequency")
+    return args
+
+
+def default_out(smoke: bool) -> str:
+    if os.environ.get("OUT"):
+        return os.path.join(os.environ["OUT"], f"{NAME}_smoke.json" if smoke else f"{NAME}.json")
+    if smoke:
+        return os.path.join(common.RESULTS_DIR, "tmp", f"{NAME}_smoke.json")
+    return os.path.join(common.RESULTS_DIR, f"{NAME}.json")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.child:
+        return child(args)
+    log = common.Progress(NAME)
+    t_start = time.perf_counter()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"{NAME}: no GPU (torch {torch.__version__} sees no CUDA device); skip "
+              f"(use --smoke to test the logic on CPU)", flush=True)
+        return SKIP
+    meta = common.run_metadata(NAME, __file__, argv)
+    out_path = args.out or default_out(args.smoke)
+    out_dir = os.path.dirname(os.path.abspath(out_path))
+    tmpdir = os.path.join(out_dir, f".{NAME}_steps")
+    os.makedirs(tmpdir, exist_ok=True)
+    _, asteria_err = asteria_or_error()
+    child_argv = [a for a in argv if a not in ("--no-plot",)]
+    cfg = gpt_config(args, 65)
+    log(f"GPT d={args.d} layers={args.layers} heads={args.heads} seq={args.seq} batch="
+        f"{args.batch} ({n_params(TinyGPT(cfg)) / 1e6:.1f}M params), {args.dtype}, device "
+        f"{args.device}; f={args.frequency} S={args.staleness} max_precond_dim="
+        f"{args.max_precond_dim}; budget {args.budget_s:.0f} s per optimizer, "
+        f"{args.total_budget_s:.0f} s in all")
+    results = []
+    for i, name in enumerate(args.runs):
+        if name != "adamw" and asteria_err:
+            log(f"skip {name}: asteria is not importable ({asteria_err})")
+            results.append({"optimizer": name, "skipped": f"asteria not importable: {asteria_err}"})
+            continue
+        left = args.total_budget_s - (time.perf_counter() - t_start)
+        # share what is left among the runs still to come; no child outlives the deadline
+        budget = min(args.budget_s, left / (len(args.runs) - i) - CHILD_START_S)
+        if budget < min(MIN_RUN_S, args.budget_s):
+            log(f"skip {name}: {left:.0f} s left in the total budget")
+            results.append({"optimizer": name, "skipped": f"total time budget spent "
+                                                          f"({left:.0f} s left)"})
+            continue
+        results.append(run_child(name, args, child_argv, budget, left, tmpdir, log))
+    by_name = {r["optimizer"]: r for r in results}
+    meta["machine"]["loadavg1_end"] = common.loadavg()
+    data = {
+        **meta,
+        "settings": {k: getattr(args, k) for k in (
+            "smoke", "device", "dtype", "d", "layers", "heads", "seq", "batch", "steps", "warmup",
+            "budget_s", "total_budget_s", "frequency", "staleness", "max_precond_dim",
+            "block_size", "workers", "threads", "lr", "seed", "runs")},
+        "model": {"name": "TinyGPT (examples/tinygpt.py)", "params": n_params(TinyGPT(cfg)),
+                  "vocab": 65, "corpus": "Tiny Shakespeare (bundled), characters"},
+        "asteria_import_error": asteria_err,
+        "comparisons": comparisons(by_name),
+        "results": results,
+        "wall_s": time.perf_counter() - t_start,
+    }
+    data["settings"]["timed_region"] = "zero_grad + forward + backward + optimizer.step, synced"
+    path = common.write_json(data, os.path.basename(out_path), out_dir)
+    print()
+    hdr = (f"{'optimizer':<12}{'steps':>6}{'median ms':>11}{'p99 ms':>10}{'max ms':>10}"
+           f"{'peak GiB':>10}{'dev state GiB':>15}{'host state GiB':>16}  note")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in results:
+        s = r.get("summary")
+        if s is None:
+            print(f"{r['optimizer']:<12}  {r.get('skipped') or r.get('error') or 'no steps'}")
+            continue
+        t = r.get("bytes_per_tier", {}).get("tiers", {})
+        host = sum(t.get(k, 0) for k in ("host", "host_pinned", "uvm"))
+        note = "killed" if r.get("timed_out") else "budget" if r.get("stopped_early") else ""
+        print(f"{r['optimizer']:<12}{r['steps_run']:>6}{s['median_ms']:>11.1f}{s['p99_ms']:>10.1f}"
+              f"{s['max_ms']:>10.1f}{r.get('peak_device_memory_bytes', 0) / 2**30:>10.2f}"
+              f"{t.get('device', 0) / 2**30:>15.3f}{host / 2**30:>16.3f}  {note}")
+    if not args.no_plot:
+        png = os.path.splitext(path)[0] + ".png"
+        try:
+            plot(data, png)
+            log(f"wrote {png}")
+        except ImportError as e:
+            log(f"no plot (matplotlib missing: {e})")
+    log(f"wrote {path}")
+    ok = all("summary" in r or "skipped" in r for r in results)
+    ran = any("summary" in r for r in results)
+    return 0 if ok and ran else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,315 @@
+"""The placement planner: which memory tier each piece of optimizer state lives in.
+
+Owns: the ``Plan`` of one optimizer and the rules that make it (DESIGN.md, "Tiered state").
+May call: torch, ``asteria._C`` (only to probe what the machine offers). No optimizer state.
+
+State kinds and their life cycle
+ - ``factors`` (Kronecker factors L, R / S_a, S_b, and KL-Shampoo's scales s) and ``moments``
+   (Adam / momentum buffers) are read and written every step: they stay on the parameter's
+   device. Nothing else is possible for them in either mode (the step computes there).
+ - ``roots`` (Shampoo's Linv, Rinv) and ``eigenbases`` (SOAP's Q_L, Q_R, KL-Shampoo's Q_a, Q_b)
+   are written once per refresh and read every step: in ``mode="async"`` they live in host
+   memory and reach the step through the device staging ring (``asteria.tiered``).
+
+Rules (``mode="async"``)
+ 1. factors and moments: "device". Their bytes must fit ``device_budget_bytes`` (else
+    ValueError naming the key).
+ 2. roots / eigenbases under ``placement="auto"``: the host tier of their parameter's device:
+    "uvm" where the CUDA device reports coherent host access to managed memory (probed through
+    the store, never assumed), else "host_pinned" for a CUDA parameter, else "host". An
+    explicit tier in a placement dict replaces that preference; an impossible one raises
+    ValueError naming the key, the reason and the allowed tiers.
+ 3. device budget: roots / eigenbases placed on "device" (explicitly) are kept there in
+    parameter order while ``device_budget_bytes`` allows, the rest spill to the host tier
+    (roots -> host first). Whenever any block is host-resident, the staging ring is carved out
+    of the budget too: it gets min(64 MiB, the bytes of all staged blocks, the headroom) and
+    at least one preconditioner block's matrices (``ring_min``); the step streams stacks
+    through it in chunks that fit.
+ 4. host budget: host-resident blocks fill ``host_budget_bytes`` in parameter order; the
+    remaining ones (the LAST parameters: they are prefetched first in backward, so their
+    NVMe read has the most time) go to "nvme". Exceeding it without ``nvme_dir`` is a
+    ValueError. Explicit "nvme" places every block of that kind on NVMe.
+``mode="sync"`` is the native reference: everything on the parameter's device; a placement
+dict naming another tier is a ValueError, budgets are reported but not enforced.
+Every decision is written to ``Plan.decisions`` in plain words.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+from asteria.config import PLACEMENT_KINDS
+
+log = logging.getLogger("asteria")
+
+DEVICE_KINDS = ("factors", "moments")        # updated every step on the parameter's device
+TIERED_KINDS = ("roots", "eigenbases")       # written per refresh, read every step
+HOST_TIERS = ("host", "host_pinned", "uvm")  # host-addressable store tiers
+RING_ALIGN = 256                             # AST_SHADOW_ALIGN
+RING_DEFAULT = 64 << 20
+SNAPSHOT_RING_DEFAULT = 64 << 20
+
+
+def align(n: int) -> int:
+    return (n + RING_ALIGN - 1) // RING_ALIGN * RING_ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class StateEntry:
+    """One tensor of optimizer state, as the planner sees it."""
+
+    pidx: int                 # the parameter's stable index
+    name: str                 # its key in the parameter's state ("b0.Q1")
+    kind: str                 # one of PLACEMENT_KINDS
+    nbytes: int
+    device: torch.device      # the parameter's device
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return (self.pidx, self.name)
+
+
+@dataclasses.dataclass
+class Capabilities:
+    """What this machine offers, probed (not assumed)."""
+
+    cuda: bool
+    pinned: bool
+    pinned_reason: str
+    uvm: bool
+    uvm_reason: str
+
+    @classmethod
+    def probe(cls, need_cuda: bool) -> "Capabilities":
+        from asteria import _C
+
+        cuda = bool(torch.cuda.is_available() and _C.HAVE_CUDA)
+        if not need_cuda:
+            why = "the parameters are not on a CUDA device"
+            return cls(cuda, False, why, False, why)
+        ok = {}
+        with _C.Store() as store:
+            for tier in ("host_pinned", "uvm"):
+                try:
+                    store.free(store.alloc(tier, 4096))
+                    ok[tier] = (True, "")
+                except Exception as exc:  # the store says why (no device, no coherence)
+                    ok[tier] = (False, str(exc))
+        return cls(cuda, ok["host_pinned"][0], ok["host_pinned"][1], ok["uvm"][0],
+                   ok["uvm"][1])
+
+
+@dataclasses.dataclass
+class Plan:
+    mode: str
+    tiers: dict                 # kind -> the tier asked for (after "auto" resolution)
+    block_tier: dict            # (pidx, name) -> tier, for roots / eigenbases blocks
+    ring_bytes: int             # device staging ring (0: nothing staged)
+    ring_min: int               # the largest (parameter, block)'s staged bytes (aligned)
+    snapshot_ring_bytes: int
+    device_budget: Optional[int]
+    host_budget: Optional[int]
+    decisions: list = dataclasses.field(default_factory=list)
+    planned_bytes: dict = dataclasses.field(default_factory=dict)  # tier -> bytes
+    cuda: bool = False          # some parameter is on a CUDA device
+
+    def tier(self, key) -> str:
+        return self.block_tier.get(key, "device")
+
+    @property
+    def tiered(self) -> bool:
+        return any(t != "device" for t in self.block_tier.values())
+
+    def log(self) -> None:
+        for line in self.decisions:
+            log.info("asteria plan: %s", line)
+
+
+def _mib(n: int) -> str:
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.1f} MiB"
+    if n >= 1 << 10:
+        return f"{n / (1 << 10):.1f} KiB"
+    return f"{n} B"
+
+
+def _check_explicit(kind: str, tier: str, mode: str, caps: Capabilities,
+                    nvme_dir: Any) -> None:
+    def bad(why: str, allowed: Sequence[str]) -> None:
+        raise ValueError(f"runtime key 'placement': {kind}={tier!r} is not possible: {why}; "
+                         f"allowed for {kind}: {', '.join(repr(a) for a in allowed)}")
+
+    if mode == "sync":
+        if tier != "device":
+            bad("mode 'sync' is the native reference, all state stays on the parameter's "
+                "device (tiers need mode 'async')", ["device"])
+        return
+    if kind in DEVICE_KINDS:
+        if tier != "device":
+            bad(f"{kind} are updated every step on the parameter's device", ["device"])
+        return
+    allowed = ["device", "host"] + (["host_pinned"] if caps.pinned else []) + \
+        (["uvm"] if caps.uvm else []) + (["nvme"] if nvme_dir else [])
+    if tier == "host_pinned" and not caps.pinned:
+        bad(f"page-locked memory needs a CUDA device ({caps.pinned_reason})", allowed)
+    if tier == "uvm" and not caps.uvm:
+        bad(f"a UVM view needs coherent host access ({caps.uvm_reason})", allowed)
+    if tier == "nvme" and not nvme_dir:
+        bad("runtime key 'nvme_dir' is not set", allowed)
+
+
+def make_plan(cfg: Any, entries: Sequence[StateEntry],
+              caps: Optional[Capabilities] = None) -> Plan:
+    """The plan for ``entries`` (every piece of optimizer state, in parameter order) under the
+    validated RuntimeConfig ``cfg``."""
+    cuda_params = any(e.device.type == "cuda" for e in entries)
+    caps = caps or Capabilities.probe(cuda_params)
+    explicit = dict(cfg.placement) if isinstance(cfg.placement, Mapping) else {}
+    mode = cfg.mode
+    for kind, tier in explicit.items():
+        _check_explicit(kind, tier, mode, caps, cfg.nvme_dir)
+    dec: list[str] = []
+    by_kind = {k: [e for e in entries if e.kind == k] for k in PLACEMENT_KINDS}
+    kind_bytes = {k: sum(e.nbytes for e in v) for k, v in by_kind.items()}
+    dev_budget, host_budget = cfg.device_budget_bytes, cfg.host_budget_bytes
+
+    def host_tier(e: StateEntry) -> str:
+        if e.device.type != "cuda":
+            return "host"
+        return "uvm" if caps.uvm else ("host_pinned" if caps.pinned else "host")
+
+    if mode == "sync":
+        total = sum(kind_bytes.values())
+        dec.append(f"mode 'sync' (native reference): all {_mib(total)} of optimizer state on "
+                   "the parameters' device; REFRESH inline with torch.linalg")
+        if dev_budget is not None and total > dev_budget:
+            dec.append(f"device_budget_bytes {_mib(dev_budget)} is below that and is not "
+                       "enforced in mode 'sync'")
+        return Plan(mode, {k: "device" for k in PLACEMENT_KINDS}, {}, 0, 0, 0, dev_budget,
+                    host_budget, dec, {"device": total}, cuda_params)
+
+    tiers = {k: "device" for k in DEVICE_KINDS}
+    fixed = kind_bytes["factors"] + kind_bytes["moments"]
+    dec.append(f"factors ({_mib(kind_bytes['factors'])}) and moments "
+               f"({_mib(kind_bytes['moments'])}) on the parameters' device: updated every step")
+    if dev_budget is not None and fixed > dev_budget:
+        raise ValueError(
+            f"runtime key 'device_budget_bytes': got {dev_budget}; factors and moments need "
+            f"{fixed} bytes on the device (they are updated every step and cannot be spilled); "
+            f"allowed: None or a byte count >= {fixed}")
+    block_tier: dict = {}
+    staged: list[StateEntry] = []  # blocks that reach the step through the ring
+    for kind in TIERED_KINDS:
+        es = by_kind[kind]
+        want = explicit.get(kind)
+        tiers[kind] = want or "auto"
+        if not es:
+            continue
+        if want is None:
+            for e in es:
+                block_tier[e.key] = host_tier(e)
+            names = sorted({block_tier[e.key] for e in es})
+            dec.append(f"{kind} ({_mib(kind_bytes[kind])}, {len(es)} blocks) in host memory "
+                       f"({', '.join(names)}): written once per refresh, staged for each step"
+                       + ("; coherent host access detected, read in place (no prefetch copy)"
+                          if "uvm" in names else ""))
+        else:
+            for e in es:
+                block_tier[e.key] = want if want != "host_pinned" or e.device.type == "cuda" \
+                    else "host"
+            dec.append(f"{kind} ({_mib(kind_bytes[kind])}, {len(es)} blocks) on {want!r} "
+                       "(explicit placement)")
+
+    tiered_entries = [e for k in TIERED_KINDS for e in by_kind[k]]
+
+    def staged_min(es: Sequence[StateEntry]) -> int:
+        """The ring must hold at least one preconditioner block's staged matrices (the unit
+        the step streams: one (parameter, block) with all its dimensions)."""
+        per_block: dict = {}
+        for e in es:
+            if block_tier[e.key] in ("host", "host_pinned", "nvme"):
+                unit = (e.pidx, e.name.split(".")[0])
+                per_block[unit] = per_block.get(unit, 0) + align(e.nbytes)
+        return max(per_block.values(), default=0)
+
+    # device budget: explicit device blocks in parameter order, the rest spill to host
+    on_dev = [e for e in tiered_entries if block_tier[e.key] == "device"]
+    if dev_budget is not None and on_dev:
+        room = dev_budget - fixed
+        if sum(e.nbytes for e in on_dev) > room:
+            # something spills, so a staging ring is needed: reserve it before filling
+            all_min = max(staged_min(tiered_entries),
+                          max((align(e.nbytes) for e in on_dev), default=0))
+            room -= all_min
+            kept, spilled = 0, []
+            for e in sorted(on_dev, key=lambda e: (e.pidx, e.name)):
+                if e.nbytes <= room:
+                    room -= e.nbytes
+                    kept += e.nbytes
+                else:
+                    spilled.append(e)
+                    room = -1  # keep parameter order: no later block jumps the queue
+            for e in spilled:
+                block_tier[e.key] = host_tier(e)
+            dec.append(f"device_budget_bytes {_mib(dev_budget)}: {len(spilled)} root/eigenbasis "
+                       f"blocks ({_mib(sum(e.nbytes for e in spilled))}) spilled from device to "
+                       f"host memory; {_mib(kept)} kept on device")
+
+    # host budget: host-resident blocks in parameter order, the rest to NVMe
+    on_host = [e for e in tiered_entries if block_tier[e.key] in HOST_TIERS]
+    host_bytes = sum(e.nbytes for e in on_host)
+    if host_budget is not None and host_bytes > host_budget:
+        if not cfg.nvme_dir:
+            raise ValueError(
+                f"runtime key 'host_budget_bytes': got {host_budget}; roots and eigenbases need "
+                f"{host_bytes} bytes of host memory and no 'nvme_dir' is set to spill to; "
+                f"allowed: None, a byte count >= {host_bytes}, or set 'nvme_dir'")
+        room, spilled = host_budget, []
+        for e in sorted(on_host, key=lambda e: (e.pidx, e.name)):
+            if e.nbytes <= room and not spilled:
+                room -= e.nbytes
+            else:
+                spilled.append(e)
+        for e in spilled:
+            block_tier[e.key] = "nvme"
+        dec.append(f"host_budget_bytes {_mib(host_budget)}: {len(spilled)} blocks "
+                   f"({_mib(sum(e.nbytes for e in spilled))}) of the last parameters spilled to "
+                   f"NVMe under {cfg.nvme_dir} (read back, checksummed, for each step)")
+    elif host_budget is not None:
+        dec.append(f"host_budget_bytes {_mib(host_budget)}: all {_mib(host_bytes)} of host-"
+                   "resident blocks fit")
+
+    # the staging ring
+    staged = [e for e in tiered_entries if block_tier[e.key] in ("host", "host_pinned", "nvme")]
+    ring_min = staged_min(tiered_entries)
+    ring = 0
+    if staged:
+        total = sum(align(e.nbytes) for e in staged)
+        ring = min(RING_DEFAULT, total)
+        if dev_budget is not None:
+            dev_now = fixed + sum(e.nbytes for e in tiered_entries
+                                  if block_tier[e.key] == "device")
+            headroom = dev_budget - dev_now
+            if headroom < ring_min:
+                raise ValueError(
+                    f"runtime key 'device_budget_bytes': got {dev_budget}; the state that must "
+                    f"stay on the device takes {dev_now} bytes and the staging ring needs at "
+                    f"least {ring_min} bytes (one preconditioner block's roots/eigenbases); "
+                    f"allowed: None or a byte count >= {dev_now + ring_min}")
+            ring = min(ring, headroom)
+        ring = max(ring, ring_min)
+        dec.append(f"device staging ring of {_mib(ring)} for {len(staged)} host/NVMe blocks "
+                   f"({_mib(total)}); steps stream them through it"
+                   + (" in chunks" if ring < total else ""))
+    snap = SNAPSHOT_RING_DEFAULT
+    planned: dict = {}
+    for e in entries:
+        t = block_tier.get(e.key, "device")
+        planned[t] = planned.get(t, 0) + e.nbytes
+    planned["device"] = planned.get("device", 0) + ring
+    return Plan(mode, tiers, block_tier, ring, ring_min, snap, dev_budget, host_budget, dec,
+                planned, cuda_params)

@@ -1,0 +1,492 @@
+"""Residency of roots and eigenbases outside the device: host / pinned / UVM / NVMe blocks in a
+``_C.Store``, staged for each step through the bounded device ring of a ``_C.Shadow``.
+
+Owns: one store, one shadow (prefetch ring; the snapshot ring is the engine's), the block table
+``(param index, state name) -> _Blk``, the per-step NVMe cache, the copy counters and the copy
+events written to the runtime's trace. May call: torch, ``asteria._C``, ``asteria.placement``.
+Single-threaded: the optimizer's training thread (and the hooks it runs on that thread).
+
+Data flow of one block (its plan gives a home tier: host, host_pinned, uvm or nvme)
+ - write (first-step eigenbasis, install of a refresh, load_state_dict): into the block's
+   host memory in place; a block whose home is NVMe is written to fresh host memory and goes
+   back to NVMe at the step end (best effort) or at the next step's ``prepare`` (raising).
+ - ``prepare`` (start of ``step()``, before ANYTHING is mutated): one batched io_uring read of
+   the NVMe blocks the step needs (records verified by their CRC), a copy of each into the
+   step's host cache, then one batched write of every NVMe-homed block back to NVMe. Any
+   failure (ENOSPC, a missing or unreadable record, a checksum mismatch) raises
+   ``TieredStateError`` naming the block, the file and the cause, and the step is not applied.
+ - ``borrow`` (inside the step, per stack chunk): each block is prefetched into a ring slot
+   (H2D on the shadow stream; a memcpy on the host path), the consuming stream waits on that
+   slot's ready event only, the caller stacks the slot views and ``give_back`` releases the
+   slots (``release_after`` the current stream on CUDA). A UVM block is read in place.
+ - ``prefetch`` (backward-pre hooks, start of ``step()``): the same ring copies ahead of time,
+   as far as the ring has room; the forward hooks fetch NVMe blocks into host memory early.
+   Prefetching never raises; the step re-does what failed and raises there.
+Between steps the ring holds nothing: every slot is released at the step end.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import re
+import time
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from asteria import _C
+from asteria.placement import HOST_TIERS, Plan, align
+
+log = logging.getLogger("asteria")
+
+class TieredStateError(RuntimeError):
+    """A tier operation failed before the step changed anything. ``cause`` is the store's
+    exception, ``blocks`` the (param index, state name) keys involved, ``files`` their record
+    files where known."""
+
+    def __init__(self, message: str, cause: BaseException, blocks: list, files: list):
+        super().__init__(message)
+        self.cause = cause
+        self.code = getattr(cause, "code", None)
+        self.blocks = blocks
+        self.files = files
+
+
+class _Blk:
+    __slots__ = ("key", "home", "shape", "dtype", "nbytes", "device", "sid", "version",
+                 "slot", "slot_version", "slot_ptr", "slot_event", "consumed")
+
+    def __init__(self, key, home, shape, dtype, device):
+        self.key = key
+        self.home = home
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        self.device = device
+        self.sid = 0
+        self.version = 0
+        self.slot = 0            # ring key while staged
+        self.slot_version = -1
+        self.slot_ptr = 0
+        self.slot_event = None   # torch.cuda.Event on the CUDA path
+        self.consumed = False
+
+
+def _cpu_view(ptr: int, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
+    """A CPU tensor over raw host memory (a ring slot on the host path)."""
+    raw = (ctypes.c_byte * nbytes).from_address(ptr)
+    return torch.frombuffer(raw, dtype=dtype, count=nbytes // _elem(dtype)).view(shape)
+
+
+def _cuda_view(ptr: int, nbytes: int, dtype: torch.dtype, shape, device) -> torch.Tensor:
+    """A CUDA tensor over raw device (or managed) memory, through __cuda_array_interface__."""
+    typestr = {torch.float32: "<f4", torch.float64: "<f8", torch.float16: "<f2"}[dtype]
+
+    class _Iface:
+        __cuda_array_interface__ = {"shape": tuple(shape), "typestr": typestr,
+                                    "data": (ptr, False), "version": 2, "strides": None,
+                                    "stream": None}
+
+    return torch.as_tensor(_Iface(), device=device)
+
+
+def _elem(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class Residency:
+    """The host/NVMe side of one optimizer's roots and eigenbases (see the module doc)."""
+
+    #: the store's NVMe byte cap (0: the filesystem decides). A knob for operators and tests.
+    nvme_budget_bytes = 0
+
+    def __init__(self, plan: Plan, cfg: Any, *, tracer: Optional[Callable] = None,
+                 describe: Optional[Callable] = None) -> None:
+        self.plan = plan
+        self._trace = tracer or (lambda *a, **k: None)
+        self._describe = describe or (lambda key: f"param {key[0]} state {key[1]!r}")
+        self.store = _C.Store(nvme_dir=cfg.nvme_dir, direct="fallback",
+                              nvme_budget_bytes=int(self.nvme_budget_bytes)) \
+            if cfg.nvme_dir else _C.Store()
+        cuda = plan.cuda and torch.cuda.is_available() and _C.HAVE_CUDA
+        nblocks = max(8, len(plan.block_tier) + 8)
+        self.shadow = _C.Shadow(mode="auto" if cuda else "host",
+                                prefetch_ring_bytes=max(plan.ring_bytes, 4096),
+                                snapshot_ring_bytes=4096, slots=nblocks) \
+            if plan.ring_bytes else None
+        self.cuda = bool(self.shadow is not None and self.shadow.stats()["is_cuda"])
+        self._ext_stream = None
+        if self.cuda:
+            self._ext_stream = torch.cuda.ExternalStream(self.shadow.stream_handle())
+        self._blocks: dict = {}
+        self._slots: "collections.OrderedDict[int, _Blk]" = collections.OrderedDict()
+        self._next_slot = 1
+        self._cache: dict = {}   # key -> CPU tensor: this step's copy of an NVMe-homed block
+        self._in_step = False
+        self._deferred: Optional[BaseException] = None
+        self.counters = {"bytes_h2d": 0, "bytes_d2h": 0, "prefetches": 0, "prefetch_hits": 0,
+                         "prefetch_busy": 0, "ring_evictions": 0, "nvme_window_bytes": 0,
+                         "nvme_fetches_early": 0, "nvme_spill_deferred": 0}
+        self.prefetch_log: Optional[list] = None  # set to a list to record prefetch calls
+        self._closed = False
+
+    # ---- the block table ------------------------------------------------------------------------
+    def owns(self, key) -> bool:
+        return self.plan.tier(key) != "device"
+
+    def has(self, key) -> bool:
+        return key in self._blocks
+
+    def keys(self) -> list:
+        return list(self._blocks)
+
+    def tier_of(self, key) -> str:
+        return self.store.tier(self._blocks[key].sid)
+
+    def _label(self, blk: _Blk) -> str:
+        return self._describe(blk.key)
+
+    # ---- writes -----------------------------------------------------------------------------------
+    def write(self, key, value: torch.Tensor) -> None:
+        """Set a block's value (creating the block on first write)."""
+        blk = self._blocks.get(key)
+        if blk is None or blk.shape != tuple(value.shape) or blk.dtype != value.dtype:
+            if blk is not None:
+                self.drop(key)
+            home = self.plan.tier(key)
+            blk = _Blk(key, home, value.shape, value.dtype, value.device)
+            blk.sid = self.store.alloc("host" if home == "nvme" else home, blk.nbytes)
+            self._blocks[key] = blk
+        else:
+            self._quiesce(blk)
+            if self.store.tier(blk.sid) == "nvme":
+                # the record keeps the old value until the block is spilled again
+                sid = self.store.alloc("host", blk.nbytes)
+                self.store.free(blk.sid)
+                blk.sid = sid
+        self._cache.pop(key, None)
+        view = self._host_view(blk)
+        view.copy_(value.reshape(view.shape))
+        del view
+        if value.device.type == "cuda":
+            self.counters["bytes_d2h"] += blk.nbytes
+        blk.version += 1
+
+    def drop(self, key) -> None:
+        blk = self._blocks.pop(key, None)
+        if blk is not None:
+            self._quiesce(blk)
+            self._cache.pop(key, None)
+            self.store.free(blk.sid)
+
+    def clear(self) -> None:
+        for key in list(self._blocks):
+            self.drop(key)
+
+    # ---- host reads (job inputs, checkpoints) ------------------------------------------------------
+    def _host_view(self, blk: _Blk) -> torch.Tensor:
+        """A CPU tensor over the block's host memory; it pins the block while alive."""
+        buf = self.store.buffer(blk.sid)
+        return torch.frombuffer(buf, dtype=blk.dtype).view(blk.shape)
+
+    def read_host(self, key) -> torch.Tensor:
+        """The block's value as a CPU tensor: a view of its host memory (drop it soon: it pins
+        the block) or, for a block on NVMe, this step's cached copy."""
+        blk = self._blocks[key]
+        if self.store.tier(blk.sid) != "nvme":
+            self._quiesce_writes(blk)
+            return self._host_view(blk)
+        cached = self._cache.get(key)
+        if cached is None:
+            raise RuntimeError(f"internal: {self._label(blk)} is on NVMe and was not fetched "
+                               "for this step")
+        return cached
+
+    def materialize(self, keys: Iterable) -> dict:
+        """Copies of blocks as tensors on their parameters' devices (checkpoints). Blocks on
+        NVMe are read back (verified) and written out again."""
+        keys = [k for k in keys if k in self._blocks]
+        on_nvme = [self._blocks[k] for k in keys if self.store.tier(self._blocks[k].sid) == "nvme"]
+        self._nvme_move(on_nvme, "host", "read")
+        out = {}
+        for k in keys:
+            blk = self._blocks[k]
+            v = self._host_view(blk)
+            out[k] = v.to(device=blk.device, copy=True)
+            del v
+        self._spill(best_effort=True)
+        return out
+
+    # ---- NVMe -------------------------------------------------------------------------------------
+    def _nvme_move(self, blks: list, dst: str, what: str) -> None:
+        """One batched move of blks to dst ('host' = read back, 'nvme' = write), traced and
+        counted; failures become TieredStateError."""
+        if not blks:
+            return
+        for b in blks:
+            self._quiesce(b)
+        ids = [b.sid for b in blks]
+        nbytes = sum(b.nbytes for b in blks)
+        files = {}
+        if dst != "nvme":
+            for b in blks:
+                try:
+                    files[b.sid] = self.store.record_path(b.sid)
+                except Exception:
+                    pass
+        t0 = time.monotonic_ns()
+        self._trace("copy_issued", "nvme", name=f"nvme {what} issued", bytes=nbytes, ts_ns=t0)
+        try:
+            self.store.move(ids, dst)
+        except Exception as exc:
+            self._trace("copy_done", "nvme", name=f"nvme {what} failed", bytes=nbytes,
+                        status=getattr(exc, "code", None))
+            raise self._error(exc, blks, what, files) from exc
+        t1 = time.monotonic_ns()
+        self._trace("copy", "nvme", name=f"nvme {what}", bytes=nbytes, ts_ns=t0, dur_ns=t1 - t0)
+        self._trace("copy_done", "nvme", name=f"nvme {what} done", bytes=nbytes, ts_ns=t1)
+
+    def _error(self, exc: BaseException, blks: list, what: str, files: dict):
+        by_sid = {b.sid: b for b in blks}
+        msg = str(exc)
+        named = [by_sid[int(m)] for m in re.findall(r"block (\d+)", msg) if int(m) in by_sid]
+        culprit = named[0] if named else None
+        where = ""
+        if culprit is not None:
+            where = f" {self._label(culprit)}"
+            path = files.get(culprit.sid)
+            if path and path not in msg:
+                where += f" (record file {path})"
+        verb = {"read": "reading back", "write": "writing", "fetch": "reading back"}[what]
+        return TieredStateError(
+            f"Asteria NVMe tier: {verb} {len(blks)} block(s) failed at{where}: {msg}. The step "
+            "was not applied: parameters and optimizer state are unchanged",
+            exc, [b.key for b in ([culprit] if culprit else blks)],
+            [files[b.sid] for b in ([culprit] if culprit else blks) if b.sid in files])
+
+    def _spill(self, best_effort: bool) -> None:
+        """Write every NVMe-homed block that is in host memory back to NVMe (one batch)."""
+        pending = [b for b in self._blocks.values()
+                   if b.home == "nvme" and self.store.tier(b.sid) != "nvme"]
+        if not pending:
+            return
+        try:
+            self._nvme_move(pending, "nvme", "write")
+        except TieredStateError as exc:
+            if not best_effort:
+                raise
+            self.counters["nvme_spill_deferred"] += 1
+            log.warning("asteria: spilling %d block(s) to NVMe failed, retried at the next "
+                        "step: %s", len(pending), exc.cause)
+
+    def prepare(self, keys: Iterable) -> None:
+        """Phase A of a step (see the module doc): nothing of the optimizer is mutated yet, so
+        any failure here leaves the training state as it was."""
+        self._in_step = True
+        need = [self._blocks[k] for k in keys if k in self._blocks]
+        nv = [b for b in need if b.home == "nvme"]
+        try:
+            self._nvme_move([b for b in nv if self.store.tier(b.sid) == "nvme"], "host", "read")
+            for b in nv:
+                if b.key not in self._cache:
+                    v = self._host_view(b)
+                    self._cache[b.key] = v.clone()
+                    del v
+            self.counters["nvme_window_bytes"] = max(
+                self.counters["nvme_window_bytes"], sum(b.nbytes for b in nv))
+            self._spill(best_effort=False)
+        except BaseException:
+            self.end_step(spill=False)
+            raise
+
+    def end_step(self, spill: bool = True) -> None:
+        """Release every ring slot, drop the step's NVMe cache, spill what was installed."""
+        for blk in list(self._slots.values()):
+            self._release(blk)
+        self._cache.clear()
+        self._in_step = False
+        if spill:
+            self._spill(best_effort=True)
+
+    def fetch_early(self, keys: Iterable) -> None:
+        """Forward hooks: read NVMe blocks back into host memory ahead of the step. Never
+        raises (the step's ``prepare`` retries and reports)."""
+        blks = [self._blocks[k] for k in keys if k in self._blocks]
+        nv = [b for b in blks if self.store.tier(b.sid) == "nvme"]
+        if not nv:
+            return
+        try:
+            self._nvme_move(nv, "host", "fetch")
+            self.counters["nvme_fetches_early"] += len(nv)
+        except TieredStateError as exc:
+            self._deferred = exc
+
+    # ---- the staging ring -----------------------------------------------------------------------
+    def _src_ptr(self, blk: _Blk) -> Optional[int]:
+        if self.store.tier(blk.sid) != "nvme":
+            return self.store.data_ptr(blk.sid)
+        cached = self._cache.get(blk.key)
+        return None if cached is None else cached.data_ptr()
+
+    def _stage(self, blk: _Blk) -> bool:
+        """Issue the prefetch of blk into a ring slot; False when the ring is full (or the
+        block has no host copy now)."""
+        if blk.slot and blk.slot_version == blk.version:
+            return True
+        if blk.slot:
+            self._release(blk)
+        src = self._src_ptr(blk)
+        if src is None:
+            return False
+        key = self._next_slot
+        self._next_slot += 1
+        t0 = time.monotonic_ns()
+        try:
+            ptr = self.shadow.prefetch(src, blk.nbytes, key)
+        except _C.BusyError:
+            self.counters["prefetch_busy"] += 1
+            return False
+        blk.slot, blk.slot_ptr, blk.slot_version, blk.consumed = key, ptr, blk.version, False
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record(self._ext_stream)
+            blk.slot_event = ev
+        self._slots[key] = blk
+        self.counters["bytes_h2d"] += blk.nbytes
+        self.counters["prefetches"] += 1
+        self._trace("copy_issued", "shadow", bytes=blk.nbytes, direction="h2d", ts_ns=t0,
+                    block=blk.sid)
+        if not self.cuda:  # the host path copied at issue
+            t1 = time.monotonic_ns()
+            self._trace("copy", "shadow", bytes=blk.nbytes, direction="h2d", ts_ns=t0,
+                        dur_ns=t1 - t0, block=blk.sid)
+            self._trace("copy_done", "shadow", bytes=blk.nbytes, direction="h2d", ts_ns=t1,
+                        block=blk.sid)
+        return True
+
+    def _release(self, blk: _Blk) -> None:
+        if not blk.slot:
+            return
+        if self.cuda:
+            self.shadow.release_after(blk.slot, torch.cuda.current_stream().cuda_stream)
+        else:
+            self.shadow.release(blk.slot)
+        self._slots.pop(blk.slot, None)
+        blk.slot, blk.slot_ptr, blk.slot_event, blk.slot_version = 0, 0, None, -1
+
+    def _quiesce(self, blk: _Blk) -> None:
+        """No copy may still read blk's memory (before a write, move or free)."""
+        if blk.slot:
+            if self.cuda:
+                self.shadow.prefetch_wait(blk.slot)
+            self._release(blk)
+
+    def _quiesce_writes(self, blk: _Blk) -> None:
+        pass  # writes into host blocks are synchronous copies
+
+    def prefetch(self, keys: Iterable, reason: str = "") -> int:
+        """Stage blocks ahead of their use, as far as the ring has room; returns how many are
+        staged. Never raises for a full ring."""
+        blks = [self._blocks[k] for k in keys if k in self._blocks]
+        if self.prefetch_log is not None:
+            self.prefetch_log.append((reason, [b.key for b in blks]))
+        if self.shadow is None:
+            return 0
+        n = 0
+        for blk in blks:
+            if blk.home == "uvm":
+                continue
+            if not self._stage(blk):
+                break
+            n += 1
+        return n
+
+    def chunk_cost(self, keys: Iterable) -> int:
+        return sum(align(self._blocks[k].nbytes) for k in keys
+                   if k in self._blocks and self._blocks[k].home != "uvm")
+
+    def borrow(self, keys: list) -> list:
+        """Device tensors of blocks for this chunk (ring slot views, or UVM views); the caller
+        stacks them and then calls give_back(keys)."""
+        blks = [self._blocks[k] for k in keys]
+        out = []
+        for blk in blks:
+            if blk.home == "uvm":
+                out.append(_cuda_view(self.store.data_ptr(blk.sid), blk.nbytes, blk.dtype,
+                                      blk.shape, blk.device))
+                continue
+            if blk.slot and blk.slot_version == blk.version:
+                self.counters["prefetch_hits"] += 1
+            if self._src_ptr(blk) is None:
+                raise RuntimeError(f"internal: {self._label(blk)} is on NVMe and was not "
+                                   "fetched for this step")
+            while not self._stage(blk):
+                if not self._evict(exclude=set(id(b) for b in blks)):
+                    raise RuntimeError(
+                        f"asteria: the staging ring ({self.plan.ring_bytes} bytes) cannot hold "
+                        f"{self._label(blk)} with the rest of its chunk; "
+                        f"{self.shadow.last_error()}")
+            if self.cuda:
+                torch.cuda.current_stream().wait_event(blk.slot_event)
+                out.append(_cuda_view(blk.slot_ptr, blk.nbytes, blk.dtype, blk.shape,
+                                      blk.device))
+            else:
+                out.append(_cpu_view(blk.slot_ptr, blk.nbytes, blk.dtype, blk.shape))
+            blk.consumed = True
+        return out
+
+    def _evict(self, exclude: set) -> bool:
+        """Release the oldest staged slot not in use by the current chunk."""
+        for blk in list(self._slots.values()):
+            if id(blk) not in exclude:
+                self._release(blk)
+                self.counters["ring_evictions"] += 1
+                return True
+        return False
+
+    def give_back(self, keys: list) -> None:
+        for k in keys:
+            blk = self._blocks.get(k)
+            if blk is not None:
+                self._release(blk)
+
+    # ---- stats / lifetime -----------------------------------------------------------------------
+    def stats(self) -> dict:
+        if self._closed:
+            return dict(self._final_stats)
+        st = self.store.stats()
+        out = {f"bytes_{t}": st["bytes"][t] for t in ("host", "host_pinned", "uvm", "nvme")}
+        out["bytes_device_ring"] = self.plan.ring_bytes
+        out["bytes_nvme_read"] = st["nvme_bytes_read"]
+        out["bytes_nvme_written"] = st["nvme_bytes_written"]
+        out["nvme_read_ns"] = st["nvme_read_ns"]
+        out["nvme_write_ns"] = st["nvme_write_ns"]
+        out["nvme_reads"] = st["nvme_reads"]
+        out["nvme_writes"] = st["nvme_writes"]
+        out["nvme_read_MBps"] = (st["nvme_bytes_read"] * 1e3 / st["nvme_read_ns"]
+                                 if st["nvme_read_ns"] else 0.0)
+        out["nvme_write_MBps"] = (st["nvme_bytes_written"] * 1e3 / st["nvme_write_ns"]
+                                  if st["nvme_write_ns"] else 0.0)
+        out["nvme_direct"] = st["nvme_direct"]
+        out.update(self.counters)
+        if self.shadow is not None:
+            sh = self.shadow.stats()
+            out["bytes_h2d_ring"] = sh["h2d_bytes"]
+            for k in ("ring_capacity", "ring_used", "ring_high_water", "ring_wraps",
+                      "ring_slots", "busy"):
+                out[f"ring_{k}" if not k.startswith("ring") else k] = sh[k]
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._final_stats = self.stats()
+        self._closed = True
+        for blk in list(self._slots.values()):
+            self._release(blk)
+        self._cache.clear()
+        if self.shadow is not None:
+            self.shadow.close()
+        self.store.close()

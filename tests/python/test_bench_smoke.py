@@ -1,0 +1,64 @@
+"""Smoke test of benchmarks/bench_step_time.py: a --quick run into tmp_path writes a result file
+with the metadata, all three optimizers and sane step-time statistics."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "benchmarks", "bench_step_time.py")
+
+pytest.importorskip("asteria._C")
+
+
+@pytest.mark.timeout(120)
+def test_bench_step_time_quick(tmp_path):
+    env = dict(os.environ)
+    # the subprocess must import the same asteria as this test session
+    import asteria
+
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(asteria.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + [p for p in
+                                         env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--no-plot", "--out-dir",
+                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=110)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads((tmp_path / "bench_step_time.json").read_text())
+
+    for key in ("benchmark", "date", "command", "machine", "versions", "settings", "model",
+                "targets", "results"):
+        assert key in data, key
+    assert "--quick" in data["command"]
+    assert data["machine"]["nproc"] >= 1 and data["machine"]["cpu_model"]
+    assert data["versions"]["torch"] and data["versions"]["asteria"]
+
+    results = {r["optimizer"]: r for r in data["results"]}
+    assert set(results) == {"adamw", "soap-sync", "soap-async"}
+    measured = data["settings"]["steps"] - data["settings"]["warmup"]
+    for name, r in results.items():
+        s = r["summary"]
+        assert s["n"] == measured, name
+        assert 0 < s["min_ms"] <= s["median_ms"] <= s["p99_ms"] <= s["max_ms"], (name, s)
+        assert s["p99_over_median"] >= 1.0 and s["max_over_median"] >= s["p99_over_median"]
+        assert len(r["step_ms"]) == data["settings"]["steps"]
+        assert all(t > 0 for t in r["step_ms"])
+        assert math.isfinite(r["final_loss"]) and 0 < r["final_loss"] < 10
+        tiers = r["bytes_per_tier"]
+        assert tiers["source"] in ("asteria_stats", "optimizer.state")
+        assert set(tiers["tiers"]) == {"device", "host_pinned", "host", "uvm", "nvme"}
+        assert tiers["total"] == sum(tiers["tiers"].values()) > 0
+    # SOAP keeps factors and eigenbases next to its moments: more state than AdamW
+    assert results["soap-sync"]["bytes_per_tier"]["total"] > results["adamw"]["bytes_per_tier"]["total"]
+    # the async run really used the pool (the quick settings let refreshes get installed)
+    counters = results["soap-async"]["runtime_counters"]
+    assert counters["jobs_done"] > 0 and counters["installs"] > 0
+
+    for key in ("asteria_p99_over_median", "native_sync_max_over_median",
+                "asteria_device_bytes_fraction_of_native"):
+        t = data["targets"][key]
+        assert t["value"] is not None and t["value"] > 0
+        assert t["met"] in (True, False)
