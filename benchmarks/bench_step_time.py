@@ -250,12 +250,24 @@ def parse_args(argv: Optional[Sequence[str]]):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    """Run the benchmark; returns what it wrote. The caller's torch thread count and CPU
+    affinity are restored on the way out, so it can run inside another process (the tests)."""
     args = parse_args(argv)
-    log = common.Progress(NAME)
-    meta = common.run_metadata(NAME, __file__, argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
+    threads = torch.get_num_threads()
+    cpus = common.allowed_cpus()
+    try:
+        return run(args, argv, device)
+    finally:
+        torch.set_num_threads(threads)
+        common.pin_thread(cpus)
+
+
+def run(args, argv: Optional[Sequence[str]], device: torch.device) -> dict[str, Any]:
+    log = common.Progress(NAME)
+    meta = common.run_metadata(NAME, __file__, argv)
     torch.set_num_threads(args.threads)
     train_cpu, worker_cpus = (None, []) if args.no_pin else common.split_cores()
     pinning = {"training_cpu": train_cpu,

@@ -691,6 +691,7 @@ int ast_coherence_block_info(ast_coherence *reg, uint64_t block, ast_coherence_b
         out->version = b->pub.v;
         out->snapshot_step = b->pub.t;
         out->held_version = b->held;
+        out->last_recv_step = b->recv_step;
         out->synced_version = b->synced;
         out->last_sync_step = b->sync_step;
         out->due_version = b->cur.v;

@@ -118,6 +118,7 @@ typedef struct ast_coherence_block {
     uint64_t version;          /* newest announced version (0: none) */
     int64_t snapshot_step;     /* its snapshot step (-1: none) */
     uint64_t held_version;     /* newest version this rank has the data of (owner: published) */
+    int64_t last_recv_step;    /* step of the last ast_coherence_received that raised it (-1) */
     uint64_t synced_version;   /* version of the last ast_coherence_mark_synced */
     int64_t last_sync_step;    /* step of the last ast_coherence_mark_synced (-1: never) */
     uint64_t due_version;      /* the Install rule's version at the newest evaluated step: the

@@ -479,6 +479,10 @@ class Residency:
                 out[f"ring_{k}" if not k.startswith("ring") else k] = sh[k]
         return out
 
+    def stats_final(self) -> dict:
+        """stats(), with the staging counters frozen (the optimizer keeps them after close)."""
+        return self.stats()
+
     def close(self) -> None:
         if self._closed:
             return

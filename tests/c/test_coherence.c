@@ -413,6 +413,8 @@ static void test_due_changed_only(void **state)
     assert_int_equal(ast_coherence_block_info(regs[3], 1, &bi), 0);
     assert_int_equal(bi.synced_version, 3);
     assert_int_equal(bi.last_sync_step, 13);
+    assert_int_equal(bi.held_version, 3);
+    assert_int_equal(bi.last_recv_step, owner_of(regs[0], 1) == 3 ? -1 : 13);
     exchange(regs, W, 14);
     due_all(regs, W, 14, due, &n);
     assert_int_equal(n, 0);

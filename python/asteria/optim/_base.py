@@ -75,6 +75,113 @@ def local(t):
     return t
 
 
+class _ParamState(dict):
+    """One parameter's state when some of it lives in a Residency: a plain dict for the device
+    tensors plus "virtual" entries for the tiered roots / eigenbases. Reading a virtual entry
+    returns a fresh copy on the parameter's device (never a live view), assigning one writes the
+    block, popping one frees it. The optimizer itself never goes through the virtual entries
+    (it stages blocks through the ring); they exist so state inspection and torch.optim's
+    plumbing see the same keys as with everything on the device."""
+
+    __slots__ = ("_opt", "_p")
+
+    def __init__(self, opt, p, items=()):
+        super().__init__(items)
+        self._opt = opt
+        self._p = p
+
+    def _vkey(self, k):
+        opt = self._opt
+        if opt._tiered is None or not isinstance(k, str) or dict.__contains__(self, k):
+            return None
+        key = (opt._pindex[self._p], k)
+        return key if opt._tiered.has(key) else None
+
+    def _virtual(self) -> list:
+        opt = self._opt
+        if opt._tiered is None:
+            return []
+        pidx = opt._pindex[self._p]
+        return [k[1] for k in opt._tkeys.get(pidx, ()) if opt._tiered.has(k)]
+
+    def __getitem__(self, k):
+        key = self._vkey(k)
+        if key is None:
+            return dict.__getitem__(self, k)
+        return self._opt._tiered.materialize([key])[key]
+
+    def get(self, k, default=None):
+        return self[k] if k in self else default
+
+    def __contains__(self, k):
+        return dict.__contains__(self, k) or self._vkey(k) is not None
+
+    def __iter__(self):
+        yield from dict.__iter__(self)
+        yield from self._virtual()
+
+    def __len__(self):
+        return dict.__len__(self) + len(self._virtual())
+
+    def keys(self):
+        return list(iter(self))
+
+    def items(self):
+        return [(k, self[k]) for k in self]
+
+    def values(self):
+        return [self[k] for k in self]
+
+    def __setitem__(self, k, v):
+        opt = self._opt
+        if isinstance(v, torch.Tensor) and opt._owned(self._p, k):
+            opt._tiered.write((opt._pindex[self._p], k), v)
+        else:
+            dict.__setitem__(self, k, v)
+
+    def pop(self, k, *default):
+        key = self._vkey(k)
+        if key is None:
+            return dict.pop(self, k, *default)
+        v = self[k]
+        self._opt._tiered.drop(key)
+        return v
+
+    def __delitem__(self, k):
+        key = self._vkey(k)
+        if key is None:
+            dict.__delitem__(self, k)
+        else:
+            self._opt._tiered.drop(key)
+
+    def raw(self) -> dict:
+        """The device entries only."""
+        return dict(dict.items(self))
+
+    def __reduce__(self):
+        return (dict, (dict(self.items()),))
+
+    def __repr__(self):
+        return repr(dict(self.items()))
+
+
+class _States(defaultdict):
+    """``optimizer.state`` with a Residency: creates _ParamState entries."""
+
+    def __init__(self, opt, items=()):
+        super().__init__(dict)
+        self._opt = opt
+        for p, st in dict(items).items():
+            self[p] = st if isinstance(st, _ParamState) else _ParamState(opt, p, st)
+
+    def __missing__(self, p):
+        st = self[p] = _ParamState(self._opt, p)
+        return st
+
+    def __reduce__(self):
+        return (dict, (dict(self.items()),))
+
+
 def _close_all(engine, tiered) -> None:
     """Finalizer of an optimizer (also at interpreter exit): the engine first (it writes the
     trace file and stops the workers), then the residency."""
@@ -327,6 +434,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         if plan.tiered and self._tiered is None:
             self._tiered = _tiered_mod.Residency(plan, self._cfg, tracer=self._trace_event,
                                                  describe=self._describe_key)
+            self.state = _States(self, self.state)
             if self._finalizer is not None:  # the finalizer must close the new residency too
                 self._finalizer.detach()
                 self._finalizer = weakref.finalize(self, _close_all, self._engine,
@@ -342,14 +450,16 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         params = {i: p for p, i in self._pindex.items()}
         for p, st in list(self.state.items()):
             pidx = self._pindex.get(p)
-            for name in [n for n in st if isinstance(st[n], torch.Tensor)]:
+            for name in [n for n in dict.keys(st) if isinstance(dict.__getitem__(st, n),
+                                                                 torch.Tensor)]:
                 if self._tiered.owns((pidx, name)):
-                    self._tiered.write((pidx, name), st.pop(name))
+                    self._tiered.write((pidx, name), dict.pop(st, name))
         for key in self._tiered.keys():
             if not self._tiered.owns(key):
                 p = params[key[0]]
-                self.state[p][key[1]] = self._tiered.materialize([key])[key]
+                value = self._tiered.materialize([key])[key]
                 self._tiered.drop(key)
+                dict.__setitem__(self.state[p], key[1], value)
         self._tiered.end_step()
 
     def _describe_key(self, key) -> str:
@@ -679,12 +789,11 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             index.setdefault(p, len(index))
         if self._tiered is not None:  # roots / eigenbases as the all-device path stores them
             params = {i: p for p, i in self._pindex.items()}
+            sd["state"] = {i: (st.raw() if isinstance(st, _ParamState) else dict(st))
+                           for i, st in sd["state"].items()}
             values = self._tiered.materialize(self._tiered.keys())
             for (pidx, name), value in values.items():
-                i = index[params[pidx]]
-                st = dict(sd["state"][i])
-                st[name] = value
-                sd["state"][i] = st
+                sd["state"][index[params[pidx]]][name] = value
         for rnd in self._rounds:
             for p, outs in rnd.outputs.items():
                 st = dict(sd["state"][index[p]])
@@ -705,6 +814,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         dtypes = {i: {k: v.dtype for k, v in st.items() if isinstance(v, torch.Tensor)}
                   for i, st in state_dict["state"].items()}
         super().load_state_dict(state_dict)
+        if self._tiered is not None:  # torch replaced self.state by plain dicts
+            self.state = _States(self, self.state)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         rounds: dict = {}
@@ -717,8 +828,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             for k, dt in dtypes.get(i, {}).items():
                 st[k] = st[k].to(dtype=dt, copy=True)
             if self._tiered is not None:
-                for name in [n for n in st if self._owned(p, n)]:
-                    self._tiered.write(self._key(p, name), st.pop(name))
+                for name in [n for n in dict.keys(st) if self._owned(p, n)]:
+                    self._tiered.write(self._key(p, name), dict.pop(st, name))
             if _PENDING_IN not in st:
                 continue
             install_in, age = st.pop(_PENDING_IN), st.pop(_PENDING_AGE)
@@ -745,15 +856,22 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         stats.update(self._engine.stats())
         stats.update(self._counters)
         dev = 0
-        for st in self.state.values():
-            for v in st.values():
-                if isinstance(v, torch.Tensor):
+        plan = self._plan
+        for p, st in self.state.items():
+            pidx = self._pindex.get(p)
+            for name, v in dict.items(st):
+                if isinstance(v, torch.Tensor) and (plan is None or
+                                                    plan.tier((pidx, name)) == "device"):
                     dev += v.numel() * v.element_size()
         stats["bytes_state_device"] = dev
         stats["bytes_h2d"] = stats.get("bytes_h2d_results", 0)
         stats["bytes_d2h"] = stats.get("bytes_d2h_snapshots", 0)
+        ts = None
         if self._tiered is not None:
             ts = self._tiered.stats()
+        elif getattr(self, "_tiered_final", None) is not None:
+            ts = dict(self._tiered_final)
+        if ts is not None:
             h2d, d2h = ts.pop("bytes_h2d"), ts.pop("bytes_d2h")
             stats.update(ts)
             stats["bytes_h2d"] += h2d
@@ -768,6 +886,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        self._detier()
         fin = getattr(self, "_finalizer", None)
         if fin is not None:
             fin()
@@ -775,6 +894,34 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         engine = getattr(self, "_engine", None)
         if engine is not None:
             engine.close()
+
+    def _detier(self) -> None:
+        """At close: the tiered roots / eigenbases become plain tensors of ``self.state`` on
+        their parameters' devices, so the state stays inspectable (and checkpointable) after
+        the residency is gone. A block that cannot be read back is left out, with a warning."""
+        tiered = self._tiered
+        if tiered is None:
+            return
+        params = {i: p for p, i in self._pindex.items()}
+        values: dict = {}
+        try:
+            values = tiered.materialize(tiered.keys())
+        except Exception as exc:
+            warnings.warn(f"Asteria: close() could not read every tiered block back ({exc}); "
+                          "they are left out of optimizer.state", RuntimeWarning, stacklevel=3)
+            for key in tiered.keys():
+                try:
+                    values.update(tiered.materialize([key]))
+                except Exception:
+                    pass
+        self._tiered_final = tiered.stats_final()
+        self._tiered = None
+        plain: defaultdict = defaultdict(dict)
+        for p, st in self.state.items():
+            plain[p] = st.raw() if isinstance(st, _ParamState) else dict(st)
+        for (pidx, name), v in values.items():
+            plain[params[pidx]][name] = v
+        self.state = plain
 
     def __del__(self) -> None:
         try:
