@@ -86,8 +86,10 @@ def run_one(name: str, args, cfg: GPTConfig, init_state: dict, batches: list, de
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     log(f"run {name}: {args.steps} steps ({args.warmup} warm-up)")
+    cpu0 = common.cpu_snapshot()
     res = common.train_steps(model, opt, lambda i: batches[i], args.steps, device,
                              log=log, log_every=args.log_every, label=name)
+    cpu = common.cpu_delta(cpu0, common.cpu_snapshot())
     stats = common.runtime_stats(opt)
     tiers = common.tier_bytes(opt, device, stats)
     if hasattr(opt, "close"):
@@ -107,6 +109,7 @@ def run_one(name: str, args, cfg: GPTConfig, init_state: dict, batches: list, de
         "attach": attach,
         "worker_threads": workers,
         "wall_s": res["wall_s"],
+        "cpu": cpu,
         "loadavg1_end": common.loadavg(),
         "step_ms": [1e3 * t for t in res["step_s"]],
         "opt_step_ms": [1e3 * t for t in res["opt_s"]],
@@ -160,7 +163,7 @@ def plot(data: dict, path: str) -> None:
           title=f"Step time vs step (f = {data['settings']['frequency']}, "
                 f"S = {data['settings']['staleness']})")
     a.grid(True, which="both", alpha=0.3)
-    a.legend(fontsize=8, loc="upper right")
+    a.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
     tiers = [t for t in common.TIERS
              if any(r["bytes_per_tier"]["tiers"][t] for r in results)] or ["device"]
     width = 0.8 / max(1, len(tiers))
@@ -169,9 +172,10 @@ def plot(data: dict, path: str) -> None:
         ys = [r["bytes_per_tier"]["tiers"][t] / 2**20 for r in results]
         bars = b.bar(xs, ys, width, label=t)
         b.bar_label(bars, fmt="%.0f", fontsize=8)
-    b.set_xticks(range(len(results)), [r["optimizer"] for r in results])
-    src = sorted({r["bytes_per_tier"]["source"] for r in results})
-    b.set(ylabel="optimizer state (MiB)", title=f"Optimizer bytes per tier ({', '.join(src)})")
+    b.set_xticks(range(len(results)),
+                 [f"{r['optimizer']}\n({r['bytes_per_tier']['source']})" for r in results],
+                 fontsize=8)
+    b.set(ylabel="optimizer state (MiB)", title="Optimizer state bytes per tier")
     b.legend(fontsize=8)
     fig.suptitle(f"{data['model']['params'] / 1e6:.2f}M-param TinyGPT "
                  f"(d={data['model']['d']}, {data['model']['layers']} layers) on "
@@ -184,15 +188,18 @@ def plot(data: dict, path: str) -> None:
 
 def print_table(data: dict) -> None:
     hdr = (f"{'optimizer':<12}{'median ms':>11}{'p99 ms':>10}{'max ms':>10}{'p99/med':>9}"
-           f"{'max/med':>9}{'device MiB':>12}{'host MiB':>10}{'loss':>8}")
+           f"{'max/med':>9}{'device MiB':>12}{'host MiB':>10}{'loss':>8}{'foreign':>9}")
     print(hdr)
     print("-" * len(hdr))
     for r in data["results"]:
         s, t = r["summary"], r["bytes_per_tier"]["tiers"]
         host = t["host"] + t["host_pinned"] + t["uvm"]
+        foreign = r["cpu"].get("foreign_cores_avg")
         print(f"{r['optimizer']:<12}{s['median_ms']:>11.1f}{s['p99_ms']:>10.1f}{s['max_ms']:>10.1f}"
               f"{s['p99_over_median']:>9.2f}{s['max_over_median']:>9.2f}"
-              f"{t['device'] / 2**20:>12.1f}{host / 2**20:>10.1f}{r['final_loss']:>8.3f}")
+              f"{t['device'] / 2**20:>12.1f}{host / 2**20:>10.1f}{r['final_loss']:>8.3f}"
+              f"{float('nan') if foreign is None else foreign:>9.2f}")
+    print("(foreign: average cores other processes kept busy during the run)")
     for key, t in data["targets"].items():
         v = "n/a" if t["value"] is None else f"{t['value']:.3f}"
         met = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]

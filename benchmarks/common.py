@@ -69,6 +69,34 @@ def cpu_list(cpus: Iterable[int]) -> str:
     return ",".join(str(c) for c in sorted(cpus))
 
 
+def cpu_snapshot() -> dict[str, float]:
+    """Wall clock, this process's CPU time and the whole machine's busy CPU time (from
+    /proc/stat), to tell foreign load from our own over an interval (see cpu_delta)."""
+    snap = {"wall": time.perf_counter(), "self": time.process_time(), "machine": float("nan")}
+    try:
+        with open("/proc/stat", encoding="utf-8") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        snap["machine"] = (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        pass
+    return snap
+
+
+def cpu_delta(a: dict[str, float], b: dict[str, float]) -> dict[str, Any]:
+    """CPU use between two snapshots: ours, the machine's, and the rest (other processes), the
+    last also as average busy cores. None where /proc/stat could not be read."""
+    wall = b["wall"] - a["wall"]
+    own = b["self"] - a["self"]
+    busy = b["machine"] - a["machine"]
+    out: dict[str, Any] = {"wall_s": round(wall, 3), "self_cpu_s": round(own, 3)}
+    if math.isfinite(busy):
+        foreign = max(0.0, busy - own)
+        out.update({"machine_busy_s": round(busy, 3), "foreign_cpu_s": round(foreign, 3),
+                    "foreign_cores_avg": round(foreign / wall, 3) if wall > 0 else None})
+    return out
+
+
 def machine() -> dict[str, Any]:
     u = platform.uname()
     out: dict[str, Any] = {
@@ -199,10 +227,21 @@ def write_json(data: dict, name: str, out_dir: Optional[str] = None) -> str:
     path = os.path.join(out_dir, name)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1, allow_nan=False, default=_json_default)
+        json.dump(_finite(data), f, indent=1, allow_nan=False, default=_json_default)
         f.write("\n")
     os.replace(tmp, path)
     return path
+
+
+def _finite(x: Any) -> Any:
+    """NaN / inf (a diverged loss, say) become null: strict JSON, and the rest still lands."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
 
 
 def _json_default(x: Any) -> Any:

@@ -130,11 +130,14 @@ def child(args) -> int:
         emit({"type": "step", "i": i, "step_ms": 1e3 * step_s, "opt_ms": 1e3 * opt_s,
               "loss": loss})
 
+    cpu0 = common.cpu_snapshot()
     res = common.train_steps(model, opt, batch, args.steps, device, autocast_dtype=dtype,
                              budget_s=args.budget_s, log=log, log_every=args.log_every,
                              label=args.child, on_step=on_step)
+    cpu = common.cpu_delta(cpu0, common.cpu_snapshot())
     stats = common.runtime_stats(opt)
     rec = {"type": "result", "stopped_early": res["stopped_early"], "wall_s": res["wall_s"],
+           "cpu": cpu,
            "bytes_per_tier": common.tier_bytes(opt, device, stats),
            "runtime_counters": common.pick_runtime_counters(stats), "asteria_stats": stats,
            "peak_bytes_registered": res["peak_bytes_registered"]}

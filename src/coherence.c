@@ -427,6 +427,80 @@ int ast_coherence_last_error(ast_coherence *reg, char *buf, size_t len)
 
 /* ---- registration and the plan ------------------------------------------------------------ */
 
+/* The replica set of a registration: the default set, or the interned sorted copy of rr. Checks
+ * the list as register_block documents; id only names the block in messages. */
+static int replica_set(ast_coherence *reg, uint64_t id, const int *rr, int n, const char *what,
+                       struct vset **out)
+{
+    if (rr ? n < 1 : n != 0)
+        return fail(reg, AST_EINVAL, "%s %" PRIu64 ": nreplicas %d with %s replica list", what,
+                    id, n, rr ? "a" : "no");
+    *out = reg->default_set;
+    if (!rr)
+        return 0;
+    int *sorted = malloc((size_t)n * sizeof(int));
+    if (!sorted)
+        return fail(reg, AST_ENOMEM, "%s %" PRIu64 ": out of memory", what, id);
+    for (int i = 0; i < n; i++) {
+        if (rr[i] < 0 || rr[i] >= reg->world) {
+            free(sorted);
+            return fail(reg, AST_EINVAL, "%s %" PRIu64 ": replica rank %d outside [0, %d)", what,
+                        id, rr[i], reg->world);
+        }
+        sorted[i] = rr[i];
+    }
+    qsort(sorted, (size_t)n, sizeof(int), cmp_int);
+    for (int i = 1; i < n; i++)
+        if (sorted[i] == sorted[i - 1]) {
+            int dup = sorted[i];
+            free(sorted);
+            return fail(reg, AST_EINVAL, "%s %" PRIu64 ": replica rank %d listed twice", what, id,
+                        dup);
+        }
+    if (vset_intern(reg, sorted, n, out) != 0)
+        return fail(reg, AST_ENOMEM, "%s %" PRIu64 ": out of memory", what, id);
+    return 0;
+}
+
+/* Room for `more` blocks in the table and the hash, so that adding them cannot fail. */
+static int reserve_blocks(ast_coherence *reg, size_t more)
+{
+    size_t need = reg->nblocks + more;
+    if (need > reg->capblocks) {
+        size_t cap = reg->capblocks ? reg->capblocks : 64;
+        while (cap < need)
+            cap *= 2;
+        struct blk *p = realloc(reg->blocks, cap * sizeof *p);
+        if (!p)
+            return AST_ENOMEM;
+        reg->blocks = p;
+        reg->capblocks = cap;
+    }
+    if (2 * need > reg->hcap) {
+        size_t cap = reg->hcap ? reg->hcap : 128;
+        while (cap < 2 * need)
+            cap *= 2;
+        if (hash_rebuild(reg, cap) != 0)
+            return AST_ENOMEM;
+    }
+    return 0;
+}
+
+/* Appends a checked block; reserve_blocks made the room. */
+static void add_block(ast_coherence *reg, uint64_t id, uint64_t cost, struct vset *set)
+{
+    struct blk *b = &reg->blocks[reg->nblocks];
+    memset(b, 0, sizeof *b);
+    b->id = id;
+    b->cost = cost;
+    b->set = set;
+    b->owner = -1;
+    b->pub.t = b->cur.t = -1;
+    b->sync_step = b->recv_step = -1;
+    hash_put(reg->hidx, reg->hcap, id, reg->nblocks);
+    reg->nblocks++;
+}
+
 static int do_register(ast_coherence *reg, uint64_t id, uint64_t cost, const int *rr, int n)
 {
     if (reg->planned)
@@ -439,55 +513,13 @@ static int do_register(ast_coherence *reg, uint64_t id, uint64_t cost, const int
                     rr ? "a" : "no");
     if (lookup(reg, id))
         return fail(reg, AST_EINVAL, "register_block %" PRIu64 ": already registered", id);
-
-    struct vset *set = reg->default_set;
-    if (rr) {
-        int *sorted = malloc((size_t)n * sizeof(int));
-        if (!sorted)
-            return fail(reg, AST_ENOMEM, "register_block %" PRIu64 ": out of memory", id);
-        for (int i = 0; i < n; i++) {
-            if (rr[i] < 0 || rr[i] >= reg->world) {
-                free(sorted);
-                return fail(reg, AST_EINVAL,
-                            "register_block %" PRIu64 ": replica rank %d outside [0, %d)", id,
-                            rr[i], reg->world);
-            }
-            sorted[i] = rr[i];
-        }
-        qsort(sorted, (size_t)n, sizeof(int), cmp_int);
-        for (int i = 1; i < n; i++)
-            if (sorted[i] == sorted[i - 1]) {
-                int dup = sorted[i];
-                free(sorted);
-                return fail(reg, AST_EINVAL,
-                            "register_block %" PRIu64 ": replica rank %d listed twice", id, dup);
-            }
-        if (vset_intern(reg, sorted, n, &set) != 0)
-            return fail(reg, AST_ENOMEM, "register_block %" PRIu64 ": out of memory", id);
-    }
-
-    if (reg->nblocks == reg->capblocks) {
-        size_t cap = reg->capblocks ? 2 * reg->capblocks : 64;
-        struct blk *p = realloc(reg->blocks, cap * sizeof *p);
-        if (!p)
-            return fail(reg, AST_ENOMEM, "register_block %" PRIu64 ": out of memory", id);
-        reg->blocks = p;
-        reg->capblocks = cap;
-    }
-    if (2 * (reg->nblocks + 1) > reg->hcap &&
-        hash_rebuild(reg, reg->hcap ? 2 * reg->hcap : 128) != 0)
+    struct vset *set;
+    int rc = replica_set(reg, id, rr, n, "register_block", &set);
+    if (rc)
+        return rc;
+    if (reserve_blocks(reg, 1) != 0)
         return fail(reg, AST_ENOMEM, "register_block %" PRIu64 ": out of memory", id);
-
-    struct blk *b = &reg->blocks[reg->nblocks];
-    memset(b, 0, sizeof *b);
-    b->id = id;
-    b->cost = cost;
-    b->set = set;
-    b->owner = -1;
-    b->pub.t = b->cur.t = -1;
-    b->sync_step = b->recv_step = -1;
-    hash_put(reg->hidx, reg->hcap, id, reg->nblocks);
-    reg->nblocks++;
+    add_block(reg, id, cost, set);
     return 0;
 }
 
@@ -517,25 +549,24 @@ static int cmp_lpt(const void *a, const void *b)
     return (x->id > y->id) - (x->id < y->id);
 }
 
-static int do_plan(ast_coherence *reg)
+/* The LPT rule over the blocks that have no owner yet, continuing from the current loads (every
+ * block on the first plan). order: scratch for nblocks pointers. Cannot fail. */
+static void assign_owners(ast_coherence *reg, struct blk **order)
 {
-    if (reg->planned)
-        return 0;
-    struct blk **order = malloc((reg->nblocks ? reg->nblocks : 1) * sizeof *order);
-    if (!order)
-        return fail(reg, AST_ENOMEM, "plan: out of memory");
     /* The table is sorted by id first: registration order must leave no trace. */
-    if (reg->nblocks)
+    if (reg->nblocks) {
         qsort(reg->blocks, reg->nblocks, sizeof *reg->blocks, cmp_id);
-    if (hash_rebuild(reg, reg->hcap ? reg->hcap : 128) != 0) {
-        free(order);
-        return fail(reg, AST_ENOMEM, "plan: out of memory");
+        memset(reg->hidx, 0, reg->hcap * sizeof *reg->hidx);
+        for (size_t i = 0; i < reg->nblocks; i++)
+            hash_put(reg->hidx, reg->hcap, reg->blocks[i].id, i);
     }
+    size_t n = 0;
     for (size_t i = 0; i < reg->nblocks; i++)
-        order[i] = &reg->blocks[i];
-    if (reg->nblocks)
-        qsort(order, reg->nblocks, sizeof *order, cmp_lpt);
-    for (size_t i = 0; i < reg->nblocks; i++) {
+        if (reg->blocks[i].owner < 0)
+            order[n++] = &reg->blocks[i];
+    if (n)
+        qsort(order, n, sizeof *order, cmp_lpt);
+    for (size_t i = 0; i < n; i++) {
         struct blk *b = order[i];
         int best = b->set->ranks[0]; /* ranks ascend: strict < keeps the lowest on ties */
         for (int k = 1; k < b->set->n; k++)
@@ -548,9 +579,19 @@ static int do_plan(ast_coherence *reg)
             reg->st.load = sat_add(reg->st.load, b->cost);
         }
     }
-    free(order);
     reg->st.blocks = reg->nblocks;
     reg->planned = 1;
+}
+
+static int do_plan(ast_coherence *reg)
+{
+    if (reg->planned)
+        return 0;
+    struct blk **order = malloc((reg->nblocks ? reg->nblocks : 1) * sizeof *order);
+    if (!order)
+        return fail(reg, AST_ENOMEM, "plan: out of memory");
+    assign_owners(reg, order);
+    free(order);
     return 0;
 }
 
@@ -560,6 +601,67 @@ int ast_coherence_plan(ast_coherence *reg)
         return AST_EINVAL;
     pthread_mutex_lock(&reg->mu);
     int rc = do_plan(reg);
+    pthread_mutex_unlock(&reg->mu);
+    return rc;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+static int do_extend(ast_coherence *reg, const uint64_t *ids, const uint64_t *costs, size_t n,
+                     const int *rr, int nr)
+{
+    if (n && (!ids || !costs))
+        return fail(reg, AST_EINVAL, "extend: NULL ids or costs for %zu blocks", n);
+    for (size_t i = 0; i < n; i++) {
+        if (costs[i] == 0)
+            return fail(reg, AST_EINVAL, "extend %" PRIu64 ": cost 0", ids[i]);
+        if (lookup(reg, ids[i]))
+            return fail(reg, AST_EINVAL, "extend %" PRIu64 ": already registered", ids[i]);
+    }
+    if (n > 1) {
+        uint64_t *sorted = malloc(n * sizeof *sorted);
+        if (!sorted)
+            return fail(reg, AST_ENOMEM, "extend: out of memory");
+        memcpy(sorted, ids, n * sizeof *sorted);
+        qsort(sorted, n, sizeof *sorted, cmp_u64);
+        uint64_t dup = 0;
+        int repeated = 0;
+        for (size_t i = 1; i < n && !repeated; i++)
+            if (sorted[i] == sorted[i - 1]) {
+                dup = sorted[i];
+                repeated = 1;
+            }
+        free(sorted);
+        if (repeated)
+            return fail(reg, AST_EINVAL, "extend %" PRIu64 ": listed twice", dup);
+    }
+    struct vset *set;
+    int rc = replica_set(reg, n ? ids[0] : 0, rr, nr, "extend", &set);
+    if (rc)
+        return rc;
+    struct blk **order = malloc((reg->nblocks + n ? reg->nblocks + n : 1) * sizeof *order);
+    if (!order || reserve_blocks(reg, n) != 0) {
+        free(order);
+        return fail(reg, AST_ENOMEM, "extend: out of memory");
+    }
+    for (size_t i = 0; i < n; i++)
+        add_block(reg, ids[i], costs[i], set);
+    assign_owners(reg, order);
+    free(order);
+    return 0;
+}
+
+int ast_coherence_extend(ast_coherence *reg, const uint64_t *ids, const uint64_t *costs, size_t n,
+                         const int *replica_ranks, int nreplicas)
+{
+    if (!reg)
+        return AST_EINVAL;
+    pthread_mutex_lock(&reg->mu);
+    int rc = do_extend(reg, ids, costs, n, replica_ranks, nreplicas);
     pthread_mutex_unlock(&reg->mu);
     return rc;
 }

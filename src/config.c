@@ -3,7 +3,8 @@
  *
  * Owns: the mapping from the Python dict keys of DESIGN.md's "Runtime config" table to the
  * ast_config struct, and every message that explains a rejected key or value (it names the key
- * and the allowed values, so the Python layer can raise it unchanged).
+ * and the allowed values, so the Python layer can raise it unchanged). The test hook
+ * "debug_job_delay_ms" is accepted but left out of ast_config_keys(), which lists the public keys.
  * No state and no locks: a config is a plain value owned by its caller.
  */
 #include "asteria/runtime.h"
@@ -187,6 +188,14 @@ int ast_config_set(ast_config *cfg, const char *key, const char *value, char *er
         cfg->max_failures = (int)v;
         return 0;
     }
+    if (!strcmp(key, "debug_job_delay_ms")) {
+        if (parse_i64(value, &v) || v < 0 || v > 600000)
+            return fail(errbuf, len,
+                        "config key 'debug_job_delay_ms': got '%s'; allowed: an integer 0..600000",
+                        value);
+        cfg->debug_job_delay_ms = (int)v;
+        return 0;
+    }
     if (!strcmp(key, "pin")) {
         int b;
         if (parse_bool(value, &b))
@@ -240,6 +249,9 @@ int ast_config_validate(const ast_config *cfg, char *errbuf, size_t len)
                     cfg->workers);
     if (cfg->max_failures < 1)
         return fail(errbuf, len, "config key 'max_failures': %d; allowed: >= 1", cfg->max_failures);
+    if (cfg->debug_job_delay_ms < 0 || cfg->debug_job_delay_ms > 600000)
+        return fail(errbuf, len, "config key 'debug_job_delay_ms': %d; allowed: 0..600000",
+                    cfg->debug_job_delay_ms);
     if (cfg->device_budget_bytes < -1 || cfg->host_budget_bytes < -1)
         return fail(errbuf, len, "config budgets: allowed a byte count >= 0 or -1 for none");
     return check_placement(cfg->placement, errbuf, len);

@@ -56,6 +56,7 @@ typedef struct rjob {
     int nbufs;
     int failed_index;
     int retried;
+    int delay_ms; /* config debug_job_delay_ms, copied at submit */
 } rjob;
 
 struct ast_runtime {
@@ -297,6 +298,11 @@ static int job_run(void *ctx)
     const ast_refresh *r = &j->req;
     int rc;
     j->failed_index = -1;
+    if (j->delay_ms > 0) {
+        struct timespec d = {j->delay_ms / 1000, (long)(j->delay_ms % 1000) * 1000000L};
+        while (nanosleep(&d, &d) != 0)
+            ;
+    }
     switch (r->op) {
     case AST_OP_EIGH:
         rc = ast_linalg_eigh_batched(r->dtype, r->batch, r->n, r->in0, r->out1, r->out0,
@@ -382,6 +388,7 @@ int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket
         return set_error(rt, AST_ENOMEM, "submit: no memory for a job record");
     j->req = *req;
     j->failed_index = -1;
+    j->delay_ms = rt->cfg.debug_job_delay_ms;
     static const char *const names[JOB_MAX_BUFS] = {"in0", "in1", "out0", "out1"};
     pthread_mutex_lock(&rt->mu);
     rbuf *held[JOB_MAX_BUFS];

@@ -12,7 +12,8 @@
  *
  * Life cycle: create -> register every block (any order) -> ast_coherence_plan (owners are fixed
  * from now on; registering is refused) -> per step: publish / versions exchange / due / sync /
- * received / mark_synced / install_version.
+ * received / mark_synced / install_version. A caller that meets its blocks lazily adds them in
+ * batches with ast_coherence_extend instead, before or after the plan.
  *
  * The rules, each a pure function of what was registered and announced, so every rank that saw
  * the same registrations and announcements gives the same answers:
@@ -96,6 +97,21 @@ int ast_coherence_register_block(ast_coherence *reg, uint64_t block, uint64_t co
 /* Fixes every owner (the LPT rule above); a second call does nothing. RETURN VALUE: 0;
  * AST_ENOMEM. */
 int ast_coherence_plan(ast_coherence *reg);
+
+/* Incremental registration, for callers that meet blocks lazily (an optimizer learns its blocks
+ * at their first refresh): registers n blocks sharing one replica list (as register_block:
+ * NULL with nreplicas 0 takes the default) and fixes their owners at once, before or after
+ * ast_coherence_plan. Owners already fixed never change. The new blocks (with any registered but
+ * not yet planned) go through the LPT rule among themselves - cost descending, id ascending, each
+ * to the replica owning the least cost so far, ties to the lowest rank - where "so far" counts
+ * every block planned before. Owners are therefore a function of the sequence of batches: every
+ * replica must extend with the same batches in the same order (and, as for register_block, with
+ * identical or disjoint replica sets). After it the registry is planned. Atomic: on failure
+ * nothing is registered.
+ * RETURN VALUE: 0; AST_EINVAL (ids or costs NULL with n > 0, a cost 0, an id repeated or already
+ * registered, a bad replica list as for register_block); AST_ENOMEM. */
+int ast_coherence_extend(ast_coherence *reg, const uint64_t *ids, const uint64_t *costs, size_t n,
+                         const int *replica_ranks, int nreplicas);
 
 /* Queries, valid after the plan. RETURN VALUE: 0 (is_owner: 1 or 0); AST_EINVAL (NULL out, rank
  * out of range); AST_ENOENT (unknown block); AST_ESTATE (before the plan). */

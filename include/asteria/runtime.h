@@ -57,6 +57,9 @@ typedef struct ast_config {
     char nvme_dir[AST_PATH_MAX];   /* "nvme_dir": "" = no NVMe tier */
     char trace[AST_PATH_MAX];      /* "trace": "" = no trace */
     int max_failures;              /* "max_failures": K >= 1 (default 3) */
+    /* "debug_job_delay_ms": a test hook, not listed by ast_config_keys: every job sleeps this
+     * long on its worker before computing (0..600000, default 0), to simulate a slow rank. */
+    int debug_job_delay_ms;
 } ast_config;
 
 /* Defaults as in DESIGN.md's config table. */

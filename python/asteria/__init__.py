@@ -6,8 +6,9 @@ staleness budget through ``runtime={"staleness": 5, ...}``.
 """
 
 from asteria.config import RuntimeConfig
+from asteria.hooks import attach, detach
 from asteria.optim import KLShampoo, SOAP, Shampoo
 
 __version__ = "0.1.0"
 
-__all__ = ["SOAP", "Shampoo", "KLShampoo", "RuntimeConfig", "__version__"]
+__all__ = ["SOAP", "Shampoo", "KLShampoo", "RuntimeConfig", "attach", "detach", "__version__"]

@@ -226,12 +226,13 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
 
     tiered_entries = [e for k in TIERED_KINDS for e in by_kind[k]]
 
-    def staged_min(es: Sequence[StateEntry]) -> int:
+    def staged_min(es: Sequence[StateEntry], every: bool = False) -> int:
         """The ring must hold at least one preconditioner block's staged matrices (the unit
-        the step streams: one (parameter, block) with all its dimensions)."""
+        the step streams: one (parameter, block) with all its dimensions). ``every``: count
+        blocks wherever they are (the reserve before spilling)."""
         per_block: dict = {}
         for e in es:
-            if block_tier[e.key] in ("host", "host_pinned", "nvme"):
+            if every or block_tier[e.key] in ("host", "host_pinned", "nvme"):
                 unit = (e.pidx, e.name.split(".")[0])
                 per_block[unit] = per_block.get(unit, 0) + align(e.nbytes)
         return max(per_block.values(), default=0)
@@ -242,9 +243,7 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
         room = dev_budget - fixed
         if sum(e.nbytes for e in on_dev) > room:
             # something spills, so a staging ring is needed: reserve it before filling
-            all_min = max(staged_min(tiered_entries),
-                          max((align(e.nbytes) for e in on_dev), default=0))
-            room -= all_min
+            room -= staged_min(tiered_entries, every=True)
             kept, spilled = 0, []
             for e in sorted(on_dev, key=lambda e: (e.pidx, e.name)):
                 if e.nbytes <= room:

@@ -113,7 +113,7 @@ class Residency:
         cuda = plan.cuda and torch.cuda.is_available() and _C.HAVE_CUDA
         nblocks = max(8, len(plan.block_tier) + 8)
         self.shadow = _C.Shadow(mode="auto" if cuda else "host",
-                                prefetch_ring_bytes=max(plan.ring_bytes, 4096),
+                                prefetch_ring_bytes=plan.ring_bytes,
                                 snapshot_ring_bytes=4096, slots=nblocks) \
             if plan.ring_bytes else None
         self.cuda = bool(self.shadow is not None and self.shadow.stats()["is_cuda"])
@@ -127,7 +127,7 @@ class Residency:
         self._in_step = False
         self._deferred: Optional[BaseException] = None
         self.counters = {"bytes_h2d": 0, "bytes_d2h": 0, "prefetches": 0, "prefetch_hits": 0,
-                         "prefetch_busy": 0, "ring_evictions": 0, "nvme_window_bytes": 0,
+                         "prefetches_ahead": 0, "prefetch_busy": 0, "ring_evictions": 0, "nvme_window_bytes": 0,
                          "nvme_fetches_early": 0, "nvme_spill_deferred": 0}
         self.prefetch_log: Optional[list] = None  # set to a list to record prefetch calls
         self._closed = False
@@ -144,6 +144,13 @@ class Residency:
 
     def tier_of(self, key) -> str:
         return self.store.tier(self._blocks[key].sid)
+
+    def record_path(self, key) -> str:
+        """The record file of a block now on NVMe (diagnostics, fault tests)."""
+        return self.store.record_path(self._blocks[key].sid)
+
+    def on_nvme(self) -> list:
+        return [k for k, b in self._blocks.items() if self.store.tier(b.sid) == "nvme"]
 
     def _label(self, blk: _Blk) -> str:
         return self._describe(blk.key)
@@ -226,7 +233,7 @@ class Residency:
         if not blks:
             return
         for b in blks:
-            self._quiesce(b)
+            self._quiesce(b, release=False)
         ids = [b.sid for b in blks]
         nbytes = sum(b.nbytes for b in blks)
         files = {}
@@ -356,14 +363,14 @@ class Residency:
         self._slots[key] = blk
         self.counters["bytes_h2d"] += blk.nbytes
         self.counters["prefetches"] += 1
-        self._trace("copy_issued", "shadow", bytes=blk.nbytes, direction="h2d", ts_ns=t0,
-                    block=blk.sid)
+        self._trace("copy_issued", "shadow", "prefetch issued", bytes=blk.nbytes,
+                    direction="h2d", ts_ns=t0)
         if not self.cuda:  # the host path copied at issue
             t1 = time.monotonic_ns()
-            self._trace("copy", "shadow", bytes=blk.nbytes, direction="h2d", ts_ns=t0,
-                        dur_ns=t1 - t0, block=blk.sid)
-            self._trace("copy_done", "shadow", bytes=blk.nbytes, direction="h2d", ts_ns=t1,
-                        block=blk.sid)
+            self._trace("copy", "shadow", "prefetch", bytes=blk.nbytes, direction="h2d",
+                        ts_ns=t0, dur_ns=t1 - t0)
+            self._trace("copy_done", "shadow", "prefetch done", bytes=blk.nbytes,
+                        direction="h2d", ts_ns=t1)
         return True
 
     def _release(self, blk: _Blk) -> None:
@@ -376,12 +383,14 @@ class Residency:
         self._slots.pop(blk.slot, None)
         blk.slot, blk.slot_ptr, blk.slot_event, blk.slot_version = 0, 0, None, -1
 
-    def _quiesce(self, blk: _Blk) -> None:
-        """No copy may still read blk's memory (before a write, move or free)."""
+    def _quiesce(self, blk: _Blk, release: bool = True) -> None:
+        """No copy may still read blk's memory (before a write, move or free). A move keeps
+        the slot (its copy has landed and the value does not change)."""
         if blk.slot:
             if self.cuda:
                 self.shadow.prefetch_wait(blk.slot)
-            self._release(blk)
+            if release:
+                self._release(blk)
 
     def _quiesce_writes(self, blk: _Blk) -> None:
         pass  # writes into host blocks are synchronous copies
@@ -398,9 +407,12 @@ class Residency:
         for blk in blks:
             if blk.home == "uvm":
                 continue
+            fresh = not (blk.slot and blk.slot_version == blk.version)
             if not self._stage(blk):
                 break
             n += 1
+            if fresh and reason != "step":
+                self.counters["prefetches_ahead"] += 1
         return n
 
     def chunk_cost(self, keys: Iterable) -> int:
@@ -458,7 +470,7 @@ class Residency:
             return dict(self._final_stats)
         st = self.store.stats()
         out = {f"bytes_{t}": st["bytes"][t] for t in ("host", "host_pinned", "uvm", "nvme")}
-        out["bytes_device_ring"] = self.plan.ring_bytes
+        out["bytes_device_ring"] = self.plan.ring_bytes if self.shadow is not None else 0
         out["bytes_nvme_read"] = st["nvme_bytes_read"]
         out["bytes_nvme_written"] = st["nvme_bytes_written"]
         out["nvme_read_ns"] = st["nvme_read_ns"]

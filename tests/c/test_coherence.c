@@ -958,6 +958,184 @@ static void test_threads(void **state)
     ast_coherence_destroy(reg);
 }
 
+/* ---- incremental registration (ast_coherence_extend) -------------------------------------- */
+
+static void test_extend(void **state)
+{
+    (void)state;
+    /* One batch on a fresh registry equals register + plan of the same blocks. */
+    uint64_t seed = 0x5eed5eedULL, ids[64], costs[64];
+    random_blocks(ids, costs, 64, &seed);
+    ast_coherence *regs[W];
+    make_world(regs, 2, ids, costs, 64, 7);
+    ast_coherence *ext[W];
+    for (int r = 0; r < W; r++) {
+        ext[r] = make_reg(W, r, RPN, 2, NULL);
+        assert_int_equal(ast_coherence_extend(ext[r], ids, costs, 64, NULL, 0), 0);
+        for (int i = 0; i < 64; i++) {
+            int a, b;
+            assert_int_equal(ast_coherence_owner(regs[r], ids[i], &a), 0);
+            assert_int_equal(ast_coherence_owner(ext[r], ids[i], &b), 0);
+            assert_int_equal(a, b);
+        }
+    }
+    destroy_world(regs);
+
+    /* A second batch (each rank in its own order): old owners stay, new ones agree everywhere,
+     * and LPT continues from the loads. */
+    int before[64];
+    for (int i = 0; i < 64; i++)
+        assert_int_equal(ast_coherence_owner(ext[0], ids[i], &before[i]), 0);
+    uint64_t ids2[16], costs2[16];
+    for (int i = 0; i < 16; i++) {
+        ids2[i] = 5 + 3 * (uint64_t)i; /* below and between nothing: ids 5..50 are new */
+        costs2[i] = ast_coherence_dim_cost(64 + 16 * (uint64_t)(i % 5));
+    }
+    for (int r = 0; r < W; r++) {
+        uint64_t pi[16], pc[16], perm[16];
+        for (int i = 0; i < 16; i++)
+            perm[i] = (uint64_t)i;
+        uint64_t s2 = 77 + (uint64_t)r;
+        shuffle(perm, 16, &s2);
+        for (int i = 0; i < 16; i++) {
+            pi[i] = ids2[perm[i]];
+            pc[i] = costs2[perm[i]];
+        }
+        assert_int_equal(ast_coherence_extend(ext[r], pi, pc, 16, NULL, 0), 0);
+        size_t nb;
+        assert_int_equal(ast_coherence_nblocks(ext[r], &nb), 0);
+        assert_int_equal(nb, 80);
+    }
+    uint64_t load0[W];
+    for (int q = 0; q < W; q++)
+        assert_int_equal(ast_coherence_load(ext[0], q, &load0[q]), 0);
+    for (int r = 0; r < W; r++) {
+        for (int i = 0; i < 64; i++) {
+            int o;
+            assert_int_equal(ast_coherence_owner(ext[r], ids[i], &o), 0);
+            assert_int_equal(o, before[i]);
+        }
+        for (int i = 0; i < 16; i++) {
+            int a, b;
+            assert_int_equal(ast_coherence_owner(ext[0], ids2[i], &a), 0);
+            assert_int_equal(ast_coherence_owner(ext[r], ids2[i], &b), 0);
+            assert_int_equal(a, b);
+        }
+        for (int q = 0; q < W; q++) {
+            uint64_t l;
+            assert_int_equal(ast_coherence_load(ext[r], q, &l), 0);
+            assert_int_equal(l, load0[q]);
+        }
+    }
+    for (int r = 0; r < W; r++)
+        ast_coherence_destroy(ext[r]);
+
+    /* LPT continuation by hand, replicas {0, 1}: first batch 9 -> 0, 4 -> 1 (loads 9, 4); second
+     * batch 5 -> 1 (4 < 9: loads 9, 9), 2 -> 0 (tie: lowest rank). */
+    ast_coherence *reg = make_reg(W, 1, RPN, 0, NULL);
+    const int rr[2] = {1, 0};
+    const uint64_t a_ids[2] = {1, 2}, a_costs[2] = {9, 4};
+    const uint64_t b_ids[2] = {3, 4}, b_costs[2] = {2, 5};
+    assert_int_equal(ast_coherence_extend(reg, a_ids, a_costs, 2, rr, 2), 0);
+    assert_int_equal(ast_coherence_extend(reg, b_ids, b_costs, 2, rr, 2), 0);
+    const int want[5] = {-1, 0, 1, 0, 1};
+    for (uint64_t id = 1; id <= 4; id++) {
+        int o;
+        assert_int_equal(ast_coherence_owner(reg, id, &o), 0);
+        assert_int_equal(o, want[id]);
+    }
+    ast_coherence_stats st;
+    assert_int_equal(ast_coherence_stats_get(reg, &st), 0);
+    assert_int_equal(st.blocks, 4);
+    assert_int_equal(st.owned, 2);
+    assert_int_equal(st.load, 9);
+
+    /* Atomic failures: nothing is registered. */
+    const uint64_t dup_ids[3] = {10, 11, 10}, ok_costs[3] = {1, 1, 1};
+    assert_int_equal(ast_coherence_extend(reg, dup_ids, ok_costs, 3, NULL, 0), AST_EINVAL);
+    const uint64_t old_ids[2] = {12, 2};
+    assert_int_equal(ast_coherence_extend(reg, old_ids, ok_costs, 2, NULL, 0), AST_EINVAL);
+    const uint64_t zc_ids[2] = {12, 13}, zc_costs[2] = {1, 0};
+    assert_int_equal(ast_coherence_extend(reg, zc_ids, zc_costs, 2, NULL, 0), AST_EINVAL);
+    const int bad_rr[2] = {0, 9};
+    assert_int_equal(ast_coherence_extend(reg, zc_ids, ok_costs, 2, bad_rr, 2), AST_EINVAL);
+    assert_int_equal(ast_coherence_extend(reg, NULL, ok_costs, 2, NULL, 0), AST_EINVAL);
+    char err[256];
+    assert_int_equal(ast_coherence_last_error(reg, err, sizeof err), 0);
+    assert_non_null(strstr(err, "extend"));
+    size_t nb;
+    assert_int_equal(ast_coherence_nblocks(reg, &nb), 0);
+    assert_int_equal(nb, 4);
+    assert_int_equal(ast_coherence_register_block(reg, 20, 1, NULL, 0), AST_ESTATE);
+    assert_int_equal(ast_coherence_extend(reg, NULL, NULL, 0, NULL, 0), 0);
+    ast_coherence_destroy(reg);
+}
+
+/* Blocks met lazily: a first refresh of blocks 1..4, then blocks 5..6 extended while 1..4 are in
+ * flight; the exchange vector grows with them and the full protocol still installs the same
+ * versions on every rank at t + S. */
+static void test_extend_protocol(void **state)
+{
+    (void)state;
+    const int S = 2;
+    ast_coherence *regs[W];
+    const uint64_t first[4] = {1, 2, 3, 4}, fc[4] = {8, 8, 8, 8};
+    const uint64_t later[2] = {5, 6}, lc[2] = {27, 1};
+    for (int r = 0; r < W; r++) {
+        regs[r] = make_reg(W, r, RPN, S, NULL);
+        assert_int_equal(ast_coherence_extend(regs[r], first, fc, 4, NULL, 0), 0);
+    }
+    for (int r = 0; r < W; r++)
+        for (int i = 0; i < 4; i++)
+            if (ast_coherence_is_owner(regs[r], first[i]) == 1)
+                assert_int_equal(ast_coherence_publish(regs[r], first[i], 1, 10), 0);
+    for (int r = 0; r < W; r++) {
+        assert_int_equal(ast_coherence_extend(regs[r], later, lc, 2, NULL, 0), 0);
+        ast_coherence_stats st;
+        assert_int_equal(ast_coherence_stats_get(regs[r], &st), 0);
+        assert_int_equal(st.blocks, 6);
+    }
+    int owner5;
+    assert_int_equal(ast_coherence_owner(regs[2], 5, &owner5), 0);
+    /* all four ranks carry cost 8; 27 goes to rank 0, 1 to rank 1 */
+    assert_int_equal(owner5, 0);
+    for (int r = 0; r < W; r++)
+        if (ast_coherence_is_owner(regs[r], 5) == 1)
+            assert_int_equal(ast_coherence_publish(regs[r], 5, 1, 11), 0);
+    for (int64_t step = 12; step <= 13; step++) {
+        int64_t acc[6 * AST_COH_XCHG_STRIDE] = {0}, v[6 * AST_COH_XCHG_STRIDE];
+        for (int r = 0; r < W; r++) {
+            assert_int_equal(ast_coherence_versions_export(regs[r], step, v, 18), 0);
+            for (int k = 0; k < 18; k++)
+                acc[k] = v[k] > acc[k] ? v[k] : acc[k];
+        }
+        for (int r = 0; r < W; r++) {
+            assert_int_equal(ast_coherence_versions_import(regs[r], step, acc, 18), 0);
+            uint64_t due[6];
+            size_t n;
+            assert_int_equal(ast_coherence_due(regs[r], step, due, 6, &n), 0);
+            assert_int_equal(n, step == 12 ? 4 : 1);
+            for (size_t k = 0; k < n; k++) {
+                if (ast_coherence_is_owner(regs[r], due[k]) == 0)
+                    assert_int_equal(ast_coherence_received(regs[r], due[k], 1, step), 0);
+                assert_int_equal(ast_coherence_mark_synced(regs[r], due[k], 1, step), 0);
+            }
+            for (uint64_t b = 1; b <= 6; b++) {
+                uint64_t ver;
+                assert_int_equal(ast_coherence_install_version(regs[r], b, step, &ver), 0);
+                assert_int_equal(ver, b <= 4 || (b == 5 && step == 13) ? 1u : 0u);
+            }
+        }
+    }
+    for (int r = 0; r < W; r++) {
+        ast_coherence_stats st;
+        assert_int_equal(ast_coherence_stats_get(regs[r], &st), 0);
+        assert_int_equal(st.max_lag_steps, S);
+        assert_int_equal(st.installs, 5);
+    }
+    destroy_world(regs);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -969,6 +1147,8 @@ int main(void)
         cmocka_unit_test(test_hier_plan),
         cmocka_unit_test(test_bad_inputs),
         cmocka_unit_test(test_threads),
+        cmocka_unit_test(test_extend),
+        cmocka_unit_test(test_extend_protocol),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -94,10 +94,15 @@ class MatrixAwareAsteria(torch.optim.Optimizer):
     def __init__(self, params: Iterable[dict], *, method: type, method_name: str,
                  runtime: Any = None) -> None:
         groups = [dict(g) for g in params]
+        self._dtype_keys: set[str] = set()
         for i, g in enumerate(groups):
             if g.get("algorithm") not in (ADAMW, method_name):
                 raise ValueError(f"param group {i}: 'algorithm' must be {ADAMW!r} or "
                                  f"{method_name!r}, got {g.get('algorithm')!r}")
+            for k, v in g.items():
+                if isinstance(v, torch.dtype):  # not a type torch.distributed.checkpoint saves
+                    self._dtype_keys.add(k)
+                    g[k] = str(v).removeprefix("torch.")
         super().__init__(groups, {})
         self.method_name = method_name
         self._schema = ck.schema_of(method)
@@ -105,7 +110,7 @@ class MatrixAwareAsteria(torch.optim.Optimizer):
         self._keys: dict[torch.Tensor, str] = {}                # real parameter -> state key
         method_groups, adamw_groups = [], []
         for g in self.param_groups:
-            hparams = {k: v for k, v in g.items() if k not in ("params", "algorithm")}
+            hparams = self._inner_hparams(g)
             if self._is_method(g):
                 method_groups.append(dict(hparams, params=[self._make_stand_in(p)
                                                            for p in g["params"]]))
@@ -137,11 +142,19 @@ class MatrixAwareAsteria(torch.optim.Optimizer):
         a = iter(self.adamw.param_groups if self.adamw is not None else ())
         return [(g, next(m) if self._is_method(g) else next(a)) for g in self.param_groups]
 
+    def _inner_hparams(self, group: dict) -> dict:
+        """An outer group's hyperparameters as the inner optimizer takes them."""
+        out = {k: v for k, v in group.items() if k not in ("params", "algorithm")}
+        for k in self._dtype_keys & out.keys():
+            if isinstance(out[k], str):
+                out[k] = getattr(torch, out[k])
+        return out
+
     def _sync_hparams(self) -> None:
         """The outer hyperparameters (a scheduler's lr, a loaded checkpoint's values) into the
         inner groups."""
         for outer, inner in self._pairs():
-            inner.update((k, v) for k, v in outer.items() if k not in ("params", "algorithm"))
+            inner.update(self._inner_hparams(outer))
 
     def _sync_shards(self) -> None:
         """The current local shard and gradient of each DTensor parameter into its stand-in."""
@@ -184,15 +197,17 @@ class MatrixAwareAsteria(torch.optim.Optimizer):
         self.state = state
 
     def _forget_fake_step(self) -> None:
-        for p, g in self._index():
-            if self._is_method(g):
-                st = self.second_order.state.get(self._stand_in[p])
-                fake = bool(st) and ck.is_fake_step_state(st, self._schema)
-            else:
-                st = self.adamw.state.get(p)
-                fake = bool(st) and ck.is_fake_step_adamw(st)
-            if fake:
-                st.clear()  # in place: the inner optimizer sees a parameter without state
+        """Drop every state that is exactly what a fake step left, through the inner
+        optimizers' own state_dict / load_state_dict (their state may live off the device)."""
+        for inner, fake in ((self.second_order,
+                             lambda st: ck.is_fake_step_state(st, self._schema)),
+                            (self.adamw, ck.is_fake_step_adamw)):
+            if inner is None:
+                continue
+            sd = inner.state_dict()
+            keep = {i: st for i, st in sd["state"].items() if not fake(st)}
+            if len(keep) != len(sd["state"]):
+                inner.load_state_dict({"state": keep, "param_groups": sd["param_groups"]})
 
     # ---- torch.optim.Optimizer ----------------------------------------------------------------
     @torch.no_grad()
@@ -206,6 +221,7 @@ class MatrixAwareAsteria(torch.optim.Optimizer):
         if self._check_fake_step and self.state:
             self._forget_fake_step()
             self._check_fake_step = False
+            self._refresh_state()
         was_empty = not self.state
         try:
             if self.adamw is not None:

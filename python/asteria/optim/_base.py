@@ -432,8 +432,15 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             if tier != "device":
                 self._tkeys[key[0]].append(key)
         if plan.tiered and self._tiered is None:
-            self._tiered = _tiered_mod.Residency(plan, self._cfg, tracer=self._trace_event,
-                                                 describe=self._describe_key)
+            # no strong reference back to self: the finalizer holds the residency
+            me = weakref.ref(self)
+
+            def describe(key, _me=me):
+                opt = _me()
+                return opt._describe_key(key) if opt is not None else f"block {key!r}"
+
+            self._tiered = _tiered_mod.Residency(
+                plan, self._cfg, tracer=getattr(self._engine, "trace", None), describe=describe)
             self.state = _States(self, self.state)
             if self._finalizer is not None:  # the finalizer must close the new residency too
                 self._finalizer.detach()
@@ -473,6 +480,37 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         tr = getattr(self._engine, "trace", None)
         if tr is not None:
             tr(kind, lane, name, **args)
+
+    # ---- asteria.attach hooks ------------------------------------------------------------------
+    def _asteria_name_params(self, names: dict) -> None:
+        """Parameter names (from the model) for messages."""
+        for p, name in names.items():
+            if p in self._pindex:
+                self._pnames[self._pindex[p]] = name
+
+    def _asteria_drain(self) -> int:
+        """Collect finished REFRESH jobs (never blocks). Returns how many were collected."""
+        if self._closed:
+            return 0
+        drain = getattr(self._engine, "drain", None)
+        return drain() if drain is not None else 0
+
+    def _asteria_keys(self, params: Iterable) -> list:
+        if self._tiered is None:
+            return []
+        return [k for p in params if p in self._pindex
+                for k in self._tkeys.get(self._pindex[p], ()) if self._tiered.has(k)]
+
+    def _asteria_prefetch(self, params: Iterable, reason: str = "") -> int:
+        """Stage the roots / eigenbases of params into the ring (as far as it has room)."""
+        if self._closed or self._tiered is None:
+            return 0
+        return self._tiered.prefetch(self._asteria_keys(params), reason=reason)
+
+    def _asteria_fetch_early(self, params: Iterable) -> None:
+        """Read params' NVMe-resident blocks back into host memory (never raises)."""
+        if not self._closed and self._tiered is not None:
+            self._tiered.fetch_early(self._asteria_keys(params))
 
     def asteria_plan(self) -> list[str]:
         """The planner's decisions, in plain words."""
@@ -853,6 +891,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         staging ring counts as device bytes), copy bytes per direction and NVMe bandwidth."""
         stats = {k: 0 for k in STATS_KEYS}
         stats["nvme_read_MBps"] = stats["nvme_write_MBps"] = 0.0
+        stats["bytes_device_ring"] = 0
         stats.update(self._engine.stats())
         stats.update(self._counters)
         dev = 0

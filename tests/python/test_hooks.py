@@ -1,0 +1,182 @@
+"""asteria.attach / asteria.detach (asteria.hooks) on a plain nn.Module and on FSDP2.
+
+ - attach registers one forward hook and one full-backward-pre hook per module that owns
+   parameters of the optimizer; detach (by handle or by model) removes every one of them;
+ - the forward hooks fire in module order, the backward-pre prefetches in REVERSE module
+   order, and the step then finds the staged roots in the ring (prefetch hits);
+ - results with and without attach are bitwise identical (install="deterministic"), for the
+   three optimizers, and attach on a sync-mode optimizer changes nothing either;
+ - FSDP2: fully_shard on a single-process gloo group (world size 1, CPU mesh); the optimizer
+   works on the DTensors' local shards; attach and detach leave FSDP's own hooks alone; the
+   trajectory is bitwise the plain model's.
+"""
+
+import pytest
+import torch
+
+from asteria import SOAP, KLShampoo, Shampoo, attach, detach
+from models import loss_and_grad, make_model, params_of, require_c_extension
+
+pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+
+F64 = dict(compute_dtype=torch.float64)
+MAKERS = {
+    "soap": lambda p, rt: SOAP(p, precondition_frequency=4, runtime=rt),
+    "shampoo": lambda p, rt: Shampoo(p, lr=3e-3, precondition_frequency=4, runtime=rt),
+    "kl_shampoo": lambda p, rt: KLShampoo(p, lr=3e-3, precondition_frequency=4, runtime=rt,
+                                          **F64),
+}
+RT = {"mode": "async", "staleness": 2, "install": "deterministic", "workers": 2}
+STEPS = 10
+
+
+@pytest.fixture(autouse=True)
+def _c_extension():
+    require_c_extension()
+
+
+def hook_counts(model):
+    return {n: (len(m._forward_hooks), len(m._backward_pre_hooks))
+            for n, m in model.named_modules()}
+
+
+def train(model, opt, steps=STEPS, attached=False):
+    handle = attach(model, opt) if attached else None
+    traj = []
+    try:
+        for t in range(1, steps + 1):
+            loss_and_grad(model, "mlp", t)
+            opt.step()
+            traj.append(params_of(model))
+        stats = opt.asteria_stats()
+    finally:
+        if handle is not None:
+            detach(handle)
+        opt.close()
+    return traj, stats, handle
+
+
+def test_attach_registers_and_detach_removes_every_hook():
+    model = make_model("mlp")
+    opt = SOAP(model.parameters(), runtime=RT)
+    try:
+        assert all(c == (0, 0) for c in hook_counts(model).values())
+        h = attach(model, opt)
+        counts = hook_counts(model)
+        assert h.modules == ["layers.0", "layers.1", "layers.2"]
+        assert counts == {"": (0, 0), "layers": (0, 0), "layers.0": (1, 1),
+                          "layers.1": (1, 1), "layers.2": (1, 1)}
+        assert detach(h) == 1 and detach(h) == 0
+        assert all(c == (0, 0) for c in hook_counts(model).values())
+        attach(model, opt)
+        attach(model, opt)
+        assert hook_counts(model)["layers.1"] == (2, 2)
+        assert detach(model) == 2
+        assert all(c == (0, 0) for c in hook_counts(model).values())
+        assert detach(model) == 0
+        with pytest.raises(TypeError, match="Asteria optimizer"):
+            attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        with pytest.raises(ValueError, match="none of the model's parameters"):
+            attach(make_model("mlp"), opt)
+    finally:
+        opt.close()
+
+
+def test_hook_order_forward_then_reverse_prefetch():
+    model = make_model("mlp")
+    opt = SOAP(model.parameters(), precondition_frequency=4, runtime=RT)
+    h = attach(model, opt)
+    try:
+        for t in (1, 2):
+            h.log.clear()
+            loss_and_grad(model, "mlp", t)
+            fwd = [n for e, n in h.log if e == "forward"]
+            pre = [n for e, n in h.log if e == "prefetch"]
+            assert fwd == ["layers.0", "layers.1", "layers.2"]
+            assert pre == fwd[::-1]  # backward reaches the last module first
+            assert [e for e, _ in h.log] == ["forward"] * 3 + ["prefetch"] * 3
+            opt.step()
+        # step 2 found the eigenbases staged by the backward-pre hooks
+        st = opt.asteria_stats()
+        assert st["prefetch_hits"] >= 6
+        log = opt._tiered.prefetch_log = []
+        loss_and_grad(model, "mlp", 3)
+        names = [opt._describe_key(keys[0]) for reason, keys in log]
+        assert [r for r, _ in log] == ["layers.2", "layers.1", "layers.0"]
+        assert "(layers.2.weight)" in names[0] and "(layers.0.weight)" in names[-1]
+    finally:
+        detach(h)
+        opt.close()
+
+
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_results_with_and_without_attach_are_identical(name):
+    m0 = make_model("mlp")
+    plain, s0, _ = train(m0, MAKERS[name](m0.parameters(), RT))
+    m1 = make_model("mlp")
+    hooked, s1, h = train(m1, MAKERS[name](m1.parameters(), RT), attached=True)
+    for t, (a, b) in enumerate(zip(plain, hooked), 1):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {t}"
+    # with attach the backward-pre hooks staged the roots before step() (Shampoo has roots
+    # only from its first refresh on)
+    assert s0["prefetches_ahead"] == 0 and s1["prefetches_ahead"] > 0
+    assert all(c == (0, 0) for c in hook_counts(m1).values())
+
+
+def test_attach_on_sync_optimizer_is_harmless():
+    m0, m1 = make_model("mlp"), make_model("mlp")
+    a, _, _ = train(m0, SOAP(m0.parameters(), runtime={"mode": "sync"}))
+    b, _, _ = train(m1, SOAP(m1.parameters(), runtime={"mode": "sync"}), attached=True)
+    assert all(torch.equal(x, y) for s, t in zip(a, b) for x, y in zip(s, t))
+
+
+@pytest.fixture
+def gloo_group(tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    dist.init_process_group("gloo", world_size=1, rank=0,
+                            init_method=f"file://{tmp_path / 'pg'}")
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["soap", "shampoo"])
+def test_fsdp2_fully_shard_single_process(gloo_group, name):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    ref_model = make_model("mlp")
+    ref, _, _ = train(ref_model, MAKERS[name](ref_model.parameters(), RT), attached=True)
+
+    model = make_model("mlp")
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    before = {n: (dict(m._forward_hooks), dict(m._backward_pre_hooks))
+              for n, m in model.named_modules()}
+    opt = MAKERS[name](model.parameters(), RT)
+    h = attach(model, opt)
+    assert hook_counts(model)["layers.0"][1] == len(before["layers.0"][1]) + 1
+    traj = []
+    try:
+        for t in range(1, STEPS + 1):
+            loss_and_grad(model, "mlp", t)
+            opt.step()
+            traj.append([p.full_tensor().detach().clone() for p in model.parameters()])
+        pre = [n for e, n in h.log if e == "prefetch"][-3:]
+        assert pre == ["layers.2", "layers.1", "layers.0"]
+    finally:
+        detach(h)
+        opt.close()
+    after = {n: (dict(m._forward_hooks), dict(m._backward_pre_hooks))
+             for n, m in model.named_modules()}
+    assert {n: (set(f), set(b)) for n, (f, b) in after.items()} == \
+        {n: (set(f), set(b)) for n, (f, b) in before.items()}  # FSDP's own hooks stay
+    for t, (a, b) in enumerate(zip(traj, ref), 1):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {t}"

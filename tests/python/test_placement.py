@@ -1,0 +1,230 @@
+"""Placement by life cycle (asteria.placement, asteria.tiered) on the CPU path.
+
+ - the planner's decisions: factors and moments on the device, roots / eigenbases in host
+   memory in async mode, everything on the device in sync mode; logged once at INFO;
+ - impossible explicit placements and budgets raise ValueError naming the key, why, and what
+   is allowed;
+ - asteria_stats() carries the contract keys in both modes, with the bytes per tier;
+ - tiered async runs are BITWISE equal to the all-device async path, for all three optimizers,
+   also when the device budget spills part of the roots from the device to host, and when a
+   ring smaller than the state makes the step stream chunks and the ring wrap around;
+ - checkpoints of the tiered path are the all-device path's (same keys, same tensors) and
+   resume on the same trajectory.
+"""
+
+import logging
+
+import pytest
+import torch
+
+from asteria import SOAP, KLShampoo, Shampoo, attach, detach
+from asteria.optim._base import STATS_KEYS
+from models import loss_and_grad, make_model, params_of, require_c_extension, run
+
+pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+
+F64 = dict(compute_dtype=torch.float64)
+MAKERS = {
+    "soap": lambda p, rt: SOAP(p, precondition_frequency=4, runtime=rt),
+    "shampoo": lambda p, rt: Shampoo(p, lr=3e-3, precondition_frequency=4, runtime=rt),
+    "kl_shampoo": lambda p, rt: KLShampoo(p, lr=3e-3, precondition_frequency=4, runtime=rt,
+                                          **F64),
+}
+NAMES = list(MAKERS)
+ALL_DEVICE = {"roots": "device", "eigenbases": "device"}
+STEPS = 12
+
+
+@pytest.fixture(autouse=True)
+def _c_extension():
+    require_c_extension()
+
+
+def rt(**kw):
+    base = {"mode": "async", "staleness": 2, "install": "deterministic", "workers": 2}
+    base.update(kw)
+    return base
+
+
+def assert_bitwise(a, b):
+    assert len(a) == len(b)
+    for t, (x, y) in enumerate(zip(a, b), 1):
+        for i, (u, v) in enumerate(zip(x, y)):
+            assert torch.equal(u, v), f"step {t} param {i} differs"
+
+
+def test_auto_plan_async_and_logged_once(caplog):
+    model = make_model("mlp")
+    with caplog.at_level(logging.INFO, logger="asteria"):
+        opt = SOAP(model.parameters(), runtime=rt())
+    try:
+        plan = opt.asteria_plan()
+        assert any("factors" in d and "device" in d for d in plan)
+        assert any(d.startswith("eigenbases") and "host memory (host)" in d for d in plan)
+        assert any("staging ring" in d for d in plan)
+        logged = [r.getMessage() for r in caplog.records if r.name == "asteria"]
+        assert logged == [f"asteria plan: {d}" for d in plan]  # each decision once
+        w = model.layers[0].weight
+        assert opt._plan.tier((opt._pindex[w], "b0.Q0")) == "host"
+        assert opt._plan.tier((opt._pindex[w], "b0.GG0")) == "device"
+    finally:
+        opt.close()
+
+
+def test_sync_plan_is_all_device_and_stats_keys():
+    _, opt = run("mlp", lambda p: SOAP(p, precondition_frequency=4, runtime={"mode": "sync"}),
+                 6)
+    assert opt.asteria_plan()[0].startswith("mode 'sync' (native reference)")
+    st = opt.asteria_stats()
+    assert set(STATS_KEYS) <= set(st)
+    assert st["bytes_device"] > 0
+    assert st["bytes_host"] == st["bytes_nvme"] == st["bytes_h2d"] == st["bytes_d2h"] == 0
+
+
+def test_async_stats_keys_and_tier_bytes():
+    _, opt = run("mlp", lambda p: MAKERS["soap"](p, rt()), 8)
+    st = opt.asteria_stats()
+    assert set(STATS_KEYS) <= set(st)
+    q_bytes = 6 * 8 * 8 * 8  # 3 weights x 2 eigenbases, 8x8 float64
+    assert st["bytes_host"] == q_bytes and st["bytes_nvme"] == 0
+    assert st["bytes_device"] == st["bytes_state_device"] + st["bytes_device_ring"]
+    assert st["bytes_h2d"] > 0 and st["bytes_d2h"] > 0  # ring prefetches, factor snapshots
+    assert st["jobs_done"] > 0 and st["jobs_queued"] == 0 and st["barrier_waits"] >= 1
+    assert st["snapshots_shadow"] > 0 and st["snapshots_fallback"] == 0
+
+
+@pytest.mark.parametrize("placement, match", [
+    ({"factors": "host"}, "factors='host' is not possible: factors are updated every step"),
+    ({"moments": "nvme"}, "moments='nvme' is not possible"),
+    ({"roots": "host_pinned"}, "roots='host_pinned' is not possible: page-locked memory needs "
+                               "a CUDA device"),
+    ({"eigenbases": "uvm"}, "eigenbases='uvm' is not possible: a UVM view needs coherent host "
+                            "access"),
+    ({"roots": "nvme"}, "'nvme_dir' is not set"),
+])
+def test_impossible_placement_names_key_reason_allowed(placement, match):
+    with pytest.raises(ValueError, match=match) as ei:
+        SOAP(make_model("mlp").parameters(), runtime=rt(placement=placement))
+    assert "runtime key 'placement'" in str(ei.value) and "allowed for" in str(ei.value)
+
+
+def test_sync_refuses_tiers_and_budgets_that_cannot_hold():
+    with pytest.raises(ValueError, match="mode 'sync' is the native reference"):
+        SOAP(make_model("mlp").parameters(),
+             runtime={"mode": "sync", "placement": {"eigenbases": "host"}})
+    with pytest.raises(ValueError, match="'device_budget_bytes': got 100; factors and moments "
+                                         "need"):
+        SOAP(make_model("mlp").parameters(), runtime=rt(device_budget_bytes=100))
+    with pytest.raises(ValueError, match="'host_budget_bytes': got 10; .*no 'nvme_dir'"):
+        SOAP(make_model("mlp").parameters(), runtime=rt(host_budget_bytes=10))
+
+
+def budgets(name):
+    """(device bytes of factors + moments, the ring's minimum) of the mlp for an optimizer."""
+    opt = MAKERS[name](make_model("mlp").parameters(), rt())
+    plan = opt._plan
+    opt.close()
+    return plan.planned_bytes["device"] - plan.ring_bytes, plan.ring_min
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tiered_is_bitwise_the_all_device_path(name):
+    dev, opt_d = run("mlp", lambda p: MAKERS[name](p, rt(placement=ALL_DEVICE)), STEPS)
+    host, opt_h = run("mlp", lambda p: MAKERS[name](p, rt()), STEPS)
+    assert_bitwise(host, dev)
+    sd, sh = opt_d.asteria_stats(), opt_h.asteria_stats()
+    # all-device: refresh results are copied to the device; tiered: they stay in host memory
+    # and the step's roots come through the ring
+    assert sd["bytes_host"] == 0 and sd["bytes_device_ring"] == 0
+    assert sd["bytes_h2d"] == sd["bytes_h2d_results"] > 0
+    assert sh["bytes_host"] > 0 and sh["prefetches"] > 0 and sh["bytes_h2d_results"] == 0
+    assert sh["bytes_h2d"] == sh["bytes_h2d_ring"] > 0
+    assert sh["installs"] == sd["installs"] > 0
+
+
+def test_device_budget_spills_roots_to_host_first():
+    fixed, ring_min = budgets("shampoo")
+    root = 8 * 8 * 8
+    budget = fixed + 2 * root + ring_min  # room for two roots besides the ring
+    dev, _ = run("mlp", lambda p: MAKERS["shampoo"](p, rt(placement=ALL_DEVICE)), STEPS)
+    opt_box = []
+
+    def make(p):
+        opt_box.append(MAKERS["shampoo"](p, rt(placement=ALL_DEVICE,
+                                                 device_budget_bytes=budget)))
+        return opt_box[0]
+
+    spilled, opt = run("mlp", make, STEPS)
+    assert_bitwise(spilled, dev)
+    tiers = sorted(opt._plan.block_tier.values())
+    assert tiers == ["device"] * 2 + ["host"] * 4
+    assert any("spilled from device to host memory" in d for d in opt.asteria_plan())
+    st = opt.asteria_stats()
+    assert st["bytes_host"] == 4 * root and st["bytes_device"] <= budget
+
+
+@pytest.mark.parametrize("name", ["soap", "kl_shampoo"])
+def test_small_ring_streams_chunks_and_wraps_around(name):
+    fixed, ring_min = budgets(name)
+    budget = fixed + ring_min + ring_min // 2  # one and a half blocks of eigenbases
+    dev, _ = run("mlp", lambda p: MAKERS[name](p, rt(placement=ALL_DEVICE)), STEPS)
+    model = make_model("mlp")
+    opt = MAKERS[name](model.parameters(), rt(device_budget_bytes=budget))
+    handle = attach(model, opt)  # backward prefetches in reverse order: the step evicts
+    traj = []
+    try:
+        for t in range(1, STEPS + 1):
+            loss_and_grad(model, "mlp", t)
+            opt.step()
+            traj.append(params_of(model))
+        st = opt.asteria_stats()
+    finally:
+        detach(handle)
+        opt.close()
+    assert_bitwise(traj, dev)
+    assert st["ring_capacity"] == ring_min + ring_min // 2 < 6 * 512
+    assert st["ring_wraps"] > 0 and st["ring_evictions"] > 0 and st["ring_busy"] > 0
+    assert st["ring_high_water"] <= st["ring_capacity"]
+    assert st["bytes_device"] <= budget
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_checkpoint_of_tiered_state_is_the_all_device_one(name):
+    def train(placement, steps, model=None, sd=None):
+        model = model or make_model("mlp")
+        opt = MAKERS[name](model.parameters(), rt(placement=placement) if placement
+                           else rt())
+        if sd is not None:
+            opt.load_state_dict(sd)
+        for t in range(steps[0], steps[1] + 1):
+            loss_and_grad(model, "mlp", t)
+            opt.step()
+        return model, opt
+
+    m_d, o_d = train(ALL_DEVICE, (1, 7))
+    m_h, o_h = train(None, (1, 7))
+    sd_d, sd_h = o_d.state_dict(), o_h.state_dict()
+    assert sd_d["state"].keys() == sd_h["state"].keys()
+    for i in sd_d["state"]:
+        a, b = sd_d["state"][i], sd_h["state"][i]
+        assert a.keys() == b.keys(), i
+        for k in a:
+            same = torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k]
+            assert same, (i, k)
+    assert all(type(st) is dict for st in sd_h["state"].values())  # plain, picklable
+    # resume the tiered run from its checkpoint in a fresh tiered optimizer
+    o_d.close()
+    twin = make_model("mlp")
+    twin.load_state_dict(m_h.state_dict())
+    _, o_r = train(None, (8, STEPS), model=twin, sd=sd_h)
+    for t in range(8, STEPS + 1):
+        loss_and_grad(m_h, "mlp", t)
+        o_h.step()
+    for a, b in zip(params_of(twin), params_of(m_h)):
+        assert torch.equal(a, b)
+    o_h.close()
+    o_r.close()
+    # after close the state stays inspectable, as plain tensors
+    st = o_r.state[twin.layers[0].weight]
+    key = "b0.Linv0" if name == "shampoo" else "b0.Q0"
+    assert type(st) is dict and torch.is_tensor(st[key]) and st[key].shape == (8, 8)
