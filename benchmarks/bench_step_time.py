@@ -48,6 +48,9 @@ PRESETS = {
 }
 TARGETS = {"asteria_p99_over_median_max": 1.25, "native_max_over_median_min": 3.0,
            "asteria_device_fraction_max": 0.70}
+# Other processes keeping more than this many cores busy on average make a run "disturbed":
+# its tail latencies then say more about the machine than about the optimizer.
+DISTURBED_CORES = 0.25
 
 
 def make_optimizer(name: str, params, args, worker_cpus: Optional[str]):
@@ -81,7 +84,7 @@ def run_one(name: str, args, cfg: GPTConfig, init_state: dict, batches: list, de
     # training thread's, so an unpinned build cannot end up on the training core.
     with common.unpinned(common.allowed_cpus()):
         opt = make_optimizer(name, model.parameters(), args, worker_cpus)
-    attach = common.attach_if_available(model, opt) if name != "adamw" else None
+    attach, handle = common.attach_if_available(model, opt) if name != "adamw" else (None, None)
     workers = common.thread_affinities()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -92,6 +95,7 @@ def run_one(name: str, args, cfg: GPTConfig, init_state: dict, batches: list, de
     cpu = common.cpu_delta(cpu0, common.cpu_snapshot())
     stats = common.runtime_stats(opt)
     tiers = common.tier_bytes(opt, device, stats)
+    common.detach(handle)
     if hasattr(opt, "close"):
         opt.close()
     w = args.warmup
@@ -110,6 +114,7 @@ def run_one(name: str, args, cfg: GPTConfig, init_state: dict, batches: list, de
         "worker_threads": workers,
         "wall_s": res["wall_s"],
         "cpu": cpu,
+        "disturbed": (cpu.get("foreign_cores_avg") or 0.0) > DISTURBED_CORES,
         "loadavg1_end": common.loadavg(),
         "step_ms": [1e3 * t for t in res["step_s"]],
         "opt_step_ms": [1e3 * t for t in res["opt_s"]],
@@ -200,6 +205,10 @@ def print_table(data: dict) -> None:
               f"{t['device'] / 2**20:>12.1f}{host / 2**20:>10.1f}{r['final_loss']:>8.3f}"
               f"{float('nan') if foreign is None else foreign:>9.2f}")
     print("(foreign: average cores other processes kept busy during the run)")
+    noisy = [r["optimizer"] for r in data["results"] if r["disturbed"]]
+    if noisy:
+        print(f"WARNING: other processes kept > {DISTURBED_CORES} cores busy during "
+              f"{', '.join(noisy)}: tail latencies are the machine's as much as the optimizer's")
     for key, t in data["targets"].items():
         v = "n/a" if t["value"] is None else f"{t['value']:.3f}"
         met = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
@@ -309,6 +318,7 @@ def run(args, argv: Optional[Sequence[str]], device: torch.device) -> dict[str, 
                      "quick": args.quick, "pinning": pinning,
                      "timed_region": "zero_grad + forward + backward + optimizer.step",
                      "percentile": "linear interpolation between closest ranks",
+                     "disturbed_if_foreign_cores_above": DISTURBED_CORES,
                      "tier_note": "device = memory of the training device (on a CPU run: host "
                                   "memory where the parameters live)"},
         "model": {"name": "TinyGPT", "preset": args.model_size, "params": n_params(TinyGPT(cfg)),

@@ -411,20 +411,33 @@ def device_sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def attach_if_available(model, optimizer) -> dict[str, Any]:
-    """``asteria.attach(model, optimizer)`` where this asteria has it (the staging hooks);
-    returns what happened, for the result file. A failing attach is recorded, not fatal."""
+def attach_if_available(model, optimizer) -> tuple[dict[str, Any], Any]:
+    """``asteria.attach(model, optimizer)`` where this asteria has it (the staging hooks).
+    Returns (what happened, for the result file; the handle or None). A failing attach is
+    recorded, not fatal."""
     try:
         import asteria
     except ImportError:
-        return {"available": False}
+        return {"available": False}, None
     if not hasattr(asteria, "attach"):
-        return {"available": False}
+        return {"available": False}, None
     try:
-        asteria.attach(model, optimizer)
+        handle = asteria.attach(model, optimizer)
     except Exception as e:  # an API still in flux must not sink the whole measurement
-        return {"available": True, "attached": False, "error": f"{type(e).__name__}: {e}"}
-    return {"available": True, "attached": True}
+        return {"available": True, "attached": False, "error": f"{type(e).__name__}: {e}"}, None
+    return {"available": True, "attached": True}, handle
+
+
+def detach(handle) -> None:
+    """Undo attach_if_available (the hooks hold the optimizer)."""
+    if handle is None:
+        return
+    import asteria
+
+    if hasattr(asteria, "detach"):
+        asteria.detach(handle)
+    elif hasattr(handle, "remove"):
+        handle.remove()
 
 
 def train_steps(model, optimizer, batch, steps: int, device, *, autocast_dtype=None,

@@ -119,7 +119,8 @@ def child(args) -> int:
         torch.cuda.reset_peak_memory_stats(device)
     mem_params = torch.cuda.memory_allocated(device) if cuda else None
     opt = make_optimizer(args.child, model.parameters(), args)
-    attach = common.attach_if_available(model, opt) if args.child != "adamw" else None
+    attach, handle = (common.attach_if_available(model, opt) if args.child != "adamw"
+                      else (None, None))
     dtype = {"bf16": torch.bfloat16, "fp32": None}[args.dtype]
     log(f"{n_params(model) / 1e6:.1f}M params on {device}; budget {args.budget_s:.0f} s, "
         f"at most {args.steps} steps")
@@ -145,6 +146,7 @@ def child(args) -> int:
         torch.cuda.synchronize()
         rec["peak_device_memory_bytes"] = torch.cuda.max_memory_allocated(device)
         rec["peak_device_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    common.detach(handle)
     if hasattr(opt, "close"):
         opt.close()
     emit(rec)

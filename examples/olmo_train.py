@@ -219,7 +219,7 @@ def table(runs: dict[str, dict]) -> str:
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=150, help="train to this step (default 150)")
+    p.add_argument("--steps", type=int, default=300, help="train to this step (default 300)")
     p.add_argument("--optim", default=",".join(DEFAULT_RUNS),
                    help=f"'all', or a comma list of {', '.join(optim_configs())} "
                         f"(default {','.join(DEFAULT_RUNS)})")
@@ -253,9 +253,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    prepare_training_environment(seed=args.seed, backend="cpu:gloo" if args.dp == "fsdp" else None)
     if not args.verbose:
         logging.getLogger("olmo_core").setLevel(logging.WARNING)
+    prepare_training_environment(seed=args.seed, backend="cpu:gloo" if args.dp == "fsdp" else None)
     temp_root = None if args.save_folder else tempfile.mkdtemp(prefix="olmo-train-")
     root = args.save_folder or temp_root
     configs = optim_configs()

@@ -79,8 +79,10 @@ def _snapshot(t: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
 class CEngine(Engine):
     """REFRESH jobs on libasteria's worker pool (``mode="async"``)."""
 
-    def __init__(self, cfg: Any = None, *, shadow: bool = False,
+    def __init__(self, cfg: Any = None, *, shadow: Any = False,
                  snapshot_ring_bytes: int = 64 << 20) -> None:
+        """``shadow``: False (private snapshot buffers), True or "cuda" (a shadow stream where
+        CUDA is there, else the host path), "host" (the host path)."""
         self._closed = True  # until the runtime exists, so __del__ has nothing to do
         self._shadow = None
         self._rt = _C.Runtime(c_config(cfg))
@@ -90,7 +92,7 @@ class CEngine(Engine):
         self._copies = {"bytes_d2h_snapshots": 0, "bytes_h2d_results": 0,
                         "snapshots_shadow": 0, "snapshots_fallback": 0}
         if shadow:
-            cuda = torch.cuda.is_available() and _C.HAVE_CUDA
+            cuda = shadow != "host" and torch.cuda.is_available() and _C.HAVE_CUDA
             self._shadow = _C.Shadow(mode="auto" if cuda else "host",
                                      snapshot_ring_bytes=snapshot_ring_bytes,
                                      prefetch_ring_bytes=4096, slots=1024)

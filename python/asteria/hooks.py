@@ -22,7 +22,7 @@ modules, so the same hooks apply; create the optimizer after ``fully_shard``.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 from torch import nn

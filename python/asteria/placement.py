@@ -52,6 +52,7 @@ HOST_TIERS = ("host", "host_pinned", "uvm")  # host-addressable store tiers
 RING_ALIGN = 256                             # AST_SHADOW_ALIGN
 RING_DEFAULT = 64 << 20
 SNAPSHOT_RING_DEFAULT = 64 << 20
+SNAPSHOT_RING_MIN = 64 << 10
 
 
 def align(n: int) -> int:
@@ -304,7 +305,10 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
         dec.append(f"device staging ring of {_mib(ring)} for {len(staged)} host/NVMe blocks "
                    f"({_mib(total)}); steps stream them through it"
                    + (" in chunks" if ring < total else ""))
-    snap = SNAPSHOT_RING_DEFAULT
+    # snapshot ring: the inputs of the refreshes in flight; with S <= f a block has at most one
+    # refresh in flight, so every factor and its basis once (jobs beyond it use private buffers)
+    snap_need = sum(align(e.nbytes) for e in entries if e.kind in ("factors",) + TIERED_KINDS)
+    snap = min(SNAPSHOT_RING_DEFAULT, max(SNAPSHOT_RING_MIN, 2 * snap_need))
     planned: dict = {}
     for e in entries:
         t = block_tier.get(e.key, "device")

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from asteria import _C
-from asteria.placement import HOST_TIERS, Plan, align
+from asteria.placement import Plan, align
 
 log = logging.getLogger("asteria")
 
@@ -82,14 +82,17 @@ def _cpu_view(ptr: int, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
 
 def _cuda_view(ptr: int, nbytes: int, dtype: torch.dtype, shape, device) -> torch.Tensor:
     """A CUDA tensor over raw device (or managed) memory, through __cuda_array_interface__."""
-    typestr = {torch.float32: "<f4", torch.float64: "<f8", torch.float16: "<f2"}[dtype]
+    # the interface has no bfloat16: go through a same-sized integer type and reinterpret
+    typestr, carrier = {torch.float32: ("<f4", None), torch.float64: ("<f8", None),
+                        torch.float16: ("<f2", None),
+                        torch.bfloat16: ("<i2", torch.int16)}[dtype]
 
     class _Iface:
         __cuda_array_interface__ = {"shape": tuple(shape), "typestr": typestr,
-                                    "data": (ptr, False), "version": 2, "strides": None,
-                                    "stream": None}
+                                    "data": (ptr, False), "version": 2, "strides": None}
 
-    return torch.as_tensor(_Iface(), device=device)
+    t = torch.as_tensor(_Iface(), device=device)
+    return t.view(dtype) if carrier is not None else t
 
 
 def _elem(dtype: torch.dtype) -> int:
@@ -125,10 +128,11 @@ class Residency:
         self._next_slot = 1
         self._cache: dict = {}   # key -> CPU tensor: this step's copy of an NVMe-homed block
         self._in_step = False
-        self._deferred: Optional[BaseException] = None
+        self.deferred_error: Optional[BaseException] = None  # last early fetch that failed
         self.counters = {"bytes_h2d": 0, "bytes_d2h": 0, "prefetches": 0, "prefetch_hits": 0,
-                         "prefetches_ahead": 0, "prefetch_busy": 0, "ring_evictions": 0, "nvme_window_bytes": 0,
-                         "nvme_fetches_early": 0, "nvme_spill_deferred": 0}
+                         "prefetches_ahead": 0, "prefetch_busy": 0, "ring_evictions": 0,
+                         "nvme_window_bytes": 0, "nvme_fetches_early": 0,
+                         "nvme_spill_deferred": 0}
         self.prefetch_log: Optional[list] = None  # set to a list to record prefetch calls
         self._closed = False
 
@@ -155,7 +159,7 @@ class Residency:
     def _label(self, blk: _Blk) -> str:
         return self._describe(blk.key)
 
-    # ---- writes -----------------------------------------------------------------------------------
+    # ---- writes ----------------------------------------------------------------------------------
     def write(self, key, value: torch.Tensor) -> None:
         """Set a block's value (creating the block on first write)."""
         blk = self._blocks.get(key)
@@ -192,7 +196,7 @@ class Residency:
         for key in list(self._blocks):
             self.drop(key)
 
-    # ---- host reads (job inputs, checkpoints) ------------------------------------------------------
+    # ---- host reads (job inputs, checkpoints) ----------------------------------------------------
     def _host_view(self, blk: _Blk) -> torch.Tensor:
         """A CPU tensor over the block's host memory; it pins the block while alive."""
         buf = self.store.buffer(blk.sid)
@@ -203,7 +207,6 @@ class Residency:
         the block) or, for a block on NVMe, this step's cached copy."""
         blk = self._blocks[key]
         if self.store.tier(blk.sid) != "nvme":
-            self._quiesce_writes(blk)
             return self._host_view(blk)
         cached = self._cache.get(key)
         if cached is None:
@@ -223,10 +226,11 @@ class Residency:
             v = self._host_view(blk)
             out[k] = v.to(device=blk.device, copy=True)
             del v
-        self._spill(best_effort=True)
+        if not self._in_step:  # inside a step the blocks wait for its end
+            self._spill(best_effort=True)
         return out
 
-    # ---- NVMe -------------------------------------------------------------------------------------
+    # ---- NVMe ------------------------------------------------------------------------------------
     def _nvme_move(self, blks: list, dst: str, what: str) -> None:
         """One batched move of blks to dst ('host' = read back, 'nvme' = write), traced and
         counted; failures become TieredStateError."""
@@ -328,7 +332,7 @@ class Residency:
             self._nvme_move(nv, "host", "fetch")
             self.counters["nvme_fetches_early"] += len(nv)
         except TieredStateError as exc:
-            self._deferred = exc
+            self.deferred_error = exc
 
     # ---- the staging ring -----------------------------------------------------------------------
     def _src_ptr(self, blk: _Blk) -> Optional[int]:
@@ -391,9 +395,6 @@ class Residency:
                 self.shadow.prefetch_wait(blk.slot)
             if release:
                 self._release(blk)
-
-    def _quiesce_writes(self, blk: _Blk) -> None:
-        pass  # writes into host blocks are synchronous copies
 
     def prefetch(self, keys: Iterable, reason: str = "") -> int:
         """Stage blocks ahead of their use, as far as the ring has room; returns how many are

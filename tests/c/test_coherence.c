@@ -2,7 +2,8 @@
  * registries in one process: owners identical whatever the registration order, LPT balance vs
  * round-robin, due lists holding only changed blocks, the full step protocol on a random
  * publish schedule (identical installs on every rank, independent of when results are ready,
- * lag <= S), hierarchical plans and their byte counts, bad inputs, concurrent use. */
+ * lag <= S), hierarchical plans and their byte counts, bad inputs, concurrent use, and
+ * incremental registration (ast_coherence_extend), with the protocol running over a late batch. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>

@@ -115,8 +115,9 @@ class AsteriaOptimConfig(MatrixAwareOptimConfig):
         opts = {"matrix": method, "vector": adamw, "embed": dict(adamw, weight_decay=0.0),
                 "lm_head": adamw}
         cats = self.categorize(model)
-        return [dict(opts[c], params=[params[n] for n in cats[c]])
-                for c in CATEGORIES if cats.get(c)]
+        groups = [dict(opts[c], params=[params[n] for n in cats.get(c, ()) if n in params])
+                  for c in CATEGORIES]
+        return [g for g in groups if g["params"]]
 
     def create_optimizer(self, model: torch.nn.Module, strict: bool = True,
                          **kwargs: Any) -> MatrixAwareAsteria:

@@ -99,10 +99,7 @@ class MatrixAwareAsteria(torch.optim.Optimizer):
             if g.get("algorithm") not in (ADAMW, method_name):
                 raise ValueError(f"param group {i}: 'algorithm' must be {ADAMW!r} or "
                                  f"{method_name!r}, got {g.get('algorithm')!r}")
-            for k, v in g.items():
-                if isinstance(v, torch.dtype):  # not a type torch.distributed.checkpoint saves
-                    self._dtype_keys.add(k)
-                    g[k] = str(v).removeprefix("torch.")
+            self._name_dtypes(g)
         super().__init__(groups, {})
         self.method_name = method_name
         self._schema = ck.schema_of(method)
@@ -130,6 +127,14 @@ class MatrixAwareAsteria(torch.optim.Optimizer):
             x = torch.nn.Parameter(_local(p).detach(), requires_grad=False)
         self._stand_in[p] = x
         return x
+
+    def _name_dtypes(self, group: dict) -> None:
+        """torch.dtype values (KL-Shampoo's compute_dtype) by name: torch.distributed.checkpoint
+        does not save torch.dtype objects. ``_inner_hparams`` turns them back."""
+        for k, v in group.items():
+            if isinstance(v, torch.dtype):
+                self._dtype_keys.add(k)
+                group[k] = str(v).removeprefix("torch.")
 
     @staticmethod
     def _is_method(group: dict) -> bool:
@@ -298,6 +303,7 @@ class MatrixAwareAsteria(torch.optim.Optimizer):
             params = g["params"]
             g.clear()
             g.update({k: v for k, v in s.items() if k != "params"}, params=params)
+            self._name_dtypes(g)
         self._sync_hparams()
         for inner, st in ((self.second_order, method_state), (self.adamw, adamw_state)):
             if inner is not None:

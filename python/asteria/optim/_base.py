@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 import warnings
 import weakref
 from collections import defaultdict
@@ -56,11 +57,6 @@ from asteria.optim._blocking import Layout, make_layout
 from asteria.optim import functional as F
 from asteria import placement as _placement
 
-try:  # FSDP2 parameters are DTensors: the optimizer works on their local shards
-    from torch.distributed.tensor import DTensor as _DTensor
-except Exception:  # torch without distributed
-    _DTensor = None
-
 #: the keys of asteria_stats() every mode reports (the benchmark's contract)
 STATS_KEYS = ("bytes_device", "bytes_host", "bytes_host_pinned", "bytes_uvm", "bytes_nvme",
               "jobs_queued", "jobs_running", "jobs_done", "barrier_waits", "barrier_wait_ns",
@@ -69,8 +65,10 @@ STATS_KEYS = ("bytes_device", "bytes_host", "bytes_host_pinned", "bytes_uvm", "b
 
 
 def local(t):
-    """The local shard of a DTensor (a view sharing its storage), else t itself."""
-    if _DTensor is not None and isinstance(t, _DTensor):
+    """The local shard of a DTensor (FSDP2's parameters and gradients: a view sharing its
+    storage), else t itself. No DTensor exists unless torch.distributed.tensor was imported."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    if mod is not None and isinstance(t, mod.DTensor):
         return t.to_local()
     return t
 
@@ -339,17 +337,12 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self._pnames: dict[int, str] = {}  # param index -> name (asteria.attach fills it)
         self._plan: Optional[_placement.Plan] = None
         self._tkeys: dict[int, list] = {}  # param index -> its tiered state keys
-        if self._async:
-            from asteria.engine_c import CEngine
-
-            self._engine = CEngine(self._cfg, shadow=True)
-        else:
-            self._engine = _engine_mod.make_engine(self._cfg)
         self._finalizer = None
         try:
             self._replan()
         except BaseException:
-            self._engine.close()
+            if self._engine is not None:
+                self._engine.close()
             raise
         self._finalizer = weakref.finalize(self, _close_all, self._engine, self._tiered)
 
@@ -426,6 +419,14 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self._kinds = {e.key: e.kind for e in entries}
         plan = _placement.make_plan(self._cfg, entries)
         plan.log()
+        if self._engine is None:
+            if self._async:
+                from asteria.engine_c import CEngine
+
+                self._engine = CEngine(self._cfg, shadow="cuda" if plan.cuda else "host",
+                                       snapshot_ring_bytes=plan.snapshot_ring_bytes)
+            else:
+                self._engine = _engine_mod.make_engine(self._cfg)
         self._plan = plan
         self._tkeys = defaultdict(list)
         for key, tier in plan.block_tier.items():
@@ -847,12 +848,11 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         for rnd in self._rounds:
             rnd.drop(self._engine)
         self._rounds = []
-        if self._tiered is not None:
-            self._tiered.clear()
         dtypes = {i: {k: v.dtype for k, v in st.items() if isinstance(v, torch.Tensor)}
                   for i, st in state_dict["state"].items()}
         super().load_state_dict(state_dict)
         if self._tiered is not None:  # torch replaced self.state by plain dicts
+            self._tiered.clear()
             self.state = _States(self, self.state)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
@@ -922,10 +922,14 @@ class AsteriaOptimizer(torch.optim.Optimizer):
     def close(self) -> None:
         """Release the engine (workers, buffers; the trace file is written now) and the
         residency. Idempotent; the optimizer cannot step after."""
+        self._close(detier=True)
+
+    def _close(self, detier: bool) -> None:
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        self._detier()
+        if detier:
+            self._detier()
         fin = getattr(self, "_finalizer", None)
         if fin is not None:
             fin()
@@ -964,6 +968,6 @@ class AsteriaOptimizer(torch.optim.Optimizer):
 
     def __del__(self) -> None:
         try:
-            self.close()
+            self._close(detier=False)  # a dying optimizer's state need not be kept
         except Exception:  # interpreter shutdown: the engine module may already be gone
             pass
