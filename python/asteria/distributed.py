@@ -827,9 +827,9 @@ class DistributedEngine(Engine):
                 for root in sorted(regions):
                     lo, hi = regions[root]
                     dist.broadcast(buf[lo:hi], src=root, group=link.reps_group)
-                if link.node_group is not None and any(
-                        plans[b]["owner_node"] != self._topo.node for b in due):
-                    dist.barrier(group=link.node_group)
+            if link.node_group is not None and any(
+                    plans[b]["owner_node"] != self._topo.node for b in due):
+                dist.barrier(group=link.node_group)  # the representative wrote the rest
         else:
             for root in sorted(regions):
                 lo, hi = regions[root]

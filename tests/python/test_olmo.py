@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 import asteria  # noqa: E402
 from asteria.olmo import (AsteriaKLShampooConfig, AsteriaSOAPConfig,  # noqa: E402
                           AsteriaShampooConfig, MatrixAwareAsteria)
+from asteria.olmo import checkpoint as olmo_checkpoint  # noqa: E402
 from models import require_c_extension  # noqa: E402
 from olmo_core.nn.transformer import TransformerConfig  # noqa: E402
 from olmo_core.optim import OptimConfig  # noqa: E402
@@ -254,6 +255,31 @@ def dcp_load(model, opt, folder) -> None:
     dcp.load(template, checkpoint_id=str(folder))
     set_model_state_dict(model, template["model"], options=FLAT)
     set_optimizer_state_dict(model, opt, template["optim"], options=FLAT)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_checkpoint_form_has_the_same_keys_at_every_step(name):
+    """The state dict after step 2 (no refresh in flight, Shampoo without roots) and after step
+    7 (a refresh in flight, roots installed) have the same keys, shapes and dtypes: what a
+    flattened load into the fake-step template needs."""
+    def layout(sd):
+        return {i: {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v)
+                    for k, v in olmo_checkpoint.join_nested(st).items()}
+                for i, st in sd["state"].items()}
+
+    model = transformer()
+    opt = make_config(name).build(model)
+    train(model, opt, range(1, 3))
+    early = opt.state_dict()
+    train(model, opt, range(3, SPLIT + 1))
+    late = opt.state_dict()
+    opt.close()
+    assert layout(early) == layout(late)
+    flags = [st["asteria"]["pending.install_in"] for st in late["state"].values()
+             if "asteria" in st]
+    assert flags and all(f >= 0 for f in flags)
+    assert all(st["asteria"]["pending.install_in"] == -1 for st in early["state"].values()
+               if "asteria" in st)
 
 
 @pytest.mark.parametrize("name", NAMES)

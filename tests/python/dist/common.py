@@ -1,0 +1,158 @@
+"""Support of the per-rank scripts of tests/python/test_distributed.py: a tiny float64
+transformer whose every weight is square, deterministic global batches cut per rank, and
+collective comparisons.
+
+Numerics (see tests/python/models.py): every factor must be full rank with distinct eigenvalues,
+or eigenvectors of a degenerate eigenvalue are arbitrary and SOAP / KL-Shampoo trajectories move
+at O(1) between two correct runs. So every weight is D x D, the model reads continuous features
+(no embedding table: unused tokens would give zero rows), every block the optimizer sees is
+square (block sizes divide the shard shapes), and a rank's local batch has more tokens than any
+block is wide.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+D = 16          # width: every weight is D x D
+SEQ = 8         # tokens per sequence
+PER_RANK = 2    # sequences per rank and step (16 tokens > any block width)
+DTYPE = torch.float64
+
+torch.set_num_threads(1)
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: causal self-attention (2 heads) and a GELU MLP."""
+
+    heads = 2
+
+    def __init__(self):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(D)
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+        self.ln2 = nn.LayerNorm(D)
+        self.fc1 = nn.Linear(D, D)
+        self.fc2 = nn.Linear(D, D)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = self.ln1(x)
+
+        def split(t):
+            return t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
+
+        q, k, v = split(self.q(h)), split(self.k(h)), split(self.v(h))
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(d // self.heads)
+        att = att.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+        y = (att.softmax(-1) @ v).transpose(1, 2).reshape(b, s, d)
+        x = x + self.o(y)
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, layers: int = 2):
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.ln_f = nn.LayerNorm(D)
+        self.head = nn.Linear(D, D)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))
+
+
+def make_model(seed: int = 0, layers: int = 2) -> nn.Module:
+    torch.manual_seed(seed)
+    return TinyTransformer(layers).to(DTYPE)
+
+
+def global_batch(step: int, world: int):
+    """(x, y) of one step for the whole job: world * PER_RANK sequences."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(world * PER_RANK, SEQ, D, generator=gen, dtype=DTYPE)
+    a = torch.randn(D, D, generator=torch.Generator().manual_seed(7), dtype=DTYPE)
+    return x, torch.sin(x @ a)
+
+
+def local_batch(step: int, rank: int, world: int):
+    x, y = global_batch(step, world)
+    sl = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    return x[sl], y[sl]
+
+
+def train_step(model, opt, x, y) -> float:
+    opt.zero_grad(set_to_none=True)
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def local(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def flat_state(model, opt) -> torch.Tensor:
+    """Every parameter's local tensor and every tensor of its optimizer state, flattened in a
+    fixed order (float64; int64 state such as permutations converted exactly)."""
+    parts = []
+    for p in model.parameters():
+        parts.append(local(p).detach().reshape(-1).to(torch.float64))
+        st = opt.state.get(p, {})
+        for k in sorted(st):
+            v = st[k]
+            if isinstance(v, torch.Tensor):
+                parts.append(local(v).detach().reshape(-1).to(torch.float64))
+            elif isinstance(v, (int, float)):
+                parts.append(torch.tensor([float(v)], dtype=torch.float64))
+    return torch.cat(parts)
+
+
+def gather_equal(vec: torch.Tensor, partners=None) -> bool:
+    """Whether this rank's vector equals, bit for bit, that of every rank in partners (default:
+    every rank). Collective over the world."""
+    world = dist.get_world_size()
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([vec.numel()]))
+    n = max(int(s) for s in sizes)
+    padded = torch.full((n,), float("nan"), dtype=torch.float64)
+    padded[:vec.numel()] = vec
+    out = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(out, padded)
+    mine = out[dist.get_rank()].view(torch.int64)
+    others = range(world) if partners is None else partners
+    return all(int(sizes[r]) == vec.numel() and torch.equal(out[r].view(torch.int64), mine)
+               for r in others)
+
+
+def all_true(flag: bool) -> bool:
+    t = torch.tensor([1 if flag else 0])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def jsonable(stats: dict) -> dict:
+    out = {}
+    for k, v in stats.items():
+        if isinstance(v, dict):
+            out[k] = {str(kk): (jsonable(vv) if isinstance(vv, dict) else vv)
+                      for kk, vv in v.items()}
+        elif isinstance(v, (int, float, str, bool)) or v is None:
+            out[k] = v
+    return out
+
+
+def env_rank_info() -> dict:
+    return {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "GROUP_RANK",
+                                           "LOCAL_WORLD_SIZE", "WORLD_SIZE")}
