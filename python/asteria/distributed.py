@@ -241,12 +241,13 @@ class _Link:
         self.units = 0  # units with traffic: the staging parity
 
     @staticmethod
-    def create_all(sets: list[tuple[int, ...]], topo: Topology, hierarchical: bool) -> dict:
+    def create_all(sets: list[tuple[int, ...]], topo: Topology, hierarchical: bool,
+                   first_index: int = 0) -> dict:
         """Create the groups of every replica set of the job, collectively: every rank calls
         new_group for every group in the same order (sets ascending), members or not."""
         dist = _dist()
         links = {}
-        for index, ranks in enumerate(sets):
+        for index, ranks in enumerate(sets, start=first_index):
             mine = topo.rank in ranks
             link = _Link(index, ranks, topo, hierarchical) if mine else None
 
@@ -374,8 +375,8 @@ class DistributedEngine(Engine):
         self._closed = False
         self._topo = topo
         self._hier = hierarchical
-        sets = sorted({tuple(sorted(s)) for s in replica_sets if len(s) > 1})
-        self._links = _Link.create_all(sets, topo, hierarchical)
+        self._all_sets = sorted({tuple(sorted(s)) for s in replica_sets if len(s) > 1})
+        self._links = _Link.create_all(self._all_sets, topo, hierarchical)
         self._channels: dict[tuple, _Channel] = {}
         self._jobs: dict[int, Any] = {}
         self._tickets = itertools.count(1)
@@ -604,6 +605,14 @@ class DistributedEngine(Engine):
             self.close()
         except Exception:
             pass
+
+    def declare(self, replica_sets: Iterable[Sequence[int]]) -> None:
+        """Create the groups of replica sets not seen yet (collective: every rank, same sets)."""
+        new = sorted({tuple(sorted(s)) for s in replica_sets if len(s) > 1} - set(self._all_sets))
+        if new:
+            base = len(self._all_sets)
+            self._all_sets.extend(new)
+            self._links.update(_Link.create_all(new, self._topo, self._hier, first_index=base))
 
     # ---- training-thread internals ------------------------------------------------------------
     def _check(self) -> None:
@@ -874,15 +883,23 @@ def wrap_engine(engine: Engine, params: Iterable[torch.Tensor],
                 hierarchical: Optional[bool] = None) -> Engine:
     """The engine an optimizer over ``params`` uses: ``engine`` itself unless torch.distributed
     is initialised with several ranks and some rank holds replicated parameters, else a
-    DistributedEngine around it. Collective over the default group (every rank builds its
-    optimizer). ``hierarchical`` None: on, unless ASTERIA_COHERENCE=flat."""
+    DistributedEngine around it (an existing DistributedEngine learns the replica sets of
+    ``params``, for add_param_group). Collective over the default group: every rank builds its
+    optimizer, except one whose parameters were all declared rank-local
+    (``set_replicas(params, None)``). ``hierarchical`` None: on, unless ASTERIA_COHERENCE=flat."""
+    params = list(params)
     if not _initialized() or _dist().get_world_size() == 1:
+        return engine
+    if params and all(getattr(p, "_asteria_replicas", ()) is None for p in params):
         return engine
     dist = _dist()
     sets = sorted({r for r in (replicas(p) for p in params) if r is not None})
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, sets)
     every = sorted({tuple(s) for g in gathered for s in g})
+    if isinstance(engine, DistributedEngine):
+        engine.declare(every)
+        return engine
     if not every:
         return engine
     if hierarchical is None:
