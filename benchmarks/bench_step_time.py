@@ -105,6 +105,8 @@ def run_one(name: str, args, cfg: GPTConfig, init_state: dict, batches: list, de
                     else {"mode": "sync"} if name == "soap-sync" else None),
         "summary": common.summarize_ms(res["step_s"][w:]),
         "opt_step_summary": common.summarize_ms(res["opt_s"][w:]),
+        "phases": phase_medians([1e3 * t for t in res["step_s"]], w, args.frequency,
+                                args.staleness),
         "final_loss": common.final_loss(res["losses"]),
         "bytes_per_tier": tiers,
         "peak_bytes_registered": res["peak_bytes_registered"],
@@ -124,6 +126,29 @@ def run_one(name: str, args, cfg: GPTConfig, init_state: dict, batches: list, de
         out["peak_device_memory_bytes"] = torch.cuda.max_memory_allocated(device)
     del model, opt
     gc.collect()
+    return out
+
+
+def phase_medians(step_ms: Sequence[float], warmup: int, f: int, staleness: int) -> dict:
+    """Median step time of the SOAP schedule's step classes, warm-up excluded. Step t counts
+    step() calls from 1; the first is SOAP's initial eigenbasis, so a REFRESH is due at
+    t = 1 + f*j (native: computed inline; async: snapshotted and submitted) and installed at
+    t + S (async). For AdamW the same indices give a noise baseline."""
+    refresh = {t for t in range(1 + f, len(step_ms) + 1, f)}
+    install = {t + staleness for t in refresh} if staleness else set()
+    groups: dict[str, list] = {"refresh_steps": [], "install_steps": [], "other_steps": []}
+    for t, ms in enumerate(step_ms, 1):
+        if t <= warmup:
+            continue
+        key = ("refresh_steps" if t in refresh else "install_steps" if t in install
+               else "other_steps")
+        groups[key].append(ms)
+    out = {k: {"n": len(v), "median_ms": common.percentile(v, 50) if v else None}
+           for k, v in groups.items()}
+    base = out["other_steps"]["median_ms"]
+    for k in ("refresh_steps", "install_steps"):
+        m = out[k]["median_ms"]
+        out[k]["over_other"] = m / base if m is not None and base else None
     return out
 
 
@@ -191,6 +216,10 @@ def plot(data: dict, path: str) -> None:
     plt.close(fig)
 
 
+def _fmt(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
 def print_table(data: dict) -> None:
     hdr = (f"{'optimizer':<12}{'median ms':>11}{'p99 ms':>10}{'max ms':>10}{'p99/med':>9}"
            f"{'max/med':>9}{'device MiB':>12}{'host MiB':>10}{'loss':>8}{'foreign':>9}")
@@ -205,6 +234,11 @@ def print_table(data: dict) -> None:
               f"{t['device'] / 2**20:>12.1f}{host / 2**20:>10.1f}{r['final_loss']:>8.3f}"
               f"{float('nan') if foreign is None else foreign:>9.2f}")
     print("(foreign: average cores other processes kept busy during the run)")
+    print("median step time of the refresh-due / install steps over the other steps:")
+    for r in data["results"]:
+        ph = r["phases"]
+        print(f"  {r['optimizer']:<12} refresh {_fmt(ph['refresh_steps']['over_other'])}  "
+              f"install {_fmt(ph['install_steps']['over_other'])}")
     noisy = [r["optimizer"] for r in data["results"] if r["disturbed"]]
     if noisy:
         print(f"WARNING: other processes kept > {DISTURBED_CORES} cores busy during "
@@ -233,7 +267,8 @@ def parse_args(argv: Optional[Sequence[str]]):
     ap.add_argument("--threads", type=int, default=1, help="torch threads for training")
     ap.add_argument("--no-pin", action="store_true",
                     help="do not pin the training thread to one core and the pool to the others")
-    ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ",".join(RUNS))
+    ap.add_argument("--runs", default=",".join(RUNS),
+                    help="comma-separated subset of " + ",".join(RUNS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=None)
     ap.add_argument("--quick", action="store_true",
@@ -302,7 +337,8 @@ def run(args, argv: Optional[Sequence[str]], device: torch.device) -> dict[str, 
     nparams = sum(v.numel() for v in init_state.values())
     log(f"TinyGPT {nparams / 1e6:.2f}M params (d={cfg.d}, layers={cfg.layers}, context "
         f"{cfg.block}, batch {args.batch}); runs {', '.join(args.runs)}; f={args.frequency}, "
-        f"S={args.staleness}; training thread on cpu {train_cpu}, pool on {pinning['worker_cpus']}; "
+        f"S={args.staleness}; training thread on cpu {train_cpu}, pool on "
+        f"{pinning['worker_cpus']}; "
         f"load {common.loadavg()}")
 
     results = [run_one(name, args, cfg, init_state, batches, device, pinning, log)

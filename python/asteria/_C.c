@@ -3,10 +3,10 @@
  * events through the runtime), block store (store.h), shadow copy engine (shadow.h) and
  * coherence registry (coherence.h).
  *
- * Owns: the Runtime, Store, BlockBuffer, Shadow and Coherence heap types, the Result struct-sequence type,
- * the AsteriaError and BusyError exceptions and the one mapping from AST_E* codes to Python
- * exceptions (raise_ast_error). Types and exceptions live in module state (multi-phase init),
- * so the module may be instantiated more than once in a process.
+ * Owns: the Runtime, Store, BlockBuffer, Shadow and Coherence heap types, the Result
+ * struct-sequence type, the AsteriaError and BusyError exceptions and the one mapping from AST_E*
+ * codes to Python exceptions (raise_ast_error). Types and exceptions live in module state
+ * (multi-phase init), so the module may be instantiated more than once in a process.
  * May call: the public libasteria API and the Python C API. Nothing else.
  *
  * GIL and locking

@@ -451,7 +451,6 @@ class DistributedEngine(Engine):
         unit.new_costs.extend([cost] * len(new))
         job.unit = unit
         self._jobs[ticket] = job
-        self._counters["coherence_entries_computed"] += len(owned)
         return ticket
 
     def ready(self, ticket: int) -> bool:
@@ -772,6 +771,7 @@ class DistributedEngine(Engine):
                     code = code or -int(status[where[b][2]]) or AST_EFAILED
             job.result = self._result(job, ok, code, payload)
         self._counters["coherence_units"] += 1
+        self._counters["coherence_entries_computed"] += sum(len(j.owned) for j in unit.jobs)
         self._counters["coherence_transfer_ns"] += time.monotonic_ns() - t0
 
     def _result(self, job: _DJob, ok: bool, code: int, payload: dict) -> Result:

@@ -31,18 +31,24 @@ from asteria import _C
 from asteria.engine import Engine, Result, check_op
 
 _C_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+#: environment variable read at runtime creation: config "debug_job_delay_ms" (a test hook)
+DEBUG_DELAY_ENV = "ASTERIA_DEBUG_JOB_DELAY_MS"
 _WITH_BASIS = ("soap_qr", "kl_qr")
 
 
 def c_config(cfg: Any) -> dict[str, Any]:
     """The ``_C.Runtime`` config dict of ``cfg``: None, a dict passed through, or any object with
     the config attributes (``asteria.RuntimeConfig``). A None value keeps the C default (for
-    ``workers``: the cores the training thread does not use)."""
-    if cfg is None:
-        return {}
-    if isinstance(cfg, Mapping):
-        return dict(cfg)
+    ``workers``: the cores the training thread does not use). ASTERIA_DEBUG_JOB_DELAY_MS, when
+    set, adds the test hook "debug_job_delay_ms" (a dict's own value wins)."""
     out: dict[str, Any] = {}
+    delay = os.environ.get(DEBUG_DELAY_ENV)
+    if delay:  # test hook: every job of this runtime sleeps (a slow rank in a distributed test)
+        out["debug_job_delay_ms"] = delay
+    if cfg is None:
+        return out
+    if isinstance(cfg, Mapping):
+        return {**out, **cfg}
     for key in _C.config_keys():
         value = getattr(cfg, key, None)
         if isinstance(value, enum.Enum):

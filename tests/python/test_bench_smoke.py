@@ -57,7 +57,8 @@ def test_bench_step_time_quick(tmp_path):
         assert set(tiers["tiers"]) == {"device", "host_pinned", "host", "uvm", "nvme"}
         assert tiers["total"] == sum(tiers["tiers"].values()) > 0
     # SOAP keeps factors and eigenbases next to its moments: more state than AdamW
-    assert results["soap-sync"]["bytes_per_tier"]["total"] > results["adamw"]["bytes_per_tier"]["total"]
+    total = {name: r["bytes_per_tier"]["total"] for name, r in results.items()}
+    assert total["soap-sync"] > total["adamw"]
     # the async run really used the pool (the quick settings let refreshes get installed)
     counters = results["soap-async"]["runtime_counters"]
     assert counters["jobs_done"] > 0 and counters["installs"] > 0

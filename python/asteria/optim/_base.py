@@ -35,6 +35,12 @@ reads and writes, ring prefetches) before anything is mutated, so an I/O failure
 the parameters, the state and the step counter untouched; then the usual step, streaming
 preconditioned stacks through the staging ring in chunks that fit it.
 
+Distributed runs (``asteria.distributed``, docs/distributed.md): FSDP2 parameters are DTensors and
+the optimizer works on their local shards (``local``), blocked as usual. When some parameters are
+replicated across ranks (DDP, HSDP), the engine is a ``DistributedEngine`` around the usual one:
+jobs are batched per replica set and carry it (``replicas=``), each block is computed by its
+owner only, and ``step_end`` hands finished results to the synchronisation every step.
+
 Single-threaded: everything runs on the caller's thread; the engine's workers never see this
 module's objects.
 """
@@ -56,6 +62,7 @@ from asteria.config import RuntimeConfig
 from asteria.optim._blocking import Layout, make_layout
 from asteria.optim import functional as F
 from asteria import placement as _placement
+from asteria import distributed as _dist
 
 #: the keys of asteria_stats() every mode reports (the benchmark's contract)
 STATS_KEYS = ("bytes_device", "bytes_host", "bytes_host_pinned", "bytes_uvm", "bytes_nvme",
@@ -427,6 +434,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                                        snapshot_ring_bytes=plan.snapshot_ring_bytes)
             else:
                 self._engine = _engine_mod.make_engine(self._cfg)
+            # a multi-rank job with replicated (DDP / HSDP) parameters: one owner per block
+            self._engine = _dist.wrap_engine(self._engine, self._all_params())
         self._plan = plan
         self._tkeys = defaultdict(list)
         for key, tier in plan.block_tier.items():
@@ -578,6 +587,21 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             self._gindex[p] = len(self.param_groups) - 1
         if getattr(self, "_plan", None) is not None:  # a group added after construction
             self._replan()
+            if isinstance(self._engine, _dist.DistributedEngine):
+                _dist.wrap_engine(self._engine, self.param_groups[-1]["params"])
+
+    def _all_params(self) -> list:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _replicas(self, p: torch.Tensor) -> Optional[tuple]:
+        """The ranks holding a replica of p's blocks when the engine synchronises them."""
+        if not isinstance(self._engine, _dist.DistributedEngine):
+            return None
+        cache = self.__dict__.setdefault("_replica_cache", {})
+        pidx = self._pindex[p]
+        if pidx not in cache:
+            cache[pidx] = _dist.replicas(p)
+        return cache[pidx]
 
     def _group_of(self, p: torch.Tensor) -> dict:
         return self.param_groups[self._gindex[p]]
@@ -755,6 +779,9 @@ class AsteriaOptimizer(torch.optim.Optimizer):
     # ---- the scheduler ------------------------------------------------------------------------
     def _step_end(self, due: list) -> None:
         t = self._t
+        step_end = getattr(self._engine, "step_end", None)
+        if step_end is not None:  # DistributedEngine: hand finished owner results to the sync
+            step_end(t)
         for rnd in list(self._rounds):
             if rnd.install_step <= t or (self._eager and rnd.ready(self._engine)):
                 self._install_round(rnd)
@@ -773,9 +800,10 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         for _, p, j, dims in items:
             for dim in dims:
                 op, f, q, pw, eps = self._refresh_input(kind, p, j, dim)
-                groups[(op, f.shape[-1], f.dtype, f.device, pw, eps)].append((p, j, dim, f, q))
+                key = (op, f.shape[-1], f.dtype, f.device, pw, eps, self._replicas(p))
+                groups[key].append((p, j, dim, f, q))
         jobs = []
-        for (op, _, _, _, pw, eps), entries in groups.items():
+        for (op, _, _, _, pw, eps, replicas), entries in groups.items():
             f = torch.stack([e[3] for e in entries])
             q = None
             if entries[0][4] is not None:
@@ -788,7 +816,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             key = (kind, op, tuple((self._pindex[p], j, dim) for p, j, dim in targets))
             block = self._block_keys.setdefault(key, len(self._block_keys) + 1)
             version = self._versions[block] = self._versions.get(block, 0) + 1
-            extra = {}
+            extra = {} if replicas is None else {"replicas": replicas}
             if self._tiered is not None and all(
                     self._owned(p, self._output_name(p, j, dim)) for p, j, dim in targets):
                 extra["host_outputs"] = True  # the results go to host memory: no round trip

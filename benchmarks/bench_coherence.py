@@ -1,0 +1,310 @@
+"""Coherence traffic and step time of DDP training with SOAP, flat against hierarchical, for the
+staleness budgets S in {0, 1, 3, 5, 10}, in one launch.
+
+Four ranks on gloo, arranged as 2 nodes x 2 ranks by two torchrun invocations that rendezvous
+with each other (node from GROUP_RANK), train the same DDP model (an MLP of square layers,
+float32, SOAP with block_size 64 and precondition_frequency 10, async, deterministic install) for
+each (topology, S) in turn. Each replicated REFRESH block is computed by its owner and sent to
+the other replicas: "flat" broadcasts it from the owner to every replica; "hier" writes it into
+the owner node's shared host copy (/dev/shm), broadcasts it among node representatives, and
+lets the others read their node's copy (docs/coherence.md).
+
+Reports per (topology, S), summed over the 4 ranks: bytes per level (intra_node, inter_node, and
+the flat-equivalent flat / flat_inter_node counters), inter_node / flat_inter_node, the version
+exchange bytes; the job's step time (per step the slowest rank, as DDP synchronises them) as
+median / p99 / max, and the same over the install steps alone; the bounded-barrier waits; and
+the comm thread's time. The machine has 2 cores for 4 ranks, their comm threads and 4 C workers:
+absolute times are dominated by that contention, the ratios between runs are the result.
+
+Writes benchmarks/results/bench_coherence.json (machine, versions, command, date, every step
+time) and bench_coherence.png.
+
+    python3 benchmarks/bench_coherence.py            # ~3 minutes on 2 cores
+    python3 benchmarks/bench_coherence.py --quick --out-dir /tmp/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Optional, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import common  # noqa: E402
+
+NAME = "bench_coherence"
+STALENESS = (0, 1, 3, 5, 10)
+TOPOLOGIES = ("flat", "hier")
+NODES, PER_NODE = 2, 2
+
+
+# ---- the per-rank worker -------------------------------------------------------------------------
+
+def worker(args) -> int:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import asteria
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    d, tokens = args.width, args.tokens
+
+    def model():
+        torch.manual_seed(0)
+        layers = []
+        for _ in range(args.layers):
+            layers += [nn.Linear(d, d), nn.Tanh()]
+        return nn.Sequential(*layers)
+
+    target = torch.randn(d, d, generator=torch.Generator().manual_seed(7)) / d ** 0.5
+    out = {"rank": rank, "env": {k: os.environ.get(k) for k in ("GROUP_RANK", "LOCAL_RANK",
+                                                                   "LOCAL_WORLD_SIZE")},
+           "runs": []}
+    for topo in TOPOLOGIES:
+        for s in args.staleness:
+            os.environ["ASTERIA_COHERENCE"] = topo
+            net = DDP(model())
+            opt = asteria.SOAP(net.parameters(), lr=1e-3, block_size=args.block_size,
+                               precondition_frequency=args.frequency,
+                               runtime={"mode": "async", "staleness": s, "workers": 1})
+            os.environ.pop("ASTERIA_COHERENCE")
+            times = []
+            for t in range(1, args.steps + 1):
+                gen = torch.Generator().manual_seed(1000 * t + rank)
+                x = torch.randn(tokens, d, generator=gen)
+                t0 = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                loss = ((net(x) - torch.sin(x @ target)) ** 2).mean()
+                loss.backward()
+                opt.step()
+                times.append(time.perf_counter() - t0)
+            st = opt.asteria_stats()
+            opt.close()
+            keep = {k: v for k, v in st.items()
+                    if k.startswith(("bytes_intra", "bytes_inter", "bytes_flat", "coherence_"))
+                    or k in ("jobs_submitted", "barrier_waits", "barrier_wait_ns",
+                             "refreshes_submitted", "installs")}
+            keep["coherence_by_staleness"] = {str(k): v for k, v in
+                                              keep.get("coherence_by_staleness", {}).items()}
+            out["runs"].append({"topology": topo, "staleness": s, "step_s": times,
+                                "stats": keep, "final_loss": float(loss.detach())})
+            dist.barrier()
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
+        json.dump(out, fh)
+    dist.destroy_process_group()
+    return 0
+
+
+# ---- the launcher ----------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args, out: str) -> None:
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    import asteria
+
+    pkg_root = os.path.dirname(os.path.dirname(asteria.__file__))
+    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "")
+                                                      .split(os.pathsep) if p])
+    wargs = ["--worker", "--out", out, "--steps", str(args.steps), "--width", str(args.width),
+             "--layers", str(args.layers), "--tokens", str(args.tokens),
+             "--block-size", str(args.block_size), "--frequency", str(args.frequency),
+             "--staleness", ",".join(str(s) for s in args.staleness)]
+    procs = []
+    for node in range(NODES):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(PER_NODE),
+               "--nnodes", str(NODES), "--node-rank", str(node), "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0",
+               os.path.abspath(__file__)] + wargs
+        log = open(os.path.join(out, f"node{node}.log"), "w")
+        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT),
+                      log))
+    failed = False
+    for p, log in procs:
+        failed |= p.wait(timeout=args.timeout) != 0
+        log.close()
+    if failed:
+        for node in range(NODES):
+            with open(os.path.join(out, f"node{node}.log")) as fh:
+                sys.stderr.write(fh.read()[-4000:])
+        raise SystemExit("bench_coherence: a worker failed")
+
+
+def install_steps(steps: int, f: int, s: int) -> list[int]:
+    """SOAP: step 1 computes the first basis; refreshes are snapshotted at 1 + k f and installed
+    S steps later."""
+    return [1 + k * f + s for k in range(1, steps) if 1 + k * f + s <= steps]
+
+
+def aggregate(per_rank: list[dict], args) -> list[dict]:
+    results = []
+    for i, run in enumerate(per_rank[0]["runs"]):
+        runs = [r["runs"][i] for r in per_rank]
+        steps = len(run["step_s"])
+        job = [max(r["step_s"][t] for r in runs) for t in range(steps)]  # DDP: the slowest
+        measured = job[args.warmup:]
+        inst = [job[t - 1] for t in install_steps(steps, args.frequency, run["staleness"])
+                if t > args.warmup]
+        st = [r["stats"] for r in runs]
+
+        def total(key):
+            return sum(x.get(key, 0) for x in st)
+
+        by_s = [x["coherence_by_staleness"].get(str(run["staleness"]), {}) for x in st]
+        res = {
+            "topology": run["topology"], "staleness": run["staleness"],
+            "step": common.summarize_ms(measured),
+            "install_steps": common.summarize_ms(inst) if inst else None,
+            "bytes": {lv: total(f"bytes_{lv}") for lv in
+                      ("intra_node", "inter_node", "flat", "flat_inter_node")},
+            "exchange_bytes": total("coherence_exchange_bytes"),
+            "units": max(x.get("coherence_units", 0) for x in st),
+            "entries_computed": total("coherence_entries_computed"),
+            "entries_received": total("coherence_entries_received"),
+            "refresh_barrier_waits": sum(b.get("barrier_waits", 0) for b in by_s),
+            "refresh_barrier_wait_ms": sum(b.get("barrier_wait_ns", 0) for b in by_s) / 1e6,
+            "min_window_slack": min((b["min_window_slack"] for b in by_s
+                                     if b.get("min_window_slack") is not None), default=None),
+            "comm_thread_ms_per_rank": [x.get("coherence_transfer_ns", 0) / 1e6 for x in st],
+            "final_loss": run["final_loss"],
+            "step_ms": [1e3 * t for t in job],
+        }
+        b = res["bytes"]
+        res["inter_over_flat_inter"] = (b["inter_node"] / b["flat_inter_node"]
+                                        if b["flat_inter_node"] else None)
+        results.append(res)
+    return results
+
+
+def plot(data: dict, path: str) -> None:
+    plt = common.pyplot()
+    res = data["results"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax = axes[0]
+    for topo, style in (("flat", "--"), ("hier", "-")):
+        rs = sorted((r for r in res if r["topology"] == topo), key=lambda r: r["staleness"])
+        ss = [r["staleness"] for r in rs]
+        ax.plot(ss, [r["step"]["median_ms"] for r in rs], style + "o", label=f"{topo} median")
+        ax.plot(ss, [r["install_steps"]["median_ms"] if r["install_steps"] else float("nan")
+                     for r in rs], style + "s", label=f"{topo} install steps (median)")
+        ax.plot(ss, [r["step"]["max_ms"] for r in rs], style + "^", label=f"{topo} max")
+    ax.set_xlabel("staleness S (steps)")
+    ax.set_ylabel("step time of the job (ms, slowest rank)")
+    ax.set_title("DDP SOAP, 4 ranks = 2 nodes x 2 (gloo, 2 cores)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    levels = ("intra_node", "inter_node", "flat_inter_node")
+    width = 0.35
+    for k, topo in enumerate(TOPOLOGIES):
+        r = next(x for x in res if x["topology"] == topo and x["staleness"] == 1)
+        units = max(r["units"], 1)
+        vals = [r["bytes"][lv] / units / 1024 for lv in levels]
+        xs = [i + (k - 0.5) * width for i in range(len(levels))]
+        ax.bar(xs, vals, width, label=topo)
+    ax.set_xticks(range(len(levels)))
+    ax.set_xticklabels(["intra-node", "inter-node", "inter-node if flat"])
+    ax.set_ylabel("KiB per refresh, summed over ranks (S = 1)")
+    ax.set_title("coherence bytes per level")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="few steps, a narrow model")
+    ap.add_argument("--steps", type=int, default=42)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--width", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=512, help="rows of the batch per rank")
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--frequency", type=int, default=10)
+    ap.add_argument("--staleness", default=",".join(str(s) for s in STALENESS))
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    args.staleness = [int(s) for s in str(args.staleness).split(",")]
+    if args.worker:
+        sys.exit(worker(args))
+    if args.quick:
+        args.steps, args.width, args.tokens, args.block_size = 14, 32, 64, 16
+    progress = common.Progress(NAME)
+    meta = common.run_metadata(NAME, __file__, argv)
+    tmp = tempfile.mkdtemp(prefix="bench_coherence-")
+    try:
+        progress(f"launching 2 x torchrun --nproc-per-node {PER_NODE}: {len(TOPOLOGIES)} "
+                 f"topologies x S in {args.staleness}, {args.steps} steps each")
+        cpu0 = common.cpu_snapshot()
+        launch(args, tmp)
+        cpu = common.cpu_delta(cpu0, common.cpu_snapshot())
+        per_rank = []
+        for r in range(NODES * PER_NODE):
+            with open(os.path.join(tmp, f"rank{r}.json")) as fh:
+                per_rank.append(json.load(fh))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    data = dict(meta)
+    data["settings"] = {k: getattr(args, k) for k in ("steps", "warmup", "width", "layers",
+                                                      "tokens", "block_size", "frequency",
+                                                      "staleness", "quick")}
+    data["settings"].update(nodes=NODES, ranks_per_node=PER_NODE, backend="gloo",
+                            optimizer="SOAP", dtype="float32", workers_per_rank=1)
+    data["launch"] = {"env": [r["env"] for r in per_rank], "cpu": cpu}
+    data["results"] = aggregate(per_rank, args)
+    hier = [r for r in data["results"] if r["topology"] == "hier"]
+    flat = {r["staleness"]: r for r in data["results"] if r["topology"] == "flat"}
+    data["summary"] = {
+        "inter_node_hier_over_flat": {str(r["staleness"]): (
+            r["bytes"]["inter_node"] / flat[r["staleness"]]["bytes"]["inter_node"]
+            if flat[r["staleness"]]["bytes"]["inter_node"] else None) for r in hier},
+        "median_step_ms": {f"{r['topology']} S={r['staleness']}": r["step"]["median_ms"]
+                           for r in data["results"]},
+        "install_step_median_ms": {f"{r['topology']} S={r['staleness']}":
+                                   (r["install_steps"] or {}).get("median_ms")
+                                   for r in data["results"]},
+    }
+    path = common.write_json(data, f"{NAME}.json", args.out_dir)
+    progress(f"wrote {path}")
+    if not args.no_plot:
+        try:
+            png = os.path.join(args.out_dir or common.RESULTS_DIR, f"{NAME}.png")
+            plot(data, png)
+            progress(f"wrote {png}")
+        except ImportError:
+            progress("matplotlib missing: no plot")
+    for r in data["results"]:
+        b = r["bytes"]
+        progress(f"{r['topology']:4s} S={r['staleness']:2d}: step median "
+                 f"{r['step']['median_ms']:7.1f} ms, install-step median "
+                 f"{(r['install_steps'] or {}).get('median_ms', float('nan')):7.1f} ms, "
+                 f"inter {b['inter_node']} B (flat-equivalent {b['flat_inter_node']}), "
+                 f"barrier waits {r['refresh_barrier_waits']}")
+    return data
+
+
+if __name__ == "__main__":
+    main()
