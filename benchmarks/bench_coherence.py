@@ -91,8 +91,8 @@ def worker(args) -> int:
                 loss.backward()
                 opt.step()
                 times.append(time.perf_counter() - t0)
+            opt.close()  # finishes the refresh in flight on every rank: all of its traffic counts
             st = opt.asteria_stats()
-            opt.close()
             keep = {k: v for k, v in st.items()
                     if k.startswith(("bytes_intra", "bytes_inter", "bytes_flat", "coherence_"))
                     or k in ("jobs_submitted", "barrier_waits", "barrier_wait_ns",
@@ -202,10 +202,13 @@ def plot(data: dict, path: str) -> None:
     for topo, style in (("flat", "--"), ("hier", "-")):
         rs = sorted((r for r in res if r["topology"] == topo), key=lambda r: r["staleness"])
         ss = [r["staleness"] for r in rs]
-        ax.plot(ss, [r["step"]["median_ms"] for r in rs], style + "o", label=f"{topo} median")
+        ax.plot(ss, [r["step"]["median_ms"] for r in rs], style + "o", color="tab:blue",
+                label=f"{topo}: median step")
         ax.plot(ss, [r["install_steps"]["median_ms"] if r["install_steps"] else float("nan")
-                     for r in rs], style + "s", label=f"{topo} install steps (median)")
-        ax.plot(ss, [r["step"]["max_ms"] for r in rs], style + "^", label=f"{topo} max")
+                     for r in rs], style + "s", color="tab:orange",
+                label=f"{topo}: median install step")
+        ax.plot(ss, [r["step"]["max_ms"] for r in rs], style + "^", color="tab:green",
+                label=f"{topo}: max step")
     ax.set_xlabel("staleness S (steps)")
     ax.set_ylabel("step time of the job (ms, slowest rank)")
     ax.set_title("DDP SOAP, 4 ranks = 2 nodes x 2 (gloo, 2 cores)")
@@ -222,7 +225,7 @@ def plot(data: dict, path: str) -> None:
         ax.bar(xs, vals, width, label=topo)
     ax.set_xticks(range(len(levels)))
     ax.set_xticklabels(["intra-node", "inter-node", "inter-node if flat"])
-    ax.set_ylabel("KiB per refresh, summed over ranks (S = 1)")
+    ax.set_ylabel("KiB per sync unit, summed over ranks (S = 1)")
     ax.set_title("coherence bytes per level")
     ax.legend()
     fig.tight_layout()

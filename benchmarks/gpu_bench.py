@@ -30,6 +30,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Optional, Sequence
 
@@ -352,13 +353,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     meta = common.run_metadata(NAME, __file__, argv)
     out_path = args.out or default_out(args.smoke)
     out_dir = os.path.dirname(os.path.abspath(out_path))
-    tmpdir = os.path.join(out_dir, f".{NAME}_steps")
-    os.makedirs(tmpdir, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"{NAME}_") as tmpdir:  # the children's step streams
+        return run(args, argv, meta, out_path, out_dir, tmpdir, log, t_start)
+
+
+def run(args, argv: list, meta: dict, out_path: str, out_dir: str, tmpdir: str,
+        log: common.Progress, t_start: float) -> int:
     _, asteria_err = asteria_or_error()
     child_argv = [a for a in argv if a not in ("--no-plot",)]
     cfg = gpt_config(args, 65)
+    with torch.device("meta"):  # counts only: no memory, no init time
+        nparams = n_params(TinyGPT(cfg))
     log(f"GPT d={args.d} layers={args.layers} heads={args.heads} seq={args.seq} batch="
-        f"{args.batch} ({n_params(TinyGPT(cfg)) / 1e6:.1f}M params), {args.dtype}, device "
+        f"{args.batch} ({nparams / 1e6:.1f}M params), {args.dtype}, device "
         f"{args.device}; f={args.frequency} S={args.staleness} max_precond_dim="
         f"{args.max_precond_dim}; budget {args.budget_s:.0f} s per optimizer, "
         f"{args.total_budget_s:.0f} s in all")
@@ -385,7 +392,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "smoke", "device", "dtype", "d", "layers", "heads", "seq", "batch", "steps", "warmup",
             "budget_s", "total_budget_s", "frequency", "staleness", "max_precond_dim",
             "block_size", "workers", "threads", "lr", "seed", "runs")},
-        "model": {"name": "TinyGPT (examples/tinygpt.py)", "params": n_params(TinyGPT(cfg)),
+        "model": {"name": "TinyGPT (examples/tinygpt.py)", "params": nparams,
                   "vocab": 65, "corpus": "Tiny Shakespeare (bundled), characters"},
         "asteria_import_error": asteria_err,
         "comparisons": comparisons(by_name),

@@ -196,7 +196,11 @@ class _Staging:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 if os.fstat(fd).st_size < cap:
-                    os.ftruncate(fd, cap)
+                    # reserve the pages: a full /dev/shm is an OSError here, not a SIGBUS later
+                    if hasattr(os, "posix_fallocate"):
+                        os.posix_fallocate(fd, 0, cap)
+                    else:
+                        os.ftruncate(fd, cap)
                 mm = mmap.mmap(fd, cap)
             finally:
                 os.close(fd)
@@ -373,6 +377,7 @@ class DistributedEngine(Engine):
                  *, hierarchical: bool = True) -> None:
         self._inner = inner
         self._closed = False
+        self._final_stats: Optional[dict] = None
         self._topo = topo
         self._hier = hierarchical
         self._all_sets = sorted({tuple(sorted(s)) for s in replica_sets if len(s) > 1})
@@ -382,7 +387,6 @@ class DistributedEngine(Engine):
         self._tickets = itertools.count(1)
         self._open: dict[tuple, _Unit] = {}     # channel key -> unit still being submitted
         self._to_push: list[_Unit] = []         # flushed units whose owner results are pending
-        self._pending: list[_Unit] = []         # flushed units not yet waited for
         self._step = 0
         self._queue: "queue.Queue[Optional[_Unit]]" = queue.Queue()
         self._error: Optional[BaseException] = None
@@ -482,9 +486,6 @@ class DistributedEngine(Engine):
         if unit.error is not None:
             raise CoherenceError(str(unit.error)) from unit.error
         del self._jobs[ticket]
-        if all(j.result is not None and j.ticket not in self._jobs for j in unit.jobs):
-            if unit in self._pending:
-                self._pending.remove(unit)
         return job.result
 
     def cancel(self, ticket: int) -> bool:
@@ -524,6 +525,19 @@ class DistributedEngine(Engine):
         return n
 
     def stats(self) -> dict[str, Any]:
+        """The inner engine's counters, this engine's (coherence_*), and the registries' byte
+        counters per level (bytes_intra_node, bytes_inter_node, bytes_flat,
+        bytes_flat_inter_node) summed over channels; per staleness budget, the units, their
+        bounded-barrier waits and the smallest window slack (install step minus the step at
+        which their traffic was done). After close: the final values, units in flight
+        included."""
+        if self._final_stats is not None:
+            out = dict(self._final_stats)
+            out.update({k: v for k, v in self._inner.stats().items() if k not in out})
+            return out
+        return self._stats_open()
+
+    def _stats_open(self) -> dict[str, Any]:
         out = dict(self._inner.stats())
         out.update(self._counters)
         agg = {f"bytes_{lv}": 0 for lv in _LEVELS}
@@ -582,6 +596,7 @@ class DistributedEngine(Engine):
                 unit.owner_ready.set()
             self._queue.put(None)
             self._thread.join(self._topo.timeout.total_seconds() + 5.0)
+            self._final_stats = self._stats_open()
             try:
                 self._inner.close()
             finally:
@@ -640,7 +655,6 @@ class DistributedEngine(Engine):
         for key in [k for k in self._channels if k in self._open]:
             unit = self._open.pop(key)
             self._to_push.append(unit)
-            self._pending.append(unit)
             self._queue.put(unit)
 
     def _push(self, block: bool, upto: Optional[_Unit] = None) -> None:

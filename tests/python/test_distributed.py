@@ -8,7 +8,7 @@ below assert on them. The rank-death test has its own launch without torchrun (d
 why). Children import the ``asteria`` package this process imports (an installed wheel in the
 project's test command, the source tree with PYTHONPATH=python).
 
-Budget: about 3 minutes on 2 cores, most of it four processes importing torch, twice.
+Budget: under 2 minutes on 2 cores, much of it four processes importing torch, twice.
 """
 
 from __future__ import annotations
@@ -268,3 +268,45 @@ def test_rank_death_fails_the_others_promptly(tmp_path):
         _, _, _, waited, msg = lines[0].split(" ", 4)
         assert float(waited) < 20.0, lines[0]
         assert "CoherenceError" in msg and "asteria coherence failed on rank" in msg, msg
+
+
+# ---- single-process pieces ---------------------------------------------------------------------
+
+def test_debug_job_delay_hook(monkeypatch):
+    """The slow-rank hook: config "debug_job_delay_ms" (not a public key) makes every job sleep;
+    ASTERIA_DEBUG_JOB_DELAY_MS sets it for the runtimes an optimizer creates."""
+    from asteria import _C
+    from asteria.engine_c import CEngine
+
+    assert "debug_job_delay_ms" not in _C.config_keys()
+    with pytest.raises(ValueError, match="debug_job_delay_ms"):
+        _C.validate_config({"debug_job_delay_ms": -1})
+    f = torch.eye(4, dtype=torch.float64).unsqueeze(0)
+    monkeypatch.setenv("ASTERIA_DEBUG_JOB_DELAY_MS", "150")
+    for cfg in ({"workers": 1}, asteria.RuntimeConfig(workers=1)):
+        eng = CEngine(cfg)
+        try:
+            t0 = time.monotonic()
+            res = eng.wait(eng.submit("eigh", f, block=1, version=1, deadline=0,
+                                      snapshot_step=0))
+            assert res.status == 0 and time.monotonic() - t0 >= 0.15
+        finally:
+            eng.close()
+
+
+def test_replicas_without_a_process_group():
+    """Outside an initialised multi-rank job nothing is replicated and engines are not wrapped;
+    set_replicas declares a replica set by hand (sorted) or marks parameters rank-local."""
+    from asteria import distributed as AD
+    from asteria.engine_torch import TorchEngine
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    assert AD.replicas(p) is None
+    AD.set_replicas([p], [3, 1])
+    assert AD.replicas(p) == (1, 3)
+    AD.set_replicas([p], None)
+    assert AD.replicas(p) is None
+    eng = TorchEngine()
+    assert AD.wrap_engine(eng, [p]) is eng
+    assert AD.output_spec("soap_qr", 5, torch.float32) == [((5, 5), torch.float32),
+                                                          ((5,), torch.int64)]

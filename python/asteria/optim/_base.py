@@ -24,6 +24,28 @@ Schedule (DESIGN.md, "Staleness"). Steps are counted per ``step()`` call (t = 1,
    with the number of steps until their install, in the parameters' state; ``load_state_dict``
    turns them back into rounds, so the run resumes on the same trajectory.
 
+Checkpoints through torch.distributed.checkpoint (DCP).
+ - Fixed key set. A flattened load (``StateDictOptions(flatten_optimizer_state_dict=True)``)
+   keeps only the keys the live ``optimizer.state`` of the loading optimizer has, and that one
+   is fresh: DCP's fake step made its state. So a preconditioned parameter's state has one key
+   set from its creation on, the same live and in ``state_dict()``: with S > 0 the keys of a
+   refresh in flight always exist (``pending.install_in`` = -1 (``NO_ROUND``) and
+   ``pending.age`` = 0 without one; ``b{j}.pending{dim}.{i}`` zero placeholders of the outputs'
+   shapes and dtypes, with ``b{j}.pending{dim}_ok`` = 0), and so do Shampoo's roots (zeros with
+   ``b{j}.Linv{i}_set`` = 0 before the first install). Live, a placeholder is a stride-0 view of
+   one shared zero (no memory); ``state_dict()`` hands out real zeros or the results. With
+   S = 0 (``mode="sync"``) nothing is ever in flight at a step end and the pending keys do not
+   exist.
+ - The fake step. DCP materialises the state of an optimizer without one by ``step()`` with
+   zero gradients and lr 0. It launches no engine job (zero factors get the identity basis;
+   a refresh due then is not submitted), and the next real step of a parameter whose state is
+   exactly what it leaves (SOAP / KL-Shampoo: step 0 with zero factors, hence identity bases;
+   Shampoo: step 1 with zero factors, momentum and grafting state; AdamW path: step 1 with
+   zero moments) starts that parameter afresh, so the trajectory is that of a run without the
+   fake step. (An all-zero first gradient leaves the same state and is treated the same way.)
+ - FSDP2 across several ranks: the per-shard state is plain tensors under the same keys on
+   every rank, which DCP would save once; see ``AsteriaOptimizer.state_dict``.
+
 Placement (``asteria.placement``, ``asteria.tiered``): at construction the planner assigns a
 tier to every piece of state. Factors and moments always live in ``self.state`` on the
 parameter's device. In ``mode="async"`` roots / eigenbases normally live in a ``Residency``
@@ -49,6 +71,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 import sys
 import warnings
 import weakref
@@ -200,10 +223,22 @@ def _close_all(engine, tiered) -> None:
 INIT = "init"        # first-step eigendecomposition, installed in the step that submitted it
 REFRESH = "refresh"  # periodic refresh, installed S steps later
 
-_PENDING_IN = "pending.install_in"
-_PENDING_AGE = "pending.age"
-_PENDING = ".pending"
+# The fixed state keys of a REFRESH in flight (present from a preconditioned parameter's state
+# creation on whenever S > 0; see "Checkpoints" in AsteriaOptimizer's docstring):
+_PENDING_IN = "pending.install_in"  # steps until the install; NO_ROUND: nothing in flight
+_PENDING_AGE = "pending.age"        # steps since the snapshot
+_PENDING = ".pending"               # b{j}.pending{dim}.{i}: output i of (block j, dim)
+_PENDING_OK = "_ok"                 # b{j}.pending{dim}_ok: 1 if those outputs are a result
+NO_ROUND = -1
+_PENDING_OUT_RE = re.compile(r"b(\d+)\.pending(\d+)\.(\d+)")
+_PENDING_OK_RE = re.compile(r"b(\d+)\.pending(\d+)_ok")
+ADAMW = "adamw"  # a param group's "algorithm" that sends all its parameters to AdamW
 AST_EFAILED = -18  # include/asteria/errors.h
+
+
+def _count(v: Any) -> int:
+    """A step count stored as an int (or a loaded 0-d tensor)."""
+    return int(v.item()) if isinstance(v, torch.Tensor) else int(v)
 
 
 def require(key: str, ok: bool, value: Any, allowed: str) -> None:
@@ -332,6 +367,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self._pindex: dict[torch.Tensor, int] = {}  # stable ids for the engine's block keys
         self._gindex: dict[torch.Tensor, int] = {}  # param -> index of its group
         self._layouts: dict[torch.Tensor, Layout] = {}
+        self._zeros: dict = {}  # (dtype, device) -> the zero behind the placeholders
         super().__init__(params, defaults)
         self._delay = self._cfg.staleness if self._async else 0
         self._eager = self._async and self._cfg.install == "eager"
@@ -358,7 +394,55 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _uses_adamw(self, p: torch.Tensor, group: dict) -> bool:
+        """The method's own rule (1-D / 0-D parameters); see ``_is_adamw``."""
         raise NotImplementedError
+
+    def _is_adamw(self, p: torch.Tensor, group: dict) -> bool:
+        """Does p take the AdamW path? A group with ``"algorithm": "adamw"`` (OLMo-core's
+        convention) sends every parameter of it there, 2-D ones too (embeddings, output heads);
+        otherwise the method's rule decides."""
+        return group.get("algorithm") == ADAMW or self._uses_adamw(p, group)
+
+    def _fake_step_tensors(self, p: torch.Tensor) -> list:
+        """The state tensors of a preconditioned parameter that DCP's fake step (zero gradients)
+        leaves at zero, and that only an all-zero gradient history leaves at zero ([] if none
+        such exists: the state is then never taken for a fake step's)."""
+        raise NotImplementedError
+
+    def _output_specs(self, p: torch.Tensor, group: dict, d: int) -> list:
+        """[(shape, dtype)] of the outputs of a REFRESH job of a factor of size d (the
+        ``b{j}.pending{dim}.{i}`` placeholders)."""
+        return [((d, d), p.dtype)]
+
+    def _fixed_state(self, p: torch.Tensor, group: dict, layout: Layout) -> None:
+        """Add the keys of the fixed key set that p's state lacks (at creation, after a load):
+        with S > 0 the placeholders of a REFRESH in flight. Subclasses add theirs (Shampoo's
+        roots before their first install) and call this."""
+        if self._delay <= 0:
+            return
+        st = self.state[p]
+        if _PENDING_IN not in st:
+            st[_PENDING_IN], st[_PENDING_AGE] = NO_ROUND, 0
+        for j, shape in enumerate(layout.block_shapes):
+            for dim, has in enumerate(self._has_factor(shape, group)):
+                if not has:
+                    continue
+                ok = f"b{j}{_PENDING}{dim}{_PENDING_OK}"
+                if ok not in st:
+                    st[ok] = 0
+                for i, (oshape, dtype) in enumerate(self._output_specs(p, group, shape[dim])):
+                    key = f"b{j}{_PENDING}{dim}.{i}"
+                    if key not in st:
+                        st[key] = self._placeholder(oshape, dtype, local(p).device)
+
+    def _placeholder(self, shape, dtype, device) -> torch.Tensor:
+        """A zero tensor of this shape that costs one element: a stride-0 view of a shared
+        zero. ``state_dict()`` hands out real zeros in its place."""
+        key = (dtype, device)
+        zero = self._zeros.get(key)
+        if zero is None:
+            zero = self._zeros[key] = torch.zeros((), dtype=dtype, device=device)
+        return zero.expand(shape)
 
     def _adamw_hparams(self, group: dict) -> tuple[float, float, float]:
         """(beta1, beta2, eps) of the AdamW update of 1-D parameters."""
@@ -405,7 +489,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                 lp = local(p)
                 pidx = self._pindex[p]
                 itemsize = lp.element_size()
-                if lp.numel() == 0 or self._uses_adamw(p, group):
+                if lp.numel() == 0 or self._is_adamw(p, group):
                     spec = [(n, "moments", tuple(lp.shape), lp.dtype)
                             for n in ("exp_avg", "exp_avg_sq")]
                 else:
@@ -668,7 +752,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                 self._engine.note_nonfinite()
             due: list = []
             for group, params in work:
-                adam = [p.numel() == 0 or self._uses_adamw(p, group) for p in params]
+                adam = [p.numel() == 0 or self._is_adamw(p, group) for p in params]
                 self._adamw(group, [p for p, a in zip(params, adam) if a])
                 pre = [p for p, a in zip(params, adam) if not a]
                 if pre:
@@ -719,8 +803,13 @@ class AsteriaOptimizer(torch.optim.Optimizer):
     def _adamw(self, group: dict, params: list) -> None:
         if not params:
             return
+        fake = self._all_zero({p: [self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"]]
+                               for p in params if self.state[p]
+                               and _count(self.state[p]["step"]) == 1})
         for p in params:
             st = self.state[p]
+            if p in fake:  # what DCP's fake step left (step 1, zero moments): start afresh
+                st["step"] = 0
             if not st:
                 st["step"] = 0
                 st["exp_avg"] = torch.zeros_like(local(p), memory_format=torch.preserve_format)
@@ -739,12 +828,18 @@ class AsteriaOptimizer(torch.optim.Optimizer):
     def _precond_step(self, group: dict, params: list) -> list:
         """Run the kernels over stacks of same-shape blocks; return the factors now due."""
         stacks: dict = defaultdict(list)
+        fake = self._fake_states([p for p in params if self.state[p]])
         for p in params:
             st = self.state[p]
             lay = self._layout(p, group)
             phase = "step"
             if not st:
                 self._create_state(p, group, lay)
+                self._fixed_state(p, group, lay)
+                if self._init_step:
+                    phase = INIT
+            elif p in fake:  # what DCP's fake step left: this step is the first one again
+                st["step"] = 0
                 if self._init_step:
                     phase = INIT
             if phase == "step":
@@ -774,7 +869,37 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                 if dims:
                     due.extend((REFRESH, p, j, dims) for (p, j), k in zip(members, steps)
                                if k % freq == 0)
-        return due
+        # a step that leaves what DCP's fake step leaves submits nothing (Shampoo, f = 1): the
+        # next step starts that parameter afresh anyway
+        idle = self._fake_states(list({d[1]: None for d in due if d[0] == REFRESH}))
+        return [d for d in due if d[1] not in idle] if idle else due
+
+    def _fake_states(self, params: list) -> set:
+        """The parameters among params whose state is exactly what DCP's fake step leaves:
+        the step count of one step (SOAP / KL-Shampoo: 0, their first step initialises the
+        bases; Shampoo: 1) with the ``_fake_step_tensors`` all zero. One device sync."""
+        count = 0 if self._init_step else 1
+        cand = {}
+        for p in params:
+            st = self.state[p]
+            if "step" in st and _count(st["step"]) == count:
+                ts = self._fake_step_tensors(p)
+                if ts:
+                    cand[p] = ts
+        return self._all_zero(cand)
+
+    @staticmethod
+    def _all_zero(cand: dict) -> set:
+        """{p: [tensors]} -> the set of p whose tensors are all zero (one sync per device)."""
+        by_device: dict = defaultdict(list)
+        for p, ts in cand.items():
+            nonzero = torch.stack([t.ne(0).any() for t in ts]).any()
+            by_device[nonzero.device].append((p, nonzero))
+        out = set()
+        for items in by_device.values():
+            flags = torch.stack([f for _, f in items]).tolist()
+            out.update(p for (p, _), nz in zip(items, flags) if not nz)
+        return out
 
     # ---- the scheduler ------------------------------------------------------------------------
     def _step_end(self, due: list) -> None:
@@ -846,8 +971,11 @@ class AsteriaOptimizer(torch.optim.Optimizer):
 
     # ---- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """torch.optim's state dict; a refresh in flight is waited for and stored, not installed,
-        as ``b{j}.pending{dim}.{i}`` tensors plus ``pending.install_in`` / ``pending.age``."""
+        """torch.optim's state dict, with the same keys as the live state (the fixed key set):
+        a refresh in flight is waited for and stored, not installed, in its
+        ``b{j}.pending{dim}.{i}`` tensors (flag ``b{j}.pending{dim}_ok`` = 1) with
+        ``pending.install_in`` / ``pending.age``; without one they are zeros, flags 0 and
+        ``pending.install_in`` = -1."""
         for rnd in self._rounds:
             rnd.resolve(self._engine)
         sd = super().state_dict()
@@ -861,14 +989,23 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             values = self._tiered.materialize(self._tiered.keys())
             for (pidx, name), value in values.items():
                 sd["state"][index[params[pidx]]][name] = value
+        for i, st in list(sd["state"].items()):
+            if _PENDING_IN in st:  # real zeros for the placeholders (a checkpoint writes them)
+                st = sd["state"][i] = dict(st)
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor) and _PENDING_OUT_RE.fullmatch(k):
+                        st[k] = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
         for rnd in self._rounds:
             for p, outs in rnd.outputs.items():
                 st = dict(sd["state"][index[p]])
                 st[_PENDING_IN] = rnd.install_step - self._t
                 st[_PENDING_AGE] = self._t - rnd.snapshot_step
                 for (j, dim), out in outs.items():
-                    for i, tensor in enumerate(out or ()):
+                    if out is None:  # the job failed: nothing to install
+                        continue
+                    for i, tensor in enumerate(out):
                         st[f"b{j}{_PENDING}{dim}.{i}"] = tensor
+                    st[f"b{j}{_PENDING}{dim}{_PENDING_OK}"] = 1
                 sd["state"][index[p]] = st
         return sd
 
@@ -896,19 +1033,30 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             if self._tiered is not None:
                 for name in [n for n in dict.keys(st) if self._owned(p, n)]:
                     self._tiered.write(self._key(p, name), dict.pop(st, name))
-            if _PENDING_IN not in st:
+            group = self._group_of(p)
+            if p.numel() == 0 or self._is_adamw(p, group):
                 continue
-            install_in, age = st.pop(_PENDING_IN), st.pop(_PENDING_AGE)
+            install_in = _count(st.pop(_PENDING_IN, NO_ROUND))
+            age = _count(st.pop(_PENDING_AGE, 0))
             outs: dict = defaultdict(dict)
+            oks: dict = {}
             for k in [k for k in st if _PENDING in k]:
-                block, rest = k.split(_PENDING)
-                dim, idx = rest.split(".")
-                outs[(int(block[1:]), int(dim))][int(idx)] = st.pop(k)
-            rnd = rounds.get((install_in, age))
-            if rnd is None:
-                rnd = rounds[(install_in, age)] = _Round(
-                    REFRESH, self._t - age, self._t + install_in, [], outputs={})
-            rnd.outputs[p] = {key: tuple(v[n] for n in sorted(v)) for key, v in outs.items()}
+                m = _PENDING_OUT_RE.fullmatch(k)
+                if m:
+                    outs[(int(m.group(1)), int(m.group(2)))][int(m.group(3))] = st.pop(k)
+                    continue
+                m = _PENDING_OK_RE.fullmatch(k)
+                if m:
+                    oks[(int(m.group(1)), int(m.group(2)))] = _count(st.pop(k))
+            if install_in != NO_ROUND:
+                rnd = rounds.get((install_in, age))
+                if rnd is None:
+                    rnd = rounds[(install_in, age)] = _Round(
+                        REFRESH, self._t - age, self._t + install_in, [], outputs={})
+                # without a flag (a state dict from before the fixed key set): present = a result
+                rnd.outputs[p] = {key: tuple(v[n] for n in sorted(v))
+                                  for key, v in outs.items() if oks.get(key, 1)}
+            self._fixed_state(p, group, self._layout(p, group))
         self._rounds = list(rounds.values())
         if self._tiered is not None:
             self._tiered.end_step()  # NVMe-homed blocks go back to NVMe (best effort)
@@ -927,6 +1075,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         for p, st in self.state.items():
             pidx = self._pindex.get(p)
             for name, v in dict.items(st):
+                if _PENDING in name:  # placeholders: views of one shared zero
+                    continue
                 if isinstance(v, torch.Tensor) and (plan is None or
                                                     plan.tier((pidx, name)) == "device"):
                     dev += v.numel() * v.element_size()

@@ -6,13 +6,19 @@ Owns KL-Shampoo's hyperparameters and per-block state; the math is in ``function
 
 State of a preconditioned parameter, in ``compute_dtype``: ``step`` (k) and per block j
 ``b{j}.exp_avg`` (M), and for every dimension i with a factor ``b{j}.S{i}`` (S_a, S_b, ...),
-``b{j}.Q{i}`` (its eigenbasis) and ``b{j}.s{i}`` (s_i = lam_i^(-1/2)). 1-D and 0-D parameters
-are AdamW.
+``b{j}.Q{i}`` (its eigenbasis) and ``b{j}.s{i}`` (s_i = lam_i^(-1/2)); with S > 0 also the fixed
+keys of a refresh in flight (``pending.install_in``, ``pending.age``, ``b{j}.pending{i}.0`` (Q),
+``b{j}.pending{i}_ok``; see ``AsteriaOptimizer``). 1-D and 0-D parameters, and every parameter
+of a group with ``"algorithm": "adamw"``, are AdamW.
+
+``compute_dtype`` is kept in the param groups by name (``"float32"``): torch.distributed
+checkpoint's state-dict helpers handle no torch.dtype values (``cpu_offload=True``).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import re
+from typing import Optional, Union
 
 import torch
 
@@ -20,19 +26,46 @@ from asteria.optim import functional as F
 from asteria.optim._base import (INIT, AsteriaOptimizer, check_common, eigh_input, init_bases,
                                  install_bases, is_int, require)
 
+_FACTOR = re.compile(r"b\d+\.S\d+")
+
+
+def _as_dtype(v) -> Optional[torch.dtype]:
+    """A torch.dtype, or the torch.dtype of a name ("float32", "torch.float32"); else None."""
+    if isinstance(v, torch.dtype):
+        return v
+    if isinstance(v, str):
+        dt = getattr(torch, v.removeprefix("torch."), None)
+        return dt if isinstance(dt, torch.dtype) else None
+    return None
+
+
+def dtype_name(v):
+    """A torch.dtype by its name ("float32"); anything else unchanged (the check names it)."""
+    dt = _as_dtype(v)
+    return str(dt).removeprefix("torch.") if dt is not None else v
+
+
+def _cdtype(group: dict) -> torch.dtype:
+    return _as_dtype(group["compute_dtype"])
+
 
 class KLShampoo(AsteriaOptimizer):
     """KL-Shampoo. Keyword names and defaults are the reference's KL-Shampoo mode, plus
-    ``compute_dtype`` (the reference casts to bf16; here float32 by default),
-    ``max_precond_dim`` (a dimension larger than it gets no factor; not in the reference),
-    ``block_size`` and ``runtime``."""
+    ``compute_dtype`` (the reference casts to bf16; here float32 by default; a floating-point
+    torch.dtype or its name, stored by name), ``max_precond_dim`` (a dimension larger than it
+    gets no factor; not in the reference), ``block_size`` and ``runtime``.
+
+    Param group key ``"algorithm"``: ``"adamw"`` sends every parameter of the group, 2-D ones
+    too (embeddings, an output head), to AdamW with the group's lr, betas, eps and
+    weight_decay, exactly as 1-D parameters go (OLMo-core's convention)."""
 
     def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.98), shampoo_beta: float = -1,
                  eps: float = 1e-8, weight_decay: float = 0.01, precondition_frequency: int = 10,
                  normalize_grads: bool = False, init_factor: float = 0.1,
                  using_clamping: bool = True, max_clamp_value: int = 4000,
-                 compute_dtype: torch.dtype = torch.float32, *, max_precond_dim: int = 10000,
-                 block_size: Optional[int] = None, runtime=None):
+                 compute_dtype: Union[torch.dtype, str] = torch.float32, *,
+                 max_precond_dim: int = 10000, block_size: Optional[int] = None, runtime=None):
+        compute_dtype = dtype_name(compute_dtype)
         defaults = dict(lr=lr, betas=betas, shampoo_beta=shampoo_beta, eps=eps,
                         weight_decay=weight_decay, precondition_frequency=precondition_frequency,
                         normalize_grads=normalize_grads, init_factor=init_factor,
@@ -53,8 +86,9 @@ class KLShampoo(AsteriaOptimizer):
         mc = group["max_clamp_value"]
         require("max_clamp_value", isinstance(mc, (int, float)) and mc > 0, mc, "a number > 0")
         cd = group["compute_dtype"]
-        require("compute_dtype", isinstance(cd, torch.dtype) and cd.is_floating_point, cd,
-                "a floating-point torch.dtype")
+        dt = _as_dtype(cd)
+        require("compute_dtype", dt is not None and dt.is_floating_point, cd,
+                "a floating-point torch.dtype or its name ('float32', 'float64', 'bfloat16')")
         md = group["max_precond_dim"]
         require("max_precond_dim", is_int(md) and md >= 1, md, "an integer >= 1")
 
@@ -69,6 +103,23 @@ class KLShampoo(AsteriaOptimizer):
     def _adamw_hparams(self, group):
         return group["betas"][0], group["betas"][1], group["eps"]
 
+    def add_param_group(self, param_group):
+        if "compute_dtype" in param_group:  # by name in the group (torch keeps this dict)
+            param_group["compute_dtype"] = dtype_name(param_group["compute_dtype"])
+        super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:  # a state dict from before the dtype went by name
+            group["compute_dtype"] = dtype_name(group["compute_dtype"])
+
+    def _output_specs(self, p, group, d):
+        return [((d, d), _cdtype(group))]  # kl_qr: (Q,)
+
+    def _fake_step_tensors(self, p):
+        st = self.state[p]  # a fake step's factors are zero (its bases the identity, from them)
+        return [v for k, v in dict.items(st) if _FACTOR.fullmatch(k)]
+
     def _max_dim(self, group):
         return group["max_precond_dim"]
 
@@ -76,10 +127,10 @@ class KLShampoo(AsteriaOptimizer):
         st = self.state[p]
         st["step"] = 0
         for j, shape in enumerate(layout.block_shapes):
-            st[f"b{j}.exp_avg"] = torch.zeros(shape, dtype=group["compute_dtype"], device=p.device)
+            st[f"b{j}.exp_avg"] = torch.zeros(shape, dtype=_cdtype(group), device=p.device)
 
     def _state_spec(self, p, group, layout):
-        dt = group["compute_dtype"]
+        dt = _cdtype(group)
         out = []
         for j, shape in enumerate(layout.block_shapes):
             out.append((f"b{j}.exp_avg", "moments", shape, dt))
@@ -92,7 +143,7 @@ class KLShampoo(AsteriaOptimizer):
         return out
 
     def _init_blocks(self, group, members, g):
-        g = g.to(group["compute_dtype"])
+        g = g.to(_cdtype(group))
         has = self._has_factor(g.shape[1:], group)
         factors = F.kl_init(g, has, shampoo_beta=self._shampoo_beta(group))
         for i, f in enumerate(factors):
@@ -105,7 +156,7 @@ class KLShampoo(AsteriaOptimizer):
         return init_bases(self, members, factors, "S")
 
     def _step_blocks(self, group, members, w, g, steps):
-        g = g.to(group["compute_dtype"])
+        g = g.to(_cdtype(group))
         has = self._has_factor(g.shape[1:], group)
         m = self._stack(members, "exp_avg")
         factors = self._stack_dims(members, "S", has)

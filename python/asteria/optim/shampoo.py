@@ -5,26 +5,43 @@ Owns Shampoo's hyperparameters and per-block state; the math is in ``functional`
 (shampoo_step / shampoo_root_input), the scheduling in ``_base``.
 
 State of a preconditioned parameter: ``step`` (k) and per block j ``b{j}.momentum`` (m1),
-``b{j}.grafting_v`` (vg), and for every dimension i with a factor ``b{j}.L{i}`` and, once a
-refresh was installed, ``b{j}.Linv{i}`` = (L_i/c + epsilon I)^(-1/(2*order)), order = the
-block's number of dimensions. 1-D and 0-D parameters are AdamW with betas (betas[0],
-grafting_beta2) and eps grafting_epsilon: Shampoo's betas[1] and epsilon belong to the factors.
+``b{j}.grafting_v`` (vg), and for every dimension i with a factor ``b{j}.L{i}``,
+``b{j}.Linv{i}`` = (L_i/c + epsilon I)^(-1/(2*order)), order = the block's number of
+dimensions, and ``b{j}.Linv{i}_set``: 1 once a refresh was installed there, before that 0 with
+``b{j}.Linv{i}`` a zero placeholder (the key set stays fixed, which a flattened
+torch.distributed.checkpoint load needs); with S > 0 also the fixed keys of a refresh in flight
+(``pending.install_in``, ``pending.age``, ``b{j}.pending{i}.0``, ``b{j}.pending{i}_ok``; see
+``AsteriaOptimizer``). 1-D and 0-D parameters, and every parameter of a group with
+``"algorithm": "adamw"``, are AdamW with betas (betas[0], grafting_beta2) and eps
+grafting_epsilon: Shampoo's betas[1] and epsilon belong to the factors.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Optional, Union
 
 import torch
 
 from asteria.optim import functional as F
-from asteria.optim._base import AsteriaOptimizer, check_common, is_int, require
+from asteria.optim._base import AsteriaOptimizer, check_common, is_int, local, require
+
+_ZERO_AFTER_FAKE = re.compile(r"b\d+\.(?:L\d+|momentum|grafting_v)")
+
+
+def _flag(v) -> bool:
+    return bool(v.item()) if isinstance(v, torch.Tensor) else bool(v)
 
 
 class Shampoo(AsteriaOptimizer):
     """Shampoo with Adam grafting. ``start_preconditioning_step=-1`` means
     ``precondition_frequency`` (Distributed Shampoo's convention). ``inverse_exponent_override``:
-    None (root 2*order), a number p (every factor uses the root p), or a dict {order: p}."""
+    None (root 2*order), a number p (every factor uses the root p), or a dict {order: p}.
+
+    Param group key ``"algorithm"``: ``"adamw"`` sends every parameter of the group, 2-D ones
+    too (embeddings, an output head), to AdamW exactly as 1-D parameters go (betas
+    (betas[0], grafting_beta2), eps grafting_epsilon, the group's lr and weight_decay;
+    OLMo-core's convention)."""
 
     _init_step = False
 
@@ -82,6 +99,22 @@ class Shampoo(AsteriaOptimizer):
                     st[f"b{j}.L{i}"] = torch.zeros(shape[i], shape[i], dtype=p.dtype,
                                                    device=p.device)
 
+    def _fixed_state(self, p, group, layout):
+        st = self.state[p]  # the roots from the start: zero, not set, until the first install
+        for j, shape in enumerate(layout.block_shapes):
+            for i, has in enumerate(self._has_factor(shape, group)):
+                flag = f"b{j}.Linv{i}_set"
+                if has and flag not in st:
+                    st[flag] = int(self._root_has(p, f"b{j}.Linv{i}"))
+                    if not st[flag]:
+                        self._root_set(p, f"b{j}.Linv{i}", torch.zeros(
+                            shape[i], shape[i], dtype=p.dtype, device=local(p).device))
+        super()._fixed_state(p, group, layout)
+
+    def _fake_step_tensors(self, p):
+        st = self.state[p]  # step 1 of a zero gradient: zero factors, momentum and grafting_v
+        return [v for k, v in dict.items(st) if _ZERO_AFTER_FAKE.fullmatch(k)]
+
     def _state_spec(self, p, group, layout):
         dt = p.dtype
         out = []
@@ -100,7 +133,7 @@ class Shampoo(AsteriaOptimizer):
     def _batch_tag(self, p, j):
         st = self.state[p]  # True once every factor of the block has an installed root
         dims = [i for i in range(st[f"b{j}.momentum"].dim()) if f"b{j}.L{i}" in st]
-        return bool(dims) and all(self._root_has(p, f"b{j}.Linv{i}") for i in dims)
+        return bool(dims) and all(_flag(st.get(f"b{j}.Linv{i}_set", 0)) for i in dims)
 
     def _step_blocks(self, group, members, w, g, steps):
         has = self._has_factor(g.shape[1:], group)
@@ -138,3 +171,4 @@ class Shampoo(AsteriaOptimizer):
             for (j, dim), out in outs.items():
                 if out is not None:
                     self._root_set(p, f"b{j}.Linv{dim}", out[0])
+                    self.state[p][f"b{j}.Linv{dim}_set"] = 1

@@ -5,12 +5,16 @@ math is in ``functional`` (soap_init / soap_step / soap_install), the scheduling
 
 State of a preconditioned parameter: ``step`` (k) and per block j ``b{j}.exp_avg`` (m),
 ``b{j}.exp_avg_sq`` (v), both in the rotated basis, and for every dimension i with a factor
-``b{j}.GG{i}`` (L, R, ...) and ``b{j}.Q{i}`` (its eigenbasis). 1-D parameters (unless
-``precondition_1d``) and 0-D ones are AdamW with state ``step``, ``exp_avg``, ``exp_avg_sq``.
+``b{j}.GG{i}`` (L, R, ...) and ``b{j}.Q{i}`` (its eigenbasis); with S > 0 also the fixed keys
+of a refresh in flight (``pending.install_in``, ``pending.age``, ``b{j}.pending{i}.0`` (Q) /
+``.1`` (the int64 sort order), ``b{j}.pending{i}_ok``; see ``AsteriaOptimizer``). 1-D parameters
+(unless ``precondition_1d``), 0-D ones and every parameter of a group with
+``"algorithm": "adamw"`` are AdamW with state ``step``, ``exp_avg``, ``exp_avg_sq``.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 import torch
@@ -19,6 +23,8 @@ from asteria.optim import functional as F
 from asteria.optim._base import (INIT, AsteriaOptimizer, check_common, eigh_input, init_bases,
                                  install_bases, is_int, require)
 
+_FACTOR = re.compile(r"b\d+\.GG\d+")
+
 
 class SOAP(AsteriaOptimizer):
     """SOAP with its REFRESH (QR power iteration of the eigenbasis) on the Asteria engine.
@@ -26,6 +32,11 @@ class SOAP(AsteriaOptimizer):
     Keyword names and defaults are those of nikhilvyas/SOAP. Asteria's own: ``block_size``
     (split matrices into blocks of at most this size per dimension) and ``runtime`` (the
     runtime config dict, see ``asteria.RuntimeConfig``).
+
+    Param group key ``"algorithm"``: ``"adamw"`` sends every parameter of the group, 2-D ones
+    too (embeddings, an output head), to AdamW with the group's lr, betas, eps and
+    weight_decay, exactly as 1-D parameters go (OLMo-core's convention); any other value, or
+    none, preconditions the group as usual.
     """
 
     def __init__(self, params, lr: float = 3e-3, betas=(0.95, 0.95), shampoo_beta: float = -1,
@@ -60,6 +71,13 @@ class SOAP(AsteriaOptimizer):
 
     def _adamw_hparams(self, group):
         return group["betas"][0], group["betas"][1], group["eps"]
+
+    def _output_specs(self, p, group, d):
+        return [((d, d), p.dtype), ((d,), torch.int64)]  # soap_qr: (Q, sort order)
+
+    def _fake_step_tensors(self, p):
+        st = self.state[p]  # a fake step's factors are zero (its bases the identity, from them)
+        return [v for k, v in dict.items(st) if _FACTOR.fullmatch(k)]
 
     def _max_dim(self, group):
         return group["max_precond_dim"]

@@ -166,8 +166,8 @@ def check_ddp():
         moved = max(float((a.detach() - b).abs().max())
                     for a, b in zip(model.parameters(), start.parameters()))
         vec = C.flat_state(model, opt)
+        opt.close()  # finishes the units in flight on every rank
         res = summary(opt)
-        opt.close()
         res.update(replicas_equal=C.all_true(C.gather_equal(vec)), moved=moved,
                    engine="DistributedEngine")
         out[name] = res
@@ -192,8 +192,8 @@ def check_hsdp():
             x, y = C.local_batch(t, rank(), world())
             C.train_step(model, opt, x, y)
         vec = C.flat_state(model, opt)
+        opt.close()  # finishes the units in flight on every rank
         res = summary(opt)
-        opt.close()
         others = [r for r in range(world()) if r not in partner]
         res.update(replicas=[list(r) for r in reps],
                    replicas_equal=C.all_true(C.gather_equal(vec, partner)),
@@ -212,8 +212,8 @@ def check_hier_vs_flat():
         model, opt = ddp_run("soap", 12, {"mode": "async", "staleness": 2, "workers": 1}, f=3,
                              hierarchical=hier)
         vecs[hier] = C.flat_state(model, opt)
-        out["hier" if hier else "flat"] = summary(opt)
         opt.close()
+        out["hier" if hier else "flat"] = summary(opt)
     out["same_trajectory"] = C.all_true(torch.equal(vecs[True].view(torch.int64),
                                                     vecs[False].view(torch.int64)))
     return out
@@ -226,8 +226,8 @@ def check_window():
     for s in (5, 0):
         model, opt = ddp_run("soap", 16, {"mode": "async", "staleness": s, "workers": 1}, f=5,
                              sleep=0.03)
-        out[f"S{s}"] = summary(opt)
         opt.close()
+        out[f"S{s}"] = summary(opt)
         dist.barrier()
     return out
 
@@ -245,8 +245,8 @@ def check_slow_rank():
     finally:
         os.environ.pop("ASTERIA_DEBUG_JOB_DELAY_MS", None)
     vec = C.flat_state(model, opt)
-    res = summary(opt)
     opt.close()
+    res = summary(opt)
     res.update(step_times=times, delay_ms=delay_ms, staleness=S, frequency=f,
                replicas_equal=C.all_true(C.gather_equal(vec)))
     return res

@@ -1,0 +1,272 @@
+"""The three optimizers through torch.distributed.checkpoint (DCP), single process.
+
+ - Flattened optimizer state dicts (``StateDictOptions(flatten_optimizer_state_dict=True)``)
+   are loaded into the live state of a freshly built optimizer after DCP's fake step, keeping
+   only the keys it has. Every preconditioned parameter therefore has one fixed key set from
+   its state's creation on: a REFRESH in flight (``pending.*``, ``b{j}.pending{dim}.{i}``) and
+   Shampoo's roots before their first install (``b{j}.Linv{i}``) are placeholders with flags.
+   Saved mid-run with a refresh in flight (S = 3), through files or in memory, the resumed run
+   continues bitwise.
+ - DCP's fake step (``step()`` with zero gradients and lr 0 on an optimizer without state)
+   launches no engine job and leaves the trajectory alone: the next real step starts afresh.
+ - A param group with ``"algorithm": "adamw"`` sends its 2-D parameters to AdamW.
+ - KL-Shampoo's ``compute_dtype`` is kept by name, so ``cpu_offload=True`` works.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, _init_optim_state,
+                                                     get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
+
+from asteria.optim import KLShampoo, SOAP, Shampoo
+from models import (assert_params_close, loss_and_grad, make_model, params_of,
+                    require_c_extension)
+
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+F64 = dict(compute_dtype=torch.float64)
+OPTIMIZERS = {
+    "soap": lambda p, **kw: SOAP(p, **{"precondition_frequency": 5, **kw}),
+    "shampoo": lambda p, **kw: Shampoo(p, **{"lr": 3e-3, "precondition_frequency": 5, **kw}),
+    "kl_shampoo": lambda p, **kw: KLShampoo(p, **{"lr": 3e-3, "precondition_frequency": 5,
+                                                  **F64, **kw}),
+}
+NAMES = list(OPTIMIZERS)
+ASYNC = {"mode": "async", "staleness": 3, "install": "deterministic", "workers": 2}
+SYNC = {"mode": "sync"}
+STEPS = 20
+
+
+@pytest.fixture(autouse=True)
+def _c_extension():
+    require_c_extension()
+
+
+def train(model, opt, steps):
+    out = []
+    for t in steps:
+        loss_and_grad(model, "mlp", t)
+        opt.step()
+        out.append(params_of(model))
+    return out
+
+
+_WANT: dict = {}
+
+
+def uninterrupted(name, runtime=ASYNC):
+    key = (name, tuple(sorted(runtime.items())))
+    if key not in _WANT:
+        model = make_model("mlp")
+        opt = OPTIMIZERS[name](model.parameters(), runtime=runtime)
+        _WANT[key] = train(model, opt, range(1, STEPS + 1))
+        opt.close()
+    return _WANT[key]
+
+
+def assert_same(got, want, first_step):
+    assert len(got) == len(want)
+    for t, (a, b) in enumerate(zip(got, want), first_step):
+        assert_params_close(a, b, rtol=0, atol=0, what=f"step {t}")
+
+
+def copied(flat: dict) -> dict:
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+            for k, v in flat.items()}
+
+
+# ---- flattened save / load mid-run ------------------------------------------------------------
+# f = 5, S = 3. SOAP and KL-Shampoo spend step 1 on the eigenbasis (k = t - 1): refreshes are
+# snapshotted at steps 6, 11 and installed at 9, 14; Shampoo's at 5, 10, installed at 8, 13.
+# After step 7 and after step 12 one is in flight for every method; Shampoo has no root yet
+# after step 7 and has one after step 12. Split 0 is the checkpoint of an optimizer that never
+# stepped: DCP's fake step creates its state.
+@pytest.mark.parametrize("through", ["files", "memory"])
+@pytest.mark.parametrize("split", [0, 7, 12])
+@pytest.mark.parametrize("name", NAMES)
+def test_flattened_checkpoint_resumes_bitwise(name, split, through, tmp_path):
+    make_opt = OPTIMIZERS[name]
+    model = make_model("mlp")
+    opt = make_opt(model.parameters(), runtime=ASYNC)
+    train(model, opt, range(1, split + 1))
+    flat = get_optimizer_state_dict(model, opt, options=FLAT)
+    if through == "files":
+        dcp.save({"optim": flat}, storage_writer=FileSystemWriter(str(tmp_path)))
+    else:
+        flat = copied(flat)
+    msd = copy.deepcopy(model.state_dict())
+    opt.close()
+    installs = [v for k, v in flat.items() if k.endswith("pending.install_in")]
+    assert len(installs) == 3  # the three weight matrices; biases are AdamW
+    if split:
+        assert all(v > 0 for v in installs), "no refresh in flight at the checkpoint"
+        roots = [v for k, v in flat.items() if k.endswith("Linv0_set")]
+        if name == "shampoo":
+            assert roots and all(v == int(split > 10) for v in roots)
+    else:
+        assert all(v == -1 for v in installs)
+
+    fresh = make_model("mlp", seed=123)
+    fresh.load_state_dict(msd)
+    opt2 = make_opt(fresh.parameters(), runtime=ASYNC)
+    if through == "files":  # as OLMo-core resumes: the template is the fresh optimizer's state
+        template = {"optim": get_optimizer_state_dict(fresh, opt2, options=FLAT)}
+        assert set(template["optim"]) == set(flat)
+        dcp.load(template, storage_reader=FileSystemReader(str(tmp_path)))
+        flat = template["optim"]
+    set_optimizer_state_dict(fresh, opt2, flat, options=FLAT)
+    got = train(fresh, opt2, range(split + 1, STEPS + 1))
+    opt2.close()
+    assert_same(got, uninterrupted(name)[split:], split + 1)
+
+
+@pytest.mark.parametrize("runtime", [SYNC, ASYNC], ids=["sync", "async"])
+@pytest.mark.parametrize("name", NAMES)
+def test_live_state_has_its_keys_from_the_start(name, runtime):
+    """The live state (what DCP's flattened load keeps), the state dict and the fake-step
+    state have the same keys, shapes and dtypes at every step."""
+    def layout(states):
+        return {i: {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v)
+                    for k, v in st.items()}
+                for i, st in states.items()}
+
+    model = make_model("mlp")
+    opt = OPTIMIZERS[name](model.parameters(), runtime=runtime)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    _init_optim_state(opt)
+    first = layout(opt.state_dict()["state"])
+    for t in range(1, 14):
+        live = {i: dict(opt.state[p].items()) for i, p in enumerate(params)}
+        assert set(layout(live)) == set(first)
+        for i in first:
+            assert set(live[i]) == set(first[i]), f"step {t}"
+        assert layout(opt.state_dict()["state"]) == first, f"step {t}"
+        loss_and_grad(model, "mlp", t)
+        opt.step()
+    opt.close()
+
+
+# ---- the fake step ----------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["init_optim_state", "get_optimizer_state_dict"])
+@pytest.mark.parametrize("runtime", [SYNC, ASYNC], ids=["sync", "async"])
+@pytest.mark.parametrize("name", NAMES)
+def test_fake_step_leaves_the_trajectory_alone(name, runtime, how):
+    model = make_model("mlp")
+    before = params_of(model)
+    opt = OPTIMIZERS[name](model.parameters(), runtime=runtime)
+    if how == "init_optim_state":
+        _init_optim_state(opt)
+    else:
+        get_optimizer_state_dict(model, opt, options=FLAT)
+    assert opt.state and opt.asteria_stats()["jobs_submitted"] == 0
+    assert_same([params_of(model)], [before], 0)
+    got = train(model, opt, range(1, STEPS + 1))
+    assert opt.asteria_stats()["jobs_submitted"] > 0
+    opt.close()
+    assert_same(got, uninterrupted(name, runtime), 1)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fake_step_launches_no_job_when_every_step_refreshes(name):
+    """f = 1 (Shampoo's fake step counts k = 1, a refresh step): still no engine job."""
+    rt = {"mode": "async", "staleness": 1, "install": "deterministic", "workers": 1}
+
+    def run(fake):
+        model = make_model("mlp")
+        opt = OPTIMIZERS[name](model.parameters(), precondition_frequency=1, runtime=rt)
+        if fake:
+            _init_optim_state(opt)
+            assert opt.asteria_stats()["jobs_submitted"] == 0
+        traj = train(model, opt, range(1, 6))
+        opt.close()
+        return traj
+
+    assert_same(run(True), run(False), 1)
+
+
+# ---- "algorithm": "adamw" ---------------------------------------------------------------------
+@pytest.mark.parametrize("runtime", [SYNC, ASYNC], ids=["sync", "async"])
+@pytest.mark.parametrize("name", NAMES)
+def test_adamw_group_takes_a_matrix_to_adamw(name, runtime):
+    """A 2-D weight in an "algorithm": "adamw" group is exactly torch.optim.AdamW with the
+    group's hyperparameters (Shampoo: betas (betas[0], grafting_beta2), eps grafting_epsilon),
+    has AdamW's state and nothing planned for it; the other matrices stay preconditioned."""
+    model = make_model("mlp")
+    w = model.layers[0].weight
+    twin = torch.nn.Parameter(w.detach().clone())
+    others = [p for p in model.parameters() if p is not w]
+    group = {"params": [w], "algorithm": "adamw", "lr": 1e-2, "weight_decay": 0.1}
+    if name == "shampoo":
+        opt = Shampoo([group, {"params": others}], betas=(0.8, 0.999), grafting_beta2=0.95,
+                      grafting_epsilon=1e-6, precondition_frequency=5, runtime=runtime)
+        adamw = torch.optim.AdamW([twin], lr=1e-2, betas=(0.8, 0.95), eps=1e-6,
+                                  weight_decay=0.1)
+    else:
+        opt = OPTIMIZERS[name]([group, {"params": others}], betas=(0.8, 0.95), eps=1e-6,
+                               runtime=runtime)
+        adamw = torch.optim.AdamW([twin], lr=1e-2, betas=(0.8, 0.95), eps=1e-6,
+                                  weight_decay=0.1)
+    for t in range(1, 13):
+        loss_and_grad(model, "mlp", t)
+        twin.grad = w.grad.detach().clone()
+        opt.step()
+        adamw.step()
+        torch.testing.assert_close(w.detach(), twin.detach(), rtol=1e-12, atol=1e-14)
+    assert set(opt.state[w]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert opt.state[model.layers[1].weight]["step"] > 0
+    assert any(k.startswith("b0.") for k in opt.state[model.layers[1].weight])
+    pidx = opt._pindex[w]
+    assert not opt._tkeys.get(pidx)
+    assert opt.asteria_stats()["jobs_submitted"] > 0  # the others were preconditioned
+    opt.close()
+
+
+# ---- compute_dtype by name ----------------------------------------------------------------------
+def test_kl_shampoo_compute_dtype_by_name_and_cpu_offload():
+    model = make_model("mlp")
+    opt = KLShampoo(model.parameters(), lr=3e-3, precondition_frequency=5, runtime=ASYNC)
+    assert opt.param_groups[0]["compute_dtype"] == "float32"
+    train(model, opt, range(1, 8))
+    for options in (StateDictOptions(cpu_offload=True),
+                    StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)):
+        sd = get_optimizer_state_dict(model, opt, options=options)
+        assert sd
+    opt.close()
+    # a string and a torch.dtype build the same optimizer; the group keeps the name
+    a = KLShampoo(make_model("mlp").parameters(), compute_dtype="float64", runtime=SYNC)
+    b = KLShampoo(make_model("mlp").parameters(), compute_dtype=torch.float64, runtime=SYNC)
+    assert a.param_groups[0]["compute_dtype"] == b.param_groups[0]["compute_dtype"] == "float64"
+    a.close()
+    b.close()
+    want = uninterrupted("kl_shampoo", SYNC)
+    traj = []
+    model = make_model("mlp")
+    opt = KLShampoo(model.parameters(), lr=3e-3, precondition_frequency=5,
+                    compute_dtype="float64", runtime=SYNC)
+    traj = train(model, opt, range(1, STEPS + 1))
+    opt.close()
+    assert_same(traj, want, 1)
+    with pytest.raises(ValueError, match="compute_dtype"):
+        KLShampoo(make_model("mlp").parameters(), compute_dtype="int32", runtime=SYNC)
+    with pytest.raises(ValueError, match="compute_dtype"):
+        KLShampoo(make_model("mlp").parameters(), compute_dtype="nonsense", runtime=SYNC)
+
+
+def test_kl_shampoo_loads_a_group_with_a_torch_dtype():
+    """A state dict saved before compute_dtype went by name still loads."""
+    model = make_model("mlp")
+    opt = KLShampoo(model.parameters(), lr=3e-3, precondition_frequency=5, **F64, runtime=SYNC)
+    train(model, opt, range(1, 4))
+    sd = opt.state_dict()
+    sd["param_groups"][0]["compute_dtype"] = torch.float64
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["compute_dtype"] == "float64"
+    train(model, opt, range(4, 6))
+    opt.close()
