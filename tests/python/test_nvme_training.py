@@ -21,6 +21,8 @@ import textwrap
 import pytest
 import torch
 
+import asteria
+
 from asteria import SOAP, KLShampoo, Shampoo, attach, detach
 from asteria.tiered import Residency, TieredStateError
 from models import loss_and_grad, make_model, params_of, require_c_extension
@@ -270,7 +272,7 @@ def test_enospc_on_a_full_tmpfs(tmp_path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     here = os.path.dirname(os.path.abspath(__file__))
-    python = os.path.join(os.path.dirname(os.path.dirname(here)), "python")
+    python = os.path.dirname(os.path.dirname(asteria.__file__))  # the package under test
     script = tmp_path / "enospc.py"
     script.write_text(TMPFS_SCRIPT.format(tests=here, python=python, dir=str(mnt),
                                           budget=HOST_BUDGET))

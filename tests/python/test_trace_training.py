@@ -16,6 +16,7 @@ import textwrap
 
 import pytest
 
+import asteria
 from asteria import SOAP, attach, detach
 from models import loss_and_grad, make_model, require_c_extension
 
@@ -128,7 +129,7 @@ def test_trace_written_when_collected_and_at_exit(tmp_path):
 
     path = tmp_path / "exit.json"
     here = os.path.dirname(os.path.abspath(__file__))
-    python = os.path.join(os.path.dirname(os.path.dirname(here)), "python")
+    python = os.path.dirname(os.path.dirname(asteria.__file__))  # the package under test
     script = tmp_path / "exit.py"
     script.write_text(FINALIZER_SCRIPT.format(tests=here, python=python, path=str(path)))
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
