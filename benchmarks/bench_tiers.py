@@ -245,7 +245,7 @@ def parse_args(argv: Optional[Sequence[str]]):
                     help="host budget of soap-async-nvme (default: --host-budget-fraction of "
                          "soap-async-auto's host bytes)")
     ap.add_argument("--host-budget-fraction", type=float, default=0.25)
-    ap.add_argument("--ring-cut", type=float, default=0.75,
+    ap.add_argument("--ring-cut", type=float, default=0.5,
                     help="soap-async-devbudget: fraction of the eigenbasis bytes taken off "
                          "native's device bytes for the device budget")
     ap.add_argument("--nvme-parent", default=os.path.join(common.RESULTS_DIR, "tmp"),

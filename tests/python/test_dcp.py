@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
@@ -246,7 +245,6 @@ def test_kl_shampoo_compute_dtype_by_name_and_cpu_offload():
     a.close()
     b.close()
     want = uninterrupted("kl_shampoo", SYNC)
-    traj = []
     model = make_model("mlp")
     opt = KLShampoo(model.parameters(), lr=3e-3, precondition_frequency=5,
                     compute_dtype="float64", runtime=SYNC)
@@ -270,3 +268,91 @@ def test_kl_shampoo_loads_a_group_with_a_torch_dtype():
     assert opt.param_groups[0]["compute_dtype"] == "float64"
     train(model, opt, range(4, 6))
     opt.close()
+
+
+# ---- FSDP2 over two ranks -----------------------------------------------------------------------
+def _fsdp_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8),
+                                torch.nn.Tanh(), torch.nn.Linear(8, 3)).to(torch.float64)
+    from torch.distributed.fsdp import fully_shard
+    fully_shard(model)  # the 3-row layer shards unevenly: 2 rows on rank 0, 1 on rank 1
+    return model
+
+
+def _two_rank_worker(rank: int, port: int, folder: str, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         set_model_state_dict)
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        def run(model, opt, steps):
+            losses = []
+            for t in steps:
+                gen = torch.Generator().manual_seed(100 * t + rank)
+                x = torch.randn(32, 8, generator=gen, dtype=torch.float64)
+                loss = ((model(x) - torch.sin(x[:, :3])) ** 2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.item())
+            return losses
+
+        results = {}
+        for name in NAMES:
+            ck = f"{folder}/{name}"
+            model = _fsdp_model()
+            opt = OPTIMIZERS[name](model.parameters(), runtime=ASYNC)
+            want = run(model, opt, range(1, STEPS + 1))
+            opt.close()
+            model = _fsdp_model()
+            opt = OPTIMIZERS[name](model.parameters(), runtime=ASYNC)
+            got = run(model, opt, range(1, 8))
+            flat = get_optimizer_state_dict(model, opt, options=FLAT)
+            dcp.save({"model": get_model_state_dict(model), "optim": flat},
+                     storage_writer=FileSystemWriter(ck))
+            opt.close()
+            model = _fsdp_model()
+            opt = OPTIMIZERS[name](model.parameters(), runtime=ASYNC)
+            template = {"model": get_model_state_dict(model),
+                        "optim": get_optimizer_state_dict(model, opt, options=FLAT)}
+            dcp.load(template, storage_reader=FileSystemReader(ck))
+            set_model_state_dict(model, template["model"])
+            set_optimizer_state_dict(model, opt, template["optim"], options=FLAT)
+            got += run(model, opt, range(8, STEPS + 1))
+            opt.close()
+            results[name] = {"want": want, "got": got,
+                             "steps": sorted(k for k in flat if k.startswith("state.")
+                                             and (k.endswith(".step") or ".step@" in k))}
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_two_ranks_flattened_resume(tmp_path):
+    """Two ranks, each preconditioning its own shards (one layer sharded unevenly): every
+    rank's per-shard state keeps its own keys in the checkpoint, and the resumed run is
+    bitwise that of the uninterrupted one on every rank."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "result")
+    mp.spawn(_two_rank_worker, args=(port, str(tmp_path / "ck"), out), nprocs=2)
+    for rank in (0, 1):
+        with open(f"{out}.{rank}") as f:
+            results = json.load(f)
+        for name, r in results.items():
+            assert r["steps"] and all(k.endswith(f"@shard{rank}of2") for k in r["steps"]), \
+                (name, r["steps"])
+            assert r["got"] == r["want"], f"{name}, rank {rank}"

@@ -2,13 +2,15 @@
 method (SOAP, Shampoo, KL-Shampoo) on the matrices and torch.optim.AdamW on the rest.
 
 Owns: the routing of param groups by their ``"algorithm"`` key ("adamw" or the method's name);
-the local-shard stand-ins of FSDP2 DTensor parameters; the checkpoint form of the state
-(``asteria.olmo.checkpoint``); forgetting the state of torch.distributed.checkpoint's fake step.
+the local-shard stand-ins of FSDP2 DTensor parameters; the per-shard state keys; forgetting the
+state torch.distributed.checkpoint's fake step leaves in torch.optim.AdamW.
 Calls the Asteria optimizer and torch.optim.AdamW through their public API only, and torch.
 
-Why a composite. The Asteria optimizers route 1-D parameters to AdamW by themselves, but an
-embedding or an output head is 2-D and has no group option for it, and they take plain tensors,
-not DTensors. This class gives every parameter group to the optimizer that suits it:
+Why a composite. The Asteria optimizers take ``"algorithm": "adamw"`` groups themselves (their
+2-D parameters too), but their AdamW state is the local shard's, a plain tensor, while
+torch.optim.AdamW keeps DTensor state that reshards freely; and their per-shard state of an
+FSDP2 parameter needs keys distinct per rank in a multi-rank checkpoint. This class gives
+every parameter group to the optimizer that suits it:
 
 * "adamw" groups go, with the real (possibly DTensor) parameters, to ``torch.optim.AdamW``,
   the optimizer OLMo-core's own AdamWConfig builds, so their state is DTensor-sharded as usual.
@@ -28,11 +30,11 @@ Resuming such a sharded state needs the same mesh; AdamW state reshards freely.
 
 The fake step. Before torch.distributed.checkpoint saves or loads the state of an optimizer
 that has none, it steps it once with zero gradients and lr 0 (``_init_optim_state``), e.g. at
-OLMo-core's step-0 checkpoint. For SOAP and KL-Shampoo that step would be the eigenbasis
-initialisation, so the first real step would update without a basis; for Shampoo and AdamW it
-shifts the bias corrections by a step. So at the first step after the state was created with
-lr 0, or after it was loaded, a state that is exactly what such a step leaves is forgotten, and
-the run follows the trajectory of an optimizer that never had a fake step.
+OLMo-core's step-0 checkpoint. The Asteria optimizers start a parameter afresh after it
+themselves; for torch.optim.AdamW it would shift the bias corrections by a step. So at the first
+step after the state was created with lr 0, or after it was loaded, an AdamW state that is
+exactly what such a step leaves is forgotten, and the run follows the trajectory of an optimizer
+that never had a fake step.
 
 Single-threaded, like the optimizers it wraps.
 """
@@ -94,7 +96,6 @@ class MatrixAwareAsteria(torch.optim.Optimizer):
     def __init__(self, params: Iterable[dict], *, method: type, method_name: str,
                  runtime: Any = None) -> None:
         groups = [dict(g) for g in params]
-        self._dtype_keys: set[str] = set()
         for i, g in enumerate(groups):
             if g.get("algorithm") not in (ADAMW, method_name):
                 raise ValueError(f"param group {i}: 'algorithm' must be {ADAMW!r} or "
@@ -102,7 +103,6 @@ class MatrixAwareAsteria(torch.optim.Optimizer):
             self._name_dtypes(g)
         super().__init__(groups, {})
         self.method_name = method_name
-        self._schema = ck.schema_of(method)
         self._stand_in: dict[torch.Tensor, torch.Tensor] = {}  # real parameter -> stand-in
         self._keys: dict[torch.Tensor, str] = {}                # real parameter -> state key
         method_groups, adamw_groups = [], []
@@ -128,12 +128,12 @@ class MatrixAwareAsteria(torch.optim.Optimizer):
         self._stand_in[p] = x
         return x
 
-    def _name_dtypes(self, group: dict) -> None:
+    @staticmethod
+    def _name_dtypes(group: dict) -> None:
         """torch.dtype values (KL-Shampoo's compute_dtype) by name: torch.distributed.checkpoint
-        does not save torch.dtype objects. ``_inner_hparams`` turns them back."""
+        does not save torch.dtype objects. KL-Shampoo takes the name as it is."""
         for k, v in group.items():
             if isinstance(v, torch.dtype):
-                self._dtype_keys.add(k)
                 group[k] = str(v).removeprefix("torch.")
 
     @staticmethod
@@ -149,11 +149,7 @@ class MatrixAwareAsteria(torch.optim.Optimizer):
 
     def _inner_hparams(self, group: dict) -> dict:
         """An outer group's hyperparameters as the inner optimizer takes them."""
-        out = {k: v for k, v in group.items() if k not in ("params", "algorithm")}
-        for k in self._dtype_keys & out.keys():
-            if isinstance(out[k], str):
-                out[k] = getattr(torch, out[k])
-        return out
+        return {k: v for k, v in group.items() if k not in ("params", "algorithm")}
 
     def _sync_hparams(self) -> None:
         """The outer hyperparameters (a scheduler's lr, a loaded checkpoint's values) into the
@@ -202,17 +198,14 @@ class MatrixAwareAsteria(torch.optim.Optimizer):
         self.state = state
 
     def _forget_fake_step(self) -> None:
-        """Drop every state that is exactly what a fake step left, through the inner
-        optimizers' own state_dict / load_state_dict (their state may live off the device)."""
-        for inner, fake in ((self.second_order,
-                             lambda st: ck.is_fake_step_state(st, self._schema)),
-                            (self.adamw, ck.is_fake_step_adamw)):
-            if inner is None:
-                continue
-            sd = inner.state_dict()
-            keep = {i: st for i, st in sd["state"].items() if not fake(st)}
-            if len(keep) != len(sd["state"]):
-                inner.load_state_dict({"state": keep, "param_groups": sd["param_groups"]})
+        """Drop every AdamW state that is exactly what a fake step left (the Asteria optimizer
+        starts such a parameter afresh by itself)."""
+        if self.adamw is None:
+            return
+        sd = self.adamw.state_dict()
+        keep = {i: st for i, st in sd["state"].items() if not ck.is_fake_step_adamw(st)}
+        if len(keep) != len(sd["state"]):
+            self.adamw.load_state_dict({"state": keep, "param_groups": sd["param_groups"]})
 
     # ---- torch.optim.Optimizer ----------------------------------------------------------------
     @torch.no_grad()
@@ -253,7 +246,7 @@ class MatrixAwareAsteria(torch.optim.Optimizer):
             if self._is_method(g):
                 st = method_sd["state"].get(order[self._stand_in[p]])
                 if st:
-                    state[i] = {self._keys[p]: ck.to_checkpoint(st, self._schema)}
+                    state[i] = {self._keys[p]: ck.to_checkpoint(st)}
             elif self.adamw.state.get(p):
                 state[i] = dict(self.adamw.state[p])
         sd = {"state": state, "param_groups": _packed_groups(self.param_groups)}
@@ -298,7 +291,7 @@ class MatrixAwareAsteria(torch.optim.Optimizer):
                                  f"{sorted(st)}, expected {key!r}: it was saved with another "
                                  f"sharding of the parameter")
             method_state[method_order[self._stand_in[p]]] = ck.from_checkpoint(
-                ck.join_nested(st[key]), self._schema)
+                ck.join_nested(st[key]))
         for s, g in zip(saved_groups, self.param_groups):
             params = g["params"]
             g.clear()

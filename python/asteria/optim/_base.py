@@ -43,8 +43,11 @@ Checkpoints through torch.distributed.checkpoint (DCP).
    Shampoo: step 1 with zero factors, momentum and grafting state; AdamW path: step 1 with
    zero moments) starts that parameter afresh, so the trajectory is that of a run without the
    fake step. (An all-zero first gradient leaves the same state and is treated the same way.)
- - FSDP2 across several ranks: the per-shard state is plain tensors under the same keys on
-   every rank, which DCP would save once; see ``AsteriaOptimizer.state_dict``.
+ - FSDP2 across several ranks: the state of a sharded DTensor parameter is its local shard's,
+   a plain tensor per rank; DCP keeps one copy of a plain value that several ranks save under
+   one name. So its keys carry the shard's tag (``b0.exp_avg@shard1of2``, ``step@shard1of2``;
+   ``shard_tag``), live and in ``state_dict()``, and every rank's copy is kept (uneven shards,
+   a different key set per rank included). Resuming needs the same mesh and sharding.
 
 Placement (``asteria.placement``, ``asteria.tiered``): at construction the planner assigns a
 tier to every piece of state. Factors and moments always live in ``self.state`` on the
@@ -103,20 +106,55 @@ def local(t):
     return t
 
 
-class _ParamState(dict):
-    """One parameter's state when some of it lives in a Residency: a plain dict for the device
-    tensors plus "virtual" entries for the tiered roots / eigenbases. Reading a virtual entry
-    returns a fresh copy on the parameter's device (never a live view), assigning one writes the
-    block, popping one frees it. The optimizer itself never goes through the virtual entries
-    (it stages blocks through the ring); they exist so state inspection and torch.optim's
-    plumbing see the same keys as with everything on the device."""
+_TAG_SEP = "@"
+_TAG_RE = re.compile(r"@shard\d+of\d+(?:_\d+of\d+)*")
 
-    __slots__ = ("_opt", "_p")
+
+def shard_tag(p) -> Optional[str]:
+    """The tag of a DTensor parameter sharded over more than one rank: ``shard{i}of{n}`` per
+    mesh dimension that shards it (``shard0of2``, ``shard1of2_0of4``), else None. Replicas of
+    one shard (HSDP) share it."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    if mod is None or not isinstance(p, mod.DTensor):
+        return None
+    mesh = p.device_mesh
+    coord = mesh.get_coordinate() or []
+    parts = [f"{coord[d]}of{mesh.size(d)}" for d, pl in enumerate(p.placements)
+             if isinstance(pl, mod.Shard) and mesh.size(d) > 1 and d < len(coord)]
+    return "shard" + "_".join(parts) if parts else None
+
+
+class _ParamState(dict):
+    """One parameter's state when some of it lives in a Residency, or when the parameter is a
+    DTensor sharded over several ranks: a plain dict for the device tensors plus "virtual"
+    entries for the tiered roots / eigenbases. Reading a virtual entry returns a fresh copy on
+    the parameter's device (never a live view), assigning one writes the block, popping one
+    frees it. The optimizer itself never goes through the virtual entries (it stages blocks
+    through the ring); they exist so state inspection and torch.optim's plumbing see the same
+    keys as with everything on the device.
+
+    A sharded parameter's state is per shard: its keys, as iteration (and so DCP) sees them,
+    carry the shard's tag (``b0.exp_avg@shard1of2``), so that a checkpoint keeps every rank's
+    copy instead of one for all; lookups take either name, the optimizer uses the plain one."""
+
+    __slots__ = ("_opt", "_p", "_tag")
 
     def __init__(self, opt, p, items=()):
         super().__init__(items)
         self._opt = opt
         self._p = p
+        self._tag = opt._tags.get(p)
+
+    def _int(self, k):
+        """The optimizer's name of a key (the tag stripped)."""
+        if self._tag is not None and isinstance(k, str):
+            suffix = _TAG_SEP + self._tag
+            if k.endswith(suffix):
+                return k[:-len(suffix)]
+        return k
+
+    def _ext(self, k):
+        return k if self._tag is None else f"{k}{_TAG_SEP}{self._tag}"
 
     def _vkey(self, k):
         opt = self._opt
@@ -133,6 +171,7 @@ class _ParamState(dict):
         return [k[1] for k in opt._tkeys.get(pidx, ()) if opt._tiered.has(k)]
 
     def __getitem__(self, k):
+        k = self._int(k)
         key = self._vkey(k)
         if key is None:
             return dict.__getitem__(self, k)
@@ -142,11 +181,14 @@ class _ParamState(dict):
         return self[k] if k in self else default
 
     def __contains__(self, k):
+        k = self._int(k)
         return dict.__contains__(self, k) or self._vkey(k) is not None
 
     def __iter__(self):
-        yield from dict.__iter__(self)
-        yield from self._virtual()
+        for k in dict.__iter__(self):
+            yield self._ext(k)
+        for k in self._virtual():
+            yield self._ext(k)
 
     def __len__(self):
         return dict.__len__(self) + len(self._virtual())
@@ -162,12 +204,14 @@ class _ParamState(dict):
 
     def __setitem__(self, k, v):
         opt = self._opt
+        k = self._int(k)
         if isinstance(v, torch.Tensor) and opt._owned(self._p, k):
             opt._tiered.write((opt._pindex[self._p], k), v)
         else:
             dict.__setitem__(self, k, v)
 
     def pop(self, k, *default):
+        k = self._int(k)
         key = self._vkey(k)
         if key is None:
             return dict.pop(self, k, *default)
@@ -176,6 +220,7 @@ class _ParamState(dict):
         return v
 
     def __delitem__(self, k):
+        k = self._int(k)
         key = self._vkey(k)
         if key is None:
             dict.__delitem__(self, k)
@@ -183,7 +228,7 @@ class _ParamState(dict):
             self._opt._tiered.drop(key)
 
     def raw(self) -> dict:
-        """The device entries only."""
+        """The device entries only, under the optimizer's names."""
         return dict(dict.items(self))
 
     def __reduce__(self):
@@ -368,6 +413,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self._gindex: dict[torch.Tensor, int] = {}  # param -> index of its group
         self._layouts: dict[torch.Tensor, Layout] = {}
         self._zeros: dict = {}  # (dtype, device) -> the zero behind the placeholders
+        self._tags: dict[torch.Tensor, str] = {}  # sharded DTensor param -> its shard's tag
         super().__init__(params, defaults)
         self._delay = self._cfg.staleness if self._async else 0
         self._eager = self._async and self._cfg.install == "eager"
@@ -542,6 +588,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                                                    self._tiered)
         elif self._tiered is not None:
             self._tiered.plan = plan
+        if self._tags and not isinstance(self.state, _States):  # per-shard key names
+            self.state = _States(self, self.state)
         self._migrate()
 
     def _migrate(self) -> None:
@@ -669,6 +717,9 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         for p in self.param_groups[-1]["params"]:
             self._pindex.setdefault(p, len(self._pindex))
             self._gindex[p] = len(self.param_groups) - 1
+            tag = shard_tag(p)
+            if tag is not None:
+                self._tags[p] = tag
         if getattr(self, "_plan", None) is not None:  # a group added after construction
             self._replan()
             if isinstance(self._engine, _dist.DistributedEngine):
@@ -975,17 +1026,24 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         a refresh in flight is waited for and stored, not installed, in its
         ``b{j}.pending{dim}.{i}`` tensors (flag ``b{j}.pending{dim}_ok`` = 1) with
         ``pending.install_in`` / ``pending.age``; without one they are zeros, flags 0 and
-        ``pending.install_in`` = -1."""
+        ``pending.install_in`` = -1.
+
+        The state of a DTensor parameter sharded over several ranks (FSDP2) is its local
+        shard's, under keys tagged with the shard (``b0.exp_avg@shard1of2``, ``step@...``, as
+        the live state shows them): torch.distributed.checkpoint keeps one copy of a plain
+        value saved under one name by several ranks, so untagged keys would lose all ranks'
+        state but one. Resuming needs the same mesh and sharding (``load_state_dict`` raises
+        ValueError on another shard's keys)."""
         for rnd in self._rounds:
             rnd.resolve(self._engine)
         sd = super().state_dict()
         index = {}
         for p in itertools.chain.from_iterable(g["params"] for g in self.param_groups):
             index.setdefault(p, len(index))
+        sd["state"] = {i: (st.raw() if isinstance(st, _ParamState) else dict(st))
+                       for i, st in sd["state"].items()}  # the optimizer's names, copies
         if self._tiered is not None:  # roots / eigenbases as the all-device path stores them
             params = {i: p for p, i in self._pindex.items()}
-            sd["state"] = {i: (st.raw() if isinstance(st, _ParamState) else dict(st))
-                           for i, st in sd["state"].items()}
             values = self._tiered.materialize(self._tiered.keys())
             for (pidx, name), value in values.items():
                 sd["state"][index[params[pidx]]][name] = value
@@ -1007,17 +1065,50 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                         st[f"b{j}{_PENDING}{dim}.{i}"] = tensor
                     st[f"b{j}{_PENDING}{dim}{_PENDING_OK}"] = 1
                 sd["state"][index[p]] = st
+        for p, tag in self._tags.items():  # per-shard state: the shard's own key names
+            st = sd["state"].get(index.get(p))
+            if st is not None:
+                sd["state"][index[p]] = {f"{k}{_TAG_SEP}{tag}": v for k, v in st.items()}
         return sd
+
+    def _untag(self, state_dict: dict) -> dict:
+        """A loaded state dict under the optimizer's key names: a sharded parameter's own tag
+        stripped; another shard's tag (another mesh or rank) is a ValueError."""
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        state = dict(state_dict["state"])
+        for i, p in zip(saved_ids, params):
+            st = state.get(i)
+            if not st:
+                continue
+            tag = self._tags.get(p)
+            out = {}
+            for k, v in st.items():
+                m = _TAG_RE.search(k) if isinstance(k, str) else None
+                if m is not None and m.end() == len(k):
+                    if m.group(0) != _TAG_SEP + str(tag):
+                        here = f"shard {tag}" if tag else "an unsharded parameter"
+                        raise ValueError(
+                            f"optimizer state key {k!r} of parameter {self._pindex[p]} belongs "
+                            f"to shard {m.group(0)[1:]}, this rank has {here}: a sharded "
+                            f"checkpoint resumes on the same mesh and sharding only")
+                    k = k[:m.start()]
+                out[k] = v
+            state[i] = out
+        return dict(state_dict, state=state)
 
     def load_state_dict(self, state_dict: dict) -> None:
         for rnd in self._rounds:
             rnd.drop(self._engine)
         self._rounds = []
+        state_dict = self._untag(state_dict)
         dtypes = {i: {k: v.dtype for k, v in st.items() if isinstance(v, torch.Tensor)}
                   for i, st in state_dict["state"].items()}
         super().load_state_dict(state_dict)
         if self._tiered is not None:  # torch replaced self.state by plain dicts
             self._tiered.clear()
+            self.state = _States(self, self.state)
+        elif self._tags:
             self.state = _States(self, self.state)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
@@ -1040,7 +1131,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             age = _count(st.pop(_PENDING_AGE, 0))
             outs: dict = defaultdict(dict)
             oks: dict = {}
-            for k in [k for k in st if _PENDING in k]:
+            for k in [k for k in dict.keys(st) if _PENDING in k]:
                 m = _PENDING_OUT_RE.fullmatch(k)
                 if m:
                     outs[(int(m.group(1)), int(m.group(2)))][int(m.group(3))] = st.pop(k)
