@@ -208,6 +208,7 @@ def time_to_target(run: dict, target: float, adamw_wall: float, n_steps: int) ->
 def run(args, argv) -> dict[str, Any]:
     log = common.Progress(NAME)
     meta = common.run_metadata(NAME, __file__, argv)
+    meta["machine"]["loadavg"] = list(os.getloadavg())  # 1, 5, 15 minutes
     torch.set_num_threads(args.threads)
     pin = placement()
     problem = build_problem(args.model_size, args.steps, args.seed, args.batch)
@@ -237,7 +238,6 @@ def run(args, argv) -> dict[str, Any]:
         results[name] = r
         if name == "adamw":
             adamw_wall = r["wall_s"]
-        del model, opt
         gc.collect()
 
     out: dict[str, Any] = {}
@@ -251,6 +251,7 @@ def run(args, argv) -> dict[str, Any]:
                 out[name] = time_to_target(results[name], target, a["wall_s"], a["steps_run"])
     ratio = out.get("soap-async", {}).get("time_ratio")
     meta["machine"]["loadavg1_end"] = common.loadavg()
+    meta["machine"]["loadavg_end"] = list(os.getloadavg())
     data = {
         **meta,
         "settings": {"steps": args.steps, "warmup": args.warmup, "frequency": args.frequency,

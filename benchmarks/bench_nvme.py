@@ -259,6 +259,7 @@ def open_store(dirpath: str, queue_depth: int) -> tuple[Any, str]:
 def run(args, argv) -> dict[str, Any]:
     log = common.Progress(NAME)
     meta = common.run_metadata(NAME, __file__, argv)
+    meta["machine"]["loadavg"] = list(os.getloadavg())  # 1, 5, 15 minutes
     os.makedirs(args.dir_parent, exist_ok=True)
     dirpath = tempfile.mkdtemp(prefix="asteria-nvme-bench-", dir=args.dir_parent)
     dev = block_device(dirpath)
@@ -278,6 +279,7 @@ def run(args, argv) -> dict[str, Any]:
         shutil.rmtree(dirpath, ignore_errors=True)
     direct = sstats["nvme_direct"]
     meta["machine"]["loadavg1_end"] = common.loadavg()
+    meta["machine"]["loadavg_end"] = list(os.getloadavg())
     data = {
         **meta,
         "settings": {"block_sizes": args.block_sizes, "total_bytes_per_size": args.total,

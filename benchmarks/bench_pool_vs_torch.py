@@ -229,6 +229,7 @@ def measure_op(op: str, n: int, args, runtimes: dict, log: common.Progress) -> d
 def run(args, argv) -> dict[str, Any]:
     log = common.Progress(NAME)
     meta = common.run_metadata(NAME, __file__, argv)
+    meta["machine"]["loadavg"] = list(os.getloadavg())  # 1, 5, 15 minutes
     cpus = common.allowed_cpus()
     if len(cpus) < 2:
         log(f"only {len(cpus)} allowed CPU(s): the 2-worker / 2-thread ways share it")
@@ -250,6 +251,7 @@ def run(args, argv) -> dict[str, Any]:
         vals = [r[key] for r in results]
         geo[key] = statistics.geometric_mean(vals) if vals else None
     meta["machine"]["loadavg1_end"] = common.loadavg()
+    meta["machine"]["loadavg_end"] = list(os.getloadavg())
     data = {
         **meta,
         "settings": {"dtype": "float32", "sizes": args.sizes, "ops": args.ops,

@@ -125,7 +125,6 @@ def run_one(name: str, args, problem, pin: dict, log: common.Progress) -> dict[s
                final_loss=r["final_loss"], wall_s=r["wall_s"], cpu=r["cpu"],
                disturbed=r["disturbed"], loadavg1_end=r["loadavg1_end"], losses=r["losses"],
                step_ms=r["step_ms"], runtime_counters=common.pick_runtime_counters(stats))
-    del model, opt
     gc.collect()
     return out
 
@@ -155,6 +154,7 @@ def compare(results: list[dict], checkpoints: Sequence[int]) -> dict[str, Any]:
 def run(args, argv) -> dict[str, Any]:
     log = common.Progress(NAME)
     meta = common.run_metadata(NAME, __file__, argv)
+    meta["machine"]["loadavg"] = list(os.getloadavg())  # 1, 5, 15 minutes
     for pkg in ("pytorch-optimizer", "heavyball", "opt-einsum"):
         meta["versions"][pkg] = dist_version(pkg)
     torch.set_num_threads(args.threads)
@@ -167,6 +167,7 @@ def run(args, argv) -> dict[str, Any]:
     step = max(1, args.steps // 5)
     checkpoints = sorted(set(list(range(step, args.steps + 1, step)) + [1, args.steps]))
     meta["machine"]["loadavg1_end"] = common.loadavg()
+    meta["machine"]["loadavg_end"] = list(os.getloadavg())
     data = {
         **meta,
         "settings": {"steps": args.steps, "warmup": args.warmup, "frequency": args.frequency,

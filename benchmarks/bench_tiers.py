@@ -98,6 +98,7 @@ def measure(name: str, rt: dict, args, problem, steps: int, nvme_dir: str,
 def run(args, argv) -> dict[str, Any]:
     log = common.Progress(NAME)
     meta = common.run_metadata(NAME, __file__, argv)
+    meta["machine"]["loadavg"] = list(os.getloadavg())  # 1, 5, 15 minutes
     torch.set_num_threads(args.threads)
     pin = placement()
     steps = args.frequency + args.staleness + 2
@@ -156,6 +157,7 @@ def run(args, argv) -> dict[str, Any]:
                 "off_device_bytes": host_side(t) + t["nvme"],
             }
     meta["machine"]["loadavg1_end"] = common.loadavg()
+    meta["machine"]["loadavg_end"] = list(os.getloadavg())
     data = {
         **meta,
         "settings": {"steps": steps, "frequency": args.frequency, "staleness": args.staleness,
@@ -210,6 +212,10 @@ def plot(data: dict, path: str) -> None:
                  (f" (nvme config: host budget {hb / 2**20:.1f} MiB)" if hb else ""))
     ax.legend(fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
+    if data["failures"]:
+        ax.text(0.02, 0.98, "\n".join(f"{f['config']} failed: {f['error'][:70]}"
+                                      for f in data["failures"]),
+                transform=ax.transAxes, va="top", fontsize=7, color="tab:red")
     m = data["model"]
     fig.suptitle(f"SOAP on {m['params'] / 1e6:.2f}M-param TinyGPT (d={m['d']}, "
                  f"{m['layers']} layers), device = training device memory", fontsize=9)

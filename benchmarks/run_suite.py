@@ -1,5 +1,7 @@
 """Run the whole benchmark suite: every part writes <out-dir>/<name>.json and <name>.png, then a
-summary table is printed and written to <out-dir>/summary.json.
+summary table is printed and written to <out-dir>/summary.json. With --only, the parts not run
+keep their entries from the summary.json already there (each entry names its command and
+finishing time), so the summary always holds the latest run of every part.
 
 Parts (each a script of its own, run in a child process so one crash, one pool or one torch
 thread setting cannot leak into the next; its progress lines stream through):
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import datetime
 import importlib.util
 import json
 import os
@@ -66,7 +69,16 @@ def metrics_step_time(d: dict) -> list[tuple[str, Any, str]]:
     for key, t in (d.get("targets") or {}).items():
         met = {True: "met", False: "NOT met", None: "not measured"}[t.get("met")]
         rows.append((f"target {key}", t.get("value"), f"{t.get('op')} {t.get('threshold')}: {met}"))
-    return rows
+    return rows + disturbed_row(d)
+
+
+def disturbed_row(d: dict) -> list[tuple[str, Any, str]]:
+    """A warning row when other processes kept cores busy during some of the part's runs."""
+    names = [r.get("optimizer") for r in d.get("results") or [] if r.get("disturbed")]
+    if not names:
+        return []
+    return [("DISTURBED runs (foreign CPU load)", ", ".join(names),
+             "their timings are the machine's as much as the optimizer's")]
 
 
 def metrics_convergence(d: dict) -> list[tuple[str, Any, str]]:
@@ -83,7 +95,7 @@ def metrics_convergence(d: dict) -> list[tuple[str, Any, str]]:
                 f"{t['steps_ratio']:.2f}" if t["reached"] else "never reached AdamW's final loss")
         rows.append((f"{name} time to adamw final / adamw time", t["time_ratio"],
                      note + ("; SOAP paper target <= 0.65" if name == "soap-async" else "")))
-    return rows
+    return rows + disturbed_row(d)
 
 
 def metrics_tiers(d: dict) -> list[tuple[str, Any, str]]:
@@ -145,7 +157,7 @@ def metrics_third_party(d: dict) -> list[tuple[str, Any, str]]:
                      f"{r['final_loss']:.3f}",
                      (f"{r.get('version')}; " if r.get("version") else "")
                      + ("" if df is None else f"final - native sync {df:+.3f}")))
-    return rows
+    return rows + disturbed_row(d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +217,34 @@ def child_env() -> tuple[dict[str, str], Optional[str]]:
     return env, added
 
 
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def previous_parts(args) -> dict[str, dict]:
+    """With --only: the other parts' entries of the summary.json already in out-dir (same
+    --quick setting), so the summary keeps the latest run of every part. Each entry says when
+    and by which command it ran."""
+    path = os.path.join(args.out_dir, "summary.json")
+    if not args.only or not os.path.exists(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if old.get("quick") != args.quick:
+        return {}
+    chosen = {p.key for p in args.parts}
+    keep = {}
+    for key, p in (old.get("parts") or {}).items():
+        if key not in chosen:
+            keep[key] = dict(p, finished=p.get("finished") or old.get("date"),
+                             from_previous_suite_run=p.get("from_previous_suite_run")
+                             or old.get("command"))
+    return keep
+
+
 def _echo(stream, tail: collections.deque) -> None:
     """Pass a part's output through as it comes (its progress lines), keeping the tail."""
     for line in stream:
@@ -242,7 +282,8 @@ def run_part(part: Part, args, env: dict[str, str]) -> dict[str, Any]:
     reader.join(timeout=10)
     wall = time.time() - t0
     out: dict[str, Any] = {"key": part.key, "name": part.name, "script": part.script,
-                           "command": display, "rc": rc, "wall_s": round(wall, 1),
+                           "command": display, "finished": _now(), "rc": rc,
+                           "wall_s": round(wall, 1),
                            "timed_out": timed_out, "json": json_path, "ok": False}
     png = os.path.join(args.out_dir, part.json[:-5] + ".png")
     out["png"] = png if os.path.exists(png) and os.path.getmtime(png) >= t0 - 1 else None
@@ -304,7 +345,9 @@ def print_summary(summary: dict) -> None:
     for p in summary["parts"].values():
         print(f"({p['key']}) {p['name']:<12} {'ok' if p['ok'] else 'FAILED':<7} "
               f"{p['wall_s']:>7.1f} s  load {p.get('loadavg1')} -> "
-              f"{p.get('loadavg1_end')}  {p['json']}")
+              f"{p.get('loadavg1_end')}  {p['json']}"
+              + (f"  (kept from an earlier run, {p.get('finished')})"
+                 if p.get("from_previous_suite_run") else ""))
     h = summary["headline"]
     print(f"headline: (b) soap-async time to AdamW's final / AdamW's time = "
           f"{fmt(h['convergence_soap_async_time_ratio'])} (target <= 0.65); (a) Asteria p99 / "
@@ -359,23 +402,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
     meta = common.run_metadata(NAME, __file__, argv)
+    meta["machine"]["loadavg"] = list(os.getloadavg())  # 1, 5, 15 minutes
     env, added = child_env()
     t0 = time.time()
     print(f"[{NAME}] parts {', '.join(f'({p.key}) {p.name}' for p in args.parts)}; out-dir "
           f"{args.out_dir}; {'quick' if args.quick else 'full'} settings; nproc "
           f"{meta['machine']['nproc']}, load {common.loadavg()}"
           + (f"; PYTHONPATH += {added}" if added else ""), flush=True)
-    parts: dict[str, dict] = {}
+    parts = previous_parts(args)
+    if parts:
+        print(f"[{NAME}] keeping the previous results of parts {', '.join(sorted(parts))} "
+              "in summary.json", flush=True)
     for part in args.parts:
         parts[part.key] = run_part(part, args, env)
+    parts = {p.key: parts[p.key] for p in PARTS if p.key in parts}
     meta["machine"]["loadavg1_end"] = common.loadavg()
+    meta["machine"]["loadavg_end"] = list(os.getloadavg())
     summary = {**meta, "quick": args.quick, "out_dir": args.out_dir,
                "pythonpath_added": added, "wall_s": round(time.time() - t0, 1),
                "parts": parts, "headline": headline(parts)}
     print_summary(summary)
     path = common.write_json(summary, "summary.json", args.out_dir)
     print(f"[{NAME}] wrote {path}", flush=True)
-    return 0 if all(p["ok"] for p in parts.values()) else 1
+    return 0 if all(parts[p.key]["ok"] for p in args.parts) else 1
 
 
 if __name__ == "__main__":
