@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+import asteria
+
 pytest.importorskip("asteria._C")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -45,8 +47,9 @@ def check_meta(data, benchmark):
 def suite(tmp_path_factory):
     out = tmp_path_factory.mktemp("suite")
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (os.path.join(ROOT, "python"), env.get("PYTHONPATH")) if p)
+    # the package under test (the installed one in the project's test command)
+    pkg_root = os.path.dirname(os.path.dirname(asteria.__file__))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
     r = subprocess.run([sys.executable, os.path.join(BENCH, "run_suite.py"), "--quick",
                         "--only", "tiers,pool,nvme", "--out-dir", str(out)],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=170)
