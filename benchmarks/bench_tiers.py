@@ -176,18 +176,7 @@ def run(args, argv) -> dict[str, Any]:
         "results": results,
         "failures": failures,
     }
-    path = common.write_json(data, f"{NAME}.json", args.out_dir)
-    print()
-    print_table(data)
-    if not args.no_plot:
-        png = os.path.join(args.out_dir, f"{NAME}.png")
-        try:
-            plot(data, png)
-            log(f"wrote {png}")
-        except ImportError as e:
-            log(f"no plot: {e}")
-    log(f"wrote {path}")
-    return data
+    return common.finish(data, NAME, args.out_dir, args.no_plot, print_table, plot, log)
 
 
 def plot(data: dict, path: str) -> None:

@@ -508,3 +508,20 @@ def final_loss(losses: Sequence[float], last: int = 10) -> float:
     """Mean of the last ``last`` training losses, so one noisy batch does not decide."""
     tail = list(losses[-last:])
     return sum(tail) / len(tail)
+
+
+def finish(data: dict, name: str, out_dir: str, no_plot: bool, print_table, plot, log) -> dict:
+    """The common end of a suite part: write <name>.json, print the table, plot <name>.png
+    (unless no_plot; a missing matplotlib is reported, not fatal)."""
+    path = write_json(data, f"{name}.json", out_dir)
+    print()
+    print_table(data)
+    if not no_plot:
+        png = os.path.join(out_dir, f"{name}.png")
+        try:
+            plot(data, png)
+            log(f"wrote {png}")
+        except ImportError as e:
+            log(f"no plot: {e}")
+    log(f"wrote {path}")
+    return data
