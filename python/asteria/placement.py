@@ -24,7 +24,11 @@ Rules (``mode="async"``)
     (roots -> host first). Whenever any block is host-resident, the staging ring is carved out
     of the budget too: it gets min(64 MiB, the bytes of all staged blocks, the headroom) and
     at least one preconditioner block's matrices (``ring_min``); the step streams stacks
-    through it in chunks that fit.
+    through it in chunks that fit (half the ring each when it holds two, so the next chunk's
+    copy overlaps this one's use). Without a device budget the ring is bounded too: the
+    larger of ``ring_min`` and an eighth of the staged bytes, at most 64 MiB and at most
+    every staged block (host residency exists to save device memory; a ring as large as
+    the blocks it stages would save none).
  4. host budget: host-resident blocks fill ``host_budget_bytes`` in parameter order; the
     remaining ones (the LAST parameters: they are prefetched first in backward, so their
     NVMe read has the most time) go to "nvme". Exceeding it without ``nvme_dir`` is a
@@ -51,7 +55,9 @@ TIERED_KINDS = ("roots", "eigenbases")       # written per refresh, read every s
 HOST_TIERS = ("host", "host_pinned", "uvm")  # host-addressable store tiers
 RING_ALIGN = 256                             # AST_SHADOW_ALIGN
 RING_DEFAULT = 64 << 20
+RING_FRACTION = 8                            # default ring: 1/8 of the staged bytes (>= ring_min)
 SNAPSHOT_RING_DEFAULT = 64 << 20
+RING_FRACTION = 8                            # default ring: 1/8 of the staged bytes (>= ring_min)
 SNAPSHOT_RING_MIN = 64 << 10
 
 
@@ -289,7 +295,10 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
     ring = 0
     if staged:
         total = sum(align(e.nbytes) for e in staged)
-        ring = min(RING_DEFAULT, total)
+        # without a budget: a bounded ring (host residency is there to save device memory);
+        # with one: whatever the budget leaves, up to every staged block
+        ring = min(RING_DEFAULT, total) if dev_budget is not None else \
+            min(RING_DEFAULT, total, max(ring_min, align(total // RING_FRACTION)))
         if dev_budget is not None:
             dev_now = fixed + sum(e.nbytes for e in tiered_entries
                                   if block_tier[e.key] == "device")
@@ -301,7 +310,9 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
                     f"least {ring_min} bytes (one preconditioner block's roots/eigenbases); "
                     f"allowed: None or a byte count >= {dev_now + ring_min}")
             ring = min(ring, headroom)
-        ring = max(ring, ring_min)
+        ring = align(max(ring, ring_min))
+        if dev_budget is not None and ring > dev_budget - dev_now:
+            ring = max(ring_min, (dev_budget - dev_now) // RING_ALIGN * RING_ALIGN)
         dec.append(f"device staging ring of {_mib(ring)} for {len(staged)} host/NVMe blocks "
                    f"({_mib(total)}); steps stream them through it"
                    + (" in chunks" if ring < total else ""))

@@ -422,25 +422,40 @@ class Residency:
 
     def borrow(self, keys: list) -> list:
         """Device tensors of blocks for this chunk (ring slot views, or UVM views); the caller
-        stacks them and then calls give_back(keys)."""
+        stacks them and then calls give_back(keys).
+
+        Two phases: first every block of the chunk gets a slot (a block staged ahead is a hit;
+        the others are staged now, evicting the oldest slots of other blocks as needed), then
+        the views are made. Slots are contiguous and the ring reclaims in FIFO order, so a
+        chunk can fail to fit behind a hit in the middle of the ring although its bytes fit
+        the ring: then the chunk's own slots are released too and it is staged again from an
+        empty ring. Only a chunk larger than the ring raises."""
         blks = [self._blocks[k] for k in keys]
+        staged = [b for b in blks if b.home != "uvm"]
+        for blk in staged:
+            if self._src_ptr(blk) is None:
+                raise RuntimeError(f"internal: {self._label(blk)} is on NVMe and was not "
+                                   "fetched for this step")
+        hits = sum(1 for b in staged if b.slot and b.slot_version == b.version)
+        mine = set(id(b) for b in blks)
+        if not self._stage_all(staged, exclude=mine):
+            for blk in list(self._slots.values()):  # restart from an empty ring
+                self._release(blk)
+                self.counters["ring_evictions"] += 1
+            self._settle_releases()
+            hits = 0
+            if not self._stage_all(staged, exclude=mine):
+                raise RuntimeError(
+                    f"asteria: the staging ring ({self.plan.ring_bytes} bytes) cannot hold "
+                    f"{self._label(staged[0])} with the rest of its chunk "
+                    f"({self.chunk_cost(keys)} bytes); {self.shadow.last_error()}")
+        self.counters["prefetch_hits"] += hits
         out = []
         for blk in blks:
             if blk.home == "uvm":
                 out.append(_cuda_view(self.store.data_ptr(blk.sid), blk.nbytes, blk.dtype,
                                       blk.shape, blk.device))
                 continue
-            if blk.slot and blk.slot_version == blk.version:
-                self.counters["prefetch_hits"] += 1
-            if self._src_ptr(blk) is None:
-                raise RuntimeError(f"internal: {self._label(blk)} is on NVMe and was not "
-                                   "fetched for this step")
-            while not self._stage(blk):
-                if not self._evict(exclude=set(id(b) for b in blks)):
-                    raise RuntimeError(
-                        f"asteria: the staging ring ({self.plan.ring_bytes} bytes) cannot hold "
-                        f"{self._label(blk)} with the rest of its chunk; "
-                        f"{self.shadow.last_error()}")
             if self.cuda:
                 torch.cuda.current_stream().wait_event(blk.slot_event)
                 out.append(_cuda_view(blk.slot_ptr, blk.nbytes, blk.dtype, blk.shape,
@@ -449,6 +464,28 @@ class Residency:
                 out.append(_cpu_view(blk.slot_ptr, blk.nbytes, blk.dtype, blk.shape))
             blk.consumed = True
         return out
+
+    def _stage_all(self, blks: list, exclude: set) -> bool:
+        """Give every block of blks a slot, evicting other blocks' slots oldest first; False
+        when they do not fit together (nothing left to evict)."""
+        for blk in blks:
+            while not self._stage(blk):
+                if self._evict(exclude=exclude):
+                    continue
+                if self._settle_releases():
+                    if self._stage(blk):
+                        break
+                return False
+        return True
+
+    def _settle_releases(self) -> bool:
+        """On CUDA a released slot is reclaimed once the stream that used it has passed its
+        release point: wait for that (the consuming stream) so the space is really free.
+        Returns whether there was anything to wait for."""
+        if not self.cuda or not self.shadow.stats()["ring_used"]:
+            return False
+        torch.cuda.current_stream().synchronize()
+        return True
 
     def _evict(self, exclude: set) -> bool:
         """Release the oldest staged slot not in use by the current chunk."""

@@ -695,6 +695,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         if self._tiered is None or not members:
             return [members]
         cap = self._plan.ring_bytes
+        if cap >= 2 * self._plan.ring_min:
+            cap //= 2  # two chunks fit: the next one is copied in while this one is used
         chunks, cur, used = [], [], 0
         for m in members:
             cost = self._tiered.chunk_cost(self._member_keys(*m))
@@ -826,6 +828,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                     if pidx not in seen:
                         seen.add(pidx)
                         order.append(pidx)
+        nstep = len(order)
         for rnd in self._rounds:
             ps = [t[0] for job in rnd.jobs for t in job.targets] + list(rnd.outputs or ())
             for p in ps:
@@ -835,7 +838,9 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                     order.append(pidx)
         keys = [k for pidx in order for k in self._tkeys.get(pidx, ())]
         self._tiered.prepare(keys)
-        self._tiered.prefetch(keys, reason="step")
+        # the step consumes the last parameters first (see _precond_step)
+        self._tiered.prefetch([k for pidx in reversed(order[:nstep])
+                               for k in self._tkeys.get(pidx, ())], reason="step")
 
     def _finite(self, params: list) -> list:
         by_device: dict = defaultdict(list)
@@ -880,7 +885,9 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         """Run the kernels over stacks of same-shape blocks; return the factors now due."""
         stacks: dict = defaultdict(list)
         fake = self._fake_states([p for p in params if self.state[p]])
-        for p in params:
+        # last parameters first: backward produced their gradients (and the backward-pre hooks
+        # staged their roots) first, so the step consumes the ring in the order it was filled
+        for p in reversed(params):
             st = self.state[p]
             lay = self._layout(p, group)
             phase = "step"
@@ -902,6 +909,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         freq = group["precondition_frequency"]
         grads = {p: self._layouts[p].blocks(local(p.grad)) for p in params}
         weights = {p: self._layouts[p].blocks(local(p)) for p in params}
+        work = []
         for (phase, bshape, dtype, _, _), all_members in stacks.items():
             if phase == INIT:
                 members = all_members
@@ -909,17 +917,26 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                 fresh = self._init_blocks(group, members, g)
                 due.extend((INIT, p, j, dims) for p, j, dims in fresh)
                 continue
-            for members in self._chunks(all_members):  # one chunk without a residency
-                g = torch.stack([grads[p][j] for p, j in members]).to(dtype)
-                w = torch.stack([weights[p][j] for p, j in members])
-                steps = [self.state[p]["step"] for p, _ in members]
-                self._step_blocks(group, members, w, g, steps)
-                for (p, j), wi in zip(members, w.unbind(0)):
-                    self._layouts[p].write(local(p), j, wi)
-                dims = [i for i, h in enumerate(self._has_factor(bshape, group)) if h]
-                if dims:
-                    due.extend((REFRESH, p, j, dims) for (p, j), k in zip(members, steps)
-                               if k % freq == 0)
+            # one chunk without a residency
+            work.extend((bshape, dtype, m) for m in self._chunks(all_members))
+        for i, (bshape, dtype, members) in enumerate(work):
+            if self._tiered is not None and i + 1 < len(work):
+                # this chunk, then the next one, so its copy overlaps this one's compute (as
+                # far as the ring has room)
+                self._tiered.prefetch([k for c in (members, work[i + 1][2]) for m in c
+                                       for k in self._member_keys(*m)], reason="step")
+            g = torch.stack([grads[p][j] for p, j in members]).to(dtype)
+            w = torch.stack([weights[p][j] for p, j in members])
+            steps = [self.state[p]["step"] for p, _ in members]
+            self._step_blocks(group, members, w, g, steps)
+            for (p, j), wi in zip(members, w.unbind(0)):
+                self._layouts[p].write(local(p), j, wi)
+            dims = [i for i, h in enumerate(self._has_factor(bshape, group)) if h]
+            if dims:
+                due.extend((REFRESH, p, j, dims) for (p, j), k in zip(members, steps)
+                           if k % freq == 0)
+        # jobs are batched in parameter order, whatever order the step ran in
+        due.sort(key=lambda d: (self._pindex[d[1]], d[2]))
         # a step that leaves what DCP's fake step leaves submits nothing (Shampoo, f = 1): the
         # next step starts that parameter afresh anyway
         idle = self._fake_states(list({d[1]: None for d in due if d[0] == REFRESH}))
