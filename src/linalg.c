@@ -1,6 +1,7 @@
 /*
  * linalg.c - the host REFRESH kernels (asteria/linalg.h): eigh, inverse p-th roots (eigen and
- * coupled Newton), SOAP's and KL-Shampoo's QR power-iteration refreshes.
+ * coupled Newton), SOAP's and KL-Shampoo's QR power-iteration refreshes, and SOAP's
+ * re-expression of its first moment in a new basis (soap_rotate).
  *
  * Owns: nothing beyond the call. Every call allocates its own workspace (one block) and frees it
  * before returning; the only state outside a call is a pthread_once flag and a thread-local
@@ -20,7 +21,8 @@
  * float32 -> float64 retry and batching, so each kernel only computes.
  *
  * Semantics this file adds to the header:
- *  - n must be in [1, LINALG_NMAX] (LAPACK's 32-bit workspace sizes bound n).
+ *  - n must be in [1, LINALG_NMAX] (LAPACK's 32-bit workspace sizes bound n). soap_rotate calls
+ *    no LAPACK routine: any n, n1 >= 1 whose buffers' byte sizes fit a size_t.
  *  - ast_linalg_last_retried() reports the most recent ast_linalg_* call of the thread (any
  *    block of a batched call); every call resets it.
  *  - Batched calls set *failed_index (may be NULL) to -1 on success, to the failing block
@@ -66,6 +68,9 @@ typedef struct kern {
     double (*lange)(char norm, int n, const void *a_cm);
     void (*gemm)(CBLAS_ORDER order, CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int n, const void *a,
                  const void *b, void *c);
+    /* row-major C (m x n, ldc) = op(A) op(B), op(A) m x k, op(B) k x n */
+    void (*gemm_rm)(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int m, int n, int k, const void *a,
+                    int lda, const void *b, int ldb, void *c, int ldc);
     void (*syrk)(int n, const void *a_cm, void *c_cm); /* lower triangle of A A^T */
     double (*dot)(int n, const void *x, int incx, const void *y, int incy);
     void (*scal)(int count, double alpha, void *x);
@@ -105,6 +110,11 @@ typedef struct kern {
                          const void *a, const void *b, void *c)                                   \
     {                                                                                             \
         cblas_##P##gemm(order, ta, tb, n, n, n, 1, a, n, b, n, 0, c, n);                          \
+    }                                                                                             \
+    static void P##_gemm_rm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int m, int n, int k,          \
+                            const void *a, int lda, const void *b, int ldb, void *c, int ldc)     \
+    {                                                                                             \
+        cblas_##P##gemm(CblasRowMajor, ta, tb, m, n, k, 1, a, lda, b, ldb, 0, c, ldc);            \
     }                                                                                             \
     static void P##_syrk(int n, const void *a, void *c)                                           \
     {                                                                                             \
@@ -182,6 +192,7 @@ typedef struct kern {
         .orgqr = P##_orgqr,                                                                       \
         .lange = P##_lange,                                                                       \
         .gemm = P##_gemm,                                                                         \
+        .gemm_rm = P##_gemm_rm,                                                                   \
         .syrk = P##_syrk,                                                                         \
         .dot = P##_dot,                                                                           \
         .scal = P##_scal,                                                                         \
@@ -249,8 +260,10 @@ static lapack_int ws_lwork(const kern *K, const void *query, lapack_int minimum)
 
 typedef struct op_args {
     int n;
-    const void *in0;   /* A or F */
-    const void *in1;   /* Q (refreshes) */
+    int n1;            /* soap_rotate: columns of X */
+    const void *in0;   /* A or F; X (soap_rotate) */
+    const void *in1;   /* Q (refreshes); A pair (soap_rotate, may be NULL) */
+    const void *in2;   /* B pair (soap_rotate, may be NULL) */
     void *mat;         /* q (eigh), x (roots), q_new (refreshes); may be NULL for eigh */
     void *vec;         /* w (eigh) */
     int64_t *perm;     /* SOAP */
@@ -554,9 +567,91 @@ static int k_qr_refresh(const kern *K, const op_args *o)
     return rc;
 }
 
+/*
+ * SOAP's re-expression of m: out = A_new^T (A_old X B_old^T) B_new, X n x n1, either side
+ * absent (identity). Every product is one ?gemm on row-major operands (op(.) = transposition
+ * flag, no copies). Each side is applied in whichever of two orders costs fewer flops; the two
+ * sides' costs add up independently (every intermediate stays n x n1), so the sides are simply
+ * done left, then right:
+ *   left, in sequence:  A_new^T (A_old X)       2 n^2 n1
+ *   left, formed:       (A_new^T A_old) X       n^3 + n^2 n1   (cheaper iff n < n1)
+ *   right, in sequence: (X B_old^T) B_new       2 n n1^2
+ *   right, formed:      X (B_old^T B_new)       n1^3 + n n1^2  (cheaper iff n1 < n)
+ * So for square X both sides go in sequence; for a tall or wide X the short side's n x n
+ * (n1 x n1) product is formed first. Workspace: two n x n1 intermediates and at most one
+ * formed square, which is smaller than n x n1 whenever it is used.
+ */
+static int k_rotate(const kern *K, const op_args *o)
+{
+    const int n = o->n, n1 = o->n1;
+    const size_t es = K->es, nx = (size_t)n * n1;
+    const int form_a = o->in1 && n < n1, form_b = o->in2 && n1 < n;
+    const size_t sq = form_a ? (size_t)n * n : form_b ? (size_t)n1 * n1 : 0;
+    size_t sz[3] = {nx * es, nx * es, sq * es};
+    void *buf[3];
+    void *base = ws_alloc(3, sz, buf);
+    if (!base)
+        return AST_ENOMEM;
+    void *const sqm = buf[2];
+    const void *cur = o->in0; /* the product so far; buf[k] is the next free intermediate */
+    int k = 0;
+    if (o->in1) {
+        const char *a_old = o->in1, *a_new = a_old + (size_t)n * n * es;
+        if (form_a) {
+            K->gemm_rm(CblasTrans, CblasNoTrans, n, n, n, a_new, n, a_old, n, sqm, n);
+        } else {
+            K->gemm_rm(CblasNoTrans, CblasNoTrans, n, n1, n, a_old, n, cur, n1, buf[k], n1);
+            cur = buf[k];
+            k ^= 1;
+        }
+        K->gemm_rm(form_a ? CblasNoTrans : CblasTrans, CblasNoTrans, n, n1, n,
+                   form_a ? sqm : (const void *)a_new, n, cur, n1, buf[k], n1);
+        cur = buf[k];
+        k ^= 1;
+    }
+    if (o->in2) {
+        const char *b_old = o->in2, *b_new = b_old + (size_t)n1 * n1 * es;
+        if (form_b) {
+            K->gemm_rm(CblasTrans, CblasNoTrans, n1, n1, n1, b_old, n1, b_new, n1, sqm, n1);
+        } else {
+            K->gemm_rm(CblasNoTrans, CblasTrans, n, n1, n1, cur, n1, b_old, n1, buf[k], n1);
+            cur = buf[k];
+            k ^= 1;
+        }
+        K->gemm_rm(CblasNoTrans, CblasNoTrans, n, n1, n1, cur, n1,
+                   form_b ? sqm : (const void *)b_new, n1, buf[k], n1);
+        cur = buf[k];
+    }
+    /* validate() guarantees a side, so cur is a workspace buffer here. */
+    int rc = K->finite(nx, cur) ? 0 : AST_ENONFINITE;
+    if (rc == 0)
+        memcpy(o->mat, cur, nx * es);
+    free(base);
+    return rc;
+}
+
 /* ---- dispatch: validation, input checks, float64 retry, batching ----------------------------- */
 
-typedef enum op_kind { OP_EIGH, OP_INV_ROOT, OP_NEWTON, OP_SOAP, OP_QR } op_kind;
+typedef enum op_kind { OP_EIGH, OP_INV_ROOT, OP_NEWTON, OP_SOAP, OP_QR, OP_ROTATE } op_kind;
+
+/* Element counts of one block's buffers (0 for a buffer the call does not have). */
+typedef struct op_counts {
+    size_t in0, in1, in2, mat, vec, perm;
+} op_counts;
+
+static op_counts counts_for(op_kind kind, const op_args *o)
+{
+    const size_t n = (size_t)o->n, nn = n * n;
+    op_counts c = {nn, o->in1 ? nn : 0, 0, o->mat ? nn : 0, o->vec ? n : 0, o->perm ? n : 0};
+    if (kind == OP_ROTATE) {
+        const size_t n1 = (size_t)o->n1;
+        c.in0 = n * n1;
+        c.in1 = o->in1 ? 2 * nn : 0;
+        c.in2 = o->in2 ? 2 * n1 * n1 : 0;
+        c.mat = o->mat ? n * n1 : 0;
+    }
+    return c;
+}
 
 typedef int (*kernel_fn)(const kern *K, const op_args *o);
 
@@ -566,6 +661,7 @@ static const kernel_fn kernels[] = {
     [OP_NEWTON] = k_newton,
     [OP_SOAP] = k_soap,
     [OP_QR] = k_qr_refresh,
+    [OP_ROTATE] = k_rotate,
 };
 
 static int overlaps(const void *a, size_t alen, const void *b, size_t blen)
@@ -574,9 +670,40 @@ static int overlaps(const void *a, size_t alen, const void *b, size_t blen)
     return x < y + blen && y < x + alen;
 }
 
+/* batch * count * es fits a size_t. */
+static int span_fits(int batch, size_t count, size_t es)
+{
+    return count <= SIZE_MAX / es / (size_t)(batch > 0 ? batch : 1);
+}
+
+/* soap_rotate: no LAPACK workspace bounds n or n1 (see the file comment), but every span must
+ * be addressable; the output may not overlap any input. */
+static int validate_rotate(const op_args *o, int batch, size_t es)
+{
+    if (o->n1 < 1 || !o->mat || (!o->in1 && !o->in2))
+        return AST_EINVAL;
+    const size_t n = (size_t)o->n, n1 = (size_t)o->n1;
+    if (n1 > SIZE_MAX / n || n > SIZE_MAX / 2 / n || n1 > SIZE_MAX / 2 / n1)
+        return AST_EINVAL;
+    op_counts c = counts_for(OP_ROTATE, o);
+    if (!span_fits(batch, c.in0, es) || !span_fits(batch, c.in1, es) ||
+        !span_fits(batch, c.in2, es))
+        return AST_EINVAL;
+    const size_t b = (size_t)batch, out = b * c.mat * es;
+    if (overlaps(o->mat, out, o->in0, b * c.in0 * es) ||
+        (o->in1 && overlaps(o->mat, out, o->in1, b * c.in1 * es)) ||
+        (o->in2 && overlaps(o->mat, out, o->in2, b * c.in2 * es)))
+        return AST_EINVAL;
+    return 0;
+}
+
 static int validate(op_kind kind, const op_args *o, int batch, size_t es)
 {
-    if (o->n < 1 || o->n > LINALG_NMAX || batch < 0 || !o->in0)
+    if (o->n < 1 || batch < 0 || !o->in0)
+        return AST_EINVAL;
+    if (kind == OP_ROTATE)
+        return validate_rotate(o, batch, es);
+    if (o->n > LINALG_NMAX)
         return AST_EINVAL;
     const size_t span = (size_t)batch * o->n * o->n * es;
     switch (kind) {
@@ -600,6 +727,8 @@ static int validate(op_kind kind, const op_args *o, int batch, size_t es)
             overlaps(o->mat, span, o->in1, span))
             return AST_EINVAL;
         return 0;
+    case OP_ROTATE:
+        break; /* validate_rotate */
     }
     return AST_EINVAL;
 }
@@ -632,38 +761,40 @@ static void to_f32(size_t count, const double *src, void *dst)
 
 static int retry_f64(op_kind kind, const op_args *o)
 {
-    const size_t n = (size_t)o->n, nn = n * n;
+    const op_counts c = counts_for(kind, o);
     op_args d = *o;
-    double *in0 = to_f64(nn, o->in0);
-    double *in1 = o->in1 ? to_f64(nn, o->in1) : NULL;
-    double *mat = o->mat ? malloc(nn * sizeof *mat) : NULL;
-    double *vec = o->vec ? malloc(n * sizeof *vec) : NULL;
-    int64_t *perm = o->perm ? malloc(n * sizeof *perm) : NULL;
+    double *in0 = to_f64(c.in0, o->in0);
+    double *in1 = o->in1 ? to_f64(c.in1, o->in1) : NULL;
+    double *in2 = o->in2 ? to_f64(c.in2, o->in2) : NULL;
+    double *mat = o->mat ? malloc(c.mat * sizeof *mat) : NULL;
+    double *vec = o->vec ? malloc(c.vec * sizeof *vec) : NULL;
+    int64_t *perm = o->perm ? malloc(c.perm * sizeof *perm) : NULL;
     int rc;
 
-    if (!in0 || (o->in1 && !in1) || (o->mat && !mat) || (o->vec && !vec) ||
+    if (!in0 || (o->in1 && !in1) || (o->in2 && !in2) || (o->mat && !mat) || (o->vec && !vec) ||
         (o->perm && !perm)) {
         rc = AST_ENOMEM;
         goto out;
     }
-    d.in0 = in0, d.in1 = in1, d.mat = mat, d.vec = vec, d.perm = perm;
+    d.in0 = in0, d.in1 = in1, d.in2 = in2, d.mat = mat, d.vec = vec, d.perm = perm;
     rc = kernels[kind](&d_kern, &d);
     if (rc != 0)
         goto out;
     /* Check everything before writing anything, so a failure leaves every output untouched. */
-    if ((mat && !fits_f32(nn, mat)) || (vec && !fits_f32(n, vec))) {
+    if ((mat && !fits_f32(c.mat, mat)) || (vec && !fits_f32(c.vec, vec))) {
         rc = AST_ENONFINITE;
         goto out;
     }
     if (mat)
-        to_f32(nn, mat, o->mat);
+        to_f32(c.mat, mat, o->mat);
     if (vec)
-        to_f32(n, vec, o->vec);
+        to_f32(c.vec, vec, o->vec);
     if (perm)
-        memcpy(o->perm, perm, n * sizeof *perm);
+        memcpy(o->perm, perm, c.perm * sizeof *perm);
 out:
     free(in0);
     free(in1);
+    free(in2);
     free(mat);
     free(vec);
     free(perm);
@@ -672,8 +803,9 @@ out:
 
 static int run_block(const kern *K, ast_dtype dt, op_kind kind, const op_args *o)
 {
-    const size_t nn = (size_t)o->n * o->n;
-    if (!K->finite(nn, o->in0) || (o->in1 && !K->finite(nn, o->in1)))
+    const op_counts c = counts_for(kind, o);
+    if (!K->finite(c.in0, o->in0) || (o->in1 && !K->finite(c.in1, o->in1)) ||
+        (o->in2 && !K->finite(c.in2, o->in2)))
         return AST_ENONFINITE; /* bad input: a float64 retry could not help */
     int rc = kernels[kind](K, o);
     if (dt == AST_F32 && (rc == AST_ENOCONV || rc == AST_ENONFINITE)) {
@@ -696,18 +828,22 @@ static int run(ast_dtype dt, op_kind kind, const op_args *o, int batch, int *fai
         return rc;
     ast_linalg_init();
 
-    const size_t n = (size_t)o->n, mstride = n * n * K->es, vstride = n * K->es;
+    const op_counts c = counts_for(kind, o);
+    const size_t es = K->es;
     for (int b = 0; b < batch; b++) {
+        const size_t ub = (size_t)b;
         op_args blk = *o;
-        blk.in0 = (const char *)o->in0 + b * mstride;
+        blk.in0 = (const char *)o->in0 + ub * c.in0 * es;
         if (o->in1)
-            blk.in1 = (const char *)o->in1 + b * mstride;
+            blk.in1 = (const char *)o->in1 + ub * c.in1 * es;
+        if (o->in2)
+            blk.in2 = (const char *)o->in2 + ub * c.in2 * es;
         if (o->mat)
-            blk.mat = (char *)o->mat + b * mstride;
+            blk.mat = (char *)o->mat + ub * c.mat * es;
         if (o->vec)
-            blk.vec = (char *)o->vec + b * vstride;
+            blk.vec = (char *)o->vec + ub * c.vec * es;
         if (o->perm)
-            blk.perm = o->perm + b * n;
+            blk.perm = o->perm + ub * c.perm;
         rc = run_block(K, dt, kind, &blk);
         if (rc != 0) {
             if (failed_index)
@@ -789,4 +925,18 @@ int ast_linalg_qr_refresh_batched(ast_dtype dt, int batch, int n, const void *f,
 {
     op_args o = {.n = n, .in0 = f, .in1 = q, .mat = q_new};
     return run(dt, OP_QR, &o, batch, failed_index);
+}
+
+int ast_linalg_soap_rotate(ast_dtype dt, int n, int n1, const void *x, const void *a_pair,
+                           const void *b_pair, void *out)
+{
+    return ast_linalg_soap_rotate_batched(dt, 1, n, n1, x, a_pair, b_pair, out, NULL);
+}
+
+int ast_linalg_soap_rotate_batched(ast_dtype dt, int batch, int n, int n1, const void *x,
+                                   const void *a_pair, const void *b_pair, void *out,
+                                   int *failed_index)
+{
+    op_args o = {.n = n, .n1 = n1, .in0 = x, .in1 = a_pair, .in2 = b_pair, .mat = out};
+    return run(dt, OP_ROTATE, &o, batch, failed_index);
 }

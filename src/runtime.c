@@ -47,7 +47,8 @@ typedef struct rfail {
     int count;
 } rfail;
 
-#define JOB_MAX_BUFS 4
+/* The pointers of a request a job may hold a buffer reference for, in submit's check order. */
+enum { JB_IN0, JB_IN1, JB_IN2, JB_OUT0, JB_OUT1, JOB_MAX_BUFS };
 
 typedef struct rjob {
     struct rjob *prev, *next; /* rt->live list: jobs whose completion is not yet drained */
@@ -332,11 +333,29 @@ static int job_run(void *ctx)
         rc = ast_linalg_qr_refresh_batched(r->dtype, r->batch, r->n, r->in0, r->in1, r->out0,
                                            &j->failed_index);
         break;
+    case AST_OP_SOAP_ROTATE:
+        rc = ast_linalg_soap_rotate_batched(r->dtype, r->batch, r->n, r->n1, r->in0, r->in1,
+                                            r->in2, r->out0, &j->failed_index);
+        break;
     default:
         rc = AST_EINVAL;
     }
     j->retried = ast_linalg_last_retried();
     return rc;
+}
+
+/* *out = a * b * c * d; 0 if the product fits a size_t, else -1. */
+static int bytes_of(size_t *out, size_t a, size_t b, size_t c, size_t d)
+{
+    const size_t f[4] = {a, b, c, d};
+    size_t p = 1;
+    for (int i = 0; i < 4; i++) {
+        if (f[i] && p > SIZE_MAX / f[i])
+            return -1;
+        p *= f[i];
+    }
+    *out = p;
+    return 0;
 }
 
 int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket)
@@ -352,15 +371,18 @@ int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket
     if (req->n <= 0 || req->batch <= 0)
         return set_error(rt, AST_EINVAL, "submit: n=%d batch=%d; allowed: both >= 1", req->n,
                          req->batch);
-    size_t mat = (size_t)req->batch * (size_t)req->n * (size_t)req->n * esz;
-    size_t vec = (size_t)req->batch * (size_t)req->n * esz;
-    size_t perm = (size_t)req->batch * (size_t)req->n * sizeof(int64_t);
-    const void *ptrs[JOB_MAX_BUFS] = {req->in0, req->in1, req->out0, req->out1};
-    size_t sizes[JOB_MAX_BUFS] = {mat, mat, mat, 0};
-    int need[JOB_MAX_BUFS] = {1, 0, 1, 0};
+    const size_t batch = (size_t)req->batch, n = (size_t)req->n;
+    size_t mat, vec, perm;
+    if (bytes_of(&mat, batch, n, n, esz) || bytes_of(&vec, batch, n, 1, esz) ||
+        bytes_of(&perm, batch, n, 1, sizeof(int64_t)))
+        return set_error(rt, AST_EINVAL, "submit: n=%d batch=%d; the buffer sizes overflow size_t",
+                         req->n, req->batch);
+    const void *ptrs[JOB_MAX_BUFS] = {req->in0, req->in1, req->in2, req->out0, req->out1};
+    size_t sizes[JOB_MAX_BUFS] = {mat, mat, 0, mat, 0};
+    int need[JOB_MAX_BUFS] = {1, 0, 0, 1, 0};
     switch (req->op) {
     case AST_OP_EIGH:
-        sizes[3] = vec;
+        sizes[JB_OUT1] = vec;
         break;
     case AST_OP_INV_ROOT:
     case AST_OP_NEWTON_ROOT:
@@ -371,16 +393,38 @@ int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket
                              "submit: newton_root needs an integer p, got %g", req->p);
         break;
     case AST_OP_SOAP_QR:
-        need[1] = need[3] = 1;
-        sizes[3] = perm;
+        need[JB_IN1] = need[JB_OUT1] = 1;
+        sizes[JB_OUT1] = perm;
         break;
     case AST_OP_KL_QR:
-        need[1] = 1;
+        need[JB_IN1] = 1;
         break;
+    case AST_OP_SOAP_ROTATE: {
+        if (req->n1 <= 0)
+            return set_error(rt, AST_EINVAL,
+                             "submit: soap_rotate n1=%d; allowed: n1 >= 1 (X is n x n1)",
+                             req->n1);
+        if (!req->in1 && !req->in2)
+            return set_error(rt, AST_EINVAL,
+                             "submit: soap_rotate got neither in1 (A pair) nor in2 (B pair); "
+                             "allowed: either or both (a NULL pair is the identity side)");
+        const size_t n1 = (size_t)req->n1;
+        size_t x, apair, bpair;
+        if (bytes_of(&x, batch, n, n1, esz) || bytes_of(&apair, 2, batch, n * n, esz) ||
+            bytes_of(&bpair, 2 * batch, n1, n1, esz))
+            return set_error(rt, AST_EINVAL,
+                             "submit: soap_rotate n=%d n1=%d batch=%d; the buffer sizes overflow "
+                             "size_t",
+                             req->n, req->n1, req->batch);
+        sizes[JB_IN0] = sizes[JB_OUT0] = x;
+        sizes[JB_IN1] = apair;
+        sizes[JB_IN2] = bpair;
+        break;
+    }
     default:
         return set_error(rt, AST_EINVAL,
                          "submit: op %d; allowed: eigh (1), inv_root (2), newton_root (3), "
-                         "soap_qr (4), kl_qr (5)",
+                         "soap_qr (4), kl_qr (5), soap_rotate (6)",
                          (int)req->op);
     }
     rjob *j = calloc(1, sizeof *j);
@@ -389,7 +433,7 @@ int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket
     j->req = *req;
     j->failed_index = -1;
     j->delay_ms = rt->cfg.debug_job_delay_ms;
-    static const char *const names[JOB_MAX_BUFS] = {"in0", "in1", "out0", "out1"};
+    static const char *const names[JOB_MAX_BUFS] = {"in0", "in1", "in2", "out0", "out1"};
     pthread_mutex_lock(&rt->mu);
     rbuf *held[JOB_MAX_BUFS];
     int nheld = 0;
@@ -406,8 +450,9 @@ int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket
         if (!sizes[i]) {
             pthread_mutex_unlock(&rt->mu);
             free(j);
-            return set_error(rt, AST_EINVAL, "submit: %s must be NULL for op %d", names[i],
-                             (int)req->op);
+            return set_error(rt, AST_EINVAL, "submit: %s must be NULL for op %d%s", names[i],
+                             (int)req->op,
+                             i == JB_IN2 ? " (only soap_rotate (6) takes in2)" : "");
         }
         rbuf *b = find_range_locked(rt, ptrs[i], sizes[i]);
         if (!b) {

@@ -1,11 +1,13 @@
 /*
  * asteria/linalg.h - host linear algebra for preconditioner refreshes (LAPACKE/OpenBLAS).
  *
- * Owns: the O(n^3) REFRESH kernels of Shampoo, SOAP and KL-Shampoo, in float32 and float64,
- * single-block and batched (many same-shape blocks laid out contiguously).
+ * Owns: the O(n^3) REFRESH kernels of Shampoo, SOAP and KL-Shampoo (and SOAP's re-expression
+ * of its first moment at install), in float32 and float64, single-block and batched (many
+ * same-shape blocks laid out contiguously).
  *
  * Conventions
- *  - Matrices are dense, square n x n, ROW-MAJOR (torch's layout), no padding.
+ *  - Matrices are dense, ROW-MAJOR (torch's layout), no padding; square n x n except the
+ *    n x n1 operand and result of ast_linalg_soap_rotate.
  *  - "Eigenvectors as columns": Q[i*n + j] is component i of eigenvector j.
  *  - Outputs are written only on success. On any failure (non-convergence, NaN/Inf in the
  *    input or the result, bad argument) the output buffers are left exactly as they were, so
@@ -73,6 +75,23 @@ int ast_linalg_soap_refresh_batched(ast_dtype dt, int batch, int n, const void *
 int ast_linalg_qr_refresh(ast_dtype dt, int n, const void *f, const void *q, void *q_new);
 int ast_linalg_qr_refresh_batched(ast_dtype dt, int batch, int n, const void *f, const void *q,
                                   void *q_new, int *failed_index);
+
+/* SOAP's re-expression of its first moment in a new eigenbasis:
+ *   out = A_new^T (A_old X B_old^T) B_new
+ * X and out are n x n1. a_pair is (2, n, n): A_old then A_new, contiguous; b_pair is
+ * (2, n1, n1): B_old then B_new. Either pair may be NULL, meaning that side is the identity
+ * (a_pair NULL: out = X B_old^T B_new; b_pair NULL: out = A_new^T A_old X), not both.
+ * n, n1 >= 1. Every product is a ?gemm; each side is evaluated in the association with fewer
+ * flops for the shape of X ((A_new^T A_old) X when n < n1, A_new^T (A_old X) otherwise; the
+ * right side likewise), so results agree with other evaluation orders to rounding, not
+ * bitwise. A and B need not be orthogonal. out may not overlap x, a_pair or b_pair (AST_EINVAL).
+ * Batched: x and out are batch x n x n1, a_pair batch x 2 x n x n, b_pair batch x 2 x n1 x n1;
+ * block i uses the i-th of each. */
+int ast_linalg_soap_rotate(ast_dtype dt, int n, int n1, const void *x, const void *a_pair,
+                           const void *b_pair, void *out);
+int ast_linalg_soap_rotate_batched(ast_dtype dt, int batch, int n, int n1, const void *x,
+                                   const void *a_pair, const void *b_pair, void *out,
+                                   int *failed_index);
 
 #ifdef __cplusplus
 }

@@ -5,10 +5,11 @@
  * per-block failure counters, the stats counters, the last-error message and, when
  * config.trace is set, a trace recorder (trace.h) whose file is written at destroy.
  *
- * A REFRESH request names an operation from linalg.h and host pointers that must lie inside
- * buffers registered with ast_runtime_register (AST_ERANGE otherwise), so a job never touches
- * memory its owner has not declared. Outputs are written only when the job succeeds. After
- * config.max_failures consecutive failures of one block its completion reports AST_EFAILED.
+ * A REFRESH request names an operation from linalg.h and host pointers (in0..in2, out0, out1)
+ * that must lie inside buffers registered with ast_runtime_register (AST_ERANGE otherwise), so
+ * a job never touches memory its owner has not declared. Outputs are written only when the job
+ * succeeds. After config.max_failures consecutive failures of one block its completion reports
+ * AST_EFAILED.
  *
  * Trace (config.trace non-empty): the runtime records, on lane "train" (AST_TRACE_LANE_TRAIN),
  * "job queued" at submit, "barrier wait" spans in ast_runtime_wait (only when it blocked) and
@@ -80,7 +81,11 @@ typedef enum ast_op {
     AST_OP_INV_ROOT = 2,    /* in0 = F;        out0 = (F + eps I)^(-1/p) */
     AST_OP_NEWTON_ROOT = 3, /* in0 = F;        out0 = coupled-Newton (F + eps I)^(-1/p), p integer */
     AST_OP_SOAP_QR = 4,     /* in0 = F, in1 = Q; out0 = Q_new, out1 = perm (int64, n per block) */
-    AST_OP_KL_QR = 5        /* in0 = F, in1 = Q; out0 = Q_new */
+    AST_OP_KL_QR = 5,       /* in0 = F, in1 = Q; out0 = Q_new */
+    /* in0 = X (batch x n x n1), in1 = A pair (batch x 2 x n x n) or NULL, in2 = B pair
+     * (batch x 2 x n1 x n1) or NULL, not both NULL; out0 = A_new^T A_old X B_old^T B_new
+     * (batch x n x n1), a NULL pair being the identity (ast_linalg_soap_rotate) */
+    AST_OP_SOAP_ROTATE = 6
 } ast_op;
 
 typedef struct ast_refresh {
@@ -96,6 +101,8 @@ typedef struct ast_refresh {
     uint64_t version;
     int64_t deadline;       /* step by which it must be installed */
     int64_t snapshot_step;  /* step whose end state the inputs are (for version stats) */
+    int n1;                 /* soap_rotate: columns of X (>= 1); other ops ignore it */
+    const void *in2;        /* soap_rotate: the B pair or NULL; must be NULL for other ops */
 } ast_refresh;
 
 typedef struct ast_result {

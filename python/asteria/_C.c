@@ -82,7 +82,7 @@ static const struct {
 } op_table[] = {
     {"eigh", AST_OP_EIGH},           {"inv_root", AST_OP_INV_ROOT},
     {"newton_root", AST_OP_NEWTON_ROOT}, {"soap_qr", AST_OP_SOAP_QR},
-    {"kl_qr", AST_OP_KL_QR},
+    {"kl_qr", AST_OP_KL_QR},         {"soap_rotate", AST_OP_SOAP_ROTATE},
 };
 #define N_OPS (sizeof op_table / sizeof op_table[0])
 
@@ -293,7 +293,7 @@ static int parse_op(mod_state *st, PyObject *o, ast_op *out)
     }
     PyErr_Format(PyExc_ValueError,
                  "unknown op %R; allowed: eigh (1), inv_root (2), newton_root (3), soap_qr (4), "
-                 "kl_qr (5)",
+                 "kl_qr (5), soap_rotate (6)",
                  o);
     return -1;
 }
@@ -771,26 +771,31 @@ static PyObject *runtime_unregister(RuntimeObject *self, PyObject *arg)
 
 PyDoc_STRVAR(runtime_submit_doc,
              "submit(op, dtype, n, batch, in0, in1, out0, out1, p=0.0, eps=0.0, block=0, "
-             "version=0, deadline=0, snapshot_step=0)\n--\n\n"
+             "version=0, deadline=0, snapshot_step=0, n1=0, in2=None)\n--\n\n"
              "Queue one REFRESH job. op: an AST_OP_* code or its name ('eigh', 'inv_root',\n"
-             "'newton_root', 'soap_qr', 'kl_qr'); dtype: 'float32' or 'float64'; in0/in1/out0/out1:\n"
-             "addresses (int, or None for in1/out1) inside registered buffers. Returns the ticket.");
+             "'newton_root', 'soap_qr', 'kl_qr', 'soap_rotate'); dtype: 'float32' or 'float64';\n"
+             "in0/in1/in2/out0/out1: addresses (int, or None for in1/in2/out1) inside registered\n"
+             "buffers. soap_rotate: in0 = X (batch x n x n1), in1 = A pair (batch x 2 x n x n) or\n"
+             "None, in2 = B pair (batch x 2 x n1 x n1) or None (not both), out0 = A_new^T A_old X\n"
+             "B_old^T B_new; n1 >= 1 is read by soap_rotate only, in2 must be None for the other\n"
+             "ops. Returns the ticket.");
 
 static PyObject *runtime_submit(RuntimeObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"op",  "dtype", "n",     "batch",   "in0",      "in1",
                              "out0", "out1", "p",     "eps",     "block",    "version",
-                             "deadline", "snapshot_step", NULL};
+                             "deadline", "snapshot_step", "n1", "in2", NULL};
     mod_state *st = type_state(Py_TYPE(self));
     PyObject *op_o, *dtype_o;
     ast_refresh req;
     memset(&req, 0, sizeof req);
     long long deadline = 0, snapshot_step = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOiiO&O&O&O&|ddO&O&LL:submit", kwlist, &op_o,
-                                     &dtype_o, &req.n, &req.batch, conv_ptr, &req.in0,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOiiO&O&O&O&|ddO&O&LLiO&:submit", kwlist,
+                                     &op_o, &dtype_o, &req.n, &req.batch, conv_ptr, &req.in0,
                                      conv_optptr, &req.in1, conv_ptr, &req.out0, conv_optptr,
                                      &req.out1, &req.p, &req.eps, conv_u64, &req.block, conv_u64,
-                                     &req.version, &deadline, &snapshot_step))
+                                     &req.version, &deadline, &snapshot_step, &req.n1,
+                                     conv_optptr, &req.in2))
         return NULL;
     if (parse_op(st, op_o, &req.op) < 0 || parse_dtype(dtype_o, &req.dtype) < 0)
         return NULL;

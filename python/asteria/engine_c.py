@@ -152,21 +152,29 @@ class CEngine(Engine):
     # ---- jobs ---------------------------------------------------------------------------------
 
     def submit(self, op, f, q=None, *, block, version, deadline, snapshot_step, p=0.0,
-               eps=0.0, host_outputs: bool = False) -> int:
-        """``host_outputs``: hand the outputs back as host tensors (the caller stores them in
-        host memory) instead of copying them to the inputs' device."""
+               eps=0.0, b=None, host_outputs: bool = False) -> int:
+        """``b``: the B pair of ``soap_rotate`` (``f`` is its X, ``q`` its A pair; every pair
+        given is snapshotted like any input). ``host_outputs``: hand the outputs back as host
+        tensors (the caller stores them in host memory) instead of copying them to the inputs'
+        device."""
         self._check_open()
-        check_op(op, (f, q))
+        check_op(op, (f, q, b))
         if not f.is_floating_point():
             raise ValueError(f"REFRESH input must be a real floating tensor, got {f.dtype}")
+        rotate = op == "soap_rotate"
         batch, n = int(f.shape[0]), int(f.shape[1])
-        if batch == 0 or n == 0:
+        n1 = int(f.shape[2]) if rotate else 0
+        if batch == 0 or n == 0 or (rotate and n1 == 0):
             raise ValueError(f"REFRESH input must be non-empty, got shape {tuple(f.shape)}")
         self._poll()  # release the buffers of jobs that finished meanwhile
         cdtype = f.dtype if f.dtype in _C_DTYPES else torch.float32
         pin = f.device.type == "cuda" and torch.cuda.is_available()
 
-        srcs = [f] + ([q] if op in _WITH_BASIS else [])
+        if rotate:  # X, then the pairs given: in1 = A pair, in2 = B pair (None: identity side)
+            slots = {"in0": f, "in1": q, "in2": b}
+        else:
+            slots = {"in0": f, "in1": q if op in _WITH_BASIS else None, "in2": None}
+        srcs = [t for t in slots.values() if t is not None]
         inputs, tickets = [], []
         for src in srcs:
             staged = (self._snapshot_into_ring(src, cdtype, block)
@@ -187,7 +195,7 @@ class CEngine(Engine):
                 tickets.append(staged[1])
                 self._copies["snapshots_shadow"] += 1
             self._copies["bytes_d2h_snapshots"] += inputs[-1].numel() * inputs[-1].element_size()
-        outputs = [torch.empty((batch, n, n), dtype=cdtype, pin_memory=pin)]
+        outputs = [torch.empty((batch, n, n1 if rotate else n), dtype=cdtype, pin_memory=pin)]
         if op == "eigh":
             outputs.append(torch.empty((batch, n), dtype=cdtype, pin_memory=pin))
         elif op == "soap_qr":
@@ -197,14 +205,19 @@ class CEngine(Engine):
         def addr(ts: list, i: int) -> Optional[int]:
             return ts[i].data_ptr() if i < len(ts) else None
 
+        staged = iter(inputs)  # the snapshots, in the order of the given slots
+        in_addr = {k: (next(staged).data_ptr() if t is not None else None)
+                   for k, t in slots.items()}
+
         handles: list[int] = []
         try:
             for t in buffers:
                 handles.append(self._rt.register(t.data_ptr(), t.numel() * t.element_size()))
             ticket = self._rt.submit(
-                op, _C_DTYPES[cdtype], n, batch, addr(inputs, 0), addr(inputs, 1),
+                op, _C_DTYPES[cdtype], n, batch, in_addr["in0"], in_addr["in1"],
                 addr(outputs, 0), addr(outputs, 1), p=float(p), eps=float(eps), block=block,
-                version=version, deadline=deadline, snapshot_step=snapshot_step)
+                version=version, deadline=deadline, snapshot_step=snapshot_step, n1=n1,
+                in2=in_addr["in2"])
         except BaseException:
             for h in handles:
                 self._rt.unregister(h)

@@ -1,9 +1,9 @@
 """``TorchEngine``: the ``mode="sync"`` REFRESH engine, the native reference.
 
 Owns: nothing but a table of finished results and its counters. Every job is computed inline
-with ``torch.linalg`` at ``submit`` time, on the inputs' own device and dtype, so ``ready`` is
-always true and ``wait`` never blocks. It may call only torch. Single-threaded use (the
-optimizer's training thread); no locks.
+with ``torch.linalg`` (``soap_rotate``: plain matmuls) at ``submit`` time, on the inputs' own
+device and dtype, so ``ready`` is always true and ``wait`` never blocks. It may call only
+torch. Single-threaded use (the optimizer's training thread); no locks.
 
 Numerics follow include/asteria/linalg.h: eigenvalues descending, inverse roots with eigenvalues
 clamped at 0 before eps, SOAP's stable descending sort, float32 retried once in float64, and a
@@ -80,9 +80,20 @@ def _kl_qr(f: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor]:
     return (torch.linalg.qr(f @ q).Q,)
 
 
+def _soap_rotate(x: torch.Tensor, a: Optional[torch.Tensor],
+                 b: Optional[torch.Tensor]) -> tuple[torch.Tensor]:
+    """A_new^T A_old X B_old^T B_new; a None pair is the identity side."""
+    if a is not None:
+        x = a[:, 1].transpose(-1, -2) @ (a[:, 0] @ x)
+    if b is not None:
+        x = (x @ b[:, 0].transpose(-1, -2)) @ b[:, 1]
+    return (x,)
+
+
 def compute(op: str, f: torch.Tensor, q: Optional[torch.Tensor], p: float,
-            eps: float) -> tuple[torch.Tensor, ...]:
-    """One REFRESH op on batched inputs, in their dtype. Raises _Failure."""
+            eps: float, b: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
+    """One REFRESH op on batched inputs, in their dtype. Raises _Failure. ``b``: the B pair
+    of ``soap_rotate`` (``q`` its A pair)."""
     if op == "eigh":
         out = _eigh(f)
     elif op == "inv_root":
@@ -91,6 +102,8 @@ def compute(op: str, f: torch.Tensor, q: Optional[torch.Tensor], p: float,
         out = _newton_root(f, p, eps)
     elif op == "soap_qr":
         out = _soap_qr(f, q)
+    elif op == "soap_rotate":
+        out = _soap_rotate(f, q, b)
     else:
         out = _kl_qr(f, q)
     for t in out:
@@ -99,15 +112,16 @@ def compute(op: str, f: torch.Tensor, q: Optional[torch.Tensor], p: float,
     return out
 
 
-def _compute_with_retry(op, f, q, p, eps) -> tuple[tuple[torch.Tensor, ...], bool]:
+def _compute_with_retry(op, f, q, p, eps, b=None) -> tuple[tuple[torch.Tensor, ...], bool]:
     """float32 that fails numerically is retried once in float64, rounded back (linalg.h)."""
     with torch.no_grad():
         try:
-            return compute(op, f, q, p, eps), False
+            return compute(op, f, q, p, eps, b), False
         except (_Failure, RuntimeError):
             if f.dtype != torch.float32:
                 raise
-        out = compute(op, f.double(), None if q is None else q.double(), p, eps)
+        out = compute(op, f.double(), None if q is None else q.double(), p, eps,
+                      None if b is None else b.double())
     return tuple(t.to(f.dtype) if t.is_floating_point() else t for t in out), True
 
 
@@ -125,19 +139,18 @@ class TorchEngine(Engine):
         }
 
     def submit(self, op, f, q=None, *, block, version, deadline, snapshot_step, p=0.0,
-               eps=0.0) -> int:
+               eps=0.0, b=None) -> int:
         if self._closed:
             raise RuntimeError("TorchEngine is closed")
-        check_op(op, (f, q))
+        check_op(op, (f, q, b))
         ticket = self._next_ticket
         self._next_ticket += 1
         self._stats["jobs_submitted"] += 1
         status, outputs, error, retried = 0, None, "", False
         try:
-            if not bool(torch.isfinite(f).all()) or (
-                    q is not None and not bool(torch.isfinite(q).all())):
+            if any(t is not None and not bool(torch.isfinite(t).all()) for t in (f, q, b)):
                 raise _Failure(AST_ENONFINITE, f"{op}: non-finite input")
-            outputs, retried = _compute_with_retry(op, f, q, p, eps)
+            outputs, retried = _compute_with_retry(op, f, q, p, eps, b)
         except _Failure as exc:
             status, error = exc.status, str(exc)
         except RuntimeError as exc:  # torch.linalg's own failures (non-convergence)

@@ -1,6 +1,6 @@
 /*
  * test_linalg.c - asteria/linalg.h against matrices with known spectra and against plain
- * restatements of every formula in the header.
+ * restatements of every formula in the header (soap_rotate against plain triple loops).
  *
  * The restatements are float64 and use other LAPACK drivers than the code under test where one
  * exists (?syev, the QR algorithm, for the eigen-formula; row-major LAPACKE for the QR), so a
@@ -1098,6 +1098,295 @@ static void test_batched(void **state)
         }
 }
 
+/* ---- SOAP's m re-expression (soap_rotate) -------------------------------------------------- */
+
+/* out = A_new^T (A_old X B_old^T) B_new by plain triple loops in float64, one factor at a time;
+ * a NULL pair is the identity side. */
+static void rotate_ref(int n, int n1, const double *x, const double *ap, const double *bp,
+                       double *out)
+{
+    const size_t nx = (size_t)n * n1;
+    double *t = dalloc(nx), *u = dalloc(nx);
+    memcpy(u, x, nx * sizeof *u);
+    if (ap) {
+        const double *ao = ap, *an = ap + (size_t)n * n;
+        for (int i = 0; i < n; i++) /* t = A_old u */
+            for (int j = 0; j < n1; j++) {
+                double s = 0;
+                for (int k = 0; k < n; k++)
+                    s += ao[(size_t)i * n + k] * u[(size_t)k * n1 + j];
+                t[(size_t)i * n1 + j] = s;
+            }
+        for (int i = 0; i < n; i++) /* u = A_new^T t */
+            for (int j = 0; j < n1; j++) {
+                double s = 0;
+                for (int k = 0; k < n; k++)
+                    s += an[(size_t)k * n + i] * t[(size_t)k * n1 + j];
+                u[(size_t)i * n1 + j] = s;
+            }
+    }
+    if (bp) {
+        const double *bo = bp, *bn = bp + (size_t)n1 * n1;
+        for (int i = 0; i < n; i++) /* t = u B_old^T */
+            for (int j = 0; j < n1; j++) {
+                double s = 0;
+                for (int k = 0; k < n1; k++)
+                    s += u[(size_t)i * n1 + k] * bo[(size_t)j * n1 + k];
+                t[(size_t)i * n1 + j] = s;
+            }
+        for (int i = 0; i < n; i++) /* u = t B_new */
+            for (int j = 0; j < n1; j++) {
+                double s = 0;
+                for (int k = 0; k < n1; k++)
+                    s += t[(size_t)i * n1 + k] * bn[(size_t)k * n1 + j];
+                u[(size_t)i * n1 + j] = s;
+            }
+    }
+    memcpy(out, u, nx * sizeof *out);
+    free(t);
+    free(u);
+}
+
+/* A pair (2, n, n): two random orthogonal matrices, or two Gaussian ones. */
+static void rand_pair(int n, int orthogonal, double *pair)
+{
+    const size_t nn = (size_t)n * n;
+    for (int s = 0; s < 2; s++) {
+        if (orthogonal)
+            rand_orthogonal(n, pair + s * nn);
+        else
+            for (size_t i = 0; i < nn; i++)
+                pair[s * nn + i] = nrand();
+    }
+}
+
+enum { SIDE_BOTH, SIDE_LEFT, SIDE_RIGHT };
+
+/* Against the restatement for every side, square, tall and wide X (the shapes that take the
+ * in-sequence and the formed association of each side), 1-row and 1-column X, orthogonal and
+ * Gaussian bases, batch 3; each block of a batched call equals the single call bitwise, and
+ * nothing past the output is written. Tolerance: four products of inner dimension at most
+ * max(n, n1); kappa 1 for orthogonal bases, 10 for Gaussian ones (relative Frobenius error). */
+static void test_soap_rotate_restatement(void **state)
+{
+    (void)state;
+    static const int shapes[][2] = {{6, 6}, {3, 11}, {11, 3}, {1, 7}, {7, 1}, {9, 16}};
+    enum { B = 3 };
+    rng_seed(21);
+    for (size_t d = 0; d < 2; d++)
+        for (size_t sh = 0; sh < sizeof shapes / sizeof shapes[0]; sh++)
+            for (int side = SIDE_BOTH; side <= SIDE_RIGHT; side++)
+                for (int orth = 1; orth >= 0; orth--) {
+                    const ast_dtype dt = dtypes[d];
+                    const size_t es = ast_dtype_size(dt);
+                    const int n = shapes[sh][0], n1 = shapes[sh][1];
+                    const size_t nx = (size_t)n * n1, na = 2 * (size_t)n * n,
+                                 nb = 2 * (size_t)n1 * n1;
+                    const int has_a = side != SIDE_RIGHT, has_b = side != SIDE_LEFT;
+                    double *x = dalloc(B * nx), *ap = dalloc(B * na), *bp = dalloc(B * nb);
+                    double *ref = dalloc(nx), *got = dalloc(B * nx);
+                    for (size_t i = 0; i < B * nx; i++)
+                        x[i] = nrand();
+                    for (int b = 0; b < B; b++) {
+                        rand_pair(n, orth, ap + b * na);
+                        rand_pair(n1, orth, bp + b * nb);
+                    }
+                    round_to(dt, B * nx, x);
+                    round_to(dt, B * na, ap);
+                    round_to(dt, B * nb, bp);
+                    char *xd = to_dt(dt, B * nx, x), *ad = to_dt(dt, B * na, ap),
+                         *bd = to_dt(dt, B * nb, bp);
+                    const char *a_arg = has_a ? ad : NULL, *b_arg = has_b ? bd : NULL;
+                    char *out = xalloc((B * nx + 8) * es), *one = xalloc(nx * es);
+                    fill_sentinel(out, (B * nx + 8) * es);
+                    int fi = 99;
+                    assert_int_equal(ast_linalg_soap_rotate_batched(dt, B, n, n1, xd, a_arg,
+                                                                    b_arg, out, &fi),
+                                     0);
+                    assert_int_equal(fi, -1);
+                    assert_int_equal(ast_linalg_last_retried(), 0);
+                    assert_true(sentinel_intact(out + B * nx * es, 8 * es));
+                    from_dt(dt, B * nx, out, got);
+                    const double tol = tol_for(dt, n > n1 ? n : n1, orth ? 4 : 40);
+                    for (int b = 0; b < B; b++) {
+                        rotate_ref(n, n1, x + b * nx, has_a ? ap + b * na : NULL,
+                                   has_b ? bp + b * nb : NULL, ref);
+                        double err = rel_diff(nx, got + b * nx, ref);
+                        if (!(err <= tol))
+                            fail_msg("dtype %d n %d n1 %d side %d orth %d block %d: rel err "
+                                     "%.3e > %.3e",
+                                     (int)dt, n, n1, side, orth, b, err, tol);
+                        assert_int_equal(ast_linalg_soap_rotate(
+                                             dt, n, n1, xd + b * nx * es,
+                                             has_a ? ad + b * na * es : NULL,
+                                             has_b ? bd + b * nb * es : NULL, one),
+                                         0);
+                        assert_memory_equal(one, out + b * nx * es, nx * es);
+                    }
+                    free(x);
+                    free(ap);
+                    free(bp);
+                    free(ref);
+                    free(got);
+                    free(xd);
+                    free(ad);
+                    free(bd);
+                    free(out);
+                    free(one);
+                }
+}
+
+/* Orthogonal A_new = A_old, B_new = B_old make the rotation the identity map. */
+static void test_soap_rotate_same_basis_is_identity(void **state)
+{
+    (void)state;
+    const int n = 10, n1 = 4;
+    const size_t nx = (size_t)n * n1;
+    double x[40], ap[200], bp[32], out[40];
+    rng_seed(22);
+    for (size_t i = 0; i < nx; i++)
+        x[i] = nrand();
+    rand_orthogonal(n, ap);
+    memcpy(ap + n * n, ap, (size_t)n * n * sizeof *ap);
+    rand_orthogonal(n1, bp);
+    memcpy(bp + n1 * n1, bp, (size_t)n1 * n1 * sizeof *bp);
+    assert_int_equal(ast_linalg_soap_rotate(AST_F64, n, n1, x, ap, bp, out), 0);
+    assert_le(rel_diff(nx, out, x), tol_for(AST_F64, n, 4));
+}
+
+/* NaN/Inf in X or either pair: AST_ENONFINITE, output untouched, no retry; in a batch the
+ * call stops at the poisoned block (blocks before it written, from it on untouched). Bad
+ * arguments: AST_EINVAL, nothing written, failed_index 0. */
+static void test_soap_rotate_failures(void **state)
+{
+    (void)state;
+    enum { B = 3, N = 5, N1 = 3 };
+    const size_t nx = N * N1, na = 2 * N * N, nb = 2 * N1 * N1;
+    rng_seed(23);
+    for (size_t d = 0; d < 2; d++) {
+        const ast_dtype dt = dtypes[d];
+        const size_t es = ast_dtype_size(dt);
+        double x[B * nx], ap[B * na], bp[B * nb];
+        for (size_t i = 0; i < B * nx; i++)
+            x[i] = nrand();
+        for (int b = 0; b < B; b++) {
+            rand_pair(N, 1, ap + b * na);
+            rand_pair(N1, 1, bp + b * nb);
+        }
+        char *xd = to_dt(dt, B * nx, x), *ad = to_dt(dt, B * na, ap), *bd = to_dt(dt, B * nb, bp);
+        char *out = xalloc(B * nx * es), *one = xalloc(nx * es);
+        char *bufs[3] = {xd, ad, bd};
+        const size_t per[3] = {nx, na, nb};
+        const double bad[] = {NAN, INFINITY, -INFINITY};
+        for (int which = 0; which < 3; which++)
+            for (int fail_at = 0; fail_at < B; fail_at++) {
+                char *poison = bufs[which] + ((size_t)fail_at * per[which] + 2) * es;
+                char saved[8];
+                memcpy(saved, poison, es);
+                if (dt == AST_F32)
+                    *(float *)poison = (float)bad[fail_at];
+                else
+                    *(double *)poison = bad[fail_at];
+                fill_sentinel(out, B * nx * es);
+                fill_sentinel(one, nx * es);
+                int fi = 99;
+                assert_int_equal(ast_linalg_soap_rotate_batched(dt, B, N, N1, xd, ad, bd, out,
+                                                                &fi),
+                                 AST_ENONFINITE);
+                assert_int_equal(fi, fail_at);
+                assert_int_equal(ast_linalg_last_retried(), 0);
+                for (int b = 0; b < fail_at; b++) {
+                    assert_int_equal(ast_linalg_soap_rotate(dt, N, N1, xd + b * nx * es,
+                                                            ad + b * na * es, bd + b * nb * es,
+                                                            one),
+                                     0);
+                    assert_memory_equal(one, out + b * nx * es, nx * es);
+                }
+                assert_true(sentinel_intact(out + (size_t)fail_at * nx * es,
+                                            (size_t)(B - fail_at) * nx * es));
+                /* Single call on the poisoned block; also with the poisoned side's pair in. */
+                fill_sentinel(one, nx * es);
+                assert_int_equal(ast_linalg_soap_rotate(dt, N, N1, xd + fail_at * nx * es,
+                                                        ad + fail_at * na * es,
+                                                        bd + fail_at * nb * es, one),
+                                 AST_ENONFINITE);
+                assert_true(sentinel_intact(one, nx * es));
+                memcpy(poison, saved, es);
+            }
+
+        /* Bad arguments. */
+        int fi = 99;
+        fill_sentinel(out, B * nx * es);
+        assert_int_equal(ast_linalg_soap_rotate(dt, N, 0, xd, ad, bd, out), AST_EINVAL);
+        assert_int_equal(ast_linalg_soap_rotate(dt, 0, N1, xd, ad, bd, out), AST_EINVAL);
+        assert_int_equal(ast_linalg_soap_rotate(dt, N, -1, xd, ad, bd, out), AST_EINVAL);
+        assert_int_equal(ast_linalg_soap_rotate(dt, N, N1, xd, NULL, NULL, out), AST_EINVAL);
+        assert_int_equal(ast_linalg_soap_rotate(dt, N, N1, NULL, ad, bd, out), AST_EINVAL);
+        assert_int_equal(ast_linalg_soap_rotate(dt, N, N1, xd, ad, bd, NULL), AST_EINVAL);
+        assert_int_equal(ast_linalg_soap_rotate((ast_dtype)5, N, N1, xd, ad, bd, out),
+                         AST_EINVAL);
+        assert_int_equal(ast_linalg_soap_rotate_batched(dt, -1, N, N1, xd, ad, bd, out, &fi),
+                         AST_EINVAL);
+        assert_int_equal(fi, 0);
+        assert_true(sentinel_intact(out, B * nx * es));
+        /* The output may not overlap an input, also partially (in place over X; over the last
+         * element of the A pair; inside the B pair). */
+        char *xcopy = xalloc(B * nx * es);
+        memcpy(xcopy, xd, B * nx * es);
+        assert_int_equal(ast_linalg_soap_rotate_batched(dt, B, N, N1, xd, ad, bd, xd, &fi),
+                         AST_EINVAL);
+        assert_memory_equal(xcopy, xd, B * nx * es);
+        char *acopy = xalloc(B * na * es);
+        memcpy(acopy, ad, B * na * es);
+        assert_int_equal(ast_linalg_soap_rotate(dt, N, N1, xd, ad, NULL, ad + na * es - es),
+                         AST_EINVAL);
+        assert_int_equal(ast_linalg_soap_rotate(dt, N1, N, xd, NULL, bd, bd + 4 * es),
+                         AST_EINVAL);
+        assert_memory_equal(acopy, ad, B * na * es);
+        /* An empty batch succeeds and writes nothing. */
+        fi = 99;
+        assert_int_equal(ast_linalg_soap_rotate_batched(dt, 0, N, N1, xd, ad, bd, out, &fi), 0);
+        assert_int_equal(fi, -1);
+        assert_true(sentinel_intact(out, B * nx * es));
+        free(xcopy);
+        free(acopy);
+        free(xd);
+        free(ad);
+        free(bd);
+        free(out);
+        free(one);
+    }
+}
+
+/* X = 3e38 in float32 with A_old = A_new a 45-degree rotation: A_old X overflows float32 (the
+ * exact result, X itself, does not), so the float32 call is retried in float64 and returns the
+ * float64 answer rounded. */
+static void test_soap_rotate_retry_f64(void **state)
+{
+    (void)state;
+    const float big = 3e38f, r = (float)(1 / sqrt(2.0));
+    const float x32[4] = {big, big, big, big};
+    const float a32[8] = {r, -r, r, r, r, -r, r, r};
+    const double x64[4] = {big, big, big, big};
+    const double a64[8] = {r, -r, r, r, r, -r, r, r};
+    float o32[4];
+    double o64[4];
+    assert_int_equal(ast_linalg_soap_rotate(AST_F32, 2, 2, x32, a32, NULL, o32), 0);
+    assert_int_equal(ast_linalg_last_retried(), 1);
+    assert_int_equal(ast_linalg_soap_rotate(AST_F64, 2, 2, x64, a64, NULL, o64), 0);
+    assert_int_equal(ast_linalg_last_retried(), 0);
+    for (int i = 0; i < 4; i++) {
+        assert_true(o32[i] == (float)o64[i]);
+        assert_le(fabs(o64[i] - big) / big, 1e-6);
+    }
+    /* A result beyond float32's range fails even after the retry, output untouched. */
+    const float two[8] = {2, 0, 0, 2, 2, 0, 0, 2};
+    fill_sentinel(o32, sizeof o32);
+    assert_int_equal(ast_linalg_soap_rotate(AST_F32, 2, 2, x32, two, NULL, o32), AST_ENONFINITE);
+    assert_int_equal(ast_linalg_last_retried(), 1);
+    assert_true(sentinel_intact(o32, sizeof o32));
+}
+
 /* ---- the float32 -> float64 retry ------------------------------------------------------------ */
 
 /* F = 3e38 * ones(2) is finite in float32, but F Q with Q a 45-degree rotation has entries
@@ -1269,6 +1558,10 @@ int main(void)
         cmocka_unit_test(test_qr_refresh_restatement),
         cmocka_unit_test(test_batched),
         cmocka_unit_test(test_retry_f64),
+        cmocka_unit_test(test_soap_rotate_restatement),
+        cmocka_unit_test(test_soap_rotate_same_basis_is_identity),
+        cmocka_unit_test(test_soap_rotate_failures),
+        cmocka_unit_test(test_soap_rotate_retry_f64),
         cmocka_unit_test(test_concurrent),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

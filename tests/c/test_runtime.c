@@ -1,5 +1,6 @@
-/* test_runtime.c - runtime: config handling, buffer registration, REFRESH jobs end to end,
- * consecutive-failure rule, barrier stats, shutdown with jobs pending, the runtime's trace. */
+/* test_runtime.c - runtime: config handling, buffer registration, REFRESH jobs end to end
+ * (soap_rotate's submit validation and a run through the pool too), consecutive-failure rule,
+ * barrier stats, shutdown with jobs pending, the runtime's trace. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -217,6 +218,185 @@ static void test_destroy_with_pending_jobs(void **state)
     ast_runtime_destroy(rt); /* must not leak job contexts (ASan build checks) nor hang */
     free(f);
     free(q);
+}
+
+/* ---- soap_rotate ------------------------------------------------------------------------- */
+
+/* out = A_new^T A_old X B_old^T B_new by triple loops (both pairs given). */
+static void rotate_ref(int n, int n1, const double *x, const double *ap, const double *bp,
+                       double *out)
+{
+    double *t = malloc(sizeof(double) * n * n1), *u = malloc(sizeof(double) * n * n1);
+    const double *ao = ap, *an = ap + n * n, *bo = bp, *bn = bp + n1 * n1;
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < n1; j++) {
+            double s = 0;
+            for (int k = 0; k < n; k++)
+                s += ao[i * n + k] * x[k * n1 + j];
+            t[i * n1 + j] = s;
+        }
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < n1; j++) {
+            double s = 0;
+            for (int k = 0; k < n; k++)
+                s += an[k * n + i] * t[k * n1 + j];
+            u[i * n1 + j] = s;
+        }
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < n1; j++) {
+            double s = 0;
+            for (int k = 0; k < n1; k++)
+                s += u[i * n1 + k] * bo[j * n1 + k];
+            t[i * n1 + j] = s;
+        }
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < n1; j++) {
+            double s = 0;
+            for (int k = 0; k < n1; k++)
+                s += t[i * n1 + k] * bn[k * n1 + j];
+            out[i * n1 + j] = s;
+        }
+    free(t);
+    free(u);
+}
+
+static void expect_submit_error(ast_runtime *rt, const ast_refresh *r, int code,
+                                const char *needle1, const char *needle2)
+{
+    uint64_t t;
+    assert_int_equal(ast_runtime_submit(rt, r, &t), code);
+    char msg[512];
+    ast_runtime_last_error(rt, msg, sizeof msg);
+    if (!strstr(msg, needle1) || (needle2 && !strstr(msg, needle2)))
+        fail_msg("message '%s' does not name '%s'%s%s", msg, needle1, needle2 ? " and " : "",
+                 needle2 ? needle2 : "");
+}
+
+static void test_soap_rotate_submit_validation(void **state)
+{
+    (void)state;
+    ast_runtime *rt = make_rt(1, 3);
+    enum { N = 4, N1 = 3, B = 2 };
+    double x[B * N * N1], ap[B * 2 * N * N], bp[B * 2 * N1 * N1], out[B * N * N1], other[64];
+    memset(x, 0, sizeof x);
+    memset(ap, 0, sizeof ap);
+    memset(bp, 0, sizeof bp);
+    uint64_t h;
+    assert_int_equal(ast_runtime_register(rt, x, sizeof x, &h), 0);
+    assert_int_equal(ast_runtime_register(rt, ap, sizeof ap, &h), 0);
+    assert_int_equal(ast_runtime_register(rt, bp, sizeof bp, &h), 0);
+    assert_int_equal(ast_runtime_register(rt, out, sizeof out, &h), 0);
+    ast_refresh r = {.op = AST_OP_SOAP_ROTATE, .dtype = AST_F64, .n = N, .n1 = 0, .batch = B,
+                     .in0 = x, .in1 = ap, .in2 = bp, .out0 = out, .block = 1, .version = 1};
+    expect_submit_error(rt, &r, AST_EINVAL, "n1=0", "n1 >= 1");
+    r.n1 = -2;
+    expect_submit_error(rt, &r, AST_EINVAL, "n1=-2", "n1 >= 1");
+    r.n1 = N1;
+    r.in1 = r.in2 = NULL;
+    expect_submit_error(rt, &r, AST_EINVAL, "neither in1", "either or both");
+    /* in2 outside any registered buffer, and running past the end of one. */
+    r.in1 = ap;
+    r.in2 = other;
+    expect_submit_error(rt, &r, AST_ERANGE, "in2", "registered buffer");
+    r.in2 = bp + 1;
+    expect_submit_error(rt, &r, AST_ERANGE, "in2", NULL);
+    /* X, the A pair and the output are sized by n x n1 and n x n: one element too far fails. */
+    r.in2 = bp;
+    r.in0 = x + 1;
+    expect_submit_error(rt, &r, AST_ERANGE, "in0", NULL);
+    r.in0 = x;
+    r.in1 = ap + 1;
+    expect_submit_error(rt, &r, AST_ERANGE, "in1", NULL);
+    r.in1 = ap;
+    r.out0 = out + 1;
+    expect_submit_error(rt, &r, AST_ERANGE, "out0", NULL);
+    r.out0 = out;
+    r.out1 = out;
+    expect_submit_error(rt, &r, AST_EINVAL, "out1 must be NULL", NULL);
+    r.out1 = NULL;
+    r.out0 = NULL;
+    expect_submit_error(rt, &r, AST_EINVAL, "out0 is required", NULL);
+    /* in2 given to another op. */
+    ast_refresh k = {.op = AST_OP_KL_QR, .dtype = AST_F64, .n = 2, .batch = 1, .in0 = ap,
+                     .in1 = ap + 4, .in2 = bp, .out0 = out, .block = 2, .version = 1};
+    expect_submit_error(rt, &k, AST_EINVAL, "in2 must be NULL", "soap_rotate");
+    /* An unknown op names soap_rotate among the allowed ones. */
+    k.op = (ast_op)7;
+    k.in2 = NULL;
+    expect_submit_error(rt, &k, AST_EINVAL, "soap_rotate (6)", NULL);
+    ast_stats st;
+    assert_int_equal(ast_runtime_stats_get(rt, &st), 0);
+    assert_int_equal(st.jobs_submitted, 0);
+    ast_runtime_destroy(rt);
+}
+
+/* Rectangular, batched, both pairs, through the pool; then the left pair alone. */
+static void test_soap_rotate_job(void **state)
+{
+    (void)state;
+    ast_runtime *rt = make_rt(2, 3);
+    enum { N = 7, N1 = 4, B = 3 };
+    const int nx = N * N1, na = 2 * N * N, nb = 2 * N1 * N1;
+    double *x = malloc(sizeof(double) * B * nx), *ap = malloc(sizeof(double) * B * na);
+    double *bp = malloc(sizeof(double) * B * nb), *out = malloc(sizeof(double) * B * nx);
+    double ref[N * N1], id[2 * N1 * N1];
+    srand(77);
+    for (int i = 0; i < B * nx; i++)
+        x[i] = (double)rand() / RAND_MAX - 0.5;
+    for (int i = 0; i < B * na; i++)
+        ap[i] = (double)rand() / RAND_MAX - 0.5;
+    for (int i = 0; i < B * nb; i++)
+        bp[i] = (double)rand() / RAND_MAX - 0.5;
+    for (int i = 0; i < B * nx; i++)
+        out[i] = 42.0;
+    memset(id, 0, sizeof id);
+    for (int i = 0; i < N1; i++)
+        id[i * N1 + i] = id[N1 * N1 + i * N1 + i] = 1;
+    uint64_t h;
+    assert_int_equal(ast_runtime_register(rt, x, sizeof(double) * B * nx, &h), 0);
+    assert_int_equal(ast_runtime_register(rt, ap, sizeof(double) * B * na, &h), 0);
+    assert_int_equal(ast_runtime_register(rt, bp, sizeof(double) * B * nb, &h), 0);
+    assert_int_equal(ast_runtime_register(rt, out, sizeof(double) * B * nx, &h), 0);
+    ast_refresh r = {.op = AST_OP_SOAP_ROTATE, .dtype = AST_F64, .n = N, .n1 = N1, .batch = B,
+                     .in0 = x, .in1 = ap, .in2 = bp, .out0 = out, .block = 9, .version = 1,
+                     .snapshot_step = 4};
+    uint64_t t;
+    ast_result res;
+    assert_int_equal(ast_runtime_submit(rt, &r, &t), 0);
+    assert_int_equal(ast_runtime_wait(rt, t, -1, &res), 0);
+    assert_int_equal(res.status, 0);
+    assert_int_equal(res.failed_index, -1);
+    assert_int_equal(res.snapshot_step, 4);
+    for (int b = 0; b < B; b++) {
+        rotate_ref(N, N1, x + b * nx, ap + b * na, bp + b * nb, ref);
+        for (int i = 0; i < nx; i++)
+            assert_true(fabs(out[b * nx + i] - ref[i]) < 1e-12);
+    }
+    /* Left pair only: the reference with B = identity. */
+    r.in2 = NULL;
+    r.version = 2;
+    assert_int_equal(ast_runtime_submit(rt, &r, &t), 0);
+    assert_int_equal(ast_runtime_wait(rt, t, -1, &res), 0);
+    assert_int_equal(res.status, 0);
+    for (int b = 0; b < B; b++) {
+        rotate_ref(N, N1, x + b * nx, ap + b * na, id, ref);
+        for (int i = 0; i < nx; i++)
+            assert_true(fabs(out[b * nx + i] - ref[i]) < 1e-12);
+    }
+    /* A NaN in block 1's X: the job fails there, the output keeps what it had from block 1 on. */
+    memcpy(ref, out + nx, sizeof ref);
+    x[nx + 3] = NAN;
+    r.version = 3;
+    assert_int_equal(ast_runtime_submit(rt, &r, &t), 0);
+    assert_int_equal(ast_runtime_wait(rt, t, -1, &res), 0);
+    assert_int_equal(res.status, AST_ENONFINITE);
+    assert_int_equal(res.failed_index, 1);
+    assert_memory_equal(ref, out + nx, sizeof ref);
+    ast_runtime_destroy(rt);
+    free(x);
+    free(ap);
+    free(bp);
+    free(out);
 }
 
 /* ---- trace ------------------------------------------------------------------------------- */
@@ -446,6 +626,8 @@ int main(void)
         cmocka_unit_test(test_repeated_failure_surfaces),
         cmocka_unit_test(test_install_and_nonfinite_stats),
         cmocka_unit_test(test_destroy_with_pending_jobs),
+        cmocka_unit_test(test_soap_rotate_submit_validation),
+        cmocka_unit_test(test_soap_rotate_job),
         cmocka_unit_test(test_trace_job_order_and_caller_events),
         cmocka_unit_test(test_trace_uncollected_and_write_errors),
     };

@@ -214,7 +214,8 @@ def test_error_table_constants():
     assert "non-finite" in _C.strerror(-8)
     assert _C.err_name(12345) == "AST_EUNKNOWN"
     assert _C.strerror(1 << 40) == "unknown error"
-    assert _C.OPS == {"eigh": 1, "inv_root": 2, "newton_root": 3, "soap_qr": 4, "kl_qr": 5}
+    assert _C.OPS == {"eigh": 1, "inv_root": 2, "newton_root": 3, "soap_qr": 4, "kl_qr": 5,
+                      "soap_rotate": 6}
     assert (_C.AST_OP_EIGH, _C.AST_OP_KL_QR) == (1, 5)
 
 

@@ -320,3 +320,159 @@ def test_cuda_inputs_come_back_on_device(eng):
     torch.testing.assert_close(sign_align(qn.double().cpu(), qref), qref, rtol=5e-3, atol=5e-3)
     res = submit_wait(eng, "eigh", f.to(torch.bfloat16))
     assert res.outputs[0].device == f.device and res.outputs[0].dtype == torch.bfloat16
+
+
+# ---- soap_rotate ---------------------------------------------------------------------------
+
+def ref_rotate(x, a, b):
+    """A_new^T A_old X B_old^T B_new in float64, a None pair being the identity side."""
+    x = x.double()
+    if a is not None:
+        a = a.double()
+        x = a[:, 1].transpose(-1, -2) @ a[:, 0] @ x
+    if b is not None:
+        b = b.double()
+        x = x @ b[:, 0].transpose(-1, -2) @ b[:, 1]
+    return x
+
+
+def rotate_inputs(batch, n, n1, dtype, seed, sides):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, n, n1, generator=g, dtype=torch.float64).to(dtype)
+    a = torch.stack((basis(batch, n, dtype, seed=seed + 1), basis(batch, n, dtype, seed=seed + 2)),
+                    1) if "a" in sides else None
+    b = torch.stack((basis(batch, n1, dtype, seed=seed + 3),
+                     basis(batch, n1, dtype, seed=seed + 4)), 1) if "b" in sides else None
+    return x, a, b
+
+
+ROTATE_CASES = [(s, shape) for s in ("ab", "a", "b") for shape in ((6, 6), (4, 9), (9, 4))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("sides,shape", ROTATE_CASES)
+def test_soap_rotate(eng, dtype, sides, shape):
+    n, n1 = shape
+    x, a, b = rotate_inputs(3, n, n1, dtype, seed=60 + n, sides=sides)
+    x0 = x.clone()
+    res = submit_wait(eng, "soap_rotate", x, a, b=b)
+    assert res.status == 0 and res.error == "" and not res.retried_f64
+    (out,) = res.outputs
+    assert out.shape == (3, n, n1) and out.dtype == dtype and out.device == x.device
+    assert torch.equal(x, x0)  # the input is not modified
+    tol = TOL[dtype] * 10
+    torch.testing.assert_close(out.double(), ref_rotate(x, a, b), rtol=tol, atol=tol)
+    assert eng.stats()["bytes_registered"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("sides,shape", ROTATE_CASES)
+def test_soap_rotate_torch_engine(dtype, sides, shape):
+    from asteria.engine_torch import TorchEngine
+
+    n, n1 = shape
+    x, a, b = rotate_inputs(3, n, n1, dtype, seed=70 + n1, sides=sides)
+    e = TorchEngine()
+    res = e.wait(e.submit("soap_rotate", x, a, b=b, **ids()))
+    assert res.status == 0
+    (out,) = res.outputs
+    assert out.shape == (3, n, n1) and out.dtype == dtype
+    tol = TOL[dtype] * 10
+    torch.testing.assert_close(out.double(), ref_rotate(x, a, b), rtol=tol, atol=tol)
+    # the C engine agrees with it
+    c = CEngine({"workers": 1, "pin": False})
+    try:
+        cres = submit_wait(c, "soap_rotate", x, a, b=b)
+        torch.testing.assert_close(cres.outputs[0], out, rtol=tol, atol=tol)
+    finally:
+        c.close()
+
+
+def test_soap_rotate_snapshot_strided_and_low_precision(eng1):
+    x, a, b = rotate_inputs(2, 5, 7, torch.float64, seed=80, sides="ab")
+    expected = ref_rotate(x, a, b)
+    xt = x.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, not contiguous
+    assert not xt.is_contiguous()
+    t = eng1.submit("soap_rotate", xt, a, b=b, **ids())
+    for tensor in (xt, a, b):
+        tensor.fill_(float("nan"))  # the job computes on its snapshots
+    res = eng1.wait(t)
+    assert res.status == 0
+    torch.testing.assert_close(res.outputs[0], expected, rtol=1e-10, atol=1e-10)
+    x, a, b = rotate_inputs(2, 5, 7, torch.float32, seed=81, sides="ab")
+    res = submit_wait(eng1, "soap_rotate", x.to(torch.bfloat16), a.to(torch.bfloat16),
+                      b=b.to(torch.bfloat16))
+    assert res.status == 0 and res.outputs[0].dtype == torch.bfloat16
+    ref = ref_rotate(x.to(torch.bfloat16), a.to(torch.bfloat16), b.to(torch.bfloat16))
+    torch.testing.assert_close(res.outputs[0].double(), ref, rtol=3e-2, atol=3e-2)
+
+
+def test_soap_rotate_nonfinite_fails(eng):
+    x, a, b = rotate_inputs(3, 4, 6, torch.float64, seed=82, sides="ab")
+    b[1, 0, 2, 3] = float("inf")
+    res = submit_wait(eng, "soap_rotate", x, a, b=b)
+    assert res.status == _C.AST_ENONFINITE and res.outputs is None
+    assert "block 1 of the batch" in res.error
+    from asteria.engine_torch import TorchEngine
+
+    e = TorchEngine()
+    res = e.wait(e.submit("soap_rotate", x, a, b=b, **ids()))
+    assert res.status == _C.AST_ENONFINITE and res.outputs is None
+
+
+def test_soap_rotate_check_op_errors(eng):
+    from asteria.engine import check_op
+    from asteria.engine_torch import TorchEngine
+
+    x, a, b = rotate_inputs(2, 4, 6, torch.float64, seed=83, sides="ab")
+    for e in (eng, TorchEngine()):
+        with pytest.raises(ValueError, match="neither"):
+            e.submit("soap_rotate", x, None, b=None, **ids())
+        with pytest.raises(ValueError, match=r"\(batch, n, n1\)"):
+            e.submit("soap_rotate", x[0], a, b=b, **ids())
+        with pytest.raises(ValueError, match=r"A pair \(q\) must have shape \(2, 2, 4, 4\)"):
+            e.submit("soap_rotate", x, a[:, 0], b=b, **ids())
+        with pytest.raises(ValueError, match=r"B pair \(b\) must have shape \(2, 2, 6, 6\)"):
+            e.submit("soap_rotate", x, a, b=b[:1], **ids())
+        with pytest.raises(ValueError, match="A pair"):
+            e.submit("soap_rotate", x, b, b=a, **ids())  # the pairs swapped
+        with pytest.raises(ValueError, match="only soap_rotate"):
+            e.submit("kl_qr", sym(1, 4), basis(1, 4), b=b, **ids())
+    assert eng.stats()["bytes_registered"] == 0
+    check_op("soap_rotate", (x, a, b))
+    check_op("soap_rotate", (x, a))  # a 2-tuple: no B pair
+    check_op("kl_qr", (sym(1, 4), basis(1, 4)))
+    with pytest.raises(ValueError, match="soap_rotate"):
+        check_op("nope", (x, a))
+    with pytest.raises(ValueError, match="neither"):
+        check_op("soap_rotate", (x, None))
+
+
+def test_soap_rotate_runtime_submit_errors():
+    """_C.Runtime.submit's n1 / in2 arguments reach the runtime's checks."""
+    rt = _C.Runtime({"workers": 1, "pin": False})
+    try:
+        x = torch.zeros(1, 3, 2, dtype=torch.float64)
+        a = torch.zeros(1, 2, 3, 3, dtype=torch.float64)
+        out = torch.zeros(1, 3, 2, dtype=torch.float64)
+        hs = [rt.register(t.data_ptr(), t.numel() * 8) for t in (x, a, out)]
+        args = ("soap_rotate", "float64", 3, 1, x.data_ptr(), a.data_ptr(), out.data_ptr(), None)
+        with pytest.raises(ValueError, match="n1"):
+            rt.submit(*args, n1=0)
+        with pytest.raises(ValueError, match="neither"):
+            rt.submit("soap_rotate", "float64", 3, 1, x.data_ptr(), None, out.data_ptr(), None,
+                      n1=2)
+        with pytest.raises(Exception, match="in2"):
+            rt.submit(*args, n1=2, in2=out.data_ptr() + 8)  # not inside a registered buffer
+        with pytest.raises(ValueError, match="in2 must be NULL"):
+            rt.submit("eigh", "float64", 3, 1, a.data_ptr(), None, a.data_ptr() + 72, None,
+                      in2=x.data_ptr())
+        with pytest.raises(ValueError, match="soap_rotate \\(6\\)"):
+            rt.submit("rotate", "float64", 3, 1, x.data_ptr(), None, out.data_ptr(), None)
+        t = rt.submit(6, "float64", 3, 1, x.data_ptr(), a.data_ptr(), out.data_ptr(), None,
+                      n1=2)
+        assert rt.wait(t, None).status == 0
+        for h in hs:
+            rt.unregister(h)
+    finally:
+        rt.close()

@@ -172,6 +172,8 @@ class _ParamState(dict):
 
     def __getitem__(self, k):
         k = self._int(k)
+        if self._opt._rotations:
+            self._opt._settle_rotation(self._p, k)
         key = self._vkey(k)
         if key is None:
             return dict.__getitem__(self, k)
@@ -205,6 +207,8 @@ class _ParamState(dict):
     def __setitem__(self, k, v):
         opt = self._opt
         k = self._int(k)
+        if opt._rotations:
+            opt._settle_rotation(self._p, k)
         if isinstance(v, torch.Tensor) and opt._owned(self._p, k):
             opt._tiered.write((opt._pindex[self._p], k), v)
         else:
@@ -212,6 +216,8 @@ class _ParamState(dict):
 
     def pop(self, k, *default):
         k = self._int(k)
+        if self._opt._rotations:
+            self._opt._settle_rotation(self._p, k)
         key = self._vkey(k)
         if key is None:
             return dict.pop(self, k, *default)
@@ -221,6 +227,8 @@ class _ParamState(dict):
 
     def __delitem__(self, k):
         k = self._int(k)
+        if self._opt._rotations:
+            self._opt._settle_rotation(self._p, k)
         key = self._vkey(k)
         if key is None:
             dict.__delitem__(self, k)
@@ -318,6 +326,17 @@ def check_common(group: dict, beta_max: Sequence[bool] = (False, False)) -> None
 
 
 @dataclasses.dataclass
+class _Rotation:
+    """One soap_rotate job: the members whose m it re-expresses, its inputs (kept for a
+    fallback on failure) and the block shape of m."""
+
+    ticket: int
+    members: list
+    inputs: tuple
+    shape: tuple
+
+
+@dataclasses.dataclass
 class _Job:
     ticket: int
     targets: list  # [(param, block index j, block dimension)], one per batch entry
@@ -400,11 +419,14 @@ class AsteriaOptimizer(torch.optim.Optimizer):
 
     #: SOAP and KL-Shampoo spend their first step on the initial eigenbasis (no update).
     _init_step = True
+    #: SOAP re-expresses its first moment m at each install (the workers can do it).
+    _rotates_m = False
 
     def __init__(self, params: Iterable, defaults: dict, runtime: Any) -> None:
         self._closed = False
         self._engine = None
         self._tiered = None
+        self._rotations: dict = {}  # (param, "b{j}.exp_avg") -> (_Rotation, batch index)
         self._planning = False
         self._check_hyperparameters(defaults)
         self._cfg = RuntimeConfig.from_user(runtime)
@@ -422,7 +444,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self._block_keys: dict[tuple, int] = {}
         self._versions: dict[int, int] = {}
         self._counters = {"nonfinite_skipped": 0, "refreshes_submitted": 0,
-                          "refresh_failures": 0, "installs": 0, "max_install_lag": 0}
+                          "refresh_failures": 0, "installs": 0, "max_install_lag": 0,
+                          "rotations_submitted": 0, "rotation_failures": 0}
         self._pnames: dict[int, str] = {}  # param index -> name (asteria.attach fills it)
         self._plan: Optional[_placement.Plan] = None
         self._tkeys: dict[int, list] = {}  # param index -> its tiered state keys
@@ -588,12 +611,14 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                                                    self._tiered)
         elif self._tiered is not None:
             self._tiered.plan = plan
-        if self._tags and not isinstance(self.state, _States):  # per-shard key names
+        if (self._tags or self._offloads_rotation()) and not isinstance(self.state, _States):
+            # per-shard key names; reads that must wait for a rotation in flight
             self.state = _States(self, self.state)
         self._migrate()
 
     def _migrate(self) -> None:
         """Put every existing root / eigenbasis where the plan says: self.state or residency."""
+        self._settle_rotations()
         if self._tiered is None:
             return
         params = {i: p for p, i in self._pindex.items()}
@@ -1037,6 +1062,65 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         if rnd in self._rounds:
             self._rounds.remove(rnd)
 
+    # ---- SOAP's m re-expression on the workers ----------------------------------------------------
+    def _offloads_rotation(self) -> bool:
+        """Does this optimizer hand SOAP's m re-expression at install to the workers? Only
+        SOAP has one; only the C engine's workers (``mode="async"``), rank-local (a replicated
+        block's m is re-expressed by every replica itself, on its own thread)."""
+        return (self._rotates_m and self._async and self._engine is not None
+                and not isinstance(self._engine, _dist.DistributedEngine))
+
+    def _rotation_offload(self, members: list, ndim: int) -> bool:
+        """Offload the re-expression of these members' m: CPU parameters (on a GPU it is two
+        device matmuls per side, cheaper than the round trip) with blocks of at most 2 dims
+        (the op's layout)."""
+        return (self._offloads_rotation() and ndim <= 2
+                and all(local(p).device.type == "cpu" for p, _ in members))
+
+    def _submit_rotation(self, members: list, m: torch.Tensor, old: list, new: list) -> None:
+        """Start m_new = Q_new^T (Q_old m Q_old^T) Q_new (per side) on a worker; m stays as it
+        is until a read of it waits for the result (``_settle_rotation``)."""
+        x = m.reshape(m.shape[0], m.shape[1], -1)
+        pairs = [None if q_old is None else torch.stack((q_old, q_new), 1)
+                 for q_old, q_new in zip(old, new)] + [None]
+        key = ("soap_rotate", tuple((self._pindex[p], j) for p, j in members))
+        block = self._block_keys.setdefault(key, len(self._block_keys) + 1)
+        version = self._versions[block] = self._versions.get(block, 0) + 1
+        ticket = self._engine.submit("soap_rotate", x, pairs[0], b=pairs[1], block=block,
+                                     version=version, deadline=self._t + 1,
+                                     snapshot_step=self._t, host_outputs=True)
+        self._counters["rotations_submitted"] += 1
+        rot = _Rotation(ticket, list(members), (x, pairs[0], pairs[1]), tuple(m.shape[1:]))
+        for i, (p, j) in enumerate(members):
+            self._rotations[(p, f"b{j}.exp_avg")] = (rot, i)
+
+    def _settle_rotation(self, p, name) -> None:
+        entry = self._rotations.get((p, name))
+        if entry is not None:
+            self._finish_rotation(entry[0])
+
+    def _settle_rotations(self) -> None:
+        for rot in list({id(r): r for r, _ in self._rotations.values()}.values()):
+            self._finish_rotation(rot)
+
+    def _finish_rotation(self, rot: "_Rotation") -> None:
+        """Wait for a rotation job and write its result into m; a failed job is redone here
+        with torch (the result is the same math; the state must not keep the old basis' m)."""
+        for p, j in rot.members:
+            self._rotations.pop((p, f"b{j}.exp_avg"), None)
+        res = self._engine.wait(rot.ticket)
+        if res.status == 0:
+            out = res.outputs[0]
+        else:
+            self._counters["rotation_failures"] += 1
+            warnings.warn(f"Asteria: re-expressing SOAP's first moment on a worker failed "
+                          f"({res.error}); done on the training thread instead",
+                          RuntimeWarning, stacklevel=3)
+            out = F.soap_rotate(*rot.inputs)
+        for i, (p, j) in enumerate(rot.members):
+            dst = dict.__getitem__(self.state[p], f"b{j}.exp_avg")
+            dst.copy_(out[i].reshape(rot.shape))
+
     # ---- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """torch.optim's state dict, with the same keys as the live state (the fixed key set):
@@ -1051,6 +1135,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         value saved under one name by several ranks, so untagged keys would lose all ranks'
         state but one. Resuming needs the same mesh and sharding (``load_state_dict`` raises
         ValueError on another shard's keys)."""
+        self._settle_rotations()
         for rnd in self._rounds:
             rnd.resolve(self._engine)
         sd = super().state_dict()
@@ -1115,6 +1200,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         return dict(state_dict, state=state)
 
     def load_state_dict(self, state_dict: dict) -> None:
+        self._settle_rotations()
         for rnd in self._rounds:
             rnd.drop(self._engine)
         self._rounds = []
@@ -1125,7 +1211,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         if self._tiered is not None:  # torch replaced self.state by plain dicts
             self._tiered.clear()
             self.state = _States(self, self.state)
-        elif self._tags:
+        elif self._tags or self._offloads_rotation():
             self.state = _States(self, self.state)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
@@ -1213,6 +1299,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
     def _close(self, detier: bool) -> None:
         if getattr(self, "_closed", True):
             return
+        if detier and getattr(self, "_rotations", None):
+            self._settle_rotations()
         self._closed = True
         if detier:
             self._detier()

@@ -140,6 +140,12 @@ def soap_install(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, old_bases: Mat
                  new_bases: Mats, perms: Sequence[Optional[torch.Tensor]]) -> None:
     """Side effects of installing a refreshed basis: v permuted by each factor's sort order s,
     m re-expressed in the new basis: m = Q_L,new^T (Q_L,old m Q_R,old^T) Q_R,new."""
+    soap_permute(exp_avg_sq, perms)
+    exp_avg.copy_(project(project_back(exp_avg, old_bases), new_bases))
+
+
+def soap_permute(exp_avg_sq: torch.Tensor, perms: Sequence[Optional[torch.Tensor]]) -> None:
+    """v permuted (in place) along each dimension i by the sort order s_i of its factor."""
     v = exp_avg_sq
     for i, perm in enumerate(perms):
         if perm is not None:
@@ -147,7 +153,17 @@ def soap_install(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, old_bases: Mat
             shape[i + 1] = perm.shape[1]
             v = torch.gather(v, i + 1, perm.view(shape).expand_as(v))
     exp_avg_sq.copy_(v)
-    exp_avg.copy_(project(project_back(exp_avg, old_bases), new_bases))
+
+
+def soap_rotate(x: torch.Tensor, a_pair: Optional[torch.Tensor],
+                b_pair: Optional[torch.Tensor]) -> torch.Tensor:
+    """The m re-expression of a (B, n, n1) stack as the ``soap_rotate`` REFRESH op computes it:
+    A_new^T (A_old X B_old^T) B_new, pairs (B, 2, n, n) = (old, new); None = identity side."""
+    if a_pair is not None:
+        x = a_pair[:, 1].transpose(1, 2) @ (a_pair[:, 0] @ x)
+    if b_pair is not None:
+        x = (x @ b_pair[:, 0].transpose(1, 2)) @ b_pair[:, 1]
+    return x
 
 
 # --------------------------------------------------------------------------------------------

@@ -39,6 +39,8 @@ class SOAP(AsteriaOptimizer):
     none, preconditions the group as usual.
     """
 
+    _rotates_m = True
+
     def __init__(self, params, lr: float = 3e-3, betas=(0.95, 0.95), shampoo_beta: float = -1,
                  eps: float = 1e-8, weight_decay: float = 0.01, precondition_frequency: int = 10,
                  max_precond_dim: int = 10000, merge_dims: bool = False,
@@ -157,8 +159,14 @@ class SOAP(AsteriaOptimizer):
                           else out[1].to(q.device))
             new.append(torch.stack(qs))
             perms.append(torch.stack(ps))
-        F.soap_install(m, v, old, new, perms)
-        self._unstack(members, "exp_avg", m)
+        if self._rotation_offload(members, len(has)):
+            # v permuted here (cheap), m re-expressed by a worker while the next forward and
+            # backward run; the next read of m waits for it (AsteriaOptimizer._submit_rotation)
+            F.soap_permute(v, perms)
+            self._submit_rotation(members, m, old, new)
+        else:
+            F.soap_install(m, v, old, new, perms)
+            self._unstack(members, "exp_avg", m)
         self._unstack(members, "exp_avg_sq", v)
         for i, q in enumerate(new):
             if q is not None:

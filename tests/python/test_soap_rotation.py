@@ -1,0 +1,129 @@
+"""SOAP's m re-expression at install on the C workers (AsteriaOptimizer._submit_rotation).
+
+At an install, m_new = Q_L,new^T (Q_L,old m Q_R,old^T) Q_R,new (DESIGN.md). In mode "async" on
+CPU parameters the training thread only permutes v and installs Q; a ``soap_rotate`` job
+computes m_new while the next forward and backward run, and the first read of m (the next
+step, state_dict, optimizer.state) waits for it. Checked here:
+ - the equation itself: the state right after an install step equals the restatement in plain
+   torch from the state before it;
+ - trajectories equal the on-thread path's (same optimizer with the offload switched off) to
+   rounding (OpenBLAS vs torch's BLAS), for 2-D blocks, 1-D blocks (precondition_1d) and a
+   3-D parameter (whose blocks stay on the training thread);
+ - state_dict() taken at an install step carries the re-expressed m, and resuming from it is
+   bitwise the continuous run;
+ - sync mode never submits rotations.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from asteria.optim import SOAP
+from models import assert_params_close, loss_and_grad, make_model, params_of, \
+    require_c_extension, run
+
+RT = {"mode": "async", "staleness": 2, "install": "deterministic", "workers": 2}
+F = 4  # precondition_frequency: installs at the ends of steps 2 (first eigh), 6, 10, ...
+
+
+@pytest.fixture(autouse=True)
+def _c_extension():
+    require_c_extension()
+
+
+class OnThreadSOAP(SOAP):
+    """The same optimizer re-expressing m on the training thread (the sync path's code)."""
+
+    def _offloads_rotation(self):
+        return False
+
+
+def make(cls=SOAP, runtime=RT, **kw):
+    return lambda p: cls(p, precondition_frequency=F, runtime=runtime, **kw)
+
+
+@pytest.mark.parametrize("kind,kw", [("mlp", {}), ("block", {}),
+                                     ("tensor3", {}), ("mlp", {"precondition_1d": True})],
+                         ids=["mlp", "block", "tensor3", "precondition_1d"])
+def test_trajectory_equals_on_thread_rotation(kind, kw):
+    worker, opt_w = run(kind, make(**kw), 14)
+    thread, opt_t = run(kind, make(OnThreadSOAP, **kw), 14)
+    for t, (a, b) in enumerate(zip(worker, thread), 1):
+        assert_params_close(a, b, rtol=1e-9, atol=1e-12, what=f"step {t}")
+    sw, st = opt_w.asteria_stats(), opt_t.asteria_stats()
+    assert st["rotations_submitted"] == 0
+    if kind == "tensor3":  # 3-D blocks are re-expressed on the training thread
+        assert sw["rotations_submitted"] == 0
+    else:
+        assert sw["rotations_submitted"] > 0 and sw["rotation_failures"] == 0
+
+
+def test_state_after_install_is_the_reexpressed_moment():
+    model = make_model("mlp")
+    opt = SOAP(model.parameters(), precondition_frequency=F, runtime=RT)
+    w = model.layers[0].weight
+    try:
+        for t in range(1, 2 * F + 2 + 1):
+            loss_and_grad(model, "mlp", t)
+            if t == F + 2 + 1:  # the step whose end installs the refresh snapshotted at F + 1
+                before = {k: opt.state[w][k].clone() for k in ("b0.Q0", "b0.Q1")}
+                pending = opt._rounds[0].resolve(opt._engine)[w]
+                m_after_update = {}
+
+                real = opt._install_chunk
+
+                def spy(members, has, outputs, _real=real):  # m as the install sees it
+                    if any(p is w for p, _ in members):
+                        m_after_update["m"] = opt.state[w]["b0.exp_avg"].clone()
+                    return _real(members, has, outputs)
+
+                opt._install_chunk = spy
+            opt.step()
+            if t == F + 2 + 1:
+                del opt._install_chunk
+                assert (w, "b0.exp_avg") in opt._rotations, "no rotation left in flight"
+                q0n, q1n = pending[(0, 0)][0], pending[(0, 1)][0]
+                m = m_after_update["m"]
+                want = q0n.T @ (before["b0.Q0"] @ m @ before["b0.Q1"].T) @ q1n
+                got = opt.state[w]["b0.exp_avg"]  # waits for the worker
+                assert (w, "b0.exp_avg") not in opt._rotations
+                torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+                assert torch.equal(opt.state[w]["b0.Q0"], q0n)
+    finally:
+        opt.close()
+
+
+def test_checkpoint_at_an_install_step_resumes_bitwise():
+    steps, cut = 14, F + 2 + 1
+    full, _ = run("mlp", make(), steps)
+    model = make_model("mlp")
+    opt = make()(model.parameters())
+    try:
+        for t in range(1, cut + 1):
+            loss_and_grad(model, "mlp", t)
+            opt.step()
+        assert opt._rotations
+        sd = copy.deepcopy(opt.state_dict())  # waits for the rotation in flight
+        assert not opt._rotations
+        saved = params_of(model)
+    finally:
+        opt.close()
+    model2 = make_model("mlp")
+    with torch.no_grad():
+        for p, v in zip(model2.parameters(), saved):
+            p.copy_(v)
+    opt2 = make()(model2.parameters())
+    try:
+        opt2.load_state_dict(sd)
+        for t in range(cut + 1, steps + 1):
+            loss_and_grad(model2, "mlp", t)
+            opt2.step()
+            assert all(torch.equal(a, b) for a, b in zip(params_of(model2), full[t - 1])), t
+    finally:
+        opt2.close()
+
+
+def test_sync_mode_rotates_on_the_training_thread():
+    _, opt = run("mlp", make(runtime={"mode": "sync"}), 10)
+    assert opt.asteria_stats()["rotations_submitted"] == 0
