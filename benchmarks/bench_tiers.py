@@ -4,7 +4,8 @@ Three configurations train the same TinyGPT (same weights, seed, batches) for f 
 past the first refresh's install, so every piece of state exists:
   soap-sync         the native reference (everything on the training device),
   soap-async-auto   Asteria, placement "auto" (eigenbases in host memory; with no device budget
-                    the device staging ring is as large as the eigenbases it stages),
+                    the device staging ring is bounded: max(one block's eigenbases, 1/8 of
+                    the staged bytes), at most 64 MiB),
   soap-async-devbudget  Asteria, device_budget_bytes = native's device bytes minus
                     --ring-cut of soap-async-auto's host bytes: the ring shrinks to fit and the
                     step streams the eigenbases through it in chunks,
