@@ -80,9 +80,10 @@ def _kl_qr(f: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor]:
     return (torch.linalg.qr(f @ q).Q,)
 
 
-def _soap_rotate(x: torch.Tensor, a: Optional[torch.Tensor],
+def soap_rotate(x: torch.Tensor, a: Optional[torch.Tensor],
                  b: Optional[torch.Tensor]) -> tuple[torch.Tensor]:
-    """A_new^T A_old X B_old^T B_new; a None pair is the identity side."""
+    """A_new^T A_old X B_old^T B_new; a None pair is the identity side. (The optimizer also
+    uses it on the training thread when a worker's soap_rotate job failed.)"""
     if a is not None:
         x = a[:, 1].transpose(-1, -2) @ (a[:, 0] @ x)
     if b is not None:
@@ -103,7 +104,7 @@ def compute(op: str, f: torch.Tensor, q: Optional[torch.Tensor], p: float,
     elif op == "soap_qr":
         out = _soap_qr(f, q)
     elif op == "soap_rotate":
-        out = _soap_rotate(f, q, b)
+        out = soap_rotate(f, q, b)
     else:
         out = _kl_qr(f, q)
     for t in out:

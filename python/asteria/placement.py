@@ -57,7 +57,6 @@ RING_ALIGN = 256                             # AST_SHADOW_ALIGN
 RING_DEFAULT = 64 << 20
 RING_FRACTION = 8                            # default ring: 1/8 of the staged bytes (>= ring_min)
 SNAPSHOT_RING_DEFAULT = 64 << 20
-RING_FRACTION = 8                            # default ring: 1/8 of the staged bytes (>= ring_min)
 SNAPSHOT_RING_MIN = 64 << 10
 
 
@@ -310,9 +309,8 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
                     f"least {ring_min} bytes (one preconditioner block's roots/eigenbases); "
                     f"allowed: None or a byte count >= {dev_now + ring_min}")
             ring = min(ring, headroom)
-        ring = align(max(ring, ring_min))
-        if dev_budget is not None and ring > dev_budget - dev_now:
-            ring = max(ring_min, (dev_budget - dev_now) // RING_ALIGN * RING_ALIGN)
+        # whole slots (ring_min is aligned): rounding down keeps the ring inside the budget
+        ring = max(ring_min, ring // RING_ALIGN * RING_ALIGN)
         dec.append(f"device staging ring of {_mib(ring)} for {len(staged)} host/NVMe blocks "
                    f"({_mib(total)}); steps stream them through it"
                    + (" in chunks" if ring < total else ""))

@@ -23,6 +23,8 @@
 #include "asteria/errors.h"
 #include "asteria/linalg.h"
 
+#include "ref_rotate.h"
+
 #include <cblas.h>
 #include <lapacke.h>
 #include <math.h>
@@ -79,6 +81,16 @@ static void *xalloc(size_t bytes)
 }
 
 static double *dalloc(size_t count) { return xalloc(count * sizeof(double)); }
+
+/* Save the element of dtype dt at p into saved (8 bytes) and overwrite it with v. */
+static void poison_elem(char *p, ast_dtype dt, double v, char saved[8])
+{
+    memcpy(saved, p, ast_dtype_size(dt));
+    if (dt == AST_F32)
+        *(float *)p = (float)v;
+    else
+        *(double *)p = v;
+}
 
 /* A copy of src in dtype dt (float64 values rounded for float32). */
 static void *to_dt(ast_dtype dt, size_t count, const double *src)
@@ -1058,11 +1070,7 @@ static void test_batched(void **state)
             for (int fail_at = 0; fail_at < B; fail_at += 2) {
                 char *poison = a + (size_t)fail_at * nn * es + 5 * es;
                 char saved[8];
-                memcpy(saved, poison, es);
-                if (dt == AST_F32)
-                    *(float *)poison = NAN;
-                else
-                    *(double *)poison = NAN;
+                poison_elem(poison, dt, NAN, saved);
                 fill_sentinel(m, B * nn * es);
                 fill_sentinel(v, B * vb);
                 fi = 99;
@@ -1099,53 +1107,6 @@ static void test_batched(void **state)
 }
 
 /* ---- SOAP's m re-expression (soap_rotate) -------------------------------------------------- */
-
-/* out = A_new^T (A_old X B_old^T) B_new by plain triple loops in float64, one factor at a time;
- * a NULL pair is the identity side. */
-static void rotate_ref(int n, int n1, const double *x, const double *ap, const double *bp,
-                       double *out)
-{
-    const size_t nx = (size_t)n * n1;
-    double *t = dalloc(nx), *u = dalloc(nx);
-    memcpy(u, x, nx * sizeof *u);
-    if (ap) {
-        const double *ao = ap, *an = ap + (size_t)n * n;
-        for (int i = 0; i < n; i++) /* t = A_old u */
-            for (int j = 0; j < n1; j++) {
-                double s = 0;
-                for (int k = 0; k < n; k++)
-                    s += ao[(size_t)i * n + k] * u[(size_t)k * n1 + j];
-                t[(size_t)i * n1 + j] = s;
-            }
-        for (int i = 0; i < n; i++) /* u = A_new^T t */
-            for (int j = 0; j < n1; j++) {
-                double s = 0;
-                for (int k = 0; k < n; k++)
-                    s += an[(size_t)k * n + i] * t[(size_t)k * n1 + j];
-                u[(size_t)i * n1 + j] = s;
-            }
-    }
-    if (bp) {
-        const double *bo = bp, *bn = bp + (size_t)n1 * n1;
-        for (int i = 0; i < n; i++) /* t = u B_old^T */
-            for (int j = 0; j < n1; j++) {
-                double s = 0;
-                for (int k = 0; k < n1; k++)
-                    s += u[(size_t)i * n1 + k] * bo[(size_t)j * n1 + k];
-                t[(size_t)i * n1 + j] = s;
-            }
-        for (int i = 0; i < n; i++) /* u = t B_new */
-            for (int j = 0; j < n1; j++) {
-                double s = 0;
-                for (int k = 0; k < n1; k++)
-                    s += t[(size_t)i * n1 + k] * bn[(size_t)k * n1 + j];
-                u[(size_t)i * n1 + j] = s;
-            }
-    }
-    memcpy(out, u, nx * sizeof *out);
-    free(t);
-    free(u);
-}
 
 /* A pair (2, n, n): two random orthogonal matrices, or two Gaussian ones. */
 static void rand_pair(int n, int orthogonal, double *pair)
@@ -1209,7 +1170,7 @@ static void test_soap_rotate_restatement(void **state)
                     from_dt(dt, B * nx, out, got);
                     const double tol = tol_for(dt, n > n1 ? n : n1, orth ? 4 : 40);
                     for (int b = 0; b < B; b++) {
-                        rotate_ref(n, n1, x + b * nx, has_a ? ap + b * na : NULL,
+                        ref_soap_rotate(n, n1, x + b * nx, has_a ? ap + b * na : NULL,
                                    has_b ? bp + b * nb : NULL, ref);
                         double err = rel_diff(nx, got + b * nx, ref);
                         if (!(err <= tol))
@@ -1282,11 +1243,7 @@ static void test_soap_rotate_failures(void **state)
             for (int fail_at = 0; fail_at < B; fail_at++) {
                 char *poison = bufs[which] + ((size_t)fail_at * per[which] + 2) * es;
                 char saved[8];
-                memcpy(saved, poison, es);
-                if (dt == AST_F32)
-                    *(float *)poison = (float)bad[fail_at];
-                else
-                    *(double *)poison = bad[fail_at];
+                poison_elem(poison, dt, bad[fail_at], saved);
                 fill_sentinel(out, B * nx * es);
                 fill_sentinel(one, nx * es);
                 int fi = 99;

@@ -18,6 +18,8 @@
 #include "asteria/errors.h"
 #include "asteria/runtime.h"
 
+#include "ref_rotate.h"
+
 static ast_runtime *make_rt(int workers, int max_failures)
 {
     ast_config c;
@@ -222,44 +224,6 @@ static void test_destroy_with_pending_jobs(void **state)
 
 /* ---- soap_rotate ------------------------------------------------------------------------- */
 
-/* out = A_new^T A_old X B_old^T B_new by triple loops (both pairs given). */
-static void rotate_ref(int n, int n1, const double *x, const double *ap, const double *bp,
-                       double *out)
-{
-    double *t = malloc(sizeof(double) * n * n1), *u = malloc(sizeof(double) * n * n1);
-    const double *ao = ap, *an = ap + n * n, *bo = bp, *bn = bp + n1 * n1;
-    for (int i = 0; i < n; i++)
-        for (int j = 0; j < n1; j++) {
-            double s = 0;
-            for (int k = 0; k < n; k++)
-                s += ao[i * n + k] * x[k * n1 + j];
-            t[i * n1 + j] = s;
-        }
-    for (int i = 0; i < n; i++)
-        for (int j = 0; j < n1; j++) {
-            double s = 0;
-            for (int k = 0; k < n; k++)
-                s += an[k * n + i] * t[k * n1 + j];
-            u[i * n1 + j] = s;
-        }
-    for (int i = 0; i < n; i++)
-        for (int j = 0; j < n1; j++) {
-            double s = 0;
-            for (int k = 0; k < n1; k++)
-                s += u[i * n1 + k] * bo[j * n1 + k];
-            t[i * n1 + j] = s;
-        }
-    for (int i = 0; i < n; i++)
-        for (int j = 0; j < n1; j++) {
-            double s = 0;
-            for (int k = 0; k < n1; k++)
-                s += t[i * n1 + k] * bn[k * n1 + j];
-            out[i * n1 + j] = s;
-        }
-    free(t);
-    free(u);
-}
-
 static void expect_submit_error(ast_runtime *rt, const ast_refresh *r, int code,
                                 const char *needle1, const char *needle2)
 {
@@ -368,7 +332,7 @@ static void test_soap_rotate_job(void **state)
     assert_int_equal(res.failed_index, -1);
     assert_int_equal(res.snapshot_step, 4);
     for (int b = 0; b < B; b++) {
-        rotate_ref(N, N1, x + b * nx, ap + b * na, bp + b * nb, ref);
+        ref_soap_rotate(N, N1, x + b * nx, ap + b * na, bp + b * nb, ref);
         for (int i = 0; i < nx; i++)
             assert_true(fabs(out[b * nx + i] - ref[i]) < 1e-12);
     }
@@ -379,7 +343,7 @@ static void test_soap_rotate_job(void **state)
     assert_int_equal(ast_runtime_wait(rt, t, -1, &res), 0);
     assert_int_equal(res.status, 0);
     for (int b = 0; b < B; b++) {
-        rotate_ref(N, N1, x + b * nx, ap + b * na, id, ref);
+        ref_soap_rotate(N, N1, x + b * nx, ap + b * na, id, ref);
         for (int i = 0; i < nx; i++)
             assert_true(fabs(out[b * nx + i] - ref[i]) < 1e-12);
     }

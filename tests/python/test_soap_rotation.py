@@ -11,6 +11,8 @@ step, state_dict, optimizer.state) waits for it. Checked here:
    3-D parameter (whose blocks stay on the training thread);
  - state_dict() taken at an install step carries the re-expressed m, and resuming from it is
    bitwise the continuous run;
+ - a rotation job that fails on its worker (a non-finite m: AST_ENONFINITE) is redone on the
+   training thread, with a warning and a counter;
  - sync mode never submits rotations.
 """
 
@@ -127,3 +129,22 @@ def test_checkpoint_at_an_install_step_resumes_bitwise():
 def test_sync_mode_rotates_on_the_training_thread():
     _, opt = run("mlp", make(runtime={"mode": "sync"}), 10)
     assert opt.asteria_stats()["rotations_submitted"] == 0
+
+
+def test_failed_rotation_is_redone_on_the_training_thread():
+    model = make_model("mlp")
+    opt = SOAP(model.parameters(), precondition_frequency=F, runtime=RT)
+    w = model.layers[0].weight
+    try:
+        for t in range(1, F + 2 + 2):
+            loss_and_grad(model, "mlp", t)
+            if t == F + 2 + 1:  # the install step: its m goes to the worker non-finite
+                opt.state[w]["b0.exp_avg"][0, 0] = float("inf")
+            opt.step()
+        with pytest.warns(RuntimeWarning, match="done on the training thread"):
+            m = opt.state[w]["b0.exp_avg"]
+        st = opt.asteria_stats()
+        assert st["rotation_failures"] == 1 and st["rotations_submitted"] > 1
+        assert not torch.isfinite(m).all()  # the same math, done with torch
+    finally:
+        opt.close()

@@ -426,7 +426,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self._closed = False
         self._engine = None
         self._tiered = None
-        self._rotations: dict = {}  # (param, "b{j}.exp_avg") -> (_Rotation, batch index)
+        self._rotations: dict = {}  # (param, "b{j}.exp_avg") -> its _Rotation in flight
         self._planning = False
         self._check_hyperparameters(defaults)
         self._cfg = RuntimeConfig.from_user(runtime)
@@ -1091,16 +1091,16 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                                      snapshot_step=self._t, host_outputs=True)
         self._counters["rotations_submitted"] += 1
         rot = _Rotation(ticket, list(members), (x, pairs[0], pairs[1]), tuple(m.shape[1:]))
-        for i, (p, j) in enumerate(members):
-            self._rotations[(p, f"b{j}.exp_avg")] = (rot, i)
+        for p, j in members:
+            self._rotations[(p, f"b{j}.exp_avg")] = rot
 
     def _settle_rotation(self, p, name) -> None:
-        entry = self._rotations.get((p, name))
-        if entry is not None:
-            self._finish_rotation(entry[0])
+        rot = self._rotations.get((p, name))
+        if rot is not None:
+            self._finish_rotation(rot)
 
     def _settle_rotations(self) -> None:
-        for rot in list({id(r): r for r, _ in self._rotations.values()}.values()):
+        for rot in list({id(r): r for r in self._rotations.values()}.values()):
             self._finish_rotation(rot)
 
     def _finish_rotation(self, rot: "_Rotation") -> None:
@@ -1116,7 +1116,9 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             warnings.warn(f"Asteria: re-expressing SOAP's first moment on a worker failed "
                           f"({res.error}); done on the training thread instead",
                           RuntimeWarning, stacklevel=3)
-            out = F.soap_rotate(*rot.inputs)
+            from asteria.engine_torch import soap_rotate
+
+            out = soap_rotate(*rot.inputs)[0]
         for i, (p, j) in enumerate(rot.members):
             dst = dict.__getitem__(self.state[p], f"b{j}.exp_avg")
             dst.copy_(out[i].reshape(rot.shape))

@@ -155,17 +155,6 @@ def soap_permute(exp_avg_sq: torch.Tensor, perms: Sequence[Optional[torch.Tensor
     exp_avg_sq.copy_(v)
 
 
-def soap_rotate(x: torch.Tensor, a_pair: Optional[torch.Tensor],
-                b_pair: Optional[torch.Tensor]) -> torch.Tensor:
-    """The m re-expression of a (B, n, n1) stack as the ``soap_rotate`` REFRESH op computes it:
-    A_new^T (A_old X B_old^T) B_new, pairs (B, 2, n, n) = (old, new); None = identity side."""
-    if a_pair is not None:
-        x = a_pair[:, 1].transpose(1, 2) @ (a_pair[:, 0] @ x)
-    if b_pair is not None:
-        x = (x @ b_pair[:, 0].transpose(1, 2)) @ b_pair[:, 1]
-    return x
-
-
 # --------------------------------------------------------------------------------------------
 # KL-Shampoo
 
