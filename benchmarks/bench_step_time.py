@@ -91,7 +91,8 @@ def run_one(name: str, args, cfg: GPTConfig, init_state: dict, batches: list, de
     log(f"run {name}: {args.steps} steps ({args.warmup} warm-up)")
     cpu0 = common.cpu_snapshot()
     res = common.train_steps(model, opt, lambda i: batches[i], args.steps, device,
-                             log=log, log_every=args.log_every, label=name)
+                             log=log, log_every=args.log_every, label=name,
+                             gc_policy=args.gc, gc_interval=args.gc_interval)
     cpu = common.cpu_delta(cpu0, common.cpu_snapshot())
     stats = common.runtime_stats(opt)
     tiers = common.tier_bytes(opt, device, stats)
@@ -113,6 +114,7 @@ def run_one(name: str, args, cfg: GPTConfig, init_state: dict, batches: list, de
         "runtime_counters": common.pick_runtime_counters(stats),
         "asteria_stats": stats,
         "attach": attach,
+        "gc": res["gc"],
         "worker_threads": workers,
         "wall_s": res["wall_s"],
         "cpu": cpu,
@@ -269,6 +271,13 @@ def parse_args(argv: Optional[Sequence[str]]):
                     help="do not pin the training thread to one core and the pool to the others")
     ap.add_argument("--runs", default=",".join(RUNS),
                     help="comma-separated subset of " + ",".join(RUNS))
+    ap.add_argument("--gc", choices=common.GC_POLICIES, default="olmo",
+                    help="Python's cycle collector during training: olmo (the default, as "
+                         "OLMo-core's trainer does: automatic collection off, gc.collect(1) "
+                         "every --gc-interval steps, outside the timed region) or auto "
+                         "(Python's default; its full collections stop any optimizer's step)")
+    ap.add_argument("--gc-interval", type=int, default=common.OLMO_GC_INTERVAL,
+                    help="steps between the olmo policy's collections (OLMo-core: 1000)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=None)
     ap.add_argument("--quick", action="store_true",
@@ -293,6 +302,8 @@ def parse_args(argv: Optional[Sequence[str]]):
         if r not in RUNS:
             ap.error(f"unknown run {r!r}; allowed: {', '.join(RUNS)}")
     args.runs = runs
+    if args.gc_interval < 1:
+        ap.error(f"--gc-interval must be >= 1, got {args.gc_interval}")
     if args.warmup >= args.steps:
         ap.error(f"--warmup ({args.warmup}) must be below --steps ({args.steps})")
     if not 0 <= args.staleness <= args.frequency:
@@ -352,6 +363,11 @@ def run(args, argv: Optional[Sequence[str]], device: torch.device) -> dict[str, 
                      "workers": args.workers, "torch_threads": args.threads, "lr": LR,
                      "batch": args.batch, "seed": args.seed, "device": args.device,
                      "quick": args.quick, "pinning": pinning,
+                     "gc": {"policy": args.gc,
+                            "interval": args.gc_interval if args.gc == "olmo" else None,
+                            "note": "olmo: as OLMo-core's GarbageCollectorCallback (automatic "
+                                    "collection off, gc.collect(1) every interval steps, "
+                                    "outside the timed region)"},
                      "timed_region": "zero_grad + forward + backward + optimizer.step",
                      "percentile": "linear interpolation between closest ranks",
                      "disturbed_if_foreign_cores_above": DISTURBED_CORES,

@@ -440,59 +440,120 @@ def detach(handle) -> None:
         handle.remove()
 
 
+# OLMo-core's trainer (GarbageCollectorCallback, added by default to distributed runs) turns
+# Python's automatic cycle collector off for training and runs gc.collect(1) every
+# gc_interval steps (default 1000). The step-time benchmarks train under the same policy by
+# default (--gc olmo); --gc auto leaves the collector on, whose full collections of a torch
+# process stop the training thread for 100+ ms whatever the optimizer.
+GC_POLICIES = ("olmo", "auto")
+OLMO_GC_INTERVAL = 1000
+
+
+class GcWatch:
+    """Collections of Python's cycle collector, counted by generation with their time, while
+    ``active`` (the timed region of the steps)."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.count = [0, 0, 0]
+        self.ms = 0.0
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if not self.active:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.ms += 1e3 * (time.perf_counter() - self._t0)
+
+    def summary(self) -> dict[str, Any]:
+        return {"collections_by_generation": list(self.count), "ms": round(self.ms, 3)}
+
+
 def train_steps(model, optimizer, batch, steps: int, device, *, autocast_dtype=None,
                 budget_s: Optional[float] = None, log=None, log_every: int = 25,
-                label: str = "", on_step=None) -> dict[str, Any]:
+                label: str = "", on_step=None, gc_policy: str = "olmo",
+                gc_interval: int = OLMO_GC_INTERVAL) -> dict[str, Any]:
     """Run up to ``steps`` training steps, ``batch(i)`` giving step i's (x, y) on ``device``.
     Times every step (zero_grad + forward + backward + optimizer.step, device synchronised
     around it) and the optimizer step alone. Stops early, after a whole step, once ``budget_s``
     seconds have passed. Between steps (outside the timed region) it samples the runtime's
     registered host buffers, whose peak the end-of-run stats would miss. ``on_step(i, step_s,
-    opt_s, loss)`` is called after each step (outside the timed region)."""
+    opt_s, loss)`` is called after each step (outside the timed region). ``gc_policy``:
+    "olmo" (automatic collection off, ``gc.collect(1)`` after every ``gc_interval`` steps,
+    outside the timed region; the collector's state is restored on the way out) or "auto"
+    (Python's default). The result's "gc" says which collections ran in the timed region."""
+    import gc
+
     import torch
 
+    if gc_policy not in GC_POLICIES:
+        raise ValueError(f"gc_policy {gc_policy!r}: allowed {', '.join(GC_POLICIES)}")
+    if gc_interval < 1:
+        raise ValueError(f"gc_interval must be >= 1, got {gc_interval}")
     step_s: list[float] = []
     opt_s: list[float] = []
     losses: list[float] = []
     peak_registered = 0
     stats_fn = getattr(optimizer, "asteria_stats", None)
+    watch = GcWatch()
+    was_enabled = gc.isenabled()
+    gc.callbacks.append(watch)
+    if gc_policy == "olmo":
+        gc.disable()
     t_start = time.perf_counter()
     stopped_early = False
-    for i in range(steps):
-        x, y = batch(i)
-        device_sync(device)
-        t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        if autocast_dtype is not None:
-            with torch.autocast(device_type=torch.device(device).type, dtype=autocast_dtype):
+    try:
+        for i in range(steps):
+            x, y = batch(i)
+            device_sync(device)
+            watch.active = True
+            t0 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            if autocast_dtype is not None:
+                with torch.autocast(device_type=torch.device(device).type, dtype=autocast_dtype):
+                    loss = model(x, y)
+            else:
                 loss = model(x, y)
-        else:
-            loss = model(x, y)
-        loss.backward()
-        device_sync(device)
-        t1 = time.perf_counter()
-        optimizer.step()
-        device_sync(device)
-        t2 = time.perf_counter()
-        step_s.append(t2 - t0)
-        opt_s.append(t2 - t1)
-        losses.append(float(loss.detach()))
-        if on_step is not None:
-            on_step(i, step_s[-1], opt_s[-1], losses[-1])
-        if stats_fn is not None:
-            peak_registered = max(peak_registered, int(stats_fn().get("bytes_registered", 0)))
-        if log is not None and ((i + 1) % log_every == 0 or i + 1 == steps):
-            recent = losses[-log_every:]
-            log(f"{label:>10} step {i + 1:4d}/{steps}  loss {sum(recent) / len(recent):.4f}  "
-                f"step {1e3 * step_s[-1]:8.1f} ms  (opt {1e3 * opt_s[-1]:8.1f} ms)")
-        if budget_s is not None and time.perf_counter() - t_start > budget_s and i + 1 < steps:
-            stopped_early = True
-            if log is not None:
-                log(f"{label:>10} time budget {budget_s:.0f} s spent after {i + 1} steps: stop")
-            break
+            loss.backward()
+            device_sync(device)
+            t1 = time.perf_counter()
+            optimizer.step()
+            device_sync(device)
+            t2 = time.perf_counter()
+            watch.active = False
+            if gc_policy == "olmo" and (i + 1) % gc_interval == 0:
+                gc.collect(1)
+            step_s.append(t2 - t0)
+            opt_s.append(t2 - t1)
+            losses.append(float(loss.detach()))
+            if on_step is not None:
+                on_step(i, step_s[-1], opt_s[-1], losses[-1])
+            if stats_fn is not None:
+                peak_registered = max(peak_registered,
+                                      int(stats_fn().get("bytes_registered", 0)))
+            if log is not None and ((i + 1) % log_every == 0 or i + 1 == steps):
+                recent = losses[-log_every:]
+                log(f"{label:>10} step {i + 1:4d}/{steps}  loss {sum(recent) / len(recent):.4f}"
+                    f"  step {1e3 * step_s[-1]:8.1f} ms  (opt {1e3 * opt_s[-1]:8.1f} ms)")
+            if (budget_s is not None and time.perf_counter() - t_start > budget_s
+                    and i + 1 < steps):
+                stopped_early = True
+                if log is not None:
+                    log(f"{label:>10} time budget {budget_s:.0f} s spent after {i + 1} steps: "
+                        f"stop")
+                break
+    finally:
+        gc.callbacks.remove(watch)
+        if was_enabled:
+            gc.enable()
     return {"step_s": step_s, "opt_s": opt_s, "losses": losses,
             "wall_s": time.perf_counter() - t_start, "stopped_early": stopped_early,
-            "peak_bytes_registered": peak_registered}
+            "peak_bytes_registered": peak_registered,
+            "gc": {"policy": gc_policy, "interval": gc_interval if gc_policy == "olmo" else None,
+                   "in_timed_region": watch.summary()}}
 
 
 def measured(xs: Sequence[float], warmup: int) -> list[float]:

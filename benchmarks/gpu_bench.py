@@ -142,7 +142,8 @@ def child(args) -> int:
            "cpu": cpu,
            "bytes_per_tier": common.tier_bytes(opt, device, stats),
            "runtime_counters": common.pick_runtime_counters(stats), "asteria_stats": stats,
-           "peak_bytes_registered": res["peak_bytes_registered"]}
+           "peak_bytes_registered": res["peak_bytes_registered"],
+           "gc": res["gc"]}  # train_steps' default: OLMo-core's policy (collector off)
     if cuda:
         torch.cuda.synchronize()
         rec["peak_device_memory_bytes"] = torch.cuda.max_memory_allocated(device)

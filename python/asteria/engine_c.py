@@ -96,7 +96,7 @@ class CEngine(Engine):
         self._jobs: dict[int, _Job] = {}
         self._final_stats: Optional[dict[str, Any]] = None
         self._copies = {"bytes_d2h_snapshots": 0, "bytes_h2d_results": 0,
-                        "snapshots_shadow": 0, "snapshots_fallback": 0}
+                        "snapshots_shadow": 0, "snapshots_fallback": 0, "inputs_donated": 0}
         if shadow:
             cuda = shadow != "host" and torch.cuda.is_available() and _C.HAVE_CUDA
             self._shadow = _C.Shadow(mode="auto" if cuda else "host",
@@ -152,11 +152,14 @@ class CEngine(Engine):
     # ---- jobs ---------------------------------------------------------------------------------
 
     def submit(self, op, f, q=None, *, block, version, deadline, snapshot_step, p=0.0,
-               eps=0.0, b=None, host_outputs: bool = False) -> int:
+               eps=0.0, b=None, host_outputs: bool = False, donate: bool = False) -> int:
         """``b``: the B pair of ``soap_rotate`` (``f`` is its X, ``q`` its A pair; every pair
         given is snapshotted like any input). ``host_outputs``: hand the outputs back as host
         tensors (the caller stores them in host memory) instead of copying them to the inputs'
-        device."""
+        device. ``donate``: the caller gives the inputs away (tensors it made for this job and
+        neither reads nor writes again): those already in host memory, contiguous and of the
+        job's dtype are read by the worker in place, with no snapshot; the job keeps them
+        alive until its result is taken. Others are snapshotted as usual."""
         self._check_open()
         check_op(op, (f, q, b))
         if not f.is_floating_point():
@@ -177,6 +180,11 @@ class CEngine(Engine):
         srcs = [t for t in slots.values() if t is not None]
         inputs, tickets = [], []
         for src in srcs:
+            if (donate and src.device.type == "cpu" and src.dtype == cdtype
+                    and src.is_contiguous() and not pin):
+                inputs.append(src)
+                self._copies["inputs_donated"] += 1
+                continue
             staged = (self._snapshot_into_ring(src, cdtype, block)
                       if self._shadow is not None else None)
             if staged is None:

@@ -70,10 +70,11 @@ def _newton_root(f: torch.Tensor, p: float, eps: float) -> tuple[torch.Tensor]:
 
 
 def _soap_qr(f: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    est = torch.einsum("bij,bik,bkj->bj", q, f, q)  # diag(Q^T F Q)
+    fq = f @ q
+    est = (q * fq).sum(1)  # diag(Q^T F Q); torch.einsum's path search leaves cyclic garbage
     perm = torch.argsort(est, dim=-1, descending=True, stable=True)
-    qs = torch.gather(q, 2, perm.unsqueeze(1).expand_as(q))
-    return torch.linalg.qr(f @ qs).Q, perm
+    # F (Q with its columns sorted) = (F Q) with its columns sorted
+    return torch.linalg.qr(torch.gather(fq, 2, perm.unsqueeze(1).expand_as(fq))).Q, perm
 
 
 def _kl_qr(f: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor]:

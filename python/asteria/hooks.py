@@ -21,24 +21,29 @@ modules, so the same hooks apply; create the optimizer after ``fully_shard``.
 
 from __future__ import annotations
 
+import collections
 import weakref
 from typing import Any, Union
 
 import torch
 from torch import nn
 
+# AttachHandle.log keeps the most recent hook firings only: a long run fires millions.
+LOG_EVENTS = 4096
+
 _REGISTRY: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
 
 
 class AttachHandle:
     """The hooks of one ``attach`` call. ``log`` records (event, module name) in firing order:
-    ("forward", name) and ("prefetch", name) for each backward-pre prefetch."""
+    ("forward", name) and ("prefetch", name) for each backward-pre prefetch; the last
+    ``LOG_EVENTS`` of them (a deque)."""
 
     def __init__(self, model: nn.Module, optimizer: Any) -> None:
         self._model = weakref.ref(model)
         self.optimizer = optimizer
         self.modules: list = []
-        self.log: list = []
+        self.log: collections.deque = collections.deque(maxlen=LOG_EVENTS)
         self._handles: list = []
         self.attached = True
 

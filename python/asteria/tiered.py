@@ -74,10 +74,29 @@ class _Blk:
         self.consumed = False
 
 
+# ctypes keeps an array type only while something references it: one made per call dies in a
+# reference cycle, garbage the cycle collector must find (a training loop that disables the
+# collector, as OLMo-core's trainer does, would grow by it). One type per distinct size, kept.
+_BYTE_ARRAYS: dict = {}
+
+
 def _cpu_view(ptr: int, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
     """A CPU tensor over raw host memory (a ring slot on the host path)."""
-    raw = (ctypes.c_byte * nbytes).from_address(ptr)
+    kind = _BYTE_ARRAYS.get(nbytes)
+    if kind is None:
+        kind = _BYTE_ARRAYS[nbytes] = ctypes.c_byte * nbytes
+    raw = kind.from_address(ptr)
     return torch.frombuffer(raw, dtype=dtype, count=nbytes // _elem(dtype)).view(shape)
+
+
+class _CudaArray:
+    """An object exposing ``__cuda_array_interface__`` (an instance attribute: a class made
+    per call would be a reference cycle)."""
+
+    __slots__ = ("__cuda_array_interface__",)
+
+    def __init__(self, iface: dict):
+        self.__cuda_array_interface__ = iface
 
 
 def _cuda_view(ptr: int, nbytes: int, dtype: torch.dtype, shape, device) -> torch.Tensor:
@@ -86,12 +105,9 @@ def _cuda_view(ptr: int, nbytes: int, dtype: torch.dtype, shape, device) -> torc
     typestr, carrier = {torch.float32: ("<f4", None), torch.float64: ("<f8", None),
                         torch.float16: ("<f2", None),
                         torch.bfloat16: ("<i2", torch.int16)}[dtype]
-
-    class _Iface:
-        __cuda_array_interface__ = {"shape": tuple(shape), "typestr": typestr,
-                                    "data": (ptr, False), "version": 2, "strides": None}
-
-    t = torch.as_tensor(_Iface(), device=device)
+    iface = {"shape": tuple(shape), "typestr": typestr, "data": (ptr, False), "version": 2,
+             "strides": None}
+    t = torch.as_tensor(_CudaArray(iface), device=device)
     return t.view(dtype) if carrier is not None else t
 
 

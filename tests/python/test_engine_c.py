@@ -407,6 +407,38 @@ def test_soap_rotate_snapshot_strided_and_low_precision(eng1):
     torch.testing.assert_close(res.outputs[0].double(), ref, rtol=3e-2, atol=3e-2)
 
 
+def test_soap_rotate_donated_inputs_are_read_in_place(eng1):
+    """donate=True: contiguous host inputs of the job's dtype are not snapshotted (the worker
+    reads the caller's tensors, so a write after submit is seen); others still are."""
+    x, a, b = rotate_inputs(2, 6, 5, torch.float64, seed=85, sides="ab")
+    expected = ref_rotate(x, a, b)
+    before = eng1.stats()
+    res = submit_wait(eng1, "soap_rotate", x, a, b=b, donate=True)
+    assert res.status == 0
+    torch.testing.assert_close(res.outputs[0], expected, rtol=1e-10, atol=1e-10)
+    after = eng1.stats()
+    assert after["inputs_donated"] - before["inputs_donated"] == 3
+    assert after["bytes_d2h_snapshots"] == before["bytes_d2h_snapshots"]
+    # in place, really: the single worker is held busy by a first job, the donated X of a
+    # second is overwritten before that one starts, and its result is of the new X
+    big = torch.randn(4, 256, 256, dtype=torch.float64)
+    slow = eng1.submit("eigh", big @ big.transpose(1, 2), **ids())
+    x2 = x.clone()
+    t = eng1.submit("soap_rotate", x2, a, b=b, donate=True, **ids())
+    x2.mul_(2.0)
+    assert eng1.wait(slow).status == 0
+    res = eng1.wait(t)
+    torch.testing.assert_close(res.outputs[0], 2.0 * expected, rtol=1e-10, atol=1e-10)
+    # a strided X is not the job's layout: snapshotted, the pairs still donated
+    xt = x.transpose(-1, -2).contiguous().transpose(-1, -2)
+    mid = eng1.stats()
+    t = eng1.submit("soap_rotate", xt, a, b=b, donate=True, **ids())
+    xt.fill_(float("nan"))
+    res = eng1.wait(t)
+    torch.testing.assert_close(res.outputs[0], expected, rtol=1e-10, atol=1e-10)
+    assert eng1.stats()["inputs_donated"] - mid["inputs_donated"] == 2
+
+
 def test_soap_rotate_nonfinite_fails(eng):
     x, a, b = rotate_inputs(3, 4, 6, torch.float64, seed=82, sides="ab")
     b[1, 0, 2, 3] = float("inf")

@@ -59,6 +59,8 @@ def test_trajectory_equals_on_thread_rotation(kind, kw):
         assert sw["rotations_submitted"] == 0
     else:
         assert sw["rotations_submitted"] > 0 and sw["rotation_failures"] == 0
+        # m and the basis pairs go to the job without a snapshot
+        assert sw["inputs_donated"] >= 2 * sw["rotations_submitted"]
 
 
 def test_state_after_install_is_the_reexpressed_moment():

@@ -781,7 +781,9 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             self._layouts[p] = lay
         return lay
 
-    def _stack(self, members: list, name: str) -> torch.Tensor:
+    def _stack(self, members: list, name: str, out: Optional[torch.Tensor] = None
+               ) -> torch.Tensor:
+        """The members' ``b{j}.{name}`` stacked (a copy), into ``out`` when given."""
         if self._tiered is not None:
             keys = [(self._pindex[p], f"b{j}.{name}") for p, j in members]
             owned = [self._tiered.owns(k) for k in keys]
@@ -790,10 +792,10 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                 staged = iter(self._tiered.borrow(mine))
                 try:
                     return torch.stack([next(staged) if o else self.state[p][f"b{j}.{name}"]
-                                        for (p, j), o in zip(members, owned)])
+                                        for (p, j), o in zip(members, owned)], out=out)
                 finally:
                     self._tiered.give_back(mine)
-        return torch.stack([self.state[p][f"b{j}.{name}"] for p, j in members])
+        return torch.stack([self.state[p][f"b{j}.{name}"] for p, j in members], out=out)
 
     def _stack_dims(self, members: list, name: str, has: Sequence[bool]) -> list:
         return [self._stack(members, f"{name}{i}") if h else None for i, h in enumerate(has)]
@@ -1077,18 +1079,19 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         return (self._offloads_rotation() and ndim <= 2
                 and all(local(p).device.type == "cpu" for p, _ in members))
 
-    def _submit_rotation(self, members: list, m: torch.Tensor, old: list, new: list) -> None:
+    def _submit_rotation(self, members: list, m: torch.Tensor, pairs: list) -> None:
         """Start m_new = Q_new^T (Q_old m Q_old^T) Q_new (per side) on a worker; m stays as it
-        is until a read of it waits for the result (``_settle_rotation``)."""
+        is until a read of it waits for the result (``_settle_rotation``). ``m`` (a stack made
+        for this) and ``pairs`` ((B, 2, n, n): old, new basis per block; None: identity side)
+        are given to the job: the worker reads them in place, nothing here writes them."""
         x = m.reshape(m.shape[0], m.shape[1], -1)
-        pairs = [None if q_old is None else torch.stack((q_old, q_new), 1)
-                 for q_old, q_new in zip(old, new)] + [None]
+        pairs = list(pairs) + [None] * (2 - len(pairs))
         key = ("soap_rotate", tuple((self._pindex[p], j) for p, j in members))
         block = self._block_keys.setdefault(key, len(self._block_keys) + 1)
         version = self._versions[block] = self._versions.get(block, 0) + 1
         ticket = self._engine.submit("soap_rotate", x, pairs[0], b=pairs[1], block=block,
                                      version=version, deadline=self._t + 1,
-                                     snapshot_step=self._t, host_outputs=True)
+                                     snapshot_step=self._t, host_outputs=True, donate=True)
         self._counters["rotations_submitted"] += 1
         rot = _Rotation(ticket, list(members), (x, pairs[0], pairs[1]), tuple(m.shape[1:]))
         for p, j in members:

@@ -144,7 +144,13 @@ class SOAP(AsteriaOptimizer):
 
     def _install_chunk(self, members, has, outputs):
         m, v = self._stack(members, "exp_avg"), self._stack(members, "exp_avg_sq")
-        old = self._stack_dims(members, "Q", has)
+        offload = self._rotation_offload(members, len(has))
+        # offloaded: the old and new bases go straight into the rotation job's (B, 2, n, n)
+        # pairs, which the worker reads in place (no stacks of their own, no snapshot)
+        pairs = [torch.empty((len(members), 2, m.shape[i + 1], m.shape[i + 1]), dtype=m.dtype)
+                 if offload and h else None for i, h in enumerate(has)]
+        old = [self._stack(members, f"Q{i}", out=None if pr is None else pr[:, 0]) if h
+               else None for i, (h, pr) in enumerate(zip(has, pairs))]
         new, perms = [], []
         for i, q_old in enumerate(old):
             if q_old is None:
@@ -157,13 +163,13 @@ class SOAP(AsteriaOptimizer):
                 qs.append(q if out is None else out[0].to(q.device))
                 ps.append(torch.arange(q.shape[0], device=q.device) if out is None
                           else out[1].to(q.device))
-            new.append(torch.stack(qs))
+            new.append(torch.stack(qs, out=None if pairs[i] is None else pairs[i][:, 1]))
             perms.append(torch.stack(ps))
-        if self._rotation_offload(members, len(has)):
+        if offload:
             # v permuted here (cheap), m re-expressed by a worker while the next forward and
             # backward run; the next read of m waits for it (AsteriaOptimizer._submit_rotation)
             F.soap_permute(v, perms)
-            self._submit_rotation(members, m, old, new)
+            self._submit_rotation(members, m, pairs)
         else:
             F.soap_install(m, v, old, new, perms)
             self._unstack(members, "exp_avg", m)
