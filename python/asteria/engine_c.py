@@ -75,6 +75,21 @@ class _Job:
     host_outputs: bool = False         # hand the outputs back on the host, not job.device
 
 
+_DONATABLE = {"f": "in0", "q": "in1", "b": "in2"}
+
+
+def _donated(donate) -> frozenset:
+    """submit's ``donate`` (a bool or names of inputs) as the set of input slots given away."""
+    if isinstance(donate, bool):
+        return frozenset(_DONATABLE.values()) if donate else frozenset()
+    names = set(donate)
+    bad = names - set(_DONATABLE)
+    if bad:
+        raise ValueError(f"donate: unknown input(s) {sorted(bad)}; allowed: True, False or "
+                         f"names among {sorted(_DONATABLE)}")
+    return frozenset(_DONATABLE[k] for k in names)
+
+
 def _snapshot(t: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=dtype, pin_memory=pin)
     with torch.no_grad():
@@ -152,18 +167,20 @@ class CEngine(Engine):
     # ---- jobs ---------------------------------------------------------------------------------
 
     def submit(self, op, f, q=None, *, block, version, deadline, snapshot_step, p=0.0,
-               eps=0.0, b=None, host_outputs: bool = False, donate: bool = False) -> int:
+               eps=0.0, b=None, host_outputs: bool = False, donate=False) -> int:
         """``b``: the B pair of ``soap_rotate`` (``f`` is its X, ``q`` its A pair; every pair
         given is snapshotted like any input). ``host_outputs``: hand the outputs back as host
         tensors (the caller stores them in host memory) instead of copying them to the inputs'
-        device. ``donate``: the caller gives the inputs away (tensors it made for this job and
-        neither reads nor writes again): those already in host memory, contiguous and of the
-        job's dtype are read by the worker in place, with no snapshot; the job keeps them
-        alive until its result is taken. Others are snapshotted as usual."""
+        device. ``donate``: True, or the names among "f", "q", "b" of the inputs the caller
+        gives away (tensors it made for this job and neither reads nor writes again): those
+        already in host memory, contiguous and of the job's dtype are read by the worker in
+        place, with no snapshot; the job keeps them alive until its result is taken. Others
+        are snapshotted as usual."""
         self._check_open()
         check_op(op, (f, q, b))
         if not f.is_floating_point():
             raise ValueError(f"REFRESH input must be a real floating tensor, got {f.dtype}")
+        given = _donated(donate)
         rotate = op == "soap_rotate"
         batch, n = int(f.shape[0]), int(f.shape[1])
         n1 = int(f.shape[2]) if rotate else 0
@@ -177,10 +194,11 @@ class CEngine(Engine):
             slots = {"in0": f, "in1": q, "in2": b}
         else:
             slots = {"in0": f, "in1": q if op in _WITH_BASIS else None, "in2": None}
-        srcs = [t for t in slots.values() if t is not None]
         inputs, tickets = [], []
-        for src in srcs:
-            if (donate and src.device.type == "cpu" and src.dtype == cdtype
+        for slot, src in slots.items():
+            if src is None:
+                continue
+            if (slot in given and src.device.type == "cpu" and src.dtype == cdtype
                     and src.is_contiguous() and not pin):
                 inputs.append(src)
                 self._copies["inputs_donated"] += 1

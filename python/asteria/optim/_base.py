@@ -1040,6 +1040,10 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             if self._tiered is not None and all(
                     self._owned(p, self._output_name(p, j, dim)) for p, j, dim in targets):
                 extra["host_outputs"] = True  # the results go to host memory: no round trip
+            if q is not None and self._local_c_engine():
+                # the basis stack was made here for the job: the worker reads it in place (the
+                # factors keep their event-gated snapshot through the shadow)
+                extra["donate"] = ("q",)
             ticket = self._engine.submit(op, f, q, block=block, version=version,
                                          deadline=install_step, snapshot_step=self._t,
                                          p=pw, eps=eps, **extra)
@@ -1069,8 +1073,14 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         """Does this optimizer hand SOAP's m re-expression at install to the workers? Only
         SOAP has one; only the C engine's workers (``mode="async"``), rank-local (a replicated
         block's m is re-expressed by every replica itself, on its own thread)."""
-        return (self._rotates_m and self._async and self._engine is not None
-                and not isinstance(self._engine, _dist.DistributedEngine))
+        return self._rotates_m and self._local_c_engine()
+
+    def _local_c_engine(self) -> bool:
+        """Is the engine libasteria's worker pool itself (not a distributed wrapper)? Its jobs
+        may then be given inputs made for them (``CEngine.submit(donate=)``)."""
+        from asteria.engine_c import CEngine
+
+        return self._async and isinstance(self._engine, CEngine)
 
     def _rotation_offload(self, members: list, ndim: int) -> bool:
         """Offload the re-expression of these members' m: CPU parameters (on a GPU it is two
