@@ -78,15 +78,14 @@ class _Job:
 _DONATABLE = {"f": "in0", "q": "in1", "b": "in2"}
 
 
-def _donated(donate) -> frozenset:
-    """submit's ``donate`` (a bool or names of inputs) as the set of input slots given away."""
-    if isinstance(donate, bool):
-        return frozenset(_DONATABLE.values()) if donate else frozenset()
-    names = set(donate)
-    bad = names - set(_DONATABLE)
+def _donated(names) -> frozenset:
+    """submit's ``donate`` (names of inputs) as the set of input slots given away."""
+    if isinstance(names, str):
+        names = (names,)
+    bad = set(names) - set(_DONATABLE)
     if bad:
-        raise ValueError(f"donate: unknown input(s) {sorted(bad)}; allowed: True, False or "
-                         f"names among {sorted(_DONATABLE)}")
+        raise ValueError(f"donate: unknown input(s) {sorted(bad)}; allowed: names among "
+                         f"{sorted(_DONATABLE)}")
     return frozenset(_DONATABLE[k] for k in names)
 
 
@@ -167,15 +166,15 @@ class CEngine(Engine):
     # ---- jobs ---------------------------------------------------------------------------------
 
     def submit(self, op, f, q=None, *, block, version, deadline, snapshot_step, p=0.0,
-               eps=0.0, b=None, host_outputs: bool = False, donate=False) -> int:
+               eps=0.0, b=None, host_outputs: bool = False, donate=()) -> int:
         """``b``: the B pair of ``soap_rotate`` (``f`` is its X, ``q`` its A pair; every pair
         given is snapshotted like any input). ``host_outputs``: hand the outputs back as host
         tensors (the caller stores them in host memory) instead of copying them to the inputs'
-        device. ``donate``: True, or the names among "f", "q", "b" of the inputs the caller
-        gives away (tensors it made for this job and neither reads nor writes again): those
-        already in host memory, contiguous and of the job's dtype are read by the worker in
-        place, with no snapshot; the job keeps them alive until its result is taken. Others
-        are snapshotted as usual."""
+        device. ``donate``: the names among "f", "q", "b" of the inputs the caller gives away
+        (tensors it made for this job and neither reads nor writes again): those already in
+        host memory, contiguous and of the job's dtype are read by the worker in place, with
+        no snapshot; the job keeps them alive until its result is taken. Others are
+        snapshotted as usual."""
         self._check_open()
         check_op(op, (f, q, b))
         if not f.is_floating_point():

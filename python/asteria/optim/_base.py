@@ -1101,7 +1101,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         version = self._versions[block] = self._versions.get(block, 0) + 1
         ticket = self._engine.submit("soap_rotate", x, pairs[0], b=pairs[1], block=block,
                                      version=version, deadline=self._t + 1,
-                                     snapshot_step=self._t, host_outputs=True, donate=True)
+                                     snapshot_step=self._t, host_outputs=True,
+                                     donate=("f", "q", "b"))
         self._counters["rotations_submitted"] += 1
         rot = _Rotation(ticket, list(members), (x, pairs[0], pairs[1]), tuple(m.shape[1:]))
         for p, j in members:
