@@ -9,7 +9,9 @@ statistics. The model is sized so a REFRESH costs several steps (fc factors 4d w
 
 Reports per optimizer: step-time median / p99 / max, p99/median, max/median, optimizer-state bytes
 per tier (asteria_stats() where it has them, else a scan of optimizer.state; the JSON says which),
-the final loss; and whether the targets held (recorded, never fatal):
+the final loss; the pool's CPU time during each step (schedstat) and the slow steps split by
+whether a worker ran alongside them (see bench_core_contention.py for what a busy worker costs
+the training core on this machine); and whether the targets held (recorded, never fatal):
   Asteria p99/median <= 1.25, native sync max/median >= 3, Asteria device bytes <= 70% of native.
 
 Writes benchmarks/results/bench_step_time.json (machine, versions, command, date, every step time)
@@ -90,8 +92,16 @@ def run_one(name: str, args, cfg: GPTConfig, init_state: dict, batches: list, de
         torch.cuda.reset_peak_memory_stats(device)
     log(f"run {name}: {args.steps} steps ({args.warmup} warm-up)")
     cpu0 = common.cpu_snapshot()
+    worker_ms: list = []  # pool CPU time between consecutive steps' ends (None: no pool)
+    last = [common.threads_cpu_ns()]
+
+    def on_step(i, step_s, opt_s, loss):
+        now = common.threads_cpu_ns()
+        worker_ms.append(None if now is None or last[0] is None else (now - last[0]) / 1e6)
+        last[0] = now
+
     res = common.train_steps(model, opt, lambda i: batches[i], args.steps, device,
-                             log=log, log_every=args.log_every, label=name,
+                             log=log, log_every=args.log_every, label=name, on_step=on_step,
                              gc_policy=args.gc, gc_interval=args.gc_interval)
     cpu = common.cpu_delta(cpu0, common.cpu_snapshot())
     stats = common.runtime_stats(opt)
@@ -109,6 +119,7 @@ def run_one(name: str, args, cfg: GPTConfig, init_state: dict, batches: list, de
         "local_summary": local_ratios([1e3 * t for t in res["step_s"]], w, args.frequency),
         "phases": phase_medians([1e3 * t for t in res["step_s"]], w, args.frequency,
                                 args.staleness),
+        "slow_steps": slow_steps([1e3 * t for t in res["step_s"]], worker_ms, w),
         "final_loss": common.final_loss(res["losses"]),
         "bytes_per_tier": tiers,
         "peak_bytes_registered": res["peak_bytes_registered"],
@@ -123,6 +134,7 @@ def run_one(name: str, args, cfg: GPTConfig, init_state: dict, batches: list, de
         "loadavg1_end": common.loadavg(),
         "step_ms": [1e3 * t for t in res["step_s"]],
         "opt_step_ms": [1e3 * t for t in res["opt_s"]],
+        "worker_ms": worker_ms,
         "losses": res["losses"],
     }
     if device.type == "cuda":
@@ -147,6 +159,28 @@ def local_ratios(step_ms: Sequence[float], warmup: int, f: int) -> dict[str, Any
         ratios.append(xs[t] / common.percentile(xs[lo:hi], 50))
     return {"window_steps": 2 * f + 1, "p99_over_local_median": common.percentile(ratios, 99),
             "max_over_local_median": max(ratios)}
+
+
+def slow_steps(step_ms: Sequence[float], worker_ms: Sequence[Optional[float]], warmup: int,
+               slow: float = TARGETS["asteria_p99_over_median_max"]) -> dict[str, Any]:
+    """The measured steps slower than ``slow`` x the median, split by whether a pool worker ran
+    alongside them for at least half of the step (its CPU time over the step, from schedstat).
+    bench_core_contention.py measures what a busy worker does to the training core on this
+    machine; this says which of the run's slow steps it can explain. Also the median step of
+    each kind over the overall median."""
+    med = common.percentile(list(step_ms[warmup:]), 50)
+    kinds: dict[str, list] = {"with_worker": [], "without_worker": []}
+    for t in range(warmup, len(step_ms)):
+        w = worker_ms[t] if t < len(worker_ms) else None
+        kinds["with_worker" if w is not None and w >= 0.5 * step_ms[t] else
+              "without_worker"].append(step_ms[t] / med)
+    out: dict[str, Any] = {"threshold": slow}
+    for k, rs in kinds.items():
+        s = sorted(rs)
+        out[k] = {"steps": len(rs), "slow": sum(r > slow for r in rs),
+                  "median_over_median": common.percentile(s, 50) if s else None,
+                  "slowest": [round(r, 3) for r in s[-3:][::-1]]}
+    return out
 
 
 def phase_medians(step_ms: Sequence[float], warmup: int, f: int, staleness: int) -> dict:
@@ -260,6 +294,14 @@ def print_table(data: dict) -> None:
         loc = r["local_summary"]
         print(f"  {r['optimizer']:<12} p99 {loc['p99_over_local_median']:.2f}  "
               f"max {loc['max_over_local_median']:.2f}")
+    print(f"steps over {TARGETS['asteria_p99_over_median_max']} x median, with / without a "
+          f"pool worker running for >= half of the step:")
+    for r in data["results"]:
+        sl = r["slow_steps"]
+        w, wo = sl["with_worker"], sl["without_worker"]
+        print(f"  {r['optimizer']:<12} with {w['slow']:>3} of {w['steps']:<4} "
+              f"without {wo['slow']:>3} of {wo['steps']:<4} slowest with "
+              f"{w['slowest'][:1] or '-'} without {wo['slowest'][:1] or '-'}")
     print("median step time of the refresh-due / install steps over the other steps:")
     for r in data["results"]:
         ph = r["phases"]

@@ -308,23 +308,31 @@ def unpinned(all_cpus: Sequence[int]):
         os.sched_setaffinity(0, before)
 
 
-def thread_affinities(prefix: str = "ast-pool") -> list[dict[str, str]]:
-    """Name and allowed CPUs of this process's threads whose name starts with ``prefix`` (the C
-    pool names its workers ast-pool-<i>): shows where the workers really ran."""
-    out = []
+def _threads(prefix: str) -> Iterable[tuple[str, str]]:
+    """(tid, name) of this process's threads whose name starts with ``prefix``."""
     base = "/proc/self/task"
     try:
         tids = os.listdir(base)
     except OSError:
-        return out
+        return
     for tid in sorted(tids, key=int):
         try:
             with open(f"{base}/{tid}/comm", encoding="utf-8") as f:
                 name = f.read().strip()
-            if not name.startswith(prefix):
-                continue
+        except OSError:
+            continue
+        if name.startswith(prefix):
+            yield tid, name
+
+
+def thread_affinities(prefix: str = "ast-pool") -> list[dict[str, str]]:
+    """Name and allowed CPUs of this process's threads whose name starts with ``prefix`` (the C
+    pool names its workers ast-pool-<i>): shows where the workers really ran."""
+    out = []
+    for tid, name in _threads(prefix):
+        try:
             allowed = ""
-            with open(f"{base}/{tid}/status", encoding="utf-8") as f:
+            with open(f"/proc/self/task/{tid}/status", encoding="utf-8") as f:
                 for line in f:
                     if line.startswith("Cpus_allowed_list:"):
                         allowed = line.split(":", 1)[1].strip()
@@ -332,6 +340,21 @@ def thread_affinities(prefix: str = "ast-pool") -> list[dict[str, str]]:
         except OSError:
             continue
     return out
+
+
+def threads_cpu_ns(prefix: str = "ast-pool") -> Optional[int]:
+    """CPU time (ns, from /proc schedstat) the threads named ``prefix``* have run so far; None
+    where the kernel does not expose it. Differences over a step say how long the workers ran
+    alongside it. Threads that exit between two readings drop out of the later one."""
+    total, seen = 0, False
+    for tid, _ in _threads(prefix):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat", encoding="utf-8") as f:
+                total += int(f.read().split()[0])
+            seen = True
+        except (OSError, ValueError, IndexError):
+            continue
+    return total if seen else None
 
 
 # ---- optimizer state per tier ----------------------------------------------------------------
