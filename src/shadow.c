@@ -157,9 +157,10 @@ static void dev_leave(const ast_shadow *sh, int prev)
 }
 #endif
 
-/* Enqueues dst <- src after wait_event, then records done_ev (host path: copies now). */
-static int be_copy(ast_shadow *sh, void *dst, const void *src, size_t n, void *wait_event,
-                   void *done_ev, char *err, size_t len)
+/* Enqueues the pieces back to back at dst after wait_event, then records done_ev (host path:
+ * copies now). */
+static int be_copy(ast_shadow *sh, char *dst, const ast_shadow_piece *pc, int npc,
+                   void *wait_event, void *done_ev, char *err, size_t len)
 {
 #if ASTERIA_HAVE_CUDA
     if (sh->cuda) {
@@ -167,14 +168,17 @@ static int be_copy(ast_shadow *sh, void *dst, const void *src, size_t n, void *w
         cudaError_t e;
         if (wait_event && (e = cudaStreamWaitEvent(s, (cudaEvent_t)wait_event, 0)) != cudaSuccess)
             return cuda_fail(e, "cudaStreamWaitEvent", err, len);
-        if ((e = cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, s)) != cudaSuccess)
-            return cuda_fail(e, "cudaMemcpyAsync", err, len);
+        for (int i = 0; i < npc; dst += pc[i].nbytes, i++)
+            if ((e = cudaMemcpyAsync(dst, pc[i].src, pc[i].nbytes, cudaMemcpyDefault, s)) !=
+                cudaSuccess)
+                return cuda_fail(e, "cudaMemcpyAsync", err, len);
         if ((e = cudaEventRecord((cudaEvent_t)done_ev, s)) != cudaSuccess)
             return cuda_fail(e, "cudaEventRecord", err, len);
         return 0;
     }
 #endif
-    memcpy(dst, src, n);
+    for (int i = 0; i < npc; dst += pc[i].nbytes, i++)
+        memcpy(dst, pc[i].src, pc[i].nbytes);
     return 0;
 }
 
@@ -390,8 +394,8 @@ static int slot_wait(ast_shadow *sh, ring *r, slot *s)
 
 /* Reserves a slot (for a prefetch: refusing a key already staged), issues the copy with the
  * lock dropped, and publishes the slot as INFLIGHT; *seq and *off describe it. */
-static int ring_issue(ast_shadow *sh, ring *r, const void *src, size_t n, uint64_t key,
-                      void *wait_event, uint64_t *seq, size_t *off)
+static int ring_issue(ast_shadow *sh, ring *r, const ast_shadow_piece *pc, int npc, size_t n,
+                      uint64_t key, void *wait_event, uint64_t *seq, size_t *off)
 {
     char err[256];
     pthread_mutex_lock(&sh->mu);
@@ -415,7 +419,7 @@ static int ring_issue(ast_shadow *sh, ring *r, const void *src, size_t n, uint64
     trace_copy(sh, AST_TRACE_COPY_ISSUED, r, s);
     pthread_mutex_unlock(&sh->mu);
 
-    rc = be_copy(sh, r->base + *off, src, n, wait_event, done_ev, err, sizeof err);
+    rc = be_copy(sh, r->base + *off, pc, npc, wait_event, done_ev, err, sizeof err);
 
     pthread_mutex_lock(&sh->mu);
     s = ring_at(r, *seq); /* ISSUING: nobody else changes it */
@@ -678,17 +682,36 @@ static int check_copy_args(ast_shadow *sh, const ring *r, const void *src, size_
 int ast_shadow_snapshot(ast_shadow *sh, const void *src, size_t nbytes, void *wait_event,
                         ast_shadow_ticket *t)
 {
+    const ast_shadow_piece one = {src, nbytes};
+    return ast_shadow_snapshotv(sh, &one, 1, wait_event, t);
+}
+
+int ast_shadow_snapshotv(ast_shadow *sh, const ast_shadow_piece *pieces, int npieces,
+                         void *wait_event, ast_shadow_ticket *t)
+{
     if (!sh || !t)
         return AST_EINVAL;
     memset(t, 0, sizeof *t);
-    int rc = check_copy_args(sh, &sh->snap, src, nbytes, wait_event);
+    if (!pieces || npieces < 1)
+        return set_error(sh, AST_EINVAL, "%s: no pieces to copy (npieces %d)", sh->snap.what,
+                         npieces);
+    size_t nbytes = 0;
+    for (int i = 0; i < npieces; i++) {
+        if (!pieces[i].src || !pieces[i].nbytes)
+            return set_error(sh, AST_EINVAL, "%s: piece %d of %d has a NULL source or zero size",
+                             sh->snap.what, i, npieces);
+        if (pieces[i].nbytes > SIZE_MAX - nbytes)
+            return set_error(sh, AST_EINVAL, "%s: the pieces' sizes overflow", sh->snap.what);
+        nbytes += pieces[i].nbytes;
+    }
+    int rc = check_copy_args(sh, &sh->snap, pieces[0].src, nbytes, wait_event);
     if (rc)
         return rc;
     int prev;
     uint64_t seq;
     size_t off;
     dev_enter(sh, &prev);
-    rc = ring_issue(sh, &sh->snap, src, nbytes, 0, wait_event, &seq, &off);
+    rc = ring_issue(sh, &sh->snap, pieces, npieces, nbytes, 0, wait_event, &seq, &off);
     dev_leave(sh, prev);
     if (!rc) {
         t->id = seq + 1;
@@ -800,7 +823,8 @@ int ast_shadow_prefetch(ast_shadow *sh, const void *src, size_t nbytes, uint64_t
     uint64_t seq;
     size_t off;
     dev_enter(sh, &prev);
-    rc = ring_issue(sh, &sh->pre, src, nbytes, key, NULL, &seq, &off);
+    const ast_shadow_piece one = {src, nbytes};
+    rc = ring_issue(sh, &sh->pre, &one, 1, nbytes, key, NULL, &seq, &off);
     dev_leave(sh, prev);
     if (!rc && dev)
         *dev = sh->pre.base + off;

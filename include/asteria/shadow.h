@@ -113,6 +113,18 @@ int ast_shadow_stream_handle(const ast_shadow *sh, uintptr_t *out);
  * AST_ECUDA. */
 int ast_shadow_snapshot(ast_shadow *sh, const void *src, size_t nbytes, void *wait_event,
                         ast_shadow_ticket *t);
+/* One source of a gathered snapshot. */
+typedef struct ast_shadow_piece {
+    const void *src;
+    size_t nbytes;
+} ast_shadow_piece;
+/* Gathered D2H snapshot: the npieces sources copied back to back into ONE slot (t->host holds
+ * piece i at the sum of the sizes before it), after wait_event, as ast_shadow_snapshot does for
+ * one source; the stacked operand of a batched job, without stacking it first. RETURN VALUE:
+ * as ast_shadow_snapshot; AST_EINVAL also for npieces < 1 or any NULL / zero-sized piece; a
+ * failure copies nothing and holds no slot. */
+int ast_shadow_snapshotv(ast_shadow *sh, const ast_shadow_piece *pieces, int npieces,
+                         void *wait_event, ast_shadow_ticket *t);
 /* 0 when the copy has landed in t->host; AST_EBUSY while in flight; AST_ENOENT unknown or
  * released ticket; AST_ECUDA. _wait blocks (without spinning) until it has landed. */
 int ast_shadow_snapshot_query(ast_shadow *sh, const ast_shadow_ticket *t);

@@ -2362,22 +2362,16 @@ PyDoc_STRVAR(shadow_snapshot_doc,
              "CUDA path only). Returns the ticket (int). BusyError when the ring is full\n"
              "(release snapshots); ValueError for a size above the ring capacity. GIL released.");
 
-static PyObject *shadow_snapshot(ShadowObject *self, PyObject *args, PyObject *kwds)
+/* Issues the snapshot of the pieces (entered with sh_enter; leaves the guard). */
+static PyObject *snapshot_issue(ShadowObject *self, mod_state *st, const ast_shadow_piece *pc,
+                                int npc, void *ev)
 {
-    static char *kwlist[] = {"src_ptr", "nbytes", "wait_event_ptr", NULL};
-    mod_state *st = type_state(Py_TYPE(self));
-    void *src, *ev = NULL;
-    size_t nbytes;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&O&|O&:snapshot", kwlist, conv_ptr, &src,
-                                     conv_size, &nbytes, conv_optptr, &ev) ||
-        sh_enter(self, st) < 0)
-        return NULL;
     ast_shadow *sh = self->sh;
     ast_shadow_ticket t;
     char err[ERRBUF_LEN] = "";
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = ast_shadow_snapshot(sh, src, nbytes, ev, &t);
+    rc = ast_shadow_snapshotv(sh, pc, npc, ev, &t);
     if (rc < 0)
         shadow_err(sh, err, sizeof err);
     Py_END_ALLOW_THREADS
@@ -2393,6 +2387,71 @@ static PyObject *shadow_snapshot(ShadowObject *self, PyObject *args, PyObject *k
     if (rc < 0)
         return shadow_raise(st, rc, err);
     return PyLong_FromUnsignedLongLong(t.id);
+}
+
+static PyObject *shadow_snapshot(ShadowObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"src_ptr", "nbytes", "wait_event_ptr", NULL};
+    mod_state *st = type_state(Py_TYPE(self));
+    ast_shadow_piece one;
+    void *ev = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&O&|O&:snapshot", kwlist, conv_ptr, &one.src,
+                                     conv_size, &one.nbytes, conv_optptr, &ev) ||
+        sh_enter(self, st) < 0)
+        return NULL;
+    return snapshot_issue(self, st, &one, 1, ev);
+}
+
+#define GATHER_MAX_PIECES 65536
+
+PyDoc_STRVAR(shadow_snapshot_gather_doc,
+             "snapshot_gather(pieces, wait_event_ptr=0)\n--\n\nLike snapshot, for a sequence "
+             "of (src_ptr, nbytes) pairs copied back to back into ONE slot\n(the stacked operand "
+             "of a batched job, without stacking it first). ValueError for an empty\nsequence, a "
+             "zero-sized or NULL piece, or a total above the ring capacity. GIL released.");
+
+static PyObject *shadow_snapshot_gather(ShadowObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"pieces", "wait_event_ptr", NULL};
+    mod_state *st = type_state(Py_TYPE(self));
+    PyObject *seq_in;
+    void *ev = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|O&:snapshot_gather", kwlist, &seq_in,
+                                     conv_optptr, &ev))
+        return NULL;
+    PyObject *seq = PySequence_Fast(seq_in, "pieces must be a sequence of (src_ptr, nbytes)");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n < 1 || n > GATHER_MAX_PIECES) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "snapshot_gather: %zd pieces; allowed 1 to %d", n,
+                            GATHER_MAX_PIECES);
+    }
+    ast_shadow_piece *pc = PyMem_Calloc((size_t)n, sizeof *pc);
+    if (!pc) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    PyObject *out = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+            PyErr_Format(PyExc_TypeError, "snapshot_gather: piece %zd must be a (src_ptr, "
+                         "nbytes) tuple", i);
+            goto done;
+        }
+        if (!conv_ptr(PyTuple_GET_ITEM(item, 0), &pc[i].src) ||
+            !conv_size(PyTuple_GET_ITEM(item, 1), &pc[i].nbytes))
+            goto done;
+    }
+    if (sh_enter(self, st) < 0)
+        goto done;
+    out = snapshot_issue(self, st, pc, (int)n, ev);
+done:
+    PyMem_Free(pc);
+    Py_DECREF(seq);
+    return out;
 }
 
 /* Snapshot calls that take a ticket: 0 query, 1 wait, 2 event, 3 release. */
@@ -2711,6 +2770,8 @@ static PyObject *shadow_get_closed(ShadowObject *self, void *closure)
 static PyMethodDef shadow_methods[] = {
     {"snapshot", (PyCFunction)(void (*)(void))shadow_snapshot, METH_VARARGS | METH_KEYWORDS,
      shadow_snapshot_doc},
+    {"snapshot_gather", (PyCFunction)(void (*)(void))shadow_snapshot_gather,
+     METH_VARARGS | METH_KEYWORDS, shadow_snapshot_gather_doc},
     {"snapshot_query", (PyCFunction)shadow_snapshot_query, METH_O, shadow_snapshot_query_doc},
     {"snapshot_wait", (PyCFunction)shadow_snapshot_wait, METH_O, shadow_snapshot_wait_doc},
     {"snapshot_event", (PyCFunction)shadow_snapshot_event, METH_O, shadow_snapshot_event_doc},

@@ -11,8 +11,9 @@ inside ``_C``'s blocking calls, so other Python threads run while this one waits
 Snapshots (the shadow pipeline's D2H side): with ``shadow=True`` the inputs of a job are copied
 by a ``_C.Shadow`` into its snapshot ring: on CUDA on the lowest-priority shadow stream after
 an event recorded on the current stream (the factor update), on the host path by a memcpy at
-issue. The slot is registered with the runtime for the job and released when the job's
-completion is collected. A full ring (or an input larger than it) falls back to a private
+issue. An input given as parts (one tensor per batch entry) is gathered straight into one
+slot, so the caller never stacks it into fresh memory. The slot is registered with the runtime
+for the job and released when the job's completion is collected. A full ring (or an input larger than it) falls back to a private
 buffer. Each snapshot is traced as a d2h copy (issued, span, done) before the job's "job
 queued" event.
 """
@@ -89,10 +90,34 @@ def _donated(names) -> frozenset:
     return frozenset(_DONATABLE[k] for k in names)
 
 
-def _snapshot(t: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    out = torch.empty(t.shape, dtype=dtype, pin_memory=pin)
+def _parts(x: Any) -> tuple[Optional[list], Any]:
+    """An input given as parts (a list or tuple of same-shape tensors: the stack of the job's
+    batch, not made) -> (the parts, a meta tensor of the stack's shape and dtype, for the
+    checks); a tensor or None -> (None, x)."""
+    if not isinstance(x, (list, tuple)):
+        return None, x
+    if not x:
+        raise ValueError("a REFRESH input given as parts needs at least one tensor")
+    t0 = x[0]
+    for i, t in enumerate(x):
+        if (not isinstance(t, torch.Tensor) or t.shape != t0.shape or t.dtype != t0.dtype
+                or t.device != t0.device):
+            got = (f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor)
+                   else type(t).__name__)
+            raise ValueError(f"REFRESH input parts must be tensors of one shape, dtype and "
+                             f"device: part 0 is {tuple(t0.shape)} {t0.dtype} on {t0.device}, "
+                             f"part {i} is {got}")
+    return list(x), torch.empty((len(x), *t0.shape), dtype=t0.dtype, device="meta")
+
+
+def _snapshot(parts: list, shape: tuple, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A private copy of ``shape``: the one tensor of that shape, or the parts stacked."""
+    out = torch.empty(shape, dtype=dtype, pin_memory=pin)
+    whole = len(parts) == 1 and tuple(parts[0].shape) == tuple(shape)
     with torch.no_grad():
-        out.copy_(t.detach())  # blocking, so the caller may mutate t as soon as submit returns
+        # blocking copies, so the caller may mutate the sources as soon as submit returns
+        for dst, src in zip((out,) if whole else out.unbind(0), parts):
+            dst.copy_(src.detach())
     return out
 
 
@@ -129,13 +154,16 @@ class CEngine(Engine):
         if self._tracing and not self._closed:
             self._rt.trace_write(path)
 
-    def _snapshot_into_ring(self, t: torch.Tensor, cdtype: torch.dtype, block: int):
-        """(host tensor over a snapshot slot, ticket), or None when the ring has no room."""
-        src = t.detach()
-        if src.dtype != cdtype or not src.is_contiguous():
-            src = src.to(dtype=cdtype).contiguous()
-        nbytes = src.numel() * src.element_size()
-        cuda = src.device.type == "cuda"
+    def _snapshot_into_ring(self, parts: list, shape: tuple, cdtype: torch.dtype, block: int):
+        """(host tensor of ``shape`` over a snapshot slot, ticket), or None when the ring has no
+        room. The parts are copied back to back into the one slot (a stack without stacking)."""
+        srcs = []
+        for t in parts:
+            src = t.detach()
+            if src.dtype != cdtype or not src.is_contiguous():
+                src = src.to(dtype=cdtype).contiguous()
+            srcs.append(src)
+        cuda = srcs[0].device.type == "cuda"
         if cuda != bool(self._shadow.stats()["is_cuda"]):
             return None
         event = 0
@@ -143,9 +171,12 @@ class CEngine(Engine):
             ev = torch.cuda.Event()
             ev.record()
             event = ev.cuda_event
+        pieces = [(x.data_ptr(), x.numel() * x.element_size()) for x in srcs]
+        nbytes = sum(n for _, n in pieces)
         t0 = time.monotonic_ns()
         try:
-            ticket = self._shadow.snapshot(src.data_ptr(), nbytes, event)
+            ticket = (self._shadow.snapshot(*pieces[0], event) if len(pieces) == 1
+                      else self._shadow.snapshot_gather(pieces, event))
         except (_C.BusyError, ValueError):
             return None
         host_ptr = self._shadow.snapshot_wait(ticket)  # the host path copied at issue
@@ -157,7 +188,7 @@ class CEngine(Engine):
         self.trace("copy_done", "shadow", bytes=nbytes, direction="d2h", block=block, ts_ns=t1)
         from asteria.tiered import _cpu_view
 
-        return _cpu_view(host_ptr, nbytes, cdtype, src.shape), ticket
+        return _cpu_view(host_ptr, nbytes, cdtype, shape), ticket
 
     @property
     def runtime(self) -> "_C.Runtime":
@@ -174,8 +205,20 @@ class CEngine(Engine):
         (tensors it made for this job and neither reads nor writes again): those already in
         host memory, contiguous and of the job's dtype are read by the worker in place, with
         no snapshot; the job keeps them alive until its result is taken. Others are
-        snapshotted as usual."""
+        snapshotted as usual.
+
+        ``f`` and ``q`` may also be given as parts: a list of same-shape tensors, one per batch
+        entry, that the job sees stacked. They are snapshotted straight into one slot of the
+        shadow's ring (or, without room there, into one private buffer), so the caller need
+        not stack them into fresh memory first; parts are never donated."""
         self._check_open()
+        given_parts = {}
+        for name, x in (("f", f), ("q", q)):
+            given_parts[name], stand_in = _parts(x)
+            if name == "f":
+                f = stand_in
+            else:
+                q = stand_in
         check_op(op, (f, q, b))
         if not f.is_floating_point():
             raise ValueError(f"REFRESH input must be a real floating tensor, got {f.dtype}")
@@ -187,26 +230,31 @@ class CEngine(Engine):
             raise ValueError(f"REFRESH input must be non-empty, got shape {tuple(f.shape)}")
         self._poll()  # release the buffers of jobs that finished meanwhile
         cdtype = f.dtype if f.dtype in _C_DTYPES else torch.float32
-        pin = f.device.type == "cuda" and torch.cuda.is_available()
+        device = given_parts["f"][0].device if given_parts["f"] else f.device
+        pin = device.type == "cuda" and torch.cuda.is_available()
 
         if rotate:  # X, then the pairs given: in1 = A pair, in2 = B pair (None: identity side)
             slots = {"in0": f, "in1": q, "in2": b}
         else:
             slots = {"in0": f, "in1": q if op in _WITH_BASIS else None, "in2": None}
+        parts_of = {"in0": given_parts["f"], "in1": given_parts["q"]}
         inputs, tickets = [], []
         for slot, src in slots.items():
             if src is None:
                 continue
-            if (slot in given and src.device.type == "cpu" and src.dtype == cdtype
-                    and src.is_contiguous() and not pin):
+            parts = parts_of.get(slot)
+            if (parts is None and slot in given and src.device.type == "cpu"
+                    and src.dtype == cdtype and src.is_contiguous() and not pin):
                 inputs.append(src)
                 self._copies["inputs_donated"] += 1
                 continue
-            staged = (self._snapshot_into_ring(src, cdtype, block)
+            if parts is None:
+                parts = [src]
+            staged = (self._snapshot_into_ring(parts, tuple(src.shape), cdtype, block)
                       if self._shadow is not None else None)
             if staged is None:
                 t0 = time.monotonic_ns()
-                inputs.append(_snapshot(src, cdtype, pin))
+                inputs.append(_snapshot(parts, tuple(src.shape), cdtype, pin))
                 nb = inputs[-1].numel() * inputs[-1].element_size()
                 if self._shadow is not None:
                     self._copies["snapshots_fallback"] += 1
@@ -249,7 +297,7 @@ class CEngine(Engine):
             for tk in tickets:
                 self._shadow.snapshot_release(tk)
             raise
-        self._jobs[ticket] = _Job(op=op, device=f.device, dtype=f.dtype, pinned=pin,
+        self._jobs[ticket] = _Job(op=op, device=device, dtype=f.dtype, pinned=pin,
                                   buffers=buffers, outputs=tuple(outputs), handles=tuple(handles),
                                   snapshots=tuple(tickets), host_outputs=host_outputs)
         return ticket

@@ -97,6 +97,62 @@ static void test_snapshot_round_trip(void **state)
     ast_shadow_destroy(sh);
 }
 
+/* A gathered snapshot is the pieces back to back in one slot; bad pieces and a full ring
+ * copy nothing and hold nothing. */
+static void test_snapshotv_gathers_into_one_slot(void **state)
+{
+    (void)state;
+    ast_shadow *sh = make(1 << 13, 1 << 13, 8);
+    unsigned char a[300], b[1000], c[17];
+    fill(a, sizeof a, 1);
+    fill(b, sizeof b, 2);
+    fill(c, sizeof c, 3);
+    const ast_shadow_piece pc[3] = {{a, sizeof a}, {b, sizeof b}, {c, sizeof c}};
+    ast_shadow_ticket t;
+    assert_int_equal(ast_shadow_snapshotv(sh, pc, 3, NULL, &t), 0);
+    assert_int_equal(t.nbytes, 1317);
+    assert_int_equal((uintptr_t)t.host % AST_SHADOW_ALIGN, 0);
+    assert_int_equal(ast_shadow_snapshot_wait(sh, &t), 0);
+    memset(b, 0, sizeof b); /* a copy: the sources may change now */
+    const unsigned char *h = t.host;
+    assert_true(check(h, 300, 1));
+    assert_true(check(h + 300, 1000, 2));
+    assert_true(check(h + 1300, 17, 3));
+    ast_shadow_stats st;
+    assert_int_equal(ast_shadow_stats_get(sh, &st), 0);
+    assert_int_equal(st.d2h_bytes, 1317);
+    assert_int_equal(st.d2h_copies, 1);
+    assert_int_equal(st.snapshot_slots, 1);
+    assert_int_equal(st.snapshot_used, round_up(1317));
+
+    ast_shadow_ticket u = {.id = 77};
+    assert_int_equal(ast_shadow_snapshotv(sh, pc, 0, NULL, &u), AST_EINVAL);
+    assert_int_equal(u.id, 0);
+    assert_int_equal(ast_shadow_snapshotv(sh, NULL, 2, NULL, &u), AST_EINVAL);
+    const ast_shadow_piece holey[2] = {{a, sizeof a}, {NULL, 8}};
+    assert_int_equal(ast_shadow_snapshotv(sh, holey, 2, NULL, &u), AST_EINVAL);
+    char err[256];
+    ast_shadow_last_error(sh, err, sizeof err);
+    assert_non_null(strstr(err, "piece 1 of 2"));
+    const ast_shadow_piece empty[2] = {{a, sizeof a}, {b, 0}};
+    assert_int_equal(ast_shadow_snapshotv(sh, empty, 2, NULL, &u), AST_EINVAL);
+    /* together above the capacity, though each piece fits */
+    static unsigned char big[5000];
+    const ast_shadow_piece two[2] = {{big, sizeof big}, {big, sizeof big}};
+    assert_int_equal(ast_shadow_snapshotv(sh, two, 2, NULL, &u), AST_EINVAL);
+    /* fits the capacity, not the room the live slot leaves */
+    const ast_shadow_piece most[2] = {{big, sizeof big}, {big, 2000}};
+    assert_int_equal(ast_shadow_snapshotv(sh, most, 2, NULL, &u), AST_EBUSY);
+    assert_int_equal(ast_shadow_stats_get(sh, &st), 0);
+    assert_int_equal(st.d2h_bytes, 1317);
+    assert_int_equal(st.snapshot_slots, 1);
+    assert_int_equal(ast_shadow_snapshot_release(sh, &t), 0);
+    assert_int_equal(ast_shadow_snapshotv(sh, most, 2, NULL, &u), 0);
+    assert_int_equal(u.nbytes, 7000);
+    assert_int_equal(ast_shadow_snapshot_release(sh, &u), 0);
+    ast_shadow_destroy(sh);
+}
+
 typedef struct live {
     uint64_t key;
     unsigned char *p;
@@ -448,6 +504,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_snapshot_round_trip),
+        cmocka_unit_test(test_snapshotv_gathers_into_one_slot),
         cmocka_unit_test(test_ring_wraps_refuses_when_full_and_release_frees),
         cmocka_unit_test(test_full_ring_exact_and_out_of_order_release),
         cmocka_unit_test(test_stats_bytes_per_direction),

@@ -196,3 +196,28 @@ def test_cuda_mode_without_a_device():
     assert ei.value.code == _C.AST_ENODEV
     with _C.Shadow(mode="auto", snapshot_ring_bytes=4096, prefetch_ring_bytes=4096) as s:
         assert s.is_cuda is False
+
+
+def test_snapshot_gather_copies_pieces_back_to_back(sh):
+    g = torch.Generator().manual_seed(5)
+    parts = [torch.randn(n, generator=g) for n in (3, 100, 64)]
+    t = sh.snapshot_gather([(p.data_ptr(), 4 * p.numel()) for p in parts])
+    whole = torch.cat(parts)
+    got = at(sh.snapshot_wait(t), whole).clone()
+    for p in parts:
+        p.zero_()  # a copy: the sources may change once it has landed
+    assert torch.equal(got, whole)
+    st = sh.stats()
+    assert st["d2h_bytes"] == 4 * 167 and st["d2h_copies"] == 1 and st["snapshot_slots"] == 1
+    sh.snapshot_release(t)
+
+    x = torch.zeros(64)
+    with pytest.raises(ValueError, match="1 to"):
+        sh.snapshot_gather([])
+    with pytest.raises(ValueError, match="piece 1 of 2"):
+        sh.snapshot_gather([(x.data_ptr(), 8), (x.data_ptr(), 0)])
+    with pytest.raises(TypeError, match="piece 0 must be a"):
+        sh.snapshot_gather([x.data_ptr()])
+    with pytest.raises(ValueError, match="exceeds the ring capacity"):
+        sh.snapshot_gather([(x.data_ptr(), 256)] * 300)  # each fits, together they do not
+    assert sh.stats()["d2h_copies"] == 1 and sh.stats()["snapshot_slots"] == 0

@@ -511,3 +511,60 @@ def test_soap_rotate_runtime_submit_errors():
             rt.unregister(h)
     finally:
         rt.close()
+
+
+@pytest.mark.parametrize("shadow", [False, "host"])
+def test_inputs_given_as_parts_equal_the_stacked_inputs(shadow):
+    """f and q as lists of blocks: the job sees them stacked (through one shadow ring slot each,
+    or one private buffer), with exactly the stacked inputs' result; no stack is made first."""
+    e = CEngine({"workers": 1, "pin": False}, shadow=shadow)
+    try:
+        f, q = sym(3, 24, torch.float32, seed=7), basis(3, 24, torch.float32, seed=8)
+        whole = submit_wait(e, "soap_qr", f, q)
+        before = e.stats()
+        t = e.submit("soap_qr", list(f.unbind(0)), list(q.unbind(0)), **ids())
+        f.zero_()  # snapshotted at submit: later writes do not reach the job
+        q.zero_()
+        res = e.wait(t)
+        assert res.status == 0
+        for a, b in zip(res.outputs, whole.outputs):
+            assert torch.equal(a, b)
+        after = e.stats()
+        assert after["inputs_donated"] == before["inputs_donated"]
+        assert after["bytes_d2h_snapshots"] - before["bytes_d2h_snapshots"] == 2 * 3 * 24 * 24 * 4
+        if shadow:
+            assert after["snapshots_shadow"] - before["snapshots_shadow"] == 2
+            assert after["snapshots_fallback"] == before["snapshots_fallback"]
+    finally:
+        e.close()
+
+
+def test_parts_fall_back_to_a_private_stack_when_the_ring_is_too_small():
+    e = CEngine({"workers": 1, "pin": False}, shadow="host", snapshot_ring_bytes=4096)
+    try:
+        f, q = sym(2, 32, torch.float64, seed=3), basis(2, 32, torch.float64, seed=4)
+        ref = submit_wait(e, "soap_qr", f.clone(), q.clone())
+        before = e.stats()
+        res = submit_wait(e, "soap_qr", [f[0], f[1]], (q[0], q[1]))
+        assert torch.equal(res.outputs[0], ref.outputs[0])
+        assert torch.equal(res.outputs[1], ref.outputs[1])
+        after = e.stats()
+        assert after["snapshots_fallback"] - before["snapshots_fallback"] == 2
+        assert after["snapshots_shadow"] == before["snapshots_shadow"]
+    finally:
+        e.close()
+
+
+def test_bad_parts_are_rejected(eng1):
+    f = sym(1, 8)[0]
+    with pytest.raises(ValueError, match="at least one tensor"):
+        eng1.submit("eigh", [], **ids())
+    with pytest.raises(ValueError, match="part 1 is .*9, 9"):
+        eng1.submit("eigh", [f, sym(1, 9)[0]], **ids())
+    with pytest.raises(ValueError, match="part 1 is .*float32"):
+        eng1.submit("eigh", [f, f.float()], **ids())
+    with pytest.raises(ValueError, match="part 1 is str"):
+        eng1.submit("eigh", (f, "f"), **ids())
+    with pytest.raises(ValueError, match="needs a basis Q with the shape of F"):
+        eng1.submit("soap_qr", [f, f], [f], **ids())
+    assert eng1.stats()["jobs_submitted"] == 0

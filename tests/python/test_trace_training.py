@@ -86,7 +86,8 @@ def test_trace_orders_one_refresh(tmp_path):
              and e["args"].get("block") == block]
     issued = [e for e in snaps if e["name"] == "copy issued"]
     landed = [e for e in snaps if e["name"] == "copy done"]
-    # the factor of soap_qr; its basis stack was made for the job and given to it (donated)
+    # soap_qr's factors, given as parts and gathered into one slot; its basis stack was made
+    # for the job and given to it (donated)
     assert len(issued) == len(landed) == 1
     assert all(lanes[e["tid"]] == "shadow stream" and e["args"]["bytes"] > 0 for e in snaps)
     assert max(e["ts"] for e in issued) <= max(e["ts"] for e in landed) <= queued["ts"]

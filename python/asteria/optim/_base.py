@@ -1023,8 +1023,13 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                 key = (op, f.shape[-1], f.dtype, f.device, pw, eps, self._replicas(p))
                 groups[key].append((p, j, dim, f, q))
         jobs = []
+        # libasteria's pool takes the factors as parts: its shadow snapshots them straight into
+        # one ring slot, with no stack in fresh memory first (whose page faults were half of a
+        # refresh step's extra time on the host)
+        local = self._local_c_engine()
         for (op, _, _, _, pw, eps, replicas), entries in groups.items():
-            f = torch.stack([e[3] for e in entries])
+            fs = [e[3] for e in entries]
+            f = fs if local else torch.stack(fs)
             q = None
             if entries[0][4] is not None:
                 qs = [e[4] for e in entries]
@@ -1037,13 +1042,12 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             block = self._block_keys.setdefault(key, len(self._block_keys) + 1)
             version = self._versions[block] = self._versions.get(block, 0) + 1
             extra = {} if replicas is None else {"replicas": replicas}
+            if q is not None and local:
+                # the basis stack was made here for the job: the worker reads it in place
+                extra["donate"] = ("q",)
             if self._tiered is not None and all(
                     self._owned(p, self._output_name(p, j, dim)) for p, j, dim in targets):
                 extra["host_outputs"] = True  # the results go to host memory: no round trip
-            if q is not None and self._local_c_engine():
-                # the basis stack was made here for the job: the worker reads it in place (the
-                # factors keep their event-gated snapshot through the shadow)
-                extra["donate"] = ("q",)
             ticket = self._engine.submit(op, f, q, block=block, version=version,
                                          deadline=install_step, snapshot_step=self._t,
                                          p=pw, eps=eps, **extra)
