@@ -375,19 +375,14 @@ def parse_args(argv: Optional[Sequence[str]]):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny model, a few steps")
-    ap.add_argument("--out-dir", default=None,
-                    help="where the JSON and PNG go (default benchmarks/results; --quick: "
-                         "benchmarks/results/tmp)")
-    ap.add_argument("--no-plot", action="store_true")
+    common.add_output_args(ap)
     args = ap.parse_args(argv)
     q = args.quick
     defaults = dict(steps=24 if q else 300, warmup=4 if q else 10,
                     model_size="tiny" if q else "conv", frequency=4 if q else 10,
                     staleness=2 if q else 5, window=4 if q else 20, log_every=8 if q else 50,
                     out_dir=os.path.join(common.RESULTS_DIR, "tmp") if q else common.RESULTS_DIR)
-    for k, v in defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    common.fill_defaults(args, defaults)
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     for r in runs:
         if r not in RUNS:

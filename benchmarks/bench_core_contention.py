@@ -8,19 +8,21 @@ while, and the guest cannot see it. Then every step that overlaps a worker job r
 than the rest, whatever the optimizer does.
 
 This probe measures that, with a baseline in the same run: the training core (the first allowed
-CPU, one torch thread) multiplies 256 x 256 float32 matrices (compute-bound, in L2) in slices
-of about --slice-ms, while the pool worker (pinned to the other cores) alternates, in phases of
---phase-s seconds, between running SOAP's QR refresh of an n x n factor back to back (the op
+CPU, one torch thread) multiplies 256 x 256 float32 matrices (compute-bound, in L2; --fg gemm)
+or adds 32 MiB vectors (memory traffic; --fg stream) in slices of about --slice-ms, while the
+pool worker (pinned to the other cores) alternates, in phases of --phase-s seconds, between running SOAP's QR refresh of an n x n factor back to back (the op
 bench_step_time's worker runs) and idling. Each phase's median slice time over the median
 slice of all idle phases is its slowdown. Idle phases show the machine's own noise; busy phases
 add what the worker costs the training core. A busy phase's paired slowdown is over the idle
 phases on either side instead, so a slow spell of the whole machine cancels out and what is left
 is the worker's doing. A phase is "slow" above --slow (1.25, the step-time target's threshold).
 
-Writes benchmarks/results/bench_core_contention.json (per phase: state, start, median slice,
-slowdown, paired slowdown, worker jobs done) and .png (slowdown per phase over time).
+Writes benchmarks/results/bench_core_contention.json (bench_core_contention_stream.json with
+--fg stream): per phase its state, start, median slice, slowdown, paired slowdown and worker
+jobs done; and a PNG of the slowdown per phase over time.
 
     python3 benchmarks/bench_core_contention.py                 # 240 s
+    python3 benchmarks/bench_core_contention.py --fg stream --seconds 120
     python3 benchmarks/bench_core_contention.py --quick --out-dir /tmp/x   # a few seconds
 """
 
@@ -42,6 +44,9 @@ from asteria.engine_c import CEngine  # noqa: E402
 
 NAME = "bench_core_contention"
 FG_N = 256          # training-core gemm: 3 x 256 KiB operands stay in a 1-2 MiB L2
+STREAM_MIB = 32     # training-core stream: c = a + b over 3 x 32 MiB (beyond the L2s, as big
+                    # as this VM's L3): memory traffic, the other thing a worker can slow down
+FOREGROUNDS = ("gemm", "stream")
 IN_FLIGHT = 2       # worker jobs kept queued in a busy phase, so it never waits on us
 
 
@@ -96,26 +101,37 @@ class Worker:
         self.engine.close()
 
 
-def calibrate(a, b, c, slice_ms: float) -> int:
-    """gemms per slice so that an idle slice lasts about slice_ms."""
-    reps = 4
+def calibrate(unit, slice_ms: float) -> int:
+    """Units of work per slice so that an idle slice lasts about slice_ms."""
+    reps = 1
     for _ in range(3):
         t0 = time.perf_counter()
         for _ in range(reps):
-            torch.mm(a, b, out=c)
+            unit()
         dt = time.perf_counter() - t0
         reps = max(1, round(reps * slice_ms / (1e3 * dt)))
     return reps
 
 
-def probe(args, train_cpu: Optional[int], worker_cpus: list[int], log) -> dict[str, Any]:
+def foreground(kind: str):
+    """The training core's work: a function doing one unit of it, and its operands."""
     g = torch.Generator().manual_seed(1)
-    a, b = torch.randn(FG_N, FG_N, generator=g), torch.randn(FG_N, FG_N, generator=g)
-    c = torch.empty(FG_N, FG_N)
+    if kind == "gemm":
+        a, b = torch.randn(FG_N, FG_N, generator=g), torch.randn(FG_N, FG_N, generator=g)
+        c = torch.empty(FG_N, FG_N)
+        return lambda: torch.mm(a, b, out=c)
+    n = STREAM_MIB * 2**20 // 4
+    a, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    c = torch.empty(n)
+    return lambda: torch.add(a, b, out=c)
+
+
+def probe(args, train_cpu: Optional[int], worker_cpus: list[int], log) -> dict[str, Any]:
+    unit = foreground(args.fg)
     worker = Worker(worker_cpus, args.n)
     phases: list[dict[str, Any]] = []
     try:
-        reps = calibrate(a, b, c, args.slice_ms)
+        reps = calibrate(unit, args.slice_ms)
         nphases = max(2, round(args.seconds / args.phase_s))
         t_start = time.perf_counter()
         for k in range(nphases):
@@ -127,7 +143,7 @@ def probe(args, train_cpu: Optional[int], worker_cpus: list[int], log) -> dict[s
             while time.perf_counter() - p0 < args.phase_s:
                 t0 = time.perf_counter()
                 for _ in range(reps):
-                    torch.mm(a, b, out=c)
+                    unit()
                 slices.append(1e3 * (time.perf_counter() - t0))
                 worker.feed(busy)
             if busy:
@@ -147,7 +163,7 @@ def probe(args, train_cpu: Optional[int], worker_cpus: list[int], log) -> dict[s
             near = [q["median_slice_ms"] for q in phases[max(0, k - 1):k + 2]
                     if q["state"] == "idle"]
             p["paired_slowdown"] = p["median_slice_ms"] / (sum(near) / len(near))
-    return {"gemms_per_slice": reps, "idle_median_slice_ms": base, "phases": phases}
+    return {"units_per_slice": reps, "idle_median_slice_ms": base, "phases": phases}
 
 
 def summarize(phases: list[dict[str, Any]], slow: float, phase_s: float) -> dict[str, Any]:
@@ -175,8 +191,10 @@ def summarize(phases: list[dict[str, Any]], slow: float, phase_s: float) -> dict
 def print_table(data: dict) -> None:
     s = data["summary"]
     thr = data["settings"]["slow"]
+    fg = data["settings"]["fg"]
+    unit = f"gemms {FG_N}x{FG_N}" if fg == "gemm" else f"adds of {STREAM_MIB} MiB"
     print(f"training-core slice (idle worker): {data['idle_median_slice_ms']:.2f} ms "
-          f"({data['gemms_per_slice']} gemms {FG_N}x{FG_N})")
+          f"({data['units_per_slice']} {unit})")
     print(f"{'worker':<8}{'phases':>8}{'median':>9}{'max':>8}{'> ' + str(thr):>9}{'fraction':>10}")
     for state in ("idle", "busy"):
         x = s[state]
@@ -201,7 +219,7 @@ def plot(data: dict, path: str) -> None:
     ax.axhline(data["settings"]["slow"], color="k", lw=0.8, ls="--",
                label=f"{data['settings']['slow']}x")
     ax.set(xlabel="time (s)", ylabel="training-core slice / idle median",
-           title=f"Training core while the pool worker idles or runs soap_qr "
+           title=f"Training core ({data['settings']['fg']}) while the pool worker idles or runs soap_qr "
                  f"(n={data['settings']['n']}), {data['settings']['phase_s']} s phases, "
                  f"{data['machine']['cpu_model']} x{data['machine']['nproc']}")
     ax.grid(True, alpha=0.3)
@@ -220,19 +238,17 @@ def parse_args(argv: Optional[Sequence[str]]):
     ap.add_argument("--n", type=int, default=None,
                     help="worker's soap_qr size (default 1024, bench_step_time's widest "
                          "factor; --quick 256)")
+    ap.add_argument("--fg", choices=FOREGROUNDS, default="gemm",
+                    help="the training core's work: gemm (compute, in L2: slows down only when "
+                         "the core itself is shared) or stream (memory traffic through L3)")
     ap.add_argument("--slow", type=float, default=1.25, help="a phase slower than this is slow")
     ap.add_argument("--quick", action="store_true", help="smoke run: a few seconds")
-    ap.add_argument("--out-dir", default=None,
-                    help="where the JSON and PNG go (default benchmarks/results; --quick: "
-                         "benchmarks/results/tmp)")
-    ap.add_argument("--no-plot", action="store_true")
+    common.add_output_args(ap)
     args = ap.parse_args(argv)
     q = args.quick
     defaults = dict(seconds=4.0 if q else 240.0, phase_s=0.5 if q else 1.0, n=256 if q else 1024,
                     out_dir=os.path.join(common.RESULTS_DIR, "tmp") if q else common.RESULTS_DIR)
-    for k, v in defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    common.fill_defaults(args, defaults)
     for k in ("seconds", "phase_s", "slice_ms"):
         if getattr(args, k) <= 0:
             ap.error(f"--{k.replace('_', '-')} must be > 0, got {getattr(args, k)}")
@@ -268,15 +284,17 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         common.pin_thread(cpus)
     data = {**meta,
             "settings": {"seconds": args.seconds, "phase_s": args.phase_s,
-                         "slice_ms": args.slice_ms, "n": args.n, "fg_gemm_n": FG_N,
+                         "slice_ms": args.slice_ms, "n": args.n, "fg": args.fg,
+                         "fg_gemm_n": FG_N, "fg_stream_mib": STREAM_MIB,
                          "slow": args.slow, "training_cpu": train_cpu,
                          "worker_cpus": common.cpu_list(worker_cpus), "quick": args.quick},
             "cpu": cpu,
-            "gemms_per_slice": res["gemms_per_slice"],
+            "units_per_slice": res["units_per_slice"],
             "idle_median_slice_ms": res["idle_median_slice_ms"],
             "summary": summarize(res["phases"], args.slow, args.phase_s),
             "phases": res["phases"]}
-    return common.finish(data, NAME, args.out_dir, args.no_plot, print_table, plot, log)
+    name = NAME if args.fg == "gemm" else f"{NAME}_{args.fg}"
+    return common.finish(data, name, args.out_dir, args.no_plot, print_table, plot, log)
 
 
 if __name__ == "__main__":

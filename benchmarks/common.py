@@ -220,6 +220,22 @@ def summarize_ms(times_s: Sequence[float]) -> dict[str, Any]:
 
 # ---- output --------------------------------------------------------------------------------
 
+def add_output_args(ap) -> None:
+    """--out-dir and --no-plot, as every suite part has them (argparse parser ``ap``)."""
+    ap.add_argument("--out-dir", default=None,
+                    help="where the JSON and PNG go (default benchmarks/results; --quick: "
+                         "benchmarks/results/tmp)")
+    ap.add_argument("--no-plot", action="store_true")
+
+
+def fill_defaults(args, defaults: dict) -> None:
+    """Set each of ``defaults`` the command line left at None (defaults that depend on
+    --quick)."""
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+
+
 def write_json(data: dict, name: str, out_dir: Optional[str] = None) -> str:
     """Write ``data`` as ``out_dir/name`` (default benchmarks/results/), atomically."""
     out_dir = out_dir or RESULTS_DIR

@@ -93,6 +93,7 @@ def test_bench_core_contention_quick(tmp_path):
 
     data = json.loads((tmp_path / "bench_core_contention.json").read_text())
     assert "--quick" in data["command"] and data["machine"]["nproc"] >= 2
+    assert data["settings"]["fg"] == "gemm" and data["units_per_slice"] >= 1
     phases = data["phases"]
     assert [p["state"] for p in phases] == ["idle", "busy"] * 4
     assert all(p["slices"] > 0 and p["median_slice_ms"] > 0 for p in phases)
