@@ -96,9 +96,7 @@ def run_one(name: str, args, cfg: GPTConfig, init_state: dict, batches: list, de
     last = [common.threads_cpu_ns()]
 
     def on_step(i, step_s, opt_s, loss):
-        now = common.threads_cpu_ns()
-        worker_ms.append(None if now is None or last[0] is None else (now - last[0]) / 1e6)
-        last[0] = now
+        worker_ms.append(common.ms_since(last))
 
     res = common.train_steps(model, opt, lambda i: batches[i], args.steps, device,
                              log=log, log_every=args.log_every, label=name, on_step=on_step,
@@ -119,7 +117,8 @@ def run_one(name: str, args, cfg: GPTConfig, init_state: dict, batches: list, de
         "local_summary": local_ratios([1e3 * t for t in res["step_s"]], w, args.frequency),
         "phases": phase_medians([1e3 * t for t in res["step_s"]], w, args.frequency,
                                 args.staleness),
-        "slow_steps": slow_steps([1e3 * t for t in res["step_s"]], worker_ms, w),
+        "slow_steps": common.slow_steps([1e3 * t for t in res["step_s"]], worker_ms, w,
+                                        TARGETS["asteria_p99_over_median_max"]),
         "final_loss": common.final_loss(res["losses"]),
         "bytes_per_tier": tiers,
         "peak_bytes_registered": res["peak_bytes_registered"],
@@ -159,28 +158,6 @@ def local_ratios(step_ms: Sequence[float], warmup: int, f: int) -> dict[str, Any
         ratios.append(xs[t] / common.percentile(xs[lo:hi], 50))
     return {"window_steps": 2 * f + 1, "p99_over_local_median": common.percentile(ratios, 99),
             "max_over_local_median": max(ratios)}
-
-
-def slow_steps(step_ms: Sequence[float], worker_ms: Sequence[Optional[float]], warmup: int,
-               slow: float = TARGETS["asteria_p99_over_median_max"]) -> dict[str, Any]:
-    """The measured steps slower than ``slow`` x the median, split by whether a pool worker ran
-    alongside them for at least half of the step (its CPU time over the step, from schedstat).
-    bench_core_contention.py measures what a busy worker does to the training core on this
-    machine; this says which of the run's slow steps it can explain. Also the median step of
-    each kind over the overall median."""
-    med = common.percentile(list(step_ms[warmup:]), 50)
-    kinds: dict[str, list] = {"with_worker": [], "without_worker": []}
-    for t in range(warmup, len(step_ms)):
-        w = worker_ms[t] if t < len(worker_ms) else None
-        kinds["with_worker" if w is not None and w >= 0.5 * step_ms[t] else
-              "without_worker"].append(step_ms[t] / med)
-    out: dict[str, Any] = {"threshold": slow}
-    for k, rs in kinds.items():
-        s = sorted(rs)
-        out[k] = {"steps": len(rs), "slow": sum(r > slow for r in rs),
-                  "median_over_median": common.percentile(s, 50) if s else None,
-                  "slowest": [round(r, 3) for r in s[-3:][::-1]]}
-    return out
 
 
 def phase_medians(step_ms: Sequence[float], warmup: int, f: int, staleness: int) -> dict:

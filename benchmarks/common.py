@@ -218,6 +218,28 @@ def summarize_ms(times_s: Sequence[float]) -> dict[str, Any]:
             "max_over_median": mx / med if med > 0 else None}
 
 
+def slow_steps(step_ms: Sequence[float], worker_ms: Sequence[Optional[float]], warmup: int,
+               slow: float) -> dict[str, Any]:
+    """The measured steps slower than ``slow`` x the median, split by whether a pool worker ran
+    alongside them for at least half of the step (its CPU time over the step, from schedstat).
+    bench_core_contention.py measures what a busy worker does to the training core on this
+    machine; this says which of the run's slow steps it can explain. Also the median step of
+    each kind over the overall median."""
+    med = percentile(list(step_ms[warmup:]), 50)
+    kinds: dict[str, list] = {"with_worker": [], "without_worker": []}
+    for t in range(warmup, len(step_ms)):
+        w = worker_ms[t] if t < len(worker_ms) else None
+        kinds["with_worker" if w is not None and w >= 0.5 * step_ms[t] else
+              "without_worker"].append(step_ms[t] / med)
+    out: dict[str, Any] = {"threshold": slow}
+    for k, rs in kinds.items():
+        s = sorted(rs)
+        out[k] = {"steps": len(rs), "slow": sum(r > slow for r in rs),
+                  "median_over_median": percentile(s, 50) if s else None,
+                  "slowest": [round(r, 3) for r in s[-3:][::-1]]}
+    return out
+
+
 # ---- output --------------------------------------------------------------------------------
 
 def add_output_args(ap) -> None:
@@ -371,6 +393,15 @@ def threads_cpu_ns(prefix: str = "ast-pool") -> Optional[int]:
         except (OSError, ValueError, IndexError):
             continue
     return total if seen else None
+
+
+def ms_since(last: list) -> Optional[float]:
+    """Pool CPU time (ms) since ``last[0]`` (a threads_cpu_ns() reading), which it updates;
+    None without a pool or schedstat."""
+    now = threads_cpu_ns()
+    out = None if now is None or last[0] is None else (now - last[0]) / 1e6
+    last[0] = now
+    return out
 
 
 # ---- optimizer state per tier ----------------------------------------------------------------

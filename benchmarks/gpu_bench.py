@@ -45,6 +45,7 @@ from tinygpt import CharData, GPTConfig, TinyGPT, n_params  # noqa: E402
 NAME = "gpu_bench"
 RUNS = ("soap-sync", "soap-async", "adamw")
 SKIP = 77
+SLOW_STEP = 1.25       # slow_steps threshold (x the median): the step-time target's
 CHILD_START_S = 15.0   # import torch, CUDA context, corpus, model: before the budget starts
 CHILD_GRACE_S = 45.0   # one step past the budget (an async barrier can be long) + teardown
 MIN_RUN_S = 20.0       # budget below which an optimizer is skipped rather than started
@@ -128,9 +129,11 @@ def child(args) -> int:
     emit({"type": "start", "params": n_params(model), "memory_params_bytes": mem_params,
           "attach": attach})
 
+    last = [common.threads_cpu_ns()]
+
     def on_step(i, step_s, opt_s, loss):
         emit({"type": "step", "i": i, "step_ms": 1e3 * step_s, "opt_ms": 1e3 * opt_s,
-              "loss": loss})
+              "loss": loss, "worker_ms": common.ms_since(last)})
 
     cpu0 = common.cpu_snapshot()
     res = common.train_steps(model, opt, batch, args.steps, device, autocast_dtype=dtype,
@@ -222,6 +225,9 @@ def run_child(name: str, args, argv: Sequence[str], budget: float, hard_limit: f
         out["step_ms"] = ms
         out["opt_step_ms"] = [s["opt_ms"] for s in steps]
         out["losses"] = [s["loss"] for s in steps]
+        out["worker_ms"] = [s.get("worker_ms") for s in steps]
+        out["slow_steps"] = common.slow_steps(ms, out["worker_ms"], len(ms) - len(kept),
+                                              SLOW_STEP)
     return out
 
 
@@ -315,9 +321,7 @@ def parse_args(argv: Optional[Sequence[str]]):
                     total_budget_s=150.0 if s else 210.0, frequency=4 if s else 10,
                     staleness=2 if s else 5, max_precond_dim=10000 if s else 1024,
                     log_every=4 if s else 10, threads=1 if s else None)
-    for k, v in defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    common.fill_defaults(args, defaults)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.dtype is None:
