@@ -175,6 +175,51 @@ static void test_snapshot_is_gated_on_main_stream_event(void **state)
     ast_shadow_destroy(sh);
 }
 
+/* A gathered snapshot of three device buffers, gated on one main-stream event: each lands
+ * back to back in one pinned slot, with the value after the update. */
+static void test_gathered_snapshot_of_device_buffers(void **state)
+{
+    (void)state;
+    const size_t sizes[3] = {(size_t)1 << 20, 4096 + 17, (size_t)3 << 20};
+    const size_t total = sizes[0] + sizes[1] + sizes[2];
+    ast_shadow *sh = make(total + 4096);
+    cudaStream_t main_s;
+    cudaEvent_t updated;
+    void *buf[3];
+    ast_shadow_piece pc[3];
+    CK(cudaStreamCreateWithFlags(&main_s, cudaStreamNonBlocking));
+    CK(cudaEventCreateWithFlags(&updated, cudaEventDisableTiming));
+    CK(cudaLaunchHostFunc(main_s, hold_stream, (void *)(uintptr_t)100));
+    for (int i = 0; i < 3; i++) {
+        CK(cudaMalloc(&buf[i], sizes[i]));
+        CK(cudaMemsetAsync(buf[i], 0x30 + i, sizes[i], main_s));
+        pc[i] = (ast_shadow_piece){buf[i], sizes[i]};
+    }
+    CK(cudaEventRecord(updated, main_s));
+
+    ast_shadow_ticket t;
+    assert_int_equal(ast_shadow_snapshotv(sh, pc, 3, (void *)updated, &t), 0);
+    assert_int_equal(t.nbytes, total);
+    assert_int_equal(ast_shadow_snapshot_wait(sh, &t), 0);
+    const unsigned char *h = t.host;
+    size_t bad = 0, off = 0;
+    for (int i = 0; i < 3; off += sizes[i], i++)
+        for (size_t k = 0; k < sizes[i]; k++)
+            bad += h[off + k] != (unsigned char)(0x30 + i);
+    assert_int_equal(bad, 0);
+    ast_shadow_stats st;
+    assert_int_equal(ast_shadow_stats_get(sh, &st), 0);
+    assert_int_equal(st.d2h_bytes, total);
+    assert_int_equal(st.d2h_copies, 1);
+    assert_int_equal(ast_shadow_snapshot_release(sh, &t), 0);
+
+    for (int i = 0; i < 3; i++)
+        CK(cudaFree(buf[i]));
+    CK(cudaEventDestroy(updated));
+    CK(cudaStreamDestroy(main_s));
+    ast_shadow_destroy(sh);
+}
+
 static void test_ready_event_and_release_after(void **state)
 {
     (void)state;
@@ -235,6 +280,7 @@ int main(void)
         cmocka_unit_test(test_stream_is_lowest_priority_and_non_blocking),
         cmocka_unit_test(test_round_trip_through_device_memory),
         cmocka_unit_test(test_snapshot_is_gated_on_main_stream_event),
+        cmocka_unit_test(test_gathered_snapshot_of_device_buffers),
         cmocka_unit_test(test_ready_event_and_release_after),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
