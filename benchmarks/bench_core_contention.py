@@ -18,8 +18,8 @@ phases on either side instead, so a slow spell of the whole machine cancels out 
 is the worker's doing. A phase is "slow" above --slow (1.25, the step-time target's threshold).
 
 Writes benchmarks/results/bench_core_contention.json (bench_core_contention_stream.json with
---fg stream): per phase its state, start, median slice, slowdown, paired slowdown and worker
-jobs done; and a PNG of the slowdown per phase over time.
+--fg stream): per phase its state, start, median slice, slowdown, paired slowdown, worker
+jobs done and the machine's steal time; and a PNG of the slowdown per phase over time.
 
     python3 benchmarks/bench_core_contention.py                 # 240 s
     python3 benchmarks/bench_core_contention.py --fg stream --seconds 120
@@ -137,6 +137,7 @@ def probe(args, train_cpu: Optional[int], worker_cpus: list[int], log) -> dict[s
         for k in range(nphases):
             busy = k % 2 == 1
             done0 = worker.done
+            cpu0 = common.cpu_snapshot()
             worker.feed(busy)
             slices = []
             p0 = time.perf_counter()
@@ -148,10 +149,12 @@ def probe(args, train_cpu: Optional[int], worker_cpus: list[int], log) -> dict[s
                 worker.feed(busy)
             if busy:
                 worker.settle()
+            steal = common.cpu_delta(cpu0, common.cpu_snapshot()).get("steal_s")
             phases.append({"phase": k, "state": "busy" if busy else "idle",
                            "start_s": p0 - t_start, "slices": len(slices),
                            "median_slice_ms": common.percentile(slices, 50),
-                           "max_slice_ms": max(slices), "worker_jobs": worker.done - done0})
+                           "max_slice_ms": max(slices), "worker_jobs": worker.done - done0,
+                           "steal_ms": None if steal is None else 1e3 * steal})
             if (k + 1) % max(1, nphases // 8) == 0:
                 log(f"phase {k + 1}/{nphases}")
     finally:
@@ -179,6 +182,9 @@ def summarize(phases: list[dict[str, Any]], slow: float, phase_s: float) -> dict
     out["worker_jobs_per_s"] = jobs / (len(busy) * phase_s)
     paired = [p["paired_slowdown"] for p in busy]
     hit = [x for x in paired if x > slow]
+    slow_steal = [p["steal_ms"] for p in busy
+                  if p["paired_slowdown"] > slow and p["steal_ms"] is not None]
+    out["steal_ms_in_slow_busy_phases"] = max(slow_steal) if slow_steal else None
     out["paired"] = {"median_slowdown": common.percentile(paired, 50), "max_slowdown": max(paired),
                      "slow_phases": len(hit), "slow_fraction": len(hit) / len(paired),
                      "median_slowdown_of_slow_phases": common.percentile(hit, 50) if hit
@@ -202,6 +208,9 @@ def print_table(data: dict) -> None:
               f"{x['slow_phases']:>9}{x['slow_fraction']:>10.3f}")
     print(f"worker: {s['worker_jobs_per_s']:.2f} soap_qr jobs/s (n={data['settings']['n']}) "
           f"in busy phases")
+    if s["steal_ms_in_slow_busy_phases"] is not None:
+        print(f"steal time (hypervisor ran something else) in the slow busy phases: at most "
+              f"{s['steal_ms_in_slow_busy_phases']:.0f} ms per phase (both vCPUs together)")
     pr = s["paired"]
     print(f"busy phase over the idle phases on either side: median {pr['median_slowdown']:.3f}, "
           f"max {pr['max_slowdown']:.2f}; {pr['slow_phases']} of {s['busy']['phases']} over "

@@ -72,12 +72,15 @@ def cpu_list(cpus: Iterable[int]) -> str:
 def cpu_snapshot() -> dict[str, float]:
     """Wall clock, this process's CPU time and the whole machine's busy CPU time (from
     /proc/stat), to tell foreign load from our own over an interval (see cpu_delta)."""
-    snap = {"wall": time.perf_counter(), "self": time.process_time(), "machine": float("nan")}
+    snap = {"wall": time.perf_counter(), "self": time.process_time(), "machine": float("nan"),
+            "steal": float("nan")}
     try:
         with open("/proc/stat", encoding="utf-8") as f:
             fields = [int(x) for x in f.readline().split()[1:]]
         idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
         snap["machine"] = (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+        # time the hypervisor ran something else while a vCPU wanted to run
+        snap["steal"] = fields[7] / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         pass
     return snap
@@ -90,6 +93,9 @@ def cpu_delta(a: dict[str, float], b: dict[str, float]) -> dict[str, Any]:
     own = b["self"] - a["self"]
     busy = b["machine"] - a["machine"]
     out: dict[str, Any] = {"wall_s": round(wall, 3), "self_cpu_s": round(own, 3)}
+    steal = b["steal"] - a["steal"]
+    if math.isfinite(steal):
+        out["steal_s"] = round(steal, 3)
     if math.isfinite(busy):
         foreign = max(0.0, busy - own)
         out.update({"machine_busy_s": round(busy, 3), "foreign_cpu_s": round(foreign, 3),

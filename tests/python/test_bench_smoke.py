@@ -97,6 +97,7 @@ def test_bench_core_contention_quick(tmp_path):
     phases = data["phases"]
     assert [p["state"] for p in phases] == ["idle", "busy"] * 4
     assert all(p["slices"] > 0 and p["median_slice_ms"] > 0 for p in phases)
+    assert all(p["steal_ms"] is None or p["steal_ms"] >= 0 for p in phases)
     # the worker ran jobs in the busy phases only
     assert all(p["worker_jobs"] == 0 for p in phases if p["state"] == "idle")
     assert sum(p["worker_jobs"] for p in phases if p["state"] == "busy") > 0
