@@ -147,3 +147,22 @@ def test_functional_kernel_is_batched_per_block():
     for b, (ts, fs) in enumerate(single):
         for got, want in zip((w, g, m, v, *factors), (*ts, *fs)):
             torch.testing.assert_close(got[b:b + 1], want, rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("shape,sides", [((3, 5, 4), (True, True)), ((2, 6, 3), (False, True)),
+                                         ((2, 4, 3, 5), (True, False, True))])
+def test_soap_permute_moves_v_by_each_sort_order(shape, sides):
+    """v_new[b] = v[b] with dimension i reordered by the sort order s_i of block b, exactly
+    (DESIGN.md: v follows the eigenvalue order of the refreshed basis)."""
+    g = torch.Generator().manual_seed(3)
+    v = torch.rand(shape, generator=g, dtype=torch.float64)
+    perms = [torch.stack([torch.randperm(shape[i + 1], generator=g) for _ in range(shape[0])])
+             if on else None for i, on in enumerate(sides)]
+    want = v.clone()
+    for b in range(shape[0]):
+        for i, perm in enumerate(perms):
+            if perm is not None:
+                want[b] = want[b].index_select(i, perm[b])  # restated: one block, one side
+    got = v.clone()
+    F.soap_permute(got, perms)
+    assert torch.equal(got, want)

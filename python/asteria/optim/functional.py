@@ -148,7 +148,14 @@ def soap_permute(exp_avg_sq: torch.Tensor, perms: Sequence[Optional[torch.Tensor
     """v permuted (in place) along each dimension i by the sort order s_i of its factor."""
     v = exp_avg_sq
     for i, perm in enumerate(perms):
-        if perm is not None:
+        if perm is None:
+            continue
+        if v.device.type == "cpu":
+            # on the host a per-block index_select (whole rows / columns) is about twice as fast
+            # as the expanded-index gather; on a device the gather is one kernel for the stack
+            v = torch.stack([vb.index_select(i, pb) for vb, pb in zip(v.unbind(0),
+                                                                        perm.unbind(0))])
+        else:
             shape = [perm.shape[0]] + [1] * (v.dim() - 1)
             shape[i + 1] = perm.shape[1]
             v = torch.gather(v, i + 1, perm.view(shape).expand_as(v))
