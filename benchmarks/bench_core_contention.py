@@ -10,8 +10,9 @@ than the rest, whatever the optimizer does.
 This probe measures that, with a baseline in the same run: the training core (the first allowed
 CPU, one torch thread) multiplies 256 x 256 float32 matrices (compute-bound, in L2; --fg gemm)
 or adds 32 MiB vectors (memory traffic; --fg stream) in slices of about --slice-ms, while the
-pool worker (pinned to the other cores) alternates, in phases of --phase-s seconds, between running SOAP's QR refresh of an n x n factor back to back (the op
-bench_step_time's worker runs) and idling. Each phase's median slice time over the median
+pool worker (pinned to the other cores) alternates, in phases of --phase-s seconds, between
+running SOAP's QR refresh of an n x n factor back to back (the op bench_step_time's worker
+runs) and idling. Each phase's median slice time over the median
 slice of all idle phases is its slowdown. Idle phases show the machine's own noise; busy phases
 add what the worker costs the training core. A busy phase's paired slowdown is over the idle
 phases on either side instead, so a slow spell of the whole machine cancels out and what is left
@@ -126,7 +127,7 @@ def foreground(kind: str):
     return lambda: torch.add(a, b, out=c)
 
 
-def probe(args, train_cpu: Optional[int], worker_cpus: list[int], log) -> dict[str, Any]:
+def probe(args, worker_cpus: list[int], log) -> dict[str, Any]:
     unit = foreground(args.fg)
     worker = Worker(worker_cpus, args.n)
     phases: list[dict[str, Any]] = []
@@ -228,8 +229,8 @@ def plot(data: dict, path: str) -> None:
     ax.axhline(data["settings"]["slow"], color="k", lw=0.8, ls="--",
                label=f"{data['settings']['slow']}x")
     ax.set(xlabel="time (s)", ylabel="training-core slice / idle median",
-           title=f"Training core ({data['settings']['fg']}) while the pool worker idles or runs soap_qr "
-                 f"(n={data['settings']['n']}), {data['settings']['phase_s']} s phases, "
+           title=f"Training core ({data['settings']['fg']}) while the pool worker idles or runs "
+                 f"soap_qr (n={data['settings']['n']}), {data['settings']['phase_s']} s phases, "
                  f"{data['machine']['cpu_model']} x{data['machine']['nproc']}")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
@@ -286,7 +287,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         log(f"training core {train_cpu}, worker on {common.cpu_list(worker_cpus)}; "
             f"{args.seconds:.0f} s in {args.phase_s} s phases; load {common.loadavg()}")
         cpu0 = common.cpu_snapshot()
-        res = probe(args, train_cpu, worker_cpus, log)
+        res = probe(args, worker_cpus, log)
         cpu = common.cpu_delta(cpu0, common.cpu_snapshot())
     finally:
         torch.set_num_threads(threads)

@@ -13,8 +13,8 @@ by a ``_C.Shadow`` into its snapshot ring: on CUDA on the lowest-priority shadow
 an event recorded on the current stream (the factor update), on the host path by a memcpy at
 issue. An input given as parts (one tensor per batch entry) is gathered straight into one
 slot, so the caller never stacks it into fresh memory. The slot is registered with the runtime
-for the job and released when the job's completion is collected. A full ring (or an input larger than it) falls back to a private
-buffer. Each snapshot is traced as a d2h copy (issued, span, done) before the job's "job
+for the job and released when the job's completion is collected. A full ring (or an input
+larger than it) falls back to a private buffer. Each snapshot is traced as a d2h copy (issued, span, done) before the job's "job
 queued" event.
 """
 
@@ -175,8 +175,7 @@ class CEngine(Engine):
         nbytes = sum(n for _, n in pieces)
         t0 = time.monotonic_ns()
         try:
-            ticket = (self._shadow.snapshot(*pieces[0], event) if len(pieces) == 1
-                      else self._shadow.snapshot_gather(pieces, event))
+            ticket = self._shadow.snapshot_gather(pieces, event)
         except (_C.BusyError, ValueError):
             return None
         host_ptr = self._shadow.snapshot_wait(ticket)  # the host path copied at issue
@@ -212,13 +211,8 @@ class CEngine(Engine):
         shadow's ring (or, without room there, into one private buffer), so the caller need
         not stack them into fresh memory first; parts are never donated."""
         self._check_open()
-        given_parts = {}
-        for name, x in (("f", f), ("q", q)):
-            given_parts[name], stand_in = _parts(x)
-            if name == "f":
-                f = stand_in
-            else:
-                q = stand_in
+        f_parts, f = _parts(f)
+        q_parts, q = _parts(q)
         check_op(op, (f, q, b))
         if not f.is_floating_point():
             raise ValueError(f"REFRESH input must be a real floating tensor, got {f.dtype}")
@@ -230,14 +224,14 @@ class CEngine(Engine):
             raise ValueError(f"REFRESH input must be non-empty, got shape {tuple(f.shape)}")
         self._poll()  # release the buffers of jobs that finished meanwhile
         cdtype = f.dtype if f.dtype in _C_DTYPES else torch.float32
-        device = given_parts["f"][0].device if given_parts["f"] else f.device
+        device = f_parts[0].device if f_parts else f.device
         pin = device.type == "cuda" and torch.cuda.is_available()
 
         if rotate:  # X, then the pairs given: in1 = A pair, in2 = B pair (None: identity side)
             slots = {"in0": f, "in1": q, "in2": b}
         else:
             slots = {"in0": f, "in1": q if op in _WITH_BASIS else None, "in2": None}
-        parts_of = {"in0": given_parts["f"], "in1": given_parts["q"]}
+        parts_of = {"in0": f_parts, "in1": q_parts}
         inputs, tickets = [], []
         for slot, src in slots.items():
             if src is None:
