@@ -61,6 +61,7 @@ static _Thread_local int tl_retried;
 typedef struct kern {
     size_t es;     /* element size */
     double maxval; /* largest finite value of the type */
+    double epsm;   /* machine epsilon of the type */
     lapack_int (*syevd)(lapack_int n, void *a_cm, void *w, void *work, lapack_int lwork,
                         lapack_int *iwork, lapack_int liwork);
     lapack_int (*geqrf)(lapack_int n, void *a_cm, void *tau, void *work, lapack_int lwork);
@@ -86,7 +87,7 @@ typedef struct kern {
 
 /* The float32 dot accumulates in double (dsdot) so the ordering of SOAP's e is not decided by
  * float32 cancellation. */
-#define AST__LINALG_TYPED(T, P, DOT, MAXV)                                                         \
+#define AST__LINALG_TYPED(T, P, DOT, MAXV, EPSM)                                                       \
     static lapack_int P##_syevd(lapack_int n, void *a, void *w, void *work, lapack_int lwork,     \
                                 lapack_int *iwork, lapack_int liwork)                             \
     {                                                                                             \
@@ -187,6 +188,7 @@ typedef struct kern {
     static const kern P##_kern = {                                                                \
         .es = sizeof(T),                                                                          \
         .maxval = MAXV,                                                                           \
+        .epsm = EPSM,                                                                             \
         .syevd = P##_syevd,                                                                       \
         .geqrf = P##_geqrf,                                                                       \
         .orgqr = P##_orgqr,                                                                       \
@@ -205,8 +207,8 @@ typedef struct kern {
         .symmetrize = P##_symmetrize,                                                             \
     };
 
-AST__LINALG_TYPED(float, s, cblas_dsdot, FLT_MAX)
-AST__LINALG_TYPED(double, d, cblas_ddot, DBL_MAX)
+AST__LINALG_TYPED(float, s, cblas_dsdot, FLT_MAX, FLT_EPSILON)
+AST__LINALG_TYPED(double, d, cblas_ddot, DBL_MAX, DBL_EPSILON)
 
 static const kern *kern_for(ast_dtype dt)
 {
@@ -322,8 +324,12 @@ static int k_eigh(const kern *K, const op_args *o)
     return rc;
 }
 
-/* X = Q D Q^T with D = diag((max(l,0)+eps)^(-1/p)), formed as B B^T with B = Q D^(1/2): syrk does
- * half the flops of a gemm and yields an exactly symmetric X. */
+/* X = Q D Q^T with D = diag((max(l, n eps_m l_max) + eps)^(-1/p)), formed as B B^T with
+ * B = Q D^(1/2): syrk does half the flops of a gemm and yields an exactly symmetric X.
+ * Eigenvalues below n eps_m l_max (eps_m the type's machine epsilon) are rounding noise of the
+ * decomposition, and LAPACKs disagree on them; raising them all to that floor gives the null
+ * space of a rank-deficient factor one root value, so X there is that value times the
+ * projector on the null space, which is unique whatever eigenvectors were picked. */
 static int k_inv_root(const kern *K, const op_args *o)
 {
     const int n = o->n;
@@ -335,8 +341,12 @@ static int k_inv_root(const kern *K, const op_args *o)
         return AST_ENOMEM;
     char *z = buf[0];
     int rc = eig_core(K, n, o->in0, z, buf[1]);
+    double lmax = 0.0;
+    for (int j = 0; rc == 0 && j < n; j++)
+        lmax = fmax(lmax, K->get(buf[1], (size_t)j));
+    const double floor = (double)n * K->epsm * lmax;
     for (int j = 0; rc == 0 && j < n; j++) {
-        double l = fmax(K->get(buf[1], (size_t)j), 0.0) + o->eps;
+        double l = fmax(K->get(buf[1], (size_t)j), floor) + o->eps;
         double d = pow(l, -0.5 / o->p);
         if (l == 0 || !(d <= K->maxval))
             rc = AST_ENONFINITE;

@@ -17,6 +17,23 @@ PLACEMENT_KINDS = ("factors", "roots", "eigenbases", "moments")
 TIERS = ("device", "host_pinned", "host", "uvm", "nvme")
 
 
+def _check_text(key: str, value: Any) -> None:
+    """A path or cpuset string that the C runtime can take: no NUL byte, encodable to the
+    file system's bytes."""
+    try:
+        # the C runtime keeps its strings as UTF-8
+        raw = os.fsencode(value)
+        text = os.fspath(value)
+        if isinstance(text, str):
+            text.encode("utf-8")
+    except (UnicodeError, TypeError) as exc:
+        raise ValueError(f"runtime key {key!r}: got {value!r}, which is not valid UTF-8 "
+                         f"({exc}); allowed: a path string in UTF-8") from None
+    if b"\0" in raw:
+        raise ValueError(f"runtime key {key!r}: got {value!r}, which has an embedded NUL "
+                         f"character; allowed: a path string without NUL")
+
+
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
     mode: str = "async"
@@ -31,6 +48,7 @@ class RuntimeConfig:
     cpuset: Optional[str] = None
     pin: bool = True
     max_failures: int = 3
+    on_failure: str = "raise"
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -75,9 +93,23 @@ class RuntimeConfig:
         for key in ("device_budget_bytes", "host_budget_bytes"):
             v = getattr(self, key)
             need(key, v is None or (is_int(v) and v >= 0), "None or a byte count >= 0")
+        need("on_failure", self.on_failure in ("raise", "keep"), '"raise", "keep"')
         for key in ("nvme_dir", "trace", "cpuset"):
             v = getattr(self, key)
             need(key, v is None or isinstance(v, (str, os.PathLike)), "None or a path string")
+            if v is not None:
+                _check_text(key, v)
+        if self.nvme_dir is not None:
+            d = os.fspath(self.nvme_dir)
+            need("nvme_dir", os.path.isdir(d),
+                 "an existing directory (the NVMe tier writes its records there)")
+            need("nvme_dir", os.access(d, os.W_OK | os.X_OK), "a directory this process can write")
+        if self.trace is not None:
+            path = os.fspath(self.trace)
+            parent = os.path.dirname(os.path.abspath(path))
+            need("trace", not os.path.isdir(path), "a file path (this is a directory)")
+            need("trace", os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK),
+                 "a file path in an existing directory this process can write")
         p = self.placement
         if isinstance(p, Mapping):
             for kind, tier in p.items():

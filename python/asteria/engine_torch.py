@@ -41,9 +41,17 @@ def _eigh(f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.flip(-1), w.flip(-1)
 
 
+def null_floor(w: torch.Tensor) -> torch.Tensor:
+    """The floor under the eigenvalues ``w`` (..., n) of an inverse root: n eps_m max(w, 0),
+    (..., 1). Eigenvalues below it are rounding noise, on which LAPACKs disagree; raised to it
+    they give a rank-deficient factor's null space one root value (src/linalg.c)."""
+    n = w.shape[-1]
+    return n * torch.finfo(w.dtype).eps * w.amax(dim=-1, keepdim=True).clamp(min=0.0)
+
+
 def _inv_root(f: torch.Tensor, p: float, eps: float) -> tuple[torch.Tensor]:
     w, q = torch.linalg.eigh(f)
-    w = w.clamp(min=0.0) + eps
+    w = torch.maximum(w, null_floor(w)) + eps
     if bool((w <= 0).any()):
         raise _Failure(AST_ENONFINITE, "inv_root: zero eigenvalue with eps = 0")
     x = (q * w.pow(-1.0 / p).unsqueeze(-2)) @ q.transpose(-1, -2)
@@ -115,7 +123,14 @@ def compute(op: str, f: torch.Tensor, q: Optional[torch.Tensor], p: float,
 
 
 def _compute_with_retry(op, f, q, p, eps, b=None) -> tuple[tuple[torch.Tensor, ...], bool]:
-    """float32 that fails numerically is retried once in float64, rounded back (linalg.h)."""
+    """float32 that fails numerically is retried once in float64, rounded back (linalg.h).
+    Half-precision inputs are computed in float32, as the C pool does (torch.linalg has no
+    bfloat16 / float16 decompositions), and rounded back."""
+    if f.dtype not in (torch.float32, torch.float64):
+        def up(t):
+            return None if t is None or not t.is_floating_point() else t.float()
+        out, retried = _compute_with_retry(op, up(f), up(q), p, eps, up(b))
+        return tuple(t.to(f.dtype) if t.is_floating_point() else t for t in out), retried
     with torch.no_grad():
         try:
             return compute(op, f, q, p, eps, b), False

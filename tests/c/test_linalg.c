@@ -27,6 +27,7 @@
 
 #include <cblas.h>
 #include <lapacke.h>
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -244,15 +245,19 @@ static double max_abs(int n, const double *v)
 
 /* ---- restatements ------------------------------------------------------------------------- */
 
-/* X = Q diag((max(l,0)+eps)^(-1/p)) Q^T with Q, l from dsyev. */
+/* X = Q diag((max(l, n DBL_EPSILON l_max)+eps)^(-1/p)) Q^T with Q, l from dsyev. */
 static void inv_root_ref(int n, const double *a, double p, double eps, double *x)
 {
     double *z = dalloc((size_t)n * n), *w = dalloc((size_t)n), *b = dalloc((size_t)n * n);
     memcpy(z, a, (size_t)n * n * sizeof *z);
     assert_int_equal(LAPACKE_dsyev(LAPACK_ROW_MAJOR, 'V', 'U', n, z, n, w), 0);
+    double lmax = 0;
+    for (int j = 0; j < n; j++)
+        lmax = fmax(lmax, w[j]);
+    const double floor = n * DBL_EPSILON * lmax;
     for (int i = 0; i < n; i++)
         for (int j = 0; j < n; j++)
-            b[(size_t)i * n + j] = z[(size_t)i * n + j] * pow(fmax(w[j], 0) + eps, -1 / p);
+            b[(size_t)i * n + j] = z[(size_t)i * n + j] * pow(fmax(w[j], floor) + eps, -1 / p);
     cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1, b, n, z, n, 0, x, n);
     free(z);
     free(w);

@@ -285,7 +285,9 @@ class ShampooRef(_Reference):
         out = {}
         for d, f in st["L"].items():
             lam, q = torch.linalg.eigh(f / c)
-            lam = lam.clamp(min=0) + self.epsilon
+            # eigenvalues below n eps_m lam_max are raised to it (docs/departures.md)
+            floor = lam.numel() * torch.finfo(lam.dtype).eps * lam.max().clamp(min=0)
+            lam = torch.maximum(lam, floor) + self.epsilon
             out[d] = q @ torch.diag(lam ** (-1.0 / root)) @ q.T
         return out
 

@@ -98,3 +98,48 @@ def test_block_size_equals_blocks_as_separate_params():
                                  runtime=SYNC),
         lambda p: ShampooRef(p, lr=3e-3, precondition_frequency=5), steps=25, ref_views=blocks)
     assert_lockstep(history)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rank_deficient_factor_roots_agree_sync_and_async(dtype):
+    """A (2, 16) weight: its right factor (16 x 16) has rank <= 2 per step, so at the first
+    refresh (f = 2) it has a 12-dimensional null space. The two LAPACKs (torch's in sync, the
+    C pool's OpenBLAS in async) return different noise-level eigenvalues there; eigenvalues
+    below n eps_m lam_max are raised to that floor, so the roots agree (before the floor they
+    differed by O(1) there)."""
+    from models import require_c_extension
+
+    require_c_extension()
+    roots = {}
+    for mode in ("sync", "async"):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(2, 16, dtype=dtype))
+        runtime = {"mode": mode} if mode == "sync" else {"mode": "async", "staleness": 0,
+                                                         "workers": 1}
+        opt = Shampoo([w], lr=1e-2, precondition_frequency=2, runtime=runtime)
+        for t in range(2):
+            x = torch.randn(32, 16, dtype=dtype, generator=torch.Generator().manual_seed(t))
+            opt.zero_grad()
+            (x @ w.T).square().mean().backward()
+            opt.step()
+        roots[mode] = opt.state[w]["b0.Linv1"].double()
+        opt.close()
+    r_sync, r_async = roots["sync"], roots["async"]
+    null = torch.linalg.eigvalsh(r_sync)[-12:]  # the null space has one root value
+    assert (null.max() / null.min() - 1).item() < 1e-4
+    rel = ((r_sync - r_async).norm() / r_sync.norm()).item()
+    assert rel < (1e-3 if dtype == torch.float32 else 1e-9), rel
+
+
+def test_inverse_root_floor_matches_restatement():
+    """The torch engine's inverse root against a plain restatement of the floor rule."""
+    from asteria.engine_torch import compute
+
+    torch.manual_seed(1)
+    g = torch.randn(16, 3, dtype=torch.float64)
+    f = (g @ g.T).unsqueeze(0)  # rank 3 of 16
+    (x,) = compute("inv_root", f, None, 4.0, 1e-12)
+    lam, q = torch.linalg.eigh(f[0])
+    floor = 16 * torch.finfo(torch.float64).eps * lam.max()
+    want = q @ torch.diag((torch.maximum(lam, floor) + 1e-12) ** -0.25) @ q.T
+    torch.testing.assert_close(x[0], want, rtol=1e-10, atol=0)

@@ -72,6 +72,7 @@ module's objects.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import re
@@ -79,7 +80,7 @@ import sys
 import warnings
 import weakref
 from collections import defaultdict
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -137,13 +138,23 @@ class _ParamState(dict):
     carry the shard's tag (``b0.exp_avg@shard1of2``), so that a checkpoint keeps every rank's
     copy instead of one for all; lookups take either name, the optimizer uses the plain one."""
 
-    __slots__ = ("_opt", "_p", "_tag")
+    __slots__ = ("_owner", "_p", "_tag")
 
     def __init__(self, opt, p, items=()):
         super().__init__(items)
-        self._opt = opt
+        # the state must not own its optimizer: with a strong reference the pair is a cycle,
+        # and with the cycle collector off (OLMo-core's training policy) ``del opt`` would free
+        # neither the optimizer nor its workers and buffers
+        self._owner = weakref.ref(opt)
         self._p = p
         self._tag = opt._tags.get(p)
+
+    @property
+    def _opt(self):
+        opt = self._owner()
+        if opt is None:
+            raise RuntimeError("the Asteria optimizer this state belonged to is gone")
+        return opt
 
     def _int(self, k):
         """The optimizer's name of a key (the tag stripped)."""
@@ -247,20 +258,42 @@ class _ParamState(dict):
 
 
 class _States(defaultdict):
-    """``optimizer.state`` with a Residency: creates _ParamState entries."""
+    """``optimizer.state`` with a Residency: creates _ParamState entries for parameters. Other
+    keys (torch.optim allows entries that are not a parameter's state, which state-dict hooks
+    use) are kept as they are. Holds its optimizer weakly (see _ParamState)."""
 
     def __init__(self, opt, items=()):
         super().__init__(dict)
-        self._opt = opt
+        self._owner = weakref.ref(opt)
         for p, st in dict(items).items():
-            self[p] = st if isinstance(st, _ParamState) else _ParamState(opt, p, st)
+            if isinstance(p, torch.Tensor) and not isinstance(st, _ParamState):
+                st = _ParamState(opt, p, st)
+            self[p] = st
 
     def __missing__(self, p):
-        st = self[p] = _ParamState(self._opt, p)
+        if not isinstance(p, torch.Tensor):  # torch.optim's defaultdict(dict) does the same
+            st = self[p] = {}
+            return st
+        opt = self._owner()
+        if opt is None:
+            raise RuntimeError("the Asteria optimizer this state belonged to is gone")
+        st = self[p] = _ParamState(opt, p)
         return st
 
     def __reduce__(self):
         return (dict, (dict(self.items()),))
+
+
+@contextlib.contextmanager
+def _hooks_off(opt, attr: str):
+    """torch.optim runs the hooks in ``opt.<attr>`` itself; with them set aside the caller
+    runs them where they belong (on the state dict it returns, on the state it loaded)."""
+    hooks = getattr(opt, attr)
+    setattr(opt, attr, type(hooks)())
+    try:
+        yield hooks
+    finally:
+        setattr(opt, attr, hooks)
 
 
 def _close_all(engine, tiered) -> None:
@@ -308,6 +341,8 @@ def check_common(group: dict, beta_max: Sequence[bool] = (False, False)) -> None
     """Checks every optimizer shares: lr, betas, weight decay, frequency, block size.
     ``beta_max[i]`` allows betas[i] == 1."""
     lr = group["lr"]
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")  # torch.optim's wording
     lr_value = float(lr) if isinstance(lr, torch.Tensor) and lr.numel() == 1 else lr
     require("lr", isinstance(lr_value, (int, float)) and lr_value >= 0.0, lr, "a float >= 0")
     betas = group["betas"]
@@ -354,34 +389,45 @@ class _Round:
         self.failed = 0
         # param -> {(j, dim): output tuple, or None where the job failed}; None until resolved
         self.outputs = outputs
+        # [(targets, error)] of the jobs that failed, once resolved
+        self.failures: list = []
+        # ticket -> Result of the jobs already waited for: a wait interrupted by a signal
+        # (Ctrl-C) loses nothing, and the next resolve waits for the others only
+        self._results: dict = {}
 
     def ready(self, engine) -> bool:
-        return self.outputs is not None or all(engine.ready(j.ticket) for j in self.jobs)
+        return self.outputs is not None or all(
+            j.ticket in self._results or engine.ready(j.ticket) for j in self.jobs)
 
     def resolve(self, engine) -> dict:
         """Wait (the bounded barrier) for every job and keep the results."""
         if self.outputs is None:
+            for job in self.jobs:
+                if job.ticket not in self._results:
+                    self._results[job.ticket] = engine.wait(job.ticket)
             out: dict = {}
             for job in self.jobs:
-                res = engine.wait(job.ticket)
+                res = self._results[job.ticket]
                 if res.status:
                     self.failed += 1
-                if res.status == AST_EFAILED:  # K failures in a row: the C runtime surfaces it
-                    warnings.warn(f"Asteria REFRESH keeps failing, previous preconditioner kept: "
-                                  f"{res.error}", RuntimeWarning, stacklevel=4)
+                    self.failures.append((job.targets, res.error or f"status {res.status}"))
                 for b, (p, j, dim) in enumerate(job.targets):
                     per_param = out.setdefault(p, {})
                     per_param[(j, dim)] = (None if res.status
                                            else tuple(o[b] for o in res.outputs))
             self.outputs = out
+            self._results = {}
         return self.outputs
 
     def drop(self, engine) -> None:
         if self.outputs is None:
             for job in self.jobs:
+                if job.ticket in self._results:
+                    continue
                 engine.cancel(job.ticket)  # a job already running just finishes
                 engine.wait(job.ticket)
         self.outputs = {}
+        self._results = {}
 
 
 def eigh_input(f: torch.Tensor) -> torch.Tensor:
@@ -443,6 +489,10 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self._rounds: list[_Round] = []
         self._block_keys: dict[tuple, int] = {}
         self._versions: dict[int, int] = {}
+        self._unfinished_end: Optional[list] = None  # see _step_end
+        self._fail_streak: dict = {}  # (param index, block, dim) -> consecutive failures
+        self._lazy_counts: dict = {}  # name -> device tensor (see _count_lazy)
+        self._failed: list = []       # failures to raise at the end of this step
         self._counters = {"nonfinite_skipped": 0, "refreshes_submitted": 0,
                           "refresh_failures": 0, "installs": 0, "max_install_lag": 0,
                           "rotations_submitted": 0, "rotation_failures": 0}
@@ -512,6 +562,11 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         if zero is None:
             zero = self._zeros[key] = torch.zeros((), dtype=dtype, device=device)
         return zero.expand(shape)
+
+    def _flag_keys(self, p: torch.Tensor, group: dict, layout: Layout) -> list:
+        """Names of the number-valued state keys of a preconditioned parameter besides the
+        step and the refresh-in-flight keys (Shampoo's ``b{j}.Linv{i}_set``)."""
+        return []
 
     def _adamw_hparams(self, group: dict) -> tuple[float, float, float]:
         """(beta1, beta2, eps) of the AdamW update of 1-D parameters."""
@@ -622,7 +677,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         if self._tiered is None:
             return
         params = {i: p for p, i in self._pindex.items()}
-        for p, st in list(self.state.items()):
+        for p, st in list(self._param_states()):
             pidx = self._pindex.get(p)
             for name in [n for n in dict.keys(st) if isinstance(dict.__getitem__(st, n),
                                                                  torch.Tensor)]:
@@ -639,9 +694,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
     def _describe_key(self, key) -> str:
         pidx, name = key
         kind = {"roots": "root", "eigenbases": "eigenbasis"}.get(self._kinds.get(key), "state")
-        pname = self._pnames.get(pidx)
-        who = f"parameter {pidx}" + (f" ({pname})" if pname else "")
-        return f"{kind} block {name!r} of {who}"
+        return f"{kind} block {name!r} of {self._describe_param(pidx)}"
 
     def _trace_event(self, kind: str, lane: Any, name: Optional[str] = None, **args) -> None:
         tr = getattr(self._engine, "trace", None)
@@ -735,6 +788,21 @@ class AsteriaOptimizer(torch.optim.Optimizer):
 
     # ---- torch.optim plumbing -----------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
+        params = param_group["params"]
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif not isinstance(params, set):  # torch rejects sets itself
+            params = list(params)
+        param_group = dict(param_group, params=params)
+        for i, p in enumerate(params):
+            if isinstance(p, torch.Tensor) and p.is_complex():
+                raise ValueError(
+                    f"parameter {i} of param group {len(self.param_groups)} is complex "
+                    f"({p.dtype}, shape {tuple(p.shape)}): Asteria optimizers take real "
+                    f"parameters only. Optimise its real view instead: keep "
+                    f"torch.view_as_real(p) as the parameter (a real tensor with a last "
+                    f"dimension of 2) and build the complex value from it in forward with "
+                    f"torch.view_as_complex")
         merged = dict(self.defaults)
         merged.update({k: v for k, v in param_group.items() if k != "params"})
         self._check_hyperparameters(merged)
@@ -751,6 +819,11 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             self._replan()
             if isinstance(self._engine, _dist.DistributedEngine):
                 _dist.wrap_engine(self._engine, self.param_groups[-1]["params"])
+
+    def _param_states(self):
+        """(parameter, its state) of ``self.state``, leaving out entries that are not a
+        parameter's state (torch.optim allows them; state-dict hooks store such values)."""
+        return [(p, st) for p, st in self.state.items() if isinstance(p, torch.Tensor)]
 
     def _all_params(self) -> list:
         return [p for g in self.param_groups for p in g["params"]]
@@ -811,6 +884,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if self._closed:
             raise RuntimeError("step() on a closed Asteria optimizer")
+        self._settle_step_end()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -998,22 +1072,36 @@ class AsteriaOptimizer(torch.optim.Optimizer):
 
     # ---- the scheduler ------------------------------------------------------------------------
     def _step_end(self, due: list) -> None:
-        t = self._t
         step_end = getattr(self._engine, "step_end", None)
         if step_end is not None:  # DistributedEngine: hand finished owner results to the sync
-            step_end(t)
+            step_end(self._t)
+        # what is left of this step end, should a wait in it be interrupted (Ctrl-C at the
+        # bounded barrier): the next step(), state_dict() or close() finishes it first, so a
+        # caught KeyboardInterrupt leaves the run on the trajectory of an uninterrupted one
+        self._unfinished_end = list(due)
+        self._finish_step_end()
+
+    def _finish_step_end(self) -> None:
+        t = self._t
         for rnd in list(self._rounds):
             if rnd.install_step <= t or (self._eager and rnd.ready(self._engine)):
                 self._install_round(rnd)
         for kind in (INIT, REFRESH):
-            items = [d for d in due if d[0] == kind]
+            items = [d for d in self._unfinished_end if d[0] == kind]
             if not items:
                 continue
             rnd = self._submit(kind, items, t if kind == INIT else t + self._delay)
+            self._rounds.append(rnd)
+            self._unfinished_end = [d for d in self._unfinished_end if d[0] != kind]
             if rnd.install_step == t or (self._eager and rnd.ready(self._engine)):
                 self._install_round(rnd)
-            else:
-                self._rounds.append(rnd)
+        self._unfinished_end = None
+        self._raise_failures()
+
+    def _settle_step_end(self) -> None:
+        """Finish a step end that a signal interrupted (see ``_step_end``)."""
+        if getattr(self, "_unfinished_end", None) is not None:
+            self._finish_step_end()
 
     def _submit(self, kind: str, items: list, install_step: int) -> _Round:
         groups: dict = defaultdict(list)
@@ -1063,6 +1151,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         outputs = rnd.resolve(self._engine)
         self._install(rnd.kind, outputs)
         self._counters["refresh_failures"] += rnd.failed
+        self._count_failures(rnd)
         lag = self._t - rnd.snapshot_step
         # one install per job; a round restored from a checkpoint has one per parameter
         for _ in range(len(rnd.jobs) if rnd.jobs else len(outputs)):
@@ -1071,6 +1160,55 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self._counters["max_install_lag"] = max(self._counters["max_install_lag"], lag)
         if rnd in self._rounds:
             self._rounds.remove(rnd)
+
+    def _count_failures(self, rnd: _Round) -> None:
+        """Consecutive failed refreshes per (parameter, block, dimension), the same count in
+        every mode. At ``max_failures`` in a row the failure is recorded for
+        ``_raise_failures`` (``on_failure="raise"``) or warned about once (``"keep"``)."""
+        failed = {}
+        for targets, error in rnd.failures:
+            for p, j, dim in targets:
+                failed[(self._pindex[p], j, dim)] = error
+        for p, outs in rnd.outputs.items():
+            for (j, dim), out in outs.items():
+                key = (self._pindex[p], j, dim)
+                if key not in failed:
+                    self._fail_streak.pop(key, None)
+        limit = self._cfg.max_failures
+        params = {i: p for p, i in self._pindex.items()}
+        for key, error in failed.items():
+            n = self._fail_streak[key] = self._fail_streak.get(key, 0) + 1
+            if n != limit:
+                continue
+            factor = self._refresh_input(REFRESH, params[key[0]], key[1], key[2])[1]
+            if not bool(torch.isfinite(factor).all()):
+                error = "its Kronecker factor is not finite: it overflowed; last error: " + error
+            what = (f"the REFRESH of {self._describe_param(key[0])}, block {key[1]}, "
+                    f"dimension {key[2]} failed {n} times in a row ({error})")
+            if self._cfg.on_failure == "raise":
+                self._failed.append(what)
+            else:
+                warnings.warn(f"Asteria: {what}; the previous preconditioner is kept "
+                              f"(runtime on_failure='keep')", RuntimeWarning, stacklevel=5)
+
+    def _count_lazy(self, name: str, n: torch.Tensor) -> None:
+        """Add a count that lives on the device (no sync in the step); read by
+        ``asteria_stats()``."""
+        prev = self._lazy_counts.get(name)
+        self._lazy_counts[name] = n if prev is None else prev + n.to(prev.device)
+
+    def _raise_failures(self) -> None:
+        if not self._failed:
+            return
+        whats, self._failed = self._failed, []
+        raise RuntimeError(
+            "Asteria: " + "; ".join(whats) + ". This step is complete and the state is "
+            "consistent; runtime {'on_failure': 'keep'} keeps training with the previous "
+            "preconditioner instead of raising")
+
+    def _describe_param(self, pidx: int) -> str:
+        name = self._pnames.get(pidx)
+        return f"parameter {pidx}" + (f" ({name})" if name else "")
 
     # ---- SOAP's m re-expression on the workers ----------------------------------------------------
     def _offloads_rotation(self) -> bool:
@@ -1124,9 +1262,9 @@ class AsteriaOptimizer(torch.optim.Optimizer):
     def _finish_rotation(self, rot: "_Rotation") -> None:
         """Wait for a rotation job and write its result into m; a failed job is redone here
         with torch (the result is the same math; the state must not keep the old basis' m)."""
+        res = self._engine.wait(rot.ticket)  # an interrupted wait leaves the rotation pending
         for p, j in rot.members:
             self._rotations.pop((p, f"b{j}.exp_avg"), None)
-        res = self._engine.wait(rot.ticket)
         if res.status == 0:
             out = res.outputs[0]
         else:
@@ -1155,22 +1293,30 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         value saved under one name by several ranks, so untagged keys would lose all ranks'
         state but one. Resuming needs the same mesh and sharding (``load_state_dict`` raises
         ValueError on another shard's keys)."""
+        self._settle_step_end()
         self._settle_rotations()
         for rnd in self._rounds:
             rnd.resolve(self._engine)
-        sd = super().state_dict()
+        # torch's post hooks must see the state dict as returned: they run after ours is built
+        with _hooks_off(self, "_optimizer_state_dict_post_hooks") as post_hooks:
+            sd = super().state_dict()
         index = {}
         for p in itertools.chain.from_iterable(g["params"] for g in self.param_groups):
             index.setdefault(p, len(index))
-        sd["state"] = {i: (st.raw() if isinstance(st, _ParamState) else dict(st))
-                       for i, st in sd["state"].items()}  # the optimizer's names, copies
+        ids = set(index.values())
+        # the optimizer's names, copies; entries that are not a parameter's state stay as torch
+        # stores them
+        sd["state"] = {i: ((st.raw() if isinstance(st, _ParamState) else dict(st))
+                           if i in ids and isinstance(st, dict) else st)
+                       for i, st in sd["state"].items()}
         if self._tiered is not None:  # roots / eigenbases as the all-device path stores them
             params = {i: p for p, i in self._pindex.items()}
             values = self._tiered.materialize(self._tiered.keys())
             for (pidx, name), value in values.items():
                 sd["state"][index[params[pidx]]][name] = value
         for i, st in list(sd["state"].items()):
-            if _PENDING_IN in st:  # real zeros for the placeholders (a checkpoint writes them)
+            if i in ids and isinstance(st, dict) and _PENDING_IN in st:
+                # real zeros for the placeholders (a checkpoint writes them)
                 st = sd["state"][i] = dict(st)
                 for k, v in st.items():
                     if isinstance(v, torch.Tensor) and _PENDING_OUT_RE.fullmatch(k):
@@ -1191,6 +1337,10 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             st = sd["state"].get(index.get(p))
             if st is not None:
                 sd["state"][index[p]] = {f"{k}{_TAG_SEP}{tag}": v for k, v in st.items()}
+        for hook in post_hooks.values():
+            out = hook(self, sd)
+            if out is not None:
+                sd = out
         return sd
 
     def _untag(self, state_dict: dict) -> dict:
@@ -1220,30 +1370,42 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         return dict(state_dict, state=state)
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """torch.optim's load, checked first: a state dict that does not fit this optimizer
+        (another optimizer's, or saved for parameters of other shapes) raises ValueError naming
+        the parameter, the key and what was expected, and the optimizer is left unchanged.
+        Every state tensor is stored in the dtype this optimizer keeps it in (KL-Shampoo's
+        compute dtype, the int64 permutations; torch would cast it to the parameter's dtype),
+        as a copy. Entries of ``state`` that are not a parameter's state are kept as torch
+        keeps them. The load hooks run as torch runs them: pre hooks first, post hooks on the
+        loaded optimizer."""
+        for hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            out = hook(self, state_dict)
+            if out is not None:
+                state_dict = out
+        state_dict = self._untag(state_dict)
+        loaded, others = self._loaded_states(state_dict)
+        # checked: from here on the optimizer changes
+        self._unfinished_end = None
         self._settle_rotations()
         for rnd in self._rounds:
             rnd.drop(self._engine)
         self._rounds = []
-        state_dict = self._untag(state_dict)
-        dtypes = {i: {k: v.dtype for k, v in st.items() if isinstance(v, torch.Tensor)}
-                  for i, st in state_dict["state"].items()}
-        super().load_state_dict(state_dict)
-        if self._tiered is not None:  # torch replaced self.state by plain dicts
+        self._fail_streak, self._failed = {}, []
+        with _hooks_off(self, "_optimizer_load_state_dict_pre_hooks"), \
+                _hooks_off(self, "_optimizer_load_state_dict_post_hooks") as post_hooks:
+            super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        for p, st in loaded.items():
+            self.state[p] = st
+        for k, v in others.items():
+            self.state[k] = v
+        if self._tiered is not None:
             self._tiered.clear()
             self.state = _States(self, self.state)
         elif self._tags or self._offloads_rotation():
             self.state = _States(self, self.state)
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
         rounds: dict = {}
-        for i, p in zip(saved_ids, params):
-            if p not in self.state:
-                continue
+        for p in loaded:
             st = self.state[p]
-            # torch casts every floating-point state to the parameter's dtype: undo that (the
-            # int64 permutations, KL-Shampoo's compute dtype), and never alias the caller's dict
-            for k, dt in dtypes.get(i, {}).items():
-                st[k] = st[k].to(dtype=dt, copy=True)
             if self._tiered is not None:
                 for name in [n for n in dict.keys(st) if self._owned(p, n)]:
                     self._tiered.write(self._key(p, name), dict.pop(st, name))
@@ -1274,6 +1436,112 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self._rounds = list(rounds.values())
         if self._tiered is not None:
             self._tiered.end_step()  # NVMe-homed blocks go back to NVMe (best effort)
+        for hook in post_hooks.values():
+            hook(self)
+
+    def _loaded_states(self, state_dict: dict) -> tuple[dict, dict]:
+        """Check a state dict against this optimizer without changing anything. Returns
+        ({param: its state as it will be stored}, {key: value} of the entries that are not a
+        parameter's state)."""
+        groups, state = state_dict.get("param_groups"), state_dict.get("state")
+        if not isinstance(groups, (list, tuple)) or not isinstance(state, Mapping):
+            raise ValueError("load_state_dict: a state dict has 'state' (a dict) and "
+                             "'param_groups' (a list), as optimizer.state_dict() returns")
+        name = type(self).__name__
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"load_state_dict: the state dict has {len(groups)} param groups, "
+                             f"this {name} has {len(self.param_groups)}")
+        loaded: dict = {}
+        seen: set = set()
+        for gi, (saved, live) in enumerate(zip(groups, self.param_groups)):
+            ids = list(saved.get("params", ()))
+            if len(ids) != len(live["params"]):
+                raise ValueError(f"load_state_dict: param group {gi} of the state dict has "
+                                 f"{len(ids)} parameters, this {name}'s has "
+                                 f"{len(live['params'])}")
+            missing = [k for k in self.defaults if k not in saved]
+            if missing:
+                raise ValueError(f"load_state_dict: param group {gi} of the state dict lacks "
+                                 f"{name}'s hyperparameter(s) {missing}: it was saved by another "
+                                 f"optimizer (its keys: {sorted(k for k in saved if k != 'params')})")
+            group = {k: v for k, v in saved.items() if k != "params"}
+            self._check_hyperparameters(group)
+            if self._async:
+                self._cfg.check_frequency(group["precondition_frequency"])
+            for i, p in zip(ids, live["params"]):
+                seen.add(i)
+                st = state.get(i)
+                if st:
+                    loaded[p] = self._loaded_state(p, group, live, st)
+        others = {k: v for k, v in state.items() if k not in seen}
+        return loaded, others
+
+    def _loaded_state(self, p: torch.Tensor, group: dict, live: dict, st: Any) -> dict:
+        """One parameter's saved state, checked against what this optimizer keeps for it
+        (keys, shapes, kinds) and converted: tensors copied to the parameter's device in the
+        dtype this optimizer keeps them in."""
+        who = self._describe_param(self._pindex[p])
+        lp = local(p)
+
+        def bad(msg):
+            return ValueError(f"load_state_dict: the state of {who} {tuple(lp.shape)} does not "
+                              f"fit this {type(self).__name__}: {msg}")
+
+        if not isinstance(st, Mapping):
+            raise bad(f"expected a dict of state, found {type(st).__name__}")
+        tensors: dict = {}   # key -> (shape, dtype) it must have
+        flags: set = {"step"}
+        if lp.numel() == 0 or self._is_adamw(p, group):
+            tensors = {n: (tuple(lp.shape), lp.dtype) for n in ("exp_avg", "exp_avg_sq")}
+            required = set(tensors) | {"step"}
+        else:
+            layout = make_layout(lp.shape, group["block_size"], self._merge_dims(group),
+                                 self._max_dim(group))
+            here = self._layout(p, live)
+            if layout.block_shapes != here.block_shapes:
+                raise bad(f"it was saved with blocks {layout.block_shapes}, this optimizer "
+                          f"cuts {here.block_shapes}")
+            spec = self._state_spec(p, group, layout)
+            tensors = {n: (tuple(shape), dt) for n, _, shape, dt in spec}
+            # Shampoo's roots may be absent (a state dict from before the fixed key set)
+            required = {n for n, kind, _, _ in spec if kind != "roots"} | {"step"}
+            flags |= {_PENDING_IN, _PENDING_AGE} | set(self._flag_keys(p, group, layout))
+            for j, bshape in enumerate(layout.block_shapes):
+                for dim, has in enumerate(self._has_factor(bshape, group)):
+                    if has:
+                        flags.add(f"b{j}{_PENDING}{dim}{_PENDING_OK}")
+                        for i, (oshape, dt) in enumerate(
+                                self._output_specs(p, group, bshape[dim])):
+                            tensors[f"b{j}{_PENDING}{dim}.{i}"] = (tuple(oshape), dt)
+        missing = sorted(required - set(st))
+        if missing:
+            raise bad(f"key {missing[0]!r} is missing (keys found: {sorted(st)}); was it "
+                      f"saved by another optimizer?")
+        out = {}
+        for k, v in st.items():
+            if k in tensors:
+                shape, dt = tensors[k]
+                if not isinstance(v, torch.Tensor):
+                    raise bad(f"key {k!r}: expected a tensor of shape {shape}, found "
+                              f"{type(v).__name__}")
+                if tuple(v.shape) != shape:
+                    raise bad(f"key {k!r}: expected shape {shape}, found {tuple(v.shape)}")
+                if v.is_floating_point() != dt.is_floating_point or v.is_complex():
+                    raise bad(f"key {k!r}: expected {dt} values, found {v.dtype}")
+                out[k] = v.detach().to(device=lp.device, dtype=dt, copy=True)
+            elif k in flags:
+                if isinstance(v, torch.Tensor):
+                    if v.numel() != 1:
+                        raise bad(f"key {k!r}: expected a number, found a tensor of shape "
+                                  f"{tuple(v.shape)}")
+                    v = v.detach().clone()
+                elif not isinstance(v, (int, float)):
+                    raise bad(f"key {k!r}: expected a number, found {type(v).__name__}")
+                out[k] = v
+            else:
+                raise bad(f"unexpected key {k!r}; it keeps {sorted(required)} and the flags "
+                          f"and results of a refresh in flight")
+        return out
 
     # ---- runtime ------------------------------------------------------------------------------
     def asteria_stats(self) -> dict:
@@ -1284,9 +1552,11 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         stats["bytes_device_ring"] = 0
         stats.update(self._engine.stats())
         stats.update(self._counters)
+        stats["overflow_skipped"] = 0
+        stats.update({k: int(v) for k, v in self._lazy_counts.items()})
         dev = 0
         plan = self._plan
-        for p, st in self.state.items():
+        for p, st in self._param_states():
             pidx = self._pindex.get(p)
             for name, v in dict.items(st):
                 if _PENDING in name:  # placeholders: views of one shared zero
@@ -1355,10 +1625,34 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self._tiered = None
         plain: defaultdict = defaultdict(dict)
         for p, st in self.state.items():
-            plain[p] = st.raw() if isinstance(st, _ParamState) else dict(st)
+            plain[p] = st.raw() if isinstance(st, _ParamState) else st
         for (pidx, name), v in values.items():
             plain[params[pidx]][name] = v
         self.state = plain
+
+    # ---- copies -------------------------------------------------------------------------------
+    def __getstate__(self) -> dict:
+        """What ``copy.deepcopy`` and pickle keep: the param groups (their parameters, which a
+        deepcopy copies along with the model when both are copied together), the runtime config
+        and ``state_dict()`` (refreshes in flight waited for and kept, not installed). The copy
+        is a working optimizer with its own runtime: it continues bitwise like the original
+        would. The workers, buffers and tiered blocks are the original's and are not copied."""
+        if getattr(self, "_closed", True):
+            raise RuntimeError(f"cannot copy or pickle a closed {type(self).__name__}: copy it "
+                               f"before close(), or build a new one and load_state_dict() "
+                               f"its state_dict()")
+        return {"param_groups": self.param_groups, "defaults": self.defaults,
+                "runtime": self._cfg, "state_dict": self.state_dict(),
+                "names": dict(self._pnames)}
+
+    def __setstate__(self, state: dict) -> None:
+        if "runtime" not in state:  # torch.optim's load_state_dict sets state this way
+            super().__setstate__(state)
+            return
+        groups = [dict(g) for g in state["param_groups"]]
+        AsteriaOptimizer.__init__(self, groups, state["defaults"], state["runtime"])
+        self._pnames.update(state.get("names", {}))
+        self.load_state_dict(state["state_dict"])
 
     def __del__(self) -> None:
         try:

@@ -188,29 +188,41 @@ def kl_clamp_max(size: int, max_clamp_value: float) -> float:
 def kl_step(w: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor, factors: Mats,
             bases: Mats, scales: Sequence[Optional[torch.Tensor]], *, lr: float, beta1: float,
             shampoo_beta: float, eps: float, weight_decay: float, normalize_grads: bool,
-            clamp: Sequence[Optional[float]]) -> None:
+            clamp: Sequence[Optional[float]]) -> torch.Tensor:
     """One later KL-Shampoo step. ``g``, ``exp_avg``, factors, bases and ``scales`` (s_i, shape
     (B, d_i)) are in the compute dtype; ``w`` in the parameter's. U uses the current Q, s; the
-    factor and eigenvalue updates use the PREVIOUS Q, s (all of them, old values throughout)."""
+    factor and eigenvalue updates use the PREVIOUS Q, s (all of them, old values throughout).
+
+    A block whose new state would not be finite (a finite gradient so large that a factor,
+    an eigenvalue estimate lam or the update overflows; lam = inf gives s = 0, and the next
+    step's lerp(1/s^2, ...) = inf - inf = NaN) is left as it was: weight, moment, factors and
+    scales untouched. Decided per block on the device, without a sync. Returns the (B,) bool
+    tensor of the blocks that were updated."""
     b = shampoo_beta
-    exp_avg.lerp_(g, 1.0 - beta1)
     shape = exp_avg.shape
+    m_new = exp_avg.lerp(g, 1.0 - beta1)
 
     def broadcast(i: int, s: torch.Tensor) -> torch.Tensor:
         view = [shape[0]] + [1] * (len(shape) - 1)
         view[i + 1] = shape[i + 1]
         return s.view(view)
 
-    p = torch.ones_like(exp_avg)
+    p = torch.ones_like(m_new)
     for i, s in enumerate(scales):
         if s is not None:
             p = p * broadcast(i, s)
     p = p / (1.0 + eps * p)
-    u = project_back(project(exp_avg, bases) * p, bases)
+    u = project_back(project(m_new, bases) * p, bases)
+    if normalize_grads:
+        u = u / (_rms(u) + 1e-30)
 
+    def per_block(x: torch.Tensor) -> torch.Tensor:
+        return torch.isfinite(x).reshape(x.shape[0], -1).all(dim=1)
+
+    ok = per_block(u)
     numel = math.prod(shape[1:])
     h = project(g, bases)
-    new_scales = []
+    new_state = []
     for i, (f, s) in enumerate(zip(factors, scales)):
         if f is None:
             continue
@@ -220,21 +232,26 @@ def kl_step(w: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor, factors: Ma
             if j != i and qj is not None:
                 x = mode_mul(x, qj * sj.unsqueeze(1), j)
                 hs = hs * broadcast(j, sj)
-        f.mul_(b).add_(gram(x, i), alpha=(1.0 - b) / (numel / shape[i + 1]))
+        f_new = torch.add(f * b, gram(x, i), alpha=(1.0 - b) / (numel / shape[i + 1]))
         other = [d for d in range(1, len(shape)) if d != i + 1]
         d = hs.square().mean(dim=other) if other else hs.square()
         lam = torch.lerp(1.0 / s.square(), d, 1.0 - b)
         s_new = 1.0 / torch.sqrt(lam)
         if clamp[i] is not None:
             s_new = s_new.clamp(max=clamp[i])
-        new_scales.append((s, s_new))
-    for s, s_new in new_scales:
-        s.copy_(s_new)
+        ok = ok & per_block(f_new) & per_block(lam) & (lam > 0).all(dim=1)
+        new_state.append((f, f_new))
+        new_state.append((s, s_new))
+    new_state.append((exp_avg, m_new))
 
-    if normalize_grads:
-        u = u / (_rms(u) + 1e-30)
-    w.add_(u.to(w.dtype), alpha=-lr)
-    w.add_(w, alpha=-lr * weight_decay)
+    def keep_ok(x: torch.Tensor) -> torch.Tensor:
+        return ok.view(-1, *([1] * (x.dim() - 1)))
+
+    for old, new in new_state:
+        old.copy_(torch.where(keep_ok(old), new, old))
+    w.add_(torch.where(keep_ok(u), u, 0).to(w.dtype), alpha=-lr)
+    w.add_(torch.where(keep_ok(w), w, 0), alpha=-lr * weight_decay)
+    return ok
 
 
 # --------------------------------------------------------------------------------------------

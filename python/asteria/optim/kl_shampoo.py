@@ -164,10 +164,11 @@ class KLShampoo(AsteriaOptimizer):
         scales = self._stack_dims(members, "s", has)
         clamp = [F.kl_clamp_max(d, group["max_clamp_value"]) if h and group["using_clamping"]
                  else None for d, h in zip(g.shape[1:], has)]
-        F.kl_step(w, g, m, factors, bases, scales, lr=float(group["lr"]),
+        ok = F.kl_step(w, g, m, factors, bases, scales, lr=float(group["lr"]),
                   beta1=group["betas"][0], shampoo_beta=self._shampoo_beta(group),
                   eps=group["eps"], weight_decay=group["weight_decay"],
                   normalize_grads=group["normalize_grads"], clamp=clamp)
+        self._count_lazy("overflow_skipped", (~ok).sum())
         self._unstack(members, "exp_avg", m)
         for i, h in enumerate(has):
             if h:

@@ -99,6 +99,10 @@ class Shampoo(AsteriaOptimizer):
                     st[f"b{j}.L{i}"] = torch.zeros(shape[i], shape[i], dtype=p.dtype,
                                                    device=p.device)
 
+    def _flag_keys(self, p, group, layout):
+        return [f"b{j}.Linv{i}_set" for j, shape in enumerate(layout.block_shapes)
+                for i, has in enumerate(self._has_factor(shape, group)) if has]
+
     def _fixed_state(self, p, group, layout):
         st = self.state[p]  # the roots from the start: zero, not set, until the first install
         for j, shape in enumerate(layout.block_shapes):
