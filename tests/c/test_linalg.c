@@ -785,12 +785,22 @@ static void test_inv_root_identity_and_singular(void **state)
         assert_int_equal(call_inv_root(dtypes[d], n, a, 4, 0.5, x), 0);
         assert_le(dist_eye(n, x, pow(1.5, -0.25)), tol_for(dtypes[d], n, 1));
     }
-    /* An exact zero eigenvalue with eps == 0 has no inverse root. float32 retries in float64,
-     * which fails the same way; the outputs stay untouched either way. */
+    /* An exact zero eigenvalue is raised to the floor n eps_m l_max, so with eps == 0 a singular
+     * factor still has an inverse root there (its null-space value). */
     const double diag[9] = {3, 0, 0, 0, 0, 0, 0, 0, 1};
     for (size_t d = 0; d < 2; d++) {
+        assert_int_equal(call_inv_root(dtypes[d], n, diag, 2, 0, x), 0);
+        const double floor = n * (dtypes[d] == AST_F32 ? FLT_EPSILON : DBL_EPSILON) * 3;
+        assert_le(fabs(x[0] - pow(3, -0.5)), 1e-6);
+        assert_le(fabs(x[4] / pow(floor, -0.5) - 1), 1e-3);
+        assert_le(fabs(x[8] - 1), 1e-6);
+    }
+    /* Only an all-zero factor with eps == 0 has no inverse root. float32 retries in float64,
+     * which fails the same way; the outputs stay untouched either way. */
+    const double zero[9] = {0};
+    for (size_t d = 0; d < 2; d++) {
         const ast_dtype dt = dtypes[d];
-        void *ad = to_dt(dt, 9, diag), *xd = xalloc(9 * ast_dtype_size(dt));
+        void *ad = to_dt(dt, 9, zero), *xd = xalloc(9 * ast_dtype_size(dt));
         fill_sentinel(xd, 9 * ast_dtype_size(dt));
         assert_int_equal(ast_linalg_inv_root(dt, n, ad, 2, 0, xd), AST_ENONFINITE);
         assert_int_equal(ast_linalg_last_retried(), dt == AST_F32);

@@ -1589,6 +1589,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
     def _close(self, detier: bool) -> None:
         if getattr(self, "_closed", True):
             return
+        if detier:
+            self._settle_step_end()  # a step end a signal interrupted: its installs are state
         if detier and getattr(self, "_rotations", None):
             self._settle_rotations()
         self._closed = True
