@@ -51,8 +51,11 @@ int ast_linalg_eigh_batched(ast_dtype dt, int batch, int n, const void *a, void 
                             int *failed_index);
 
 /* Inverse p-th root X = (A + eps I)^(-1/p), computed from the eigendecomposition of A with its
- * eigenvalues clamped at 0 before eps is added: X = Q diag((max(l,0)+eps)^(-1/p)) Q^T.
- * p > 0, eps >= 0 (eps == 0 with a zero eigenvalue is reported as AST_ENONFINITE). */
+ * eigenvalues raised to the floor n eps_m l_max (eps_m the type's machine epsilon) before eps is
+ * added: X = Q diag((max(l, n eps_m l_max)+eps)^(-1/p)) Q^T. Eigenvalues below the floor are
+ * rounding noise on which LAPACKs disagree; raised to it, a rank-deficient A's null space gets
+ * one root value, independent of the eigenvectors picked there.
+ * p > 0, eps >= 0 (an all-zero A with eps == 0 is reported as AST_ENONFINITE). */
 int ast_linalg_inv_root(ast_dtype dt, int n, const void *a, double p, double eps, void *x);
 int ast_linalg_inv_root_batched(ast_dtype dt, int batch, int n, const void *a, double p,
                                 double eps, void *x, int *failed_index);

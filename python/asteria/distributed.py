@@ -12,7 +12,7 @@ ordinary engine (``CEngine`` or ``TorchEngine``): a replicated job's entries are
 their owners (the CoherenceRegistry's LPT rule, ``asteria._C.Coherence``), each rank submits only
 the entries it owns to the inner engine, and the job completes through the registry's protocol.
 Sharded (FSDP2) or unreplicated blocks go straight to the inner engine.
-May call: torch, torch.distributed (gloo process groups only), asteria.engine, asteria._C.
+May call: torch, torch.distributed (gloo process groups only), asteria.refresh (engine, ops), asteria._C.
 
 Threads. The training thread calls the Engine methods and is the only caller of the inner
 engine. One daemon thread per engine ("asteria-coherence") runs the protocol of each *unit* (the
@@ -46,7 +46,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from asteria.engine import Engine, Result, check_op
+from asteria.refresh.engine import Engine, Result
+from asteria.refresh.ops import check_op, output_spec
 
 #: environment overrides: ranks per simulated node (node = rank // N, for launches that cannot
 #: set GROUP_RANK), the collective timeout in seconds, and "flat" to turn the hierarchy off
@@ -283,16 +284,6 @@ class _Link:
 
 
 # ---- jobs, units, channels --------------------------------------------------------------------
-
-def output_spec(op: str, n: int, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """(shape, dtype) of each output of one batch entry (the table in asteria.engine)."""
-    mat = ((n, n), dtype)
-    if op == "eigh":
-        return [mat, ((n,), dtype)]
-    if op == "soap_qr":
-        return [mat, ((n,), torch.int64)]
-    return [mat]
-
 
 def _nbytes(spec) -> int:
     return sum(int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()

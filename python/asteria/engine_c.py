@@ -29,7 +29,8 @@ from typing import Any, Mapping, Optional
 import torch
 
 from asteria import _C
-from asteria.engine import Engine, Result, check_op
+from asteria.refresh.engine import Engine, Result
+from asteria.refresh.ops import check_op
 
 _C_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
 #: environment variable read at runtime creation: config "debug_job_delay_ms" (a test hook)
@@ -123,6 +124,8 @@ def _snapshot(parts: list, shape: tuple, dtype: torch.dtype, pin: bool) -> torch
 
 class CEngine(Engine):
     """REFRESH jobs on libasteria's worker pool (``mode="async"``)."""
+
+    takes_parts = True
 
     def __init__(self, cfg: Any = None, *, shadow: Any = False,
                  snapshot_ring_bytes: int = 64 << 20) -> None:

@@ -298,7 +298,7 @@ def test_replicas_without_a_process_group():
     """Outside an initialised multi-rank job nothing is replicated and engines are not wrapped;
     set_replicas declares a replica set by hand (sorted) or marks parameters rank-local."""
     from asteria import distributed as AD
-    from asteria.engine_torch import TorchEngine
+    from asteria.refresh.inline_torch import TorchEngine
 
     p = torch.nn.Parameter(torch.zeros(3))
     assert AD.replicas(p) is None

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from asteria import _C
-from asteria.engine import Result
+from asteria.refresh.engine import Result
 from asteria.engine_c import CEngine, c_config
 
 TOL = {torch.float64: 1e-10, torch.float32: 2e-4}
@@ -368,7 +368,7 @@ def test_soap_rotate(eng, dtype, sides, shape):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("sides,shape", ROTATE_CASES)
 def test_soap_rotate_torch_engine(dtype, sides, shape):
-    from asteria.engine_torch import TorchEngine
+    from asteria.refresh.inline_torch import TorchEngine
 
     n, n1 = shape
     x, a, b = rotate_inputs(3, n, n1, dtype, seed=70 + n1, sides=sides)
@@ -448,7 +448,7 @@ def test_soap_rotate_nonfinite_fails(eng):
     res = submit_wait(eng, "soap_rotate", x, a, b=b)
     assert res.status == _C.AST_ENONFINITE and res.outputs is None
     assert "block 1 of the batch" in res.error
-    from asteria.engine_torch import TorchEngine
+    from asteria.refresh.inline_torch import TorchEngine
 
     e = TorchEngine()
     res = e.wait(e.submit("soap_rotate", x, a, b=b, **ids()))
@@ -456,8 +456,8 @@ def test_soap_rotate_nonfinite_fails(eng):
 
 
 def test_soap_rotate_check_op_errors(eng):
-    from asteria.engine import check_op
-    from asteria.engine_torch import TorchEngine
+    from asteria.refresh.ops import check_op
+    from asteria.refresh.inline_torch import TorchEngine
 
     x, a, b = rotate_inputs(2, 4, 6, torch.float64, seed=83, sides="ab")
     for e in (eng, TorchEngine()):

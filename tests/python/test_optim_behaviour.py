@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 
-import asteria.engine
-from asteria.engine_torch import TorchEngine
+import asteria.refresh.select
+from asteria.refresh.inline_torch import TorchEngine
 from asteria.optim import KLShampoo, SOAP, Shampoo
 from models import (assert_lockstep, assert_params_close, lockstep, loss_and_grad, make_model,
                     params_of, require_c_extension)
@@ -238,7 +238,8 @@ class _FailingEngine(TorchEngine):
 
 @pytest.mark.parametrize("name", ["soap", "kl_shampoo"])
 def test_failed_refresh_keeps_previous_basis(name, monkeypatch):
-    monkeypatch.setattr(asteria.engine, "make_engine", lambda cfg: _FailingEngine())
+    monkeypatch.setattr(asteria.refresh.select, "make_engine",
+                        lambda cfg, plan=None, params=(): _FailingEngine())
     make_opt, _ = OPTIMIZERS[name]
     model = make_model("mlp")
     opt = make_opt(model.parameters(), runtime=SYNC)

@@ -133,7 +133,7 @@ def test_rank_deficient_factor_roots_agree_sync_and_async(dtype):
 
 def test_inverse_root_floor_matches_restatement():
     """The torch engine's inverse root against a plain restatement of the floor rule."""
-    from asteria.engine_torch import compute
+    from asteria.refresh.inline_torch import compute
 
     torch.manual_seed(1)
     g = torch.randn(16, 3, dtype=torch.float64)

@@ -1,8 +1,9 @@
-"""The checkpoint form of one parameter's Asteria state, and the fake-step test for AdamW.
+"""Helpers for ``MatrixAwareAsteria``'s checkpoints: the nested form DCP reconstructs, and the
+fake-step test for AdamW.
 
-Owns the translation between an Asteria optimizer's per-parameter ``state_dict()`` entry and
-the form ``MatrixAwareAsteria`` checkpoints, and the test for "this torch.optim.AdamW state is
-what torch.distributed.checkpoint's empty-state fake step left". Calls only torch; no state.
+Owns the test for "this torch.optim.AdamW state is what torch.distributed.checkpoint's
+empty-state fake step left" and the undoing of DCP's nested reconstruction. Calls only torch;
+no state.
 
 torch.distributed.checkpoint loads a flattened optimizer state dict into the live state of the
 freshly built optimizer after its "fake step" (zero gradients, lr 0), keeping only the keys it
@@ -10,9 +11,7 @@ has. The Asteria optimizers now keep one fixed key set per parameter from its st
 on (``asteria.optim._base``, "Checkpoints through torch.distributed.checkpoint"): a REFRESH in
 flight is ``pending.install_in`` (-1: none), ``pending.age``, ``b{j}.pending{dim}.{i}`` (zero
 placeholders) with ``b{j}.pending{dim}_ok``, and Shampoo's roots exist from the start with
-``b{j}.Linv{i}_set``. So the optimizer's own form *is* the checkpoint form: ``to_checkpoint``
-and ``from_checkpoint`` only copy (they stay so that a checkpoint written by an earlier
-version, whose form had these keys added here, loads the same way: the optimizer reads them).
+``b{j}.Linv{i}_set``. So the optimizer's own form is the checkpoint form, stored as it is.
 The optimizers also forget the state of the fake step themselves; only torch.optim.AdamW's
 (``is_fake_step_adamw``) is left to ``MatrixAwareAsteria``.
 
@@ -26,20 +25,6 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
-
-from asteria.optim._base import NO_ROUND  # noqa: F401  (pending.install_in without a round)
-
-
-def to_checkpoint(st: Mapping[str, Any]) -> dict[str, Any]:
-    """The optimizer's form -> checkpoint form (the same keys and values). ``st`` is not
-    modified."""
-    return dict(st)
-
-
-def from_checkpoint(ck: Mapping[str, Any]) -> dict[str, Any]:
-    """Checkpoint form -> the optimizer's form, which ``load_state_dict`` takes as is (also
-    the form of earlier versions). ``ck`` is not modified."""
-    return dict(ck)
 
 
 def join_nested(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

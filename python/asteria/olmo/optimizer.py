@@ -246,7 +246,7 @@ class MatrixAwareAsteria(torch.optim.Optimizer):
             if self._is_method(g):
                 st = method_sd["state"].get(order[self._stand_in[p]])
                 if st:
-                    state[i] = {self._keys[p]: ck.to_checkpoint(st)}
+                    state[i] = {self._keys[p]: dict(st)}
             elif self.adamw.state.get(p):
                 state[i] = dict(self.adamw.state[p])
         sd = {"state": state, "param_groups": _packed_groups(self.param_groups)}
@@ -290,8 +290,7 @@ class MatrixAwareAsteria(torch.optim.Optimizer):
                 raise ValueError(f"the checkpoint state of an Asteria parameter has keys "
                                  f"{sorted(st)}, expected {key!r}: it was saved with another "
                                  f"sharding of the parameter")
-            method_state[method_order[self._stand_in[p]]] = ck.from_checkpoint(
-                ck.join_nested(st[key]))
+            method_state[method_order[self._stand_in[p]]] = ck.join_nested(st[key])
         for s, g in zip(saved_groups, self.param_groups):
             params = g["params"]
             g.clear()

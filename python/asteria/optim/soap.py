@@ -1,7 +1,9 @@
 """``asteria.SOAP``: Shampoo's eigenbasis with Adam in it (Vyas et al., ICLR 2025).
 
 Owns SOAP's hyperparameters, per-block state layout and the install of a refreshed basis; the
-math is in ``functional`` (soap_init / soap_step / soap_install), the scheduling in ``_base``.
+math is in ``functional`` (soap_init / soap_step / soap_install), the scheduling in
+``_schedule``. At an install, m is re-expressed in the new basis by a worker while the next
+forward and backward run (``soap_rotate`` jobs, docs/departures.md); its first read waits.
 
 State of a preconditioned parameter: ``step`` (k) and per block j ``b{j}.exp_avg`` (m),
 ``b{j}.exp_avg_sq`` (v), both in the rotated basis, and for every dimension i with a factor
@@ -14,16 +16,30 @@ of a refresh in flight (``pending.install_in``, ``pending.age``, ``b{j}.pending{
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import warnings
 from typing import Optional
 
 import torch
 
 from asteria.optim import functional as F
+from asteria.refresh.inline_torch import soap_rotate
 from asteria.optim._base import (INIT, AsteriaOptimizer, check_common, eigh_input, init_bases,
-                                 install_bases, is_int, require)
+                                 install_bases, is_int, local, require)
 
 _FACTOR = re.compile(r"b\d+\.GG\d+")
+
+
+@dataclasses.dataclass
+class _Rotation:
+    """One soap_rotate job: the members whose m it re-expresses, its inputs (kept for a
+    fallback on failure) and the block shape of m."""
+
+    ticket: int
+    members: list
+    inputs: tuple
+    shape: tuple
 
 
 class SOAP(AsteriaOptimizer):
@@ -39,7 +55,6 @@ class SOAP(AsteriaOptimizer):
     none, preconditions the group as usual.
     """
 
-    _rotates_m = True
 
     def __init__(self, params, lr: float = 3e-3, betas=(0.95, 0.95), shampoo_beta: float = -1,
                  eps: float = 1e-8, weight_decay: float = 0.01, precondition_frequency: int = 10,
@@ -167,7 +182,7 @@ class SOAP(AsteriaOptimizer):
             perms.append(torch.stack(ps))
         if offload:
             # v permuted here (cheap), m re-expressed by a worker while the next forward and
-            # backward run; the next read of m waits for it (AsteriaOptimizer._submit_rotation)
+            # backward run; the next read of m waits for it (_submit_rotation)
             F.soap_permute(v, perms)
             self._submit_rotation(members, m, pairs)
         else:
@@ -177,6 +192,66 @@ class SOAP(AsteriaOptimizer):
         for i, q in enumerate(new):
             if q is not None:
                 self._unstack(members, f"Q{i}", q)
+
+    # ---- m's re-expression on the workers ------------------------------------------------------
+    def _offloads_rotation(self) -> bool:
+        """Is SOAP's m re-expression at install handed to the workers? Only with an executor
+        that takes inputs made for it (libasteria's pool, ``mode="async"``), rank-local (a
+        replicated block's m is re-expressed by every replica itself, on its own thread)."""
+        return self._local_c_engine()
+
+    def _rotation_offload(self, members: list, ndim: int) -> bool:
+        """Offload the re-expression of these members' m: CPU parameters (on a GPU it is two
+        device matmuls per side, cheaper than the round trip) with blocks of at most 2 dims
+        (the op's layout)."""
+        return (self._offloads_rotation() and ndim <= 2
+                and all(local(p).device.type == "cpu" for p, _ in members))
+
+    def _submit_rotation(self, members: list, m: torch.Tensor, pairs: list) -> None:
+        """Start m_new = Q_new^T (Q_old m Q_old^T) Q_new (per side) on a worker; m stays as it
+        is until a read of it waits for the result (``_settle_rotation``). ``m`` (a stack made
+        for this) and ``pairs`` ((B, 2, n, n): old, new basis per block; None: identity side)
+        are given to the job: the worker reads them in place, nothing here writes them."""
+        x = m.reshape(m.shape[0], m.shape[1], -1)
+        pairs = list(pairs) + [None] * (2 - len(pairs))
+        key = ("soap_rotate", tuple((self._pindex[p], j) for p, j in members))
+        block = self._block_keys.setdefault(key, len(self._block_keys) + 1)
+        version = self._versions[block] = self._versions.get(block, 0) + 1
+        ticket = self._engine.submit("soap_rotate", x, pairs[0], b=pairs[1], block=block,
+                                     version=version, deadline=self._t + 1,
+                                     snapshot_step=self._t, host_outputs=True,
+                                     donate=("f", "q", "b"))
+        self._counters["rotations_submitted"] += 1
+        rot = _Rotation(ticket, list(members), (x, pairs[0], pairs[1]), tuple(m.shape[1:]))
+        for p, j in members:
+            self._rotations[(p, f"b{j}.exp_avg")] = rot
+
+    def _settle_rotation(self, p, name) -> None:
+        rot = self._rotations.get((p, name))
+        if rot is not None:
+            self._finish_rotation(rot)
+
+    def _settle_rotations(self) -> None:
+        for rot in list({id(r): r for r in self._rotations.values()}.values()):
+            self._finish_rotation(rot)
+
+    def _finish_rotation(self, rot: "_Rotation") -> None:
+        """Wait for a rotation job and write its result into m; a failed job is redone here
+        with torch (the result is the same math; the state must not keep the old basis' m)."""
+        res = self._engine.wait(rot.ticket)  # an interrupted wait leaves the rotation pending
+        for p, j in rot.members:
+            self._rotations.pop((p, f"b{j}.exp_avg"), None)
+        if res.status == 0:
+            out = res.outputs[0]
+        else:
+            self._counters["rotation_failures"] += 1
+            warnings.warn(f"Asteria: re-expressing SOAP's first moment on a worker failed "
+                          f"({res.error}); done on the training thread instead",
+                          RuntimeWarning, stacklevel=3)
+            out = soap_rotate(*rot.inputs)[0]
+        for i, (p, j) in enumerate(rot.members):
+            dst = dict.__getitem__(self.state[p], f"b{j}.exp_avg")
+            dst.copy_(out[i].reshape(rot.shape))
 
 
 def _stacks_of(opt, outputs: dict):

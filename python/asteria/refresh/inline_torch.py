@@ -1,4 +1,4 @@
-"""``TorchEngine``: the ``mode="sync"`` REFRESH engine, the native reference.
+"""``TorchEngine``: the ``mode="sync"`` REFRESH executor, the native reference.
 
 Owns: nothing but a table of finished results and its counters. Every job is computed inline
 with ``torch.linalg`` (``soap_rotate``: plain matmuls) at ``submit`` time, on the inputs' own
@@ -6,9 +6,10 @@ device and dtype, so ``ready`` is always true and ``wait`` never blocks. It may 
 torch. Single-threaded use (the optimizer's training thread); no locks.
 
 Numerics follow include/asteria/linalg.h: eigenvalues descending, inverse roots with eigenvalues
-clamped at 0 before eps, SOAP's stable descending sort, float32 retried once in float64, and a
-failure (non-finite input or result, a torch error, non-convergence) reported as a negative
-status with no outputs, so the caller keeps its previous preconditioner.
+raised to the floor n eps_m lam_max before eps, SOAP's stable descending sort, float32 retried
+once in float64, half precision computed in float32, and a failure (non-finite input or
+result, a torch error, non-convergence) reported as a negative status with no outputs, so the
+caller keeps its previous preconditioner.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any, Optional
 
 import torch
 
-from asteria.engine import Engine, Result, check_op
+from asteria.refresh.engine import Engine, Result
+from asteria.refresh.ops import check_op
 
 AST_ENOCONV = -7
 AST_ENONFINITE = -8
@@ -100,22 +102,22 @@ def soap_rotate(x: torch.Tensor, a: Optional[torch.Tensor],
     return (x,)
 
 
+#: the torch function of each op of ``asteria.refresh.ops.OPS``: (f, q, p, eps, b) -> outputs
+FUNCTIONS = {
+    "eigh": lambda f, q, p, eps, b: _eigh(f),
+    "inv_root": lambda f, q, p, eps, b: _inv_root(f, p, eps),
+    "newton_root": lambda f, q, p, eps, b: _newton_root(f, p, eps),
+    "soap_qr": lambda f, q, p, eps, b: _soap_qr(f, q),
+    "kl_qr": lambda f, q, p, eps, b: _kl_qr(f, q),
+    "soap_rotate": lambda f, q, p, eps, b: soap_rotate(f, q, b),
+}
+
+
 def compute(op: str, f: torch.Tensor, q: Optional[torch.Tensor], p: float,
             eps: float, b: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
     """One REFRESH op on batched inputs, in their dtype. Raises _Failure. ``b``: the B pair
     of ``soap_rotate`` (``q`` its A pair)."""
-    if op == "eigh":
-        out = _eigh(f)
-    elif op == "inv_root":
-        out = _inv_root(f, p, eps)
-    elif op == "newton_root":
-        out = _newton_root(f, p, eps)
-    elif op == "soap_qr":
-        out = _soap_qr(f, q)
-    elif op == "soap_rotate":
-        out = soap_rotate(f, q, b)
-    else:
-        out = _kl_qr(f, q)
+    out = FUNCTIONS[op](f, q, p, eps, b)
     for t in out:
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise _Failure(AST_ENONFINITE, f"{op}: non-finite result")

@@ -1,0 +1,350 @@
+"""Checkpoints of an Asteria optimizer: ``state_dict`` / ``load_state_dict`` in torch.optim's
+form, checked loads, and copies (``copy.deepcopy``, pickle).
+
+Owns: the checkpoint form of the state (the optimizer's own key names; a refresh in flight
+stored as its results, not installed), the check of a loaded state dict against this
+optimizer, and the dtype each loaded tensor is kept in. May call: torch, the optimizer's
+placement (``_tiered``), schedule (``_rounds``) and subclass hooks (``_state_spec``,
+``_output_specs``, ``_flag_keys``). Single-threaded (the training thread).
+
+Checkpoints through torch.distributed.checkpoint (DCP).
+ - Fixed key set. A flattened load (``StateDictOptions(flatten_optimizer_state_dict=True)``)
+   keeps only the keys the live ``optimizer.state`` of the loading optimizer has, and that one
+   is fresh: DCP's fake step made its state. So a preconditioned parameter's state has one key
+   set from its creation on, the same live and in ``state_dict()``: with S > 0 the keys of a
+   refresh in flight always exist (``pending.install_in`` = -1 (``NO_ROUND``) and
+   ``pending.age`` = 0 without one; ``b{j}.pending{dim}.{i}`` zero placeholders of the outputs'
+   shapes and dtypes, with ``b{j}.pending{dim}_ok`` = 0), and so do Shampoo's roots (zeros with
+   ``b{j}.Linv{i}_set`` = 0 before the first install). Live, a placeholder is a stride-0 view of
+   one shared zero (no memory); ``state_dict()`` hands out real zeros or the results. With
+   S = 0 (``mode="sync"``) nothing is ever in flight at a step end and the pending keys do not
+   exist.
+ - The fake step. DCP materialises the state of an optimizer without one by ``step()`` with
+   zero gradients and lr 0. It launches no engine job (zero factors get the identity basis;
+   a refresh due then is not submitted), and the next real step of a parameter whose state is
+   exactly what it leaves (SOAP / KL-Shampoo: step 0 with zero factors, hence identity bases;
+   Shampoo: step 1 with zero factors, momentum and grafting state; AdamW path: step 1 with
+   zero moments) starts that parameter afresh, so the trajectory is that of a run without the
+   fake step. (An all-zero first gradient leaves the same state and is treated the same way.)
+ - FSDP2 across several ranks: the state of a sharded DTensor parameter is its local shard's,
+   a plain tensor per rank; DCP keeps one copy of a plain value that several ranks save under
+   one name. So its keys carry the shard's tag (``b0.exp_avg@shard1of2``, ``step@shard1of2``;
+   ``shard_tag``), live and in ``state_dict()``, and every rank's copy is kept (uneven shards,
+   a different key set per rank included). Resuming needs the same mesh and sharding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections import defaultdict
+from typing import Any, Mapping
+
+import torch
+
+from asteria.optim._blocking import make_layout
+from asteria.optim._schedule import (_PENDING, _PENDING_AGE, _PENDING_IN, _PENDING_OK,
+                                     _PENDING_OK_RE, _PENDING_OUT_RE, NO_ROUND, REFRESH, _Round)
+from asteria.optim._state import _TAG_RE, _TAG_SEP, _count, _ParamState, _States, local
+
+
+@contextlib.contextmanager
+def _hooks_off(opt, attr: str):
+    """torch.optim runs the hooks in ``opt.<attr>`` itself; with them set aside the caller
+    runs them where they belong (on the state dict it returns, on the state it loaded)."""
+    hooks = getattr(opt, attr)
+    setattr(opt, attr, type(hooks)())
+    try:
+        yield hooks
+    finally:
+        setattr(opt, attr, hooks)
+
+
+class CheckpointMixin:
+    """The checkpoint part of ``AsteriaOptimizer``."""
+
+    def state_dict(self) -> dict:
+        """torch.optim's state dict, with the same keys as the live state (the fixed key set):
+        a refresh in flight is waited for and stored, not installed, in its
+        ``b{j}.pending{dim}.{i}`` tensors (flag ``b{j}.pending{dim}_ok`` = 1) with
+        ``pending.install_in`` / ``pending.age``; without one they are zeros, flags 0 and
+        ``pending.install_in`` = -1.
+
+        The state of a DTensor parameter sharded over several ranks (FSDP2) is its local
+        shard's, under keys tagged with the shard (``b0.exp_avg@shard1of2``, ``step@...``, as
+        the live state shows them): torch.distributed.checkpoint keeps one copy of a plain
+        value saved under one name by several ranks, so untagged keys would lose all ranks'
+        state but one. Resuming needs the same mesh and sharding (``load_state_dict`` raises
+        ValueError on another shard's keys)."""
+        self._settle_step_end()
+        self._settle_rotations()
+        for rnd in self._rounds:
+            rnd.resolve(self._engine)
+        # torch's post hooks must see the state dict as returned: they run after ours is built
+        with _hooks_off(self, "_optimizer_state_dict_post_hooks") as post_hooks:
+            sd = super().state_dict()
+        index = {}
+        for p in itertools.chain.from_iterable(g["params"] for g in self.param_groups):
+            index.setdefault(p, len(index))
+        ids = set(index.values())
+        # the optimizer's names, copies; entries that are not a parameter's state stay as torch
+        # stores them
+        sd["state"] = {i: ((st.raw() if isinstance(st, _ParamState) else dict(st))
+                           if i in ids and isinstance(st, dict) else st)
+                       for i, st in sd["state"].items()}
+        if self._tiered is not None:  # roots / eigenbases as the all-device path stores them
+            params = {i: p for p, i in self._pindex.items()}
+            values = self._tiered.materialize(self._tiered.keys())
+            for (pidx, name), value in values.items():
+                sd["state"][index[params[pidx]]][name] = value
+        for i, st in list(sd["state"].items()):
+            if i in ids and isinstance(st, dict) and _PENDING_IN in st:
+                # real zeros for the placeholders (a checkpoint writes them)
+                st = sd["state"][i] = dict(st)
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor) and _PENDING_OUT_RE.fullmatch(k):
+                        st[k] = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+        for rnd in self._rounds:
+            for p, outs in rnd.outputs.items():
+                st = dict(sd["state"][index[p]])
+                st[_PENDING_IN] = rnd.install_step - self._t
+                st[_PENDING_AGE] = self._t - rnd.snapshot_step
+                for (j, dim), out in outs.items():
+                    if out is None:  # the job failed: nothing to install
+                        continue
+                    for i, tensor in enumerate(out):
+                        st[f"b{j}{_PENDING}{dim}.{i}"] = tensor
+                    st[f"b{j}{_PENDING}{dim}{_PENDING_OK}"] = 1
+                sd["state"][index[p]] = st
+        for p, tag in self._tags.items():  # per-shard state: the shard's own key names
+            st = sd["state"].get(index.get(p))
+            if st is not None:
+                sd["state"][index[p]] = {f"{k}{_TAG_SEP}{tag}": v for k, v in st.items()}
+        for hook in post_hooks.values():
+            out = hook(self, sd)
+            if out is not None:
+                sd = out
+        return sd
+
+    def _untag(self, state_dict: dict) -> dict:
+        """A loaded state dict under the optimizer's key names: a sharded parameter's own tag
+        stripped; another shard's tag (another mesh or rank) is a ValueError."""
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        state = dict(state_dict["state"])
+        for i, p in zip(saved_ids, params):
+            st = state.get(i)
+            if not st:
+                continue
+            tag = self._tags.get(p)
+            out = {}
+            for k, v in st.items():
+                m = _TAG_RE.search(k) if isinstance(k, str) else None
+                if m is not None and m.end() == len(k):
+                    if m.group(0) != _TAG_SEP + str(tag):
+                        here = f"shard {tag}" if tag else "an unsharded parameter"
+                        raise ValueError(
+                            f"optimizer state key {k!r} of parameter {self._pindex[p]} belongs "
+                            f"to shard {m.group(0)[1:]}, this rank has {here}: a sharded "
+                            f"checkpoint resumes on the same mesh and sharding only")
+                    k = k[:m.start()]
+                out[k] = v
+            state[i] = out
+        return dict(state_dict, state=state)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch.optim's load, checked first: a state dict that does not fit this optimizer
+        (another optimizer's, or saved for parameters of other shapes) raises ValueError naming
+        the parameter, the key and what was expected, and the optimizer is left unchanged.
+        Every state tensor is stored in the dtype this optimizer keeps it in (KL-Shampoo's
+        compute dtype, the int64 permutations; torch would cast it to the parameter's dtype),
+        as a copy. Entries of ``state`` that are not a parameter's state are kept as torch
+        keeps them. The load hooks run as torch runs them: pre hooks first, post hooks on the
+        loaded optimizer."""
+        for hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            out = hook(self, state_dict)
+            if out is not None:
+                state_dict = out
+        state_dict = self._untag(state_dict)
+        loaded, others = self._loaded_states(state_dict)
+        # checked: from here on the optimizer changes
+        self._unfinished_end = None
+        self._settle_rotations()
+        for rnd in self._rounds:
+            rnd.drop(self._engine)
+        self._rounds = []
+        self._fail_streak, self._failed = {}, []
+        with _hooks_off(self, "_optimizer_load_state_dict_pre_hooks"), \
+                _hooks_off(self, "_optimizer_load_state_dict_post_hooks") as post_hooks:
+            super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        for p, st in loaded.items():
+            self.state[p] = st
+        for k, v in others.items():
+            self.state[k] = v
+        if self._tiered is not None:
+            self._tiered.clear()
+            self.state = _States(self, self.state)
+        elif self._tags or self._offloads_rotation():
+            self.state = _States(self, self.state)
+        rounds: dict = {}
+        for p in loaded:
+            st = self.state[p]
+            if self._tiered is not None:
+                for name in [n for n in dict.keys(st) if self._owned(p, n)]:
+                    self._tiered.write(self._key(p, name), dict.pop(st, name))
+            group = self._group_of(p)
+            if p.numel() == 0 or self._is_adamw(p, group):
+                continue
+            install_in = _count(st.pop(_PENDING_IN, NO_ROUND))
+            age = _count(st.pop(_PENDING_AGE, 0))
+            outs: dict = defaultdict(dict)
+            oks: dict = {}
+            for k in [k for k in dict.keys(st) if _PENDING in k]:
+                m = _PENDING_OUT_RE.fullmatch(k)
+                if m:
+                    outs[(int(m.group(1)), int(m.group(2)))][int(m.group(3))] = st.pop(k)
+                    continue
+                m = _PENDING_OK_RE.fullmatch(k)
+                if m:
+                    oks[(int(m.group(1)), int(m.group(2)))] = _count(st.pop(k))
+            if install_in != NO_ROUND:
+                rnd = rounds.get((install_in, age))
+                if rnd is None:
+                    rnd = rounds[(install_in, age)] = _Round(
+                        REFRESH, self._t - age, self._t + install_in, [], outputs={})
+                # without a flag (a state dict from before the fixed key set): present = a result
+                rnd.outputs[p] = {key: tuple(v[n] for n in sorted(v))
+                                  for key, v in outs.items() if oks.get(key, 1)}
+            self._fixed_state(p, group, self._layout(p, group))
+        self._rounds = list(rounds.values())
+        if self._tiered is not None:
+            self._tiered.end_step()  # NVMe-homed blocks go back to NVMe (best effort)
+        for hook in post_hooks.values():
+            hook(self)
+
+    def _loaded_states(self, state_dict: dict) -> tuple[dict, dict]:
+        """Check a state dict against this optimizer without changing anything. Returns
+        ({param: its state as it will be stored}, {key: value} of the entries that are not a
+        parameter's state)."""
+        groups, state = state_dict.get("param_groups"), state_dict.get("state")
+        if not isinstance(groups, (list, tuple)) or not isinstance(state, Mapping):
+            raise ValueError("load_state_dict: a state dict has 'state' (a dict) and "
+                             "'param_groups' (a list), as optimizer.state_dict() returns")
+        name = type(self).__name__
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"load_state_dict: the state dict has {len(groups)} param groups, "
+                             f"this {name} has {len(self.param_groups)}")
+        loaded: dict = {}
+        seen: set = set()
+        for gi, (saved, live) in enumerate(zip(groups, self.param_groups)):
+            ids = list(saved.get("params", ()))
+            if len(ids) != len(live["params"]):
+                raise ValueError(f"load_state_dict: param group {gi} of the state dict has "
+                                 f"{len(ids)} parameters, this {name}'s has "
+                                 f"{len(live['params'])}")
+            missing = [k for k in self.defaults if k not in saved]
+            if missing:
+                raise ValueError(f"load_state_dict: param group {gi} of the state dict lacks "
+                                 f"{name}'s hyperparameter(s) {missing}: it was saved by another "
+                                 f"optimizer (its keys: {sorted(k for k in saved if k != 'params')})")
+            group = {k: v for k, v in saved.items() if k != "params"}
+            self._check_hyperparameters(group)
+            if self._async:
+                self._cfg.check_frequency(group["precondition_frequency"])
+            for i, p in zip(ids, live["params"]):
+                seen.add(i)
+                st = state.get(i)
+                if st:
+                    loaded[p] = self._loaded_state(p, group, live, st)
+        others = {k: v for k, v in state.items() if k not in seen}
+        return loaded, others
+
+    def _loaded_state(self, p: torch.Tensor, group: dict, live: dict, st: Any) -> dict:
+        """One parameter's saved state, checked against what this optimizer keeps for it
+        (keys, shapes, kinds) and converted: tensors copied to the parameter's device in the
+        dtype this optimizer keeps them in."""
+        who = self._describe_param(self._pindex[p])
+        lp = local(p)
+
+        def bad(msg):
+            return ValueError(f"load_state_dict: the state of {who} {tuple(lp.shape)} does not "
+                              f"fit this {type(self).__name__}: {msg}")
+
+        if not isinstance(st, Mapping):
+            raise bad(f"expected a dict of state, found {type(st).__name__}")
+        tensors: dict = {}   # key -> (shape, dtype) it must have
+        flags: set = {"step"}
+        if lp.numel() == 0 or self._is_adamw(p, group):
+            tensors = {n: (tuple(lp.shape), lp.dtype) for n in ("exp_avg", "exp_avg_sq")}
+            required = set(tensors) | {"step"}
+        else:
+            layout = make_layout(lp.shape, group["block_size"], self._merge_dims(group),
+                                 self._max_dim(group))
+            here = self._layout(p, live)
+            if layout.block_shapes != here.block_shapes:
+                raise bad(f"it was saved with blocks {layout.block_shapes}, this optimizer "
+                          f"cuts {here.block_shapes}")
+            spec = self._state_spec(p, group, layout)
+            tensors = {n: (tuple(shape), dt) for n, _, shape, dt in spec}
+            # Shampoo's roots may be absent (a state dict from before the fixed key set)
+            required = {n for n, kind, _, _ in spec if kind != "roots"} | {"step"}
+            flags |= {_PENDING_IN, _PENDING_AGE} | set(self._flag_keys(p, group, layout))
+            for j, bshape in enumerate(layout.block_shapes):
+                for dim, has in enumerate(self._has_factor(bshape, group)):
+                    if has:
+                        flags.add(f"b{j}{_PENDING}{dim}{_PENDING_OK}")
+                        for i, (oshape, dt) in enumerate(
+                                self._output_specs(p, group, bshape[dim])):
+                            tensors[f"b{j}{_PENDING}{dim}.{i}"] = (tuple(oshape), dt)
+        missing = sorted(required - set(st))
+        if missing:
+            raise bad(f"key {missing[0]!r} is missing (keys found: {sorted(st)}); was it "
+                      f"saved by another optimizer?")
+        out = {}
+        for k, v in st.items():
+            if k in tensors:
+                shape, dt = tensors[k]
+                if not isinstance(v, torch.Tensor):
+                    raise bad(f"key {k!r}: expected a tensor of shape {shape}, found "
+                              f"{type(v).__name__}")
+                if tuple(v.shape) != shape:
+                    raise bad(f"key {k!r}: expected shape {shape}, found {tuple(v.shape)}")
+                if v.is_floating_point() != dt.is_floating_point or v.is_complex():
+                    raise bad(f"key {k!r}: expected {dt} values, found {v.dtype}")
+                out[k] = v.detach().to(device=lp.device, dtype=dt, copy=True)
+            elif k in flags:
+                if isinstance(v, torch.Tensor):
+                    if v.numel() != 1:
+                        raise bad(f"key {k!r}: expected a number, found a tensor of shape "
+                                  f"{tuple(v.shape)}")
+                    v = v.detach().clone()
+                elif not isinstance(v, (int, float)):
+                    raise bad(f"key {k!r}: expected a number, found {type(v).__name__}")
+                out[k] = v
+            else:
+                raise bad(f"unexpected key {k!r}; it keeps {sorted(required)} and the flags "
+                          f"and results of a refresh in flight")
+        return out
+
+    def __getstate__(self) -> dict:
+        """What ``copy.deepcopy`` and pickle keep: the param groups (their parameters, which a
+        deepcopy copies along with the model when both are copied together), the runtime config
+        and ``state_dict()`` (refreshes in flight waited for and kept, not installed). The copy
+        is a working optimizer with its own runtime: it continues bitwise like the original
+        would. The workers, buffers and tiered blocks are the original's and are not copied."""
+        if getattr(self, "_closed", True):
+            raise RuntimeError(f"cannot copy or pickle a closed {type(self).__name__}: copy it "
+                               f"before close(), or build a new one and load_state_dict() "
+                               f"its state_dict()")
+        return {"param_groups": self.param_groups, "defaults": self.defaults,
+                "runtime": self._cfg, "state_dict": self.state_dict(),
+                "names": dict(self._pnames)}
+
+    def __setstate__(self, state: dict) -> None:
+        if "runtime" not in state:  # torch.optim's load_state_dict sets state this way
+            super().__setstate__(state)
+            return
+        groups = [dict(g) for g in state["param_groups"]]
+        self._rebuild(groups, state["defaults"], state["runtime"])
+        self._pnames.update(state.get("names", {}))
+        self.load_state_dict(state["state_dict"])

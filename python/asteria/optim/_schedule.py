@@ -1,0 +1,315 @@
+"""The staleness schedule of an Asteria optimizer: snapshot at t, install at t + S, the
+bounded barrier, and what a failed REFRESH does.
+
+Owns: the rounds of REFRESH jobs in flight, the block keys and versions the engine's failure
+counting sees, the consecutive-failure counts, and the step end (installs, then new
+snapshots). S is read from the runtime config here and nowhere else (``_delay``). May call:
+the engine (``submit`` / ``ready`` / ``wait``), the optimizer's subclass hooks
+(``_refresh_input``, ``_install``, ``_output_specs``). Single-threaded (the training thread);
+the engine's workers never see these objects.
+
+Schedule (DESIGN.md, "Staleness"). Steps are counted per ``step()`` call (t = 1, 2, ...).
+ - At the end of step t, first every round whose time has come is installed: its install step
+   t_snapshot + S has come (``install="deterministic"``: exactly then, waiting at the bounded
+   barrier if need be), or (``install="eager"``) all its jobs are ready. Then the factors that
+   came due in step t (k % f == 0 for their parameter) are snapshotted and submitted: one
+   batched job per (op, factor size, dtype, device), grouped over all same-shape blocks of all
+   parameters. A round whose install step is t (``mode="sync"``, or S = 0) is installed at once.
+   So a refresh always starts from the newest installed basis, and with 0 <= S <= f a parameter
+   never has two refreshes in flight. Each job carries a block key that is stable for its set of
+   (parameter, block, dimension) targets, so the C pool's failure counting sees one block.
+ - The first-step eigendecomposition of SOAP and KL-Shampoo goes through the engine too, but is
+   waited for at once whatever S is: before it no basis exists to precondition with. A factor
+   that is c*I (the all-zero "fake step" of torch.distributed.checkpoint) gets the identity as
+   its basis without any job.
+ - A parameter with a non-finite gradient is skipped entirely (parameter, state, step count and
+   refresh schedule untouched) and counted. A job that fails keeps the previous preconditioner.
+ - ``state_dict()`` waits for the rounds in flight and stores their results, not installed,
+   with the number of steps until their install, in the parameters' state; ``load_state_dict``
+   turns them back into rounds, so the run resumes on the same trajectory.
+ - A wait at the bounded barrier that a signal interrupts (Ctrl-C) loses nothing: the results
+   already waited for stay with their round, and what is left of the step end is finished
+   first by the next ``step()``, ``state_dict()`` or ``close()``, so a caught
+   KeyboardInterrupt leaves the run on the trajectory of an uninterrupted one.
+ - After ``max_failures`` failed refreshes in a row of one factor the step raises (or, with
+   ``on_failure="keep"``, warns), naming the parameter and the cause, in every mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+from collections import defaultdict
+from typing import Optional
+
+import torch
+
+from asteria.optim._blocking import Layout
+from asteria.optim._state import local
+
+
+INIT = "init"        # first-step eigendecomposition, installed in the step that submitted it
+REFRESH = "refresh"  # periodic refresh, installed S steps later
+
+# The fixed state keys of a REFRESH in flight (present from a preconditioned parameter's state
+# creation on whenever S > 0; see "Checkpoints" in AsteriaOptimizer's docstring):
+_PENDING_IN = "pending.install_in"  # steps until the install; NO_ROUND: nothing in flight
+_PENDING_AGE = "pending.age"        # steps since the snapshot
+_PENDING = ".pending"               # b{j}.pending{dim}.{i}: output i of (block j, dim)
+_PENDING_OK = "_ok"                 # b{j}.pending{dim}_ok: 1 if those outputs are a result
+NO_ROUND = -1
+_PENDING_OUT_RE = re.compile(r"b(\d+)\.pending(\d+)\.(\d+)")
+_PENDING_OK_RE = re.compile(r"b(\d+)\.pending(\d+)_ok")
+
+
+@dataclasses.dataclass
+class _Job:
+    ticket: int
+    targets: list  # [(param, block index j, block dimension)], one per batch entry
+
+
+class _Round:
+    """The REFRESH jobs snapshotted at one step end; installed together, at one step end."""
+
+    def __init__(self, kind: str, snapshot_step: int, install_step: int, jobs: list[_Job],
+                 outputs: Optional[dict] = None):
+        self.kind = kind
+        self.snapshot_step = snapshot_step
+        self.install_step = install_step
+        self.jobs = jobs
+        self.failed = 0
+        # param -> {(j, dim): output tuple, or None where the job failed}; None until resolved
+        self.outputs = outputs
+        # [(targets, error)] of the jobs that failed, once resolved
+        self.failures: list = []
+        # ticket -> Result of the jobs already waited for: a wait interrupted by a signal
+        # (Ctrl-C) loses nothing, and the next resolve waits for the others only
+        self._results: dict = {}
+
+    def ready(self, engine) -> bool:
+        return self.outputs is not None or all(
+            j.ticket in self._results or engine.ready(j.ticket) for j in self.jobs)
+
+    def resolve(self, engine) -> dict:
+        """Wait (the bounded barrier) for every job and keep the results."""
+        if self.outputs is None:
+            for job in self.jobs:
+                if job.ticket not in self._results:
+                    self._results[job.ticket] = engine.wait(job.ticket)
+            out: dict = {}
+            for job in self.jobs:
+                res = self._results[job.ticket]
+                if res.status:
+                    self.failed += 1
+                    self.failures.append((job.targets, res.error or f"status {res.status}"))
+                for b, (p, j, dim) in enumerate(job.targets):
+                    per_param = out.setdefault(p, {})
+                    per_param[(j, dim)] = (None if res.status
+                                           else tuple(o[b] for o in res.outputs))
+            self.outputs = out
+            self._results = {}
+        return self.outputs
+
+    def drop(self, engine) -> None:
+        if self.outputs is None:
+            for job in self.jobs:
+                if job.ticket in self._results:
+                    continue
+                engine.cancel(job.ticket)  # a job already running just finishes
+                engine.wait(job.ticket)
+        self.outputs = {}
+        self._results = {}
+
+
+class ScheduleMixin:
+    """The schedule's part of ``AsteriaOptimizer``."""
+
+    def _init_schedule(self) -> None:
+        self._rounds: list[_Round] = []
+        self._block_keys: dict[tuple, int] = {}
+        self._versions: dict[int, int] = {}
+        self._zeros: dict = {}  # (dtype, device) -> the zero behind the placeholders
+        self._unfinished_end: Optional[list] = None  # see _step_end
+        self._fail_streak: dict = {}  # (param index, block, dim) -> consecutive failures
+        self._failed: list = []       # failures to raise at the end of this step
+        self._lazy_counts: dict = {}  # name -> device tensor (see _count_lazy)
+
+    @property
+    def _delay(self) -> int:
+        """S: steps between a snapshot and its install (0 in sync mode)."""
+        return self._cfg.staleness if self._async else 0
+
+    @property
+    def _eager(self) -> bool:
+        return self._async and self._cfg.install == "eager"
+
+    def _fixed_state(self, p: torch.Tensor, group: dict, layout: Layout) -> None:
+        """Add the keys of the fixed key set that p's state lacks (at creation, after a load):
+        with S > 0 the placeholders of a REFRESH in flight. Subclasses add theirs (Shampoo's
+        roots before their first install) and call this."""
+        if self._delay <= 0:
+            return
+        st = self.state[p]
+        if _PENDING_IN not in st:
+            st[_PENDING_IN], st[_PENDING_AGE] = NO_ROUND, 0
+        for j, shape in enumerate(layout.block_shapes):
+            for dim, has in enumerate(self._has_factor(shape, group)):
+                if not has:
+                    continue
+                ok = f"b{j}{_PENDING}{dim}{_PENDING_OK}"
+                if ok not in st:
+                    st[ok] = 0
+                for i, (oshape, dtype) in enumerate(self._output_specs(p, group, shape[dim])):
+                    key = f"b{j}{_PENDING}{dim}.{i}"
+                    if key not in st:
+                        st[key] = self._placeholder(oshape, dtype, local(p).device)
+
+    def _placeholder(self, shape, dtype, device) -> torch.Tensor:
+        """A zero tensor of this shape that costs one element: a stride-0 view of a shared
+        zero. ``state_dict()`` hands out real zeros in its place."""
+        key = (dtype, device)
+        zero = self._zeros.get(key)
+        if zero is None:
+            zero = self._zeros[key] = torch.zeros((), dtype=dtype, device=device)
+        return zero.expand(shape)
+
+    def _step_end(self, due: list) -> None:
+        step_end = getattr(self._engine, "step_end", None)
+        if step_end is not None:  # DistributedEngine: hand finished owner results to the sync
+            step_end(self._t)
+        # what is left of this step end, should a wait in it be interrupted (Ctrl-C at the
+        # bounded barrier): the next step(), state_dict() or close() finishes it first, so a
+        # caught KeyboardInterrupt leaves the run on the trajectory of an uninterrupted one
+        self._unfinished_end = list(due)
+        self._finish_step_end()
+
+    def _finish_step_end(self) -> None:
+        t = self._t
+        for rnd in list(self._rounds):
+            if rnd.install_step <= t or (self._eager and rnd.ready(self._engine)):
+                self._install_round(rnd)
+        for kind in (INIT, REFRESH):
+            items = [d for d in self._unfinished_end if d[0] == kind]
+            if not items:
+                continue
+            rnd = self._submit(kind, items, t if kind == INIT else t + self._delay)
+            self._rounds.append(rnd)
+            self._unfinished_end = [d for d in self._unfinished_end if d[0] != kind]
+            if rnd.install_step == t or (self._eager and rnd.ready(self._engine)):
+                self._install_round(rnd)
+        self._unfinished_end = None
+        self._raise_failures()
+
+    def _settle_step_end(self) -> None:
+        """Finish a step end that a signal interrupted (see ``_step_end``)."""
+        if getattr(self, "_unfinished_end", None) is not None:
+            self._finish_step_end()
+
+    def _submit(self, kind: str, items: list, install_step: int) -> _Round:
+        groups: dict = defaultdict(list)
+        for _, p, j, dims in items:
+            for dim in dims:
+                op, f, q, pw, eps = self._refresh_input(kind, p, j, dim)
+                key = (op, f.shape[-1], f.dtype, f.device, pw, eps, self._replicas(p))
+                groups[key].append((p, j, dim, f, q))
+        jobs = []
+        # libasteria's pool takes the factors as parts: its shadow snapshots them straight into
+        # one ring slot, with no stack in fresh memory first (whose page faults were half of a
+        # refresh step's extra time on the host)
+        local = self._local_c_engine()
+        for (op, _, _, _, pw, eps, replicas), entries in groups.items():
+            fs = [e[3] for e in entries]
+            f = fs if local else torch.stack(fs)
+            q = None
+            if entries[0][4] is not None:
+                qs = [e[4] for e in entries]
+                if len({x.device for x in qs}) > 1:  # some in host memory, some on the device
+                    qs = [x.cpu() for x in qs]
+                q = torch.stack(qs)
+                del qs
+            targets = [(p, j, dim) for p, j, dim, _, _ in entries]
+            key = (kind, op, tuple((self._pindex[p], j, dim) for p, j, dim in targets))
+            block = self._block_keys.setdefault(key, len(self._block_keys) + 1)
+            version = self._versions[block] = self._versions.get(block, 0) + 1
+            extra = {} if replicas is None else {"replicas": replicas}
+            if q is not None and local:
+                # the basis stack was made here for the job: the worker reads it in place
+                extra["donate"] = ("q",)
+            if self._tiered is not None and all(
+                    self._owned(p, self._output_name(p, j, dim)) for p, j, dim in targets):
+                extra["host_outputs"] = True  # the results go to host memory: no round trip
+            ticket = self._engine.submit(op, f, q, block=block, version=version,
+                                         deadline=install_step, snapshot_step=self._t,
+                                         p=pw, eps=eps, **extra)
+            self._counters["refreshes_submitted"] += 1
+            jobs.append(_Job(ticket, targets))
+        return _Round(kind, self._t, install_step, jobs)
+
+    def _output_name(self, p: torch.Tensor, j: int, dim: int) -> str:
+        """The state name a REFRESH output 0 of (block j, dim) is installed into."""
+        return f"b{j}.Q{dim}"
+
+    def _install_round(self, rnd: _Round) -> None:
+        outputs = rnd.resolve(self._engine)
+        self._install(rnd.kind, outputs)
+        self._counters["refresh_failures"] += rnd.failed
+        self._count_failures(rnd)
+        lag = self._t - rnd.snapshot_step
+        # one install per job; a round restored from a checkpoint has one per parameter
+        for _ in range(len(rnd.jobs) if rnd.jobs else len(outputs)):
+            self._engine.note_install(rnd.snapshot_step, self._t)
+            self._counters["installs"] += 1
+        self._counters["max_install_lag"] = max(self._counters["max_install_lag"], lag)
+        if rnd in self._rounds:
+            self._rounds.remove(rnd)
+
+    def _count_failures(self, rnd: _Round) -> None:
+        """Consecutive failed refreshes per (parameter, block, dimension), the same count in
+        every mode. At ``max_failures`` in a row the failure is recorded for
+        ``_raise_failures`` (``on_failure="raise"``) or warned about once (``"keep"``)."""
+        failed = {}
+        for targets, error in rnd.failures:
+            for p, j, dim in targets:
+                failed[(self._pindex[p], j, dim)] = error
+        for p, outs in rnd.outputs.items():
+            for (j, dim), out in outs.items():
+                key = (self._pindex[p], j, dim)
+                if key not in failed:
+                    self._fail_streak.pop(key, None)
+        limit = self._cfg.max_failures
+        params = {i: p for p, i in self._pindex.items()}
+        for key, error in failed.items():
+            n = self._fail_streak[key] = self._fail_streak.get(key, 0) + 1
+            if n != limit:
+                continue
+            factor = self._refresh_input(REFRESH, params[key[0]], key[1], key[2])[1]
+            if not bool(torch.isfinite(factor).all()):
+                error = "its Kronecker factor is not finite: it overflowed; last error: " + error
+            what = (f"the REFRESH of {self._describe_param(key[0])}, block {key[1]}, "
+                    f"dimension {key[2]} failed {n} times in a row ({error})")
+            if self._cfg.on_failure == "raise":
+                self._failed.append(what)
+            else:
+                warnings.warn(f"Asteria: {what}; the previous preconditioner is kept "
+                              f"(runtime on_failure='keep')", RuntimeWarning, stacklevel=5)
+
+    def _count_lazy(self, name: str, n: torch.Tensor) -> None:
+        """Add a count that lives on the device (no sync in the step); read by
+        ``asteria_stats()``."""
+        prev = self._lazy_counts.get(name)
+        self._lazy_counts[name] = n if prev is None else prev + n.to(prev.device)
+
+    def _raise_failures(self) -> None:
+        if not self._failed:
+            return
+        whats, self._failed = self._failed, []
+        raise RuntimeError(
+            "Asteria: " + "; ".join(whats) + ". This step is complete and the state is "
+            "consistent; runtime {'on_failure': 'keep'} keeps training with the previous "
+            "preconditioner instead of raising")
+
+    def _local_c_engine(self) -> bool:
+        """May jobs be given inputs made for them, and inputs as parts (an executor that reads
+        them in place: libasteria's pool, not a distributed wrapper)?"""
+        return getattr(self._engine, "takes_parts", False)

@@ -1,0 +1,212 @@
+"""The state proxy of an Asteria optimizer: ``optimizer.state`` as torch.optim shows it.
+
+Owns: how a parameter's state looks from outside (``_ParamState``: plain device tensors plus
+"virtual" entries for roots / eigenbases that live in a Residency; keys tagged per shard for a
+DTensor sharded over several ranks) and the shard tags themselves. Holds its optimizer weakly:
+the state must never own the optimizer (with the cycle collector off, as OLMo-core trains, a
+cycle would keep the optimizer, its workers and buffers alive). May call: torch, the optimizer
+it belongs to (through a weak reference). Single-threaded (the training thread).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import weakref
+from collections import defaultdict
+from typing import Any, Optional
+
+import torch
+
+
+def local(t):
+    """The local shard of a DTensor (FSDP2's parameters and gradients: a view sharing its
+    storage), else t itself. No DTensor exists unless torch.distributed.tensor was imported."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    if mod is not None and isinstance(t, mod.DTensor):
+        return t.to_local()
+    return t
+
+
+_TAG_SEP = "@"
+
+
+_TAG_RE = re.compile(r"@shard\d+of\d+(?:_\d+of\d+)*")
+
+
+def shard_tag(p) -> Optional[str]:
+    """The tag of a DTensor parameter sharded over more than one rank: ``shard{i}of{n}`` per
+    mesh dimension that shards it (``shard0of2``, ``shard1of2_0of4``), else None. Replicas of
+    one shard (HSDP) share it."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    if mod is None or not isinstance(p, mod.DTensor):
+        return None
+    mesh = p.device_mesh
+    coord = mesh.get_coordinate() or []
+    parts = [f"{coord[d]}of{mesh.size(d)}" for d, pl in enumerate(p.placements)
+             if isinstance(pl, mod.Shard) and mesh.size(d) > 1 and d < len(coord)]
+    return "shard" + "_".join(parts) if parts else None
+
+
+class _ParamState(dict):
+    """One parameter's state when some of it lives in a Residency, or when the parameter is a
+    DTensor sharded over several ranks: a plain dict for the device tensors plus "virtual"
+    entries for the tiered roots / eigenbases. Reading a virtual entry returns a fresh copy on
+    the parameter's device (never a live view), assigning one writes the block, popping one
+    frees it. The optimizer itself never goes through the virtual entries (it stages blocks
+    through the ring); they exist so state inspection and torch.optim's plumbing see the same
+    keys as with everything on the device.
+
+    A sharded parameter's state is per shard: its keys, as iteration (and so DCP) sees them,
+    carry the shard's tag (``b0.exp_avg@shard1of2``), so that a checkpoint keeps every rank's
+    copy instead of one for all; lookups take either name, the optimizer uses the plain one."""
+
+    __slots__ = ("_owner", "_p", "_tag")
+
+    def __init__(self, opt, p, items=()):
+        super().__init__(items)
+        # the state must not own its optimizer: with a strong reference the pair is a cycle,
+        # and with the cycle collector off (OLMo-core's training policy) ``del opt`` would free
+        # neither the optimizer nor its workers and buffers
+        self._owner = weakref.ref(opt)
+        self._p = p
+        self._tag = opt._tags.get(p)
+
+    @property
+    def _opt(self):
+        opt = self._owner()
+        if opt is None:
+            raise RuntimeError("the Asteria optimizer this state belonged to is gone")
+        return opt
+
+    def _int(self, k):
+        """The optimizer's name of a key (the tag stripped)."""
+        if self._tag is not None and isinstance(k, str):
+            suffix = _TAG_SEP + self._tag
+            if k.endswith(suffix):
+                return k[:-len(suffix)]
+        return k
+
+    def _ext(self, k):
+        return k if self._tag is None else f"{k}{_TAG_SEP}{self._tag}"
+
+    def _vkey(self, k):
+        opt = self._opt
+        if opt._tiered is None or not isinstance(k, str) or dict.__contains__(self, k):
+            return None
+        key = (opt._pindex[self._p], k)
+        return key if opt._tiered.has(key) else None
+
+    def _virtual(self) -> list:
+        opt = self._opt
+        if opt._tiered is None:
+            return []
+        pidx = opt._pindex[self._p]
+        return [k[1] for k in opt._tkeys.get(pidx, ()) if opt._tiered.has(k)]
+
+    def __getitem__(self, k):
+        k = self._int(k)
+        if self._opt._rotations:
+            self._opt._settle_rotation(self._p, k)
+        key = self._vkey(k)
+        if key is None:
+            return dict.__getitem__(self, k)
+        return self._opt._tiered.materialize([key])[key]
+
+    def get(self, k, default=None):
+        return self[k] if k in self else default
+
+    def __contains__(self, k):
+        k = self._int(k)
+        return dict.__contains__(self, k) or self._vkey(k) is not None
+
+    def __iter__(self):
+        for k in dict.__iter__(self):
+            yield self._ext(k)
+        for k in self._virtual():
+            yield self._ext(k)
+
+    def __len__(self):
+        return dict.__len__(self) + len(self._virtual())
+
+    def keys(self):
+        return list(iter(self))
+
+    def items(self):
+        return [(k, self[k]) for k in self]
+
+    def values(self):
+        return [self[k] for k in self]
+
+    def __setitem__(self, k, v):
+        opt = self._opt
+        k = self._int(k)
+        if opt._rotations:
+            opt._settle_rotation(self._p, k)
+        if isinstance(v, torch.Tensor) and opt._owned(self._p, k):
+            opt._tiered.write((opt._pindex[self._p], k), v)
+        else:
+            dict.__setitem__(self, k, v)
+
+    def pop(self, k, *default):
+        k = self._int(k)
+        if self._opt._rotations:
+            self._opt._settle_rotation(self._p, k)
+        key = self._vkey(k)
+        if key is None:
+            return dict.pop(self, k, *default)
+        v = self[k]
+        self._opt._tiered.drop(key)
+        return v
+
+    def __delitem__(self, k):
+        k = self._int(k)
+        if self._opt._rotations:
+            self._opt._settle_rotation(self._p, k)
+        key = self._vkey(k)
+        if key is None:
+            dict.__delitem__(self, k)
+        else:
+            self._opt._tiered.drop(key)
+
+    def raw(self) -> dict:
+        """The device entries only, under the optimizer's names."""
+        return dict(dict.items(self))
+
+    def __reduce__(self):
+        return (dict, (dict(self.items()),))
+
+    def __repr__(self):
+        return repr(dict(self.items()))
+
+
+class _States(defaultdict):
+    """``optimizer.state`` with a Residency: creates _ParamState entries for parameters. Other
+    keys (torch.optim allows entries that are not a parameter's state, which state-dict hooks
+    use) are kept as they are. Holds its optimizer weakly (see _ParamState)."""
+
+    def __init__(self, opt, items=()):
+        super().__init__(dict)
+        self._owner = weakref.ref(opt)
+        for p, st in dict(items).items():
+            if isinstance(p, torch.Tensor) and not isinstance(st, _ParamState):
+                st = _ParamState(opt, p, st)
+            self[p] = st
+
+    def __missing__(self, p):
+        if not isinstance(p, torch.Tensor):  # torch.optim's defaultdict(dict) does the same
+            st = self[p] = {}
+            return st
+        opt = self._owner()
+        if opt is None:
+            raise RuntimeError("the Asteria optimizer this state belonged to is gone")
+        st = self[p] = _ParamState(opt, p)
+        return st
+
+    def __reduce__(self):
+        return (dict, (dict(self.items()),))
+
+
+def _count(v: Any) -> int:
+    """A step count stored as an int (or a loaded 0-d tensor)."""
+    return int(v.item()) if isinstance(v, torch.Tensor) else int(v)

@@ -1,0 +1,280 @@
+"""Where an Asteria optimizer's state lives: the placement plan, the Residency of roots and
+eigenbases outside the device, and the accessors the step uses so that the kernels see exactly
+the tensors of the all-device path.
+
+Owns: the plan, the residency, the map from a parameter to its tiered keys, and the staging of
+stacks through the ring in chunks that fit it. May call: torch, ``asteria.placement``,
+``asteria.tiered``, the executor selection (``asteria.refresh.select``). Single-threaded
+(the training thread and the hooks it runs on that thread).
+
+Placement (``asteria.placement``, ``asteria.tiered``): at construction the planner assigns a
+tier to every piece of state. Factors and moments always live in ``self.state`` on the
+parameter's device. In ``mode="async"`` roots / eigenbases normally live in a ``Residency``
+(host, pinned, UVM or NVMe blocks) instead of ``self.state``; every access goes through
+``_stack`` / ``_unstack`` / ``_root_*`` so the kernels see exactly the tensors they would see
+with everything on the device (the same values, stacked the same way: results are bitwise
+those of the all-device path). A step with a residency runs in two phases: ``prepare`` (NVMe
+reads and writes, ring prefetches) before anything is mutated, so an I/O failure raises with
+the parameters, the state and the step counter untouched; then the usual step, streaming
+preconditioned stacks through the staging ring in chunks that fit it.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections import defaultdict
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from asteria import placement as _placement
+from asteria import tiered as _tiered_mod
+from asteria.refresh import select as _select
+from asteria.optim._state import _ParamState, _States, local
+
+
+def _close_all(engine, tiered) -> None:
+    """Finalizer of an optimizer (also at interpreter exit): the engine first (it writes the
+    trace file and stops the workers), then the residency."""
+    try:
+        if engine is not None:
+            engine.close()
+    finally:
+        if tiered is not None:
+            tiered.close()
+
+
+class TieringMixin:
+    """The placement part of ``AsteriaOptimizer``."""
+
+    def _entries(self) -> list:
+        out = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                lp = local(p)
+                pidx = self._pindex[p]
+                itemsize = lp.element_size()
+                if lp.numel() == 0 or self._is_adamw(p, group):
+                    spec = [(n, "moments", tuple(lp.shape), lp.dtype)
+                            for n in ("exp_avg", "exp_avg_sq")]
+                else:
+                    spec = self._state_spec(p, group, self._layout(p, group))
+                for name, kind, shape, dtype in spec:
+                    itemsize = torch.empty((), dtype=dtype).element_size()
+                    out.append(_placement.StateEntry(pidx, name, kind,
+                                                     int(torch.Size(shape).numel()) * itemsize,
+                                                     lp.device))
+        return out
+
+    def _replan(self) -> None:
+        """Plan (or re-plan after add_param_group) the placement of every state tensor, and move
+        existing tensors where the plan wants them."""
+        entries = self._entries()
+        self._kinds = {e.key: e.kind for e in entries}
+        plan = _placement.make_plan(self._cfg, entries)
+        plan.log()
+        if self._engine is None:
+            self._engine = _select.make_engine(self._cfg, plan, self._all_params())
+        self._plan = plan
+        self._tkeys = defaultdict(list)
+        for key, tier in plan.block_tier.items():
+            if tier != "device":
+                self._tkeys[key[0]].append(key)
+        if plan.tiered and self._tiered is None:
+            # no strong reference back to self: the finalizer holds the residency
+            me = weakref.ref(self)
+
+            def describe(key, _me=me):
+                opt = _me()
+                return opt._describe_key(key) if opt is not None else f"block {key!r}"
+
+            self._tiered = _tiered_mod.Residency(
+                plan, self._cfg, tracer=getattr(self._engine, "trace", None), describe=describe)
+            self.state = _States(self, self.state)
+            if self._finalizer is not None:  # the finalizer must close the new residency too
+                self._finalizer.detach()
+                self._finalizer = weakref.finalize(self, _close_all, self._engine,
+                                                   self._tiered)
+        elif self._tiered is not None:
+            self._tiered.plan = plan
+        if (self._tags or self._offloads_rotation()) and not isinstance(self.state, _States):
+            # per-shard key names; reads that must wait for a rotation in flight
+            self.state = _States(self, self.state)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Put every existing root / eigenbasis where the plan says: self.state or residency."""
+        self._settle_rotations()
+        if self._tiered is None:
+            return
+        params = {i: p for p, i in self._pindex.items()}
+        for p, st in list(self._param_states()):
+            pidx = self._pindex.get(p)
+            for name in [n for n in dict.keys(st) if isinstance(dict.__getitem__(st, n),
+                                                                 torch.Tensor)]:
+                if self._tiered.owns((pidx, name)):
+                    self._tiered.write((pidx, name), dict.pop(st, name))
+        for key in self._tiered.keys():
+            if not self._tiered.owns(key):
+                p = params[key[0]]
+                value = self._tiered.materialize([key])[key]
+                self._tiered.drop(key)
+                dict.__setitem__(self.state[p], key[1], value)
+        self._tiered.end_step()
+
+    def _describe_key(self, key) -> str:
+        pidx, name = key
+        kind = {"roots": "root", "eigenbases": "eigenbasis"}.get(self._kinds.get(key), "state")
+        return f"{kind} block {name!r} of {self._describe_param(pidx)}"
+
+    def _key(self, p: torch.Tensor, name: str) -> tuple:
+        return (self._pindex[p], name)
+
+    def _owned(self, p: torch.Tensor, name: str) -> bool:
+        return self._tiered is not None and self._tiered.owns((self._pindex[p], name))
+
+    def _root_has(self, p: torch.Tensor, name: str) -> bool:
+        if self._owned(p, name):
+            return self._tiered.has(self._key(p, name))
+        return name in self.state[p]
+
+    def _root_set(self, p: torch.Tensor, name: str, value: torch.Tensor) -> None:
+        """Set a root / eigenbasis (creating it on first set)."""
+        if self._owned(p, name):
+            self._tiered.write(self._key(p, name), value)
+            return
+        st = self.state[p]
+        if name in st:
+            st[name].copy_(value)
+        else:
+            st[name] = value.to(device=local(p).device, copy=True)
+
+    def _root_for_job(self, p: torch.Tensor, name: str) -> torch.Tensor:
+        """A root / eigenbasis as a REFRESH job input (the engine copies it at submit)."""
+        if self._owned(p, name):
+            return self._tiered.read_host(self._key(p, name))
+        return self.state[p][name]
+
+    def _member_keys(self, p: torch.Tensor, j: int) -> list:
+        prefix = f"b{j}."
+        return [k for k in self._tkeys.get(self._pindex[p], ()) if k[1].startswith(prefix)]
+
+    def _chunks(self, members: list) -> list:
+        """Split a stack's members so that each chunk's staged blocks fit the ring."""
+        if self._tiered is None or not members:
+            return [members]
+        cap = self._plan.ring_bytes
+        if cap >= 2 * self._plan.ring_min:
+            cap //= 2  # two chunks fit: the next one is copied in while this one is used
+        chunks, cur, used = [], [], 0
+        for m in members:
+            cost = self._tiered.chunk_cost(self._member_keys(*m))
+            if cur and used + cost > cap:
+                chunks.append(cur)
+                cur, used = [], 0
+            cur.append(m)
+            used += cost
+        chunks.append(cur)
+        return chunks
+
+    def _stack(self, members: list, name: str, out: Optional[torch.Tensor] = None
+               ) -> torch.Tensor:
+        """The members' ``b{j}.{name}`` stacked (a copy), into ``out`` when given."""
+        if self._tiered is not None:
+            keys = [(self._pindex[p], f"b{j}.{name}") for p, j in members]
+            owned = [self._tiered.owns(k) for k in keys]
+            if any(owned):
+                mine = [k for k, o in zip(keys, owned) if o]
+                staged = iter(self._tiered.borrow(mine))
+                try:
+                    return torch.stack([next(staged) if o else self.state[p][f"b{j}.{name}"]
+                                        for (p, j), o in zip(members, owned)], out=out)
+                finally:
+                    self._tiered.give_back(mine)
+        return torch.stack([self.state[p][f"b{j}.{name}"] for p, j in members], out=out)
+
+    def _stack_dims(self, members: list, name: str, has: Sequence[bool]) -> list:
+        return [self._stack(members, f"{name}{i}") if h else None for i, h in enumerate(has)]
+
+    def _unstack(self, members: list, name: str, x: torch.Tensor) -> None:
+        for (p, j), xi in zip(members, x.unbind(0)):
+            if self._owned(p, f"b{j}.{name}"):
+                self._tiered.write(self._key(p, f"b{j}.{name}"), xi)
+            else:
+                self.state[p][f"b{j}.{name}"].copy_(xi)
+
+    def _prepare(self, work: list) -> None:
+        """Phase A of a step with a residency: NVMe blocks read back (verified) and written out
+        again, host blocks prefetched into the ring in the order the step uses them."""
+        order: list = []
+        seen: set = set()
+        for group, params in work:
+            for p in params:
+                if self.state[p]:
+                    pidx = self._pindex[p]
+                    if pidx not in seen:
+                        seen.add(pidx)
+                        order.append(pidx)
+        nstep = len(order)
+        for rnd in self._rounds:
+            ps = [t[0] for job in rnd.jobs for t in job.targets] + list(rnd.outputs or ())
+            for p in ps:
+                pidx = self._pindex[p]
+                if pidx not in seen:
+                    seen.add(pidx)
+                    order.append(pidx)
+        keys = [k for pidx in order for k in self._tkeys.get(pidx, ())]
+        self._tiered.prepare(keys)
+        # the step consumes the last parameters first (see _precond_step)
+        self._tiered.prefetch([k for pidx in reversed(order[:nstep])
+                               for k in self._tkeys.get(pidx, ())], reason="step")
+
+    def _detier(self) -> None:
+        """At close: the tiered roots / eigenbases become plain tensors of ``self.state`` on
+        their parameters' devices, so the state stays inspectable (and checkpointable) after
+        the residency is gone. A block that cannot be read back is left out, with a warning."""
+        tiered = self._tiered
+        if tiered is None:
+            return
+        params = {i: p for p, i in self._pindex.items()}
+        values: dict = {}
+        try:
+            values = tiered.materialize(tiered.keys())
+        except Exception as exc:
+            warnings.warn(f"Asteria: close() could not read every tiered block back ({exc}); "
+                          "they are left out of optimizer.state", RuntimeWarning, stacklevel=3)
+            for key in tiered.keys():
+                try:
+                    values.update(tiered.materialize([key]))
+                except Exception:
+                    pass
+        self._tiered_final = tiered.stats_final()
+        self._tiered = None
+        plain: defaultdict = defaultdict(dict)
+        for p, st in self.state.items():
+            plain[p] = st.raw() if isinstance(st, _ParamState) else st
+        for (pidx, name), v in values.items():
+            plain[params[pidx]][name] = v
+        self.state = plain
+
+    def _asteria_keys(self, params: Iterable) -> list:
+        if self._tiered is None:
+            return []
+        return [k for p in params if p in self._pindex
+                for k in self._tkeys.get(self._pindex[p], ()) if self._tiered.has(k)]
+
+    def _asteria_prefetch(self, params: Iterable, reason: str = "") -> int:
+        """Stage the roots / eigenbases of params into the ring (as far as it has room)."""
+        if self._closed or self._tiered is None:
+            return 0
+        return self._tiered.prefetch(self._asteria_keys(params), reason=reason)
+
+    def _asteria_fetch_early(self, params: Iterable) -> None:
+        """Read params' NVMe-resident blocks back into host memory (never raises)."""
+        if not self._closed and self._tiered is not None:
+            self._tiered.fetch_early(self._asteria_keys(params))
+
+    def asteria_plan(self) -> list[str]:
+        """The planner's decisions, in plain words."""
+        return list(self._plan.decisions) if self._plan is not None else []

@@ -1,0 +1,99 @@
+"""The seam between the optimizers and whatever runs their REFRESH work: ``Engine``.
+
+An engine takes the O(n^3) REFRESH work of a block (eigendecomposition, inverse root, QR
+refresh, SOAP's re-expression of m in a new basis; the ops of ``asteria.refresh.ops``) and
+hands back its result later. The executors (``asteria.refresh.select`` is the only place that
+picks one):
+
+* ``TorchEngine`` (``inline_torch.py``): ``mode="sync"``. It computes inline with
+  ``torch.linalg`` on the tensors' own device at ``submit`` time. This is the native reference.
+* ``CEngine`` (``asteria.engine_c``): ``mode="async"``. Every job runs on libasteria's C worker
+  pool (LAPACKE on host threads). The training thread only snapshots, submits, polls and waits.
+* ``DistributedEngine`` (``asteria.distributed``): around either, for blocks replicated over
+  ranks (one owner computes, the others receive).
+
+All tensors passed to ``submit`` are *batched*: shape ``(batch, n, n)`` for same-shape blocks
+(``soap_rotate``: see the op table), so one job refreshes many blocks. ``submit`` copies
+(snapshots) its inputs, so the caller may keep mutating its state right after the call.
+
+Capabilities an executor declares (class attributes) instead of callers testing its type:
+``takes_parts`` (inputs may be given as a list of per-block tensors and donated, see
+``CEngine.submit``).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+
+@dataclasses.dataclass
+class Result:
+    """Outcome of one job. ``status`` is 0 on success, else a negative AST_E* code; on failure
+    ``outputs`` is None and the caller keeps its previous preconditioner."""
+
+    ticket: int
+    block: int
+    version: int
+    snapshot_step: int
+    status: int
+    outputs: Optional[tuple[torch.Tensor, ...]]
+    error: str = ""
+    retried_f64: bool = False
+
+
+class Engine(abc.ABC):
+    """Abstract REFRESH engine. Tickets are positive ints, unique per engine."""
+
+    #: inputs may be given as parts and donated (libasteria's pool)
+    takes_parts = False
+
+    @abc.abstractmethod
+    def submit(
+        self,
+        op: str,
+        f: torch.Tensor,
+        q: Optional[torch.Tensor] = None,
+        *,
+        block: int,
+        version: int,
+        deadline: int,
+        snapshot_step: int,
+        p: float = 0.0,
+        eps: float = 0.0,
+        b: Optional[torch.Tensor] = None,
+    ) -> int:
+        """Snapshot the inputs and start the job. Returns its ticket. ``b``: the B pair of
+        ``soap_rotate`` (``q`` is its A pair, ``f`` its X); only ``soap_rotate`` uses it."""
+
+    @abc.abstractmethod
+    def ready(self, ticket: int) -> bool:
+        """True if ``wait(ticket)`` would not block. Never blocks."""
+
+    @abc.abstractmethod
+    def wait(self, ticket: int) -> Result:
+        """Block (bounded barrier, GIL released) until the job is done; return its result.
+        Each ticket may be waited for once. Outputs are on the device/dtype of the inputs."""
+
+    @abc.abstractmethod
+    def cancel(self, ticket: int) -> bool:
+        """Cancel a queued job; False if it already runs or finished."""
+
+    @abc.abstractmethod
+    def note_install(self, snapshot_step: int, install_step: int) -> None:
+        """Tell the engine a result was installed (feeds the staleness stats)."""
+
+    @abc.abstractmethod
+    def note_nonfinite(self) -> None:
+        """Count a REFRESH skipped because its inputs were not finite."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Counters: jobs_submitted, jobs_done, jobs_failed, nonfinite_skipped, installs,
+        max_install_lag, barrier_waits, barrier_wait_ns, ..."""
+
+    def close(self) -> None:
+        """Release workers and buffers. Idempotent."""
