@@ -299,6 +299,8 @@ def test_replicas_without_a_process_group():
     set_replicas declares a replica set by hand (sorted) or marks parameters rank-local."""
     from asteria import distributed as AD
     from asteria.refresh.inline_torch import TorchEngine
+    from asteria.refresh.ops import output_spec
+    from asteria.refresh.replicated import wrap_engine
 
     p = torch.nn.Parameter(torch.zeros(3))
     assert AD.replicas(p) is None
@@ -307,6 +309,6 @@ def test_replicas_without_a_process_group():
     AD.set_replicas([p], None)
     assert AD.replicas(p) is None
     eng = TorchEngine()
-    assert AD.wrap_engine(eng, [p]) is eng
-    assert AD.output_spec("soap_qr", 5, torch.float32) == [((5, 5), torch.float32),
+    assert wrap_engine(eng, [p]) is eng
+    assert output_spec("soap_qr", 5, torch.float32) == [((5, 5), torch.float32),
                                                           ((5,), torch.int64)]

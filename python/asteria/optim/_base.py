@@ -12,7 +12,8 @@ refresh schedule untouched) and counted.
 
 Distributed runs (``asteria.distributed``, docs/distributed.md): FSDP2 parameters are DTensors and
 the optimizer works on their local shards (``local``), blocked as usual. When some parameters are
-replicated across ranks (DDP, HSDP), the engine is a ``DistributedEngine`` around the usual one:
+replicated across ranks (DDP, HSDP), the engine is a ``DistributedEngine``
+(``asteria.refresh.replicated``) around the usual one:
 jobs are batched per replica set and carry it (``replicas=``), each block is computed by its
 owner only, and ``step_end`` hands finished results to the synchronisation every step.
 
@@ -29,6 +30,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from asteria import distributed as _dist
+from asteria.refresh import select as _select
 from asteria.config import RuntimeConfig
 from asteria.optim import functional as F
 from asteria.optim._blocking import Layout, make_layout
@@ -260,8 +262,7 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
                 self._tags[p] = tag
         if getattr(self, "_plan", None) is not None:  # a group added after construction
             self._replan()
-            if isinstance(self._engine, _dist.DistributedEngine):
-                _dist.wrap_engine(self._engine, self.param_groups[-1]["params"])
+            _select.add_params(self._engine, self.param_groups[-1]["params"])
 
     def _param_states(self):
         """(parameter, its state) of ``self.state``, leaving out entries that are not a
@@ -273,7 +274,7 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
 
     def _replicas(self, p: torch.Tensor) -> Optional[tuple]:
         """The ranks holding a replica of p's blocks when the engine synchronises them."""
-        if not isinstance(self._engine, _dist.DistributedEngine):
+        if not self._engine.replicated:
             return None
         cache = self.__dict__.setdefault("_replica_cache", {})
         pidx = self._pindex[p]

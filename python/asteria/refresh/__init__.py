@@ -1,3 +1,3 @@
 """The REFRESH room: the op table (``ops``), the executor seam (``engine``), the executors
 (``inline_torch``; libasteria's pool in ``asteria.engine_c``; replicated blocks in
-``asteria.distributed``) and the one place that picks an executor (``select``)."""
+``replicated``) and the one place that picks an executor (``select``)."""

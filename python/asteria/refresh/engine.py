@@ -9,7 +9,7 @@ picks one):
   ``torch.linalg`` on the tensors' own device at ``submit`` time. This is the native reference.
 * ``CEngine`` (``asteria.engine_c``): ``mode="async"``. Every job runs on libasteria's C worker
   pool (LAPACKE on host threads). The training thread only snapshots, submits, polls and waits.
-* ``DistributedEngine`` (``asteria.distributed``): around either, for blocks replicated over
+* ``DistributedEngine`` (``asteria.refresh.replicated``): around either, for blocks replicated over
   ranks (one owner computes, the others receive).
 
 All tensors passed to ``submit`` are *batched*: shape ``(batch, n, n)`` for same-shape blocks
@@ -18,7 +18,7 @@ All tensors passed to ``submit`` are *batched*: shape ``(batch, n, n)`` for same
 
 Capabilities an executor declares (class attributes) instead of callers testing its type:
 ``takes_parts`` (inputs may be given as a list of per-block tensors and donated, see
-``CEngine.submit``).
+``CEngine.submit``), ``replicated`` (blocks replicated over ranks: jobs take ``replicas=``).
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ class Engine(abc.ABC):
 
     #: inputs may be given as parts and donated (libasteria's pool)
     takes_parts = False
+    #: jobs carry ``replicas=`` and ``step_end`` / ``drain`` synchronise them across ranks
+    replicated = False
 
     @abc.abstractmethod
     def submit(

@@ -30,6 +30,15 @@ def make_engine(cfg: Any, plan: Optional[Any] = None,
         else:
             engine = CEngine(cfg, shadow="cuda" if plan.cuda else "host",
                              snapshot_ring_bytes=plan.snapshot_ring_bytes)
-    from asteria.distributed import wrap_engine
+    from asteria.refresh.replicated import wrap_engine
 
     return wrap_engine(engine, list(params))
+
+
+def add_params(engine: Engine, params: Iterable[torch.Tensor]) -> None:
+    """A param group added after construction: a replicated engine learns its replica sets
+    (collective over the default group, as at construction)."""
+    if engine.replicated:
+        from asteria.refresh.replicated import wrap_engine
+
+        wrap_engine(engine, list(params))

@@ -27,6 +27,7 @@ import common as C  # noqa: E402
 
 import asteria  # noqa: E402
 from asteria import distributed as AD  # noqa: E402
+from asteria.refresh import replicated  # noqa: E402
 
 OPTS = {"soap": asteria.SOAP, "shampoo": asteria.Shampoo, "kl_shampoo": asteria.KLShampoo}
 LR = {"soap": 1e-2, "shampoo": 1e-2, "kl_shampoo": 1e-3}
@@ -68,7 +69,7 @@ def check_fsdp_sync():
         model = fsdp_model()
         opt = make_opt(name, model.parameters(), {"mode": "sync"}, block_size=4,
                        precondition_frequency=2)
-        assert not isinstance(opt._engine, AD.DistributedEngine)  # nothing is replicated
+        assert not isinstance(opt._engine, replicated.DistributedEngine)  # nothing is replicated
         losses = []
         for t in range(1, steps + 1):
             x, y = C.local_batch(t, rank(), world())
