@@ -41,7 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import common  # noqa: E402
 
-from asteria.engine_c import CEngine  # noqa: E402
+from asteria.refresh.host_pool import CEngine  # noqa: E402
 
 NAME = "bench_core_contention"
 FG_N = 256          # training-core gemm: 3 x 256 KiB operands stay in a 1-2 MiB L2

@@ -276,7 +276,7 @@ def test_debug_job_delay_hook(monkeypatch):
     """The slow-rank hook: config "debug_job_delay_ms" (not a public key) makes every job sleep;
     ASTERIA_DEBUG_JOB_DELAY_MS sets it for the runtimes an optimizer creates."""
     from asteria import _C
-    from asteria.engine_c import CEngine
+    from asteria.refresh.host_pool import CEngine
 
     assert "debug_job_delay_ms" not in _C.config_keys()
     with pytest.raises(ValueError, match="debug_job_delay_ms"):

@@ -1,4 +1,4 @@
-"""CEngine (asteria/engine_c.py): every REFRESH op against plain torch.linalg restatements of
+"""CEngine (asteria/refresh/host_pool.py): every REFRESH op against plain torch.linalg restatements of
 engine.py's table, batched and overlapping jobs, snapshots, dtypes, failures, cancel, stats."""
 
 import time
@@ -9,7 +9,7 @@ import torch
 
 from asteria import _C
 from asteria.refresh.engine import Result
-from asteria.engine_c import CEngine, c_config
+from asteria.refresh.host_pool import CEngine, c_config
 
 TOL = {torch.float64: 1e-10, torch.float32: 2e-4}
 

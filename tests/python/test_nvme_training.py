@@ -1,4 +1,4 @@
-"""The NVMe tier in real training runs (asteria.tiered over _C.Store's io_uring records).
+"""The NVMe tier in real training runs (asteria.tiers.residency over _C.Store's io_uring records).
 
  - with nvme_dir and a host budget too small for all eigenbases / roots, training is BITWISE
    the all-host run (deterministic install), with and without asteria.attach; host-resident
@@ -24,7 +24,7 @@ import torch
 import asteria
 
 from asteria import SOAP, KLShampoo, Shampoo, attach, detach
-from asteria.tiered import Residency, TieredStateError
+from asteria.tiers.residency import Residency, TieredStateError
 from models import loss_and_grad, make_model, params_of, require_c_extension
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
@@ -223,7 +223,7 @@ TMPFS_SCRIPT = textwrap.dedent('''
     sys.path[:0] = [{tests!r}, {python!r}]
     import torch
     from asteria import SOAP
-    from asteria.tiered import TieredStateError
+    from asteria.tiers.residency import TieredStateError
     from models import loss_and_grad, make_model, params_of
     d = {dir!r}
     rt = {{"mode": "async", "staleness": 2, "workers": 2}}

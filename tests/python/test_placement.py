@@ -1,4 +1,4 @@
-"""Placement by life cycle (asteria.placement, asteria.tiered) on the CPU path.
+"""Placement by life cycle (asteria.tiers.plan, asteria.tiers.residency) on the CPU path.
 
  - the planner's decisions: factors and moments on the device, roots / eigenbases in host
    memory in async mode, everything on the device in sync mode; logged once at INFO;
@@ -198,8 +198,8 @@ def test_borrow_restages_a_chunk_that_fits_only_from_an_empty_ring():
     again from an empty ring (what a tight device_budget_bytes used to turn into an error)."""
     import types
 
-    from asteria.placement import Plan
-    from asteria.tiered import Residency
+    from asteria.tiers.plan import Plan
+    from asteria.tiers.residency import Residency
 
     keys = {(0, "x"): (16, 16), (1, "y"): (16, 16), (2, "z"): (16, 32)}  # 1, 1 and 2 KiB
     plan = Plan("async", {}, {k: "host" for k in keys}, ring_bytes=3072, ring_min=3072,

@@ -3,11 +3,11 @@ eigenbases outside the device, and the accessors the step uses so that the kerne
 the tensors of the all-device path.
 
 Owns: the plan, the residency, the map from a parameter to its tiered keys, and the staging of
-stacks through the ring in chunks that fit it. May call: torch, ``asteria.placement``,
-``asteria.tiered``, the executor selection (``asteria.refresh.select``). Single-threaded
+stacks through the ring in chunks that fit it. May call: torch, ``asteria.tiers.plan``,
+``asteria.tiers.residency``, the executor selection (``asteria.refresh.select``). Single-threaded
 (the training thread and the hooks it runs on that thread).
 
-Placement (``asteria.placement``, ``asteria.tiered``): at construction the planner assigns a
+Placement (``asteria.tiers.plan``, ``asteria.tiers.residency``): at construction the planner assigns a
 tier to every piece of state. Factors and moments always live in ``self.state`` on the
 parameter's device. In ``mode="async"`` roots / eigenbases normally live in a ``Residency``
 (host, pinned, UVM or NVMe blocks) instead of ``self.state``; every access goes through
@@ -28,8 +28,8 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from asteria import placement as _placement
-from asteria import tiered as _tiered_mod
+from asteria.tiers import plan as _placement
+from asteria.tiers import residency as _tiered_mod
 from asteria.refresh import select as _select
 from asteria.optim._state import _ParamState, _States, local
 

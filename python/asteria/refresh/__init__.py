@@ -1,3 +1,3 @@
 """The REFRESH room: the op table (``ops``), the executor seam (``engine``), the executors
-(``inline_torch``; libasteria's pool in ``asteria.engine_c``; replicated blocks in
-``replicated``) and the one place that picks an executor (``select``)."""
+(``inline_torch``; libasteria's pool in ``host_pool``;
+replicated blocks in ``replicated``) and the one place that picks an executor (``select``)."""

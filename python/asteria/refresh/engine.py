@@ -7,9 +7,10 @@ picks one):
 
 * ``TorchEngine`` (``inline_torch.py``): ``mode="sync"``. It computes inline with
   ``torch.linalg`` on the tensors' own device at ``submit`` time. This is the native reference.
-* ``CEngine`` (``asteria.engine_c``): ``mode="async"``. Every job runs on libasteria's C worker
-  pool (LAPACKE on host threads). The training thread only snapshots, submits, polls and waits.
-* ``DistributedEngine`` (``asteria.refresh.replicated``): around either, for blocks replicated over
+* ``CEngine`` (``host_pool.py``): ``mode="async"``. Every job runs on libasteria's C worker
+  pool (LAPACKE on host threads). The training thread only snapshots, submits, polls and
+  waits.
+* ``DistributedEngine`` (``replicated.py``): around either, for blocks replicated over
   ranks (one owner computes, the others receive).
 
 All tensors passed to ``submit`` are *batched*: shape ``(batch, n, n)`` for same-shape blocks

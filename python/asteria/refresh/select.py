@@ -23,7 +23,7 @@ def make_engine(cfg: Any, plan: Optional[Any] = None,
 
         engine: Engine = TorchEngine()
     else:
-        from asteria.engine_c import CEngine
+        from asteria.refresh.host_pool import CEngine
 
         if plan is None:
             engine = CEngine(cfg)

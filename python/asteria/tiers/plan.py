@@ -9,7 +9,7 @@ State kinds and their life cycle
    device. Nothing else is possible for them in either mode (the step computes there).
  - ``roots`` (Shampoo's Linv, Rinv) and ``eigenbases`` (SOAP's Q_L, Q_R, KL-Shampoo's Q_a, Q_b)
    are written once per refresh and read every step: in ``mode="async"`` they live in host
-   memory and reach the step through the device staging ring (``asteria.tiered``).
+   memory and reach the step through the device staging ring (``asteria.tiers.residency``).
 
 Rules (``mode="async"``)
  1. factors and moments: "device". Their bytes must fit ``device_budget_bytes`` (else

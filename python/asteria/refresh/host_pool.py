@@ -188,7 +188,7 @@ class CEngine(Engine):
         self.trace("copy", "shadow", bytes=nbytes, direction="d2h", block=block, ts_ns=t0,
                    dur_ns=t1 - t0)
         self.trace("copy_done", "shadow", bytes=nbytes, direction="d2h", block=block, ts_ns=t1)
-        from asteria.tiered import _cpu_view
+        from asteria.tiers.residency import _cpu_view
 
         return _cpu_view(host_ptr, nbytes, cdtype, shape), ticket
 

@@ -3,7 +3,7 @@
 
 Owns: one store, one shadow (prefetch ring; the snapshot ring is the engine's), the block table
 ``(param index, state name) -> _Blk``, the per-step NVMe cache, the copy counters and the copy
-events written to the runtime's trace. May call: torch, ``asteria._C``, ``asteria.placement``.
+events written to the runtime's trace. May call: torch, ``asteria._C``, ``asteria.tiers.plan``.
 Single-threaded: the optimizer's training thread (and the hooks it runs on that thread).
 
 Data flow of one block (its plan gives a home tier: host, host_pinned, uvm or nvme)
@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from asteria import _C
-from asteria.placement import Plan, align
+from asteria.tiers.plan import Plan, align
 
 log = logging.getLogger("asteria")
 
