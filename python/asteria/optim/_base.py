@@ -40,7 +40,7 @@ from asteria.optim._state import _count, local, shard_tag
 from asteria.optim._tiering import TieringMixin, _close_all
 
 
-#: the keys of asteria_stats() every mode reports (the benchmark's contract)
+#: the keys asteria_stats() reports in every mode (zero where a mode has no such thing)
 STATS_KEYS = ("bytes_device", "bytes_host", "bytes_host_pinned", "bytes_uvm", "bytes_nvme",
               "jobs_queued", "jobs_running", "jobs_done", "barrier_waits", "barrier_wait_ns",
               "bytes_h2d", "bytes_d2h", "bytes_nvme_read", "bytes_nvme_written",

@@ -19,6 +19,7 @@ import math
 from typing import Optional, Sequence
 
 import torch
+from torch.optim.adamw import adamw as _torch_adamw
 
 Mats = Sequence[Optional[torch.Tensor]]
 
@@ -83,17 +84,15 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor],
                exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
                steps: Sequence[int], *, lr: float, beta1: float, beta2: float, eps: float,
                weight_decay: float) -> None:
+    """torch.optim.AdamW's own update (its functional form, the foreach path) on parameters
+    whose step counts (after this step) are the ints ``steps``: the state keeps ints, torch's
+    functional form takes step tensors it increments itself."""
     if not params:
         return
-    torch._foreach_mul_(params, 1.0 - lr * weight_decay)
-    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
-    step_sizes = [-lr / (1.0 - beta1 ** k) for k in steps]
-    denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, [math.sqrt(1.0 - beta2 ** k) for k in steps])
-    torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denom, step_sizes)
+    counts = [torch.tensor(float(k - 1)) for k in steps]
+    _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, [], counts, foreach=True, amsgrad=False,
+                 beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
+                 maximize=False)
 
 
 # --------------------------------------------------------------------------------------------
