@@ -23,6 +23,10 @@
  *    close() sets `closed` with the GIL held, then (GIL released) waits for inflight == 0 and
  *    destroys. Calls that keep the GIL only check `closed`: a closer cannot be past that point
  *    while they hold the GIL.
+ *  - Waits that can last (Runtime.wait: a job's whole computation) wake every SIGNAL_SLICE_NS
+ *    (100 ms), take the GIL, run PyErr_CheckSignals() and release it again; an exception from a
+ *    handler (KeyboardInterrupt) ends the wait with nothing of the job touched. The check runs
+ *    with no library lock held (ast_runtime_wait_check) and inside the guard, like the wait.
  *  - guard.lock is only ever held for a counter update or inside pthread_cond_wait, so taking
  *    it with the GIL held cannot deadlock. Library mutexes are never held by a thread that
  *    waits for the GIL (library code never calls back into Python).
@@ -50,6 +54,8 @@
 
 #define ERRBUF_LEN 1024
 #define POLL_CHUNK 64
+/* A blocking wait wakes this often to run Python's signal handlers (Ctrl-C). */
+#define SIGNAL_SLICE_NS (100 * 1000 * 1000LL)
 
 typedef struct {
     PyTypeObject *runtime_type;
@@ -150,6 +156,9 @@ static PyObject *new_ast_error(mod_state *st, PyObject *type, int code, const ch
             break;
         case AST_ENOENT: /* FileNotFoundError */
             os_errno = ENOENT;
+            break;
+        case AST_EINTR: /* InterruptedError */
+            os_errno = EINTR;
             break;
         default:
             break;
@@ -890,7 +899,21 @@ fail:
 PyDoc_STRVAR(runtime_wait_doc,
              "wait(ticket, timeout=None)\n--\n\nBounded barrier: block, GIL released, until the job "
              "is done and return its Result. timeout in seconds (None: forever); on expiry "
-             "TimeoutError and the job stays pending.");
+             "TimeoutError and the job stays pending. Every SIGNAL_SLICE_MS (100 ms) the wait "
+             "takes the GIL and runs the signal handlers; an exception they raise (Ctrl-C's "
+             "KeyboardInterrupt) ends the wait, and the job stays pending too: wait again (or "
+             "poll) for its result.");
+
+/* The check of a wait that runs with the GIL released: takes the GIL, runs Python's signal
+ * handlers, releases it again. AST_EINTR (the handler's exception set) when one raised. */
+static int check_signals(void *arg)
+{
+    PyThreadState **ts = arg;
+    PyEval_RestoreThread(*ts);
+    int rc = PyErr_CheckSignals() < 0 ? AST_EINTR : 0;
+    *ts = PyEval_SaveThread();
+    return rc;
+}
 
 static PyObject *runtime_wait(RuntimeObject *self, PyObject *args, PyObject *kwds)
 {
@@ -920,12 +943,15 @@ static PyObject *runtime_wait(RuntimeObject *self, PyObject *args, PyObject *kwd
     memset(&res, 0, sizeof res);
     char err[ERRBUF_LEN] = "";
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ast_runtime_wait(rt, ticket, timeout_ns, &res);
-    if (rc < 0)
+    PyThreadState *ts = PyEval_SaveThread();
+    rc = ast_runtime_wait_check(rt, ticket, timeout_ns, SIGNAL_SLICE_NS, check_signals, &ts,
+                                &res);
+    if (rc < 0 && rc != AST_EINTR)
         ast_runtime_last_error(rt, err, sizeof err);
-    Py_END_ALLOW_THREADS
+    PyEval_RestoreThread(ts);
     rt_leave(self);
+    if (rc == AST_EINTR) /* a signal handler raised: its exception is set */
+        return NULL;
     if (rc == AST_ENOENT)
         return raise_ast_error(st, rc, "wait: unknown ticket, or its result was already collected");
     if (rc < 0)
