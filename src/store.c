@@ -20,16 +20,17 @@
  *  - prepare (in the parent) takes registry_mtx, then every store's mutex (so no move is
  *    mid-batch when memory is copied), and opens a read descriptor of every NVME block's
  *    record (blk.fork_fd); the parent handler closes those and unlocks.
- *  - the child handler re-initialises every store's mutex, gives the store a new random store
- *    id and tells the engine (ast__nvme_adopt): the child's records are unlinked files kept
- *    as descriptors (blk.rfd, owner 0), so they never take a name the parent could see and
- *    vanish with the child however it exits; the engine sets up the child's own ring on its
- *    first batch. Each NVME
- *    block keeps its record's owner id (blk.owner) and the descriptor opened before the fork
- *    (blk.rfd), so the child reads the value the block had at the fork even after the parent
- *    has replaced or removed that file; a record the prepare handler could not open is read
- *    by path, and a record the parent has changed since is then reported (AST_ENOENT or
- *    AST_EFOREIGN), never used. The child never unlinks a record it does not own.
+ *  - the child handler releases every store's mutex (prepare took it in the thread that
+ *    forked, the child's one thread; no other thread of the parent holds a store mutex then),
+ *    gives the store a new random store id and tells the engine (ast__nvme_adopt): the child's
+ *    records are unlinked files kept as descriptors (blk.rfd, owner 0), so they never take a
+ *    name the parent could see and vanish with the child however it exits; the engine sets up
+ *    the child's own ring on its first batch. Each NVME block keeps its record's owner id
+ *    (blk.owner) and the descriptor opened before the fork (blk.rfd), so the child reads the
+ *    value the block had at the fork even after the parent has replaced or removed that file;
+ *    a record the prepare handler could not open is read by path, and a record the parent has
+ *    changed since is then reported (AST_ENOENT or AST_EFOREIGN), never used. The child never
+ *    unlinks a record it does not own.
  *  - Cost: one open(2) per NVME block per fork, and a child keeps the pre-fork records' disk
  *    space alive (through those descriptors) until it reads the blocks back, frees them,
  *    closes the store or exits. fork() waits for a move in progress on another thread.
@@ -404,9 +405,8 @@ static void atfork_child(void)
 {
     for (ast_store *s = stores; s; s = s->reg_next) {
         uint64_t parent_id = s->store_id;
-        /* The parent's lock state means nothing here: its other threads do not exist. */
-        memset(&s->mu, 0, sizeof s->mu);
-        pthread_mutex_init(&s->mu, NULL);
+        /* prepare locked it in the thread that forked, which is this process's one thread */
+        pthread_mutex_unlock(&s->mu);
         if (!s->nvme)
             continue;
         s->store_id = random_id();
@@ -423,8 +423,7 @@ static void atfork_child(void)
             b->fork_fd = -1;
         }
     }
-    memset(&registry_mtx, 0, sizeof registry_mtx);
-    pthread_mutex_init(&registry_mtx, NULL);
+    pthread_mutex_unlock(&registry_mtx);
 }
 
 static void install_atfork(void)
