@@ -15,6 +15,9 @@
  *  - Completions are drained by the owner: ast_pool_poll() (non-blocking), ast_pool_wait()
  *    (one ticket, blocking on a condition variable, never spinning).
  *  - Cancel succeeds only while the job is still queued.
+ *  - Fork: in a forked child the jobs that were queued or running at the fork are kept and run
+ *    (a running one again, from the start) on the child's own workers, started by its first
+ *    submit, poll or wait; completions already published stay to be drained (pool.c).
  *
  * Thread safety: every function may be called from any thread, except ast_pool_destroy, which
  * must not race with other calls on the same pool. Job run functions must not call back into
