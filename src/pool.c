@@ -923,7 +923,7 @@ int ast_pool_poll(ast_pool *p, ast_completion *out, size_t cap, size_t *n)
         return AST_EINVAL;
     pthread_mutex_lock(&p->mtx);
     int rc = restart_workers(p, 0);
-    *n = drain_some(p, out, cap);
+    *n = rc ? 0 : drain_some(p, out, cap);
     pthread_mutex_unlock(&p->mtx);
     return rc;
 }
@@ -984,7 +984,7 @@ int ast_pool_wait_any(ast_pool *p, int64_t timeout_ns, ast_completion *out, size
     int rc = restart_workers(p, 0);
     while (!rc && !p->done_head)
         rc = wait_done(p, timeout_ns, &until);
-    *n = drain_some(p, out, cap);
+    *n = rc && rc != AST_ETIMEDOUT ? 0 : drain_some(p, out, cap);
     pthread_mutex_unlock(&p->mtx);
     return *n ? 0 : rc ? rc : AST_ETIMEDOUT;
 }

@@ -79,7 +79,10 @@ int ast_pool_submit(ast_pool *pool, const ast_job *job, uint64_t *ticket);
 /* 0: removed from the queue (a completion with AST_ECANCELED is published);
  * AST_EBUSY: running; AST_ENOENT: finished or unknown ticket. */
 int ast_pool_cancel(ast_pool *pool, uint64_t ticket);
-/* Moves up to cap completions to out; *n receives the count. Never blocks. */
+/* Moves up to cap completions to out; *n receives the count. Never blocks.
+ * In a forked child, poll, wait and wait_any first start the workers when jobs are queued
+ * (see Fork above); if the threads cannot be created they return that failure (AST_ENOMEM
+ * or the mapped pthread_create error) and hand out nothing (*n = 0). */
 int ast_pool_poll(ast_pool *pool, ast_completion *out, size_t cap, size_t *n);
 /* Blocks until the job with this ticket has completed, removes its completion from the
  * done-queue and copies it to out. timeout_ns < 0: wait forever; AST_ETIMEDOUT on expiry;
