@@ -157,9 +157,6 @@ static PyObject *new_ast_error(mod_state *st, PyObject *type, int code, const ch
         case AST_ENOENT: /* FileNotFoundError */
             os_errno = ENOENT;
             break;
-        case AST_EINTR: /* InterruptedError */
-            os_errno = EINTR;
-            break;
         default:
             break;
         }
