@@ -440,7 +440,6 @@ def test_nvme_tier_with_odirect_does_not_warn(tmp_path, recwarn):
     """The same on pytest's tmp_path, where O_DIRECT works here: no warning."""
     import warnings
 
-    from asteria.tiered import Residency  # noqa: F401 (the module under test)
     from asteria import SOAP
     from models import loss_and_grad, make_model
 
