@@ -27,6 +27,9 @@
  *    (100 ms), take the GIL, run PyErr_CheckSignals() and release it again; an exception from a
  *    handler (KeyboardInterrupt) ends the wait with nothing of the job touched. The check runs
  *    with no library lock held (ast_runtime_wait_check) and inside the guard, like the wait.
+ *  - Fork: the guards' atfork handlers (see guard_init) zero every guard's inflight count in a
+ *    forked child, whose threads in those calls do not exist; so a child can close a handle
+ *    another thread of the parent was using at the fork.
  *  - guard.lock is only ever held for a counter update or inside pthread_cond_wait, so taking
  *    it with the GIL held cannot deadlock. Library mutexes are never held by a thread that
  *    waits for the GIL (library code never calls back into Python).
@@ -69,11 +72,12 @@ typedef struct {
 } mod_state;
 
 /* Keeps a handle alive while calls that released the GIL use it (see the header comment). */
-typedef struct {
+typedef struct guard {
     int closed;
     unsigned inflight;
     pthread_mutex_t lock;
     pthread_cond_t idle;
+    struct guard *prev, *next; /* every live guard of the process (fork handlers) */
 } guard;
 
 typedef struct {
@@ -517,16 +521,74 @@ static PyObject *make_result(mod_state *st, const ast_result *r)
 
 /* ---- guard -------------------------------------------------------------------------------------- */
 
+/* Fork: a call counted in a guard's inflight belongs to a thread that a forked child does not
+ * have, so the child would wait for it forever when it closes the handle (a finalizer at exit).
+ * Every live guard is on one process-wide list (guards, under guards_mtx, which guards the
+ * list only); prepare takes guards_mtx and every guard's lock (held by nobody for long), the
+ * parent releases them, the child releases them with inflight set to 0 and the idle condition
+ * made anew (its waiters are not in the child either). */
+static pthread_mutex_t guards_mtx = PTHREAD_MUTEX_INITIALIZER;
+static guard *guards;
+static pthread_once_t guards_once = PTHREAD_ONCE_INIT;
+
+static void guards_prepare(void)
+{
+    pthread_mutex_lock(&guards_mtx);
+    for (guard *g = guards; g; g = g->next)
+        pthread_mutex_lock(&g->lock);
+}
+
+static void guards_parent(void)
+{
+    for (guard *g = guards; g; g = g->next)
+        pthread_mutex_unlock(&g->lock);
+    pthread_mutex_unlock(&guards_mtx);
+}
+
+static void guards_child(void)
+{
+    for (guard *g = guards; g; g = g->next) {
+        g->inflight = 0;
+        memset(&g->idle, 0, sizeof g->idle);
+        pthread_cond_init(&g->idle, NULL);
+        pthread_mutex_unlock(&g->lock);
+    }
+    pthread_mutex_unlock(&guards_mtx);
+}
+
+static void guards_install(void)
+{
+    pthread_atfork(guards_prepare, guards_parent, guards_child);
+}
+
 static void guard_init(guard *g)
 {
     g->closed = 0;
     g->inflight = 0;
     pthread_mutex_init(&g->lock, NULL);
     pthread_cond_init(&g->idle, NULL);
+    pthread_once(&guards_once, guards_install);
+    pthread_mutex_lock(&guards_mtx);
+    g->prev = NULL;
+    g->next = guards;
+    if (guards)
+        guards->prev = g;
+    guards = g;
+    pthread_mutex_unlock(&guards_mtx);
 }
 
 static void guard_fini(guard *g)
 {
+    pthread_mutex_lock(&guards_mtx);
+    if (g->prev || guards == g) {
+        if (g->prev)
+            g->prev->next = g->next;
+        else
+            guards = g->next;
+        if (g->next)
+            g->next->prev = g->prev;
+    }
+    pthread_mutex_unlock(&guards_mtx);
     pthread_cond_destroy(&g->idle);
     pthread_mutex_destroy(&g->lock);
 }

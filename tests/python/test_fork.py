@@ -9,7 +9,9 @@ and a child gets working state:
      interpreter so that the shutdown is a real one;
  (d) a child forked while a REFRESH job is in flight (kept slow by the test hook
      ASTERIA_DEBUG_JOB_DELAY_MS): the child runs the job again and follows the parent's
-     trajectory bitwise.
+     trajectory bitwise;
+ (e) a child forked while another thread waits in Runtime.wait closes the runtime without
+     waiting for that thread (which it does not have).
 In every case the parent's parameters equal a run with no fork, bitwise, and after close no
 record file is left in nvme_dir.
 """
@@ -300,3 +302,55 @@ def test_fork_with_a_refresh_in_flight(tmp_path, monkeypatch, name, nvme):
         assert same(b, r), f"parent, step {t}"
         assert same(a, b), f"child, step {t}"
     assert records(nvme_dir) == []
+
+
+def test_child_closes_a_runtime_another_thread_was_waiting_on():
+    """Forked while another thread of the parent waits in Runtime.wait (a call in flight on
+    the runtime handle, GIL released): that thread does not exist in the child, so the child's
+    close() must not wait for it (before: the child hung in close for ever). The parent's
+    waiter gets its result as usual."""
+    import threading
+    import time
+
+    from asteria import _C
+
+    rt = _C.Runtime({"workers": 1, "debug_job_delay_ms": 1500})
+    n = 16
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=g, dtype=torch.float64)
+    f = (a @ a.T + n * torch.eye(n, dtype=torch.float64)).contiguous()
+    q = torch.zeros(n, n, dtype=torch.float64)
+    handles = [rt.register(t.data_ptr(), t.numel() * 8) for t in (f, q)]
+    ticket = rt.submit("eigh", "float64", n, 1, f.data_ptr(), None, q.data_ptr(), None,
+                       block=1, version=1, deadline=1)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(rt.wait(ticket)))
+    waiter.start()
+    time.sleep(0.3)  # the waiter is inside Runtime.wait now
+    pid = os.fork()
+    if pid == 0:
+        try:
+            rt.close()
+            code = 0
+        except BaseException:
+            code = 1
+        os._exit(code)
+    deadline = time.monotonic() + 30
+    status = None
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        waiter.join()
+        rt.close()
+        pytest.fail("the child hung closing a runtime another thread was using at the fork")
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    waiter.join()
+    assert got and got[0].status == 0 and got[0].ticket == ticket
+    for h in handles:
+        rt.unregister(h)
+    rt.close()
