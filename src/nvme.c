@@ -15,6 +15,10 @@
  * and finalises the records whose I/O is complete (rename, or verify). Because every round
  * drains, a slot's data is never touched while the kernel owns it, and a read's CRC can be
  * accumulated in file order without crc32_combine.
+ *
+ * Fork (nvme.h): the ring is set up by ring_setup() in the process that uses it; run_batch()
+ * compares getpid() with the ring's owner pid first and, in a forked child, replaces the
+ * inherited ring (never submitting to it) before any SQE is prepared.
  */
 #include "nvme.h"
 
@@ -65,6 +69,9 @@ struct ast__nvme {
     int direct;
     int fixed;
     int broken;  /* the ring failed in a way that leaves it unusable: every later batch fails */
+    int anonymous; /* forked child: new records are unlinked at once and handed over as fds */
+    int have_ring; /* ring holds a ring set up by (or inherited from) ring_pid's process */
+    pid_t ring_pid; /* the process that set the ring up */
     unsigned depth;
     size_t slot_size;
     unsigned char *arena;
@@ -96,17 +103,52 @@ uint64_t ast__nvme_record_bytes(size_t nbytes)
     return round_up((uint64_t)AST__NVME_HEADER + nbytes + AST__NVME_TRAILER, AST__NVME_ALIGN);
 }
 
+/* Path of a file of block_id written by store owner (0: this engine's store id). */
+static int owner_path(const ast__nvme *n, uint64_t owner, uint64_t block_id, const char *suffix,
+                      char *buf, size_t len)
+{
+    int w = snprintf(buf, len, "%s/ast-%016" PRIx64 "-%016" PRIx64 "%s", n->dir,
+                     owner ? owner : n->store_id, block_id, suffix);
+    return (w < 0 || (size_t)w >= len) ? AST_EINVAL : 0;
+}
+
 static int path_of(const ast__nvme *n, uint64_t block_id, const char *suffix, char *buf,
                    size_t len)
 {
-    int w = snprintf(buf, len, "%s/ast-%016" PRIx64 "-%016" PRIx64 "%s", n->dir, n->store_id,
-                     block_id, suffix);
-    return (w < 0 || (size_t)w >= len) ? AST_EINVAL : 0;
+    return owner_path(n, 0, block_id, suffix, buf, len);
 }
 
 int ast__nvme_record_path(const ast__nvme *n, uint64_t block_id, char *buf, size_t len)
 {
     return path_of(n, block_id, ".rec", buf, len);
+}
+
+int ast__nvme_owner_path(const ast__nvme *n, uint64_t owner, uint64_t block_id, char *buf,
+                         size_t len)
+{
+    return owner_path(n, owner, block_id, ".rec", buf, len);
+}
+
+static int open_flags(const ast__nvme *n, int base)
+{
+    return base | O_CLOEXEC | (n->direct ? O_DIRECT : 0);
+}
+
+int ast__nvme_open_record(const ast__nvme *n, uint64_t owner, uint64_t block_id, int *fd)
+{
+    char path[PATH_BYTES];
+    int rc = owner_path(n, owner, block_id, ".rec", path, sizeof path);
+    *fd = -1;
+    if (rc)
+        return rc;
+    *fd = open(path, open_flags(n, O_RDONLY));
+    return *fd < 0 ? ast_err_from_errno(errno) : 0;
+}
+
+void ast__nvme_adopt(ast__nvme *n, uint64_t store_id)
+{
+    n->store_id = store_id;
+    n->anonymous = 1;
 }
 
 int ast__nvme_direct(const ast__nvme *n)
@@ -284,10 +326,58 @@ static int probe_dir(ast__nvme *n, ast_direct_policy policy, char *err, size_t l
 
 /* ---- open / close -------------------------------------------------------------------------- */
 
+/* Sets up this process's ring and registers the staging arena with it. */
+static int ring_setup(ast__nvme *n, char *err, size_t len)
+{
+    struct iovec *iov;
+    int rc = io_uring_queue_init(n->depth, &n->ring, 0);
+
+    if (rc < 0) {
+        int code = (rc == -ENOSYS || rc == -EPERM) ? AST_ENOTSUP : ast_err_from_errno(-rc);
+        return set_err(err, len, code, "nvme_dir '%s': io_uring_queue_init(%u): %s%s", n->dir,
+                       n->depth, strerror(-rc),
+                       code == AST_ENOTSUP ? " (io_uring disabled by sysctl or seccomp?)" : "");
+    }
+    n->have_ring = 1;
+    n->ring_pid = getpid();
+    n->broken = 0;
+    iov = calloc(n->depth, sizeof *iov);
+    if (!iov) {
+        n->fixed = 0;
+        return 0;
+    }
+    for (unsigned i = 0; i < n->depth; i++) {
+        iov[i].iov_base = n->arena + (size_t)i * n->slot_size;
+        iov[i].iov_len = n->slot_size;
+    }
+    /* Registration pins the arena; where RLIMIT_MEMLOCK refuses, plain I/O on it still works. */
+    n->fixed = io_uring_register_buffers(&n->ring, iov, n->depth) == 0;
+    free(iov);
+    return 0;
+}
+
+/* A ring of this process: after a fork the inherited ring is the parent's (its SQ and CQ are
+ * shared memory), so the child drops its copies of it and sets up its own. */
+static int ring_of_this_process(ast__nvme *n, char *err, size_t len)
+{
+    char why[512];
+    int rc;
+
+    if (n->have_ring && n->ring_pid == getpid())
+        return 0;
+    if (n->have_ring)
+        io_uring_queue_exit(&n->ring);
+    n->have_ring = 0;
+    rc = ring_setup(n, why, sizeof why);
+    if (rc)
+        set_err(err, len, rc, "this process (pid %ld, forked from the store's creator) could not "
+                "set up its own io_uring ring: %s", (long)getpid(), why);
+    return rc;
+}
+
 int ast__nvme_open(const ast__nvme_opts *o, ast__nvme **out, char *err, size_t len)
 {
     ast__nvme *n;
-    struct iovec *iov;
     unsigned depth;
     int rc;
 
@@ -323,34 +413,20 @@ int ast__nvme_open(const ast__nvme_opts *o, ast__nvme **out, char *err, size_t l
         return rc;
     }
 
-    rc = io_uring_queue_init(depth, &n->ring, 0);
-    if (rc < 0) {
-        int code = (rc == -ENOSYS || rc == -EPERM) ? AST_ENOTSUP : ast_err_from_errno(-rc);
-        set_err(err, len, code, "nvme_dir '%s': io_uring_queue_init(%u): %s%s", n->dir, depth,
-                strerror(-rc),
-                code == AST_ENOTSUP ? " (io_uring disabled by sysctl or seccomp?)" : "");
-        free(n->dir);
-        free(n);
-        return code;
-    }
     n->ops = calloc(depth, sizeof *n->ops);
-    iov = calloc(depth, sizeof *iov);
-    if (!n->ops || !iov ||
+    if (!n->ops ||
         posix_memalign((void **)&n->arena, AST__NVME_ALIGN, (size_t)depth * n->slot_size) != 0) {
-        free(iov);
         n->arena = NULL;
         ast__nvme_close(n);
         return set_err(err, len, AST_ENOMEM, "nvme_dir '%s': no memory for %u staging slots of "
                        "%zu bytes", o->dir, depth, n->slot_size);
     }
     memset(n->arena, 0, (size_t)depth * n->slot_size);
-    for (unsigned i = 0; i < depth; i++) {
-        iov[i].iov_base = n->arena + (size_t)i * n->slot_size;
-        iov[i].iov_len = n->slot_size;
+    rc = ring_setup(n, err, len);
+    if (rc) {
+        ast__nvme_close(n);
+        return rc;
     }
-    /* Registration pins the arena; where RLIMIT_MEMLOCK refuses, plain I/O on it still works. */
-    n->fixed = io_uring_register_buffers(&n->ring, iov, depth) == 0;
-    free(iov);
     *out = n;
     return 0;
 }
@@ -359,7 +435,10 @@ void ast__nvme_close(ast__nvme *n)
 {
     if (!n)
         return;
-    io_uring_queue_exit(&n->ring);
+    /* In a forked child that never ran a batch this unmaps and closes the child's copies of the
+     * parent's ring: the parent's ring is not affected. */
+    if (n->have_ring)
+        io_uring_queue_exit(&n->ring);
     remove_store_files(n);
     free(n->arena);
     free(n->ops);
@@ -375,6 +454,7 @@ struct rec {
     int state;
     int err;           /* first failure; the record fails once its ops are drained */
     int fd;
+    int borrowed;      /* fd is the caller's (ast__nvme_io.fd): never closed here */
     int faulty;        /* the injected ENOSPC applies to this record */
     int sync_state;    /* buffered writes: 0 none yet, 1 issued, 2 done */
     unsigned inflight; /* ops of this record owned by the kernel */
@@ -430,7 +510,8 @@ static void rec_fail(struct batch *b, size_t i, int code, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(cause, sizeof cause, fmt, ap);
     va_end(ap);
-    if (ast__nvme_record_path(b->n, b->ios[i].block_id, path, sizeof path) != 0)
+    if (ast__nvme_owner_path(b->n, b->writing ? 0 : b->ios[i].owner, b->ios[i].block_id, path,
+                             sizeof path) != 0)
         snprintf(path, sizeof path, "%s/...", b->n->dir);
     snprintf(b->err, b->errlen, "block %" PRIu64 ", file %s: %s", b->ios[i].block_id, path,
              cause);
@@ -545,11 +626,6 @@ static void issue(struct batch *b, size_t i, int kind)
     prep_sqe(b, k);
 }
 
-static int open_flags(const ast__nvme *n, int base)
-{
-    return base | O_CLOEXEC | (n->direct ? O_DIRECT : 0);
-}
-
 /* Opens record i's file and sizes its transfer. */
 static void start_record(struct batch *b, size_t i)
 {
@@ -565,15 +641,16 @@ static void start_record(struct batch *b, size_t i)
         rec_fail(b, i, AST_EIO, "the io_uring ring failed earlier (%s)", strerror(-n->broken));
         return;
     }
-    if (path_of(n, io->block_id, b->writing ? ".tmp" : ".rec", path, sizeof path) != 0) {
-        rec_fail(b, i, AST_EINVAL, "path too long");
-        return;
-    }
     if (b->writing) {
+        if (path_of(n, io->block_id, ".tmp", path, sizeof path) != 0) {
+            rec_fail(b, i, AST_EINVAL, "path too long");
+            return;
+        }
         if (n->faults & AST__FAULT_EROFS)
             errno = EROFS;
         else
-            r->fd = open(path, open_flags(n, O_WRONLY | O_CREAT | O_TRUNC), 0600);
+            r->fd = open(path, open_flags(n, (n->anonymous ? O_RDWR : O_WRONLY) | O_CREAT |
+                                                 O_TRUNC), 0600);
         if (r->fd < 0) {
             rec_fail(b, i, ast_err_from_errno(errno), "cannot create %s: %s", path,
                      strerror(errno));
@@ -597,10 +674,20 @@ static void start_record(struct batch *b, size_t i)
         r->crc = crc_of(0, NULL, 0);
         return;
     }
-    r->fd = open(path, open_flags(n, O_RDONLY));
-    if (r->fd < 0) {
-        rec_fail(b, i, ast_err_from_errno(errno), "cannot open the record: %s", strerror(errno));
-        return;
+    if (io->fd >= 0) {
+        r->fd = io->fd;
+        r->borrowed = 1;
+    } else {
+        if (owner_path(n, io->owner, io->block_id, ".rec", path, sizeof path) != 0) {
+            rec_fail(b, i, AST_EINVAL, "path too long");
+            return;
+        }
+        r->fd = open(path, open_flags(n, O_RDONLY));
+        if (r->fd < 0) {
+            rec_fail(b, i, ast_err_from_errno(errno), "cannot open the record: %s",
+                     strerror(errno));
+            return;
+        }
     }
     if (fstat(r->fd, &st) != 0) {
         rec_fail(b, i, ast_err_from_errno(errno), "fstat: %s", strerror(errno));
@@ -621,6 +708,7 @@ static void check_header(struct batch *b, size_t i)
     const unsigned char *h = r->hdr;
     uint64_t sid = get_le(h + 8, 8), bid = get_le(h + 16, 8), gen = get_le(h + 24, 8);
     uint64_t plen = get_le(h + 32, 8);
+    uint64_t owner = io->owner ? io->owner : b->n->store_id;
 
     r->header_checked = 1;
     if (memcmp(h, REC_MAGIC, 4) != 0 || get_le(h + 60, 4) != crc_of(0, h, 60))
@@ -629,9 +717,9 @@ static void check_header(struct batch *b, size_t i)
         rec_fail(b, i, AST_ECORRUPT, "record format version %u (header %u bytes); this build "
                  "reads version %u", (unsigned)get_le(h + 4, 2), (unsigned)get_le(h + 6, 2),
                  AST__NVME_VERSION);
-    else if (sid != b->n->store_id)
-        rec_fail(b, i, AST_EFOREIGN, "record belongs to store %016" PRIx64 ", not to this store "
-                 "%016" PRIx64, sid, b->n->store_id);
+    else if (sid != owner)
+        rec_fail(b, i, AST_EFOREIGN, "record belongs to store %016" PRIx64 ", not to store "
+                 "%016" PRIx64, sid, owner);
     else if (bid != io->block_id)
         rec_fail(b, i, AST_EFOREIGN, "record holds block %" PRIu64 ", not block %" PRIu64, bid,
                  io->block_id);
@@ -813,7 +901,15 @@ static void finalize(struct batch *b, size_t i)
                 return; /* the next round issues (or has issued) its fdatasync */
             path_of(n, b->ios[i].block_id, ".tmp", tmp, sizeof tmp);
             ast__nvme_record_path(n, b->ios[i].block_id, path, sizeof path);
-            if (close(r->fd) != 0)
+            if (n->anonymous) { /* the record is its descriptor: it dies with this process */
+                if (unlink(tmp) != 0) {
+                    rec_fail(b, i, ast_err_from_errno(errno), "unlink %s: %s", tmp,
+                             strerror(errno));
+                } else {
+                    b->ios[i].fd = r->fd;
+                    r->fd = -1;
+                }
+            } else if (close(r->fd) != 0)
                 rec_fail(b, i, ast_err_from_errno(errno), "close: %s", strerror(errno));
             else if (rename(tmp, path) != 0)
                 rec_fail(b, i, ast_err_from_errno(errno), "rename from %s: %s", tmp,
@@ -823,7 +919,7 @@ static void finalize(struct batch *b, size_t i)
             verify_read(b, i);
         }
     }
-    if (r->fd >= 0)
+    if (r->fd >= 0 && !r->borrowed)
         close(r->fd);
     r->fd = -1;
     if (r->err) {
@@ -859,10 +955,25 @@ static int run_batch(ast__nvme *n, ast__nvme_io *ios, size_t count, int writing,
     b.errlen = len;
     if (err && len)
         err[0] = '\0';
-    for (size_t i = 0; i < count; i++)
+    for (size_t i = 0; i < count; i++) {
         ios[i].result = 0;
+        if (writing)
+            ios[i].fd = -1;
+    }
     if (count && !(b.recs = calloc(count, sizeof *b.recs)))
         return set_err(err, len, AST_ENOMEM, "no memory for a batch of %zu records", count);
+    if (count) {
+        char why[768];
+        int rc = ring_of_this_process(n, why, sizeof why);
+        if (rc) {
+            for (size_t i = 0; i < count; i++)
+                rec_fail(&b, i, rc, "%s", why);
+            free(b.recs);
+            if (x)
+                *x = (ast__nvme_xfer){0, now_ns() - t0, 0};
+            return rc;
+        }
+    }
 
     while (cursor < count) {
         b.nops = 0;

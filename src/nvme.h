@@ -33,6 +33,16 @@
  * batches larger than the arena take several rounds), submit once, reap every CQE, and repeat.
  * Short transfers and -EAGAIN/-EINTR are resubmitted for the remainder.
  *
+ * Fork: the io_uring ring belongs to the process that set it up. A batch run in another process
+ * (a forked child: getpid() differs from the ring's owner) first leaves the inherited ring alone
+ * (its mappings and descriptor are this process's copies: unmapping and closing them does not
+ * touch the parent's ring) and sets up a ring of its own; if that fails, every record of the
+ * batch fails with a message that says so. The store gives a child engine a new store id
+ * (ast__nvme_adopt), so the child's records never take the parent's file names (they are kept
+ * as unlinked files, open descriptors that vanish with the child), and reads a
+ * record written before the fork by its owner id (and, where it could, through a descriptor
+ * opened before the fork), so the parent may replace or remove that file meanwhile.
+ *
  * Locking: none inside. An engine is used by one thread at a time; the store calls it with its
  * mutex held.
  */
@@ -67,6 +77,16 @@ typedef struct ast__nvme_opts {
 int ast__nvme_open(const ast__nvme_opts *o, ast__nvme **out, char *err, size_t len);
 /* Tears the ring down and removes every file of this store id in the directory. NULL is fine. */
 void ast__nvme_close(ast__nvme *n);
+/* In a forked child: the engine writes records under store_id from now on, and each new record
+ * is unlinked as soon as it is complete and handed to the caller as an open descriptor
+ * (ast__nvme_io.fd, read through it), so a child's records vanish with the child however it
+ * ends (os._exit included) and never take a name the parent could see. The next batch sets up
+ * this process's own ring. Records of the old id are left alone. */
+void ast__nvme_adopt(ast__nvme *n, uint64_t store_id);
+/* Opens the record of block_id written by store owner (0: this engine's store id) for reading,
+ * with the flags the engine reads with. RETURN VALUE: 0 with *fd set; else the AST_E* code of
+ * open(2) (AST_ENOENT for a missing record, AST_EINVAL for a path too long). */
+int ast__nvme_open_record(const ast__nvme *n, uint64_t owner, uint64_t block_id, int *fd);
 
 /* 1: O_DIRECT in use; 0: buffered + fdatasync. */
 int ast__nvme_direct(const ast__nvme *n);
@@ -76,6 +96,9 @@ int ast__nvme_fixed(const ast__nvme *n);
 /* Size on disk of the record of a payload of nbytes. */
 uint64_t ast__nvme_record_bytes(size_t nbytes);
 int ast__nvme_record_path(const ast__nvme *n, uint64_t block_id, char *buf, size_t len);
+/* Path of the record of block_id written by store owner (0: this engine's store id). */
+int ast__nvme_owner_path(const ast__nvme *n, uint64_t owner, uint64_t block_id, char *buf,
+                         size_t len);
 /* Removes a block's record file (absent is fine). */
 int ast__nvme_remove(ast__nvme *n, uint64_t block_id);
 
@@ -87,6 +110,10 @@ typedef struct ast__nvme_io {
     size_t len;     /* payload bytes */
     int on_device;  /* data is device memory: staged with ast__cuda_memcpy instead of memcpy */
     int result;     /* out: 0 or AST_E* for this record */
+    uint64_t owner; /* read: store id that wrote the record (0: this engine's); write: ignored */
+    int fd;         /* read: an open descriptor of the record, left open (-1: open it by path);
+                       write, out: the new record's descriptor when the engine was adopted
+                       (the record has no name), else -1 */
 } ast__nvme_io;
 
 typedef struct ast__nvme_xfer {

@@ -12,8 +12,8 @@
  * cores workers are bound to as an hwloc list, or "unpinned (<why>)" when none is (pin=0, built
  * without hwloc, binding unsupported or refused). Workers run with all signals blocked.
  * Stats: submitted counts accepted jobs; queued and running are current counts; done counts
- * jobs that ran to the end (and jobs lost at a fork, see below), failed those of them whose
- * status is not 0; superseded and cancelled the rest. So while the pool lives,
+ * jobs that ran to the end, failed those of them whose status is not 0; superseded and
+ * cancelled the rest. So while the pool lives,
  * submitted == queued + running + done + superseded + cancelled.
  *
  * Lock discipline
@@ -39,16 +39,21 @@
  * Fork (pthread_atfork, installed once): prepare takes registry_mtx then every pool's mutex, so
  * no pool is mid-update when the address space is copied; the parent handler releases them.
  * The child handler, for every live pool, re-initialises its mutex and condition
- * variables (their owners/waiters do not exist in the child), then settles every job that was in
- * flight at fork time, because the parent owns that work and runs it there:
- *  - jobs that were queued or running in the parent are NOT run in the child; each completes in
- *    the child with status AST_ESHUTDOWN (a running one keeps its started_ns and worker, with
- *    done_ns = the time of the fork), so the child can drain them and free its copy of ctx.
- *    In the stats they count as done and failed.
+ * variables (their owners/waiters do not exist in the child), then keeps every job that was in
+ * flight at fork time, so that the child computes the same results the parent does (a job's
+ * ctx, its inputs included, is copied with the address space):
+ *  - queued jobs stay queued.
+ *  - running jobs go back to the queue (state QUEUED, started_ns 0, worker -1) and run again
+ *    from the start in the child: run() must therefore not depend on a previous, partial run
+ *    of itself (the runtime's jobs read their inputs and write their outputs only). Such a job
+ *    is not in queued_blocks (in_blocks 0): in the parent it could no longer be superseded,
+ *    and the child keeps that. The heap always has room for every queued and running job
+ *    (submit reserves it), so the handler does not allocate.
  *  - completions already in the done-queue are kept; the child drains them as usual.
  *  - worker threads do not exist in the child; they are restarted (and pinned again) by the
- *    first ast_pool_submit in the child, so a child that never uses the pool (a data-loader
- *    process) never starts threads. The registry mutex is re-initialised last.
+ *    child's first submit, or by its first poll or wait while jobs are queued, so a child that
+ *    never uses the pool (a data-loader process) never starts threads. The registry mutex is
+ *    re-initialised last.
  * A job's run() must not fork: in the child, a worker-turned-main thread would have no pool
  * state to return to.
  */
@@ -159,6 +164,7 @@ typedef struct rec {
     ast_job job;
     uint64_t ticket;
     enum rec_state state;
+    int in_blocks;   /* by_block is linked in pool->queued_blocks */
     size_t heap_idx;
     int status, worker;
     uint64_t queued_ns, started_ns, done_ns;
@@ -344,11 +350,18 @@ static void wake_owners(ast_pool *p)
         pthread_cond_broadcast(&p->done_cv);
 }
 
+static void unlink_block(ast_pool *p, rec *r)
+{
+    if (r->in_blocks)
+        htable_remove(&p->queued_blocks, &r->by_block);
+    r->in_blocks = 0;
+}
+
 /* A queued job leaves the queue without running: superseded, cancelled or dropped. */
 static void settle_queued(ast_pool *p, rec *r, int status, uint64_t t)
 {
     heap_remove(p, r);
-    htable_remove(&p->queued_blocks, &r->by_block);
+    unlink_block(p, r);
     p->st.queued--;
     r->status = status;
     r->done_ns = t;
@@ -427,7 +440,7 @@ static void *worker_main(void *arg)
             break; /* stopping: the queue was emptied by destroy, nothing more will come */
         rec *r = p->heap[0];
         heap_remove(p, r);
-        htable_remove(&p->queued_blocks, &r->by_block);
+        unlink_block(p, r);
         r->state = REC_RUNNING;
         r->worker = w->idx;
         r->started_ns = now_ns();
@@ -476,6 +489,18 @@ static int start_workers(ast_pool *p)
             w->alive = 1;
     }
     pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return rc;
+}
+
+/* In a forked child: starts the workers when there is work for them (always when `submitting`),
+ * so a child that never uses the pool starts no threads. 0 or start_workers' code. */
+static int restart_workers(ast_pool *p, int submitting)
+{
+    if (!p->need_start || (!submitting && !p->nheap) || p->stopping)
+        return 0;
+    int rc = start_workers(p);
+    if (!rc)
+        p->need_start = 0;
     return rc;
 }
 
@@ -652,7 +677,6 @@ static void atfork_parent(void)
 
 static void atfork_child(void)
 {
-    uint64_t t = now_ns();
     for (ast_pool *p = registry; p; p = p->reg_next) {
         /* The old objects may record owners and waiters that do not exist here. */
         memset(&p->mtx, 0, sizeof p->mtx);
@@ -660,22 +684,17 @@ static void atfork_child(void)
         memset(&p->done_cv, 0, sizeof p->done_cv);
         init_sync(p);
         p->ndone_waiters = 0;
-        while (p->nheap) {
-            settle_queued(p, p->heap[p->nheap - 1], AST_ESHUTDOWN, t);
-            p->st.done++;
-            p->st.failed++;
-        }
         for (int i = 0; i < p->nworkers; i++) {
             worker *w = &p->w[i];
             rec *r = w->current;
-            if (r) {
-                r->status = AST_ESHUTDOWN;
-                r->done_ns = t;
-                done_push(p, r);
+            if (r) { /* its worker does not exist here: it runs again from the start */
+                r->state = REC_QUEUED;
+                r->started_ns = 0;
+                r->worker = -1;
+                heap_push(p, r);
                 w->current = NULL;
                 p->st.running--;
-                p->st.done++;
-                p->st.failed++;
+                p->st.queued++;
             }
             w->alive = 0;
             w->started = 0;
@@ -839,12 +858,7 @@ int ast_pool_submit(ast_pool *p, const ast_job *job, uint64_t *ticket)
     r->queued_ns = now_ns();
 
     pthread_mutex_lock(&p->mtx);
-    int rc = p->stopping ? AST_ESHUTDOWN : 0;
-    if (!rc && p->need_start) {
-        rc = start_workers(p);
-        if (!rc)
-            p->need_start = 0;
-    }
+    int rc = p->stopping ? AST_ESHUTDOWN : restart_workers(p, 1);
     rec *old = NULL;
     if (!rc) {
         hnode *x = htable_find(&p->queued_blocks, job->block);
@@ -857,8 +871,8 @@ int ast_pool_submit(ast_pool *p, const ast_job *job, uint64_t *ticket)
         rc = htable_reserve(&p->tickets, p->tickets.n + 1);
     if (!rc)
         rc = htable_reserve(&p->queued_blocks, p->queued_blocks.n + 1);
-    if (!rc)
-        rc = heap_reserve(p, p->nheap + 1);
+    if (!rc) /* room for the running jobs too: a fork puts them back in the heap */
+        rc = heap_reserve(p, p->nheap + (size_t)p->st.running + 1);
     if (rc) {
         pthread_mutex_unlock(&p->mtx);
         free(r);
@@ -871,6 +885,7 @@ int ast_pool_submit(ast_pool *p, const ast_job *job, uint64_t *ticket)
     }
     r->ticket = p->next_ticket++;
     r->state = REC_QUEUED;
+    r->in_blocks = 1;
     r->by_ticket.key = r->ticket;
     r->by_block.key = job->block;
     htable_insert(&p->tickets, &r->by_ticket);
@@ -907,9 +922,10 @@ int ast_pool_poll(ast_pool *p, ast_completion *out, size_t cap, size_t *n)
     if (!p || !n || (cap && !out))
         return AST_EINVAL;
     pthread_mutex_lock(&p->mtx);
-    *n = drain_some(p, out, cap);
+    int rc = restart_workers(p, 0);
+    *n = rc ? 0 : drain_some(p, out, cap);
     pthread_mutex_unlock(&p->mtx);
-    return 0;
+    return rc;
 }
 
 static struct timespec abs_deadline(int64_t timeout_ns)
@@ -936,9 +952,9 @@ int ast_pool_wait(ast_pool *p, uint64_t ticket, int64_t timeout_ns, ast_completi
     if (!p || !out)
         return AST_EINVAL;
     struct timespec until = timeout_ns > 0 ? abs_deadline(timeout_ns) : (struct timespec){0};
-    int rc = 0;
     pthread_mutex_lock(&p->mtx);
-    for (;;) {
+    int rc = restart_workers(p, 0);
+    while (!rc || rc == AST_ETIMEDOUT) {
         hnode *x = htable_find(&p->tickets, ticket);
         rec *r = x ? CONTAINER_OF(x, rec, by_ticket) : NULL;
         if (!r) {
@@ -964,13 +980,13 @@ int ast_pool_wait_any(ast_pool *p, int64_t timeout_ns, ast_completion *out, size
     if (!p || !n || !cap || !out)
         return AST_EINVAL;
     struct timespec until = timeout_ns > 0 ? abs_deadline(timeout_ns) : (struct timespec){0};
-    int rc = 0;
     pthread_mutex_lock(&p->mtx);
-    while (!p->done_head && rc != AST_ETIMEDOUT)
+    int rc = restart_workers(p, 0);
+    while (!rc && !p->done_head)
         rc = wait_done(p, timeout_ns, &until);
-    *n = drain_some(p, out, cap);
+    *n = rc && rc != AST_ETIMEDOUT ? 0 : drain_some(p, out, cap);
     pthread_mutex_unlock(&p->mtx);
-    return *n ? 0 : AST_ETIMEDOUT;
+    return *n ? 0 : rc ? rc : AST_ETIMEDOUT;
 }
 
 int ast_pool_stats_get(ast_pool *p, ast_pool_stats *out)

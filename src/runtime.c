@@ -644,7 +644,30 @@ int ast_runtime_poll(ast_runtime *rt, ast_result *out, size_t cap, size_t *n)
     return 0;
 }
 
-int ast_runtime_wait(ast_runtime *rt, uint64_t ticket, int64_t timeout_ns, ast_result *out)
+/* One wait for ticket: whole (slice_ns < 0) or in slices of slice_ns with check() between. */
+static int wait_ticket(ast_runtime *rt, uint64_t ticket, int64_t timeout_ns, int64_t slice_ns,
+                       int (*check)(void *), void *arg, ast_completion *c)
+{
+    if (slice_ns < 0)
+        return ast_pool_wait(rt->pool, ticket, timeout_ns, c);
+    uint64_t t0 = now_ns();
+    for (;;) {
+        int64_t left = -1;
+        if (timeout_ns >= 0) {
+            uint64_t spent = now_ns() - t0;
+            left = spent >= (uint64_t)timeout_ns ? 0 : timeout_ns - (int64_t)spent;
+        }
+        int64_t step = left >= 0 && left < slice_ns ? left : slice_ns;
+        int rc = ast_pool_wait(rt->pool, ticket, step, c);
+        if (rc != AST_ETIMEDOUT || left == step)
+            return rc;
+        if (check(arg) != 0)
+            return AST_EINTR;
+    }
+}
+
+static int wait_impl(ast_runtime *rt, uint64_t ticket, int64_t timeout_ns, int64_t slice_ns,
+                     int (*check)(void *), void *arg, ast_result *out)
 {
     if (!rt || !out)
         return AST_EINVAL;
@@ -654,7 +677,7 @@ int ast_runtime_wait(ast_runtime *rt, uint64_t ticket, int64_t timeout_ns, ast_r
     int rc = ast_pool_wait(rt->pool, ticket, 0, &c);
     if (rc == AST_ETIMEDOUT) {
         uint64_t t0 = now_ns();
-        rc = ast_pool_wait(rt->pool, ticket, timeout_ns, &c);
+        rc = wait_ticket(rt, ticket, timeout_ns, slice_ns, check, arg, &c);
         uint64_t t1 = now_ns();
         atomic_fetch_add(&rt->barrier_waits, 1);
         atomic_fetch_add(&rt->barrier_wait_ns, t1 - t0);
@@ -673,6 +696,9 @@ int ast_runtime_wait(ast_runtime *rt, uint64_t ticket, int64_t timeout_ns, ast_r
     if (rc == AST_ETIMEDOUT)
         return set_error(rt, rc, "wait: ticket %" PRIu64 " not done within %" PRId64 " ns",
                          ticket, timeout_ns);
+    if (rc == AST_EINTR)
+        return set_error(rt, rc, "wait: ticket %" PRIu64 " interrupted; the job is still "
+                         "pending", ticket);
     if (rc == AST_ENOENT)
         return set_error(rt, rc, "wait: ticket %" PRIu64 " is unknown or was already collected",
                          ticket);
@@ -680,6 +706,20 @@ int ast_runtime_wait(ast_runtime *rt, uint64_t ticket, int64_t timeout_ns, ast_r
         return set_error(rt, rc, "wait: ticket %" PRIu64 ": %s", ticket, ast_strerror(rc));
     finish(rt, &c, out);
     return 0;
+}
+
+int ast_runtime_wait(ast_runtime *rt, uint64_t ticket, int64_t timeout_ns, ast_result *out)
+{
+    return wait_impl(rt, ticket, timeout_ns, -1, NULL, NULL, out);
+}
+
+int ast_runtime_wait_check(ast_runtime *rt, uint64_t ticket, int64_t timeout_ns,
+                           int64_t slice_ns, int (*check)(void *arg), void *arg,
+                           ast_result *out)
+{
+    if (!check || slice_ns <= 0)
+        return AST_EINVAL;
+    return wait_impl(rt, ticket, timeout_ns, slice_ns, check, arg, out);
 }
 
 void ast_runtime_note_install(ast_runtime *rt, int64_t snapshot_step, int64_t install_step)

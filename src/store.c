@@ -13,6 +13,30 @@
  * engine and cuda_mem take no locks, so there is no lock order to keep. ast_store_close must
  * not race with any other call on the same store.
  *
+ * Fork (pthread_atfork, installed by the first open; registry_mtx guards the list of open
+ * stores, `stores`, and nothing else). The NVMe records and the io_uring ring belong to the
+ * process that opened the store; a forked child gets a working copy of the store that can
+ * never harm them:
+ *  - prepare (in the parent) takes registry_mtx, then every store's mutex (so no move is
+ *    mid-batch when memory is copied), and opens a read descriptor of every NVME block's
+ *    record (blk.fork_fd); the parent handler closes those and unlocks.
+ *  - the child handler releases every store's mutex (prepare took it in the thread that
+ *    forked, the child's one thread; no other thread of the parent holds a store mutex then),
+ *    gives the store a new random store id and tells the engine (ast__nvme_adopt): the child's
+ *    records are unlinked files kept as descriptors (blk.rfd, owner 0), so they never take a
+ *    name the parent could see and vanish with the child however it exits; the engine sets up
+ *    the child's own ring on its first batch. Each NVME block keeps its record's owner id
+ *    (blk.owner) and the descriptor opened before the fork (blk.rfd), so the child reads the
+ *    value the block had at the fork even after the parent has replaced or removed that file;
+ *    a record the prepare handler could not open is read by path, and a record the parent has
+ *    changed since is then reported (AST_ENOENT or AST_EFOREIGN), never used. The child never
+ *    unlinks a record it does not own.
+ *  - Cost: one open(2) per NVME block per fork, and a child keeps the pre-fork records' disk
+ *    space alive (through those descriptors) until it reads the blocks back, frees them,
+ *    closes the store or exits. fork() waits for a move in progress on another thread.
+ * Lock order: registry_mtx, then store mutexes in registry order; only prepare holds more
+ * than one. Nobody takes registry_mtx while holding a store mutex.
+ *
  * Accounting: bytes[] counts block payload bytes (an NVMe record's header and padding are not
  * counted; nvme_bytes_written/read count everything the kernel transferred).
  * nvme_budget_bytes caps bytes[AST_TIER_NVME].
@@ -24,6 +48,7 @@
 #include "cuda_mem.h"
 #include "nvme.h"
 
+#include <fcntl.h>
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -43,6 +68,10 @@ struct blk {
     size_t nbytes;
     void *ptr;     /* NULL on NVME */
     uint64_t gen;  /* generation of the block's newest NVMe record */
+    uint64_t owner; /* store id that wrote that record: 0 this store, else (forked child) the
+                       parent's */
+    int rfd;       /* NVME: a descriptor of the record opened before a fork, or -1 */
+    int fork_fd;   /* NVME, during a fork only: the descriptor the child inherits as rfd */
     uint64_t mark; /* stamp of the last move batch that named it: catches duplicate ids */
 };
 
@@ -66,7 +95,12 @@ struct ast_store {
     int cuda_probed;
     int ndev;
     char err[ERR_BYTES];
+    ast_store *reg_prev, *reg_next; /* the registry of open stores (fork handlers) */
 };
+
+static pthread_mutex_t registry_mtx = PTHREAD_MUTEX_INITIALIZER;
+static ast_store *stores;
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 
 static const char *const TIER_NAMES[AST_TIER_COUNT] = {"host", "host_pinned", "device", "uvm",
                                                         "nvme"};
@@ -321,6 +355,82 @@ static uint64_t random_id(void)
     return v ? v : 1;
 }
 
+/* A block leaves NVME (read back or freed): its record is removed if this store wrote it; a
+ * record written by the parent of a forked child is the parent's and stays. */
+static void forget_record(ast_store *s, struct blk *b)
+{
+    if (b->owner == 0)
+        ast__nvme_remove(s->nvme, b->id);
+    if (b->rfd >= 0)
+        close(b->rfd);
+    b->rfd = -1;
+    b->owner = 0;
+}
+
+/* ---- fork (see the header comment) --------------------------------------------------------- */
+
+static void atfork_prepare(void)
+{
+    pthread_mutex_lock(&registry_mtx);
+    for (ast_store *s = stores; s; s = s->reg_next) {
+        pthread_mutex_lock(&s->mu);
+        for (size_t i = 0; i < s->tab.cap; i++) {
+            struct blk *b = s->tab.slots[i];
+            if (!b || b->tier != AST_TIER_NVME)
+                continue;
+            if (b->rfd >= 0)
+                b->fork_fd = fcntl(b->rfd, F_DUPFD_CLOEXEC, 0);
+            else if (ast__nvme_open_record(s->nvme, b->owner, b->id, &b->fork_fd) != 0)
+                b->fork_fd = -1; /* the child reads it by path and checks it */
+        }
+    }
+}
+
+static void atfork_parent(void)
+{
+    for (ast_store *s = stores; s; s = s->reg_next) {
+        for (size_t i = 0; i < s->tab.cap; i++) {
+            struct blk *b = s->tab.slots[i];
+            if (b && b->fork_fd >= 0) {
+                close(b->fork_fd);
+                b->fork_fd = -1;
+            }
+        }
+        pthread_mutex_unlock(&s->mu);
+    }
+    pthread_mutex_unlock(&registry_mtx);
+}
+
+static void atfork_child(void)
+{
+    for (ast_store *s = stores; s; s = s->reg_next) {
+        uint64_t parent_id = s->store_id;
+        /* prepare locked it in the thread that forked, which is this process's one thread */
+        pthread_mutex_unlock(&s->mu);
+        if (!s->nvme)
+            continue;
+        s->store_id = random_id();
+        ast__nvme_adopt(s->nvme, s->store_id);
+        for (size_t i = 0; i < s->tab.cap; i++) {
+            struct blk *b = s->tab.slots[i];
+            if (!b || b->tier != AST_TIER_NVME)
+                continue;
+            if (b->owner == 0)
+                b->owner = parent_id;
+            if (b->rfd >= 0)
+                close(b->rfd);
+            b->rfd = b->fork_fd;
+            b->fork_fd = -1;
+        }
+    }
+    pthread_mutex_unlock(&registry_mtx);
+}
+
+static void install_atfork(void)
+{
+    pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
+}
+
 /* ---- open / close -------------------------------------------------------------------------- */
 
 int ast__store_open_faults(const ast_store_opts *opts, unsigned faults, ast_store **out,
@@ -364,6 +474,13 @@ int ast__store_open_faults(const ast_store_opts *opts, unsigned faults, ast_stor
         }
         s->st.nvme_direct = ast__nvme_direct(s->nvme);
     }
+    pthread_once(&atfork_once, install_atfork);
+    pthread_mutex_lock(&registry_mtx);
+    s->reg_next = stores;
+    if (stores)
+        stores->reg_prev = s;
+    stores = s;
+    pthread_mutex_unlock(&registry_mtx);
     *out = s;
     return 0;
 }
@@ -382,10 +499,22 @@ void ast_store_close(ast_store *s)
 {
     if (!s)
         return;
+    pthread_mutex_lock(&registry_mtx);
+    if (s->reg_prev || stores == s) {
+        if (s->reg_prev)
+            s->reg_prev->reg_next = s->reg_next;
+        else
+            stores = s->reg_next;
+        if (s->reg_next)
+            s->reg_next->reg_prev = s->reg_prev;
+    }
+    pthread_mutex_unlock(&registry_mtx);
     for (size_t i = 0; i < s->tab.cap; i++) {
         struct blk *b = s->tab.slots[i];
         if (b) {
             mem_free(b->tier, b->ptr);
+            if (b->rfd >= 0)
+                close(b->rfd);
             free(b);
         }
     }
@@ -426,9 +555,11 @@ int ast_store_alloc(ast_store *s, ast_tier tier, size_t nbytes, uint64_t *id)
     b->id = s->next_id;
     b->tier = tier;
     b->nbytes = nbytes;
+    b->rfd = -1;
+    b->fork_fd = -1;
     if (tier == AST_TIER_NVME) {
         /* A zero-filled block on NVME is a record of zeros (data NULL). */
-        ast__nvme_io io = {b->id, 1, NULL, nbytes, 0, 0};
+        ast__nvme_io io = {.block_id = b->id, .generation = 1, .len = nbytes, .fd = -1};
         ast__nvme_xfer x = {0, 0, 0};
         if (!within_budget(s, 0, nbytes)) {
             rc = fail(s, AST_ENOSPC, "alloc on nvme: no space left for %zu bytes under "
@@ -440,6 +571,7 @@ int ast_store_alloc(ast_store *s, ast_tier tier, size_t nbytes, uint64_t *id)
         rc = ast__nvme_write(s->nvme, &io, 1, &x, msg, sizeof msg);
         count_io(s, 1, &x);
         b->gen = 1;
+        b->rfd = io.fd; /* a forked child's record is its descriptor */
     } else {
         rc = mem_alloc(tier, nbytes, &b->ptr, msg, sizeof msg);
     }
@@ -483,7 +615,7 @@ int ast_store_free(ast_store *s, uint64_t id)
         rc = AST_ENOENT;
     } else {
         if (b->tier == AST_TIER_NVME)
-            ast__nvme_remove(s->nvme, id); /* a file that cannot go now goes at close */
+            forget_record(s, b); /* a file that cannot go now goes at close */
         else
             mem_free(b->tier, b->ptr);
         account(s, b->tier, b->nbytes, -1);
@@ -604,7 +736,8 @@ static size_t move_to_nvme(ast_store *s, struct blk **bl, const size_t *pos, siz
             continue;
         }
         pending += b->nbytes;
-        ios[m] = (ast__nvme_io){b->id, b->gen + 1, b->ptr, b->nbytes, device_side(b->tier), 0};
+        ios[m] = (ast__nvme_io){.block_id = b->id, .generation = b->gen + 1, .data = b->ptr,
+                                .len = b->nbytes, .on_device = device_side(b->tier), .fd = -1};
         at[m++] = i;
     }
     if (m && ast__nvme_write(s->nvme, ios, m, &x, msg, sizeof msg) != 0) {
@@ -628,6 +761,7 @@ static size_t move_to_nvme(ast_store *s, struct blk **bl, const size_t *pos, siz
         b->ptr = NULL;
         b->tier = AST_TIER_NVME;
         b->gen = ios[j].generation;
+        b->rfd = ios[j].fd; /* a forked child's record is its descriptor */
         account(s, AST_TIER_NVME, b->nbytes, +1);
         moved++;
     }
@@ -662,7 +796,9 @@ static size_t move_from_nvme(ast_store *s, struct blk **bl, const size_t *pos, s
             move_failed(e, pos[i], rc, "block %" PRIu64 ": %s", b->id, msg);
             continue;
         }
-        ios[m] = (ast__nvme_io){b->id, b->gen, p, b->nbytes, device_side(dst), 0};
+        ios[m] = (ast__nvme_io){.block_id = b->id, .generation = b->gen, .data = p,
+                                .len = b->nbytes, .on_device = device_side(dst),
+                                .owner = b->owner, .fd = b->rfd};
         at[m++] = i;
     }
     msg[0] = '\0';
@@ -683,7 +819,7 @@ static size_t move_from_nvme(ast_store *s, struct blk **bl, const size_t *pos, s
                         j == first ? msg : ast_strerror(ios[j].result));
             continue;
         }
-        ast__nvme_remove(s->nvme, b->id); /* stale now; its generation guards it until close */
+        forget_record(s, b); /* stale now; its generation guards it until close */
         account(s, AST_TIER_NVME, b->nbytes, -1);
         b->ptr = ios[j].data;
         b->tier = dst;
@@ -822,7 +958,10 @@ int ast_store_record_path(ast_store *s, uint64_t id, char *buf, size_t len)
     else if (b->tier != AST_TIER_NVME)
         rc = fail(s, AST_ESTATE, "record_path: block %" PRIu64 " is on tier %s, not on nvme", id,
                   ast_tier_name(b->tier));
-    else if ((rc = ast__nvme_record_path(s->nvme, id, buf, len)) != 0)
+    else if (b->owner == 0 && b->rfd >= 0)
+        rc = fail(s, AST_ESTATE, "record_path: block %" PRIu64 " was written by this forked "
+                  "child: its record has no name (an open, unlinked file)", id);
+    else if ((rc = ast__nvme_owner_path(s->nvme, b->owner, id, buf, len)) != 0)
         rc = fail(s, rc, "record_path: a buffer of %zu bytes is too small", len);
     pthread_mutex_unlock(&s->mu);
     return rc;

@@ -35,14 +35,15 @@ extern "C" {
     X(EFAILED, -18, "block failed repeatedly; its previous result is kept")               \
     X(ESTATE, -19, "operation not valid in the current state")                            \
     X(ECUDA, -20, "CUDA runtime error")                                                   \
-    X(ERANGE, -21, "buffer range outside every registered host buffer")
+    X(ERANGE, -21, "buffer range outside every registered host buffer")                   \
+    X(EINTR, -22, "wait interrupted (its check callback asked it to stop)")
 
 typedef enum ast_errno {
     AST_OK = 0,
 #define AST__ERR_ENUM(name, val, msg) AST_##name = (val),
     AST_ERRNO_MAP(AST__ERR_ENUM)
 #undef AST__ERR_ENUM
-    AST__ERR_MIN = -22
+    AST__ERR_MIN = -23
 } ast_errno;
 
 /* Human-readable message for a code; never NULL ("unknown error" for foreign codes). */

@@ -15,6 +15,9 @@
  *  - Completions are drained by the owner: ast_pool_poll() (non-blocking), ast_pool_wait()
  *    (one ticket, blocking on a condition variable, never spinning).
  *  - Cancel succeeds only while the job is still queued.
+ *  - Fork: in a forked child the jobs that were queued or running at the fork are kept and run
+ *    (a running one again, from the start) on the child's own workers, started by its first
+ *    submit, poll or wait; completions already published stay to be drained (pool.c).
  *
  * Thread safety: every function may be called from any thread, except ast_pool_destroy, which
  * must not race with other calls on the same pool. Job run functions must not call back into
@@ -76,7 +79,10 @@ int ast_pool_submit(ast_pool *pool, const ast_job *job, uint64_t *ticket);
 /* 0: removed from the queue (a completion with AST_ECANCELED is published);
  * AST_EBUSY: running; AST_ENOENT: finished or unknown ticket. */
 int ast_pool_cancel(ast_pool *pool, uint64_t ticket);
-/* Moves up to cap completions to out; *n receives the count. Never blocks. */
+/* Moves up to cap completions to out; *n receives the count. Never blocks.
+ * In a forked child, poll, wait and wait_any first start the workers when jobs are queued
+ * (see Fork above); if the threads cannot be created they return that failure (AST_ENOMEM
+ * or the mapped pthread_create error) and hand out nothing (*n = 0). */
 int ast_pool_poll(ast_pool *pool, ast_completion *out, size_t cap, size_t *n);
 /* Blocks until the job with this ticket has completed, removes its completion from the
  * done-queue and copies it to out. timeout_ns < 0: wait forever; AST_ETIMEDOUT on expiry;

@@ -144,6 +144,18 @@ int ast_runtime_cancel(ast_runtime *rt, uint64_t ticket);
 int ast_runtime_poll(ast_runtime *rt, ast_result *out, size_t cap, size_t *n);
 /* Bounded barrier: waits for one ticket; the wait time is counted in barrier stats. */
 int ast_runtime_wait(ast_runtime *rt, uint64_t ticket, int64_t timeout_ns, ast_result *out);
+/* ast_runtime_wait that wakes at least every slice_ns to call check(arg), with no library lock
+ * held (so check may take the caller's own locks, e.g. re-acquire Python's GIL and run its
+ * signal handlers). check returns 0 to go on waiting; anything else ends the wait. The wait
+ * counts as one barrier wait in stats and trace, however many slices it took.
+ * RETURN VALUE: as ast_runtime_wait (0 with *out filled; AST_ETIMEDOUT once timeout_ns (< 0:
+ * none) has passed; AST_ENOENT; AST_EINVAL for NULL rt / out / check or slice_ns <= 0;
+ * AST_ESHUTDOWN), and AST_EINTR when check asked to stop. After AST_EINTR and AST_ETIMEDOUT
+ * the job is untouched: still registered, running or queued, and waitable (or pollable) later;
+ * its result is not lost. */
+int ast_runtime_wait_check(ast_runtime *rt, uint64_t ticket, int64_t timeout_ns,
+                           int64_t slice_ns, int (*check)(void *arg), void *arg,
+                           ast_result *out);
 
 /* The caller reports what it did with results, so stats can prove the staleness bound. */
 void ast_runtime_note_install(ast_runtime *rt, int64_t snapshot_step, int64_t install_step);

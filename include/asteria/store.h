@@ -11,6 +11,12 @@
  * returned as data. A block moved to NVME keeps no host copy; moving it back reads and verifies
  * it. A failed move leaves the block where it was, its data intact.
  *
+ * Fork: records and the io_uring ring belong to the process that opened the store. In a forked
+ * child the store works on a copy: blocks keep their values (an NVME block reads back the
+ * record as it was at the fork, even after the parent replaced it), new records get the
+ * child's own store id, the child sets up its own ring on first use, and close removes only
+ * the child's records. Nothing a child does changes the parent's records or ring.
+ *
  * Thread safety: one mutex per store serialises allocation, moves and accounting;
  * ast_store_data() pointers stay valid until the block is moved or freed, which the caller must
  * not race with its own use of the pointer.
@@ -67,7 +73,8 @@ typedef struct ast_store_stats {
 int ast_store_open(const ast_store_opts *opts, ast_store **out);
 /* Like ast_store_open, but on failure writes a message that names the cause into errbuf. */
 int ast_store_open_msg(const ast_store_opts *opts, ast_store **out, char *errbuf, size_t len);
-/* Frees every block and removes the store's record files. */
+/* Frees every block and removes the store's record files (in a forked child: the child's own
+ * records only). */
 void ast_store_close(ast_store *s);
 
 /* New zero-filled block of nbytes in tier; *id receives its handle (never 0). */
@@ -84,7 +91,8 @@ int ast_store_move(ast_store *s, const uint64_t *ids, size_t n, ast_tier dst, si
 int ast_store_stats_get(ast_store *s, ast_store_stats *out);
 /* Detail of the last failure on this store (thread-safe copy into buf). */
 int ast_store_last_error(ast_store *s, char *buf, size_t len);
-/* Path of the record file backing a block on NVME (for diagnostics and fault tests). */
+/* Path of the record file backing a block on NVME (for diagnostics and fault tests); in a
+ * forked child, for a block not written since the fork, the parent's record. */
 int ast_store_record_path(ast_store *s, uint64_t id, char *buf, size_t len);
 
 #ifdef __cplusplus

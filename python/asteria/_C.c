@@ -23,6 +23,13 @@
  *    close() sets `closed` with the GIL held, then (GIL released) waits for inflight == 0 and
  *    destroys. Calls that keep the GIL only check `closed`: a closer cannot be past that point
  *    while they hold the GIL.
+ *  - Waits that can last (Runtime.wait: a job's whole computation) wake every SIGNAL_SLICE_NS
+ *    (100 ms), take the GIL, run PyErr_CheckSignals() and release it again; an exception from a
+ *    handler (KeyboardInterrupt) ends the wait with nothing of the job touched. The check runs
+ *    with no library lock held (ast_runtime_wait_check) and inside the guard, like the wait.
+ *  - Fork: the guards' atfork handlers (see guard_init) zero every guard's inflight count in a
+ *    forked child, whose threads in those calls do not exist; so a child can close a handle
+ *    another thread of the parent was using at the fork.
  *  - guard.lock is only ever held for a counter update or inside pthread_cond_wait, so taking
  *    it with the GIL held cannot deadlock. Library mutexes are never held by a thread that
  *    waits for the GIL (library code never calls back into Python).
@@ -50,6 +57,8 @@
 
 #define ERRBUF_LEN 1024
 #define POLL_CHUNK 64
+/* A blocking wait wakes this often to run Python's signal handlers (Ctrl-C). */
+#define SIGNAL_SLICE_NS (100 * 1000 * 1000LL)
 
 typedef struct {
     PyTypeObject *runtime_type;
@@ -63,11 +72,12 @@ typedef struct {
 } mod_state;
 
 /* Keeps a handle alive while calls that released the GIL use it (see the header comment). */
-typedef struct {
+typedef struct guard {
     int closed;
     unsigned inflight;
     pthread_mutex_t lock;
     pthread_cond_t idle;
+    struct guard *prev, *next; /* every live guard of the process (fork handlers) */
 } guard;
 
 typedef struct {
@@ -511,16 +521,74 @@ static PyObject *make_result(mod_state *st, const ast_result *r)
 
 /* ---- guard -------------------------------------------------------------------------------------- */
 
+/* Fork: a call counted in a guard's inflight belongs to a thread that a forked child does not
+ * have, so the child would wait for it forever when it closes the handle (a finalizer at exit).
+ * Every live guard is on one process-wide list (guards, under guards_mtx, which guards the
+ * list only); prepare takes guards_mtx and every guard's lock (held by nobody for long), the
+ * parent releases them, the child releases them with inflight set to 0 and the idle condition
+ * made anew (its waiters are not in the child either). */
+static pthread_mutex_t guards_mtx = PTHREAD_MUTEX_INITIALIZER;
+static guard *guards;
+static pthread_once_t guards_once = PTHREAD_ONCE_INIT;
+
+static void guards_prepare(void)
+{
+    pthread_mutex_lock(&guards_mtx);
+    for (guard *g = guards; g; g = g->next)
+        pthread_mutex_lock(&g->lock);
+}
+
+static void guards_parent(void)
+{
+    for (guard *g = guards; g; g = g->next)
+        pthread_mutex_unlock(&g->lock);
+    pthread_mutex_unlock(&guards_mtx);
+}
+
+static void guards_child(void)
+{
+    for (guard *g = guards; g; g = g->next) {
+        g->inflight = 0;
+        memset(&g->idle, 0, sizeof g->idle);
+        pthread_cond_init(&g->idle, NULL);
+        pthread_mutex_unlock(&g->lock);
+    }
+    pthread_mutex_unlock(&guards_mtx);
+}
+
+static void guards_install(void)
+{
+    pthread_atfork(guards_prepare, guards_parent, guards_child);
+}
+
 static void guard_init(guard *g)
 {
     g->closed = 0;
     g->inflight = 0;
     pthread_mutex_init(&g->lock, NULL);
     pthread_cond_init(&g->idle, NULL);
+    pthread_once(&guards_once, guards_install);
+    pthread_mutex_lock(&guards_mtx);
+    g->prev = NULL;
+    g->next = guards;
+    if (guards)
+        guards->prev = g;
+    guards = g;
+    pthread_mutex_unlock(&guards_mtx);
 }
 
 static void guard_fini(guard *g)
 {
+    pthread_mutex_lock(&guards_mtx);
+    if (g->prev || guards == g) {
+        if (g->prev)
+            g->prev->next = g->next;
+        else
+            guards = g->next;
+        if (g->next)
+            g->next->prev = g->prev;
+    }
+    pthread_mutex_unlock(&guards_mtx);
     pthread_cond_destroy(&g->idle);
     pthread_mutex_destroy(&g->lock);
 }
@@ -890,7 +958,21 @@ fail:
 PyDoc_STRVAR(runtime_wait_doc,
              "wait(ticket, timeout=None)\n--\n\nBounded barrier: block, GIL released, until the job "
              "is done and return its Result. timeout in seconds (None: forever); on expiry "
-             "TimeoutError and the job stays pending.");
+             "TimeoutError and the job stays pending. Every SIGNAL_SLICE_MS (100 ms) the wait "
+             "takes the GIL and runs the signal handlers; an exception they raise (Ctrl-C's "
+             "KeyboardInterrupt) ends the wait, and the job stays pending too: wait again (or "
+             "poll) for its result.");
+
+/* The check of a wait that runs with the GIL released: takes the GIL, runs Python's signal
+ * handlers, releases it again. AST_EINTR (the handler's exception set) when one raised. */
+static int check_signals(void *arg)
+{
+    PyThreadState **ts = arg;
+    PyEval_RestoreThread(*ts);
+    int rc = PyErr_CheckSignals() < 0 ? AST_EINTR : 0;
+    *ts = PyEval_SaveThread();
+    return rc;
+}
 
 static PyObject *runtime_wait(RuntimeObject *self, PyObject *args, PyObject *kwds)
 {
@@ -920,12 +1002,15 @@ static PyObject *runtime_wait(RuntimeObject *self, PyObject *args, PyObject *kwd
     memset(&res, 0, sizeof res);
     char err[ERRBUF_LEN] = "";
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ast_runtime_wait(rt, ticket, timeout_ns, &res);
-    if (rc < 0)
+    PyThreadState *ts = PyEval_SaveThread();
+    rc = ast_runtime_wait_check(rt, ticket, timeout_ns, SIGNAL_SLICE_NS, check_signals, &ts,
+                                &res);
+    if (rc < 0 && rc != AST_EINTR)
         ast_runtime_last_error(rt, err, sizeof err);
-    Py_END_ALLOW_THREADS
+    PyEval_RestoreThread(ts);
     rt_leave(self);
+    if (rc == AST_EINTR) /* a signal handler raised: its exception is set */
+        return NULL;
     if (rc == AST_ENOENT)
         return raise_ast_error(st, rc, "wait: unknown ticket, or its result was already collected");
     if (rc < 0)

@@ -1,6 +1,7 @@
 /* test_runtime.c - runtime: config handling, buffer registration, REFRESH jobs end to end
  * (soap_rotate's submit validation and a run through the pool too), consecutive-failure rule,
- * barrier stats, shutdown with jobs pending, the runtime's trace. */
+ * barrier stats, shutdown with jobs pending, the runtime's trace, waits that check between
+ * slices (ast_runtime_wait_check). */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -581,6 +582,98 @@ static void test_trace_uncollected_and_write_errors(void **state)
     assert_int_equal(ast_runtime_destroy_msg(rt, err, sizeof err), 0);
 }
 
+/* What the check callback of test_wait_check saw. */
+struct checks {
+    int calls, stop_at;
+    uint64_t last_ns, max_gap_ns;
+};
+
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static int count_check(void *arg)
+{
+    struct checks *c = arg;
+    uint64_t t = mono_ns();
+    if (t - c->last_ns > c->max_gap_ns)
+        c->max_gap_ns = t - c->last_ns;
+    c->last_ns = t;
+    return ++c->calls == c->stop_at ? AST_EINTR : 0;
+}
+
+/* ast_runtime_wait_check wakes every slice to call its check; a nonzero check ends the wait
+ * with AST_EINTR and leaves the job pending, its buffers held, its result collectable later;
+ * the interrupted and the final wait are one barrier wait each. */
+static void test_wait_check(void **state)
+{
+    (void)state;
+    ast_config c;
+    ast_config_init(&c);
+    c.workers = 1;
+    snprintf(c.cpuset, sizeof c.cpuset, "0");
+    c.pin = 0;
+    c.debug_job_delay_ms = 600;
+    ast_runtime *rt = NULL;
+    char err[256];
+    assert_int_equal(ast_runtime_create_msg(&c, &rt, err, sizeof err), 0);
+    const int n = 16;
+    double *f = malloc(sizeof(double) * n * n), *q = calloc((size_t)n * n, sizeof(double));
+    spd(f, n, 3);
+    uint64_t hf, hq, t;
+    assert_int_equal(ast_runtime_register(rt, f, sizeof(double) * n * n, &hf), 0);
+    assert_int_equal(ast_runtime_register(rt, q, sizeof(double) * n * n, &hq), 0);
+    ast_refresh r = {.op = AST_OP_EIGH, .dtype = AST_F64, .n = n, .batch = 1, .in0 = f,
+                     .out0 = q, .block = 1, .version = 1, .deadline = 1};
+    assert_int_equal(ast_runtime_submit(rt, &r, &t), 0);
+
+    ast_result res;
+    assert_int_equal(ast_runtime_wait_check(rt, t, -1, 0, count_check, NULL, &res), AST_EINVAL);
+    assert_int_equal(ast_runtime_wait_check(rt, t, -1, 1000, NULL, NULL, &res), AST_EINVAL);
+    const uint64_t slice = 20 * 1000 * 1000;
+    struct checks ck = {.stop_at = 3, .last_ns = mono_ns()};
+    uint64_t t0 = ck.last_ns;
+    assert_int_equal(ast_runtime_wait_check(rt, t, -1, (int64_t)slice, count_check, &ck, &res),
+                     AST_EINTR);
+    assert_int_equal(ck.calls, 3);
+    assert_true(mono_ns() - t0 < 300 * 1000 * 1000ull); /* long before the job's 600 ms */
+    assert_true(ck.max_gap_ns < 5 * slice);
+    ast_runtime_last_error(rt, err, sizeof err);
+    assert_non_null(strstr(err, "interrupted"));
+    /* Still pending: its buffers are held, and a timed wait runs out without checking. */
+    assert_int_equal(ast_runtime_unregister(rt, hq), AST_EBUSY);
+    struct checks idle = {.stop_at = -1, .last_ns = mono_ns()};
+    assert_int_equal(ast_runtime_wait_check(rt, t, 10 * 1000 * 1000, (int64_t)slice, count_check,
+                                            &idle, &res), AST_ETIMEDOUT);
+    assert_int_equal(idle.calls, 0);
+    /* Waited again: the result is there, computed from the same inputs. */
+    struct checks go = {.stop_at = -1, .last_ns = mono_ns()};
+    assert_int_equal(ast_runtime_wait_check(rt, t, -1, (int64_t)slice, count_check, &go, &res),
+                     0);
+    assert_int_equal(res.status, 0);
+    assert_true(go.calls >= 1);
+    for (int j = 0; j < n; j++) /* orthonormal columns: the eigenbasis was written */
+        for (int k = 0; k < n; k++) {
+            double d = 0;
+            for (int i = 0; i < n; i++)
+                d += q[i * n + j] * q[i * n + k];
+            assert_true(fabs(d - (j == k)) < 1e-9);
+        }
+    assert_int_equal(ast_runtime_unregister(rt, hq), 0);
+    assert_int_equal(ast_runtime_unregister(rt, hf), 0);
+    ast_stats st;
+    assert_int_equal(ast_runtime_stats_get(rt, &st), 0);
+    assert_int_equal(st.barrier_waits, 3);
+    assert_int_equal(st.jobs_done, 1);
+    assert_int_equal(st.bytes_registered, 0);
+    ast_runtime_destroy(rt);
+    free(f);
+    free(q);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -594,6 +687,7 @@ int main(void)
         cmocka_unit_test(test_soap_rotate_job),
         cmocka_unit_test(test_trace_job_order_and_caller_events),
         cmocka_unit_test(test_trace_uncollected_and_write_errors),
+        cmocka_unit_test(test_wait_check),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

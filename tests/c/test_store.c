@@ -11,6 +11,7 @@
  *   - ENOSPC: a 1 MiB tmpfs mount (real, from fallocate and, with the reservation disabled, from
  *     the write completions), injected -ENOSPC completions, and the store's nvme_budget_bytes.
  *   - corruption, truncation, foreign records: real (bytes flipped, files truncated or copied).
+ *   - fork: a real fork(); parent and child do I/O at the same time.
  * Mounts are made in a private mount namespace (unshare(CLONE_NEWNS) at start), so they vanish
  * with the process even if it crashes; without the capability those sub-cases print a note.
  * Directories live under $ASTERIA_TEST_TMPDIR (or /tmp) and are removed.
@@ -37,6 +38,7 @@
 #include <string.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -986,6 +988,193 @@ static void test_threads(void **state)
     rm_rf(dir);
 }
 
+/* ---- fork ----------------------------------------------------------------------------------- */
+
+enum { FK_N = 12, FK_SIZE = 20000, FK_ROUNDS = 8 };
+
+static uint64_t fk_seed(int who, int round, int i)
+{
+    return (uint64_t)who * 1000000u + (uint64_t)round * 1000u + (uint64_t)i + 1;
+}
+
+static void fk_fill(ast_store *s, const uint64_t *ids, uint64_t (*seeds)[FK_N], int who, int round)
+{
+    for (int i = 0; i < FK_N; i++) {
+        (*seeds)[i] = fk_seed(who, round, i);
+        fill_random(ast_store_data(s, ids[i]), FK_SIZE, (*seeds)[i]);
+    }
+}
+
+static int fk_same(ast_store *s, const uint64_t *ids, const uint64_t *seeds)
+{
+    unsigned char *want = malloc(FK_SIZE);
+    int ok = want != NULL;
+    for (int i = 0; ok && i < FK_N; i++) {
+        const void *p = ast_store_data(s, ids[i]);
+        fill_random(want, FK_SIZE, seeds[i]);
+        ok = p && memcmp(p, want, FK_SIZE) == 0;
+    }
+    free(want);
+    return ok;
+}
+
+/* Every block to NVME and back, FK_ROUNDS times, new values each round: 0, or the round that
+ * failed (1-based). Parent and child run it at the same time. */
+static int fk_churn(ast_store *s, const uint64_t *ids, uint64_t (*seeds)[FK_N], int who)
+{
+    size_t moved;
+    for (int r = 0; r < FK_ROUNDS; r++) {
+        fk_fill(s, ids, seeds, who, 10 + r);
+        if (ast_store_move(s, ids, FK_N, AST_TIER_NVME, &moved) || moved != FK_N ||
+            ast_store_move(s, ids, FK_N, AST_TIER_HOST, &moved) || moved != FK_N ||
+            !fk_same(s, ids, *seeds))
+            return r + 1;
+    }
+    return 0;
+}
+
+static void fk_send(int fd)
+{
+    char c = 1;
+    assert_true(write(fd, &c, 1) == 1);
+}
+
+static int fk_recv(int fd)
+{
+    char c;
+    return read(fd, &c, 1) == 1 ? 0 : -1;
+}
+
+/* The child of test_fork; its exit status names the first check that failed. */
+static int fk_child(ast_store *s, const uint64_t *ids, const uint64_t *at_fork, int to_parent,
+                    int from_parent)
+{
+    uint64_t seeds[FK_N], id = 0;
+    char path[512];
+    size_t moved;
+    int rc;
+
+    if (fk_recv(from_parent)) /* the parent has replaced (and unlinked) the records by now */
+        return 20;
+    /* The blocks have the values they had at the fork: the even ones come from records the
+     * parent has removed since, through the descriptors the fork handler opened. */
+    if (ast_store_move(s, ids, FK_N, AST_TIER_HOST, &moved) || moved != FK_N)
+        return 21;
+    if (!fk_same(s, ids, at_fork))
+        return 22;
+    /* The child's own records: with the parent's ring this I/O would take the parent's
+     * completions (or the parent ours). */
+    if ((rc = fk_churn(s, ids, &seeds, 2)) != 0)
+        return 30 + rc;
+    if (ast_store_alloc(s, AST_TIER_NVME, 5000, &id) ||
+        ast_store_move(s, ids, FK_N, AST_TIER_NVME, &moved) || moved != FK_N)
+        return 40;
+    /* A child's record has no name the parent could see. */
+    if (ast_store_record_path(s, ids[0], path, sizeof path) != AST_ESTATE)
+        return 41;
+    fk_send(to_parent); /* the child has written */
+    if (ast_store_move(s, ids, FK_N, AST_TIER_HOST, &moved) || moved != FK_N ||
+        !fk_same(s, ids, seeds))
+        return 42;
+    if ((rc = fk_churn(s, ids, &seeds, 3)) != 0)
+        return 50 + rc;
+    if (ast_store_move(s, ids, FK_N, AST_TIER_NVME, &moved) || moved != FK_N)
+        return 60;
+    ast_store_close(s); /* must not remove the parent's records */
+    return 0;
+}
+
+/* fork() with the NVMe tier: the parent writes after a child wrote, the child exits (once
+ * through ast_store_close, once through _exit with its blocks on NVME), and the parent reads
+ * everything back. Both processes do I/O at the same time, so the child's ring must be its
+ * own; the child's reads see the values of the fork even though the parent replaced those
+ * records meanwhile; no file of the child is left behind. */
+static void test_fork(void **state)
+{
+    char dir[512];
+    uint64_t ids[FK_N], at_fork[FK_N], seeds[FK_N], even[FK_N / 2];
+    int to_parent[2], from_parent[2], wst;
+    size_t moved;
+    ast_store *s;
+    pid_t pid;
+    (void)state;
+    NEED_NVME();
+
+    make_dir(dir, sizeof dir, "fork");
+    s = open_store(dir, AST_DIRECT_FALLBACK, 4, 0);
+    for (int i = 0; i < FK_N; i++)
+        ids[i] = alloc_random(s, AST_TIER_HOST, FK_SIZE, 0);
+    fk_fill(s, ids, &seeds, 1, 0);
+    memcpy(at_fork, seeds, sizeof seeds);
+    for (int i = 0; i < FK_N / 2; i++)
+        even[i] = ids[2 * i];
+    assert_int_equal(ast_store_move(s, even, FK_N / 2, AST_TIER_NVME, &moved), 0);
+    assert_int_equal(count_files(dir, ".rec"), FK_N / 2);
+
+    assert_int_equal(pipe(to_parent), 0);
+    assert_int_equal(pipe(from_parent), 0);
+    fflush(NULL);
+    pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        close(to_parent[0]);
+        close(from_parent[1]);
+        _exit(fk_child(s, ids, at_fork, to_parent[1], from_parent[0]));
+    }
+    close(to_parent[1]);
+    close(from_parent[0]);
+
+    /* Replace the records the child inherited: read back (the old record is unlinked), new
+     * values, written again under the same names. */
+    assert_int_equal(ast_store_move(s, ids, FK_N, AST_TIER_HOST, &moved), 0);
+    assert_true(fk_same(s, ids, at_fork));
+    fk_fill(s, ids, &seeds, 1, 1);
+    assert_int_equal(ast_store_move(s, even, FK_N / 2, AST_TIER_NVME, &moved), 0);
+    fk_send(from_parent[1]);
+    assert_int_equal(fk_recv(to_parent[0]), 0); /* the child has written */
+    /* The parent writes after the child wrote, while the child goes on with its I/O. */
+    assert_int_equal(ast_store_move(s, ids, FK_N, AST_TIER_HOST, &moved), 0);
+    assert_true(fk_same(s, ids, seeds));
+    assert_int_equal(fk_churn(s, ids, &seeds, 1), 0);
+    assert_int_equal(ast_store_move(s, ids, FK_N, AST_TIER_NVME, &moved), 0);
+    assert_int_equal(moved, FK_N);
+
+    assert_int_equal(waitpid(pid, &wst, 0), pid);
+    assert_true(WIFEXITED(wst));
+    if (WEXITSTATUS(wst) != 0)
+        fail_msg("fork child failed its check %d", WEXITSTATUS(wst));
+    close(to_parent[0]);
+    close(from_parent[1]);
+    /* The child closed its store: the parent's records are all there, and nothing else. */
+    assert_int_equal(count_files(dir, NULL), FK_N);
+    assert_int_equal(ast_store_move(s, ids, FK_N, AST_TIER_HOST, &moved), 0);
+    assert_int_equal(moved, FK_N);
+    assert_true(fk_same(s, ids, seeds));
+
+    /* A child that ends with _exit, its blocks on NVME and its store open, leaves no file. */
+    assert_int_equal(ast_store_move(s, even, FK_N / 2, AST_TIER_NVME, &moved), 0);
+    fflush(NULL);
+    pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        uint64_t mine[FK_N];
+        int bad = ast_store_move(s, ids, FK_N, AST_TIER_HOST, &moved) != 0 ||
+                  !fk_same(s, ids, seeds) || fk_churn(s, ids, &mine, 4) != 0 ||
+                  ast_store_move(s, ids, FK_N, AST_TIER_NVME, &moved) != 0;
+        _exit(bad ? 70 : 0);
+    }
+    assert_int_equal(waitpid(pid, &wst, 0), pid);
+    assert_true(WIFEXITED(wst));
+    assert_int_equal(WEXITSTATUS(wst), 0);
+    assert_int_equal(count_files(dir, NULL), FK_N / 2);
+    assert_int_equal(ast_store_move(s, ids, FK_N, AST_TIER_HOST, &moved), 0);
+    assert_true(fk_same(s, ids, seeds));
+    assert_int_equal(fk_churn(s, ids, &seeds, 1), 0);
+    ast_store_close(s);
+    assert_int_equal(count_files(dir, NULL), 0);
+    rm_rf(dir);
+}
+
 static int group_setup(void **state)
 {
     (void)state;
@@ -1018,6 +1207,7 @@ int main(void)
         cmocka_unit_test(test_truncated_record),
         cmocka_unit_test(test_foreign_record),
         cmocka_unit_test(test_threads),
+        cmocka_unit_test(test_fork),
     };
     return cmocka_run_group_tests(tests, group_setup, NULL);
 }

@@ -207,7 +207,8 @@ def test_error_table_constants():
     assert _C.AST_OK == 0
     assert _C.AST_ENONFINITE == -8
     assert _C.AST_ERANGE == -21
-    assert len(_C.errorcode) == 21
+    assert _C.AST_EINTR == -22
+    assert len(_C.errorcode) == 22
     assert all(_C.err_name(code) == name for code, name in _C.errorcode.items())
     assert all(getattr(_C, name) == code for code, name in _C.errorcode.items())
     assert _C.err_name(-8) == "AST_ENONFINITE"

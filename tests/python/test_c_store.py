@@ -2,14 +2,16 @@
 
 HOST and NVMe round trips of a tensor's bytes, zero-copy torch views over HOST blocks
 (Store.buffer) and the pin they hold, batched moves and their accounting, a corrupted record
-file, a missing directory, and the CUDA tiers on a machine without a device. NVMe records go
-to pytest's tmp_path (direct="fallback" so a filesystem without O_DIRECT still runs the test;
-nvme_direct in stats says which path ran)."""
+file, a missing directory, the CUDA tiers on a machine without a device, and the one warning of
+an NVMe tier on a filesystem without O_DIRECT (a real ramfs in a private mount namespace). NVMe
+records go to pytest's tmp_path (direct="fallback" so a filesystem without O_DIRECT still runs
+the test; nvme_direct in stats says which path ran)."""
 
 import errno
 import gc
 import os
 import threading
+import textwrap
 import time
 
 import pytest
@@ -373,3 +375,86 @@ def test_threads_racing_buffers_against_moves(nvme_store):
     assert torch.equal(get(s, b, x), x)
     st = s.stats()
     assert st["nvme_writes"] == st["nvme_reads"] >= counts["moved"]
+
+
+BUFFERED_SCRIPT = textwrap.dedent('''
+    import os, sys, warnings
+    sys.path[:0] = [{tests!r}, {python!r}]
+    from asteria import SOAP
+    from models import loss_and_grad, make_model
+    d = {dir!r}
+
+    def train(nvme_dir):
+        model = make_model("mlp")
+        opt = SOAP(model.parameters(), precondition_frequency=4,
+                   runtime={{"mode": "async", "staleness": 2, "workers": 2,
+                             "nvme_dir": nvme_dir, "host_budget_bytes": 1024}})
+        for t in range(1, 4):
+            loss_and_grad(model, "mlp", t)
+            opt.step()
+        st = opt.asteria_stats()
+        opt.close()
+        return st
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        st = train(d)
+        again = train(d)  # the same directory again: no second warning
+    mine = [w for w in seen if "O_DIRECT" in str(w.message)]
+    assert st["nvme_direct"] is False and again["nvme_direct"] is False, st
+    assert st["bytes_nvme"] > 0 and st["nvme_writes"] > 0, st  # the tier was really used
+    assert len(mine) == 1, [str(w.message) for w in seen]
+    assert mine[0].category is RuntimeWarning and repr(d) in str(mine[0].message), mine[0]
+    print("OK")
+''')
+
+
+def test_nvme_tier_without_odirect_warns_once(tmp_path):
+    """A filesystem that refuses O_DIRECT (ramfs: tmpfs takes it since Linux 6.6) makes the
+    NVMe tier fall back to buffered I/O: one RuntimeWarning naming the directory, however many
+    optimizers use it. Needs a private mount namespace (`unshare -m`); skipped without it."""
+    import shutil
+    import subprocess
+    import sys
+
+    import asteria
+
+    if shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no private mount namespace here (unshare -m)")
+    mnt = tmp_path / "ramfs"
+    mnt.mkdir()
+    here = os.path.dirname(os.path.abspath(__file__))
+    python = os.path.dirname(os.path.dirname(asteria.__file__))  # the package under test
+    script = tmp_path / "buffered.py"
+    script.write_text(BUFFERED_SCRIPT.format(tests=here, python=python, dir=str(mnt)))
+    cmd = f"mount -t ramfs ramfs {mnt} && {sys.executable} {script}"
+    res = subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True,
+                         timeout=120)
+    if res.returncode != 0 and "mount:" in res.stderr and "permission" in res.stderr.lower():
+        pytest.skip(f"ramfs mount not permitted: {res.stderr.strip()}")
+    assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stdout + res.stderr
+
+
+def test_nvme_tier_with_odirect_does_not_warn(tmp_path, recwarn):
+    """The same on pytest's tmp_path, where O_DIRECT works here: no warning."""
+    import warnings
+
+    from asteria import SOAP
+    from models import loss_and_grad, make_model
+
+    s = _C.Store(nvme_dir=str(tmp_path), direct="fallback")
+    direct = s.stats()["nvme_direct"]
+    s.close()
+    if not direct:
+        pytest.skip(f"{tmp_path} has no O_DIRECT on this machine")
+    warnings.simplefilter("always")
+    model = make_model("mlp")
+    opt = SOAP(model.parameters(), precondition_frequency=4,
+               runtime={"mode": "async", "staleness": 2, "workers": 2,
+                        "nvme_dir": str(tmp_path), "host_budget_bytes": 1024})
+    for t in range(1, 3):
+        loss_and_grad(model, "mlp", t)
+        opt.step()
+    opt.close()
+    assert not [w for w in recwarn if "O_DIRECT" in str(w.message)]

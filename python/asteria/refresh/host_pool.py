@@ -4,9 +4,13 @@ Owns: one ``asteria._C.Runtime`` and, per job whose result has not been handed o
 tensors (input snapshots, outputs) with their buffer registrations. Workers read and write those
 buffers from their own threads, so each job's tensors stay referenced, and registered, until the
 runtime has reported the job finished (``poll`` or ``wait``); only then are they unregistered.
-May call: torch, ``asteria.engine``, ``asteria._C``.
+May call: torch, ``asteria.refresh`` (engine, ops), ``asteria._C``.
 Threading: single-threaded use (the optimizer's training thread), no locks. The GIL is released
-inside ``_C``'s blocking calls, so other Python threads run while this one waits at the barrier.
+inside ``_C``'s blocking calls, so other Python threads run while this one waits at the barrier;
+the barrier wakes every 100 ms to run signal handlers, so Ctrl-C interrupts it (a job whose wait
+was interrupted stays in ``_jobs``, waitable later: nothing is unregistered or lost).
+Fork: in a forked child the runtime's pool re-runs the jobs that were queued or running at the
+fork (pool.h), so a child that waits for them gets the parent's results.
 
 Snapshots (the shadow pipeline's D2H side): with ``shadow=True`` the inputs of a job are copied
 by a ``_C.Shadow`` into its snapshot ring: on CUDA on the lowest-priority shadow stream after
@@ -315,7 +319,10 @@ class CEngine(Engine):
 
     def wait(self, ticket: int, timeout: Optional[float] = None) -> Result:
         """The job's result (bounded barrier, GIL released). ``timeout`` in seconds: on expiry
-        TimeoutError and the ticket stays pending."""
+        TimeoutError and the ticket stays pending. The wait runs the signal handlers every
+        100 ms: an exception from one (Ctrl-C's KeyboardInterrupt) propagates and the ticket
+        stays pending as well, its tensors held and registered, so waiting again (or ``ready``)
+        still gets the result."""
         job = self._job(ticket)
         if job.result is None:
             self._check_open()
