@@ -1,0 +1,854 @@
+/*
+ * coherence.c - asteria._C.Coherence (coherence.h: the registry of replicated blocks).
+ * May call: the public libasteria API and the Python C API, and common.h.
+ */
+#include "common.h"
+
+/* ---- Coherence ------------------------------------------------------------------------------------
+ *
+ * The CoherenceRegistry (coherence.h). Every registry call is short, never blocks and never
+ * calls out, so the binding keeps the GIL across each one: no call runs with it released, which
+ * also makes close() (destroy, with the GIL held) unable to race with another call. The message
+ * of a failure is read back with ast_coherence_last_error right after the call, still under the
+ * GIL, so it is this call's.
+ */
+
+typedef struct {
+    PyObject_HEAD
+    ast_coherence *reg;
+} CoherenceObject;
+
+static const char *const coh_level_names[AST_COH_LEVEL_COUNT] = {
+    "intra_node", "inter_node", "flat", "flat_inter_node"};
+
+/* The registry, or NULL with AST_ESHUTDOWN raised once closed. */
+static ast_coherence *coh_open(CoherenceObject *self, mod_state *st)
+{
+    if (!self->reg) {
+        raise_ast_error(st, AST_ESHUTDOWN, "the coherence registry is closed");
+        return NULL;
+    }
+    return self->reg;
+}
+
+/* Raises the failure rc of the call just made on reg (BusyError for AST_EBUSY). */
+static PyObject *coh_raise(mod_state *st, ast_coherence *reg, int rc)
+{
+    char err[ERRBUF_LEN] = "";
+    ast_coherence_last_error(reg, err, sizeof err);
+    return raise_busy_aware(st, rc, err);
+}
+
+/* A sequence of ints as a PyMem array of C ints (*n entries); -1 with an exception set. */
+static int int_array(PyObject *o, const char *what, int **out, int *n)
+{
+    PyObject *seq = PySequence_Fast(o, what);
+    if (!seq)
+        return -1;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    if (len > INT32_MAX) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_OverflowError, "%s is too long", what);
+        return -1;
+    }
+    int *a = PyMem_Malloc((size_t)(len ? len : 1) * sizeof *a);
+    if (!a) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < len; i++)
+        if (as_int(PySequence_Fast_GET_ITEM(seq, i), &a[i], what) < 0) {
+            PyMem_Free(a);
+            Py_DECREF(seq);
+            return -1;
+        }
+    Py_DECREF(seq);
+    *out = a;
+    *n = (int)len;
+    return 0;
+}
+
+/* A sequence of ints as a PyMem array of uint64 (*n entries); -1 with an exception set. */
+static int u64_array(PyObject *o, const char *what, uint64_t **out, size_t *n)
+{
+    PyObject *seq = PySequence_Fast(o, what);
+    if (!seq)
+        return -1;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    uint64_t *a = PyMem_Malloc((size_t)(len ? len : 1) * sizeof *a);
+    if (!a) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < len; i++)
+        if (!conv_u64(PySequence_Fast_GET_ITEM(seq, i), &a[i])) {
+            PyMem_Free(a);
+            Py_DECREF(seq);
+            return -1;
+        }
+    Py_DECREF(seq);
+    *out = a;
+    *n = (size_t)len;
+    return 0;
+}
+
+/* An optional per-rank int list (node_ids, replica_group) of exactly world entries. */
+static int world_array(PyObject *o, const char *what, int world, int **out)
+{
+    *out = NULL;
+    if (o == Py_None)
+        return 0;
+    int n;
+    if (int_array(o, what, out, &n) < 0)
+        return -1;
+    if (n != world) {
+        PyMem_Free(*out);
+        *out = NULL;
+        PyErr_Format(PyExc_ValueError, "%s has %d entries; allowed: one per rank (%d)", what, n,
+                     world);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *coherence_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"world_size", "rank",      "ranks_per_node", "node_ids",
+                             "staleness",  "replica_group", NULL};
+    mod_state *st = type_state(type);
+    ast_coherence_opts o;
+    ast_coherence_opts_init(&o);
+    PyObject *node_o = Py_None, *group_o = Py_None;
+    if (!st || !PyArg_ParseTupleAndKeywords(args, kwds, "|ii$iOiO:Coherence", kwlist,
+                                            &o.world_size, &o.rank, &o.ranks_per_node, &node_o,
+                                            &o.staleness, &group_o))
+        return NULL;
+    int world = o.world_size > 0 ? o.world_size : 0;
+    int *node_ids = NULL, *groups = NULL;
+    if (world_array(node_o, "node_ids", world, &node_ids) < 0 ||
+        world_array(group_o, "replica_group", world, &groups) < 0) {
+        PyMem_Free(node_ids);
+        return NULL;
+    }
+    o.node_ids = node_ids;
+    o.replica_group = groups;
+    char err[ERRBUF_LEN] = "";
+    ast_coherence *reg = NULL;
+    int rc = ast_coherence_create_msg(&o, &reg, err, sizeof err);
+    PyMem_Free(node_ids);
+    PyMem_Free(groups);
+    if (rc < 0)
+        return raise_ast_error(st, rc, err);
+    CoherenceObject *self = (CoherenceObject *)type->tp_alloc(type, 0);
+    if (!self) {
+        ast_coherence_destroy(reg);
+        return NULL;
+    }
+    self->reg = reg;
+    return (PyObject *)self;
+}
+
+static void coherence_close_impl(CoherenceObject *self)
+{
+    ast_coherence_destroy(self->reg);
+    self->reg = NULL;
+}
+
+static int coherence_traverse(CoherenceObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static void coherence_dealloc(CoherenceObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    coherence_close_impl(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static PyObject *coherence_close(CoherenceObject *self, PyObject *unused)
+{
+    coherence_close_impl(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *coherence_enter(CoherenceObject *self, PyObject *unused)
+{
+    return Py_NewRef(self);
+}
+
+static PyObject *coherence_exit(CoherenceObject *self, PyObject *args)
+{
+    coherence_close_impl(self);
+    Py_RETURN_FALSE;
+}
+
+PyDoc_STRVAR(coherence_register_block_doc,
+             "register_block(block, cost, replicas=None)\n--\n\nRegister a block before the plan. "
+             "replicas: the ranks holding a replica (None: the default replica group).");
+
+static PyObject *coherence_register_block(CoherenceObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"block", "cost", "replicas", NULL};
+    mod_state *st = type_state(Py_TYPE(self));
+    uint64_t block, cost;
+    PyObject *rep_o = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&O&|O:register_block", kwlist, conv_u64,
+                                     &block, conv_u64, &cost, &rep_o))
+        return NULL;
+    ast_coherence *reg = coh_open(self, st);
+    if (!reg)
+        return NULL;
+    int *ranks = NULL, n = 0;
+    if (rep_o != Py_None && int_array(rep_o, "replicas", &ranks, &n) < 0)
+        return NULL;
+    /* An empty list is the caller's mistake, not "the default": pass it as a list. */
+    int rc = ast_coherence_register_block(reg, block, cost, rep_o == Py_None ? NULL : ranks,
+                                          rep_o == Py_None ? 0 : (n ? n : -1));
+    PyMem_Free(ranks);
+    if (rc < 0)
+        return coh_raise(st, reg, rc);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(coherence_extend_doc,
+             "extend(blocks, costs, replicas=None)\n--\n\nRegister a batch of blocks sharing one "
+             "replica list and fix their owners at once (LPT among them, continuing from the "
+             "current loads), before or after plan(). Atomic.");
+
+static PyObject *coherence_extend(CoherenceObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"blocks", "costs", "replicas", NULL};
+    mod_state *st = type_state(Py_TYPE(self));
+    PyObject *ids_o, *costs_o, *rep_o = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O:extend", kwlist, &ids_o, &costs_o,
+                                     &rep_o))
+        return NULL;
+    ast_coherence *reg = coh_open(self, st);
+    if (!reg)
+        return NULL;
+    uint64_t *ids = NULL, *costs = NULL;
+    size_t n = 0, nc = 0;
+    int *ranks = NULL, nr = 0;
+    PyObject *ret = NULL;
+    if (u64_array(ids_o, "blocks", &ids, &n) < 0 || u64_array(costs_o, "costs", &costs, &nc) < 0 ||
+        (rep_o != Py_None && int_array(rep_o, "replicas", &ranks, &nr) < 0))
+        goto done;
+    if (n != nc) {
+        PyErr_Format(PyExc_ValueError, "extend: %zu blocks but %zu costs", n, nc);
+        goto done;
+    }
+    int rc = ast_coherence_extend(reg, ids, costs, n, rep_o == Py_None ? NULL : ranks,
+                                  rep_o == Py_None ? 0 : (nr ? nr : -1));
+    if (rc < 0)
+        coh_raise(st, reg, rc);
+    else
+        ret = Py_NewRef(Py_None);
+done:
+    PyMem_Free(ids);
+    PyMem_Free(costs);
+    PyMem_Free(ranks);
+    return ret;
+}
+
+static PyObject *coherence_plan(CoherenceObject *self, PyObject *unused)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    ast_coherence *reg = coh_open(self, st);
+    if (!reg)
+        return NULL;
+    int rc = ast_coherence_plan(reg);
+    if (rc < 0)
+        return coh_raise(st, reg, rc);
+    Py_RETURN_NONE;
+}
+
+static PyObject *coherence_owner(CoherenceObject *self, PyObject *arg)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    uint64_t block;
+    int owner;
+    if (!conv_u64(arg, &block))
+        return NULL;
+    ast_coherence *reg = coh_open(self, st);
+    if (!reg)
+        return NULL;
+    int rc = ast_coherence_owner(reg, block, &owner);
+    if (rc < 0)
+        return coh_raise(st, reg, rc);
+    return PyLong_FromLong(owner);
+}
+
+static PyObject *coherence_is_owner(CoherenceObject *self, PyObject *arg)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    uint64_t block;
+    if (!conv_u64(arg, &block))
+        return NULL;
+    ast_coherence *reg = coh_open(self, st);
+    if (!reg)
+        return NULL;
+    int rc = ast_coherence_is_owner(reg, block);
+    if (rc < 0)
+        return coh_raise(st, reg, rc);
+    return PyBool_FromLong(rc);
+}
+
+static PyObject *coherence_load(CoherenceObject *self, PyObject *arg)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    int rank;
+    if (as_int(arg, &rank, "rank") < 0)
+        return NULL;
+    ast_coherence *reg = coh_open(self, st);
+    if (!reg)
+        return NULL;
+    uint64_t cost;
+    int rc = ast_coherence_load(reg, rank, &cost);
+    if (rc < 0)
+        return coh_raise(st, reg, rc);
+    return PyLong_FromUnsignedLongLong(cost);
+}
+
+/* replicas() (reps 0) and representatives() (reps 1) as a tuple of ints. */
+static PyObject *coherence_rank_list(CoherenceObject *self, PyObject *arg, int reps)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    uint64_t block;
+    if (!conv_u64(arg, &block))
+        return NULL;
+    ast_coherence *reg = coh_open(self, st);
+    if (!reg)
+        return NULL;
+    int (*fn)(ast_coherence *, uint64_t, int *, size_t, size_t *) =
+        reps ? ast_coherence_representatives : ast_coherence_replicas;
+    size_t n = 0;
+    int rc = fn(reg, block, NULL, 0, &n);
+    if (rc < 0)
+        return coh_raise(st, reg, rc);
+    int *ranks = PyMem_Malloc((n ? n : 1) * sizeof *ranks);
+    if (!ranks)
+        return PyErr_NoMemory();
+    rc = fn(reg, block, ranks, n, &n);
+    PyObject *out = NULL;
+    if (rc < 0)
+        coh_raise(st, reg, rc);
+    else
+        out = PyTuple_New((Py_ssize_t)n);
+    for (size_t i = 0; out && i < n; i++) {
+        PyObject *v = PyLong_FromLong(ranks[i]);
+        if (!v)
+            Py_CLEAR(out);
+        else
+            PyTuple_SET_ITEM(out, (Py_ssize_t)i, v);
+    }
+    PyMem_Free(ranks);
+    return out;
+}
+
+static PyObject *coherence_replicas(CoherenceObject *self, PyObject *arg)
+{
+    return coherence_rank_list(self, arg, 0);
+}
+
+static PyObject *coherence_representatives(CoherenceObject *self, PyObject *arg)
+{
+    return coherence_rank_list(self, arg, 1);
+}
+
+static PyObject *coherence_block_info(CoherenceObject *self, PyObject *arg)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    uint64_t block;
+    if (!conv_u64(arg, &block))
+        return NULL;
+    ast_coherence *reg = coh_open(self, st);
+    if (!reg)
+        return NULL;
+    ast_coherence_block b;
+    int rc = ast_coherence_block_info(reg, block, &b);
+    if (rc < 0)
+        return coh_raise(st, reg, rc);
+    PyObject *d = PyDict_New();
+    if (!d)
+        return NULL;
+#define U64(f) dict_set_steal(d, #f, PyLong_FromUnsignedLongLong(b.f))
+#define I64(f) dict_set_steal(d, #f, PyLong_FromLongLong(b.f))
+    if (U64(cost) || I64(owner) || I64(nreplicas) ||
+        dict_set_steal(d, "is_replica", PyBool_FromLong(b.is_replica)) || U64(version) ||
+        I64(snapshot_step) || U64(held_version) || I64(last_recv_step) || U64(synced_version) ||
+        I64(last_sync_step) || U64(due_version) || U64(installed_version)) {
+        Py_DECREF(d);
+        return NULL;
+    }
+#undef U64
+#undef I64
+    return d;
+}
+
+/* Calls taking (block, version, step): 0 publish, 1 received, 2 mark_synced. */
+static PyObject *coherence_bvs(CoherenceObject *self, PyObject *args, PyObject *kwds, int what)
+{
+    static char *kwlist[] = {"block", "version", "step", NULL};
+    static const char *const fmt[3] = {"O&O&L:publish", "O&O&L:received", "O&O&L:mark_synced"};
+    mod_state *st = type_state(Py_TYPE(self));
+    uint64_t block, version;
+    long long step;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, fmt[what], kwlist, conv_u64, &block, conv_u64,
+                                     &version, &step))
+        return NULL;
+    ast_coherence *reg = coh_open(self, st);
+    if (!reg)
+        return NULL;
+    int rc = what == 0   ? ast_coherence_publish(reg, block, version, step)
+             : what == 1 ? ast_coherence_received(reg, block, version, step)
+                         : ast_coherence_mark_synced(reg, block, version, step);
+    if (rc < 0)
+        return coh_raise(st, reg, rc);
+    Py_RETURN_NONE;
+}
+
+static PyObject *coherence_publish(CoherenceObject *self, PyObject *args, PyObject *kwds)
+{
+    return coherence_bvs(self, args, kwds, 0);
+}
+
+static PyObject *coherence_received(CoherenceObject *self, PyObject *args, PyObject *kwds)
+{
+    return coherence_bvs(self, args, kwds, 1);
+}
+
+static PyObject *coherence_mark_synced(CoherenceObject *self, PyObject *args, PyObject *kwds)
+{
+    return coherence_bvs(self, args, kwds, 2);
+}
+
+static PyObject *coherence_nblocks(CoherenceObject *self, PyObject *unused)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    ast_coherence *reg = coh_open(self, st);
+    if (!reg)
+        return NULL;
+    size_t n;
+    int rc = ast_coherence_nblocks(reg, &n);
+    if (rc < 0)
+        return coh_raise(st, reg, rc);
+    return PyLong_FromSize_t(n);
+}
+
+/* The exchange vector's length check shared by export and import; -1 with ValueError set. */
+static int xchg_len(ast_coherence *reg, Py_ssize_t nbytes, const char *what, size_t *n)
+{
+    size_t blocks = 0;
+    ast_coherence_nblocks(reg, &blocks);
+    size_t want = AST_COH_XCHG_STRIDE * blocks;
+    if ((size_t)nbytes != want * sizeof(int64_t)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: the buffer has %zd bytes; allowed: %zu int64 (%d per block x %zu "
+                     "blocks), %zu bytes",
+                     what, nbytes, want, AST_COH_XCHG_STRIDE, blocks, want * sizeof(int64_t));
+        return -1;
+    }
+    *n = want;
+    return 0;
+}
+
+PyDoc_STRVAR(coherence_versions_export_doc,
+             "versions_export(step, out=None)\n--\n\nWrite this rank's exchange vector for step "
+             "(int64, 3 per block in ascending block id order) into out, a writable C-contiguous "
+             "buffer of exactly that size (e.g. tensor.numpy()); with out None return a new "
+             "bytearray. Returns out.");
+
+static PyObject *coherence_versions_export(CoherenceObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"step", "out", NULL};
+    mod_state *st = type_state(Py_TYPE(self));
+    long long step;
+    PyObject *out = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "L|O:versions_export", kwlist, &step, &out))
+        return NULL;
+    ast_coherence *reg = coh_open(self, st);
+    if (!reg)
+        return NULL;
+    if (out == Py_None) {
+        size_t blocks = 0;
+        ast_coherence_nblocks(reg, &blocks);
+        out = PyByteArray_FromStringAndSize(
+            NULL, (Py_ssize_t)(AST_COH_XCHG_STRIDE * blocks * sizeof(int64_t)));
+        if (!out)
+            return NULL;
+    } else {
+        Py_INCREF(out);
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(out, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    size_t n;
+    int rc = 0;
+    if (xchg_len(reg, view.len, "versions_export", &n) < 0)
+        rc = 1;
+    else if (((uintptr_t)view.buf % sizeof(int64_t)) != 0) {
+        /* bytearray storage is malloc'd; a foreign buffer may not be aligned: go through a copy */
+        int64_t *tmp = PyMem_Malloc((n ? n : 1) * sizeof *tmp);
+        if (!tmp) {
+            PyErr_NoMemory();
+            rc = 1;
+        } else {
+            rc = ast_coherence_versions_export(reg, step, tmp, n);
+            if (rc == 0)
+                memcpy(view.buf, tmp, n * sizeof *tmp);
+            PyMem_Free(tmp);
+        }
+    } else {
+        rc = ast_coherence_versions_export(reg, step, view.buf, n);
+    }
+    PyBuffer_Release(&view);
+    if (rc) {
+        Py_DECREF(out);
+        return rc < 0 ? coh_raise(st, reg, rc) : NULL;
+    }
+    return out;
+}
+
+PyDoc_STRVAR(coherence_versions_import_doc,
+             "versions_import(step, vec)\n--\n\nRead the all-reduced (MAX) exchange vector of step "
+             "from vec, a C-contiguous buffer of int64 with exactly 3 entries per block.");
+
+static PyObject *coherence_versions_import(CoherenceObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"step", "vec", NULL};
+    mod_state *st = type_state(Py_TYPE(self));
+    long long step;
+    Py_buffer view;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Ly*:versions_import", kwlist, &step, &view))
+        return NULL;
+    ast_coherence *reg = coh_open(self, st);
+    if (!reg) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    size_t n;
+    int rc = 0;
+    if (!PyBuffer_IsContiguous(&view, 'C')) {
+        PyErr_SetString(PyExc_ValueError, "versions_import: vec must be C-contiguous");
+        rc = 1;
+    } else if (xchg_len(reg, view.len, "versions_import", &n) < 0) {
+        rc = 1;
+    } else {
+        int64_t *tmp = PyMem_Malloc((n ? n : 1) * sizeof *tmp);
+        if (!tmp) {
+            PyErr_NoMemory();
+            rc = 1;
+        } else {
+            memcpy(tmp, view.buf, n * sizeof *tmp);
+            rc = ast_coherence_versions_import(reg, step, tmp, n);
+            PyMem_Free(tmp);
+        }
+    }
+    PyBuffer_Release(&view);
+    if (rc)
+        return rc < 0 ? coh_raise(st, reg, rc) : NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(coherence_due_doc,
+             "due(step)\n--\n\nThe blocks this rank replicates that must sync at step, ascending "
+             "(a tuple of ints). Evaluates step.");
+
+static PyObject *coherence_due(CoherenceObject *self, PyObject *arg)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    long long step = PyLong_AsLongLong(arg);
+    if (step == -1 && PyErr_Occurred())
+        return NULL;
+    ast_coherence *reg = coh_open(self, st);
+    if (!reg)
+        return NULL;
+    size_t cap = 0, n = 0;
+    ast_coherence_nblocks(reg, &cap);
+    uint64_t *ids = PyMem_Malloc((cap ? cap : 1) * sizeof *ids);
+    if (!ids)
+        return PyErr_NoMemory();
+    int rc = ast_coherence_due(reg, step, ids, cap, &n);
+    PyObject *out = NULL;
+    if (rc < 0)
+        coh_raise(st, reg, rc);
+    else
+        out = PyTuple_New((Py_ssize_t)n);
+    for (size_t i = 0; out && i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(ids[i]);
+        if (!v)
+            Py_CLEAR(out);
+        else
+            PyTuple_SET_ITEM(out, (Py_ssize_t)i, v);
+    }
+    PyMem_Free(ids);
+    return out;
+}
+
+PyDoc_STRVAR(coherence_install_version_doc,
+             "install_version(block, step)\n--\n\nThe version every replica installs at step (0: "
+             "none yet). BusyError when this rank replicates the block but does not hold that "
+             "version (sync first).");
+
+static PyObject *coherence_install_version(CoherenceObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"block", "step", NULL};
+    mod_state *st = type_state(Py_TYPE(self));
+    uint64_t block, version = 0;
+    long long step;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&L:install_version", kwlist, conv_u64, &block,
+                                     &step))
+        return NULL;
+    ast_coherence *reg = coh_open(self, st);
+    if (!reg)
+        return NULL;
+    int rc = ast_coherence_install_version(reg, block, step, &version);
+    if (rc < 0)
+        return coh_raise(st, reg, rc);
+    return PyLong_FromUnsignedLongLong(version);
+}
+
+static PyObject *coherence_hier_plan(CoherenceObject *self, PyObject *arg)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    uint64_t block;
+    if (!conv_u64(arg, &block))
+        return NULL;
+    ast_coherence *reg = coh_open(self, st);
+    if (!reg)
+        return NULL;
+    ast_coherence_hier h;
+    int rc = ast_coherence_hier_plan(reg, block, &h);
+    if (rc < 0)
+        return coh_raise(st, reg, rc);
+    static const char *const inter[3] = {"none", "send", "recv"};
+    PyObject *d = PyDict_New();
+    if (!d)
+        return NULL;
+#define I(f) dict_set_steal(d, #f, PyLong_FromLong(h.f))
+#define B(f) dict_set_steal(d, #f, PyBool_FromLong(h.f))
+    if (I(owner) || I(owner_node) || I(node) || I(nodes) || I(node_replicas) || B(is_replica) ||
+        B(is_representative) || I(representative) || I(inter_root) || B(write_shm) ||
+        B(read_shm) ||
+        dict_set_steal(d, "inter", PyUnicode_FromString(inter[h.inter])) ||
+        dict_set_steal(d, "recv_level", h.recv_level >= 0 && h.recv_level < AST_COH_LEVEL_COUNT
+                                            ? PyUnicode_FromString(coh_level_names[h.recv_level])
+                                            : Py_NewRef(Py_None)) ||
+        B(flat_recv) || B(flat_recv_inter)) {
+        Py_DECREF(d);
+        return NULL;
+    }
+#undef I
+#undef B
+    return d;
+}
+
+PyDoc_STRVAR(coherence_count_bytes_doc,
+             "count_bytes(level, nbytes)\n--\n\nAdd bytes this rank received at a level: "
+             "'intra_node', 'inter_node', 'flat', 'flat_inter_node'.");
+
+static PyObject *coherence_count_bytes(CoherenceObject *self, PyObject *args)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    const char *level;
+    uint64_t nbytes;
+    if (!PyArg_ParseTuple(args, "sO&:count_bytes", &level, conv_u64, &nbytes))
+        return NULL;
+    int lv = -1;
+    for (int i = 0; i < AST_COH_LEVEL_COUNT; i++)
+        if (!strcmp(level, coh_level_names[i]))
+            lv = i;
+    if (lv < 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "unknown level '%s'; allowed: intra_node, inter_node, flat, flat_inter_node",
+                     level);
+        return NULL;
+    }
+    ast_coherence *reg = coh_open(self, st);
+    if (!reg)
+        return NULL;
+    int rc = ast_coherence_count_bytes(reg, (ast_coherence_level)lv, nbytes);
+    if (rc < 0)
+        return coh_raise(st, reg, rc);
+    Py_RETURN_NONE;
+}
+
+/* barrier_begin (end 0) / barrier_end (end 1). */
+static PyObject *coherence_barrier(CoherenceObject *self, PyObject *arg, int end)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    long long step = PyLong_AsLongLong(arg);
+    if (step == -1 && PyErr_Occurred())
+        return NULL;
+    ast_coherence *reg = coh_open(self, st);
+    if (!reg)
+        return NULL;
+    int rc = end ? ast_coherence_barrier_end(reg, step) : ast_coherence_barrier_begin(reg, step);
+    if (rc < 0)
+        return coh_raise(st, reg, rc);
+    Py_RETURN_NONE;
+}
+
+static PyObject *coherence_barrier_begin(CoherenceObject *self, PyObject *arg)
+{
+    return coherence_barrier(self, arg, 0);
+}
+
+static PyObject *coherence_barrier_end(CoherenceObject *self, PyObject *arg)
+{
+    return coherence_barrier(self, arg, 1);
+}
+
+PyDoc_STRVAR(coherence_stats_doc,
+             "stats()\n--\n\nblocks, owned, load, published, imported, received, synced, "
+             "installs, due_listed, bytes_<level> for each level, barrier_waits, barrier_wait_ns, "
+             "barrier_max_wait_ns, max_lag_steps, evaluated_step, world_size, rank, node, nodes, "
+             "staleness.");
+
+static PyObject *coherence_stats(CoherenceObject *self, PyObject *unused)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    ast_coherence *reg = coh_open(self, st);
+    if (!reg)
+        return NULL;
+    ast_coherence_stats s;
+    int rc = ast_coherence_stats_get(reg, &s);
+    if (rc < 0)
+        return coh_raise(st, reg, rc);
+    PyObject *d = PyDict_New();
+    if (!d)
+        return NULL;
+#define U64(f) dict_set_steal(d, #f, PyLong_FromUnsignedLongLong(s.f))
+#define I64(f) dict_set_steal(d, #f, PyLong_FromLongLong(s.f))
+    if (U64(blocks) || U64(owned) || U64(load) || U64(published) || U64(imported) ||
+        U64(received) || U64(synced) || U64(installs) || U64(due_listed) || U64(barrier_waits) ||
+        U64(barrier_wait_ns) || U64(barrier_max_wait_ns) || I64(max_lag_steps) ||
+        I64(evaluated_step) || I64(world_size) || I64(rank) || I64(node) || I64(nodes) ||
+        I64(staleness)) {
+        Py_DECREF(d);
+        return NULL;
+    }
+#undef U64
+#undef I64
+    for (int i = 0; i < AST_COH_LEVEL_COUNT; i++) {
+        char key[32];
+        snprintf(key, sizeof key, "bytes_%s", coh_level_names[i]);
+        if (dict_set_steal(d, key, PyLong_FromUnsignedLongLong(s.bytes[i])) < 0) {
+            Py_DECREF(d);
+            return NULL;
+        }
+    }
+    return d;
+}
+
+static PyObject *coherence_last_error(CoherenceObject *self, PyObject *unused)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    ast_coherence *reg = coh_open(self, st);
+    if (!reg)
+        return NULL;
+    char buf[ERRBUF_LEN] = "";
+    ast_coherence_last_error(reg, buf, sizeof buf);
+    return PyUnicode_DecodeUTF8(buf, (Py_ssize_t)strlen(buf), "replace");
+}
+
+static PyObject *coherence_get_closed(CoherenceObject *self, void *closure)
+{
+    return PyBool_FromLong(self->reg == NULL);
+}
+
+static PyMethodDef coherence_methods[] = {
+    {"register_block", (PyCFunction)(void (*)(void))coherence_register_block,
+     METH_VARARGS | METH_KEYWORDS, coherence_register_block_doc},
+    {"extend", (PyCFunction)(void (*)(void))coherence_extend, METH_VARARGS | METH_KEYWORDS,
+     coherence_extend_doc},
+    {"plan", (PyCFunction)coherence_plan, METH_NOARGS,
+     PyDoc_STR("plan()\n--\n\nFix every owner (LPT); a second call does nothing.")},
+    {"owner", (PyCFunction)coherence_owner, METH_O,
+     PyDoc_STR("owner(block)\n--\n\nThe rank that computes the block's refresh.")},
+    {"is_owner", (PyCFunction)coherence_is_owner, METH_O,
+     PyDoc_STR("is_owner(block)\n--\n\nTrue if this rank owns the block.")},
+    {"load", (PyCFunction)coherence_load, METH_O,
+     PyDoc_STR("load(rank)\n--\n\nTotal cost of the blocks a rank owns.")},
+    {"replicas", (PyCFunction)coherence_replicas, METH_O,
+     PyDoc_STR("replicas(block)\n--\n\nThe ranks holding a replica, ascending.")},
+    {"representatives", (PyCFunction)coherence_representatives, METH_O,
+     PyDoc_STR("representatives(block)\n--\n\nOne rank per node holding a replica (its lowest "
+               "replica rank), ascending.")},
+    {"block_info", (PyCFunction)coherence_block_info, METH_O,
+     PyDoc_STR("block_info(block)\n--\n\nThe block's cost, owner, versions and steps (a dict).")},
+    {"publish", (PyCFunction)(void (*)(void))coherence_publish, METH_VARARGS | METH_KEYWORDS,
+     PyDoc_STR("publish(block, version, step)\n--\n\nOwner: the refresh snapshotted at step is "
+               "ready as version.")},
+    {"nblocks", (PyCFunction)coherence_nblocks, METH_NOARGS,
+     PyDoc_STR("nblocks()\n--\n\nRegistered blocks (the exchange vector has 3 int64 per block).")},
+    {"versions_export", (PyCFunction)(void (*)(void))coherence_versions_export,
+     METH_VARARGS | METH_KEYWORDS, coherence_versions_export_doc},
+    {"versions_import", (PyCFunction)(void (*)(void))coherence_versions_import,
+     METH_VARARGS | METH_KEYWORDS, coherence_versions_import_doc},
+    {"received", (PyCFunction)(void (*)(void))coherence_received, METH_VARARGS | METH_KEYWORDS,
+     PyDoc_STR("received(block, version, step)\n--\n\nNon-owner replica: the data of version "
+               "landed here.")},
+    {"due", (PyCFunction)coherence_due, METH_O, coherence_due_doc},
+    {"mark_synced", (PyCFunction)(void (*)(void))coherence_mark_synced,
+     METH_VARARGS | METH_KEYWORDS,
+     PyDoc_STR("mark_synced(block, version, step)\n--\n\nEvery replica, after the transfer of "
+               "version completed.")},
+    {"install_version", (PyCFunction)(void (*)(void))coherence_install_version,
+     METH_VARARGS | METH_KEYWORDS, coherence_install_version_doc},
+    {"hier_plan", (PyCFunction)coherence_hier_plan, METH_O,
+     PyDoc_STR("hier_plan(block)\n--\n\nThis rank's part in moving the block (a dict: write_shm, "
+               "read_shm, inter 'none'/'send'/'recv', inter_root, recv_level, flat_recv, ...).")},
+    {"count_bytes", (PyCFunction)coherence_count_bytes, METH_VARARGS, coherence_count_bytes_doc},
+    {"barrier_begin", (PyCFunction)coherence_barrier_begin, METH_O,
+     PyDoc_STR("barrier_begin(step)\n--\n\nOpen the bracket of a wait at the bounded barrier.")},
+    {"barrier_end", (PyCFunction)coherence_barrier_end, METH_O,
+     PyDoc_STR("barrier_end(step)\n--\n\nClose it and count the wait.")},
+    {"stats", (PyCFunction)coherence_stats, METH_NOARGS, coherence_stats_doc},
+    {"last_error", (PyCFunction)coherence_last_error, METH_NOARGS,
+     PyDoc_STR("last_error()\n--\n\nThe registry's last error message ('' if none).")},
+    {"close", (PyCFunction)coherence_close, METH_NOARGS,
+     PyDoc_STR("close()\n--\n\nFree the registry. Idempotent; also done on deallocation.")},
+    {"__enter__", (PyCFunction)coherence_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)coherence_exit, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef coherence_getset[] = {
+    {"closed", (getter)coherence_get_closed, NULL, "True after close().", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyDoc_STRVAR(coherence_doc,
+             "Coherence(world_size=1, rank=0, *, ranks_per_node=1, node_ids=None, staleness=5, "
+             "replica_group=None)\n--\n\n"
+             "The CoherenceRegistry of one rank (include/asteria/coherence.h, docs/coherence.md): "
+             "owners by LPT, announced versions,\nthe install and due rules, hierarchical plans, "
+             "byte and barrier accounting. node_ids / replica_group: one int per\nrank (the "
+             "gathered GROUP_RANK; HSDP shard indices). It moves no data: the caller does, with "
+             "torch.distributed.");
+
+static PyType_Slot coherence_slots[] = {
+    {Py_tp_new, coherence_new},
+    {Py_tp_dealloc, coherence_dealloc},
+    {Py_tp_traverse, coherence_traverse},
+    {Py_tp_methods, coherence_methods},
+    {Py_tp_getset, coherence_getset},
+    {Py_tp_doc, (void *)coherence_doc},
+    {0, NULL},
+};
+
+PyType_Spec coherence_spec = {
+    .name = "asteria._C.Coherence",
+    .basicsize = sizeof(CoherenceObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = coherence_slots,
+};

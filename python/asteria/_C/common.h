@@ -1,0 +1,106 @@
+/*
+ * common.h - what the files of asteria._C share: the module state, the guard that keeps a handle
+ * alive across calls that released the GIL, the op table, the error mapping and the argument
+ * converters (errors.c), and each bound type's spec. Internal to the extension (the module's
+ * symbols are hidden: python/CMakeLists.txt).
+ *
+ * The binding's rules (GIL, locking, fork, signals) are in module.c's header comment; each
+ * file follows them.
+ */
+#ifndef ASTERIA_PY_COMMON_H
+#define ASTERIA_PY_COMMON_H
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "asteria/build_config.h"
+#include "asteria/coherence.h"
+#include "asteria/errors.h"
+#include "asteria/runtime.h"
+#include "asteria/shadow.h"
+#include "asteria/store.h"
+#include "asteria/trace.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define ERRBUF_LEN 1024
+#define POLL_CHUNK 64
+/* A blocking wait wakes this often to run Python's signal handlers (Ctrl-C). */
+#define SIGNAL_SLICE_NS (100 * 1000 * 1000LL)
+
+typedef struct {
+    PyTypeObject *runtime_type;
+    PyTypeObject *result_type;
+    PyTypeObject *store_type;
+    PyTypeObject *blockbuf_type;
+    PyTypeObject *shadow_type;
+    PyTypeObject *coherence_type;
+    PyObject *asteria_error;
+    PyObject *busy_error;
+} mod_state;
+
+/* Keeps a handle alive while calls that released the GIL use it (see the header comment). */
+typedef struct guard {
+    int closed;
+    unsigned inflight;
+    pthread_mutex_t lock;
+    pthread_cond_t idle;
+    struct guard *prev, *next; /* every live guard of the process (fork handlers) */
+} guard;
+
+typedef struct {
+    PyObject_HEAD
+    ast_runtime *rt;
+    guard g;
+} RuntimeObject;
+
+
+static inline mod_state *type_state(PyTypeObject *tp) { return PyType_GetModuleState(tp); }
+
+typedef struct {
+    const char *name;
+    ast_op op;
+} op_entry;
+/* The ops by name (errors.c); the Python op table (asteria.refresh.ops) is checked against it. */
+extern const op_entry op_table[];
+extern const size_t N_OPS;
+
+/* ---- errors.c ---- */
+PyObject *raise_ast_error(mod_state *st, int code, const char *detail);
+const char *utf8_no_nul(PyObject *s, const char *what);
+int guard_enter(guard *g, int open, mod_state *st, const char *what);
+void guard_fini(guard *g);
+void guard_init(guard *g);
+int conv_ptr(PyObject *o, void *out);
+int guard_open(guard *g, int open, mod_state *st, const char *what);
+int parse_op(mod_state *st, PyObject *o, ast_op *out);
+void guard_leave(guard *g);
+int conv_u64(PyObject *o, void *out);
+void guard_drain(guard *g);
+int parse_dtype(PyObject *o, ast_dtype *out);
+int conv_size(PyObject *o, void *out);
+const char *detail_for(int code, const char *detail);
+int conv_optptr(PyObject *o, void *out);
+int as_int(PyObject *o, int *out, const char *what);
+int copy_path(PyObject *o, char *buf, size_t len, const char *what);
+PyObject *raise_busy_aware(mod_state *st, int code, const char *detail);
+PyObject *new_ast_error(mod_state *st, PyObject *type, int code, const char *detail);
+PyObject *raise_exc(PyObject *exc);
+int dict_set_steal(PyObject *d, const char *key, PyObject *v);
+void close_in_dealloc(int (*close)(PyObject *), PyObject *self);
+PyObject *config_to_dict(const ast_config *c);
+int apply_config(mod_state *st, ast_config *cfg, PyObject *config);
+
+/* ---- the bound types ---- */
+extern PyType_Spec runtime_spec;
+extern PyStructSequence_Desc result_desc;
+extern PyType_Spec store_spec;
+extern PyType_Spec blockbuf_spec;
+extern PyType_Spec shadow_spec;
+extern PyType_Spec coherence_spec;
+
+#endif

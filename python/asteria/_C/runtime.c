@@ -1,0 +1,943 @@
+/*
+ * runtime.c - asteria._C.Runtime (runtime.h: the worker pool, jobs, waits, trace events)
+ * and its Result struct sequence; the config dict <-> ast_config conversion.
+ * May call: the public libasteria API and the Python C API, and common.h.
+ */
+#include "common.h"
+
+/* ---- config -------------------------------------------------------------------------------------- */
+
+/* The string form ast_config_set takes: bools "1"/"0"; a dict (placement) "k=v,k=v"; else str(). */
+static PyObject *config_value_str(PyObject *v)
+{
+    if (PyBool_Check(v))
+        return PyUnicode_FromString(v == Py_True ? "1" : "0");
+    if (!PyDict_Check(v))
+        return PyObject_Str(v);
+    PyObject *parts = PyList_New(0), *items = PyDict_Items(v), *out = NULL;
+    if (!parts || !items)
+        goto done;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *kv = PyList_GET_ITEM(items, i);
+        PyObject *part = PyUnicode_FromFormat("%S=%S", PyTuple_GET_ITEM(kv, 0),
+                                              PyTuple_GET_ITEM(kv, 1));
+        if (!part || PyList_Append(parts, part) < 0) {
+            Py_XDECREF(part);
+            goto done;
+        }
+        Py_DECREF(part);
+    }
+    PyObject *sep = PyUnicode_FromString(",");
+    if (sep) {
+        out = PyUnicode_Join(sep, parts);
+        Py_DECREF(sep);
+    }
+done:
+    Py_XDECREF(parts);
+    Py_XDECREF(items);
+    return out;
+}
+
+/* Applies a mapping of key -> value through ast_config_set; None values keep the default. */
+int apply_config(mod_state *st, ast_config *cfg, PyObject *config)
+{
+    if (config == Py_None)
+        return 0;
+    if (!PyDict_Check(config) && !PyObject_HasAttrString(config, "items")) {
+        PyErr_Format(PyExc_TypeError, "config must be a dict, not %.100s",
+                     Py_TYPE(config)->tp_name);
+        return -1;
+    }
+    /* A copy of the items: str() of a value may run code that mutates the mapping. */
+    PyObject *items = PyMapping_Items(config);
+    if (!items)
+        return -1;
+    int ret = -1;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *kv = PyList_GET_ITEM(items, i);
+        if (!PyTuple_Check(kv) || PyTuple_GET_SIZE(kv) != 2) {
+            PyErr_SetString(PyExc_TypeError, "config items must be (key, value) pairs");
+            goto done;
+        }
+        PyObject *k = PyTuple_GET_ITEM(kv, 0), *v = PyTuple_GET_ITEM(kv, 1);
+        if (!PyUnicode_Check(k)) {
+            PyErr_Format(PyExc_TypeError, "config keys must be str, got %R", k);
+            goto done;
+        }
+        if (v == Py_None)
+            continue;
+        PyObject *vs = config_value_str(v);
+        if (!vs)
+            goto done;
+        const char *key = utf8_no_nul(k, "config key");
+        const char *val = key ? utf8_no_nul(vs, "config value") : NULL;
+        if (!val) {
+            Py_DECREF(vs);
+            goto done;
+        }
+        char err[ERRBUF_LEN] = "";
+        int rc = ast_config_set(cfg, key, val, err, sizeof err);
+        Py_DECREF(vs);
+        if (rc < 0) {
+            raise_ast_error(st, rc, err);
+            goto done;
+        }
+    }
+    ret = 0;
+done:
+    Py_DECREF(items);
+    return ret;
+}
+
+
+/* A fixed-size C string field as str, or None when empty. */
+static PyObject *str_or_none(const char *s, size_t cap)
+{
+    size_t n = strnlen(s, cap);
+    if (!n)
+        Py_RETURN_NONE;
+    return PyUnicode_DecodeUTF8(s, (Py_ssize_t)n, "surrogateescape");
+}
+
+static PyObject *bytes_or_none(int64_t v)
+{
+    if (v < 0)
+        Py_RETURN_NONE;
+    return PyLong_FromLongLong(v);
+}
+
+/* The dict form of a config; feeding it back to Runtime() gives the same config. */
+PyObject *config_to_dict(const ast_config *c)
+{
+    PyObject *d = PyDict_New();
+    if (!d)
+        return NULL;
+    if (dict_set_steal(d, "mode", PyUnicode_FromString(c->mode == AST_MODE_SYNC ? "sync" : "async")) ||
+        dict_set_steal(d, "staleness", PyLong_FromLong(c->staleness)) ||
+        dict_set_steal(d, "install",
+                       PyUnicode_FromString(c->install == AST_INSTALL_EAGER ? "eager"
+                                                                            : "deterministic")) ||
+        dict_set_steal(d, "workers", c->workers > 0 ? PyLong_FromLong(c->workers) : Py_NewRef(Py_None)) ||
+        dict_set_steal(d, "cpuset", str_or_none(c->cpuset, sizeof c->cpuset)) ||
+        dict_set_steal(d, "pin", PyBool_FromLong(c->pin)) ||
+        dict_set_steal(d, "placement", str_or_none(c->placement, sizeof c->placement)) ||
+        dict_set_steal(d, "device_budget_bytes", bytes_or_none(c->device_budget_bytes)) ||
+        dict_set_steal(d, "host_budget_bytes", bytes_or_none(c->host_budget_bytes)) ||
+        dict_set_steal(d, "nvme_dir", str_or_none(c->nvme_dir, sizeof c->nvme_dir)) ||
+        dict_set_steal(d, "trace", str_or_none(c->trace, sizeof c->trace)) ||
+        dict_set_steal(d, "max_failures", PyLong_FromLong(c->max_failures))) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    return d;
+}
+
+/* ---- Result ------------------------------------------------------------------------------------- */
+
+static PyStructSequence_Field result_fields[] = {
+    {"ticket", "job ticket"},
+    {"block", "caller's block key"},
+    {"version", "block version"},
+    {"snapshot_step", "step whose end state the inputs are"},
+    {"status", "0 or a negative AST_E* code"},
+    {"retried_f64", "the float32 job was retried in float64"},
+    {"failed_index", "first failing block of the batch, -1 if none"},
+    {"queued_ns", "CLOCK_MONOTONIC time the job was queued"},
+    {"started_ns", "time it started (0 if it never ran)"},
+    {"done_ns", "time it completed"},
+    {"worker", "index of the worker that ran it, -1 if none"},
+    {NULL, NULL},
+};
+
+PyStructSequence_Desc result_desc = {
+    "asteria._C.Result",
+    "Result(ticket, block, version, snapshot_step, status, retried_f64, failed_index, queued_ns,\n"
+    "started_ns, done_ns, worker): the completion of one REFRESH job.",
+    result_fields,
+    11,
+};
+
+static PyObject *make_result(mod_state *st, const ast_result *r)
+{
+    PyObject *t = PyStructSequence_New(st->result_type);
+    if (!t)
+        return NULL;
+    PyObject *v[11] = {
+        PyLong_FromUnsignedLongLong(r->ticket),  PyLong_FromUnsignedLongLong(r->block),
+        PyLong_FromUnsignedLongLong(r->version), PyLong_FromLongLong(r->snapshot_step),
+        PyLong_FromLong(r->status),              PyBool_FromLong(r->retried_f64),
+        PyLong_FromLong(r->failed_index),        PyLong_FromUnsignedLongLong(r->queued_ns),
+        PyLong_FromUnsignedLongLong(r->started_ns), PyLong_FromUnsignedLongLong(r->done_ns),
+        PyLong_FromLong(r->worker),
+    };
+    int ok = 1;
+    for (int i = 0; i < 11; i++) {
+        if (!v[i])
+            ok = 0;
+        else
+            PyStructSequence_SET_ITEM(t, i, v[i]);
+    }
+    if (!ok) {
+        Py_DECREF(t);
+        return NULL;
+    }
+    return t;
+}
+
+/* ---- Runtime ------------------------------------------------------------------------------------ */
+
+static int rt_enter(RuntimeObject *self, mod_state *st)
+{
+    return guard_enter(&self->g, self->rt != NULL, st, "runtime");
+}
+
+static void rt_leave(RuntimeObject *self) { guard_leave(&self->g); }
+
+/* For calls that keep the GIL: the runtime, or NULL with AST_ESHUTDOWN raised. */
+static ast_runtime *rt_open(RuntimeObject *self, mod_state *st)
+{
+    if (guard_open(&self->g, self->rt != NULL, st, "runtime") < 0)
+        return NULL;
+    return self->rt;
+}
+
+static PyObject *runtime_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"config", NULL};
+    PyObject *config = Py_None;
+    mod_state *st = type_state(type);
+    if (!st || !PyArg_ParseTupleAndKeywords(args, kwds, "|O:Runtime", kwlist, &config))
+        return NULL;
+    ast_config cfg;
+    ast_config_init(&cfg);
+    if (apply_config(st, &cfg, config) < 0)
+        return NULL;
+    char err[ERRBUF_LEN] = "";
+    int rc = ast_config_validate(&cfg, err, sizeof err);
+    if (rc < 0)
+        return raise_ast_error(st, rc, err);
+
+    RuntimeObject *self = (RuntimeObject *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    guard_init(&self->g);
+    ast_runtime *rt = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ast_runtime_create_msg(&cfg, &rt, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        Py_DECREF(self);
+        return raise_ast_error(st, rc, err);
+    }
+    self->rt = rt;
+    return (PyObject *)self;
+}
+
+/* Closes the runtime once: 0, or -1 with the trace-file write failure raised (the runtime is
+ * freed either way). */
+static int runtime_close_impl(RuntimeObject *self)
+{
+    if (self->g.closed)
+        return 0;
+    self->g.closed = 1;
+    ast_runtime *rt = self->rt;
+    if (!rt)
+        return 0;
+    char err[ERRBUF_LEN] = "";
+    int rc;
+    /* Destroy finishes running jobs (they may be long) and writes the trace: never with the GIL
+     * held. */
+    Py_BEGIN_ALLOW_THREADS
+    guard_drain(&self->g);
+    rc = ast_runtime_destroy_msg(rt, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    self->rt = NULL;
+    if (rc < 0) {
+        raise_ast_error(type_state(Py_TYPE(self)), rc, detail_for(rc, err));
+        return -1;
+    }
+    return 0;
+}
+
+static int runtime_traverse(RuntimeObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+
+static int runtime_close_obj(PyObject *self) { return runtime_close_impl((RuntimeObject *)self); }
+
+static void runtime_dealloc(RuntimeObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    close_in_dealloc(runtime_close_obj, (PyObject *)self);
+    guard_fini(&self->g);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+PyDoc_STRVAR(runtime_close_doc,
+             "close()\n--\n\nCancel nothing, wait (GIL released) for running jobs, drop queued ones "
+             "and free the runtime. With config 'trace' set, completions not yet collected are "
+             "traced and the trace file is written; if that write fails the runtime is still "
+             "freed and the mapped OSError is raised (on deallocation it is reported as "
+             "unraisable). Idempotent; also done on deallocation.");
+
+static PyObject *runtime_close(RuntimeObject *self, PyObject *unused)
+{
+    if (runtime_close_impl(self) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *runtime_enter(RuntimeObject *self, PyObject *unused)
+{
+    return Py_NewRef(self);
+}
+
+static PyObject *runtime_exit(RuntimeObject *self, PyObject *args)
+{
+    if (runtime_close_impl(self) < 0)
+        return NULL;
+    Py_RETURN_FALSE;
+}
+
+PyDoc_STRVAR(runtime_register_doc,
+             "register(ptr, nbytes)\n--\n\nDeclare host memory [ptr, ptr+nbytes) that jobs may "
+             "read or write. Returns a handle for unregister().");
+
+static PyObject *runtime_register(RuntimeObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"ptr", "nbytes", NULL};
+    mod_state *st = type_state(Py_TYPE(self));
+    void *ptr;
+    size_t nbytes;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&O&:register", kwlist, conv_ptr, &ptr,
+                                     conv_size, &nbytes))
+        return NULL;
+    if (rt_enter(self, st) < 0)
+        return NULL;
+    ast_runtime *rt = self->rt;
+    uint64_t handle = 0;
+    char err[ERRBUF_LEN] = "";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ast_runtime_register(rt, ptr, nbytes, &handle);
+    if (rc < 0)
+        ast_runtime_last_error(rt, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    rt_leave(self);
+    if (rc < 0)
+        return raise_ast_error(st, rc, detail_for(rc, err));
+    return PyLong_FromUnsignedLongLong(handle);
+}
+
+PyDoc_STRVAR(runtime_unregister_doc,
+             "unregister(handle)\n--\n\nForget a registered buffer (AST_EBUSY while a job uses it).");
+
+static PyObject *runtime_unregister(RuntimeObject *self, PyObject *arg)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    uint64_t handle;
+    if (!conv_u64(arg, &handle))
+        return NULL;
+    if (rt_enter(self, st) < 0)
+        return NULL;
+    ast_runtime *rt = self->rt;
+    char err[ERRBUF_LEN] = "";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ast_runtime_unregister(rt, handle);
+    if (rc < 0)
+        ast_runtime_last_error(rt, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    rt_leave(self);
+    if (rc < 0)
+        return raise_ast_error(st, rc, detail_for(rc, err));
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(runtime_submit_doc,
+             "submit(op, dtype, n, batch, in0, in1, out0, out1, p=0.0, eps=0.0, block=0, "
+             "version=0, deadline=0, snapshot_step=0, n1=0, in2=None)\n--\n\n"
+             "Queue one REFRESH job. op: an AST_OP_* code or its name ('eigh', 'inv_root',\n"
+             "'newton_root', 'soap_qr', 'kl_qr', 'soap_rotate'); dtype: 'float32' or 'float64';\n"
+             "in0/in1/in2/out0/out1: addresses (int, or None for in1/in2/out1) inside registered\n"
+             "buffers. soap_rotate: in0 = X (batch x n x n1), in1 = A pair (batch x 2 x n x n) or\n"
+             "None, in2 = B pair (batch x 2 x n1 x n1) or None (not both), out0 = A_new^T A_old X\n"
+             "B_old^T B_new; n1 >= 1 is read by soap_rotate only, in2 must be None for the other\n"
+             "ops. Returns the ticket.");
+
+static PyObject *runtime_submit(RuntimeObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"op",  "dtype", "n",     "batch",   "in0",      "in1",
+                             "out0", "out1", "p",     "eps",     "block",    "version",
+                             "deadline", "snapshot_step", "n1", "in2", NULL};
+    mod_state *st = type_state(Py_TYPE(self));
+    PyObject *op_o, *dtype_o;
+    ast_refresh req;
+    memset(&req, 0, sizeof req);
+    long long deadline = 0, snapshot_step = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOiiO&O&O&O&|ddO&O&LLiO&:submit", kwlist,
+                                     &op_o, &dtype_o, &req.n, &req.batch, conv_ptr, &req.in0,
+                                     conv_optptr, &req.in1, conv_ptr, &req.out0, conv_optptr,
+                                     &req.out1, &req.p, &req.eps, conv_u64, &req.block, conv_u64,
+                                     &req.version, &deadline, &snapshot_step, &req.n1,
+                                     conv_optptr, &req.in2))
+        return NULL;
+    if (parse_op(st, op_o, &req.op) < 0 || parse_dtype(dtype_o, &req.dtype) < 0)
+        return NULL;
+    req.deadline = deadline;
+    req.snapshot_step = snapshot_step;
+    if (rt_enter(self, st) < 0)
+        return NULL;
+    ast_runtime *rt = self->rt;
+    uint64_t ticket = 0;
+    char err[ERRBUF_LEN] = "";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ast_runtime_submit(rt, &req, &ticket);
+    if (rc < 0)
+        ast_runtime_last_error(rt, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    rt_leave(self);
+    if (rc < 0)
+        return raise_ast_error(st, rc, detail_for(rc, err));
+    return PyLong_FromUnsignedLongLong(ticket);
+}
+
+PyDoc_STRVAR(runtime_cancel_doc,
+             "cancel(ticket)\n--\n\nTrue if the job was still queued and is now cancelled (its "
+             "result, status AST_ECANCELED, is still collected by poll/wait); False if it runs or "
+             "finished.");
+
+static PyObject *runtime_cancel(RuntimeObject *self, PyObject *arg)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    uint64_t ticket;
+    if (!conv_u64(arg, &ticket))
+        return NULL;
+    if (rt_enter(self, st) < 0)
+        return NULL;
+    ast_runtime *rt = self->rt;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ast_runtime_cancel(rt, ticket);
+    Py_END_ALLOW_THREADS
+    rt_leave(self);
+    if (rc == 0)
+        Py_RETURN_TRUE;
+    if (rc == AST_EBUSY || rc == AST_ENOENT)
+        Py_RETURN_FALSE;
+    return raise_ast_error(st, rc, NULL);
+}
+
+PyDoc_STRVAR(runtime_poll_doc,
+             "poll()\n--\n\nCollect every completed job without blocking: a list of Result.");
+
+static PyObject *runtime_poll(RuntimeObject *self, PyObject *unused)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    PyObject *list = PyList_New(0);
+    if (!list)
+        return NULL;
+    ast_result buf[POLL_CHUNK];
+    size_t n;
+    do {
+        if (rt_enter(self, st) < 0)
+            goto fail;
+        ast_runtime *rt = self->rt;
+        char err[ERRBUF_LEN] = "";
+        int rc;
+        n = 0;
+        Py_BEGIN_ALLOW_THREADS
+        rc = ast_runtime_poll(rt, buf, POLL_CHUNK, &n);
+        if (rc < 0)
+            ast_runtime_last_error(rt, err, sizeof err);
+        Py_END_ALLOW_THREADS
+        rt_leave(self);
+        if (rc < 0) {
+            raise_ast_error(st, rc, detail_for(rc, err));
+            goto fail;
+        }
+        for (size_t i = 0; i < n; i++) {
+            PyObject *r = make_result(st, &buf[i]);
+            if (!r || PyList_Append(list, r) < 0) {
+                Py_XDECREF(r);
+                goto fail;
+            }
+            Py_DECREF(r);
+        }
+    } while (n == POLL_CHUNK);
+    return list;
+fail:
+    Py_DECREF(list);
+    return NULL;
+}
+
+PyDoc_STRVAR(runtime_wait_doc,
+             "wait(ticket, timeout=None)\n--\n\nBounded barrier: block, GIL released, until the job "
+             "is done and return its Result. timeout in seconds (None: forever); on expiry "
+             "TimeoutError and the job stays pending. Every SIGNAL_SLICE_MS (100 ms) the wait "
+             "takes the GIL and runs the signal handlers; an exception they raise (Ctrl-C's "
+             "KeyboardInterrupt) ends the wait, and the job stays pending too: wait again (or "
+             "poll) for its result.");
+
+/* The check of a wait that runs with the GIL released: takes the GIL, runs Python's signal
+ * handlers, releases it again. AST_EINTR (the handler's exception set) when one raised. */
+static int check_signals(void *arg)
+{
+    PyThreadState **ts = arg;
+    PyEval_RestoreThread(*ts);
+    int rc = PyErr_CheckSignals() < 0 ? AST_EINTR : 0;
+    *ts = PyEval_SaveThread();
+    return rc;
+}
+
+static PyObject *runtime_wait(RuntimeObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"ticket", "timeout", NULL};
+    mod_state *st = type_state(Py_TYPE(self));
+    uint64_t ticket;
+    PyObject *timeout_o = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|O:wait", kwlist, conv_u64, &ticket,
+                                     &timeout_o))
+        return NULL;
+    int64_t timeout_ns = -1;
+    if (timeout_o != Py_None) {
+        double t = PyFloat_AsDouble(timeout_o);
+        if (t == -1.0 && PyErr_Occurred())
+            return NULL;
+        if (!(t >= 0.0)) {
+            PyErr_Format(PyExc_ValueError, "timeout must be None or >= 0 seconds, got %R",
+                         timeout_o);
+            return NULL;
+        }
+        timeout_ns = t * 1e9 >= 9.2e18 ? INT64_MAX : (int64_t)(t * 1e9);
+    }
+    if (rt_enter(self, st) < 0)
+        return NULL;
+    ast_runtime *rt = self->rt;
+    ast_result res;
+    memset(&res, 0, sizeof res);
+    char err[ERRBUF_LEN] = "";
+    int rc;
+    PyThreadState *ts = PyEval_SaveThread();
+    rc = ast_runtime_wait_check(rt, ticket, timeout_ns, SIGNAL_SLICE_NS, check_signals, &ts,
+                                &res);
+    if (rc < 0 && rc != AST_EINTR)
+        ast_runtime_last_error(rt, err, sizeof err);
+    PyEval_RestoreThread(ts);
+    rt_leave(self);
+    if (rc == AST_EINTR) /* a signal handler raised: its exception is set */
+        return NULL;
+    if (rc == AST_ENOENT)
+        return raise_ast_error(st, rc, "wait: unknown ticket, or its result was already collected");
+    if (rc < 0)
+        return raise_ast_error(st, rc, detail_for(rc, err));
+    return make_result(st, &res);
+}
+
+PyDoc_STRVAR(runtime_note_install_doc,
+             "note_install(snapshot_step, install_step)\n--\n\nReport that a result snapshotted at "
+             "snapshot_step was installed at install_step (feeds installs / max_install_lag).");
+
+static PyObject *runtime_note_install(RuntimeObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"snapshot_step", "install_step", NULL};
+    long long snap, inst;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "LL:note_install", kwlist, &snap, &inst))
+        return NULL;
+    ast_runtime *rt = rt_open(self, type_state(Py_TYPE(self)));
+    if (!rt)
+        return NULL;
+    ast_runtime_note_install(rt, snap, inst);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(runtime_note_nonfinite_doc,
+             "note_nonfinite()\n--\n\nCount a REFRESH skipped for non-finite inputs.");
+
+static PyObject *runtime_note_nonfinite(RuntimeObject *self, PyObject *unused)
+{
+    ast_runtime *rt = rt_open(self, type_state(Py_TYPE(self)));
+    if (!rt)
+        return NULL;
+    ast_runtime_note_nonfinite(rt);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(runtime_stats_doc, "stats()\n--\n\nEvery ast_stats counter, as a dict.");
+
+static PyObject *runtime_stats(RuntimeObject *self, PyObject *unused)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    ast_runtime *rt = rt_open(self, st);
+    if (!rt)
+        return NULL;
+    ast_stats s;
+    int rc = ast_runtime_stats_get(rt, &s);
+    if (rc < 0)
+        return raise_ast_error(st, rc, NULL);
+    PyObject *d = PyDict_New();
+    if (!d)
+        return NULL;
+#define U64(f) dict_set_steal(d, #f, PyLong_FromUnsignedLongLong(s.f))
+#define I64(f) dict_set_steal(d, #f, PyLong_FromLongLong(s.f))
+    if (U64(jobs_submitted) || U64(jobs_queued) || U64(jobs_running) || U64(jobs_done) ||
+        U64(jobs_failed) || U64(jobs_superseded) || U64(jobs_cancelled) ||
+        U64(jobs_retried_f64) || U64(nonfinite_skipped) || U64(installs) ||
+        I64(max_install_lag) || I64(last_installed_version_step) || U64(barrier_waits) ||
+        U64(barrier_wait_ns) || U64(worker_busy_ns) || U64(bytes_registered) ||
+        dict_set_steal(d, "workers", PyLong_FromLong(s.workers))) {
+        Py_DECREF(d);
+        return NULL;
+    }
+#undef U64
+#undef I64
+    return d;
+}
+
+PyDoc_STRVAR(runtime_last_error_doc,
+             "last_error()\n--\n\nThe runtime's last error message ('' if none).");
+
+static PyObject *runtime_last_error(RuntimeObject *self, PyObject *unused)
+{
+    ast_runtime *rt = rt_open(self, type_state(Py_TYPE(self)));
+    if (!rt)
+        return NULL;
+    char buf[ERRBUF_LEN] = "";
+    ast_runtime_last_error(rt, buf, sizeof buf);
+    return PyUnicode_DecodeUTF8(buf, (Py_ssize_t)strlen(buf), "replace");
+}
+
+/* ---- Runtime: trace -------------------------------------------------------------------------- */
+
+static const struct {
+    const char *name;
+    ast_trace_kind kind;
+} kind_table[] = {
+    {"instant", AST_TRACE_CUSTOM_INSTANT},   {"span", AST_TRACE_CUSTOM_SPAN},
+    {"job_queued", AST_TRACE_JOB_QUEUED},    {"job_started", AST_TRACE_JOB_STARTED},
+    {"job_done", AST_TRACE_JOB_DONE},        {"job_run", AST_TRACE_JOB_RUN},
+    {"copy_issued", AST_TRACE_COPY_ISSUED},  {"copy_done", AST_TRACE_COPY_DONE},
+    {"copy", AST_TRACE_COPY},                {"barrier_begin", AST_TRACE_BARRIER_BEGIN},
+    {"barrier_end", AST_TRACE_BARRIER_END},  {"barrier_wait", AST_TRACE_BARRIER_WAIT},
+    {"install", AST_TRACE_INSTALL},
+};
+#define N_KINDS (sizeof kind_table / sizeof kind_table[0])
+
+static const struct {
+    const char *name;
+    int lane;
+} lane_table[] = {
+    {"train", AST_TRACE_LANE_TRAIN},
+    {"shadow", AST_TRACE_LANE_SHADOW},
+    {"coherence", AST_TRACE_LANE_COHERENCE},
+    {"nvme", AST_TRACE_LANE_NVME},
+};
+#define N_LANES (sizeof lane_table / sizeof lane_table[0])
+
+static int parse_kind(PyObject *o, ast_trace_kind *out)
+{
+    if (PyLong_Check(o)) {
+        long v = PyLong_AsLong(o);
+        if (v == -1 && PyErr_Occurred())
+            return -1;
+        if (v >= 0 && v < AST_TRACE_KIND_COUNT) {
+            *out = (ast_trace_kind)v;
+            return 0;
+        }
+    } else if (PyUnicode_Check(o)) {
+        for (size_t i = 0; i < N_KINDS; i++)
+            if (!PyUnicode_CompareWithASCIIString(o, kind_table[i].name)) {
+                *out = kind_table[i].kind;
+                return 0;
+            }
+    }
+    PyErr_Format(PyExc_ValueError,
+                 "unknown trace kind %R; allowed: instant, span, job_queued, job_started, "
+                 "job_done, job_run, copy_issued, copy_done, copy, barrier_begin, barrier_end, "
+                 "barrier_wait, install (or their codes 0..12)",
+                 o);
+    return -1;
+}
+
+static int parse_lane(PyObject *o, int *out)
+{
+    if (PyLong_Check(o)) {
+        long v = PyLong_AsLong(o);
+        if (v == -1 && PyErr_Occurred())
+            return -1;
+        if (v >= AST_TRACE_LANE_MIN && v <= INT32_MAX - 1000) {
+            *out = (int)v;
+            return 0;
+        }
+    } else if (PyUnicode_Check(o)) {
+        for (size_t i = 0; i < N_LANES; i++)
+            if (!PyUnicode_CompareWithASCIIString(o, lane_table[i].name)) {
+                *out = lane_table[i].lane;
+                return 0;
+            }
+    }
+    PyErr_Format(PyExc_ValueError,
+                 "unknown trace lane %R; allowed: 'train', 'shadow', 'coherence', 'nvme', a "
+                 "worker index >= 0, or a named lane in [%d, -1]",
+                 o, AST_TRACE_LANE_MIN);
+    return -1;
+}
+
+/* An optional unsigned argument: sets bit in *args when given. */
+static int opt_u64(PyObject *o, uint64_t *out, unsigned *args, unsigned bit)
+{
+    if (o == Py_None)
+        return 0;
+    if (!conv_u64(o, out))
+        return -1;
+    *args |= bit;
+    return 0;
+}
+
+PyDoc_STRVAR(runtime_trace_event_doc,
+             "trace_event(kind, lane, name=None, *, cat=None, ts_ns=None, dur_ns=None, block=None, "
+             "version=None, bytes=None, step=None, worker=None, status=None, direction=None)\n--\n\n"
+             "Record one event in the runtime's trace (a no-op when config 'trace' is unset).\n"
+             "kind: 'instant', 'span' (both need name), 'job_queued', 'job_started', 'job_done',\n"
+             "'job_run', 'copy_issued', 'copy_done', 'copy', 'barrier_begin', 'barrier_end',\n"
+             "'barrier_wait', 'install', or the code. lane: 'train', 'shadow', 'coherence', 'nvme',\n"
+             "a worker index, or a lane in [-999, -1] (see trace_name_lane). ts_ns: a\n"
+             "time.monotonic_ns() stamp (None: now); dur_ns: a span's length. block, version,\n"
+             "bytes, step, worker, status (an AST_E* code) are written as args when not None;\n"
+             "direction: 'd2h' or 'h2d'.");
+
+static PyObject *runtime_trace_event(RuntimeObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"kind", "lane", "name", "cat", "ts_ns", "dur_ns", "block",
+                             "version", "bytes", "step", "worker", "status", "direction", NULL};
+    mod_state *st = type_state(Py_TYPE(self));
+    PyObject *kind_o, *lane_o, *name_o = Py_None, *cat_o = Py_None, *ts_o = Py_None,
+             *dur_o = Py_None, *block_o = Py_None, *version_o = Py_None, *bytes_o = Py_None,
+             *step_o = Py_None, *worker_o = Py_None, *status_o = Py_None, *dir_o = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O$OOOOOOOOOO:trace_event", kwlist, &kind_o,
+                                     &lane_o, &name_o, &cat_o, &ts_o, &dur_o, &block_o,
+                                     &version_o, &bytes_o, &step_o, &worker_o, &status_o, &dir_o))
+        return NULL;
+    ast_trace_ev ev;
+    memset(&ev, 0, sizeof ev);
+    if (parse_kind(kind_o, &ev.kind) < 0 || parse_lane(lane_o, &ev.lane) < 0)
+        return NULL;
+    if (name_o != Py_None && !(ev.name = utf8_no_nul(name_o, "name")))
+        return NULL;
+    if (cat_o != Py_None && !(ev.cat = utf8_no_nul(cat_o, "cat")))
+        return NULL;
+    if ((ts_o != Py_None && !conv_u64(ts_o, &ev.ts_ns)) ||
+        (dur_o != Py_None && !conv_u64(dur_o, &ev.dur_ns)) ||
+        opt_u64(block_o, &ev.block, &ev.args, AST_TRACE_ARG_BLOCK) < 0 ||
+        opt_u64(version_o, &ev.version, &ev.args, AST_TRACE_ARG_VERSION) < 0 ||
+        opt_u64(bytes_o, &ev.bytes, &ev.args, AST_TRACE_ARG_BYTES) < 0)
+        return NULL;
+    if (step_o != Py_None) {
+        long long v = PyLong_AsLongLong(step_o);
+        if (v == -1 && PyErr_Occurred())
+            return NULL;
+        ev.step = v;
+        ev.args |= AST_TRACE_ARG_STEP;
+    }
+    if (worker_o != Py_None) {
+        if (as_int(worker_o, &ev.worker, "worker") < 0)
+            return NULL;
+        ev.args |= AST_TRACE_ARG_WORKER;
+    }
+    if (status_o != Py_None) {
+        if (as_int(status_o, &ev.status, "status") < 0)
+            return NULL;
+        ev.args |= AST_TRACE_ARG_STATUS;
+    }
+    if (dir_o != Py_None) {
+        if (PyUnicode_Check(dir_o) && !PyUnicode_CompareWithASCIIString(dir_o, "d2h"))
+            ev.dir = AST_TRACE_DIR_D2H;
+        else if (PyUnicode_Check(dir_o) && !PyUnicode_CompareWithASCIIString(dir_o, "h2d"))
+            ev.dir = AST_TRACE_DIR_H2D;
+        else {
+            PyErr_Format(PyExc_ValueError, "direction must be 'd2h', 'h2d' or None, got %R",
+                         dir_o);
+            return NULL;
+        }
+    }
+    ast_runtime *rt = rt_open(self, st);
+    if (!rt)
+        return NULL;
+    /* Kept with the GIL: a short critical section of the recorder; name and cat point into
+     * Python strings, which the recorder copies. */
+    int rc = ast_runtime_trace_event(rt, &ev);
+    if (rc < 0) {
+        char err[ERRBUF_LEN] = "";
+        ast_runtime_last_error(rt, err, sizeof err);
+        return raise_ast_error(st, rc, detail_for(rc, err));
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(runtime_trace_name_lane_doc,
+             "trace_name_lane(lane, name)\n--\n\nName a lane (an int in [-999, -1] or a worker "
+             "index) in the trace; a no-op without a trace.");
+
+static PyObject *runtime_trace_name_lane(RuntimeObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"lane", "name", NULL};
+    mod_state *st = type_state(Py_TYPE(self));
+    PyObject *lane_o, *name_o;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OU:trace_name_lane", kwlist, &lane_o, &name_o))
+        return NULL;
+    int lane;
+    const char *name;
+    if (parse_lane(lane_o, &lane) < 0 || !(name = utf8_no_nul(name_o, "name")))
+        return NULL;
+    ast_runtime *rt = rt_open(self, st);
+    if (!rt)
+        return NULL;
+    int rc = ast_runtime_trace_name_lane(rt, lane, name);
+    if (rc < 0) {
+        char err[ERRBUF_LEN] = "";
+        ast_runtime_last_error(rt, err, sizeof err);
+        return raise_ast_error(st, rc, detail_for(rc, err));
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(runtime_trace_write_doc,
+             "trace_write(path=None)\n--\n\nWrite every event recorded so far as Chrome-trace JSON "
+             "to path (None: config 'trace'), atomically, GIL released; recording goes on. "
+             "AsteriaError (AST_ESTATE) without a trace; the mapped OSError (naming the path) if "
+             "the file cannot be written.");
+
+static PyObject *runtime_trace_write(RuntimeObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"path", NULL};
+    mod_state *st = type_state(Py_TYPE(self));
+    PyObject *path_o = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:trace_write", kwlist, &path_o))
+        return NULL;
+    char *path = NULL;
+    if (path_o != Py_None) {
+        path = PyMem_RawMalloc(AST_PATH_MAX);
+        if (!path)
+            return PyErr_NoMemory();
+        if (copy_path(path_o, path, AST_PATH_MAX, "path") < 0) {
+            PyMem_RawFree(path);
+            return NULL;
+        }
+    }
+    if (rt_enter(self, st) < 0) {
+        PyMem_RawFree(path);
+        return NULL;
+    }
+    ast_runtime *rt = self->rt;
+    char err[ERRBUF_LEN] = "";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ast_runtime_trace_write(rt, path);
+    if (rc < 0)
+        ast_runtime_last_error(rt, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    rt_leave(self);
+    PyMem_RawFree(path);
+    if (rc < 0)
+        return raise_ast_error(st, rc, detail_for(rc, err));
+    Py_RETURN_NONE;
+}
+
+static PyObject *runtime_get_config(RuntimeObject *self, void *closure)
+{
+    ast_runtime *rt = rt_open(self, type_state(Py_TYPE(self)));
+    if (!rt)
+        return NULL;
+    return config_to_dict(ast_runtime_config(rt));
+}
+
+static PyObject *runtime_get_closed(RuntimeObject *self, void *closure)
+{
+    return PyBool_FromLong(self->g.closed);
+}
+
+static PyObject *runtime_get_tracing(RuntimeObject *self, void *closure)
+{
+    ast_runtime *rt = rt_open(self, type_state(Py_TYPE(self)));
+    if (!rt)
+        return NULL;
+    return PyBool_FromLong(ast_runtime_tracing(rt));
+}
+
+static PyObject *runtime_repr(RuntimeObject *self)
+{
+    if (self->g.closed || !self->rt)
+        return PyUnicode_FromFormat("<%s closed>", Py_TYPE(self)->tp_name);
+    const ast_config *c = ast_runtime_config(self->rt);
+    return PyUnicode_FromFormat("<%s mode=%s staleness=%d workers=%d>", Py_TYPE(self)->tp_name,
+                                c->mode == AST_MODE_SYNC ? "sync" : "async", c->staleness,
+                                c->workers);
+}
+
+static PyMethodDef runtime_methods[] = {
+    {"register", (PyCFunction)(void (*)(void))runtime_register, METH_VARARGS | METH_KEYWORDS,
+     runtime_register_doc},
+    {"unregister", (PyCFunction)runtime_unregister, METH_O, runtime_unregister_doc},
+    {"submit", (PyCFunction)(void (*)(void))runtime_submit, METH_VARARGS | METH_KEYWORDS,
+     runtime_submit_doc},
+    {"cancel", (PyCFunction)runtime_cancel, METH_O, runtime_cancel_doc},
+    {"poll", (PyCFunction)runtime_poll, METH_NOARGS, runtime_poll_doc},
+    {"wait", (PyCFunction)(void (*)(void))runtime_wait, METH_VARARGS | METH_KEYWORDS,
+     runtime_wait_doc},
+    {"note_install", (PyCFunction)(void (*)(void))runtime_note_install,
+     METH_VARARGS | METH_KEYWORDS, runtime_note_install_doc},
+    {"note_nonfinite", (PyCFunction)runtime_note_nonfinite, METH_NOARGS,
+     runtime_note_nonfinite_doc},
+    {"stats", (PyCFunction)runtime_stats, METH_NOARGS, runtime_stats_doc},
+    {"last_error", (PyCFunction)runtime_last_error, METH_NOARGS, runtime_last_error_doc},
+    {"trace_event", (PyCFunction)(void (*)(void))runtime_trace_event,
+     METH_VARARGS | METH_KEYWORDS, runtime_trace_event_doc},
+    {"trace_name_lane", (PyCFunction)(void (*)(void))runtime_trace_name_lane,
+     METH_VARARGS | METH_KEYWORDS, runtime_trace_name_lane_doc},
+    {"trace_write", (PyCFunction)(void (*)(void))runtime_trace_write,
+     METH_VARARGS | METH_KEYWORDS, runtime_trace_write_doc},
+    {"close", (PyCFunction)runtime_close, METH_NOARGS, runtime_close_doc},
+    {"__enter__", (PyCFunction)runtime_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)runtime_exit, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef runtime_getset[] = {
+    {"config", (getter)runtime_get_config, NULL, "The effective config, as a dict.", NULL},
+    {"closed", (getter)runtime_get_closed, NULL, "True after close().", NULL},
+    {"tracing", (getter)runtime_get_tracing, NULL,
+     "True if config 'trace' is set: the runtime records events and writes them at close().",
+     NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyDoc_STRVAR(runtime_doc,
+             "Runtime(config=None)\n--\n\n"
+             "One libasteria runtime: a worker pool running REFRESH jobs on registered host "
+             "buffers.\nconfig: a dict of the keys in config_keys(); values are passed as str() "
+             "(bools as 1/0,\na placement dict as 'kind=tier,...'); None keeps the default. A bad "
+             "key or value\nraises ValueError naming the key and the allowed values.");
+
+static PyType_Slot runtime_slots[] = {
+    {Py_tp_new, runtime_new},
+    {Py_tp_dealloc, runtime_dealloc},
+    {Py_tp_traverse, runtime_traverse},
+    {Py_tp_repr, runtime_repr},
+    {Py_tp_methods, runtime_methods},
+    {Py_tp_getset, runtime_getset},
+    {Py_tp_doc, (void *)runtime_doc},
+    {0, NULL},
+};
+
+PyType_Spec runtime_spec = {
+    .name = "asteria._C.Runtime",
+    .basicsize = sizeof(RuntimeObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = runtime_slots,
+};

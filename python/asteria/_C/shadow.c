@@ -1,0 +1,666 @@
+/*
+ * shadow.c - asteria._C.Shadow (shadow.h: the snapshot and prefetch rings, on a CUDA
+ * stream or the host path).
+ * May call: the public libasteria API and the Python C API, and common.h.
+ */
+#include "common.h"
+
+/* ---- Shadow --------------------------------------------------------------------------------------
+ *
+ * Snapshot tickets are ints (the ticket id); the binding keeps each live ticket's host pointer
+ * and size in a table touched with the GIL held, and passes a stack copy to calls that release
+ * it.
+ */
+
+typedef struct {
+    PyObject_HEAD
+    ast_shadow *sh;
+    guard g;
+    ast_shadow_ticket *tickets; /* live snapshot tickets; id 0: free entry */
+    size_t captickets;
+} ShadowObject;
+
+static int sh_enter(ShadowObject *self, mod_state *st)
+{
+    return guard_enter(&self->g, self->sh != NULL, st, "shadow");
+}
+
+static ast_shadow_ticket *ticket_find(ShadowObject *self, uint64_t id)
+{
+    for (size_t i = 0; id && i < self->captickets; i++)
+        if (self->tickets[i].id == id)
+            return &self->tickets[i];
+    return NULL;
+}
+
+/* The ticket of id (a copy) or -1 with FileNotFoundError (AST_ENOENT) raised. */
+static int ticket_get(ShadowObject *self, mod_state *st, uint64_t id, ast_shadow_ticket *out)
+{
+    ast_shadow_ticket *t = ticket_find(self, id);
+    if (!t) {
+        char msg[96];
+        snprintf(msg, sizeof msg, "snapshot ticket %" PRIu64 " unknown or released", id);
+        raise_ast_error(st, AST_ENOENT, msg);
+        return -1;
+    }
+    *out = *t;
+    return 0;
+}
+
+static int ticket_add(ShadowObject *self, const ast_shadow_ticket *t)
+{
+    ast_shadow_ticket *slot = NULL;
+    for (size_t i = 0; !slot && i < self->captickets; i++)
+        if (!self->tickets[i].id)
+            slot = &self->tickets[i];
+    if (!slot) {
+        size_t ncap = self->captickets ? self->captickets * 2 : 64;
+        ast_shadow_ticket *nt = PyMem_Realloc(self->tickets, ncap * sizeof *nt);
+        if (!nt) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memset(nt + self->captickets, 0, (ncap - self->captickets) * sizeof *nt);
+        slot = nt + self->captickets;
+        self->tickets = nt;
+        self->captickets = ncap;
+    }
+    *slot = *t;
+    return 0;
+}
+
+/* The shadow's last error for a call that failed (GIL released by the caller). */
+static void shadow_err(ast_shadow *sh, char *err, size_t len)
+{
+    ast_shadow_last_error(sh, err, len);
+}
+
+static int conv_opt_size(PyObject *o, void *out)
+{
+    if (o == Py_None)
+        return 1;
+    return conv_size(o, out);
+}
+
+static PyObject *shadow_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"mode", "snapshot_ring_bytes", "prefetch_ring_bytes", "slots",
+                             "device", NULL};
+    mod_state *st = type_state(type);
+    const char *mode = "auto";
+    ast_shadow_opts o;
+    ast_shadow_opts_init(&o);
+    size_t slots = o.max_slots;
+    if (!st || !PyArg_ParseTupleAndKeywords(args, kwds, "|sO&O&O&i:Shadow", kwlist, &mode,
+                                            conv_opt_size, &o.snapshot_bytes, conv_opt_size,
+                                            &o.ring_bytes, conv_opt_size, &slots, &o.device))
+        return NULL;
+    if (!strcmp(mode, "auto"))
+        o.mode = AST_SHADOW_AUTO;
+    else if (!strcmp(mode, "host"))
+        o.mode = AST_SHADOW_HOST;
+    else if (!strcmp(mode, "cuda"))
+        o.mode = AST_SHADOW_CUDA;
+    else {
+        PyErr_Format(PyExc_ValueError, "mode must be 'auto', 'host' or 'cuda', got '%s'", mode);
+        return NULL;
+    }
+    if (slots > UINT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "slots does not fit in a C unsigned int");
+        return NULL;
+    }
+    o.max_slots = (unsigned)slots;
+    ShadowObject *self = (ShadowObject *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    guard_init(&self->g);
+    ast_shadow *sh = NULL;
+    char err[ERRBUF_LEN] = "";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ast_shadow_create_msg(&o, &sh, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        Py_DECREF(self);
+        return raise_busy_aware(st, rc, err);
+    }
+    self->sh = sh;
+    return (PyObject *)self;
+}
+
+static int shadow_close_impl(ShadowObject *self)
+{
+    if (self->g.closed)
+        return 0;
+    self->g.closed = 1;
+    ast_shadow *sh = self->sh;
+    if (!sh)
+        return 0;
+    /* Destroy waits for every copy in flight. */
+    Py_BEGIN_ALLOW_THREADS
+    guard_drain(&self->g);
+    ast_shadow_destroy(sh);
+    Py_END_ALLOW_THREADS
+    self->sh = NULL;
+    return 0;
+}
+
+static int shadow_close_obj(PyObject *self) { return shadow_close_impl((ShadowObject *)self); }
+
+static int shadow_traverse(ShadowObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static void shadow_dealloc(ShadowObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    close_in_dealloc(shadow_close_obj, (PyObject *)self);
+    guard_fini(&self->g);
+    PyMem_Free(self->tickets);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+PyDoc_STRVAR(shadow_close_doc,
+             "close()\n--\n\nWait (GIL released) for every copy in flight and free the stream, "
+             "events and rings; pointers it handed out become invalid. Idempotent; also done on "
+             "deallocation.");
+
+static PyObject *shadow_close(ShadowObject *self, PyObject *unused)
+{
+    shadow_close_impl(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *shadow_enter(ShadowObject *self, PyObject *unused) { return Py_NewRef(self); }
+
+static PyObject *shadow_exit(ShadowObject *self, PyObject *args)
+{
+    shadow_close_impl(self);
+    Py_RETURN_FALSE;
+}
+
+/* Raises the failure of a shadow call: the message the call left, if it is this code's. */
+static PyObject *shadow_raise(mod_state *st, int rc, const char *err)
+{
+    const char *d = detail_for(rc, err);
+    /* last_error is per handle and kept across successes: use it only if it names this code. */
+    if (d == err && err[0])
+        d = NULL;
+    return raise_busy_aware(st, rc, d);
+}
+
+PyDoc_STRVAR(shadow_snapshot_doc,
+             "snapshot(src_ptr, nbytes, wait_event_ptr=0)\n--\n\nCopy nbytes at src_ptr (device "
+             "memory on the CUDA path, host memory on the host path) into the snapshot ring,\n"
+             "after the shadow stream waited on wait_event_ptr (a cudaEvent_t as int; 0: none; "
+             "CUDA path only). Returns the ticket (int). BusyError when the ring is full\n"
+             "(release snapshots); ValueError for a size above the ring capacity. GIL released.");
+
+/* Issues the snapshot of the pieces (entered with sh_enter; leaves the guard). */
+static PyObject *snapshot_issue(ShadowObject *self, mod_state *st, const ast_shadow_piece *pc,
+                                int npc, void *ev)
+{
+    ast_shadow *sh = self->sh;
+    ast_shadow_ticket t;
+    char err[ERRBUF_LEN] = "";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ast_shadow_snapshotv(sh, pc, npc, ev, &t);
+    if (rc < 0)
+        shadow_err(sh, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    if (rc == 0 && ticket_add(self, &t) < 0) {
+        /* No room to remember it: give the slot back rather than leak it. */
+        Py_BEGIN_ALLOW_THREADS
+        ast_shadow_snapshot_release(sh, &t);
+        Py_END_ALLOW_THREADS
+        guard_leave(&self->g);
+        return NULL;
+    }
+    guard_leave(&self->g);
+    if (rc < 0)
+        return shadow_raise(st, rc, err);
+    return PyLong_FromUnsignedLongLong(t.id);
+}
+
+static PyObject *shadow_snapshot(ShadowObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"src_ptr", "nbytes", "wait_event_ptr", NULL};
+    mod_state *st = type_state(Py_TYPE(self));
+    ast_shadow_piece one;
+    void *ev = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&O&|O&:snapshot", kwlist, conv_ptr, &one.src,
+                                     conv_size, &one.nbytes, conv_optptr, &ev) ||
+        sh_enter(self, st) < 0)
+        return NULL;
+    return snapshot_issue(self, st, &one, 1, ev);
+}
+
+#define GATHER_MAX_PIECES 65536
+
+PyDoc_STRVAR(shadow_snapshot_gather_doc,
+             "snapshot_gather(pieces, wait_event_ptr=0)\n--\n\nLike snapshot, for a sequence "
+             "of (src_ptr, nbytes) pairs copied back to back into ONE slot\n(the stacked operand "
+             "of a batched job, without stacking it first). ValueError for an empty\nsequence, a "
+             "zero-sized or NULL piece, or a total above the ring capacity. GIL released.");
+
+static PyObject *shadow_snapshot_gather(ShadowObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"pieces", "wait_event_ptr", NULL};
+    mod_state *st = type_state(Py_TYPE(self));
+    PyObject *seq_in;
+    void *ev = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|O&:snapshot_gather", kwlist, &seq_in,
+                                     conv_optptr, &ev))
+        return NULL;
+    PyObject *seq = PySequence_Fast(seq_in, "pieces must be a sequence of (src_ptr, nbytes)");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n < 1 || n > GATHER_MAX_PIECES) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "snapshot_gather: %zd pieces; allowed 1 to %d", n,
+                            GATHER_MAX_PIECES);
+    }
+    ast_shadow_piece *pc = PyMem_Calloc((size_t)n, sizeof *pc);
+    if (!pc) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    PyObject *out = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+            PyErr_Format(PyExc_TypeError, "snapshot_gather: piece %zd must be a (src_ptr, "
+                         "nbytes) tuple", i);
+            goto done;
+        }
+        if (!conv_ptr(PyTuple_GET_ITEM(item, 0), &pc[i].src) ||
+            !conv_size(PyTuple_GET_ITEM(item, 1), &pc[i].nbytes))
+            goto done;
+    }
+    if (sh_enter(self, st) < 0)
+        goto done;
+    out = snapshot_issue(self, st, pc, (int)n, ev);
+done:
+    PyMem_Free(pc);
+    Py_DECREF(seq);
+    return out;
+}
+
+/* Snapshot calls that take a ticket: 0 query, 1 wait, 2 event, 3 release. */
+static PyObject *shadow_ticket_call(ShadowObject *self, PyObject *arg, int what)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    uint64_t id;
+    ast_shadow_ticket t;
+    if (!conv_u64(arg, &id) || sh_enter(self, st) < 0)
+        return NULL;
+    if (ticket_get(self, st, id, &t) < 0) {
+        guard_leave(&self->g);
+        return NULL;
+    }
+    ast_shadow *sh = self->sh;
+    void *ev = NULL;
+    char err[ERRBUF_LEN] = "";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    switch (what) {
+    case 0:
+        rc = ast_shadow_snapshot_query(sh, &t);
+        break;
+    case 1:
+        rc = ast_shadow_snapshot_wait(sh, &t);
+        break;
+    case 2:
+        rc = ast_shadow_snapshot_event(sh, &t, &ev);
+        break;
+    default:
+        rc = ast_shadow_snapshot_release(sh, &t);
+        break;
+    }
+    if (rc < 0 && !(what == 0 && rc == AST_EBUSY))
+        shadow_err(sh, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    guard_leave(&self->g);
+    if (what == 3 && (rc == 0 || rc == AST_ENOENT)) {
+        ast_shadow_ticket *e = ticket_find(self, id);
+        if (e)
+            memset(e, 0, sizeof *e);
+    }
+    if (what == 0 && (rc == 0 || rc == AST_EBUSY))
+        return PyBool_FromLong(rc == 0);
+    if (rc < 0)
+        return shadow_raise(st, rc, err);
+    if (what == 1)
+        return PyLong_FromVoidPtr(t.host);
+    if (what == 2)
+        return PyLong_FromVoidPtr(ev);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(shadow_snapshot_query_doc,
+             "snapshot_query(ticket)\n--\n\nTrue once the snapshot copy has landed, False while "
+             "in flight.");
+
+static PyObject *shadow_snapshot_query(ShadowObject *self, PyObject *arg)
+{
+    return shadow_ticket_call(self, arg, 0);
+}
+
+PyDoc_STRVAR(shadow_snapshot_wait_doc,
+             "snapshot_wait(ticket)\n--\n\nBlock (GIL released, no spinning) until the copy has "
+             "landed; returns the staged host pointer (int), valid until snapshot_release.");
+
+static PyObject *shadow_snapshot_wait(ShadowObject *self, PyObject *arg)
+{
+    return shadow_ticket_call(self, arg, 1);
+}
+
+PyDoc_STRVAR(shadow_snapshot_event_doc,
+             "snapshot_event(ticket)\n--\n\nThe cudaEvent_t (int) recorded after the snapshot "
+             "copy, for the main stream to wait on before overwriting the source; 0 on the host "
+             "path.");
+
+static PyObject *shadow_snapshot_event(ShadowObject *self, PyObject *arg)
+{
+    return shadow_ticket_call(self, arg, 2);
+}
+
+PyDoc_STRVAR(shadow_snapshot_release_doc,
+             "snapshot_release(ticket)\n--\n\nGive the snapshot slot back; its host pointer must "
+             "not be read afterwards.");
+
+static PyObject *shadow_snapshot_release(ShadowObject *self, PyObject *arg)
+{
+    return shadow_ticket_call(self, arg, 3);
+}
+
+PyDoc_STRVAR(shadow_prefetch_doc,
+             "prefetch(host_ptr, nbytes, key)\n--\n\nCopy nbytes at host_ptr into the prefetch "
+             "ring for key (an int unique among staged keys); returns the slot's device\n"
+             "pointer (host memory on the host path), usable once ready_event(key) is waited on. "
+             "BusyError when the ring is full (release keys); AsteriaError (AST_ESTATE)\n"
+             "if key is already staged. GIL released.");
+
+static PyObject *shadow_prefetch(ShadowObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"host_ptr", "nbytes", "key", NULL};
+    mod_state *st = type_state(Py_TYPE(self));
+    void *src, *dev = NULL;
+    size_t nbytes;
+    uint64_t key;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&O&O&:prefetch", kwlist, conv_ptr, &src,
+                                     conv_size, &nbytes, conv_u64, &key) ||
+        sh_enter(self, st) < 0)
+        return NULL;
+    ast_shadow *sh = self->sh;
+    char err[ERRBUF_LEN] = "";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ast_shadow_prefetch(sh, src, nbytes, key, &dev);
+    if (rc < 0)
+        shadow_err(sh, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    guard_leave(&self->g);
+    if (rc < 0)
+        return shadow_raise(st, rc, err);
+    return PyLong_FromVoidPtr(dev);
+}
+
+/* Prefetch calls that take a key: 0 lookup, 1 wait, 2 ready event, 3 release, 4 release after
+ * stream. */
+static PyObject *shadow_key_call(ShadowObject *self, uint64_t key, int what, uintptr_t stream)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    if (sh_enter(self, st) < 0)
+        return NULL;
+    ast_shadow *sh = self->sh;
+    void *p = NULL;
+    size_t n = 0;
+    char err[ERRBUF_LEN] = "";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    switch (what) {
+    case 0:
+        rc = ast_shadow_lookup(sh, key, &p, &n);
+        break;
+    case 1:
+        rc = ast_shadow_prefetch_wait(sh, key);
+        break;
+    case 2:
+        rc = ast_shadow_ready_event(sh, key, &p);
+        break;
+    case 3:
+        rc = ast_shadow_release(sh, key);
+        break;
+    default:
+        rc = ast_shadow_release_after(sh, key, stream);
+        break;
+    }
+    if (rc < 0 && !(what == 0 && (rc == AST_EBUSY || rc == AST_ENOENT)))
+        shadow_err(sh, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    guard_leave(&self->g);
+    if (what == 0) {
+        if (rc == AST_ENOENT)
+            Py_RETURN_NONE;
+        if (rc == 0 || rc == AST_EBUSY)
+            return Py_BuildValue("(NnO)", PyLong_FromVoidPtr(p), (Py_ssize_t)n,
+                                 rc == 0 ? Py_True : Py_False);
+    }
+    if (rc < 0)
+        return shadow_raise(st, rc, err);
+    if (what == 2)
+        return PyLong_FromVoidPtr(p);
+    Py_RETURN_NONE;
+}
+
+static PyObject *shadow_key_arg(ShadowObject *self, PyObject *arg, int what)
+{
+    uint64_t key;
+    if (!conv_u64(arg, &key))
+        return NULL;
+    return shadow_key_call(self, key, what, 0);
+}
+
+PyDoc_STRVAR(shadow_lookup_doc,
+             "lookup(key)\n--\n\n(device_ptr, nbytes, ready) of key's slot, ready True once its "
+             "copy completed (the pointer is usable in stream order before that); None if key "
+             "is not staged.");
+
+static PyObject *shadow_lookup(ShadowObject *self, PyObject *arg)
+{
+    return shadow_key_arg(self, arg, 0);
+}
+
+PyDoc_STRVAR(shadow_prefetch_wait_doc,
+             "prefetch_wait(key)\n--\n\nBlock (GIL released) until key's copy has completed.");
+
+static PyObject *shadow_prefetch_wait(ShadowObject *self, PyObject *arg)
+{
+    return shadow_key_arg(self, arg, 1);
+}
+
+PyDoc_STRVAR(shadow_ready_event_doc,
+             "ready_event(key)\n--\n\nThe slot's ready cudaEvent_t as an int (0 on the host "
+             "path), valid until release; torch.cuda.Event cannot wrap it, wait on it with "
+             "cudaStreamWaitEvent.");
+
+static PyObject *shadow_ready_event(ShadowObject *self, PyObject *arg)
+{
+    return shadow_key_arg(self, arg, 2);
+}
+
+PyDoc_STRVAR(shadow_release_doc,
+             "release(key)\n--\n\nRelease key's slot now (no reads of it pending).");
+
+static PyObject *shadow_release(ShadowObject *self, PyObject *arg)
+{
+    return shadow_key_arg(self, arg, 3);
+}
+
+PyDoc_STRVAR(shadow_release_after_doc,
+             "release_after(key, stream)\n--\n\nRelease key's slot once the work queued so far on "
+             "stream (a cudaStream_t as int, e.g. torch.cuda.current_stream().cuda_stream; 0: "
+             "the default stream) has passed. On the host path the same as release.");
+
+static PyObject *shadow_release_after(ShadowObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"key", "stream", NULL};
+    uint64_t key;
+    void *stream = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|O&:release_after", kwlist, conv_u64, &key,
+                                     conv_optptr, &stream))
+        return NULL;
+    return shadow_key_call(self, key, 4, (uintptr_t)stream);
+}
+
+PyDoc_STRVAR(shadow_stream_handle_doc,
+             "stream_handle()\n--\n\nThe shadow cudaStream_t as an int, for "
+             "torch.cuda.ExternalStream. AsteriaError (AST_ENODEV) on the host path.");
+
+static PyObject *shadow_stream_handle(ShadowObject *self, PyObject *unused)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    if (guard_open(&self->g, self->sh != NULL, st, "shadow") < 0)
+        return NULL;
+    uintptr_t h = 0;
+    int rc = ast_shadow_stream_handle(self->sh, &h);
+    if (rc == AST_ENODEV)
+        return raise_ast_error(st, rc, "stream_handle: the shadow runs on the host path (no "
+                               "CUDA stream)");
+    if (rc < 0)
+        return raise_ast_error(st, rc, NULL);
+    return PyLong_FromVoidPtr((void *)h);
+}
+
+PyDoc_STRVAR(shadow_stats_doc,
+             "stats()\n--\n\nCopy statistics (d2h_bytes, h2d_bytes, d2h_copies, h2d_copies, busy) "
+             "and ring occupancy (ring_* for the prefetch ring, snapshot_* for the snapshot "
+             "ring), is_cuda, device, priority.");
+
+static PyObject *shadow_stats(ShadowObject *self, PyObject *unused)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    if (sh_enter(self, st) < 0)
+        return NULL;
+    ast_shadow *sh = self->sh;
+    ast_shadow_stats s;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ast_shadow_stats_get(sh, &s);
+    Py_END_ALLOW_THREADS
+    guard_leave(&self->g);
+    if (rc < 0)
+        return raise_ast_error(st, rc, NULL);
+    PyObject *d = PyDict_New();
+    if (!d)
+        return NULL;
+#define U64(f) dict_set_steal(d, #f, PyLong_FromUnsignedLongLong(s.f))
+    if (U64(d2h_bytes) || U64(h2d_bytes) || U64(d2h_copies) || U64(h2d_copies) || U64(busy) ||
+        U64(ring_capacity) || U64(ring_used) || U64(ring_high_water) || U64(ring_wraps) ||
+        U64(ring_slots) || U64(snapshot_capacity) || U64(snapshot_used) ||
+        U64(snapshot_high_water) || U64(snapshot_wraps) || U64(snapshot_slots) ||
+        dict_set_steal(d, "is_cuda", PyBool_FromLong(s.is_cuda)) ||
+        dict_set_steal(d, "device", PyLong_FromLong(s.device)) ||
+        dict_set_steal(d, "priority", PyLong_FromLong(s.priority))) {
+        Py_DECREF(d);
+        return NULL;
+    }
+#undef U64
+    return d;
+}
+
+PyDoc_STRVAR(shadow_last_error_doc,
+             "last_error()\n--\n\nThe shadow's last error message ('' if none).");
+
+static PyObject *shadow_last_error(ShadowObject *self, PyObject *unused)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    if (sh_enter(self, st) < 0)
+        return NULL;
+    ast_shadow *sh = self->sh;
+    char buf[ERRBUF_LEN] = "";
+    Py_BEGIN_ALLOW_THREADS
+    shadow_err(sh, buf, sizeof buf);
+    Py_END_ALLOW_THREADS
+    guard_leave(&self->g);
+    return PyUnicode_DecodeUTF8(buf, (Py_ssize_t)strlen(buf), "replace");
+}
+
+static PyObject *shadow_get_is_cuda(ShadowObject *self, void *closure)
+{
+    if (guard_open(&self->g, self->sh != NULL, type_state(Py_TYPE(self)), "shadow") < 0)
+        return NULL;
+    return PyBool_FromLong(ast_shadow_is_cuda(self->sh));
+}
+
+static PyObject *shadow_get_closed(ShadowObject *self, void *closure)
+{
+    return PyBool_FromLong(self->g.closed);
+}
+
+static PyMethodDef shadow_methods[] = {
+    {"snapshot", (PyCFunction)(void (*)(void))shadow_snapshot, METH_VARARGS | METH_KEYWORDS,
+     shadow_snapshot_doc},
+    {"snapshot_gather", (PyCFunction)(void (*)(void))shadow_snapshot_gather,
+     METH_VARARGS | METH_KEYWORDS, shadow_snapshot_gather_doc},
+    {"snapshot_query", (PyCFunction)shadow_snapshot_query, METH_O, shadow_snapshot_query_doc},
+    {"snapshot_wait", (PyCFunction)shadow_snapshot_wait, METH_O, shadow_snapshot_wait_doc},
+    {"snapshot_event", (PyCFunction)shadow_snapshot_event, METH_O, shadow_snapshot_event_doc},
+    {"snapshot_release", (PyCFunction)shadow_snapshot_release, METH_O,
+     shadow_snapshot_release_doc},
+    {"prefetch", (PyCFunction)(void (*)(void))shadow_prefetch, METH_VARARGS | METH_KEYWORDS,
+     shadow_prefetch_doc},
+    {"lookup", (PyCFunction)shadow_lookup, METH_O, shadow_lookup_doc},
+    {"prefetch_wait", (PyCFunction)shadow_prefetch_wait, METH_O, shadow_prefetch_wait_doc},
+    {"ready_event", (PyCFunction)shadow_ready_event, METH_O, shadow_ready_event_doc},
+    {"release", (PyCFunction)shadow_release, METH_O, shadow_release_doc},
+    {"release_after", (PyCFunction)(void (*)(void))shadow_release_after,
+     METH_VARARGS | METH_KEYWORDS, shadow_release_after_doc},
+    {"stream_handle", (PyCFunction)shadow_stream_handle, METH_NOARGS, shadow_stream_handle_doc},
+    {"stats", (PyCFunction)shadow_stats, METH_NOARGS, shadow_stats_doc},
+    {"last_error", (PyCFunction)shadow_last_error, METH_NOARGS, shadow_last_error_doc},
+    {"close", (PyCFunction)shadow_close, METH_NOARGS, shadow_close_doc},
+    {"__enter__", (PyCFunction)shadow_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)shadow_exit, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef shadow_getset[] = {
+    {"is_cuda", (getter)shadow_get_is_cuda, NULL, "True on the CUDA path, False on the host path.",
+     NULL},
+    {"closed", (getter)shadow_get_closed, NULL, "True after close().", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyDoc_STRVAR(shadow_doc,
+             "Shadow(mode='auto', snapshot_ring_bytes=None, prefetch_ring_bytes=None, slots=None, "
+             "device=-1)\n--\n\n"
+             "The shadow copy engine: D2H snapshots into a pinned ring and H2D prefetches into a "
+             "device ring on a lowest-priority\nCUDA stream. mode 'host' (or 'auto' without a "
+             "device) runs the same API on host memory with memcpy; 'cuda' without\na device "
+             "raises AsteriaError (AST_ENODEV). Ring sizes default to 64 MiB, slots (live per "
+             "ring) to 64. A full ring\nraises BusyError. Pointers and events are ints.");
+
+static PyType_Slot shadow_slots[] = {
+    {Py_tp_new, shadow_new},
+    {Py_tp_dealloc, shadow_dealloc},
+    {Py_tp_traverse, shadow_traverse},
+    {Py_tp_methods, shadow_methods},
+    {Py_tp_getset, shadow_getset},
+    {Py_tp_doc, (void *)shadow_doc},
+    {0, NULL},
+};
+
+PyType_Spec shadow_spec = {
+    .name = "asteria._C.Shadow",
+    .basicsize = sizeof(ShadowObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = shadow_slots,
+};

@@ -1,0 +1,838 @@
+/*
+ * store.c - asteria._C.Store (store.h: host, pinned, UVM and NVMe blocks) and the
+ * BlockBuffer exports of its blocks.
+ * May call: the public libasteria API and the Python C API, and common.h.
+ */
+#include "common.h"
+
+/* ---- Store ---------------------------------------------------------------------------------------
+ *
+ * Buffers over blocks. Store.buffer(id) returns a BlockBuffer: a buffer-protocol object over a
+ * host-addressable block (tier host, host_pinned or uvm) that torch.frombuffer, numpy.frombuffer
+ * or memoryview wrap without copying. torch.frombuffer and memoryview keep a reference to the
+ * BlockBuffer, not a Py_buffer, so the export lasts exactly as long as the BlockBuffer object:
+ * while it lives the block is pinned (move and free raise BusyError, close raises BusyError),
+ * and it keeps the Store alive. The pins live in a small C table keyed by block id and are
+ * checked and set with the GIL held before a move or free releases it, so another Python thread
+ * can neither export a block that is being moved nor move one that is exported. data_ptr() is
+ * the raw alternative, with no such protection.
+ */
+
+typedef struct {
+    uint64_t id;      /* 0: empty slot (store ids are never 0) */
+    uint32_t exports; /* live BlockBuffer objects over the block */
+    uint32_t busy;    /* a move or free of the block runs with the GIL released */
+} pin;
+
+typedef struct {
+    pin *slots;
+    size_t cap, n; /* cap: 0 or a power of two; linear probing, backward-shift deletion */
+} pin_table;
+
+typedef struct {
+    PyObject_HEAD
+    ast_store *s;
+    guard g;
+    pin_table pins;
+    uint64_t exports; /* live BlockBuffer objects over all blocks */
+} StoreObject;
+
+typedef struct {
+    PyObject_HEAD
+    StoreObject *store; /* strong reference */
+    uint64_t id;
+    void *ptr;
+    size_t nbytes;
+    ast_tier tier;
+} BlockBufferObject;
+
+static size_t pin_home(const pin_table *t, uint64_t id)
+{
+    uint64_t h = id * 0x9E3779B97F4A7C15u;
+    return (size_t)(h ^ (h >> 32)) & (t->cap - 1);
+}
+
+static pin *pin_find(const pin_table *t, uint64_t id)
+{
+    if (!t->cap)
+        return NULL;
+    for (size_t i = pin_home(t, id);; i = (i + 1) & (t->cap - 1)) {
+        if (t->slots[i].id == id)
+            return &t->slots[i];
+        if (!t->slots[i].id)
+            return NULL;
+    }
+}
+
+static void pin_place(pin_table *t, pin p)
+{
+    size_t i = pin_home(t, p.id);
+    while (t->slots[i].id)
+        i = (i + 1) & (t->cap - 1);
+    t->slots[i] = p;
+}
+
+/* The pin of id, inserted (zeroed) if absent; NULL with MemoryError set. */
+static pin *pin_get(pin_table *t, uint64_t id)
+{
+    pin *p = pin_find(t, id);
+    if (p)
+        return p;
+    if ((t->n + 1) * 2 > t->cap) {
+        size_t ncap = t->cap ? t->cap * 2 : 64;
+        pin *ns = PyMem_Calloc(ncap, sizeof *ns);
+        if (!ns) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        pin *old = t->slots;
+        size_t ocap = t->cap;
+        t->slots = ns;
+        t->cap = ncap;
+        for (size_t i = 0; i < ocap; i++)
+            if (old[i].id)
+                pin_place(t, old[i]);
+        PyMem_Free(old);
+    }
+    pin_place(t, (pin){id, 0, 0});
+    t->n++;
+    return pin_find(t, id);
+}
+
+/* Drops p's slot if it pins nothing any more. */
+static void pin_put(pin_table *t, pin *p)
+{
+    if (p->exports || p->busy)
+        return;
+    size_t mask = t->cap - 1, i = (size_t)(p - t->slots);
+    for (size_t j = (i + 1) & mask; t->slots[j].id; j = (j + 1) & mask) {
+        size_t k = pin_home(t, t->slots[j].id);
+        int stays = i <= j ? (i < k && k <= j) : (i < k || k <= j);
+        if (!stays) {
+            t->slots[i] = t->slots[j];
+            i = j;
+        }
+    }
+    t->slots[i] = (pin){0, 0, 0};
+    t->n--;
+}
+
+static int st_enter(StoreObject *self, mod_state *st)
+{
+    return guard_enter(&self->g, self->s != NULL, st, "store");
+}
+
+/* The store's last error for a call that failed with rc (GIL released by the caller). */
+static void store_err(ast_store *s, char *err, size_t len)
+{
+    ast_store_last_error(s, err, len);
+}
+
+static int parse_tier(PyObject *o, ast_tier *out)
+{
+    const char *name = PyUnicode_Check(o) ? utf8_no_nul(o, "tier") : NULL;
+    if (name && ast_tier_parse(name, out) == 0)
+        return 0;
+    if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_ValueError))
+        return -1;
+    PyErr_Clear();
+    PyErr_Format(PyExc_ValueError,
+                 "unknown tier %R; allowed: 'host', 'host_pinned', 'device', 'uvm', 'nvme'", o);
+    return -1;
+}
+
+static PyObject *tier_str(ast_tier t)
+{
+    const char *n = ast_tier_name(t);
+    return PyUnicode_FromString(n ? n : "unknown");
+}
+
+/* 0 if no block of ids is exported or busy; else -1 with BusyError naming the block. */
+static int pins_check(StoreObject *self, mod_state *st, const uint64_t *ids, size_t n,
+                      const char *what)
+{
+    char msg[256];
+    for (size_t i = 0; i < n; i++) {
+        pin *p = pin_find(&self->pins, ids[i]);
+        if (p && p->exports) {
+            snprintf(msg, sizeof msg,
+                     "%s: block %" PRIu64 " has %u exported buffer(s) (Store.buffer); delete "
+                     "them and every tensor or memoryview made from them first",
+                     what, ids[i], (unsigned)p->exports);
+            raise_busy_aware(st, AST_EBUSY, msg);
+            return -1;
+        }
+        if (p && p->busy) {
+            snprintf(msg, sizeof msg,
+                     "%s: block %" PRIu64 " is being moved or freed by another thread", what,
+                     ids[i]);
+            raise_busy_aware(st, AST_EBUSY, msg);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void pins_unmark(StoreObject *self, const uint64_t *ids, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        pin *p = pin_find(&self->pins, ids[i]);
+        if (p) {
+            p->busy = 0;
+            pin_put(&self->pins, p);
+        }
+    }
+}
+
+/* Checks, then marks ids busy; -1 with an exception set (nothing left marked). */
+static int pins_mark(StoreObject *self, mod_state *st, const uint64_t *ids, size_t n,
+                     const char *what)
+{
+    if (pins_check(self, st, ids, n, what) < 0)
+        return -1;
+    for (size_t i = 0; i < n; i++) {
+        pin *p = pin_get(&self->pins, ids[i]);
+        if (!p) {
+            pins_unmark(self, ids, i);
+            return -1;
+        }
+        p->busy = 1;
+    }
+    return 0;
+}
+
+static PyObject *store_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"nvme_dir", "direct", "queue_depth", "nvme_budget_bytes", NULL};
+    mod_state *st = type_state(type);
+    PyObject *dir_o = Py_None;
+    const char *direct = "require";
+    unsigned int depth = 0;
+    uint64_t budget = 0;
+    if (!st || !PyArg_ParseTupleAndKeywords(args, kwds, "|OsIO&:Store", kwlist, &dir_o, &direct,
+                                            &depth, conv_u64, &budget))
+        return NULL;
+    ast_store_opts o;
+    ast_store_opts_init(&o);
+    if (!strcmp(direct, "require"))
+        o.direct = AST_DIRECT_REQUIRE;
+    else if (!strcmp(direct, "fallback"))
+        o.direct = AST_DIRECT_FALLBACK;
+    else {
+        PyErr_Format(PyExc_ValueError, "direct must be 'require' or 'fallback', got '%s'", direct);
+        return NULL;
+    }
+    o.queue_depth = depth;
+    o.nvme_budget_bytes = budget;
+    char *dir = NULL;
+    if (dir_o != Py_None) {
+        dir = PyMem_RawMalloc(AST_PATH_MAX);
+        if (!dir)
+            return PyErr_NoMemory();
+        if (copy_path(dir_o, dir, AST_PATH_MAX, "nvme_dir") < 0) {
+            PyMem_RawFree(dir);
+            return NULL;
+        }
+        o.nvme_dir = dir;
+    }
+    StoreObject *self = (StoreObject *)type->tp_alloc(type, 0);
+    if (!self) {
+        PyMem_RawFree(dir);
+        return NULL;
+    }
+    guard_init(&self->g);
+    ast_store *s = NULL;
+    char err[ERRBUF_LEN] = "";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ast_store_open_msg(&o, &s, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(dir);
+    if (rc < 0) {
+        Py_DECREF(self);
+        return raise_busy_aware(st, rc, err);
+    }
+    self->s = s;
+    return (PyObject *)self;
+}
+
+/* Closes once: 0, or -1 with BusyError raised (and the store left open) while buffers are
+ * exported. */
+static int store_close_impl(StoreObject *self)
+{
+    if (self->g.closed)
+        return 0;
+    if (self->exports) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "close: %" PRIu64 " buffer(s) over store blocks are alive "
+                 "(Store.buffer); delete them and every view made from them first",
+                 self->exports);
+        raise_busy_aware(type_state(Py_TYPE(self)), AST_EBUSY, msg);
+        return -1;
+    }
+    self->g.closed = 1;
+    ast_store *s = self->s;
+    if (!s)
+        return 0;
+    /* Close removes every record file: I/O, so without the GIL. */
+    Py_BEGIN_ALLOW_THREADS
+    guard_drain(&self->g);
+    ast_store_close(s);
+    Py_END_ALLOW_THREADS
+    self->s = NULL;
+    return 0;
+}
+
+static int store_close_obj(PyObject *self) { return store_close_impl((StoreObject *)self); }
+
+static int store_traverse(StoreObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static void store_dealloc(StoreObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    /* Buffers hold a reference to their store: none can be alive here. */
+    close_in_dealloc(store_close_obj, (PyObject *)self);
+    guard_fini(&self->g);
+    PyMem_Free(self->pins.slots);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+PyDoc_STRVAR(store_close_doc,
+             "close()\n--\n\nFree every block and remove the store's record files (GIL released). "
+             "BusyError while Store.buffer objects are alive. Idempotent; also done on "
+             "deallocation.");
+
+static PyObject *store_close(StoreObject *self, PyObject *unused)
+{
+    if (store_close_impl(self) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *store_enter(StoreObject *self, PyObject *unused) { return Py_NewRef(self); }
+
+static PyObject *store_exit(StoreObject *self, PyObject *args)
+{
+    if (store_close_impl(self) < 0)
+        return NULL;
+    Py_RETURN_FALSE;
+}
+
+PyDoc_STRVAR(store_alloc_doc,
+             "alloc(tier, nbytes)\n--\n\nA new zero-filled block of nbytes on tier ('host', "
+             "'host_pinned', 'device', 'uvm', 'nvme'); returns its id (never 0). The CUDA tiers "
+             "raise AsteriaError (AST_ENODEV) without a device; 'nvme' needs nvme_dir.");
+
+static PyObject *store_alloc(StoreObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"tier", "nbytes", NULL};
+    mod_state *st = type_state(Py_TYPE(self));
+    PyObject *tier_o;
+    size_t nbytes;
+    ast_tier tier;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO&:alloc", kwlist, &tier_o, conv_size,
+                                     &nbytes) ||
+        parse_tier(tier_o, &tier) < 0)
+        return NULL;
+    if (st_enter(self, st) < 0)
+        return NULL;
+    ast_store *s = self->s;
+    uint64_t id = 0;
+    char err[ERRBUF_LEN] = "";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ast_store_alloc(s, tier, nbytes, &id);
+    if (rc < 0)
+        store_err(s, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    guard_leave(&self->g);
+    if (rc < 0)
+        return raise_busy_aware(st, rc, err);
+    return PyLong_FromUnsignedLongLong(id);
+}
+
+PyDoc_STRVAR(store_free_doc,
+             "free(id)\n--\n\nFree a block (its record file too). BusyError while buffers over it "
+             "are alive.");
+
+static PyObject *store_free(StoreObject *self, PyObject *arg)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    uint64_t id;
+    if (!conv_u64(arg, &id))
+        return NULL;
+    if (st_enter(self, st) < 0)
+        return NULL;
+    if (pins_mark(self, st, &id, 1, "free") < 0) {
+        guard_leave(&self->g);
+        return NULL;
+    }
+    ast_store *s = self->s;
+    char err[ERRBUF_LEN] = "";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ast_store_free(s, id);
+    if (rc < 0)
+        store_err(s, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    guard_leave(&self->g);
+    pins_unmark(self, &id, 1);
+    if (rc < 0)
+        return raise_busy_aware(st, rc, err);
+    Py_RETURN_NONE;
+}
+
+/* Tier, size and pointer of a block in one call (GIL released); rc 0 or the failure. */
+static int store_describe(StoreObject *self, uint64_t id, ast_tier *tier, size_t *nbytes,
+                          void **ptr, char *err, size_t len)
+{
+    ast_store *s = self->s;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ast_store_tier(s, id, tier);
+    if (!rc)
+        rc = ast_store_size(s, id, nbytes);
+    if (!rc)
+        *ptr = ast_store_data(s, id);
+    if (rc < 0)
+        store_err(s, err, len);
+    Py_END_ALLOW_THREADS
+    return rc;
+}
+
+PyDoc_STRVAR(store_data_ptr_doc,
+             "data_ptr(id)\n--\n\nThe block's address as an int (host or device memory by tier), "
+             "or None while it is on NVMe. Valid until the block is moved or freed; nothing "
+             "guards its use (Store.buffer does).");
+
+static PyObject *store_data_ptr(StoreObject *self, PyObject *arg)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    uint64_t id;
+    if (!conv_u64(arg, &id) || st_enter(self, st) < 0)
+        return NULL;
+    ast_tier tier;
+    size_t n = 0;
+    void *p = NULL;
+    char err[ERRBUF_LEN] = "";
+    int rc = store_describe(self, id, &tier, &n, &p, err, sizeof err);
+    guard_leave(&self->g);
+    if (rc < 0)
+        return raise_busy_aware(st, rc, err);
+    if (!p)
+        Py_RETURN_NONE;
+    return PyLong_FromVoidPtr(p);
+}
+
+PyDoc_STRVAR(store_size_doc, "size(id)\n--\n\nThe block's size in bytes.");
+
+static PyObject *store_size(StoreObject *self, PyObject *arg)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    uint64_t id;
+    if (!conv_u64(arg, &id) || st_enter(self, st) < 0)
+        return NULL;
+    ast_tier tier;
+    size_t n = 0;
+    void *p = NULL;
+    char err[ERRBUF_LEN] = "";
+    int rc = store_describe(self, id, &tier, &n, &p, err, sizeof err);
+    guard_leave(&self->g);
+    if (rc < 0)
+        return raise_busy_aware(st, rc, err);
+    return PyLong_FromSize_t(n);
+}
+
+PyDoc_STRVAR(store_tier_doc, "tier(id)\n--\n\nThe block's tier name.");
+
+static PyObject *store_tier(StoreObject *self, PyObject *arg)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    uint64_t id;
+    if (!conv_u64(arg, &id) || st_enter(self, st) < 0)
+        return NULL;
+    ast_tier tier;
+    size_t n = 0;
+    void *p = NULL;
+    char err[ERRBUF_LEN] = "";
+    int rc = store_describe(self, id, &tier, &n, &p, err, sizeof err);
+    guard_leave(&self->g);
+    if (rc < 0)
+        return raise_busy_aware(st, rc, err);
+    return tier_str(tier);
+}
+
+PyDoc_STRVAR(store_move_doc,
+             "move(ids, tier)\n--\n\nMove the listed blocks to tier, NVMe I/O batched in one "
+             "submission round, GIL released; returns how many moved (blocks already there "
+             "count). Each block moves or stays intact. On failure raises the mapped exception "
+             "(AsteriaError AST_ECORRUPT for a damaged record, naming block and file) whose "
+             "message carries the store's error, with .moved the number of blocks that did move. "
+             "BusyError, before anything moves, if a listed block has live buffers.");
+
+static PyObject *store_move(StoreObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"ids", "tier", NULL};
+    mod_state *st = type_state(Py_TYPE(self));
+    PyObject *ids_o, *tier_o;
+    ast_tier dst;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO:move", kwlist, &ids_o, &tier_o) ||
+        parse_tier(tier_o, &dst) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(ids_o, "ids must be an iterable of block ids");
+    if (!seq)
+        return NULL;
+    size_t n = (size_t)PySequence_Fast_GET_SIZE(seq);
+    uint64_t *ids = PyMem_RawMalloc((n ? n : 1) * sizeof *ids);
+    if (!ids) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (size_t i = 0; i < n; i++)
+        if (!conv_u64(PySequence_Fast_GET_ITEM(seq, (Py_ssize_t)i), &ids[i])) {
+            Py_DECREF(seq);
+            PyMem_RawFree(ids);
+            return NULL;
+        }
+    Py_DECREF(seq);
+    if (st_enter(self, st) < 0) {
+        PyMem_RawFree(ids);
+        return NULL;
+    }
+    if (pins_mark(self, st, ids, n, "move") < 0) {
+        guard_leave(&self->g);
+        PyMem_RawFree(ids);
+        return NULL;
+    }
+    ast_store *s = self->s;
+    size_t moved = 0;
+    char err[ERRBUF_LEN] = "";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ast_store_move(s, ids, n, dst, &moved);
+    if (rc < 0)
+        store_err(s, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    guard_leave(&self->g);
+    pins_unmark(self, ids, n);
+    PyMem_RawFree(ids);
+    if (rc == 0)
+        return PyLong_FromSize_t(moved);
+    char detail[ERRBUF_LEN + 64];
+    snprintf(detail, sizeof detail, "%s; %zu of %zu blocks moved", err, moved, n);
+    PyObject *exc = new_ast_error(st, rc == AST_EBUSY ? st->busy_error : NULL, rc, detail);
+    if (!exc)
+        return NULL;
+    PyObject *m = PyLong_FromSize_t(moved);
+    if (!m || PyObject_SetAttrString(exc, "moved", m) < 0) {
+        Py_XDECREF(m);
+        Py_DECREF(exc);
+        return NULL;
+    }
+    Py_DECREF(m);
+    return raise_exc(exc);
+}
+
+PyDoc_STRVAR(store_stats_doc,
+             "stats()\n--\n\n{'bytes': {tier: live bytes}, 'blocks': {tier: count}, "
+             "'nvme_bytes_written', 'nvme_bytes_read', 'nvme_write_ns', 'nvme_read_ns', "
+             "'nvme_writes', 'nvme_reads' (records), 'nvme_direct': True (O_DIRECT), False "
+             "(buffered fallback) or None (no NVMe tier)}.");
+
+static PyObject *store_stats(StoreObject *self, PyObject *unused)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    if (st_enter(self, st) < 0)
+        return NULL;
+    ast_store *s = self->s;
+    ast_store_stats ss;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ast_store_stats_get(s, &ss);
+    Py_END_ALLOW_THREADS
+    guard_leave(&self->g);
+    if (rc < 0)
+        return raise_busy_aware(st, rc, NULL);
+    PyObject *d = PyDict_New(), *bytes = PyDict_New(), *blocks = PyDict_New();
+    if (!d || !bytes || !blocks)
+        goto fail;
+    for (int t = 0; t < AST_TIER_COUNT; t++)
+        if (dict_set_steal(bytes, ast_tier_name((ast_tier)t),
+                           PyLong_FromUnsignedLongLong(ss.bytes[t])) < 0 ||
+            dict_set_steal(blocks, ast_tier_name((ast_tier)t),
+                           PyLong_FromUnsignedLongLong(ss.blocks[t])) < 0)
+            goto fail;
+#define U64(f) dict_set_steal(d, #f, PyLong_FromUnsignedLongLong(ss.f))
+    if (PyDict_SetItemString(d, "bytes", bytes) < 0 ||
+        PyDict_SetItemString(d, "blocks", blocks) < 0 || U64(nvme_bytes_written) ||
+        U64(nvme_bytes_read) || U64(nvme_write_ns) || U64(nvme_read_ns) || U64(nvme_writes) ||
+        U64(nvme_reads) ||
+        dict_set_steal(d, "nvme_direct",
+                       ss.nvme_direct < 0 ? Py_NewRef(Py_None) : PyBool_FromLong(ss.nvme_direct)))
+        goto fail;
+#undef U64
+    Py_DECREF(bytes);
+    Py_DECREF(blocks);
+    return d;
+fail:
+    Py_XDECREF(d);
+    Py_XDECREF(bytes);
+    Py_XDECREF(blocks);
+    return NULL;
+}
+
+PyDoc_STRVAR(store_record_path_doc,
+             "record_path(id)\n--\n\nPath of the record file of a block on NVMe (AsteriaError "
+             "AST_ESTATE on another tier).");
+
+static PyObject *store_record_path(StoreObject *self, PyObject *arg)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    uint64_t id;
+    if (!conv_u64(arg, &id) || st_enter(self, st) < 0)
+        return NULL;
+    ast_store *s = self->s;
+    char path[AST_PATH_MAX + 64];
+    char err[ERRBUF_LEN] = "";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ast_store_record_path(s, id, path, sizeof path);
+    if (rc < 0)
+        store_err(s, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    guard_leave(&self->g);
+    if (rc < 0)
+        return raise_busy_aware(st, rc, err);
+    return PyUnicode_DecodeFSDefault(path);
+}
+
+PyDoc_STRVAR(store_last_error_doc,
+             "last_error()\n--\n\nThe store's last error message ('' if none).");
+
+static PyObject *store_last_error(StoreObject *self, PyObject *unused)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    if (st_enter(self, st) < 0)
+        return NULL;
+    ast_store *s = self->s;
+    char buf[ERRBUF_LEN] = "";
+    Py_BEGIN_ALLOW_THREADS
+    store_err(s, buf, sizeof buf);
+    Py_END_ALLOW_THREADS
+    guard_leave(&self->g);
+    return PyUnicode_DecodeUTF8(buf, (Py_ssize_t)strlen(buf), "replace");
+}
+
+PyDoc_STRVAR(store_buffer_doc,
+             "buffer(id)\n--\n\nA writable BlockBuffer (buffer protocol, bytes) over a block on "
+             "a host-addressable tier (host, host_pinned, uvm), for torch.frombuffer /\n"
+             "memoryview without copying. Lifetime: while the BlockBuffer lives (torch.frombuffer "
+             "and memoryview keep it alive) the block is pinned: move() and free() of it and "
+             "close() raise BusyError. AsteriaError (AST_ESTATE) for a block on device or NVMe.");
+
+static PyObject *store_buffer(StoreObject *self, PyObject *arg)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    uint64_t id;
+    if (!conv_u64(arg, &id) || st_enter(self, st) < 0)
+        return NULL;
+    /* Pin first (GIL held): a concurrent move or free of the block is refused from here on.
+     * Several buffers may share a block; one being moved or freed cannot be exported. */
+    pin *p = pin_find(&self->pins, id);
+    if (p && p->busy) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "buffer: block %" PRIu64 " is being moved or freed by another "
+                 "thread", id);
+        guard_leave(&self->g);
+        return raise_busy_aware(st, AST_EBUSY, msg);
+    }
+    if (!(p = pin_get(&self->pins, id))) {
+        guard_leave(&self->g);
+        return NULL;
+    }
+    p->exports++;
+    self->exports++;
+    ast_tier tier;
+    size_t n = 0;
+    void *ptr = NULL;
+    char err[ERRBUF_LEN] = "";
+    int rc = store_describe(self, id, &tier, &n, &ptr, err, sizeof err);
+    guard_leave(&self->g);
+    if (rc == 0 && (tier == AST_TIER_DEVICE || tier == AST_TIER_NVME || !ptr)) {
+        snprintf(err, sizeof err, "buffer: block %" PRIu64 " is on tier %s; buffers need a "
+                 "host-addressable tier (host, host_pinned, uvm)", id, ast_tier_name(tier));
+        rc = AST_ESTATE;
+    }
+    BlockBufferObject *b = NULL;
+    if (rc == 0)
+        b = PyObject_New(BlockBufferObject, st->blockbuf_type);
+    if (!b) {
+        p = pin_find(&self->pins, id); /* the table may have grown meanwhile */
+        p->exports--;
+        self->exports--;
+        pin_put(&self->pins, p);
+        return rc < 0 ? raise_busy_aware(st, rc, err) : NULL;
+    }
+    b->store = (StoreObject *)Py_NewRef(self);
+    b->id = id;
+    b->ptr = ptr;
+    b->nbytes = n;
+    b->tier = tier;
+    return (PyObject *)b;
+}
+
+PyDoc_STRVAR(store_exports_doc,
+             "exports(id=None)\n--\n\nLive BlockBuffer objects over block id (None: over all "
+             "blocks).");
+
+static PyObject *store_exports(StoreObject *self, PyObject *args)
+{
+    PyObject *id_o = Py_None;
+    if (!PyArg_ParseTuple(args, "|O:exports", &id_o))
+        return NULL;
+    if (id_o == Py_None)
+        return PyLong_FromUnsignedLongLong(self->exports);
+    uint64_t id;
+    if (!conv_u64(id_o, &id))
+        return NULL;
+    pin *p = pin_find(&self->pins, id);
+    return PyLong_FromUnsignedLong(p ? p->exports : 0);
+}
+
+static PyObject *store_get_closed(StoreObject *self, void *closure)
+{
+    return PyBool_FromLong(self->g.closed);
+}
+
+static PyMethodDef store_methods[] = {
+    {"alloc", (PyCFunction)(void (*)(void))store_alloc, METH_VARARGS | METH_KEYWORDS,
+     store_alloc_doc},
+    {"free", (PyCFunction)store_free, METH_O, store_free_doc},
+    {"data_ptr", (PyCFunction)store_data_ptr, METH_O, store_data_ptr_doc},
+    {"size", (PyCFunction)store_size, METH_O, store_size_doc},
+    {"tier", (PyCFunction)store_tier, METH_O, store_tier_doc},
+    {"move", (PyCFunction)(void (*)(void))store_move, METH_VARARGS | METH_KEYWORDS,
+     store_move_doc},
+    {"stats", (PyCFunction)store_stats, METH_NOARGS, store_stats_doc},
+    {"record_path", (PyCFunction)store_record_path, METH_O, store_record_path_doc},
+    {"last_error", (PyCFunction)store_last_error, METH_NOARGS, store_last_error_doc},
+    {"buffer", (PyCFunction)store_buffer, METH_O, store_buffer_doc},
+    {"exports", (PyCFunction)store_exports, METH_VARARGS, store_exports_doc},
+    {"close", (PyCFunction)store_close, METH_NOARGS, store_close_doc},
+    {"__enter__", (PyCFunction)store_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)store_exit, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef store_getset[] = {
+    {"closed", (getter)store_get_closed, NULL, "True after close().", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyDoc_STRVAR(store_doc,
+             "Store(nvme_dir=None, direct='require', queue_depth=0, nvme_budget_bytes=0)\n--\n\n"
+             "Blocks of optimizer state, each on one tier: host, host_pinned, device, uvm, nvme "
+             "(record files under nvme_dir,\nthrough io_uring with O_DIRECT; direct='fallback' "
+             "accepts a filesystem without O_DIRECT). A missing nvme_dir raises\n"
+             "FileNotFoundError naming it. Block ids are ints (never 0).");
+
+static PyType_Slot store_slots[] = {
+    {Py_tp_new, store_new},
+    {Py_tp_dealloc, store_dealloc},
+    {Py_tp_traverse, store_traverse},
+    {Py_tp_methods, store_methods},
+    {Py_tp_getset, store_getset},
+    {Py_tp_doc, (void *)store_doc},
+    {0, NULL},
+};
+
+PyType_Spec store_spec = {
+    .name = "asteria._C.Store",
+    .basicsize = sizeof(StoreObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = store_slots,
+};
+
+/* ---- BlockBuffer ------------------------------------------------------------------------------ */
+
+static void blockbuf_dealloc(BlockBufferObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    StoreObject *s = self->store;
+    pin *p = pin_find(&s->pins, self->id);
+    if (p) {
+        p->exports--;
+        pin_put(&s->pins, p);
+    }
+    s->exports--;
+    Py_DECREF(s);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static int blockbuf_getbuffer(BlockBufferObject *self, Py_buffer *view, int flags)
+{
+    return PyBuffer_FillInfo(view, (PyObject *)self, self->ptr, (Py_ssize_t)self->nbytes, 0,
+                             flags);
+}
+
+static PyObject *blockbuf_get_id(BlockBufferObject *self, void *c)
+{
+    return PyLong_FromUnsignedLongLong(self->id);
+}
+
+static PyObject *blockbuf_get_nbytes(BlockBufferObject *self, void *c)
+{
+    return PyLong_FromSize_t(self->nbytes);
+}
+
+static PyObject *blockbuf_get_ptr(BlockBufferObject *self, void *c)
+{
+    return PyLong_FromVoidPtr(self->ptr);
+}
+
+static PyObject *blockbuf_get_tier(BlockBufferObject *self, void *c)
+{
+    return tier_str(self->tier);
+}
+
+static Py_ssize_t blockbuf_len(BlockBufferObject *self) { return (Py_ssize_t)self->nbytes; }
+
+static PyObject *blockbuf_repr(BlockBufferObject *self)
+{
+    return PyUnicode_FromFormat("<%s block=%llu tier=%s nbytes=%zu>", Py_TYPE(self)->tp_name,
+                                (unsigned long long)self->id, ast_tier_name(self->tier),
+                                self->nbytes);
+}
+
+static PyGetSetDef blockbuf_getset[] = {
+    {"id", (getter)blockbuf_get_id, NULL, "The block id.", NULL},
+    {"nbytes", (getter)blockbuf_get_nbytes, NULL, "The block size in bytes.", NULL},
+    {"ptr", (getter)blockbuf_get_ptr, NULL, "The block address.", NULL},
+    {"tier", (getter)blockbuf_get_tier, NULL, "The block tier at export.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot blockbuf_slots[] = {
+    {Py_tp_dealloc, blockbuf_dealloc},
+    {Py_tp_repr, blockbuf_repr},
+    {Py_tp_getset, blockbuf_getset},
+    {Py_sq_length, blockbuf_len},
+    {Py_bf_getbuffer, blockbuf_getbuffer},
+    {Py_tp_doc, (void *)"A writable bytes buffer over one host-addressable Store block (see "
+                        "Store.buffer). Pins the block while alive."},
+    {0, NULL},
+};
+
+PyType_Spec blockbuf_spec = {
+    .name = "asteria._C.BlockBuffer",
+    .basicsize = sizeof(BlockBufferObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = blockbuf_slots,
+};
