@@ -46,15 +46,16 @@ echo "[setup] torch $TORCH ($("$PY" -c 'import sys; print(sys.prefix)'))"
 pin=$(mktemp)
 trap 'rm -f "$pin"' EXIT
 echo "torch==$TORCH" >"$pin"
-"$PY" -m pip install -q -r requirements-dev.txt -c "$pin"
+fitting=()
 for entry in "${OPTIONAL_PKGS[@]}"; do
   pkg=${entry% *} needs=${entry#* }
   if "$PY" scripts/torch_range.py check "$needs"; then
-    "$PY" -m pip install -q "$pkg" -c "$pin"
+    fitting+=("$pkg")
   else
     echo "[setup] leaving out $pkg: it needs torch$needs, this environment has torch $TORCH"
   fi
 done
+"$PY" -m pip install -q -r requirements-dev.txt "${fitting[@]}" -c "$pin"
 
 # A plain install, as a user would run it: pip keeps the supported torch that is there, and builds
 # in an isolated environment with scikit-build-core from PyPI.

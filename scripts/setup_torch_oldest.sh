@@ -3,9 +3,9 @@
 # range in pyproject.toml): a fresh virtual environment, .venv-torch-oldest (gitignored; or
 # $ASTERIA_OLDEST_VENV), without the system's site-packages, with exactly that torch, then set up
 # by scripts/setup.sh like the main one: the tools, the optional packages that fit that torch, and
-# asteria by a plain `pip install .`. Kept between runs in the same checkout; a fresh one costs
-# the torch download and unpacking (about 3.5 GB with its nvidia-* CUDA libraries, 1-2.5 minutes
-# here; pip's cache does not keep them from this registry).
+# asteria by a plain `pip install .`. Kept between runs in the same checkout (then about 15 s);
+# a fresh one costs the download and unpacking of torch and its nvidia-* CUDA libraries (6.6 GB
+# installed; 2.5-4 minutes on the 2-core development VM, where pip's cache kept none of them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
