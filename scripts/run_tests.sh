@@ -1,11 +1,23 @@
 #!/usr/bin/env bash
 # Sets everything up, then runs every test: the C suite (CMocka via ctest) in a normal build, an
 # ASan+UBSan build and a TSan build, then the Python suite (pytest, real torch) against the
-# installed package. GPU tests report "skip" (exit 77) on machines without a GPU.
+# installed package: once in the main environment (its torch: 2.11.0 by default) and once in
+# .venv-torch-oldest against the oldest supported torch (pyproject.toml's lower bound). GPU tests
+# report "skip" (exit 77) on machines without a GPU. Ends with the wall time of each part.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+PY=${PYTHON:-python3}
+OLDEST_VENV=${ASTERIA_OLDEST_VENV:-.venv-torch-oldest}
 JOBS=$(nproc)
+
+TIMES=()
+timed() {  # label, command...: runs it and keeps its wall time for the summary at the end
+  local label=$1 t0=$SECONDS
+  shift
+  echo "== $label =="
+  "$@"
+  TIMES+=("$(printf '%-52s %5d s' "$label" $((SECONDS - t0)))")
+}
 
 run_c_suite() {  # name, extra cmake args...
   local dir=build/ci-$1; shift
@@ -14,15 +26,27 @@ run_c_suite() {  # name, extra cmake args...
   (cd "$dir" && ctest --output-on-failure -j"$JOBS")
 }
 
-echo "== C tests (release) =="
-run_c_suite release -DCMAKE_BUILD_TYPE=RelWithDebInfo
-echo "== C tests (ASan+UBSan) =="
-ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  run_c_suite asan -DCMAKE_BUILD_TYPE=Debug -DASTERIA_SANITIZE=address,undefined
-echo "== C tests (TSan) =="
-TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/tests/c/tsan.supp" \
-  run_c_suite tsan -DCMAKE_BUILD_TYPE=Debug -DASTERIA_SANITIZE=thread
+run_py_suite() {  # python: the suite against the asteria installed in that python's environment
+  # Run from tests/ so the installed package (not the source tree) is what gets imported.
+  (cd tests && "$1" -m pytest python -q -p no:cacheprovider -rs)
+}
 
-echo "== Python tests =="
-# Run from tests/ so the installed package (not the source tree) is what gets imported.
-cd tests && python3 -m pytest python -q -p no:cacheprovider
+timed "setup (main environment)" bash scripts/setup.sh
+timed "C tests (release)" run_c_suite release -DCMAKE_BUILD_TYPE=RelWithDebInfo
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  timed "C tests (ASan+UBSan)" run_c_suite asan -DCMAKE_BUILD_TYPE=Debug \
+  -DASTERIA_SANITIZE=address,undefined
+TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/tests/c/tsan.supp" \
+  timed "C tests (TSan)" run_c_suite tsan -DCMAKE_BUILD_TYPE=Debug -DASTERIA_SANITIZE=thread
+
+PY_ABS=$(command -v "$PY")
+timed "Python tests (torch $("$PY" scripts/torch_range.py installed), main environment)" \
+  run_py_suite "$PY_ABS"
+
+OLDEST=$("$PY" scripts/torch_range.py oldest)
+timed "setup ($OLDEST_VENV, torch $OLDEST)" bash scripts/setup_torch_oldest.sh
+timed "Python tests (torch $OLDEST, $OLDEST_VENV)" \
+  run_py_suite "$(cd "$OLDEST_VENV" && pwd)/bin/python"
+
+echo "== wall time per part =="
+printf '%s\n' "${TIMES[@]}"

@@ -1,14 +1,26 @@
 #!/usr/bin/env bash
 # One-time (idempotent) setup of a fresh Debian 12 machine for Asteria: system libraries from
-# Debian's packages, Python dependencies from PyPI (torch is pinned and large: installed once
-# per machine, skipped when already there), then the asteria package itself (libasteria and
-# asteria._C built by scikit-build-core from the same CMake tree).
+# Debian's packages, then one Python environment (PYTHON, default python3): a supported torch,
+# the Python tools, the optional third-party packages that fit that torch, and the asteria
+# package itself (libasteria and asteria._C built by scikit-build-core from the same CMake tree).
+#
+# torch: one already installed in the supported range (pyproject.toml) is kept as it is; with
+# none, or one outside the range, torch $TORCH_DEFAULT is installed (a multi-GB CUDA build from
+# PyPI that also runs on the CPU). Nothing after that may change it: every later pip call gets
+# it as a constraint.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
+TORCH_DEFAULT=2.11.0
 APT_PKGS=(build-essential cmake ninja-build pkg-config libopenblas-dev liblapacke-dev liburing-dev
-          libhwloc-dev libcmocka-dev zlib1g-dev)
+          libhwloc-dev libcmocka-dev zlib1g-dev python3-venv)
+# Optional packages used by some tests, benchmarks and examples, each with the torch range its own
+# metadata requires. Where the torch in use is outside it, the package is left out and the tests
+# that need it skip, saying why (the oldest-torch run of scripts/run_tests.sh has no OLMo-core).
+OPTIONAL_PKGS=("ai2-olmo-core==3.0.0 >=2.10,<2.14"
+               "pytorch-optimizer==4.1.0 >=2.1"
+               "heavyball==3.2.1 >=2.2")
 
 missing=()
 for p in "${APT_PKGS[@]}"; do
@@ -21,13 +33,32 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q "${missing[@]}"
 fi
 
-TORCH_VERSION=2.11.0
-if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$TORCH_VERSION' else 1)" 2>/dev/null; then
-  echo "[setup] pip install torch==$TORCH_VERSION (large, once per machine)"
-  "$PY" -m pip install -q "torch==$TORCH_VERSION"
+RANGE=$("$PY" scripts/torch_range.py range)
+if ! "$PY" scripts/torch_range.py check; then
+  have=$("$PY" scripts/torch_range.py installed || true)
+  echo "[setup] torch ${have:-(none)} is not in the supported range $RANGE:" \
+       "pip install torch==$TORCH_DEFAULT (large)"
+  "$PY" -m pip install -q "torch==$TORCH_DEFAULT"
 fi
-"$PY" -m pip install -q -r requirements-dev.txt
+TORCH=$("$PY" scripts/torch_range.py installed)
+echo "[setup] torch $TORCH ($("$PY" -c 'import sys; print(sys.prefix)'))"
 
-echo "[setup] pip install asteria (libasteria + asteria._C)"
-"$PY" -m pip install -q --no-build-isolation --no-deps .
+pin=$(mktemp)
+trap 'rm -f "$pin"' EXIT
+echo "torch==$TORCH" >"$pin"
+fitting=()
+for entry in "${OPTIONAL_PKGS[@]}"; do
+  pkg=${entry% *} needs=${entry#* }
+  if "$PY" scripts/torch_range.py check "$needs"; then
+    fitting+=("$pkg")
+  else
+    echo "[setup] leaving out $pkg: it needs torch$needs, this environment has torch $TORCH"
+  fi
+done
+"$PY" -m pip install -q -r requirements-dev.txt "${fitting[@]}" -c "$pin"
+
+# A plain install, as a user would run it: pip keeps the supported torch that is there, and builds
+# in an isolated environment with scikit-build-core from PyPI.
+echo "[setup] pip install . (libasteria + asteria._C)"
+"$PY" -m pip install -q .
 "$PY" -c "import asteria, asteria._C; print('[setup] asteria', asteria.__version__, 'ready')"
