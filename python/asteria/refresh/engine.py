@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -44,6 +44,33 @@ class Result:
     outputs: Optional[tuple[torch.Tensor, ...]]
     error: str = ""
     retried_f64: bool = False
+    #: CLOCK_MONOTONIC ns (``time.monotonic_ns``) of the job's start and end, 0 where unknown.
+    #: ``timing`` says who measured them: "worker" (libasteria's pool, around the LAPACK
+    #: call on its thread), "wall" (Python, around the torch call; for the inline and device
+    #: executors), "" (not measured).
+    started_ns: int = 0
+    done_ns: int = 0
+    timing: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class JobTiming:
+    """One finished job (or one part of a job a split executor divided), as the capacity model
+    (``asteria.refresh.cost``) learns from it. ``ticket`` is the ticket the caller holds."""
+
+    ticket: int
+    lane: str         # "host" (the C pool), "device" (a CUDA stream), "inline" (torch inline)
+    op: str
+    dtype: torch.dtype
+    n: int
+    n1: int
+    batch: int
+    started_ns: int
+    done_ns: int
+    timing: str
+    p: float = 0.0
+    sides: int = 2    # soap_rotate: how many of the A / B pairs were given
+    ok: bool = True
 
 
 class Engine(abc.ABC):
@@ -53,6 +80,18 @@ class Engine(abc.ABC):
     takes_parts = False
     #: jobs carry ``replicas=`` and ``step_end`` / ``drain`` synchronise them across ranks
     replicated = False
+    #: one job's batch may be divided among lanes (host workers, a device): the capacity model
+    #: predicts its rounds with divisible work (``asteria.refresh.split``)
+    splits_batches = False
+    #: called with a ``JobTiming`` for each finished job whose result is handed out (the
+    #: capacity model's feed); None: nobody listens
+    observer: Optional[Callable[[JobTiming], None]] = None
+
+    def lanes(self) -> dict[str, int]:
+        """The lanes this executor runs jobs on and how many run at once:
+        {"host": workers} for the C pool, {"inline": 1} for the torch executor, plus
+        {"device": 1} with a device executor."""
+        return {}
 
     @abc.abstractmethod
     def submit(

@@ -14,11 +14,12 @@ caller keeps its previous preconditioner.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import torch
 
-from asteria.refresh.engine import Engine, Result
+from asteria.refresh.engine import Engine, JobTiming, Result
 from asteria.refresh.ops import check_op
 
 AST_ENOCONV = -7
@@ -150,6 +151,7 @@ class TorchEngine(Engine):
     def __init__(self) -> None:
         self._next_ticket = 1
         self._done: dict[int, Result] = {}
+        self._shapes: dict[int, tuple] = {}  # ticket -> (op, dtype, batch, n, n1, p, sides)
         self._closed = False
         self._stats: dict[str, Any] = {
             "jobs_submitted": 0, "jobs_done": 0, "jobs_failed": 0, "jobs_retried_f64": 0,
@@ -166,6 +168,7 @@ class TorchEngine(Engine):
         self._next_ticket += 1
         self._stats["jobs_submitted"] += 1
         status, outputs, error, retried = 0, None, "", False
+        t0 = time.monotonic_ns()
         try:
             if any(t is not None and not bool(torch.isfinite(t).all()) for t in (f, q, b)):
                 raise _Failure(AST_ENONFINITE, f"{op}: non-finite input")
@@ -174,6 +177,7 @@ class TorchEngine(Engine):
             status, error = exc.status, str(exc)
         except RuntimeError as exc:  # torch.linalg's own failures (non-convergence)
             status, error = AST_ENOCONV, str(exc)
+        t1 = time.monotonic_ns()
         self._stats["jobs_done"] += 1
         if status:
             self._stats["jobs_failed"] += 1
@@ -181,7 +185,13 @@ class TorchEngine(Engine):
             self._stats["jobs_retried_f64"] += 1
         self._done[ticket] = Result(ticket=ticket, block=block, version=version,
                                     snapshot_step=snapshot_step, status=status,
-                                    outputs=outputs, error=error, retried_f64=retried)
+                                    outputs=outputs, error=error, retried_f64=retried,
+                                    started_ns=t0, done_ns=t1, timing="wall")
+        if self.observer is not None:
+            rotate = op == "soap_rotate"
+            self._shapes[ticket] = (op, f.dtype, int(f.shape[0]), int(f.shape[1]),
+                                    int(f.shape[2]) if rotate else 0, float(p),
+                                    (q is not None) + (b is not None) if rotate else 2)
         return ticket
 
     def ready(self, ticket: int) -> bool:
@@ -189,9 +199,18 @@ class TorchEngine(Engine):
 
     def wait(self, ticket: int) -> Result:
         try:
-            return self._done.pop(ticket)
+            res = self._done.pop(ticket)
         except KeyError:
             raise ValueError(f"unknown or already waited-for ticket {ticket}") from None
+        shape = self._shapes.pop(ticket, None)
+        if self.observer is not None and shape is not None:
+            op, dtype, batch, n, n1, p, sides = shape
+            self.observer(JobTiming(ticket, "inline", op, dtype, n, n1, batch, res.started_ns,
+                                    res.done_ns, res.timing, p, sides, res.status == 0))
+        return res
+
+    def lanes(self) -> dict[str, int]:
+        return {"inline": 1}
 
     def cancel(self, ticket: int) -> bool:
         return False  # every job finished at submit time

@@ -1,0 +1,489 @@
+"""The cost model of the REFRESH work: how long a round takes on the lanes that run it.
+
+Owns: the FLOP count of each op (``flops``), the throughput measured per lane, op, dtype and
+size (``CostModel``), the prediction of a round's time on a number of workers (``makespan``,
+``assign``), and the capacity record of one optimizer (``Capacity``: rounds, their measured
+times, step times, the report and the smallest S that hides the refresh). May call: torch and,
+for ``calibrate`` only, ``asteria.refresh.host_pool``. Single-threaded (the training thread);
+executors hand it finished jobs through their ``observer`` on that thread.
+
+FLOPs per batch entry (n: the factor's size; real arithmetic, one multiply-add = 2 FLOPs):
+
+==================  ============================================  ===============================
+op                  count                                         from
+==================  ============================================  ===============================
+``eigh``            9 n^3                                         symmetric QR with vectors
+                                                                  (Golub & Van Loan, 8.3)
+``inv_root``        9 n^3 + 2 n^3 = 11 n^3                        eigh, then Q diag(w) Q^T
+``newton_root``     20 (2 p + 2) n^3, p the root (integer)        nominal: 20 coupled-Newton
+                                                                  iterations of p + 1 matmuls
+``soap_qr``         2 n^3 + 8/3 n^3 = 14/3 n^3                    F Q, then Householder QR
+                                                                  (geqrf 4/3 + orgqr 4/3)
+``kl_qr``           14/3 n^3                                      as soap_qr
+``soap_rotate``     4 n^2 n1 (A pair) + 4 n n1^2 (B pair)         two matmuls per side
+==================  ============================================  ===============================
+
+Throughput: a lane's seconds per entry are measured from finished jobs (the C pool's own
+start / end times on its worker thread, or Python's wall time around the torch call for the
+inline and device executors; each ``JobTiming`` says which). Per (lane, op, dtype) the model
+keeps the median of the last samples at each measured size; between two measured sizes the
+rate (FLOP/s) is interpolated log-linearly in the FLOP count, outside them it is the nearest
+measured size's rate, so time scales with n^3 from there. An op never measured on a lane
+takes that lane's median rate over the ops it has measured, then the lane's base rate (a
+calibration or a given per-core throughput), and each prediction says where its rate came from.
+Half-precision jobs are computed in float32 (as the executors do) and priced as float32;
+float64 without its own measurement at half the float32 rate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections import defaultdict, deque
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from asteria.refresh.engine import JobTiming
+
+NEWTON_NOMINAL_ITERS = 20
+SAMPLES = 9                  # per measured size: the median of the last SAMPLES
+ASSUMED_GFLOPS = 5.0         # a lane with nothing measured and no base rate (labelled so)
+DEVICE_PRIOR_GFLOPS = 200.0  # a device lane before its first job: the split explores it
+AUTO_MARGIN = 1.5            # staleness "auto": the window must be this much above a round
+
+
+def flops(op: str, n: int, n1: int = 0, p: float = 0.0, sides: int = 2) -> float:
+    """FLOPs of one batch entry of ``op`` on a factor of size n (table above). ``soap_rotate``:
+    X is n x n1 and ``sides`` says which pairs were given (2: both; 1: the A pair)."""
+    n = float(n)
+    if op == "eigh":
+        return 9.0 * n ** 3
+    if op == "inv_root":
+        return 11.0 * n ** 3
+    if op == "newton_root":
+        root = max(1, int(p) if p else 2)
+        return NEWTON_NOMINAL_ITERS * (2.0 * root + 2.0) * n ** 3
+    if op in ("soap_qr", "kl_qr"):
+        return 14.0 / 3.0 * n ** 3
+    if op == "soap_rotate":
+        n1 = float(n1 or n)
+        a = 4.0 * n * n * n1
+        return a + (4.0 * n * n1 * n1 if sides >= 2 else 0.0)
+    raise ValueError(f"unknown REFRESH op {op!r}")
+
+
+def _dtype_key(dtype: Any) -> str:
+    if dtype in (torch.float64, "float64"):
+        return "float64"
+    return "float32"  # half precision runs in float32 on every executor
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """One batched job of a round, as the model prices it."""
+
+    op: str
+    dtype: Any
+    n: int
+    batch: int
+    n1: int = 0
+    p: float = 0.0
+    sides: int = 2
+
+    @property
+    def flops_per_entry(self) -> float:
+        return flops(self.op, self.n, self.n1, self.p, self.sides)
+
+    @property
+    def flops(self) -> float:
+        return self.batch * self.flops_per_entry
+
+
+class CostModel:
+    """Measured throughput per (lane, op, dtype, size); predictions in seconds per entry."""
+
+    def __init__(self, base_gflops: Optional[dict] = None, source: str = "") -> None:
+        #: (lane, op, dtype) -> {(n, n1, p, sides): deque of (flops, seconds) per entry}
+        self._points: dict = defaultdict(dict)
+        #: lane -> GFLOP/s used where nothing is measured (calibration, or given)
+        self.base_gflops: dict = dict(base_gflops or {})
+        self.base_source = source
+        self.observed = 0
+
+    def observe(self, t: JobTiming) -> None:
+        """Learn from one finished job (failed or unmeasured ones are ignored)."""
+        if not t.ok or not t.started_ns or t.done_ns <= t.started_ns or t.batch <= 0:
+            return
+        per_entry = (t.done_ns - t.started_ns) / 1e9 / t.batch
+        self.add(t.lane, t.op, t.dtype, t.n, per_entry, t.n1, t.p, t.sides)
+
+    def add(self, lane: str, op: str, dtype: Any, n: int, seconds_per_entry: float,
+            n1: int = 0, p: float = 0.0, sides: int = 2) -> None:
+        key = (lane, op, _dtype_key(dtype))
+        size = (int(n), int(n1), float(p), int(sides))
+        q = self._points[key].setdefault(size, deque(maxlen=SAMPLES))
+        q.append((flops(op, n, n1, p, sides), float(seconds_per_entry)))
+        self.observed += 1
+
+    def _curve(self, lane: str, op: str, dt: str) -> list:
+        """[(flops, rate)] of the measured sizes, by flops."""
+        pts = self._points.get((lane, op, dt), {})
+        out = []
+        for q in pts.values():
+            f = q[0][0]
+            s = statistics.median(x[1] for x in q)
+            if s > 0:
+                out.append((f, f / s))
+        return sorted(out)
+
+    @staticmethod
+    def _interp(curve: list, f: float) -> float:
+        if f <= curve[0][0]:
+            return curve[0][1]
+        if f >= curve[-1][0]:
+            return curve[-1][1]
+        for (f0, r0), (f1, r1) in zip(curve, curve[1:]):
+            if f0 <= f <= f1:
+                if f1 == f0:
+                    return r1
+                w = (math.log(f) - math.log(f0)) / (math.log(f1) - math.log(f0))
+                return math.exp(math.log(r0) + w * (math.log(r1) - math.log(r0)))
+        return curve[-1][1]
+
+    def rate(self, lane: str, op: str, dtype: Any, f: float) -> tuple[float, str]:
+        """(FLOP/s for an entry of f FLOPs, where that rate comes from)."""
+        dt = _dtype_key(dtype)
+        curve = self._curve(lane, op, dt)
+        if curve:
+            return self._interp(curve, f), "measured"
+        if dt == "float64":
+            curve = self._curve(lane, op, "float32")
+            if curve:
+                return self._interp(curve, f) / 2.0, "measured in float32, halved"
+        rates = [self._interp(c, f) for c in (self._curve(lane, o, dt) for o in
+                                                   {k[1] for k in self._points if k[0] == lane})
+                 if c]
+        if rates:
+            return statistics.median(rates), "the lane's other ops"
+        if lane in self.base_gflops:
+            return self.base_gflops[lane] * 1e9, self.base_source or "base rate"
+        if lane == "device":
+            return DEVICE_PRIOR_GFLOPS * 1e9, "device prior (not measured yet)"
+        return ASSUMED_GFLOPS * 1e9, "assumed (nothing measured)"
+
+    def measured(self, lane: str, op: str, dtype: Any) -> bool:
+        return bool(self._curve(lane, op, _dtype_key(dtype)))
+
+    def entry_seconds(self, lane: str, job: JobSpec) -> float:
+        f = job.flops_per_entry
+        return f / self.rate(lane, job.op, job.dtype, f)[0]
+
+    def job_seconds(self, lane: str, job: JobSpec) -> float:
+        return job.batch * self.entry_seconds(lane, job)
+
+    def sources(self, lane: str, jobs: Iterable[JobSpec]) -> list[str]:
+        return sorted({self.rate(lane, j.op, j.dtype, j.flops_per_entry)[1] for j in jobs})
+
+    def table(self) -> list[dict]:
+        """Every measured point: lane, op, dtype, n, GFLOP/s, samples."""
+        out = []
+        for (lane, op, dt), pts in sorted(self._points.items()):
+            for (n, n1, p, sides), q in sorted(pts.items()):
+                s = statistics.median(x[1] for x in q)
+                out.append({"lane": lane, "op": op, "dtype": dt, "n": n, "n1": n1,
+                            "gflops": q[0][0] / s / 1e9 if s > 0 else None,
+                            "seconds_per_entry": s, "samples": len(q)})
+        return out
+
+
+# ---- rounds on lanes ---------------------------------------------------------------------------
+
+def makespan(model: CostModel, jobs: Sequence[JobSpec], workers: int, lane: str = "host",
+             free_at: Optional[Sequence[float]] = None) -> float:
+    """Seconds until the last of ``jobs`` is done when each runs whole on one of ``workers``
+    (libasteria's pool: a batched job is one unit; jobs of one round share a deadline and start
+    in submission order on the first free worker)."""
+    free = sorted(free_at) if free_at else [0.0] * max(1, workers)
+    for job in jobs:
+        i = min(range(len(free)), key=free.__getitem__)
+        free[i] += model.job_seconds(lane, job)
+    return max(free) if jobs else 0.0
+
+
+def assign(entry_seconds: dict, batch: int, free_at: dict) -> dict:
+    """Divide ``batch`` equal entries among slots to finish the last one soonest.
+
+    ``entry_seconds``: lane -> seconds per entry; ``free_at``: slot -> when the slot is free
+    (seconds), a slot being (lane, index), e.g. ("host", 0..W-1), ("device", 0). Returns
+    slot -> entries (greedy: each entry to the slot where it would finish first; optimal for
+    identical entries). ``free_at`` is advanced in place."""
+    counts: dict = {s: 0 for s in free_at}
+    for _ in range(batch):
+        slot = min(free_at, key=lambda s: (free_at[s] + entry_seconds[s[0]], s))
+        free_at[slot] += entry_seconds[slot[0]]
+        counts[slot] += 1
+    return {s: c for s, c in counts.items() if c}
+
+
+def split_makespan(model: CostModel, jobs: Sequence[JobSpec], lanes: dict) -> float:
+    """Seconds until a round is done when every job's batch may be divided among the lanes'
+    slots (``asteria.refresh.split``): lanes = {"host": W, "device": 1}."""
+    free = {(lane, i): 0.0 for lane, k in lanes.items() for i in range(k)}
+    if not free:
+        return 0.0
+    for job in jobs:
+        secs = {lane: model.entry_seconds(lane, job) for lane in lanes}
+        assign(secs, job.batch, free)
+    return max(free.values()) if jobs else 0.0
+
+
+def predict_round(model: CostModel, jobs: Sequence[JobSpec], lanes: dict,
+                  splits: bool) -> float:
+    """A round's seconds on an executor with these lanes: inline (serial, on the caller's
+    thread), whole jobs on the host pool, or divided among host workers and a device."""
+    if "inline" in lanes:
+        return sum(model.job_seconds("inline", j) for j in jobs)
+    if splits:
+        return split_makespan(model, jobs, lanes)
+    return makespan(model, jobs, lanes.get("host", 1))
+
+
+def smallest_workers(model: CostModel, jobs: Sequence[JobSpec], window_s: float,
+                     splits: bool, device: int = 0, limit: int = 256) -> Optional[int]:
+    """The fewest host workers whose predicted round fits ``window_s`` (None: none up to
+    ``limit``, or no window)."""
+    if not jobs or window_s <= 0:
+        return None if window_s <= 0 else 1
+    for w in range(1, limit + 1):
+        lanes = {"host": w, **({"device": device} if device else {})}
+        if predict_round(model, jobs, lanes, splits) <= window_s:
+            return w
+    return None
+
+
+def smallest_s(round_s: float, step_s: float, margin: float = 1.0) -> Optional[int]:
+    """The fewest steps whose time covers ``margin`` x a round (>= 1), None without a step
+    time."""
+    if step_s <= 0:
+        return None
+    return max(1, math.ceil(margin * round_s / step_s - 1e-9))
+
+
+# ---- one optimizer's capacity record -----------------------------------------------------------
+
+@dataclasses.dataclass
+class RoundRecord:
+    kind: str
+    snapshot_step: int
+    submit_ns: int
+    jobs: dict                    # ticket -> JobSpec
+    predicted_s: float
+    done_ns: int = 0
+    started_ns: int = 0
+    busy_s: float = 0.0
+    finished: set = dataclasses.field(default_factory=set)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.finished) >= len(self.jobs)
+
+    @property
+    def measured_s(self) -> Optional[float]:
+        """Submit to the last job's end: the time the window must cover."""
+        return (self.done_ns - self.submit_ns) / 1e9 if self.complete and self.done_ns else None
+
+    @property
+    def gflop(self) -> float:
+        return sum(j.flops for j in self.jobs.values()) / 1e9
+
+
+class Capacity:
+    """What one optimizer's REFRESH work costs against its step time, measured as it runs."""
+
+    KEEP = 16  # rounds and rotations kept
+
+    def __init__(self, engine: Any, model: Optional[CostModel] = None) -> None:
+        self.model = model or CostModel()
+        self._engine = engine
+        self.rounds: deque = deque(maxlen=self.KEEP)
+        self._by_ticket: dict = {}
+        self._steps: deque = deque(maxlen=64)  # step seconds, barrier stalls excluded
+        self._last_end_ns: Optional[int] = None
+        self._busy = defaultdict(float)   # lane -> busy seconds since the first job
+        self._first_ns: Optional[int] = None
+        self.rotation_s: deque = deque(maxlen=self.KEEP)
+        self._rot_pending: dict = {}      # ticket -> submit ns of a job outside the rounds
+        self._timing = ""
+        engine.observer = self.observe
+
+    # ---- feeds --------------------------------------------------------------------------------
+    def round_submitted(self, kind: str, snapshot_step: int, jobs: dict) -> RoundRecord:
+        """A round's jobs {ticket: JobSpec} were submitted now."""
+        lanes = self.lanes()
+        rec = RoundRecord(kind, snapshot_step, time.monotonic_ns(), dict(jobs),
+                          predict_round(self.model, list(jobs.values()), lanes, self.splits))
+        for t in jobs:
+            self._by_ticket[t] = rec
+        self.rounds.append(rec)
+        if self._first_ns is None:
+            self._first_ns = rec.submit_ns
+        return rec
+
+    def observe(self, t: JobTiming) -> None:
+        self.model.observe(t)
+        self._timing = self._timing or t.timing
+        if t.started_ns and t.done_ns > t.started_ns:
+            self._busy[t.lane] += (t.done_ns - t.started_ns) / 1e9
+            if self._first_ns is None or t.started_ns < self._first_ns:
+                self._first_ns = t.started_ns
+        rec = self._by_ticket.get(t.ticket)
+        if rec is None:
+            return
+        if t.started_ns:
+            rec.started_ns = min(rec.started_ns or t.started_ns, t.started_ns)
+        rec.done_ns = max(rec.done_ns, t.done_ns)
+        rec.busy_s += max(0, t.done_ns - t.started_ns) / 1e9
+        rec.finished.add(t.ticket)
+        if rec.complete:
+            for k in rec.jobs:
+                self._by_ticket.pop(k, None)
+
+    def step_end(self, stall_ns: int = 0) -> None:
+        """A step ended now; ``stall_ns`` of it went to waiting at the bounded barrier."""
+        now = time.monotonic_ns()
+        if self._last_end_ns is not None:
+            self._steps.append(max(0, now - self._last_end_ns - stall_ns) / 1e9)
+        self._last_end_ns = now
+
+    # ---- views --------------------------------------------------------------------------------
+    def lanes(self) -> dict:
+        lanes = self._engine.lanes() if hasattr(self._engine, "lanes") else {}
+        return lanes or {"host": 1}
+
+    @property
+    def splits(self) -> bool:
+        return bool(getattr(self._engine, "splits_batches", False))
+
+    def step_s(self) -> Optional[float]:
+        return statistics.median(self._steps) if self._steps else None
+
+    def last_refresh(self) -> Optional[RoundRecord]:
+        for rec in reversed(self.rounds):
+            if rec.kind == "refresh":
+                return rec
+        return None
+
+    def measured_refresh_s(self) -> list:
+        return [r.measured_s for r in self.rounds if r.kind == "refresh"
+                and r.measured_s is not None]
+
+    def predict(self, rec: RoundRecord, lanes: Optional[dict] = None) -> float:
+        return predict_round(self.model, list(rec.jobs.values()), lanes or self.lanes(),
+                             self.splits)
+
+    def utilisation(self) -> Optional[float]:
+        if self._first_ns is None:
+            return None
+        elapsed = (time.monotonic_ns() - self._first_ns) / 1e9
+        slots = sum(self.lanes().values())
+        busy = sum(self._busy.values())
+        return busy / (slots * elapsed) if elapsed > 0 and slots else None
+
+    def auto_s(self, f: int) -> Optional[int]:
+        """S for ``staleness="auto"`` once a REFRESH round has been measured: the fewest steps
+        that cover AUTO_MARGIN x the larger of its measured and predicted time (the cost model
+        now knows its ops), at least 1, at most f. None before."""
+        rec = self.last_refresh()
+        step = self.step_s()
+        if rec is None or rec.measured_s is None or not step:
+            return None
+        need = max(rec.measured_s, self.predict(rec))
+        return min(f, smallest_s(need, step, AUTO_MARGIN))
+
+    def summary(self, staleness: int) -> dict:
+        """The capacity report as numbers (None where not measured yet)."""
+        rec = self.last_refresh()
+        step = self.step_s()
+        lanes = self.lanes()
+        out: dict = {"lanes": dict(lanes), "splits_batches": self.splits,
+                     "step_s": step, "staleness": staleness,
+                     "window_s": staleness * step if step else None,
+                     "utilisation": self.utilisation(), "timing": self._timing}
+        if rec is None:
+            return out
+        pred = self.predict(rec)
+        measured = self.measured_refresh_s()
+        out.update({"round_gflop": rec.gflop, "round_jobs": len(rec.jobs),
+                    "round_entries": sum(j.batch for j in rec.jobs.values()),
+                    "predicted_round_s": pred,
+                    "measured_round_s": measured[-1] if measured else None,
+                    "rate_sources": self.model.sources(next(iter(lanes)), rec.jobs.values())})
+        need = max([pred] + measured[-1:])
+        if step:
+            out["smallest_s"] = smallest_s(need, step)
+            jobs = list(rec.jobs.values())
+            out["smallest_workers"] = smallest_workers(self.model, jobs, staleness * step,
+                                                       self.splits, lanes.get("device", 0))
+        return out
+
+
+def report_lines(s: dict) -> list[str]:
+    """The capacity summary in plain words (``asteria_plan()``)."""
+    lanes = ", ".join(f"{k} x{v}" for k, v in s["lanes"].items())
+    lines = [f"capacity: REFRESH lanes {lanes}"
+             + ("; each round divided among them" if s["splits_batches"] else
+                "; one job per (op, size, dtype), each on one worker")]
+    if "device" not in s["lanes"]:
+        lines.append("capacity: no device executor (no CUDA device for these parameters)")
+    if "round_gflop" not in s:
+        lines.append("capacity: no REFRESH round yet")
+        return lines
+    def sec(x):
+        return "not measured yet" if x is None else f"{x:.3f} s"
+    lines.append(f"capacity: work per round {s['round_gflop']:.2f} GFLOP in "
+                 f"{s['round_jobs']} jobs ({s['round_entries']} factors); predicted "
+                 f"{sec(s['predicted_round_s'])} (rates: {', '.join(s['rate_sources'])}), "
+                 f"measured {sec(s['measured_round_s'])} (submit to last job's end, timed by "
+                 f"{s['timing'] or 'nobody'})")
+    if s["step_s"]:
+        lines.append(f"capacity: window S x step = {s['staleness']} x {s['step_s']:.3f} s = "
+                     f"{s['window_s']:.3f} s; pool utilisation "
+                     + ("n/a" if s["utilisation"] is None else f"{100 * s['utilisation']:.0f}%"))
+        w = s.get("smallest_workers")
+        lines.append(f"capacity: smallest S that hides the refresh: {s['smallest_s']}; "
+                     f"smallest worker count at S={s['staleness']}: "
+                     + ("more than 256" if w is None else str(w)))
+    return lines
+
+
+# ---- calibration -------------------------------------------------------------------------------
+
+def calibrate(ops: Sequence[str] = ("soap_qr", "eigh"), sizes: Sequence[int] = (256, 512),
+              dtype: torch.dtype = torch.float32, batch: int = 2, repeats: int = 3,
+              model: Optional[CostModel] = None) -> CostModel:
+    """Measure ops on libasteria's pool with one worker (its own timings, the median of
+    ``repeats``) and return the model (lane "host"): the per-core throughput of this machine."""
+    from asteria.refresh.host_pool import CEngine
+
+    model = model or CostModel()
+    eng = CEngine({"workers": 1})
+    eng.observer = model.observe
+    try:
+        g = torch.Generator().manual_seed(0)
+        for n in sizes:
+            a = torch.randn(batch, n, n, generator=g, dtype=dtype)
+            f = a @ a.transpose(-1, -2) / n + torch.eye(n, dtype=dtype)
+            q = torch.linalg.qr(torch.randn(batch, n, n, generator=g, dtype=dtype)).Q
+            for op in ops:
+                for r in range(repeats):
+                    tk = eng.submit(op, f, q if op in ("soap_qr", "kl_qr") else None,
+                                    block=r + 1, version=1, deadline=0, snapshot_step=0,
+                                    p=2.0 if "root" in op else 0.0,
+                                    eps=1e-6 if "root" in op else 0.0)
+                    eng.wait(tk)
+    finally:
+        eng.close()
+    return model
