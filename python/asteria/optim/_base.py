@@ -517,9 +517,12 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
     def asteria_plan(self) -> list[str]:
         """The planner's decisions, then the capacity report (asteria.refresh.cost): work per
         round, predicted and measured round seconds, the window S x step time, the pool's
-        utilisation and the smallest S (and worker count) that hides the refresh."""
+        utilisation and the smallest S (and worker count) that hides the refresh; whether a
+        device executor runs part of it. The capacity lines come once a round was submitted."""
         lines = super().asteria_plan()
-        if self._async:
+        # before the first round there is nothing measured to report: the planner's decisions
+        # alone (as logged at construction)
+        if self._async and self._capacity is not None and self._capacity.rounds:
             s = self._delay
             auto = self._cfg.staleness == "auto"
             if auto:

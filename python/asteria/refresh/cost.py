@@ -306,7 +306,10 @@ class Capacity:
     KEEP = 16  # rounds and rotations kept
 
     def __init__(self, engine: Any, model: Optional[CostModel] = None) -> None:
-        self.model = model or CostModel()
+        # an executor that divides jobs by a model of its own shares it (and feeds it)
+        shared = getattr(engine, "model", None)
+        self._own_model = model is None and shared is None
+        self.model = model or shared or CostModel()
         self._engine = engine
         self.rounds: deque = deque(maxlen=self.KEEP)
         self._by_ticket: dict = {}
@@ -333,7 +336,8 @@ class Capacity:
         return rec
 
     def observe(self, t: JobTiming) -> None:
-        self.model.observe(t)
+        if self._own_model:
+            self.model.observe(t)
         self._timing = self._timing or t.timing
         if t.started_ns and t.done_ns > t.started_ns:
             self._busy[t.lane] += (t.done_ns - t.started_ns) / 1e9
@@ -346,7 +350,8 @@ class Capacity:
             rec.started_ns = min(rec.started_ns or t.started_ns, t.started_ns)
         rec.done_ns = max(rec.done_ns, t.done_ns)
         rec.busy_s += max(0, t.done_ns - t.started_ns) / 1e9
-        rec.finished.add(t.ticket)
+        if t.last:
+            rec.finished.add(t.ticket)
         if rec.complete:
             for k in rec.jobs:
                 self._by_ticket.pop(k, None)

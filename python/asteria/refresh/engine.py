@@ -71,6 +71,7 @@ class JobTiming:
     p: float = 0.0
     sides: int = 2    # soap_rotate: how many of the A / B pairs were given
     ok: bool = True
+    last: bool = True  # the last part of the caller's job to finish (a split job has several)
 
 
 class Engine(abc.ABC):

@@ -145,6 +145,22 @@ def _compute_with_retry(op, f, q, p, eps, b=None) -> tuple[tuple[torch.Tensor, .
     return tuple(t.to(f.dtype) if t.is_floating_point() else t for t in out), True
 
 
+def run(op: str, f: torch.Tensor, q: Optional[torch.Tensor], p: float, eps: float,
+        b: Optional[torch.Tensor] = None) -> tuple[int, Any, str, bool]:
+    """One job as every torch executor runs it: (status, outputs or None, error, retried in
+    float64). Non-finite inputs and results, torch's own failures, non-convergence: a negative
+    status and no outputs."""
+    try:
+        if any(t is not None and not bool(torch.isfinite(t).all()) for t in (f, q, b)):
+            raise _Failure(AST_ENONFINITE, f"{op}: non-finite input")
+        outputs, retried = _compute_with_retry(op, f, q, p, eps, b)
+        return 0, outputs, "", retried
+    except _Failure as exc:
+        return exc.status, None, str(exc), False
+    except RuntimeError as exc:  # torch.linalg's own failures (non-convergence)
+        return AST_ENOCONV, None, str(exc), False
+
+
 class TorchEngine(Engine):
     """Inline torch.linalg engine for ``mode="sync"``."""
 
@@ -167,16 +183,8 @@ class TorchEngine(Engine):
         ticket = self._next_ticket
         self._next_ticket += 1
         self._stats["jobs_submitted"] += 1
-        status, outputs, error, retried = 0, None, "", False
         t0 = time.monotonic_ns()
-        try:
-            if any(t is not None and not bool(torch.isfinite(t).all()) for t in (f, q, b)):
-                raise _Failure(AST_ENONFINITE, f"{op}: non-finite input")
-            outputs, retried = _compute_with_retry(op, f, q, p, eps, b)
-        except _Failure as exc:
-            status, error = exc.status, str(exc)
-        except RuntimeError as exc:  # torch.linalg's own failures (non-convergence)
-            status, error = AST_ENOCONV, str(exc)
+        status, outputs, error, retried = run(op, f, q, p, eps, b)
         t1 = time.monotonic_ns()
         self._stats["jobs_done"] += 1
         if status:
