@@ -31,6 +31,8 @@ rate (FLOP/s) is interpolated log-linearly in the FLOP count, outside them it is
 measured size's rate, so time scales with n^3 from there. An op never measured on a lane
 takes that lane's median rate over the ops it has measured, then the lane's base rate (a
 calibration or a given per-core throughput), and each prediction says where its rate came from.
+A round's predicted time is its makespan on the lanes plus the median dispatch latency measured
+(submit to the first job's start: waking a worker, or waiting for a core on a busy machine).
 Half-precision jobs are computed in float32 (as the executors do) and priced as float32;
 float64 without its own measurement at half the float32 rate.
 """
@@ -112,6 +114,17 @@ class CostModel:
         self.base_gflops: dict = dict(base_gflops or {})
         self.base_source = source
         self.observed = 0
+        self._dispatch: deque = deque(maxlen=SAMPLES)
+
+    def observe_dispatch(self, seconds: float) -> None:
+        """A round's dispatch latency: from its submit to its first job's start (waking a
+        worker; on a busy machine, waiting for a core)."""
+        self._dispatch.append(max(0.0, float(seconds)))
+
+    @property
+    def dispatch_s(self) -> float:
+        """The median dispatch latency measured (0 before any): every round pays it once."""
+        return statistics.median(self._dispatch) if self._dispatch else 0.0
 
     def observe(self, t: JobTiming) -> None:
         """Learn from one finished job (failed or unmeasured ones are ignored)."""
@@ -210,7 +223,7 @@ def makespan(model: CostModel, jobs: Sequence[JobSpec], workers: int, lane: str 
     for job in jobs:
         i = min(range(len(free)), key=free.__getitem__)
         free[i] += model.job_seconds(lane, job)
-    return max(free) if jobs else 0.0
+    return max(free) + model.dispatch_s if jobs else 0.0
 
 
 def assign(entry_seconds: dict, batch: int, free_at: dict) -> dict:
@@ -237,14 +250,14 @@ def split_makespan(model: CostModel, jobs: Sequence[JobSpec], lanes: dict) -> fl
     for job in jobs:
         secs = {lane: model.entry_seconds(lane, job) for lane in lanes}
         assign(secs, job.batch, free)
-    return max(free.values()) if jobs else 0.0
+    return max(free.values()) + model.dispatch_s if jobs else 0.0
 
 
 def predict_round(model: CostModel, jobs: Sequence[JobSpec], lanes: dict,
                   splits: bool) -> float:
     """A round's seconds on an executor with these lanes: inline (serial, on the caller's
     thread), whole jobs on the host pool, or divided among host workers and a device."""
-    if "inline" in lanes:
+    if "inline" in lanes:  # on the caller's thread: nothing to dispatch
         return sum(model.job_seconds("inline", j) for j in jobs)
     if splits:
         return split_makespan(model, jobs, lanes)
@@ -355,6 +368,8 @@ class Capacity:
         if rec.complete:
             for k in rec.jobs:
                 self._by_ticket.pop(k, None)
+            if rec.started_ns and t.lane != "inline":
+                self.model.observe_dispatch((rec.started_ns - rec.submit_ns) / 1e9)
 
     def step_end(self, stall_ns: int = 0) -> None:
         """A step ended now; ``stall_ns`` of it went to waiting at the bounded barrier."""
