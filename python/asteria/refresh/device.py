@@ -111,7 +111,7 @@ class DeviceEngine(Engine):
         with torch.no_grad():
             if self._cuda:
                 ready = torch.cuda.Event()
-                ready.record()  # the factor update on the caller's stream
+                ready.record(torch.cuda.current_stream(self._device))  # the factor update
                 with torch.cuda.stream(self._stream):
                     self._stream.wait_event(ready)
                     snap = tuple(None if t is None else
