@@ -8,6 +8,11 @@ batches for every run:
 * ``auto``: Asteria SOAP, ``mode="async"``, ``install="deterministic"``, ``staleness="auto"``;
 * optionally ``s5`` (deterministic S=5) and ``eager5`` (eager S=5) for reference (--runs).
 
+First (``--prediction``, on by default) the cost model's prediction error on the C pool: the
+rounds of two model sizes at 1 and 2 workers, each predicted before it runs from the jobs seen
+so far (``asteria.refresh.cost.prediction_check``, what tests/python/test_capacity.py checks
+within 25%), written to bench_capacity_prediction.json (``--runs ""``: that alone).
+
 Per step the JSON keeps the train loss, the step's wall time, the S in force and the running
 counts of installs that waited at the bounded barrier (the schedule's ``install_waits``: a
 round not done at its install step) and of the C runtime's barrier waits (any blocking wait,
@@ -119,6 +124,26 @@ def train(name: str, args, cfg, init, batches, cpus, log) -> dict[str, Any]:
     }
 
 
+PRED_CAL = [(192, 4), (512, 1)]
+PRED_MODELS = {"small": [(256, 4), (320, 3)], "larger": [(384, 4), (448, 3), (256, 6)]}
+
+
+def prediction(log) -> list:
+    from asteria.refresh.cost import prediction_check
+
+    rows = []
+    with common.unpinned(common.allowed_cpus()):
+        for name, sizes in PRED_MODELS.items():
+            for workers in (1, 2):
+                r = prediction_check(workers, sizes, PRED_CAL)
+                r["model"] = name
+                rows.append(r)
+                log(f"prediction {name}, {workers} workers: predicted "
+                    f"{r['median_predicted_s']:.4f} s, measured {r['median_measured_s']:.4f} s, "
+                    f"error {100 * r['relative_error']:+.1f}%")
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=600)
@@ -130,6 +155,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--log-every", type=int, default=50)
+    ap.add_argument("--no-prediction", dest="prediction", action="store_false")
     common.add_output_args(ap)
     args = ap.parse_args(argv)
     runs = [r for r in args.runs.split(",") if r]
@@ -155,9 +181,16 @@ def main(argv=None) -> int:
                 "steps": args.steps, "lr": args.lr, "warmup": args.warmup,
                 "precondition_frequency": args.frequency, "placement": where,
                 "loadavg1_start": common.loadavg(), "runs": {}})
+    if args.prediction:
+        pred = common.run_metadata(NAME + "_prediction", __file__, argv)
+        pred.update({"loadavg1_start": common.loadavg(), "rows": prediction(log),
+                     "loadavg1_end": common.loadavg()})
+        log(f"wrote {common.write_json(pred, NAME + '_prediction.json', args.out_dir)}")
+        if not runs:
+            return 0
     for name in runs:
         out["runs"][name] = train(name, args, cfg, init, batches, cpus, log)
-        common.write_json(out, NAME, args.out_dir)  # partial results survive an interruption
+        common.write_json(out, f"{NAME}.json", args.out_dir)  # partial results survive an interruption
     out["loadavg1_end"] = common.loadavg()
     if "sync" in out["runs"]:
         ref = out["runs"]["sync"]
@@ -166,7 +199,7 @@ def main(argv=None) -> int:
                               "final_loss_last_minus_sync":
                               r["final_loss_last"] - ref["final_loss_last"]}
                           for n, r in out["runs"].items() if n != "sync"}
-    path = common.write_json(out, NAME, args.out_dir)
+    path = common.write_json(out, f"{NAME}.json", args.out_dir)
     log(f"wrote {path}")
     for n, r in out["runs"].items():
         log(f"{n}: final loss (mean of last {FINAL_WINDOW}) {r['final_loss_mean_last']:.4f}, "

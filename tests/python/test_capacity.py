@@ -8,7 +8,6 @@ scaling and interpolation are exercised); calibration and rounds are interleaved
 medians compared.
 """
 
-import statistics
 import time
 
 import pytest
@@ -113,52 +112,24 @@ def test_makespan_and_assignment():
 # ---- prediction against the pool --------------------------------------------------------------
 
 # sizes large enough that a round's compute (about 50 and 200 ms on one core here) is well
-# above a contended machine's wake-up latency of a worker (milliseconds)
+# above a contended machine's wake-up latency of a worker (milliseconds); the calibration is at
+# other sizes, so n^3 scaling and interpolation are exercised
 CAL = [(192, 4), (512, 1)]             # calibration sizes (n, batch)
 MODELS = {"small": [(256, 4), (320, 3)],
           "larger": [(384, 4), (448, 3), (256, 6)]}
 
 
-def _round(eng, sizes, model=None, op="soap_qr"):
-    """Submit one job per size (as the schedule does), wait for all; seconds from the first
-    submit to the last job's end (the pool's own end time). The model, if given, learns the
-    round's dispatch latency (as the optimizer's capacity record does)."""
-    ins = {n: (spd(b, n, seed=n), basis(b, n, seed=n + 1)) for n, b in sizes}
-    t0 = time.monotonic_ns()
-    tickets = [eng.submit(op, f, q, block=i + 1, version=1, deadline=10, snapshot_step=0)
-               for i, (f, q) in enumerate(ins.values())]
-    results = [eng.wait(t) for t in tickets]
-    if model is not None:
-        model.observe_dispatch((min(r.started_ns for r in results) - t0) / 1e9)
-    return (max(r.done_ns for r in results) - t0) / 1e9
-
-
 @pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_prediction_within_25_percent(name, workers):
-    """Each round is predicted before it runs, from every job the model has seen so far (a
-    calibration at other sizes, then the rounds before: the model is refined as jobs
-    complete, as in a training run); medians of 7 predictions against medians of 7 rounds."""
-    from asteria.refresh.host_pool import CEngine
-
-    model = C.CostModel()
-    eng = CEngine({"workers": workers})
-    eng.observer = model.observe
-    try:
-        sizes = MODELS[name]
-        jobs = [C.JobSpec("soap_qr", torch.float32, n, b) for n, b in sizes]
-        _round(eng, CAL)  # warm the pool and the allocator
-        measured, predicted = [], []
-        for _ in range(7):
-            _round(eng, CAL, model)
-            predicted.append(C.makespan(model, jobs, workers))
-            measured.append(_round(eng, sizes, model))
-    finally:
-        eng.close()
-    m, p = statistics.median(measured), statistics.median(predicted)
-    assert abs(p - m) <= 0.25 * m, (f"{name}, {workers} workers: predicted {p:.4f} s, "
-                                    f"measured {m:.4f} s; predicted {predicted}, measured "
-                                    f"{measured}; rates {model.table()}")
+    """Each round predicted before it runs, from every job the model has seen so far (a
+    calibration at other sizes, then the rounds before: refined as jobs complete, as in a
+    training run); the median of 7 predictions against the median of 7 rounds."""
+    r = C.prediction_check(workers, MODELS[name], CAL)
+    assert abs(r["relative_error"]) <= 0.25, (
+        f"{name}, {workers} workers: predicted {r['median_predicted_s']:.4f} s, measured "
+        f"{r['median_measured_s']:.4f} s; predicted {r['predicted_s']}, measured "
+        f"{r['measured_s']}; rates {r['rates']}")
 
 
 # ---- the split, through the Engine interface ----------------------------------------------------

@@ -481,6 +481,59 @@ def report_lines(s: dict) -> list[str]:
 
 # ---- calibration -------------------------------------------------------------------------------
 
+def _spd_and_basis(batch: int, n: int, dtype: torch.dtype, seed: int) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(batch, n, n, generator=g, dtype=dtype)
+    f = a @ a.transpose(-1, -2) / n + torch.eye(n, dtype=dtype)
+    return f, torch.linalg.qr(torch.randn(batch, n, n, generator=g, dtype=dtype)).Q
+
+
+def pool_round(engine: Any, sizes: Sequence[tuple], model: Optional[CostModel] = None,
+               op: str = "soap_qr", dtype: torch.dtype = torch.float32) -> float:
+    """Run one round on ``engine``: one job per (n, batch) of ``sizes``, as the schedule
+    submits them; seconds from the first submit to the last job's end (the executor's own
+    timing). ``model``, if given, learns the round's dispatch latency (the engine's observer
+    feeds it the jobs)."""
+    ins = [_spd_and_basis(b, n, dtype, n) for n, b in sizes]
+    t0 = time.monotonic_ns()
+    tickets = [engine.submit(op, f, q if op in ("soap_qr", "kl_qr") else None, block=i + 1,
+                             version=1, deadline=10, snapshot_step=0)
+               for i, (f, q) in enumerate(ins)]
+    results = [engine.wait(t) for t in tickets]
+    if model is not None:
+        model.observe_dispatch((min(r.started_ns for r in results) - t0) / 1e9)
+    return (max(r.done_ns for r in results) - t0) / 1e9
+
+
+def prediction_check(workers: int, sizes: Sequence[tuple], calibration: Sequence[tuple],
+                     repeats: int = 7) -> dict:
+    """How well the model predicts a round on the C pool with ``workers``: each round is
+    predicted before it runs from every job seen so far (a calibration round at other sizes
+    first, then the rounds before), as in a training run. Returns the lists and their medians
+    and the relative error of the median prediction."""
+    from asteria.refresh.host_pool import CEngine
+
+    model = CostModel()
+    eng = CEngine({"workers": workers})
+    eng.observer = model.observe
+    jobs = [JobSpec("soap_qr", torch.float32, n, b) for n, b in sizes]
+    predicted, measured = [], []
+    try:
+        pool_round(eng, calibration)  # warm the pool and the allocator
+        for _ in range(repeats):
+            pool_round(eng, calibration, model)
+            predicted.append(makespan(model, jobs, workers))
+            measured.append(pool_round(eng, sizes, model))
+    finally:
+        eng.close()
+    p, m = statistics.median(predicted), statistics.median(measured)
+    return {"workers": workers, "sizes": [list(x) for x in sizes],
+            "calibration": [list(x) for x in calibration], "predicted_s": predicted,
+            "measured_s": measured, "median_predicted_s": p, "median_measured_s": m,
+            "relative_error": (p - m) / m, "rates": model.table(),
+            "dispatch_s": model.dispatch_s}
+
+
 def calibrate(ops: Sequence[str] = ("soap_qr", "eigh"), sizes: Sequence[int] = (256, 512),
               dtype: torch.dtype = torch.float32, batch: int = 2, repeats: int = 3,
               model: Optional[CostModel] = None) -> CostModel:
@@ -492,11 +545,8 @@ def calibrate(ops: Sequence[str] = ("soap_qr", "eigh"), sizes: Sequence[int] = (
     eng = CEngine({"workers": 1})
     eng.observer = model.observe
     try:
-        g = torch.Generator().manual_seed(0)
         for n in sizes:
-            a = torch.randn(batch, n, n, generator=g, dtype=dtype)
-            f = a @ a.transpose(-1, -2) / n + torch.eye(n, dtype=dtype)
-            q = torch.linalg.qr(torch.randn(batch, n, n, generator=g, dtype=dtype)).Q
+            f, q = _spd_and_basis(batch, n, dtype, 0)
             for op in ops:
                 for r in range(repeats):
                     tk = eng.submit(op, f, q if op in ("soap_qr", "kl_qr") else None,
