@@ -40,6 +40,7 @@ float64 without its own measurement at half the float32 rate.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import statistics
 import time
@@ -231,14 +232,17 @@ def assign(entry_seconds: dict, batch: int, free_at: dict) -> dict:
 
     ``entry_seconds``: lane -> seconds per entry; ``free_at``: slot -> when the slot is free
     (seconds), a slot being (lane, index), e.g. ("host", 0..W-1), ("device", 0). Returns
-    slot -> entries (greedy: each entry to the slot where it would finish first; optimal for
-    identical entries). ``free_at`` is advanced in place."""
-    counts: dict = {s: 0 for s in free_at}
+    slot -> entries (greedy: each entry to the slot where it would finish first, ties to the
+    smaller slot; optimal for identical entries). ``free_at`` is advanced in place."""
+    heap = [(t + entry_seconds[s[0]], s) for s, t in free_at.items()]
+    heapq.heapify(heap)
+    counts: dict = {}
     for _ in range(batch):
-        slot = min(free_at, key=lambda s: (free_at[s] + entry_seconds[s[0]], s))
-        free_at[slot] += entry_seconds[slot[0]]
-        counts[slot] += 1
-    return {s: c for s, c in counts.items() if c}
+        end, slot = heapq.heappop(heap)
+        free_at[slot] = end
+        counts[slot] = counts.get(slot, 0) + 1
+        heapq.heappush(heap, (end + entry_seconds[slot[0]], slot))
+    return counts
 
 
 def split_makespan(model: CostModel, jobs: Sequence[JobSpec], lanes: dict) -> float:
@@ -267,14 +271,26 @@ def predict_round(model: CostModel, jobs: Sequence[JobSpec], lanes: dict,
 def smallest_workers(model: CostModel, jobs: Sequence[JobSpec], window_s: float,
                      splits: bool, device: int = 0, limit: int = 256) -> Optional[int]:
     """The fewest host workers whose predicted round fits ``window_s`` (None: none up to
-    ``limit``, or no window)."""
-    if not jobs or window_s <= 0:
-        return None if window_s <= 0 else 1
-    for w in range(1, limit + 1):
+    ``limit``). A bisection: more workers never make the prediction longer here."""
+    if not jobs:
+        return 1
+    if window_s <= 0:
+        return None
+
+    def fits(w: int) -> bool:
         lanes = {"host": w, **({"device": device} if device else {})}
-        if predict_round(model, jobs, lanes, splits) <= window_s:
-            return w
-    return None
+        return predict_round(model, jobs, lanes, splits) <= window_s
+
+    if not fits(limit):
+        return None
+    lo, hi = 1, limit
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def smallest_s(round_s: float, step_s: float, margin: float = 1.0) -> Optional[int]:
