@@ -158,7 +158,8 @@ class ScheduleMixin:
         if not self._async:
             return 0
         if self._cfg.staleness == AUTO:
-            return self._auto_s if self._auto_s is not None else self._auto_ceiling()
+            cap = self._auto_ceiling()  # a group added later may lower it
+            return cap if self._auto_s is None else min(self._auto_s, cap)
         return self._cfg.staleness
 
     def _auto_ceiling(self) -> int:
