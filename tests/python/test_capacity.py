@@ -349,3 +349,35 @@ def test_auto_no_install_waits_after_the_first_rounds():
             f"{chosen_at}; plan: {opt.asteria_plan()}")
     finally:
         opt.close()
+
+
+# ---- python3 -m asteria.plan -------------------------------------------------------------------
+
+def test_plan_factors_and_table(capsys):
+    from asteria import plan
+
+    # 2048 x 8192 blocked by 2048: 4 blocks of 2048 x 2048, 8 factors; 768 x 2048: 2 factors
+    assert plan.factors([(2048, 8192), (768, 2048)], 2048, 2048) == {2048: 9, 768: 1}
+    # without blocking a dimension above max_precond_dim gets no factor
+    assert plan.factors([(2048, 8192)], 2048, None) == {2048: 1}
+    assert plan.main(["--shape", "512x512", "--shape", "512x2048", "--step-time", "0.5",
+                      "--gflops-per-core", "10", "--cores", "2", "-S", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "GFLOP/round" in out and "given: 10.0 GFLOP/s per core" in out
+    r = plan.row(C.CostModel({"host": 10.0}), "x", plan.factors([(512, 512)], 2048, 2048),
+                 "soap", 2, 0.5, 2, 10, 0, None)
+    assert r["gflop"] == pytest.approx(2 * C.flops("soap_qr", 512) / 1e9)
+    assert r["round_s"] == pytest.approx(C.flops("soap_qr", 512) / 10e9)
+    assert r["smallest_s"] == 1 and r["fits"] and r["smallest_cores"] == 1
+    with pytest.raises(SystemExit):
+        plan.main(["--shape", "12", "--step-time", "1"])
+
+
+def test_plan_olmo2_1b_preset():
+    pytest.importorskip("olmo_core")
+    from asteria import plan
+
+    m = plan.preset("olmo2-1b")
+    # 18 layers x (4 attention 2048x2048 + 3 MLP 2048x8192), embeddings and head on AdamW
+    assert len(m["shapes"]) == 18 * 7
+    assert plan.factors(m["shapes"], 2048, 2048) == {2048: 18 * 32}
