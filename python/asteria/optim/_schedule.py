@@ -35,12 +35,14 @@ Schedule (DESIGN.md, "Staleness"). Steps are counted per ``step()`` call (t = 1,
    KeyboardInterrupt leaves the run on the trajectory of an uninterrupted one.
  - After ``max_failures`` failed refreshes in a row of one factor the step raises (or, with
    ``on_failure="keep"``, warns), naming the parameter and the cause, in every mode.
- - ``staleness="auto"`` (``mode="async"``): until a REFRESH round has been measured, S is the
-   smallest ``precondition_frequency`` of the groups (the largest S allowed, so the first
-   rounds do not stall). At the step end that installs the first REFRESH round, S becomes the
-   fewest steps that cover 1.5x the round's time (the larger of its measured time, submit to
-   last job's end, and the cost model's prediction), at least 1 and at most that frequency;
-   from then on it is fixed. It is stored in every preconditioned parameter's state
+ - ``staleness="auto"`` (``mode="async"``): S is chosen once, as the fewest steps that cover
+   1.5x a REFRESH round's time, at least 1 and at most the smallest ``precondition_frequency``
+   of the groups. SOAP and KL-Shampoo choose it when their first REFRESH round is submitted,
+   from the cost model's prediction of that round: the model has measured the first-step
+   eigendecompositions (the INIT round) and the steps since. Shampoo (no INIT round) runs its
+   first REFRESH round at S = that frequency (the largest S allowed, so it does not stall) and
+   chooses at its install, from the larger of its measured time (submit to last job's end)
+   and the prediction. From then on S is fixed. It is stored in every preconditioned parameter's state
    (``staleness.auto``, -1 before the choice), so a resumed run keeps it: the trajectory is a
    pure function of the inputs and that S (timing picks S once; it never moves S again).
 """
@@ -173,11 +175,14 @@ class ScheduleMixin:
             self._capacity = Capacity(self._engine)
         return self._capacity
 
-    def _choose_s(self) -> None:
-        """staleness="auto": fix S once a REFRESH round has been measured."""
+    def _choose_s(self, jobs: Optional[list] = None) -> None:
+        """staleness="auto": fix S, once. Before the first REFRESH round is submitted
+        (``jobs``: its jobs), from the cost model's prediction of it if the model has measured
+        jobs already (SOAP's and KL-Shampoo's first-step eigendecompositions); else at the
+        install of the first REFRESH round, from its measured time."""
         if self._cfg.staleness != AUTO or not self._async or self._auto_s is not None:
             return
-        s = self.capacity.auto_s(self._auto_ceiling())
+        s = self.capacity.auto_s(self._auto_ceiling(), jobs)
         if s is None:
             return
         self._auto_s = s
@@ -249,7 +254,8 @@ class ScheduleMixin:
             items = [d for d in self._unfinished_end if d[0] == kind]
             if not items:
                 continue
-            rnd = self._submit(kind, items, t if kind == INIT else t + self._delay)
+            # a REFRESH round's install step is t + S, S known once its jobs are (auto)
+            rnd = self._submit(kind, items, t if kind == INIT else None)
             self._rounds.append(rnd)
             self._unfinished_end = [d for d in self._unfinished_end if d[0] != kind]
             if rnd.install_step == t or (self._eager and rnd.ready(self._engine)):
@@ -264,13 +270,18 @@ class ScheduleMixin:
         if getattr(self, "_unfinished_end", None) is not None:
             self._finish_step_end()
 
-    def _submit(self, kind: str, items: list, install_step: int) -> _Round:
+    def _submit(self, kind: str, items: list, install_step: Optional[int]) -> _Round:
+        """Submit a round; ``install_step`` None: t + S, with S chosen first if auto."""
         groups: dict = defaultdict(list)
         for _, p, j, dims in items:
             for dim in dims:
                 op, f, q, pw, eps = self._refresh_input(kind, p, j, dim)
                 key = (op, f.shape[-1], f.dtype, f.device, pw, eps, self._replicas(p))
                 groups[key].append((p, j, dim, f, q))
+        if install_step is None:
+            self._choose_s([JobSpec(k[0], k[2], int(k[1]), len(v), p=k[4])
+                            for k, v in groups.items()])
+            install_step = self._t + self._delay
         jobs, specs = [], {}
         # libasteria's pool takes the factors as parts: its shadow snapshots them straight into
         # one ring slot, with no stack in fresh memory first (whose page faults were half of a

@@ -428,15 +428,24 @@ class Capacity:
         busy = sum(self._busy.values())
         return busy / (slots * elapsed) if elapsed > 0 and slots else None
 
-    def auto_s(self, f: int) -> Optional[int]:
-        """S for ``staleness="auto"`` once a REFRESH round has been measured: the fewest steps
-        that cover AUTO_MARGIN x the larger of its measured and predicted time (the cost model
-        now knows its ops), at least 1, at most f. None before."""
-        rec = self.last_refresh()
+    def auto_s(self, f: int, jobs: Optional[Sequence[JobSpec]] = None) -> Optional[int]:
+        """S for ``staleness="auto"``: the fewest steps that cover AUTO_MARGIN x a REFRESH
+        round's time, at least 1, at most f; None while that cannot be known. ``jobs``: the
+        round about to be submitted, priced by the model if it has measured any job on these
+        lanes (the first-step eigendecompositions); without ``jobs``: the last REFRESH round,
+        once measured (the larger of its measured time and its prediction)."""
         step = self.step_s()
-        if rec is None or rec.measured_s is None or not step:
+        if not step:
             return None
-        need = max(rec.measured_s, self.predict(rec))
+        if jobs is not None:
+            if not jobs or not self.model.observed:
+                return None
+            need = predict_round(self.model, list(jobs), self.lanes(), self.splits)
+        else:
+            rec = self.last_refresh()
+            if rec is None or rec.measured_s is None:
+                return None
+            need = max(rec.measured_s, self.predict(rec))
         return min(f, smallest_s(need, step, AUTO_MARGIN))
 
     def summary(self, staleness: int) -> dict:
