@@ -124,8 +124,8 @@ def train(name: str, args, cfg, init, batches, cpus, log) -> dict[str, Any]:
     }
 
 
-PRED_CAL = [(192, 4), (512, 1)]
-PRED_MODELS = {"small": [(256, 4), (320, 3)], "larger": [(384, 4), (448, 3), (256, 6)]}
+PRED_CAL = [(160, 6), (576, 1)]
+PRED_MODELS = {"small": [(320, 4), (384, 3)], "larger": [(448, 4), (512, 3), (320, 6)]}
 
 
 def prediction(log) -> list:

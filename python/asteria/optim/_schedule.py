@@ -282,7 +282,8 @@ class ScheduleMixin:
             self._choose_s([JobSpec(k[0], k[2], int(k[1]), len(v), p=k[4])
                             for k, v in groups.items()])
             install_step = self._t + self._delay
-        jobs, specs = [], {}
+        jobs, specs, submit_s = [], {}, {}
+        start_ns = time.monotonic_ns()
         # libasteria's pool takes the factors as parts: its shadow snapshots them straight into
         # one ring slot, with no stack in fresh memory first (whose page faults were half of a
         # refresh step's extra time on the host)
@@ -308,13 +309,15 @@ class ScheduleMixin:
             if self._tiered is not None and all(
                     self._owned(p, self._output_name(p, j, dim)) for p, j, dim in targets):
                 extra["host_outputs"] = True  # the results go to host memory: no round trip
+            t_sub = time.monotonic_ns()
             ticket = self._engine.submit(op, f, q, block=block, version=version,
                                          deadline=install_step, snapshot_step=self._t,
                                          p=pw, eps=eps, **extra)
+            submit_s[ticket] = (time.monotonic_ns() - t_sub) / 1e9
             self._counters["refreshes_submitted"] += 1
             jobs.append(_Job(ticket, targets))
             specs[ticket] = JobSpec(op, fs[0].dtype, int(fs[0].shape[-1]), len(fs), p=pw)
-        self.capacity.round_submitted(kind, self._t, specs)
+        self.capacity.round_submitted(kind, self._t, specs, start_ns, submit_s)
         return _Round(kind, self._t, install_step, jobs)
 
     def _output_name(self, p: torch.Tensor, j: int, dim: int) -> str:

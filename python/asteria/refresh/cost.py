@@ -26,13 +26,16 @@ op                  count                                         from
 Throughput: a lane's seconds per entry are measured from finished jobs (the C pool's own
 start / end times on its worker thread, or Python's wall time around the torch call for the
 inline and device executors; each ``JobTiming`` says which). Per (lane, op, dtype) the model
-keeps the median of the last samples at each measured size; between two measured sizes the
+keeps the mean of the last samples at each measured size, its largest dropped (``_typical``); between two measured sizes the
 rate (FLOP/s) is interpolated log-linearly in the FLOP count, outside them it is the nearest
 measured size's rate, so time scales with n^3 from there. An op never measured on a lane
 takes that lane's median rate over the ops it has measured, then the lane's base rate (a
 calibration or a given per-core throughput), and each prediction says where its rate came from.
-A round's predicted time is its makespan on the lanes plus the median dispatch latency measured
-(submit to the first job's start: waking a worker, or waiting for a core on a busy machine).
+A round's predicted time runs from its first submit: each job is released when its submit
+returns (the snapshot copy on the caller's thread, priced per byte as measured), runs on the
+lanes as the executor schedules it, and the round pays once the median dispatch latency
+measured (a submit's return to the first job's start: waking a worker, or waiting for a core
+on a busy machine).
 Half-precision jobs are computed in float32 (as the executors do) and priced as float32;
 float64 without its own measurement at half the float32 rate.
 """
@@ -52,7 +55,7 @@ import torch
 from asteria.refresh.engine import JobTiming
 
 NEWTON_NOMINAL_ITERS = 20
-SAMPLES = 9                  # per measured size: the median of the last SAMPLES
+SAMPLES = 9                  # per measured size: the last SAMPLES (see _typical)
 ASSUMED_GFLOPS = 5.0         # a lane with nothing measured and no base rate (labelled so)
 DEVICE_PRIOR_GFLOPS = 200.0  # a device lane before its first job: the split explores it
 AUTO_MARGIN = 1.5            # staleness "auto": the window must be this much above a round
@@ -76,6 +79,16 @@ def flops(op: str, n: int, n1: int = 0, p: float = 0.0, sides: int = 2) -> float
         a = 4.0 * n * n * n1
         return a + (4.0 * n * n1 * n1 if sides >= 2 else 0.0)
     raise ValueError(f"unknown REFRESH op {op!r}")
+
+
+def _typical(samples: Iterable[float]) -> float:
+    """The mean without the largest sample (one outlier of a busy machine dropped): a round's
+    time is a sum of jobs, and on a loaded machine job times are skewed to the right, so the
+    mean, not the median, is what sums to a round's typical time."""
+    xs = sorted(samples)
+    if len(xs) > 2:
+        xs = xs[:-1]
+    return sum(xs) / len(xs)
 
 
 def _dtype_key(dtype: Any) -> str:
@@ -104,6 +117,17 @@ class JobSpec:
     def flops(self) -> float:
         return self.batch * self.flops_per_entry
 
+    @property
+    def input_bytes(self) -> int:
+        """Bytes the executor snapshots at submit (F, and Q or the rotation's pairs)."""
+        size = 8 if _dtype_key(self.dtype) == "float64" else 4
+        n, n1 = self.n, self.n1 or self.n
+        if self.op == "soap_rotate":
+            mats = n * n1 + 2 * n * n + (2 * n1 * n1 if self.sides >= 2 else 0)
+        else:
+            mats = n * n * (2 if self.op in ("soap_qr", "kl_qr") else 1)
+        return self.batch * mats * size
+
 
 class CostModel:
     """Measured throughput per (lane, op, dtype, size); predictions in seconds per entry."""
@@ -116,10 +140,20 @@ class CostModel:
         self.base_source = source
         self.observed = 0
         self._dispatch: deque = deque(maxlen=SAMPLES)
+        self._submit: deque = deque(maxlen=4 * SAMPLES)  # seconds per byte of a submit
+
+    def observe_submit(self, nbytes: int, seconds: float) -> None:
+        """One submit on the caller's thread took ``seconds`` for ``nbytes`` of inputs (the
+        snapshot copy): a job cannot start before its submit returns."""
+        if nbytes > 0 and seconds > 0:
+            self._submit.append(seconds / nbytes)
+
+    def submit_seconds(self, job: "JobSpec") -> float:
+        return job.input_bytes * statistics.median(self._submit) if self._submit else 0.0
 
     def observe_dispatch(self, seconds: float) -> None:
-        """A round's dispatch latency: from its submit to its first job's start (waking a
-        worker; on a busy machine, waiting for a core)."""
+        """A round's dispatch latency: from its first submit's return to its first job's start
+        (waking a worker; on a busy machine, waiting for a core)."""
         self._dispatch.append(max(0.0, float(seconds)))
 
     @property
@@ -148,7 +182,7 @@ class CostModel:
         out = []
         for q in pts.values():
             f = q[0][0]
-            s = statistics.median(x[1] for x in q)
+            s = _typical(x[1] for x in q)
             if s > 0:
                 out.append((f, f / s))
         return sorted(out)
@@ -206,7 +240,7 @@ class CostModel:
         out = []
         for (lane, op, dt), pts in sorted(self._points.items()):
             for (n, n1, p, sides), q in sorted(pts.items()):
-                s = statistics.median(x[1] for x in q)
+                s = _typical(x[1] for x in q)
                 out.append({"lane": lane, "op": op, "dtype": dt, "n": n, "n1": n1,
                             "gflops": q[0][0] / s / 1e9 if s > 0 else None,
                             "seconds_per_entry": s, "samples": len(q)})
@@ -217,13 +251,16 @@ class CostModel:
 
 def makespan(model: CostModel, jobs: Sequence[JobSpec], workers: int, lane: str = "host",
              free_at: Optional[Sequence[float]] = None) -> float:
-    """Seconds until the last of ``jobs`` is done when each runs whole on one of ``workers``
-    (libasteria's pool: a batched job is one unit; jobs of one round share a deadline and start
-    in submission order on the first free worker)."""
+    """Seconds from a round's first submit until the last of ``jobs`` is done when each runs
+    whole on one of ``workers`` (libasteria's pool: a batched job is one unit; jobs of one
+    round share a deadline and start in submission order on the first free worker, not before
+    their submit, which copies their inputs on the caller's thread, has returned)."""
     free = sorted(free_at) if free_at else [0.0] * max(1, workers)
+    release = 0.0
     for job in jobs:
+        release += model.submit_seconds(job)
         i = min(range(len(free)), key=free.__getitem__)
-        free[i] += model.job_seconds(lane, job)
+        free[i] = max(free[i], release) + model.job_seconds(lane, job)
     return max(free) + model.dispatch_s if jobs else 0.0
 
 
@@ -251,7 +288,11 @@ def split_makespan(model: CostModel, jobs: Sequence[JobSpec], lanes: dict) -> fl
     free = {(lane, i): 0.0 for lane, k in lanes.items() for i in range(k)}
     if not free:
         return 0.0
+    release = 0.0
     for job in jobs:
+        release += model.submit_seconds(job)
+        for slot in free:
+            free[slot] = max(free[slot], release)
         secs = {lane: model.entry_seconds(lane, job) for lane in lanes}
         assign(secs, job.batch, free)
     return max(free.values()) + model.dispatch_s if jobs else 0.0
@@ -352,10 +393,14 @@ class Capacity:
         engine.observer = self.observe
 
     # ---- feeds --------------------------------------------------------------------------------
-    def round_submitted(self, kind: str, snapshot_step: int, jobs: dict) -> RoundRecord:
-        """A round's jobs {ticket: JobSpec} were submitted now."""
+    def round_submitted(self, kind: str, snapshot_step: int, jobs: dict, start_ns: int,
+                        submit_s: Optional[dict] = None) -> RoundRecord:
+        """A round's jobs {ticket: JobSpec} were submitted from ``start_ns`` on (monotonic);
+        ``submit_s``: {ticket: seconds its submit took}."""
+        for t, s in (submit_s or {}).items():
+            self.model.observe_submit(jobs[t].input_bytes, s)
         lanes = self.lanes()
-        rec = RoundRecord(kind, snapshot_step, time.monotonic_ns(), dict(jobs),
+        rec = RoundRecord(kind, snapshot_step, start_ns, dict(jobs),
                           predict_round(self.model, list(jobs.values()), lanes, self.splits))
         for t in jobs:
             self._by_ticket[t] = rec
@@ -384,8 +429,10 @@ class Capacity:
         if rec.complete:
             for k in rec.jobs:
                 self._by_ticket.pop(k, None)
+            first = rec.jobs[min(rec.jobs)]
             if rec.started_ns and t.lane != "inline":
-                self.model.observe_dispatch((rec.started_ns - rec.submit_ns) / 1e9)
+                self.model.observe_dispatch((rec.started_ns - rec.submit_ns) / 1e9
+                                            - self.model.submit_seconds(first))
 
     def step_end(self, stall_ns: int = 0) -> None:
         """A step ended now; ``stall_ns`` of it went to waiting at the bounded barrier."""
@@ -521,12 +568,17 @@ def pool_round(engine: Any, sizes: Sequence[tuple], model: Optional[CostModel] =
     feeds it the jobs)."""
     ins = [_spd_and_basis(b, n, dtype, n) for n, b in sizes]
     t0 = time.monotonic_ns()
-    tickets = [engine.submit(op, f, q if op in ("soap_qr", "kl_qr") else None, block=i + 1,
-                             version=1, deadline=10, snapshot_step=0)
-               for i, (f, q) in enumerate(ins)]
+    tickets, ends = [], []
+    for i, ((n, b), (f, q)) in enumerate(zip(sizes, ins)):
+        t = time.monotonic_ns()
+        tickets.append(engine.submit(op, f, q if op in ("soap_qr", "kl_qr") else None,
+                                     block=i + 1, version=1, deadline=10, snapshot_step=0))
+        ends.append(time.monotonic_ns())
+        if model is not None:
+            model.observe_submit(JobSpec(op, dtype, n, b).input_bytes, (ends[-1] - t) / 1e9)
     results = [engine.wait(t) for t in tickets]
     if model is not None:
-        model.observe_dispatch((min(r.started_ns for r in results) - t0) / 1e9)
+        model.observe_dispatch((results[0].started_ns - ends[0]) / 1e9)
     return (max(r.done_ns for r in results) - t0) / 1e9
 
 
