@@ -66,10 +66,10 @@ def test_rates_scale_as_n3_and_interpolate():
     assert m.entry_seconds("host", j(50)) == pytest.approx(0.01 / 8)    # n^3 from 100
     mid = m.rate("host", "eigh", torch.float32, C.flops("eigh", 141))[0]
     assert 0.9e9 < mid < 1.8e9
-    # the median of the samples at one size
+    # at one size: the mean of the samples without the largest (one outlier dropped)
     for s in (0.03, 0.5, 0.04):
         m.add("host", "eigh", torch.float32, 300, s)
-    assert m.entry_seconds("host", j(300)) == pytest.approx(0.04)
+    assert m.entry_seconds("host", j(300)) == pytest.approx(0.035)
     # float64 unmeasured: half the float32 rate; bfloat16 priced as float32
     assert m.entry_seconds("host", C.JobSpec("eigh", torch.float64, 100, 1)) == \
         pytest.approx(0.02)
