@@ -38,8 +38,9 @@ from asteria.refresh.inline_torch import run
 from asteria.refresh.ops import check_op
 
 AST_ECANCELED = -5  # include/asteria/errors.h
-#: torch maps a priority above CUDA's range to the lowest one it has (torch.cuda.Stream)
-LOWEST_PRIORITY = 1 << 20
+#: CUDA's least stream priority is 0 (cudaDeviceGetStreamPriorityRange: least 0, greatest
+#: negative); torch.cuda.Stream's priority 0 takes a stream of that, the lowest, priority
+LOWEST_PRIORITY = 0
 
 
 @dataclasses.dataclass
