@@ -10,6 +10,10 @@ picks one):
 * ``CEngine`` (``host_pool.py``): ``mode="async"``. Every job runs on libasteria's C worker
   pool (LAPACKE on host threads). The training thread only snapshots, submits, polls and
   waits.
+* ``DeviceEngine`` (``device.py``): torch.linalg on a lowest-priority CUDA stream, on a
+  thread of its own.
+* ``SplitEngine`` (``split.py``): ``mode="async"`` with CUDA parameters; each job divided
+  among the C pool's workers and a ``DeviceEngine`` by the cost model (``cost.py``).
 * ``DistributedEngine`` (``replicated.py``): around either, for blocks replicated over
   ranks (one owner computes, the others receive).
 
@@ -19,7 +23,10 @@ All tensors passed to ``submit`` are *batched*: shape ``(batch, n, n)`` for same
 
 Capabilities an executor declares (class attributes) instead of callers testing its type:
 ``takes_parts`` (inputs may be given as a list of per-block tensors and donated, see
-``CEngine.submit``), ``replicated`` (blocks replicated over ranks: jobs take ``replicas=``).
+``CEngine.submit``), ``replicated`` (blocks replicated over ranks: jobs take ``replicas=``),
+``splits_batches`` (a job's batch is divided among lanes), and ``lanes()`` (what runs jobs and
+how many at once). An executor hands each finished job's ``JobTiming`` to its ``observer``
+(the capacity model's feed), on the thread that waits for the job.
 """
 
 from __future__ import annotations
