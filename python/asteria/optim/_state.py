@@ -48,6 +48,26 @@ def shard_tag(p) -> Optional[str]:
     return "shard" + "_".join(parts) if parts else None
 
 
+def external_key(tag, k):
+    """The name of the optimizer's state key k as ``optimizer.state`` and ``state_dict()``
+    show it: tagged with the shard (``shard_tag``), or renamed by a key map (the global block
+    numbers of ``fsdp_blocking="global"``, ``_global.KeyMap``)."""
+    if tag is None:
+        return k
+    return f"{k}{_TAG_SEP}{tag}" if isinstance(tag, str) else tag.external(k)
+
+
+def internal_key(tag, k):
+    """The optimizer's name of a shown key (a block another rank owns: a name no state has)."""
+    if tag is None or not isinstance(k, str):
+        return k
+    if isinstance(tag, str):
+        suffix = _TAG_SEP + tag
+        return k[:-len(suffix)] if k.endswith(suffix) else k
+    name = tag.internal(k)
+    return "\0" + k if name is None else name
+
+
 class _ParamState(dict):
     """One parameter's state when some of it lives in a Residency, or when the parameter is a
     DTensor sharded over several ranks: a plain dict for the device tensors plus "virtual"
@@ -81,14 +101,10 @@ class _ParamState(dict):
 
     def _int(self, k):
         """The optimizer's name of a key (the tag stripped)."""
-        if self._tag is not None and isinstance(k, str):
-            suffix = _TAG_SEP + self._tag
-            if k.endswith(suffix):
-                return k[:-len(suffix)]
-        return k
+        return internal_key(self._tag, k)
 
     def _ext(self, k):
-        return k if self._tag is None else f"{k}{_TAG_SEP}{self._tag}"
+        return external_key(self._tag, k)
 
     def _vkey(self, k):
         opt = self._opt

@@ -1,0 +1,174 @@
+"""Per-rank body of tests/python/test_fsdp_global.py: FSDP2 with ``fsdp_blocking="global"``
+against one process training the unsharded model with the same blocks.
+
+    torchrun --nproc-per-node N [--nnodes 2 --node-rank i ...] fsdp_global.py --out DIR \
+        --checks sync,async
+
+The model (float64) has two square 12 x 12 weights blocked 4 x 4 (blocks straddle the shards
+on 2 and 4 ranks: 6 or 3 rows per rank) and a 9 x 9 weight blocked whole (9 rows: 5 + 4 on 2
+ranks, 3 + 3 + 3 + 0 on 4, an uneven and an empty shard), biases on AdamW. Every block is
+square and a rank's batch has more rows than any block is wide, so every factor is full rank
+with distinct eigenvalues (tests/python/dist/common.py says why that matters). Rank 0 runs the
+single-process reference (declared rank-local, no collectives) on the global batch and
+compares with the full parameters; every rank writes OUT/rank<r>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common as C  # noqa: E402
+
+import asteria  # noqa: E402
+from asteria import distributed as AD  # noqa: E402
+
+OPTS = {"soap": asteria.SOAP, "shampoo": asteria.Shampoo, "kl_shampoo": asteria.KLShampoo}
+LR = {"soap": 1e-2, "shampoo": 1e-2, "kl_shampoo": 1e-3}
+BATCH = 32      # rows of the global batch (16 per rank on 2 ranks, 8 on 4)
+STEPS = 20
+FREQ = 4
+DTYPE = torch.float64
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(12, 12)
+        self.b = nn.Linear(12, 12)
+        self.c = nn.Linear(9, 9)
+
+    def forward(self, x):
+        h = torch.tanh(self.b(torch.tanh(self.a(x))))
+        return torch.cat([self.c(h[:, :9]), h[:, 9:]], dim=1)
+
+
+def make_net(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net().to(DTYPE)
+
+
+def batch(step: int):
+    gen = torch.Generator().manual_seed(500 + step)
+    x = torch.randn(BATCH, 12, generator=gen, dtype=DTYPE)
+    a = torch.randn(12, 12, generator=torch.Generator().manual_seed(3), dtype=DTYPE)
+    return x, torch.sin(x @ a)
+
+
+def local_batch(step: int):
+    x, y = batch(step)
+    n = BATCH // dist.get_world_size()
+    sl = slice(dist.get_rank() * n, (dist.get_rank() + 1) * n)
+    return x[sl], y[sl]
+
+
+def groups(model: Net) -> list:
+    """The 12 x 12 weights in 4 x 4 blocks, the 9 x 9 one whole, the biases (AdamW)."""
+    return [{"params": [model.a.weight, model.b.weight], "block_size": 4},
+            {"params": [model.c.weight], "block_size": None},
+            {"params": [model.a.bias, model.b.bias, model.c.bias], "block_size": None}]
+
+
+def make_opt(name: str, model: Net, runtime: dict):
+    return OPTS[name](groups(model), lr=LR[name], precondition_frequency=FREQ, runtime=runtime)
+
+
+def fsdp_net(seed: int = 0) -> Net:
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_net(seed)
+    for m in (model.a, model.b, model.c):
+        fully_shard(m)
+    fully_shard(model)
+    return model
+
+
+def step(model, opt, x, y) -> float:
+    opt.zero_grad(set_to_none=True)
+    loss = ((model(x) - y) ** 2).mean()
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def reference(name: str, runtime: dict, steps: int) -> list:
+    """The unsharded run of one process on the global batch (rank-local: no collectives)."""
+    ref = make_net()
+    AD.set_replicas(ref.parameters(), None)
+    opt = make_opt(name, ref, runtime)
+    for t in range(1, steps + 1):
+        step(ref, opt, *batch(t))
+    opt.close()
+    return [p.detach().clone() for p in ref.parameters()]
+
+
+def compare(full: list, ref: list, start: list) -> dict:
+    diff = max(float((a - b).abs().max()) for a, b in zip(full, ref))
+    scale = max(float(b.abs().max()) for b in ref)
+    moved = max(float((b - s).abs().max()) for b, s in zip(ref, start))
+    return {"max_abs_diff": diff, "max_rel_diff": diff / scale, "max_moved": moved}
+
+
+def run_global(name: str, runtime: dict) -> dict:
+    model = fsdp_net()
+    start = [p.full_tensor().detach().clone() for p in model.parameters()]
+    opt = make_opt(name, model, dict(runtime, fsdp_blocking="global"))
+    t0 = time.perf_counter()
+    for t in range(1, STEPS + 1):
+        step(model, opt, *local_batch(t))
+    elapsed = time.perf_counter() - t0
+    stats = opt.asteria_stats()
+    opt.close()
+    full = [p.full_tensor().detach().clone() for p in model.parameters()]
+    res = {"owned": stats["fsdp_global_blocks_owned"], "blocks": stats["fsdp_global_blocks"],
+           "bytes_sent": stats["fsdp_global_bytes_sent"], "seconds": elapsed}
+    if dist.get_rank() == 0:
+        res.update(compare(full, reference(name, runtime, STEPS), start))
+    return res
+
+
+def check_sync() -> dict:
+    return {name: run_global(name, {"mode": "sync"}) for name in OPTS}
+
+
+def check_async() -> dict:
+    rt = {"mode": "async", "staleness": 3, "install": "deterministic", "workers": 1}
+    return {name: run_global(name, rt) for name in OPTS}
+
+
+CHECKS = {n[len("check_"):]: f for n, f in globals().items() if n.startswith("check_")}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--checks", default=",".join(CHECKS))
+    ap.add_argument("--timeout", type=float, default=120.0)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    results = {"env": C.env_rank_info(), "world": dist.get_world_size(), "timings": {}}
+    try:
+        for name in args.checks.split(","):
+            t0 = time.perf_counter()
+            results[name] = CHECKS[name]()
+            results["timings"][name] = time.perf_counter() - t0
+            dist.barrier()
+    finally:
+        with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as fh:
+            json.dump(results, fh, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
