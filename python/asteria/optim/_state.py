@@ -58,14 +58,12 @@ def external_key(tag, k):
 
 
 def internal_key(tag, k):
-    """The optimizer's name of a shown key (a block another rank owns: a name no state has)."""
-    if tag is None or not isinstance(k, str):
+    """The optimizer's name of a key looked up: a shard's tag stripped. A key map's shown
+    names are not taken (``b3.`` could be either numbering): lookups use the optimizer's."""
+    if not isinstance(tag, str) or not isinstance(k, str):
         return k
-    if isinstance(tag, str):
-        suffix = _TAG_SEP + tag
-        return k[:-len(suffix)] if k.endswith(suffix) else k
-    name = tag.internal(k)
-    return "\0" + k if name is None else name
+    suffix = _TAG_SEP + tag
+    return k[:-len(suffix)] if k.endswith(suffix) else k
 
 
 class _ParamState(dict):
@@ -79,7 +77,9 @@ class _ParamState(dict):
 
     A sharded parameter's state is per shard: its keys, as iteration (and so DCP) sees them,
     carry the shard's tag (``b0.exp_avg@shard1of2``), so that a checkpoint keeps every rank's
-    copy instead of one for all; lookups take either name, the optimizer uses the plain one."""
+    copy instead of one for all; lookups take either name, the optimizer uses the plain one.
+    A globally blocked FSDP2 parameter (``fsdp_blocking="global"``) shows its blocks under their
+    global numbers (``_global.KeyMap``); lookups take the optimizer's own (owned block k)."""
 
     __slots__ = ("_owner", "_p", "_tag")
 
@@ -136,10 +136,12 @@ class _ParamState(dict):
         k = self._int(k)
         return dict.__contains__(self, k) or self._vkey(k) is not None
 
+    def _names(self) -> list:
+        """The optimizer's names of every entry, device and virtual."""
+        return list(dict.__iter__(self)) + self._virtual()
+
     def __iter__(self):
-        for k in dict.__iter__(self):
-            yield self._ext(k)
-        for k in self._virtual():
+        for k in self._names():
             yield self._ext(k)
 
     def __len__(self):
@@ -149,10 +151,10 @@ class _ParamState(dict):
         return list(iter(self))
 
     def items(self):
-        return [(k, self[k]) for k in self]
+        return [(self._ext(k), self[k]) for k in self._names()]
 
     def values(self):
-        return [self[k] for k in self]
+        return [self[k] for k in self._names()]
 
     def __setitem__(self, k, v):
         opt = self._opt
