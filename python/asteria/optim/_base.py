@@ -261,9 +261,10 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
             self._pindex.setdefault(p, len(self._pindex))
             self._gindex[p] = len(self.param_groups) - 1
             tag = shard_tag(p)
-            if (self._global is not None and sharded_dim0(p) and p.numel()
-                    and not self._is_adamw(p, merged)):
-                self._tags[p] = self._global.add(self, p, self._pindex[p], merged)
+            if self._global is not None and sharded_dim0(p):
+                self._tags[p] = (self._global.add_elementwise(p) if p.numel() == 0
+                                 or self._is_adamw(p, merged)
+                                 else self._global.add(self, p, self._pindex[p], merged))
             elif tag is not None:
                 self._tags[p] = tag
         if getattr(self, "_plan", None) is not None:  # a group added after construction
@@ -366,9 +367,9 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
     def _adamw(self, group: dict, params: list) -> None:
         if not params:
             return
-        fake = self._all_zero({p: [self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"]]
-                               for p in params if self.state[p]
-                               and _count(self.state[p]["step"]) == 1})
+        fake = self._agreed_zero({p: [self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"]]
+                                  for p in params if self.state[p]
+                                  and _count(self.state[p]["step"]) == 1})
         for p in params:
             st = self.state[p]
             if p in fake:  # what DCP's fake step left (step 1, zero moments): start afresh
@@ -466,19 +467,24 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         the step count of one step (SOAP / KL-Shampoo: 0, their first step initialises the
         bases; Shampoo: 1) with the ``_fake_step_tensors`` all zero. One device sync."""
         count = 0 if self._init_step else 1
-        cand, glob = {}, []
+        cand = {}
         for p in params:
             st = self.state[p]
             if "step" in st and _count(st["step"]) == count:
                 ts = self._fake_step_tensors(p)
                 if self._global is not None and self._global.has(p):
-                    glob.append(p)  # its blocks are on their owners: all ranks decide
-                    cand[p] = ts or [torch.zeros(())]
+                    cand[p] = ts or [torch.zeros(())]  # no block here: the owners decide
                 elif ts:
                     cand[p] = ts
+        return self._agreed_zero(cand)
+
+    def _agreed_zero(self, cand: dict) -> set:
+        """``_all_zero``, decided by all ranks together for the FSDP2 parameters of
+        ``fsdp_blocking="global"`` (their state is spread over the ranks, its step count one)."""
         out = self._all_zero(cand)
+        glob = sorted((p for p in cand if self._global is not None and self._global.agrees(p)),
+                      key=lambda p: self._pindex[p])
         if glob:
-            glob.sort(key=lambda p: self._pindex[p])
             agreed = self._global.agree(glob, [p in out for p in glob])
             out = (out - set(glob)) | {p for p, ok in zip(glob, agreed) if ok}
         return out

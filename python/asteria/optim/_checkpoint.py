@@ -44,8 +44,7 @@ import torch
 
 from asteria.optim._schedule import (_PENDING, _PENDING_AGE, _PENDING_IN, _PENDING_OK,
                                      _PENDING_OK_RE, _PENDING_OUT_RE, NO_ROUND, REFRESH, _Round)
-from asteria.optim._state import (_TAG_RE, _TAG_SEP, _count, _ParamState, _States,
-                                  external_key, local)
+from asteria.optim._state import _TAG_RE, _TAG_SEP, _count, _ParamState, _States, local
 
 
 @contextlib.contextmanager
@@ -121,7 +120,8 @@ class CheckpointMixin:
         for p, tag in self._tags.items():  # per-shard state: the shard's own key names
             st = sd["state"].get(index.get(p))
             if st is not None:
-                sd["state"][index[p]] = {external_key(tag, k): v for k, v in st.items()}
+                sd["state"][index[p]] = ({f"{k}{_TAG_SEP}{tag}": v for k, v in st.items()}
+                                         if isinstance(tag, str) else tag.export(st))
         for hook in post_hooks.values():
             out = hook(self, sd)
             if out is not None:

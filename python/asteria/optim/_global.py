@@ -94,6 +94,9 @@ class KeyMap:
         k = self._k.get(int(m.group(1)))
         return None if k is None else f"b{k}.{key[m.end():]}"
 
+    def export(self, st: dict) -> dict:
+        return {self.external(k): v for k, v in st.items()}
+
     def internal_state(self, st: dict, who: str) -> dict:
         """A loaded state under the optimizer's names: the blocks of other owners dropped (a
         checkpoint of another world size holds them), a per-shard key (a checkpoint of
@@ -109,6 +112,51 @@ class KeyMap:
             name = self.internal(key)
             if name is not None:
                 out[name] = v
+        return out
+
+
+class ShardedState:
+    """State names of an FSDP2 parameter on the elementwise (AdamW) path in global mode: kept
+    per rank as its shard's rows, shown under plain names, saved as DTensors of the
+    parameter's sharding, so that DCP reshards them on load (another world size)."""
+
+    def __init__(self, p):
+        self._p = p
+
+    @staticmethod
+    def external(key):
+        return key
+
+    @staticmethod
+    def internal(key):
+        return key
+
+    def export(self, st: dict) -> dict:
+        mod = _dtensor()
+        p = self._p
+        lp = local(p)
+        return {k: (mod.DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                                           shape=p.shape, stride=p.stride())
+                    if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(lp.shape)
+                    and v.dim() > 0 else v)
+                for k, v in st.items()}
+
+    def internal_state(self, st: dict, who: str) -> dict:
+        """Loaded values as this rank's rows: a DTensor's local shard (DCP loads into the
+        live sharding), or this rank's rows of a full tensor (a single process' state)."""
+        mod = _dtensor()
+        p = self._p
+        out = {}
+        for k, v in st.items():
+            if isinstance(v, mod.DTensor):
+                v = v.redistribute(p.device_mesh, p.placements).to_local()
+            elif (isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape)
+                  and tuple(p.shape) != tuple(local(p).shape)):
+                m, size = p.shape[0], p.device_mesh.size()
+                chunk = -(-m // size)
+                me = p.device_mesh.get_local_rank()
+                v = v[min(me * chunk, m):min((me + 1) * chunk, m)]
+            out[k] = v
         return out
 
 
@@ -168,13 +216,28 @@ class GlobalBlocking:
 
     def __init__(self):
         self._plans: dict = {}        # param -> _Plan
+        self._elementwise: dict = {}  # param on the AdamW path -> its process group
         self._registries: dict = {}   # process group -> (coherence registry, next block id)
         self._exchange: Optional[list] = None  # the buckets of the step's gather
         self.stats_ = {"fsdp_global_bytes_sent": 0, "fsdp_global_exchanges": 0,
                        "fsdp_global_blocks_owned": 0, "fsdp_global_blocks": 0}
 
     def has(self, p) -> bool:
+        """Is p blocked globally (preconditioned)?"""
         return p in self._plans
+
+    def add_elementwise(self, p) -> ShardedState:
+        """An FSDP2 parameter on the AdamW path: state per rank, saved reshardable."""
+        self._elementwise[p] = p.device_mesh.get_group()
+        return ShardedState(p)
+
+    def agrees(self, p) -> bool:
+        """Must decisions about p's state be taken by all its ranks together?"""
+        return p in self._plans or p in self._elementwise
+
+    def _group(self, p):
+        plan = self._plans.get(p)
+        return plan.group if plan is not None else self._elementwise[p]
 
     def params(self) -> list:
         return list(self._plans)
@@ -243,7 +306,7 @@ class GlobalBlocking:
 
         by_group: dict = defaultdict(list)
         for i, p in enumerate(params):
-            by_group[self._plans[p].group].append(i)
+            by_group[self._group(p)].append(i)
         out = list(flags)
         for pg, idx in by_group.items():
             t = torch.tensor([1 if flags[i] else 0 for i in idx], dtype=torch.int32)
@@ -255,7 +318,7 @@ class GlobalBlocking:
     def agree(self, params: list, flags: list) -> list:
         """flags of params, those of global parameters AND-ed over their ranks (parameters in
         the order every rank has them)."""
-        idx = [i for i, p in enumerate(params) if p in self._plans]
+        idx = [i for i, p in enumerate(params) if self.agrees(p)]
         if not idx:
             return flags
         got = self._min_over_ranks([params[i] for i in idx], [flags[i] for i in idx])
