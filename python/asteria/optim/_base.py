@@ -11,7 +11,10 @@ A parameter with a non-finite gradient is skipped entirely (parameter, state, st
 refresh schedule untouched) and counted.
 
 Distributed runs (``asteria.distributed``, docs/distributed.md): FSDP2 parameters are DTensors and
-the optimizer works on their local shards (``local``), blocked as usual. When some parameters are
+the optimizer works on their local shards (``local``), blocked as usual; with the runtime's
+``fsdp_blocking="global"`` they are blocked whole instead, one owner rank per block
+(``_global``: the hooks here gather the owned blocks before the kernels and scatter the new
+rows after them, and agree across ranks on what skips or restarts a parameter). When some parameters are
 replicated across ranks (DDP, HSDP), the engine is a ``DistributedEngine``
 (``asteria.refresh.replicated``) around the usual one:
 jobs are batched per replica set and carry it (``replicas=``), each block is computed by its
