@@ -78,7 +78,7 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("fsdp_global")
     ck2, ck4 = str(base / "ck2"), str(base / "ck4")
     out = {}
-    out[4] = launch(str(base / "w4"), "sync,async,save", 2, 2, ck4)
+    out[4] = launch(str(base / "w4"), "sync,async,save,hsdp_raises", 2, 2, ck4)
     out[2] = launch(str(base / "w2"), "sync,async,save,resume", 1, 2, ck2)  # saved on 2
     out["4to2"] = launch(str(base / "r2"), "resume", 1, 2, ck4)
     out[1] = launch(str(base / "w1"), "sync,resume", 1, 1, ck4)
@@ -137,6 +137,10 @@ def test_checkpoint_resumes_on_another_world_size(runs, saved, resumed):
     got = runs["4to2" if (saved, resumed) == (4, 2) else resumed][0]["resume"]
     for name in NAMES:
         _agree(got[name], (saved, resumed, name))
+
+
+def test_hsdp_is_refused(runs):
+    assert all(runs[4][r]["hsdp_raises"]["raised"] for r in range(4))
 
 
 def test_config_key():

@@ -265,7 +265,8 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
             self._gindex[p] = len(self.param_groups) - 1
             tag = shard_tag(p)
             if self._global is not None and sharded_dim0(p):
-                self._tags[p] = (self._global.add_elementwise(p) if p.numel() == 0
+                self._tags[p] = (self._global.add_elementwise(p, self._pindex[p])
+                                 if p.numel() == 0
                                  or self._is_adamw(p, merged)
                                  else self._global.add(self, p, self._pindex[p], merged))
             elif tag is not None:

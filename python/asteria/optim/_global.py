@@ -202,6 +202,16 @@ class _Plan:
         return view[(slice(r0 - lo, r1 - lo),) + self.full.slices[j][1:]]
 
 
+def _check_placement(p, pidx: int) -> None:
+    mod = _dtensor()
+    mesh = p.device_mesh
+    if mesh.ndim != 1 or tuple(p.placements) != (mod.Shard(0),):
+        raise ValueError(
+            f"runtime fsdp_blocking='global' takes FSDP2 parameters sharded along dim 0 over a "
+            f"1-D mesh; parameter {pidx} has placements {tuple(p.placements)} on a "
+            f"{mesh.ndim}-D mesh (HSDP and other shardings: use fsdp_blocking='local')")
+
+
 def _block_cost(shape: tuple, has_factor: list) -> int:
     from asteria import _C
 
@@ -226,8 +236,9 @@ class GlobalBlocking:
         """Is p blocked globally (preconditioned)?"""
         return p in self._plans
 
-    def add_elementwise(self, p) -> ShardedState:
+    def add_elementwise(self, p, pidx: int) -> ShardedState:
         """An FSDP2 parameter on the AdamW path: state per rank, saved reshardable."""
+        _check_placement(p, pidx)
         self._elementwise[p] = p.device_mesh.get_group()
         return ShardedState(p)
 
@@ -245,14 +256,8 @@ class GlobalBlocking:
     def add(self, opt, p, pidx: int, group: dict) -> KeyMap:
         """Plan p (a DTensor parameter sharded along dim 0 over a 1-D mesh): its full layout,
         its rows per rank, its owners. Deterministic: every rank computes the same plans."""
-        mod = _dtensor()
+        _check_placement(p, pidx)
         mesh = p.device_mesh
-        if mesh.ndim != 1 or tuple(p.placements) != (mod.Shard(0),):
-            raise ValueError(
-                f"runtime fsdp_blocking='global' takes FSDP2 parameters sharded along dim 0 "
-                f"over a 1-D mesh; parameter {pidx} has placements "
-                f"{tuple(p.placements)} on a {mesh.ndim}-D mesh (HSDP and other shardings: "
-                f"use fsdp_blocking='local')")
         hparams = (group["block_size"], opt._merge_dims(group), opt._max_dim(group))
         full = make_layout(p.shape, *hparams)
         size, me = mesh.size(), mesh.get_local_rank()

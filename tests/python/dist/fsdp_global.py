@@ -161,6 +161,23 @@ def check_async() -> dict:
     return {name: run_global(name, rt) for name in OPTS}
 
 
+def check_hsdp_raises() -> dict:
+    """HSDP (a 2-D mesh, replicate x shard) is not taken by the global mode: ValueError at
+    construction, naming the key to use."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2),
+                            mesh_dim_names=("replicate", "shard"))
+    model = make_net()
+    fully_shard(model, mesh=mesh)
+    try:
+        make_opt("soap", model, {"mode": "sync", "fsdp_blocking": "global"})
+    except ValueError as exc:
+        return {"raised": "fsdp_blocking='local'" in str(exc)}
+    return {"raised": False}
+
+
 # ---- checkpoints: save on one world size, resume on another -------------------------------------
 SPLIT = 10  # a refresh is in flight after step 10 (SOAP, KL: snapshot 9, install 12; Shampoo: 8, 11)
 ASYNC = {"mode": "async", "staleness": 3, "install": "deterministic", "workers": 1,
