@@ -245,6 +245,41 @@ def check_resume() -> dict:
     return out
 
 
+def check_load_single() -> dict:
+    """A single process' plain ``state_dict()`` after step SPLIT (every rank computes it, as
+    rank-local runs) loaded into the FSDP2 model and optimizer: each rank keeps its rows and
+    the blocks it owns; steps SPLIT+1..STEPS continue the single-process trajectory."""
+    from torch.distributed.tensor import distribute_tensor
+
+    rt = {k: v for k, v in ASYNC.items() if k != "fsdp_blocking"}
+    out = {}
+    for name in OPTS:
+        ref = make_net()
+        AD.set_replicas(ref.parameters(), None)
+        ropt = make_opt(name, ref, rt)
+        for t in range(1, SPLIT + 1):
+            step(ref, ropt, *batch(t))
+        sd = ropt.state_dict()
+        ropt.close()
+        model = fsdp_net(seed=123)
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), ref.parameters()):
+                p.to_local().copy_(distribute_tensor(q.detach(), p.device_mesh,
+                                                     p.placements).to_local())
+        opt = make_opt(name, model, ASYNC)
+        opt.load_state_dict(sd)
+        for t in range(SPLIT + 1, STEPS + 1):
+            step(model, opt, *local_batch(t))
+        opt.close()
+        full = [p.full_tensor().detach().clone() for p in model.parameters()]
+        res = {}
+        if dist.get_rank() == 0:
+            start = [p.detach().clone() for p in make_net().parameters()]
+            res = compare(full, reference(name, rt, STEPS), start)
+        out[name] = res
+    return out
+
+
 CHECKS = {n[len("check_"):]: f for n, f in globals().items() if n.startswith("check_")}
 
 
