@@ -49,6 +49,9 @@ class RuntimeConfig:
     pin: bool = True
     max_failures: int = 3
     on_failure: str = "raise"
+    #: FSDP2 parameters: blocks cut from each rank's shard ("local"), or from the full
+    #: parameter with one owner rank per block ("global", docs/distributed.md); Python only
+    fsdp_blocking: str = "local"
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -96,6 +99,7 @@ class RuntimeConfig:
             v = getattr(self, key)
             need(key, v is None or (is_int(v) and v >= 0), "None or a byte count >= 0")
         need("on_failure", self.on_failure in ("raise", "keep"), '"raise", "keep"')
+        need("fsdp_blocking", self.fsdp_blocking in ("local", "global"), '"local", "global"')
         for key in ("nvme_dir", "trace", "cpuset"):
             v = getattr(self, key)
             need(key, v is None or isinstance(v, (str, os.PathLike)), "None or a path string")

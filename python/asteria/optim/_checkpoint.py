@@ -42,7 +42,6 @@ from typing import Any, Mapping
 
 import torch
 
-from asteria.optim._blocking import make_layout
 from asteria.optim._schedule import (_PENDING, _PENDING_AGE, _PENDING_IN, _PENDING_OK,
                                      _PENDING_OK_RE, _PENDING_OUT_RE, AUTO_S, NO_ROUND, REFRESH,
                                      _Round)
@@ -117,10 +116,13 @@ class CheckpointMixin:
                         st[f"b{j}{_PENDING}{dim}.{i}"] = tensor
                     st[f"b{j}{_PENDING}{dim}{_PENDING_OK}"] = 1
                 sd["state"][index[p]] = st
+        if self._global is not None and self._delay > 0:  # fsdp_blocking="global"
+            self._global.sync_pending(sd["state"], index, (_PENDING_IN, _PENDING_AGE))
         for p, tag in self._tags.items():  # per-shard state: the shard's own key names
             st = sd["state"].get(index.get(p))
             if st is not None:
-                sd["state"][index[p]] = {f"{k}{_TAG_SEP}{tag}": v for k, v in st.items()}
+                sd["state"][index[p]] = ({f"{k}{_TAG_SEP}{tag}": v for k, v in st.items()}
+                                         if isinstance(tag, str) else tag.export(st))
         for hook in post_hooks.values():
             out = hook(self, sd)
             if out is not None:
@@ -138,6 +140,9 @@ class CheckpointMixin:
             if not st:
                 continue
             tag = self._tags.get(p)
+            if tag is not None and not isinstance(tag, str):  # fsdp_blocking="global"
+                state[i] = tag.internal_state(st, self._describe_param(self._pindex[p]))
+                continue
             out = {}
             for k, v in st.items():
                 m = _TAG_RE.search(k) if isinstance(k, str) else None
@@ -281,8 +286,7 @@ class CheckpointMixin:
             tensors = {n: (tuple(lp.shape), lp.dtype) for n in ("exp_avg", "exp_avg_sq")}
             required = set(tensors) | {"step"}
         else:
-            layout = make_layout(lp.shape, group["block_size"], self._merge_dims(group),
-                                 self._max_dim(group))
+            layout = self._make_layout(p, group)
             here = self._layout(p, live)
             if layout.block_shapes != here.block_shapes:
                 raise bad(f"it was saved with blocks {layout.block_shapes}, this optimizer "
