@@ -79,7 +79,7 @@ def runs(tmp_path_factory):
     ck2, ck4 = str(base / "ck2"), str(base / "ck4")
     out = {}
     out[4] = launch(str(base / "w4"), "sync,async,save,hsdp_raises", 2, 2, ck4)
-    out[2] = launch(str(base / "w2"), "sync,async,save,resume,load_single", 1, 2,
+    out[2] = launch(str(base / "w2"), "sync,async,save,resume,load_single,tiered", 1, 2,
                     ck2)  # saved on 2
     out["4to2"] = launch(str(base / "r2"), "resume", 1, 2, ck4)
     out[1] = launch(str(base / "w1"), "sync,resume", 1, 1, ck4)
@@ -101,6 +101,12 @@ def test_sync_matches_single_process(runs, world):
 def test_async_deterministic_matches_single_process(runs, world):
     for name in NAMES:
         _agree(runs[world][0]["async"][name], (world, "async", name))
+
+
+def test_tiered_state_matches_single_process(runs):
+    """Eigenbases and roots in host memory (the placement planner's Residency)."""
+    for name in NAMES:
+        _agree(runs[2][0]["tiered"][name], ("tiered", name))
 
 
 def test_launch_layout(runs):

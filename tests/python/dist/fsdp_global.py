@@ -161,6 +161,13 @@ def check_async() -> dict:
     return {name: run_global(name, rt) for name in OPTS}
 
 
+def check_tiered() -> dict:
+    """Async S = 3 with the eigenbases and roots placed in host memory (a Residency)."""
+    rt = {"mode": "async", "staleness": 3, "install": "deterministic", "workers": 1,
+          "placement": {"eigenbases": "host", "roots": "host"}}
+    return {name: run_global(name, rt) for name in OPTS}
+
+
 def check_hsdp_raises() -> dict:
     """HSDP (a 2-D mesh, replicate x shard) is not taken by the global mode: ValueError at
     construction, naming the key to use."""
