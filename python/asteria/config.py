@@ -37,7 +37,7 @@ def _check_text(key: str, value: Any) -> None:
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
     mode: str = "async"
-    staleness: int = 5
+    staleness: Union[int, str] = 5  # or "auto": the schedule picks S from measurements
     install: str = "deterministic"
     workers: Optional[int] = None
     placement: Union[str, Mapping[str, str]] = "auto"
@@ -87,8 +87,10 @@ class RuntimeConfig:
 
         need("mode", self.mode in ("sync", "async"), '"sync", "async"')
         need("install", self.install in ("deterministic", "eager"), '"deterministic", "eager"')
-        need("staleness", is_int(self.staleness) and self.staleness >= 0,
-             "an integer S with 0 <= S <= precondition_frequency")
+        need("staleness", (is_int(self.staleness) and self.staleness >= 0)
+             or self.staleness == "auto",
+             'an integer S with 0 <= S <= precondition_frequency, or "auto" (S chosen from '
+             'the measured round time, at most precondition_frequency)')
         need("workers", self.workers is None or (is_int(self.workers) and self.workers >= 1),
              "None (the cores the training thread does not use) or an integer >= 1")
         need("max_failures", is_int(self.max_failures) and self.max_failures >= 1, "an integer >= 1")
@@ -141,11 +143,12 @@ class RuntimeConfig:
         """The config as the string key/value pairs ``ast_config_set`` takes."""
         out: dict[str, str] = {
             "mode": self.mode,
-            "staleness": str(self.staleness),
             "install": self.install,
             "pin": "1" if self.pin else "0",
             "max_failures": str(self.max_failures),
         }
+        if self.staleness != "auto":  # "auto" is the schedule's to resolve; C keeps its default
+            out["staleness"] = str(self.staleness)
         if self.workers is not None:
             out["workers"] = str(self.workers)
         if isinstance(self.placement, Mapping):
@@ -161,8 +164,9 @@ class RuntimeConfig:
         return out
 
     def check_frequency(self, precondition_frequency: int) -> None:
-        """S <= f: a refresh must be installed before the next one is snapshotted."""
-        if self.staleness > precondition_frequency:
+        """S <= f: a refresh must be installed before the next one is snapshotted ("auto"
+        stays within it by construction)."""
+        if self.staleness != "auto" and self.staleness > precondition_frequency:
             raise ValueError(
                 f"runtime key 'staleness': got {self.staleness}; allowed: 0 <= S <= "
                 f"precondition_frequency ({precondition_frequency})")

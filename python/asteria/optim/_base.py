@@ -34,6 +34,7 @@ import torch
 
 from asteria import distributed as _dist
 from asteria.refresh import select as _select
+from asteria.refresh.cost import report_lines
 from asteria.config import RuntimeConfig
 from asteria.optim import functional as F
 from asteria.optim._blocking import Layout, make_layout
@@ -547,7 +548,35 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
             stats["bytes_d2h"] += d2h
             dev += self._plan.ring_bytes
         stats["bytes_device"] = dev
+        stats.setdefault("install_waits", 0)
+        stats.setdefault("install_wait_ns", 0)
+        # S as the schedule applies it now; with staleness="auto", whether it was chosen yet
+        stats["staleness"] = self._delay
+        stats["staleness_auto"] = self._cfg.staleness == "auto"
+        stats["staleness_auto_chosen"] = self._auto_s is not None
+        cap = self.capacity.summary(self._delay)
+        for key in ("round_gflop", "predicted_round_s", "measured_round_s", "step_s",
+                    "window_s", "utilisation", "smallest_s", "smallest_workers"):
+            stats[f"capacity_{key}"] = cap.get(key)
         return stats
+
+    def asteria_plan(self) -> list[str]:
+        """The planner's decisions, then the capacity report (asteria.refresh.cost): work per
+        round, predicted and measured round seconds, the window S x step time, the pool's
+        utilisation and the smallest S (and worker count) that hides the refresh; whether a
+        device executor runs part of it. The capacity lines come once a round was submitted."""
+        lines = super().asteria_plan()
+        # before the first round there is nothing measured to report: the planner's decisions
+        # alone (as logged at construction)
+        if self._async and self._capacity is not None and self._capacity.rounds:
+            s = self._delay
+            auto = self._cfg.staleness == "auto"
+            if auto:
+                lines.append(f"staleness 'auto': S = {s} " + (
+                    "(chosen from the measured round time)" if self._auto_s is not None
+                    else "(the frequency, until a REFRESH round has been measured)"))
+            lines.extend(report_lines(self.capacity.summary(s)))
+        return lines
 
     def close(self) -> None:
         """Release the engine (workers, buffers; the trace file is written now) and the

@@ -43,7 +43,8 @@ from typing import Any, Mapping
 import torch
 
 from asteria.optim._schedule import (_PENDING, _PENDING_AGE, _PENDING_IN, _PENDING_OK,
-                                     _PENDING_OK_RE, _PENDING_OUT_RE, NO_ROUND, REFRESH, _Round)
+                                     _PENDING_OK_RE, _PENDING_OUT_RE, AUTO_S, NO_ROUND, REFRESH,
+                                     _Round)
 from asteria.optim._state import _TAG_RE, _TAG_SEP, _count, _ParamState, _States, local
 
 
@@ -179,6 +180,7 @@ class CheckpointMixin:
             rnd.drop(self._engine)
         self._rounds = []
         self._fail_streak, self._failed = {}, []
+        self._auto_s = None  # the loaded state says which S an auto run chose
         with _hooks_off(self, "_optimizer_load_state_dict_pre_hooks"), \
                 _hooks_off(self, "_optimizer_load_state_dict_post_hooks") as post_hooks:
             super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
@@ -222,6 +224,7 @@ class CheckpointMixin:
                                   for key, v in outs.items() if oks.get(key, 1)}
             self._fixed_state(p, group, self._layout(p, group))
         self._rounds = list(rounds.values())
+        self._restore_auto_s()  # staleness="auto": the S the saved run chose stays
         if self._tiered is not None:
             self._tiered.end_step()  # NVMe-homed blocks go back to NVMe (best effort)
         for hook in post_hooks.values():
@@ -292,7 +295,8 @@ class CheckpointMixin:
             tensors = {n: (tuple(shape), dt) for n, _, shape, dt in spec}
             # Shampoo's roots may be absent (a state dict from before the fixed key set)
             required = {n for n, kind, _, _ in spec if kind != "roots"} | {"step"}
-            flags |= {_PENDING_IN, _PENDING_AGE} | set(self._flag_keys(p, group, layout))
+            # AUTO_S: the S a staleness="auto" run chose (kept by a resumed auto run)
+            flags |= {_PENDING_IN, _PENDING_AGE, AUTO_S} | set(self._flag_keys(p, group, layout))
             for j, bshape in enumerate(layout.block_shapes):
                 for dim, has in enumerate(self._has_factor(bshape, group)):
                     if has:
