@@ -164,6 +164,8 @@ def test_config_key():
     assert asteria.RuntimeConfig().fsdp_blocking == "local"
     with pytest.raises(ValueError, match="fsdp_blocking"):
         asteria.RuntimeConfig.from_user({"fsdp_blocking": "whole"})
+    with pytest.raises(ValueError, match="fsdp_blocking"):
+        asteria.RuntimeConfig.from_user({"fsdp_blocking": "global", "staleness": "auto"})
 
 
 def test_key_map_renames_owned_blocks_only():
