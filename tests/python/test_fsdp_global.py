@@ -157,6 +157,13 @@ def test_hsdp_is_refused(runs):
     assert all(runs[4][r]["hsdp_raises"]["raised"] for r in range(4))
 
 
+def test_resume_on_the_same_world_size_is_bitwise(runs):
+    """Saved on 2 ranks after step 10 and resumed on 2: bit for bit the uninterrupted 2-rank
+    run (same runtime)."""
+    for name in NAMES:
+        assert runs[2][0]["resume"][name]["digest"] == runs[2][0]["async"][name]["digest"], name
+
+
 def test_config_key():
     import asteria
 
