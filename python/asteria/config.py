@@ -100,6 +100,11 @@ class RuntimeConfig:
             need(key, v is None or (is_int(v) and v >= 0), "None or a byte count >= 0")
         need("on_failure", self.on_failure in ("raise", "keep"), '"raise", "keep"')
         need("fsdp_blocking", self.fsdp_blocking in ("local", "global"), '"local", "global"')
+        # each rank would choose its own S from its own measurements: the owners of one
+        # parameter's blocks would install at different steps
+        need("fsdp_blocking", self.fsdp_blocking == "local" or self.staleness != "auto"
+             or self.mode == "sync", '"local" with staleness="auto" (global blocking needs one '
+             'S on every rank: give staleness an integer)')
         for key in ("nvme_dir", "trace", "cpuset"):
             v = getattr(self, key)
             need(key, v is None or isinstance(v, (str, os.PathLike)), "None or a path string")

@@ -79,7 +79,7 @@ def runs(tmp_path_factory):
     ck2, ck4 = str(base / "ck2"), str(base / "ck4")
     out = {}
     out[4] = launch(str(base / "w4"), "sync,async,save,hsdp_raises", 2, 2, ck4)
-    out[2] = launch(str(base / "w2"), "sync,async,save,resume,load_single", 1, 2,
+    out[2] = launch(str(base / "w2"), "sync,async,save,resume,load_single,tiered", 1, 2,
                     ck2)  # saved on 2
     out["4to2"] = launch(str(base / "r2"), "resume", 1, 2, ck4)
     out[1] = launch(str(base / "w1"), "sync,resume", 1, 1, ck4)
@@ -101,6 +101,12 @@ def test_sync_matches_single_process(runs, world):
 def test_async_deterministic_matches_single_process(runs, world):
     for name in NAMES:
         _agree(runs[world][0]["async"][name], (world, "async", name))
+
+
+def test_tiered_state_matches_single_process(runs):
+    """Eigenbases and roots in host memory (the placement planner's Residency)."""
+    for name in NAMES:
+        _agree(runs[2][0]["tiered"][name], ("tiered", name))
 
 
 def test_launch_layout(runs):
@@ -151,6 +157,13 @@ def test_hsdp_is_refused(runs):
     assert all(runs[4][r]["hsdp_raises"]["raised"] for r in range(4))
 
 
+def test_resume_on_the_same_world_size_is_bitwise(runs):
+    """Saved on 2 ranks after step 10 and resumed on 2: bit for bit the uninterrupted 2-rank
+    run (same runtime)."""
+    for name in NAMES:
+        assert runs[2][0]["resume"][name]["digest"] == runs[2][0]["async"][name]["digest"], name
+
+
 def test_config_key():
     import asteria
 
@@ -158,6 +171,8 @@ def test_config_key():
     assert asteria.RuntimeConfig().fsdp_blocking == "local"
     with pytest.raises(ValueError, match="fsdp_blocking"):
         asteria.RuntimeConfig.from_user({"fsdp_blocking": "whole"})
+    with pytest.raises(ValueError, match="fsdp_blocking"):
+        asteria.RuntimeConfig.from_user({"fsdp_blocking": "global", "staleness": "auto"})
 
 
 def test_key_map_renames_owned_blocks_only():

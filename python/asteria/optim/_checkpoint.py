@@ -31,6 +31,9 @@ Checkpoints through torch.distributed.checkpoint (DCP).
    one name. So its keys carry the shard's tag (``b0.exp_avg@shard1of2``, ``step@shard1of2``;
    ``shard_tag``), live and in ``state_dict()``, and every rank's copy is kept (uneven shards,
    a different key set per rank included). Resuming needs the same mesh and sharding.
+   With ``fsdp_blocking="global"`` (``_global``) the keys name the global blocks instead, each
+   on its owner, and the AdamW state is saved as DTensors: a checkpoint resumes on another
+   world size.
 """
 
 from __future__ import annotations

@@ -229,7 +229,7 @@ class GlobalBlocking:
         self._elementwise: dict = {}  # param on the AdamW path -> its process group
         self._registries: dict = {}   # process group -> (coherence registry, next block id)
         self._exchange: Optional[list] = None  # the buckets of the step's gather
-        self.stats_ = {"fsdp_global_bytes_sent": 0, "fsdp_global_exchanges": 0,
+        self._stats = {"fsdp_global_bytes_sent": 0, "fsdp_global_exchanges": 0,
                        "fsdp_global_blocks_owned": 0, "fsdp_global_blocks": 0}
 
     def has(self, p) -> bool:
@@ -249,9 +249,6 @@ class GlobalBlocking:
     def _group(self, p):
         plan = self._plans.get(p)
         return plan.group if plan is not None else self._elementwise[p]
-
-    def params(self) -> list:
-        return list(self._plans)
 
     def add(self, opt, p, pidx: int, group: dict) -> KeyMap:
         """Plan p (a DTensor parameter sharded along dim 0 over a 1-D mesh): its full layout,
@@ -288,8 +285,8 @@ class GlobalBlocking:
         owners = tuple(int(reg[0].owner(b)) for b in ids)
         mine = tuple(j for j, o in enumerate(owners) if o == me)
         self._plans[p] = _Plan(p, pidx, pg, size, me, full, owners, rows, mine, hparams)
-        self.stats_["fsdp_global_blocks_owned"] += len(mine)
-        self.stats_["fsdp_global_blocks"] += len(ids)
+        self._stats["fsdp_global_blocks_owned"] += len(mine)
+        self._stats["fsdp_global_blocks"] += len(ids)
         return KeyMap(mine)
 
     def layout(self, p, block_size, merge_dims: bool, max_dim: int):
@@ -299,9 +296,6 @@ class GlobalBlocking:
         if (block_size, merge_dims, max_dim) == plan.hparams:
             return OwnedLayout(plan.full, plan.mine)
         return make_layout(p.shape, block_size, merge_dims, max_dim)
-
-    def owners(self, p) -> tuple[int, ...]:
-        return self._plans[p].owners
 
     # ---- agreements --------------------------------------------------------------------------
     def _min_over_ranks(self, params: list, flags: list) -> list:
@@ -466,9 +460,9 @@ class GlobalBlocking:
 
     def _count(self, sizes: list, me: int, dtype) -> None:
         item = torch.empty((), dtype=dtype).element_size()
-        self.stats_["fsdp_global_bytes_sent"] += item * sum(
+        self._stats["fsdp_global_bytes_sent"] += item * sum(
             n for r, n in enumerate(sizes) if r != me)
-        self.stats_["fsdp_global_exchanges"] += 1
+        self._stats["fsdp_global_exchanges"] += 1
 
     def stats(self) -> dict:
-        return dict(self.stats_)
+        return dict(self._stats)

@@ -111,6 +111,14 @@ def reference(name: str, runtime: dict, steps: int) -> list:
     return [p.detach().clone() for p in ref.parameters()]
 
 
+def digest(full: list) -> str:
+    """The bits of the full parameters."""
+    import hashlib
+
+    flat = torch.cat([p.detach().reshape(-1).to(DTYPE) for p in full])
+    return hashlib.sha256(flat.view(torch.int64).numpy().tobytes()).hexdigest()
+
+
 def compare(full: list, ref: list, start: list) -> dict:
     diff = max(float((a - b).abs().max()) for a, b in zip(full, ref))
     scale = max(float(b.abs().max()) for b in ref)
@@ -130,6 +138,7 @@ def run_global(name: str, runtime: dict) -> dict:
     opt.close()
     full = [p.full_tensor().detach().clone() for p in model.parameters()]
     res = {"owned": stats["fsdp_global_blocks_owned"], "blocks": stats["fsdp_global_blocks"],
+           "digest": digest(full),
            "bytes_sent": stats["fsdp_global_bytes_sent"], "seconds": elapsed}
     if dist.get_rank() == 0:
         res.update(compare(full, reference(name, runtime, STEPS), start))
@@ -158,6 +167,13 @@ def check_sync() -> dict:
 
 def check_async() -> dict:
     rt = {"mode": "async", "staleness": 3, "install": "deterministic", "workers": 1}
+    return {name: run_global(name, rt) for name in OPTS}
+
+
+def check_tiered() -> dict:
+    """Async S = 3 with the eigenbases and roots placed in host memory (a Residency)."""
+    rt = {"mode": "async", "staleness": 3, "install": "deterministic", "workers": 1,
+          "placement": {"eigenbases": "host", "roots": "host"}}
     return {name: run_global(name, rt) for name in OPTS}
 
 
@@ -237,10 +253,10 @@ def check_resume() -> dict:
             step(model, opt, *local_batch(t))
         opt.close()
         full = [p.full_tensor().detach().clone() for p in model.parameters()]
-        res = {}
+        res = {"digest": digest(full)}
         if dist.get_rank() == 0:
             rt = {k: v for k, v in ASYNC.items() if k != "fsdp_blocking"}
-            res = compare(full, reference(name, rt, STEPS), start)
+            res.update(compare(full, reference(name, rt, STEPS), start))
         out[name] = res
     return out
 
