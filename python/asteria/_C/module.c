@@ -234,7 +234,7 @@ static int mod_exec(PyObject *m)
 
     if (add_int(m, "AST_F32", AST_F32) || add_int(m, "AST_F64", AST_F64) ||
         add_int(m, "AST_MODE_SYNC", AST_MODE_SYNC) || add_int(m, "AST_MODE_ASYNC", AST_MODE_ASYNC) ||
-        add_int(m, "HAVE_CUDA", ASTERIA_HAVE_CUDA) || add_int(m, "HAVE_NCCL", ASTERIA_HAVE_NCCL) ||
+        add_int(m, "HAVE_CUDA", ASTERIA_HAVE_CUDA) ||
         add_int(m, "HAVE_URING", ASTERIA_HAVE_URING) ||
         add_int(m, "HAVE_HWLOC", ASTERIA_HAVE_HWLOC) ||
         add_int(m, "COH_XCHG_STRIDE", AST_COH_XCHG_STRIDE) ||
