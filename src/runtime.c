@@ -25,6 +25,7 @@
 #include "asteria/linalg.h"
 #include "asteria/pool.h"
 #include "asteria/trace.h"
+#include "testing.h"
 
 #include <inttypes.h>
 #include <pthread.h>
@@ -57,7 +58,7 @@ typedef struct rjob {
     int nbufs;
     int failed_index;
     int retried;
-    int delay_ms; /* config debug_job_delay_ms, copied at submit */
+    int delay_ms; /* rt->job_delay_ms at submit (testing.h) */
 } rjob;
 
 struct ast_runtime {
@@ -77,6 +78,7 @@ struct ast_runtime {
     _Atomic uint64_t jobs_retried, nonfinite_skipped, installs, barrier_waits, barrier_wait_ns;
     _Atomic uint64_t bytes_registered;
     _Atomic int64_t max_install_lag, last_install_step;
+    _Atomic int job_delay_ms; /* test hook, testing.h */
 };
 
 static uint64_t now_ns(void)
@@ -199,6 +201,14 @@ void ast_runtime_destroy(ast_runtime *rt)
 }
 
 const ast_config *ast_runtime_config(const ast_runtime *rt) { return rt ? &rt->cfg : NULL; }
+
+int ast__runtime_set_job_delay(ast_runtime *rt, int delay_ms)
+{
+    if (!rt || delay_ms < 0 || delay_ms > AST__JOB_DELAY_MAX_MS)
+        return AST_EINVAL;
+    atomic_store(&rt->job_delay_ms, delay_ms);
+    return 0;
+}
 
 int ast_runtime_last_error(ast_runtime *rt, char *buf, size_t len)
 {
@@ -432,7 +442,7 @@ int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket
         return set_error(rt, AST_ENOMEM, "submit: no memory for a job record");
     j->req = *req;
     j->failed_index = -1;
-    j->delay_ms = rt->cfg.debug_job_delay_ms;
+    j->delay_ms = atomic_load(&rt->job_delay_ms);
     static const char *const names[JOB_MAX_BUFS] = {"in0", "in1", "in2", "out0", "out1"};
     pthread_mutex_lock(&rt->mu);
     rbuf *held[JOB_MAX_BUFS];

@@ -40,38 +40,31 @@
 extern "C" {
 #endif
 
-typedef enum ast_mode { AST_MODE_SYNC = 0, AST_MODE_ASYNC = 1 } ast_mode;
-typedef enum ast_install { AST_INSTALL_DETERMINISTIC = 0, AST_INSTALL_EAGER = 1 } ast_install;
-
 #define AST_PATH_MAX 4096
 
+/* The runtime's configuration: only what libasteria itself reads. The optimizer's own keys
+ * (mode, staleness, install, placement, budgets, nvme_dir) live in the Python layer
+ * (asteria.RuntimeConfig), which validates them and hands C only these. */
 typedef struct ast_config {
-    ast_mode mode;                 /* "mode": sync | async (default async) */
-    int staleness;                 /* "staleness": S >= 0 (default 5) */
-    ast_install install;           /* "install": deterministic | eager */
-    int workers;                   /* "workers": >= 1, or 0 = cores not used by the caller */
-    char cpuset[256];              /* "cpuset": hwloc list or "" = auto */
+    int workers;                   /* "workers": 1..1024, or 0 = the cores the caller does not use */
+    char cpuset[256];              /* "cpuset": hwloc list, or "" = near the accelerator */
     int pin;                       /* "pin": 1/0 bind workers to cores (default 1) */
-    char placement[512];           /* "placement": "auto" or kind=tier,... e.g. "factors=device,roots=host_pinned" */
-    int64_t device_budget_bytes;   /* "device_budget_bytes": -1 = none */
-    int64_t host_budget_bytes;     /* "host_budget_bytes": -1 = none */
-    char nvme_dir[AST_PATH_MAX];   /* "nvme_dir": "" = no NVMe tier */
-    char trace[AST_PATH_MAX];      /* "trace": "" = no trace */
-    int max_failures;              /* "max_failures": K >= 1 (default 3) */
-    /* "debug_job_delay_ms": a test hook, not listed by ast_config_keys: every job sleeps this
-     * long on its worker before computing (0..600000, default 0), to simulate a slow rank. */
-    int debug_job_delay_ms;
+    int max_failures;              /* "max_failures": K >= 1 consecutive failures of a block (default 3) */
+    char trace[AST_PATH_MAX];      /* "trace": "" = no trace; else a file path, not a directory, in
+                                    * an existing directory this process can write */
 } ast_config;
 
-/* Defaults as in DESIGN.md's config table. */
+/* Sets the defaults: workers 0, cpuset "", pin 1, max_failures 3, trace "". */
 void ast_config_init(ast_config *cfg);
-/* Sets one key from its string form (a Python dict passes straight through). On a bad key or
- * value returns AST_EINVAL and writes a message naming the key and the allowed values into
- * errbuf (may be NULL). */
+/* Sets one key from its string form (a Python dict passes straight through): the one validator
+ * of each key. Returns 0 on success; AST_EINVAL for an unknown key, a bad value or a NULL
+ * argument, with a message naming the key and the allowed values written into errbuf (may be
+ * NULL; len bytes, truncated) and cfg unchanged. */
 int ast_config_set(ast_config *cfg, const char *key, const char *value, char *errbuf, size_t len);
-/* Whole-struct validation (ranges, combinations); same message contract. */
+/* Checks a whole struct (one filled in by hand) with the same rule per key as ast_config_set.
+ * Returns 0 if every field is valid; AST_EINVAL otherwise, with the same message contract. */
 int ast_config_validate(const ast_config *cfg, char *errbuf, size_t len);
-/* Comma-separated list of every accepted key. */
+/* Returns the comma-separated list of every accepted key (a static string). */
 const char *ast_config_keys(void);
 
 typedef struct ast_runtime ast_runtime;
