@@ -26,6 +26,7 @@
 #include "asteria/pool.h"
 #include "asteria/trace.h"
 #include "testing.h"
+#include "util.h"
 
 #include <inttypes.h>
 #include <pthread.h>
@@ -81,23 +82,14 @@ struct ast_runtime {
     _Atomic int job_delay_ms; /* test hook, testing.h */
 };
 
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 static int set_error(ast_runtime *rt, int code, const char *fmt, ...)
 {
-    char msg[900];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
     pthread_mutex_lock(&rt->mu);
-    snprintf(rt->last_error, sizeof rt->last_error, "%s: %s", ast_err_name(code), msg);
+    ast__verrorf_named(rt->last_error, sizeof rt->last_error, code, fmt, ap);
     pthread_mutex_unlock(&rt->mu);
+    va_end(ap);
     return code;
 }
 
@@ -660,11 +652,11 @@ static int wait_ticket(ast_runtime *rt, uint64_t ticket, int64_t timeout_ns, int
 {
     if (slice_ns < 0)
         return ast_pool_wait(rt->pool, ticket, timeout_ns, c);
-    uint64_t t0 = now_ns();
+    uint64_t t0 = ast__now_ns();
     for (;;) {
         int64_t left = -1;
         if (timeout_ns >= 0) {
-            uint64_t spent = now_ns() - t0;
+            uint64_t spent = ast__now_ns() - t0;
             left = spent >= (uint64_t)timeout_ns ? 0 : timeout_ns - (int64_t)spent;
         }
         int64_t step = left >= 0 && left < slice_ns ? left : slice_ns;
@@ -686,9 +678,9 @@ static int wait_impl(ast_runtime *rt, uint64_t ticket, int64_t timeout_ns, int64
     ast_completion c;
     int rc = ast_pool_wait(rt->pool, ticket, 0, &c);
     if (rc == AST_ETIMEDOUT) {
-        uint64_t t0 = now_ns();
+        uint64_t t0 = ast__now_ns();
         rc = wait_ticket(rt, ticket, timeout_ns, slice_ns, check, arg, &c);
-        uint64_t t1 = now_ns();
+        uint64_t t1 = ast__now_ns();
         atomic_fetch_add(&rt->barrier_waits, 1);
         atomic_fetch_add(&rt->barrier_wait_ns, t1 - t0);
         if (rt->trace) {
