@@ -13,10 +13,10 @@
 #include "asteria/runtime.h"
 
 #include "asteria/errors.h"
+#include "util.h"
 
 #include <errno.h>
 #include <inttypes.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,17 +37,6 @@ void ast_config_init(ast_config *cfg)
 }
 
 const char *ast_config_keys(void) { return KEYS; }
-
-static int fail(char *errbuf, size_t len, const char *fmt, ...)
-{
-    if (errbuf && len) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(errbuf, len, fmt, ap);
-        va_end(ap);
-    }
-    return AST_EINVAL;
-}
 
 /* Whole-string integer parse: "12" ok, "12x", "", "1e3" rejected. */
 static int parse_i64(const char *s, int64_t *out)
@@ -82,7 +71,7 @@ static int check_string(const char *key, const char *value, size_t cap, char *er
 {
     size_t n = strnlen(value, cap);
     if (n >= cap)
-        return fail(errbuf, len, "runtime key '%s': value is %zu bytes or longer; allowed: at "
+        return ast__errorf(errbuf, len, AST_EINVAL, "runtime key '%s': value is %zu bytes or longer; allowed: at "
                     "most %zu bytes", key, n, cap - 1);
     return 0;
 }
@@ -97,7 +86,7 @@ static int check_trace(const char *value, char *errbuf, size_t len)
         return rc;
     struct stat sb;
     if (stat(value, &sb) == 0 && S_ISDIR(sb.st_mode))
-        return fail(errbuf, len, "runtime key 'trace': got '%s'; allowed: a file path (this is a "
+        return ast__errorf(errbuf, len, AST_EINVAL, "runtime key 'trace': got '%s'; allowed: a file path (this is a "
                     "directory)", value);
     char parent[AST_PATH_MAX];
     const char *slash = strrchr(value, '/');
@@ -108,7 +97,7 @@ static int check_trace(const char *value, char *errbuf, size_t len)
     else
         snprintf(parent, sizeof parent, "%.*s", (int)(slash - value), value);
     if (stat(parent, &sb) != 0 || !S_ISDIR(sb.st_mode) || access(parent, W_OK | X_OK) != 0)
-        return fail(errbuf, len, "runtime key 'trace': got '%s'; allowed: a file path in an "
+        return ast__errorf(errbuf, len, AST_EINVAL, "runtime key 'trace': got '%s'; allowed: a file path in an "
                     "existing directory this process can write", value);
     return 0;
 }
@@ -117,9 +106,9 @@ static int check_workers(int64_t v, int zero_ok, const char *value, char *errbuf
 {
     if (v < 0 || v > WORKERS_MAX || (v == 0 && !zero_ok)) {
         if (value)
-            return fail(errbuf, len, "runtime key 'workers': got '%s'; allowed: " WORKERS_ALLOWED,
+            return ast__errorf(errbuf, len, AST_EINVAL, "runtime key 'workers': got '%s'; allowed: " WORKERS_ALLOWED,
                         value);
-        return fail(errbuf, len, "runtime key 'workers': got %" PRId64 "; allowed: "
+        return ast__errorf(errbuf, len, AST_EINVAL, "runtime key 'workers': got %" PRId64 "; allowed: "
                     WORKERS_ALLOWED ", or 0 in the struct for that default", v);
     }
     return 0;
@@ -129,9 +118,9 @@ static int check_max_failures(int64_t v, const char *value, char *errbuf, size_t
 {
     if (v < 1 || v > MAX_FAILURES_MAX) {
         if (value)
-            return fail(errbuf, len, "runtime key 'max_failures': got '%s'; allowed: an integer "
+            return ast__errorf(errbuf, len, AST_EINVAL, "runtime key 'max_failures': got '%s'; allowed: an integer "
                         ">= 1 (at most 1000000)", value);
-        return fail(errbuf, len, "runtime key 'max_failures': got %" PRId64 "; allowed: an "
+        return ast__errorf(errbuf, len, AST_EINVAL, "runtime key 'max_failures': got %" PRId64 "; allowed: an "
                     "integer >= 1 (at most 1000000)", v);
     }
     return 0;
@@ -140,7 +129,7 @@ static int check_max_failures(int64_t v, const char *value, char *errbuf, size_t
 static int check_pin(int v, char *errbuf, size_t len)
 {
     if (v != 0 && v != 1)
-        return fail(errbuf, len, "runtime key 'pin': got %d; allowed: true (1), false (0)", v);
+        return ast__errorf(errbuf, len, AST_EINVAL, "runtime key 'pin': got %d; allowed: true (1), false (0)", v);
     return 0;
 }
 
@@ -149,14 +138,14 @@ static int check_pin(int v, char *errbuf, size_t len)
 int ast_config_set(ast_config *cfg, const char *key, const char *value, char *errbuf, size_t len)
 {
     if (!cfg || !key || !value)
-        return fail(errbuf, len, "ast_config_set: NULL argument");
+        return ast__errorf(errbuf, len, AST_EINVAL, "ast_config_set: NULL argument");
     if (errbuf && len)
         errbuf[0] = '\0';
     int64_t v = 0;
     int rc;
     if (!strcmp(key, "workers")) {
         if (parse_i64(value, &v))
-            return fail(errbuf, len, "runtime key 'workers': got '%s'; allowed: " WORKERS_ALLOWED,
+            return ast__errorf(errbuf, len, AST_EINVAL, "runtime key 'workers': got '%s'; allowed: " WORKERS_ALLOWED,
                         value);
         if ((rc = check_workers(v, 0, value, errbuf, len)))
             return rc;
@@ -174,7 +163,7 @@ int ast_config_set(ast_config *cfg, const char *key, const char *value, char *er
     if (!strcmp(key, "pin")) {
         int b;
         if (parse_bool(value, &b))
-            return fail(errbuf, len, "runtime key 'pin': got '%s'; allowed: true, false", value);
+            return ast__errorf(errbuf, len, AST_EINVAL, "runtime key 'pin': got '%s'; allowed: true, false", value);
         cfg->pin = b;
         return 0;
     }
@@ -190,13 +179,13 @@ int ast_config_set(ast_config *cfg, const char *key, const char *value, char *er
         memcpy(cfg->trace, value, strlen(value) + 1);
         return 0;
     }
-    return fail(errbuf, len, "unknown runtime key '%s'; allowed keys: " KEYS, key);
+    return ast__errorf(errbuf, len, AST_EINVAL, "unknown runtime key '%s'; allowed keys: " KEYS, key);
 }
 
 int ast_config_validate(const ast_config *cfg, char *errbuf, size_t len)
 {
     if (!cfg)
-        return fail(errbuf, len, "ast_config_validate: NULL config");
+        return ast__errorf(errbuf, len, AST_EINVAL, "ast_config_validate: NULL config");
     int rc;
     if ((rc = check_workers(cfg->workers, 1, NULL, errbuf, len)) ||
         (rc = check_max_failures(cfg->max_failures, NULL, errbuf, len)) ||
