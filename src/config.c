@@ -26,7 +26,9 @@
 #define KEYS "workers, cpuset, pin, max_failures, trace"
 #define WORKERS_MAX 1024
 #define MAX_FAILURES_MAX 1000000
-#define WORKERS_ALLOWED "an integer 1..1024 (or None for the cores the training thread does not use)"
+#define WORKERS_ALLOWED \
+    "an integer 1..1024 (or None for the cores the training thread does not use)"
+#define MAX_FAILURES_ALLOWED "an integer >= 1 (at most 1000000)"
 
 void ast_config_init(ast_config *cfg)
 {
@@ -71,8 +73,9 @@ static int check_string(const char *key, const char *value, size_t cap, char *er
 {
     size_t n = strnlen(value, cap);
     if (n >= cap)
-        return ast__errorf(errbuf, len, AST_EINVAL, "runtime key '%s': value is %zu bytes or longer; allowed: at "
-                    "most %zu bytes", key, n, cap - 1);
+        return ast__errorf(errbuf, len, AST_EINVAL,
+                           "runtime key '%s': value is %zu bytes or longer; allowed: at most %zu "
+                           "bytes", key, n, cap - 1);
     return 0;
 }
 
@@ -86,8 +89,9 @@ static int check_trace(const char *value, char *errbuf, size_t len)
         return rc;
     struct stat sb;
     if (stat(value, &sb) == 0 && S_ISDIR(sb.st_mode))
-        return ast__errorf(errbuf, len, AST_EINVAL, "runtime key 'trace': got '%s'; allowed: a file path (this is a "
-                    "directory)", value);
+        return ast__errorf(errbuf, len, AST_EINVAL,
+                           "runtime key 'trace': got '%s'; allowed: a file path (this is a "
+                           "directory)", value);
     char parent[AST_PATH_MAX];
     const char *slash = strrchr(value, '/');
     if (!slash)
@@ -97,39 +101,45 @@ static int check_trace(const char *value, char *errbuf, size_t len)
     else
         snprintf(parent, sizeof parent, "%.*s", (int)(slash - value), value);
     if (stat(parent, &sb) != 0 || !S_ISDIR(sb.st_mode) || access(parent, W_OK | X_OK) != 0)
-        return ast__errorf(errbuf, len, AST_EINVAL, "runtime key 'trace': got '%s'; allowed: a file path in an "
-                    "existing directory this process can write", value);
+        return ast__errorf(errbuf, len, AST_EINVAL,
+                           "runtime key 'trace': got '%s'; allowed: a file path in an existing "
+                           "directory this process can write", value);
     return 0;
 }
 
-static int check_workers(int64_t v, int zero_ok, const char *value, char *errbuf, size_t len)
+/* value: the string form that was parsed into v (ast_config_set), or NULL (a struct field). */
+static int check_workers(int64_t v, const char *value, char *errbuf, size_t len)
 {
-    if (v < 0 || v > WORKERS_MAX || (v == 0 && !zero_ok)) {
-        if (value)
-            return ast__errorf(errbuf, len, AST_EINVAL, "runtime key 'workers': got '%s'; allowed: " WORKERS_ALLOWED,
-                        value);
-        return ast__errorf(errbuf, len, AST_EINVAL, "runtime key 'workers': got %" PRId64 "; allowed: "
-                    WORKERS_ALLOWED ", or 0 in the struct for that default", v);
-    }
-    return 0;
+    if (value && v >= 1 && v <= WORKERS_MAX)
+        return 0;
+    if (value)
+        return ast__errorf(errbuf, len, AST_EINVAL,
+                           "runtime key 'workers': got '%s'; allowed: " WORKERS_ALLOWED, value);
+    if (v >= 0 && v <= WORKERS_MAX)
+        return 0;
+    return ast__errorf(errbuf, len, AST_EINVAL,
+                       "runtime key 'workers': got %" PRId64 "; allowed: " WORKERS_ALLOWED
+                       ", or 0 in the struct for that default", v);
 }
 
 static int check_max_failures(int64_t v, const char *value, char *errbuf, size_t len)
 {
-    if (v < 1 || v > MAX_FAILURES_MAX) {
-        if (value)
-            return ast__errorf(errbuf, len, AST_EINVAL, "runtime key 'max_failures': got '%s'; allowed: an integer "
-                        ">= 1 (at most 1000000)", value);
-        return ast__errorf(errbuf, len, AST_EINVAL, "runtime key 'max_failures': got %" PRId64 "; allowed: an "
-                    "integer >= 1 (at most 1000000)", v);
-    }
-    return 0;
+    if (v >= 1 && v <= MAX_FAILURES_MAX)
+        return 0;
+    if (value)
+        return ast__errorf(errbuf, len, AST_EINVAL,
+                           "runtime key 'max_failures': got '%s'; allowed: " MAX_FAILURES_ALLOWED,
+                           value);
+    return ast__errorf(errbuf, len, AST_EINVAL,
+                       "runtime key 'max_failures': got %" PRId64 "; allowed: "
+                       MAX_FAILURES_ALLOWED, v);
 }
 
 static int check_pin(int v, char *errbuf, size_t len)
 {
     if (v != 0 && v != 1)
-        return ast__errorf(errbuf, len, AST_EINVAL, "runtime key 'pin': got %d; allowed: true (1), false (0)", v);
+        return ast__errorf(errbuf, len, AST_EINVAL,
+                           "runtime key 'pin': got %d; allowed: true (1), false (0)", v);
     return 0;
 }
 
@@ -141,13 +151,12 @@ int ast_config_set(ast_config *cfg, const char *key, const char *value, char *er
         return ast__errorf(errbuf, len, AST_EINVAL, "ast_config_set: NULL argument");
     if (errbuf && len)
         errbuf[0] = '\0';
-    int64_t v = 0;
+    int64_t v;
     int rc;
     if (!strcmp(key, "workers")) {
         if (parse_i64(value, &v))
-            return ast__errorf(errbuf, len, AST_EINVAL, "runtime key 'workers': got '%s'; allowed: " WORKERS_ALLOWED,
-                        value);
-        if ((rc = check_workers(v, 0, value, errbuf, len)))
+            v = -1;
+        if ((rc = check_workers(v, value, errbuf, len)))
             return rc;
         cfg->workers = (int)v;
         return 0;
@@ -163,7 +172,8 @@ int ast_config_set(ast_config *cfg, const char *key, const char *value, char *er
     if (!strcmp(key, "pin")) {
         int b;
         if (parse_bool(value, &b))
-            return ast__errorf(errbuf, len, AST_EINVAL, "runtime key 'pin': got '%s'; allowed: true, false", value);
+            return ast__errorf(errbuf, len, AST_EINVAL,
+                               "runtime key 'pin': got '%s'; allowed: true, false", value);
         cfg->pin = b;
         return 0;
     }
@@ -179,7 +189,8 @@ int ast_config_set(ast_config *cfg, const char *key, const char *value, char *er
         memcpy(cfg->trace, value, strlen(value) + 1);
         return 0;
     }
-    return ast__errorf(errbuf, len, AST_EINVAL, "unknown runtime key '%s'; allowed keys: " KEYS, key);
+    return ast__errorf(errbuf, len, AST_EINVAL, "unknown runtime key '%s'; allowed keys: " KEYS,
+                       key);
 }
 
 int ast_config_validate(const ast_config *cfg, char *errbuf, size_t len)
@@ -187,7 +198,7 @@ int ast_config_validate(const ast_config *cfg, char *errbuf, size_t len)
     if (!cfg)
         return ast__errorf(errbuf, len, AST_EINVAL, "ast_config_validate: NULL config");
     int rc;
-    if ((rc = check_workers(cfg->workers, 1, NULL, errbuf, len)) ||
+    if ((rc = check_workers(cfg->workers, NULL, errbuf, len)) ||
         (rc = check_max_failures(cfg->max_failures, NULL, errbuf, len)) ||
         (rc = check_pin(cfg->pin, errbuf, len)) ||
         (rc = check_string("cpuset", cfg->cpuset, sizeof cfg->cpuset, errbuf, len)))

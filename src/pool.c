@@ -2,10 +2,10 @@
  * pool.c - the worker pool that runs REFRESH jobs off the training thread (asteria/pool.h).
  *
  * Owns: per pool, N worker pthreads (pinned with hwloc when built with it), a deadline-ordered
- * binary heap of queued jobs, two intrusive hash tables of util.h (ticket -> job record for every job whose
+ * binary heap of queued jobs, two hash tables (util.h: ticket -> job record for every job whose
  * completion has not been drained yet; block -> its queued job), the done-queue, the stats.
  * Process-wide: the registry of live pools that the fork handlers walk.
- * May call: errors.h, hwloc, pthreads, libc. Never calls back into the runtime.
+ * May call: errors.h, util.h, hwloc, pthreads, libc. Never calls back into the runtime.
  *
  * Cores: see core_set() for the default set. Worker i binds itself (inside the thread, hwloc
  * HWLOC_CPUBIND_THREAD) to the i-th core of the set, round robin. ast_pool_cpuset reports the

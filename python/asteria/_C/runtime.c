@@ -95,7 +95,7 @@ PyObject *config_to_dict(const ast_config *c)
     return d;
 }
 
-/* ---- Config: a validated ast_config, handed to Runtime() as it is ------------------------------ */
+/* ---- Config: a validated ast_config, handed to Runtime() as it is -------------------------- */
 
 PyObject *config_validate(mod_state *st, PyObject *config)
 {
