@@ -303,6 +303,7 @@ def test_runtime_config_dataclass():
     e = CEngine(cfg)
     try:
         assert e.runtime.config["workers"] == 2 and e.runtime.config == cfg.c_config.as_dict()
+        assert cfg.staleness == 4 and "staleness" not in e.runtime.config  # the schedule's key
         res = submit_wait(e, "eigh", sym(1, 5))
         assert res.status == 0
     finally:
