@@ -2,7 +2,7 @@
 
 ``RuntimeConfig.from_user`` accepts ``None``, a plain dict or a ``RuntimeConfig``. Each key has
 one validator. The optimizer's keys (mode, staleness, install, placement, the budgets, nvme_dir,
-on_failure) are checked here. The keys libasteria reads (``_C.config_keys()``: workers, cpuset,
+on_failure, fsdp_blocking) are checked here. The keys libasteria reads (``_C.config_keys()``: workers, cpuset,
 pin, max_failures, trace) are handed over once, at construction, to libasteria's validator
 (``ast_config_set``, via ``asteria._C.validate_config``), whose result (``c_config``, a
 ``_C.Config``) ``_C.Runtime`` takes as it is. Every rejection is a ValueError naming the key and
@@ -41,7 +41,7 @@ def _check_text(key: str, value: Any) -> None:
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
     mode: str = "async"
-    staleness: int = 5
+    staleness: Union[int, str] = 5  # or "auto": the schedule picks S from measurements
     install: str = "deterministic"
     workers: Optional[int] = None
     placement: Union[str, Mapping[str, str]] = "auto"
@@ -53,6 +53,9 @@ class RuntimeConfig:
     pin: bool = True
     max_failures: int = 3
     on_failure: str = "raise"
+    #: FSDP2 parameters: blocks cut from each rank's shard ("local"), or from the full
+    #: parameter with one owner rank per block ("global", docs/distributed.md); Python only
+    fsdp_blocking: str = "local"
 
     def __post_init__(self) -> None:
         self._validate()
@@ -99,12 +102,15 @@ class RuntimeConfig:
 
         need("mode", self.mode in ("sync", "async"), '"sync", "async"')
         need("install", self.install in ("deterministic", "eager"), '"deterministic", "eager"')
-        need("staleness", is_int(self.staleness) and self.staleness >= 0,
-             "an integer S with 0 <= S <= precondition_frequency")
+        need("staleness", (is_int(self.staleness) and self.staleness >= 0)
+             or self.staleness == "auto",
+             'an integer S with 0 <= S <= precondition_frequency, or "auto" (S chosen from '
+             'the measured round time, at most precondition_frequency)')
         for key in ("device_budget_bytes", "host_budget_bytes"):
             v = getattr(self, key)
             need(key, v is None or (is_int(v) and v >= 0), "None or a byte count >= 0")
         need("on_failure", self.on_failure in ("raise", "keep"), '"raise", "keep"')
+        need("fsdp_blocking", self.fsdp_blocking in ("local", "global"), '"local", "global"')
         if self.nvme_dir is not None:
             need("nvme_dir", isinstance(self.nvme_dir, (str, os.PathLike)), "None or a path string")
             _check_text("nvme_dir", self.nvme_dir)
@@ -166,8 +172,9 @@ class RuntimeConfig:
         return out
 
     def check_frequency(self, precondition_frequency: int) -> None:
-        """S <= f: a refresh must be installed before the next one is snapshotted."""
-        if self.staleness > precondition_frequency:
+        """S <= f: a refresh must be installed before the next one is snapshotted ("auto"
+        stays within it by construction)."""
+        if self.staleness != "auto" and self.staleness > precondition_frequency:
             raise ValueError(
                 f"runtime key 'staleness': got {self.staleness}; allowed: 0 <= S <= "
                 f"precondition_frequency ({precondition_frequency})")

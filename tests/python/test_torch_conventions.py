@@ -192,11 +192,12 @@ def test_complex_parameters_are_rejected_naming_them(name):
     opt.close()
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", CLASSES)
-def test_complex_model_trains_through_its_real_view(name):
+def test_complex_model_trains_through_its_real_view(name, mode):
     torch.manual_seed(0)
     real = torch.nn.Parameter(torch.view_as_real(torch.randn(6, 6, dtype=torch.complex64) * 0.3))
-    opt = CLASSES[name]([real], lr=1e-2, precondition_frequency=2, runtime=MODES["async"])
+    opt = CLASSES[name]([real], lr=1e-2, precondition_frequency=2, runtime=MODES[mode])
     target = torch.randn(6, 6, dtype=torch.complex64)
     losses = []
     for _ in range(12):

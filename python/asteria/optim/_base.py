@@ -11,7 +11,10 @@ A parameter with a non-finite gradient is skipped entirely (parameter, state, st
 refresh schedule untouched) and counted.
 
 Distributed runs (``asteria.distributed``, docs/distributed.md): FSDP2 parameters are DTensors and
-the optimizer works on their local shards (``local``), blocked as usual. When some parameters are
+the optimizer works on their local shards (``local``), blocked as usual; with the runtime's
+``fsdp_blocking="global"`` they are blocked whole instead, one owner rank per block
+(``_global``: the hooks here gather the owned blocks before the kernels and scatter the new
+rows after them, and agree across ranks on what skips or restarts a parameter). When some parameters are
 replicated across ranks (DDP, HSDP), the engine is a ``DistributedEngine``
 (``asteria.refresh.replicated``) around the usual one:
 jobs are batched per replica set and carry it (``replicas=``), each block is computed by its
@@ -31,10 +34,12 @@ import torch
 
 from asteria import distributed as _dist
 from asteria.refresh import select as _select
+from asteria.refresh.cost import report_lines
 from asteria.config import RuntimeConfig
 from asteria.optim import functional as F
 from asteria.optim._blocking import Layout, make_layout
 from asteria.optim._checkpoint import CheckpointMixin
+from asteria.optim._global import GlobalBlocking, sharded_dim0
 from asteria.optim._schedule import _PENDING, INIT, REFRESH, ScheduleMixin
 from asteria.optim._state import _count, local, shard_tag
 from asteria.optim._tiering import TieringMixin, _close_all
@@ -129,7 +134,9 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         self._pindex: dict[torch.Tensor, int] = {}  # stable ids for the engine's block keys
         self._gindex: dict[torch.Tensor, int] = {}  # param -> index of its group
         self._layouts: dict[torch.Tensor, Layout] = {}
-        self._tags: dict[torch.Tensor, str] = {}  # sharded DTensor param -> its shard's tag
+        self._tags: dict = {}  # sharded DTensor param -> its shard's tag (or _global.KeyMap)
+        # fsdp_blocking="global": FSDP2 parameters blocked whole, one owner per block
+        self._global = GlobalBlocking() if self._cfg.fsdp_blocking == "global" else None
         super().__init__(params, defaults)
         self._t = 0
         self._init_schedule()
@@ -258,7 +265,12 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
             self._pindex.setdefault(p, len(self._pindex))
             self._gindex[p] = len(self.param_groups) - 1
             tag = shard_tag(p)
-            if tag is not None:
+            if self._global is not None and sharded_dim0(p):
+                self._tags[p] = (self._global.add_elementwise(p, self._pindex[p])
+                                 if p.numel() == 0
+                                 or self._is_adamw(p, merged)
+                                 else self._global.add(self, p, self._pindex[p], merged))
+            elif tag is not None:
                 self._tags[p] = tag
         if getattr(self, "_plan", None) is not None:  # a group added after construction
             self._replan()
@@ -293,10 +305,16 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
     def _layout(self, p: torch.Tensor, group: dict) -> Layout:
         lay = self._layouts.get(p)
         if lay is None:
-            lay = make_layout(local(p).shape, group["block_size"], self._merge_dims(group),
-                              self._max_dim(group))
-            self._layouts[p] = lay
+            lay = self._layouts[p] = self._make_layout(p, group)
         return lay
+
+    def _make_layout(self, p: torch.Tensor, group: dict) -> Layout:
+        """p's blocks with group's hyperparameters: of its local tensor, or (globally blocked
+        FSDP2 parameters) the blocks of the full parameter this rank owns."""
+        args = (group["block_size"], self._merge_dims(group), self._max_dim(group))
+        if self._global is not None and self._global.has(p):
+            return self._global.layout(p, *args)
+        return make_layout(local(p).shape, *args)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -347,14 +365,16 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
                                  for i in idx]).tolist()
             for i, ok in zip(idx, flags):
                 finite[i] = ok
+        if self._global is not None:  # a globally blocked parameter is skipped on every rank
+            finite = self._global.agree(params, finite)
         return finite
 
     def _adamw(self, group: dict, params: list) -> None:
         if not params:
             return
-        fake = self._all_zero({p: [self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"]]
-                               for p in params if self.state[p]
-                               and _count(self.state[p]["step"]) == 1})
+        fake = self._agreed_zero({p: [self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"]]
+                                  for p in params if self.state[p]
+                                  and _count(self.state[p]["step"]) == 1})
         for p in params:
             st = self.state[p]
             if p in fake:  # what DCP's fake step left (step 1, zero moments): start afresh
@@ -400,8 +420,13 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
                 stacks[key].append((p, j))
         due: list = []
         freq = group["precondition_frequency"]
-        grads = {p: self._layouts[p].blocks(local(p.grad)) for p in params}
-        weights = {p: self._layouts[p].blocks(local(p)) for p in params}
+        glob = [p for p in params if self._global is not None and self._global.has(p)]
+        glob_set = set(glob)
+        grads, weights = self._global.gather(glob) if glob else ({}, {})  # the owned blocks
+        for p in params:
+            if p not in grads:
+                grads[p] = self._layouts[p].blocks(local(p.grad))
+                weights[p] = self._layouts[p].blocks(local(p))
         work = []
         for (phase, bshape, dtype, _, _), all_members in stacks.items():
             if phase == INIT:
@@ -423,16 +448,23 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
             steps = [self.state[p]["step"] for p, _ in members]
             self._step_blocks(group, members, w, g, steps)
             for (p, j), wi in zip(members, w.unbind(0)):
-                self._layouts[p].write(local(p), j, wi)
+                if p in glob_set:
+                    weights[p][j].copy_(wi)
+                else:
+                    self._layouts[p].write(local(p), j, wi)
             dims = [i for i, h in enumerate(self._has_factor(bshape, group)) if h]
             if dims:
                 due.extend((REFRESH, p, j, dims) for (p, j), k in zip(members, steps)
                            if k % freq == 0)
+        if glob:
+            self._global.scatter()  # the new rows back to the ranks holding them
         # jobs are batched in parameter order, whatever order the step ran in
         due.sort(key=lambda d: (self._pindex[d[1]], d[2]))
         # a step that leaves what DCP's fake step leaves submits nothing (Shampoo, f = 1): the
-        # next step starts that parameter afresh anyway
-        idle = self._fake_states(list({d[1]: None for d in due if d[0] == REFRESH}))
+        # next step starts that parameter afresh anyway (globally blocked parameters: decided
+        # on every rank together, so all of them are asked)
+        refreshed = list({d[1]: None for d in due if d[0] == REFRESH})
+        idle = self._fake_states(refreshed + [p for p in glob if p not in set(refreshed)])
         return [d for d in due if d[1] not in idle] if idle else due
 
     def _fake_states(self, params: list) -> set:
@@ -445,9 +477,22 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
             st = self.state[p]
             if "step" in st and _count(st["step"]) == count:
                 ts = self._fake_step_tensors(p)
-                if ts:
+                if self._global is not None and self._global.has(p):
+                    cand[p] = ts or [torch.zeros(())]  # no block here: the owners decide
+                elif ts:
                     cand[p] = ts
-        return self._all_zero(cand)
+        return self._agreed_zero(cand)
+
+    def _agreed_zero(self, cand: dict) -> set:
+        """``_all_zero``, decided by all ranks together for the FSDP2 parameters of
+        ``fsdp_blocking="global"`` (their state is spread over the ranks, its step count one)."""
+        out = self._all_zero(cand)
+        glob = sorted((p for p in cand if self._global is not None and self._global.agrees(p)),
+                      key=lambda p: self._pindex[p])
+        if glob:
+            agreed = self._global.agree(glob, [p in out for p in glob])
+            out = (out - set(glob)) | {p for p, ok in zip(glob, agreed) if ok}
+        return out
 
     @staticmethod
     def _all_zero(cand: dict) -> set:
@@ -474,6 +519,8 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         stats["bytes_device_ring"] = 0
         stats.update(self._engine.stats())
         stats.update(self._counters)
+        if self._global is not None:
+            stats.update(self._global.stats())
         stats["overflow_skipped"] = 0
         stats.update({k: int(v) for k, v in self._lazy_counts.items()})
         dev = 0
@@ -501,7 +548,35 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
             stats["bytes_d2h"] += d2h
             dev += self._plan.ring_bytes
         stats["bytes_device"] = dev
+        stats.setdefault("install_waits", 0)
+        stats.setdefault("install_wait_ns", 0)
+        # S as the schedule applies it now; with staleness="auto", whether it was chosen yet
+        stats["staleness"] = self._delay
+        stats["staleness_auto"] = self._cfg.staleness == "auto"
+        stats["staleness_auto_chosen"] = self._auto_s is not None
+        cap = self.capacity.summary(self._delay)
+        for key in ("round_gflop", "predicted_round_s", "measured_round_s", "step_s",
+                    "window_s", "utilisation", "smallest_s", "smallest_workers"):
+            stats[f"capacity_{key}"] = cap.get(key)
         return stats
+
+    def asteria_plan(self) -> list[str]:
+        """The planner's decisions, then the capacity report (asteria.refresh.cost): work per
+        round, predicted and measured round seconds, the window S x step time, the pool's
+        utilisation and the smallest S (and worker count) that hides the refresh; whether a
+        device executor runs part of it. The capacity lines come once a round was submitted."""
+        lines = super().asteria_plan()
+        # before the first round there is nothing measured to report: the planner's decisions
+        # alone (as logged at construction)
+        if self._async and self._capacity is not None and self._capacity.rounds:
+            s = self._delay
+            auto = self._cfg.staleness == "auto"
+            if auto:
+                lines.append(f"staleness 'auto': S = {s} " + (
+                    "(chosen from the measured round time)" if self._auto_s is not None
+                    else "(the frequency, until a REFRESH round has been measured)"))
+            lines.extend(report_lines(self.capacity.summary(s)))
+        return lines
 
     def close(self) -> None:
         """Release the engine (workers, buffers; the trace file is written now) and the

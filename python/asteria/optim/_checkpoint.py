@@ -42,9 +42,9 @@ from typing import Any, Mapping
 
 import torch
 
-from asteria.optim._blocking import make_layout
 from asteria.optim._schedule import (_PENDING, _PENDING_AGE, _PENDING_IN, _PENDING_OK,
-                                     _PENDING_OK_RE, _PENDING_OUT_RE, NO_ROUND, REFRESH, _Round)
+                                     _PENDING_OK_RE, _PENDING_OUT_RE, AUTO_S, NO_ROUND, REFRESH,
+                                     _Round)
 from asteria.optim._state import _TAG_RE, _TAG_SEP, _count, _ParamState, _States, local
 
 
@@ -116,10 +116,13 @@ class CheckpointMixin:
                         st[f"b{j}{_PENDING}{dim}.{i}"] = tensor
                     st[f"b{j}{_PENDING}{dim}{_PENDING_OK}"] = 1
                 sd["state"][index[p]] = st
+        if self._global is not None and self._delay > 0:  # fsdp_blocking="global"
+            self._global.sync_pending(sd["state"], index, (_PENDING_IN, _PENDING_AGE))
         for p, tag in self._tags.items():  # per-shard state: the shard's own key names
             st = sd["state"].get(index.get(p))
             if st is not None:
-                sd["state"][index[p]] = {f"{k}{_TAG_SEP}{tag}": v for k, v in st.items()}
+                sd["state"][index[p]] = ({f"{k}{_TAG_SEP}{tag}": v for k, v in st.items()}
+                                         if isinstance(tag, str) else tag.export(st))
         for hook in post_hooks.values():
             out = hook(self, sd)
             if out is not None:
@@ -137,6 +140,9 @@ class CheckpointMixin:
             if not st:
                 continue
             tag = self._tags.get(p)
+            if tag is not None and not isinstance(tag, str):  # fsdp_blocking="global"
+                state[i] = tag.internal_state(st, self._describe_param(self._pindex[p]))
+                continue
             out = {}
             for k, v in st.items():
                 m = _TAG_RE.search(k) if isinstance(k, str) else None
@@ -174,6 +180,7 @@ class CheckpointMixin:
             rnd.drop(self._engine)
         self._rounds = []
         self._fail_streak, self._failed = {}, []
+        self._auto_s = None  # the loaded state says which S an auto run chose
         with _hooks_off(self, "_optimizer_load_state_dict_pre_hooks"), \
                 _hooks_off(self, "_optimizer_load_state_dict_post_hooks") as post_hooks:
             super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
@@ -217,6 +224,7 @@ class CheckpointMixin:
                                   for key, v in outs.items() if oks.get(key, 1)}
             self._fixed_state(p, group, self._layout(p, group))
         self._rounds = list(rounds.values())
+        self._restore_auto_s()  # staleness="auto": the S the saved run chose stays
         if self._tiered is not None:
             self._tiered.end_step()  # NVMe-homed blocks go back to NVMe (best effort)
         for hook in post_hooks.values():
@@ -278,8 +286,7 @@ class CheckpointMixin:
             tensors = {n: (tuple(lp.shape), lp.dtype) for n in ("exp_avg", "exp_avg_sq")}
             required = set(tensors) | {"step"}
         else:
-            layout = make_layout(lp.shape, group["block_size"], self._merge_dims(group),
-                                 self._max_dim(group))
+            layout = self._make_layout(p, group)
             here = self._layout(p, live)
             if layout.block_shapes != here.block_shapes:
                 raise bad(f"it was saved with blocks {layout.block_shapes}, this optimizer "
@@ -288,7 +295,8 @@ class CheckpointMixin:
             tensors = {n: (tuple(shape), dt) for n, _, shape, dt in spec}
             # Shampoo's roots may be absent (a state dict from before the fixed key set)
             required = {n for n, kind, _, _ in spec if kind != "roots"} | {"step"}
-            flags |= {_PENDING_IN, _PENDING_AGE} | set(self._flag_keys(p, group, layout))
+            # AUTO_S: the S a staleness="auto" run chose (kept by a resumed auto run)
+            flags |= {_PENDING_IN, _PENDING_AGE, AUTO_S} | set(self._flag_keys(p, group, layout))
             for j, bshape in enumerate(layout.block_shapes):
                 for dim, has in enumerate(self._has_factor(bshape, group)):
                     if has:

@@ -3,9 +3,11 @@ bounded barrier, and what a failed REFRESH does.
 
 Owns: the rounds of REFRESH jobs in flight, the block keys and versions the engine's failure
 counting sees, the consecutive-failure counts, and the step end (installs, then new
-snapshots). S is read from the runtime config here and nowhere else (``_delay``). May call:
-the engine (``submit`` / ``ready`` / ``wait``), the optimizer's subclass hooks
-(``_refresh_input``, ``_install``, ``_output_specs``). Single-threaded (the training thread);
+snapshots). S is read from the runtime config here and nowhere else (``_delay``), and with
+``staleness="auto"`` chosen here (``_choose_s``). May call: the engine (``submit`` / ``ready``
+/ ``wait``), the capacity record (``asteria.refresh.cost.Capacity``: every round's jobs, step
+and stall times), the optimizer's subclass hooks (``_refresh_input``, ``_install``,
+``_output_specs``). Single-threaded (the training thread);
 the engine's workers never see these objects.
 
 Schedule (DESIGN.md, "Staleness"). Steps are counted per ``step()`` call (t = 1, 2, ...).
@@ -33,12 +35,23 @@ Schedule (DESIGN.md, "Staleness"). Steps are counted per ``step()`` call (t = 1,
    KeyboardInterrupt leaves the run on the trajectory of an uninterrupted one.
  - After ``max_failures`` failed refreshes in a row of one factor the step raises (or, with
    ``on_failure="keep"``, warns), naming the parameter and the cause, in every mode.
+ - ``staleness="auto"`` (``mode="async"``): S is chosen once, as the fewest steps that cover
+   1.5x a REFRESH round's time, at least 1 and at most the smallest ``precondition_frequency``
+   of the groups. SOAP and KL-Shampoo choose it when their first REFRESH round is submitted,
+   from the cost model's prediction of that round: the model has measured the first-step
+   eigendecompositions (the INIT round) and the steps since. Shampoo (no INIT round) runs its
+   first REFRESH round at S = that frequency (the largest S allowed, so it does not stall) and
+   chooses at its install, from the larger of its measured time (submit to last job's end)
+   and the prediction. From then on S is fixed. It is stored in every preconditioned parameter's state
+   (``staleness.auto``, -1 before the choice), so a resumed run keeps it: the trajectory is a
+   pure function of the inputs and that S (timing picks S once; it never moves S again).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import time
 import warnings
 from collections import defaultdict
 from typing import Optional
@@ -47,6 +60,7 @@ import torch
 
 from asteria.optim._blocking import Layout
 from asteria.optim._state import local
+from asteria.refresh.cost import Capacity, JobSpec
 
 
 INIT = "init"        # first-step eigendecomposition, installed in the step that submitted it
@@ -61,6 +75,8 @@ _PENDING_OK = "_ok"                 # b{j}.pending{dim}_ok: 1 if those outputs a
 NO_ROUND = -1
 _PENDING_OUT_RE = re.compile(r"b(\d+)\.pending(\d+)\.(\d+)")
 _PENDING_OK_RE = re.compile(r"b(\d+)\.pending(\d+)_ok")
+AUTO_S = "staleness.auto"  # the S that staleness="auto" chose (-1: not yet), per parameter
+AUTO = "auto"
 
 
 @dataclasses.dataclass
@@ -134,11 +150,53 @@ class ScheduleMixin:
         self._fail_streak: dict = {}  # (param index, block, dim) -> consecutive failures
         self._failed: list = []       # failures to raise at the end of this step
         self._lazy_counts: dict = {}  # name -> device tensor (see _count_lazy)
+        self._auto_s: Optional[int] = None  # staleness="auto": the S chosen, once chosen
+        self._capacity: Optional[Capacity] = None
+        self._stall_ns = 0  # this step end's time at the bounded barrier
 
     @property
     def _delay(self) -> int:
         """S: steps between a snapshot and its install (0 in sync mode)."""
-        return self._cfg.staleness if self._async else 0
+        if not self._async:
+            return 0
+        if self._cfg.staleness == AUTO:
+            cap = self._auto_ceiling()  # a group added later may lower it
+            return cap if self._auto_s is None else min(self._auto_s, cap)
+        return self._cfg.staleness
+
+    def _auto_ceiling(self) -> int:
+        """The largest S allowed: the smallest precondition_frequency of the groups."""
+        return min((g["precondition_frequency"] for g in self.param_groups), default=1)
+
+    @property
+    def capacity(self) -> Capacity:
+        """The capacity record of this optimizer's REFRESH work (asteria.refresh.cost)."""
+        if self._capacity is None or self._capacity._engine is not self._engine:
+            self._capacity = Capacity(self._engine)
+        return self._capacity
+
+    def _choose_s(self, jobs: Optional[list] = None) -> None:
+        """staleness="auto": fix S, once. Before the first REFRESH round is submitted
+        (``jobs``: its jobs), from the cost model's prediction of it if the model has measured
+        jobs already (SOAP's and KL-Shampoo's first-step eigendecompositions); else at the
+        install of the first REFRESH round, from its measured time."""
+        if self._cfg.staleness != AUTO or not self._async or self._auto_s is not None:
+            return
+        s = self.capacity.auto_s(self._auto_ceiling(), jobs)
+        if s is None:
+            return
+        self._auto_s = s
+        for _, st in self._param_states():
+            if AUTO_S in st:
+                st[AUTO_S] = s
+
+    def _restore_auto_s(self) -> None:
+        """After a load: the S a saved auto run chose, if it chose one."""
+        if self._cfg.staleness != AUTO:
+            return
+        chosen = [int(st[AUTO_S]) for _, st in self._param_states() if AUTO_S in st]
+        chosen = [c for c in chosen if c >= 0]
+        self._auto_s = max(chosen) if chosen else None
 
     @property
     def _eager(self) -> bool:
@@ -151,6 +209,8 @@ class ScheduleMixin:
         if self._delay <= 0:
             return
         st = self.state[p]
+        if self._cfg.staleness == AUTO and AUTO_S not in st:
+            st[AUTO_S] = -1 if self._auto_s is None else self._auto_s
         if _PENDING_IN not in st:
             st[_PENDING_IN], st[_PENDING_AGE] = NO_ROUND, 0
         for j, shape in enumerate(layout.block_shapes):
@@ -189,16 +249,20 @@ class ScheduleMixin:
         for rnd in list(self._rounds):
             if rnd.install_step <= t or (self._eager and rnd.ready(self._engine)):
                 self._install_round(rnd)
+        self._choose_s()
         for kind in (INIT, REFRESH):
             items = [d for d in self._unfinished_end if d[0] == kind]
             if not items:
                 continue
-            rnd = self._submit(kind, items, t if kind == INIT else t + self._delay)
+            # a REFRESH round's install step is t + S, S known once its jobs are (auto)
+            rnd = self._submit(kind, items, t if kind == INIT else None)
             self._rounds.append(rnd)
             self._unfinished_end = [d for d in self._unfinished_end if d[0] != kind]
             if rnd.install_step == t or (self._eager and rnd.ready(self._engine)):
                 self._install_round(rnd)
         self._unfinished_end = None
+        self.capacity.step_end(self._stall_ns)
+        self._stall_ns = 0
         self._raise_failures()
 
     def _settle_step_end(self) -> None:
@@ -206,14 +270,20 @@ class ScheduleMixin:
         if getattr(self, "_unfinished_end", None) is not None:
             self._finish_step_end()
 
-    def _submit(self, kind: str, items: list, install_step: int) -> _Round:
+    def _submit(self, kind: str, items: list, install_step: Optional[int]) -> _Round:
+        """Submit a round; ``install_step`` None: t + S, with S chosen first if auto."""
         groups: dict = defaultdict(list)
         for _, p, j, dims in items:
             for dim in dims:
                 op, f, q, pw, eps = self._refresh_input(kind, p, j, dim)
                 key = (op, f.shape[-1], f.dtype, f.device, pw, eps, self._replicas(p))
                 groups[key].append((p, j, dim, f, q))
-        jobs = []
+        if install_step is None:
+            self._choose_s([JobSpec(k[0], k[2], int(k[1]), len(v), p=k[4])
+                            for k, v in groups.items()])
+            install_step = self._t + self._delay
+        jobs, specs, submit_s = [], {}, {}
+        start_ns = time.monotonic_ns()
         # libasteria's pool takes the factors as parts: its shadow snapshots them straight into
         # one ring slot, with no stack in fresh memory first (whose page faults were half of a
         # refresh step's extra time on the host)
@@ -239,11 +309,15 @@ class ScheduleMixin:
             if self._tiered is not None and all(
                     self._owned(p, self._output_name(p, j, dim)) for p, j, dim in targets):
                 extra["host_outputs"] = True  # the results go to host memory: no round trip
+            t_sub = time.monotonic_ns()
             ticket = self._engine.submit(op, f, q, block=block, version=version,
                                          deadline=install_step, snapshot_step=self._t,
                                          p=pw, eps=eps, **extra)
+            submit_s[ticket] = (time.monotonic_ns() - t_sub) / 1e9
             self._counters["refreshes_submitted"] += 1
             jobs.append(_Job(ticket, targets))
+            specs[ticket] = JobSpec(op, fs[0].dtype, int(fs[0].shape[-1]), len(fs), p=pw)
+        self.capacity.round_submitted(kind, self._t, specs, start_ns, submit_s)
         return _Round(kind, self._t, install_step, jobs)
 
     def _output_name(self, p: torch.Tensor, j: int, dim: int) -> str:
@@ -251,6 +325,15 @@ class ScheduleMixin:
         return f"b{j}.Q{dim}"
 
     def _install_round(self, rnd: _Round) -> None:
+        if rnd.outputs is None and not rnd.ready(self._engine):
+            # the bounded barrier: a job is late (the first round of a run excepted, the
+            # capacity report says how far the refresh falls behind)
+            t0 = time.monotonic_ns()
+            outputs = rnd.resolve(self._engine)
+            waited = time.monotonic_ns() - t0
+            self._stall_ns += waited
+            self._counters["install_waits"] = self._counters.get("install_waits", 0) + 1
+            self._counters["install_wait_ns"] = self._counters.get("install_wait_ns", 0) + waited
         outputs = rnd.resolve(self._engine)
         self._install(rnd.kind, outputs)
         self._counters["refresh_failures"] += rnd.failed

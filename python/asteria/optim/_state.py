@@ -48,6 +48,24 @@ def shard_tag(p) -> Optional[str]:
     return "shard" + "_".join(parts) if parts else None
 
 
+def external_key(tag, k):
+    """The name of the optimizer's state key k as ``optimizer.state`` and ``state_dict()``
+    show it: tagged with the shard (``shard_tag``), or renamed by a key map (the global block
+    numbers of ``fsdp_blocking="global"``, ``_global.KeyMap``)."""
+    if tag is None:
+        return k
+    return f"{k}{_TAG_SEP}{tag}" if isinstance(tag, str) else tag.external(k)
+
+
+def internal_key(tag, k):
+    """The optimizer's name of a key looked up: a shard's tag stripped. A key map's shown
+    names are not taken (``b3.`` could be either numbering): lookups use the optimizer's."""
+    if not isinstance(tag, str) or not isinstance(k, str):
+        return k
+    suffix = _TAG_SEP + tag
+    return k[:-len(suffix)] if k.endswith(suffix) else k
+
+
 class _ParamState(dict):
     """One parameter's state when some of it lives in a Residency, or when the parameter is a
     DTensor sharded over several ranks: a plain dict for the device tensors plus "virtual"
@@ -59,7 +77,9 @@ class _ParamState(dict):
 
     A sharded parameter's state is per shard: its keys, as iteration (and so DCP) sees them,
     carry the shard's tag (``b0.exp_avg@shard1of2``), so that a checkpoint keeps every rank's
-    copy instead of one for all; lookups take either name, the optimizer uses the plain one."""
+    copy instead of one for all; lookups take either name, the optimizer uses the plain one.
+    A globally blocked FSDP2 parameter (``fsdp_blocking="global"``) shows its blocks under their
+    global numbers (``_global.KeyMap``); lookups take the optimizer's own (owned block k)."""
 
     __slots__ = ("_owner", "_p", "_tag")
 
@@ -81,14 +101,10 @@ class _ParamState(dict):
 
     def _int(self, k):
         """The optimizer's name of a key (the tag stripped)."""
-        if self._tag is not None and isinstance(k, str):
-            suffix = _TAG_SEP + self._tag
-            if k.endswith(suffix):
-                return k[:-len(suffix)]
-        return k
+        return internal_key(self._tag, k)
 
     def _ext(self, k):
-        return k if self._tag is None else f"{k}{_TAG_SEP}{self._tag}"
+        return external_key(self._tag, k)
 
     def _vkey(self, k):
         opt = self._opt
@@ -120,10 +136,12 @@ class _ParamState(dict):
         k = self._int(k)
         return dict.__contains__(self, k) or self._vkey(k) is not None
 
+    def _names(self) -> list:
+        """The optimizer's names of every entry, device and virtual."""
+        return list(dict.__iter__(self)) + self._virtual()
+
     def __iter__(self):
-        for k in dict.__iter__(self):
-            yield self._ext(k)
-        for k in self._virtual():
+        for k in self._names():
             yield self._ext(k)
 
     def __len__(self):
@@ -133,10 +151,10 @@ class _ParamState(dict):
         return list(iter(self))
 
     def items(self):
-        return [(k, self[k]) for k in self]
+        return [(self._ext(k), self[k]) for k in self._names()]
 
     def values(self):
-        return [self[k] for k in self]
+        return [self[k] for k in self._names()]
 
     def __setitem__(self, k, v):
         opt = self._opt

@@ -10,6 +10,10 @@ picks one):
 * ``CEngine`` (``host_pool.py``): ``mode="async"``. Every job runs on libasteria's C worker
   pool (LAPACKE on host threads). The training thread only snapshots, submits, polls and
   waits.
+* ``DeviceEngine`` (``device.py``): torch.linalg on a lowest-priority CUDA stream, on a
+  thread of its own.
+* ``SplitEngine`` (``split.py``): ``mode="async"`` with CUDA parameters; each job divided
+  among the C pool's workers and a ``DeviceEngine`` by the cost model (``cost.py``).
 * ``DistributedEngine`` (``replicated.py``): around either, for blocks replicated over
   ranks (one owner computes, the others receive).
 
@@ -19,14 +23,17 @@ All tensors passed to ``submit`` are *batched*: shape ``(batch, n, n)`` for same
 
 Capabilities an executor declares (class attributes) instead of callers testing its type:
 ``takes_parts`` (inputs may be given as a list of per-block tensors and donated, see
-``CEngine.submit``), ``replicated`` (blocks replicated over ranks: jobs take ``replicas=``).
+``CEngine.submit``), ``replicated`` (blocks replicated over ranks: jobs take ``replicas=``),
+``splits_batches`` (a job's batch is divided among lanes), and ``lanes()`` (what runs jobs and
+how many at once). An executor hands each finished job's ``JobTiming`` to its ``observer``
+(the capacity model's feed), on the thread that waits for the job.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -44,6 +51,34 @@ class Result:
     outputs: Optional[tuple[torch.Tensor, ...]]
     error: str = ""
     retried_f64: bool = False
+    #: CLOCK_MONOTONIC ns (``time.monotonic_ns``) of the job's start and end, 0 where unknown.
+    #: ``timing`` says who measured them: "worker" (libasteria's pool, around the LAPACK
+    #: call on its thread), "wall" (Python, around the torch call; for the inline and device
+    #: executors), "" (not measured).
+    started_ns: int = 0
+    done_ns: int = 0
+    timing: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class JobTiming:
+    """One finished job (or one part of a job a split executor divided), as the capacity model
+    (``asteria.refresh.cost``) learns from it. ``ticket`` is the ticket the caller holds."""
+
+    ticket: int
+    lane: str         # "host" (the C pool), "device" (a CUDA stream), "inline" (torch inline)
+    op: str
+    dtype: torch.dtype
+    n: int
+    n1: int
+    batch: int
+    started_ns: int
+    done_ns: int
+    timing: str
+    p: float = 0.0
+    sides: int = 2    # soap_rotate: how many of the A / B pairs were given
+    ok: bool = True
+    last: bool = True  # the last part of the caller's job to finish (a split job has several)
 
 
 class Engine(abc.ABC):
@@ -53,6 +88,18 @@ class Engine(abc.ABC):
     takes_parts = False
     #: jobs carry ``replicas=`` and ``step_end`` / ``drain`` synchronise them across ranks
     replicated = False
+    #: one job's batch may be divided among lanes (host workers, a device): the capacity model
+    #: predicts its rounds with divisible work (``asteria.refresh.split``)
+    splits_batches = False
+    #: called with a ``JobTiming`` for each finished job whose result is handed out (the
+    #: capacity model's feed); None: nobody listens
+    observer: Optional[Callable[[JobTiming], None]] = None
+
+    def lanes(self) -> dict[str, int]:
+        """The lanes this executor runs jobs on and how many run at once:
+        {"host": workers} for the C pool, {"inline": 1} for the torch executor, plus
+        {"device": 1} with a device executor."""
+        return {}
 
     @abc.abstractmethod
     def submit(

@@ -33,7 +33,7 @@ import torch
 
 from asteria import _C
 from asteria.config import RuntimeConfig
-from asteria.refresh.engine import Engine, Result
+from asteria.refresh.engine import Engine, JobTiming, Result
 from asteria.refresh.ops import check_op
 
 _C_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
@@ -70,6 +70,7 @@ class _Job:
     result: Any = None                 # the _C.Result, once the runtime reported it
     snapshots: tuple[int, ...] = ()    # shadow snapshot tickets holding the inputs
     host_outputs: bool = False         # hand the outputs back on the host, not job.device
+    shape: tuple = (0, 0, 0, 0.0, 2)   # (batch, n, n1, p, sides) for the capacity model
 
 
 _DONATABLE = {"f": "in0", "q": "in1", "b": "in2"}
@@ -294,7 +295,9 @@ class CEngine(Engine):
             raise
         self._jobs[ticket] = _Job(op=op, device=device, dtype=f.dtype, pinned=pin,
                                   buffers=buffers, outputs=tuple(outputs), handles=tuple(handles),
-                                  snapshots=tuple(tickets), host_outputs=host_outputs)
+                                  snapshots=tuple(tickets), host_outputs=host_outputs,
+                                  shape=(batch, n, n1, float(p),
+                                         (q is not None) + (b is not None) if rotate else 2))
         return ticket
 
     def drain(self) -> int:
@@ -322,7 +325,16 @@ class CEngine(Engine):
             self._check_open()
             self._collect(self._rt.wait(ticket, timeout))
         del self._jobs[ticket]
-        return self._result(job)
+        out = self._result(job)
+        if self.observer is not None and out.started_ns:
+            batch, n, n1, p, sides = job.shape
+            self.observer(JobTiming(ticket, "host", job.op, job.dtype, n, n1, batch,
+                                    out.started_ns, out.done_ns, out.timing, p, sides,
+                                    out.status == 0))
+        return out
+
+    def lanes(self) -> dict[str, int]:
+        return {"host": int(self.stats().get("workers", 1))}
 
     def cancel(self, ticket: int) -> bool:
         job = self._jobs.get(ticket)
@@ -432,9 +444,12 @@ class CEngine(Engine):
                                                          for t in job.outputs)
         else:
             error = self._describe(job, res)
+        started = int(res.started_ns)
         return Result(ticket=res.ticket, block=res.block, version=res.version,
                       snapshot_step=res.snapshot_step, status=res.status, outputs=outputs,
-                      error=error, retried_f64=bool(res.retried_f64))
+                      error=error, retried_f64=bool(res.retried_f64), started_ns=started,
+                      done_ns=int(res.done_ns) if started else 0,
+                      timing="worker" if started else "")
 
     @staticmethod
     def _restore(t: torch.Tensor, job: _Job) -> torch.Tensor:

@@ -14,11 +14,12 @@ caller keeps its previous preconditioner.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import torch
 
-from asteria.refresh.engine import Engine, Result
+from asteria.refresh.engine import Engine, JobTiming, Result
 from asteria.refresh.ops import check_op
 
 AST_ENOCONV = -7
@@ -144,12 +145,29 @@ def _compute_with_retry(op, f, q, p, eps, b=None) -> tuple[tuple[torch.Tensor, .
     return tuple(t.to(f.dtype) if t.is_floating_point() else t for t in out), True
 
 
+def run(op: str, f: torch.Tensor, q: Optional[torch.Tensor], p: float, eps: float,
+        b: Optional[torch.Tensor] = None) -> tuple[int, Any, str, bool]:
+    """One job as every torch executor runs it: (status, outputs or None, error, retried in
+    float64). Non-finite inputs and results, torch's own failures, non-convergence: a negative
+    status and no outputs."""
+    try:
+        if any(t is not None and not bool(torch.isfinite(t).all()) for t in (f, q, b)):
+            raise _Failure(AST_ENONFINITE, f"{op}: non-finite input")
+        outputs, retried = _compute_with_retry(op, f, q, p, eps, b)
+        return 0, outputs, "", retried
+    except _Failure as exc:
+        return exc.status, None, str(exc), False
+    except RuntimeError as exc:  # torch.linalg's own failures (non-convergence)
+        return AST_ENOCONV, None, str(exc), False
+
+
 class TorchEngine(Engine):
     """Inline torch.linalg engine for ``mode="sync"``."""
 
     def __init__(self) -> None:
         self._next_ticket = 1
         self._done: dict[int, Result] = {}
+        self._shapes: dict[int, tuple] = {}  # ticket -> (op, dtype, batch, n, n1, p, sides)
         self._closed = False
         self._stats: dict[str, Any] = {
             "jobs_submitted": 0, "jobs_done": 0, "jobs_failed": 0, "jobs_retried_f64": 0,
@@ -165,15 +183,9 @@ class TorchEngine(Engine):
         ticket = self._next_ticket
         self._next_ticket += 1
         self._stats["jobs_submitted"] += 1
-        status, outputs, error, retried = 0, None, "", False
-        try:
-            if any(t is not None and not bool(torch.isfinite(t).all()) for t in (f, q, b)):
-                raise _Failure(AST_ENONFINITE, f"{op}: non-finite input")
-            outputs, retried = _compute_with_retry(op, f, q, p, eps, b)
-        except _Failure as exc:
-            status, error = exc.status, str(exc)
-        except RuntimeError as exc:  # torch.linalg's own failures (non-convergence)
-            status, error = AST_ENOCONV, str(exc)
+        t0 = time.monotonic_ns()
+        status, outputs, error, retried = run(op, f, q, p, eps, b)
+        t1 = time.monotonic_ns()
         self._stats["jobs_done"] += 1
         if status:
             self._stats["jobs_failed"] += 1
@@ -181,7 +193,13 @@ class TorchEngine(Engine):
             self._stats["jobs_retried_f64"] += 1
         self._done[ticket] = Result(ticket=ticket, block=block, version=version,
                                     snapshot_step=snapshot_step, status=status,
-                                    outputs=outputs, error=error, retried_f64=retried)
+                                    outputs=outputs, error=error, retried_f64=retried,
+                                    started_ns=t0, done_ns=t1, timing="wall")
+        if self.observer is not None:
+            rotate = op == "soap_rotate"
+            self._shapes[ticket] = (op, f.dtype, int(f.shape[0]), int(f.shape[1]),
+                                    int(f.shape[2]) if rotate else 0, float(p),
+                                    (q is not None) + (b is not None) if rotate else 2)
         return ticket
 
     def ready(self, ticket: int) -> bool:
@@ -189,9 +207,18 @@ class TorchEngine(Engine):
 
     def wait(self, ticket: int) -> Result:
         try:
-            return self._done.pop(ticket)
+            res = self._done.pop(ticket)
         except KeyError:
             raise ValueError(f"unknown or already waited-for ticket {ticket}") from None
+        shape = self._shapes.pop(ticket, None)
+        if self.observer is not None and shape is not None:
+            op, dtype, batch, n, n1, p, sides = shape
+            self.observer(JobTiming(ticket, "inline", op, dtype, n, n1, batch, res.started_ns,
+                                    res.done_ns, res.timing, p, sides, res.status == 0))
+        return res
+
+    def lanes(self) -> dict[str, int]:
+        return {"inline": 1}
 
     def cancel(self, ticket: int) -> bool:
         return False  # every job finished at submit time

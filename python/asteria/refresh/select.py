@@ -1,10 +1,21 @@
 """The choice of the REFRESH executor: the only place that names one.
 
 May call: the executors' modules. Holds nothing.
+
+Which executor:
+ - ``mode="sync"``: ``TorchEngine`` (inline, the native reference).
+ - ``mode="async"``, parameters in host memory: ``CEngine`` (the C pool; one job per (op,
+   size, dtype), each on one worker).
+ - ``mode="async"``, parameters on a CUDA device: ``SplitEngine`` over the C pool and a
+   ``DeviceEngine`` on that device (every round divided among the host workers and the device
+   by the cost model). ``ASTERIA_REFRESH_DEVICE=0`` in the environment leaves the device out
+   (the split among host workers stays): how a run measures host-only against hybrid.
+ - wrapped by ``DistributedEngine`` when some parameters are replicated over ranks.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Iterable, Optional
 
 import torch
@@ -25,14 +36,38 @@ def make_engine(cfg: Any, plan: Optional[Any] = None,
     else:
         from asteria.refresh.host_pool import CEngine
 
+        params = list(params)
         if plan is None:
             engine = CEngine(cfg)
         else:
             engine = CEngine(cfg, shadow="cuda" if plan.cuda else "host",
                              snapshot_ring_bytes=plan.snapshot_ring_bytes)
+        cuda = device_for(params)
+        if cuda is not None:
+            from asteria.refresh.split import SplitEngine
+
+            device = None
+            if os.environ.get(DEVICE_ENV, "1") != "0":
+                from asteria.refresh.device import DeviceEngine
+
+                device = DeviceEngine(cuda)
+            engine = SplitEngine(engine, device)
     from asteria.refresh.replicated import wrap_engine
 
     return wrap_engine(engine, list(params))
+
+
+#: "0" leaves the device executor out of an async run on CUDA (host-only rounds, still split)
+DEVICE_ENV = "ASTERIA_REFRESH_DEVICE"
+
+
+def device_for(params: Iterable[torch.Tensor]) -> Optional[torch.device]:
+    """The CUDA device of the parameters (the first one's), or None: no device executor."""
+    for p in params:
+        dev = getattr(p, "device", None)
+        if dev is not None and dev.type == "cuda" and torch.cuda.is_available():
+            return dev
+    return None
 
 
 def add_params(engine: Engine, params: Iterable[torch.Tensor]) -> None:

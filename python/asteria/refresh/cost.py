@@ -1,0 +1,636 @@
+"""The cost model of the REFRESH work: how long a round takes on the lanes that run it.
+
+Owns: the FLOP count of each op (``flops``), the throughput measured per lane, op, dtype and
+size (``CostModel``), the prediction of a round's time on a number of workers (``makespan``,
+``assign``), and the capacity record of one optimizer (``Capacity``: rounds, their measured
+times, step times, the report and the smallest S that hides the refresh). May call: torch and,
+for ``calibrate`` only, ``asteria.refresh.host_pool``. Single-threaded (the training thread);
+executors hand it finished jobs through their ``observer`` on that thread.
+
+FLOPs per batch entry (n: the factor's size; real arithmetic, one multiply-add = 2 FLOPs):
+
+==================  ============================================  ===============================
+op                  count                                         from
+==================  ============================================  ===============================
+``eigh``            9 n^3                                         symmetric QR with vectors
+                                                                  (Golub & Van Loan, 8.3)
+``inv_root``        9 n^3 + 2 n^3 = 11 n^3                        eigh, then Q diag(w) Q^T
+``newton_root``     20 (2 p + 2) n^3, p the root (integer)        nominal: 20 coupled-Newton
+                                                                  iterations of p + 1 matmuls
+``soap_qr``         2 n^3 + 8/3 n^3 = 14/3 n^3                    F Q, then Householder QR
+                                                                  (geqrf 4/3 + orgqr 4/3)
+``kl_qr``           14/3 n^3                                      as soap_qr
+``soap_rotate``     4 n^2 n1 (A pair) + 4 n n1^2 (B pair)         two matmuls per side
+==================  ============================================  ===============================
+
+Throughput: a lane's seconds per entry are measured from finished jobs (the C pool's own
+start / end times on its worker thread, or Python's wall time around the torch call for the
+inline and device executors; each ``JobTiming`` says which). Per (lane, op, dtype) the model
+keeps the mean of the last samples at each measured size, its largest dropped (``_typical``); between two measured sizes the
+rate (FLOP/s) is interpolated log-linearly in the FLOP count, outside them it is the nearest
+measured size's rate, so time scales with n^3 from there. An op never measured on a lane
+takes that lane's median rate over the ops it has measured, then the lane's base rate (a
+calibration or a given per-core throughput), and each prediction says where its rate came from.
+A round's predicted time runs from its first submit: each job is released when its submit
+returns (the snapshot copy on the caller's thread, priced per byte as measured), runs on the
+lanes as the executor schedules it, and the round pays once the median dispatch latency
+measured (a submit's return to the first job's start: waking a worker, or waiting for a core
+on a busy machine).
+Half-precision jobs are computed in float32 (as the executors do) and priced as float32;
+float64 without its own measurement at half the float32 rate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import statistics
+import time
+from collections import defaultdict, deque
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from asteria.refresh.engine import JobTiming
+
+NEWTON_NOMINAL_ITERS = 20
+SAMPLES = 9                  # per measured size: the last SAMPLES (see _typical)
+ASSUMED_GFLOPS = 5.0         # a lane with nothing measured and no base rate (labelled so)
+DEVICE_PRIOR_GFLOPS = 200.0  # a device lane before its first job: the split explores it
+AUTO_MARGIN = 1.5            # staleness "auto": the window must be this much above a round
+
+
+def flops(op: str, n: int, n1: int = 0, p: float = 0.0, sides: int = 2) -> float:
+    """FLOPs of one batch entry of ``op`` on a factor of size n (table above). ``soap_rotate``:
+    X is n x n1 and ``sides`` says which pairs were given (2: both; 1: the A pair)."""
+    n = float(n)
+    if op == "eigh":
+        return 9.0 * n ** 3
+    if op == "inv_root":
+        return 11.0 * n ** 3
+    if op == "newton_root":
+        root = max(1, int(p) if p else 2)
+        return NEWTON_NOMINAL_ITERS * (2.0 * root + 2.0) * n ** 3
+    if op in ("soap_qr", "kl_qr"):
+        return 14.0 / 3.0 * n ** 3
+    if op == "soap_rotate":
+        n1 = float(n1 or n)
+        a = 4.0 * n * n * n1
+        return a + (4.0 * n * n1 * n1 if sides >= 2 else 0.0)
+    raise ValueError(f"unknown REFRESH op {op!r}")
+
+
+def _typical(samples: Iterable[float]) -> float:
+    """The mean without the largest sample (one outlier of a busy machine dropped): a round's
+    time is a sum of jobs, and on a loaded machine job times are skewed to the right, so the
+    mean, not the median, is what sums to a round's typical time."""
+    xs = sorted(samples)
+    if len(xs) > 2:
+        xs = xs[:-1]
+    return sum(xs) / len(xs)
+
+
+def _dtype_key(dtype: Any) -> str:
+    if dtype in (torch.float64, "float64"):
+        return "float64"
+    return "float32"  # half precision runs in float32 on every executor
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """One batched job of a round, as the model prices it."""
+
+    op: str
+    dtype: Any
+    n: int
+    batch: int
+    n1: int = 0
+    p: float = 0.0
+    sides: int = 2
+
+    @property
+    def flops_per_entry(self) -> float:
+        return flops(self.op, self.n, self.n1, self.p, self.sides)
+
+    @property
+    def flops(self) -> float:
+        return self.batch * self.flops_per_entry
+
+    @property
+    def input_bytes(self) -> int:
+        """Bytes the executor snapshots at submit (F, and Q or the rotation's pairs)."""
+        size = 8 if _dtype_key(self.dtype) == "float64" else 4
+        n, n1 = self.n, self.n1 or self.n
+        if self.op == "soap_rotate":
+            mats = n * n1 + 2 * n * n + (2 * n1 * n1 if self.sides >= 2 else 0)
+        else:
+            mats = n * n * (2 if self.op in ("soap_qr", "kl_qr") else 1)
+        return self.batch * mats * size
+
+
+class CostModel:
+    """Measured throughput per (lane, op, dtype, size); predictions in seconds per entry."""
+
+    def __init__(self, base_gflops: Optional[dict] = None, source: str = "") -> None:
+        #: (lane, op, dtype) -> {(n, n1, p, sides): deque of (flops, seconds) per entry}
+        self._points: dict = defaultdict(dict)
+        #: lane -> GFLOP/s used where nothing is measured (calibration, or given)
+        self.base_gflops: dict = dict(base_gflops or {})
+        self.base_source = source
+        self.observed = 0
+        self._dispatch: deque = deque(maxlen=SAMPLES)
+        self._submit: deque = deque(maxlen=4 * SAMPLES)  # seconds per byte of a submit
+
+    def observe_submit(self, nbytes: int, seconds: float) -> None:
+        """One submit on the caller's thread took ``seconds`` for ``nbytes`` of inputs (the
+        snapshot copy): a job cannot start before its submit returns."""
+        if nbytes > 0 and seconds > 0:
+            self._submit.append(seconds / nbytes)
+
+    def submit_seconds(self, job: "JobSpec") -> float:
+        return job.input_bytes * statistics.median(self._submit) if self._submit else 0.0
+
+    def observe_dispatch(self, seconds: float) -> None:
+        """A round's dispatch latency: from its first submit's return to its first job's start
+        (waking a worker; on a busy machine, waiting for a core)."""
+        self._dispatch.append(max(0.0, float(seconds)))
+
+    @property
+    def dispatch_s(self) -> float:
+        """The median dispatch latency measured (0 before any): every round pays it once."""
+        return statistics.median(self._dispatch) if self._dispatch else 0.0
+
+    def observe(self, t: JobTiming) -> None:
+        """Learn from one finished job (failed or unmeasured ones are ignored)."""
+        if not t.ok or not t.started_ns or t.done_ns <= t.started_ns or t.batch <= 0:
+            return
+        per_entry = (t.done_ns - t.started_ns) / 1e9 / t.batch
+        self.add(t.lane, t.op, t.dtype, t.n, per_entry, t.n1, t.p, t.sides)
+
+    def add(self, lane: str, op: str, dtype: Any, n: int, seconds_per_entry: float,
+            n1: int = 0, p: float = 0.0, sides: int = 2) -> None:
+        key = (lane, op, _dtype_key(dtype))
+        size = (int(n), int(n1), float(p), int(sides))
+        q = self._points[key].setdefault(size, deque(maxlen=SAMPLES))
+        q.append((flops(op, n, n1, p, sides), float(seconds_per_entry)))
+        self.observed += 1
+
+    def _curve(self, lane: str, op: str, dt: str) -> list:
+        """[(flops, rate)] of the measured sizes, by flops."""
+        pts = self._points.get((lane, op, dt), {})
+        out = []
+        for q in pts.values():
+            f = q[0][0]
+            s = _typical(x[1] for x in q)
+            if s > 0:
+                out.append((f, f / s))
+        return sorted(out)
+
+    @staticmethod
+    def _interp(curve: list, f: float) -> float:
+        if f <= curve[0][0]:
+            return curve[0][1]
+        if f >= curve[-1][0]:
+            return curve[-1][1]
+        for (f0, r0), (f1, r1) in zip(curve, curve[1:]):
+            if f0 <= f <= f1:
+                if f1 == f0:
+                    return r1
+                w = (math.log(f) - math.log(f0)) / (math.log(f1) - math.log(f0))
+                return math.exp(math.log(r0) + w * (math.log(r1) - math.log(r0)))
+        return curve[-1][1]
+
+    def rate(self, lane: str, op: str, dtype: Any, f: float) -> tuple[float, str]:
+        """(FLOP/s for an entry of f FLOPs, where that rate comes from)."""
+        dt = _dtype_key(dtype)
+        curve = self._curve(lane, op, dt)
+        if curve:
+            return self._interp(curve, f), "measured"
+        if dt == "float64":
+            curve = self._curve(lane, op, "float32")
+            if curve:
+                return self._interp(curve, f) / 2.0, "measured in float32, halved"
+        rates = [self._interp(c, f) for c in (self._curve(lane, o, dt) for o in
+                                                   {k[1] for k in self._points if k[0] == lane})
+                 if c]
+        if rates:
+            return statistics.median(rates), "the lane's other ops"
+        if lane in self.base_gflops:
+            return self.base_gflops[lane] * 1e9, self.base_source or "base rate"
+        if lane == "device":
+            return DEVICE_PRIOR_GFLOPS * 1e9, "device prior (not measured yet)"
+        return ASSUMED_GFLOPS * 1e9, "assumed (nothing measured)"
+
+    def measured(self, lane: str, op: str, dtype: Any) -> bool:
+        return bool(self._curve(lane, op, _dtype_key(dtype)))
+
+    def entry_seconds(self, lane: str, job: JobSpec) -> float:
+        f = job.flops_per_entry
+        return f / self.rate(lane, job.op, job.dtype, f)[0]
+
+    def job_seconds(self, lane: str, job: JobSpec) -> float:
+        return job.batch * self.entry_seconds(lane, job)
+
+    def sources(self, lane: str, jobs: Iterable[JobSpec]) -> list[str]:
+        return sorted({self.rate(lane, j.op, j.dtype, j.flops_per_entry)[1] for j in jobs})
+
+    def table(self) -> list[dict]:
+        """Every measured point: lane, op, dtype, n, GFLOP/s, samples."""
+        out = []
+        for (lane, op, dt), pts in sorted(self._points.items()):
+            for (n, n1, p, sides), q in sorted(pts.items()):
+                s = _typical(x[1] for x in q)
+                out.append({"lane": lane, "op": op, "dtype": dt, "n": n, "n1": n1,
+                            "gflops": q[0][0] / s / 1e9 if s > 0 else None,
+                            "seconds_per_entry": s, "samples": len(q)})
+        return out
+
+
+# ---- rounds on lanes ---------------------------------------------------------------------------
+
+def makespan(model: CostModel, jobs: Sequence[JobSpec], workers: int, lane: str = "host",
+             free_at: Optional[Sequence[float]] = None) -> float:
+    """Seconds from a round's first submit until the last of ``jobs`` is done when each runs
+    whole on one of ``workers`` (libasteria's pool: a batched job is one unit; jobs of one
+    round share a deadline and start in submission order on the first free worker, not before
+    their submit, which copies their inputs on the caller's thread, has returned)."""
+    free = sorted(free_at) if free_at else [0.0] * max(1, workers)
+    release = 0.0
+    for job in jobs:
+        release += model.submit_seconds(job)
+        i = min(range(len(free)), key=free.__getitem__)
+        free[i] = max(free[i], release) + model.job_seconds(lane, job)
+    return max(free) + model.dispatch_s if jobs else 0.0
+
+
+def assign(entry_seconds: dict, batch: int, free_at: dict) -> dict:
+    """Divide ``batch`` equal entries among slots to finish the last one soonest.
+
+    ``entry_seconds``: lane -> seconds per entry; ``free_at``: slot -> when the slot is free
+    (seconds), a slot being (lane, index), e.g. ("host", 0..W-1), ("device", 0). Returns
+    slot -> entries (greedy: each entry to the slot where it would finish first, ties to the
+    smaller slot; optimal for identical entries). ``free_at`` is advanced in place."""
+    heap = [(t + entry_seconds[s[0]], s) for s, t in free_at.items()]
+    heapq.heapify(heap)
+    counts: dict = {}
+    for _ in range(batch):
+        end, slot = heapq.heappop(heap)
+        free_at[slot] = end
+        counts[slot] = counts.get(slot, 0) + 1
+        heapq.heappush(heap, (end + entry_seconds[slot[0]], slot))
+    return counts
+
+
+def split_makespan(model: CostModel, jobs: Sequence[JobSpec], lanes: dict) -> float:
+    """Seconds until a round is done when every job's batch may be divided among the lanes'
+    slots (``asteria.refresh.split``): lanes = {"host": W, "device": 1}."""
+    free = {(lane, i): 0.0 for lane, k in lanes.items() for i in range(k)}
+    if not free:
+        return 0.0
+    release = 0.0
+    for job in jobs:
+        release += model.submit_seconds(job)
+        for slot in free:
+            free[slot] = max(free[slot], release)
+        secs = {lane: model.entry_seconds(lane, job) for lane in lanes}
+        assign(secs, job.batch, free)
+    return max(free.values()) + model.dispatch_s if jobs else 0.0
+
+
+def predict_round(model: CostModel, jobs: Sequence[JobSpec], lanes: dict,
+                  splits: bool) -> float:
+    """A round's seconds on an executor with these lanes: inline (serial, on the caller's
+    thread), whole jobs on the host pool, or divided among host workers and a device."""
+    if "inline" in lanes:  # on the caller's thread: nothing to dispatch
+        return sum(model.job_seconds("inline", j) for j in jobs)
+    if splits:
+        return split_makespan(model, jobs, lanes)
+    return makespan(model, jobs, lanes.get("host", 1))
+
+
+def smallest_workers(model: CostModel, jobs: Sequence[JobSpec], window_s: float,
+                     splits: bool, device: int = 0, limit: int = 256) -> Optional[int]:
+    """The fewest host workers whose predicted round fits ``window_s`` (None: none up to
+    ``limit``). A bisection: more workers never make the prediction longer here."""
+    if not jobs:
+        return 1
+    if window_s <= 0:
+        return None
+
+    def fits(w: int) -> bool:
+        lanes = {"host": w, **({"device": device} if device else {})}
+        return predict_round(model, jobs, lanes, splits) <= window_s
+
+    if not fits(limit):
+        return None
+    lo, hi = 1, limit
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def smallest_s(round_s: float, step_s: float, margin: float = 1.0) -> Optional[int]:
+    """The fewest steps whose time covers ``margin`` x a round (>= 1), None without a step
+    time."""
+    if step_s <= 0:
+        return None
+    return max(1, math.ceil(margin * round_s / step_s - 1e-9))
+
+
+# ---- one optimizer's capacity record -----------------------------------------------------------
+
+@dataclasses.dataclass
+class RoundRecord:
+    kind: str
+    snapshot_step: int
+    submit_ns: int
+    jobs: dict                    # ticket -> JobSpec
+    predicted_s: float
+    done_ns: int = 0
+    started_ns: int = 0
+    busy_s: float = 0.0
+    finished: set = dataclasses.field(default_factory=set)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.finished) >= len(self.jobs)
+
+    @property
+    def measured_s(self) -> Optional[float]:
+        """Submit to the last job's end: the time the window must cover."""
+        return (self.done_ns - self.submit_ns) / 1e9 if self.complete and self.done_ns else None
+
+    @property
+    def gflop(self) -> float:
+        return sum(j.flops for j in self.jobs.values()) / 1e9
+
+
+class Capacity:
+    """What one optimizer's REFRESH work costs against its step time, measured as it runs."""
+
+    KEEP = 16  # rounds and rotations kept
+
+    def __init__(self, engine: Any, model: Optional[CostModel] = None) -> None:
+        # an executor that divides jobs by a model of its own shares it (and feeds it)
+        shared = getattr(engine, "model", None)
+        self._own_model = model is None and shared is None
+        self.model = model or shared or CostModel()
+        self._engine = engine
+        self.rounds: deque = deque(maxlen=self.KEEP)
+        self._by_ticket: dict = {}
+        self._steps: deque = deque(maxlen=64)  # step seconds, barrier stalls excluded
+        self._last_end_ns: Optional[int] = None
+        self._busy = defaultdict(float)   # lane -> busy seconds since the first job
+        self._first_ns: Optional[int] = None
+        self.rotation_s: deque = deque(maxlen=self.KEEP)
+        self._rot_pending: dict = {}      # ticket -> submit ns of a job outside the rounds
+        self._timing = ""
+        engine.observer = self.observe
+
+    # ---- feeds --------------------------------------------------------------------------------
+    def round_submitted(self, kind: str, snapshot_step: int, jobs: dict, start_ns: int,
+                        submit_s: Optional[dict] = None) -> RoundRecord:
+        """A round's jobs {ticket: JobSpec} were submitted from ``start_ns`` on (monotonic);
+        ``submit_s``: {ticket: seconds its submit took}."""
+        for t, s in (submit_s or {}).items():
+            self.model.observe_submit(jobs[t].input_bytes, s)
+        lanes = self.lanes()
+        rec = RoundRecord(kind, snapshot_step, start_ns, dict(jobs),
+                          predict_round(self.model, list(jobs.values()), lanes, self.splits))
+        for t in jobs:
+            self._by_ticket[t] = rec
+        self.rounds.append(rec)
+        if self._first_ns is None:
+            self._first_ns = rec.submit_ns
+        return rec
+
+    def observe(self, t: JobTiming) -> None:
+        if self._own_model:
+            self.model.observe(t)
+        self._timing = self._timing or t.timing
+        if t.started_ns and t.done_ns > t.started_ns:
+            self._busy[t.lane] += (t.done_ns - t.started_ns) / 1e9
+            if self._first_ns is None or t.started_ns < self._first_ns:
+                self._first_ns = t.started_ns
+        rec = self._by_ticket.get(t.ticket)
+        if rec is None:
+            return
+        if t.started_ns:
+            rec.started_ns = min(rec.started_ns or t.started_ns, t.started_ns)
+        rec.done_ns = max(rec.done_ns, t.done_ns)
+        rec.busy_s += max(0, t.done_ns - t.started_ns) / 1e9
+        if t.last:
+            rec.finished.add(t.ticket)
+        if rec.complete:
+            for k in rec.jobs:
+                self._by_ticket.pop(k, None)
+            first = rec.jobs[min(rec.jobs)]
+            if rec.started_ns and t.lane != "inline":
+                self.model.observe_dispatch((rec.started_ns - rec.submit_ns) / 1e9
+                                            - self.model.submit_seconds(first))
+
+    def step_end(self, stall_ns: int = 0) -> None:
+        """A step ended now; ``stall_ns`` of it went to waiting at the bounded barrier."""
+        now = time.monotonic_ns()
+        if self._last_end_ns is not None:
+            self._steps.append(max(0, now - self._last_end_ns - stall_ns) / 1e9)
+        self._last_end_ns = now
+
+    # ---- views --------------------------------------------------------------------------------
+    def lanes(self) -> dict:
+        lanes = self._engine.lanes() if hasattr(self._engine, "lanes") else {}
+        return lanes or {"host": 1}
+
+    @property
+    def splits(self) -> bool:
+        return bool(getattr(self._engine, "splits_batches", False))
+
+    def step_s(self) -> Optional[float]:
+        return statistics.median(self._steps) if self._steps else None
+
+    def last_refresh(self) -> Optional[RoundRecord]:
+        for rec in reversed(self.rounds):
+            if rec.kind == "refresh":
+                return rec
+        return None
+
+    def measured_refresh_s(self) -> list:
+        return [r.measured_s for r in self.rounds if r.kind == "refresh"
+                and r.measured_s is not None]
+
+    def predict(self, rec: RoundRecord, lanes: Optional[dict] = None) -> float:
+        return predict_round(self.model, list(rec.jobs.values()), lanes or self.lanes(),
+                             self.splits)
+
+    def utilisation(self) -> Optional[float]:
+        if self._first_ns is None:
+            return None
+        elapsed = (time.monotonic_ns() - self._first_ns) / 1e9
+        slots = sum(self.lanes().values())
+        busy = sum(self._busy.values())
+        return busy / (slots * elapsed) if elapsed > 0 and slots else None
+
+    def auto_s(self, f: int, jobs: Optional[Sequence[JobSpec]] = None) -> Optional[int]:
+        """S for ``staleness="auto"``: the fewest steps that cover AUTO_MARGIN x a REFRESH
+        round's time, at least 1, at most f; None while that cannot be known. ``jobs``: the
+        round about to be submitted, priced by the model if it has measured any job on these
+        lanes (the first-step eigendecompositions); without ``jobs``: the last REFRESH round,
+        once measured (the larger of its measured time and its prediction)."""
+        step = self.step_s()
+        if not step:
+            return None
+        if jobs is not None:
+            if not jobs or not self.model.observed:
+                return None
+            need = predict_round(self.model, list(jobs), self.lanes(), self.splits)
+        else:
+            rec = self.last_refresh()
+            if rec is None or rec.measured_s is None:
+                return None
+            need = max(rec.measured_s, self.predict(rec))
+        return min(f, smallest_s(need, step, AUTO_MARGIN))
+
+    def summary(self, staleness: int) -> dict:
+        """The capacity report as numbers (None where not measured yet)."""
+        rec = self.last_refresh()
+        step = self.step_s()
+        lanes = self.lanes()
+        out: dict = {"lanes": dict(lanes), "splits_batches": self.splits,
+                     "step_s": step, "staleness": staleness,
+                     "window_s": staleness * step if step else None,
+                     "utilisation": self.utilisation(), "timing": self._timing}
+        if rec is None:
+            return out
+        pred = self.predict(rec)
+        measured = self.measured_refresh_s()
+        out.update({"round_gflop": rec.gflop, "round_jobs": len(rec.jobs),
+                    "round_entries": sum(j.batch for j in rec.jobs.values()),
+                    "predicted_round_s": pred,
+                    "measured_round_s": measured[-1] if measured else None,
+                    "rate_sources": self.model.sources(next(iter(lanes)), rec.jobs.values())})
+        need = max([pred] + measured[-1:])
+        if step:
+            out["smallest_s"] = smallest_s(need, step)
+            jobs = list(rec.jobs.values())
+            out["smallest_workers"] = smallest_workers(self.model, jobs, staleness * step,
+                                                       self.splits, lanes.get("device", 0))
+        return out
+
+
+def report_lines(s: dict) -> list[str]:
+    """The capacity summary in plain words (``asteria_plan()``)."""
+    lanes = ", ".join(f"{k} x{v}" for k, v in s["lanes"].items())
+    lines = [f"capacity: REFRESH lanes {lanes}"
+             + ("; each round divided among them" if s["splits_batches"] else
+                "; one job per (op, size, dtype), each on one worker")]
+    if "device" not in s["lanes"]:
+        lines.append("capacity: no device executor (no CUDA device for these parameters)")
+    if "round_gflop" not in s:
+        lines.append("capacity: no REFRESH round yet")
+        return lines
+    def sec(x):
+        return "not measured yet" if x is None else f"{x:.3f} s"
+    lines.append(f"capacity: work per round {s['round_gflop']:.2f} GFLOP in "
+                 f"{s['round_jobs']} jobs ({s['round_entries']} factors); predicted "
+                 f"{sec(s['predicted_round_s'])} (rates: {', '.join(s['rate_sources'])}), "
+                 f"measured {sec(s['measured_round_s'])} (submit to last job's end, timed by "
+                 f"{s['timing'] or 'nobody'})")
+    if s["step_s"]:
+        lines.append(f"capacity: window S x step = {s['staleness']} x {s['step_s']:.3f} s = "
+                     f"{s['window_s']:.3f} s; pool utilisation "
+                     + ("n/a" if s["utilisation"] is None else f"{100 * s['utilisation']:.0f}%"))
+        w = s.get("smallest_workers")
+        lines.append(f"capacity: smallest S that hides the refresh: {s['smallest_s']}; "
+                     f"smallest worker count at S={s['staleness']}: "
+                     + ("more than 256" if w is None else str(w)))
+    return lines
+
+
+# ---- calibration -------------------------------------------------------------------------------
+
+def _spd_and_basis(batch: int, n: int, dtype: torch.dtype, seed: int) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(batch, n, n, generator=g, dtype=dtype)
+    f = a @ a.transpose(-1, -2) / n + torch.eye(n, dtype=dtype)
+    return f, torch.linalg.qr(torch.randn(batch, n, n, generator=g, dtype=dtype)).Q
+
+
+def pool_round(engine: Any, sizes: Sequence[tuple], model: Optional[CostModel] = None,
+               op: str = "soap_qr", dtype: torch.dtype = torch.float32) -> float:
+    """Run one round on ``engine``: one job per (n, batch) of ``sizes``, as the schedule
+    submits them; seconds from the first submit to the last job's end (the executor's own
+    timing). ``model``, if given, learns the round's dispatch latency (the engine's observer
+    feeds it the jobs)."""
+    ins = [_spd_and_basis(b, n, dtype, n) for n, b in sizes]
+    t0 = time.monotonic_ns()
+    tickets, ends = [], []
+    for i, ((n, b), (f, q)) in enumerate(zip(sizes, ins)):
+        t = time.monotonic_ns()
+        tickets.append(engine.submit(op, f, q if op in ("soap_qr", "kl_qr") else None,
+                                     block=i + 1, version=1, deadline=10, snapshot_step=0))
+        ends.append(time.monotonic_ns())
+        if model is not None:
+            model.observe_submit(JobSpec(op, dtype, n, b).input_bytes, (ends[-1] - t) / 1e9)
+    results = [engine.wait(t) for t in tickets]
+    if model is not None:
+        model.observe_dispatch((results[0].started_ns - ends[0]) / 1e9)
+    return (max(r.done_ns for r in results) - t0) / 1e9
+
+
+def prediction_check(workers: int, sizes: Sequence[tuple], calibration: Sequence[tuple],
+                     repeats: int = 7) -> dict:
+    """How well the model predicts a round on the C pool with ``workers``: each round is
+    predicted before it runs from every job seen so far (a calibration round at other sizes
+    first, then the rounds before), as in a training run. Returns the lists and their medians
+    and the relative error of the median prediction."""
+    from asteria.refresh.host_pool import CEngine
+
+    model = CostModel()
+    eng = CEngine({"workers": workers})
+    eng.observer = model.observe
+    jobs = [JobSpec("soap_qr", torch.float32, n, b) for n, b in sizes]
+    predicted, measured = [], []
+    try:
+        pool_round(eng, calibration)  # warm the pool and the allocator
+        for _ in range(repeats):
+            pool_round(eng, calibration, model)
+            predicted.append(makespan(model, jobs, workers))
+            measured.append(pool_round(eng, sizes, model))
+    finally:
+        eng.close()
+    p, m = statistics.median(predicted), statistics.median(measured)
+    return {"workers": workers, "sizes": [list(x) for x in sizes],
+            "calibration": [list(x) for x in calibration], "predicted_s": predicted,
+            "measured_s": measured, "median_predicted_s": p, "median_measured_s": m,
+            "relative_error": (p - m) / m, "rates": model.table(),
+            "dispatch_s": model.dispatch_s}
+
+
+def calibrate(ops: Sequence[str] = ("soap_qr", "eigh"), sizes: Sequence[int] = (256, 512),
+              dtype: torch.dtype = torch.float32, batch: int = 2, repeats: int = 3,
+              model: Optional[CostModel] = None) -> CostModel:
+    """Measure ops on libasteria's pool with one worker (its own timings, the median of
+    ``repeats``) and return the model (lane "host"): the per-core throughput of this machine."""
+    from asteria.refresh.host_pool import CEngine
+
+    model = model or CostModel()
+    eng = CEngine({"workers": 1})
+    eng.observer = model.observe
+    try:
+        for n in sizes:
+            f, q = _spd_and_basis(batch, n, dtype, 0)
+            for op in ops:
+                for r in range(repeats):
+                    tk = eng.submit(op, f, q if op in ("soap_qr", "kl_qr") else None,
+                                    block=r + 1, version=1, deadline=0, snapshot_step=0,
+                                    p=2.0 if "root" in op else 0.0,
+                                    eps=1e-6 if "root" in op else 0.0)
+                    eng.wait(tk)
+    finally:
+        eng.close()
+    return model
