@@ -19,6 +19,7 @@
 #include "asteria/coherence.h"
 
 #include "asteria/errors.h"
+#include "util.h"
 
 #include <inttypes.h>
 #include <pthread.h>
@@ -49,6 +50,7 @@ struct vset {
 };
 
 struct blk {
+    ast__hnode node;      /* in reg->index, key = id */
     uint64_t id;
     uint64_t cost;
     struct vset *set;
@@ -73,8 +75,7 @@ struct ast_coherence {
 
     struct blk *blocks; /* ascending by id after the plan */
     size_t nblocks, capblocks;
-    size_t *hidx;       /* open addressing: index + 1 into blocks, 0 empty */
-    size_t hcap;        /* power of two */
+    ast__htable index;  /* id -> block; re-linked whenever blocks[] moves (reindex) */
     int planned;
     uint64_t *load;     /* per rank */
 
@@ -87,21 +88,16 @@ struct ast_coherence {
     char err[ERR_BYTES];
 };
 
+/* Sets reg's last-error text (reg->mu held) and returns code. */
 static int fail(ast_coherence *reg, int code, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(reg->err, sizeof reg->err, fmt, ap);
+    ast__verrorf(reg->err, sizeof reg->err, code, fmt, ap);
     va_end(ap);
     return code;
 }
 
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 static uint64_t sat_add(uint64_t a, uint64_t b)
 {
@@ -256,37 +252,16 @@ static int vset_intern(ast_coherence *reg, int *sorted, int n, struct vset **out
 
 static struct blk *lookup(ast_coherence *reg, uint64_t id)
 {
-    if (!reg->hcap)
-        return NULL;
-    size_t mask = reg->hcap - 1;
-    for (size_t i = (size_t)mix(id) & mask;; i = (i + 1) & mask) {
-        size_t v = reg->hidx[i];
-        if (!v)
-            return NULL;
-        if (reg->blocks[v - 1].id == id)
-            return &reg->blocks[v - 1];
-    }
+    ast__hnode *x = ast__htable_find(&reg->index, id);
+    return x ? AST__CONTAINER_OF(x, struct blk, node) : NULL;
 }
 
-static void hash_put(size_t *tab, size_t cap, uint64_t id, size_t index)
+/* Re-links every block into the index: after blocks[] was reallocated or sorted. */
+static void reindex(ast_coherence *reg)
 {
-    size_t mask = cap - 1, i = (size_t)mix(id) & mask;
-    while (tab[i])
-        i = (i + 1) & mask;
-    tab[i] = index + 1;
-}
-
-static int hash_rebuild(ast_coherence *reg, size_t cap)
-{
-    size_t *tab = calloc(cap, sizeof *tab);
-    if (!tab)
-        return AST_ENOMEM;
+    ast__htable_clear(&reg->index);
     for (size_t i = 0; i < reg->nblocks; i++)
-        hash_put(tab, cap, reg->blocks[i].id, i);
-    free(reg->hidx);
-    reg->hidx = tab;
-    reg->hcap = cap;
-    return 0;
+        ast__htable_insert(&reg->index, &reg->blocks[i].node);
 }
 
 /* Finds a block for a query that needs the plan; sets the message on failure. */
@@ -408,7 +383,7 @@ void ast_coherence_destroy(ast_coherence *reg)
         vset_free(reg->sets[i]);
     free(reg->sets);
     free(reg->blocks);
-    free(reg->hidx);
+    ast__htable_free(&reg->index);
     free(reg->node);
     free(reg->load);
     pthread_mutex_destroy(&reg->mu);
@@ -470,18 +445,14 @@ static int reserve_blocks(ast_coherence *reg, size_t more)
         size_t cap = reg->capblocks ? reg->capblocks : 64;
         while (cap < need)
             cap *= 2;
+        if (ast__htable_reserve(&reg->index, cap) != 0)
+            return AST_ENOMEM;
         struct blk *p = realloc(reg->blocks, cap * sizeof *p);
         if (!p)
             return AST_ENOMEM;
         reg->blocks = p;
         reg->capblocks = cap;
-    }
-    if (2 * need > reg->hcap) {
-        size_t cap = reg->hcap ? reg->hcap : 128;
-        while (cap < 2 * need)
-            cap *= 2;
-        if (hash_rebuild(reg, cap) != 0)
-            return AST_ENOMEM;
+        reindex(reg);
     }
     return 0;
 }
@@ -497,7 +468,8 @@ static void add_block(ast_coherence *reg, uint64_t id, uint64_t cost, struct vse
     b->owner = -1;
     b->pub.t = b->cur.t = -1;
     b->sync_step = b->recv_step = -1;
-    hash_put(reg->hidx, reg->hcap, id, reg->nblocks);
+    b->node.key = id;
+    ast__htable_insert(&reg->index, &b->node);
     reg->nblocks++;
 }
 
@@ -556,9 +528,7 @@ static void assign_owners(ast_coherence *reg, struct blk **order)
     /* The table is sorted by id first: registration order must leave no trace. */
     if (reg->nblocks) {
         qsort(reg->blocks, reg->nblocks, sizeof *reg->blocks, cmp_id);
-        memset(reg->hidx, 0, reg->hcap * sizeof *reg->hidx);
-        for (size_t i = 0; i < reg->nblocks; i++)
-            hash_put(reg->hidx, reg->hcap, reg->blocks[i].id, i);
+        reindex(reg);
     }
     size_t n = 0;
     for (size_t i = 0; i < reg->nblocks; i++)
@@ -1213,7 +1183,7 @@ int ast_coherence_barrier_begin(ast_coherence *reg, int64_t step)
     if (rc == 0) {
         reg->barrier_open = 1;
         reg->barrier_step = step;
-        reg->barrier_t0 = now_ns();
+        reg->barrier_t0 = ast__now_ns();
     }
     pthread_mutex_unlock(&reg->mu);
     return rc;
@@ -1231,7 +1201,7 @@ int ast_coherence_barrier_end(ast_coherence *reg, int64_t step)
         rc = fail(reg, AST_EINVAL, "barrier_end %" PRId64 ": the open barrier is step %" PRId64,
                   step, reg->barrier_step);
     if (rc == 0) {
-        uint64_t waited = now_ns() - reg->barrier_t0;
+        uint64_t waited = ast__now_ns() - reg->barrier_t0;
         reg->barrier_open = 0;
         reg->st.barrier_waits++;
         reg->st.barrier_wait_ns = sat_add(reg->st.barrier_wait_ns, waited);

@@ -1,56 +1,44 @@
 /*
  * config.c - ast_config defaults, the key/value setter and validation.
  *
- * Owns: the mapping from the Python dict keys of DESIGN.md's "Runtime config" table to the
- * ast_config struct, and every message that explains a rejected key or value (it names the key
- * and the allowed values, so the Python layer can raise it unchanged). The test hook
- * "debug_job_delay_ms" is accepted but left out of ast_config_keys(), which lists the public keys.
- * No state and no locks: a config is a plain value owned by its caller.
+ * Owns: the rule of each key that libasteria reads (workers, cpuset, pin, max_failures, trace)
+ * and every message that explains a rejected key or value. A message names the key and the
+ * allowed values in the words of asteria.RuntimeConfig ("runtime key 'workers': got ...;
+ * allowed: ..."), so the Python layer raises it unchanged. Each key has one check function,
+ * used by both ast_config_set (string form) and ast_config_validate (struct form), so the two
+ * cannot disagree.
+ * May call: libc (stat, access for the trace path). No state and no locks: a config is a plain
+ * value owned by its caller.
  */
 #include "asteria/runtime.h"
 
 #include "asteria/errors.h"
-#include "asteria/store.h"
+#include "util.h"
 
 #include <errno.h>
 #include <inttypes.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
-#define KEYS "mode, staleness, install, workers, cpuset, pin, placement, device_budget_bytes, " \
-             "host_budget_bytes, nvme_dir, trace, max_failures"
-
-static const char *const placement_kinds[] = {"factors", "roots", "eigenbases", "moments"};
-#define N_PLACEMENT_KINDS (sizeof placement_kinds / sizeof placement_kinds[0])
+#define KEYS "workers, cpuset, pin, max_failures, trace"
+#define WORKERS_MAX 1024
+#define MAX_FAILURES_MAX 1000000
+#define WORKERS_ALLOWED \
+    "an integer 1..1024 (or None for the cores the training thread does not use)"
+#define MAX_FAILURES_ALLOWED "an integer >= 1 (at most 1000000)"
 
 void ast_config_init(ast_config *cfg)
 {
     memset(cfg, 0, sizeof *cfg);
-    cfg->mode = AST_MODE_ASYNC;
-    cfg->staleness = 5;
-    cfg->install = AST_INSTALL_DETERMINISTIC;
     cfg->workers = 0;
     cfg->pin = 1;
-    snprintf(cfg->placement, sizeof cfg->placement, "auto");
-    cfg->device_budget_bytes = -1;
-    cfg->host_budget_bytes = -1;
     cfg->max_failures = 3;
 }
 
 const char *ast_config_keys(void) { return KEYS; }
-
-static int fail(char *errbuf, size_t len, const char *fmt, ...)
-{
-    if (errbuf && len) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(errbuf, len, fmt, ap);
-        va_end(ap);
-    }
-    return AST_EINVAL;
-}
 
 /* Whole-string integer parse: "12" ok, "12x", "", "1e3" rejected. */
 static int parse_i64(const char *s, int64_t *out)
@@ -79,180 +67,141 @@ static int parse_bool(const char *s, int *out)
     return -1;
 }
 
-static int set_path(char *dst, size_t cap, const char *key, const char *value, char *errbuf,
-                    size_t len)
+/* ---- one check per key ------------------------------------------------------------------- */
+
+static int check_string(const char *key, const char *value, size_t cap, char *errbuf, size_t len)
 {
-    size_t n = strlen(value);
+    size_t n = strnlen(value, cap);
     if (n >= cap)
-        return fail(errbuf, len, "config key '%s': path is %zu bytes long; allowed: at most %zu",
-                    key, n, cap - 1);
-    memcpy(dst, value, n + 1);
+        return ast__errorf(errbuf, len, AST_EINVAL,
+                           "runtime key '%s': value is %zu bytes or longer; allowed: at most %zu "
+                           "bytes", key, n, cap - 1);
     return 0;
 }
 
-/* "auto" or a comma list kind=tier with kinds from placement_kinds and tier names of store.h. */
-static int check_placement(const char *value, char *errbuf, size_t len)
+/* A trace file path: "" (no trace), or a path that is not a directory, whose parent directory
+ * exists and can be written (the trace is written there at destroy; better to refuse now than
+ * after a whole run). */
+static int check_trace(const char *value, char *errbuf, size_t len)
 {
-    if (!strcmp(value, "auto"))
-        return 0;
-    char buf[512];
-    if (strlen(value) >= sizeof buf)
-        return fail(errbuf, len, "config key 'placement': value too long");
-    memcpy(buf, value, strlen(value) + 1);
-    char *save = NULL;
-    int items = 0;
-    for (char *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-        char *eq = strchr(tok, '=');
-        if (!eq)
-            return fail(errbuf, len,
-                        "config key 'placement': item '%s' is not kind=tier; allowed: \"auto\" or "
-                        "kind=tier items with kinds factors, roots, eigenbases, moments and tiers "
-                        "device, host_pinned, host, uvm, nvme",
-                        tok);
-        *eq = '\0';
-        int known = 0;
-        for (size_t i = 0; i < N_PLACEMENT_KINDS; i++)
-            known |= !strcmp(tok, placement_kinds[i]);
-        if (!known)
-            return fail(errbuf, len,
-                        "config key 'placement': unknown state kind '%s'; allowed: factors, roots, "
-                        "eigenbases, moments",
-                        tok);
-        ast_tier t;
-        if (ast_tier_parse(eq + 1, &t) != 0)
-            return fail(errbuf, len,
-                        "config key 'placement': unknown tier '%s' for '%s'; allowed: device, "
-                        "host_pinned, host, uvm, nvme",
-                        eq + 1, tok);
-        items++;
-    }
-    if (!items)
-        return fail(errbuf, len, "config key 'placement': empty; allowed: \"auto\" or kind=tier items");
+    int rc = check_string("trace", value, AST_PATH_MAX, errbuf, len);
+    if (rc || !value[0])
+        return rc;
+    struct stat sb;
+    if (stat(value, &sb) == 0 && S_ISDIR(sb.st_mode))
+        return ast__errorf(errbuf, len, AST_EINVAL,
+                           "runtime key 'trace': got '%s'; allowed: a file path (this is a "
+                           "directory)", value);
+    char parent[AST_PATH_MAX];
+    const char *slash = strrchr(value, '/');
+    if (!slash)
+        snprintf(parent, sizeof parent, ".");
+    else if (slash == value)
+        snprintf(parent, sizeof parent, "/");
+    else
+        snprintf(parent, sizeof parent, "%.*s", (int)(slash - value), value);
+    if (stat(parent, &sb) != 0 || !S_ISDIR(sb.st_mode) || access(parent, W_OK | X_OK) != 0)
+        return ast__errorf(errbuf, len, AST_EINVAL,
+                           "runtime key 'trace': got '%s'; allowed: a file path in an existing "
+                           "directory this process can write", value);
     return 0;
 }
+
+/* value: the string form that was parsed into v (ast_config_set), or NULL (a struct field). */
+static int check_workers(int64_t v, const char *value, char *errbuf, size_t len)
+{
+    if (value && v >= 1 && v <= WORKERS_MAX)
+        return 0;
+    if (value)
+        return ast__errorf(errbuf, len, AST_EINVAL,
+                           "runtime key 'workers': got '%s'; allowed: " WORKERS_ALLOWED, value);
+    if (v >= 0 && v <= WORKERS_MAX)
+        return 0;
+    return ast__errorf(errbuf, len, AST_EINVAL,
+                       "runtime key 'workers': got %" PRId64 "; allowed: " WORKERS_ALLOWED
+                       ", or 0 in the struct for that default", v);
+}
+
+static int check_max_failures(int64_t v, const char *value, char *errbuf, size_t len)
+{
+    if (v >= 1 && v <= MAX_FAILURES_MAX)
+        return 0;
+    if (value)
+        return ast__errorf(errbuf, len, AST_EINVAL,
+                           "runtime key 'max_failures': got '%s'; allowed: " MAX_FAILURES_ALLOWED,
+                           value);
+    return ast__errorf(errbuf, len, AST_EINVAL,
+                       "runtime key 'max_failures': got %" PRId64 "; allowed: "
+                       MAX_FAILURES_ALLOWED, v);
+}
+
+static int check_pin(int v, char *errbuf, size_t len)
+{
+    if (v != 0 && v != 1)
+        return ast__errorf(errbuf, len, AST_EINVAL,
+                           "runtime key 'pin': got %d; allowed: true (1), false (0)", v);
+    return 0;
+}
+
+/* ---- the two entry points ------------------------------------------------------------------ */
 
 int ast_config_set(ast_config *cfg, const char *key, const char *value, char *errbuf, size_t len)
 {
     if (!cfg || !key || !value)
-        return fail(errbuf, len, "ast_config_set: NULL argument");
+        return ast__errorf(errbuf, len, AST_EINVAL, "ast_config_set: NULL argument");
     if (errbuf && len)
         errbuf[0] = '\0';
     int64_t v;
-    if (!strcmp(key, "mode")) {
-        if (!strcmp(value, "sync"))
-            cfg->mode = AST_MODE_SYNC;
-        else if (!strcmp(value, "async"))
-            cfg->mode = AST_MODE_ASYNC;
-        else
-            return fail(errbuf, len, "config key 'mode': got '%s'; allowed: \"sync\", \"async\"",
-                        value);
-        return 0;
-    }
-    if (!strcmp(key, "install")) {
-        if (!strcmp(value, "deterministic"))
-            cfg->install = AST_INSTALL_DETERMINISTIC;
-        else if (!strcmp(value, "eager"))
-            cfg->install = AST_INSTALL_EAGER;
-        else
-            return fail(errbuf, len,
-                        "config key 'install': got '%s'; allowed: \"deterministic\", \"eager\"",
-                        value);
-        return 0;
-    }
-    if (!strcmp(key, "staleness")) {
-        if (parse_i64(value, &v) || v < 0 || v > 1000000)
-            return fail(errbuf, len,
-                        "config key 'staleness': got '%s'; allowed: an integer S with 0 <= S <= "
-                        "precondition_frequency",
-                        value);
-        cfg->staleness = (int)v;
-        return 0;
-    }
+    int rc;
     if (!strcmp(key, "workers")) {
-        if (parse_i64(value, &v) || v < 0 || v > 1024 || (v == 0 && strcmp(value, "0")))
-            return fail(errbuf, len,
-                        "config key 'workers': got '%s'; allowed: an integer 1..1024 (or None for "
-                        "the cores the training thread does not use)",
-                        value);
-        if (v == 0)
-            return fail(errbuf, len,
-                        "config key 'workers': got 0; allowed: an integer 1..1024 (or None for the "
-                        "cores the training thread does not use)");
+        if (parse_i64(value, &v))
+            v = -1;
+        if ((rc = check_workers(v, value, errbuf, len)))
+            return rc;
         cfg->workers = (int)v;
         return 0;
     }
     if (!strcmp(key, "max_failures")) {
-        if (parse_i64(value, &v) || v < 1 || v > 1000000)
-            return fail(errbuf, len, "config key 'max_failures': got '%s'; allowed: an integer >= 1",
-                        value);
+        if (parse_i64(value, &v))
+            v = 0;
+        if ((rc = check_max_failures(v, value, errbuf, len)))
+            return rc;
         cfg->max_failures = (int)v;
-        return 0;
-    }
-    if (!strcmp(key, "debug_job_delay_ms")) {
-        if (parse_i64(value, &v) || v < 0 || v > 600000)
-            return fail(errbuf, len,
-                        "config key 'debug_job_delay_ms': got '%s'; allowed: an integer 0..600000",
-                        value);
-        cfg->debug_job_delay_ms = (int)v;
         return 0;
     }
     if (!strcmp(key, "pin")) {
         int b;
         if (parse_bool(value, &b))
-            return fail(errbuf, len, "config key 'pin': got '%s'; allowed: true, false", value);
+            return ast__errorf(errbuf, len, AST_EINVAL,
+                               "runtime key 'pin': got '%s'; allowed: true, false", value);
         cfg->pin = b;
         return 0;
     }
-    if (!strcmp(key, "device_budget_bytes") || !strcmp(key, "host_budget_bytes")) {
-        if (parse_i64(value, &v) || v < -1)
-            return fail(errbuf, len,
-                        "config key '%s': got '%s'; allowed: a byte count >= 0 (or None for no "
-                        "budget)",
-                        key, value);
-        if (key[0] == 'd')
-            cfg->device_budget_bytes = v;
-        else
-            cfg->host_budget_bytes = v;
+    if (!strcmp(key, "cpuset")) {
+        if ((rc = check_string(key, value, sizeof cfg->cpuset, errbuf, len)))
+            return rc;
+        memcpy(cfg->cpuset, value, strlen(value) + 1);
         return 0;
     }
-    if (!strcmp(key, "cpuset"))
-        return set_path(cfg->cpuset, sizeof cfg->cpuset, key, value, errbuf, len);
-    if (!strcmp(key, "nvme_dir"))
-        return set_path(cfg->nvme_dir, sizeof cfg->nvme_dir, key, value, errbuf, len);
-    if (!strcmp(key, "trace"))
-        return set_path(cfg->trace, sizeof cfg->trace, key, value, errbuf, len);
-    if (!strcmp(key, "placement")) {
-        int rc = check_placement(value, errbuf, len);
-        if (rc)
+    if (!strcmp(key, "trace")) {
+        if ((rc = check_trace(value, errbuf, len)))
             return rc;
-        return set_path(cfg->placement, sizeof cfg->placement, key, value, errbuf, len);
+        memcpy(cfg->trace, value, strlen(value) + 1);
+        return 0;
     }
-    return fail(errbuf, len, "unknown config key '%s'; allowed keys: " KEYS, key);
+    return ast__errorf(errbuf, len, AST_EINVAL, "unknown runtime key '%s'; allowed keys: " KEYS,
+                       key);
 }
 
 int ast_config_validate(const ast_config *cfg, char *errbuf, size_t len)
 {
     if (!cfg)
-        return fail(errbuf, len, "ast_config_validate: NULL config");
-    if (cfg->mode != AST_MODE_SYNC && cfg->mode != AST_MODE_ASYNC)
-        return fail(errbuf, len, "config key 'mode': invalid value %d; allowed: sync, async",
-                    (int)cfg->mode);
-    if (cfg->install != AST_INSTALL_DETERMINISTIC && cfg->install != AST_INSTALL_EAGER)
-        return fail(errbuf, len,
-                    "config key 'install': invalid value %d; allowed: deterministic, eager",
-                    (int)cfg->install);
-    if (cfg->staleness < 0)
-        return fail(errbuf, len, "config key 'staleness': %d < 0; allowed: 0 <= S <= "
-                    "precondition_frequency", cfg->staleness);
-    if (cfg->workers < 0 || cfg->workers > 1024)
-        return fail(errbuf, len, "config key 'workers': %d; allowed: 1..1024 or 0 for auto",
-                    cfg->workers);
-    if (cfg->max_failures < 1)
-        return fail(errbuf, len, "config key 'max_failures': %d; allowed: >= 1", cfg->max_failures);
-    if (cfg->debug_job_delay_ms < 0 || cfg->debug_job_delay_ms > 600000)
-        return fail(errbuf, len, "config key 'debug_job_delay_ms': %d; allowed: 0..600000",
-                    cfg->debug_job_delay_ms);
-    if (cfg->device_budget_bytes < -1 || cfg->host_budget_bytes < -1)
-        return fail(errbuf, len, "config budgets: allowed a byte count >= 0 or -1 for none");
-    return check_placement(cfg->placement, errbuf, len);
+        return ast__errorf(errbuf, len, AST_EINVAL, "ast_config_validate: NULL config");
+    int rc;
+    if ((rc = check_workers(cfg->workers, NULL, errbuf, len)) ||
+        (rc = check_max_failures(cfg->max_failures, NULL, errbuf, len)) ||
+        (rc = check_pin(cfg->pin, errbuf, len)) ||
+        (rc = check_string("cpuset", cfg->cpuset, sizeof cfg->cpuset, errbuf, len)))
+        return rc;
+    return check_trace(cfg->trace, errbuf, len);
 }

@@ -2,10 +2,10 @@
  * pool.c - the worker pool that runs REFRESH jobs off the training thread (asteria/pool.h).
  *
  * Owns: per pool, N worker pthreads (pinned with hwloc when built with it), a deadline-ordered
- * binary heap of queued jobs, two intrusive hash tables (ticket -> job record for every job whose
+ * binary heap of queued jobs, two hash tables (util.h: ticket -> job record for every job whose
  * completion has not been drained yet; block -> its queued job), the done-queue, the stats.
  * Process-wide: the registry of live pools that the fork handlers walk.
- * May call: errors.h, hwloc, pthreads, libc. Never calls back into the runtime.
+ * May call: errors.h, util.h, hwloc, pthreads, libc. Never calls back into the runtime.
  *
  * Cores: see core_set() for the default set. Worker i binds itself (inside the thread, hwloc
  * HWLOC_CPUBIND_THREAD) to the i-th core of the set, round robin. ast_pool_cpuset reports the
@@ -61,6 +61,7 @@
 
 #include "asteria/build_config.h"
 #include "asteria/errors.h"
+#include "util.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -78,89 +79,14 @@
 #define POOL_MAX_WORKERS 4096
 #define CPU_INDEX_MAX (1L << 20)
 
-/* ---- small containers ------------------------------------------------------------------- */
-
-typedef struct hnode {
-    struct hnode *next;
-    uint64_t key;
-} hnode;
-
-/* Chained hash table over intrusive nodes; grown before each insert so inserts cannot fail. */
-typedef struct htable {
-    hnode **b;
-    size_t nb; /* power of two, or 0 */
-    size_t n;
-} htable;
-
-static size_t hslot(const htable *t, uint64_t key)
-{
-    return (size_t)((key * 0x9E3779B97F4A7C15ull) >> 17) & (t->nb - 1);
-}
-
-static int htable_reserve(htable *t, size_t want)
-{
-    if (want <= t->nb)
-        return 0;
-    size_t nb = t->nb ? t->nb : 64;
-    while (nb < want)
-        nb *= 2;
-    hnode **b = calloc(nb, sizeof *b);
-    if (!b)
-        return AST_ENOMEM;
-    htable old = *t;
-    t->b = b;
-    t->nb = nb;
-    for (size_t i = 0; i < old.nb; i++) {
-        hnode *x = old.b[i];
-        while (x) {
-            hnode *next = x->next;
-            size_t s = hslot(t, x->key);
-            x->next = t->b[s];
-            t->b[s] = x;
-            x = next;
-        }
-    }
-    free(old.b);
-    return 0;
-}
-
-static void htable_insert(htable *t, hnode *x)
-{
-    size_t s = hslot(t, x->key);
-    x->next = t->b[s];
-    t->b[s] = x;
-    t->n++;
-}
-
-static hnode *htable_find(const htable *t, uint64_t key)
-{
-    if (!t->nb)
-        return NULL;
-    for (hnode *x = t->b[hslot(t, key)]; x; x = x->next)
-        if (x->key == key)
-            return x;
-    return NULL;
-}
-
-static void htable_remove(htable *t, hnode *x)
-{
-    hnode **p = &t->b[hslot(t, x->key)];
-    while (*p != x)
-        p = &(*p)->next;
-    *p = x->next;
-    t->n--;
-}
-
-#define CONTAINER_OF(ptr, type, member) ((type *)(void *)((char *)(ptr) - offsetof(type, member)))
-
 /* ---- the pool --------------------------------------------------------------------------- */
 
 enum rec_state { REC_QUEUED, REC_RUNNING, REC_DONE };
 
 /* One submitted job, alive from submit until its completion is drained (or the pool dies). */
 typedef struct rec {
-    hnode by_ticket; /* in pool->tickets while alive */
-    hnode by_block;  /* in pool->queued_blocks while REC_QUEUED */
+    ast__hnode by_ticket; /* in pool->tickets while alive */
+    ast__hnode by_block;  /* in pool->queued_blocks while REC_QUEUED */
     ast_job job;
     uint64_t ticket;
     enum rec_state state;
@@ -188,7 +114,7 @@ struct ast_pool {
 
     rec **heap;
     size_t nheap, capheap;
-    htable tickets, queued_blocks;
+    ast__htable tickets, queued_blocks;
     rec *done_head, *done_tail;
     uint64_t next_ticket;
     int ndone_waiters;
@@ -211,12 +137,6 @@ static pthread_mutex_t registry_mtx = PTHREAD_MUTEX_INITIALIZER;
 static ast_pool *registry;
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 static int init_sync(ast_pool *p)
 {
@@ -353,7 +273,7 @@ static void wake_owners(ast_pool *p)
 static void unlink_block(ast_pool *p, rec *r)
 {
     if (r->in_blocks)
-        htable_remove(&p->queued_blocks, &r->by_block);
+        ast__htable_remove(&p->queued_blocks, &r->by_block);
     r->in_blocks = 0;
 }
 
@@ -372,7 +292,7 @@ static void settle_queued(ast_pool *p, rec *r, int status, uint64_t t)
 static void drain_rec(ast_pool *p, rec *r, ast_completion *out)
 {
     done_unlink(p, r);
-    htable_remove(&p->tickets, &r->by_ticket);
+    ast__htable_remove(&p->tickets, &r->by_ticket);
     *out = (ast_completion){
         .ticket = r->ticket,
         .block = r->job.block,
@@ -443,14 +363,14 @@ static void *worker_main(void *arg)
         unlink_block(p, r);
         r->state = REC_RUNNING;
         r->worker = w->idx;
-        r->started_ns = now_ns();
+        r->started_ns = ast__now_ns();
         w->current = r;
         p->st.queued--;
         p->st.running++;
         pthread_mutex_unlock(&p->mtx);
 
         int status = r->job.run(r->job.ctx);
-        uint64_t t = now_ns();
+        uint64_t t = ast__now_ns();
 
         pthread_mutex_lock(&p->mtx);
         w->current = NULL;
@@ -730,8 +650,8 @@ static void free_pool(ast_pool *p)
         r = next;
     }
     free(p->heap);
-    free(p->tickets.b);
-    free(p->queued_blocks.b);
+    ast__htable_free(&p->tickets);
+    ast__htable_free(&p->queued_blocks);
     free(p->w);
 #if ASTERIA_HAVE_HWLOC
     if (p->topo)
@@ -745,7 +665,7 @@ static void stop_pool(ast_pool *p)
 {
     pthread_mutex_lock(&p->mtx);
     p->stopping = 1;
-    uint64_t t = now_ns();
+    uint64_t t = ast__now_ns();
     while (p->nheap)
         settle_queued(p, p->heap[p->nheap - 1], AST_ESHUTDOWN, t);
     pthread_cond_broadcast(&p->work_cv);
@@ -778,9 +698,9 @@ int ast_pool_create(const ast_pool_opts *opts, ast_pool **out)
     p->next_ticket = 1;
     int rc = plan_workers(p, &o);
     if (!rc)
-        rc = htable_reserve(&p->tickets, 64);
+        rc = ast__htable_reserve(&p->tickets, 64);
     if (!rc)
-        rc = htable_reserve(&p->queued_blocks, 64);
+        rc = ast__htable_reserve(&p->queued_blocks, 64);
     if (!rc)
         rc = heap_reserve(p, 64);
     if (rc) {
@@ -855,22 +775,22 @@ int ast_pool_submit(ast_pool *p, const ast_job *job, uint64_t *ticket)
         return AST_ENOMEM;
     r->job = *job;
     r->worker = -1;
-    r->queued_ns = now_ns();
+    r->queued_ns = ast__now_ns();
 
     pthread_mutex_lock(&p->mtx);
     int rc = p->stopping ? AST_ESHUTDOWN : restart_workers(p, 1);
     rec *old = NULL;
     if (!rc) {
-        hnode *x = htable_find(&p->queued_blocks, job->block);
-        old = x ? CONTAINER_OF(x, rec, by_block) : NULL;
+        ast__hnode *x = ast__htable_find(&p->queued_blocks, job->block);
+        old = x ? AST__CONTAINER_OF(x, rec, by_block) : NULL;
         if (old && old->job.version >= job->version)
             rc = AST_EINVAL;
     }
     /* Grow everything first so that nothing below can fail half-way. */
     if (!rc)
-        rc = htable_reserve(&p->tickets, p->tickets.n + 1);
+        rc = ast__htable_reserve(&p->tickets, p->tickets.n + 1);
     if (!rc)
-        rc = htable_reserve(&p->queued_blocks, p->queued_blocks.n + 1);
+        rc = ast__htable_reserve(&p->queued_blocks, p->queued_blocks.n + 1);
     if (!rc) /* room for the running jobs too: a fork puts them back in the heap */
         rc = heap_reserve(p, p->nheap + (size_t)p->st.running + 1);
     if (rc) {
@@ -888,8 +808,8 @@ int ast_pool_submit(ast_pool *p, const ast_job *job, uint64_t *ticket)
     r->in_blocks = 1;
     r->by_ticket.key = r->ticket;
     r->by_block.key = job->block;
-    htable_insert(&p->tickets, &r->by_ticket);
-    htable_insert(&p->queued_blocks, &r->by_block);
+    ast__htable_insert(&p->tickets, &r->by_ticket);
+    ast__htable_insert(&p->queued_blocks, &r->by_block);
     heap_push(p, r);
     p->st.submitted++;
     p->st.queued++;
@@ -905,11 +825,11 @@ int ast_pool_cancel(ast_pool *p, uint64_t ticket)
     if (!p)
         return AST_EINVAL;
     pthread_mutex_lock(&p->mtx);
-    hnode *x = htable_find(&p->tickets, ticket);
-    rec *r = x ? CONTAINER_OF(x, rec, by_ticket) : NULL;
+    ast__hnode *x = ast__htable_find(&p->tickets, ticket);
+    rec *r = x ? AST__CONTAINER_OF(x, rec, by_ticket) : NULL;
     int rc = !r || r->state == REC_DONE ? AST_ENOENT : r->state == REC_RUNNING ? AST_EBUSY : 0;
     if (!rc) {
-        settle_queued(p, r, AST_ECANCELED, now_ns());
+        settle_queued(p, r, AST_ECANCELED, ast__now_ns());
         p->st.cancelled++;
         wake_owners(p);
     }
@@ -930,7 +850,7 @@ int ast_pool_poll(ast_pool *p, ast_completion *out, size_t cap, size_t *n)
 
 static struct timespec abs_deadline(int64_t timeout_ns)
 {
-    uint64_t t = now_ns() + (uint64_t)timeout_ns;
+    uint64_t t = ast__now_ns() + (uint64_t)timeout_ns;
     return (struct timespec){.tv_sec = (time_t)(t / 1000000000ull),
                              .tv_nsec = (long)(t % 1000000000ull)};
 }
@@ -955,8 +875,8 @@ int ast_pool_wait(ast_pool *p, uint64_t ticket, int64_t timeout_ns, ast_completi
     pthread_mutex_lock(&p->mtx);
     int rc = restart_workers(p, 0);
     while (!rc || rc == AST_ETIMEDOUT) {
-        hnode *x = htable_find(&p->tickets, ticket);
-        rec *r = x ? CONTAINER_OF(x, rec, by_ticket) : NULL;
+        ast__hnode *x = ast__htable_find(&p->tickets, ticket);
+        rec *r = x ? AST__CONTAINER_OF(x, rec, by_ticket) : NULL;
         if (!r) {
             rc = AST_ENOENT;
             break;

@@ -25,6 +25,8 @@
 #include "asteria/linalg.h"
 #include "asteria/pool.h"
 #include "asteria/trace.h"
+#include "testing.h"
+#include "util.h"
 
 #include <inttypes.h>
 #include <pthread.h>
@@ -57,7 +59,7 @@ typedef struct rjob {
     int nbufs;
     int failed_index;
     int retried;
-    int delay_ms; /* config debug_job_delay_ms, copied at submit */
+    int delay_ms; /* rt->job_delay_ms at submit (testing.h) */
 } rjob;
 
 struct ast_runtime {
@@ -77,25 +79,17 @@ struct ast_runtime {
     _Atomic uint64_t jobs_retried, nonfinite_skipped, installs, barrier_waits, barrier_wait_ns;
     _Atomic uint64_t bytes_registered;
     _Atomic int64_t max_install_lag, last_install_step;
+    _Atomic int job_delay_ms; /* test hook, testing.h */
 };
-
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 static int set_error(ast_runtime *rt, int code, const char *fmt, ...)
 {
-    char msg[900];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
     pthread_mutex_lock(&rt->mu);
-    snprintf(rt->last_error, sizeof rt->last_error, "%s: %s", ast_err_name(code), msg);
+    ast__verrorf_named(rt->last_error, sizeof rt->last_error, code, fmt, ap);
     pthread_mutex_unlock(&rt->mu);
+    va_end(ap);
     return code;
 }
 
@@ -199,6 +193,14 @@ void ast_runtime_destroy(ast_runtime *rt)
 }
 
 const ast_config *ast_runtime_config(const ast_runtime *rt) { return rt ? &rt->cfg : NULL; }
+
+int ast__runtime_set_job_delay(ast_runtime *rt, int delay_ms)
+{
+    if (!rt || delay_ms < 0 || delay_ms > AST__JOB_DELAY_MAX_MS)
+        return AST_EINVAL;
+    atomic_store(&rt->job_delay_ms, delay_ms);
+    return 0;
+}
 
 int ast_runtime_last_error(ast_runtime *rt, char *buf, size_t len)
 {
@@ -432,7 +434,7 @@ int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket
         return set_error(rt, AST_ENOMEM, "submit: no memory for a job record");
     j->req = *req;
     j->failed_index = -1;
-    j->delay_ms = rt->cfg.debug_job_delay_ms;
+    j->delay_ms = atomic_load(&rt->job_delay_ms);
     static const char *const names[JOB_MAX_BUFS] = {"in0", "in1", "in2", "out0", "out1"};
     pthread_mutex_lock(&rt->mu);
     rbuf *held[JOB_MAX_BUFS];
@@ -650,11 +652,11 @@ static int wait_ticket(ast_runtime *rt, uint64_t ticket, int64_t timeout_ns, int
 {
     if (slice_ns < 0)
         return ast_pool_wait(rt->pool, ticket, timeout_ns, c);
-    uint64_t t0 = now_ns();
+    uint64_t t0 = ast__now_ns();
     for (;;) {
         int64_t left = -1;
         if (timeout_ns >= 0) {
-            uint64_t spent = now_ns() - t0;
+            uint64_t spent = ast__now_ns() - t0;
             left = spent >= (uint64_t)timeout_ns ? 0 : timeout_ns - (int64_t)spent;
         }
         int64_t step = left >= 0 && left < slice_ns ? left : slice_ns;
@@ -676,9 +678,9 @@ static int wait_impl(ast_runtime *rt, uint64_t ticket, int64_t timeout_ns, int64
     ast_completion c;
     int rc = ast_pool_wait(rt->pool, ticket, 0, &c);
     if (rc == AST_ETIMEDOUT) {
-        uint64_t t0 = now_ns();
+        uint64_t t0 = ast__now_ns();
         rc = wait_ticket(rt, ticket, timeout_ns, slice_ns, check, arg, &c);
-        uint64_t t1 = now_ns();
+        uint64_t t1 = ast__now_ns();
         atomic_fetch_add(&rt->barrier_waits, 1);
         atomic_fetch_add(&rt->barrier_wait_ns, t1 - t0);
         if (rt->trace) {

@@ -31,6 +31,7 @@
 
 #include "asteria/build_config.h"
 #include "asteria/errors.h"
+#include "util.h"
 #include "asteria/trace.h"
 
 #include "cuda_mem.h"
@@ -95,19 +96,12 @@ struct ast_shadow {
 
 /* ---- errors ------------------------------------------------------------------------------- */
 
-static int vset_error_locked(ast_shadow *sh, int code, const char *fmt, va_list ap)
-{
-    char msg[900];
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    snprintf(sh->last_error, sizeof sh->last_error, "%s: %s", ast_err_name(code), msg);
-    return code;
-}
-
+/* sh->mu held. */
 static int set_error_locked(ast_shadow *sh, int code, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    vset_error_locked(sh, code, fmt, ap);
+    ast__verrorf_named(sh->last_error, sizeof sh->last_error, code, fmt, ap);
     va_end(ap);
     return code;
 }
@@ -117,7 +111,7 @@ static int set_error(ast_shadow *sh, int code, const char *fmt, ...)
     va_list ap;
     va_start(ap, fmt);
     pthread_mutex_lock(&sh->mu);
-    vset_error_locked(sh, code, fmt, ap);
+    ast__verrorf_named(sh->last_error, sizeof sh->last_error, code, fmt, ap);
     pthread_mutex_unlock(&sh->mu);
     va_end(ap);
     return code;

@@ -20,6 +20,7 @@
 
 #include "asteria/build_config.h"
 #include "asteria/errors.h"
+#include "util.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -54,10 +55,11 @@ typedef struct arena_block {
     char data[];
 } arena_block;
 
-typedef struct intern_slot {
-    uint64_t hash;
-    const char *s;
-} intern_slot;
+/* An interned string, in the arena; linked in tr->strings under its hash. */
+typedef struct interned {
+    ast__hnode node;
+    char s[];
+} interned;
 
 typedef struct lane_name {
     int lane;
@@ -70,8 +72,7 @@ struct ast_trace {
     rec **chunks;
     size_t nchunks, capchunks;
     size_t count, dropped, max_events;
-    intern_slot *itab;
-    size_t icap, icount;
+    ast__htable strings; /* interned names, keyed by their hash */
     arena_block *arena;
     lane_name *lanes;
     size_t nlanes, caplanes;
@@ -98,23 +99,15 @@ static const struct {
     [AST_TRACE_INSTALL] = {"install", "install", 0},
 };
 
-static uint64_t mono_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 static int set_error(ast_trace *tr, int code, const char *fmt, ...)
 {
-    char msg[900];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
     pthread_mutex_lock(&tr->mu);
-    snprintf(tr->last_error, sizeof tr->last_error, "%s: %s", ast_err_name(code), msg);
+    ast__verrorf_named(tr->last_error, sizeof tr->last_error, code, fmt, ap);
     pthread_mutex_unlock(&tr->mu);
+    va_end(ap);
     return code;
 }
 
@@ -137,7 +130,7 @@ int ast_trace_create(ast_trace **out)
         return AST_ENOMEM;
     }
     atomic_init(&tr->tmp_seq, 0);
-    tr->base_ns = mono_ns();
+    tr->base_ns = ast__now_ns();
     *out = tr;
     return 0;
 }
@@ -154,7 +147,7 @@ void ast_trace_destroy(ast_trace *tr)
         tr->arena = b->next;
         free(b);
     }
-    free(tr->itab);
+    ast__htable_free(&tr->strings);
     free(tr->lanes);
     pthread_mutex_destroy(&tr->mu);
     free(tr);
@@ -162,7 +155,7 @@ void ast_trace_destroy(ast_trace *tr)
 
 uint64_t ast_trace_now(const ast_trace *tr)
 {
-    return ast_trace_from_monotonic(tr, mono_ns());
+    return ast_trace_from_monotonic(tr, ast__now_ns());
 }
 
 uint64_t ast_trace_from_monotonic(const ast_trace *tr, uint64_t monotonic_ns)
@@ -182,61 +175,42 @@ static uint64_t fnv1a(const char *s, size_t n)
     return h;
 }
 
-static const char *arena_copy(ast_trace *tr, const char *s, size_t n)
+/* size bytes from the arena, aligned for an interned entry. */
+static void *arena_alloc(ast_trace *tr, size_t size)
 {
+    const size_t align = _Alignof(interned);
     arena_block *b = tr->arena;
-    if (!b || ARENA_BLOCK - b->used < n + 1) {
+    size_t at = b ? (b->used + align - 1) / align * align : 0;
+    if (!b || at > ARENA_BLOCK || ARENA_BLOCK - at < size) {
         b = malloc(sizeof *b + ARENA_BLOCK);
         if (!b)
             return NULL;
         b->used = 0;
         b->next = tr->arena;
         tr->arena = b;
+        at = 0;
     }
-    char *p = b->data + b->used;
-    memcpy(p, s, n);
-    p[n] = '\0';
-    b->used += n + 1;
-    return p;
-}
-
-static int intern_grow(ast_trace *tr)
-{
-    size_t ncap = tr->icap ? tr->icap * 2 : 64;
-    intern_slot *t = calloc(ncap, sizeof *t);
-    if (!t)
-        return AST_ENOMEM;
-    for (size_t i = 0; i < tr->icap; i++) {
-        if (!tr->itab[i].s)
-            continue;
-        size_t j = tr->itab[i].hash & (ncap - 1);
-        while (t[j].s)
-            j = (j + 1) & (ncap - 1);
-        t[j] = tr->itab[i];
-    }
-    free(tr->itab);
-    tr->itab = t;
-    tr->icap = ncap;
-    return 0;
+    b->used = at + size;
+    return b->data + at;
 }
 
 static const char *intern(ast_trace *tr, const char *s, size_t n, uint64_t h)
 {
-    if (tr->icount * 2 >= tr->icap && intern_grow(tr))
-        return NULL;
-    size_t j = h & (tr->icap - 1);
-    while (tr->itab[j].s) {
-        if (tr->itab[j].hash == h && strncmp(tr->itab[j].s, s, n) == 0 && tr->itab[j].s[n] == 0)
-            return tr->itab[j].s;
-        j = (j + 1) & (tr->icap - 1);
+    for (ast__hnode *x = ast__htable_find(&tr->strings, h); x; x = ast__htable_next(x)) {
+        const interned *e = AST__CONTAINER_OF(x, interned, node);
+        if (strncmp(e->s, s, n) == 0 && e->s[n] == 0)
+            return e->s;
     }
-    const char *c = arena_copy(tr, s, n);
-    if (!c)
+    if (ast__htable_reserve(&tr->strings, tr->strings.n + 1))
         return NULL;
-    tr->itab[j].hash = h;
-    tr->itab[j].s = c;
-    tr->icount++;
-    return c;
+    interned *e = arena_alloc(tr, sizeof *e + n + 1);
+    if (!e)
+        return NULL;
+    memcpy(e->s, s, n);
+    e->s[n] = '\0';
+    e->node.key = h;
+    ast__htable_insert(&tr->strings, &e->node);
+    return e->s;
 }
 
 /* ---- recording ---------------------------------------------------------------------------- */

@@ -64,7 +64,8 @@ typedef struct ast_coherence_opts {
     const int *replica_group;
 } ast_coherence_opts;
 
-/* world_size 1, rank 0, ranks_per_node 1, staleness 5 (the config default), DDP replication. */
+/* Sets the defaults: world_size 1, rank 0, ranks_per_node 1, staleness 5, DDP replication.
+ * No return value. */
 void ast_coherence_opts_init(ast_coherence_opts *o);
 
 /* RETURN VALUE: 0; AST_EINVAL (NULL arguments, world_size < 1, rank out of range, staleness < 0,
@@ -73,13 +74,15 @@ void ast_coherence_opts_init(ast_coherence_opts *o);
 int ast_coherence_create(const ast_coherence_opts *o, ast_coherence **out);
 int ast_coherence_create_msg(const ast_coherence_opts *o, ast_coherence **out, char *errbuf,
                              size_t len);
+/* Frees reg (NULL is a no-op). No return value. */
 void ast_coherence_destroy(ast_coherence *reg);
 
 /* Copy of the last error message ("" if none). RETURN VALUE: 0; AST_EINVAL (NULL or empty buf). */
 int ast_coherence_last_error(ast_coherence *reg, char *buf, size_t len);
 
 /* The refresh cost of one n x n factor, n^3 (saturating); a block's cost is the sum over its
- * factors (Shampoo's m x n block: m^3 + n^3). */
+ * factors (Shampoo's m x n block: m^3 + n^3). RETURN VALUE: n^3, or UINT64_MAX when it
+ * overflows. */
 uint64_t ast_coherence_dim_cost(uint64_t n);
 
 /* Registers a block. replica_ranks (nreplicas distinct ranks in [0, world_size), any order)
@@ -117,11 +120,14 @@ int ast_coherence_extend(ast_coherence *reg, const uint64_t *ids, const uint64_t
  * out of range); AST_ENOENT (unknown block); AST_ESTATE (before the plan). */
 int ast_coherence_owner(ast_coherence *reg, uint64_t block, int *rank);
 int ast_coherence_is_owner(ast_coherence *reg, uint64_t block);
-/* Total cost of the blocks owned by rank. */
+/* *cost receives the total cost of the blocks owned by rank. RETURN VALUE: 0; AST_EINVAL (NULL
+ * cost, rank out of range); AST_ESTATE (before the plan). */
 int ast_coherence_load(ast_coherence *reg, int rank, uint64_t *cost);
 /* The replicas of a block in ascending rank order, and its representatives (one per node that
  * holds a replica: the lowest replica rank of that node), ascending. *n is the full count; at
- * most cap entries are written (ranks may be NULL with cap 0 to ask for the count). */
+ * most cap entries are written (ranks may be NULL with cap 0 to ask for the count).
+ * RETURN VALUE: 0; AST_EINVAL (NULL n, ranks NULL with cap > 0); AST_ENOENT (unknown block);
+ * AST_ESTATE (before the plan). */
 int ast_coherence_replicas(ast_coherence *reg, uint64_t block, int *ranks, size_t cap, size_t *n);
 int ast_coherence_representatives(ast_coherence *reg, uint64_t block, int *ranks, size_t cap,
                                   size_t *n);
@@ -142,6 +148,8 @@ typedef struct ast_coherence_block {
     uint64_t installed_version;/* last version this rank installed (install_version) */
 } ast_coherence_block;
 
+/* The state of one block, for diagnostics and tests. RETURN VALUE: 0; AST_EINVAL (NULL out);
+ * AST_ENOENT (unknown block); AST_ESTATE (before the plan). */
 int ast_coherence_block_info(ast_coherence *reg, uint64_t block, ast_coherence_block *out);
 
 /* Owner only: the refresh of `block` whose inputs were snapshotted at `step` is ready as
@@ -169,7 +177,8 @@ int ast_coherence_publish(ast_coherence *reg, uint64_t block, uint64_t version, 
 int ast_coherence_versions_export(ast_coherence *reg, int64_t step, int64_t *vec, size_t n);
 int ast_coherence_versions_import(ast_coherence *reg, int64_t step, const int64_t *vec,
                                   size_t n);
-/* Number of registered blocks (the exchange vector has AST_COH_XCHG_STRIDE times as many). */
+/* *n receives the number of registered blocks (the exchange vector has AST_COH_XCHG_STRIDE
+ * times as many). RETURN VALUE: 0; AST_EINVAL (NULL reg or n). */
 int ast_coherence_nblocks(ast_coherence *reg, size_t *n);
 
 /* Non-owner replica: the data of `version` landed here at `step` (re-reporting a held version
@@ -264,6 +273,7 @@ typedef struct ast_coherence_stats {
     int world_size, rank, node, nodes, staleness;
 } ast_coherence_stats;
 
+/* Copies the counters into out. RETURN VALUE: 0; AST_EINVAL (NULL reg or out). */
 int ast_coherence_stats_get(ast_coherence *reg, ast_coherence_stats *out);
 
 #ifdef __cplusplus

@@ -46,11 +46,13 @@ typedef enum ast_errno {
     AST__ERR_MIN = -23
 } ast_errno;
 
-/* Human-readable message for a code; never NULL ("unknown error" for foreign codes). */
+/* Returns the human-readable message for a code (a static string); never NULL ("unknown error"
+ * for foreign codes). */
 const char *ast_strerror(int code);
-/* The symbolic name ("AST_ENOSPC"); never NULL ("AST_EUNKNOWN" for foreign codes). */
+/* Returns the symbolic name ("AST_ENOSPC", a static string); never NULL ("AST_EUNKNOWN" for
+ * foreign codes). */
 const char *ast_err_name(int code);
-/* Map a positive errno value to the closest AST_E* code. */
+/* Returns the AST_E* code closest to a positive errno value (AST_EIO when none is closer). */
 int ast_err_from_errno(int err);
 
 #ifdef __cplusplus

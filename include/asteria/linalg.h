@@ -17,6 +17,11 @@
  *  - Batched entry points process `batch` blocks; they stop at the first failing block and
  *    return its code with *failed_index set (blocks before it are written, blocks from it on are
  *    untouched).
+ *  - Return values (every kernel below): 0 on success; AST_EINVAL for a bad argument (n < 1,
+ *    batch < 1, an unknown dtype, a NULL pointer that is not optional, overlapping outputs);
+ *    AST_ENOMEM when the workspace cannot be allocated; AST_ENOCONV when LAPACK (or the Newton
+ *    iteration) does not converge; AST_ENONFINITE for NaN/Inf in the input or the result. A
+ *    batched call returns the code of its first failing block.
  *
  * Threading: no shared mutable state; each call allocates its own workspace. Callers run many
  * calls concurrently from pool workers; OpenBLAS is kept at one thread per call
@@ -34,18 +39,21 @@ extern "C" {
 
 typedef enum ast_dtype { AST_F32 = 0, AST_F64 = 1 } ast_dtype;
 
-/* Size of one element of dtype (4 or 8), 0 for an unknown dtype. */
+/* Returns the size of one element of dtype (4 or 8), 0 for an unknown dtype. */
 size_t ast_dtype_size(ast_dtype dt);
 
-/* Pin OpenBLAS to one thread per call. Idempotent; call before concurrent use. */
+/* Pins OpenBLAS to one thread per call. Idempotent; call before concurrent use.
+ * No return value. */
 void ast_linalg_init(void);
 
-/* 1 if the last failing-then-retried float32 call on this thread used the float64 retry. */
+/* Returns 1 if the last failing-then-retried float32 call on this thread used the float64
+ * retry, else 0. */
 int ast_linalg_last_retried(void);
 
 /* Symmetric eigendecomposition via ?syevd. A is n x n symmetric (only its values are read, A is
  * not modified). w: n eigenvalues in DESCENDING order; q: eigenvectors as columns in the same
- * order. Either w or q may be NULL when not wanted (not both). */
+ * order. Either w or q may be NULL when not wanted (not both). Returns 0 or an AST_E* code as
+ * listed at the top of this file (both variants). */
 int ast_linalg_eigh(ast_dtype dt, int n, const void *a, void *w, void *q);
 int ast_linalg_eigh_batched(ast_dtype dt, int batch, int n, const void *a, void *w, void *q,
                             int *failed_index);
@@ -55,26 +63,31 @@ int ast_linalg_eigh_batched(ast_dtype dt, int batch, int n, const void *a, void 
  * added: X = Q diag((max(l, n eps_m l_max)+eps)^(-1/p)) Q^T. Eigenvalues below the floor are
  * rounding noise on which LAPACKs disagree; raised to it, a rank-deficient A's null space gets
  * one root value, independent of the eigenvectors picked there.
- * p > 0, eps >= 0 (an all-zero A with eps == 0 is reported as AST_ENONFINITE). */
+ * p > 0, eps >= 0 (an all-zero A with eps == 0 is reported as AST_ENONFINITE). Returns 0 or an
+ * AST_E* code as listed at the top of this file (both variants). */
 int ast_linalg_inv_root(ast_dtype dt, int n, const void *a, double p, double eps, void *x);
 int ast_linalg_inv_root_batched(ast_dtype dt, int batch, int n, const void *a, double p,
                                 double eps, void *x, int *failed_index);
 
 /* Coupled-Newton inverse p-th root of (A + eps I) (Higham / Guo-Higham iteration), p a positive
- * integer. Stops when ||M - I||_inf < tol or after max_iter iterations (AST_ENOCONV). */
+ * integer. Stops when ||M - I||_inf < tol or after max_iter iterations. Returns 0 on
+ * convergence; AST_ENOCONV after max_iter iterations; otherwise as listed at the top of this
+ * file. */
 int ast_linalg_newton_inv_root(ast_dtype dt, int n, const void *a, int p, double eps,
                                int max_iter, double tol, void *x);
 
 /* SOAP's refresh of one factor F with its current basis Q (one QR power-iteration step):
  *   e = diag(Q^T F Q); s = argsort(e, descending); Q_new = qr(F Q[:, s]).Q
  * perm receives s (n int64 entries) so the caller can permute its second moment. Ties in e keep
- * their original order (stable sort). q_new may not alias q or f. */
+ * their original order (stable sort). q_new may not alias q or f. Returns 0 or an AST_E* code as
+ * listed at the top of this file (both variants). */
 int ast_linalg_soap_refresh(ast_dtype dt, int n, const void *f, const void *q, void *q_new,
                             int64_t *perm);
 int ast_linalg_soap_refresh_batched(ast_dtype dt, int batch, int n, const void *f, const void *q,
                                     void *q_new, int64_t *perm, int *failed_index);
 
-/* KL-Shampoo's refresh: Q_new = qr(F Q).Q (no sorting). */
+/* KL-Shampoo's refresh: Q_new = qr(F Q).Q (no sorting). Returns 0 or an AST_E* code as listed
+ * at the top of this file (both variants). */
 int ast_linalg_qr_refresh(ast_dtype dt, int n, const void *f, const void *q, void *q_new);
 int ast_linalg_qr_refresh_batched(ast_dtype dt, int batch, int n, const void *f, const void *q,
                                   void *q_new, int *failed_index);
@@ -89,7 +102,8 @@ int ast_linalg_qr_refresh_batched(ast_dtype dt, int batch, int n, const void *f,
  * right side likewise), so results agree with other evaluation orders to rounding, not
  * bitwise. A and B need not be orthogonal. out may not overlap x, a_pair or b_pair (AST_EINVAL).
  * Batched: x and out are batch x n x n1, a_pair batch x 2 x n x n, b_pair batch x 2 x n1 x n1;
- * block i uses the i-th of each. */
+ * block i uses the i-th of each. Returns 0 or an AST_E* code as listed at the top of this file
+ * (AST_EINVAL also for both pairs NULL or an overlap with out). */
 int ast_linalg_soap_rotate(ast_dtype dt, int n, int n1, const void *x, const void *a_pair,
                            const void *b_pair, void *out);
 int ast_linalg_soap_rotate_batched(ast_dtype dt, int batch, int n, int n1, const void *x,

@@ -42,6 +42,7 @@ typedef struct ast_pool_opts {
     int pin;             /* 1: bind each worker to one core of the set (round robin); 0: no binding */
 } ast_pool_opts;
 
+/* Sets the defaults: workers 0, cpuset NULL, pin 1. No return value. */
 void ast_pool_opts_init(ast_pool_opts *o);
 
 typedef struct ast_job {
@@ -69,30 +70,48 @@ typedef struct ast_pool_stats {
     int workers;
 } ast_pool_stats;
 
+/* Creates a pool (opts NULL: the defaults) and starts its workers; *out receives it (NULL on
+ * failure). Returns 0 on success; AST_EINVAL for a NULL out, workers out of range, pin not 0/1,
+ * or a cpuset that does not parse or names no core; AST_ENOMEM when memory or threads cannot
+ * be had (or the mapped pthread_create error). */
 int ast_pool_create(const ast_pool_opts *opts, ast_pool **out);
 /* Stops accepting jobs, completes every queued job with AST_ESHUTDOWN, waits for running jobs,
  * joins the workers and frees the pool. Undrained completions are discarded: call
- * ast_pool_poll first if ctx pointers must be freed. */
+ * ast_pool_poll first if ctx pointers must be freed. NULL is a no-op. No return value. */
 void ast_pool_destroy(ast_pool *pool);
 
+/* Queues a job; *ticket (may be NULL) receives its ticket. Returns 0 on success; AST_EINVAL for
+ * a NULL pool, job or run, or a version <= the one queued for the block; AST_ENOMEM;
+ * AST_ESHUTDOWN while the pool is being destroyed; in a forked child, the failure to start the
+ * workers (AST_ENOMEM or the mapped pthread_create error). */
 int ast_pool_submit(ast_pool *pool, const ast_job *job, uint64_t *ticket);
-/* 0: removed from the queue (a completion with AST_ECANCELED is published);
- * AST_EBUSY: running; AST_ENOENT: finished or unknown ticket. */
+/* Returns 0 when the job was removed from the queue (a completion with AST_ECANCELED is
+ * published); AST_EBUSY while it runs; AST_ENOENT for a finished or unknown ticket; AST_EINVAL
+ * for a NULL pool. */
 int ast_pool_cancel(ast_pool *pool, uint64_t ticket);
 /* Moves up to cap completions to out; *n receives the count. Never blocks.
  * In a forked child, poll, wait and wait_any first start the workers when jobs are queued
  * (see Fork above); if the threads cannot be created they return that failure (AST_ENOMEM
- * or the mapped pthread_create error) and hand out nothing (*n = 0). */
+ * or the mapped pthread_create error) and hand out nothing (*n = 0).
+ * Returns 0 on success (also when nothing was ready: *n = 0); AST_EINVAL for a NULL pool, out
+ * or n; the worker start failure above. */
 int ast_pool_poll(ast_pool *pool, ast_completion *out, size_t cap, size_t *n);
 /* Blocks until the job with this ticket has completed, removes its completion from the
  * done-queue and copies it to out. timeout_ns < 0: wait forever; AST_ETIMEDOUT on expiry;
- * AST_ENOENT if the ticket is unknown or its completion was already drained. */
+ * AST_ENOENT if the ticket is unknown or its completion was already drained.
+ * Returns 0 when out holds the completion (its own status says how the job ended); AST_EINVAL
+ * for a NULL pool or out; AST_ETIMEDOUT; AST_ENOENT; the worker start failure of ast_pool_poll. */
 int ast_pool_wait(ast_pool *pool, uint64_t ticket, int64_t timeout_ns, ast_completion *out);
-/* Blocks until the done-queue is non-empty or timeout; then behaves as ast_pool_poll. */
+/* Blocks until the done-queue is non-empty or timeout; then behaves as ast_pool_poll.
+ * Returns 0 with *n >= 1; AST_ETIMEDOUT when nothing completed in time; AST_EINVAL for a NULL
+ * pool, out or n, or cap 0; the worker start failure of ast_pool_poll. */
 int ast_pool_wait_any(ast_pool *pool, int64_t timeout_ns, ast_completion *out, size_t cap,
                       size_t *n);
+/* Copies the counters into out. Returns 0; AST_EINVAL for a NULL pool or out. */
 int ast_pool_stats_get(ast_pool *pool, ast_pool_stats *out);
-/* Cores the workers were bound to, as an hwloc list string, into buf. */
+/* Cores the workers were bound to, as an hwloc list string ("unpinned (<why>)" when none is),
+ * into buf. Returns 0 on success; AST_EINVAL for a NULL pool or buf, or a buf of len too small
+ * for the string; AST_ENOMEM. */
 int ast_pool_cpuset(ast_pool *pool, char *buf, size_t len);
 
 #ifdef __cplusplus

@@ -40,38 +40,31 @@
 extern "C" {
 #endif
 
-typedef enum ast_mode { AST_MODE_SYNC = 0, AST_MODE_ASYNC = 1 } ast_mode;
-typedef enum ast_install { AST_INSTALL_DETERMINISTIC = 0, AST_INSTALL_EAGER = 1 } ast_install;
-
 #define AST_PATH_MAX 4096
 
+/* The runtime's configuration: only what libasteria itself reads. The optimizer's own keys
+ * (mode, staleness, install, placement, budgets, nvme_dir) live in the Python layer
+ * (asteria.RuntimeConfig), which validates them and hands C only these. */
 typedef struct ast_config {
-    ast_mode mode;                 /* "mode": sync | async (default async) */
-    int staleness;                 /* "staleness": S >= 0 (default 5) */
-    ast_install install;           /* "install": deterministic | eager */
-    int workers;                   /* "workers": >= 1, or 0 = cores not used by the caller */
-    char cpuset[256];              /* "cpuset": hwloc list or "" = auto */
+    int workers;                   /* "workers": 1..1024, or 0 = the cores the caller does not use */
+    char cpuset[256];              /* "cpuset": hwloc list, or "" = near the accelerator */
     int pin;                       /* "pin": 1/0 bind workers to cores (default 1) */
-    char placement[512];           /* "placement": "auto" or kind=tier,... e.g. "factors=device,roots=host_pinned" */
-    int64_t device_budget_bytes;   /* "device_budget_bytes": -1 = none */
-    int64_t host_budget_bytes;     /* "host_budget_bytes": -1 = none */
-    char nvme_dir[AST_PATH_MAX];   /* "nvme_dir": "" = no NVMe tier */
-    char trace[AST_PATH_MAX];      /* "trace": "" = no trace */
-    int max_failures;              /* "max_failures": K >= 1 (default 3) */
-    /* "debug_job_delay_ms": a test hook, not listed by ast_config_keys: every job sleeps this
-     * long on its worker before computing (0..600000, default 0), to simulate a slow rank. */
-    int debug_job_delay_ms;
+    int max_failures;              /* "max_failures": K >= 1 consecutive failures of a block (default 3) */
+    char trace[AST_PATH_MAX];      /* "trace": "" = no trace; else a file path, not a directory, in
+                                    * an existing directory this process can write */
 } ast_config;
 
-/* Defaults as in DESIGN.md's config table. */
+/* Sets the defaults: workers 0, cpuset "", pin 1, max_failures 3, trace "". No return value. */
 void ast_config_init(ast_config *cfg);
-/* Sets one key from its string form (a Python dict passes straight through). On a bad key or
- * value returns AST_EINVAL and writes a message naming the key and the allowed values into
- * errbuf (may be NULL). */
+/* Sets one key from its string form (a Python dict passes straight through): the one validator
+ * of each key. Returns 0 on success; AST_EINVAL for an unknown key, a bad value or a NULL
+ * argument, with a message naming the key and the allowed values written into errbuf (may be
+ * NULL; len bytes, truncated) and cfg unchanged. */
 int ast_config_set(ast_config *cfg, const char *key, const char *value, char *errbuf, size_t len);
-/* Whole-struct validation (ranges, combinations); same message contract. */
+/* Checks a whole struct (one filled in by hand) with the same rule per key as ast_config_set.
+ * Returns 0 if every field is valid; AST_EINVAL otherwise, with the same message contract. */
 int ast_config_validate(const ast_config *cfg, char *errbuf, size_t len);
-/* Comma-separated list of every accepted key. */
+/* Returns the comma-separated list of every accepted key (a static string). */
 const char *ast_config_keys(void);
 
 typedef struct ast_runtime ast_runtime;
@@ -128,21 +121,47 @@ typedef struct ast_stats {
     int workers;
 } ast_stats;
 
+/* Creates a runtime from cfg (NULL: the defaults), which is checked with ast_config_validate
+ * first; *out receives it (NULL on failure). Returns 0 on success; AST_EINVAL for a NULL out or
+ * an invalid cfg; AST_ENOMEM; the codes of ast_pool_create (workers, cpuset) and of
+ * ast_trace_create. */
 int ast_runtime_create(const ast_config *cfg, ast_runtime **out);
-/* Same, with the failure detail written to errbuf. */
+/* Same, with the failure detail (naming the key, for a bad config) written to errbuf (may be
+ * NULL). Returns as ast_runtime_create. */
 int ast_runtime_create_msg(const ast_config *cfg, ast_runtime **out, char *errbuf, size_t len);
+/* ast_runtime_destroy_msg with its result dropped. NULL is a no-op. No return value. */
 void ast_runtime_destroy(ast_runtime *rt);
+/* Returns rt's validated config (owned by rt, valid until destroy), or NULL for a NULL rt. */
 const ast_config *ast_runtime_config(const ast_runtime *rt);
-/* Copy of the last error message set on this runtime ("" if none). */
+/* Copies the last error message set on this runtime ("" if none) into buf (truncated).
+ * Returns 0; AST_EINVAL for a NULL rt or buf, or len 0. */
 int ast_runtime_last_error(ast_runtime *rt, char *buf, size_t len);
 
+/* Declares [ptr, ptr + nbytes) as memory jobs may read and write; *handle receives its handle.
+ * Returns 0 on success; AST_EINVAL for a NULL rt, ptr or handle, or nbytes 0; AST_ENOMEM. */
 int ast_runtime_register(ast_runtime *rt, void *ptr, size_t nbytes, uint64_t *handle);
+/* Forgets a registered buffer. Returns 0 on success; AST_EINVAL for a NULL rt; AST_ENOENT for
+ * an unknown handle; AST_EBUSY while a job whose completion was not collected uses it. */
 int ast_runtime_unregister(ast_runtime *rt, uint64_t handle);
 
+/* Queues a REFRESH job; *ticket (may be NULL) receives its ticket. Returns 0 on success;
+ * AST_EINVAL for a malformed request (dtype, n, batch, p, eps, n1, a missing input or output, an
+ * operand that must be NULL, a version not above the block's queued one); AST_ERANGE for a
+ * pointer range outside every registered buffer; AST_ENOMEM; AST_ESHUTDOWN while rt is being
+ * destroyed. Failures set the last-error message. */
 int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket);
+/* Returns 0 when the job was still queued and is cancelled (its completion reports
+ * AST_ECANCELED); AST_EBUSY while it runs; AST_ENOENT for a finished or unknown ticket;
+ * AST_EINVAL for a NULL rt; AST_ESHUTDOWN. */
 int ast_runtime_cancel(ast_runtime *rt, uint64_t ticket);
+/* Moves up to cap finished jobs' results into out; *n receives the count. Never blocks.
+ * Returns 0 (also with *n = 0); AST_EINVAL for a NULL rt, out or n; AST_ESHUTDOWN; the worker
+ * start failure of ast_pool_poll in a forked child. */
 int ast_runtime_poll(ast_runtime *rt, ast_result *out, size_t cap, size_t *n);
-/* Bounded barrier: waits for one ticket; the wait time is counted in barrier stats. */
+/* Bounded barrier: waits for one ticket; the wait time is counted in barrier stats. timeout_ns
+ * < 0: no limit. Returns 0 with *out filled (out->status tells how the job ended);
+ * AST_ETIMEDOUT; AST_ENOENT for an unknown or already collected ticket; AST_EINVAL for a NULL
+ * rt or out; AST_ESHUTDOWN. */
 int ast_runtime_wait(ast_runtime *rt, uint64_t ticket, int64_t timeout_ns, ast_result *out);
 /* ast_runtime_wait that wakes at least every slice_ns to call check(arg), with no library lock
  * held (so check may take the caller's own locks, e.g. re-acquire Python's GIL and run its
@@ -157,10 +176,12 @@ int ast_runtime_wait_check(ast_runtime *rt, uint64_t ticket, int64_t timeout_ns,
                            int64_t slice_ns, int (*check)(void *arg), void *arg,
                            ast_result *out);
 
-/* The caller reports what it did with results, so stats can prove the staleness bound. */
+/* The caller reports what it did with results, so stats can prove the staleness bound. A NULL
+ * rt is a no-op. No return value. */
 void ast_runtime_note_install(ast_runtime *rt, int64_t snapshot_step, int64_t install_step);
 void ast_runtime_note_nonfinite(ast_runtime *rt);
 
+/* Copies the counters into out. Returns 0; AST_EINVAL for a NULL rt or out. */
 int ast_runtime_stats_get(ast_runtime *rt, ast_stats *out);
 
 /* Destroys rt exactly as ast_runtime_destroy does, and reports whether the configured trace file
@@ -170,7 +191,7 @@ int ast_runtime_stats_get(ast_runtime *rt, ast_stats *out);
  * way. ast_runtime_destroy is this call with the result dropped. */
 int ast_runtime_destroy_msg(ast_runtime *rt, char *errbuf, size_t len);
 
-/* 1 if rt records a trace (config.trace non-empty), else 0. */
+/* Returns 1 if rt records a trace (config.trace non-empty), else 0 (also for a NULL rt). */
 int ast_runtime_tracing(const ast_runtime *rt);
 /* Records one caller event in rt's trace (see trace.h for the fields). Unlike ast_trace_event,
  * ev->ts_ns is an absolute CLOCK_MONOTONIC stamp, the clock of ast_result's *_ns fields and of

@@ -63,6 +63,8 @@ typedef struct ast_shadow_opts {
                                 it must outlive the shadow handle */
 } ast_shadow_opts;
 
+/* Sets the defaults (mode auto, the sizes and slot counts noted above, no trace).
+ * No return value. */
 void ast_shadow_opts_init(ast_shadow_opts *o);
 
 /* Slots start at multiples of this, so staged data suits any vector load. */
@@ -97,10 +99,11 @@ typedef struct ast_shadow_stats {
 int ast_shadow_create(const ast_shadow_opts *opts, ast_shadow **out);
 int ast_shadow_create_msg(const ast_shadow_opts *opts, ast_shadow **out, char *errbuf,
                           size_t len);
-/* Waits for every copy in flight, then frees the stream, events and both rings. */
+/* Waits for every copy in flight, then frees the stream, events and both rings. NULL is a
+ * no-op. No return value. */
 void ast_shadow_destroy(ast_shadow *sh);
 
-/* 1 on the CUDA path, 0 on the host path. */
+/* RETURN VALUE: 1 on the CUDA path, 0 on the host path (and for a NULL sh). */
 int ast_shadow_is_cuda(const ast_shadow *sh);
 /* The raw cudaStream_t, for torch.cuda.ExternalStream. RETURN VALUE: 0; AST_ENODEV on the host
  * path (*out = 0). */
@@ -125,14 +128,17 @@ typedef struct ast_shadow_piece {
  * failure copies nothing and holds no slot. */
 int ast_shadow_snapshotv(ast_shadow *sh, const ast_shadow_piece *pieces, int npieces,
                          void *wait_event, ast_shadow_ticket *t);
-/* 0 when the copy has landed in t->host; AST_EBUSY while in flight; AST_ENOENT unknown or
- * released ticket; AST_ECUDA. _wait blocks (without spinning) until it has landed. */
+/* RETURN VALUE: 0 when the copy has landed in t->host; AST_EBUSY while in flight (_query only);
+ * AST_ENOENT unknown or released ticket; AST_EINVAL NULL arguments; AST_ECUDA. _wait blocks
+ * (without spinning) until it has landed. */
 int ast_shadow_snapshot_query(ast_shadow *sh, const ast_shadow_ticket *t);
 int ast_shadow_snapshot_wait(ast_shadow *sh, const ast_shadow_ticket *t);
 /* The cudaEvent_t recorded after the snapshot copy (NULL on the host path), valid until the
- * ticket is released: the main stream waits on it before overwriting the source. */
+ * ticket is released: the main stream waits on it before overwriting the source.
+ * RETURN VALUE: 0; AST_ENOENT unknown or released ticket; AST_EINVAL NULL arguments. */
 int ast_shadow_snapshot_event(ast_shadow *sh, const ast_shadow_ticket *t, void **event);
-/* Gives the slot back; t->host must not be read afterwards. AST_ENOENT if unknown. */
+/* Gives the slot back; t->host must not be read afterwards. RETURN VALUE: 0; AST_ENOENT
+ * unknown or released ticket; AST_EINVAL NULL arguments. */
 int ast_shadow_snapshot_release(ast_shadow *sh, const ast_shadow_ticket *t);
 
 /* H2D prefetch: reserves nbytes in the device ring for key (unique among live slots), issues
@@ -143,22 +149,29 @@ int ast_shadow_snapshot_release(ast_shadow *sh, const ast_shadow_ticket *t);
 int ast_shadow_prefetch(ast_shadow *sh, const void *src, size_t nbytes, uint64_t key,
                         void **dev);
 /* The slot's ready cudaEvent_t (*event NULL on the host path), valid until release.
- * AST_ENOENT unknown key; AST_EBUSY while another thread is still issuing the copy. */
+ * RETURN VALUE: 0; AST_ENOENT unknown key; AST_EBUSY while another thread is still issuing the
+ * copy; AST_EINVAL NULL arguments. */
 int ast_shadow_ready_event(ast_shadow *sh, uint64_t key, void **event);
-/* Pointer and size of key's slot once its copy has completed: 0; AST_EBUSY while in flight
- * (the pointer is still returned, for stream-ordered use); AST_ENOENT unknown key. */
+/* Pointer and size of key's slot once its copy has completed. RETURN VALUE: 0; AST_EBUSY while
+ * in flight (the pointer is still returned, for stream-ordered use); AST_ENOENT unknown key;
+ * AST_EINVAL NULL sh; AST_ECUDA. */
 int ast_shadow_lookup(ast_shadow *sh, uint64_t key, void **dev, size_t *nbytes);
-/* Blocks until key's copy has completed. */
+/* Blocks until key's copy has completed. RETURN VALUE: 0; AST_ENOENT unknown key; AST_EINVAL
+ * NULL sh; AST_ECUDA. */
 int ast_shadow_prefetch_wait(ast_shadow *sh, uint64_t key);
-/* Releases key's slot now: the caller has no reads of it pending. AST_ENOENT if unknown. */
+/* Releases key's slot now: the caller has no reads of it pending. RETURN VALUE: 0; AST_ENOENT
+ * unknown key; AST_EBUSY while its copy is still being issued; AST_EINVAL NULL sh; AST_ECUDA. */
 int ast_shadow_release(ast_shadow *sh, uint64_t key);
 /* Releases key's slot once the work queued so far on stream (a cudaStream_t as uintptr_t; 0 is
  * the default stream) has passed: an event owned by the slot is recorded on stream and the space
- * is reclaimed only after it completes. On the host path the same as ast_shadow_release. */
+ * is reclaimed only after it completes. On the host path the same as ast_shadow_release.
+ * RETURN VALUE: as ast_shadow_release. */
 int ast_shadow_release_after(ast_shadow *sh, uint64_t key, uintptr_t stream);
 
+/* Copies the counters into out. RETURN VALUE: 0; AST_EINVAL NULL sh or out. */
 int ast_shadow_stats_get(ast_shadow *sh, ast_shadow_stats *out);
-/* Copy of the last error message ("" if none). */
+/* Copy of the last error message ("" if none) into buf. RETURN VALUE: 0; AST_EINVAL NULL sh
+ * or buf, or len 0. */
 int ast_shadow_last_error(ast_shadow *sh, char *buf, size_t len);
 
 #ifdef __cplusplus

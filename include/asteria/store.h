@@ -40,9 +40,9 @@ typedef enum ast_tier {
     AST_TIER_COUNT = 5
 } ast_tier;
 
-/* "host", "host_pinned", "device", "uvm", "nvme"; NULL for an unknown tier. */
+/* Returns "host", "host_pinned", "device", "uvm" or "nvme"; NULL for an unknown tier. */
 const char *ast_tier_name(ast_tier t);
-/* Parses a tier name; AST_EINVAL if unknown. */
+/* Parses a tier name into *out. Returns 0; AST_EINVAL for an unknown name or NULL arguments. */
 int ast_tier_parse(const char *name, ast_tier *out);
 
 typedef enum ast_direct_policy {
@@ -57,6 +57,8 @@ typedef struct ast_store_opts {
     uint64_t nvme_budget_bytes; /* 0: unlimited (the filesystem decides: ENOSPC) */
 } ast_store_opts;
 
+/* Sets the defaults: no NVMe tier, AST_DIRECT_REQUIRE, queue depth 0 (64), no budget.
+ * No return value. */
 void ast_store_opts_init(ast_store_opts *o);
 
 typedef struct ast_store ast_store;
@@ -70,29 +72,50 @@ typedef struct ast_store_stats {
     int nvme_direct;                  /* 1 O_DIRECT in use, 0 buffered fallback, -1 no NVMe tier */
 } ast_store_stats;
 
+/* Opens a store (opts NULL: no NVMe tier); *out receives it (NULL on failure). Returns 0 on
+ * success; AST_EINVAL for a NULL out or bad options; AST_ENOMEM; for nvme_dir: AST_ENOENT
+ * (missing), AST_EACCES (not writable), AST_ENOTSUP (no O_DIRECT under AST_DIRECT_REQUIRE, or
+ * built without liburing), AST_EIO. */
 int ast_store_open(const ast_store_opts *opts, ast_store **out);
-/* Like ast_store_open, but on failure writes a message that names the cause into errbuf. */
+/* Like ast_store_open, but on failure writes a message that names the cause into errbuf.
+ * Returns as ast_store_open. */
 int ast_store_open_msg(const ast_store_opts *opts, ast_store **out, char *errbuf, size_t len);
 /* Frees every block and removes the store's record files (in a forked child: the child's own
- * records only). */
+ * records only). NULL is a no-op. No return value. */
 void ast_store_close(ast_store *s);
 
-/* New zero-filled block of nbytes in tier; *id receives its handle (never 0). */
+/* New zero-filled block of nbytes in tier; *id receives its handle (never 0). Returns 0 on
+ * success; AST_EINVAL for NULL arguments, an unknown tier or nbytes 0; AST_ENODEV / AST_ECUDA
+ * for a CUDA tier that cannot be had; AST_ENOTSUP (UVM without coherent host access, NVME
+ * without an nvme_dir); AST_ENOMEM; AST_ENOSPC (NVMe budget or device full); AST_EIO. Failures
+ * set the last-error message. */
 int ast_store_alloc(ast_store *s, ast_tier tier, size_t nbytes, uint64_t *id);
+/* Frees a block (and its record). Returns 0; AST_ENOENT for an unknown id; AST_EINVAL for a
+ * NULL s. */
 int ast_store_free(ast_store *s, uint64_t id);
-/* Host- (or device-) addressable pointer of a block; NULL if the block is on NVME or unknown. */
+/* Returns the host- (or device-) addressable pointer of a block; NULL if the block is on NVME
+ * or unknown. */
 void *ast_store_data(ast_store *s, uint64_t id);
+/* *nbytes / *tier receive the block's size / tier. Returns 0; AST_ENOENT for an unknown id;
+ * AST_EINVAL for NULL arguments. */
 int ast_store_size(ast_store *s, uint64_t id, size_t *nbytes);
 int ast_store_tier(ast_store *s, uint64_t id, ast_tier *tier);
 /* Moves n blocks to tier dst. To or from NVME the I/O of all n is batched in one io_uring
  * submission round. All-or-nothing per block: a block whose move failed stays where it was;
- * the first error is returned and *moved (may be NULL) counts the blocks that did move. */
+ * the first error is returned and *moved (may be NULL) counts the blocks that did move.
+ * Returns 0 when every block is in dst; else the first failure: AST_EINVAL (NULL arguments,
+ * unknown tier), AST_ENOENT (unknown id), AST_EBUSY, the allocation codes of ast_store_alloc,
+ * or an NVMe read's AST_EIO / AST_ECORRUPT / AST_EFOREIGN. */
 int ast_store_move(ast_store *s, const uint64_t *ids, size_t n, ast_tier dst, size_t *moved);
+/* Copies the counters into out. Returns 0; AST_EINVAL for a NULL s or out. */
 int ast_store_stats_get(ast_store *s, ast_store_stats *out);
-/* Detail of the last failure on this store (thread-safe copy into buf). */
+/* Detail of the last failure on this store (thread-safe copy into buf). Returns 0; AST_EINVAL
+ * for a NULL s or buf, or len 0. */
 int ast_store_last_error(ast_store *s, char *buf, size_t len);
 /* Path of the record file backing a block on NVME (for diagnostics and fault tests); in a
- * forked child, for a block not written since the fork, the parent's record. */
+ * forked child, for a block not written since the fork, the parent's record. Returns 0;
+ * AST_ENOENT for an unknown id; AST_ESTATE for a block not on NVME; AST_EINVAL for NULL
+ * arguments or a buf too small. */
 int ast_store_record_path(ast_store *s, uint64_t id, char *buf, size_t len);
 
 #ifdef __cplusplus

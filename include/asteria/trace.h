@@ -91,18 +91,21 @@ typedef struct ast_trace_ev {
 
 /* RETURN VALUE: 0, AST_EINVAL (out NULL), AST_ENOMEM. *out is NULL on failure. */
 int ast_trace_create(ast_trace **out);
+/* Frees tr and its events (NULL is a no-op). No return value. */
 void ast_trace_destroy(ast_trace *tr);
 
-/* Nanoseconds since tr was created (CLOCK_MONOTONIC). */
+/* RETURN VALUE: the nanoseconds since tr was created (CLOCK_MONOTONIC). */
 uint64_t ast_trace_now(const ast_trace *tr);
-/* An absolute CLOCK_MONOTONIC stamp converted to tr's base; 0 for stamps before creation. */
+/* RETURN VALUE: the absolute CLOCK_MONOTONIC stamp converted to tr's base; 0 for stamps before
+ * creation. */
 uint64_t ast_trace_from_monotonic(const ast_trace *tr, uint64_t monotonic_ns);
 
 /* Records one event. RETURN VALUE: 0; AST_EINVAL (unknown kind, lane out of range, CUSTOM_*
  * without a name, name or category longer than 1023 bytes); AST_ENOMEM, or AST_ENOSPC when the
  * limit set by ast_trace_set_max_events is reached: the event is dropped and counted. */
 int ast_trace_event(ast_trace *tr, const ast_trace_ev *ev);
-/* Shorthands for ast_trace_event with kind CUSTOM_INSTANT / CUSTOM_SPAN and no arguments. */
+/* Shorthands for ast_trace_event with kind CUSTOM_INSTANT / CUSTOM_SPAN and no arguments.
+ * RETURN VALUE: as ast_trace_event. */
 int ast_trace_instant(ast_trace *tr, int lane, const char *cat, const char *name, uint64_t ts_ns);
 int ast_trace_complete(ast_trace *tr, int lane, const char *cat, const char *name,
                        uint64_t ts_ns, uint64_t dur_ns);
@@ -110,10 +113,11 @@ int ast_trace_complete(ast_trace *tr, int lane, const char *cat, const char *nam
 /* Names a lane ("nvme", "rank 3 sync"); replaces the default name. RETURN VALUE: 0,
  * AST_EINVAL, AST_ENOMEM. */
 int ast_trace_name_lane(ast_trace *tr, int lane, const char *name);
-/* Caps the number of events kept (0: no cap, the default); later events are dropped. */
+/* Caps the number of events kept (0: no cap, the default); later events are dropped. A NULL tr
+ * is a no-op. No return value. */
 void ast_trace_set_max_events(ast_trace *tr, size_t max_events);
 
-/* Events recorded so far / dropped so far. */
+/* RETURN VALUE: the number of events recorded so far / dropped so far (0 for a NULL tr). */
 size_t ast_trace_count(ast_trace *tr);
 size_t ast_trace_dropped(ast_trace *tr);
 

@@ -1,10 +1,12 @@
 """The ``runtime=`` dict of the Asteria optimizers, validated once at construction.
 
-``RuntimeConfig.from_user`` accepts ``None``, a plain dict or a ``RuntimeConfig``. Python checks
-the types here; the values go through libasteria's own key/value setter
-(``ast_config_set``, via ``asteria._C.validate_config``), so the C runtime and Python accept
-exactly the same things and reject them with the same message, which names the key and the
-allowed values. See the config table in README.md / DESIGN.md.
+``RuntimeConfig.from_user`` accepts ``None``, a plain dict or a ``RuntimeConfig``. Each key has
+one validator. The optimizer's keys (mode, staleness, install, placement, the budgets, nvme_dir,
+on_failure, fsdp_blocking) are checked here. The keys libasteria reads (``_C.config_keys()``: workers, cpuset,
+pin, max_failures, trace) are handed over once, at construction, to libasteria's validator
+(``ast_config_set``, via ``asteria._C.validate_config``), whose result (``c_config``, a
+``_C.Config``) ``_C.Runtime`` takes as it is. Every rejection is a ValueError naming the key and
+the allowed values. See the config table in README.md / DESIGN.md.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ TIERS = ("device", "host_pinned", "host", "uvm", "nvme")
 
 
 def _check_text(key: str, value: Any) -> None:
-    """A path or cpuset string that the C runtime can take: no NUL byte, encodable to the
-    file system's bytes."""
+    """A path or cpuset string that can cross into C: no NUL byte, encodable to the file
+    system's bytes and to UTF-8 (libasteria keeps its strings as UTF-8). The one place that
+    says so, naming the key, for every string key (libasteria's validator never sees a value
+    that cannot cross)."""
     try:
         # the C runtime keeps its strings as UTF-8
         raw = os.fsencode(value)
@@ -53,6 +57,18 @@ class RuntimeConfig:
     #: parameter with one owner rank per block ("global", docs/distributed.md); Python only
     fsdp_blocking: str = "local"
 
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {key: getattr(self, key) for key in self.keys()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A config read back (pickle, deepcopy) enters again: validated again."""
+        for key, value in state.items():
+            object.__setattr__(self, key, value)
+        self._validate()
+
     @classmethod
     def keys(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
@@ -73,7 +89,6 @@ class RuntimeConfig:
         else:
             raise ValueError(
                 f"runtime must be None, a dict or asteria.RuntimeConfig, got {type(runtime).__name__}")
-        cfg._validate()
         return cfg
 
     def _validate(self) -> None:
@@ -91,10 +106,6 @@ class RuntimeConfig:
              or self.staleness == "auto",
              'an integer S with 0 <= S <= precondition_frequency, or "auto" (S chosen from '
              'the measured round time, at most precondition_frequency)')
-        need("workers", self.workers is None or (is_int(self.workers) and self.workers >= 1),
-             "None (the cores the training thread does not use) or an integer >= 1")
-        need("max_failures", is_int(self.max_failures) and self.max_failures >= 1, "an integer >= 1")
-        need("pin", isinstance(self.pin, bool), "True, False")
         for key in ("device_budget_bytes", "host_budget_bytes"):
             v = getattr(self, key)
             need(key, v is None or (is_int(v) and v >= 0), "None or a byte count >= 0")
@@ -105,22 +116,13 @@ class RuntimeConfig:
         need("fsdp_blocking", self.fsdp_blocking == "local" or self.staleness != "auto"
              or self.mode == "sync", '"local" with staleness="auto" (global blocking needs one '
              'S on every rank: give staleness an integer)')
-        for key in ("nvme_dir", "trace", "cpuset"):
-            v = getattr(self, key)
-            need(key, v is None or isinstance(v, (str, os.PathLike)), "None or a path string")
-            if v is not None:
-                _check_text(key, v)
         if self.nvme_dir is not None:
+            need("nvme_dir", isinstance(self.nvme_dir, (str, os.PathLike)), "None or a path string")
+            _check_text("nvme_dir", self.nvme_dir)
             d = os.fspath(self.nvme_dir)
             need("nvme_dir", os.path.isdir(d),
                  "an existing directory (the NVMe tier writes its records there)")
             need("nvme_dir", os.access(d, os.W_OK | os.X_OK), "a directory this process can write")
-        if self.trace is not None:
-            path = os.fspath(self.trace)
-            parent = os.path.dirname(os.path.abspath(path))
-            need("trace", not os.path.isdir(path), "a file path (this is a directory)")
-            need("trace", os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK),
-                 "a file path in an existing directory this process can write")
         p = self.placement
         if isinstance(p, Mapping):
             for kind, tier in p.items():
@@ -136,7 +138,12 @@ class RuntimeConfig:
                  + " and tiers " + ", ".join(TIERS))
         from asteria import _C
 
-        _C.validate_config(self.c_items())
+        c_config = _C.validate_config(self.c_items())
+        object.__setattr__(self, "_c_config", c_config)
+        # the C keys as libasteria took them (max_failures "3" -> 3): the Python readers see
+        # the one validated value
+        for key, value in c_config.as_dict().items():
+            object.__setattr__(self, key, value)
 
     def placement_for(self, kind: str) -> Optional[str]:
         """The tier the user pinned for a state kind, or None under "auto"."""
@@ -144,28 +151,29 @@ class RuntimeConfig:
             return self.placement.get(kind)
         return None
 
-    def c_items(self) -> dict[str, str]:
-        """The config as the string key/value pairs ``ast_config_set`` takes."""
-        out: dict[str, str] = {
-            "mode": self.mode,
-            "install": self.install,
-            "pin": "1" if self.pin else "0",
-            "max_failures": str(self.max_failures),
-        }
-        if self.staleness != "auto":  # "auto" is the schedule's to resolve; C keeps its default
-            out["staleness"] = str(self.staleness)
-        if self.workers is not None:
-            out["workers"] = str(self.workers)
-        if isinstance(self.placement, Mapping):
-            out["placement"] = ",".join(f"{k}={v}" for k, v in self.placement.items())
-        else:
-            out["placement"] = self.placement
-        for key in ("device_budget_bytes", "host_budget_bytes"):
-            if getattr(self, key) is not None:
-                out[key] = str(getattr(self, key))
-        for key in ("nvme_dir", "trace", "cpuset"):
-            if getattr(self, key) is not None:
-                out[key] = os.fspath(getattr(self, key))
+    @property
+    def c_config(self) -> Any:
+        """The keys libasteria reads, validated by it at construction (a ``_C.Config``, which
+        ``_C.Runtime`` takes as it is)."""
+        return self._c_config
+
+    def c_items(self) -> dict[str, Any]:
+        """The keys libasteria reads (``_C.config_keys()``), as ``_C.validate_config`` takes
+        them: None (C's default) left out, path strings as str."""
+        from asteria import _C
+
+        out: dict[str, Any] = {}
+        for key in _C.config_keys():
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if key in ("trace", "cpuset"):
+                if not isinstance(value, (str, os.PathLike)):
+                    raise ValueError(f"runtime key {key!r}: got {value!r}; allowed: None or a "
+                                     f"path string")
+                _check_text(key, value)
+                value = os.fsdecode(value)
+            out[key] = value
         return out
 
     def check_frequency(self, precondition_frequency: int) -> None:

@@ -20,6 +20,7 @@
 #include "asteria/runtime.h"
 
 #include "ref_rotate.h"
+#include "testing.h"
 
 static ast_runtime *make_rt(int workers, int max_failures)
 {
@@ -58,12 +59,12 @@ static void test_create_rejects_bad_config(void **state)
     (void)state;
     ast_config c;
     ast_config_init(&c);
-    c.staleness = -1;
+    c.max_failures = -1;
     ast_runtime *rt = (ast_runtime *)0x1;
     char err[256] = "";
     assert_int_equal(ast_runtime_create_msg(&c, &rt, err, sizeof err), AST_EINVAL);
     assert_null(rt);
-    assert_non_null(strstr(err, "staleness"));
+    assert_non_null(strstr(err, "max_failures"));
 }
 
 static void test_eigh_job_end_to_end(void **state)
@@ -520,10 +521,22 @@ static void test_trace_uncollected_and_write_errors(void **state)
     (void)state;
     char path[1200];
     trace_path(path, sizeof path, "runtime_trace_nodir");
-    /* A directory that does not exist: the write at destroy fails and says where. */
-    char bad[1300];
-    snprintf(bad, sizeof bad, "%s.missing/t.json", path);
-    ast_runtime *rt = make_traced_rt(1, bad);
+    /* A directory that does not exist: refused at create (config key "trace"); one removed
+     * after create: the write at destroy fails and says where. */
+    char bad[1300], baddir[1250];
+    snprintf(baddir, sizeof baddir, "%s.missing", path);
+    snprintf(bad, sizeof bad, "%s/t.json", baddir);
+    ast_config c;
+    ast_config_init(&c);
+    snprintf(c.trace, sizeof c.trace, "%s", bad);
+    ast_runtime *rt = NULL;
+    char cerr[1400] = "";
+    assert_int_equal(ast_runtime_create_msg(&c, &rt, cerr, sizeof cerr), AST_EINVAL);
+    assert_non_null(strstr(cerr, "'trace'"));
+    rmdir(baddir);
+    assert_int_equal(mkdir(baddir, 0700), 0);
+    rt = make_traced_rt(1, bad);
+    assert_int_equal(rmdir(baddir), 0);
     double f[16], q[16];
     spd(f, 4, 2);
     uint64_t h, t;
@@ -616,10 +629,10 @@ static void test_wait_check(void **state)
     c.workers = 1;
     snprintf(c.cpuset, sizeof c.cpuset, "0");
     c.pin = 0;
-    c.debug_job_delay_ms = 600;
     ast_runtime *rt = NULL;
     char err[256];
     assert_int_equal(ast_runtime_create_msg(&c, &rt, err, sizeof err), 0);
+    assert_int_equal(ast__runtime_set_job_delay(rt, 600), 0);
     const int n = 16;
     double *f = malloc(sizeof(double) * n * n), *q = calloc((size_t)n * n, sizeof(double));
     spd(f, n, 3);

@@ -149,7 +149,11 @@ def test_barrier_span_uncollected_jobs_and_explicit_write(tmp_path):
 
 def test_trace_errors(tmp_path):
     bad = tmp_path / "missing" / "t.json"
+    with pytest.raises(ValueError, match="'trace'.*in an existing directory"):
+        _C.Runtime({"workers": 1, "pin": False, "trace": str(bad)})  # refused up front
+    bad.parent.mkdir()
     rt = _C.Runtime({"workers": 1, "pin": False, "trace": str(bad)})
+    bad.parent.rmdir()  # gone by the time the trace is written
     with pytest.raises(ValueError, match="unknown trace kind 'bogus'"):
         rt.trace_event("bogus", "train")
     with pytest.raises(ValueError, match="unknown trace lane") as ei:

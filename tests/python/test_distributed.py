@@ -273,14 +273,19 @@ def test_rank_death_fails_the_others_promptly(tmp_path):
 # ---- single-process pieces ---------------------------------------------------------------------
 
 def test_debug_job_delay_hook(monkeypatch):
-    """The slow-rank hook: config "debug_job_delay_ms" (not a public key) makes every job sleep;
-    ASTERIA_DEBUG_JOB_DELAY_MS sets it for the runtimes an optimizer creates."""
+    """The slow-rank hook: the test-only _C._test_set_job_delay (not a config key) makes every
+    job sleep; ASTERIA_DEBUG_JOB_DELAY_MS sets it for the runtimes an optimizer creates."""
     from asteria import _C
     from asteria.refresh.host_pool import CEngine
 
     assert "debug_job_delay_ms" not in _C.config_keys()
     with pytest.raises(ValueError, match="debug_job_delay_ms"):
         _C.validate_config({"debug_job_delay_ms": -1})
+    with _C.Runtime({"workers": 1}) as rt:
+        for bad in (-1, 600001):
+            with pytest.raises(ValueError, match="delay_ms") as ei:
+                _C._test_set_job_delay(rt, bad)
+            assert ei.value.code == _C.AST_EINVAL
     f = torch.eye(4, dtype=torch.float64).unsqueeze(0)
     monkeypatch.setenv("ASTERIA_DEBUG_JOB_DELAY_MS", "150")
     for cfg in ({"workers": 1}, asteria.RuntimeConfig(workers=1)):

@@ -278,28 +278,32 @@ def test_config_object_mapping():
     cfg = types.SimpleNamespace(mode="async", staleness=3, install="eager", workers=None,
                                 placement={"factors": "device", "roots": "host_pinned"},
                                 device_budget_bytes=None, host_budget_bytes=1 << 30,
-                                nvme_dir=None, trace=None)
-    d = c_config(cfg)
-    assert d["workers"] is None and d["staleness"] == 3
+                                nvme_dir=None, trace=None, max_failures=4, pin=False)
+    d = c_config(cfg).as_dict()  # C gets only the keys it reads
+    assert d["workers"] is None and d["max_failures"] == 4 and d["pin"] is False
+    assert set(d) == set(_C.config_keys()) and "staleness" not in d
     e = CEngine(cfg)
     try:
         c = e.runtime.config
-        assert c["staleness"] == 3 and c["install"] == "eager" and c["workers"] is None
-        assert c["placement"] == "factors=device,roots=host_pinned"
-        assert c["host_budget_bytes"] == 1 << 30
+        assert c["max_failures"] == 4 and c["pin"] is False and c["workers"] is None
         assert e.stats()["workers"] >= 1  # None: the cores the training thread does not use
     finally:
         e.close()
+    # the object's other keys are validated as the optimizer's runtime= is
     with pytest.raises(ValueError, match="'install'"):
         CEngine(types.SimpleNamespace(install="later"))
+    with pytest.raises(ValueError, match="'workers'"):
+        CEngine(types.SimpleNamespace(workers=0))
 
 
 def test_runtime_config_dataclass():
     from asteria.config import RuntimeConfig
 
-    e = CEngine(RuntimeConfig(workers=2, staleness=4, pin=False))
+    cfg = RuntimeConfig(workers=2, staleness=4, pin=False)
+    e = CEngine(cfg)
     try:
-        assert e.runtime.config["workers"] == 2 and e.runtime.config["staleness"] == 4
+        assert e.runtime.config["workers"] == 2 and e.runtime.config == cfg.c_config.as_dict()
+        assert cfg.staleness == 4 and "staleness" not in e.runtime.config  # the schedule's key
         res = submit_wait(e, "eigh", sym(1, 5))
         assert res.status == 0
     finally:

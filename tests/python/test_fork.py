@@ -314,7 +314,8 @@ def test_child_closes_a_runtime_another_thread_was_waiting_on():
 
     from asteria import _C
 
-    rt = _C.Runtime({"workers": 1, "debug_job_delay_ms": 1500})
+    rt = _C.Runtime({"workers": 1})
+    _C._test_set_job_delay(rt, 1500)
     n = 16
     g = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=g, dtype=torch.float64)

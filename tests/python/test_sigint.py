@@ -3,7 +3,7 @@
 Real SIGINT (os.kill from a timer thread), real worker pool. Runtime.wait wakes every 100 ms,
 takes the GIL and runs the signal handlers, so:
  - KeyboardInterrupt arrives within about 0.3 s of the signal, during a long eigendecomposition
-   (a real one, and one kept slow by the test hook "debug_job_delay_ms");
+   (a real one, and one kept slow by the test-only job delay, _C._test_set_job_delay);
  - the interrupted wait leaves the job pending: waiting again returns its result, bitwise the
    result of an uninterrupted run, and afterwards no job, buffer registration or snapshot is
    left behind;
@@ -82,12 +82,22 @@ def interrupted_wait(eng, ticket, sent_at):
     pytest.fail("the wait ended without KeyboardInterrupt")
 
 
+def slow_engine(delay_ms: int) -> CEngine:
+    """A one-worker engine whose jobs sleep delay_ms first (the test-only job delay)."""
+    from asteria import _C
+
+    eng = CEngine({"workers": 1})
+    if delay_ms:
+        _C._test_set_job_delay(eng.runtime, delay_ms)
+    return eng
+
+
 @pytest.mark.parametrize("how", ["delay", "real_eigh"])
 def test_sigint_interrupts_the_wait_and_the_result_survives(sigint, how):
     if how == "delay":  # a job that sleeps 1.5 s on its worker, then computes
-        cfg, f = {"workers": 1, "debug_job_delay_ms": DELAY_MS}, spd(64)
+        delay, f = DELAY_MS, spd(64)
     else:  # an eigendecomposition that takes about a second or more here
-        cfg, f = {"workers": 1}, spd(1024, seed=1)
+        delay, f = 0, spd(1024, seed=1)
     with torch.no_grad():
         want = CEngine({"workers": 1})
         try:
@@ -95,7 +105,7 @@ def test_sigint_interrupts_the_wait_and_the_result_survives(sigint, how):
                                         snapshot_step=0))
         finally:
             want.close()
-    eng = CEngine(cfg)
+    eng = slow_engine(delay)
     try:
         t0 = time.monotonic()
         ticket = eng.submit("eigh", f, block=1, version=1, deadline=1, snapshot_step=0)
@@ -116,7 +126,7 @@ def test_sigint_during_a_timed_wait(sigint):
     """An interrupted wait with a timeout raises KeyboardInterrupt, not TimeoutError; a timed
     wait without a signal ends on time (not rounded to the 100 ms wake-ups) with TimeoutError;
     the job is still collected afterwards."""
-    eng = CEngine({"workers": 1, "debug_job_delay_ms": DELAY_MS})
+    eng = slow_engine(DELAY_MS)
     try:
         ticket = eng.submit("eigh", spd(32), block=1, version=1, deadline=1, snapshot_step=0)
         sent_at = sigint(0.15)
@@ -140,7 +150,7 @@ def test_signal_handlers_run_during_the_wait():
     and the wait then goes on to the result."""
     ran = []
     old = signal.signal(signal.SIGUSR1, lambda *a: ran.append(time.monotonic()))
-    eng = CEngine({"workers": 1, "debug_job_delay_ms": 800})
+    eng = slow_engine(800)
     timer = None
     try:
         ticket = eng.submit("eigh", spd(32), block=1, version=1, deadline=1, snapshot_step=0)
@@ -165,7 +175,8 @@ def test_runtime_wait_interrupted_keeps_the_ticket(sigint):
     buffers cannot be unregistered) until it is waited for again."""
     from asteria import _C
 
-    rt = _C.Runtime({"workers": 1, "debug_job_delay_ms": 1000})
+    rt = _C.Runtime({"workers": 1})
+    _C._test_set_job_delay(rt, 1000)
     try:
         n = 16
         f = spd(n)[0].contiguous()

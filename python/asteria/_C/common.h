@@ -19,6 +19,7 @@
 #include "asteria/shadow.h"
 #include "asteria/store.h"
 #include "asteria/trace.h"
+#include "testing.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -34,6 +35,7 @@
 
 typedef struct {
     PyTypeObject *runtime_type;
+    PyTypeObject *config_type;
     PyTypeObject *result_type;
     PyTypeObject *store_type;
     PyTypeObject *blockbuf_type;
@@ -51,6 +53,11 @@ typedef struct guard {
     pthread_cond_t idle;
     struct guard *prev, *next; /* every live guard of the process (fork handlers) */
 } guard;
+
+typedef struct {
+    PyObject_HEAD
+    ast_config cfg;
+} ConfigObject;
 
 typedef struct {
     PyObject_HEAD
@@ -93,10 +100,13 @@ PyObject *raise_exc(PyObject *exc);
 int dict_set_steal(PyObject *d, const char *key, PyObject *v);
 void close_in_dealloc(int (*close)(PyObject *), PyObject *self);
 PyObject *config_to_dict(const ast_config *c);
-int apply_config(mod_state *st, ast_config *cfg, PyObject *config);
+/* ---- runtime.c ---- */
+PyObject *config_validate(mod_state *st, PyObject *config);
+PyObject *mod_test_set_job_delay(PyObject *m, PyObject *args);
 
 /* ---- the bound types ---- */
 extern PyType_Spec runtime_spec;
+extern PyType_Spec config_spec;
 extern PyStructSequence_Desc result_desc;
 extern PyType_Spec store_spec;
 extern PyType_Spec blockbuf_spec;

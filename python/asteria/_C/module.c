@@ -3,7 +3,7 @@
  * events through the runtime), block store (store.h), shadow copy engine (shadow.h) and
  * coherence registry (coherence.h).
  *
- * Owns: the Runtime, Store, BlockBuffer, Shadow and Coherence heap types, the Result
+ * Owns: the Runtime, Config, Store, BlockBuffer, Shadow and Coherence heap types, the Result
  * struct-sequence type, the AsteriaError and BusyError exceptions and the one mapping from AST_E*
  * codes to Python exceptions (raise_ast_error). Types and exceptions live in module state
  * (multi-phase init), so the module may be instantiated more than once in a process.
@@ -95,20 +95,10 @@ static PyObject *mod_default_config(PyObject *m, PyObject *unused)
     return config_to_dict(&cfg);
 }
 
-/* The whole config path of Runtime() without creating one: ast_config_set per key, then
- * ast_config_validate. */
+/* The one check of the C keys (ast_config_set per key): a Config that Runtime() takes as is. */
 static PyObject *mod_validate_config(PyObject *m, PyObject *config)
 {
-    mod_state *st = PyModule_GetState(m);
-    ast_config cfg;
-    ast_config_init(&cfg);
-    if (apply_config(st, &cfg, config) < 0)
-        return NULL;
-    char err[ERRBUF_LEN] = "";
-    int rc = ast_config_validate(&cfg, err, sizeof err);
-    if (rc < 0)
-        return raise_ast_error(st, rc, err);
-    return config_to_dict(&cfg);
+    return config_validate(PyModule_GetState(m), config);
 }
 
 static PyObject *mod_coherence_dim_cost(PyObject *m, PyObject *arg)
@@ -138,8 +128,13 @@ static PyMethodDef mod_methods[] = {
     {"default_config", mod_default_config, METH_NOARGS,
      PyDoc_STR("default_config()\n--\n\nThe default config, in the form of Runtime.config.")},
     {"validate_config", mod_validate_config, METH_O,
-     PyDoc_STR("validate_config(config)\n--\n\nCheck a config dict exactly as Runtime() does "
-               "(ValueError naming the key and the allowed values); return the effective config.")},
+     PyDoc_STR("validate_config(config)\n--\n\nCheck a dict of the keys in config_keys() with "
+               "libasteria's validator (ValueError naming the key and the allowed values); return "
+               "it as a Config, which Runtime() takes without checking it again.")},
+    {"_test_set_job_delay", mod_test_set_job_delay, METH_VARARGS,
+     PyDoc_STR("_test_set_job_delay(runtime, delay_ms)\n--\n\nTEST ONLY, not API: every job "
+               "submitted to runtime afterwards sleeps delay_ms (0..600000) on its worker before "
+               "computing (a slow rank, a job kept running across a fork or a signal).")},
     {"coherence_dim_cost", mod_coherence_dim_cost, METH_O,
      PyDoc_STR("coherence_dim_cost(n)\n--\n\nThe refresh cost of one n x n factor, n^3 "
                "(saturating at 2^64 - 1).")},
@@ -162,6 +157,9 @@ static int mod_exec(PyObject *m)
 
     st->runtime_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &runtime_spec, NULL);
     if (!st->runtime_type || PyModule_AddType(m, st->runtime_type) < 0)
+        return -1;
+    st->config_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &config_spec, NULL);
+    if (!st->config_type || PyModule_AddType(m, st->config_type) < 0)
         return -1;
     st->store_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &store_spec, NULL);
     if (!st->store_type || PyModule_AddType(m, st->store_type) < 0)
@@ -233,8 +231,7 @@ static int mod_exec(PyObject *m)
         return -1;
 
     if (add_int(m, "AST_F32", AST_F32) || add_int(m, "AST_F64", AST_F64) ||
-        add_int(m, "AST_MODE_SYNC", AST_MODE_SYNC) || add_int(m, "AST_MODE_ASYNC", AST_MODE_ASYNC) ||
-        add_int(m, "HAVE_CUDA", ASTERIA_HAVE_CUDA) || add_int(m, "HAVE_NCCL", ASTERIA_HAVE_NCCL) ||
+        add_int(m, "HAVE_CUDA", ASTERIA_HAVE_CUDA) ||
         add_int(m, "HAVE_URING", ASTERIA_HAVE_URING) ||
         add_int(m, "HAVE_HWLOC", ASTERIA_HAVE_HWLOC) ||
         add_int(m, "COH_XCHG_STRIDE", AST_COH_XCHG_STRIDE) ||
@@ -249,6 +246,7 @@ static int mod_traverse(PyObject *m, visitproc visit, void *arg)
     if (!st)
         return 0;
     Py_VISIT(st->runtime_type);
+    Py_VISIT(st->config_type);
     Py_VISIT(st->result_type);
     Py_VISIT(st->store_type);
     Py_VISIT(st->blockbuf_type);
@@ -265,6 +263,7 @@ static int mod_clear(PyObject *m)
     if (!st)
         return 0;
     Py_CLEAR(st->runtime_type);
+    Py_CLEAR(st->config_type);
     Py_CLEAR(st->result_type);
     Py_CLEAR(st->store_type);
     Py_CLEAR(st->blockbuf_type);

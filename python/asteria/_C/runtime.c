@@ -1,45 +1,25 @@
 /*
  * runtime.c - asteria._C.Runtime (runtime.h: the worker pool, jobs, waits, trace events)
- * and its Result struct sequence; the config dict <-> ast_config conversion.
+ * and its Result struct sequence; Config (a validated ast_config) and the dict <-> ast_config
+ * conversion; the test-only _test_set_job_delay (src/testing.h).
  * May call: the public libasteria API and the Python C API, and common.h.
  */
 #include "common.h"
 
 /* ---- config -------------------------------------------------------------------------------------- */
 
-/* The string form ast_config_set takes: bools "1"/"0"; a dict (placement) "k=v,k=v"; else str(). */
+/* The string form ast_config_set takes: bools "true"/"false" (so a bool is refused where C wants
+ * a number), anything else str(). */
 static PyObject *config_value_str(PyObject *v)
 {
     if (PyBool_Check(v))
-        return PyUnicode_FromString(v == Py_True ? "1" : "0");
-    if (!PyDict_Check(v))
-        return PyObject_Str(v);
-    PyObject *parts = PyList_New(0), *items = PyDict_Items(v), *out = NULL;
-    if (!parts || !items)
-        goto done;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
-        PyObject *kv = PyList_GET_ITEM(items, i);
-        PyObject *part = PyUnicode_FromFormat("%S=%S", PyTuple_GET_ITEM(kv, 0),
-                                              PyTuple_GET_ITEM(kv, 1));
-        if (!part || PyList_Append(parts, part) < 0) {
-            Py_XDECREF(part);
-            goto done;
-        }
-        Py_DECREF(part);
-    }
-    PyObject *sep = PyUnicode_FromString(",");
-    if (sep) {
-        out = PyUnicode_Join(sep, parts);
-        Py_DECREF(sep);
-    }
-done:
-    Py_XDECREF(parts);
-    Py_XDECREF(items);
-    return out;
+        return PyUnicode_FromString(v == Py_True ? "true" : "false");
+    return PyObject_Str(v);
 }
 
-/* Applies a mapping of key -> value through ast_config_set; None values keep the default. */
-int apply_config(mod_state *st, ast_config *cfg, PyObject *config)
+/* Applies a mapping of key -> value through ast_config_set, C's one validator of each key;
+ * None values keep the default. */
+static int apply_config(mod_state *st, ast_config *cfg, PyObject *config)
 {
     if (config == Py_None)
         return 0;
@@ -89,7 +69,6 @@ done:
     return ret;
 }
 
-
 /* A fixed-size C string field as str, or None when empty. */
 static PyObject *str_or_none(const char *s, size_t cap)
 {
@@ -99,38 +78,111 @@ static PyObject *str_or_none(const char *s, size_t cap)
     return PyUnicode_DecodeUTF8(s, (Py_ssize_t)n, "surrogateescape");
 }
 
-static PyObject *bytes_or_none(int64_t v)
-{
-    if (v < 0)
-        Py_RETURN_NONE;
-    return PyLong_FromLongLong(v);
-}
-
-/* The dict form of a config; feeding it back to Runtime() gives the same config. */
+/* The dict form of a config; feeding it back to validate_config() gives the same config. */
 PyObject *config_to_dict(const ast_config *c)
 {
     PyObject *d = PyDict_New();
     if (!d)
         return NULL;
-    if (dict_set_steal(d, "mode", PyUnicode_FromString(c->mode == AST_MODE_SYNC ? "sync" : "async")) ||
-        dict_set_steal(d, "staleness", PyLong_FromLong(c->staleness)) ||
-        dict_set_steal(d, "install",
-                       PyUnicode_FromString(c->install == AST_INSTALL_EAGER ? "eager"
-                                                                            : "deterministic")) ||
-        dict_set_steal(d, "workers", c->workers > 0 ? PyLong_FromLong(c->workers) : Py_NewRef(Py_None)) ||
+    if (dict_set_steal(d, "workers", c->workers > 0 ? PyLong_FromLong(c->workers) : Py_NewRef(Py_None)) ||
         dict_set_steal(d, "cpuset", str_or_none(c->cpuset, sizeof c->cpuset)) ||
         dict_set_steal(d, "pin", PyBool_FromLong(c->pin)) ||
-        dict_set_steal(d, "placement", str_or_none(c->placement, sizeof c->placement)) ||
-        dict_set_steal(d, "device_budget_bytes", bytes_or_none(c->device_budget_bytes)) ||
-        dict_set_steal(d, "host_budget_bytes", bytes_or_none(c->host_budget_bytes)) ||
-        dict_set_steal(d, "nvme_dir", str_or_none(c->nvme_dir, sizeof c->nvme_dir)) ||
-        dict_set_steal(d, "trace", str_or_none(c->trace, sizeof c->trace)) ||
-        dict_set_steal(d, "max_failures", PyLong_FromLong(c->max_failures))) {
+        dict_set_steal(d, "max_failures", PyLong_FromLong(c->max_failures)) ||
+        dict_set_steal(d, "trace", str_or_none(c->trace, sizeof c->trace))) {
         Py_DECREF(d);
         return NULL;
     }
     return d;
 }
+
+/* ---- Config: a validated ast_config, handed to Runtime() as it is -------------------------- */
+
+PyObject *config_validate(mod_state *st, PyObject *config)
+{
+    ast_config cfg;
+    ast_config_init(&cfg);
+    if (apply_config(st, &cfg, config) < 0)
+        return NULL;
+    ConfigObject *self = PyObject_New(ConfigObject, st->config_type);
+    if (!self)
+        return NULL;
+    self->cfg = cfg;
+    return (PyObject *)self;
+}
+
+static void config_dealloc(ConfigObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_Free(self);
+    Py_DECREF(tp);
+}
+
+static PyObject *config_as_dict(ConfigObject *self, PyObject *unused)
+{
+    return config_to_dict(&self->cfg);
+}
+
+/* Pickled as validate_config(as_dict()): a config read back is validated where it enters. */
+static PyObject *config_reduce(ConfigObject *self, PyObject *unused)
+{
+    PyObject *m = PyType_GetModule(Py_TYPE(self));
+    PyObject *fn = m ? PyObject_GetAttrString(m, "validate_config") : NULL;
+    PyObject *d = fn ? config_to_dict(&self->cfg) : NULL;
+    PyObject *out = d ? Py_BuildValue("(O(O))", fn, d) : NULL;
+    Py_XDECREF(fn);
+    Py_XDECREF(d);
+    return out;
+}
+
+static PyObject *config_richcompare(PyObject *a, PyObject *b, int op)
+{
+    if ((op != Py_EQ && op != Py_NE) || !Py_IS_TYPE(b, Py_TYPE(a)))
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *da = config_to_dict(&((ConfigObject *)a)->cfg);
+    PyObject *db = da ? config_to_dict(&((ConfigObject *)b)->cfg) : NULL;
+    PyObject *out = db ? PyObject_RichCompare(da, db, op) : NULL;
+    Py_XDECREF(da);
+    Py_XDECREF(db);
+    return out;
+}
+
+static PyObject *config_repr(ConfigObject *self)
+{
+    PyObject *d = config_to_dict(&self->cfg);
+    if (!d)
+        return NULL;
+    PyObject *out = PyUnicode_FromFormat("<%s %R>", Py_TYPE(self)->tp_name, d);
+    Py_DECREF(d);
+    return out;
+}
+
+static PyMethodDef config_methods[] = {
+    {"as_dict", (PyCFunction)config_as_dict, METH_NOARGS,
+     PyDoc_STR("as_dict()\n--\n\nThe config as a dict of config_keys() (None for a default).")},
+    {"__reduce__", (PyCFunction)config_reduce, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(config_doc,
+             "The C part of a runtime config (the keys of config_keys()), validated by "
+             "libasteria's ast_config_set.\nMade by validate_config(); Runtime() takes it as it "
+             "is, with no second parse.");
+
+static PyType_Slot config_slots[] = {
+    {Py_tp_dealloc, config_dealloc},
+    {Py_tp_repr, config_repr},
+    {Py_tp_richcompare, config_richcompare},
+    {Py_tp_methods, config_methods},
+    {Py_tp_doc, (void *)config_doc},
+    {0, NULL},
+};
+
+PyType_Spec config_spec = {
+    .name = "asteria._C.Config",
+    .basicsize = sizeof(ConfigObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = config_slots,
+};
 
 /* ---- Result ------------------------------------------------------------------------------------- */
 
@@ -208,14 +260,15 @@ static PyObject *runtime_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     mod_state *st = type_state(type);
     if (!st || !PyArg_ParseTupleAndKeywords(args, kwds, "|O:Runtime", kwlist, &config))
         return NULL;
+    /* A Config was validated when it was made; anything else is validated here, once. */
     ast_config cfg;
     ast_config_init(&cfg);
-    if (apply_config(st, &cfg, config) < 0)
+    if (Py_IS_TYPE(config, st->config_type))
+        cfg = ((ConfigObject *)config)->cfg;
+    else if (apply_config(st, &cfg, config) < 0)
         return NULL;
     char err[ERRBUF_LEN] = "";
-    int rc = ast_config_validate(&cfg, err, sizeof err);
-    if (rc < 0)
-        return raise_ast_error(st, rc, err);
+    int rc;
 
     RuntimeObject *self = (RuntimeObject *)type->tp_alloc(type, 0);
     if (!self)
@@ -870,14 +923,32 @@ static PyObject *runtime_get_tracing(RuntimeObject *self, void *closure)
     return PyBool_FromLong(ast_runtime_tracing(rt));
 }
 
+/* Test-only (src/testing.h): _C._test_set_job_delay(runtime, delay_ms). */
+PyObject *mod_test_set_job_delay(PyObject *m, PyObject *args)
+{
+    mod_state *st = PyModule_GetState(m);
+    PyObject *obj;
+    int delay_ms;
+    if (!PyArg_ParseTuple(args, "O!i:_test_set_job_delay", st->runtime_type, &obj, &delay_ms))
+        return NULL;
+    RuntimeObject *self = (RuntimeObject *)obj;
+    ast_runtime *rt = rt_open(self, st);
+    if (!rt)
+        return NULL;
+    int rc = ast__runtime_set_job_delay(rt, delay_ms);
+    if (rc < 0)
+        return raise_ast_error(st, rc, "_test_set_job_delay: delay_ms allowed: 0..600000");
+    Py_RETURN_NONE;
+}
+
 static PyObject *runtime_repr(RuntimeObject *self)
 {
     if (self->g.closed || !self->rt)
         return PyUnicode_FromFormat("<%s closed>", Py_TYPE(self)->tp_name);
-    const ast_config *c = ast_runtime_config(self->rt);
-    return PyUnicode_FromFormat("<%s mode=%s staleness=%d workers=%d>", Py_TYPE(self)->tp_name,
-                                c->mode == AST_MODE_SYNC ? "sync" : "async", c->staleness,
-                                c->workers);
+    ast_stats s;
+    if (ast_runtime_stats_get(self->rt, &s) < 0)
+        s.workers = -1;
+    return PyUnicode_FromFormat("<%s workers=%d>", Py_TYPE(self)->tp_name, s.workers);
 }
 
 static PyMethodDef runtime_methods[] = {
@@ -920,9 +991,9 @@ static PyGetSetDef runtime_getset[] = {
 PyDoc_STRVAR(runtime_doc,
              "Runtime(config=None)\n--\n\n"
              "One libasteria runtime: a worker pool running REFRESH jobs on registered host "
-             "buffers.\nconfig: a dict of the keys in config_keys(); values are passed as str() "
-             "(bools as 1/0,\na placement dict as 'kind=tier,...'); None keeps the default. A bad "
-             "key or value\nraises ValueError naming the key and the allowed values.");
+             "buffers.\nconfig: a Config from validate_config() (taken as it is), or a dict of the "
+             "keys in config_keys()\n(validated as validate_config() does); None keeps the "
+             "defaults.");
 
 static PyType_Slot runtime_slots[] = {
     {Py_tp_new, runtime_new},

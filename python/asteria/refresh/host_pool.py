@@ -4,7 +4,7 @@ Owns: one ``asteria._C.Runtime`` and, per job whose result has not been handed o
 tensors (input snapshots, outputs) with their buffer registrations. Workers read and write those
 buffers from their own threads, so each job's tensors stay referenced, and registered, until the
 runtime has reported the job finished (``poll`` or ``wait``); only then are they unregistered.
-May call: torch, ``asteria.refresh`` (engine, ops), ``asteria._C``.
+May call: torch, ``asteria.refresh`` (engine, ops), ``asteria.config``, ``asteria._C``.
 Threading: single-threaded use (the optimizer's training thread), no locks. The GIL is released
 inside ``_C``'s blocking calls, so other Python threads run while this one waits at the barrier;
 the barrier wakes every 100 ms to run signal handlers, so Ctrl-C interrupts it (a job whose wait
@@ -25,7 +25,6 @@ queued" event.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import os
 import time
 from typing import Any, Mapping, Optional
@@ -33,40 +32,30 @@ from typing import Any, Mapping, Optional
 import torch
 
 from asteria import _C
+from asteria.config import RuntimeConfig
 from asteria.refresh.engine import Engine, JobTiming, Result
 from asteria.refresh.ops import check_op
 
 _C_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
-#: environment variable read at runtime creation: config "debug_job_delay_ms" (a test hook)
+#: test hook, read at runtime creation: every job of the runtime sleeps this many milliseconds
+#: on its worker (a slow rank in a distributed test); set through the test-only
+#: ``_C._test_set_job_delay``
 DEBUG_DELAY_ENV = "ASTERIA_DEBUG_JOB_DELAY_MS"
 _WITH_BASIS = ("soap_qr", "kl_qr")
 
 
-def c_config(cfg: Any) -> dict[str, Any]:
-    """The ``_C.Runtime`` config dict of ``cfg``: None, a dict passed through, or any object with
-    the config attributes (``asteria.RuntimeConfig``). A None value keeps the C default (for
-    ``workers``: the cores the training thread does not use). ASTERIA_DEBUG_JOB_DELAY_MS, when
-    set, adds the test hook "debug_job_delay_ms" (a dict's own value wins)."""
-    out: dict[str, Any] = {}
-    delay = os.environ.get(DEBUG_DELAY_ENV)
-    if delay:  # test hook: every job of this runtime sleeps (a slow rank in a distributed test)
-        out["debug_job_delay_ms"] = delay
+def c_config(cfg: Any) -> Any:
+    """The ``_C.Runtime`` config of ``cfg``: None (C's defaults), or the validated C part
+    (``RuntimeConfig.c_config``) of a ``RuntimeConfig``, of a dict of runtime keys, or of an
+    object with runtime-key attributes (the last two become a ``RuntimeConfig`` first, so they
+    are validated as the optimizer's ``runtime=`` is, once)."""
     if cfg is None:
-        return out
-    if isinstance(cfg, Mapping):
-        return {**out, **cfg}
-    for key in _C.config_keys():
-        value = getattr(cfg, key, None)
-        if key == "staleness" and not isinstance(value, int):
-            continue  # "auto": the schedule picks S; the pool does not read it
-        if isinstance(value, enum.Enum):
-            value = value.value
-        elif isinstance(value, os.PathLike):
-            value = os.fspath(value)
-        elif isinstance(value, Mapping):
-            value = dict(value)  # _C writes a placement dict as "kind=tier,..."
-        out[key] = value
-    return out
+        return None
+    if not isinstance(cfg, RuntimeConfig):
+        if not isinstance(cfg, Mapping):
+            cfg = {key: getattr(cfg, key) for key in RuntimeConfig.keys() if hasattr(cfg, key)}
+        cfg = RuntimeConfig.from_user(cfg)
+    return cfg.c_config
 
 
 @dataclasses.dataclass
@@ -141,6 +130,9 @@ class CEngine(Engine):
         self._closed = True  # until the runtime exists, so __del__ has nothing to do
         self._shadow = None
         self._rt = _C.Runtime(c_config(cfg))
+        delay = os.environ.get(DEBUG_DELAY_ENV)
+        if delay:
+            _C._test_set_job_delay(self._rt, int(delay))
         self._tracing = bool(getattr(self._rt, "tracing", False))
         self._jobs: dict[int, _Job] = {}
         self._final_stats: Optional[dict[str, Any]] = None
