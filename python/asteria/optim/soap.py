@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from asteria.optim import functional as F
-from asteria.refresh.inline_torch import soap_rotate
+from asteria.refresh.ops import soap_rotate
 from asteria.optim._base import (INIT, AsteriaOptimizer, check_common, eigh_input, init_bases,
                                  install_bases, is_int, local, require)
 

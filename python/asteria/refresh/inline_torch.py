@@ -5,8 +5,7 @@ with ``torch.linalg`` (``soap_rotate``: plain matmuls) at ``submit`` time, on th
 device and dtype, so ``ready`` is always true and ``wait`` never blocks. It may call only
 torch. Single-threaded use (the optimizer's training thread); no locks.
 
-Numerics follow include/asteria/linalg.h: eigenvalues descending, inverse roots with eigenvalues
-raised to the floor n eps_m lam_max before eps, SOAP's stable descending sort, float32 retried
+The math of each op is its torch reference in ``asteria.refresh.ops``. Here: float32 retried
 once in float64, half precision computed in float32, and a failure (non-finite input or
 result, a torch error, non-convergence) reported as a negative status with no outputs, so the
 caller keeps its previous preconditioner.
@@ -20,98 +19,9 @@ from typing import Any, Optional
 import torch
 
 from asteria.refresh.engine import Engine, JobTiming, Result
-from asteria.refresh.ops import check_op
+from asteria.refresh.ops import AST_ENOCONV, AST_ENONFINITE, OPS, _Failure, check_op
 
-AST_ENOCONV = -7
-AST_ENONFINITE = -8
-
-NEWTON_MAX_ITER = 100  # same limits as the C pool's coupled Newton (src/runtime.c)
-NEWTON_TOL = 1e-6
-
-
-class _Failure(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-def _eye_like(f: torch.Tensor) -> torch.Tensor:
-    return torch.eye(f.shape[-1], dtype=f.dtype, device=f.device).expand_as(f)
-
-
-def _eigh(f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    w, q = torch.linalg.eigh(f)
-    return q.flip(-1), w.flip(-1)
-
-
-def null_floor(w: torch.Tensor) -> torch.Tensor:
-    """The floor under the eigenvalues ``w`` (..., n) of an inverse root: n eps_m max(w, 0),
-    (..., 1). Eigenvalues below it are rounding noise, on which LAPACKs disagree; raised to it
-    they give a rank-deficient factor's null space one root value (src/linalg.c)."""
-    n = w.shape[-1]
-    return n * torch.finfo(w.dtype).eps * w.amax(dim=-1, keepdim=True).clamp(min=0.0)
-
-
-def _inv_root(f: torch.Tensor, p: float, eps: float) -> tuple[torch.Tensor]:
-    w, q = torch.linalg.eigh(f)
-    w = torch.maximum(w, null_floor(w)) + eps
-    if bool((w <= 0).any()):
-        raise _Failure(AST_ENONFINITE, "inv_root: zero eigenvalue with eps = 0")
-    x = (q * w.pow(-1.0 / p).unsqueeze(-2)) @ q.transpose(-1, -2)
-    return (x,)
-
-
-def _newton_root(f: torch.Tensor, p: float, eps: float) -> tuple[torch.Tensor]:
-    """Coupled Newton iteration (Guo & Higham) for (F + eps I)^(-1/p), p a positive integer."""
-    root = int(p)
-    eye = _eye_like(f)
-    a = f + eps * eye
-    z = (root + 1) / (2.0 * torch.linalg.matrix_norm(a, ord="fro"))
-    z = z.view(-1, 1, 1)
-    x = z.pow(1.0 / root) * eye
-    m = z * a
-    for _ in range(NEWTON_MAX_ITER):
-        err = torch.linalg.matrix_norm(m - eye, ord=float("inf")).max()
-        if float(err) < NEWTON_TOL:
-            return (x,)
-        mp = ((root + 1) * eye - m) / root
-        x = x @ mp
-        m = torch.linalg.matrix_power(mp, root) @ m
-    raise _Failure(AST_ENOCONV, f"newton_root: no convergence in {NEWTON_MAX_ITER} iterations")
-
-
-def _soap_qr(f: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    fq = f @ q
-    est = (q * fq).sum(1)  # diag(Q^T F Q); torch.einsum's path search leaves cyclic garbage
-    perm = torch.argsort(est, dim=-1, descending=True, stable=True)
-    # F (Q with its columns sorted) = (F Q) with its columns sorted
-    return torch.linalg.qr(torch.gather(fq, 2, perm.unsqueeze(1).expand_as(fq))).Q, perm
-
-
-def _kl_qr(f: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor]:
-    return (torch.linalg.qr(f @ q).Q,)
-
-
-def soap_rotate(x: torch.Tensor, a: Optional[torch.Tensor],
-                 b: Optional[torch.Tensor]) -> tuple[torch.Tensor]:
-    """A_new^T A_old X B_old^T B_new; a None pair is the identity side. (The optimizer also
-    uses it on the training thread when a worker's soap_rotate job failed.)"""
-    if a is not None:
-        x = a[:, 1].transpose(-1, -2) @ (a[:, 0] @ x)
-    if b is not None:
-        x = (x @ b[:, 0].transpose(-1, -2)) @ b[:, 1]
-    return (x,)
-
-
-#: the torch function of each op of ``asteria.refresh.ops.OPS``: (f, q, p, eps, b) -> outputs
-FUNCTIONS = {
-    "eigh": lambda f, q, p, eps, b: _eigh(f),
-    "inv_root": lambda f, q, p, eps, b: _inv_root(f, p, eps),
-    "newton_root": lambda f, q, p, eps, b: _newton_root(f, p, eps),
-    "soap_qr": lambda f, q, p, eps, b: _soap_qr(f, q),
-    "kl_qr": lambda f, q, p, eps, b: _kl_qr(f, q),
-    "soap_rotate": lambda f, q, p, eps, b: soap_rotate(f, q, b),
-}
+FUNCTIONS = {name: op.reference for name, op in OPS.items()}  # name -> (f, q, p, eps, b) -> outputs
 
 
 def compute(op: str, f: torch.Tensor, q: Optional[torch.Tensor], p: float,

@@ -1,10 +1,12 @@
 """The REFRESH ops: the one table of their names, C codes, inputs and outputs.
 
-Owns: ``OPS`` (each op's name, its ``ast_op`` code in include/asteria/runtime.h, and the
-shapes and dtypes of its outputs) and the check of a job's inputs. Every executor reads the op
-table from here: the torch executor maps names to its functions (``inline_torch.FUNCTIONS``),
-the C pool takes the code, the replicated executor sizes its transfers with ``output_spec``;
-tests/python/test_refresh_ops.py checks the table against ``asteria._C``'s. May call: torch.
+Owns: ``OPS`` (each op's name, its ``ast_op`` code in include/asteria/runtime.h, the shapes
+and dtypes of its outputs, and its torch reference) and the check of a job's inputs. Every
+executor reads the op table from here: the torch executors run the references, the C pool
+takes the code, the replicated executor sizes its transfers with ``output_spec``;
+tests/python/test_refresh_ops.py checks the table against ``asteria._C``'s and the references'
+shapes against ``output_spec``. Adding an op: its entry here, its ``ast_op`` value in
+include/asteria/runtime.h, its kernel and name in src/linalg.c. May call: torch.
 
 Operations (names mirror ``ast_op`` in include/asteria/runtime.h):
 
@@ -41,6 +43,91 @@ class Op:
     code: int  # ast_op
     #: (n, n1, dtype) -> [(shape, dtype)] of each output of one batch entry
     outputs: Callable[[int, int, torch.dtype], list]
+    #: the torch reference: (f, q, p, eps, b) -> outputs, on batched inputs in their dtype
+    reference: Callable
+
+
+# ---- the torch references (include/asteria/linalg.h's numerics) ----------------------------
+
+AST_ENOCONV = -7
+AST_ENONFINITE = -8
+
+NEWTON_MAX_ITER = 100  # same limits as the C pool's coupled Newton (src/runtime.c)
+NEWTON_TOL = 1e-6
+
+
+class _Failure(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def _eye_like(f: torch.Tensor) -> torch.Tensor:
+    return torch.eye(f.shape[-1], dtype=f.dtype, device=f.device).expand_as(f)
+
+
+def _eigh(f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    w, q = torch.linalg.eigh(f)
+    return q.flip(-1), w.flip(-1)
+
+
+def null_floor(w: torch.Tensor) -> torch.Tensor:
+    """The floor under the eigenvalues ``w`` (..., n) of an inverse root: n eps_m max(w, 0),
+    (..., 1). Eigenvalues below it are rounding noise, on which LAPACKs disagree; raised to it
+    they give a rank-deficient factor's null space one root value (src/linalg.c)."""
+    n = w.shape[-1]
+    return n * torch.finfo(w.dtype).eps * w.amax(dim=-1, keepdim=True).clamp(min=0.0)
+
+
+def _inv_root(f: torch.Tensor, p: float, eps: float) -> tuple[torch.Tensor]:
+    w, q = torch.linalg.eigh(f)
+    w = torch.maximum(w, null_floor(w)) + eps
+    if bool((w <= 0).any()):
+        raise _Failure(AST_ENONFINITE, "inv_root: zero eigenvalue with eps = 0")
+    x = (q * w.pow(-1.0 / p).unsqueeze(-2)) @ q.transpose(-1, -2)
+    return (x,)
+
+
+def _newton_root(f: torch.Tensor, p: float, eps: float) -> tuple[torch.Tensor]:
+    """Coupled Newton iteration (Guo & Higham) for (F + eps I)^(-1/p), p a positive integer."""
+    root = int(p)
+    eye = _eye_like(f)
+    a = f + eps * eye
+    z = (root + 1) / (2.0 * torch.linalg.matrix_norm(a, ord="fro"))
+    z = z.view(-1, 1, 1)
+    x = z.pow(1.0 / root) * eye
+    m = z * a
+    for _ in range(NEWTON_MAX_ITER):
+        err = torch.linalg.matrix_norm(m - eye, ord=float("inf")).max()
+        if float(err) < NEWTON_TOL:
+            return (x,)
+        mp = ((root + 1) * eye - m) / root
+        x = x @ mp
+        m = torch.linalg.matrix_power(mp, root) @ m
+    raise _Failure(AST_ENOCONV, f"newton_root: no convergence in {NEWTON_MAX_ITER} iterations")
+
+
+def _soap_qr(f: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    fq = f @ q
+    est = (q * fq).sum(1)  # diag(Q^T F Q); torch.einsum's path search leaves cyclic garbage
+    perm = torch.argsort(est, dim=-1, descending=True, stable=True)
+    # F (Q with its columns sorted) = (F Q) with its columns sorted
+    return torch.linalg.qr(torch.gather(fq, 2, perm.unsqueeze(1).expand_as(fq))).Q, perm
+
+
+def _kl_qr(f: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor]:
+    return (torch.linalg.qr(f @ q).Q,)
+
+
+def soap_rotate(x: torch.Tensor, a: Optional[torch.Tensor],
+                 b: Optional[torch.Tensor]) -> tuple[torch.Tensor]:
+    """A_new^T A_old X B_old^T B_new; a None pair is the identity side. (The optimizer also
+    uses it on the training thread when a worker's soap_rotate job failed.)"""
+    if a is not None:
+        x = a[:, 1].transpose(-1, -2) @ (a[:, 0] @ x)
+    if b is not None:
+        x = (x @ b[:, 0].transpose(-1, -2)) @ b[:, 1]
+    return (x,)
 
 
 def _mat(n, n1, dt):
@@ -48,12 +135,15 @@ def _mat(n, n1, dt):
 
 
 OPS: dict[str, Op] = {op.name: op for op in (
-    Op("eigh", 1, lambda n, n1, dt: [((n, n), dt), ((n,), dt)]),
-    Op("inv_root", 2, _mat),
-    Op("newton_root", 3, _mat),
-    Op("soap_qr", 4, lambda n, n1, dt: [((n, n), dt), ((n,), torch.int64)]),
-    Op("kl_qr", 5, _mat),
-    Op("soap_rotate", 6, lambda n, n1, dt: [((n, n1), dt)]),
+    Op("eigh", 1, lambda n, n1, dt: [((n, n), dt), ((n,), dt)],
+       lambda f, q, p, eps, b: _eigh(f)),
+    Op("inv_root", 2, _mat, lambda f, q, p, eps, b: _inv_root(f, p, eps)),
+    Op("newton_root", 3, _mat, lambda f, q, p, eps, b: _newton_root(f, p, eps)),
+    Op("soap_qr", 4, lambda n, n1, dt: [((n, n), dt), ((n,), torch.int64)],
+       lambda f, q, p, eps, b: _soap_qr(f, q)),
+    Op("kl_qr", 5, _mat, lambda f, q, p, eps, b: _kl_qr(f, q)),
+    Op("soap_rotate", 6, lambda n, n1, dt: [((n, n1), dt)],
+       lambda f, q, p, eps, b: soap_rotate(f, q, b)),
 )}
 #: ops whose second input is a basis Q of F's shape
 WITH_BASIS = ("soap_qr", "kl_qr")
