@@ -557,7 +557,8 @@ def train_steps(model, optimizer, batch, steps: int, device, *, autocast_dtype=N
     around it) and the optimizer step alone. Stops early, after a whole step, once ``budget_s``
     seconds have passed. Between steps (outside the timed region) it samples the runtime's
     registered host buffers, whose peak the end-of-run stats would miss. ``on_step(i, step_s,
-    opt_s, loss)`` is called after each step (outside the timed region). ``gc_policy``:
+    opt_s, loss)`` is called after each step (outside the timed region); a true return value
+    stops the run there (a loss target reached: "stopped_at_target"). ``gc_policy``:
     "olmo" (automatic collection off, ``gc.collect(1)`` after every ``gc_interval`` steps,
     outside the timed region; the collector's state is restored on the way out) or "auto"
     (Python's default). The result's "gc" says which collections ran in the timed region."""
@@ -581,6 +582,7 @@ def train_steps(model, optimizer, batch, steps: int, device, *, autocast_dtype=N
         gc.disable()
     t_start = time.perf_counter()
     stopped_early = False
+    stopped_at_target = False
     try:
         for i in range(steps):
             x, y = batch(i)
@@ -605,8 +607,8 @@ def train_steps(model, optimizer, batch, steps: int, device, *, autocast_dtype=N
             step_s.append(t2 - t0)
             opt_s.append(t2 - t1)
             losses.append(float(loss.detach()))
-            if on_step is not None:
-                on_step(i, step_s[-1], opt_s[-1], losses[-1])
+            if on_step is not None and on_step(i, step_s[-1], opt_s[-1], losses[-1]):
+                stopped_at_target = True
             if stats_fn is not None:
                 peak_registered = max(peak_registered,
                                       int(stats_fn().get("bytes_registered", 0)))
@@ -614,6 +616,10 @@ def train_steps(model, optimizer, batch, steps: int, device, *, autocast_dtype=N
                 recent = losses[-log_every:]
                 log(f"{label:>10} step {i + 1:4d}/{steps}  loss {sum(recent) / len(recent):.4f}"
                     f"  step {1e3 * step_s[-1]:8.1f} ms  (opt {1e3 * opt_s[-1]:8.1f} ms)")
+            if stopped_at_target:
+                if log is not None:
+                    log(f"{label:>10} target reached after {i + 1} steps: stop")
+                break
             if (budget_s is not None and time.perf_counter() - t_start > budget_s
                     and i + 1 < steps):
                 stopped_early = True
@@ -627,6 +633,7 @@ def train_steps(model, optimizer, batch, steps: int, device, *, autocast_dtype=N
             gc.enable()
     return {"step_s": step_s, "opt_s": opt_s, "losses": losses,
             "wall_s": time.perf_counter() - t_start, "stopped_early": stopped_early,
+            "stopped_at_target": stopped_at_target,
             "peak_bytes_registered": peak_registered,
             "gc": {"policy": gc_policy, "interval": gc_interval if gc_policy == "olmo" else None,
                    "in_timed_region": watch.summary()}}
