@@ -63,7 +63,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 import common  # noqa: E402
-from tinygpt import CharData, GPTConfig, TinyGPT, n_params  # noqa: E402
+from tinygpt import (SCHEDULE, CharData, GPTConfig, TinyGPT, n_params,  # noqa: E402
+                     warmup_cosine)
 
 import asteria  # noqa: E402
 
@@ -103,8 +104,6 @@ TARGETS = {"time_ratio_max": 0.60, "step_over_limit_max": 1.02,
            "nonrefresh_mean_over_sync_median_max": 1.03}
 DISTURBED_CORES = 0.25  # same threshold as bench_step_time.py
 MIN_BUDGET_S = 10.0     # a run may always take this long, however fast AdamW was
-WARMUP_FRACTION = 0.1
-FINAL_LR_FRACTION = 0.1
 
 
 # ---- shared with bench_third_party.py and bench_staleness.py ------------------------------------
@@ -248,21 +247,6 @@ def first_reach(values: Sequence[float], target: float) -> Optional[int]:
         if v <= target:
             return i
     return None
-
-
-def warmup_cosine(peak: float, steps: int, warmup_fraction: float = WARMUP_FRACTION,
-                  final_fraction: float = FINAL_LR_FRACTION) -> Callable[[int], float]:
-    """lr of step i (0-based): linear warm-up to ``peak`` over the first warmup_fraction of the
-    steps, then cosine decay to final_fraction x peak at the last step."""
-    warm = max(1, round(warmup_fraction * steps))
-
-    def lr_at(i: int) -> float:
-        if i < warm:
-            return peak * (i + 1) / warm
-        t = (i - warm) / max(1, steps - 1 - warm)
-        return peak * (final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * t)))
-
-    return lr_at
 
 
 def step_kind(before: dict, after: dict) -> str:
@@ -684,9 +668,7 @@ def run(args, argv) -> dict[str, Any]:
         "settings": {"steps": args.steps, "warmup": args.warmup, "frequency": args.frequency,
                      "staleness": args.staleness, "install": "deterministic",
                      "workers": args.workers, "torch_threads": args.threads,
-                     "schedule": f"linear warm-up over the first {WARMUP_FRACTION:.0%} of the "
-                                 f"steps, cosine decay to {FINAL_LR_FRACTION:.0%} of the peak "
-                                 f"at the last step",
+                     "schedule": SCHEDULE,
                      "adamw_betas": list(ADAMW_BETAS), "soap_hp": SOAP_HP,
                      "weight_decay": WEIGHT_DECAY, "quick": args.quick,
                      "smoothing": f"trailing mean over {args.window} steps",
