@@ -524,8 +524,9 @@ def run(args, argv: list, meta: dict, out_path: str, out_dir: str, tmpdir: str,
               f"({args.batch * args.seq} tokens a step = "
               f"{data['settings']['tokens_over_widest']:.0f}x the widest layer)")
         for name, t in conv["runs"].items():
-            print(f"  {name:<12} reach step {t['step']}, {_fmt(t['time_s'])} s = "
-                  f"{_fmt(t['time_ratio'])}x AdamW's time")
+            print(f"  {name:<12} " + (f"reaches it at step {t['step']}, {t['time_s']:.1f} s = "
+                                      f"{t['time_ratio']:.3f}x AdamW's time"
+                                      if t["step"] is not None else "does not reach it"))
     if not args.no_plot:
         png = os.path.splitext(path)[0] + ".png"
         try:
