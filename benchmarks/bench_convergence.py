@@ -158,10 +158,13 @@ def build_problem(preset: str, steps: int, seed: int, batch: Optional[int] = Non
     return Problem(preset, cfg, init_state, batches, seed, b, data)
 
 
-def placement() -> dict[str, Any]:
-    """Pin the calling (training) thread to the first allowed core; the others are for the
-    pool. Returns what was done, for the JSON."""
-    train_cpu, worker_cpus = common.split_cores()
+def placement(train_cpu: Optional[int] = None) -> dict[str, Any]:
+    """Pin the calling (training) thread to ``train_cpu`` (default: the first allowed core); the
+    others are for the pool. Returns what was done, for the JSON."""
+    if train_cpu is None:
+        train_cpu, worker_cpus = common.split_cores()
+    else:
+        worker_cpus = [c for c in common.allowed_cpus() if c != train_cpu]
     common.pin_thread(None if train_cpu is None else [train_cpu])
     return {"training_cpu": train_cpu,
             "worker_cpus": common.cpu_list(worker_cpus) if train_cpu is not None else None}
