@@ -724,27 +724,31 @@ def plot(data: dict, path: str) -> None:
           title=f"{first['setting']}: tuned runs, seed {seed} (stop at the target)")
     a.set_ylim(top=min(3.5, a.get_ylim()[1]))
     a.legend(fontsize=7)
-    width = 0.8 / max(1, len(sets))
+    kinds = [(sname, s, key) for sname, s in sets.items() for key in ("time", "cpu_time")]
+    width = 0.8 / len(kinds)
     names = [n for n in first["optimizers"] if n != "adamw"]
-    for k, (sname, s) in enumerate(sets.items()):
+    for k, (sname, s, key) in enumerate(kinds):
         xs, ys, lo, hi = [], [], [], []
         for i, n in enumerate(names):
             q = s["ratios"].get(n)
-            if not q or q["time_ratio_mean"] is None:
+            per = [x for x in (q or {}).get(f"{key}_ratio_per_seed", []) if x is not None]
+            if not per:
                 continue
-            xs.append(i + (k - (len(sets) - 1) / 2) * width)
-            ys.append(q["time_ratio_mean"])
-            lo.append(q["time_ratio_mean"] - q["time_ratio_min"])
-            hi.append(q["time_ratio_max"] - q["time_ratio_mean"])
-        b.bar(xs, ys, width, yerr=[lo, hi], capsize=3,
-              label=f"{sname} ({s['model']['tokens_per_step']} tokens/step, seeds {s['seeds']})")
+            mean = sum(per) / len(per)
+            xs.append(i + (k - (len(kinds) - 1) / 2) * width)
+            ys.append(mean)
+            lo.append(mean - min(per))
+            hi.append(max(per) - mean)
+        what = "wall" if key == "time" else "thread CPU + barrier"
+        b.bar(xs, ys, width, yerr=[lo, hi], capsize=3, hatch="" if key == "time" else "//",
+              label=f"{sname}, {what} ({s['model']['tokens_per_step']} tokens/step)")
     b.axhline(1.0, color="k", lw=0.8)
     b.axhline(TARGETS["time_ratio_max"], color="tab:blue", ls="--", lw=0.8,
               label=f"target {TARGETS['time_ratio_max']}")
     b.set_xticks(range(len(names)), [n.replace("asteria-", "") for n in names], rotation=25,
                  fontsize=8)
     b.set(ylabel="time to tuned AdamW's final loss / AdamW's time",
-          title="Wall-clock ratio (bar: mean, whiskers: seed range; missing: not reached)")
+          title="Time ratio (bar: mean over seeds, whiskers: range; none: not reached)")
     b.legend(fontsize=7)
     for n, entries in first["sweep"].items():
         ok = [e for e in entries if "error" not in e and e["seed"] == seed]
@@ -763,7 +767,7 @@ def plot(data: dict, path: str) -> None:
         ax.grid(True, alpha=0.3)
     m = first["model"]
     fig.suptitle(f"{m['params'] / 1e6:.2f}M-param TinyGPT, {m['tokens_per_step']} tokens/step "
-                 f"({m['tokens_over_widest']:.0f}x widest layer), f={data['settings']['frequency']}"
+                 f"({m['tokens_over_widest']:.1f}x widest layer), f={data['settings']['frequency']}"
                  f", S={data['settings']['staleness']}, on {data['machine']['cpu_model']} "
                  f"x{data['machine']['nproc']} (load {data['machine']['loadavg1']} -> "
                  f"{data['machine']['loadavg1_end']})", fontsize=10)
