@@ -126,6 +126,9 @@ def run(args, argv) -> dict[str, Any]:
         for s in args.staleness_list:
             rt = async_runtime(args, pin["worker_cpus"], staleness=s, install=install)
             results.append(run_one(f"{install[:3]} S={s}", rt, problem, args, log))
+            # after every run, what is there so far: a run cut short still leaves its results
+            common.write_json({**meta, "complete": False, "model": info, "results": results},
+                              f"{NAME}.json", args.out_dir)
     sync = results[0]
     for r in results:
         r["train_minus_sync"] = r["final_train_loss"] - sync["final_train_loss"]
@@ -146,6 +149,7 @@ def run(args, argv) -> dict[str, Any]:
                     f"steps"}
     data = {
         **meta,
+        "complete": True,
         "settings": {"steps": args.steps, "warmup": args.warmup, "frequency": args.frequency,
                      "staleness": args.staleness_list, "installs": args.installs,
                      "lr": args.lr, "schedule": SCHEDULE, "soap_hp": dict(SOAP_HP, lr=args.lr),
