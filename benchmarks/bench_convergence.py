@@ -1,30 +1,48 @@
-"""Loss against wall-clock time: AdamW vs Asteria SOAP (async, S=5) vs native sync SOAP.
+"""Time to reach tuned AdamW's final loss, per optimizer, where users train.
 
-The same TinyGPT (examples/tinygpt.py), initial weights, seed and batches of Tiny Shakespeare
-train under each optimizer for N steps. For each run the JSON keeps every step's train loss,
-its trailing-window mean (the smoothed curve) and the wall-clock time at the end of the step.
-AdamW's final loss is its smoothed loss after N steps; for each SOAP the result records the
-first step, and the wall time, at which its smoothed loss reaches that value, and
+Setting "users" (the headline): TinyGPT d=128, 2 layers, context 128, batch 64 = 8,192 tokens
+a step, 16x the widest layer dimension (the MLP's 4d = 512). Setting "optimizer-bound" (the
+second row): the same model at context 64, batch 16 = 1,024 tokens a step, 2x the widest layer,
+the setting of the earlier README figure. Why they differ: a step's forward and backward cost
+grows with the tokens, SOAP's rotations and factor updates only with the layer sizes, so at
+1,024 tokens they cost as much as the model's own matmuls and at 8,192 a few percent.
 
-    time_ratio = time_to_adamw_final(SOAP) / wall_time(AdamW, N steps)
+Every run: the same model, initial weights and batches for a given seed; linear warm-up over the
+first 10% of the steps, then cosine decay to 10% of the peak lr at the last step. Optimizers:
+AdamW, Asteria SOAP / KL-Shampoo / Shampoo async (S=5, deterministic install, one worker on the
+other core), native sync SOAP (asteria.SOAP, runtime {"mode": "sync"}), and the third-party SOAPs
+of pytorch-optimizer and heavyball (eager; see bench_third_party.py), all SOAPs with the same
+hyperparameters (SOAP_HP).
 
-(the SOAP paper reports about 0.65 against AdamW on language models; recorded as a target,
-never fatal). Also the steps ratio steps_to_adamw_final(SOAP) / N. A SOAP run stops at N
-steps, or earlier once its wall time passes --soap-budget times AdamW's (at least 10 s); if it never reaches
-the target, the ratios are null and "reached" is false.
+Procedure, per setting:
+  1. seed 0: AdamW at each lr of its grid for all steps; the tuned lr is the one with the lowest
+     final loss (trailing mean of the last --window losses). That loss is the target.
+  2. seed 0: every other optimizer at each lr of its grid; a run stops once its trailing-mean
+     loss reaches the target (or at the last step, or at --budget x AdamW's wall time). Its
+     tuned lr is the one that reaches the target in the fewest steps (lowest final loss if none
+     does). Losses are deterministic: the choice does not depend on the machine's load.
+  3. every further seed: AdamW at its tuned lr (that seed's target), then every other optimizer
+     at its tuned lr.
+  time_ratio = wall time to reach the seed's target / AdamW's wall time for all steps, per seed;
+  the JSON keeps the whole sweep, every tuned run's losses, times and step kinds.
 
-The training thread is pinned to one core with one torch thread; Asteria's worker pool gets the
-other cores (as in bench_step_time.py). So AdamW and native sync SOAP use one core, Asteria SOAP
-one core for training plus its workers: that is the design, and the JSON records the pinning.
+Also (users setting): Asteria-SOAP's step against its limit, AdamW's step plus the FLOPs SOAP
+adds to each step (6 m n (m + n) per m x n preconditioned matrix: two rotations of the gradient
+and the two factor updates) at this machine's single-thread GEMM rate, measured here on the
+training core; and Asteria-SOAP's mean step on steps without a refresh against native sync
+SOAP's median step. With --profile-steps N, a torch.profiler table of N steps of AdamW and of
+Asteria SOAP says where a step's time goes.
 
-Writes benchmarks/results/bench_convergence.json (machine, versions, command, date, load, every
-loss and time) and bench_convergence.png (smoothed loss vs wall time, and vs step).
+Training: one torch thread pinned to the first core; Asteria's worker pool on the others.
 
-    python3 benchmarks/bench_convergence.py                 # default: about 3-4 minutes on 2 cores
-    python3 benchmarks/bench_convergence.py --quick --out-dir /tmp/x   # a few seconds
+Writes benchmarks/results/bench_convergence.{json,png}.
 
-The helpers above main() (problem set-up, the timed curve, smoothing) are shared with
-bench_third_party.py.
+    python3 benchmarks/bench_convergence.py            # default: about 40 minutes on 2 cores
+    python3 benchmarks/bench_convergence.py --settings users --seeds 0 --runs adamw,asteria-soap-async
+    python3 benchmarks/bench_convergence.py --quick --out-dir /tmp/x   # seconds
+
+The helpers above "this benchmark" (problem set-up, the timed curve, smoothing, the optimizer
+factories) are shared with bench_third_party.py and bench_staleness.py.
 """
 
 from __future__ import annotations
@@ -32,6 +50,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import importlib.metadata
+import math
 import os
 import sys
 import time
@@ -43,26 +63,53 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 import common  # noqa: E402
-from tinygpt import CharData, GPTConfig, TinyGPT, n_params  # noqa: E402
+from tinygpt import (SCHEDULE, CharData, GPTConfig, TinyGPT, n_params,  # noqa: E402
+                     warmup_cosine)
 
 import asteria  # noqa: E402
 
 NAME = "bench_convergence"
-LR = 3e-3
-RUNS = ("adamw", "soap-async", "soap-sync")
-# "conv": big enough a batch that forward/backward, not the optimizer, dominates a step on CPU,
-# small enough that three runs of a few hundred steps fit in minutes on 2 cores.
 PRESETS = {
     "tiny": dict(d=64, layers=1, heads=2, block=32, batch=4),
+    # the optimizer-bound setting: 1,024 tokens a step against layers up to 512 wide
     "conv": dict(d=128, layers=2, heads=4, block=64, batch=16),
     "small": dict(d=256, layers=2, heads=4, block=64, batch=8),
+    # users' regime: 8,192 tokens a step, 16x the widest layer (4d = 512)
+    "users": dict(d=128, layers=2, heads=4, block=128, batch=64),
 }
-TARGET_TIME_RATIO = 0.65
+SETTINGS = {"users": "users", "optimizer-bound": "conv"}
+WHY_SETTINGS_DIFFER = (
+    "Forward and backward cost grows with the tokens per step, SOAP's rotations and factor "
+    "updates only with the layer sizes: at 1,024 tokens against 128-512-wide layers SOAP's "
+    "added matmuls cost about as much as the model's, at 8,192 tokens a few percent, so the "
+    "optimizer-bound row pays for SOAP's better steps with a slower step.")
+# SOAP hyperparameters every SOAP gets (native, third-party); lr comes from the sweep.
+SOAP_HP = {"lr": 3e-3, "betas": (0.95, 0.95), "shampoo_beta": 0.95, "eps": 1e-8,
+           "weight_decay": 0.01}
+ADAMW_BETAS = (0.9, 0.95)
+WEIGHT_DECAY = 0.01
+PIP = {"pytorch-optimizer": "pytorch-optimizer", "heavyball": "heavyball"}
+RUNS = ("adamw", "asteria-soap-async", "asteria-kl-shampoo-async", "asteria-shampoo-async",
+        "asteria-soap-sync", "pytorch-optimizer", "heavyball")
+# A first run (2026-12-03, grids 1e-3..6e-3 / 3e-3..1e-2) put AdamW's and Asteria-SOAP's best
+# lr at the top of their grids (AdamW final loss 2.276 / 1.961 / 1.870 at 1e-3 / 3e-3 / 6e-3), so
+# the grids start where that run's best was and go up.
+GRIDS = {
+    "adamw": (6e-3, 1e-2, 2e-2),
+    "asteria-soap-async": (6e-3, 1e-2, 2e-2),
+    "asteria-kl-shampoo-async": (3e-3, 1e-2, 3e-2),
+    "asteria-shampoo-async": (3e-3, 6e-3, 1e-2),
+    "asteria-soap-sync": (6e-3, 1e-2, 2e-2),
+    "pytorch-optimizer": (6e-3, 1e-2, 2e-2),
+    "heavyball": (6e-3, 1e-2, 2e-2),
+}
+TARGETS = {"time_ratio_max": 0.60, "step_over_limit_max": 1.02,
+           "nonrefresh_mean_over_sync_median_max": 1.03}
 DISTURBED_CORES = 0.25  # same threshold as bench_step_time.py
-MIN_BUDGET_S = 10.0     # a SOAP run may always take this long, however fast AdamW was
+MIN_BUDGET_S = 10.0     # a run may always take this long, however fast AdamW was
 
 
-# ---- shared with bench_third_party.py -------------------------------------------------------
+# ---- shared with bench_third_party.py and bench_staleness.py ------------------------------------
 
 @dataclasses.dataclass
 class Problem:
@@ -74,6 +121,7 @@ class Problem:
     batches: list
     seed: int
     batch: int
+    data: Optional[CharData] = None
 
     def model(self) -> TinyGPT:
         torch.manual_seed(self.seed)
@@ -81,11 +129,20 @@ class Problem:
         m.load_state_dict(self.init_state)
         return m
 
+    def widest(self) -> int:
+        """The widest dimension of any 2-D weight but the vocabulary's (the MLP's 4d)."""
+        return max(max(d for d in p.shape if d != self.cfg.vocab)
+                   for p in self.model().parameters() if p.dim() == 2)
+
     def describe(self) -> dict[str, Any]:
         c = self.cfg
+        tokens = self.batch * c.block
         return {"name": "TinyGPT", "preset": self.preset, "params": n_params(self.model()),
                 "d": c.d, "layers": c.layers, "heads": c.heads, "context": c.block,
-                "vocab": c.vocab, "batch": self.batch, "data": "Tiny Shakespeare (char level)"}
+                "vocab": c.vocab, "batch": self.batch, "tokens_per_step": tokens,
+                "widest_layer_dim": self.widest(),
+                "tokens_over_widest": tokens / self.widest(),
+                "data": "Tiny Shakespeare (char level)"}
 
 
 def build_problem(preset: str, steps: int, seed: int, batch: Optional[int] = None) -> Problem:
@@ -98,13 +155,16 @@ def build_problem(preset: str, steps: int, seed: int, batch: Optional[int] = Non
     gen = torch.Generator().manual_seed(seed)
     b = batch or p["batch"]
     batches = [data.batch("train", b, gen) for _ in range(steps)]
-    return Problem(preset, cfg, init_state, batches, seed, b)
+    return Problem(preset, cfg, init_state, batches, seed, b, data)
 
 
-def placement() -> dict[str, Any]:
-    """Pin the calling (training) thread to the first allowed core; the others are for the
-    pool. Returns what was done, for the JSON."""
-    train_cpu, worker_cpus = common.split_cores()
+def placement(train_cpu: Optional[int] = None) -> dict[str, Any]:
+    """Pin the calling (training) thread to ``train_cpu`` (default: the first allowed core); the
+    others are for the pool. Returns what was done, for the JSON."""
+    if train_cpu is None:
+        train_cpu, worker_cpus = common.split_cores()
+    else:
+        worker_cpus = [c for c in common.allowed_cpus() if c != train_cpu]
     common.pin_thread(None if train_cpu is None else [train_cpu])
     return {"training_cpu": train_cpu,
             "worker_cpus": common.cpu_list(worker_cpus) if train_cpu is not None else None}
@@ -116,52 +176,148 @@ def make_with_wide_mask(factory: Callable):
         return factory()
 
 
-def smooth(losses: Sequence[float], window: int) -> list[float]:
-    """Trailing mean over the last ``window`` losses (fewer at the start): causal, so the time at
-    which it crosses a value is a time the run could have known it."""
-    out, acc = [], 0.0
-    for i, x in enumerate(losses):
-        acc += x
-        if i >= window:
-            acc -= losses[i - window]
-        out.append(acc / min(i + 1, window))
-    return out
+def async_runtime(args, worker_cpus: Optional[str], staleness: Optional[int] = None,
+                  install: str = "deterministic") -> dict[str, Any]:
+    rt: dict[str, Any] = {"mode": "async",
+                          "staleness": args.staleness if staleness is None else staleness,
+                          "install": install, "workers": args.workers}
+    if worker_cpus:
+        rt["cpuset"] = worker_cpus
+    return rt
 
 
-def first_reach(values: Sequence[float], target: float) -> Optional[int]:
-    for i, v in enumerate(values):
-        if v <= target:
-            return i
-    return None
+def make_optimizer(name: str, params, lr: float, args, worker_cpus: Optional[str],
+                   runtime: Optional[dict] = None):
+    """(optimizer, the exact keyword arguments it got). ``args`` has frequency, staleness,
+    workers and heavyball_compile. ``runtime`` overrides an Asteria run's. Third-party imports
+    happen here, so a missing library fails only its own run."""
+    f = args.frequency
+    if name == "adamw":
+        kw = dict(lr=lr, betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY)
+        return torch.optim.AdamW(params, **kw), kw
+    if name.startswith("asteria"):
+        rt = runtime or ({"mode": "sync"} if name.endswith("-sync")
+                         else async_runtime(args, worker_cpus))
+        if name in ("asteria-soap-sync", "asteria-soap-async"):
+            kw = dict(SOAP_HP, lr=lr, precondition_frequency=f, max_precond_dim=10000,
+                      merge_dims=False, precondition_1d=False, correct_bias=True,
+                      normalize_grads=False, runtime=rt)
+            return asteria.SOAP(params, **kw), kw
+        if name == "asteria-kl-shampoo-async":
+            kw = dict(lr=lr, weight_decay=WEIGHT_DECAY, precondition_frequency=f, runtime=rt)
+            return asteria.KLShampoo(params, **kw), kw
+        if name == "asteria-shampoo-async":
+            kw = dict(lr=lr, weight_decay=WEIGHT_DECAY, precondition_frequency=f, runtime=rt)
+            return asteria.Shampoo(params, **kw), kw
+    if name == "pytorch-optimizer":
+        from pytorch_optimizer import SOAP
+
+        kw = dict(SOAP_HP, lr=lr, precondition_frequency=f, max_precondition_dim=10000,
+                  merge_dims=False, precondition_1d=False, correct_bias=True,
+                  normalize_gradient=False)
+        return SOAP(params, **kw), kw
+    if name == "heavyball":
+        import heavyball
+        import heavyball.utils
+
+        if not args.heavyball_compile:
+            heavyball.utils.compile_mode = None
+        kw = dict(SOAP_HP, lr=lr, precondition_frequency=f, use_precond_schedule=False,
+                  max_precond_dim=10000, merge_dims=False, precondition_1d=False,
+                  warmup_steps=0)
+        return heavyball.SOAP(params, **kw), kw
+    raise ValueError(f"unknown optimizer {name!r}; allowed: {', '.join(RUNS)}")
+
+
+def dist_version(name: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+smooth = common.smooth            # re-exported: bench_third_party and the suite's tests use them
+first_reach = common.first_reach
+
+
+def step_kind(before: dict, after: dict) -> str:
+    """What the runtime did in a step, from asteria_stats() around it: "refresh" (jobs
+    submitted: the refresh's snapshot, or in sync mode the refresh itself), "install" (a
+    refresh's result installed), both, or "plain"."""
+    sub = after.get("jobs_submitted", 0) > before.get("jobs_submitted", 0)
+    ins = after.get("installs", 0) > before.get("installs", 0)
+    return "refresh+install" if sub and ins else "refresh" if sub else "install" if ins \
+        else "plain"
 
 
 def train_curve(model, opt, problem: Problem, steps: int, *, window: int, label: str,
                 log: common.Progress, log_every: int, budget_s: Optional[float] = None,
-                warmup: int = 0) -> dict[str, Any]:
-    """Train ``steps`` steps (or until ``budget_s``) with common.train_steps; returns the losses,
-    their trailing mean, the wall time at each step end (seconds since the first step began,
-    including the loop's bookkeeping), step-time statistics after ``warmup`` and the CPU use."""
+                warmup: int = 0, lr_at: Optional[Callable[[int], float]] = None,
+                stop_below: Optional[float] = None) -> dict[str, Any]:
+    """Train ``steps`` steps (or until ``budget_s``, or until the trailing-mean loss reaches
+    ``stop_below``) with common.train_steps, the lr of step i set to ``lr_at(i)`` before it;
+    returns the losses, their trailing mean, the wall time at each step end (seconds since the
+    first step began, including the loop's bookkeeping), each step's kind (step_kind; None for a
+    torch optimizer), step-time statistics after ``warmup`` and the CPU use."""
     ends: list[float] = []
+    cpu_ends: list[float] = []  # training-thread CPU time + barrier waits, cumulative
+    kinds: list[Optional[str]] = []
+    stats_fn = getattr(opt, "asteria_stats", None)
+    last = [stats_fn() if stats_fn is not None else None]
+    acc = {"sum": 0.0, "losses": []}
+
+    def set_lr(i: int) -> None:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(i)
+
+    def on_step(i, step_s, opt_s, loss):
+        ends.append(time.perf_counter() - t0)
+        wait_s = 0.0
+        if stats_fn is not None:
+            now = stats_fn()
+            kinds.append(step_kind(last[0], now))
+            wait_s = (now.get("barrier_wait_ns", 0) - last[0].get("barrier_wait_ns", 0)) / 1e9
+            last[0] = now
+        else:
+            kinds.append(None)
+        cpu_ends.append((cpu_ends[-1] if cpu_ends else 0.0) + time.thread_time() - c_prev[0]
+                        + wait_s)
+        c_prev[0] = time.thread_time()
+        if lr_at is not None and i + 1 < steps:
+            set_lr(i + 1)
+        ls = acc["losses"]
+        ls.append(loss)
+        acc["sum"] += loss - (ls[-window - 1] if len(ls) > window else 0.0)
+        return stop_below is not None and acc["sum"] / min(len(ls), window) <= stop_below
+
+    if lr_at is not None:
+        set_lr(0)
     t0 = time.perf_counter()
+    c_prev = [time.thread_time()]
     cpu0 = common.cpu_snapshot()
     res = common.train_steps(model, opt, lambda i: problem.batches[i], steps, "cpu",
                              budget_s=budget_s, log=log, log_every=log_every, label=label,
-                             on_step=lambda *a: ends.append(time.perf_counter() - t0))
+                             on_step=on_step)
     cpu = common.cpu_delta(cpu0, common.cpu_snapshot())
     losses = res["losses"]
     return {
         "steps_run": len(losses),
         "stopped_early": res["stopped_early"],
+        "stopped_at_target": res["stopped_at_target"],
         "wall_s": ends[-1],
         "summary": common.summarize_ms(common.measured(res["step_s"], warmup)),
+        "opt_summary": common.summarize_ms(common.measured(res["opt_s"], warmup)),
         "final_loss": common.final_loss(losses),
         "cpu": cpu,
         "disturbed": (cpu.get("foreign_cores_avg") or 0.0) > DISTURBED_CORES,
         "loadavg1_end": common.loadavg(),
         "time_s": ends,
+        "cpu_time_s": cpu_ends,
         "losses": losses,
         "smoothed": smooth(losses, window),
         "step_ms": [1e3 * t for t in res["step_s"]],
+        "opt_ms": [1e3 * t for t in res["opt_s"]],
+        "step_kinds": kinds,
     }
 
 
@@ -173,224 +329,580 @@ def close(opt) -> dict[str, Any]:
     return stats
 
 
-# ---- this benchmark ------------------------------------------------------------------------------
-
-def make_optimizer(name: str, params, args, worker_cpus: Optional[str]):
-    f = args.frequency
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.01)
-    if name == "soap-sync":
-        return asteria.SOAP(params, lr=LR, precondition_frequency=f, runtime={"mode": "sync"})
-    if name == "soap-async":
-        return asteria.SOAP(params, lr=LR, precondition_frequency=f,
-                            runtime=async_runtime(args, worker_cpus))
-    raise ValueError(f"unknown run {name!r}; allowed: {', '.join(RUNS)}")
-
-
-def async_runtime(args, worker_cpus: Optional[str]) -> dict[str, Any]:
-    rt: dict[str, Any] = {"mode": "async", "staleness": args.staleness,
-                          "install": "deterministic", "workers": args.workers}
-    if worker_cpus:
-        rt["cpuset"] = worker_cpus
-    return rt
-
-
-def time_to_target(run: dict, target: float, adamw_wall: float, n_steps: int) -> dict[str, Any]:
+def time_to_target(run: dict, target: float, adamw_wall: float, n_steps: int,
+                   adamw_cpu: Optional[float] = None) -> dict[str, Any]:
+    """The first step whose trailing mean reaches ``target``, its wall time and the ratio to
+    AdamW's; with ``adamw_cpu`` (and the run's "cpu_time_s") also the same ratio on the
+    training thread's CPU time plus barrier waits, which foreign load stretches far less."""
     i = first_reach(run["smoothed"], target)
     if i is None:
-        return {"reached": False, "step": None, "time_s": None, "time_ratio": None,
-                "steps_ratio": None}
-    t = run["time_s"][i]
-    return {"reached": True, "step": i + 1, "time_s": t, "time_ratio": t / adamw_wall,
-            "steps_ratio": (i + 1) / n_steps}
+        out = {"reached": False, "step": None, "time_s": None, "time_ratio": None,
+               "steps_ratio": None}
+    else:
+        t = run["time_s"][i]
+        out = {"reached": True, "step": i + 1, "time_s": t, "time_ratio": t / adamw_wall,
+               "steps_ratio": (i + 1) / n_steps}
+    if adamw_cpu and run.get("cpu_time_s"):
+        c = None if i is None else run["cpu_time_s"][i]
+        out.update(cpu_time_s=c, cpu_time_ratio=None if c is None else c / adamw_cpu)
+    return out
+
+
+# ---- this benchmark ------------------------------------------------------------------------------
+
+def _round(xs: Sequence[Optional[float]], nd: int = 5) -> list:
+    return [None if x is None else round(x, nd) for x in xs]
+
+
+def train_one(name: str, lr: float, problem: Problem, args, pin: dict, log: common.Progress,
+              *, stop_below: Optional[float], budget_s: Optional[float]) -> dict[str, Any]:
+    """One run of ``name`` at peak lr ``lr`` under the warm-up + cosine schedule."""
+    model = problem.model()
+    opt, kw = make_with_wide_mask(lambda: make_optimizer(name, model.parameters(), lr, args,
+                                                         pin["worker_cpus"]))
+    log(f"run {name} lr {lr:g} seed {problem.seed}"
+        + (f" (stops at loss {stop_below:.4f}" if stop_below is not None else "")
+        + (f", or after {budget_s:.0f} s)" if budget_s else ")" if stop_below is not None else ""))
+    r = train_curve(model, opt, problem, args.steps, window=args.window, label=name, log=log,
+                    log_every=args.log_every, budget_s=budget_s, warmup=args.warmup,
+                    lr_at=warmup_cosine(lr, args.steps), stop_below=stop_below)
+    stats = close(opt)
+    del opt, model
+    gc.collect()
+    r.update(optimizer=name, lr=lr, seed=problem.seed,
+             kwargs={k: (v if not isinstance(v, tuple) else list(v)) for k, v in kw.items()},
+             runtime_counters=common.pick_runtime_counters(stats))
+    if name in PIP:
+        r["version"] = dist_version(PIP[name])
+    for k in ("time_s", "cpu_time_s", "losses", "smoothed", "step_ms", "opt_ms"):
+        r[k] = _round(r[k])
+    return r
+
+
+def sweep_entry(r: dict, target: Optional[float], adamw: Optional[dict],
+                steps: int) -> dict[str, Any]:
+    e = {"lr": r["lr"], "steps_run": r["steps_run"], "final_loss": r["final_loss"],
+         "final_smoothed": r["smoothed"][-1], "wall_s": r["wall_s"],
+         "cpu_s": r["cpu_time_s"][-1], "median_step_ms": r["summary"]["median_ms"],
+         "foreign_cores_avg": r["cpu"].get("foreign_cores_avg"), "disturbed": r["disturbed"]}
+    if target is not None and adamw:
+        e.update(time_to_target(r, target, adamw["wall_s"], steps, adamw["cpu_s"]))
+    return e
+
+
+def best_of(name: str, entries: list[dict]) -> dict:
+    """AdamW: the lowest final loss. Others: the fewest steps to the target, then the lowest
+    final (smoothed) loss."""
+    if name == "adamw":
+        return min(entries, key=lambda e: e["final_smoothed"])
+    return min(entries, key=lambda e: (e["step"] if e.get("reached") else math.inf,
+                                       e["final_smoothed"]))
+
+
+def run_setting(setting: str, args, pin: dict, log: common.Progress) -> dict[str, Any]:
+    preset = "tiny" if args.quick else SETTINGS[setting]
+    names = args.runs if setting == "users" else args.bound_runs
+    seeds = args.seeds if setting == "users" else args.bound_seeds
+    problems = {s: build_problem(preset, args.steps, s) for s in seeds}
+    info = problems[seeds[0]].describe()
+    log(f"setting {setting}: TinyGPT {info['params'] / 1e6:.2f}M params, {info['tokens_per_step']}"
+        f" tokens a step = {info['tokens_over_widest']:.0f}x the widest layer "
+        f"({info['widest_layer_dim']}); {args.steps} steps; optimizers {', '.join(names)}; "
+        f"seeds {seeds}; load {common.loadavg()}")
+    sweep: dict[str, list] = {}
+    tuned: dict[str, float] = {}
+    runs: list[dict] = []         # the tuned runs, every seed
+    per_seed: dict[int, dict] = {}
+    for k, seed in enumerate(seeds):
+        problem = problems[seed]
+        order = ["adamw"] + [n for n in names if n != "adamw"]
+        target = adamw_wall = adamw_ref = None
+        for name in order:
+            lrs = args.grids[name] if k == 0 else [tuned[name]]
+            results = []
+            for lr in lrs:
+                stop = None if name == "adamw" else target
+                budget = (None if name == "adamw" else
+                          max(args.budget * adamw_wall, MIN_BUDGET_S))
+                try:
+                    r = train_one(name, lr, problem, args, pin, log, stop_below=stop,
+                                  budget_s=budget)
+                except Exception as e:  # a missing library or a failing step: record, go on
+                    log(f"run {name} lr {lr:g}: FAILED: {type(e).__name__}: {e}")
+                    sweep.setdefault(name, []).append(
+                        {"lr": lr, "seed": seed, "error": f"{type(e).__name__}: {e}"})
+                    continue
+                results.append(r)
+                e = sweep_entry(r, target, adamw_ref, args.steps)
+                e["seed"] = seed
+                sweep.setdefault(name, []).append(e)
+                if name != "adamw":
+                    log(f"  {name} lr {lr:g}: " + (
+                        f"reached {target:.4f} at step {e['step']}, {e['time_s']:.1f} s = "
+                        f"{e['time_ratio']:.3f}x AdamW" if e.get("reached") else
+                        f"did not reach {target:.4f} (final {e['final_smoothed']:.4f})"))
+                else:
+                    log(f"  adamw lr {lr:g}: final loss {e['final_smoothed']:.4f}")
+            if not results:
+                if name == "adamw":  # no target: nothing else can be measured on this seed
+                    break
+                continue
+            if k == 0:
+                ok = [e for e in sweep[name] if "error" not in e and e["seed"] == seed]
+                tuned[name] = best_of(name, ok)["lr"]
+                log(f"  {name}: tuned lr {tuned[name]:g}")
+            best = next(r for r in results if r["lr"] == tuned[name])
+            runs.append(best)
+            if name == "adamw":
+                target, adamw_wall = best["smoothed"][-1], best["wall_s"]
+                adamw_ref = {"wall_s": adamw_wall, "cpu_s": best["cpu_time_s"][-1]}
+                per_seed[seed] = {"target": target, "adamw_wall_s": adamw_wall,
+                                  "adamw_cpu_s": adamw_ref["cpu_s"],
+                                  "adamw_steps": best["steps_run"], "runs": {}}
+            else:
+                per_seed[seed]["runs"][name] = time_to_target(best, target, adamw_wall,
+                                                              args.steps, adamw_ref["cpu_s"])
+    return {"setting": setting, "preset": preset, "model": info, "seeds": seeds,
+            "optimizers": names, "grids": {n: list(args.grids[n]) for n in names},
+            "tuned_lr": tuned,
+            "tuned_at_grid_edge": {n: lr in (min(args.grids[n]), max(args.grids[n]))
+                                   for n, lr in tuned.items()},
+            "sweep": sweep, "time_to_adamw_final": per_seed,
+            "ratios": ratio_summary(per_seed, names), "runs": runs}
+
+
+def ratio_summary(per_seed: dict, names: list) -> dict[str, Any]:
+    """Per optimizer: time ratio and steps ratio per seed, their mean, min and max."""
+    out = {}
+    for name in names:
+        if name == "adamw":
+            continue
+        tr = [per_seed[s]["runs"].get(name, {}).get("time_ratio") for s in per_seed]
+        sr = [per_seed[s]["runs"].get(name, {}).get("steps_ratio") for s in per_seed]
+        got = [x for x in tr if x is not None]
+        gs = [x for x in sr if x is not None]
+        cr = [per_seed[s]["runs"].get(name, {}).get("cpu_time_ratio") for s in per_seed]
+        gc_ = [x for x in cr if x is not None]
+        out[name] = {"time_ratio_per_seed": tr, "steps_ratio_per_seed": sr,
+                     "cpu_time_ratio_per_seed": cr,
+                     "cpu_time_ratio_mean": sum(gc_) / len(gc_) if gc_ else None,
+                     "reached_all_seeds": bool(tr) and len(got) == len(tr),
+                     "time_ratio_mean": sum(got) / len(got) if got else None,
+                     "time_ratio_min": min(got) if got else None,
+                     "time_ratio_max": max(got) if got else None,
+                     "steps_ratio_mean": sum(gs) / len(gs) if gs else None}
+    return out
+
+
+# ---- step against its limit ----------------------------------------------------------------------
+
+def precond_shapes(problem: Problem, max_dim: int = 10000) -> list[tuple[int, int]]:
+    """(m, n) of each matrix SOAP preconditions on both sides (every 2-D parameter here)."""
+    return [tuple(p.shape) for p in problem.model().parameters()
+            if p.dim() == 2 and max(p.shape) <= max_dim]
+
+
+def gemm_rate(shapes: Sequence[tuple[int, int, int]], reps: int) -> dict[str, Any]:
+    """Single-thread float32 GEMM rate (torch.mm, on the calling thread's core), best of
+    ``reps`` per shape (m, k, n): GFLOP/s per shape and over all of them together."""
+    torch.set_num_threads(1)
+    per, flops, best_total = [], 0.0, 0.0
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        c = torch.empty(m, n)
+        for _ in range(2):
+            torch.mm(a, b, out=c)
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            torch.mm(a, b, out=c)
+            ts.append(time.perf_counter() - t0)
+        f = 2.0 * m * k * n
+        per.append({"m": m, "k": k, "n": n, "gflops_best": f / min(ts) / 1e9,
+                    "gflops_median": f / common.percentile(ts, 50) / 1e9})
+        flops += f
+        best_total += min(ts)
+    return {"shapes": per, "gflops_all": flops / best_total / 1e9}
+
+
+def step_limit(users: dict, args, log: common.Progress) -> Optional[dict[str, Any]]:
+    """Asteria-SOAP's step against AdamW's step + SOAP's added FLOPs at the measured GEMM
+    rate; and its mean step without a refresh against native sync SOAP's median."""
+    by = {}
+    for r in users["runs"]:
+        by.setdefault(r["optimizer"], []).append(r)
+    if "adamw" not in by or "asteria-soap-async" not in by:
+        return None
+    w = args.warmup
+
+    def steps_of(name, keep=lambda kind: True):
+        return [t for r in by.get(name, []) for t, kind in
+                zip(r["step_ms"][w:], r["step_kinds"][w:]) if keep(kind)]
+
+    def opt_of(name):
+        return [t for r in by.get(name, []) for t in r["opt_ms"][w:]]
+
+    problem = build_problem(users["preset"], 1, users["seeds"][0])
+    mats = precond_shapes(problem)
+    added = sum(6.0 * m * n * (m + n) for m, n in mats)
+    rot = sorted({(m, m, n) for m, n in mats} | {(m, n, n) for m, n in mats})
+    log(f"GEMM rate on the training core: {len(rot)} rotation shapes and 512^3, 1024^3")
+    rate_rot = gemm_rate(rot, args.gemm_reps)
+    rate_sq = gemm_rate([(512, 512, 512), (1024, 1024, 1024)], args.gemm_reps)
+    peak = max(s["gflops_best"] for s in rate_rot["shapes"] + rate_sq["shapes"])
+    adamw = common.percentile(steps_of("adamw"), 50)
+    soap_all = steps_of("asteria-soap-async")
+    soap = common.percentile(soap_all, 50)
+    soap_mean = sum(soap_all) / len(soap_all)
+    out: dict[str, Any] = {
+        "preconditioned_matrices": [list(s) for s in mats],
+        "added_flops_per_step": added,
+        "added_flops_formula": "6 m n (m + n) per m x n matrix: Q_L^T G Q_R, its inverse "
+                               "rotation of the update, G G^T and G^T G",
+        "gemm_rate_rotation_shapes": rate_rot, "gemm_rate_square": rate_sq,
+        "gemm_gflops_peak": peak,
+        "adamw_step_median_ms": adamw, "asteria_soap_step_median_ms": soap,
+        "asteria_soap_step_mean_ms": soap_mean,
+        "adamw_opt_median_ms": common.percentile(opt_of("adamw"), 50),
+        "asteria_soap_opt_median_ms": common.percentile(opt_of("asteria-soap-async"), 50),
+        "runs_used": {n: [(r["lr"], r["seed"]) for r in rs] for n, rs in by.items()},
+    }
+    for key, rate in (("rotation_shapes", rate_rot["gflops_all"]), ("peak", peak)):
+        limit = adamw + 1e3 * added / (rate * 1e9)
+        out[f"limit_ms_at_{key}_rate"] = limit
+        out[f"step_median_over_limit_{key}"] = soap / limit
+        out[f"step_mean_over_limit_{key}"] = soap_mean / limit
+    # the target: the median step against the limit at the peak rate (the stricter limit)
+    out["step_over_limit"] = out["step_median_over_limit_peak"]
+    nonref = steps_of("asteria-soap-async", lambda k: k not in ("refresh", "refresh+install"))
+    plain = steps_of("asteria-soap-async", lambda k: k == "plain")
+    out["asteria_nonrefresh_steps"] = len(nonref)
+    out["asteria_nonrefresh_mean_ms"] = sum(nonref) / len(nonref) if nonref else None
+    out["asteria_plain_mean_ms"] = sum(plain) / len(plain) if plain else None
+    sync = steps_of("asteria-soap-sync")
+    if sync and nonref:
+        out["native_sync_median_ms"] = common.percentile(sync, 50)
+        out["nonrefresh_mean_over_sync_median"] = (out["asteria_nonrefresh_mean_ms"]
+                                                   / out["native_sync_median_ms"])
+    return out
+
+
+def profile_steps(problem: Problem, args, pin: dict, log: common.Progress,
+                  tuned: dict) -> dict[str, Any]:
+    """torch.profiler over ``args.profile_steps`` steps (after 12 unprofiled ones) of AdamW and
+    Asteria SOAP: the ops with the most self CPU time on the training thread."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for name in ("adamw", "asteria-soap-async"):
+        model = problem.model()
+        opt, _ = make_with_wide_mask(lambda: make_optimizer(
+            name, model.parameters(), tuned.get(name, 3e-3), args, pin["worker_cpus"]))
+        n0 = 12
+        for i in range(n0):
+            opt.zero_grad(set_to_none=True)
+            model(*problem.batches[i]).backward()
+            opt.step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for i in range(n0, n0 + args.profile_steps):
+                opt.zero_grad(set_to_none=True)
+                model(*problem.batches[i]).backward()
+                opt.step()
+        close(opt)
+        rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        total = sum(e.self_cpu_time_total for e in rows)
+        out[name] = {"steps": args.profile_steps, "self_cpu_ms_per_step_total":
+                     total / 1e3 / args.profile_steps,
+                     "top": [{"op": e.key, "calls_per_step": e.count / args.profile_steps,
+                              "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3
+                              / args.profile_steps} for e in rows[:15]]}
+        log(f"profile {name}: {out[name]['self_cpu_ms_per_step_total']:.1f} ms self CPU a step;"
+            f" top: " + ", ".join(f"{t['op']} {t['self_cpu_ms_per_step']:.1f}"
+                                  for t in out[name]["top"][:4]))
+    return out
+
+
+def targets(users: Optional[dict], limit: Optional[dict]) -> dict[str, Any]:
+    def check(value, threshold, op, note):
+        met = None if value is None else (value <= threshold if op == "<=" else value < threshold)
+        return {"value": value, "threshold": threshold, "op": op, "met": met, "note": note}
+
+    r = (users or {}).get("ratios", {})
+    soap = r.get("asteria-soap-async", {})
+    v = soap.get("time_ratio_max")
+    out = {"soap_async_time_ratio": check(
+        v, TARGETS["time_ratio_max"], "<=",
+        "Asteria-SOAP async time to tuned AdamW's final loss / AdamW's time, the worst seed")}
+    for other in ("asteria-soap-sync", "pytorch-optimizer", "heavyball"):
+        o = r.get(other, {})
+        mine, theirs = soap.get("time_ratio_mean"), o.get("time_ratio_mean")
+        if other in r:
+            val = None if mine is None else (mine / theirs if theirs else 0.0)
+            out[f"soap_async_faster_than_{other}"] = check(
+                val, 1.0, "<", f"Asteria-SOAP's mean time ratio / {other}'s (0: {other} "
+                               f"never reached the target)")
+    lim = limit or {}
+    out["step_over_limit"] = check(
+        lim.get("step_over_limit"), TARGETS["step_over_limit_max"], "<=",
+        "median Asteria-SOAP step / (AdamW median step + SOAP's added FLOPs at the peak "
+        "single-thread GEMM rate)")
+    out["nonrefresh_mean_over_sync_median"] = check(
+        lim.get("nonrefresh_mean_over_sync_median"),
+        TARGETS["nonrefresh_mean_over_sync_median_max"], "<=",
+        "Asteria-SOAP mean step on steps without a refresh / native sync SOAP's median step")
+    return out
 
 
 def run(args, argv) -> dict[str, Any]:
     log = common.Progress(NAME)
     meta = common.run_metadata(NAME, __file__, argv)
     meta["machine"]["loadavg"] = list(os.getloadavg())  # 1, 5, 15 minutes
+    for pkg in ("pytorch-optimizer", "heavyball"):
+        meta["versions"][pkg] = dist_version(pkg)
     torch.set_num_threads(args.threads)
     pin = placement()
-    problem = build_problem(args.model_size, args.steps, args.seed, args.batch)
-    model_info = problem.describe()
-    log(f"TinyGPT {model_info['params'] / 1e6:.2f}M params (preset {args.model_size}, batch "
-        f"{problem.batch}); {args.steps} steps per run; f={args.frequency}, S={args.staleness}; "
-        f"window {args.window}; training on cpu {pin['training_cpu']}, pool on "
-        f"{pin['worker_cpus']}; load {common.loadavg()}")
-
-    results: dict[str, dict] = {}
-    adamw_wall = None
-    for name in args.runs:
-        model = problem.model()
-        opt = make_with_wide_mask(lambda: make_optimizer(name, model.parameters(), args,
-                                                         pin["worker_cpus"]))
-        budget = None
-        if name != "adamw" and adamw_wall is not None:
-            budget = max(args.soap_budget * adamw_wall, MIN_BUDGET_S)
-        log(f"run {name}" + (f" (stops after {budget:.0f} s)" if budget else ""))
-        r = train_curve(model, opt, problem, args.steps, window=args.window, label=name,
-                        log=log, log_every=args.log_every, budget_s=budget, warmup=args.warmup)
-        stats = close(opt)
-        r["optimizer"] = name
-        r["runtime"] = (async_runtime(args, pin["worker_cpus"]) if name == "soap-async"
-                        else {"mode": "sync"} if name == "soap-sync" else None)
-        r["runtime_counters"] = common.pick_runtime_counters(stats)
-        results[name] = r
-        if name == "adamw":
-            adamw_wall = r["wall_s"]
-        gc.collect()
-
-    out: dict[str, Any] = {}
-    if "adamw" in results:
-        a = results["adamw"]
-        target = a["smoothed"][-1]
-        out = {"adamw_final_loss": target, "adamw_steps": a["steps_run"],
-               "adamw_wall_s": a["wall_s"]}
-        for name in ("soap-async", "soap-sync"):
-            if name in results:
-                out[name] = time_to_target(results[name], target, a["wall_s"], a["steps_run"])
-    ratio = out.get("soap-async", {}).get("time_ratio")
+    cpu0 = common.cpu_snapshot()
+    settings = {}
+    for s in args.settings:
+        settings[s] = run_setting(s, args, pin, log)
+    users = settings.get("users")
+    limit = step_limit(users, args, log) if users else None
+    prof = None
+    if users and args.profile_steps > 0:
+        prof = profile_steps(build_problem(users["preset"], 12 + args.profile_steps,
+                                           users["seeds"][0]), args, pin, log,
+                             users["tuned_lr"])
     meta["machine"]["loadavg1_end"] = common.loadavg()
     meta["machine"]["loadavg_end"] = list(os.getloadavg())
+    meta["cpu"] = common.cpu_delta(cpu0, common.cpu_snapshot())
     data = {
         **meta,
         "settings": {"steps": args.steps, "warmup": args.warmup, "frequency": args.frequency,
                      "staleness": args.staleness, "install": "deterministic",
-                     "workers": args.workers, "torch_threads": args.threads, "lr": LR,
-                     "adamw_betas": [0.9, 0.95], "soap_betas": "asteria.SOAP defaults (0.95, 0.95)",
-                     "weight_decay": 0.01, "seed": args.seed, "quick": args.quick,
+                     "workers": args.workers, "torch_threads": args.threads,
+                     "schedule": SCHEDULE,
+                     "adamw_betas": list(ADAMW_BETAS), "soap_hp": SOAP_HP,
+                     "weight_decay": WEIGHT_DECAY, "quick": args.quick,
                      "smoothing": f"trailing mean over {args.window} steps",
-                     "window": args.window, "soap_budget_x_adamw": args.soap_budget,
-                     "pinning": pin,
-                     "time_axis": "wall-clock seconds from the start of the run's first step to "
-                                  "the end of each step (batches prepared beforehand)",
+                     "window": args.window, "budget_x_adamw": args.budget,
+                     "pinning": pin, "heavyball_compile": args.heavyball_compile,
+                     "lr_choice": "AdamW: lowest final loss on seed 0; others: fewest steps to "
+                                  "AdamW's final loss on seed 0 (then lowest loss)",
+                     "time_axis": "wall-clock seconds from the start of the run's first step "
+                                  "to the end of each step (batches prepared beforehand)",
                      "disturbed_if_foreign_cores_above": DISTURBED_CORES},
-        "model": model_info,
-        "time_to_adamw_final": out,
-        "targets": {"soap_async_time_ratio": {
-            "value": ratio, "threshold": TARGET_TIME_RATIO, "op": "<=",
-            "met": None if ratio is None else ratio <= TARGET_TIME_RATIO,
-            "note": "the SOAP paper's wall-clock target against AdamW; null when not reached"}},
-        "results": [results[n] for n in args.runs],
+        "why_settings_differ": WHY_SETTINGS_DIFFER,
+        "setting_results": settings,
+        "step_limit": limit,
+        "profile": prof,
+        "targets": targets(users, limit),
     }
-    path = common.write_json(data, f"{NAME}.json", args.out_dir)
-    print()
-    print_table(data)
-    if not args.no_plot:
-        png = os.path.join(args.out_dir, f"{NAME}.png")
-        try:
-            plot(data, png)
-            log(f"wrote {png}")
-        except ImportError as e:
-            log(f"no plot: {e}")
-    log(f"wrote {path}")
-    return data
+    return common.finish(data, NAME, args.out_dir, args.no_plot, print_table, plot, log)
 
 
-COLORS = {"adamw": "tab:gray", "soap-sync": "tab:red", "soap-async": "tab:blue"}
+COLORS = {"adamw": "tab:gray", "asteria-soap-async": "tab:blue",
+          "asteria-kl-shampoo-async": "tab:purple", "asteria-shampoo-async": "tab:olive",
+          "asteria-soap-sync": "tab:red", "pytorch-optimizer": "tab:orange",
+          "heavyball": "tab:green"}
 
 
 def plot(data: dict, path: str) -> None:
     plt = common.pyplot()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5))
-    tt = data["time_to_adamw_final"]
-    for r in data["results"]:
-        name = r["optimizer"]
-        extra = ""
-        if name in tt and tt[name]["reached"]:
-            extra = f", reaches AdamW's final at {tt[name]['time_s']:.0f} s " \
-                    f"(x{tt[name]['time_ratio']:.2f})"
-        a.plot(r["time_s"], r["smoothed"], color=COLORS.get(name), lw=1.3,
-               label=f"{name}: {r['steps_run']} steps in {r['wall_s']:.0f} s{extra}")
-        b.plot(range(1, r["steps_run"] + 1), r["smoothed"], color=COLORS.get(name), lw=1.3,
-               label=name)
-    if "adamw_final_loss" in tt:
-        for ax in (a, b):
-            ax.axhline(tt["adamw_final_loss"], color="k", ls=":", lw=1,
-                       label="AdamW's final loss")
+    sets = data["setting_results"]
+    first = sets.get("users") or next(iter(sets.values()))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(18, 5.2))
+    seed = first["seeds"][0]
+    tt = first["time_to_adamw_final"].get(str(seed)) or first["time_to_adamw_final"].get(seed)
+    for r in first["runs"]:
+        if r["seed"] != seed:
+            continue
+        a.plot(r["time_s"], r["smoothed"], color=COLORS.get(r["optimizer"]), lw=1.3,
+               label=f"{r['optimizer']} (lr {r['lr']:g})")
+    if tt:
+        a.axhline(tt["target"], color="k", ls=":", lw=1, label="tuned AdamW's final loss")
     a.set(xlabel="wall-clock time (s)", ylabel=f"train loss ({data['settings']['smoothing']})",
-          title="Loss vs wall-clock time")
-    b.set(xlabel="step", ylabel="train loss (smoothed)", title="Loss vs step")
-    for ax in (a, b):
+          title=f"{first['setting']}: tuned runs, seed {seed} (stop at the target)")
+    a.set_ylim(top=min(3.5, a.get_ylim()[1]))
+    a.legend(fontsize=7)
+    kinds = [(sname, s, key) for sname, s in sets.items() for key in ("time", "cpu_time")]
+    width = 0.8 / len(kinds)
+    names = [n for n in first["optimizers"] if n != "adamw"]
+    for k, (sname, s, key) in enumerate(kinds):
+        xs, ys, lo, hi = [], [], [], []
+        for i, n in enumerate(names):
+            q = s["ratios"].get(n)
+            per = [x for x in (q or {}).get(f"{key}_ratio_per_seed", []) if x is not None]
+            if not per:
+                continue
+            mean = sum(per) / len(per)
+            xs.append(i + (k - (len(kinds) - 1) / 2) * width)
+            ys.append(mean)
+            lo.append(mean - min(per))
+            hi.append(max(per) - mean)
+        what = "wall" if key == "time" else "thread CPU + barrier"
+        b.bar(xs, ys, width, yerr=[lo, hi], capsize=3, hatch="" if key == "time" else "//",
+              label=f"{sname}, {what} ({s['model']['tokens_per_step']} tokens/step)")
+    b.axhline(1.0, color="k", lw=0.8)
+    b.axhline(TARGETS["time_ratio_max"], color="tab:blue", ls="--", lw=0.8,
+              label=f"target {TARGETS['time_ratio_max']}")
+    b.set_xticks(range(len(names)), [n.replace("asteria-", "") for n in names], rotation=25,
+                 fontsize=8)
+    b.set(ylabel="time to tuned AdamW's final loss / AdamW's time",
+          title="Time ratio (bar: mean over seeds, whiskers: range; none: not reached)")
+    b.legend(fontsize=7)
+    for n, entries in first["sweep"].items():
+        ok = [e for e in entries if "error" not in e and e["seed"] == seed]
+        if n == "adamw" or not ok:
+            continue
+        c.plot([e["lr"] for e in ok],
+               [e["step"] if e.get("reached") else e["steps_run"] * 1.05 for e in ok],
+               "o-", color=COLORS.get(n), label=n, ms=4)
+    c.axhline(data["settings"]["steps"], color="k", ls=":", lw=0.8,
+              label="AdamW's steps (above: not reached)")
+    c.set(xscale="log", xlabel="peak lr", ylabel="steps to tuned AdamW's final loss",
+          title=f"{first['setting']}: lr sweep (seed {seed}); AdamW tuned lr "
+                f"{first['tuned_lr'].get('adamw', float('nan')):g}")
+    c.legend(fontsize=7)
+    for ax in (a, b, c):
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    m = data["model"]
-    fig.suptitle(f"{m['params'] / 1e6:.2f}M-param TinyGPT (d={m['d']}, {m['layers']} layers, "
-                 f"batch {m['batch']}), f={data['settings']['frequency']}, "
-                 f"S={data['settings']['staleness']}, on {data['machine']['cpu_model']} "
-                 f"x{data['machine']['nproc']} (load {data['machine']['loadavg1']})", fontsize=10)
+    m = first["model"]
+    fig.suptitle(f"{m['params'] / 1e6:.2f}M-param TinyGPT, {m['tokens_per_step']} tokens/step "
+                 f"({m['tokens_over_widest']:.1f}x widest layer), f={data['settings']['frequency']}"
+                 f", S={data['settings']['staleness']}, on {data['machine']['cpu_model']} "
+                 f"x{data['machine']['nproc']} (load {data['machine']['loadavg1']} -> "
+                 f"{data['machine']['loadavg1_end']})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+def _f(v, spec: str = ".3f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
 def print_table(data: dict) -> None:
-    tt = data["time_to_adamw_final"]
-    hdr = (f"{'optimizer':<12}{'steps':>7}{'wall s':>9}{'median ms':>11}{'p99 ms':>9}"
-           f"{'final':>8}{'reach step':>12}{'reach s':>9}{'t ratio':>9}{'foreign':>9}")
-    print(hdr)
-    print("-" * len(hdr))
-    for r in data["results"]:
-        t = tt.get(r["optimizer"], {})
-        def fmt(v, spec):
-            return format(v, spec) if v is not None else "-"
-        print(f"{r['optimizer']:<12}{r['steps_run']:>7}{r['wall_s']:>9.1f}"
-              f"{r['summary']['median_ms']:>11.1f}{r['summary']['p99_ms']:>9.1f}"
-              f"{r['final_loss']:>8.3f}{fmt(t.get('step'), 'd'):>12}"
-              f"{fmt(t.get('time_s'), '.1f'):>9}{fmt(t.get('time_ratio'), '.2f'):>9}"
-              f"{r['cpu'].get('foreign_cores_avg') or 0.0:>9.2f}")
-    if "adamw_final_loss" in tt:
-        print(f"AdamW's final (smoothed) loss {tt['adamw_final_loss']:.4f} after "
-              f"{tt['adamw_steps']} steps, {tt['adamw_wall_s']:.1f} s")
-    t = data["targets"]["soap_async_time_ratio"]
-    met = {True: "met", False: "NOT met", None: "not measured / not reached"}[t["met"]]
-    v = "n/a" if t["value"] is None else f"{t['value']:.3f}"
-    print(f"target soap-async time_to_adamw_final / adamw time: {v} <= {t['threshold']}: {met}")
-    noisy = [r["optimizer"] for r in data["results"] if r["disturbed"]]
+    for sname, s in data["setting_results"].items():
+        m = s["model"]
+        print(f"{sname}: {m['tokens_per_step']} tokens/step, {m['tokens_over_widest']:.1f}x the "
+              f"widest layer; seeds {s['seeds']}")
+        hdr = (f"{'optimizer':<26}{'lr':>8}{'median ms':>11}{'steps to target':>18}"
+               f"{'time ratio (per seed)':>26}{'mean':>7}{'cpu ratio':>11}")
+        print(hdr)
+        print("-" * len(hdr))
+        meds: dict[str, list] = {}
+        for r in s["runs"]:
+            meds.setdefault(r["optimizer"], []).append(r["summary"]["median_ms"])
+        for name in s["optimizers"]:
+            if name not in s["tuned_lr"]:
+                print(f"{name:<26}  FAILED: " + "; ".join(
+                    e.get("error", "") for e in s["sweep"].get(name, []))[:90])
+                continue
+            med = common.percentile(meds[name], 50) if name in meds else None
+            if name == "adamw":
+                steps = "/".join(str(v["adamw_steps"])
+                                 for v in s["time_to_adamw_final"].values())
+                print(f"{name:<26}{s['tuned_lr'][name]:>8g}{_f(med, '.1f'):>11}{steps:>18}"
+                      f"{'1 (target: final loss)':>26}")
+                continue
+            q = s["ratios"][name]
+            steps = "/".join(_f(v["runs"].get(name, {}).get("step"), "d")
+                             for v in s["time_to_adamw_final"].values())
+            per = "/".join(_f(x, ".2f") for x in q["time_ratio_per_seed"])
+            print(f"{name:<26}{s['tuned_lr'][name]:>8g}{_f(med, '.1f'):>11}{steps:>18}"
+                  f"{per:>26}{_f(q['time_ratio_mean'], '.2f'):>7}"
+                  f"{_f(q['cpu_time_ratio_mean'], '.2f'):>11}")
+        print("(time ratio: wall-clock; cpu ratio: the training thread's CPU time plus barrier "
+              "waits, which other processes' load stretches far less)")
+        print()
+    lim = data.get("step_limit")
+    if lim:
+        print(f"Asteria-SOAP step {lim['asteria_soap_step_median_ms']:.1f} ms (median) vs its "
+              f"limit {lim['limit_ms_at_peak_rate']:.1f} ms = AdamW {lim['adamw_step_median_ms']:.1f}"
+              f" ms + {lim['added_flops_per_step'] / 1e9:.2f} GFLOP at "
+              f"{lim['gemm_gflops_peak']:.0f} GFLOP/s: x{lim['step_over_limit']:.3f} "
+              f"(at the rotation shapes' {lim['gemm_rate_rotation_shapes']['gflops_all']:.0f} "
+              f"GFLOP/s: x{lim['step_median_over_limit_rotation_shapes']:.3f})")
+        if lim.get("nonrefresh_mean_over_sync_median") is not None:
+            print(f"Asteria-SOAP mean step without a refresh {lim['asteria_nonrefresh_mean_ms']:.1f}"
+                  f" ms vs native sync SOAP median {lim['native_sync_median_ms']:.1f} ms: "
+                  f"x{lim['nonrefresh_mean_over_sync_median']:.3f}")
+    for key, t in data["targets"].items():
+        met = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
+        print(f"target {key}: {_f(t['value'])} {t['op']} {t['threshold']}: {met}")
+    noisy = sorted({f"{r['optimizer']}@{r['lr']:g}/s{r['seed']}"
+                    for s in data["setting_results"].values() for r in s["runs"]
+                    if r["disturbed"]})
     if noisy:
         print(f"WARNING: other processes kept > {DISTURBED_CORES} cores busy during "
               f"{', '.join(noisy)}: wall times are the machine's as much as the optimizer's")
 
 
+def _runs(text: str, ap) -> list[str]:
+    names = [r.strip() for r in text.split(",") if r.strip()]
+    for r in names:
+        if r not in RUNS:
+            ap.error(f"unknown optimizer {r!r}; allowed: {', '.join(RUNS)}")
+    return ["adamw"] + [r for r in RUNS if r in names and r != "adamw"]
+
+
 def parse_args(argv: Optional[Sequence[str]]):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=None, help="steps per run (default 300; --quick 24)")
+    ap.add_argument("--settings", default="users,optimizer-bound",
+                    help="comma-separated subset of " + ", ".join(SETTINGS))
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (300; --quick 24)")
     ap.add_argument("--warmup", type=int, default=None,
-                    help="leading steps left out of the step-time statistics (default 10; --quick 4)")
-    ap.add_argument("--model-size", choices=sorted(PRESETS), default=None,
-                    help="TinyGPT preset (default conv: d=128, 2 layers, batch 16; --quick tiny)")
-    ap.add_argument("--batch", type=int, default=None, help="sequences per step (preset's)")
+                    help="leading steps left out of the step-time statistics (10; --quick 4)")
     ap.add_argument("--frequency", type=int, default=None,
-                    help="precondition_frequency f of both SOAPs (default 10; --quick 4)")
+                    help="precondition_frequency f of every preconditioner (10; --quick 4)")
     ap.add_argument("--staleness", type=int, default=None,
-                    help="Asteria's staleness budget S (default 5; --quick 2)")
+                    help="Asteria's staleness budget S (5; --quick 2)")
     ap.add_argument("--window", type=int, default=None,
-                    help="steps of the trailing mean that smooths the loss (default 20; --quick 4)")
-    ap.add_argument("--soap-budget", type=float, default=2.5,
-                    help="a SOAP run stops once its wall time passes this many times AdamW's")
+                    help="steps of the trailing mean that smooths the loss (20; --quick 4)")
+    ap.add_argument("--budget", type=float, default=3.0,
+                    help="a run stops once its wall time passes this many times AdamW's")
     ap.add_argument("--workers", type=int, default=1, help="Asteria worker threads")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for training")
-    ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of "
-                    + ",".join(RUNS) + " (adamw first: it sets the target)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--runs", default=",".join(RUNS),
+                    help="optimizers of the users setting (adamw always runs first)")
+    ap.add_argument("--bound-runs", default="adamw,asteria-soap-async",
+                    help="optimizers of the optimizer-bound setting")
+    ap.add_argument("--seeds", default="0,1", help="seeds of the users setting (the first "
+                                                   "one sweeps the lr)")
+    ap.add_argument("--bound-seeds", default="0", help="seeds of the optimizer-bound setting")
+    ap.add_argument("--lrs", action="append", default=[], metavar="NAME=LR,LR,...",
+                    help="an optimizer's lr grid (repeatable); defaults: " + "; ".join(
+                        f"{k} {','.join(f'{x:g}' for x in v)}" for k, v in GRIDS.items()))
+    ap.add_argument("--gemm-reps", type=int, default=None, help="GEMM timings per shape (30)")
+    ap.add_argument("--profile-steps", type=int, default=None,
+                    help="profile this many steps of AdamW and Asteria SOAP (8; --quick 0)")
+    ap.add_argument("--heavyball-compile", action="store_true",
+                    help="keep heavyball's torch.compile (minutes of CPU autotuning)")
     ap.add_argument("--log-every", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny model, a few steps")
     common.add_output_args(ap)
     args = ap.parse_args(argv)
     q = args.quick
-    defaults = dict(steps=24 if q else 300, warmup=4 if q else 10,
-                    model_size="tiny" if q else "conv", frequency=4 if q else 10,
-                    staleness=2 if q else 5, window=4 if q else 20, log_every=8 if q else 50,
-                    out_dir=os.path.join(common.RESULTS_DIR, "tmp") if q else common.RESULTS_DIR)
-    common.fill_defaults(args, defaults)
-    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
-    for r in runs:
-        if r not in RUNS:
-            ap.error(f"unknown run {r!r}; allowed: {', '.join(RUNS)}")
-    if "adamw" in runs:
-        runs.remove("adamw")
-        runs.insert(0, "adamw")
-    args.runs = runs
+    common.fill_defaults(args, dict(
+        steps=24 if q else 300, warmup=4 if q else 10, frequency=4 if q else 10,
+        staleness=2 if q else 5, window=4 if q else 20, log_every=12 if q else 50,
+        gemm_reps=3 if q else 30, profile_steps=0 if q else 8,
+        out_dir=os.path.join(common.RESULTS_DIR, "tmp") if q else common.RESULTS_DIR))
+    args.settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+    for s in args.settings:
+        if s not in SETTINGS:
+            ap.error(f"unknown setting {s!r}; allowed: {', '.join(SETTINGS)}")
+    args.runs = _runs(args.runs, ap)
+    args.bound_runs = _runs(args.bound_runs, ap)
+    args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    args.bound_seeds = [int(s) for s in args.bound_seeds.split(",") if s.strip()]
+    if not args.seeds or not args.bound_seeds:
+        ap.error("need at least one seed")
+    args.grids = dict(GRIDS)
+    for spec in args.lrs:
+        name, _, lrs = spec.partition("=")
+        if name not in RUNS or not lrs:
+            ap.error(f"--lrs {spec!r}: want NAME=LR,LR,... with NAME one of {', '.join(RUNS)}")
+        args.grids[name] = tuple(float(x) for x in lrs.split(","))
     if not 0 <= args.staleness <= args.frequency:
         ap.error("need 0 <= --staleness <= --frequency")
     if args.steps < 2 or args.window < 1:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.metadata
 import os
 import sys
 import traceback
@@ -39,57 +38,21 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import common  # noqa: E402
-from bench_convergence import (PRESETS, build_problem, close, make_with_wide_mask,  # noqa: E402
-                               placement, train_curve)
+from bench_convergence import (PIP, PRESETS, SOAP_HP, build_problem, close,  # noqa: E402
+                               dist_version, make_with_wide_mask, placement, train_curve)
+from bench_convergence import make_optimizer as bc_make_optimizer  # noqa: E402
 
-import asteria  # noqa: E402
 
 NAME = "bench_third_party"
 RUNS = ("asteria-soap-sync", "asteria-soap-async", "pytorch-optimizer", "heavyball")
 REFERENCE = "asteria-soap-sync"
-HP = {"lr": 3e-3, "betas": (0.95, 0.95), "shampoo_beta": 0.95, "eps": 1e-8,
-      "weight_decay": 0.01}
-PIP = {"pytorch-optimizer": "pytorch-optimizer", "heavyball": "heavyball"}
-
-
-def dist_version(name: str) -> Optional[str]:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+HP = SOAP_HP
 
 
 def make_optimizer(name: str, params, args, worker_cpus: Optional[str]):
-    """(optimizer, the exact keyword arguments it got). Third-party imports happen here, so a
-    missing library fails only its own run."""
-    f = args.frequency
-    if name.startswith("asteria"):
-        rt: dict[str, Any] = {"mode": "sync"}
-        if name == "asteria-soap-async":
-            rt = {"mode": "async", "staleness": args.staleness, "install": "deterministic",
-                  "workers": args.workers}
-            if worker_cpus:
-                rt["cpuset"] = worker_cpus
-        kw = dict(HP, precondition_frequency=f, max_precond_dim=10000, merge_dims=False,
-                  precondition_1d=False, correct_bias=True, normalize_grads=False, runtime=rt)
-        return asteria.SOAP(params, **kw), kw
-    if name == "pytorch-optimizer":
-        from pytorch_optimizer import SOAP
-
-        kw = dict(HP, precondition_frequency=f, max_precondition_dim=10000, merge_dims=False,
-                  precondition_1d=False, correct_bias=True, normalize_gradient=False)
-        return SOAP(params, **kw), kw
-    if name == "heavyball":
-        import heavyball
-        import heavyball.utils
-
-        if not args.heavyball_compile:
-            heavyball.utils.compile_mode = None
-        kw = dict(HP, precondition_frequency=f, use_precond_schedule=False,
-                  max_precond_dim=10000, merge_dims=False, precondition_1d=False,
-                  warmup_steps=0)
-        return heavyball.SOAP(params, **kw), kw
-    raise ValueError(f"unknown run {name!r}; allowed: {', '.join(RUNS)}")
+    """(optimizer, the exact keyword arguments it got): bench_convergence's factory at HP's lr.
+    Third-party imports happen there, so a missing library fails only its own run."""
+    return bc_make_optimizer(name, params, HP["lr"], args, worker_cpus)
 
 
 def run_one(name: str, args, problem, pin: dict, log: common.Progress) -> dict[str, Any]:

@@ -246,6 +246,26 @@ def slow_steps(step_ms: Sequence[float], worker_ms: Sequence[Optional[float]], w
     return out
 
 
+def smooth(losses: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over the last ``window`` losses (fewer at the start): causal, so the time at
+    which it crosses a value is a time the run could have known it."""
+    out, acc = [], 0.0
+    for i, x in enumerate(losses):
+        acc += x
+        if i >= window:
+            acc -= losses[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def first_reach(values: Sequence[float], target: float) -> Optional[int]:
+    """Index of the first value <= target; None if none is."""
+    for i, v in enumerate(values):
+        if v <= target:
+            return i
+    return None
+
+
 # ---- output --------------------------------------------------------------------------------
 
 def add_output_args(ap) -> None:
@@ -554,10 +574,12 @@ def train_steps(model, optimizer, batch, steps: int, device, *, autocast_dtype=N
                 gc_interval: int = OLMO_GC_INTERVAL) -> dict[str, Any]:
     """Run up to ``steps`` training steps, ``batch(i)`` giving step i's (x, y) on ``device``.
     Times every step (zero_grad + forward + backward + optimizer.step, device synchronised
-    around it) and the optimizer step alone. Stops early, after a whole step, once ``budget_s``
+    around it), the optimizer step alone, and the training thread's CPU time over the step
+    (what other processes' load does not stretch, as long as the thread keeps its core's cache). Stops early, after a whole step, once ``budget_s``
     seconds have passed. Between steps (outside the timed region) it samples the runtime's
     registered host buffers, whose peak the end-of-run stats would miss. ``on_step(i, step_s,
-    opt_s, loss)`` is called after each step (outside the timed region). ``gc_policy``:
+    opt_s, loss)`` is called after each step (outside the timed region); a true return value
+    stops the run there (a loss target reached: "stopped_at_target"). ``gc_policy``:
     "olmo" (automatic collection off, ``gc.collect(1)`` after every ``gc_interval`` steps,
     outside the timed region; the collector's state is restored on the way out) or "auto"
     (Python's default). The result's "gc" says which collections ran in the timed region."""
@@ -571,6 +593,7 @@ def train_steps(model, optimizer, batch, steps: int, device, *, autocast_dtype=N
         raise ValueError(f"gc_interval must be >= 1, got {gc_interval}")
     step_s: list[float] = []
     opt_s: list[float] = []
+    cpu_s: list[float] = []  # the training thread's CPU time in each step (time.thread_time)
     losses: list[float] = []
     peak_registered = 0
     stats_fn = getattr(optimizer, "asteria_stats", None)
@@ -581,11 +604,13 @@ def train_steps(model, optimizer, batch, steps: int, device, *, autocast_dtype=N
         gc.disable()
     t_start = time.perf_counter()
     stopped_early = False
+    stopped_at_target = False
     try:
         for i in range(steps):
             x, y = batch(i)
             device_sync(device)
             watch.active = True
+            c0 = time.thread_time()
             t0 = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             if autocast_dtype is not None:
@@ -599,14 +624,16 @@ def train_steps(model, optimizer, batch, steps: int, device, *, autocast_dtype=N
             optimizer.step()
             device_sync(device)
             t2 = time.perf_counter()
+            c2 = time.thread_time()
             watch.active = False
             if gc_policy == "olmo" and (i + 1) % gc_interval == 0:
                 gc.collect(1)
             step_s.append(t2 - t0)
             opt_s.append(t2 - t1)
+            cpu_s.append(c2 - c0)
             losses.append(float(loss.detach()))
-            if on_step is not None:
-                on_step(i, step_s[-1], opt_s[-1], losses[-1])
+            if on_step is not None and on_step(i, step_s[-1], opt_s[-1], losses[-1]):
+                stopped_at_target = True
             if stats_fn is not None:
                 peak_registered = max(peak_registered,
                                       int(stats_fn().get("bytes_registered", 0)))
@@ -614,6 +641,10 @@ def train_steps(model, optimizer, batch, steps: int, device, *, autocast_dtype=N
                 recent = losses[-log_every:]
                 log(f"{label:>10} step {i + 1:4d}/{steps}  loss {sum(recent) / len(recent):.4f}"
                     f"  step {1e3 * step_s[-1]:8.1f} ms  (opt {1e3 * opt_s[-1]:8.1f} ms)")
+            if stopped_at_target:
+                if log is not None:
+                    log(f"{label:>10} target reached after {i + 1} steps: stop")
+                break
             if (budget_s is not None and time.perf_counter() - t_start > budget_s
                     and i + 1 < steps):
                 stopped_early = True
@@ -625,8 +656,9 @@ def train_steps(model, optimizer, batch, steps: int, device, *, autocast_dtype=N
         gc.callbacks.remove(watch)
         if was_enabled:
             gc.enable()
-    return {"step_s": step_s, "opt_s": opt_s, "losses": losses,
+    return {"step_s": step_s, "opt_s": opt_s, "cpu_s": cpu_s, "losses": losses,
             "wall_s": time.perf_counter() - t_start, "stopped_early": stopped_early,
+            "stopped_at_target": stopped_at_target,
             "peak_bytes_registered": peak_registered,
             "gc": {"policy": gc_policy, "interval": gc_interval if gc_policy == "olmo" else None,
                    "in_timed_region": watch.summary()}}

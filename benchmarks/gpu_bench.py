@@ -40,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 import common  # noqa: E402
-from tinygpt import CharData, GPTConfig, TinyGPT, n_params  # noqa: E402
+from tinygpt import CharData, GPTConfig, TinyGPT, n_params, warmup_cosine  # noqa: E402
 
 NAME = "gpu_bench"
 RUNS = ("soap-sync", "soap-async", "adamw")
@@ -60,13 +60,19 @@ def asteria_or_error() -> tuple[Any, Optional[str]]:
     return asteria, None
 
 
+def lr_of(name: str, args) -> float:
+    """The (peak) lr of one optimizer: --lrs NAME=LR where given, else --lr."""
+    return args.lr_by_name.get(name, args.lr)
+
+
 def make_optimizer(name: str, params, args):
+    lr = lr_of(name, args)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+        return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     asteria, err = asteria_or_error()
     if asteria is None:
         raise RuntimeError(f"asteria is not importable: {err}")
-    return asteria.SOAP(params, lr=args.lr, precondition_frequency=args.frequency,
+    return asteria.SOAP(params, lr=lr, precondition_frequency=args.frequency,
                         max_precond_dim=args.max_precond_dim, block_size=args.block_size,
                         runtime=runtime_of(name, args))
 
@@ -130,18 +136,36 @@ def child(args) -> int:
           "attach": attach})
 
     last = [common.threads_cpu_ns()]
+    lr_at = (warmup_cosine(lr_of(args.child, args), args.steps) if args.schedule == "cosine"
+             else None)
+    losses: list = []
+
+    def set_lr(i: int) -> None:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(i)
 
     def on_step(i, step_s, opt_s, loss):
         emit({"type": "step", "i": i, "step_ms": 1e3 * step_s, "opt_ms": 1e3 * opt_s,
-              "loss": loss, "worker_ms": common.ms_since(last)})
+              "loss": loss, "worker_ms": common.ms_since(last),
+              "t": time.perf_counter() - t_loop})
+        if lr_at is not None and i + 1 < args.steps:
+            set_lr(i + 1)
+        losses.append(loss)
+        # --stop-below (convergence mode): stop once the trailing mean reaches AdamW's final
+        return (args.stop_below is not None
+                and sum(losses[-args.window:]) / len(losses[-args.window:]) <= args.stop_below)
 
+    if lr_at is not None:
+        set_lr(0)
     cpu0 = common.cpu_snapshot()
+    t_loop = time.perf_counter()
     res = common.train_steps(model, opt, batch, args.steps, device, autocast_dtype=dtype,
                              budget_s=args.budget_s, log=log, log_every=args.log_every,
                              label=args.child, on_step=on_step)
     cpu = common.cpu_delta(cpu0, common.cpu_snapshot())
     stats = common.runtime_stats(opt)
     rec = {"type": "result", "stopped_early": res["stopped_early"], "wall_s": res["wall_s"],
+           "stopped_at_target": res["stopped_at_target"],
            "cpu": cpu,
            "bytes_per_tier": common.tier_bytes(opt, device, stats),
            "runtime_counters": common.pick_runtime_counters(stats), "asteria_stats": stats,
@@ -185,12 +209,12 @@ def read_child(path: str) -> dict[str, Any]:
 
 
 def run_child(name: str, args, argv: Sequence[str], budget: float, hard_limit: float,
-              tmpdir: str, log: common.Progress) -> dict[str, Any]:
+              tmpdir: str, log: common.Progress, extra: Sequence[str] = ()) -> dict[str, Any]:
     path = os.path.join(tmpdir, f"{name}.jsonl")
     if os.path.exists(path):
         os.remove(path)
     cmd = [sys.executable, os.path.abspath(__file__), *argv, "--device", args.device,
-           "--child", name, "--child-out", path, "--budget-s", f"{budget:.1f}"]
+           "--child", name, "--child-out", path, "--budget-s", f"{budget:.1f}", *extra]
     limit = min(budget + CHILD_START_S + CHILD_GRACE_S, hard_limit)
     log(f"run {name}: budget {budget:.0f} s (killed after {limit:.0f} s)")
     t0 = time.perf_counter()
@@ -207,6 +231,7 @@ def run_child(name: str, args, argv: Sequence[str], budget: float, hard_limit: f
     got = read_child(path)
     steps = got["steps"]
     out: dict[str, Any] = {"optimizer": name, "runtime": runtime_of(name, args),
+                           "lr": lr_of(name, args),
                            "returncode": rc, "timed_out": timed_out,
                            "process_wall_s": time.perf_counter() - t0,
                            "steps_run": len(steps), **got["start"]}
@@ -226,6 +251,8 @@ def run_child(name: str, args, argv: Sequence[str], budget: float, hard_limit: f
         out["opt_step_ms"] = [s["opt_ms"] for s in steps]
         out["losses"] = [s["loss"] for s in steps]
         out["worker_ms"] = [s.get("worker_ms") for s in steps]
+        out["time_s"] = [s.get("t") for s in steps]
+        out["smoothed"] = common.smooth(out["losses"], args.window)
         out["slow_steps"] = common.slow_steps(ms, out["worker_ms"], len(ms) - len(kept),
                                               SLOW_STEP)
     return out
@@ -251,6 +278,29 @@ def comparisons(results: dict[str, dict]) -> dict[str, Any]:
         if r and "summary" in r:
             out[f"{name}_p99_over_median"] = r["summary"]["p99_over_median"]
             out[f"{name}_max_over_median"] = r["summary"]["max_over_median"]
+    return out
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def convergence(results: dict[str, dict], target: dict) -> dict[str, Any]:
+    """Convergence mode: each optimizer's time to AdamW's final (trailing-mean) loss, as a ratio
+    to AdamW's time for all its steps."""
+    out: dict[str, Any] = {"adamw_final_loss": target.get("loss"),
+                           "adamw_wall_s": target.get("adamw_wall_s"),
+                           "adamw_steps": target.get("adamw_steps"),
+                           "adamw_complete": target.get("adamw_complete"), "runs": {}}
+    for name, r in results.items():
+        if name == "adamw" or not r.get("smoothed") or target.get("loss") is None:
+            continue
+        i = common.first_reach(r["smoothed"], target["loss"])
+        t = None if i is None else r["time_s"][i]
+        out["runs"][name] = {"step": None if i is None else i + 1, "time_s": t,
+                             "time_ratio": None if t is None else t / target["adamw_wall_s"],
+                             "steps_ratio": None if i is None
+                             else (i + 1) / target["adamw_steps"]}
     return out
 
 
@@ -305,6 +355,18 @@ def parse_args(argv: Optional[Sequence[str]]):
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: torch's own; --smoke 1)")
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lrs", action="append", default=[], metavar="NAME=LR",
+                    help="one optimizer's (peak) lr, repeatable (--convergence: adamw 1e-3, "
+                         "soap-async and soap-sync 2e-3)")
+    ap.add_argument("--convergence", action="store_true",
+                    help="the users' regime comparison: batch 128 x 512 = 65,536 tokens a step "
+                         "(16x the MLP's 4096), warm-up + cosine, AdamW first; every other "
+                         "optimizer stops at AdamW's final loss; reports the time ratio")
+    ap.add_argument("--schedule", choices=("constant", "cosine"), default=None,
+                    help="lr schedule (constant; --convergence: warm-up + cosine over --steps)")
+    ap.add_argument("--window", type=int, default=None,
+                    help="trailing mean of the loss for the target (20; --smoke 4)")
+    ap.add_argument("--stop-below", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runs", default=",".join(RUNS))
     ap.add_argument("--log-every", type=int, default=None)
@@ -321,7 +383,23 @@ def parse_args(argv: Optional[Sequence[str]]):
                     total_budget_s=150.0 if s else 210.0, frequency=4 if s else 10,
                     staleness=2 if s else 5, max_precond_dim=10000 if s else 1024,
                     log_every=4 if s else 10, threads=1 if s else None)
+    if args.convergence:
+        # AdamW first (its final loss is the target); 16x the widest layer in tokens a step
+        defaults.update(batch=64 if s else 128, seq=64 if s else 512, steps=24 if s else 150,
+                        budget_s=40.0 if s else 75.0, total_budget_s=150.0 if s else 200.0,
+                        schedule="cosine")
+        if args.runs == ",".join(RUNS):
+            args.runs = "adamw,soap-async,soap-sync"
+    defaults.setdefault("schedule", "constant")
+    defaults["window"] = 4 if s else 20
     common.fill_defaults(args, defaults)
+    args.lr_by_name = ({"adamw": 1e-3, "soap-async": 2e-3, "soap-sync": 2e-3}
+                       if args.convergence else {})
+    for spec in args.lrs:
+        k, _, v = spec.partition("=")
+        if k not in RUNS or not v:
+            ap.error(f"--lrs {spec!r}: want NAME=LR with NAME one of {', '.join(RUNS)}")
+        args.lr_by_name[k] = float(v)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.dtype is None:
@@ -336,12 +414,13 @@ def parse_args(argv: Optional[Sequence[str]]):
     return args
 
 
-def default_out(smoke: bool) -> str:
+def default_out(smoke: bool, convergence: bool = False) -> str:
+    name = "gpu_convergence" if convergence else NAME
     if os.environ.get("OUT"):
-        return os.path.join(os.environ["OUT"], f"{NAME}_smoke.json" if smoke else f"{NAME}.json")
+        return os.path.join(os.environ["OUT"], f"{name}_smoke.json" if smoke else f"{name}.json")
     if smoke:
-        return os.path.join(common.RESULTS_DIR, "tmp", f"{NAME}_smoke.json")
-    return os.path.join(common.RESULTS_DIR, f"{NAME}.json")
+        return os.path.join(common.RESULTS_DIR, "tmp", f"{name}_smoke.json")
+    return os.path.join(common.RESULTS_DIR, f"{name}.json")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -356,7 +435,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"(use --smoke to test the logic on CPU)", flush=True)
         return SKIP
     meta = common.run_metadata(NAME, __file__, argv)
-    out_path = args.out or default_out(args.smoke)
+    out_path = args.out or default_out(args.smoke, args.convergence)
     out_dir = os.path.dirname(os.path.abspath(out_path))
     with tempfile.TemporaryDirectory(prefix=f"{NAME}_") as tmpdir:  # the children's step streams
         return run(args, argv, meta, out_path, out_dir, tmpdir, log, t_start)
@@ -375,6 +454,7 @@ def run(args, argv: list, meta: dict, out_path: str, out_dir: str, tmpdir: str,
         f"{args.max_precond_dim}; budget {args.budget_s:.0f} s per optimizer, "
         f"{args.total_budget_s:.0f} s in all")
     results = []
+    target: dict[str, Any] = {}  # convergence mode: AdamW's final loss, set by its run
     for i, name in enumerate(args.runs):
         if name != "adamw" and asteria_err:
             log(f"skip {name}: asteria is not importable ({asteria_err})")
@@ -388,7 +468,17 @@ def run(args, argv: list, meta: dict, out_path: str, out_dir: str, tmpdir: str,
             results.append({"optimizer": name, "skipped": f"total time budget spent "
                                                           f"({left:.0f} s left)"})
             continue
-        results.append(run_child(name, args, child_argv, budget, left, tmpdir, log))
+        extra = []
+        if args.convergence and name != "adamw" and target.get("loss") is not None:
+            extra = ["--stop-below", repr(target["loss"])]
+        results.append(run_child(name, args, child_argv, budget, left, tmpdir, log, extra))
+        r = results[-1]
+        if args.convergence and name == "adamw" and r.get("smoothed"):
+            target = {"loss": r["smoothed"][-1], "adamw_wall_s": r["time_s"][-1],
+                      "adamw_steps": r["steps_run"],
+                      "adamw_complete": r["steps_run"] == args.steps}
+            log(f"target: AdamW's final loss {target['loss']:.4f} after {r['steps_run']} steps,"
+                f" {target['adamw_wall_s']:.1f} s")
     by_name = {r["optimizer"]: r for r in results}
     meta["machine"]["loadavg1_end"] = common.loadavg()
     data = {
@@ -396,15 +486,21 @@ def run(args, argv: list, meta: dict, out_path: str, out_dir: str, tmpdir: str,
         "settings": {k: getattr(args, k) for k in (
             "smoke", "device", "dtype", "d", "layers", "heads", "seq", "batch", "steps", "warmup",
             "budget_s", "total_budget_s", "frequency", "staleness", "max_precond_dim",
-            "block_size", "workers", "threads", "lr", "seed", "runs")},
+            "block_size", "workers", "threads", "lr", "seed", "runs", "convergence",
+            "schedule", "window")},
         "model": {"name": "TinyGPT (examples/tinygpt.py)", "params": nparams,
                   "vocab": 65, "corpus": "Tiny Shakespeare (bundled), characters"},
         "asteria_import_error": asteria_err,
         "comparisons": comparisons(by_name),
+        "convergence": convergence(by_name, target) if args.convergence else None,
         "results": results,
         "wall_s": time.perf_counter() - t_start,
     }
     data["settings"]["timed_region"] = "zero_grad + forward + backward + optimizer.step, synced"
+    data["settings"]["lrs"] = {n: lr_of(n, args) for n in args.runs}
+    data["settings"]["tokens_per_step"] = args.batch * args.seq
+    data["settings"]["widest_layer_dim"] = 4 * args.d
+    data["settings"]["tokens_over_widest"] = args.batch * args.seq / (4 * args.d)
     path = common.write_json(data, os.path.basename(out_path), out_dir)
     print()
     hdr = (f"{'optimizer':<12}{'steps':>6}{'median ms':>11}{'p99 ms':>10}{'max ms':>10}"
@@ -422,6 +518,15 @@ def run(args, argv: list, meta: dict, out_path: str, out_dir: str, tmpdir: str,
         print(f"{r['optimizer']:<12}{r['steps_run']:>6}{s['median_ms']:>11.1f}{s['p99_ms']:>10.1f}"
               f"{s['max_ms']:>10.1f}{r.get('peak_device_memory_bytes', 0) / 2**30:>10.2f}"
               f"{t.get('device', 0) / 2**30:>15.3f}{host / 2**30:>16.3f}  {note}")
+    conv = data["convergence"]
+    if conv:
+        print(f"convergence: AdamW's final loss {_fmt(conv['adamw_final_loss'])} "
+              f"({args.batch * args.seq} tokens a step = "
+              f"{data['settings']['tokens_over_widest']:.0f}x the widest layer)")
+        for name, t in conv["runs"].items():
+            print(f"  {name:<12} " + (f"reaches it at step {t['step']}, {t['time_s']:.1f} s = "
+                                      f"{t['time_ratio']:.3f}x AdamW's time"
+                                      if t["step"] is not None else "does not reach it"))
     if not args.no_plot:
         png = os.path.splitext(path)[0] + ".png"
         try:

@@ -1,7 +1,8 @@
-"""A small GPT-style character language model and the Tiny Shakespeare data pipeline.
+"""A small GPT-style character language model, the Tiny Shakespeare data pipeline and the lr
+schedule (linear warm-up, cosine decay).
 
 Shared by examples/train_tiny.py and the benchmarks so they all train the same model on the
-same data. The corpus is bundled in examples/data/ (no download at run time).
+same data under the same schedule. The corpus is bundled in examples/data/ (no download at run time).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -103,3 +105,24 @@ class TinyGPT(nn.Module):
 
 def n_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+WARMUP_FRACTION = 0.1
+FINAL_LR_FRACTION = 0.1
+SCHEDULE = (f"linear warm-up over the first {WARMUP_FRACTION:.0%} of the steps, cosine decay to "
+            f"{FINAL_LR_FRACTION:.0%} of the peak lr at the last step")
+
+
+def warmup_cosine(peak: float, steps: int, warmup_fraction: float = WARMUP_FRACTION,
+                  final_fraction: float = FINAL_LR_FRACTION) -> Callable[[int], float]:
+    """lr of step i (0-based): linear warm-up to ``peak`` over the first warmup_fraction of the
+    steps, then cosine decay to final_fraction x peak at the last step."""
+    warm = max(1, round(warmup_fraction * steps))
+
+    def lr_at(i: int) -> float:
+        if i < warm:
+            return peak * (i + 1) / warm
+        t = (i - warm) / max(1, steps - 1 - warm)
+        return peak * (final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * t)))
+
+    return lr_at

@@ -1,165 +1,279 @@
-"""Train a small GPT-style character LM on Tiny Shakespeare with AdamW and the Asteria optimizers.
+"""The main job: AdamW vs Asteria SOAP (async) vs native SOAP (sync) where users train.
 
-Every run uses the same seed, model initialisation and batches; only the optimizer changes.
-Prints progress, then a table (final train loss, validation loss, step-time median / p99 / max,
-wall time), and writes a PNG (loss vs step, step time vs step) and a JSON of the raw numbers.
+A small GPT-style character LM (examples/tinygpt.py: d=128, 2 layers, context 128) on Tiny
+Shakespeare, batch 64: 8,192 tokens a step, 16x the widest layer (the MLP's 4d = 512), so the
+model's forward and backward, not the optimizer, set the step time, as in LLM training. Every run
+uses the same seed, initial weights and batches, linear warm-up then cosine decay, each
+optimizer at its tuned peak lr (benchmarks/bench_convergence.py's sweep in this setting); only
+the optimizer changes. The training thread runs on one core with one torch thread, Asteria's
+worker pool on the other.
 
-    python3 examples/train_tiny.py                 # the README's main job (a few minutes, 2 cores)
+Prints progress, then a table: final train loss, validation loss, the wall time at which the run
+first reaches AdamW's final loss (and its ratio to AdamW's time), step time median / p99, wall
+time and optimizer-state MiB per memory tier (asteria_stats(); for AdamW its state tensors).
+Writes examples/out/train_tiny.png (loss vs wall-clock time, step time vs step, bytes per tier)
+and train_tiny.json (every loss and step time, the machine, its load, the versions, the command).
+
+    bash scripts/run_main.sh                         # = python3 examples/train_tiny.py, ~5 min
     python3 examples/train_tiny.py --steps 50 --runs adamw,soap-async
 
 The corpus is bundled (examples/data/tinyshakespeare.txt, from char-rnn); nothing is downloaded.
-Training uses one torch thread; on a 2-core machine Asteria's worker pool gets the other core
-(runtime "workers" defaults to the cores the training thread does not use).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tinygpt import CharData, GPTConfig, TinyGPT, n_params  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
+import common  # noqa: E402
+from bench_convergence import smooth, time_to_target  # noqa: E402
+from tinygpt import SCHEDULE, CharData, GPTConfig, TinyGPT, n_params, warmup_cosine  # noqa: E402
 
 import asteria  # noqa: E402
 
-LR = 3e-3
+# Tuned peak lrs in this setting: benchmarks/results/bench_convergence.json ("users", seed-0
+# sweeps; AdamW 1e-3 / 3e-3 in an earlier run, then 6e-3 / 1e-2 / 2e-2 for AdamW and the SOAPs;
+# KL-Shampoo 3e-3 / 1e-2 / 3e-2, Shampoo 3e-3 / 6e-3 / 1e-2).
+LR = {"adamw": 6e-3, "soap-async": 1e-2, "soap-sync": 1e-2, "kl-shampoo-async": 3e-2,
+      "shampoo-async": 1e-2}
+DEFAULT_RUNS = ("adamw", "soap-async", "soap-sync")
+WINDOW = 20  # trailing mean of the train loss: the final loss and the time-to-target curve
 
 
-def make_runs():
-    """name -> factory(params). Same lr and weight decay for all; Asteria keyword defaults."""
+def make_runs(worker_cpus):
+    """name -> factory(params, lr). AdamW betas (0.9, 0.95); SOAP betas (0.95, 0.95); weight
+    decay 0.01; f = 10; async: S = 5, deterministic install, one worker on ``worker_cpus``."""
+    rt = {"mode": "async", "staleness": 5, "install": "deterministic", "workers": 1}
+    if worker_cpus:
+        rt["cpuset"] = worker_cpus
     return {
-        "adamw": lambda p: torch.optim.AdamW(p, lr=LR, betas=(0.9, 0.95), weight_decay=0.01),
-        "soap-sync": lambda p: asteria.SOAP(p, lr=LR, runtime={"mode": "sync"}),
-        "soap-async": lambda p: asteria.SOAP(p, lr=LR, runtime={"mode": "async", "staleness": 5}),
-        "kl-shampoo-async": lambda p: asteria.KLShampoo(
-            p, lr=LR, runtime={"mode": "async", "staleness": 5}),
-        "shampoo-async": lambda p: asteria.Shampoo(
-            p, lr=LR, weight_decay=0.01, runtime={"mode": "async", "staleness": 5}),
+        "adamw": lambda p, lr: torch.optim.AdamW(p, lr=lr, betas=(0.9, 0.95),
+                                                 weight_decay=0.01),
+        "soap-sync": lambda p, lr: asteria.SOAP(p, lr=lr, runtime={"mode": "sync"}),
+        "soap-async": lambda p, lr: asteria.SOAP(p, lr=lr, runtime=rt),
+        "kl-shampoo-async": lambda p, lr: asteria.KLShampoo(p, lr=lr, runtime=rt),
+        "shampoo-async": lambda p, lr: asteria.Shampoo(p, lr=lr, weight_decay=0.01, runtime=rt),
     }
 
 
-def pct(xs, q):
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
-
-
-def train_one(name, factory, data, cfg, args):
+def train_one(name, factory, lr, data, cfg, batches, args):
     torch.manual_seed(args.seed)
     model = TinyGPT(cfg)
-    opt = factory(model.parameters())
-    gen = torch.Generator().manual_seed(args.seed)
-    losses, times = [], []
+    with common.unpinned(common.allowed_cpus()):  # the pool's threads get every core's mask
+        opt = factory(model.parameters(), lr)
+    lr_at = warmup_cosine(lr, args.steps)
+    losses, times, ends = [], [], []
+    cpu0 = common.cpu_snapshot()
     t_start = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        x, y = data.batch("train", args.batch, gen)
+    for step in range(args.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        x, y = batches[step]
         t0 = time.perf_counter()
-        loss = model(x, y)
         opt.zero_grad(set_to_none=True)
+        loss = model(x, y)
         loss.backward()
         opt.step()
-        times.append(time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        ends.append(t1 - t_start)
         losses.append(loss.item())
-        if step % args.log_every == 0 or step == args.steps:
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             recent = statistics.mean(losses[-args.log_every:])
-            print(f"  [{name:>16}] step {step:4d}/{args.steps}  loss {recent:.4f}  "
-                  f"step {1e3 * times[-1]:7.1f} ms", flush=True)
-    wall = time.perf_counter() - t_start
+            print(f"  [{name:>16}] step {step + 1:4d}/{args.steps}  loss {recent:.4f}  "
+                  f"step {1e3 * times[-1]:7.1f} ms  ({ends[-1]:.0f} s)", flush=True)
+    cpu = common.cpu_delta(cpu0, common.cpu_snapshot())
     model.eval()
     vgen = torch.Generator().manual_seed(1234)
     with torch.no_grad():
         val = statistics.mean(model(*data.batch("val", args.batch, vgen)).item()
                               for _ in range(args.val_batches))
-    stats = opt.asteria_stats() if hasattr(opt, "asteria_stats") else {}
+    stats = common.runtime_stats(opt)
+    tiers = common.tier_bytes(opt, "cpu", stats)
     if hasattr(opt, "close"):
         opt.close()
-    # Loss after N steps: the mean of the last 10 steps, so one noisy batch does not decide.
+    w = min(10, args.steps - 1)
+    ms = [1e3 * t for t in times[w:]]
+    smoothed = [round(x, 5) for x in smooth(losses, WINDOW)]
     return {
-        "optimizer": name,
-        "final_train_loss": statistics.mean(losses[-10:]),
+        "optimizer": name, "lr": lr,
+        "final_train_loss": smoothed[-1],
         "val_loss": val,
-        "step_ms_median": 1e3 * statistics.median(times),
-        "step_ms_p99": 1e3 * pct(times, 0.99),
-        "step_ms_max": 1e3 * max(times),
-        "wall_s": wall,
-        "losses": losses,
-        "step_times_ms": [1e3 * t for t in times],
-        "asteria_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
+        "step_ms_median": statistics.median(ms),
+        "step_ms_p99": common.percentile(ms, 99),
+        "step_ms_max": max(ms),
+        "wall_s": ends[-1],
+        "losses": [round(x, 5) for x in losses],
+        "smoothed": smoothed,
+        "time_s": [round(t, 4) for t in ends],
+        "step_times_ms": [round(1e3 * t, 3) for t in times],
+        "bytes_per_tier": tiers,
+        "cpu": cpu,
+        "asteria_stats": stats,
     }
 
 
-def plot(results, path):
-    import matplotlib
+COLORS = {"adamw": "tab:gray", "soap-async": "tab:blue", "soap-sync": "tab:red",
+          "kl-shampoo-async": "tab:purple", "shampoo-async": "tab:olive"}
+TIER_COLORS = {"device": "tab:blue", "host_pinned": "tab:cyan", "host": "tab:orange",
+               "uvm": "tab:pink", "nvme": "tab:brown"}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+def plot(out, path):
+    plt = common.pyplot()
+    results = out["results"]
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(17, 4.8),
+                                  gridspec_kw={"width_ratios": [1.3, 1.3, 0.8]})
     for r in results:
-        a.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["optimizer"], lw=1)
-        b.plot(range(1, len(r["step_times_ms"]) + 1), r["step_times_ms"], label=r["optimizer"], lw=1)
-    a.set(xlabel="step", ylabel="train loss (nats/char)", title="Loss vs step")
+        col = COLORS.get(r["optimizer"])
+        t = r.get("time_to_adamw_final", {})
+        extra = (f", AdamW's final at {t['time_s']:.0f} s (x{t['time_ratio']:.2f})"
+                 if t.get("time_s") is not None and r["optimizer"] != "adamw" else "")
+        a.plot(r["time_s"], r["smoothed"], color=col, lw=1.3,
+               label=f"{r['optimizer']} (lr {r['lr']:g}){extra}")
+        b.plot(range(1, len(r["step_times_ms"]) + 1), r["step_times_ms"], color=col, lw=0.8,
+               label=r["optimizer"])
+    if "adamw_final_loss" in out:
+        a.axhline(out["adamw_final_loss"], color="k", ls=":", lw=1, label="AdamW's final loss")
+    a.set(xlabel="wall-clock time (s)", ylabel=f"train loss (trailing mean of {WINDOW})",
+          title="Loss vs wall-clock time")
+    a.set_ylim(top=min(3.5, a.get_ylim()[1]))
     b.set(xlabel="step", ylabel="step time (ms)", title="Step time vs step", yscale="log")
-    a.legend()
-    b.legend()
+    xs = range(len(results))
+    bottom = [0.0] * len(results)
+    for tier in common.TIERS:
+        vals = [r["bytes_per_tier"]["tiers"][tier] / 2**20 for r in results]
+        if any(vals):
+            c.bar(xs, vals, bottom=bottom, color=TIER_COLORS[tier], label=tier)
+            bottom = [x + v for x, v in zip(bottom, vals)]
+    c.set_xticks(list(xs), [r["optimizer"] for r in results], rotation=15, fontsize=8)
+    c.set(ylabel="optimizer state (MiB)", title="Optimizer bytes per tier")
+    for ax in (a, b, c):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    m = out["model"]
+    fig.suptitle(f"TinyGPT {m['params'] / 1e6:.2f}M params, {m['tokens_per_step']} tokens/step "
+                 f"({m['tokens_per_step'] // m['widest_layer_dim']}x the widest layer), "
+                 f"{out['args']['steps']} steps, on {out['machine']['cpu_model']} "
+                 f"x{out['machine']['nproc']} (load {out['machine']['loadavg1']} -> "
+                 f"{out['machine']['loadavg1_end']})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_table(out):
+    print(f"\nResults after {out['args']['steps']} steps (loss@N: trailing mean of the last "
+          f"{WINDOW} train losses; reach: first step whose trailing mean <= AdamW's loss@N)")
+    hdr = (f"{'optimizer':<18}{'lr':>7}{'loss@N':>8}{'val':>8}{'reach s':>9}{'x AdamW':>9}"
+           f"{'median ms':>11}{'p99 ms':>9}{'wall s':>8}  {'MiB device/host/nvme':<22}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in out["results"]:
+        t = r["time_to_adamw_final"]
+        tiers = r["bytes_per_tier"]["tiers"]
+        host = tiers["host"] + tiers["host_pinned"] + tiers["uvm"]
+        mib = f"{tiers['device'] / 2**20:.2f}/{host / 2**20:.2f}/{tiers['nvme'] / 2**20:.2f}"
+        print(f"{r['optimizer']:<18}{r['lr']:>7g}{r['final_train_loss']:>8.4f}"
+              f"{r['val_loss']:>8.4f}"
+              f"{'-' if t['time_s'] is None else format(t['time_s'], '.1f'):>9}"
+              f"{'-' if t['time_ratio'] is None else format(t['time_ratio'], '.2f'):>9}"
+              f"{r['step_ms_median']:>11.1f}{r['step_ms_p99']:>9.1f}{r['wall_s']:>8.1f}  {mib}")
+    print(f"(machine load: 1-min average {out['machine']['loadavg1']} at the start, "
+          f"{out['machine']['loadavg1_end']} at the end; other processes' CPU per run: "
+          + ", ".join(f"{r['optimizer']} {r['cpu'].get('foreign_cores_avg', 0):.2f} cores"
+                      for r in out["results"]) + ")")
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=250)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--runs", default=",".join(make_runs()))
+    ap.add_argument("--runs", default=",".join(DEFAULT_RUNS),
+                    help="comma-separated subset of " + ", ".join(LR))
+    ap.add_argument("--lr", action="append", default=[], metavar="NAME=LR",
+                    help="peak lr of one run (repeatable); defaults " + ", ".join(
+                        f"{k} {v:g}" for k, v in LR.items()))
     ap.add_argument("--threads", type=int, default=1, help="torch threads for training")
     ap.add_argument("--val-batches", type=int, default=8)
-    ap.add_argument("--log-every", type=int, default=25)
-    ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
+    ap.add_argument("--log-every", type=int, default=50)
+    ap.add_argument("--out-dir", default=os.path.join(HERE, "out"))
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    runs = make_runs()
+    lrs = dict(LR)
+    for spec in args.lr:
+        k, _, v = spec.partition("=")
+        if k not in LR or not v:
+            ap.error(f"--lr {spec!r}: want NAME=LR with NAME one of {', '.join(LR)}")
+        lrs[k] = float(v)
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
     for n in names:
-        if n not in runs:
-            ap.error(f"unknown run {n!r}; allowed: {', '.join(runs)}")
-    data = CharData()
-    cfg = GPTConfig(vocab=data.vocab)
-    print(f"TinyGPT: {n_params(TinyGPT(cfg)) / 1e6:.2f}M parameters, d={cfg.d}, layers={cfg.layers}, "
-          f"context {cfg.block}, batch {args.batch}, {args.steps} steps, corpus "
-          f"{len(data.train) + len(data.val):,} chars", flush=True)
-    results = []
-    for n in names:
-        print(f"run {n}", flush=True)
-        results.append(train_one(n, runs[n], data, cfg, args))
-
-    hdr = (f"{'optimizer':<18}{'loss@N':>9}{'val':>8}{'median ms':>11}{'p99 ms':>9}"
-           f"{'max ms':>9}{'wall s':>8}")
-    print(f"\nResults after {args.steps} steps (loss@N = mean train loss of the last 10 steps)")
-    print(hdr)
-    print("-" * len(hdr))
+        if n not in LR:
+            ap.error(f"unknown run {n!r}; allowed: {', '.join(LR)}")
+    if "adamw" in names:  # AdamW first: its final loss is the others' target
+        names = ["adamw"] + [n for n in names if n != "adamw"]
+    meta = common.run_metadata("train_tiny", __file__, argv)
+    threads, cpus = torch.get_num_threads(), common.allowed_cpus()
+    torch.set_num_threads(args.threads)
+    train_cpu, worker_cpus = common.split_cores()
+    common.pin_thread(None if train_cpu is None else [train_cpu])
+    try:
+        runs = make_runs(common.cpu_list(worker_cpus) if train_cpu is not None else None)
+        data = CharData(block=args.context)
+        cfg = GPTConfig(vocab=data.vocab, block=args.context, d=args.d, layers=args.layers,
+                        heads=4)
+        gen = torch.Generator().manual_seed(args.seed)
+        batches = [data.batch("train", args.batch, gen) for _ in range(args.steps)]
+        tokens, widest = args.batch * args.context, 4 * args.d
+        model_info = {"params": n_params(TinyGPT(cfg)), "d": args.d, "layers": args.layers,
+                      "context": args.context, "batch": args.batch, "tokens_per_step": tokens,
+                      "widest_layer_dim": widest}
+        print(f"TinyGPT: {model_info['params'] / 1e6:.2f}M parameters, d={args.d}, "
+              f"{args.layers} layers, context {args.context}, batch {args.batch} = {tokens} "
+              f"tokens a step ({tokens / widest:.0f}x the widest layer, {widest}); {args.steps} "
+              f"steps, {SCHEDULE}; training on cpu {train_cpu}, pool on {worker_cpus}; load "
+              f"{common.loadavg()}", flush=True)
+        results = []
+        for n in names:
+            print(f"run {n} (lr {lrs[n]:g})", flush=True)
+            results.append(train_one(n, runs[n], lrs[n], data, cfg, batches, args))
+    finally:
+        torch.set_num_threads(threads)
+        common.pin_thread(cpus)
+    out = {**meta, "args": vars(args), "lrs": {n: lrs[n] for n in names}, "schedule": SCHEDULE,
+           "model": model_info, "pinning": {"training_cpu": train_cpu,
+                                            "worker_cpus": common.cpu_list(worker_cpus)}}
+    out["machine"]["loadavg1_end"] = common.loadavg()
+    adamw = next((r for r in results if r["optimizer"] == "adamw"), None)
+    if adamw is not None:
+        out["adamw_final_loss"] = adamw["final_train_loss"]
     for r in results:
-        print(f"{r['optimizer']:<18}{r['final_train_loss']:>9.4f}{r['val_loss']:>8.4f}"
-              f"{r['step_ms_median']:>11.1f}{r['step_ms_p99']:>9.1f}{r['step_ms_max']:>9.1f}"
-              f"{r['wall_s']:>8.1f}")
+        r["time_to_adamw_final"] = (
+            time_to_target(r, adamw["final_train_loss"], adamw["wall_s"], args.steps) if adamw
+            else {"reached": False, "step": None, "time_s": None, "time_ratio": None})
+    out["results"] = results
+    print_table(out)
     os.makedirs(args.out_dir, exist_ok=True)
     png = os.path.join(args.out_dir, "train_tiny.png")
-    plot(results, png)
-    meta = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-            "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                        "cpus": os.cpu_count()},
-            "versions": {"torch": torch.__version__, "asteria": asteria.__version__,
-                         "python": platform.python_version()},
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "results": results}
-    with open(os.path.join(args.out_dir, "train_tiny.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-    print(f"\nwrote {png} and train_tiny.json")
+    try:
+        plot(out, png)
+        print(f"\nwrote {png}")
+    except ImportError as e:
+        print(f"\nno plot: {e}")
+    common.write_json(out, "train_tiny.json", args.out_dir)
+    print(f"wrote {os.path.join(args.out_dir, 'train_tiny.json')}")
+    return out
 
 
 if __name__ == "__main__":

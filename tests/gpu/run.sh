@@ -11,8 +11,13 @@
 #      cannot (no scikit-build-core offline), a CMake dev build of asteria._C instead.
 #   3. GPU present? If not: print "no GPU" and exit 77 (skip), after the build.
 #   4. ctest -L gpu (the CUDA C tests).
-#   5. benchmarks/gpu_bench.py: ~3 minutes, sync SOAP vs Asteria SOAP (S=5) vs AdamW on a ~150M
-#      GPT; JSON to $OUT/gpu_bench.json (or benchmarks/results/ when OUT is unset).
+#   5. benchmarks/gpu_bench.py: ~2 minutes, sync SOAP vs Asteria SOAP (S=5) vs AdamW on a ~150M
+#      GPT (step time, memory); JSON to $OUT/gpu_bench.json (or benchmarks/results/ when OUT is
+#      unset).
+#   6. benchmarks/gpu_bench.py --convergence: ~3 minutes, the users'-regime comparison of
+#      bench_convergence.py on the same ~150M GPT: 128 x 512 = 65,536 tokens a step (16x the
+#      MLP's 4096), warm-up + cosine, AdamW first, then Asteria SOAP async and native sync SOAP
+#      each until AdamW's final loss; the time ratio to AdamW's. JSON: gpu_convergence.json.
 # Everything runs under one global timeout (ASTERIA_GPU_TOTAL_S, default 470 s < 8 min); each
 # step has its own, and the benchmark gets what is left. Logs go to $OUT/gpu_logs (or
 # build/gpu-logs); a summary of every step to $OUT/gpu_check.json (or build/gpu-logs/).
@@ -264,21 +269,27 @@ else
   note ctest-gpu skipped "not built"
 fi
 
-# ---- 5. benchmark ------------------------------------------------------------------------------
-BENCH_TOTAL=$(($(left) - 45))
+# ---- 5. step-time benchmark --------------------------------------------------------------------
+# What is left (less 45 s for the summary and teardown) is shared: the convergence stage (6)
+# gets 60%, at most 200 s; the step-time benchmark the rest, at most 210 s.
+AVAIL=$(($(left) - 45))
+CONV_SHARE=$((AVAIL * 6 / 10))
+[ "$CONV_SHARE" -gt 200 ] && CONV_SHARE=200
+BENCH_TOTAL=$((AVAIL - CONV_SHARE))
 [ "$BENCH_TOTAL" -gt 210 ] && BENCH_TOTAL=210
+BENCH_ARGS_COMMON=()
+if [ -z "$PYPATH" ]; then
+  # no Asteria of this checkout: never let a stale installed one stand in for it
+  say "Asteria not built: the benchmarks run AdamW only (torch-only part)"
+  BENCH_ARGS_COMMON+=(--runs adamw)
+fi
 if [ "$BENCH_TOTAL" -lt 60 ]; then
   say "skipped: GPU benchmark ($(left)s left of the global ${TOTAL_S}s)"
   note gpu-bench skipped "out of time"
   FAILED=1
 else
   say "GPU benchmark: ${BENCH_TOTAL}s budget (progress below)"
-  BENCH_ARGS=(--total-budget-s "$BENCH_TOTAL" --out "$RESULTS/gpu_bench.json")
-  if [ -z "$PYPATH" ]; then
-    # no Asteria of this checkout: never let a stale installed one stand in for it
-    say "Asteria not built: the benchmark runs AdamW only (torch-only part)"
-    BENCH_ARGS+=(--runs adamw)
-  fi
+  BENCH_ARGS=(--total-budget-s "$BENCH_TOTAL" --out "$RESULTS/gpu_bench.json" "${BENCH_ARGS_COMMON[@]}")
   timeout -k 5 $((BENCH_TOTAL + 30)) "$PY" "$ROOT/benchmarks/gpu_bench.py" "${BENCH_ARGS[@]}" 2>&1 \
     | tee "$LOGS/gpu-bench.log"
   rc=${PIPESTATUS[0]}
@@ -287,6 +298,29 @@ else
   else
     say "GPU benchmark: FAILED (exit $rc)"
     note gpu-bench failed "exit $rc"
+    FAILED=1
+  fi
+fi
+
+# ---- 6. convergence in the users' regime ---------------------------------------------------------
+CONV_TOTAL=$(($(left) - 40))
+[ "$CONV_TOTAL" -gt 200 ] && CONV_TOTAL=200
+if [ "$CONV_TOTAL" -lt 90 ]; then
+  say "skipped: GPU convergence comparison ($(left)s left of the global ${TOTAL_S}s)"
+  note gpu-convergence skipped "out of time"
+  FAILED=1
+else
+  say "GPU convergence comparison (users' regime, 65,536 tokens a step): ${CONV_TOTAL}s budget"
+  CONV_ARGS=(--convergence --total-budget-s "$CONV_TOTAL" --out "$RESULTS/gpu_convergence.json"
+             "${BENCH_ARGS_COMMON[@]}")
+  timeout -k 5 $((CONV_TOTAL + 30)) "$PY" "$ROOT/benchmarks/gpu_bench.py" "${CONV_ARGS[@]}" 2>&1 \
+    | tee "$LOGS/gpu-convergence.log"
+  rc=${PIPESTATUS[0]}
+  if [ "$rc" -eq 0 ]; then
+    note gpu-convergence ok "$RESULTS/gpu_convergence.json"
+  else
+    say "GPU convergence comparison: FAILED (exit $rc)"
+    note gpu-convergence failed "exit $rc"
     FAILED=1
   fi
 fi

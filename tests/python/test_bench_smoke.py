@@ -1,12 +1,13 @@
-"""Smoke tests of benchmarks/bench_step_time.py and benchmarks/bench_core_contention.py: a --quick
-run into tmp_path writes a result file with the metadata and sane statistics. They run in this
-process through main(argv) (no second torch import), which restores the thread count and CPU
-affinity."""
+"""Smoke tests of benchmarks/bench_step_time.py, bench_core_contention.py, bench_convergence.py,
+bench_staleness.py and examples/train_tiny.py (the main job): a --quick (or tiny) run into tmp_path
+writes a result file with the metadata and sane statistics. They run in this process through
+main(argv) (no second torch import), which restores the thread count and CPU affinity."""
 
 import importlib.util
 import json
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ def load_bench(name="bench_step_time"):
     script = os.path.join(ROOT, "benchmarks", f"{name}.py")
     spec = importlib.util.spec_from_file_location(name, script)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
@@ -106,3 +108,101 @@ def test_bench_core_contention_quick(tmp_path):
     # slowdowns are relative to the idle phases' median: theirs is 1 by construction
     assert s["idle"]["median_slowdown"] == pytest.approx(1.0)
     assert s["busy"]["median_slowdown"] > 0 and s["worker_jobs_per_s"] > 0
+
+
+def _restores(fn):
+    """Run fn(); assert it left this process's torch thread count and CPU affinity as found."""
+    threads = torch.get_num_threads()
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    out = fn()
+    assert torch.get_num_threads() == threads
+    if cpus is not None:
+        assert os.sched_getaffinity(0) == cpus
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_bench_convergence_quick(tmp_path):
+    bc = load_bench("bench_convergence")
+    _restores(lambda: bc.main(
+        ["--quick", "--no-plot", "--out-dir", str(tmp_path), "--runs",
+         "adamw,asteria-soap-async,asteria-soap-sync", "--bound-runs", "adamw,asteria-soap-async",
+         "--bound-seeds", "0", "--lrs", "adamw=3e-3,6e-3", "--gemm-reps", "2"]))
+    data = json.loads((tmp_path / "bench_convergence.json").read_text())
+    assert "--quick" in data["command"] and data["versions"]["asteria"]
+    assert set(data["setting_results"]) == {"users", "optimizer-bound"}
+    users = data["setting_results"]["users"]
+    assert users["seeds"] == [0, 1]
+    # seed 0 sweeps every lr of each grid (the whole sweep kept), seed 1 runs the tuned one
+    assert [e["lr"] for e in users["sweep"]["adamw"] if e["seed"] == 0] == [3e-3, 6e-3]
+    assert len([e for e in users["sweep"]["asteria-soap-sync"] if e["seed"] == 0]) == 3
+    for name, lr in users["tuned_lr"].items():
+        assert lr in users["grids"][name]
+    best = min((e for e in users["sweep"]["adamw"] if e["seed"] == 0),
+               key=lambda e: e["final_smoothed"])
+    assert users["tuned_lr"]["adamw"] == best["lr"]
+    for seed, t in users["time_to_adamw_final"].items():
+        assert t["adamw_steps"] == data["settings"]["steps"] and t["adamw_wall_s"] > 0
+        for name, r in t["runs"].items():
+            if r["reached"]:  # a run stops at the target: the reach step is its last
+                run = next(x for x in users["runs"]
+                           if x["optimizer"] == name and x["seed"] == int(seed))
+                assert r["step"] == run["steps_run"] and run["smoothed"][-1] <= t["target"]
+                assert r["time_ratio"] == pytest.approx(r["time_s"] / t["adamw_wall_s"])
+    for r in users["runs"]:
+        assert len(r["losses"]) == len(r["time_s"]) == len(r["step_kinds"]) == r["steps_run"]
+        if r["optimizer"].startswith("asteria"):
+            # f=4 in --quick: refreshes after the first step's (sync: installed at once)
+            assert any(k.startswith("refresh") for k in r["step_kinds"][1:]), r["step_kinds"]
+    assert data["setting_results"]["optimizer-bound"]["seeds"] == [0]
+    lim = data["step_limit"]
+    assert lim["added_flops_per_step"] > 0 and lim["gemm_gflops_peak"] > 0
+    assert lim["limit_ms_at_peak_rate"] > lim["adamw_step_median_ms"] > 0
+    assert lim["nonrefresh_mean_over_sync_median"] > 0
+    assert set(data["targets"]) >= {"soap_async_time_ratio", "step_over_limit",
+                                    "nonrefresh_mean_over_sync_median"}
+    assert data["why_settings_differ"]
+
+
+@pytest.mark.timeout(120)
+def test_bench_staleness_quick(tmp_path):
+    bs = load_bench("bench_staleness")
+    _restores(lambda: bs.main(["--quick", "--no-plot", "--out-dir", str(tmp_path),
+                               "--staleness", "0,2", "--frequency", "4"]))
+    data = json.loads((tmp_path / "bench_staleness.json").read_text())
+    assert "--quick" in data["command"]
+    labels = [r["label"] for r in data["results"]]
+    assert labels == ["sync", "det S=0", "det S=2", "eag S=0", "eag S=2"]
+    sync = data["results"][0]
+    assert sync["train_minus_sync"] == 0 and sync["val_minus_sync"] == 0
+    for r in data["results"]:
+        assert r["steps_run"] == data["settings"]["steps"]
+        assert math.isfinite(r["final_train_loss"]) and math.isfinite(r["val_loss"])
+        assert 0 < r["step_mean_ms"] <= r["step_p99_ms"]
+        assert r["barrier_waits"] >= 0 and r["barrier_wait_ms"] >= 0
+        assert sum(r["steps_by_kind"].values()) == r["steps_run"] - data["settings"]["warmup"]
+    # the target is about S=5, which this run left out
+    assert set(data["targets"]) == {"abs_train_diff_S5_deterministic", "abs_train_diff_S5_eager"}
+    assert all(t["value"] is None and t["met"] is None for t in data["targets"].values())
+
+
+@pytest.mark.timeout(120)
+def test_train_tiny_small(tmp_path):
+    import importlib.util as iu
+
+    spec = iu.spec_from_file_location("train_tiny", os.path.join(ROOT, "examples",
+                                                                 "train_tiny.py"))
+    tt = iu.module_from_spec(spec)
+    spec.loader.exec_module(tt)
+    out = _restores(lambda: tt.main(["--steps", "12", "--d", "32", "--context", "32",
+                                     "--batch", "4", "--val-batches", "1", "--log-every", "6",
+                                     "--out-dir", str(tmp_path)]))
+    assert (tmp_path / "train_tiny.png").exists()
+    data = json.loads((tmp_path / "train_tiny.json").read_text())
+    assert [r["optimizer"] for r in data["results"]] == ["adamw", "soap-async", "soap-sync"]
+    assert data["adamw_final_loss"] == out["results"][0]["final_train_loss"]
+    for r in data["results"]:
+        assert len(r["losses"]) == len(r["step_times_ms"]) == 12
+        tiers = r["bytes_per_tier"]
+        assert tiers["total"] == sum(tiers["tiers"].values()) > 0
+    assert data["results"][0]["time_to_adamw_final"]["step"] == 12
