@@ -7,11 +7,11 @@
  * Record file <dir>/ast-<store id>-<block id>.rec (ids as 16 hex digits), little-endian:
  *
  *   offset 0   header, 64 bytes
- *      0 u32 magic "ASTR"        4 u16 format version (1)     6 u16 header size (64)
+ *      0 u32 magic "ASTR"        4 u16 format version (2)     6 u16 header size (64)
  *      8 u64 store id           16 u64 block id              24 u64 generation
- *     32 u64 payload length     40 u8[20] zero                60 u32 crc32 of bytes 0..59
+ *     32 u64 payload length     40 u8[20] zero                60 u32 crc32c of bytes 0..59
  *   offset 64  payload
- *   then       trailer, 8 bytes: u32 crc32 of header + payload, u32 magic "RTSA"
+ *   then       trailer, 8 bytes: u32 crc32c of header + payload, u32 magic "RTSA"
  *   then       zeros up to a multiple of AST__NVME_ALIGN (the file's size)
  *
  * The header's own CRC separates "damaged" from "someone else's": a header that fails it is
@@ -57,8 +57,11 @@
 #define AST__NVME_ALIGN 4096u   /* logical block size: offsets, lengths, buffers, file sizes */
 #define AST__NVME_HEADER 64u
 #define AST__NVME_TRAILER 8u
-#define AST__NVME_VERSION 1u
+#define AST__NVME_VERSION 2u
 #define AST__NVME_MAX_DEPTH 1024u
+/* Host blocks of at least this many bytes are allocated framed (ast__nvme_io.framed): the cost
+ * is at most one 4 KiB page and a header per block (6% at this size, less above). */
+#define AST__NVME_FRAME_MIN (64u << 10)
 
 typedef struct ast__nvme ast__nvme;
 
@@ -109,8 +112,16 @@ typedef struct ast__nvme_io {
     void *data;     /* write: the payload (NULL: zeros); read: where the verified payload goes */
     size_t len;     /* payload bytes */
     int on_device;  /* data is device memory: staged with ast__cuda_memcpy instead of memcpy */
+    int framed;     /* data sits in a frame (AST__NVME_FRAME_MIN): data - AST__NVME_HEADER is
+                       4096-aligned and ast__nvme_record_bytes(len) bytes are the engine's to
+                       use, so the record goes straight between the frame and the file: the
+                       engine writes header, trailer and padding around the payload (a write)
+                       or reads the whole record into it (a read), no staging copy */
     int result;     /* out: 0 or AST_E* for this record */
     uint64_t owner; /* read: store id that wrote the record (0: this engine's); write: ignored */
+    int in_place;   /* write: the block's named record of this engine's store id may exist
+                       and no other process holds it: rewrite that file in place (no tmp, no
+                       rename, no new inode); where it is missing, write a new record */
     int fd;         /* read: an open descriptor of the record, left open (-1: open it by path);
                        write, out: the new record's descriptor when the engine was adopted
                        (the record has no name), else -1 */
