@@ -7,14 +7,25 @@
  *
  * Locking: none; one thread at a time per engine (store.c holds its mutex around every call).
  *
- * A batch runs in rounds. A round hands each staging slot to the next chunk of the batch in
- * record order (starting a record opens its file, so at most one round's worth of files is
- * open), prepares one SQE per chunk, submits them with one io_uring_submit_and_wait, reaps every
- * CQE (resubmitting remainders of short transfers and -EAGAIN/-EINTR), then, with the ring idle,
- * post-processes the round's reads in stream order (header check, running CRC, payload copy-out)
- * and finalises the records whose I/O is complete (rename, or verify). Because every round
- * drains, a slot's data is never touched while the kernel owns it, and a read's CRC can be
- * accumulated in file order without crc32_combine.
+ * A batch runs in two alternating groups of slots (half the depth each, at most half the
+ * arena's bytes each). Filling a group hands its slots to the next chunks of the batch in record
+ * order (starting a record opens its file), stages the writes' chunks into the slots, prepares
+ * one SQE per chunk and submits them without waiting. Then the OLDER group is finished: its CQEs
+ * are reaped (remainders of short transfers and -EAGAIN/-EINTR resubmitted in the same slot),
+ * its reads post-processed in stream order (header check, running CRC, payload copy-out) and
+ * the records whose ops are all done and post-processed finalised (rename, or verify); then it
+ * is filled again. So this thread's copies and CRCs run while the kernel works on the other
+ * group, a slot is never touched while the kernel owns it, and since groups finish in the order
+ * they were filled, a read's CRC is accumulated in file order without a CRC combine.
+ *
+ * Framed records (nvme.h, ast__nvme_io.framed: host blocks of 64 KiB and more) use no slot
+ * memory: the kernel reads the whole record straight into the block's frame, or writes it from
+ * there once header, CRC, trailer and padding are laid around the payload; the read's header
+ * and CRC are checked over the frame when its last op is done. One pass over the payload (the
+ * CRC) is the only CPU work left per byte.
+ *
+ * Checksums are CRC-32C: SSE4.2's crc32 instruction in three lanes (about 3 GB/s here under
+ * load, where zlib's crc32, the format-1 checksum, ran at 1 GB/s: slower than the disk).
  *
  * Fork (nvme.h): the ring is set up by ring_setup() in the process that uses it; run_batch()
  * compares getpid() with the ring's owner pid first and, in a forked child, replaces the

@@ -37,6 +37,11 @@
  * Lock order: registry_mtx, then store mutexes in registry order; only prepare holds more
  * than one. Nobody takes registry_mtx while holding a store mutex.
  *
+ * Record files: a block's record file stays after the block is read back (blk.named), stale,
+ * and is rewritten in place by its next move to NVME (blk.shared excepted: after a fork the
+ * child may still read that inode, so the parent writes a new file and renames it over);
+ * free and close remove it.
+ *
  * Accounting: bytes[] counts block payload bytes (an NVMe record's header and padding are not
  * counted; nvme_bytes_written/read count everything the kernel transferred).
  * nvme_budget_bytes caps bytes[AST_TIER_NVME].
