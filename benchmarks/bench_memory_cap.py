@@ -13,9 +13,11 @@ read / written) and the planner's decisions:
                  under --dir-parent): the eigenbases past the budget live on the NVMe tier
 Part 2, the cap: a memory cgroup (benchmarks/memcap.py: cgroup v1 or v2, no swap) capped at
 --cap-bytes, or by default halfway between asteria-nvme's and soap-native's cgroup peaks as
-measured uncapped (part 1 runs each configuration in a group capped at the machine's memory, so
-its group peak is known: anonymous memory and the page cache it brought in; ru_maxrss also
-counts the shared libraries' pages other processes had loaded, which no cap of ours governs); soap-native then asteria-nvme run inside it. The JSON records whether the
+measured uncapped: their ANONYMOUS peaks (part 1 runs each configuration in a group capped at
+the machine's memory and samples the group's anonymous memory every 20 ms; the group's own peak
+also counts page cache, which a cap reclaims, and ru_maxrss the shared libraries' pages). Where
+asteria-nvme's anonymous peak is not below native's no cap can separate them, and part 2 says
+so instead of running; soap-native then asteria-nvme run inside it. The JSON records whether the
 kernel's OOM killer ended each, the group's peak, the step times against the uncapped run, and
 whether the capped asteria-nvme run's final parameters are bitwise equal to the uncapped one's.
 
@@ -151,14 +153,16 @@ def run_uncapped(spec: dict, timeout: float) -> dict:
         r = memcap.run_capped(child_cmd(spec), os.sysconf("SC_PHYS_PAGES") *
                               os.sysconf("SC_PAGE_SIZE"), timeout, env=child_env())
         rc, out, err, peak = r["returncode"], r["stdout"], r["stderr"], r["cgroup_peak_bytes"]
+        anon = r["anon_peak_bytes"]
     else:
         p = subprocess.run(child_cmd(spec), capture_output=True, text=True, env=child_env(),
                            timeout=timeout)
-        rc, out, err, peak = p.returncode, p.stdout, p.stderr, None
+        rc, out, err, peak, anon = p.returncode, p.stdout, p.stderr, None, None
     res = parse_result(out)
     if rc != 0 or res is None:
         raise RuntimeError(f"{spec['config']} failed (rc {rc}): {err[-2000:]}")
     res["cgroup_peak_bytes"] = peak
+    res["anon_peak_bytes"] = anon
     return res
 
 
@@ -178,23 +182,37 @@ def run(args, argv) -> dict[str, Any]:
     results: dict[str, Any] = {}
     capped: dict[str, Any] = {}
     try:
+        specs = {}
         for cfg in CONFIGS:
             nvme = os.path.join(work, f"nvme-{cfg}")
             os.makedirs(nvme, exist_ok=True)
             out = os.path.join(work, f"{cfg}-uncapped.pt") if cfg == "asteria-nvme" else None
-            r = run_uncapped(spec_for(args, cfg, nvme, out), args.timeout)
-            results[cfg] = r
-            log(f"{cfg:14s} ru_maxrss {r['ru_maxrss_bytes'] / MiB:8.1f} MiB, cgroup peak "
-                f"{(r['cgroup_peak_bytes'] or 0) / MiB:8.1f} MiB, median step "
-                f"{sorted(r['step_s'])[len(r['step_s']) // 2]:.3f} s")
+            specs[cfg] = spec_for(args, cfg, nvme, out)
+        # Each configuration is its own process (and group), so peaks do not mix; --parallel
+        # runs them side by side (their step times then share the cores).
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(max_workers=len(CONFIGS) if args.parallel else 1) as ex:
+            futs = {cfg: ex.submit(run_uncapped, specs[cfg], args.timeout) for cfg in CONFIGS}
+            for cfg in CONFIGS:
+                r = results[cfg] = futs[cfg].result()
+                log(f"{cfg:14s} ru_maxrss {r['ru_maxrss_bytes'] / MiB:8.1f} MiB, cgroup peak "
+                    f"{(r['cgroup_peak_bytes'] or 0) / MiB:8.1f} MiB, anon peak "
+                    f"{(r['anon_peak_bytes'] or 0) / MiB:8.1f} MiB, median step "
+                    f"{sorted(r['step_s'])[len(r['step_s']) // 2]:.3f} s")
         kind, why = memcap.available()
         native, nv = results["soap-native"], results["asteria-nvme"]
         if kind is None:
             capped = {"skipped": why}
             log(f"no capped run: {why}")
+        elif not args.cap_bytes and nv["anon_peak_bytes"] >= native["anon_peak_bytes"]:
+            capped = {"skipped": f"no cap separates them: asteria-nvme's anonymous peak "
+                                 f"({nv['anon_peak_bytes'] / MiB:.0f} MiB) is not below native "
+                                 f"SOAP's ({native['anon_peak_bytes'] / MiB:.0f} MiB)"}
+            log(capped["skipped"])
         else:
-            cap = args.cap_bytes or int((native["cgroup_peak_bytes"] +
-                                         nv["cgroup_peak_bytes"]) / 2)
+            # Under a cap the group's page cache is reclaimed: the anonymous peaks are the need.
+            cap = args.cap_bytes or int((native["anon_peak_bytes"] +
+                                         nv["anon_peak_bytes"]) / 2)
             capped = {"cgroup": kind, "cap_bytes": cap, "runs": {}}
             for cfg in ("soap-native", "asteria-nvme"):
                 nvme = os.path.join(work, f"nvme-capped-{cfg}")
@@ -204,7 +222,8 @@ def run(args, argv) -> dict[str, Any]:
                 r = memcap.run_capped(child_cmd(spec), cap, args.timeout, env=child_env())
                 res = parse_result(r["stdout"])
                 entry = {k: r[k] for k in ("returncode", "killed_by_oom", "oom_kill_count",
-                                           "limit_hits", "cgroup_peak_bytes", "wall_s")}
+                                           "limit_hits", "cgroup_peak_bytes", "anon_peak_bytes",
+                                           "wall_s")}
                 entry["completed"] = res is not None and r["returncode"] == 0
                 entry["stderr_tail"] = r["stderr"][-600:]
                 if res is not None:
@@ -236,12 +255,20 @@ def targets(results: dict, eig_bytes: int) -> dict:
     native = results["soap-native"]["ru_maxrss_bytes"]
     nvme = results["asteria-nvme"]["ru_maxrss_bytes"]
     host = results["asteria-host"]
+    anon = {c: r.get("anon_peak_bytes") for c, r in results.items()}
     mp = host.get("memory_plan") or {}
     inflight = mp.get("inflight_bytes")
     out = {"nvme_peak_minus_native_bytes": nvme - native,
            "nvme_target_bytes": native - int(0.8 * eig_bytes),
            "nvme_target_met": nvme <= native - 0.8 * eig_bytes,
-           "host_peak_minus_native_bytes": host["ru_maxrss_bytes"] - native}
+           "host_peak_minus_native_bytes": host["ru_maxrss_bytes"] - native,
+           "anon_peak_bytes": anon,
+           "planned_peak_total_bytes": {c: (r.get("memory_plan") or {}).get("peak_total")
+                                        for c, r in results.items()}}
+    if anon.get("soap-native") and anon.get("asteria-nvme"):
+        out["anon_nvme_minus_native_bytes"] = anon["asteria-nvme"] - anon["soap-native"]
+        out["anon_nvme_target_met"] = (anon["asteria-nvme"]
+                                       <= anon["soap-native"] - 0.8 * eig_bytes)
     if inflight is not None:
         out["host_target_bytes"] = native + inflight
         out["host_target_met"] = host["ru_maxrss_bytes"] <= native + inflight
@@ -282,14 +309,18 @@ def plot(data: dict, path: str) -> None:
 
 
 def print_table(data: dict) -> None:
-    print(f"{'config':16s}{'ru_maxrss MiB':>15s}{'cgroup MiB':>12s}{'median step s':>15s}"
+    print(f"{'config':16s}{'ru_maxrss MiB':>15s}{'cgroup MiB':>12s}{'anon MiB':>10s}"
+          f"{'plan MiB':>10s}{'median step s':>15s}"
           f"{'host MiB':>10s}"
           f"{'nvme MiB':>10s}{'nvme rd MiB':>12s}{'nvme wr MiB':>12s}")
     for c, r in data["uncapped"].items():
         st = r.get("stats", {})
         steps = sorted(r["step_s"])
         print(f"{c:16s}{r['ru_maxrss_bytes'] / MiB:15.1f}"
-              f"{(r.get('cgroup_peak_bytes') or 0) / MiB:12.1f}{steps[len(steps) // 2]:15.3f}"
+              f"{(r.get('cgroup_peak_bytes') or 0) / MiB:12.1f}"
+              f"{(r.get('anon_peak_bytes') or 0) / MiB:10.1f}"
+              f"{((r.get('memory_plan') or {}).get('peak_total') or 0) / MiB:10.1f}"
+              f"{steps[len(steps) // 2]:15.3f}"
               f"{st.get('bytes_host', 0) / MiB:10.1f}{st.get('bytes_nvme', 0) / MiB:10.1f}"
               f"{st.get('bytes_nvme_read', 0) / MiB:12.1f}"
               f"{st.get('bytes_nvme_written', 0) / MiB:12.1f}")
@@ -315,6 +346,8 @@ def parse_args(argv: Optional[Sequence[str]]):
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--dir-parent", default=None,
                     help="where nvme_dir goes (default benchmarks/results/tmp)")
+    ap.add_argument("--parallel", action="store_true",
+                    help="part 1's configurations side by side (peaks unaffected, times shared)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--no-plot", action="store_true")
