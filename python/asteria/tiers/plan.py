@@ -58,6 +58,7 @@ RING_DEFAULT = 64 << 20
 RING_FRACTION = 8                            # default ring: 1/8 of the staged bytes (>= ring_min)
 SNAPSHOT_RING_DEFAULT = 64 << 20
 SNAPSHOT_RING_MIN = 64 << 10
+PREPARE_CHUNK = 16 << 20                     # NVMe bytes residency.prepare reads back at a time
 
 
 def align(n: int) -> int:
@@ -343,8 +344,6 @@ def _peaks(entries: Sequence[StateEntry], block_tier: dict, planned: dict, snap:
     round per block), SOAP's re-expressed moments while the rotation runs, and for NVMe-homed
     blocks the step's host cache of them, one prepare chunk of read-back memory and their
     installed values until they are written out."""
-    from asteria.tiers.residency import PREPARE_CHUNK
-
     tiered = [e for e in entries if e.kind in TIERED_KINDS]
     nvme = sum(e.nbytes for e in tiered if block_tier.get(e.key) == "nvme")
     results = sum(e.nbytes for e in tiered)

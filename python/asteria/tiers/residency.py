@@ -45,12 +45,9 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from asteria import _C
-from asteria.tiers.plan import Plan, align
+from asteria.tiers.plan import PREPARE_CHUNK, Plan, align
 
 log = logging.getLogger("asteria")
-
-PREPARE_CHUNK = 16 << 20  # bytes of NVMe blocks read back at a time by prepare()
-
 
 def _chunks(blks: list, limit: int) -> list:
     """blks in order, cut into runs of at most ``limit`` bytes (a larger block alone)."""
