@@ -241,6 +241,9 @@ def measure_size(block: int, args, store, dirpath: str, log: common.Progress) ->
         out[key] = med(key)
     out["ratio_write_store_direct"] = ratio("store_write_MBps", "direct_write_MBps")
     out["ratio_read_store_direct"] = ratio("store_read_MBps", "direct_read_MBps")
+    for side in ("write", "read"):  # the spread of the per-round ratios (the disk is erratic)
+        rs = [x[f"store_{side}_MBps"] / x[f"direct_{side}_MBps"] for x in rounds]
+        out[f"ratio_{side}_min_max"] = [min(rs), max(rs)]
     log(f"block {block >> 10:>6} KiB x {nblocks:<5} write MB/s store {out['store_write_MBps']:8.1f} "
         f"direct {out['direct_write_MBps']:8.1f} (x{out['ratio_write_store_direct']:.2f})  "
         f"read MB/s store {out['store_read_MBps']:8.1f} direct {out['direct_read_MBps']:8.1f} "
@@ -356,7 +359,7 @@ def parse_args(argv: Optional[Sequence[str]]):
                          "--quick 64k,1m)")
     ap.add_argument("--total", default=None,
                     help="bytes of state per block size (default 256m; --quick 8m)")
-    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (3; --quick 1)")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (9; --quick 1)")
     ap.add_argument("--queue-depth", type=int, default=0, help="store queue depth (0: its default)")
     ap.add_argument("--dir-parent", default=os.path.join(common.RESULTS_DIR, "tmp"),
                     help="where the temporary nvme_dir is made (default benchmarks/results/tmp, "
@@ -368,7 +371,7 @@ def parse_args(argv: Optional[Sequence[str]]):
     args = ap.parse_args(argv)
     q = args.quick
     for k, v in dict(block_sizes="64k,1m" if q else "64k,1m,4m", total="8m" if q else "256m",
-                     rounds=1 if q else 3,
+                     rounds=1 if q else 9,
                      out_dir=os.path.join(common.RESULTS_DIR, "tmp") if q
                      else common.RESULTS_DIR).items():
         if getattr(args, k) is None:
