@@ -4,14 +4,15 @@
  * Owns: one directory's record files of one store, the io_uring ring, and a staging arena of
  * aligned buffers registered with the ring. Knows nothing of tiers or accounting (store.c does).
  *
- * Record file <dir>/ast-<store id>-<block id>.rec (ids as 16 hex digits), little-endian:
+ * Record file <dir>/ast-<store id>-<block id>.rec (ids as 16 hex digits), little-endian (format
+ * 2: format 1 had zlib's crc32 where format 2 has CRC-32C; a format-1 record is refused):
  *
  *   offset 0   header, 64 bytes
- *      0 u32 magic "ASTR"        4 u16 format version (1)     6 u16 header size (64)
+ *      0 u32 magic "ASTR"        4 u16 format version (2)     6 u16 header size (64)
  *      8 u64 store id           16 u64 block id              24 u64 generation
- *     32 u64 payload length     40 u8[20] zero                60 u32 crc32 of bytes 0..59
+ *     32 u64 payload length     40 u8[20] zero                60 u32 crc32c of bytes 0..59
  *   offset 64  payload
- *   then       trailer, 8 bytes: u32 crc32 of header + payload, u32 magic "RTSA"
+ *   then       trailer, 8 bytes: u32 crc32c of header + payload, u32 magic "RTSA"
  *   then       zeros up to a multiple of AST__NVME_ALIGN (the file's size)
  *
  * The header's own CRC separates "damaged" from "someone else's": a header that fails it is
@@ -19,19 +20,24 @@
  * shorter or longer than the record it should hold is AST_ECORRUPT; a payload that fails the
  * record CRC is AST_ECORRUPT.
  *
- * Writes go to <name>.tmp and are renamed over the record name only once every byte is written
- * (and, buffered, fdatasync'ed), so a failed write never leaves a partial record under the real
- * name. Durability policy: records are scratch state of one process's store (the store id is
+ * A new record is written to <name>.tmp and renamed over the record name only once every byte
+ * is written (and, buffered, fdatasync'ed), so a failed write never leaves a partial record under
+ * the real name. A record that already exists under the name (the store keeps a block's record
+ * after reading it back, stale) is rewritten in place (ast__nvme_io.in_place): no tmp file, no
+ * rename, no new inode (on this machine's ext4 with discard, unlinking a just-written record
+ * cost 2 ms and creating one 0.2 ms); a failed in-place write leaves a damaged record whose
+ * block is not on NVMe, which the generation and CRC checks would refuse anyway. Durability
+ * policy: records are scratch state of one process's store (the store id is
  * random per open, and close removes the files), so nothing is fsync'ed for crash safety. With
  * O_DIRECT the write completions already report device errors; in buffered fallback every record
  * is fdatasync'ed before the rename so that ENOSPC/EIO from writeback surface while the block's
  * previous copy still exists. Space is reserved with fallocate() first, so ENOSPC usually comes
  * before any data moves; a write completion's ENOSPC is handled the same way.
  *
- * Batches: ast__nvme_write/read prepare one SQE per staging slot for as many chunks of the
- * batch as fit (a record is staged in slot-sized chunks, so records larger than a slot and
- * batches larger than the arena take several rounds), submit once, reap every CQE, and repeat.
- * Short transfers and -EAGAIN/-EINTR are resubmitted for the remainder.
+ * Batches: ast__nvme_write/read stage records in slot-sized chunks (framed records go straight
+ * from / to their frame in chunks of up to 1 MiB) through two alternating groups of SQEs, so
+ * that the CPU work on one group overlaps the kernel's on the other (nvme.c). Short transfers
+ * and -EAGAIN/-EINTR are resubmitted for the remainder.
  *
  * Fork: the io_uring ring belongs to the process that set it up. A batch run in another process
  * (a forked child: getpid() differs from the ring's owner) first leaves the inherited ring alone
@@ -57,8 +63,11 @@
 #define AST__NVME_ALIGN 4096u   /* logical block size: offsets, lengths, buffers, file sizes */
 #define AST__NVME_HEADER 64u
 #define AST__NVME_TRAILER 8u
-#define AST__NVME_VERSION 1u
+#define AST__NVME_VERSION 2u
 #define AST__NVME_MAX_DEPTH 1024u
+/* Host blocks of at least this many bytes are allocated framed (ast__nvme_io.framed): the cost
+ * is at most one 4 KiB page and a header per block (6% at this size, less above). */
+#define AST__NVME_FRAME_MIN (64u << 10)
 
 typedef struct ast__nvme ast__nvme;
 
@@ -109,8 +118,16 @@ typedef struct ast__nvme_io {
     void *data;     /* write: the payload (NULL: zeros); read: where the verified payload goes */
     size_t len;     /* payload bytes */
     int on_device;  /* data is device memory: staged with ast__cuda_memcpy instead of memcpy */
+    int framed;     /* data sits in a frame (AST__NVME_FRAME_MIN): data - AST__NVME_HEADER is
+                       4096-aligned and ast__nvme_record_bytes(len) bytes are the engine's to
+                       use, so the record goes straight between the frame and the file: the
+                       engine writes header, trailer and padding around the payload (a write)
+                       or reads the whole record into it (a read), no staging copy */
     int result;     /* out: 0 or AST_E* for this record */
     uint64_t owner; /* read: store id that wrote the record (0: this engine's); write: ignored */
+    int in_place;   /* write: the block's named record of this engine's store id may exist
+                       and no other process holds it: rewrite that file in place (no tmp, no
+                       rename, no new inode); where it is missing, write a new record */
     int fd;         /* read: an open descriptor of the record, left open (-1: open it by path);
                        write, out: the new record's descriptor when the engine was adopted
                        (the record has no name), else -1 */

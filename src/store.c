@@ -37,6 +37,11 @@
  * Lock order: registry_mtx, then store mutexes in registry order; only prepare holds more
  * than one. Nobody takes registry_mtx while holding a store mutex.
  *
+ * Record files: a block's record file stays after the block is read back (blk.named), stale,
+ * and is rewritten in place by its next move to NVME (blk.shared excepted: after a fork the
+ * child may still read that inode, so the parent writes a new file and renames it over);
+ * free and close remove it.
+ *
  * Accounting: bytes[] counts block payload bytes (an NVMe record's header and padding are not
  * counted; nvme_bytes_written/read count everything the kernel transferred).
  * nvme_budget_bytes caps bytes[AST_TIER_NVME].
@@ -70,8 +75,13 @@ struct blk {
     uint64_t gen;  /* generation of the block's newest NVMe record */
     uint64_t owner; /* store id that wrote that record: 0 this store, else (forked child) the
                        parent's */
-    int rfd;       /* NVME: a descriptor of the record opened before a fork, or -1 */
+    int rfd;       /* NVME: a descriptor of the record opened before a fork, or a forked
+                      child's own unlinked record; else -1 */
     int fork_fd;   /* NVME, during a fork only: the descriptor the child inherits as rfd */
+    int named;     /* a record file of this store's id exists under the block's name (on NVME:
+                      its current record; elsewhere: a stale one, rewritten in place next time) */
+    int shared;    /* the named file's inode may be held by a forked child: the next write
+                      makes a new file (tmp + rename) instead of rewriting it in place */
     uint64_t mark; /* stamp of the last move batch that named it: catches duplicate ids */
 };
 
@@ -91,6 +101,7 @@ struct ast_store {
     uint64_t store_id;
     uint64_t nvme_budget;
     ast__nvme *nvme;
+    int child;       /* a forked child's copy: records are unlinked files, kept as descriptors */
     ast_store_stats st;
     int cuda_probed;
     int ndev;
@@ -263,11 +274,32 @@ static int tier_ready(ast_store *s, ast_tier t)
     return 0;
 }
 
-static int mem_alloc(ast_tier t, size_t n, void **p, char *msg, size_t len)
+/* Host blocks of AST__NVME_FRAME_MIN bytes and more are framed (nvme.h): the payload starts
+ * AST__NVME_HEADER bytes into a 4096-aligned buffer of the record's size, so moves to and from
+ * NVME run without a staging copy. The size alone tells whether a host block is framed. */
+static int framed(ast_tier t, size_t n)
+{
+    return t == AST_TIER_HOST && n >= AST__NVME_FRAME_MIN;
+}
+
+/* zero: the block must read as zeros (alloc); a read-back's destination need not be. */
+static int mem_alloc_z(ast_tier t, size_t n, void **p, int zero, char *msg, size_t len)
 {
     switch (t) {
     case AST_TIER_HOST:
-        *p = calloc(1, n);
+        if (framed(t, n)) {
+            size_t fb = (size_t)ast__nvme_record_bytes(n);
+            void *f = NULL;
+            if (posix_memalign(&f, AST__NVME_ALIGN, fb) != 0) {
+                snprintf(msg, len, "posix_memalign(%zu) failed", fb);
+                return AST_ENOMEM;
+            }
+            if (zero)
+                memset(f, 0, fb);
+            *p = (unsigned char *)f + AST__NVME_HEADER;
+            return 0;
+        }
+        *p = zero ? calloc(1, n) : malloc(n);
         if (!*p) {
             snprintf(msg, len, "calloc(%zu) failed", n);
             return AST_ENOMEM;
@@ -285,10 +317,17 @@ static int mem_alloc(ast_tier t, size_t n, void **p, char *msg, size_t len)
     }
 }
 
-static void mem_free(ast_tier t, void *p)
+static int mem_alloc(ast_tier t, size_t n, void **p, char *msg, size_t len)
+{
+    return mem_alloc_z(t, n, p, 1, msg, len);
+}
+
+static void mem_free(ast_tier t, void *p, size_t n)
 {
     switch (t) {
     case AST_TIER_HOST:
+        if (p && framed(t, n))
+            p = (unsigned char *)p - AST__NVME_HEADER;
         free(p);
         break;
     case AST_TIER_HOST_PINNED:
@@ -355,15 +394,41 @@ static uint64_t random_id(void)
     return v ? v : 1;
 }
 
-/* A block leaves NVME (read back or freed): its record is removed if this store wrote it; a
- * record written by the parent of a forked child is the parent's and stays. */
-static void forget_record(ast_store *s, struct blk *b)
+static void drop_fd(struct blk *b)
 {
-    if (b->owner == 0)
-        ast__nvme_remove(s->nvme, b->id);
     if (b->rfd >= 0)
         close(b->rfd);
     b->rfd = -1;
+}
+
+/* A block was read back from NVME: this store's named record stays (stale, to be rewritten in
+ * place by the next move to NVME, which saves an unlink now and a create then: unlinking a
+ * just-written file cost 2 ms on this machine's ext4 with discard, creating one 0.2 ms); a
+ * parent's record (forked child) or a child's unlinked record is let go. */
+static void record_read_back(struct blk *b)
+{
+    drop_fd(b);
+    b->owner = 0;
+}
+
+/* A block is freed: its record goes, if this store named it. */
+static void forget_record(ast_store *s, struct blk *b)
+{
+    if (b->named)
+        ast__nvme_remove(s->nvme, b->id);
+    drop_fd(b);
+    b->named = 0;
+    b->owner = 0;
+}
+
+/* A record of block b was just written; fd is the descriptor of a forked child's unnamed
+ * record, else -1. */
+static void record_written(ast_store *s, struct blk *b, int fd)
+{
+    drop_fd(b);
+    b->rfd = fd;
+    b->named = !s->child;
+    b->shared = 0;
     b->owner = 0;
 }
 
@@ -391,6 +456,8 @@ static void atfork_parent(void)
     for (ast_store *s = stores; s; s = s->reg_next) {
         for (size_t i = 0; i < s->tab.cap; i++) {
             struct blk *b = s->tab.slots[i];
+            if (b && b->tier == AST_TIER_NVME)
+                b->shared = 1; /* the child may read this inode: never rewrite it in place */
             if (b && b->fork_fd >= 0) {
                 close(b->fork_fd);
                 b->fork_fd = -1;
@@ -410,15 +477,20 @@ static void atfork_child(void)
         if (!s->nvme)
             continue;
         s->store_id = random_id();
+        s->child = 1;
         ast__nvme_adopt(s->nvme, s->store_id);
         for (size_t i = 0; i < s->tab.cap; i++) {
             struct blk *b = s->tab.slots[i];
-            if (!b || b->tier != AST_TIER_NVME)
+            if (!b)
+                continue;
+            /* The named records are the parent's. */
+            b->named = 0;
+            b->shared = 0;
+            if (b->tier != AST_TIER_NVME)
                 continue;
             if (b->owner == 0)
                 b->owner = parent_id;
-            if (b->rfd >= 0)
-                close(b->rfd);
+            drop_fd(b);
             b->rfd = b->fork_fd;
             b->fork_fd = -1;
         }
@@ -512,9 +584,8 @@ void ast_store_close(ast_store *s)
     for (size_t i = 0; i < s->tab.cap; i++) {
         struct blk *b = s->tab.slots[i];
         if (b) {
-            mem_free(b->tier, b->ptr);
-            if (b->rfd >= 0)
-                close(b->rfd);
+            mem_free(b->tier, b->ptr, b->nbytes);
+            drop_fd(b);
             free(b);
         }
     }
@@ -571,14 +642,15 @@ int ast_store_alloc(ast_store *s, ast_tier tier, size_t nbytes, uint64_t *id)
         rc = ast__nvme_write(s->nvme, &io, 1, &x, msg, sizeof msg);
         count_io(s, 1, &x);
         b->gen = 1;
-        b->rfd = io.fd; /* a forked child's record is its descriptor */
+        if (rc == 0)
+            record_written(s, b, io.fd);
     } else {
         rc = mem_alloc(tier, nbytes, &b->ptr, msg, sizeof msg);
     }
     if (rc == 0 && (rc = tab_insert(&s->tab, b)) != 0) {
-        mem_free(tier, b->ptr);
+        mem_free(tier, b->ptr, nbytes);
         if (tier == AST_TIER_NVME)
-            ast__nvme_remove(s->nvme, b->id);
+            forget_record(s, b);
         snprintf(msg, sizeof msg, "out of memory for the block table");
     }
     if (rc) {
@@ -614,10 +686,9 @@ int ast_store_free(ast_store *s, uint64_t id)
     if (!b) {
         rc = AST_ENOENT;
     } else {
-        if (b->tier == AST_TIER_NVME)
-            forget_record(s, b); /* a file that cannot go now goes at close */
-        else
-            mem_free(b->tier, b->ptr);
+        forget_record(s, b); /* its record, even a stale one; one that cannot go goes at close */
+        if (b->tier != AST_TIER_NVME)
+            mem_free(b->tier, b->ptr, b->nbytes);
         account(s, b->tier, b->nbytes, -1);
         tab_remove(&s->tab, id);
         free(b);
@@ -700,10 +771,10 @@ static int move_memory(struct blk *b, ast_tier dst, char *msg, size_t len)
         return rc;
     rc = mem_copy(dst, p, b->tier, b->ptr, b->nbytes, msg, len);
     if (rc) {
-        mem_free(dst, p);
+        mem_free(dst, p, b->nbytes);
         return rc;
     }
-    mem_free(b->tier, b->ptr);
+    mem_free(b->tier, b->ptr, b->nbytes);
     b->ptr = p;
     return 0;
 }
@@ -737,7 +808,9 @@ static size_t move_to_nvme(ast_store *s, struct blk **bl, const size_t *pos, siz
         }
         pending += b->nbytes;
         ios[m] = (ast__nvme_io){.block_id = b->id, .generation = b->gen + 1, .data = b->ptr,
-                                .len = b->nbytes, .on_device = device_side(b->tier), .fd = -1};
+                                .len = b->nbytes, .on_device = device_side(b->tier),
+                                .framed = framed(b->tier, b->nbytes),
+                                .in_place = b->named && !b->shared, .fd = -1};
         at[m++] = i;
     }
     if (m && ast__nvme_write(s->nvme, ios, m, &x, msg, sizeof msg) != 0) {
@@ -757,11 +830,11 @@ static size_t move_to_nvme(ast_store *s, struct blk **bl, const size_t *pos, siz
             continue;
         }
         account(s, b->tier, b->nbytes, -1);
-        mem_free(b->tier, b->ptr);
+        mem_free(b->tier, b->ptr, b->nbytes);
         b->ptr = NULL;
         b->tier = AST_TIER_NVME;
         b->gen = ios[j].generation;
-        b->rfd = ios[j].fd; /* a forked child's record is its descriptor */
+        record_written(s, b, ios[j].fd);
         account(s, AST_TIER_NVME, b->nbytes, +1);
         moved++;
     }
@@ -791,14 +864,14 @@ static size_t move_from_nvme(ast_store *s, struct blk **bl, const size_t *pos, s
     for (size_t i = 0; i < n; i++) {
         struct blk *b = bl[i];
         void *p = NULL;
-        int rc = mem_alloc(dst, b->nbytes, &p, msg, sizeof msg);
+        int rc = mem_alloc_z(dst, b->nbytes, &p, 0, msg, sizeof msg);
         if (rc) {
             move_failed(e, pos[i], rc, "block %" PRIu64 ": %s", b->id, msg);
             continue;
         }
         ios[m] = (ast__nvme_io){.block_id = b->id, .generation = b->gen, .data = p,
                                 .len = b->nbytes, .on_device = device_side(dst),
-                                .owner = b->owner, .fd = b->rfd};
+                                .framed = framed(dst, b->nbytes), .owner = b->owner, .fd = b->rfd};
         at[m++] = i;
     }
     msg[0] = '\0';
@@ -814,12 +887,12 @@ static size_t move_from_nvme(ast_store *s, struct blk **bl, const size_t *pos, s
     for (size_t j = 0; j < m; j++) {
         struct blk *b = bl[at[j]];
         if (ios[j].result) {
-            mem_free(dst, ios[j].data); /* the record stays, the block stays on NVME */
+            mem_free(dst, ios[j].data, b->nbytes); /* the record and the block stay on NVME */
             move_failed(e, pos[at[j]], ios[j].result, "%s",
                         j == first ? msg : ast_strerror(ios[j].result));
             continue;
         }
-        forget_record(s, b); /* stale now; its generation guards it until close */
+        record_read_back(b); /* stale now; its generation guards it */
         account(s, AST_TIER_NVME, b->nbytes, -1);
         b->ptr = ios[j].data;
         b->tier = dst;
@@ -958,7 +1031,7 @@ int ast_store_record_path(ast_store *s, uint64_t id, char *buf, size_t len)
     else if (b->tier != AST_TIER_NVME)
         rc = fail(s, AST_ESTATE, "record_path: block %" PRIu64 " is on tier %s, not on nvme", id,
                   ast_tier_name(b->tier));
-    else if (b->owner == 0 && b->rfd >= 0)
+    else if (b->owner == 0 && !b->named)
         rc = fail(s, AST_ESTATE, "record_path: block %" PRIu64 " was written by this forked "
                   "child: its record has no name (an open, unlinked file)", id);
     else if ((rc = ast__nvme_owner_path(s->nvme, b->owner, id, buf, len)) != 0)

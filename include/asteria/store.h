@@ -9,7 +9,12 @@
  * NVMe records carry a header (magic, store id, block id, generation, length) and a CRC32 of
  * header and payload, so a torn, corrupted or foreign record is detected and reported, never
  * returned as data. A block moved to NVME keeps no host copy; moving it back reads and verifies
- * it. A failed move leaves the block where it was, its data intact.
+ * it. A failed move leaves the block where it was, its data intact. A block read back keeps its
+ * record file, stale (its generation is behind), until it is freed or the store closed: the
+ * next move to NVME rewrites that file in place, which is cheaper than removing a file and
+ * creating another. Host blocks of 64 KiB and more are allocated in a 4 KiB-aligned "frame" a
+ * record's size (at most 4 KiB more than the block) so that their I/O needs no staging copy;
+ * ast_store_data() of such a block is 64-byte aligned.
  *
  * Fork: records and the io_uring ring belong to the process that opened the store. In a forked
  * child the store works on a copy: blocks keep their values (an NVME block reads back the

@@ -446,7 +446,16 @@ static void roundtrip(const char *dir, ast_direct_policy pol, unsigned qd, unsig
     assert_int_equal(st.nvme_reads, NEDGE);
     assert_true(st.nvme_bytes_read >= total);
     assert_true(st.nvme_read_ns > 0);
-    assert_int_equal(count_files(dir, ".rec"), 0); /* loaded records are removed */
+    /* Loaded records stay, stale (their generation is behind), to be rewritten in place. */
+    assert_int_equal(count_files(dir, ".rec"), NEDGE);
+    for (size_t i = 0; i < NEDGE; i++)
+        fill_random(ast_store_data(s, ids[i]), EDGE_SIZES[i], 200 + i);
+    assert_int_equal(ast_store_move(s, ids, NEDGE, AST_TIER_NVME, &moved), 0);
+    assert_int_equal(count_files(dir, ".rec"), NEDGE);
+    assert_int_equal(count_files(dir, ".tmp"), 0);
+    assert_int_equal(ast_store_move(s, ids, NEDGE, AST_TIER_HOST, &moved), 0);
+    for (size_t i = 0; i < NEDGE; i++)
+        check_random(ast_store_data(s, ids[i]), EDGE_SIZES[i], 200 + i);
     ast_store_close(s);
     assert_int_equal(count_files(dir, NULL), 0);
 }
@@ -702,7 +711,7 @@ static void test_no_odirect(void **state)
 
 /* ENOSPC part way through a batch: the blocks that fit move, the others stay on HOST, intact. */
 static void check_enospc(const char *dir, ast_store *s, size_t nblocks, size_t bsize,
-                         size_t want_moved)
+                         size_t want_moved, int allow_none)
 {
     uint64_t *ids = calloc(nblocks, sizeof *ids);
     size_t moved = 0, on_nvme = 0;
@@ -716,7 +725,9 @@ static void check_enospc(const char *dir, ast_store *s, size_t nblocks, size_t b
     assert_int_equal(rc, AST_ENOSPC);
     if (want_moved != (size_t)-1)
         assert_int_equal(moved, want_moved);
-    assert_true(moved >= 1 && moved < nblocks);
+    /* Where ENOSPC comes only from write completions, records written side by side share the
+     * space and none may fit (allow_none). */
+    assert_true(moved < nblocks && (moved >= 1 || allow_none));
     expect_error_mentions(s, "block", "space");
     for (size_t i = 0; i < nblocks; i++) {
         assert_int_equal(ast_store_tier(s, ids[i], &t), 0);
@@ -753,10 +764,10 @@ static void test_enospc(void **state)
     if (mount_fs("tmpfs", "size=1m", small) == 0) {
         /* Real: a 1 MiB filesystem and 6 records of 300 KiB; fallocate refuses the 4th. */
         s = open_store(small, AST_DIRECT_REQUIRE, 0, 0);
-        check_enospc(small, s, 6, 300 << 10, (size_t)-1);
+        check_enospc(small, s, 6, 300 << 10, (size_t)-1, 0);
         /* Real, without the reservation: the kernel's write completions say -ENOSPC. */
         ast__nvme_inject_fault(ast__store_nvme(s), AST__FAULT_NO_FALLOCATE, 0);
-        check_enospc(small, s, 6, 300 << 10, (size_t)-1);
+        check_enospc(small, s, 6, 300 << 10, (size_t)-1, 1);
         ast_store_close(s);
         umount2(small, MNT_DETACH);
     } else {
@@ -765,11 +776,11 @@ static void test_enospc(void **state)
     /* Injected -ENOSPC completions after 3 records. */
     s = open_store(dir, AST_DIRECT_REQUIRE, 0, 0);
     ast__nvme_inject_fault(ast__store_nvme(s), AST__FAULT_ENOSPC, 3);
-    check_enospc(dir, s, 8, 20000, 3);
+    check_enospc(dir, s, 8, 20000, 3, 0);
     ast_store_close(s);
     /* The store's own budget: 2.5 blocks' worth. */
     s = open_store(dir, AST_DIRECT_REQUIRE, 0, 50000);
-    check_enospc(dir, s, 5, 20000, 2);
+    check_enospc(dir, s, 5, 20000, 2, 0);
     ast_store_close(s);
     rm_rf(dir);
 }
@@ -1151,8 +1162,10 @@ static void test_fork(void **state)
     assert_int_equal(moved, FK_N);
     assert_true(fk_same(s, ids, seeds));
 
-    /* A child that ends with _exit, its blocks on NVME and its store open, leaves no file. */
+    /* A child that ends with _exit, its blocks on NVME and its store open, leaves no file (the
+     * parent's are its even blocks' records and the odd blocks' stale ones). */
     assert_int_equal(ast_store_move(s, even, FK_N / 2, AST_TIER_NVME, &moved), 0);
+    assert_int_equal(count_files(dir, NULL), FK_N);
     fflush(NULL);
     pid = fork();
     assert_true(pid >= 0);
@@ -1166,7 +1179,7 @@ static void test_fork(void **state)
     assert_int_equal(waitpid(pid, &wst, 0), pid);
     assert_true(WIFEXITED(wst));
     assert_int_equal(WEXITSTATUS(wst), 0);
-    assert_int_equal(count_files(dir, NULL), FK_N / 2);
+    assert_int_equal(count_files(dir, NULL), FK_N);
     assert_int_equal(ast_store_move(s, ids, FK_N, AST_TIER_HOST, &moved), 0);
     assert_true(fk_same(s, ids, seeds));
     assert_int_equal(fk_churn(s, ids, &seeds, 1), 0);

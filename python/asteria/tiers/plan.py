@@ -58,6 +58,7 @@ RING_DEFAULT = 64 << 20
 RING_FRACTION = 8                            # default ring: 1/8 of the staged bytes (>= ring_min)
 SNAPSHOT_RING_DEFAULT = 64 << 20
 SNAPSHOT_RING_MIN = 64 << 10
+PREPARE_CHUNK = 16 << 20                     # NVMe bytes residency.prepare reads back at a time
 
 
 def align(n: int) -> int:
@@ -122,6 +123,8 @@ class Plan:
     decisions: list = dataclasses.field(default_factory=list)
     planned_bytes: dict = dataclasses.field(default_factory=dict)  # tier -> bytes
     cuda: bool = False          # some parameter is on a CUDA device
+    peak_bytes: dict = dataclasses.field(default_factory=dict)  # tier -> bytes at the peak
+    peak_parts: dict = dataclasses.field(default_factory=dict)  # owner -> bytes (the sum)
 
     def tier(self, key) -> str:
         return self.block_tier.get(key, "device")
@@ -195,8 +198,12 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
         if dev_budget is not None and total > dev_budget:
             dec.append(f"device_budget_bytes {_mib(dev_budget)} is below that and is not "
                        "enforced in mode 'sync'")
+        # Inline refreshes: the factorisation's outputs exist next to the bases they replace.
+        parts = {"state": total, "refresh results": sum(kind_bytes[k] for k in TIERED_KINDS)}
+        peak = {"device": sum(parts.values())}
+        dec.append(_peak_line(peak, parts))
         return Plan(mode, {k: "device" for k in PLACEMENT_KINDS}, {}, 0, 0, 0, dev_budget,
-                    host_budget, dec, {"device": total}, cuda_params)
+                    host_budget, dec, {"device": total}, cuda_params, peak, parts)
 
     tiers = {k: "device" for k in DEVICE_KINDS}
     fixed = kind_bytes["factors"] + kind_bytes["moments"]
@@ -323,5 +330,39 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
         t = block_tier.get(e.key, "device")
         planned[t] = planned.get(t, 0) + e.nbytes
     planned["device"] = planned.get("device", 0) + ring
+    peak, parts = _peaks(entries, block_tier, planned, snap, cuda_params)
+    dec.append(_peak_line(peak, parts))
     return Plan(mode, tiers, block_tier, ring, ring_min, snap, dev_budget, host_budget, dec,
-                planned, cuda_params)
+                planned, cuda_params, peak, parts)
+
+
+def _peaks(entries: Sequence[StateEntry], block_tier: dict, planned: dict, snap: int,
+           cuda: bool) -> tuple[dict, dict]:
+    """Peak optimizer-state bytes per tier in mode "async", and by owner: the steady state
+    (planned) plus what a step and a refresh hold at once: the snapshot ring (the refresh
+    inputs in flight), the results of one refresh round waiting for install (S <= f: at most one
+    round per block), SOAP's re-expressed moments while the rotation runs, and for NVMe-homed
+    blocks the step's host cache of them, one prepare chunk of read-back memory and their
+    installed values until they are written out."""
+    tiered = [e for e in entries if e.kind in TIERED_KINDS]
+    nvme = sum(e.nbytes for e in tiered if block_tier.get(e.key) == "nvme")
+    results = sum(e.nbytes for e in tiered)
+    moments = sum(e.nbytes for e in entries if e.kind == "moments" and
+                  any(t.pidx == e.pidx and t.kind == "eigenbases" for t in tiered))
+    host_side = "host_pinned" if cuda else "host"
+    parts = {"state": sum(planned.values()), "snapshot ring": snap, "refresh results": results,
+             "rotated moments": moments, "nvme step cache": nvme,
+             "nvme read-back chunk": min(PREPARE_CHUNK, nvme), "nvme installs": nvme}
+    peak = dict(planned)
+    peak[host_side] = peak.get(host_side, 0) + snap + results + 3 * nvme \
+        + min(PREPARE_CHUNK, nvme)
+    peak["device" if not cuda else host_side] = peak.get("device" if not cuda else host_side,
+                                                         0) + moments
+    return peak, parts
+
+
+def _peak_line(peak: dict, parts: dict) -> str:
+    return ("peak optimizer-state bytes, planned before training: " +
+            ", ".join(f"{t} {_mib(b)}" for t, b in sorted(peak.items()) if b) +
+            f" (total {_mib(sum(peak.values()))}: " +
+            ", ".join(f"{k} {_mib(b)}" for k, b in parts.items() if b) + ")")

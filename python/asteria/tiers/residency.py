@@ -45,9 +45,23 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from asteria import _C
-from asteria.tiers.plan import Plan, align
+from asteria.tiers.plan import PREPARE_CHUNK, Plan, align
 
 log = logging.getLogger("asteria")
+
+def _chunks(blks: list, limit: int) -> list:
+    """blks in order, cut into runs of at most ``limit`` bytes (a larger block alone)."""
+    out, cur, n = [], [], 0
+    for b in blks:
+        if cur and n + b.nbytes > limit:
+            out.append(cur)
+            cur, n = [], 0
+        cur.append(b)
+        n += b.nbytes
+    if cur:
+        out.append(cur)
+    return out
+
 
 class TieredStateError(RuntimeError):
     """A tier operation failed before the step changed anything. ``cause`` is the store's
@@ -343,12 +357,19 @@ class Residency:
         need = [self._blocks[k] for k in keys if k in self._blocks]
         nv = [b for b in need if b.home == "nvme"]
         try:
-            self._nvme_move([b for b in nv if self.store.tier(b.sid) == "nvme"], "host", "read")
-            for b in nv:
-                if b.key not in self._cache:
-                    v = self._host_view(b)
-                    self._cache[b.key] = v.clone()
-                    del v
+            # In chunks of PREPARE_CHUNK bytes: read back, copy into the step's cache, write
+            # back, so the store's read-back memory is one chunk, not a second copy of every
+            # NVMe block of the step next to the cache.
+            for chunk in _chunks(nv, PREPARE_CHUNK):
+                self._nvme_move([b for b in chunk if self.store.tier(b.sid) == "nvme"],
+                                "host", "read")
+                for b in chunk:
+                    if b.key not in self._cache:
+                        v = self._host_view(b)
+                        self._cache[b.key] = v.clone()
+                        del v
+                self._nvme_move([b for b in chunk if self.store.tier(b.sid) != "nvme"],
+                                "nvme", "write")
             self.counters["nvme_window_bytes"] = max(
                 self.counters["nvme_window_bytes"], sum(b.nbytes for b in nv))
             self._spill(best_effort=False)

@@ -1,0 +1,377 @@
+"""Memory: peak RSS of AdamW, native SOAP, Asteria (host) and Asteria (NVMe), and a training run
+capped below what native SOAP needs.
+
+Part 1, peaks (no cap): each configuration trains the same model (--layers linear layers of
+--width x --width, no bias, tanh between, batch --batch, --steps steps, precondition_frequency
+--freq, one torch thread, same seed and batches) in a fresh Python process, which reports its
+ru_maxrss (peak resident set, KiB) and, for Asteria, asteria_stats() (bytes per tier, NVMe bytes
+read / written) and the planner's decisions:
+  adamw          torch.optim.AdamW
+  soap-native    asteria.SOAP, runtime mode="sync" (the native reference: torch.linalg inline)
+  asteria-host   asteria.SOAP, mode="async", staleness S (--staleness), eigenbases in host memory
+  asteria-nvme   the same with host_budget_bytes --host-budget and nvme_dir (a fresh directory
+                 under --dir-parent): the eigenbases past the budget live on the NVMe tier
+Part 2, the cap: a memory cgroup (benchmarks/memcap.py: cgroup v1 or v2, no swap) capped at
+--cap-bytes, or by default halfway between asteria-nvme's and soap-native's cgroup peaks as
+measured uncapped: their ANONYMOUS peaks (part 1 runs each configuration in a group capped at
+the machine's memory and samples the group's anonymous memory every 20 ms; the group's own peak
+also counts page cache, which a cap reclaims, and ru_maxrss the shared libraries' pages). Where
+asteria-nvme's anonymous peak is not below native's no cap can separate them, and part 2 says
+so instead of running; soap-native then asteria-nvme run inside it. The JSON records whether the
+kernel's OOM killer ended each, the group's peak, the step times against the uncapped run, and
+whether the capped asteria-nvme run's final parameters are bitwise equal to the uncapped one's.
+
+Writes benchmarks/results/bench_memory_cap.json and bench_memory_cap.png.
+
+    python3 benchmarks/bench_memory_cap.py                 # the issue's setting: 4 x 2048^2
+    python3 benchmarks/bench_memory_cap.py --quick --out-dir /tmp/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Optional, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+NAME = "bench_memory_cap"
+CONFIGS = ("adamw", "soap-native", "asteria-host", "asteria-nvme")
+MiB = 1 << 20
+
+
+# ---- the worker (a fresh process per configuration) ------------------------------------------
+
+def worker(spec: dict) -> dict[str, Any]:
+    import resource
+
+    import torch
+
+    torch.set_num_threads(1)
+    from asteria import SOAP
+
+    g = torch.Generator().manual_seed(spec["seed"])
+    width, layers, batch = spec["width"], spec["layers"], spec["batch"]
+    lins = [torch.nn.Linear(width, width, bias=False) for _ in range(layers)]
+    with torch.no_grad():
+        for lin in lins:
+            lin.weight.copy_(torch.randn(width, width, generator=g) / width ** 0.5)
+    params = [lin.weight for lin in lins]
+    name = spec["config"]
+    if name == "adamw":
+        opt = torch.optim.AdamW(params, lr=1e-3)
+    else:
+        rt: dict[str, Any] = {"mode": "sync"}
+        if name.startswith("asteria"):
+            rt = {"mode": "async", "staleness": spec["staleness"], "install": "deterministic",
+                  "workers": 1}
+            rt.update(spec.get("runtime_extra", {}))
+        if name == "asteria-nvme":
+            rt.update(nvme_dir=spec["nvme_dir"], host_budget_bytes=spec["host_budget"])
+        opt = SOAP(params, lr=1e-3, precondition_frequency=spec["freq"], runtime=rt)
+    target = torch.randn(width, width, generator=g) / width ** 0.5
+    times, losses = [], []
+    for t in range(spec["steps"]):
+        gb = torch.Generator().manual_seed(spec["seed"] * 1000 + t)
+        x = torch.randn(batch, width, generator=gb)
+        y = torch.tanh(x @ target)
+        t0 = time.perf_counter()
+        h = x
+        for i, lin in enumerate(lins):
+            h = lin(h)
+            if i + 1 < len(lins):
+                h = torch.tanh(h)
+        loss = torch.nn.functional.mse_loss(h, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    out: dict[str, Any] = {"config": name, "step_s": times, "losses": losses}
+    if hasattr(opt, "asteria_stats"):
+        st = opt.asteria_stats()
+        out["stats"] = {k: v for k, v in st.items() if isinstance(v, (int, float))}
+        out["plan"] = opt.asteria_plan() if hasattr(opt, "asteria_plan") else []
+        plan = getattr(opt, "_plan", None)  # no public accessor yet: the planner's peak figures
+        if plan is not None and getattr(plan, "peak_bytes", None):
+            parts = dict(plan.peak_parts)
+            out["memory_plan"] = {"peak_bytes": dict(plan.peak_bytes), "parts": parts,
+                                  "peak_total": sum(plan.peak_bytes.values()),
+                                  "inflight_bytes": parts.get("snapshot ring", 0)
+                                  + parts.get("refresh results", 0)
+                                  + parts.get("rotated moments", 0)}
+    if spec.get("params_out"):
+        torch.save([p.detach().clone() for p in params], spec["params_out"])
+    if hasattr(opt, "close"):
+        opt.close()
+    out["ru_maxrss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return out
+
+
+# ---- the parent ------------------------------------------------------------------------------
+
+def spec_for(args, config: str, nvme_dir: str, params_out: Optional[str] = None) -> dict:
+    return {"config": config, "width": args.width, "layers": args.layers, "batch": args.batch,
+            "steps": args.steps, "freq": args.freq, "staleness": args.staleness,
+            "seed": args.seed, "nvme_dir": nvme_dir, "host_budget": args.host_budget,
+            "params_out": params_out}
+
+
+def child_cmd(spec: dict) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = env["OPENBLAS_NUM_THREADS"] = env["MKL_NUM_THREADS"] = "1"
+    pkg = os.path.join(os.path.dirname(HERE), "python")
+    env["PYTHONPATH"] = pkg + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def parse_result(stdout: str) -> Optional[dict]:
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    return None
+
+
+def run_uncapped(spec: dict, timeout: float) -> dict:
+    """One configuration without a cap; inside a memory cgroup capped at the machine's memory
+    where one can be made, so its group peak (anonymous memory and page cache it brought in,
+    not the shared libraries other processes had mapped already, which ru_maxrss counts) is
+    known and comparable with the capped runs."""
+    import memcap
+    if memcap.available()[0] is not None:
+        r = memcap.run_capped(child_cmd(spec), os.sysconf("SC_PHYS_PAGES") *
+                              os.sysconf("SC_PAGE_SIZE"), timeout, env=child_env())
+        rc, out, err, peak = r["returncode"], r["stdout"], r["stderr"], r["cgroup_peak_bytes"]
+        anon = r["anon_peak_bytes"]
+    else:
+        p = subprocess.run(child_cmd(spec), capture_output=True, text=True, env=child_env(),
+                           timeout=timeout)
+        rc, out, err, peak, anon = p.returncode, p.stdout, p.stderr, None, None
+    res = parse_result(out)
+    if rc != 0 or res is None:
+        raise RuntimeError(f"{spec['config']} failed (rc {rc}): {err[-2000:]}")
+    res["cgroup_peak_bytes"] = peak
+    res["anon_peak_bytes"] = anon
+    return res
+
+
+def run(args, argv) -> dict[str, Any]:
+    import common
+    import memcap
+    import torch
+
+    log = common.Progress(NAME)
+    meta = common.run_metadata(NAME, __file__, argv)
+    meta["machine"]["loadavg"] = list(os.getloadavg())
+    os.makedirs(args.dir_parent, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="asteria-memcap-", dir=args.dir_parent)
+    eig_bytes = args.layers * 2 * args.width * args.width * 4
+    log(f"{args.layers} x {args.width}^2, batch {args.batch}, {args.steps} steps, f={args.freq}, "
+        f"S={args.staleness}; eigenbases {eig_bytes / MiB:.0f} MiB; load {common.loadavg()}")
+    results: dict[str, Any] = {}
+    capped: dict[str, Any] = {}
+    try:
+        specs = {}
+        for cfg in CONFIGS:
+            nvme = os.path.join(work, f"nvme-{cfg}")
+            os.makedirs(nvme, exist_ok=True)
+            out = os.path.join(work, f"{cfg}-uncapped.pt") if cfg == "asteria-nvme" else None
+            specs[cfg] = spec_for(args, cfg, nvme, out)
+        # Each configuration is its own process (and group), so peaks do not mix; --parallel
+        # runs them side by side (their step times then share the cores).
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(max_workers=len(CONFIGS) if args.parallel else 1) as ex:
+            futs = {cfg: ex.submit(run_uncapped, specs[cfg], args.timeout) for cfg in CONFIGS}
+            for cfg in CONFIGS:
+                r = results[cfg] = futs[cfg].result()
+                log(f"{cfg:14s} ru_maxrss {r['ru_maxrss_bytes'] / MiB:8.1f} MiB, cgroup peak "
+                    f"{(r['cgroup_peak_bytes'] or 0) / MiB:8.1f} MiB, anon peak "
+                    f"{(r['anon_peak_bytes'] or 0) / MiB:8.1f} MiB, median step "
+                    f"{sorted(r['step_s'])[len(r['step_s']) // 2]:.3f} s")
+        kind, why = memcap.available()
+        native, nv = results["soap-native"], results["asteria-nvme"]
+        if kind is None:
+            capped = {"skipped": why}
+            log(f"no capped run: {why}")
+        elif not args.cap_bytes and nv["anon_peak_bytes"] >= native["anon_peak_bytes"]:
+            capped = {"skipped": f"no cap separates them: asteria-nvme's anonymous peak "
+                                 f"({nv['anon_peak_bytes'] / MiB:.0f} MiB) is not below native "
+                                 f"SOAP's ({native['anon_peak_bytes'] / MiB:.0f} MiB)"}
+            log(capped["skipped"])
+        else:
+            # Under a cap the group's page cache is reclaimed: the anonymous peaks are the need.
+            cap = args.cap_bytes or int((native["anon_peak_bytes"] +
+                                         nv["anon_peak_bytes"]) / 2)
+            capped = {"cgroup": kind, "cap_bytes": cap, "runs": {}}
+            for cfg in ("soap-native", "asteria-nvme"):
+                nvme = os.path.join(work, f"nvme-capped-{cfg}")
+                os.makedirs(nvme, exist_ok=True)
+                out = os.path.join(work, f"{cfg}-capped.pt")
+                spec = spec_for(args, cfg, nvme, out)
+                r = memcap.run_capped(child_cmd(spec), cap, args.timeout, env=child_env())
+                res = parse_result(r["stdout"])
+                entry = {k: r[k] for k in ("returncode", "killed_by_oom", "oom_kill_count",
+                                           "limit_hits", "cgroup_peak_bytes", "anon_peak_bytes",
+                                           "wall_s")}
+                entry["completed"] = res is not None and r["returncode"] == 0
+                entry["stderr_tail"] = r["stderr"][-600:]
+                if res is not None:
+                    entry["result"] = res
+                    ref = torch.load(os.path.join(work, "asteria-nvme-uncapped.pt"))
+                    got = torch.load(out)
+                    entry["bitwise_equal_to_uncapped"] = (
+                        cfg == "asteria-nvme" and all(torch.equal(a, b)
+                                                      for a, b in zip(ref, got)))
+                capped["runs"][cfg] = entry
+                log(f"capped {cfg:14s} at {cap / MiB:.0f} MiB: rc {r['returncode']}, OOM-killed "
+                    f"{entry['killed_by_oom']}, group peak "
+                    f"{(r['cgroup_peak_bytes'] or 0) / MiB:.0f} MiB")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    meta["machine"]["loadavg_end"] = list(os.getloadavg())
+    data = {**meta,
+            "settings": {k: getattr(args, k) for k in ("width", "layers", "batch", "steps", "freq",
+                                                       "staleness", "host_budget", "seed",
+                                                       "cap_bytes", "quick")},
+            "eigenbasis_bytes": eig_bytes, "uncapped": results, "capped": capped,
+            "targets": targets(results, eig_bytes)}
+    return common.finish(data, NAME, args.out_dir, args.no_plot, print_table, plot, log)
+
+
+def targets(results: dict, eig_bytes: int) -> dict:
+    """The issue's targets: NVMe peak <= native - 0.8 x eigenbases; host async peak <= native +
+    the planner's in-flight snapshot and result bytes."""
+    native = results["soap-native"]["ru_maxrss_bytes"]
+    nvme = results["asteria-nvme"]["ru_maxrss_bytes"]
+    host = results["asteria-host"]
+    anon = {c: r.get("anon_peak_bytes") for c, r in results.items()}
+    mp = host.get("memory_plan") or {}
+    inflight = mp.get("inflight_bytes")
+    out = {"nvme_peak_minus_native_bytes": nvme - native,
+           "nvme_target_bytes": native - int(0.8 * eig_bytes),
+           "nvme_target_met": nvme <= native - 0.8 * eig_bytes,
+           "host_peak_minus_native_bytes": host["ru_maxrss_bytes"] - native,
+           "anon_peak_bytes": anon,
+           "planned_peak_total_bytes": {c: (r.get("memory_plan") or {}).get("peak_total")
+                                        for c, r in results.items()}}
+    if anon.get("soap-native") and anon.get("asteria-nvme"):
+        out["anon_nvme_minus_native_bytes"] = anon["asteria-nvme"] - anon["soap-native"]
+        out["anon_nvme_target_met"] = (anon["asteria-nvme"]
+                                       <= anon["soap-native"] - 0.8 * eig_bytes)
+    if inflight is not None:
+        out["host_target_bytes"] = native + inflight
+        out["host_target_met"] = host["ru_maxrss_bytes"] <= native + inflight
+    return out
+
+
+def plot(data: dict, path: str) -> None:
+    import common
+    plt = common.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    res = data["uncapped"]
+    names = [c for c in CONFIGS if c in res]
+    axes[0].bar(names, [res[c]["ru_maxrss_bytes"] / MiB for c in names],
+                color=["grey", "tab:red", "tab:blue", "tab:green"][:len(names)])
+    axes[0].axhline(data["targets"]["nvme_target_bytes"] / MiB, ls="--", color="tab:green",
+                    label="NVMe target (native - 0.8 x eigenbases)")
+    axes[0].set(ylabel="peak RSS (ru_maxrss), MiB", title="Peak memory, uncapped")
+    axes[0].legend(fontsize=7)
+    cap = data["capped"]
+    if cap.get("runs"):
+        runs = cap["runs"]
+        cn = list(runs)
+        axes[1].bar(cn, [(runs[c]["cgroup_peak_bytes"] or 0) / MiB for c in cn],
+                    color=["tab:red" if runs[c]["killed_by_oom"] else "tab:green" for c in cn])
+        axes[1].axhline(cap["cap_bytes"] / MiB, ls="--", color="black", label="cap")
+        for i, c in enumerate(cn):
+            axes[1].text(i, cap["cap_bytes"] / MiB * 0.5,
+                         "OOM-killed" if runs[c]["killed_by_oom"] else
+                         ("completed" if runs[c]["completed"] else "failed"), ha="center")
+        axes[1].set(ylabel="cgroup peak, MiB", title=f"Capped at {cap['cap_bytes'] / MiB:.0f} "
+                    f"MiB (cgroup {cap['cgroup']})")
+        axes[1].legend(fontsize=7)
+    else:
+        axes[1].text(0.5, 0.5, cap.get("skipped", "no capped run"), ha="center", wrap=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_table(data: dict) -> None:
+    print(f"{'config':16s}{'ru_maxrss MiB':>15s}{'cgroup MiB':>12s}{'anon MiB':>10s}"
+          f"{'plan MiB':>10s}{'median step s':>15s}"
+          f"{'host MiB':>10s}"
+          f"{'nvme MiB':>10s}{'nvme rd MiB':>12s}{'nvme wr MiB':>12s}")
+    for c, r in data["uncapped"].items():
+        st = r.get("stats", {})
+        steps = sorted(r["step_s"])
+        print(f"{c:16s}{r['ru_maxrss_bytes'] / MiB:15.1f}"
+              f"{(r.get('cgroup_peak_bytes') or 0) / MiB:12.1f}"
+              f"{(r.get('anon_peak_bytes') or 0) / MiB:10.1f}"
+              f"{((r.get('memory_plan') or {}).get('peak_total') or 0) / MiB:10.1f}"
+              f"{steps[len(steps) // 2]:15.3f}"
+              f"{st.get('bytes_host', 0) / MiB:10.1f}{st.get('bytes_nvme', 0) / MiB:10.1f}"
+              f"{st.get('bytes_nvme_read', 0) / MiB:12.1f}"
+              f"{st.get('bytes_nvme_written', 0) / MiB:12.1f}")
+    cap = data["capped"]
+    for c, r in cap.get("runs", {}).items():
+        print(f"capped {c}: rc {r['returncode']} OOM-killed {r['killed_by_oom']} completed "
+              f"{r['completed']} bitwise equal {r.get('bitwise_equal_to_uncapped')}")
+    print("targets:", json.dumps(data["targets"]))
+
+
+def parse_args(argv: Optional[Sequence[str]]):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--width", type=int, default=None, help="layer width (2048; --quick 512)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=None, help="steps (31; --quick 21)")
+    ap.add_argument("--freq", type=int, default=10, help="precondition_frequency")
+    ap.add_argument("--staleness", type=int, default=5)
+    ap.add_argument("--host-budget", type=int, default=1 << 20)
+    ap.add_argument("--cap-bytes", type=int, default=0, help="0: halfway native / asteria-nvme")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--dir-parent", default=None,
+                    help="where nvme_dir goes (default benchmarks/results/tmp)")
+    ap.add_argument("--parallel", action="store_true",
+                    help="part 1's configurations side by side (peaks unaffected, times shared)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    if args.worker is not None:
+        return args
+    import common
+    q = args.quick
+    for k, v in dict(width=512 if q else 2048, steps=21 if q else 31,
+                     dir_parent=os.path.join(common.RESULTS_DIR, "tmp"),
+                     out_dir=os.path.join(common.RESULTS_DIR, "tmp") if q
+                     else common.RESULTS_DIR).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Any:
+    args = parse_args(argv)
+    if args.worker is not None:
+        print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
+        return None
+    return run(args, argv)
+
+
+if __name__ == "__main__":
+    main()
