@@ -24,7 +24,6 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections import Counter
 from typing import Optional, Sequence

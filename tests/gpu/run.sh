@@ -2,7 +2,7 @@
 # The GPU check, for a machine with one NVIDIA GPU and torch with CUDA preinstalled, and nothing
 # to download: every step works offline and copes with missing system packages.
 #
-#   1. dependencies: liburing, hwloc, CMocka, OpenBLAS, LAPACKE (pkg-config + header), nvcc, NCCL;
+#   1. dependencies: liburing, hwloc, CMocka, OpenBLAS, LAPACKE (pkg-config + header), nvcc;
 #      a missing optional one turns its feature off (-DASTERIA_WITH_URING=OFF, ...) or skips what
 #      needs it (no CMocka: no C tests), and says so. OpenBLAS + LAPACKE are required by
 #      libasteria: without them nothing of Asteria builds, and only the torch-only parts run.
@@ -162,17 +162,6 @@ if [ -n "$NVCC" ]; then
   CUDA_ROOT=$(dirname "$(dirname "$NVCC")")
   say "nvcc: $NVCC ($("$NVCC" --version | grep -o 'release [0-9.]*'))"
   CMAKE_FLAGS+=(-DASTERIA_WITH_CUDA=ON "-DCUDAToolkit_ROOT=$CUDA_ROOT")
-  NCCL_OK=0
-  for d in "$CUDA_ROOT/lib64" "$CUDA_ROOT/lib" /usr/lib/x86_64-linux-gnu /usr/local/lib /usr/lib64; do
-    ls "$d"/libnccl.so* >/dev/null 2>&1 && NCCL_OK=1
-  done
-  if [ $NCCL_OK = 1 ] && echo '#include <nccl.h>' | "$CC_BIN" -E -x c - -I"$CUDA_ROOT/include" >/dev/null 2>&1; then
-    note nccl found
-  else
-    CMAKE_FLAGS+=(-DASTERIA_WITH_NCCL=OFF)
-    say "skipped: native NCCL path (no libnccl/nccl.h where CMake looks): -DASTERIA_WITH_NCCL=OFF"
-    note nccl skipped "not found"
-  fi
 else
   CMAKE_FLAGS+=(-DASTERIA_WITH_CUDA=OFF)
   say "no nvcc: building WITHOUT CUDA; the CUDA C tests will skip"

@@ -118,8 +118,6 @@ class Plan:
     ring_bytes: int             # device staging ring (0: nothing staged)
     ring_min: int               # the largest (parameter, block)'s staged bytes (aligned)
     snapshot_ring_bytes: int
-    device_budget: Optional[int]
-    host_budget: Optional[int]
     decisions: list = dataclasses.field(default_factory=list)
     planned_bytes: dict = dataclasses.field(default_factory=dict)  # tier -> bytes
     cuda: bool = False          # some parameter is on a CUDA device
@@ -202,8 +200,8 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
         parts = {"state": total, "refresh results": sum(kind_bytes[k] for k in TIERED_KINDS)}
         peak = {"device": sum(parts.values())}
         dec.append(_peak_line(peak, parts))
-        return Plan(mode, {k: "device" for k in PLACEMENT_KINDS}, {}, 0, 0, 0, dev_budget,
-                    host_budget, dec, {"device": total}, cuda_params, peak, parts)
+        return Plan(mode, {k: "device" for k in PLACEMENT_KINDS}, {}, 0, 0, 0, dec,
+                    {"device": total}, cuda_params, peak, parts)
 
     tiers = {k: "device" for k in DEVICE_KINDS}
     fixed = kind_bytes["factors"] + kind_bytes["moments"]
@@ -332,8 +330,8 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
     planned["device"] = planned.get("device", 0) + ring
     peak, parts = _peaks(entries, block_tier, planned, snap, cuda_params)
     dec.append(_peak_line(peak, parts))
-    return Plan(mode, tiers, block_tier, ring, ring_min, snap, dev_budget, host_budget, dec,
-                planned, cuda_params, peak, parts)
+    return Plan(mode, tiers, block_tier, ring, ring_min, snap, dec, planned, cuda_params, peak,
+                parts)
 
 
 def _peaks(entries: Sequence[StateEntry], block_tier: dict, planned: dict, snap: int,
