@@ -67,8 +67,9 @@ def run(cfg, cap, tmp, tag):
 @pytest.mark.timeout(120)
 def test_cap_kills_past_it_and_spares_below():
     need_cgroup()
-    hog = [sys.executable, "-c", "import sys; b = bytearray(int(sys.argv[1])); "
-           "b[::4096] = b'x' * len(b[::4096]); print('done')"]
+    # The hog holds its memory for 0.5 s: the anonymous peak is sampled every 20 ms.
+    hog = [sys.executable, "-c", "import sys, time; b = bytearray(int(sys.argv[1])); "
+           "b[::4096] = b'x' * len(b[::4096]); time.sleep(0.5); print('done')"]
     big = memcap.run_capped(hog + [str(256 * MiB)], 96 * MiB, 60)
     assert big["killed_by_oom"] and big["returncode"] != 0 and "done" not in big["stdout"]
     small = memcap.run_capped(hog + [str(32 * MiB)], 96 * MiB, 60)
