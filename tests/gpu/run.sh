@@ -18,6 +18,8 @@
 #      bench_convergence.py on the same ~150M GPT: 128 x 512 = 65,536 tokens a step (16x the
 #      MLP's 4096), warm-up + cosine, AdamW first, then Asteria SOAP async and native sync SOAP
 #      each until AdamW's final loss; the time ratio to AdamW's. JSON: gpu_convergence.json.
+#   7. tests/gpu/capacity_stage.sh: REFRESH round time host-only vs host + device executor and
+#      install waits on the ~150M model (the device executor of refresh/device.py).
 # Everything runs under one global timeout (ASTERIA_GPU_TOTAL_S, default 470 s < 8 min); each
 # step has its own, and the benchmark gets what is left. Logs go to $OUT/gpu_logs (or
 # build/gpu-logs); a summary of every step to $OUT/gpu_check.json (or build/gpu-logs/).
@@ -261,7 +263,9 @@ fi
 # ---- 5. step-time benchmark --------------------------------------------------------------------
 # What is left (less 45 s for the summary and teardown) is shared: the convergence stage (6)
 # gets 60%, at most 200 s; the step-time benchmark the rest, at most 210 s.
-AVAIL=$(($(left) - 45))
+# (the capacity stage (7) keeps CAP_SHARE seconds of its own)
+CAP_SHARE=100
+AVAIL=$(($(left) - 45 - CAP_SHARE))
 CONV_SHARE=$((AVAIL * 6 / 10))
 [ "$CONV_SHARE" -gt 200 ] && CONV_SHARE=200
 BENCH_TOTAL=$((AVAIL - CONV_SHARE))
@@ -292,7 +296,7 @@ else
 fi
 
 # ---- 6. convergence in the users' regime ---------------------------------------------------------
-CONV_TOTAL=$(($(left) - 40))
+CONV_TOTAL=$(($(left) - 40 - CAP_SHARE))
 [ "$CONV_TOTAL" -gt 200 ] && CONV_TOTAL=200
 if [ "$CONV_TOTAL" -lt 90 ]; then
   say "skipped: GPU convergence comparison ($(left)s left of the global ${TOTAL_S}s)"
@@ -310,6 +314,26 @@ else
   else
     say "GPU convergence comparison: FAILED (exit $rc)"
     note gpu-convergence failed "exit $rc"
+    FAILED=1
+  fi
+fi
+
+# ---- 7. capacity: REFRESH rounds host-only vs host + device executor ---------------------------
+CAP_TOTAL=$(($(left) - 25))
+[ "$CAP_TOTAL" -gt 150 ] && CAP_TOTAL=150
+if [ -z "$PYPATH" ] || [ "$CAP_TOTAL" -lt 60 ]; then
+  say "skipped: capacity stage ($(left)s left of the global ${TOTAL_S}s, or Asteria not built)"
+  note capacity-stage skipped "out of time or not built"
+else
+  say "capacity stage (host-only vs hybrid round time, install waits): ${CAP_TOTAL}s budget"
+  OUT=$RESULTS ASTERIA_CAPACITY_BUDGET_S=$CAP_TOTAL timeout -k 5 $((CAP_TOTAL + 20)) \
+    bash "$ROOT/tests/gpu/capacity_stage.sh" 2>&1 | tee "$LOGS/capacity-stage.log"
+  rc=${PIPESTATUS[0]}
+  if [ "$rc" -eq 0 ]; then
+    note capacity-stage ok "$RESULTS/capacity_stage.json"
+  else
+    say "capacity stage: FAILED (exit $rc)"
+    note capacity-stage failed "exit $rc"
     FAILED=1
   fi
 fi
