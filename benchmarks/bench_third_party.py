@@ -237,14 +237,7 @@ def parse_args(argv: Optional[Sequence[str]]):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    threads = torch.get_num_threads()
-    cpus = common.allowed_cpus()
-    try:
-        return run(args, argv)
-    finally:
-        torch.set_num_threads(threads)
-        common.pin_thread(cpus)
+    return common.run_restoring(run, parse_args(argv), argv)
 
 
 if __name__ == "__main__":

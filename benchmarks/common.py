@@ -24,7 +24,7 @@ import shlex
 import subprocess
 import sys
 import time
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
@@ -694,3 +694,17 @@ def finish(data: dict, name: str, out_dir: str, no_plot: bool, print_table, plot
             log(f"no plot: {e}")
     log(f"wrote {path}")
     return data
+
+
+def run_restoring(run: Callable[..., Any], args: Any, argv: Any) -> Any:
+    """``run(args, argv)``, then the caller's torch thread count and CPU affinity back (a
+    benchmark pins its training thread and sets torch's threads for itself)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    cpus = allowed_cpus()
+    try:
+        return run(args, argv)
+    finally:
+        torch.set_num_threads(threads)
+        pin_thread(cpus)
