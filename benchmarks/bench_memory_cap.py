@@ -131,7 +131,11 @@ def child_cmd(spec: dict) -> list[str]:
 def child_env() -> dict:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = env["OPENBLAS_NUM_THREADS"] = env["MKL_NUM_THREADS"] = "1"
-    pkg = os.path.join(os.path.dirname(HERE), "python")
+    # the asteria this process imported (installed, or a dev build on PYTHONPATH), never the
+    # source tree by default: it has no built extension unless a dev build put one there
+    import asteria
+
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(asteria.__file__)))
     env["PYTHONPATH"] = pkg + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
