@@ -30,8 +30,6 @@ import datetime
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -110,42 +108,12 @@ def worker(args) -> int:
 
 # ---- the launcher ----------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(args, out: str) -> None:
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    import asteria
-
-    pkg_root = os.path.dirname(os.path.dirname(asteria.__file__))
-    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "")
-                                                      .split(os.pathsep) if p])
     wargs = ["--worker", "--out", out, "--steps", str(args.steps), "--width", str(args.width),
              "--layers", str(args.layers), "--tokens", str(args.tokens),
              "--block-size", str(args.block_size), "--frequency", str(args.frequency),
              "--staleness", ",".join(str(s) for s in args.staleness)]
-    procs = []
-    for node in range(NODES):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(PER_NODE),
-               "--nnodes", str(NODES), "--node-rank", str(node), "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0",
-               os.path.abspath(__file__)] + wargs
-        log = open(os.path.join(out, f"node{node}.log"), "w")
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT),
-                      log))
-    failed = False
-    for p, log in procs:
-        failed |= p.wait(timeout=args.timeout) != 0
-        log.close()
-    if failed:
-        for node in range(NODES):
-            with open(os.path.join(out, f"node{node}.log")) as fh:
-                sys.stderr.write(fh.read()[-4000:])
-        raise SystemExit("bench_coherence: a worker failed")
+    common.launch_torchrun(__file__, wargs, out, NODES, PER_NODE, args.timeout, "bench_coherence")
 
 
 def install_steps(steps: int, f: int, s: int) -> list[int]:

@@ -360,12 +360,10 @@ def parse_args(argv: Optional[Sequence[str]]):
         return args
     import common
     q = args.quick
-    for k, v in dict(width=512 if q else 2048, steps=21 if q else 31,
-                     dir_parent=os.path.join(common.RESULTS_DIR, "tmp"),
-                     out_dir=os.path.join(common.RESULTS_DIR, "tmp") if q
-                     else common.RESULTS_DIR).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    common.fill_defaults(args, dict(width=512 if q else 2048, steps=21 if q else 31,
+                                    dir_parent=os.path.join(common.RESULTS_DIR, "tmp"),
+                                    out_dir=os.path.join(common.RESULTS_DIR, "tmp") if q
+                                    else common.RESULTS_DIR))
     return args
 
 

@@ -370,12 +370,11 @@ def parse_args(argv: Optional[Sequence[str]]):
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
     q = args.quick
-    for k, v in dict(block_sizes="64k,1m" if q else "64k,1m,4m", total="8m" if q else "256m",
-                     rounds=1 if q else 9,
-                     out_dir=os.path.join(common.RESULTS_DIR, "tmp") if q
-                     else common.RESULTS_DIR).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    common.fill_defaults(args, dict(block_sizes="64k,1m" if q else "64k,1m,4m",
+                                    total="8m" if q else "256m",
+                                    rounds=1 if q else 9,
+                                    out_dir=os.path.join(common.RESULTS_DIR, "tmp") if q
+                                    else common.RESULTS_DIR))
     try:
         args.block_sizes = [parse_size(s) for s in args.block_sizes.split(",") if s.strip()]
         args.total = parse_size(args.total)

@@ -335,12 +335,11 @@ def parse_args(argv: Optional[Sequence[str]]):
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
     q = args.quick
-    for k, v in dict(sizes="64,128" if q else "256,512,1024", budget=0.05 if q else 0.6,
-                     rounds=1 if q else 3,
-                     out_dir=os.path.join(common.RESULTS_DIR, "tmp") if q
-                     else common.RESULTS_DIR).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    common.fill_defaults(args, dict(sizes="64,128" if q else "256,512,1024",
+                                    budget=0.05 if q else 0.6,
+                                    rounds=1 if q else 3,
+                                    out_dir=os.path.join(common.RESULTS_DIR, "tmp") if q
+                                    else common.RESULTS_DIR))
     try:
         args.sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     except ValueError:

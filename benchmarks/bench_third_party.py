@@ -217,13 +217,11 @@ def parse_args(argv: Optional[Sequence[str]]):
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
     q = args.quick
-    for k, v in dict(steps=12 if q else 100, warmup=3 if q else 10,
-                     model_size="tiny" if q else "conv", frequency=4 if q else 10,
-                     staleness=2 if q else 5, log_every=6 if q else 25,
-                     out_dir=os.path.join(common.RESULTS_DIR, "tmp") if q
-                     else common.RESULTS_DIR).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    common.fill_defaults(args, dict(steps=12 if q else 100, warmup=3 if q else 10,
+                                    model_size="tiny" if q else "conv", frequency=4 if q else 10,
+                                    staleness=2 if q else 5, log_every=6 if q else 25,
+                                    out_dir=os.path.join(common.RESULTS_DIR, "tmp") if q
+                                    else common.RESULTS_DIR))
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     for r in runs:
         if r not in RUNS:

@@ -253,12 +253,10 @@ def parse_args(argv: Optional[Sequence[str]]):
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
     q = args.quick
-    for k, v in dict(model_size="tiny" if q else "conv", frequency=4 if q else 10,
-                     staleness=2 if q else 5,
-                     out_dir=os.path.join(common.RESULTS_DIR, "tmp") if q
-                     else common.RESULTS_DIR).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    common.fill_defaults(args, dict(model_size="tiny" if q else "conv", frequency=4 if q else 10,
+                                    staleness=2 if q else 5,
+                                    out_dir=os.path.join(common.RESULTS_DIR, "tmp") if q
+                                    else common.RESULTS_DIR))
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for c in configs:
         if c not in CONFIGS:

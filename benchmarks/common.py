@@ -3,7 +3,8 @@
 Owns: the run metadata every result file carries (machine, versions, the exact command, date),
 the step-time statistics (percentile, summary), writing JSON (by default to benchmarks/results/),
 PNG plotting through matplotlib's Agg backend, progress lines, CPU pinning of the training thread,
-and the optimizer-state bytes per memory tier.
+the optimizer-state bytes per memory tier, and the torchrun launcher of the multi-process
+benchmarks (``launch_torchrun``).
 May call: the standard library, torch, and (lazily, where present) asteria and matplotlib. Nothing
 here needs numpy or matplotlib at import time: the GPU machine may lack them.
 
@@ -708,3 +709,47 @@ def run_restoring(run: Callable[..., Any], args: Any, argv: Any) -> Any:
     finally:
         torch.set_num_threads(threads)
         pin_thread(cpus)
+
+
+# ---- multi-process benchmarks ----------------------------------------------------------------
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_torchrun(script: str, worker_args: Sequence[str], out: str, nodes: int,
+                    per_node: int, timeout: float, name: str) -> None:
+    """Run ``script worker_args`` as ``nodes`` x ``per_node`` ranks on this machine: one
+    torch.distributed.run launcher per simulated node, c10d rendezvous on a free local port,
+    one torch thread per rank, asteria importable from where this process imports it. Each
+    node's output goes to ``out/node{i}.log``; if any launcher fails, the tails of those logs
+    go to stderr and SystemExit names ``name``."""
+    import asteria
+
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    pkg_root = os.path.dirname(os.path.dirname(asteria.__file__))
+    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "")
+                                                      .split(os.pathsep) if p])
+    procs = []
+    for node in range(nodes):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(per_node),
+               "--nnodes", str(nodes), "--node-rank", str(node), "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0",
+               os.path.abspath(script)] + list(worker_args)
+        log = open(os.path.join(out, f"node{node}.log"), "w")
+        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT),
+                      log))
+    failed = False
+    for p, log in procs:
+        failed |= p.wait(timeout=timeout) != 0
+        log.close()
+    if failed:
+        for node in range(nodes):
+            with open(os.path.join(out, f"node{node}.log")) as fh:
+                sys.stderr.write(fh.read()[-4000:])
+        raise SystemExit(f"{name}: a worker failed")

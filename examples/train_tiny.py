@@ -45,13 +45,15 @@ import asteria  # noqa: E402
 LR = {"adamw": 6e-3, "soap-async": 1e-2, "soap-sync": 1e-2, "kl-shampoo-async": 3e-2,
       "shampoo-async": 1e-2}
 DEFAULT_RUNS = ("adamw", "soap-async", "soap-sync")
+STALENESS = 1
 WINDOW = 20  # trailing mean of the train loss: the final loss and the time-to-target curve
 
 
-def make_runs(worker_cpus):
+def make_runs(worker_cpus, staleness=STALENESS, install="deterministic"):
     """name -> factory(params, lr). AdamW betas (0.9, 0.95); SOAP betas (0.95, 0.95); weight
-    decay 0.01; f = 10; async: S = 5, deterministic install, one worker on ``worker_cpus``."""
-    rt = {"mode": "async", "staleness": 5, "install": "deterministic", "workers": 1}
+    decay 0.01; f = 10; async: staleness S and install as given, one worker on
+    ``worker_cpus``."""
+    rt = {"mode": "async", "staleness": staleness, "install": install, "workers": 1}
     if worker_cpus:
         rt["cpuset"] = worker_cpus
     return {
@@ -206,6 +208,10 @@ def main(argv=None):
     ap.add_argument("--lr", action="append", default=[], metavar="NAME=LR",
                     help="peak lr of one run (repeatable); defaults " + ", ".join(
                         f"{k} {v:g}" for k, v in LR.items()))
+    ap.add_argument("--staleness", default=str(STALENESS),
+                    help=f"the async runs' staleness budget S: an int, or auto (default {STALENESS})")
+    ap.add_argument("--install", default="deterministic", choices=("deterministic", "eager"),
+                    help="the async runs' install rule")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for training")
     ap.add_argument("--val-batches", type=int, default=8)
     ap.add_argument("--log-every", type=int, default=50)
@@ -217,6 +223,12 @@ def main(argv=None):
         if k not in LR or not v:
             ap.error(f"--lr {spec!r}: want NAME=LR with NAME one of {', '.join(LR)}")
         lrs[k] = float(v)
+    staleness = args.staleness if args.staleness == "auto" else None
+    if staleness is None:
+        try:
+            staleness = int(args.staleness)
+        except ValueError:
+            ap.error(f"--staleness {args.staleness!r}: want an int >= 0 or auto")
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
     for n in names:
         if n not in LR:
@@ -229,7 +241,8 @@ def main(argv=None):
     train_cpu, worker_cpus = common.split_cores()
     common.pin_thread(None if train_cpu is None else [train_cpu])
     try:
-        runs = make_runs(common.cpu_list(worker_cpus) if train_cpu is not None else None)
+        runs = make_runs(common.cpu_list(worker_cpus) if train_cpu is not None else None,
+                         staleness, args.install)
         data = CharData(block=args.context)
         cfg = GPTConfig(vocab=data.vocab, block=args.context, d=args.d, layers=args.layers,
                         heads=4)

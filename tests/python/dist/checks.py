@@ -12,9 +12,6 @@ sees their outcome.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
 import sys
 import time
@@ -258,24 +255,7 @@ CHECKS = {name[len("check_"):]: fn for name, fn in globals().items()
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--checks", default=",".join(CHECKS))
-    ap.add_argument("--timeout", type=float, default=60.0)
-    args = ap.parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
-    results = {"env": C.env_rank_info(), "timings": {}}
-    try:
-        for name in args.checks.split(","):
-            t0 = time.perf_counter()
-            results[name] = CHECKS[name]()
-            results["timings"][name] = time.perf_counter() - t0
-            dist.barrier()
-    finally:
-        with open(os.path.join(args.out, f"rank{rank()}.json"), "w") as fh:
-            json.dump(results, fh, indent=1)
-    dist.destroy_process_group()
-    return 0
+    return C.run_checks(CHECKS, timeout=60.0)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Support of the per-rank scripts of tests/python/test_distributed.py: a tiny float64
 transformer whose every weight is square, deterministic global batches cut per rank, and
-collective comparisons.
+collective comparisons, and the main of a per-rank script (``run_checks``).
 
 Numerics (see tests/python/models.py): every factor must be full rank with distinct eigenvalues,
 or eigenvectors of a degenerate eigenvalue are arbitrary and SOAP / KL-Shampoo trajectories move
@@ -12,8 +12,12 @@ block is wide.
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import json
 import math
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -156,3 +160,27 @@ def jsonable(stats: dict) -> dict:
 def env_rank_info() -> dict:
     return {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "GROUP_RANK",
                                            "LOCAL_WORLD_SIZE", "WORLD_SIZE")}
+
+
+def run_checks(checks: dict, timeout: float) -> int:
+    """A per-rank script's main: ``--checks`` (comma-separated names of ``checks``, all by
+    default) run in order over a gloo process group with a barrier after each; each one's
+    result and time go to ``--out``/rank{r}.json, written even when a check raises."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--checks", default=",".join(checks))
+    ap.add_argument("--timeout", type=float, default=timeout)
+    args = ap.parse_args()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    results = {"env": env_rank_info(), "world": dist.get_world_size(), "timings": {}}
+    try:
+        for name in args.checks.split(","):
+            t0 = time.perf_counter()
+            results[name] = checks[name]()
+            results["timings"][name] = time.perf_counter() - t0
+            dist.barrier()
+    finally:
+        with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as fh:
+            json.dump(results, fh, indent=1)
+    dist.destroy_process_group()
+    return 0

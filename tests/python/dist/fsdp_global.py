@@ -15,9 +15,6 @@ compares with the full parameters; every rank writes OUT/rank<r>.json.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
 import sys
 import time
@@ -300,25 +297,7 @@ CHECKS = {n[len("check_"):]: f for n, f in globals().items() if n.startswith("ch
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--checks", default=",".join(CHECKS))
-    ap.add_argument("--timeout", type=float, default=120.0)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
-    results = {"env": C.env_rank_info(), "world": dist.get_world_size(), "timings": {}}
-    try:
-        for name in args.checks.split(","):
-            t0 = time.perf_counter()
-            results[name] = CHECKS[name]()
-            results["timings"][name] = time.perf_counter() - t0
-            dist.barrier()
-    finally:
-        with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as fh:
-            json.dump(results, fh, indent=1)
-    dist.destroy_process_group()
-    return 0
+    return C.run_checks(CHECKS, timeout=120.0)
 
 
 if __name__ == "__main__":
