@@ -419,8 +419,9 @@ static int probe_file(const ast__nvme *n, const char *path, int direct, int *dir
             unlink(path);
             *direct_ok = 0;
         } else {
-            rc = ast__errorf(err, len, ast_err_from_errno(errno), "nvme_dir '%s': cannot create a "
-                             "file there: %s", n->dir, strerror(errno));
+            rc = ast__errorf(err, len, ast_err_from_errno(errno),
+                             "nvme_dir '%s': cannot create a file there: %s", n->dir,
+                             strerror(errno));
         }
         free(buf);
         return rc;
@@ -431,8 +432,9 @@ static int probe_file(const ast__nvme *n, const char *path, int direct, int *dir
         if (direct && e == EINVAL)
             *direct_ok = 0;
         else
-            rc = ast__errorf(err, len, ast_err_from_errno(e), "nvme_dir '%s': cannot write a probe "
-                             "file there: %s", n->dir, strerror(e));
+            rc = ast__errorf(err, len, ast_err_from_errno(e),
+                             "nvme_dir '%s': cannot write a probe file there: %s", n->dir,
+                             strerror(e));
     }
     close(fd);
     unlink(path);
@@ -564,8 +566,9 @@ int ast__nvme_open(const ast__nvme_opts *o, ast__nvme **out, char *err, size_t l
         posix_memalign((void **)&n->arena, AST__NVME_ALIGN, (size_t)depth * n->slot_size) != 0) {
         n->arena = NULL;
         ast__nvme_close(n);
-        return ast__errorf(err, len, AST_ENOMEM, "nvme_dir '%s': no memory for %u staging slots of "
-                           "%zu bytes", o->dir, depth, n->slot_size);
+        return ast__errorf(err, len, AST_ENOMEM,
+                           "nvme_dir '%s': no memory for %u staging slots of %zu bytes", o->dir,
+                           depth, n->slot_size);
     }
     memset(n->arena, 0, (size_t)depth * n->slot_size);
     rc = ring_setup(n, err, len);
@@ -825,8 +828,8 @@ static void start_record(struct batch *b, size_t i)
     r->fd = -1;
     r->direct = io->framed && io->data && !io->on_device;
     if (n->broken) {
-        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_EIO, "the io_uring ring failed earlier "
-                        "(%s)", strerror(-n->broken));
+        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_EIO,
+                        "the io_uring ring failed earlier (%s)", strerror(-n->broken));
         return;
     }
     if (b->writing && io->in_place) {
@@ -919,11 +922,11 @@ static void check_header(struct batch *b, size_t i)
 
     r->header_checked = 1;
     if (memcmp(h, REC_MAGIC, 4) != 0 || get_le(h + 60, 4) != crc_of(0, h, 60))
-        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_ECORRUPT, "record header damaged (bad "
-                        "magic or header checksum)");
+        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_ECORRUPT,
+                        "record header damaged (bad magic or header checksum)");
     else if (get_le(h + 4, 2) != AST__NVME_VERSION || get_le(h + 6, 2) != AST__NVME_HEADER)
-        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_ECORRUPT, "record format version %u "
-                        "(header %u bytes); this build reads version %u",
+        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_ECORRUPT,
+                        "record format version %u (header %u bytes); this build reads version %u",
                         (unsigned)get_le(h + 4, 2), (unsigned)get_le(h + 6, 2), AST__NVME_VERSION);
     else if (sid != owner)
         ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_EFOREIGN, "record belongs to store %016"
@@ -1155,23 +1158,26 @@ static void verify_read(struct batch *b, size_t i)
     uint32_t stored;
 
     if (r->done < AST__NVME_HEADER || r->file_size < want)
-        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_ECORRUPT, "truncated record: the file "
-                        "has %" PRIu64 " bytes, the record of a %zu-byte block has %" PRIu64,
-                        r->file_size, io->len, want);
+        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_ECORRUPT,
+                        "truncated record: the file has %" PRIu64
+                        " bytes, the record of a %zu-byte block has %" PRIu64, r->file_size,
+                        io->len, want);
     else if (r->file_size > want)
-        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_ECORRUPT, "oversized record: the file "
-                        "has %" PRIu64 " bytes, the record of a %zu-byte block has %" PRIu64,
-                        r->file_size, io->len, want);
+        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_ECORRUPT,
+                        "oversized record: the file has %" PRIu64
+                        " bytes, the record of a %zu-byte block has %" PRIu64, r->file_size,
+                        io->len, want);
     else if (r->done < AST__NVME_HEADER + io->len + AST__NVME_TRAILER)
         ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_ECORRUPT, "truncated record: only %"
                         PRIu64 " bytes could be read", r->done);
     else if ((stored = (uint32_t)get_le(r->trl, 4)) != r->crc ||
              memcmp(r->trl + 4, END_MAGIC, 4) != 0)
-        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_ECORRUPT, "checksum mismatch: stored "
-                        "crc32 %08" PRIx32 ", computed %08" PRIx32, stored, r->crc);
+        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_ECORRUPT,
+                        "checksum mismatch: stored crc32 %08" PRIx32 ", computed %08" PRIx32,
+                        stored, r->crc);
     else if (r->pad_bad)
-        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_ECORRUPT, "damaged padding after the "
-                        "payload (nonzero bytes)");
+        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_ECORRUPT,
+                        "damaged padding after the payload (nonzero bytes)");
 }
 
 /* Completes what can be completed of record i once none of its ops is in flight. */

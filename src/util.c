@@ -91,15 +91,19 @@ int ast__batch_fail(ast__batch_err *e, size_t idx, int *item, int code, const ch
 
 /* ---- hash table ------------------------------------------------------------------------------ */
 
-/* The murmur3 finaliser: consecutive keys (tickets, block ids) spread over every bucket. */
+uint64_t ast__mix64(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
 static size_t slot(const ast__htable *t, uint64_t key)
 {
-    key ^= key >> 33;
-    key *= 0xff51afd7ed558ccdULL;
-    key ^= key >> 33;
-    key *= 0xc4ceb9fe1a85ec53ULL;
-    key ^= key >> 33;
-    return (size_t)key & (t->nb - 1);
+    return (size_t)ast__mix64(key) & (t->nb - 1);
 }
 
 int ast__htable_reserve(ast__htable *t, size_t want)

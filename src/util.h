@@ -93,6 +93,9 @@ typedef struct ast__htable {
 #define AST__CONTAINER_OF(ptr, type, member) \
     ((type *)(void *)((char *)(ptr) - offsetof(type, member)))
 
+/* The murmur3 finaliser: every bit of x reaches every bit of the result, so consecutive keys
+ * (tickets, block ids) spread over every bucket; also the step of a hash over a longer key. */
+uint64_t ast__mix64(uint64_t x);
 /* Grows the bucket array to hold want nodes at load factor <= 1 (existing nodes are re-linked).
  * Returns 0 on success (also when it is large enough already); AST_ENOMEM, table unchanged. */
 int ast__htable_reserve(ast__htable *t, size_t want);
