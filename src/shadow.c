@@ -468,11 +468,10 @@ static int ring_init(ast_shadow *sh, ring *r, size_t cap, unsigned max, char *er
     } else {
         rc = ast__cuda_malloc(&p, r->cap, err, len);
     }
-    if (rc) {
-        if (rc == AST_ENOMEM && err && len)
-            snprintf(err, len, "%s: cannot allocate %zu bytes", r->what, r->cap);
+    if (rc == AST_ENOMEM)
+        return ast__errorf(err, len, rc, "%s: cannot allocate %zu bytes", r->what, r->cap);
+    if (rc)
         return rc;
-    }
     r->base = p;
 #if ASTERIA_HAVE_CUDA
     for (unsigned i = 0; sh->cuda && i < max; i++) {
@@ -498,11 +497,9 @@ static int pick_path(ast_shadow *sh, const ast_shadow_opts *o, int ndev, char *e
     if (o->mode == AST_SHADOW_HOST || ndev == 0)
         return 0;
     int dev = o->device;
-    if (dev >= ndev) {
-        if (err && len)
-            snprintf(err, len, "opts.device %d: only %d CUDA device(s)", dev, ndev);
-        return AST_EINVAL;
-    }
+    if (dev >= ndev)
+        return ast__errorf(err, len, AST_EINVAL, "opts.device %d: only %d CUDA device(s)", dev,
+                           ndev);
     cudaError_t e;
     if (dev < 0 && (e = cudaGetDevice(&dev)) != cudaSuccess)
         return cuda_fail(e, "cudaGetDevice", err, len);
@@ -571,20 +568,16 @@ int ast_shadow_create_msg(const ast_shadow_opts *opts, ast_shadow **out, char *e
     if (!o.snapshot_bytes || !o.ring_bytes || !o.max_slots ||
         (unsigned)o.mode > AST_SHADOW_CUDA || o.snapshot_bytes > SIZE_MAX / 2 ||
         o.ring_bytes > SIZE_MAX / 2) {
-        if (errbuf && len)
-            snprintf(errbuf, len,
-                     "snapshot_bytes (%zu), ring_bytes (%zu) and max_slots (%u) must be > 0, "
-                     "mode one of auto/host/cuda",
-                     o.snapshot_bytes, o.ring_bytes, o.max_slots);
-        return AST_EINVAL;
+        return ast__errorf(errbuf, len, AST_EINVAL,
+                           "snapshot_bytes (%zu), ring_bytes (%zu) and max_slots (%u) must be > 0, "
+                           "mode one of auto/host/cuda",
+                           o.snapshot_bytes, o.ring_bytes, o.max_slots);
     }
     int ndev = ast__cuda_device_count();
     if (o.mode == AST_SHADOW_CUDA && ndev == 0) {
-        if (errbuf && len)
-            snprintf(errbuf, len, "%s",
-                     ASTERIA_HAVE_CUDA ? "mode cuda: no CUDA device present"
-                                       : "mode cuda: libasteria was built without CUDA");
-        return AST_ENODEV;
+        return ast__errorf(errbuf, len, AST_ENODEV, "%s",
+                           ASTERIA_HAVE_CUDA ? "mode cuda: no CUDA device present"
+                                             : "mode cuda: libasteria was built without CUDA");
     }
     ast_shadow *sh = calloc(1, sizeof *sh);
     if (!sh)

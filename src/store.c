@@ -218,20 +218,16 @@ static int mem_alloc_z(ast_tier t, size_t n, void **p, int zero, char *msg, size
         if (framed(t, n)) {
             size_t fb = (size_t)ast__nvme_record_bytes(n);
             void *f = NULL;
-            if (posix_memalign(&f, AST__NVME_ALIGN, fb) != 0) {
-                snprintf(msg, len, "posix_memalign(%zu) failed", fb);
-                return AST_ENOMEM;
-            }
+            if (posix_memalign(&f, AST__NVME_ALIGN, fb) != 0)
+                return ast__errorf(msg, len, AST_ENOMEM, "posix_memalign(%zu) failed", fb);
             if (zero)
                 memset(f, 0, fb);
             *p = (unsigned char *)f + AST__NVME_HEADER;
             return 0;
         }
         *p = zero ? calloc(1, n) : malloc(n);
-        if (!*p) {
-            snprintf(msg, len, "calloc(%zu) failed", n);
-            return AST_ENOMEM;
-        }
+        if (!*p)
+            return ast__errorf(msg, len, AST_ENOMEM, "calloc(%zu) failed", n);
         return 0;
     case AST_TIER_HOST_PINNED:
         return ast__cuda_host_alloc(p, n, msg, len);
@@ -240,8 +236,7 @@ static int mem_alloc_z(ast_tier t, size_t n, void **p, int zero, char *msg, size
     case AST_TIER_UVM:
         return ast__cuda_managed_alloc(p, n, msg, len);
     default:
-        snprintf(msg, len, "tier %d has no memory of its own", (int)t);
-        return AST_EINVAL;
+        return ast__errorf(msg, len, AST_EINVAL, "tier %d has no memory of its own", (int)t);
     }
 }
 
@@ -440,22 +435,16 @@ int ast__store_open_faults(const ast_store_opts *opts, unsigned faults, ast_stor
 
     if (errbuf && len)
         errbuf[0] = '\0';
-    if (!out) {
-        if (errbuf && len)
-            snprintf(errbuf, len, "ast_store_open: out is NULL");
-        return AST_EINVAL;
-    }
+    if (!out)
+        return ast__errorf(errbuf, len, AST_EINVAL, "ast_store_open: out is NULL");
     *out = NULL;
     if (!opts) {
         ast_store_opts_init(&defaults);
         opts = &defaults;
     }
     s = calloc(1, sizeof *s);
-    if (!s) {
-        if (errbuf && len)
-            snprintf(errbuf, len, "ast_store_open: out of memory");
-        return AST_ENOMEM;
-    }
+    if (!s)
+        return ast__errorf(errbuf, len, AST_ENOMEM, "ast_store_open: out of memory");
     pthread_mutex_init(&s->mu, NULL);
     s->next_id = 1;
     s->store_id = random_id();
