@@ -138,15 +138,15 @@ void ast_store_opts_init(ast_store_opts *o)
 
 /* ---- block table --------------------------------------------------------------------------- */
 
-static struct blk *lookup(const ast_store *s, uint64_t id)
-{
-    ast__hnode *x = ast__htable_find(&s->tab, id);
-    return x ? AST__CONTAINER_OF(x, struct blk, node) : NULL;
-}
-
 static struct blk *blk_of(ast__hnode *x)
 {
     return AST__CONTAINER_OF(x, struct blk, node);
+}
+
+static struct blk *lookup(const ast_store *s, uint64_t id)
+{
+    ast__hnode *x = ast__htable_find(&s->tab, id);
+    return x ? blk_of(x) : NULL;
 }
 
 /* ---- helpers (store mutex held) -------------------------------------------------------------- */

@@ -31,16 +31,15 @@ int ast__errorf(char *buf, size_t len, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 int ast__verrorf(char *buf, size_t len, int code, const char *fmt, va_list ap)
     __attribute__((format(printf, 4, 0)));
-/* The same, prefixed with the code's symbolic name ("AST_EINVAL: ..."): the form of the
- * last-error text a handle keeps (runtime, shadow, trace). The caller holds the lock that guards
- * buf. */
+/* The same, prefixed with the code's symbolic name ("AST_EINVAL: ..."): the form of a named
+ * last-error text (below). The caller holds the lock that guards buf. */
 int ast__verrorf_named(char *buf, size_t len, int code, const char *fmt, va_list ap)
     __attribute__((format(printf, 4, 0)));
 
 /* A handle's last-error text, which its ast_*_last_error copies out; the handle's mutex guards
  * it. named (set at creation): every text starts with the code's symbolic name, the form the
- * shadow and the trace recorder keep; the store and the coherence registry keep the bare
- * message (tests and callers read both forms). */
+ * runtime, the shadow and the trace recorder keep; the store and the coherence registry keep
+ * the bare message (tests and callers read both forms). */
 #define AST__LAST_ERROR_BYTES 1024
 typedef struct ast__last_error {
     int named;
