@@ -4,7 +4,8 @@
  *
  * Owns: the block table (id -> cost, interned replica set, owner, versions), the interned
  * replica sets with their per-node representatives, the per-rank loads, the counters behind
- * ast_coherence_stats and the last-error message. May call: libc, pthreads. Moves no data.
+ * ast_coherence_stats and the last-error message. May call: libc, pthreads, util.h (the block
+ * index, the hash mix, the last-error setter). Moves no data.
  *
  * Locking: one mutex per registry, held by every public function for its whole duration;
  * nothing inside blocks or calls out, so there is no lock order to keep. ast_coherence_destroy
@@ -23,13 +24,10 @@
 
 #include <inttypes.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-
-#define ERR_BYTES 512
 
 struct ver {
     uint64_t v;    /* 0: none */
@@ -85,33 +83,12 @@ struct ast_coherence {
     uint64_t barrier_t0;
 
     ast_coherence_stats st;
-    char err[ERR_BYTES];
+    ast__last_error err;
 };
-
-/* Sets reg's last-error text (reg->mu held) and returns code. */
-static int fail(ast_coherence *reg, int code, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    ast__verrorf(reg->err, sizeof reg->err, code, fmt, ap);
-    va_end(ap);
-    return code;
-}
-
 
 static uint64_t sat_add(uint64_t a, uint64_t b)
 {
     return a > UINT64_MAX - b ? UINT64_MAX : a + b;
-}
-
-static uint64_t mix(uint64_t x)
-{
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdULL;
-    x ^= x >> 33;
-    x *= 0xc4ceb9fe1a85ec53ULL;
-    x ^= x >> 33;
-    return x;
 }
 
 uint64_t ast_coherence_dim_cost(uint64_t n)
@@ -156,9 +133,9 @@ static void vset_free(struct vset *s)
 
 static uint64_t ranks_hash(const int *r, int n)
 {
-    uint64_t h = mix((uint64_t)n + 0x9e3779b97f4a7c15ULL);
+    uint64_t h = ast__mix64((uint64_t)n + 0x9e3779b97f4a7c15ULL);
     for (int i = 0; i < n; i++)
-        h = mix(h ^ (uint64_t)(unsigned)r[i]);
+        h = ast__mix64(h ^ (uint64_t)(unsigned)r[i]);
     return h;
 }
 
@@ -268,32 +245,24 @@ static void reindex(ast_coherence *reg)
 static int planned_block(ast_coherence *reg, uint64_t id, const char *what, struct blk **out)
 {
     if (!reg->planned)
-        return fail(reg, AST_ESTATE, "%s: ast_coherence_plan has not been called", what);
+        return ast__set_error(&reg->err, NULL, AST_ESTATE,
+                              "%s: ast_coherence_plan has not been called", what);
     *out = lookup(reg, id);
     if (!*out)
-        return fail(reg, AST_ENOENT, "%s: block %" PRIu64 " is not registered", what, id);
+        return ast__set_error(&reg->err, NULL, AST_ENOENT, "%s: block %" PRIu64
+                              " is not registered", what, id);
     return 0;
 }
 
 static int step_arg(ast_coherence *reg, int64_t step, const char *what)
 {
     if (step < 0)
-        return fail(reg, AST_EINVAL, "%s: step %" PRId64 " is negative", what, step);
+        return ast__set_error(&reg->err, NULL, AST_EINVAL, "%s: step %" PRId64 " is negative", what,
+                              step);
     return 0;
 }
 
 /* ---- create / destroy --------------------------------------------------------------------- */
-
-static int msg(char *errbuf, size_t len, int code, const char *fmt, ...)
-{
-    if (errbuf && len) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(errbuf, len, fmt, ap);
-        va_end(ap);
-    }
-    return code;
-}
 
 int ast_coherence_create_msg(const ast_coherence_opts *o, ast_coherence **out, char *errbuf,
                              size_t len)
@@ -301,32 +270,34 @@ int ast_coherence_create_msg(const ast_coherence_opts *o, ast_coherence **out, c
     if (errbuf && len)
         errbuf[0] = '\0';
     if (!out)
-        return msg(errbuf, len, AST_EINVAL, "coherence: out is NULL");
+        return ast__errorf(errbuf, len, AST_EINVAL, "coherence: out is NULL");
     *out = NULL;
     if (!o)
-        return msg(errbuf, len, AST_EINVAL, "coherence: opts is NULL");
+        return ast__errorf(errbuf, len, AST_EINVAL, "coherence: opts is NULL");
     if (o->world_size < 1)
-        return msg(errbuf, len, AST_EINVAL, "coherence: world_size %d < 1", o->world_size);
+        return ast__errorf(errbuf, len, AST_EINVAL, "coherence: world_size %d < 1", o->world_size);
     if (o->rank < 0 || o->rank >= o->world_size)
-        return msg(errbuf, len, AST_EINVAL, "coherence: rank %d outside [0, %d)", o->rank,
-                   o->world_size);
+        return ast__errorf(errbuf, len, AST_EINVAL, "coherence: rank %d outside [0, %d)", o->rank,
+                           o->world_size);
     if (o->staleness < 0)
-        return msg(errbuf, len, AST_EINVAL, "coherence: staleness %d < 0", o->staleness);
+        return ast__errorf(errbuf, len, AST_EINVAL, "coherence: staleness %d < 0", o->staleness);
     if (!o->node_ids && o->ranks_per_node < 1)
-        return msg(errbuf, len, AST_EINVAL,
-                   "coherence: ranks_per_node %d < 1 and no node_ids given", o->ranks_per_node);
+        return ast__errorf(errbuf, len, AST_EINVAL,
+                           "coherence: ranks_per_node %d < 1 and no node_ids given",
+                           o->ranks_per_node);
     for (int r = 0; o->node_ids && r < o->world_size; r++)
         if (o->node_ids[r] < 0)
-            return msg(errbuf, len, AST_EINVAL, "coherence: node_ids[%d] = %d is negative", r,
-                       o->node_ids[r]);
+            return ast__errorf(errbuf, len, AST_EINVAL, "coherence: node_ids[%d] = %d is negative",
+                               r, o->node_ids[r]);
     for (int r = 0; o->replica_group && r < o->world_size; r++)
         if (o->replica_group[r] < 0)
-            return msg(errbuf, len, AST_EINVAL, "coherence: replica_group[%d] = %d is negative",
-                       r, o->replica_group[r]);
+            return ast__errorf(errbuf, len, AST_EINVAL,
+                               "coherence: replica_group[%d] = %d is negative", r,
+                               o->replica_group[r]);
 
     ast_coherence *reg = calloc(1, sizeof *reg);
     if (!reg)
-        return msg(errbuf, len, AST_ENOMEM, "coherence: out of memory");
+        return ast__errorf(errbuf, len, AST_ENOMEM, "coherence: out of memory");
     pthread_mutex_init(&reg->mu, NULL);
     reg->world = o->world_size;
     reg->rank = o->rank;
@@ -341,7 +312,7 @@ int ast_coherence_create_msg(const ast_coherence_opts *o, ast_coherence **out, c
         free(members);
         free(seen);
         ast_coherence_destroy(reg);
-        return msg(errbuf, len, AST_ENOMEM, "coherence: out of memory");
+        return ast__errorf(errbuf, len, AST_ENOMEM, "coherence: out of memory");
     }
     int nm = 0;
     for (int r = 0; r < reg->world; r++) {
@@ -356,7 +327,7 @@ int ast_coherence_create_msg(const ast_coherence_opts *o, ast_coherence **out, c
     free(seen);
     if (vset_intern(reg, members, nm, &reg->default_set) != 0) {
         ast_coherence_destroy(reg);
-        return msg(errbuf, len, AST_ENOMEM, "coherence: out of memory");
+        return ast__errorf(errbuf, len, AST_ENOMEM, "coherence: out of memory");
     }
     reg->st.world_size = reg->world;
     reg->st.rank = reg->rank;
@@ -395,7 +366,7 @@ int ast_coherence_last_error(ast_coherence *reg, char *buf, size_t len)
     if (!reg || !buf || !len)
         return AST_EINVAL;
     pthread_mutex_lock(&reg->mu);
-    snprintf(buf, len, "%s", reg->err);
+    snprintf(buf, len, "%s", reg->err.text);
     pthread_mutex_unlock(&reg->mu);
     return 0;
 }
@@ -408,19 +379,20 @@ static int replica_set(ast_coherence *reg, uint64_t id, const int *rr, int n, co
                        struct vset **out)
 {
     if (rr ? n < 1 : n != 0)
-        return fail(reg, AST_EINVAL, "%s %" PRIu64 ": nreplicas %d with %s replica list", what,
-                    id, n, rr ? "a" : "no");
+        return ast__set_error(&reg->err, NULL, AST_EINVAL, "%s %" PRIu64
+                              ": nreplicas %d with %s replica list", what, id, n, rr ? "a" : "no");
     *out = reg->default_set;
     if (!rr)
         return 0;
     int *sorted = malloc((size_t)n * sizeof(int));
     if (!sorted)
-        return fail(reg, AST_ENOMEM, "%s %" PRIu64 ": out of memory", what, id);
+        return ast__set_error(&reg->err, NULL, AST_ENOMEM, "%s %" PRIu64 ": out of memory", what,
+                              id);
     for (int i = 0; i < n; i++) {
         if (rr[i] < 0 || rr[i] >= reg->world) {
             free(sorted);
-            return fail(reg, AST_EINVAL, "%s %" PRIu64 ": replica rank %d outside [0, %d)", what,
-                        id, rr[i], reg->world);
+            return ast__set_error(&reg->err, NULL, AST_EINVAL, "%s %" PRIu64
+                                  ": replica rank %d outside [0, %d)", what, id, rr[i], reg->world);
         }
         sorted[i] = rr[i];
     }
@@ -429,11 +401,12 @@ static int replica_set(ast_coherence *reg, uint64_t id, const int *rr, int n, co
         if (sorted[i] == sorted[i - 1]) {
             int dup = sorted[i];
             free(sorted);
-            return fail(reg, AST_EINVAL, "%s %" PRIu64 ": replica rank %d listed twice", what, id,
-                        dup);
+            return ast__set_error(&reg->err, NULL, AST_EINVAL, "%s %" PRIu64
+                                  ": replica rank %d listed twice", what, id, dup);
         }
     if (vset_intern(reg, sorted, n, out) != 0)
-        return fail(reg, AST_ENOMEM, "%s %" PRIu64 ": out of memory", what, id);
+        return ast__set_error(&reg->err, NULL, AST_ENOMEM, "%s %" PRIu64 ": out of memory", what,
+                              id);
     return 0;
 }
 
@@ -476,21 +449,24 @@ static void add_block(ast_coherence *reg, uint64_t id, uint64_t cost, struct vse
 static int do_register(ast_coherence *reg, uint64_t id, uint64_t cost, const int *rr, int n)
 {
     if (reg->planned)
-        return fail(reg, AST_ESTATE, "register_block %" PRIu64 ": the plan is fixed", id);
+        return ast__set_error(&reg->err, NULL, AST_ESTATE, "register_block %" PRIu64
+                              ": the plan is fixed", id);
     if (cost == 0)
-        return fail(reg, AST_EINVAL, "register_block %" PRIu64 ": cost 0", id);
+        return ast__set_error(&reg->err, NULL, AST_EINVAL, "register_block %" PRIu64 ": cost 0",
+                              id);
     if (rr ? n < 1 : n != 0)
-        return fail(reg, AST_EINVAL,
-                    "register_block %" PRIu64 ": nreplicas %d with %s replica list", id, n,
-                    rr ? "a" : "no");
+        return ast__set_error(&reg->err, NULL, AST_EINVAL, "register_block %" PRIu64
+                              ": nreplicas %d with %s replica list", id, n, rr ? "a" : "no");
     if (lookup(reg, id))
-        return fail(reg, AST_EINVAL, "register_block %" PRIu64 ": already registered", id);
+        return ast__set_error(&reg->err, NULL, AST_EINVAL, "register_block %" PRIu64
+                              ": already registered", id);
     struct vset *set;
     int rc = replica_set(reg, id, rr, n, "register_block", &set);
     if (rc)
         return rc;
     if (reserve_blocks(reg, 1) != 0)
-        return fail(reg, AST_ENOMEM, "register_block %" PRIu64 ": out of memory", id);
+        return ast__set_error(&reg->err, NULL, AST_ENOMEM, "register_block %" PRIu64
+                              ": out of memory", id);
     add_block(reg, id, cost, set);
     return 0;
 }
@@ -559,7 +535,7 @@ static int do_plan(ast_coherence *reg)
         return 0;
     struct blk **order = malloc((reg->nblocks ? reg->nblocks : 1) * sizeof *order);
     if (!order)
-        return fail(reg, AST_ENOMEM, "plan: out of memory");
+        return ast__set_error(&reg->err, NULL, AST_ENOMEM, "plan: out of memory");
     assign_owners(reg, order);
     free(order);
     return 0;
@@ -585,17 +561,20 @@ static int do_extend(ast_coherence *reg, const uint64_t *ids, const uint64_t *co
                      const int *rr, int nr)
 {
     if (n && (!ids || !costs))
-        return fail(reg, AST_EINVAL, "extend: NULL ids or costs for %zu blocks", n);
+        return ast__set_error(&reg->err, NULL, AST_EINVAL,
+                              "extend: NULL ids or costs for %zu blocks", n);
     for (size_t i = 0; i < n; i++) {
         if (costs[i] == 0)
-            return fail(reg, AST_EINVAL, "extend %" PRIu64 ": cost 0", ids[i]);
+            return ast__set_error(&reg->err, NULL, AST_EINVAL, "extend %" PRIu64 ": cost 0",
+                                  ids[i]);
         if (lookup(reg, ids[i]))
-            return fail(reg, AST_EINVAL, "extend %" PRIu64 ": already registered", ids[i]);
+            return ast__set_error(&reg->err, NULL, AST_EINVAL, "extend %" PRIu64
+                                  ": already registered", ids[i]);
     }
     if (n > 1) {
         uint64_t *sorted = malloc(n * sizeof *sorted);
         if (!sorted)
-            return fail(reg, AST_ENOMEM, "extend: out of memory");
+            return ast__set_error(&reg->err, NULL, AST_ENOMEM, "extend: out of memory");
         memcpy(sorted, ids, n * sizeof *sorted);
         qsort(sorted, n, sizeof *sorted, cmp_u64);
         uint64_t dup = 0;
@@ -607,7 +586,8 @@ static int do_extend(ast_coherence *reg, const uint64_t *ids, const uint64_t *co
             }
         free(sorted);
         if (repeated)
-            return fail(reg, AST_EINVAL, "extend %" PRIu64 ": listed twice", dup);
+            return ast__set_error(&reg->err, NULL, AST_EINVAL, "extend %" PRIu64 ": listed twice",
+                                  dup);
     }
     struct vset *set;
     int rc = replica_set(reg, n ? ids[0] : 0, rr, nr, "extend", &set);
@@ -616,7 +596,7 @@ static int do_extend(ast_coherence *reg, const uint64_t *ids, const uint64_t *co
     struct blk **order = malloc((reg->nblocks + n ? reg->nblocks + n : 1) * sizeof *order);
     if (!order || reserve_blocks(reg, n) != 0) {
         free(order);
-        return fail(reg, AST_ENOMEM, "extend: out of memory");
+        return ast__set_error(&reg->err, NULL, AST_ENOMEM, "extend: out of memory");
     }
     for (size_t i = 0; i < n; i++)
         add_block(reg, ids[i], costs[i], set);
@@ -644,7 +624,9 @@ int ast_coherence_owner(ast_coherence *reg, uint64_t block, int *rank)
         return AST_EINVAL;
     pthread_mutex_lock(&reg->mu);
     struct blk *b = NULL;
-    int rc = rank ? planned_block(reg, block, "owner", &b) : fail(reg, AST_EINVAL, "owner: NULL out");
+    int rc = rank ? planned_block(reg, block, "owner", &b) : ast__set_error(&reg->err, NULL,
+                                                                            AST_EINVAL,
+                                                                            "owner: NULL out");
     if (rc == 0)
         *rank = b->owner;
     pthread_mutex_unlock(&reg->mu);
@@ -671,11 +653,13 @@ int ast_coherence_load(ast_coherence *reg, int rank, uint64_t *cost)
     pthread_mutex_lock(&reg->mu);
     int rc = 0;
     if (!cost)
-        rc = fail(reg, AST_EINVAL, "load: NULL out");
+        rc = ast__set_error(&reg->err, NULL, AST_EINVAL, "load: NULL out");
     else if (rank < 0 || rank >= reg->world)
-        rc = fail(reg, AST_EINVAL, "load: rank %d outside [0, %d)", rank, reg->world);
+        rc = ast__set_error(&reg->err, NULL, AST_EINVAL, "load: rank %d outside [0, %d)", rank,
+                            reg->world);
     else if (!reg->planned)
-        rc = fail(reg, AST_ESTATE, "load: ast_coherence_plan has not been called");
+        rc = ast__set_error(&reg->err, NULL, AST_ESTATE,
+                            "load: ast_coherence_plan has not been called");
     else
         *cost = reg->load[rank];
     pthread_mutex_unlock(&reg->mu);
@@ -688,7 +672,7 @@ static int rank_list(ast_coherence *reg, uint64_t block, int reps, int *ranks, s
 {
     const char *what = reps ? "representatives" : "replicas";
     if (!n || (!ranks && cap))
-        return fail(reg, AST_EINVAL, "%s: NULL output", what);
+        return ast__set_error(&reg->err, NULL, AST_EINVAL, "%s: NULL output", what);
     struct blk *b = NULL;
     int rc = planned_block(reg, block, what, &b);
     if (rc)
@@ -699,7 +683,7 @@ static int rank_list(ast_coherence *reg, uint64_t block, int reps, int *ranks, s
         /* node_rep is in node-id order; hand it out in rank order. */
         int *tmp = malloc(cnt * sizeof(int));
         if (!tmp)
-            return fail(reg, AST_ENOMEM, "%s: out of memory", what);
+            return ast__set_error(&reg->err, NULL, AST_ENOMEM, "%s: out of memory", what);
         memcpy(tmp, src, cnt * sizeof(int));
         qsort(tmp, cnt, sizeof(int), cmp_int);
         if (cap)
@@ -740,7 +724,7 @@ int ast_coherence_nblocks(ast_coherence *reg, size_t *n)
     pthread_mutex_lock(&reg->mu);
     int rc = 0;
     if (!n)
-        rc = fail(reg, AST_EINVAL, "nblocks: NULL out");
+        rc = ast__set_error(&reg->err, NULL, AST_EINVAL, "nblocks: NULL out");
     else
         *n = reg->nblocks;
     pthread_mutex_unlock(&reg->mu);
@@ -754,7 +738,7 @@ int ast_coherence_block_info(ast_coherence *reg, uint64_t block, ast_coherence_b
     pthread_mutex_lock(&reg->mu);
     struct blk *b = NULL;
     int rc = out ? planned_block(reg, block, "block_info", &b)
-                 : fail(reg, AST_EINVAL, "block_info: NULL out");
+                 : ast__set_error(&reg->err, NULL, AST_EINVAL, "block_info: NULL out");
     if (rc == 0) {
         out->cost = b->cost;
         out->owner = b->owner;
@@ -780,18 +764,17 @@ static int check_announce(ast_coherence *reg, const struct blk *b, uint64_t v, i
                           const char *what)
 {
     if (t < 0)
-        return fail(reg, AST_EINVAL, "%s %" PRIu64 ": snapshot step %" PRId64 " is negative",
-                    what, b->id, t);
+        return ast__set_error(&reg->err, NULL, AST_EINVAL, "%s %" PRIu64 ": snapshot step %" PRId64
+                              " is negative", what, b->id, t);
     if (v <= b->pub.v || t <= b->pub.t)
-        return fail(reg, AST_EINVAL,
-                    "%s %" PRIu64 ": version %" PRIu64 " at step %" PRId64
-                    " does not follow version %" PRIu64 " at step %" PRId64,
-                    what, b->id, v, t, b->pub.v, b->pub.t);
+        return ast__set_error(&reg->err, NULL, AST_EINVAL, "%s %" PRIu64 ": version %" PRIu64
+                              " at step %" PRId64 " does not follow version %" PRIu64 " at step %"
+                              PRId64, what, b->id, v, t, b->pub.v, b->pub.t);
     if (t <= reg->evaluated - reg->S)
-        return fail(reg, AST_ESTATE,
-                    "%s %" PRIu64 ": late: version %" PRIu64 " (snapshot step %" PRId64
-                    ") was due by step %" PRId64 ", but step %" PRId64 " is already evaluated",
-                    what, b->id, v, t, t + reg->S, reg->evaluated);
+        return ast__set_error(&reg->err, NULL, AST_ESTATE, "%s %" PRIu64 ": late: version %" PRIu64
+                              " (snapshot step %" PRId64 ") was due by step %" PRId64 ", but step %"
+                              PRId64 " is already evaluated", what, b->id, v, t, t + reg->S,
+                              reg->evaluated);
     return 0;
 }
 
@@ -801,7 +784,8 @@ static int announce(ast_coherence *reg, struct blk *b, uint64_t v, int64_t t)
         size_t cap = b->cappend ? 2 * b->cappend : 4;
         struct ver *p = realloc(b->pend, cap * sizeof *p);
         if (!p)
-            return fail(reg, AST_ENOMEM, "announce %" PRIu64 ": out of memory", b->id);
+            return ast__set_error(&reg->err, NULL, AST_ENOMEM, "announce %" PRIu64
+                                  ": out of memory", b->id);
         b->pend = p;
         b->cappend = cap;
     }
@@ -820,8 +804,9 @@ static int evaluate(ast_coherence *reg, int64_t step, const char *what)
     if (rc)
         return rc;
     if (step < reg->evaluated)
-        return fail(reg, AST_EINVAL, "%s: step %" PRId64 " is older than step %" PRId64
-                    " already evaluated", what, step, reg->evaluated);
+        return ast__set_error(&reg->err, NULL, AST_EINVAL, "%s: step %" PRId64
+                              " is older than step %" PRId64 " already evaluated", what, step,
+                              reg->evaluated);
     if (step == reg->evaluated)
         return 0;
     for (size_t i = 0; i < reg->nblocks; i++) {
@@ -848,8 +833,8 @@ int ast_coherence_publish(ast_coherence *reg, uint64_t block, uint64_t version, 
     struct blk *b = NULL;
     int rc = planned_block(reg, block, "publish", &b);
     if (rc == 0 && b->owner != reg->rank)
-        rc = fail(reg, AST_EINVAL, "publish %" PRIu64 ": rank %d is not the owner (rank %d is)",
-                  block, reg->rank, b->owner);
+        rc = ast__set_error(&reg->err, NULL, AST_EINVAL, "publish %" PRIu64
+                            ": rank %d is not the owner (rank %d is)", block, reg->rank, b->owner);
     if (rc == 0)
         rc = check_announce(reg, b, version, step, "publish");
     if (rc == 0)
@@ -877,16 +862,18 @@ static int exchange_args(ast_coherence *reg, int64_t step, const void *vec, size
                          const char *what)
 {
     if (!reg->planned)
-        return fail(reg, AST_ESTATE, "%s: ast_coherence_plan has not been called", what);
+        return ast__set_error(&reg->err, NULL, AST_ESTATE,
+                              "%s: ast_coherence_plan has not been called", what);
     if (!vec && n)
-        return fail(reg, AST_EINVAL, "%s: NULL vector", what);
+        return ast__set_error(&reg->err, NULL, AST_EINVAL, "%s: NULL vector", what);
     if (n != AST_COH_XCHG_STRIDE * reg->nblocks)
-        return fail(reg, AST_EINVAL, "%s: %zu entries, expected %d x %zu blocks", what, n,
-                    AST_COH_XCHG_STRIDE, reg->nblocks);
+        return ast__set_error(&reg->err, NULL, AST_EINVAL,
+                              "%s: %zu entries, expected %d x %zu blocks", what, n,
+                              AST_COH_XCHG_STRIDE, reg->nblocks);
     int rc = step_arg(reg, step, what);
     if (rc == 0 && step < reg->evaluated)
-        rc = fail(reg, AST_EINVAL, "%s: step %" PRId64 " is older than step %" PRId64
-                  " already evaluated", what, step, reg->evaluated);
+        rc = ast__set_error(&reg->err, NULL, AST_EINVAL, "%s: step %" PRId64 " is older than step %"
+                            PRId64 " already evaluated", what, step, reg->evaluated);
     return rc;
 }
 
@@ -914,33 +901,36 @@ static int import_check(ast_coherence *reg, const struct blk *b, int64_t step, c
 {
     int64_t v = x[0], t = x[1], prev = x[2];
     if (v < 0 || t < 0 || prev < 0)
-        return fail(reg, AST_EINVAL, "versions_import %" PRIu64 ": negative entry (%" PRId64
-                    ", %" PRId64 ", %" PRId64 ")", b->id, v, t, prev);
+        return ast__set_error(&reg->err, NULL, AST_EINVAL, "versions_import %" PRIu64
+                              ": negative entry (%" PRId64 ", %" PRId64 ", %" PRId64 ")", b->id, v,
+                              t, prev);
     if (b->owner == reg->rank) {
         struct ver e = due_at(reg, b, step);
         if ((uint64_t)v != e.v || t != e.t || (uint64_t)prev != e.prev)
-            return fail(reg, AST_ESTATE, "versions_import %" PRIu64 ": entry (%" PRId64
-                        ", %" PRId64 ") differs from this owner's (%" PRIu64 ", %" PRId64
-                        "): owners disagree", b->id, v, t, e.v, e.t);
+            return ast__set_error(&reg->err, NULL, AST_ESTATE, "versions_import %" PRIu64
+                                  ": entry (%" PRId64 ", %" PRId64 ") differs from this owner's (%"
+                                  PRIu64 ", %" PRId64 "): owners disagree", b->id, v, t, e.v, e.t);
         return 0;
     }
     if (v && t > step - reg->S)
-        return fail(reg, AST_EINVAL, "versions_import %" PRIu64 ": version %" PRId64
-                    " (snapshot step %" PRId64 ") is not due at step %" PRId64, b->id, v, t,
-                    step);
+        return ast__set_error(&reg->err, NULL, AST_EINVAL, "versions_import %" PRIu64 ": version %"
+                              PRId64 " (snapshot step %" PRId64 ") is not due at step %" PRId64,
+                              b->id, v, t, step);
     if ((uint64_t)v == b->pub.v) {
         if (v && (t != b->pub.t || (uint64_t)prev != b->pub.prev))
-            return fail(reg, AST_EINVAL, "versions_import %" PRIu64 ": version %" PRId64
-                        " at step %" PRId64 " contradicts step %" PRId64, b->id, v, t, b->pub.t);
+            return ast__set_error(&reg->err, NULL, AST_EINVAL, "versions_import %" PRIu64
+                                  ": version %" PRId64 " at step %" PRId64 " contradicts step %"
+                                  PRId64, b->id, v, t, b->pub.t);
         return 0;
     }
     if ((uint64_t)v < b->pub.v)
-        return fail(reg, AST_ESTATE, "versions_import %" PRIu64 ": version %" PRId64
-                    " is older than announced version %" PRIu64, b->id, v, b->pub.v);
+        return ast__set_error(&reg->err, NULL, AST_ESTATE, "versions_import %" PRIu64 ": version %"
+                              PRId64 " is older than announced version %" PRIu64, b->id, v,
+                              b->pub.v);
     if ((uint64_t)prev != b->pub.v)
-        return fail(reg, AST_ESTATE, "versions_import %" PRIu64 ": version %" PRId64
-                    " follows version %" PRId64 ", never seen here (newest: %" PRIu64
-                    "): an exchange was skipped", b->id, v, prev, b->pub.v);
+        return ast__set_error(&reg->err, NULL, AST_ESTATE, "versions_import %" PRIu64 ": version %"
+                              PRId64 " follows version %" PRId64 ", never seen here (newest: %"
+                              PRIu64 "): an exchange was skipped", b->id, v, prev, b->pub.v);
     int rc = check_announce(reg, b, (uint64_t)v, t, "versions_import");
     return rc ? rc : 1;
 }
@@ -966,7 +956,7 @@ int ast_coherence_versions_import(ast_coherence *reg, int64_t step, const int64_
             size_t cap = b->cappend ? 2 * b->cappend : 4;
             struct ver *p = realloc(b->pend, cap * sizeof *p);
             if (!p)
-                rc = fail(reg, AST_ENOMEM, "versions_import: out of memory");
+                rc = ast__set_error(&reg->err, NULL, AST_ENOMEM, "versions_import: out of memory");
             else {
                 b->pend = p;
                 b->cappend = cap;
@@ -995,14 +985,15 @@ int ast_coherence_received(ast_coherence *reg, uint64_t block, uint64_t version,
     if (rc == 0)
         rc = step_arg(reg, step, "received");
     if (rc == 0 && (b->owner == reg->rank || !b->set->self_member))
-        rc = fail(reg, AST_EINVAL, "received %" PRIu64 ": rank %d is %s", block, reg->rank,
-                  b->owner == reg->rank ? "its owner" : "not a replica");
+        rc = ast__set_error(&reg->err, NULL, AST_EINVAL, "received %" PRIu64 ": rank %d is %s",
+                            block, reg->rank,
+                            b->owner == reg->rank ? "its owner" : "not a replica");
     if (rc == 0 && version > b->pub.v)
-        rc = fail(reg, AST_ESTATE, "received %" PRIu64 ": version %" PRIu64
-                  " was never announced (newest: %" PRIu64 ")", block, version, b->pub.v);
+        rc = ast__set_error(&reg->err, NULL, AST_ESTATE, "received %" PRIu64 ": version %" PRIu64
+                            " was never announced (newest: %" PRIu64 ")", block, version, b->pub.v);
     if (rc == 0 && version < b->held)
-        rc = fail(reg, AST_EINVAL, "received %" PRIu64 ": version %" PRIu64
-                  " is older than held version %" PRIu64, block, version, b->held);
+        rc = ast__set_error(&reg->err, NULL, AST_EINVAL, "received %" PRIu64 ": version %" PRIu64
+                            " is older than held version %" PRIu64, block, version, b->held);
     if (rc == 0 && version > b->held) {
         b->held = version;
         b->recv_step = step;
@@ -1020,9 +1011,10 @@ int ast_coherence_due(ast_coherence *reg, int64_t step, uint64_t *blocks_out, si
     pthread_mutex_lock(&reg->mu);
     int rc = 0;
     if (!n || (!blocks_out && cap))
-        rc = fail(reg, AST_EINVAL, "due: NULL output");
+        rc = ast__set_error(&reg->err, NULL, AST_EINVAL, "due: NULL output");
     else if (!reg->planned)
-        rc = fail(reg, AST_ESTATE, "due: ast_coherence_plan has not been called");
+        rc = ast__set_error(&reg->err, NULL, AST_ESTATE,
+                            "due: ast_coherence_plan has not been called");
     else
         rc = evaluate(reg, step, "due");
     if (rc == 0) {
@@ -1052,14 +1044,15 @@ int ast_coherence_mark_synced(ast_coherence *reg, uint64_t block, uint64_t versi
     if (rc == 0)
         rc = step_arg(reg, step, "mark_synced");
     if (rc == 0 && version > b->pub.v)
-        rc = fail(reg, AST_ESTATE, "mark_synced %" PRIu64 ": version %" PRIu64
-                  " was never announced (newest: %" PRIu64 ")", block, version, b->pub.v);
+        rc = ast__set_error(&reg->err, NULL, AST_ESTATE, "mark_synced %" PRIu64 ": version %" PRIu64
+                            " was never announced (newest: %" PRIu64 ")", block, version, b->pub.v);
     if (rc == 0 && version < b->synced)
-        rc = fail(reg, AST_EINVAL, "mark_synced %" PRIu64 ": version %" PRIu64
-                  " is older than synced version %" PRIu64, block, version, b->synced);
+        rc = ast__set_error(&reg->err, NULL, AST_EINVAL, "mark_synced %" PRIu64 ": version %" PRIu64
+                            " is older than synced version %" PRIu64, block, version, b->synced);
     if (rc == 0 && b->set->self_member && version > b->held)
-        rc = fail(reg, AST_ESTATE, "mark_synced %" PRIu64 ": rank %d has not received version %"
-                  PRIu64 " (holds %" PRIu64 ")", block, reg->rank, version, b->held);
+        rc = ast__set_error(&reg->err, NULL, AST_ESTATE, "mark_synced %" PRIu64
+                            ": rank %d has not received version %" PRIu64 " (holds %" PRIu64 ")",
+                            block, reg->rank, version, b->held);
     if (rc == 0 && version > b->synced) {
         b->synced = version;
         b->sync_step = step;
@@ -1077,15 +1070,15 @@ int ast_coherence_install_version(ast_coherence *reg, uint64_t block, int64_t st
     pthread_mutex_lock(&reg->mu);
     struct blk *b = NULL;
     int rc = version ? planned_block(reg, block, "install_version", &b)
-                     : fail(reg, AST_EINVAL, "install_version: NULL out");
+                     : ast__set_error(&reg->err, NULL, AST_EINVAL, "install_version: NULL out");
     if (rc == 0)
         rc = evaluate(reg, step, "install_version");
     if (rc == 0) {
         *version = b->cur.v;
         if (b->set->self_member && b->cur.v > b->held)
-            rc = fail(reg, AST_EBUSY, "install_version %" PRIu64 ": version %" PRIu64
-                      " is due at step %" PRId64 " but rank %d holds version %" PRIu64
-                      " (sync first)", block, b->cur.v, step, reg->rank, b->held);
+            rc = ast__set_error(&reg->err, NULL, AST_EBUSY, "install_version %" PRIu64 ": version %"
+                                PRIu64 " is due at step %" PRId64 " but rank %d holds version %"
+                                PRIu64 " (sync first)", block, b->cur.v, step, reg->rank, b->held);
         else if (b->set->self_member && b->cur.v != b->installed) {
             int64_t lag = step - b->cur.t;
             b->installed = b->cur.v;
@@ -1148,7 +1141,7 @@ int ast_coherence_hier_plan(ast_coherence *reg, uint64_t block, ast_coherence_hi
     pthread_mutex_lock(&reg->mu);
     struct blk *b = NULL;
     int rc = out ? planned_block(reg, block, "hier_plan", &b)
-                 : fail(reg, AST_EINVAL, "hier_plan: NULL out");
+                 : ast__set_error(&reg->err, NULL, AST_EINVAL, "hier_plan: NULL out");
     if (rc == 0)
         hier_fill(reg, b, out);
     pthread_mutex_unlock(&reg->mu);
@@ -1164,7 +1157,8 @@ int ast_coherence_count_bytes(ast_coherence *reg, ast_coherence_level level, uin
     pthread_mutex_lock(&reg->mu);
     int rc = 0;
     if ((unsigned)level >= AST_COH_LEVEL_COUNT)
-        rc = fail(reg, AST_EINVAL, "count_bytes: unknown level %d", (int)level);
+        rc = ast__set_error(&reg->err, NULL, AST_EINVAL, "count_bytes: unknown level %d",
+                            (int)level);
     else
         reg->st.bytes[level] = sat_add(reg->st.bytes[level], bytes);
     pthread_mutex_unlock(&reg->mu);
@@ -1178,8 +1172,9 @@ int ast_coherence_barrier_begin(ast_coherence *reg, int64_t step)
     pthread_mutex_lock(&reg->mu);
     int rc = step_arg(reg, step, "barrier_begin");
     if (rc == 0 && reg->barrier_open)
-        rc = fail(reg, AST_ESTATE, "barrier_begin %" PRId64 ": the barrier of step %" PRId64
-                  " is still open", step, reg->barrier_step);
+        rc = ast__set_error(&reg->err, NULL, AST_ESTATE, "barrier_begin %" PRId64
+                            ": the barrier of step %" PRId64 " is still open", step,
+                            reg->barrier_step);
     if (rc == 0) {
         reg->barrier_open = 1;
         reg->barrier_step = step;
@@ -1196,10 +1191,11 @@ int ast_coherence_barrier_end(ast_coherence *reg, int64_t step)
     pthread_mutex_lock(&reg->mu);
     int rc = 0;
     if (!reg->barrier_open)
-        rc = fail(reg, AST_ESTATE, "barrier_end %" PRId64 ": no barrier is open", step);
+        rc = ast__set_error(&reg->err, NULL, AST_ESTATE, "barrier_end %" PRId64
+                            ": no barrier is open", step);
     else if (step != reg->barrier_step)
-        rc = fail(reg, AST_EINVAL, "barrier_end %" PRId64 ": the open barrier is step %" PRId64,
-                  step, reg->barrier_step);
+        rc = ast__set_error(&reg->err, NULL, AST_EINVAL, "barrier_end %" PRId64
+                            ": the open barrier is step %" PRId64, step, reg->barrier_step);
     if (rc == 0) {
         uint64_t waited = ast__now_ns() - reg->barrier_t0;
         reg->barrier_open = 0;

@@ -2,8 +2,9 @@
  * nvme.c - the NVMe tier's record engine: record format, probe, batched io_uring I/O (nvme.h).
  *
  * Owns: an engine's ring, its staging arena and the record files of its store id. May call:
- * liburing, cuda_mem (staging device-side payloads), POSIX file calls. errno and
- * CQE results become AST_E* codes here through ast_err_from_errno.
+ * liburing, cuda_mem (staging device-side payloads), POSIX file calls, util.h (the clock, the
+ * message formatter, a batch's first failure). errno and CQE results become AST_E* codes here
+ * through ast_err_from_errno.
  *
  * Locking: none; one thread at a time per engine (store.c holds its mutex around every call).
  *
@@ -36,17 +37,16 @@
 #include "asteria/build_config.h"
 #include "asteria/errors.h"
 #include "cuda_mem.h"
+#include "util.h"
 
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 #include <pthread.h>
 
@@ -93,17 +93,6 @@ struct ast__nvme {
     struct io_uring ring;
 #endif
 };
-
-static int set_err(char *err, size_t len, int code, const char *fmt, ...)
-{
-    if (err && len) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, len, fmt, ap);
-        va_end(ap);
-    }
-    return code;
-}
 
 static uint64_t round_up(uint64_t v, uint64_t a)
 {
@@ -421,7 +410,7 @@ static int probe_file(const ast__nvme *n, const char *path, int direct, int *dir
 
     *direct_ok = 1;
     if (posix_memalign(&buf, AST__NVME_ALIGN, AST__NVME_ALIGN) != 0)
-        return set_err(err, len, AST_ENOMEM, "nvme_dir '%s': no memory for the probe", n->dir);
+        return ast__errorf(err, len, AST_ENOMEM, "nvme_dir '%s': no memory for the probe", n->dir);
     memset(buf, 0, AST__NVME_ALIGN);
     fd = probe_open(n, path, direct);
     if (fd < 0) {
@@ -430,9 +419,9 @@ static int probe_file(const ast__nvme *n, const char *path, int direct, int *dir
             unlink(path);
             *direct_ok = 0;
         } else {
-            rc = set_err(err, len, ast_err_from_errno(errno),
-                         "nvme_dir '%s': cannot create a file there: %s", n->dir,
-                         strerror(errno));
+            rc = ast__errorf(err, len, ast_err_from_errno(errno),
+                             "nvme_dir '%s': cannot create a file there: %s", n->dir,
+                             strerror(errno));
         }
         free(buf);
         return rc;
@@ -443,9 +432,9 @@ static int probe_file(const ast__nvme *n, const char *path, int direct, int *dir
         if (direct && e == EINVAL)
             *direct_ok = 0;
         else
-            rc = set_err(err, len, ast_err_from_errno(e),
-                         "nvme_dir '%s': cannot write a probe file there: %s", n->dir,
-                         strerror(e));
+            rc = ast__errorf(err, len, ast_err_from_errno(e),
+                             "nvme_dir '%s': cannot write a probe file there: %s", n->dir,
+                             strerror(e));
     }
     close(fd);
     unlink(path);
@@ -460,13 +449,13 @@ static int probe_dir(ast__nvme *n, ast_direct_policy policy, char *err, size_t l
     int ok = 0, rc;
 
     if (stat(n->dir, &st) != 0)
-        return set_err(err, len, ast_err_from_errno(errno), "nvme_dir '%s': %s", n->dir,
-                       strerror(errno));
+        return ast__errorf(err, len, ast_err_from_errno(errno), "nvme_dir '%s': %s", n->dir,
+                           strerror(errno));
     if (!S_ISDIR(st.st_mode))
-        return set_err(err, len, AST_ENOENT, "nvme_dir '%s': not a directory", n->dir);
+        return ast__errorf(err, len, AST_ENOENT, "nvme_dir '%s': not a directory", n->dir);
     rc = snprintf(path, sizeof path, "%s/ast-%016" PRIx64 "-probe", n->dir, n->store_id);
     if (rc < 0 || (size_t)rc >= sizeof path)
-        return set_err(err, len, AST_EINVAL, "nvme_dir '%s': path too long", n->dir);
+        return ast__errorf(err, len, AST_EINVAL, "nvme_dir '%s': path too long", n->dir);
 
     rc = probe_file(n, path, 1, &ok, err, len);
     if (rc)
@@ -476,11 +465,9 @@ static int probe_dir(ast__nvme *n, ast_direct_policy policy, char *err, size_t l
         return 0;
     }
     if (policy == AST_DIRECT_REQUIRE)
-        return set_err(err, len, AST_ENOTSUP,
-                       "nvme_dir '%s': its filesystem does not support O_DIRECT (open or aligned "
-                       "write returned EINVAL); AST_DIRECT_FALLBACK would use buffered I/O + "
-                       "fdatasync",
-                       n->dir);
+        return ast__errorf(err, len, AST_ENOTSUP, "nvme_dir '%s': its filesystem does not support "
+                           "O_DIRECT (open or aligned write returned EINVAL); AST_DIRECT_FALLBACK "
+                           "would use buffered I/O + fdatasync", n->dir);
     n->direct = 0;
     return probe_file(n, path, 0, &ok, err, len);
 }
@@ -495,9 +482,9 @@ static int ring_setup(ast__nvme *n, char *err, size_t len)
 
     if (rc < 0) {
         int code = (rc == -ENOSYS || rc == -EPERM) ? AST_ENOTSUP : ast_err_from_errno(-rc);
-        return set_err(err, len, code, "nvme_dir '%s': io_uring_queue_init(%u): %s%s", n->dir,
-                       n->depth, strerror(-rc),
-                       code == AST_ENOTSUP ? " (io_uring disabled by sysctl or seccomp?)" : "");
+        return ast__errorf(err, len, code, "nvme_dir '%s': io_uring_queue_init(%u): %s%s", n->dir,
+                           n->depth, strerror(-rc),
+                           code == AST_ENOTSUP ? " (io_uring disabled by sysctl or seccomp?)" : "");
     }
     n->have_ring = 1;
     n->ring_pid = getpid();
@@ -531,8 +518,8 @@ static int ring_of_this_process(ast__nvme *n, char *err, size_t len)
     n->have_ring = 0;
     rc = ring_setup(n, why, sizeof why);
     if (rc)
-        set_err(err, len, rc, "this process (pid %ld, forked from the store's creator) could not "
-                "set up its own io_uring ring: %s", (long)getpid(), why);
+        ast__errorf(err, len, rc, "this process (pid %ld, forked from the store's creator) could "
+                    "not set up its own io_uring ring: %s", (long)getpid(), why);
     return rc;
 }
 
@@ -544,19 +531,19 @@ int ast__nvme_open(const ast__nvme_opts *o, ast__nvme **out, char *err, size_t l
 
     *out = NULL;
     if (!o || !o->dir || !o->dir[0])
-        return set_err(err, len, AST_EINVAL, "nvme_dir is empty");
+        return ast__errorf(err, len, AST_EINVAL, "nvme_dir is empty");
     if (o->direct != AST_DIRECT_REQUIRE && o->direct != AST_DIRECT_FALLBACK)
-        return set_err(err, len, AST_EINVAL, "direct policy %d is neither REQUIRE nor FALLBACK",
-                       (int)o->direct);
+        return ast__errorf(err, len, AST_EINVAL, "direct policy %d is neither REQUIRE nor FALLBACK",
+                           (int)o->direct);
     depth = o->queue_depth ? o->queue_depth : DEFAULT_DEPTH;
     if (depth > AST__NVME_MAX_DEPTH)
-        return set_err(err, len, AST_EINVAL, "queue_depth %u is above the maximum %u", depth,
-                       AST__NVME_MAX_DEPTH);
+        return ast__errorf(err, len, AST_EINVAL, "queue_depth %u is above the maximum %u", depth,
+                           AST__NVME_MAX_DEPTH);
 
     n = calloc(1, sizeof *n);
     if (!n || !(n->dir = strdup(o->dir))) {
         free(n);
-        return set_err(err, len, AST_ENOMEM, "nvme_dir '%s': out of memory", o->dir);
+        return ast__errorf(err, len, AST_ENOMEM, "nvme_dir '%s': out of memory", o->dir);
     }
     n->store_id = o->store_id;
     n->faults = o->faults;
@@ -579,8 +566,9 @@ int ast__nvme_open(const ast__nvme_opts *o, ast__nvme **out, char *err, size_t l
         posix_memalign((void **)&n->arena, AST__NVME_ALIGN, (size_t)depth * n->slot_size) != 0) {
         n->arena = NULL;
         ast__nvme_close(n);
-        return set_err(err, len, AST_ENOMEM, "nvme_dir '%s': no memory for %u staging slots of "
-                       "%zu bytes", o->dir, depth, n->slot_size);
+        return ast__errorf(err, len, AST_ENOMEM,
+                           "nvme_dir '%s': no memory for %u staging slots of %zu bytes", o->dir,
+                           depth, n->slot_size);
     }
     memset(n->arena, 0, (size_t)depth * n->slot_size);
     rc = ring_setup(n, err, len);
@@ -647,8 +635,7 @@ struct batch {
                              framed records included, so the two groups keep alternating */
     unsigned inflight[2]; /* SQEs of each group owned by the kernel */
     uint64_t bytes;
-    size_t first_fail; /* lowest failed index, count if none */
-    int first_code;
+    ast__batch_err fail; /* the lowest failed record's first cause */
     char *err;
     size_t errlen;
 };
@@ -664,32 +651,22 @@ static unsigned char *frame(const struct batch *b, size_t i)
     return (unsigned char *)b->ios[i].data - AST__NVME_HEADER;
 }
 
-/* Records the first failure of record i; the message is kept if it is the batch's lowest. */
-static void rec_fail(struct batch *b, size_t i, int code, const char *fmt, ...)
+/* The batch's result: each record's code, and the message of the lowest failed record (its
+ * first cause, kept by b->fail) naming its block and file. */
+static int report(struct batch *b)
 {
-    struct rec *r = &b->recs[i];
     char path[PATH_BYTES];
-    char cause[512];
-    va_list ap;
+    size_t i = b->fail.idx;
 
-    if (r->err)
-        return;
-    r->err = code;
-    b->ios[i].result = code;
-    if (i >= b->first_fail)
-        return;
-    b->first_fail = i;
-    b->first_code = code;
-    if (!b->err || !b->errlen)
-        return;
-    va_start(ap, fmt);
-    vsnprintf(cause, sizeof cause, fmt, ap);
-    va_end(ap);
+    for (size_t k = 0; k < b->count; k++)
+        b->ios[k].result = b->recs[k].err;
+    if (i == SIZE_MAX)
+        return 0;
     if (ast__nvme_owner_path(b->n, b->writing ? 0 : b->ios[i].owner, b->ios[i].block_id, path,
                              sizeof path) != 0)
         snprintf(path, sizeof path, "%s/...", b->n->dir);
-    snprintf(b->err, b->errlen, "block %" PRIu64 ", file %s: %s", b->ios[i].block_id, path,
-             cause);
+    return ast__errorf(b->err, b->errlen, b->fail.code, "block %" PRIu64 ", file %s: %s",
+                       b->ios[i].block_id, path, b->fail.msg);
 }
 
 /* The part [*s0, *s1) of stream range [lo, hi) inside chunk [a, a + nb); 0 if empty. */
@@ -726,7 +703,7 @@ static int stage_write(struct batch *b, size_t i, unsigned char *p, uint64_t a, 
         int rc = copy_payload(p + (s0 - a), (const unsigned char *)io->data + (s0 - H), s1 - s0,
                               io->on_device, msg, sizeof msg);
         if (rc) {
-            rec_fail(b, i, rc, "staging the payload: %s", msg);
+            ast__batch_fail(&b->fail, i, &b->recs[i].err, rc, "staging the payload: %s", msg);
             return rc;
         }
     }
@@ -851,18 +828,19 @@ static void start_record(struct batch *b, size_t i)
     r->fd = -1;
     r->direct = io->framed && io->data && !io->on_device;
     if (n->broken) {
-        rec_fail(b, i, AST_EIO, "the io_uring ring failed earlier (%s)", strerror(-n->broken));
+        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_EIO,
+                        "the io_uring ring failed earlier (%s)", strerror(-n->broken));
         return;
     }
     if (b->writing && io->in_place) {
         if (path_of(n, io->block_id, ".rec", path, sizeof path) != 0) {
-            rec_fail(b, i, AST_EINVAL, "path too long");
+            ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_EINVAL, "path too long");
             return;
         }
         r->fd = open(path, open_flags(n, O_RDWR));
         if (r->fd < 0 && errno != ENOENT) {
-            rec_fail(b, i, ast_err_from_errno(errno), "cannot open %s to rewrite it: %s", path,
-                     strerror(errno));
+            ast__batch_fail(&b->fail, i, &b->recs[i].err, ast_err_from_errno(errno),
+                            "cannot open %s to rewrite it: %s", path, strerror(errno));
             return;
         }
     }
@@ -872,8 +850,8 @@ static void start_record(struct batch *b, size_t i)
         /* Someone may have truncated or grown it: the record must fill the file exactly. */
         if (fstat(r->fd, &st) != 0 || (uint64_t)st.st_size != r->stream) {
             if (ftruncate(r->fd, (off_t)r->stream) != 0) {
-                rec_fail(b, i, ast_err_from_errno(errno), "ftruncate to %" PRIu64 ": %s",
-                         r->stream, strerror(errno));
+                ast__batch_fail(&b->fail, i, &b->recs[i].err, ast_err_from_errno(errno),
+                                "ftruncate to %" PRIu64 ": %s", r->stream, strerror(errno));
                 return;
             }
         }
@@ -882,7 +860,7 @@ static void start_record(struct batch *b, size_t i)
     }
     if (b->writing) {
         if (path_of(n, io->block_id, ".tmp", path, sizeof path) != 0) {
-            rec_fail(b, i, AST_EINVAL, "path too long");
+            ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_EINVAL, "path too long");
             return;
         }
         if (n->faults & AST__FAULT_EROFS)
@@ -890,16 +868,16 @@ static void start_record(struct batch *b, size_t i)
         else
             r->fd = open(path, open_flags(n, O_RDWR | O_CREAT | O_TRUNC), 0600);
         if (r->fd < 0) {
-            rec_fail(b, i, ast_err_from_errno(errno), "cannot create %s: %s", path,
-                     strerror(errno));
+            ast__batch_fail(&b->fail, i, &b->recs[i].err, ast_err_from_errno(errno),
+                            "cannot create %s: %s", path, strerror(errno));
             return;
         }
         r->stream = ast__nvme_record_bytes(io->len);
         if (!(n->faults & AST__FAULT_NO_FALLOCATE) &&
             fallocate(r->fd, 0, 0, (off_t)r->stream) != 0 && errno != EOPNOTSUPP &&
             errno != ENOSYS) {
-            rec_fail(b, i, ast_err_from_errno(errno), "cannot reserve %" PRIu64 " bytes: %s",
-                     r->stream, strerror(errno));
+            ast__batch_fail(&b->fail, i, &b->recs[i].err, ast_err_from_errno(errno),
+                            "cannot reserve %" PRIu64 " bytes: %s", r->stream, strerror(errno));
             return;
         }
         begin_write(b, i);
@@ -910,18 +888,19 @@ static void start_record(struct batch *b, size_t i)
         r->borrowed = 1;
     } else {
         if (owner_path(n, io->owner, io->block_id, ".rec", path, sizeof path) != 0) {
-            rec_fail(b, i, AST_EINVAL, "path too long");
+            ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_EINVAL, "path too long");
             return;
         }
         r->fd = open(path, open_flags(n, O_RDONLY));
         if (r->fd < 0) {
-            rec_fail(b, i, ast_err_from_errno(errno), "cannot open the record: %s",
-                     strerror(errno));
+            ast__batch_fail(&b->fail, i, &b->recs[i].err, ast_err_from_errno(errno),
+                            "cannot open the record: %s", strerror(errno));
             return;
         }
     }
     if (fstat(r->fd, &st) != 0) {
-        rec_fail(b, i, ast_err_from_errno(errno), "fstat: %s", strerror(errno));
+        ast__batch_fail(&b->fail, i, &b->recs[i].err, ast_err_from_errno(errno), "fstat: %s",
+                        strerror(errno));
         return;
     }
     r->file_size = (uint64_t)st.st_size;
@@ -943,23 +922,24 @@ static void check_header(struct batch *b, size_t i)
 
     r->header_checked = 1;
     if (memcmp(h, REC_MAGIC, 4) != 0 || get_le(h + 60, 4) != crc_of(0, h, 60))
-        rec_fail(b, i, AST_ECORRUPT, "record header damaged (bad magic or header checksum)");
+        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_ECORRUPT,
+                        "record header damaged (bad magic or header checksum)");
     else if (get_le(h + 4, 2) != AST__NVME_VERSION || get_le(h + 6, 2) != AST__NVME_HEADER)
-        rec_fail(b, i, AST_ECORRUPT, "record format version %u (header %u bytes); this build "
-                 "reads version %u", (unsigned)get_le(h + 4, 2), (unsigned)get_le(h + 6, 2),
-                 AST__NVME_VERSION);
+        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_ECORRUPT,
+                        "record format version %u (header %u bytes); this build reads version %u",
+                        (unsigned)get_le(h + 4, 2), (unsigned)get_le(h + 6, 2), AST__NVME_VERSION);
     else if (sid != owner)
-        rec_fail(b, i, AST_EFOREIGN, "record belongs to store %016" PRIx64 ", not to store "
-                 "%016" PRIx64, sid, owner);
+        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_EFOREIGN, "record belongs to store %016"
+                        PRIx64 ", not to store %016" PRIx64, sid, owner);
     else if (bid != io->block_id)
-        rec_fail(b, i, AST_EFOREIGN, "record holds block %" PRIu64 ", not block %" PRIu64, bid,
-                 io->block_id);
+        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_EFOREIGN, "record holds block %" PRIu64
+                        ", not block %" PRIu64, bid, io->block_id);
     else if (gen != io->generation)
-        rec_fail(b, i, AST_EFOREIGN, "stale record: generation %" PRIu64 ", expected %" PRIu64,
-                 gen, io->generation);
+        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_EFOREIGN, "stale record: generation %"
+                        PRIu64 ", expected %" PRIu64, gen, io->generation);
     else if (plen != io->len)
-        rec_fail(b, i, AST_ECORRUPT, "record payload is %" PRIu64 " bytes, the block has %zu",
-                 plen, io->len);
+        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_ECORRUPT, "record payload is %" PRIu64
+                        " bytes, the block has %zu", plen, io->len);
 }
 
 /* Consumes stream bytes [a, a + nb) of record i from a slot, in stream order. */
@@ -988,7 +968,7 @@ static void absorb_read(struct batch *b, size_t i, const unsigned char *p, uint6
         int rc = copy_payload((unsigned char *)io->data + (s0 - H), p + (s0 - a), s1 - s0,
                               io->on_device, msg, sizeof msg);
         if (rc)
-            rec_fail(b, i, rc, "copying the payload out: %s", msg);
+            ast__batch_fail(&b->fail, i, &b->recs[i].err, rc, "copying the payload out: %s", msg);
     }
     if (overlap(a, nb, P, T, &s0, &s1))
         memcpy(r->trl + (s0 - P), p + (s0 - a), s1 - s0);
@@ -1029,11 +1009,13 @@ static void complete(struct batch *b, unsigned k, int res)
         }
         r->inflight--;
         if (o->kind == OP_SYNC)
-            rec_fail(b, o->rec, ast_err_from_errno(-res), "fdatasync: %s", strerror(-res));
+            ast__batch_fail(&b->fail, o->rec, &b->recs[o->rec].err, ast_err_from_errno(-res),
+                            "fdatasync: %s", strerror(-res));
         else
-            rec_fail(b, o->rec, ast_err_from_errno(-res), "%s of %zu bytes at offset %" PRIu64
-                     ": %s", o->kind == OP_WRITE ? "write" : "read", o->len - o->done,
-                     o->off + o->done, strerror(-res));
+            ast__batch_fail(&b->fail, o->rec, &b->recs[o->rec].err, ast_err_from_errno(-res),
+                            "%s of %zu bytes at offset %" PRIu64 ": %s",
+                            o->kind == OP_WRITE ? "write" : "read", o->len - o->done,
+                            o->off + o->done, strerror(-res));
         return;
     }
     if (o->kind == OP_SYNC) {
@@ -1048,8 +1030,8 @@ static void complete(struct batch *b, unsigned k, int res)
         if (!eof) {
             if (res == 0 && o->tries++ >= MAX_RETRIES) {
                 r->inflight--;
-                rec_fail(b, o->rec, AST_EIO, "write at offset %" PRIu64 " makes no progress",
-                         o->off + o->done);
+                ast__batch_fail(&b->fail, o->rec, &b->recs[o->rec].err, AST_EIO, "write at offset %"
+                                PRIu64 " makes no progress", o->off + o->done);
                 return;
             }
             prep_sqe(b, k);
@@ -1079,7 +1061,8 @@ static void finish_group(struct batch *b, unsigned g)
                 for (unsigned j = 0; j < b->nops[h]; j++) {
                     const struct op *o = &n->ops[h * b->gsize + j];
                     b->recs[o->rec].inflight = 0;
-                    rec_fail(b, o->rec, AST_EIO, "io_uring_submit: %s", strerror(-rc));
+                    ast__batch_fail(&b->fail, o->rec, &b->recs[o->rec].err, AST_EIO,
+                                    "io_uring_submit: %s", strerror(-rc));
                 }
                 b->inflight[h] = 0;
             }
@@ -1175,20 +1158,26 @@ static void verify_read(struct batch *b, size_t i)
     uint32_t stored;
 
     if (r->done < AST__NVME_HEADER || r->file_size < want)
-        rec_fail(b, i, AST_ECORRUPT, "truncated record: the file has %" PRIu64 " bytes, the "
-                 "record of a %zu-byte block has %" PRIu64, r->file_size, io->len, want);
+        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_ECORRUPT,
+                        "truncated record: the file has %" PRIu64
+                        " bytes, the record of a %zu-byte block has %" PRIu64, r->file_size,
+                        io->len, want);
     else if (r->file_size > want)
-        rec_fail(b, i, AST_ECORRUPT, "oversized record: the file has %" PRIu64 " bytes, the "
-                 "record of a %zu-byte block has %" PRIu64, r->file_size, io->len, want);
+        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_ECORRUPT,
+                        "oversized record: the file has %" PRIu64
+                        " bytes, the record of a %zu-byte block has %" PRIu64, r->file_size,
+                        io->len, want);
     else if (r->done < AST__NVME_HEADER + io->len + AST__NVME_TRAILER)
-        rec_fail(b, i, AST_ECORRUPT, "truncated record: only %" PRIu64 " bytes could be read",
-                 r->done);
+        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_ECORRUPT, "truncated record: only %"
+                        PRIu64 " bytes could be read", r->done);
     else if ((stored = (uint32_t)get_le(r->trl, 4)) != r->crc ||
              memcmp(r->trl + 4, END_MAGIC, 4) != 0)
-        rec_fail(b, i, AST_ECORRUPT, "checksum mismatch: stored crc32 %08" PRIx32 ", computed "
-                 "%08" PRIx32, stored, r->crc);
+        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_ECORRUPT,
+                        "checksum mismatch: stored crc32 %08" PRIx32 ", computed %08" PRIx32,
+                        stored, r->crc);
     else if (r->pad_bad)
-        rec_fail(b, i, AST_ECORRUPT, "damaged padding after the payload (nonzero bytes)");
+        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_ECORRUPT,
+                        "damaged padding after the payload (nonzero bytes)");
 }
 
 /* Completes what can be completed of record i once none of its ops is in flight. */
@@ -1212,11 +1201,11 @@ static void finalize(struct batch *b, size_t i)
                 ; /* rewritten under its own name: nothing to rename */
             else if (n->anonymous) { /* the record is its descriptor: it dies with this process */
                 if (unlink(tmp) != 0)
-                    rec_fail(b, i, ast_err_from_errno(errno), "unlink %s: %s", tmp,
-                             strerror(errno));
+                    ast__batch_fail(&b->fail, i, &b->recs[i].err, ast_err_from_errno(errno),
+                                    "unlink %s: %s", tmp, strerror(errno));
             } else if (rename(tmp, path) != 0)
-                rec_fail(b, i, ast_err_from_errno(errno), "rename from %s: %s", tmp,
-                         strerror(errno));
+                ast__batch_fail(&b->fail, i, &b->recs[i].err, ast_err_from_errno(errno),
+                                "rename from %s: %s", tmp, strerror(errno));
             if (!r->err && n->anonymous) { /* the record is its descriptor: the caller's now */
                 b->ios[i].fd = r->fd;
                 r->fd = -1;
@@ -1241,26 +1230,20 @@ static void finalize(struct batch *b, size_t i)
     r->state = REC_DONE;
 }
 
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 static int run_batch(ast__nvme *n, ast__nvme_io *ios, size_t count, int writing,
                      ast__nvme_xfer *x, char *err, size_t len)
 {
     struct batch b;
     size_t cursor = 0, hi = 0, ok = 0;
-    uint64_t t0 = now_ns();
+    uint64_t t0 = ast__now_ns();
+    int rc;
 
     memset(&b, 0, sizeof b);
     b.n = n;
     b.ios = ios;
     b.count = count;
     b.writing = writing;
-    b.first_fail = count;
+    ast__batch_err_init(&b.fail);
     b.err = err;
     b.errlen = len;
     if (err && len)
@@ -1268,16 +1251,17 @@ static int run_batch(ast__nvme *n, ast__nvme_io *ios, size_t count, int writing,
     for (size_t i = 0; i < count; i++)
         ios[i].result = 0;
     if (count && !(b.recs = calloc(count, sizeof *b.recs)))
-        return set_err(err, len, AST_ENOMEM, "no memory for a batch of %zu records", count);
+        return ast__errorf(err, len, AST_ENOMEM, "no memory for a batch of %zu records", count);
     if (count) {
         char why[768];
-        int rc = ring_of_this_process(n, why, sizeof why);
+        rc = ring_of_this_process(n, why, sizeof why);
         if (rc) {
             for (size_t i = 0; i < count; i++)
-                rec_fail(&b, i, rc, "%s", why);
+                ast__batch_fail(&b.fail, i, &b.recs[i].err, rc, "%s", why);
+            rc = report(&b);
             free(b.recs);
             if (x)
-                *x = (ast__nvme_xfer){0, now_ns() - t0, 0};
+                *x = (ast__nvme_xfer){0, ast__now_ns() - t0, 0};
             return rc;
         }
     }
@@ -1298,7 +1282,8 @@ static int run_batch(ast__nvme *n, ast__nvme_io *ios, size_t count, int writing,
             if (idle++) { /* nothing in flight and nothing to issue twice: cannot progress */
                 for (size_t i = cursor; i < count; i++)
                     if (b.recs[i].state != REC_DONE && b.recs[i].state != REC_FAILED)
-                        rec_fail(&b, i, AST_EIO, "internal: the batch stopped making progress");
+                        ast__batch_fail(&b.fail, i, &b.recs[i].err, AST_EIO,
+                                        "internal: the batch stopped making progress");
             }
         } else {
             idle = 0;
@@ -1320,13 +1305,14 @@ static int run_batch(ast__nvme *n, ast__nvme_io *ios, size_t count, int writing,
     }
     for (size_t i = 0; i < count; i++)
         ok += b.recs[i].state == REC_DONE;
+    rc = report(&b);
     free(b.recs);
     if (x) {
         x->bytes = b.bytes;
-        x->ns = now_ns() - t0;
+        x->ns = ast__now_ns() - t0;
         x->records = ok;
     }
-    return b.first_fail < count ? b.first_code : 0;
+    return rc;
 }
 
 int ast__nvme_write(ast__nvme *n, ast__nvme_io *ios, size_t count, ast__nvme_xfer *x,
@@ -1346,9 +1332,9 @@ int ast__nvme_read(ast__nvme *n, ast__nvme_io *ios, size_t count, ast__nvme_xfer
 int ast__nvme_open(const ast__nvme_opts *o, ast__nvme **out, char *err, size_t len)
 {
     *out = NULL;
-    return set_err(err, len, AST_ENOTSUP, "nvme_dir '%s': libasteria was built without liburing "
-                   "(ASTERIA_WITH_URING=OFF), so there is no NVMe tier",
-                   o && o->dir ? o->dir : "");
+    return ast__errorf(err, len, AST_ENOTSUP, "nvme_dir '%s': libasteria was built without "
+                       "liburing (ASTERIA_WITH_URING=OFF), so there is no NVMe tier",
+                       o && o->dir ? o->dir : "");
 }
 
 void ast__nvme_close(ast__nvme *n)
@@ -1361,7 +1347,7 @@ static int no_uring(size_t count, ast__nvme_io *ios, char *err, size_t len)
 {
     for (size_t i = 0; i < count; i++)
         ios[i].result = AST_ENOTSUP;
-    return set_err(err, len, AST_ENOTSUP, "built without liburing");
+    return ast__errorf(err, len, AST_ENOTSUP, "built without liburing");
 }
 
 int ast__nvme_write(ast__nvme *n, ast__nvme_io *ios, size_t count, ast__nvme_xfer *x,

@@ -5,7 +5,7 @@
  * Owns: the shadow stream, the two rings (memory, slot descriptors, per-slot events), the
  * copy statistics and the last-error text. May call: the CUDA runtime (streams, events, async
  * copies; cudaError_t is translated in cuda_fail() below, the stream/event counterpart of
- * cuda_mem.c, which serves the allocations), trace.h, libc.
+ * cuda_mem.c, which serves the allocations), trace.h, util.h, libc.
  *
  * One code path for both backends: every ring operation, slot state change and statistic is
  * shared; only the four be_* functions (copy, query, wait, record a release) differ, and on the
@@ -20,7 +20,7 @@
  * without the lock while the slot's bytes stay reserved.
  *
  * Locking: sh->mu guards both rings (offsets, sequence numbers, slot states), the statistics
- * and last_error. It is held around non-blocking CUDA calls only (cudaEventQuery,
+ * and err (the last-error text). It is held around non-blocking CUDA calls only (cudaEventQuery,
  * cudaEventRecord). The copy itself (cudaStreamWaitEvent + cudaMemcpyAsync + cudaEventRecord,
  * which can block on a pageable source, or a memcpy on the host path) runs with the lock
  * released, and so does cudaEventSynchronize in the waits. Lock order: sh->mu, then the trace
@@ -38,7 +38,6 @@
 
 #include <inttypes.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -91,31 +90,8 @@ struct ast_shadow {
     ast_trace *trace;
     ring snap, pre;
     uint64_t d2h_bytes, h2d_bytes, d2h_copies, h2d_copies, busy;
-    char last_error[1024];
+    ast__last_error err; /* named: "AST_E...: message" */
 };
-
-/* ---- errors ------------------------------------------------------------------------------- */
-
-/* sh->mu held. */
-static int set_error_locked(ast_shadow *sh, int code, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    ast__verrorf_named(sh->last_error, sizeof sh->last_error, code, fmt, ap);
-    va_end(ap);
-    return code;
-}
-
-static int set_error(ast_shadow *sh, int code, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    pthread_mutex_lock(&sh->mu);
-    ast__verrorf_named(sh->last_error, sizeof sh->last_error, code, fmt, ap);
-    pthread_mutex_unlock(&sh->mu);
-    va_end(ap);
-    return code;
-}
 
 /* ---- backend: the only code that differs between CUDA and host ------------------------------ */
 
@@ -246,7 +222,7 @@ static int ring_reclaim(ast_shadow *sh, ring *r)
         if (s->state == S_RELEASE_PENDING) {
             int p = be_passed(sh, s->release_ev, err, sizeof err);
             if (p < 0)
-                return set_error_locked(sh, p, "%s: %s", r->what, err);
+                return ast__set_error(&sh->err, NULL, p, "%s: %s", r->what, err);
             if (!p)
                 break;
         } else if (s->state != S_RELEASED) {
@@ -268,7 +244,8 @@ static int ring_alloc(ast_shadow *sh, ring *r, size_t nbytes, slot **out)
     size_t off;
     if (ring_live(r) == r->max) {
         sh->busy++;
-        return set_error_locked(sh, AST_EBUSY, "%s: all %u slots are in use", r->what, r->max);
+        return ast__set_error(&sh->err, NULL, AST_EBUSY, "%s: all %u slots are in use", r->what,
+                              r->max);
     }
     if (!ring_live(r)) {
         off = 0;
@@ -283,10 +260,10 @@ static int ring_alloc(ast_shadow *sh, ring *r, size_t nbytes, slot **out)
             off = r->head;
         } else {
             sh->busy++;
-            return set_error_locked(sh, AST_EBUSY,
-                                    "%s: no room for %zu bytes (%zu of %zu in use by %" PRIu64
-                                    " slots); release slots first",
-                                    r->what, nbytes, ring_used(r), r->cap, ring_live(r));
+            return ast__set_error(&sh->err, NULL, AST_EBUSY,
+                                  "%s: no room for %zu bytes (%zu of %zu in use by %" PRIu64
+                                  " slots); release slots first", r->what, nbytes, ring_used(r),
+                                  r->cap, ring_live(r));
         }
     }
     slot *s = ring_at(r, r->head_seq);
@@ -355,7 +332,7 @@ static int slot_poll(ast_shadow *sh, ring *r, slot *s)
         return AST_EBUSY;
     int p = be_passed(sh, s->done_ev, err, sizeof err);
     if (p < 0)
-        return set_error_locked(sh, p, "%s: %s", r->what, err);
+        return ast__set_error(&sh->err, NULL, p, "%s: %s", r->what, err);
     if (!p)
         return AST_EBUSY;
     s->state = S_READY;
@@ -371,18 +348,19 @@ static int slot_wait(ast_shadow *sh, ring *r, slot *s)
     if (rc != AST_EBUSY)
         return rc;
     if (s->state == S_ISSUING)
-        return set_error_locked(sh, AST_EBUSY, "%s: copy still being issued by another thread",
-                                r->what);
+        return ast__set_error(&sh->err, NULL, AST_EBUSY,
+                              "%s: copy still being issued by another thread", r->what);
     uint64_t seq = s->seq;
     void *ev = s->done_ev;
     pthread_mutex_unlock(&sh->mu);
     rc = be_wait(sh, ev, err, sizeof err);
     pthread_mutex_lock(&sh->mu);
     if (rc)
-        return set_error_locked(sh, rc, "%s: %s", r->what, err);
+        return ast__set_error(&sh->err, NULL, rc, "%s: %s", r->what, err);
     s = ring_find_seq(r, seq);
     if (!held(s))
-        return set_error_locked(sh, AST_ENOENT, "%s: slot released during the wait", r->what);
+        return ast__set_error(&sh->err, NULL, AST_ENOENT, "%s: slot released during the wait",
+                              r->what);
     return slot_poll(sh, r, s);
 }
 
@@ -396,8 +374,8 @@ static int ring_issue(ast_shadow *sh, ring *r, const ast_shadow_piece *pc, int n
     slot *s = NULL;
     int rc = 0;
     if (r->dir == AST_TRACE_DIR_H2D && ring_find_key(r, key))
-        rc = set_error_locked(sh, AST_ESTATE, "%s: key %" PRIu64 " is already staged; release "
-                              "it first", r->what, key);
+        rc = ast__set_error(&sh->err, NULL, AST_ESTATE, "%s: key %" PRIu64
+                            " is already staged; release it first", r->what, key);
     if (!rc)
         rc = ring_alloc(sh, r, n, &s);
     if (rc) {
@@ -420,7 +398,7 @@ static int ring_issue(ast_shadow *sh, ring *r, const ast_shadow_piece *pc, int n
     if (rc) {
         s->state = S_RELEASED;
         ring_reclaim(sh, r);
-        set_error_locked(sh, rc, "%s: %zu bytes: %s", r->what, n, err);
+        ast__set_error(&sh->err, NULL, rc, "%s: %zu bytes: %s", r->what, n, err);
     } else {
         s->state = S_INFLIGHT;
         if (r->dir == AST_TRACE_DIR_D2H) {
@@ -490,11 +468,10 @@ static int ring_init(ast_shadow *sh, ring *r, size_t cap, unsigned max, char *er
     } else {
         rc = ast__cuda_malloc(&p, r->cap, err, len);
     }
-    if (rc) {
-        if (rc == AST_ENOMEM && err && len)
-            snprintf(err, len, "%s: cannot allocate %zu bytes", r->what, r->cap);
+    if (rc == AST_ENOMEM)
+        return ast__errorf(err, len, rc, "%s: cannot allocate %zu bytes", r->what, r->cap);
+    if (rc)
         return rc;
-    }
     r->base = p;
 #if ASTERIA_HAVE_CUDA
     for (unsigned i = 0; sh->cuda && i < max; i++) {
@@ -520,11 +497,9 @@ static int pick_path(ast_shadow *sh, const ast_shadow_opts *o, int ndev, char *e
     if (o->mode == AST_SHADOW_HOST || ndev == 0)
         return 0;
     int dev = o->device;
-    if (dev >= ndev) {
-        if (err && len)
-            snprintf(err, len, "opts.device %d: only %d CUDA device(s)", dev, ndev);
-        return AST_EINVAL;
-    }
+    if (dev >= ndev)
+        return ast__errorf(err, len, AST_EINVAL, "opts.device %d: only %d CUDA device(s)", dev,
+                           ndev);
     cudaError_t e;
     if (dev < 0 && (e = cudaGetDevice(&dev)) != cudaSuccess)
         return cuda_fail(e, "cudaGetDevice", err, len);
@@ -593,20 +568,16 @@ int ast_shadow_create_msg(const ast_shadow_opts *opts, ast_shadow **out, char *e
     if (!o.snapshot_bytes || !o.ring_bytes || !o.max_slots ||
         (unsigned)o.mode > AST_SHADOW_CUDA || o.snapshot_bytes > SIZE_MAX / 2 ||
         o.ring_bytes > SIZE_MAX / 2) {
-        if (errbuf && len)
-            snprintf(errbuf, len,
-                     "snapshot_bytes (%zu), ring_bytes (%zu) and max_slots (%u) must be > 0, "
-                     "mode one of auto/host/cuda",
-                     o.snapshot_bytes, o.ring_bytes, o.max_slots);
-        return AST_EINVAL;
+        return ast__errorf(errbuf, len, AST_EINVAL,
+                           "snapshot_bytes (%zu), ring_bytes (%zu) and max_slots (%u) must be > 0, "
+                           "mode one of auto/host/cuda",
+                           o.snapshot_bytes, o.ring_bytes, o.max_slots);
     }
     int ndev = ast__cuda_device_count();
     if (o.mode == AST_SHADOW_CUDA && ndev == 0) {
-        if (errbuf && len)
-            snprintf(errbuf, len, "%s",
-                     ASTERIA_HAVE_CUDA ? "mode cuda: no CUDA device present"
-                                       : "mode cuda: libasteria was built without CUDA");
-        return AST_ENODEV;
+        return ast__errorf(errbuf, len, AST_ENODEV, "%s",
+                           ASTERIA_HAVE_CUDA ? "mode cuda: no CUDA device present"
+                                             : "mode cuda: libasteria was built without CUDA");
     }
     ast_shadow *sh = calloc(1, sizeof *sh);
     if (!sh)
@@ -615,6 +586,7 @@ int ast_shadow_create_msg(const ast_shadow_opts *opts, ast_shadow **out, char *e
         free(sh);
         return AST_ENOMEM;
     }
+    sh->err.named = 1;
     sh->device = -1;
     sh->trace = o.trace;
     sh->snap = (ring){.what = "snapshot ring", .opt = "snapshot_bytes", .dir = AST_TRACE_DIR_D2H};
@@ -662,14 +634,15 @@ static int check_copy_args(ast_shadow *sh, const ring *r, const void *src, size_
                            void *wait_event)
 {
     if (!src || !nbytes)
-        return set_error(sh, AST_EINVAL, "%s: NULL source or zero size", r->what);
+        return ast__set_error(&sh->err, &sh->mu, AST_EINVAL, "%s: NULL source or zero size",
+                              r->what);
     if (nbytes > r->cap)
-        return set_error(sh, AST_EINVAL,
-                         "%s: a copy of %zu bytes exceeds the ring capacity of %zu bytes "
-                         "(raise opts.%s)",
-                         r->what, nbytes, r->cap, r->opt);
+        return ast__set_error(&sh->err, &sh->mu, AST_EINVAL, "%s: a copy of %zu bytes exceeds the "
+                              "ring capacity of %zu bytes (raise opts.%s)", r->what, nbytes, r->cap,
+                              r->opt);
     if (wait_event && !sh->cuda)
-        return set_error(sh, AST_EINVAL, "%s: an event to wait on needs the CUDA path", r->what);
+        return ast__set_error(&sh->err, &sh->mu, AST_EINVAL,
+                              "%s: an event to wait on needs the CUDA path", r->what);
     return 0;
 }
 
@@ -687,15 +660,17 @@ int ast_shadow_snapshotv(ast_shadow *sh, const ast_shadow_piece *pieces, int npi
         return AST_EINVAL;
     memset(t, 0, sizeof *t);
     if (!pieces || npieces < 1)
-        return set_error(sh, AST_EINVAL, "%s: no pieces to copy (npieces %d)", sh->snap.what,
-                         npieces);
+        return ast__set_error(&sh->err, &sh->mu, AST_EINVAL, "%s: no pieces to copy (npieces %d)",
+                              sh->snap.what, npieces);
     size_t nbytes = 0;
     for (int i = 0; i < npieces; i++) {
         if (!pieces[i].src || !pieces[i].nbytes)
-            return set_error(sh, AST_EINVAL, "%s: piece %d of %d has a NULL source or zero size",
-                             sh->snap.what, i, npieces);
+            return ast__set_error(&sh->err, &sh->mu, AST_EINVAL,
+                                  "%s: piece %d of %d has a NULL source or zero size",
+                                  sh->snap.what, i, npieces);
         if (pieces[i].nbytes > SIZE_MAX - nbytes)
-            return set_error(sh, AST_EINVAL, "%s: the pieces' sizes overflow", sh->snap.what);
+            return ast__set_error(&sh->err, &sh->mu, AST_EINVAL, "%s: the pieces' sizes overflow",
+                                  sh->snap.what);
         nbytes += pieces[i].nbytes;
     }
     int rc = check_copy_args(sh, &sh->snap, pieces[0].src, nbytes, wait_event);
@@ -720,8 +695,8 @@ static slot *find_ticket(ast_shadow *sh, const ast_shadow_ticket *t)
 {
     slot *s = t && t->id ? ring_find_seq(&sh->snap, t->id - 1) : NULL;
     if (!held(s)) {
-        set_error_locked(sh, AST_ENOENT, "snapshot ticket %" PRIu64 " unknown or released",
-                         t ? t->id : 0);
+        ast__set_error(&sh->err, NULL, AST_ENOENT, "snapshot ticket %" PRIu64
+                       " unknown or released", t ? t->id : 0);
         return NULL;
     }
     return s;
@@ -774,12 +749,12 @@ static int slot_release(ast_shadow *sh, ring *r, slot *s, int after, uintptr_t s
 {
     char err[256];
     if (s->state == S_ISSUING)
-        return set_error_locked(sh, AST_EBUSY, "%s: copy still being issued by another thread",
-                                r->what);
+        return ast__set_error(&sh->err, NULL, AST_EBUSY,
+                              "%s: copy still being issued by another thread", r->what);
     if (after && sh->cuda) {
         int rc = be_record(sh, s->release_ev, stream, err, sizeof err);
         if (rc)
-            return set_error_locked(sh, rc, "%s: %s", r->what, err);
+            return ast__set_error(&sh->err, NULL, rc, "%s: %s", r->what, err);
         s->state = S_RELEASE_PENDING;
     } else {
         s->state = S_RELEASED;
@@ -830,7 +805,8 @@ static slot *find_key(ast_shadow *sh, uint64_t key)
 {
     slot *s = ring_find_key(&sh->pre, key);
     if (!s)
-        set_error_locked(sh, AST_ENOENT, "prefetch ring: key %" PRIu64 " is not staged", key);
+        ast__set_error(&sh->err, NULL, AST_ENOENT, "prefetch ring: key %" PRIu64 " is not staged",
+                       key);
     return s;
 }
 
@@ -845,8 +821,8 @@ int ast_shadow_ready_event(ast_shadow *sh, uint64_t key, void **event)
     if (!s)
         rc = AST_ENOENT;
     else if (s->state == S_ISSUING)
-        rc = set_error_locked(sh, AST_EBUSY, "prefetch ring: key %" PRIu64
-                              " is still being issued", key);
+        rc = ast__set_error(&sh->err, NULL, AST_EBUSY, "prefetch ring: key %" PRIu64
+                            " is still being issued", key);
     else
         *event = s->done_ev;
     pthread_mutex_unlock(&sh->mu);
@@ -946,7 +922,7 @@ int ast_shadow_last_error(ast_shadow *sh, char *buf, size_t len)
     if (!sh || !buf || !len)
         return AST_EINVAL;
     pthread_mutex_lock(&sh->mu);
-    snprintf(buf, len, "%s", sh->last_error);
+    snprintf(buf, len, "%s", sh->err.text);
     pthread_mutex_unlock(&sh->mu);
     return 0;
 }

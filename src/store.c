@@ -3,7 +3,8 @@
  *
  * Owns: the block table (id -> tier, size, memory, NVMe record generation), the counters behind
  * ast_store_stats, the store's NVMe engine (nvme.c) and its last-error message. May call:
- * cuda_mem.h (pinned, device and managed memory, copies), nvme.h (records), libc.
+ * cuda_mem.h (pinned, device and managed memory, copies), nvme.h (records), util.h (the block
+ * table is an ast__htable; the last-error text and a move's first failure are util's), libc.
  *
  * Locking: one mutex per store. Every public function holds it for its whole duration, the I/O
  * batches of a move to or from NVME included, so allocation, free, lookups and stats on a store
@@ -52,11 +53,11 @@
 #include "asteria/errors.h"
 #include "cuda_mem.h"
 #include "nvme.h"
+#include "util.h"
 
 #include <fcntl.h>
 #include <inttypes.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -64,10 +65,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#define ERR_BYTES 1024
-#define TABLE_BITS 6u /* 64 slots to start */
+#define MSG_BYTES (AST__LAST_ERROR_BYTES / 2) /* a cause, quoted in the last-error text */
 
 struct blk {
+    ast__hnode node; /* in s->tab, key = id */
     uint64_t id;
     ast_tier tier;
     size_t nbytes;
@@ -85,17 +86,9 @@ struct blk {
     uint64_t mark; /* stamp of the last move batch that named it: catches duplicate ids */
 };
 
-/* Open addressing, linear probing, backward-shift deletion; ids are never 0. */
-struct table {
-    struct blk **slots;
-    size_t cap; /* 2^bits */
-    unsigned bits;
-    size_t n;
-};
-
 struct ast_store {
     pthread_mutex_t mu;
-    struct table tab;
+    ast__htable tab; /* id -> block */
     uint64_t next_id;
     uint64_t stamp;
     uint64_t store_id;
@@ -105,7 +98,7 @@ struct ast_store {
     ast_store_stats st;
     int cuda_probed;
     int ndev;
-    char err[ERR_BYTES];
+    ast__last_error err;
     ast_store *reg_prev, *reg_next; /* the registry of open stores (fork handlers) */
 };
 
@@ -145,86 +138,18 @@ void ast_store_opts_init(ast_store_opts *o)
 
 /* ---- block table --------------------------------------------------------------------------- */
 
-/* Fibonacci hashing: the top bits of id * 2^64/phi spread consecutive ids over the table. */
-static size_t home(const struct table *t, uint64_t id)
+static struct blk *blk_of(ast__hnode *x)
 {
-    return (size_t)((id * UINT64_C(0x9E3779B97F4A7C15)) >> (64 - t->bits));
+    return AST__CONTAINER_OF(x, struct blk, node);
 }
 
-static int tab_init(struct table *t, unsigned bits)
+static struct blk *lookup(const ast_store *s, uint64_t id)
 {
-    t->cap = (size_t)1 << bits;
-    t->bits = bits;
-    t->n = 0;
-    t->slots = calloc(t->cap, sizeof *t->slots);
-    return t->slots ? 0 : AST_ENOMEM;
-}
-
-static struct blk *tab_find(const struct table *t, uint64_t id)
-{
-    for (size_t i = home(t, id);; i = (i + 1) & (t->cap - 1)) {
-        if (!t->slots[i])
-            return NULL;
-        if (t->slots[i]->id == id)
-            return t->slots[i];
-    }
-}
-
-static void tab_place(struct table *t, struct blk *b)
-{
-    size_t i = home(t, b->id);
-    while (t->slots[i])
-        i = (i + 1) & (t->cap - 1);
-    t->slots[i] = b;
-    t->n++;
-}
-
-static int tab_insert(struct table *t, struct blk *b)
-{
-    if ((t->n + 1) * 2 > t->cap) {
-        struct table g;
-        if (tab_init(&g, t->bits + 1) != 0)
-            return AST_ENOMEM;
-        for (size_t i = 0; i < t->cap; i++) {
-            if (t->slots[i])
-                tab_place(&g, t->slots[i]);
-        }
-        free(t->slots);
-        *t = g;
-    }
-    tab_place(t, b);
-    return 0;
-}
-
-static void tab_remove(struct table *t, uint64_t id)
-{
-    size_t mask = t->cap - 1, i = home(t, id), j;
-
-    while (t->slots[i]->id != id)
-        i = (i + 1) & mask;
-    /* Pull later members of the probe run back so no lookup meets a hole before its key. */
-    for (j = (i + 1) & mask; t->slots[j]; j = (j + 1) & mask) {
-        size_t k = home(t, t->slots[j]->id);
-        int stays = i <= j ? (i < k && k <= j) : (i < k || k <= j);
-        if (!stays) {
-            t->slots[i] = t->slots[j];
-            i = j;
-        }
-    }
-    t->slots[i] = NULL;
-    t->n--;
+    ast__hnode *x = ast__htable_find(&s->tab, id);
+    return x ? blk_of(x) : NULL;
 }
 
 /* ---- helpers (store mutex held) -------------------------------------------------------------- */
-
-static int fail(ast_store *s, int code, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(s->err, sizeof s->err, fmt, ap);
-    va_end(ap);
-    return code;
-}
 
 static int valid_tier(ast_tier t)
 {
@@ -249,8 +174,8 @@ static int tier_ready(ast_store *s, ast_tier t)
         return 0;
     case AST_TIER_NVME:
         return s->nvme ? 0
-                       : fail(s, AST_ENOTSUP, "tier nvme: this store has no NVMe tier "
-                              "(ast_store_opts.nvme_dir was NULL)");
+                       : ast__set_error(&s->err, NULL, AST_ENOTSUP, "tier nvme: this store has no "
+                                        "NVMe tier (ast_store_opts.nvme_dir was NULL)");
     default:
         break;
     }
@@ -259,18 +184,21 @@ static int tier_ready(ast_store *s, ast_tier t)
         s->cuda_probed = 1;
     }
     if (s->ndev == 0)
-        return fail(s, AST_ENODEV, "tier %s: no CUDA device (%s)", ast_tier_name(t),
-                    ASTERIA_HAVE_CUDA ? "cudaGetDeviceCount reports none or no driver is loaded"
-                                      : "libasteria was built without CUDA");
+        return ast__set_error(&s->err, NULL, AST_ENODEV, "tier %s: no CUDA device (%s)",
+                              ast_tier_name(t),
+                              ASTERIA_HAVE_CUDA
+                                  ? "cudaGetDeviceCount reports none or no driver is loaded"
+                                  : "libasteria was built without CUDA");
     if (t != AST_TIER_UVM)
         return 0;
     rc = ast__cuda_coherent_host_access(&coherent, &c, msg, sizeof msg);
     if (rc)
-        return fail(s, rc, "tier uvm: %s", msg);
+        return ast__set_error(&s->err, NULL, rc, "tier uvm: %s", msg);
     if (!coherent)
-        return fail(s, AST_ENOTSUP, "tier uvm: device %d has no coherent host access to managed "
-                    "memory (concurrentManagedAccess=%d, pageableMemoryAccessUsesHostPageTables"
-                    "=%d)", c.device, c.concurrent_managed, c.pageable_host_tables);
+        return ast__set_error(&s->err, NULL, AST_ENOTSUP, "tier uvm: device %d has no coherent "
+                              "host access to managed memory (concurrentManagedAccess=%d, "
+                              "pageableMemoryAccessUsesHostPageTables=%d)", c.device,
+                              c.concurrent_managed, c.pageable_host_tables);
     return 0;
 }
 
@@ -290,20 +218,16 @@ static int mem_alloc_z(ast_tier t, size_t n, void **p, int zero, char *msg, size
         if (framed(t, n)) {
             size_t fb = (size_t)ast__nvme_record_bytes(n);
             void *f = NULL;
-            if (posix_memalign(&f, AST__NVME_ALIGN, fb) != 0) {
-                snprintf(msg, len, "posix_memalign(%zu) failed", fb);
-                return AST_ENOMEM;
-            }
+            if (posix_memalign(&f, AST__NVME_ALIGN, fb) != 0)
+                return ast__errorf(msg, len, AST_ENOMEM, "posix_memalign(%zu) failed", fb);
             if (zero)
                 memset(f, 0, fb);
             *p = (unsigned char *)f + AST__NVME_HEADER;
             return 0;
         }
         *p = zero ? calloc(1, n) : malloc(n);
-        if (!*p) {
-            snprintf(msg, len, "calloc(%zu) failed", n);
-            return AST_ENOMEM;
-        }
+        if (!*p)
+            return ast__errorf(msg, len, AST_ENOMEM, "calloc(%zu) failed", n);
         return 0;
     case AST_TIER_HOST_PINNED:
         return ast__cuda_host_alloc(p, n, msg, len);
@@ -312,8 +236,7 @@ static int mem_alloc_z(ast_tier t, size_t n, void **p, int zero, char *msg, size
     case AST_TIER_UVM:
         return ast__cuda_managed_alloc(p, n, msg, len);
     default:
-        snprintf(msg, len, "tier %d has no memory of its own", (int)t);
-        return AST_EINVAL;
+        return ast__errorf(msg, len, AST_EINVAL, "tier %d has no memory of its own", (int)t);
     }
 }
 
@@ -439,9 +362,9 @@ static void atfork_prepare(void)
     pthread_mutex_lock(&registry_mtx);
     for (ast_store *s = stores; s; s = s->reg_next) {
         pthread_mutex_lock(&s->mu);
-        for (size_t i = 0; i < s->tab.cap; i++) {
-            struct blk *b = s->tab.slots[i];
-            if (!b || b->tier != AST_TIER_NVME)
+        for (ast__hnode *x = ast__htable_first(&s->tab); x; x = ast__htable_after(&s->tab, x)) {
+            struct blk *b = blk_of(x);
+            if (b->tier != AST_TIER_NVME)
                 continue;
             if (b->rfd >= 0)
                 b->fork_fd = fcntl(b->rfd, F_DUPFD_CLOEXEC, 0);
@@ -454,11 +377,11 @@ static void atfork_prepare(void)
 static void atfork_parent(void)
 {
     for (ast_store *s = stores; s; s = s->reg_next) {
-        for (size_t i = 0; i < s->tab.cap; i++) {
-            struct blk *b = s->tab.slots[i];
-            if (b && b->tier == AST_TIER_NVME)
+        for (ast__hnode *x = ast__htable_first(&s->tab); x; x = ast__htable_after(&s->tab, x)) {
+            struct blk *b = blk_of(x);
+            if (b->tier == AST_TIER_NVME)
                 b->shared = 1; /* the child may read this inode: never rewrite it in place */
-            if (b && b->fork_fd >= 0) {
+            if (b->fork_fd >= 0) {
                 close(b->fork_fd);
                 b->fork_fd = -1;
             }
@@ -479,10 +402,8 @@ static void atfork_child(void)
         s->store_id = random_id();
         s->child = 1;
         ast__nvme_adopt(s->nvme, s->store_id);
-        for (size_t i = 0; i < s->tab.cap; i++) {
-            struct blk *b = s->tab.slots[i];
-            if (!b)
-                continue;
+        for (ast__hnode *x = ast__htable_first(&s->tab); x; x = ast__htable_after(&s->tab, x)) {
+            struct blk *b = blk_of(x);
             /* The named records are the parent's. */
             b->named = 0;
             b->shared = 0;
@@ -514,23 +435,16 @@ int ast__store_open_faults(const ast_store_opts *opts, unsigned faults, ast_stor
 
     if (errbuf && len)
         errbuf[0] = '\0';
-    if (!out) {
-        if (errbuf && len)
-            snprintf(errbuf, len, "ast_store_open: out is NULL");
-        return AST_EINVAL;
-    }
+    if (!out)
+        return ast__errorf(errbuf, len, AST_EINVAL, "ast_store_open: out is NULL");
     *out = NULL;
     if (!opts) {
         ast_store_opts_init(&defaults);
         opts = &defaults;
     }
     s = calloc(1, sizeof *s);
-    if (!s || tab_init(&s->tab, TABLE_BITS) != 0) {
-        free(s);
-        if (errbuf && len)
-            snprintf(errbuf, len, "ast_store_open: out of memory");
-        return AST_ENOMEM;
-    }
+    if (!s)
+        return ast__errorf(errbuf, len, AST_ENOMEM, "ast_store_open: out of memory");
     pthread_mutex_init(&s->mu, NULL);
     s->next_id = 1;
     s->store_id = random_id();
@@ -581,16 +495,15 @@ void ast_store_close(ast_store *s)
             s->reg_next->reg_prev = s->reg_prev;
     }
     pthread_mutex_unlock(&registry_mtx);
-    for (size_t i = 0; i < s->tab.cap; i++) {
-        struct blk *b = s->tab.slots[i];
-        if (b) {
-            mem_free(b->tier, b->ptr, b->nbytes);
-            drop_fd(b);
-            free(b);
-        }
+    for (ast__hnode *x = ast__htable_first(&s->tab), *next; x; x = next) {
+        struct blk *b = blk_of(x);
+        next = ast__htable_after(&s->tab, x);
+        mem_free(b->tier, b->ptr, b->nbytes);
+        drop_fd(b);
+        free(b);
     }
     ast__nvme_close(s->nvme); /* removes every record file of this store, NVME blocks' too */
-    free(s->tab.slots);
+    ast__htable_free(&s->tab);
     pthread_mutex_destroy(&s->mu);
     free(s);
 }
@@ -604,7 +517,7 @@ ast__nvme *ast__store_nvme(ast_store *s)
 
 int ast_store_alloc(ast_store *s, ast_tier tier, size_t nbytes, uint64_t *id)
 {
-    char msg[ERR_BYTES / 2] = "";
+    char msg[MSG_BYTES] = "";
     struct blk *b;
     int rc;
 
@@ -612,7 +525,8 @@ int ast_store_alloc(ast_store *s, ast_tier tier, size_t nbytes, uint64_t *id)
         return AST_EINVAL;
     pthread_mutex_lock(&s->mu);
     if (nbytes == 0 || nbytes > SIZE_MAX / 2) {
-        rc = fail(s, AST_EINVAL, "alloc: %zu bytes is not a valid block size", nbytes);
+        rc = ast__set_error(&s->err, NULL, AST_EINVAL,
+                            "alloc: %zu bytes is not a valid block size", nbytes);
         goto out;
     }
     rc = tier_ready(s, tier);
@@ -620,7 +534,7 @@ int ast_store_alloc(ast_store *s, ast_tier tier, size_t nbytes, uint64_t *id)
         goto out;
     b = calloc(1, sizeof *b);
     if (!b) {
-        rc = fail(s, AST_ENOMEM, "alloc: out of memory");
+        rc = ast__set_error(&s->err, NULL, AST_ENOMEM, "alloc: out of memory");
         goto out;
     }
     b->id = s->next_id;
@@ -633,9 +547,9 @@ int ast_store_alloc(ast_store *s, ast_tier tier, size_t nbytes, uint64_t *id)
         ast__nvme_io io = {.block_id = b->id, .generation = 1, .len = nbytes, .fd = -1};
         ast__nvme_xfer x = {0, 0, 0};
         if (!within_budget(s, 0, nbytes)) {
-            rc = fail(s, AST_ENOSPC, "alloc on nvme: no space left for %zu bytes under "
-                      "nvme_budget_bytes %" PRIu64 " (%" PRIu64 " in use)", nbytes, s->nvme_budget,
-                      s->st.bytes[AST_TIER_NVME]);
+            rc = ast__set_error(&s->err, NULL, AST_ENOSPC, "alloc on nvme: no space left for %zu "
+                                "bytes under nvme_budget_bytes %" PRIu64 " (%" PRIu64 " in use)",
+                                nbytes, s->nvme_budget, s->st.bytes[AST_TIER_NVME]);
             free(b);
             goto out;
         }
@@ -647,7 +561,7 @@ int ast_store_alloc(ast_store *s, ast_tier tier, size_t nbytes, uint64_t *id)
     } else {
         rc = mem_alloc(tier, nbytes, &b->ptr, msg, sizeof msg);
     }
-    if (rc == 0 && (rc = tab_insert(&s->tab, b)) != 0) {
+    if (rc == 0 && (rc = ast__htable_reserve(&s->tab, s->tab.n + 1)) != 0) {
         mem_free(tier, b->ptr, nbytes);
         if (tier == AST_TIER_NVME)
             forget_record(s, b);
@@ -655,9 +569,12 @@ int ast_store_alloc(ast_store *s, ast_tier tier, size_t nbytes, uint64_t *id)
     }
     if (rc) {
         free(b);
-        rc = fail(s, rc, "alloc of %zu bytes on %s: %s", nbytes, ast_tier_name(tier), msg);
+        rc = ast__set_error(&s->err, NULL, rc, "alloc of %zu bytes on %s: %s", nbytes,
+                            ast_tier_name(tier), msg);
         goto out;
     }
+    b->node.key = b->id;
+    ast__htable_insert(&s->tab, &b->node);
     s->next_id++;
     account(s, tier, nbytes, +1);
     *id = b->id;
@@ -668,9 +585,10 @@ out:
 
 static struct blk *find(ast_store *s, uint64_t id, const char *what)
 {
-    struct blk *b = id ? tab_find(&s->tab, id) : NULL;
+    struct blk *b = id ? lookup(s, id) : NULL;
     if (!b)
-        fail(s, AST_ENOENT, "%s: no block %" PRIu64 " in this store", what, id);
+        ast__set_error(&s->err, NULL, AST_ENOENT, "%s: no block %" PRIu64 " in this store", what,
+                       id);
     return b;
 }
 
@@ -690,7 +608,7 @@ int ast_store_free(ast_store *s, uint64_t id)
         if (b->tier != AST_TIER_NVME)
             mem_free(b->tier, b->ptr, b->nbytes);
         account(s, b->tier, b->nbytes, -1);
-        tab_remove(&s->tab, id);
+        ast__htable_remove(&s->tab, &b->node);
         free(b);
     }
     pthread_mutex_unlock(&s->mu);
@@ -742,27 +660,6 @@ int ast_store_tier(ast_store *s, uint64_t id, ast_tier *tier)
 
 /* ---- moves --------------------------------------------------------------------------------- */
 
-/* The first failure of a move, by position in ids, and how many blocks failed. */
-struct move_err {
-    size_t idx;
-    int code;
-    size_t failed;
-    char msg[ERR_BYTES / 2];
-};
-
-static void move_failed(struct move_err *e, size_t idx, int code, const char *fmt, ...)
-{
-    e->failed++;
-    if (idx >= e->idx)
-        return;
-    e->idx = idx;
-    e->code = code;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(e->msg, sizeof e->msg, fmt, ap);
-    va_end(ap);
-}
-
 static int move_memory(struct blk *b, ast_tier dst, char *msg, size_t len)
 {
     void *p = NULL;
@@ -781,19 +678,19 @@ static int move_memory(struct blk *b, ast_tier dst, char *msg, size_t len)
 
 /* Writes the listed blocks (positions pos[0..n) in ids) to NVME in one batch. */
 static size_t move_to_nvme(ast_store *s, struct blk **bl, const size_t *pos, size_t n,
-                           struct move_err *e)
+                           ast__batch_err *e)
 {
     ast__nvme_io *ios = calloc(n ? n : 1, sizeof *ios);
     size_t *at = calloc(n ? n : 1, sizeof *at);
     ast__nvme_xfer x = {0, 0, 0};
-    char msg[ERR_BYTES / 2] = "";
+    char msg[MSG_BYTES] = "";
     uint64_t pending = 0;
     size_t m = 0, moved = 0, first = SIZE_MAX;
 
     if (!ios || !at) {
         for (size_t i = 0; i < n; i++)
-            move_failed(e, pos[i], AST_ENOMEM, "block %" PRIu64 ": out of memory for the batch",
-                        bl[i]->id);
+            ast__batch_fail(e, pos[i], NULL, AST_ENOMEM,
+                            "block %" PRIu64 ": out of memory for the batch", bl[i]->id);
         free(ios);
         free(at);
         return 0;
@@ -801,9 +698,9 @@ static size_t move_to_nvme(ast_store *s, struct blk **bl, const size_t *pos, siz
     for (size_t i = 0; i < n; i++) {
         struct blk *b = bl[i];
         if (!within_budget(s, pending, b->nbytes)) {
-            move_failed(e, pos[i], AST_ENOSPC, "block %" PRIu64 " (%zu bytes): no space left under "
-                        "nvme_budget_bytes %" PRIu64 " (%" PRIu64 " in use)", b->id, b->nbytes,
-                        s->nvme_budget, s->st.bytes[AST_TIER_NVME] + pending);
+            ast__batch_fail(e, pos[i], NULL, AST_ENOSPC, "block %" PRIu64 " (%zu bytes): no space "
+                            "left under nvme_budget_bytes %" PRIu64 " (%" PRIu64 " in use)", b->id,
+                            b->nbytes, s->nvme_budget, s->st.bytes[AST_TIER_NVME] + pending);
             continue;
         }
         pending += b->nbytes;
@@ -825,8 +722,8 @@ static size_t move_to_nvme(ast_store *s, struct blk **bl, const size_t *pos, siz
     for (size_t j = 0; j < m; j++) {
         struct blk *b = bl[at[j]];
         if (ios[j].result) {
-            move_failed(e, pos[at[j]], ios[j].result, "%s",
-                        j == first ? msg : ast_strerror(ios[j].result));
+            ast__batch_fail(e, pos[at[j]], NULL, ios[j].result, "%s",
+                            j == first ? msg : ast_strerror(ios[j].result));
             continue;
         }
         account(s, b->tier, b->nbytes, -1);
@@ -845,18 +742,18 @@ static size_t move_to_nvme(ast_store *s, struct blk **bl, const size_t *pos, siz
 
 /* Reads the listed NVME blocks into fresh memory of tier dst in one batch. */
 static size_t move_from_nvme(ast_store *s, struct blk **bl, const size_t *pos, size_t n,
-                             ast_tier dst, struct move_err *e)
+                             ast_tier dst, ast__batch_err *e)
 {
     ast__nvme_io *ios = calloc(n ? n : 1, sizeof *ios);
     size_t *at = calloc(n ? n : 1, sizeof *at);
     ast__nvme_xfer x = {0, 0, 0};
-    char msg[ERR_BYTES / 2] = "";
+    char msg[MSG_BYTES] = "";
     size_t m = 0, moved = 0, first = SIZE_MAX;
 
     if (!ios || !at) {
         for (size_t i = 0; i < n; i++)
-            move_failed(e, pos[i], AST_ENOMEM, "block %" PRIu64 ": out of memory for the batch",
-                        bl[i]->id);
+            ast__batch_fail(e, pos[i], NULL, AST_ENOMEM,
+                            "block %" PRIu64 ": out of memory for the batch", bl[i]->id);
         free(ios);
         free(at);
         return 0;
@@ -866,7 +763,7 @@ static size_t move_from_nvme(ast_store *s, struct blk **bl, const size_t *pos, s
         void *p = NULL;
         int rc = mem_alloc_z(dst, b->nbytes, &p, 0, msg, sizeof msg);
         if (rc) {
-            move_failed(e, pos[i], rc, "block %" PRIu64 ": %s", b->id, msg);
+            ast__batch_fail(e, pos[i], NULL, rc, "block %" PRIu64 ": %s", b->id, msg);
             continue;
         }
         ios[m] = (ast__nvme_io){.block_id = b->id, .generation = b->gen, .data = p,
@@ -888,8 +785,8 @@ static size_t move_from_nvme(ast_store *s, struct blk **bl, const size_t *pos, s
         struct blk *b = bl[at[j]];
         if (ios[j].result) {
             mem_free(dst, ios[j].data, b->nbytes); /* the record and the block stay on NVME */
-            move_failed(e, pos[at[j]], ios[j].result, "%s",
-                        j == first ? msg : ast_strerror(ios[j].result));
+            ast__batch_fail(e, pos[at[j]], NULL, ios[j].result, "%s",
+                            j == first ? msg : ast_strerror(ios[j].result));
             continue;
         }
         record_read_back(b); /* stale now; its generation guards it */
@@ -906,7 +803,7 @@ static size_t move_from_nvme(ast_store *s, struct blk **bl, const size_t *pos, s
 
 int ast_store_move(ast_store *s, const uint64_t *ids, size_t n, ast_tier dst, size_t *moved)
 {
-    struct move_err e;
+    ast__batch_err e;
     struct blk **bl = NULL;
     size_t *pos = NULL;
     size_t done = 0, nw = 0, nr = 0;
@@ -920,14 +817,11 @@ int ast_store_move(ast_store *s, const uint64_t *ids, size_t n, ast_tier dst, si
     if (n == 0)
         return 0;
     pthread_mutex_lock(&s->mu);
-    e.idx = SIZE_MAX;
-    e.code = 0;
-    e.failed = 0;
-    e.msg[0] = '\0';
+    ast__batch_err_init(&e);
     bl = malloc(n * sizeof *bl);
     pos = malloc(n * sizeof *pos);
     if (!bl || !pos) {
-        rc = fail(s, AST_ENOMEM, "move of %zu blocks: out of memory", n);
+        rc = ast__set_error(&s->err, NULL, AST_ENOMEM, "move of %zu blocks: out of memory", n);
         goto out;
     }
     /* Refuse a malformed request before anything moves. */
@@ -939,7 +833,8 @@ int ast_store_move(ast_store *s, const uint64_t *ids, size_t n, ast_tier dst, si
             goto out;
         }
         if (b->mark == stamp) {
-            rc = fail(s, AST_EINVAL, "move: block %" PRIu64 " is listed twice", ids[i]);
+            rc = ast__set_error(&s->err, NULL, AST_EINVAL,
+                                "move: block %" PRIu64 " is listed twice", ids[i]);
             goto out;
         }
         b->mark = stamp;
@@ -950,8 +845,8 @@ int ast_store_move(ast_store *s, const uint64_t *ids, size_t n, ast_tier dst, si
 
     /* Memory to memory, one block at a time; NVMe transfers are collected for one batch. */
     for (size_t i = 0; i < n; i++) {
-        struct blk *b = tab_find(&s->tab, ids[i]);
-        char msg[ERR_BYTES / 2] = "";
+        struct blk *b = lookup(s, ids[i]);
+        char msg[MSG_BYTES] = "";
         ast_tier from = b->tier;
 
         if (from == dst) {
@@ -964,8 +859,8 @@ int ast_store_move(ast_store *s, const uint64_t *ids, size_t n, ast_tier dst, si
             else
                 nr++;
         } else if ((rc = move_memory(b, dst, msg, sizeof msg)) != 0) {
-            move_failed(&e, i, rc, "block %" PRIu64 " from %s: %s", b->id, ast_tier_name(from),
-                        msg);
+            ast__batch_fail(&e, i, NULL, rc, "block %" PRIu64 " from %s: %s", b->id,
+                            ast_tier_name(from), msg);
         } else {
             account(s, from, b->nbytes, -1);
             account(s, dst, b->nbytes, +1);
@@ -981,10 +876,10 @@ int ast_store_move(ast_store *s, const uint64_t *ids, size_t n, ast_tier dst, si
     rc = e.code;
     if (rc) {
         if (e.failed > 1)
-            fail(s, rc, "move to %s: %s (and %zu more blocks failed)", ast_tier_name(dst),
-                 e.msg, e.failed - 1);
+            ast__set_error(&s->err, NULL, rc, "move to %s: %s (and %zu more blocks failed)",
+                           ast_tier_name(dst), e.msg, e.failed - 1);
         else
-            fail(s, rc, "move to %s: %s", ast_tier_name(dst), e.msg);
+            ast__set_error(&s->err, NULL, rc, "move to %s: %s", ast_tier_name(dst), e.msg);
     }
 out:
     if (moved)
@@ -1012,7 +907,7 @@ int ast_store_last_error(ast_store *s, char *buf, size_t len)
     if (!s || !buf || !len)
         return AST_EINVAL;
     pthread_mutex_lock(&s->mu);
-    snprintf(buf, len, "%s", s->err);
+    snprintf(buf, len, "%s", s->err.text);
     pthread_mutex_unlock(&s->mu);
     return 0;
 }
@@ -1029,13 +924,16 @@ int ast_store_record_path(ast_store *s, uint64_t id, char *buf, size_t len)
     if (!b)
         rc = AST_ENOENT;
     else if (b->tier != AST_TIER_NVME)
-        rc = fail(s, AST_ESTATE, "record_path: block %" PRIu64 " is on tier %s, not on nvme", id,
-                  ast_tier_name(b->tier));
+        rc = ast__set_error(&s->err, NULL, AST_ESTATE,
+                            "record_path: block %" PRIu64 " is on tier %s, not on nvme", id,
+                            ast_tier_name(b->tier));
     else if (b->owner == 0 && !b->named)
-        rc = fail(s, AST_ESTATE, "record_path: block %" PRIu64 " was written by this forked "
-                  "child: its record has no name (an open, unlinked file)", id);
+        rc = ast__set_error(&s->err, NULL, AST_ESTATE, "record_path: block %" PRIu64 " was "
+                            "written by this forked child: its record has no name (an open, "
+                            "unlinked file)", id);
     else if ((rc = ast__nvme_owner_path(s->nvme, b->owner, id, buf, len)) != 0)
-        rc = fail(s, rc, "record_path: a buffer of %zu bytes is too small", len);
+        rc = ast__set_error(&s->err, NULL, rc, "record_path: a buffer of %zu bytes is too small",
+                            len);
     pthread_mutex_unlock(&s->mu);
     return rc;
 }

@@ -2,7 +2,7 @@
  * trace.c - the runtime event recorder and its Chrome-trace JSON writer (see trace.h).
  *
  * Owns: the event chunks, the intern table and its string arena, the lane names, the
- * last-error text. May call: libc and POSIX only.
+ * last-error text. May call: libc, POSIX and util.h (clock, hash table, last-error setter).
  *
  * Storage: one mutex-guarded store (not per-thread buffers): recording threads are few (the
  * training thread, a handful of workers, the shadow path) and events are coarse (one per job
@@ -12,9 +12,9 @@
  * append is an intern lookup plus a struct copy.
  *
  * Locking: tr->mu guards the chunks, count, dropped, max_events, the intern table and arena,
- * the lane names and last_error. Hashing and argument checks happen before it is taken; file
- * formatting and I/O happen after it is released, on a private copy of the events. base_ns
- * is written once at creation and read without the lock.
+ * the lane names and err (the last-error text). Hashing and argument checks happen before it
+ * is taken; file formatting and I/O happen after it is released, on a private copy of the
+ * events. base_ns is written once at creation and read without the lock.
  */
 #include "asteria/trace.h"
 
@@ -27,7 +27,6 @@
 #include <inttypes.h>
 #include <limits.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -77,7 +76,7 @@ struct ast_trace {
     lane_name *lanes;
     size_t nlanes, caplanes;
     atomic_uint_fast64_t tmp_seq; /* temporary file names, unique per recorder */
-    char last_error[1024];
+    ast__last_error err; /* named: "AST_E...: message" */
 };
 
 static const struct {
@@ -100,17 +99,6 @@ static const struct {
 };
 
 
-static int set_error(ast_trace *tr, int code, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    pthread_mutex_lock(&tr->mu);
-    ast__verrorf_named(tr->last_error, sizeof tr->last_error, code, fmt, ap);
-    pthread_mutex_unlock(&tr->mu);
-    va_end(ap);
-    return code;
-}
-
 /* Thread-safe errno text (GNU strerror_r: _GNU_SOURCE is set for the library). */
 static const char *errtext(int e, char *buf, size_t len)
 {
@@ -129,6 +117,7 @@ int ast_trace_create(ast_trace **out)
         free(tr);
         return AST_ENOMEM;
     }
+    tr->err.named = 1;
     atomic_init(&tr->tmp_seq, 0);
     tr->base_ns = ast__now_ns();
     *out = tr;
@@ -365,7 +354,7 @@ int ast_trace_last_error(ast_trace *tr, char *buf, size_t len)
     if (!tr || !buf || !len)
         return AST_EINVAL;
     pthread_mutex_lock(&tr->mu);
-    snprintf(buf, len, "%s", tr->last_error);
+    snprintf(buf, len, "%s", tr->err.text);
     pthread_mutex_unlock(&tr->mu);
     return 0;
 }
@@ -601,7 +590,8 @@ static int write_file(ast_trace *tr, const char *path, const rec *evs, const ord
     size_t plen = strlen(path);
     char *tmp = malloc(plen + 64);
     if (!tmp)
-        return set_error(tr, AST_ENOMEM, "trace: out of memory writing '%s'", path);
+        return ast__set_error(&tr->err, &tr->mu, AST_ENOMEM, "trace: out of memory writing '%s'",
+                              path);
     int fd = -1;
     for (int tries = 0; fd < 0 && tries < 16; tries++) {
         snprintf(tmp, plen + 64, "%s.tmp.%ld.%" PRIxPTR ".%" PRIuFAST64, path, (long)getpid(),
@@ -613,8 +603,9 @@ static int write_file(ast_trace *tr, const char *path, const rec *evs, const ord
     if (fd < 0) {
         int e = errno;
         free(tmp);
-        return set_error(tr, ast_err_from_errno(e), "trace: cannot create a file next to '%s': %s",
-                         path, errtext(e, eb, sizeof eb));
+        return ast__set_error(&tr->err, &tr->mu, ast_err_from_errno(e),
+                              "trace: cannot create a file next to '%s': %s", path,
+                              errtext(e, eb, sizeof eb));
     }
     FILE *f = fdopen(fd, "w");
     if (!f) {
@@ -622,8 +613,8 @@ static int write_file(ast_trace *tr, const char *path, const rec *evs, const ord
         close(fd);
         unlink(tmp);
         free(tmp);
-        return set_error(tr, ast_err_from_errno(e), "trace: fdopen for '%s': %s", path,
-                         errtext(e, eb, sizeof eb));
+        return ast__set_error(&tr->err, &tr->mu, ast_err_from_errno(e),
+                              "trace: fdopen for '%s': %s", path, errtext(e, eb, sizeof eb));
     }
     setvbuf(f, NULL, _IOFBF, 1 << 16);
     errno = 0;
@@ -652,8 +643,8 @@ static int write_file(ast_trace *tr, const char *path, const rec *evs, const ord
         int code = ast_err_from_errno(e);
         if (code == AST_EINVAL || code == AST_EBUSY)
             code = AST_EIO;
-        return set_error(tr, code, "trace: %s of '%s' failed: %s", what, path,
-                         errtext(e, eb, sizeof eb));
+        return ast__set_error(&tr->err, &tr->mu, code, "trace: %s of '%s' failed: %s", what, path,
+                              errtext(e, eb, sizeof eb));
     }
     free(tmp);
     return 0;
@@ -664,7 +655,7 @@ int ast_trace_write_json(ast_trace *tr, const char *path)
     if (!tr)
         return AST_EINVAL;
     if (!path || !*path)
-        return set_error(tr, AST_EINVAL, "trace: empty output path");
+        return ast__set_error(&tr->err, &tr->mu, AST_EINVAL, "trace: empty output path");
 
     pthread_mutex_lock(&tr->mu);
     size_t n = tr->count, nnames = tr->nlanes, dropped = tr->dropped;
@@ -694,7 +685,8 @@ int ast_trace_write_json(ast_trace *tr, const char *path)
         qsort(ord, n, sizeof *ord, order_cmp);
         rc = write_file(tr, path, evs, ord, n, lanes, nl, names, nnames, dropped);
     } else {
-        rc = set_error(tr, AST_ENOMEM, "trace: out of memory formatting %zu events", n);
+        rc = ast__set_error(&tr->err, &tr->mu, AST_ENOMEM,
+                            "trace: out of memory formatting %zu events", n);
     }
     free(lanes);
     free(ord);

@@ -1,11 +1,13 @@
 /*
- * util.c - the shared internals of util.h: clock, error-message formatting, hash table.
- * May call: libc and ast_err_name (errors.h). No state, no locks.
+ * util.c - the shared internals of util.h: clock, error messages, hash table.
+ * May call: libc, pthreads and ast_err_name (errors.h). No state; the only lock taken is the
+ * one a caller hands to ast__set_error.
  */
 #include "util.h"
 
 #include "asteria/errors.h"
 
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,17 +46,64 @@ int ast__verrorf_named(char *buf, size_t len, int code, const char *fmt, va_list
     return code;
 }
 
+int ast__set_error(ast__last_error *e, pthread_mutex_t *mu, int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    if (mu)
+        pthread_mutex_lock(mu);
+    if (e->named)
+        ast__verrorf_named(e->text, sizeof e->text, code, fmt, ap);
+    else
+        ast__verrorf(e->text, sizeof e->text, code, fmt, ap);
+    if (mu)
+        pthread_mutex_unlock(mu);
+    va_end(ap);
+    return code;
+}
+
+void ast__batch_err_init(ast__batch_err *e)
+{
+    e->idx = SIZE_MAX;
+    e->code = 0;
+    e->failed = 0;
+    e->msg[0] = '\0';
+}
+
+int ast__batch_fail(ast__batch_err *e, size_t idx, int *item, int code, const char *fmt, ...)
+{
+    if (item) {
+        if (*item)
+            return code;
+        *item = code;
+    }
+    e->failed++;
+    if (idx >= e->idx)
+        return code;
+    e->idx = idx;
+    e->code = code;
+    va_list ap;
+    va_start(ap, fmt);
+    ast__verrorf(e->msg, sizeof e->msg, code, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
 /* ---- hash table ------------------------------------------------------------------------------ */
 
-/* The murmur3 finaliser: consecutive keys (tickets, block ids) spread over every bucket. */
+uint64_t ast__mix64(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
 static size_t slot(const ast__htable *t, uint64_t key)
 {
-    key ^= key >> 33;
-    key *= 0xff51afd7ed558ccdULL;
-    key ^= key >> 33;
-    key *= 0xc4ceb9fe1a85ec53ULL;
-    key ^= key >> 33;
-    return (size_t)key & (t->nb - 1);
+    return (size_t)ast__mix64(key) & (t->nb - 1);
 }
 
 int ast__htable_reserve(ast__htable *t, size_t want)
@@ -117,6 +166,24 @@ void ast__htable_remove(ast__htable *t, ast__hnode *x)
         p = &(*p)->next;
     *p = x->next;
     t->n--;
+}
+
+static ast__hnode *first_from(const ast__htable *t, size_t i)
+{
+    for (; i < t->nb; i++)
+        if (t->b[i])
+            return t->b[i];
+    return NULL;
+}
+
+ast__hnode *ast__htable_first(const ast__htable *t)
+{
+    return first_from(t, 0);
+}
+
+ast__hnode *ast__htable_after(const ast__htable *t, const ast__hnode *x)
+{
+    return x->next ? x->next : first_from(t, slot(t, x->key) + 1);
 }
 
 void ast__htable_clear(ast__htable *t)

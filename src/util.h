@@ -1,13 +1,17 @@
 /*
  * util.h - helpers every module of libasteria shares, once: the monotonic clock, the formatting
- * of error messages, and one hash table. Internal: nothing here is declared in include/asteria/
- * or exported by src/asteria.map (the ast__ prefix marks library internals).
+ * of error messages (a plain buffer, a handle's last-error text, a batch's first failure), and
+ * one hash table. Internal: nothing here is declared in include/asteria/ or exported by
+ * src/asteria.map (the ast__ prefix marks library internals).
  *
- * No state and no locks: the hash table is a plain value guarded by whatever guards its owner.
+ * No state of its own: a last-error text, a batch's failure record and a hash table are plain
+ * values guarded by whatever guards their owner; ast__set_error takes the owner's mutex only
+ * when the caller passes it.
  */
 #ifndef ASTERIA_UTIL_H
 #define ASTERIA_UTIL_H
 
+#include <pthread.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -27,11 +31,45 @@ int ast__errorf(char *buf, size_t len, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 int ast__verrorf(char *buf, size_t len, int code, const char *fmt, va_list ap)
     __attribute__((format(printf, 4, 0)));
-/* The same, prefixed with the code's symbolic name ("AST_EINVAL: ..."): the form of the
- * last-error text a handle keeps (runtime, shadow, trace). The caller holds the lock that guards
- * buf. */
+/* The same, prefixed with the code's symbolic name ("AST_EINVAL: ..."): the form of a named
+ * last-error text (below). The caller holds the lock that guards buf. */
 int ast__verrorf_named(char *buf, size_t len, int code, const char *fmt, va_list ap)
     __attribute__((format(printf, 4, 0)));
+
+/* A handle's last-error text, which its ast_*_last_error copies out; the handle's mutex guards
+ * it. named (set at creation): every text starts with the code's symbolic name, the form the
+ * runtime, the shadow and the trace recorder keep; the store and the coherence registry keep
+ * the bare message (tests and callers read both forms). */
+#define AST__LAST_ERROR_BYTES 1024
+typedef struct ast__last_error {
+    int named;
+    char text[AST__LAST_ERROR_BYTES];
+} ast__last_error;
+
+/* Sets e's text and returns code: `return ast__set_error(&s->err, NULL, AST_EINVAL, ...);`.
+ * mu: the mutex that guards e, taken around the write; NULL when the caller holds it. */
+int ast__set_error(ast__last_error *e, pthread_mutex_t *mu, int code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+/* The first failure of a batch whose items (the blocks of a store move, the records of an NVMe
+ * batch) succeed or fail on their own: the batch goes on past a failed item and reports the
+ * failure at the lowest position, whatever order the items failed in, and how many failed. */
+#define AST__BATCH_MSG_BYTES 512
+typedef struct ast__batch_err {
+    size_t idx;    /* position of the reported failure; SIZE_MAX: none yet */
+    int code;      /* its code; 0: none yet */
+    size_t failed; /* failures counted */
+    char msg[AST__BATCH_MSG_BYTES];
+} ast__batch_err;
+
+/* No failure yet. */
+void ast__batch_err_init(ast__batch_err *e);
+/* Counts a failure of the item at idx and returns code. Its code and formatted message become
+ * the batch's when idx is below every earlier failure's. item (may be NULL) is the item's own
+ * code: an item that has failed already keeps its first cause (the call is ignored), else it is
+ * set to code. */
+int ast__batch_fail(ast__batch_err *e, size_t idx, int *item, int code, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
 
 /* ---- hash table ----------------------------------------------------------------------------- */
 
@@ -54,6 +92,9 @@ typedef struct ast__htable {
 #define AST__CONTAINER_OF(ptr, type, member) \
     ((type *)(void *)((char *)(ptr) - offsetof(type, member)))
 
+/* The murmur3 finaliser: every bit of x reaches every bit of the result, so consecutive keys
+ * (tickets, block ids) spread over every bucket; also the step of a hash over a longer key. */
+uint64_t ast__mix64(uint64_t x);
 /* Grows the bucket array to hold want nodes at load factor <= 1 (existing nodes are re-linked).
  * Returns 0 on success (also when it is large enough already); AST_ENOMEM, table unchanged. */
 int ast__htable_reserve(ast__htable *t, size_t want);
@@ -65,6 +106,11 @@ ast__hnode *ast__htable_find(const ast__htable *t, uint64_t key);
 ast__hnode *ast__htable_next(const ast__hnode *x);
 /* Unlinks x, which must be linked in t. */
 void ast__htable_remove(ast__htable *t, ast__hnode *x);
+/* Every linked node, bucket by bucket: first, then after(x) until NULL. x may be freed once
+ * after(x) has returned; ast__htable_clear or ast__htable_free must then follow before the
+ * table is used again. */
+ast__hnode *ast__htable_first(const ast__htable *t);
+ast__hnode *ast__htable_after(const ast__htable *t, const ast__hnode *x);
 /* Unlinks every node; the buckets stay allocated. */
 void ast__htable_clear(ast__htable *t);
 /* Frees the buckets (the nodes belong to their owners) and leaves an empty table. */

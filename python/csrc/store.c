@@ -1,9 +1,12 @@
 /*
  * store.c - asteria._C.Store (store.h: host, pinned, UVM and NVMe blocks) and the
  * BlockBuffer exports of its blocks.
- * May call: the public libasteria API and the Python C API, and common.h.
+ * May call: the public libasteria API and the Python C API, common.h, and util.h (the pins'
+ * hash table; python/CMakeLists.txt compiles util.c into the module when libasteria is a shared
+ * library, which does not export its internals).
  */
 #include "common.h"
+#include "util.h"
 
 /* ---- Store ---------------------------------------------------------------------------------------
  *
@@ -19,21 +22,16 @@
  */
 
 typedef struct {
-    uint64_t id;      /* 0: empty slot (store ids are never 0) */
+    ast__hnode node;  /* in StoreObject.pins, key = block id */
     uint32_t exports; /* live BlockBuffer objects over the block */
     uint32_t busy;    /* a move or free of the block runs with the GIL released */
 } pin;
 
 typedef struct {
-    pin *slots;
-    size_t cap, n; /* cap: 0 or a power of two; linear probing, backward-shift deletion */
-} pin_table;
-
-typedef struct {
     PyObject_HEAD
     ast_store *s;
     guard g;
-    pin_table pins;
+    ast__htable pins; /* block id -> pin, for blocks exported or busy only */
     uint64_t exports; /* live BlockBuffer objects over all blocks */
 } StoreObject;
 
@@ -46,75 +44,35 @@ typedef struct {
     ast_tier tier;
 } BlockBufferObject;
 
-static size_t pin_home(const pin_table *t, uint64_t id)
+static pin *pin_find(const ast__htable *t, uint64_t id)
 {
-    uint64_t h = id * 0x9E3779B97F4A7C15u;
-    return (size_t)(h ^ (h >> 32)) & (t->cap - 1);
+    ast__hnode *x = ast__htable_find(t, id);
+    return x ? AST__CONTAINER_OF(x, pin, node) : NULL;
 }
 
-static pin *pin_find(const pin_table *t, uint64_t id)
-{
-    if (!t->cap)
-        return NULL;
-    for (size_t i = pin_home(t, id);; i = (i + 1) & (t->cap - 1)) {
-        if (t->slots[i].id == id)
-            return &t->slots[i];
-        if (!t->slots[i].id)
-            return NULL;
-    }
-}
-
-static void pin_place(pin_table *t, pin p)
-{
-    size_t i = pin_home(t, p.id);
-    while (t->slots[i].id)
-        i = (i + 1) & (t->cap - 1);
-    t->slots[i] = p;
-}
-
-/* The pin of id, inserted (zeroed) if absent; NULL with MemoryError set. */
-static pin *pin_get(pin_table *t, uint64_t id)
+/* The pin of id, inserted (zeroed) if absent; NULL with MemoryError set. A pin stays where it
+ * is until pin_put drops it, so a pointer to it survives the table's growth. */
+static pin *pin_get(ast__htable *t, uint64_t id)
 {
     pin *p = pin_find(t, id);
     if (p)
         return p;
-    if ((t->n + 1) * 2 > t->cap) {
-        size_t ncap = t->cap ? t->cap * 2 : 64;
-        pin *ns = PyMem_Calloc(ncap, sizeof *ns);
-        if (!ns) {
-            PyErr_NoMemory();
-            return NULL;
-        }
-        pin *old = t->slots;
-        size_t ocap = t->cap;
-        t->slots = ns;
-        t->cap = ncap;
-        for (size_t i = 0; i < ocap; i++)
-            if (old[i].id)
-                pin_place(t, old[i]);
-        PyMem_Free(old);
+    if (ast__htable_reserve(t, t->n + 1) != 0 || !(p = PyMem_Calloc(1, sizeof *p))) {
+        PyErr_NoMemory();
+        return NULL;
     }
-    pin_place(t, (pin){id, 0, 0});
-    t->n++;
-    return pin_find(t, id);
+    p->node.key = id;
+    ast__htable_insert(t, &p->node);
+    return p;
 }
 
-/* Drops p's slot if it pins nothing any more. */
-static void pin_put(pin_table *t, pin *p)
+/* Drops p if it pins nothing any more. */
+static void pin_put(ast__htable *t, pin *p)
 {
     if (p->exports || p->busy)
         return;
-    size_t mask = t->cap - 1, i = (size_t)(p - t->slots);
-    for (size_t j = (i + 1) & mask; t->slots[j].id; j = (j + 1) & mask) {
-        size_t k = pin_home(t, t->slots[j].id);
-        int stays = i <= j ? (i < k && k <= j) : (i < k || k <= j);
-        if (!stays) {
-            t->slots[i] = t->slots[j];
-            i = j;
-        }
-    }
-    t->slots[i] = (pin){0, 0, 0};
-    t->n--;
+    ast__htable_remove(t, &p->node);
+    PyMem_Free(p);
 }
 
 static int st_enter(StoreObject *self, mod_state *st)
@@ -298,7 +256,11 @@ static void store_dealloc(StoreObject *self)
     /* Buffers hold a reference to their store: none can be alive here. */
     close_in_dealloc(store_close_obj, (PyObject *)self);
     guard_fini(&self->g);
-    PyMem_Free(self->pins.slots);
+    for (ast__hnode *x = ast__htable_first(&self->pins), *next; x; x = next) {
+        next = ast__htable_after(&self->pins, x);
+        PyMem_Free(AST__CONTAINER_OF(x, pin, node));
+    }
+    ast__htable_free(&self->pins);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
 }
@@ -673,7 +635,6 @@ static PyObject *store_buffer(StoreObject *self, PyObject *arg)
     if (rc == 0)
         b = PyObject_New(BlockBufferObject, st->blockbuf_type);
     if (!b) {
-        p = pin_find(&self->pins, id); /* the table may have grown meanwhile */
         p->exports--;
         self->exports--;
         pin_put(&self->pins, p);

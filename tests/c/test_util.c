@@ -1,10 +1,11 @@
-/* test_util.c - the shared internals of src/util.h: clock, error formatting, hash table. */
+/* test_util.c - the shared internals of src/util.h: clock, error messages, hash table. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <setjmp.h>
 #include <cmocka.h>
 
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -46,6 +47,52 @@ static void test_verrorf_named(void **state)
     assert_string_equal(buf, "AST_ERANGE: ptr 7");
     assert_int_equal(named(buf, 6, AST_ERANGE, "ptr %d", 7), AST_ERANGE);
     assert_string_equal(buf, "AST_E");
+}
+
+static void test_set_error(void **state)
+{
+    (void)state;
+    ast__last_error plain = {0}, named = {0};
+    pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    named.named = 1;
+    assert_int_equal(ast__set_error(&plain, NULL, AST_ENOENT, "block %d", 3), AST_ENOENT);
+    assert_string_equal(plain.text, "block 3");
+    assert_int_equal(ast__set_error(&named, &mu, AST_EBUSY, "slot %d", 4), AST_EBUSY);
+    assert_string_equal(named.text, "AST_EBUSY: slot 4");
+    /* the mutex was released: taking it again does not deadlock */
+    assert_int_equal(pthread_mutex_trylock(&mu), 0);
+    pthread_mutex_unlock(&mu);
+    char big[2 * AST__LAST_ERROR_BYTES];
+    memset(big, 'x', sizeof big - 1);
+    big[sizeof big - 1] = '\0';
+    ast__set_error(&plain, NULL, AST_EINVAL, "%s", big);
+    assert_int_equal(strlen(plain.text), AST__LAST_ERROR_BYTES - 1);
+}
+
+static void test_batch_fail(void **state)
+{
+    (void)state;
+    ast__batch_err e;
+    ast__batch_err_init(&e);
+    assert_int_equal(e.code, 0);
+    assert_int_equal(e.failed, 0);
+    /* the lowest position wins whatever the order of the failures */
+    assert_int_equal(ast__batch_fail(&e, 5, NULL, AST_EIO, "item %d", 5), AST_EIO);
+    assert_int_equal(ast__batch_fail(&e, 2, NULL, AST_ENOSPC, "item %d", 2), AST_ENOSPC);
+    assert_int_equal(ast__batch_fail(&e, 7, NULL, AST_ECORRUPT, "item %d", 7), AST_ECORRUPT);
+    assert_int_equal(e.idx, 2);
+    assert_int_equal(e.code, AST_ENOSPC);
+    assert_int_equal(e.failed, 3);
+    assert_string_equal(e.msg, "item 2");
+    /* an item keeps its first cause: a second failure of it is ignored */
+    int item = 0;
+    ast__batch_err_init(&e);
+    ast__batch_fail(&e, 1, &item, AST_EIO, "first");
+    ast__batch_fail(&e, 1, &item, AST_ECORRUPT, "second");
+    assert_int_equal(item, AST_EIO);
+    assert_int_equal(e.code, AST_EIO);
+    assert_int_equal(e.failed, 1);
+    assert_string_equal(e.msg, "first");
 }
 
 typedef struct item {
@@ -92,13 +139,32 @@ static void test_htable(void **state)
     assert_null(ast__htable_find(&t, 15));
     assert_int_equal(AST__CONTAINER_OF(ast__htable_find(&t, 1), item, node)->value, -2);
     assert_int_equal(t.n, N);
+    /* the walk meets every linked node once */
+    size_t walked = 0;
+    long long sum = 0;
+    for (ast__hnode *x = ast__htable_first(&t); x; x = ast__htable_after(&t, x)) {
+        walked++;
+        sum += AST__CONTAINER_OF(x, item, node)->value;
+    }
+    assert_int_equal(walked, t.n);
+    assert_true(sum == (long long)N * (N - 1) / 2 - 5 - 2);
     ast__htable_clear(&t);
     assert_int_equal(t.n, 0);
+    assert_null(ast__htable_first(&t));
     assert_null(ast__htable_find(&t, 1));
     ast__htable_free(&t);
     assert_null(t.b);
     assert_int_equal(t.nb, 0);
     free(items);
+}
+
+static void test_mix64(void **state)
+{
+    (void)state;
+    /* consecutive keys land far apart: every one differs from its neighbour in many bits */
+    for (uint64_t k = 0; k < 64; k++)
+        assert_true(__builtin_popcountll(ast__mix64(k) ^ ast__mix64(k + 1)) > 8);
+    assert_int_equal(ast__mix64(0), 0);
 }
 
 int main(void)
@@ -107,7 +173,10 @@ int main(void)
         cmocka_unit_test(test_clock_is_monotonic),
         cmocka_unit_test(test_errorf),
         cmocka_unit_test(test_verrorf_named),
+        cmocka_unit_test(test_set_error),
+        cmocka_unit_test(test_batch_fail),
         cmocka_unit_test(test_htable),
+        cmocka_unit_test(test_mix64),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
