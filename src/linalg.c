@@ -1,13 +1,20 @@
 /*
  * linalg.c - the host REFRESH kernels (asteria/linalg.h): eigh, inverse p-th roots (eigen and
  * coupled Newton), SOAP's and KL-Shampoo's QR power-iteration refreshes, and SOAP's
- * re-expression of its first moment in a new basis (soap_rotate).
+ * re-expression of its first moment in a new basis (soap_rotate); and the REFRESH op table
+ * (op_table.h) that the runtime validates and runs requests with.
  *
- * Owns: nothing beyond the call. Every call allocates its own workspace (one block) and frees it
- * before returning; the only state outside a call is a pthread_once flag and a thread-local
- * "retried" flag, so any number of threads may call in concurrently with no locks.
+ * Owns: the op table, one constant entry per ast_op (runtime.h): its name (ast_op_name), which
+ * of a request's pointers it takes, the check of its own arguments and buffer sizes, the run
+ * function a pool worker calls, and the kernel of one block. A new op is its kernel and its entry
+ * here plus its ast_op value; src/runtime.c and the extension read the table and do not change.
+ * Beyond that, nothing outlives a call. Every call allocates its own workspace (one block) and
+ * frees it before returning; the only state outside a call is a pthread_once flag and a
+ * thread-local "retried" flag, so any number of threads may call in concurrently with no locks.
  *
- * May call: LAPACKE (?syevd, ?geqrf, ?orgqr, ?lange) and CBLAS (?gemm, ?syrk, ?dot, ?scal) only.
+ * May call: LAPACKE (?syevd, ?geqrf, ?orgqr, ?lange) and CBLAS (?gemm, ?syrk, ?dot, ?scal) only
+ * (the op table's run functions call this file's own entry points; its checks format their
+ * messages with util.h).
  * OpenBLAS is pinned to one thread (ast_linalg_init, also run lazily by every entry point):
  * parallelism comes from running many blocks on pool workers, and a multithreaded OpenBLAS
  * inside each worker would oversubscribe the cores.
