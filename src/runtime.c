@@ -61,8 +61,8 @@ typedef struct rfail {
 typedef struct rjob {
     struct rjob *prev, *next; /* rt->live list: jobs whose completion is not yet drained */
     ast_refresh req;
-    const ast__op *op;        /* req.op's entry in the op table (op_table.h) */
-    uint64_t bufs[AST__ARG_COUNT]; /* one buffer reference per pointer of the request */
+    const ast__op *op;             /* req.op's entry in the op table (op_table.h) */
+    uint64_t bufs[AST__ARG_COUNT]; /* the buffers it holds a reference on, one per pointer */
     int nbufs;
     int failed_index;
     int retried;
