@@ -1,13 +1,20 @@
 /*
  * linalg.c - the host REFRESH kernels (asteria/linalg.h): eigh, inverse p-th roots (eigen and
  * coupled Newton), SOAP's and KL-Shampoo's QR power-iteration refreshes, and SOAP's
- * re-expression of its first moment in a new basis (soap_rotate).
+ * re-expression of its first moment in a new basis (soap_rotate); and the REFRESH op table
+ * (op_table.h) that the runtime validates and runs requests with.
  *
- * Owns: nothing beyond the call. Every call allocates its own workspace (one block) and frees it
- * before returning; the only state outside a call is a pthread_once flag and a thread-local
- * "retried" flag, so any number of threads may call in concurrently with no locks.
+ * Owns: the op table, one constant entry per ast_op (runtime.h): its name (ast_op_name), which
+ * of a request's pointers it takes, the check of its own arguments and buffer sizes, the run
+ * function a pool worker calls, and the kernel of one block. A new op is its kernel and its entry
+ * here plus its ast_op value; src/runtime.c and the extension read the table and do not change.
+ * Beyond that, nothing outlives a call. Every call allocates its own workspace (one block) and
+ * frees it before returning; the only state outside a call is a pthread_once flag and a
+ * thread-local "retried" flag, so any number of threads may call in concurrently with no locks.
  *
- * May call: LAPACKE (?syevd, ?geqrf, ?orgqr, ?lange) and CBLAS (?gemm, ?syrk, ?dot, ?scal) only.
+ * May call: LAPACKE (?syevd, ?geqrf, ?orgqr, ?lange) and CBLAS (?gemm, ?syrk, ?dot, ?scal) only
+ * (the op table's run functions call this file's own entry points; its checks format their
+ * messages with util.h).
  * OpenBLAS is pinned to one thread (ast_linalg_init, also run lazily by every entry point):
  * parallelism comes from running many blocks on pool workers, and a multithreaded OpenBLAS
  * inside each worker would oversubscribe the cores.
@@ -36,6 +43,9 @@
 #include "asteria/linalg.h"
 
 #include "asteria/errors.h"
+#include "asteria/runtime.h"
+#include "op_table.h"
+#include "util.h"
 
 #include <cblas.h>
 #include <float.h>
@@ -43,6 +53,7 @@
 #include <limits.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -640,20 +651,245 @@ static int k_rotate(const kern *K, const op_args *o)
     return rc;
 }
 
-/* ---- dispatch: validation, input checks, float64 retry, batching ----------------------------- */
+/* ---- the REFRESH op table (op_table.h) -------------------------------------------------------
+ * One entry per ast_op: its name, what ast_runtime_submit accepts, how a pool worker runs it
+ * (through the public batched call) and the kernel that computes one block. */
 
-typedef enum op_kind { OP_EIGH, OP_INV_ROOT, OP_NEWTON, OP_SOAP, OP_QR, OP_ROTATE } op_kind;
+/* The coupled-Newton limits of a pool job (python/asteria/refresh/ops.py mirrors them). */
+#define NEWTON_MAX_ITER 100
+#define NEWTON_TOL 1e-6
+
+/* *out = a * b * c * d; 0 if the product fits a size_t, else -1. */
+static int bytes_of(size_t *out, size_t a, size_t b, size_t c, size_t d)
+{
+    const size_t f[4] = {a, b, c, d};
+    size_t p = 1;
+    for (int i = 0; i < 4; i++) {
+        if (f[i] && p > SIZE_MAX / f[i])
+            return -1;
+        p *= f[i];
+    }
+    *out = p;
+    return 0;
+}
+
+/* in0, in1 and out0 span batch n x n blocks; ast__op_check has made sure that fits a size_t. */
+static void square_bytes(const ast_refresh *r, size_t bytes[AST__ARG_COUNT])
+{
+    const size_t mat = (size_t)r->batch * (size_t)r->n * (size_t)r->n * ast_dtype_size(r->dtype);
+    bytes[AST__ARG_IN0] = bytes[AST__ARG_IN1] = bytes[AST__ARG_OUT0] = mat;
+}
+
+static int check_eigh(const ast_refresh *r, size_t bytes[AST__ARG_COUNT], char *msg, size_t len)
+{
+    (void)msg, (void)len;
+    square_bytes(r, bytes);
+    bytes[AST__ARG_OUT1] = (size_t)r->batch * (size_t)r->n * ast_dtype_size(r->dtype);
+    return 0;
+}
+
+static int check_root(const ast_refresh *r, size_t bytes[AST__ARG_COUNT], char *msg, size_t len)
+{
+    if (!(r->p > 0))
+        return ast__errorf(msg, len, AST_EINVAL, "root p=%g; allowed: p > 0", r->p);
+    square_bytes(r, bytes);
+    return 0;
+}
+
+static int check_newton(const ast_refresh *r, size_t bytes[AST__ARG_COUNT], char *msg,
+                        size_t len)
+{
+    int rc = check_root(r, bytes, msg, len);
+    if (rc == 0 && r->p != (double)(int)r->p)
+        return ast__errorf(msg, len, AST_EINVAL, "newton_root needs an integer p, got %g", r->p);
+    return rc;
+}
+
+static int check_soap_qr(const ast_refresh *r, size_t bytes[AST__ARG_COUNT], char *msg,
+                         size_t len)
+{
+    (void)msg, (void)len;
+    square_bytes(r, bytes);
+    bytes[AST__ARG_OUT1] = (size_t)r->batch * (size_t)r->n * sizeof(int64_t);
+    return 0;
+}
+
+static int check_kl_qr(const ast_refresh *r, size_t bytes[AST__ARG_COUNT], char *msg,
+                       size_t len)
+{
+    (void)msg, (void)len;
+    square_bytes(r, bytes);
+    return 0;
+}
+
+static int check_rotate(const ast_refresh *r, size_t bytes[AST__ARG_COUNT], char *msg,
+                        size_t len)
+{
+    if (r->n1 <= 0)
+        return ast__errorf(msg, len, AST_EINVAL,
+                           "soap_rotate n1=%d; allowed: n1 >= 1 (X is n x n1)", r->n1);
+    if (!r->in1 && !r->in2)
+        return ast__errorf(msg, len, AST_EINVAL,
+                           "soap_rotate got neither in1 (A pair) nor in2 (B pair); allowed: "
+                           "either or both (a NULL pair is the identity side)");
+    const size_t batch = (size_t)r->batch, n = (size_t)r->n, n1 = (size_t)r->n1;
+    const size_t es = ast_dtype_size(r->dtype);
+    size_t x, apair, bpair;
+    if (bytes_of(&x, batch, n, n1, es) || bytes_of(&apair, 2, batch, n * n, es) ||
+        bytes_of(&bpair, 2 * batch, n1, n1, es))
+        return ast__errorf(msg, len, AST_EINVAL,
+                           "soap_rotate n=%d n1=%d batch=%d; the buffer sizes overflow size_t",
+                           r->n, r->n1, r->batch);
+    bytes[AST__ARG_IN0] = bytes[AST__ARG_OUT0] = x;
+    bytes[AST__ARG_IN1] = apair;
+    bytes[AST__ARG_IN2] = bpair;
+    return 0;
+}
+
+static int run_eigh(const ast_refresh *r, int *failed_index)
+{
+    return ast_linalg_eigh_batched(r->dtype, r->batch, r->n, r->in0, r->out1, r->out0,
+                                   failed_index);
+}
+
+static int run_inv_root(const ast_refresh *r, int *failed_index)
+{
+    return ast_linalg_inv_root_batched(r->dtype, r->batch, r->n, r->in0, r->p, r->eps, r->out0,
+                                       failed_index);
+}
+
+/* The Newton root has no batched entry point: one call per block. */
+static int run_newton(const ast_refresh *r, int *failed_index)
+{
+    const size_t stride = (size_t)r->n * (size_t)r->n * ast_dtype_size(r->dtype);
+    int rc = 0;
+    *failed_index = -1;
+    for (int b = 0; b < r->batch && !rc; b++) {
+        rc = ast_linalg_newton_inv_root(r->dtype, r->n, (const char *)r->in0 + b * stride,
+                                        (int)r->p, r->eps, NEWTON_MAX_ITER, NEWTON_TOL,
+                                        (char *)r->out0 + b * stride);
+        if (rc)
+            *failed_index = b;
+    }
+    return rc;
+}
+
+static int run_soap_qr(const ast_refresh *r, int *failed_index)
+{
+    return ast_linalg_soap_refresh_batched(r->dtype, r->batch, r->n, r->in0, r->in1, r->out0,
+                                           (int64_t *)r->out1, failed_index);
+}
+
+static int run_kl_qr(const ast_refresh *r, int *failed_index)
+{
+    return ast_linalg_qr_refresh_batched(r->dtype, r->batch, r->n, r->in0, r->in1, r->out0,
+                                         failed_index);
+}
+
+static int run_rotate(const ast_refresh *r, int *failed_index)
+{
+    return ast_linalg_soap_rotate_batched(r->dtype, r->batch, r->n, r->n1, r->in0, r->in1,
+                                          r->in2, r->out0, failed_index);
+}
+
+typedef int (*kernel_fn)(const kern *K, const op_args *o);
+
+typedef struct op_entry {
+    ast__op op;       /* what runtime.c reads */
+    kernel_fn kernel; /* one block, for run() and the float64 retry */
+} op_entry;
+
+enum { NONE = AST__ARG_NONE, OPT = AST__ARG_OPTIONAL, REQ = AST__ARG_REQUIRED };
+
+/* args: in0, in1, in2, out0, out1. The eigen ops have always accepted an in1 of the factor's
+ * size (range-checked, not read); it stays accepted so no caller breaks. */
+static const op_entry op_table[] = {
+    [AST_OP_EIGH] = {{"eigh", {REQ, OPT, NONE, REQ, OPT}, check_eigh, run_eigh}, k_eigh},
+    [AST_OP_INV_ROOT] = {{"inv_root", {REQ, OPT, NONE, REQ, NONE}, check_root, run_inv_root},
+                         k_inv_root},
+    [AST_OP_NEWTON_ROOT] = {{"newton_root", {REQ, OPT, NONE, REQ, NONE}, check_newton,
+                             run_newton},
+                            k_newton},
+    [AST_OP_SOAP_QR] = {{"soap_qr", {REQ, REQ, NONE, REQ, REQ}, check_soap_qr, run_soap_qr},
+                        k_soap},
+    [AST_OP_KL_QR] = {{"kl_qr", {REQ, REQ, NONE, REQ, NONE}, check_kl_qr, run_kl_qr},
+                      k_qr_refresh},
+    [AST_OP_SOAP_ROTATE] = {{"soap_rotate", {REQ, OPT, OPT, REQ, NONE}, check_rotate,
+                             run_rotate},
+                            k_rotate},
+};
+/* Codes run from 1; slot 0 is no op. */
+#define OP_SLOTS ((int)(sizeof op_table / sizeof op_table[0]))
+
+const ast__op *ast__op_get(int op)
+{
+    return op >= 1 && op < OP_SLOTS && op_table[op].op.name ? &op_table[op].op : NULL;
+}
+
+int ast__op_list(char *buf, size_t len, int arg)
+{
+    size_t used = 0;
+    int listed = 0;
+    if (len)
+        buf[0] = '\0';
+    for (int c = 1; c < OP_SLOTS; c++) {
+        const ast__op *op = ast__op_get(c);
+        if (!op || (arg >= 0 && op->args[arg] == AST__ARG_NONE))
+            continue;
+        if (used < len) {
+            int w = snprintf(buf + used, len - used, "%s%s (%d)", listed ? ", " : "", op->name,
+                             c);
+            used = w < 0 ? len : used + (size_t)w;
+        }
+        listed++;
+    }
+    return listed;
+}
+
+int ast__op_check(const ast_refresh *req, const ast__op **op, size_t bytes[AST__ARG_COUNT],
+                  char *msg, size_t len)
+{
+    *op = NULL;
+    for (int i = 0; i < AST__ARG_COUNT; i++)
+        bytes[i] = 0;
+    const size_t es = ast_dtype_size(req->dtype);
+    if (!es)
+        return ast__errorf(msg, len, AST_EINVAL, "dtype %d; allowed: float32 (0), float64 (1)",
+                           (int)req->dtype);
+    if (req->n <= 0 || req->batch <= 0)
+        return ast__errorf(msg, len, AST_EINVAL, "n=%d batch=%d; allowed: both >= 1", req->n,
+                           req->batch);
+    /* Every op's spans are built from these three; the checks below may multiply freely. */
+    const size_t batch = (size_t)req->batch, n = (size_t)req->n;
+    size_t mat, vec, idx;
+    if (bytes_of(&mat, batch, n, n, es) || bytes_of(&vec, batch, n, 1, es) ||
+        bytes_of(&idx, batch, n, 1, sizeof(int64_t)))
+        return ast__errorf(msg, len, AST_EINVAL, "n=%d batch=%d; the buffer sizes overflow size_t",
+                           req->n, req->batch);
+    const ast__op *o = ast__op_get((int)req->op);
+    if (!o) {
+        char allowed[256];
+        ast__op_list(allowed, sizeof allowed, -1);
+        return ast__errorf(msg, len, AST_EINVAL, "op %d; allowed: %s", (int)req->op, allowed);
+    }
+    int rc = o->check(req, bytes, msg, len);
+    if (rc == 0)
+        *op = o;
+    return rc;
+}
+
+/* ---- dispatch: validation, input checks, float64 retry, batching ----------------------------- */
 
 /* Element counts of one block's buffers (0 for a buffer the call does not have). */
 typedef struct op_counts {
     size_t in0, in1, in2, mat, vec, perm;
 } op_counts;
 
-static op_counts counts_for(op_kind kind, const op_args *o)
+static op_counts counts_for(ast_op kind, const op_args *o)
 {
     const size_t n = (size_t)o->n, nn = n * n;
     op_counts c = {nn, o->in1 ? nn : 0, 0, o->mat ? nn : 0, o->vec ? n : 0, o->perm ? n : 0};
-    if (kind == OP_ROTATE) {
+    if (kind == AST_OP_SOAP_ROTATE) {
         const size_t n1 = (size_t)o->n1;
         c.in0 = n * n1;
         c.in1 = o->in1 ? 2 * nn : 0;
@@ -662,17 +898,6 @@ static op_counts counts_for(op_kind kind, const op_args *o)
     }
     return c;
 }
-
-typedef int (*kernel_fn)(const kern *K, const op_args *o);
-
-static const kernel_fn kernels[] = {
-    [OP_EIGH] = k_eigh,
-    [OP_INV_ROOT] = k_inv_root,
-    [OP_NEWTON] = k_newton,
-    [OP_SOAP] = k_soap,
-    [OP_QR] = k_qr_refresh,
-    [OP_ROTATE] = k_rotate,
-};
 
 static int overlaps(const void *a, size_t alen, const void *b, size_t blen)
 {
@@ -695,7 +920,7 @@ static int validate_rotate(const op_args *o, int batch, size_t es)
     const size_t n = (size_t)o->n, n1 = (size_t)o->n1;
     if (n1 > SIZE_MAX / n || n > SIZE_MAX / 2 / n || n1 > SIZE_MAX / 2 / n1)
         return AST_EINVAL;
-    op_counts c = counts_for(OP_ROTATE, o);
+    op_counts c = counts_for(AST_OP_SOAP_ROTATE, o);
     if (!span_fits(batch, c.in0, es) || !span_fits(batch, c.in1, es) ||
         !span_fits(batch, c.in2, es))
         return AST_EINVAL;
@@ -707,37 +932,37 @@ static int validate_rotate(const op_args *o, int batch, size_t es)
     return 0;
 }
 
-static int validate(op_kind kind, const op_args *o, int batch, size_t es)
+static int validate(ast_op kind, const op_args *o, int batch, size_t es)
 {
     if (o->n < 1 || batch < 0 || !o->in0)
         return AST_EINVAL;
-    if (kind == OP_ROTATE)
+    if (kind == AST_OP_SOAP_ROTATE)
         return validate_rotate(o, batch, es);
     if (o->n > LINALG_NMAX)
         return AST_EINVAL;
     const size_t span = (size_t)batch * o->n * o->n * es;
     switch (kind) {
-    case OP_EIGH:
+    case AST_OP_EIGH:
         return o->vec || o->mat ? 0 : AST_EINVAL;
-    case OP_INV_ROOT:
+    case AST_OP_INV_ROOT:
         return o->mat && o->p > 0 && o->p <= DBL_MAX && o->eps >= 0 && o->eps <= DBL_MAX
                    ? 0
                    : AST_EINVAL;
-    case OP_NEWTON:
+    case AST_OP_NEWTON_ROOT:
         return o->mat && o->ip >= 1 && o->eps >= 0 && o->eps <= DBL_MAX && o->max_iter >= 0 &&
                        o->tol > 0 && o->tol <= DBL_MAX
                    ? 0
                    : AST_EINVAL;
-    case OP_SOAP:
+    case AST_OP_SOAP_QR:
         if (!o->perm)
             return AST_EINVAL;
         /* fall through */
-    case OP_QR:
+    case AST_OP_KL_QR:
         if (!o->in1 || !o->mat || overlaps(o->mat, span, o->in0, span) ||
             overlaps(o->mat, span, o->in1, span))
             return AST_EINVAL;
         return 0;
-    case OP_ROTATE:
+    case AST_OP_SOAP_ROTATE:
         break; /* validate_rotate */
     }
     return AST_EINVAL;
@@ -769,7 +994,7 @@ static void to_f32(size_t count, const double *src, void *dst)
         f[i] = (float)src[i];
 }
 
-static int retry_f64(op_kind kind, const op_args *o)
+static int retry_f64(ast_op kind, const op_args *o)
 {
     const op_counts c = counts_for(kind, o);
     op_args d = *o;
@@ -787,7 +1012,7 @@ static int retry_f64(op_kind kind, const op_args *o)
         goto out;
     }
     d.in0 = in0, d.in1 = in1, d.in2 = in2, d.mat = mat, d.vec = vec, d.perm = perm;
-    rc = kernels[kind](&d_kern, &d);
+    rc = op_table[kind].kernel(&d_kern, &d);
     if (rc != 0)
         goto out;
     /* Check everything before writing anything, so a failure leaves every output untouched. */
@@ -811,13 +1036,13 @@ out:
     return rc;
 }
 
-static int run_block(const kern *K, ast_dtype dt, op_kind kind, const op_args *o)
+static int run_block(const kern *K, ast_dtype dt, ast_op kind, const op_args *o)
 {
     const op_counts c = counts_for(kind, o);
     if (!K->finite(c.in0, o->in0) || (o->in1 && !K->finite(c.in1, o->in1)) ||
         (o->in2 && !K->finite(c.in2, o->in2)))
         return AST_ENONFINITE; /* bad input: a float64 retry could not help */
-    int rc = kernels[kind](K, o);
+    int rc = op_table[kind].kernel(K, o);
     if (dt == AST_F32 && (rc == AST_ENOCONV || rc == AST_ENONFINITE)) {
         tl_retried = 1;
         rc = retry_f64(kind, o);
@@ -825,7 +1050,7 @@ static int run_block(const kern *K, ast_dtype dt, op_kind kind, const op_args *o
     return rc;
 }
 
-static int run(ast_dtype dt, op_kind kind, const op_args *o, int batch, int *failed_index)
+static int run(ast_dtype dt, ast_op kind, const op_args *o, int batch, int *failed_index)
 {
     const kern *K = kern_for(dt);
     tl_retried = 0;
@@ -874,6 +1099,14 @@ size_t ast_dtype_size(ast_dtype dt)
     return K ? K->es : 0;
 }
 
+const char *ast_op_name(int op)
+{
+    const ast__op *o = ast__op_get(op);
+    return o ? o->name : NULL;
+}
+
+int ast_op_count(void) { return OP_SLOTS - 1; }
+
 static void init_once_fn(void) { openblas_set_num_threads(1); }
 
 void ast_linalg_init(void) { pthread_once(&init_once, init_once_fn); }
@@ -889,7 +1122,7 @@ int ast_linalg_eigh_batched(ast_dtype dt, int batch, int n, const void *a, void 
                             int *failed_index)
 {
     op_args o = {.n = n, .in0 = a, .mat = q, .vec = w};
-    return run(dt, OP_EIGH, &o, batch, failed_index);
+    return run(dt, AST_OP_EIGH, &o, batch, failed_index);
 }
 
 int ast_linalg_inv_root(ast_dtype dt, int n, const void *a, double p, double eps, void *x)
@@ -901,7 +1134,7 @@ int ast_linalg_inv_root_batched(ast_dtype dt, int batch, int n, const void *a, d
                                 double eps, void *x, int *failed_index)
 {
     op_args o = {.n = n, .in0 = a, .mat = x, .p = p, .eps = eps};
-    return run(dt, OP_INV_ROOT, &o, batch, failed_index);
+    return run(dt, AST_OP_INV_ROOT, &o, batch, failed_index);
 }
 
 int ast_linalg_newton_inv_root(ast_dtype dt, int n, const void *a, int p, double eps,
@@ -909,7 +1142,7 @@ int ast_linalg_newton_inv_root(ast_dtype dt, int n, const void *a, int p, double
 {
     op_args o = {.n = n, .in0 = a, .mat = x, .ip = p, .eps = eps, .max_iter = max_iter,
                  .tol = tol};
-    return run(dt, OP_NEWTON, &o, 1, NULL);
+    return run(dt, AST_OP_NEWTON_ROOT, &o, 1, NULL);
 }
 
 int ast_linalg_soap_refresh(ast_dtype dt, int n, const void *f, const void *q, void *q_new,
@@ -922,7 +1155,7 @@ int ast_linalg_soap_refresh_batched(ast_dtype dt, int batch, int n, const void *
                                     void *q_new, int64_t *perm, int *failed_index)
 {
     op_args o = {.n = n, .in0 = f, .in1 = q, .mat = q_new, .perm = perm};
-    return run(dt, OP_SOAP, &o, batch, failed_index);
+    return run(dt, AST_OP_SOAP_QR, &o, batch, failed_index);
 }
 
 int ast_linalg_qr_refresh(ast_dtype dt, int n, const void *f, const void *q, void *q_new)
@@ -934,7 +1167,7 @@ int ast_linalg_qr_refresh_batched(ast_dtype dt, int batch, int n, const void *f,
                                   void *q_new, int *failed_index)
 {
     op_args o = {.n = n, .in0 = f, .in1 = q, .mat = q_new};
-    return run(dt, OP_QR, &o, batch, failed_index);
+    return run(dt, AST_OP_KL_QR, &o, batch, failed_index);
 }
 
 int ast_linalg_soap_rotate(ast_dtype dt, int n, int n1, const void *x, const void *a_pair,
@@ -948,5 +1181,5 @@ int ast_linalg_soap_rotate_batched(ast_dtype dt, int batch, int n, int n1, const
                                    int *failed_index)
 {
     op_args o = {.n = n, .n1 = n1, .in0 = x, .in1 = a_pair, .in2 = b_pair, .mat = out};
-    return run(dt, OP_ROTATE, &o, batch, failed_index);
+    return run(dt, AST_OP_SOAP_ROTATE, &o, batch, failed_index);
 }

@@ -6,6 +6,14 @@
  * counters, the stats counters, the last-error message and, when config.trace is set, the trace
  * recorder (trace.h) and the writing of its file at destroy.
  *
+ * Ops: the runtime knows none by name. ast_runtime_submit checks a request with the op table
+ * (op_table.h, owned by linalg.c: ast__op_check, then each pointer against the entry's args and
+ * the registered buffers) and a worker runs it with the entry's run function. A new op changes
+ * nothing here.
+ *
+ * May call: the pool, the op table (and through it linalg), the trace recorder, config and
+ * util.h.
+ *
  * Trace events are recorded where the runtime already is: "job queued" in submit (stamped
  * before the pool sees the job, so it precedes the pool's started_ns); "job started", the
  * "refresh" span and "job done" when the owner collects the completion (poll / wait), from the
@@ -25,6 +33,7 @@
 #include "asteria/linalg.h"
 #include "asteria/pool.h"
 #include "asteria/trace.h"
+#include "op_table.h"
 #include "testing.h"
 #include "util.h"
 
@@ -49,13 +58,11 @@ typedef struct rfail {
     int count;
 } rfail;
 
-/* The pointers of a request a job may hold a buffer reference for, in submit's check order. */
-enum { JB_IN0, JB_IN1, JB_IN2, JB_OUT0, JB_OUT1, JOB_MAX_BUFS };
-
 typedef struct rjob {
     struct rjob *prev, *next; /* rt->live list: jobs whose completion is not yet drained */
     ast_refresh req;
-    uint64_t bufs[JOB_MAX_BUFS];
+    const ast__op *op;             /* req.op's entry in the op table (op_table.h) */
+    uint64_t bufs[AST__ARG_COUNT]; /* the buffers it holds a reference on, one per pointer */
     int nbufs;
     int failed_index;
     int retried;
@@ -306,58 +313,9 @@ static int job_run(void *ctx)
         while (nanosleep(&d, &d) != 0)
             ;
     }
-    switch (r->op) {
-    case AST_OP_EIGH:
-        rc = ast_linalg_eigh_batched(r->dtype, r->batch, r->n, r->in0, r->out1, r->out0,
-                                     &j->failed_index);
-        break;
-    case AST_OP_INV_ROOT:
-        rc = ast_linalg_inv_root_batched(r->dtype, r->batch, r->n, r->in0, r->p, r->eps, r->out0,
-                                         &j->failed_index);
-        break;
-    case AST_OP_NEWTON_ROOT: {
-        size_t stride = (size_t)r->n * (size_t)r->n * ast_dtype_size(r->dtype);
-        rc = 0;
-        for (int b = 0; b < r->batch && !rc; b++) {
-            rc = ast_linalg_newton_inv_root(r->dtype, r->n, (const char *)r->in0 + b * stride,
-                                            (int)r->p, r->eps, 100, 1e-6,
-                                            (char *)r->out0 + b * stride);
-            if (rc)
-                j->failed_index = b;
-        }
-        break;
-    }
-    case AST_OP_SOAP_QR:
-        rc = ast_linalg_soap_refresh_batched(r->dtype, r->batch, r->n, r->in0, r->in1, r->out0,
-                                             (int64_t *)r->out1, &j->failed_index);
-        break;
-    case AST_OP_KL_QR:
-        rc = ast_linalg_qr_refresh_batched(r->dtype, r->batch, r->n, r->in0, r->in1, r->out0,
-                                           &j->failed_index);
-        break;
-    case AST_OP_SOAP_ROTATE:
-        rc = ast_linalg_soap_rotate_batched(r->dtype, r->batch, r->n, r->n1, r->in0, r->in1,
-                                            r->in2, r->out0, &j->failed_index);
-        break;
-    default:
-        rc = AST_EINVAL;
-    }
+    rc = j->op->run(r, &j->failed_index);
     j->retried = ast_linalg_last_retried();
     return rc;
-}
-
-/* *out = a * b * c * d; 0 if the product fits a size_t, else -1. */
-static int bytes_of(size_t *out, size_t a, size_t b, size_t c, size_t d)
-{
-    const size_t f[4] = {a, b, c, d};
-    size_t p = 1;
-    for (int i = 0; i < 4; i++) {
-        if (f[i] && p > SIZE_MAX / f[i])
-            return -1;
-        p *= f[i];
-    }
-    *out = p;
-    return 0;
 }
 
 int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket)
@@ -366,82 +324,27 @@ int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket
         return AST_EINVAL;
     if (!rt->pool)
         return set_error(rt, AST_ESHUTDOWN, "submit: runtime is shutting down");
-    size_t esz = ast_dtype_size(req->dtype);
-    if (!esz)
-        return set_error(rt, AST_EINVAL, "submit: dtype %d; allowed: float32 (0), float64 (1)",
-                         (int)req->dtype);
-    if (req->n <= 0 || req->batch <= 0)
-        return set_error(rt, AST_EINVAL, "submit: n=%d batch=%d; allowed: both >= 1", req->n,
-                         req->batch);
-    const size_t batch = (size_t)req->batch, n = (size_t)req->n;
-    size_t mat, vec, perm;
-    if (bytes_of(&mat, batch, n, n, esz) || bytes_of(&vec, batch, n, 1, esz) ||
-        bytes_of(&perm, batch, n, 1, sizeof(int64_t)))
-        return set_error(rt, AST_EINVAL, "submit: n=%d batch=%d; the buffer sizes overflow size_t",
-                         req->n, req->batch);
-    const void *ptrs[JOB_MAX_BUFS] = {req->in0, req->in1, req->in2, req->out0, req->out1};
-    size_t sizes[JOB_MAX_BUFS] = {mat, mat, 0, mat, 0};
-    int need[JOB_MAX_BUFS] = {1, 0, 0, 1, 0};
-    switch (req->op) {
-    case AST_OP_EIGH:
-        sizes[JB_OUT1] = vec;
-        break;
-    case AST_OP_INV_ROOT:
-    case AST_OP_NEWTON_ROOT:
-        if (!(req->p > 0))
-            return set_error(rt, AST_EINVAL, "submit: root p=%g; allowed: p > 0", req->p);
-        if (req->op == AST_OP_NEWTON_ROOT && req->p != (double)(int)req->p)
-            return set_error(rt, AST_EINVAL,
-                             "submit: newton_root needs an integer p, got %g", req->p);
-        break;
-    case AST_OP_SOAP_QR:
-        need[JB_IN1] = need[JB_OUT1] = 1;
-        sizes[JB_OUT1] = perm;
-        break;
-    case AST_OP_KL_QR:
-        need[JB_IN1] = 1;
-        break;
-    case AST_OP_SOAP_ROTATE: {
-        if (req->n1 <= 0)
-            return set_error(rt, AST_EINVAL,
-                             "submit: soap_rotate n1=%d; allowed: n1 >= 1 (X is n x n1)",
-                             req->n1);
-        if (!req->in1 && !req->in2)
-            return set_error(rt, AST_EINVAL,
-                             "submit: soap_rotate got neither in1 (A pair) nor in2 (B pair); "
-                             "allowed: either or both (a NULL pair is the identity side)");
-        const size_t n1 = (size_t)req->n1;
-        size_t x, apair, bpair;
-        if (bytes_of(&x, batch, n, n1, esz) || bytes_of(&apair, 2, batch, n * n, esz) ||
-            bytes_of(&bpair, 2 * batch, n1, n1, esz))
-            return set_error(rt, AST_EINVAL,
-                             "submit: soap_rotate n=%d n1=%d batch=%d; the buffer sizes overflow "
-                             "size_t",
-                             req->n, req->n1, req->batch);
-        sizes[JB_IN0] = sizes[JB_OUT0] = x;
-        sizes[JB_IN1] = apair;
-        sizes[JB_IN2] = bpair;
-        break;
-    }
-    default:
-        return set_error(rt, AST_EINVAL,
-                         "submit: op %d; allowed: eigh (1), inv_root (2), newton_root (3), "
-                         "soap_qr (4), kl_qr (5), soap_rotate (6)",
-                         (int)req->op);
-    }
+    const ast__op *op;
+    size_t sizes[AST__ARG_COUNT];
+    char why[512];
+    int rc = ast__op_check(req, &op, sizes, why, sizeof why);
+    if (rc)
+        return set_error(rt, rc, "submit: %s", why);
     rjob *j = calloc(1, sizeof *j);
     if (!j)
         return set_error(rt, AST_ENOMEM, "submit: no memory for a job record");
     j->req = *req;
+    j->op = op;
     j->failed_index = -1;
     j->delay_ms = atomic_load(&rt->job_delay_ms);
-    static const char *const names[JOB_MAX_BUFS] = {"in0", "in1", "in2", "out0", "out1"};
+    const void *const ptrs[AST__ARG_COUNT] = {req->in0, req->in1, req->in2, req->out0, req->out1};
+    static const char *const names[AST__ARG_COUNT] = {"in0", "in1", "in2", "out0", "out1"};
     pthread_mutex_lock(&rt->mu);
-    rbuf *held[JOB_MAX_BUFS];
+    rbuf *held[AST__ARG_COUNT];
     int nheld = 0;
-    for (int i = 0; i < JOB_MAX_BUFS; i++) {
+    for (int i = 0; i < AST__ARG_COUNT; i++) {
         if (!ptrs[i]) {
-            if (need[i]) {
+            if (op->args[i] == AST__ARG_REQUIRED) {
                 pthread_mutex_unlock(&rt->mu);
                 free(j);
                 return set_error(rt, AST_EINVAL, "submit: %s is required for op %d", names[i],
@@ -449,12 +352,18 @@ int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket
             }
             continue;
         }
-        if (!sizes[i]) {
+        if (op->args[i] == AST__ARG_NONE) {
             pthread_mutex_unlock(&rt->mu);
             free(j);
+            /* in2 is the one pointer few ops take: the message says which. */
+            char only[256] = "";
+            if (i == AST__ARG_IN2) {
+                char takers[200];
+                int k = ast__op_list(takers, sizeof takers, i);
+                snprintf(only, sizeof only, " (only %s take%s in2)", takers, k == 1 ? "s" : "");
+            }
             return set_error(rt, AST_EINVAL, "submit: %s must be NULL for op %d%s", names[i],
-                             (int)req->op,
-                             i == JB_IN2 ? " (only soap_rotate (6) takes in2)" : "");
+                             (int)req->op, only);
         }
         rbuf *b = find_range_locked(rt, ptrs[i], sizes[i]);
         if (!b) {
@@ -479,7 +388,7 @@ int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket
     ast_job job = {.block = req->block, .version = req->version, .deadline = req->deadline,
                    .run = job_run, .ctx = j};
     uint64_t queued_at = rt->trace ? ast_trace_now(rt->trace) : 0;
-    int rc = ast_pool_submit(rt->pool, &job, ticket);
+    rc = ast_pool_submit(rt->pool, &job, ticket);
     if (rc) {
         pthread_mutex_lock(&rt->mu);
         for (int i = 0; i < j->nbufs; i++) {

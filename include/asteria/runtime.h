@@ -5,9 +5,10 @@
  * per-block failure counters, the stats counters, the last-error message and, when
  * config.trace is set, a trace recorder (trace.h) whose file is written at destroy.
  *
- * A REFRESH request names an operation from linalg.h and host pointers (in0..in2, out0, out1)
- * that must lie inside buffers registered with ast_runtime_register (AST_ERANGE otherwise), so
- * a job never touches memory its owner has not declared. Outputs are written only when the job
+ * A REFRESH request names an operation (ast_op; src/linalg.c keeps one table of them: name,
+ * argument checks, run function) and host pointers (in0..in2, out0, out1) that must lie inside
+ * buffers registered with ast_runtime_register (AST_ERANGE otherwise), so a job never touches
+ * memory its owner has not declared. Outputs are written only when the job
  * succeeds. After config.max_failures consecutive failures of one block its completion reports
  * AST_EFAILED.
  *
@@ -80,6 +81,14 @@ typedef enum ast_op {
      * (batch x n x n1), a NULL pair being the identity (ast_linalg_soap_rotate) */
     AST_OP_SOAP_ROTATE = 6
 } ast_op;
+
+/* The REFRESH ops are one table in src/linalg.c (name, argument checks, run function), which
+ * ast_runtime_submit reads; a new op is its value above and its entry there. */
+/* Returns the name of op ("eigh", "inv_root", ...: a static string), or NULL for a code that
+ * names no op. */
+const char *ast_op_name(int op);
+/* Returns the number of ops; their codes are 1 .. ast_op_count(), each with a name. */
+int ast_op_count(void);
 
 typedef struct ast_refresh {
     ast_op op;

@@ -1,7 +1,7 @@
 /*
  * common.h - what the files of asteria._C share: the module state, the guard that keeps a handle
- * alive across calls that released the GIL, the op table, the error mapping and the argument
- * converters (errors.c), and each bound type's spec. Internal to the extension (the module's
+ * alive across calls that released the GIL, the error mapping and the argument converters
+ * (errors.c), and each bound type's spec. Internal to the extension (the module's
  * symbols are hidden: python/CMakeLists.txt).
  *
  * The binding's rules (GIL, locking, fork, signals) are in module.c's header comment; each
@@ -67,14 +67,6 @@ typedef struct {
 
 
 static inline mod_state *type_state(PyTypeObject *tp) { return PyType_GetModuleState(tp); }
-
-typedef struct {
-    const char *name;
-    ast_op op;
-} op_entry;
-/* The ops by name (errors.c); the Python op table (asteria.refresh.ops) is checked against it. */
-extern const op_entry op_table[];
-extern const size_t N_OPS;
 
 /* ---- errors.c ---- */
 PyObject *raise_ast_error(mod_state *st, int code, const char *detail);

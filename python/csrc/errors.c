@@ -1,16 +1,10 @@
 /*
  * errors.c - the one mapping from AST_E* codes to Python exceptions, the argument
- * converters, the op table, and the guard of a handle (see module.c for the rules).
+ * converters (an op is parsed against libasteria's own op table: ast_op_name / ast_op_count, so
+ * the binding keeps no list of ops), and the guard of a handle (see module.c for the rules).
  * May call: the public libasteria API and the Python C API, and common.h.
  */
 #include "common.h"
-
-const op_entry op_table[] = {
-    {"eigh", AST_OP_EIGH},           {"inv_root", AST_OP_INV_ROOT},
-    {"newton_root", AST_OP_NEWTON_ROOT}, {"soap_qr", AST_OP_SOAP_QR},
-    {"kl_qr", AST_OP_KL_QR},         {"soap_rotate", AST_OP_SOAP_ROTATE},
-};
-const size_t N_OPS = sizeof op_table / sizeof op_table[0];
 
 /* ---- errors --------------------------------------------------------------------------------- */
 
@@ -192,33 +186,42 @@ const char *utf8_no_nul(PyObject *s, const char *what)
 
 int parse_op(mod_state *st, PyObject *o, ast_op *out)
 {
+    const int count = ast_op_count();
     if (PyLong_Check(o)) {
         long v = PyLong_AsLong(o);
         if (v == -1 && PyErr_Occurred())
             return -1;
-        for (size_t i = 0; i < N_OPS; i++)
-            if ((long)op_table[i].op == v) {
-                *out = op_table[i].op;
-                return 0;
-            }
+        if (v >= 1 && v <= count && ast_op_name((int)v)) {
+            *out = (ast_op)v;
+            return 0;
+        }
     } else if (PyUnicode_Check(o)) {
         const char *s = utf8_no_nul(o, "op");
         if (!s)
             return -1;
-        for (size_t i = 0; i < N_OPS; i++)
-            if (!strcmp(op_table[i].name, s)) {
-                *out = op_table[i].op;
+        for (int c = 1; c <= count; c++) {
+            const char *name = ast_op_name(c);
+            if (name && !strcmp(name, s)) {
+                *out = (ast_op)c;
                 return 0;
             }
+        }
     } else {
         PyErr_Format(PyExc_TypeError, "op must be an int or a str, not %.100s",
                      Py_TYPE(o)->tp_name);
         return -1;
     }
-    PyErr_Format(PyExc_ValueError,
-                 "unknown op %R; allowed: eigh (1), inv_root (2), newton_root (3), soap_qr (4), "
-                 "kl_qr (5), soap_rotate (6)",
-                 o);
+    char allowed[512] = "";
+    size_t used = 0;
+    for (int c = 1; c <= count && used < sizeof allowed; c++) {
+        const char *name = ast_op_name(c);
+        if (!name)
+            continue;
+        int w = snprintf(allowed + used, sizeof allowed - used, "%s%s (%d)", used ? ", " : "",
+                         name, c);
+        used = w < 0 ? sizeof allowed : used + (size_t)w;
+    }
+    PyErr_Format(PyExc_ValueError, "unknown op %R; allowed: %s", o, allowed);
     return -1;
 }
 

@@ -218,13 +218,16 @@ static int mod_exec(PyObject *m)
     if (!ops)
         return -1;
     int bad = PyModule_AddObjectRef(m, "OPS", ops) < 0;
-    for (size_t i = 0; !bad && i < N_OPS; i++) {
-        char cname[32];
-        snprintf(cname, sizeof cname, "AST_OP_%s", op_table[i].name);
+    /* libasteria's op table, so the Python one (asteria.refresh.ops) is checked against C's. */
+    for (int op = 1; !bad && op <= ast_op_count(); op++) {
+        const char *name = ast_op_name(op);
+        if (!name)
+            continue;
+        char cname[64];
+        snprintf(cname, sizeof cname, "AST_OP_%s", name);
         for (char *c = cname; *c; c++)
             *c = (char)(*c >= 'a' && *c <= 'z' ? *c - 'a' + 'A' : *c);
-        bad = dict_set_steal(ops, op_table[i].name, PyLong_FromLong(op_table[i].op)) < 0 ||
-              add_int(m, cname, op_table[i].op) < 0;
+        bad = dict_set_steal(ops, name, PyLong_FromLong(op)) < 0 || add_int(m, cname, op) < 0;
     }
     Py_DECREF(ops);
     if (bad)

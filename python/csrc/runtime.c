@@ -415,8 +415,8 @@ static PyObject *runtime_unregister(RuntimeObject *self, PyObject *arg)
 PyDoc_STRVAR(runtime_submit_doc,
              "submit(op, dtype, n, batch, in0, in1, out0, out1, p=0.0, eps=0.0, block=0, "
              "version=0, deadline=0, snapshot_step=0, n1=0, in2=None)\n--\n\n"
-             "Queue one REFRESH job. op: an AST_OP_* code or its name ('eigh', 'inv_root',\n"
-             "'newton_root', 'soap_qr', 'kl_qr', 'soap_rotate'); dtype: 'float32' or 'float64';\n"
+             "Queue one REFRESH job. op: an AST_OP_* code or its name (a key of OPS, the op\n"
+             "table of libasteria); dtype: 'float32' or 'float64';\n"
              "in0/in1/in2/out0/out1: addresses (int, or None for in1/in2/out1) inside registered\n"
              "buffers. soap_rotate: in0 = X (batch x n x n1), in1 = A pair (batch x 2 x n x n) or\n"
              "None, in2 = B pair (batch x 2 x n1 x n1) or None (not both), out0 = A_new^T A_old X\n"

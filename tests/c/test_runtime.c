@@ -1,13 +1,14 @@
 /* test_runtime.c - runtime: config handling, buffer registration, REFRESH jobs end to end
- * (soap_rotate's submit validation and a run through the pool too), consecutive-failure rule,
- * barrier stats, shutdown with jobs pending, the runtime's trace, waits that check between
- * slices (ast_runtime_wait_check). */
+ * (soap_rotate's submit validation and a run through the pool too), the op table (ast_op_name,
+ * the wording of its submit checks), consecutive-failure rule, barrier stats, shutdown with jobs
+ * pending, the runtime's trace, waits that check between slices (ast_runtime_wait_check). */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <setjmp.h>
 #include <cmocka.h>
 
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -293,6 +294,100 @@ static void test_soap_rotate_submit_validation(void **state)
     ast_stats st;
     assert_int_equal(ast_runtime_stats_get(rt, &st), 0);
     assert_int_equal(st.jobs_submitted, 0);
+    ast_runtime_destroy(rt);
+}
+
+/* ast_op_name covers every code 1 .. ast_op_count() with a distinct name and answers NULL outside
+ * it; the count ends at the last ast_op value. */
+static void test_op_names(void **state)
+{
+    (void)state;
+    static const char *const want[] = {NULL, "eigh", "inv_root", "newton_root", "soap_qr",
+                                       "kl_qr", "soap_rotate"};
+    const int count = ast_op_count();
+    assert_int_equal(count, AST_OP_SOAP_ROTATE);
+    assert_int_equal(count, (int)(sizeof want / sizeof want[0]) - 1);
+    for (int op = 1; op <= count; op++) {
+        const char *name = ast_op_name(op);
+        assert_non_null(name);
+        assert_string_equal(name, want[op]);
+        for (int other = 1; other < op; other++)
+            assert_string_not_equal(name, ast_op_name(other));
+    }
+    const int outside[] = {0, -1, count + 1, count + 100, INT_MAX, INT_MIN};
+    for (size_t i = 0; i < sizeof outside / sizeof outside[0]; i++)
+        assert_null(ast_op_name(outside[i]));
+}
+
+static void expect_submit_message(ast_runtime *rt, const ast_refresh *r, int code,
+                                  const char *want)
+{
+    uint64_t t;
+    assert_int_equal(ast_runtime_submit(rt, r, &t), code);
+    char msg[512];
+    ast_runtime_last_error(rt, msg, sizeof msg);
+    assert_string_equal(msg, want);
+}
+
+/* The op table's checks word their failures exactly as the runtime always has. */
+static void test_submit_messages_from_the_op_table(void **state)
+{
+    (void)state;
+    ast_runtime *rt = make_rt(1, 3);
+    double f[16], q[16], x[16], w[4];
+    int64_t perm[4];
+    spd(f, 4, 3);
+    memset(q, 0, sizeof q);
+    uint64_t h;
+    assert_int_equal(ast_runtime_register(rt, f, sizeof f, &h), 0);
+    assert_int_equal(ast_runtime_register(rt, q, sizeof q, &h), 0);
+    assert_int_equal(ast_runtime_register(rt, x, sizeof x, &h), 0);
+    assert_int_equal(ast_runtime_register(rt, w, sizeof w, &h), 0);
+    assert_int_equal(ast_runtime_register(rt, perm, sizeof perm, &h), 0);
+    ast_refresh r = {.op = AST_OP_INV_ROOT, .dtype = AST_F64, .n = 4, .batch = 1, .in0 = f,
+                     .out0 = x, .p = 0, .block = 1, .version = 1};
+    expect_submit_message(rt, &r, AST_EINVAL, "AST_EINVAL: submit: root p=0; allowed: p > 0");
+    r.op = AST_OP_NEWTON_ROOT;
+    r.p = 2.5;
+    expect_submit_message(rt, &r, AST_EINVAL,
+                          "AST_EINVAL: submit: newton_root needs an integer p, got 2.5");
+    r.p = 2;
+    r.out1 = w;
+    expect_submit_message(rt, &r, AST_EINVAL, "AST_EINVAL: submit: out1 must be NULL for op 3");
+    r.out1 = NULL;
+    r.op = (ast_op)0;
+    expect_submit_message(rt, &r, AST_EINVAL,
+                          "AST_EINVAL: submit: op 0; allowed: eigh (1), inv_root (2), "
+                          "newton_root (3), soap_qr (4), kl_qr (5), soap_rotate (6)");
+    r.op = AST_OP_SOAP_QR;
+    r.in1 = q;
+    expect_submit_message(rt, &r, AST_EINVAL, "AST_EINVAL: submit: out1 is required for op 4");
+    r.op = AST_OP_KL_QR;
+    r.in2 = q;
+    expect_submit_message(rt, &r, AST_EINVAL,
+                          "AST_EINVAL: submit: in2 must be NULL for op 5 (only soap_rotate (6) "
+                          "takes in2)");
+    r.in2 = NULL;
+    r.in1 = NULL;
+    expect_submit_message(rt, &r, AST_EINVAL, "AST_EINVAL: submit: in1 is required for op 5");
+    r.dtype = (ast_dtype)7;
+    expect_submit_message(rt, &r, AST_EINVAL,
+                          "AST_EINVAL: submit: dtype 7; allowed: float32 (0), float64 (1)");
+    r.dtype = AST_F64;
+    r.n = INT_MAX;
+    r.batch = INT_MAX;
+    expect_submit_message(rt, &r, AST_EINVAL,
+                          "AST_EINVAL: submit: n=2147483647 batch=2147483647; the buffer sizes "
+                          "overflow size_t");
+    /* eigh accepts an in1 (range-checked, unused): a job with one runs. */
+    ast_refresh e = {.op = AST_OP_EIGH, .dtype = AST_F64, .n = 4, .batch = 1, .in0 = f, .in1 = q,
+                     .out0 = x, .out1 = w, .block = 2, .version = 1};
+    uint64_t t;
+    ast_result res;
+    assert_int_equal(ast_runtime_submit(rt, &e, &t), 0);
+    assert_int_equal(ast_runtime_wait(rt, t, -1, &res), 0);
+    assert_int_equal(res.status, 0);
+    assert_true(w[0] >= w[3]);
     ast_runtime_destroy(rt);
 }
 
@@ -697,6 +792,8 @@ int main(void)
         cmocka_unit_test(test_install_and_nonfinite_stats),
         cmocka_unit_test(test_destroy_with_pending_jobs),
         cmocka_unit_test(test_soap_rotate_submit_validation),
+        cmocka_unit_test(test_op_names),
+        cmocka_unit_test(test_submit_messages_from_the_op_table),
         cmocka_unit_test(test_soap_rotate_job),
         cmocka_unit_test(test_trace_job_order_and_caller_events),
         cmocka_unit_test(test_trace_uncollected_and_write_errors),

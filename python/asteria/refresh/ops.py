@@ -4,9 +4,10 @@ Owns: ``OPS`` (each op's name, its ``ast_op`` code in include/asteria/runtime.h,
 and dtypes of its outputs, and its torch reference) and the check of a job's inputs. Every
 executor reads the op table from here: the torch executors run the references, the C pool
 takes the code, the replicated executor sizes its transfers with ``output_spec``;
-tests/python/test_refresh_ops.py checks the table against ``asteria._C``'s and the references'
-shapes against ``output_spec``. Adding an op: its entry here, its ``ast_op`` value in
-include/asteria/runtime.h, its kernel and name in src/linalg.c. May call: torch.
+tests/python/test_refresh_ops.py checks the table against ``asteria._C``'s (which the extension
+reads from libasteria's op table: ``ast_op_name``) and the references' shapes against
+``output_spec``. Adding an op: its entry here, its ``ast_op`` value in
+include/asteria/runtime.h, its kernel and op-table entry in src/linalg.c. May call: torch.
 
 Operations (names mirror ``ast_op`` in include/asteria/runtime.h):
 
@@ -52,7 +53,7 @@ class Op:
 AST_ENOCONV = -7
 AST_ENONFINITE = -8
 
-NEWTON_MAX_ITER = 100  # same limits as the C pool's coupled Newton (src/runtime.c)
+NEWTON_MAX_ITER = 100  # same limits as the C pool's coupled Newton (src/linalg.c)
 NEWTON_TOL = 1e-6
 
 
