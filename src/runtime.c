@@ -20,7 +20,7 @@
  * pool's started_ns / done_ns, on the worker's lane; barrier spans in wait; installs in
  * note_install. Completions never collected are drained at destroy so they are traced too.
  *
- * Locking: rt->mu guards buffers[], fails[], the live-job list and last_error. It is never held
+ * Locking: rt->mu guards buffers[], fails[], the live-job list and err. It is never held
  * while calling into the pool's blocking functions, while a job computes, or while calling into
  * the trace recorder (which has its own mutex and never calls back), so there is no lock order
  * to keep. Jobs run on pool workers and touch only their own rjob and the buffers whose
@@ -80,7 +80,7 @@ struct ast_runtime {
     size_t nfails, capfails;
     rjob *live;
     ast_trace *trace; /* NULL unless cfg.trace is set */
-    char last_error[1024];
+    ast__last_error err; /* named: "AST_EXXX: ..." */
 
     _Atomic uint64_t jobs_submitted, jobs_done, jobs_failed, jobs_superseded, jobs_cancelled;
     _Atomic uint64_t jobs_retried, nonfinite_skipped, installs, barrier_waits, barrier_wait_ns;
@@ -89,16 +89,8 @@ struct ast_runtime {
     _Atomic int job_delay_ms; /* test hook, testing.h */
 };
 
-static int set_error(ast_runtime *rt, int code, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    pthread_mutex_lock(&rt->mu);
-    ast__verrorf_named(rt->last_error, sizeof rt->last_error, code, fmt, ap);
-    pthread_mutex_unlock(&rt->mu);
-    va_end(ap);
-    return code;
-}
+/* Sets rt's last error under rt->mu and returns code (util's one setter). */
+#define RT_ERROR(rt, code, ...) ast__set_error(&(rt)->err, &(rt)->mu, (code), __VA_ARGS__)
 
 int ast_runtime_create_msg(const ast_config *cfg, ast_runtime **out, char *errbuf, size_t len)
 {
@@ -117,6 +109,7 @@ int ast_runtime_create_msg(const ast_config *cfg, ast_runtime **out, char *errbu
     if (!rt)
         return AST_ENOMEM;
     rt->cfg = *cfg;
+    rt->err.named = 1;
     rt->next_handle = 1;
     atomic_init(&rt->max_install_lag, -1);
     atomic_init(&rt->last_install_step, -1);
@@ -214,7 +207,7 @@ int ast_runtime_last_error(ast_runtime *rt, char *buf, size_t len)
     if (!rt || !buf || !len)
         return AST_EINVAL;
     pthread_mutex_lock(&rt->mu);
-    snprintf(buf, len, "%s", rt->last_error);
+    snprintf(buf, len, "%s", rt->err.text);
     pthread_mutex_unlock(&rt->mu);
     return 0;
 }
@@ -224,15 +217,15 @@ int ast_runtime_register(ast_runtime *rt, void *ptr, size_t nbytes, uint64_t *ha
     if (!rt)
         return AST_EINVAL;
     if (!ptr || !nbytes || !handle)
-        return set_error(rt, AST_EINVAL, "register: pointer %p, %zu bytes; allowed: a non-NULL "
-                         "pointer and nbytes >= 1", ptr, nbytes);
+        return RT_ERROR(rt, AST_EINVAL, "register: pointer %p, %zu bytes; allowed: a non-NULL "
+                        "pointer and nbytes >= 1", ptr, nbytes);
     pthread_mutex_lock(&rt->mu);
     if (rt->nbuffers == rt->capbuffers) {
         size_t cap = rt->capbuffers ? rt->capbuffers * 2 : 64;
         rbuf *nb = realloc(rt->buffers, cap * sizeof *nb);
         if (!nb) {
             pthread_mutex_unlock(&rt->mu);
-            return set_error(rt, AST_ENOMEM, "register: no memory for the buffer table");
+            return RT_ERROR(rt, AST_ENOMEM, "register: no memory for the buffer table");
         }
         rt->buffers = nb;
         rt->capbuffers = cap;
@@ -264,13 +257,13 @@ int ast_runtime_unregister(ast_runtime *rt, uint64_t handle)
     rbuf *b = find_handle_locked(rt, handle);
     if (!b) {
         pthread_mutex_unlock(&rt->mu);
-        return set_error(rt, AST_ENOENT, "unregister: no buffer with handle %" PRIu64, handle);
+        return RT_ERROR(rt, AST_ENOENT, "unregister: no buffer with handle %" PRIu64, handle);
     }
     if (b->refs) {
         unsigned refs = b->refs;
         pthread_mutex_unlock(&rt->mu);
-        return set_error(rt, AST_EBUSY, "unregister: buffer %" PRIu64 " is used by %u job(s)",
-                         handle, refs);
+        return RT_ERROR(rt, AST_EBUSY, "unregister: buffer %" PRIu64 " is used by %u job(s)",
+                        handle, refs);
     }
     size_t nbytes = b->nbytes;
     *b = rt->buffers[--rt->nbuffers];
@@ -323,16 +316,16 @@ int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket
     if (!rt || !req || !ticket)
         return AST_EINVAL;
     if (!rt->pool)
-        return set_error(rt, AST_ESHUTDOWN, "submit: runtime is shutting down");
+        return RT_ERROR(rt, AST_ESHUTDOWN, "submit: runtime is shutting down");
     const ast__op *op;
     size_t sizes[AST__ARG_COUNT];
     char why[512];
     int rc = ast__op_check(req, &op, sizes, why, sizeof why);
     if (rc)
-        return set_error(rt, rc, "submit: %s", why);
+        return RT_ERROR(rt, rc, "submit: %s", why);
     rjob *j = calloc(1, sizeof *j);
     if (!j)
-        return set_error(rt, AST_ENOMEM, "submit: no memory for a job record");
+        return RT_ERROR(rt, AST_ENOMEM, "submit: no memory for a job record");
     j->req = *req;
     j->op = op;
     j->failed_index = -1;
@@ -347,8 +340,8 @@ int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket
             if (op->args[i] == AST__ARG_REQUIRED) {
                 pthread_mutex_unlock(&rt->mu);
                 free(j);
-                return set_error(rt, AST_EINVAL, "submit: %s is required for op %d", names[i],
-                                 (int)req->op);
+                return RT_ERROR(rt, AST_EINVAL, "submit: %s is required for op %d", names[i],
+                                (int)req->op);
             }
             continue;
         }
@@ -362,16 +355,16 @@ int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket
                 int k = ast__op_list(takers, sizeof takers, i);
                 snprintf(only, sizeof only, " (only %s take%s in2)", takers, k == 1 ? "s" : "");
             }
-            return set_error(rt, AST_EINVAL, "submit: %s must be NULL for op %d%s", names[i],
-                             (int)req->op, only);
+            return RT_ERROR(rt, AST_EINVAL, "submit: %s must be NULL for op %d%s", names[i],
+                            (int)req->op, only);
         }
         rbuf *b = find_range_locked(rt, ptrs[i], sizes[i]);
         if (!b) {
             pthread_mutex_unlock(&rt->mu);
             free(j);
-            return set_error(rt, AST_ERANGE,
-                             "submit: %s [%p, +%zu bytes) is not inside a registered buffer", names[i],
-                             ptrs[i], sizes[i]);
+            return RT_ERROR(rt, AST_ERANGE,
+                            "submit: %s [%p, +%zu bytes) is not inside a registered buffer",
+                            names[i], ptrs[i], sizes[i]);
         }
         held[nheld++] = b;
     }
@@ -399,8 +392,8 @@ int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket
         unlink_locked(rt, j);
         pthread_mutex_unlock(&rt->mu);
         free(j);
-        return set_error(rt, rc, "submit: pool refused block %" PRIu64 " version %" PRIu64,
-                         req->block, req->version);
+        return RT_ERROR(rt, rc, "submit: pool refused block %" PRIu64 " version %" PRIu64,
+                        req->block, req->version);
     }
     atomic_fetch_add(&rt->jobs_submitted, 1);
     if (rt->trace) {
@@ -417,12 +410,12 @@ int ast_runtime_cancel(ast_runtime *rt, uint64_t ticket)
     if (!rt)
         return AST_EINVAL;
     if (!rt->pool)
-        return set_error(rt, AST_ESHUTDOWN, "cancel: runtime is shutting down");
+        return RT_ERROR(rt, AST_ESHUTDOWN, "cancel: runtime is shutting down");
     int rc = ast_pool_cancel(rt->pool, ticket);
     if (rc == AST_EBUSY)
-        return set_error(rt, rc, "cancel: ticket %" PRIu64 " is already running", ticket);
+        return RT_ERROR(rt, rc, "cancel: ticket %" PRIu64 " is already running", ticket);
     if (rc == AST_ENOENT)
-        return set_error(rt, rc, "cancel: ticket %" PRIu64 " is finished or unknown", ticket);
+        return RT_ERROR(rt, rc, "cancel: ticket %" PRIu64 " is finished or unknown", ticket);
     return rc;
 }
 
@@ -511,9 +504,9 @@ static void finish(ast_runtime *rt, const ast_completion *c, ast_result *r)
             if (cnt)
                 *cnt = 0;
         } else if (cnt && ++*cnt >= rt->cfg.max_failures) {
-            snprintf(rt->last_error, sizeof rt->last_error,
-                     "AST_EFAILED: block %" PRIu64 " failed %d consecutive refreshes (last: %s)",
-                     c->block, *cnt, ast_err_name(c->status));
+            ast__set_error(&rt->err, NULL, AST_EFAILED,
+                           "block %" PRIu64 " failed %d consecutive refreshes (last: %s)",
+                           c->block, *cnt, ast_err_name(c->status));
             r->status = AST_EFAILED;
         }
     }
@@ -605,16 +598,16 @@ static int wait_impl(ast_runtime *rt, uint64_t ticket, int64_t timeout_ns, int64
         }
     }
     if (rc == AST_ETIMEDOUT)
-        return set_error(rt, rc, "wait: ticket %" PRIu64 " not done within %" PRId64 " ns",
-                         ticket, timeout_ns);
+        return RT_ERROR(rt, rc, "wait: ticket %" PRIu64 " not done within %" PRId64 " ns",
+                        ticket, timeout_ns);
     if (rc == AST_EINTR)
-        return set_error(rt, rc, "wait: ticket %" PRIu64 " interrupted; the job is still "
-                         "pending", ticket);
+        return RT_ERROR(rt, rc, "wait: ticket %" PRIu64 " interrupted; the job is still "
+                        "pending", ticket);
     if (rc == AST_ENOENT)
-        return set_error(rt, rc, "wait: ticket %" PRIu64 " is unknown or was already collected",
-                         ticket);
+        return RT_ERROR(rt, rc, "wait: ticket %" PRIu64 " is unknown or was already collected",
+                        ticket);
     if (rc)
-        return set_error(rt, rc, "wait: ticket %" PRIu64 ": %s", ticket, ast_strerror(rc));
+        return RT_ERROR(rt, rc, "wait: ticket %" PRIu64 ": %s", ticket, ast_strerror(rc));
     finish(rt, &c, out);
     return 0;
 }
@@ -706,16 +699,16 @@ int ast_runtime_trace_event(ast_runtime *rt, const ast_trace_ev *ev)
     e.ts_ns = e.ts_ns ? ast_trace_from_monotonic(rt->trace, e.ts_ns) : ast_trace_now(rt->trace);
     int rc = ast_trace_event(rt->trace, &e);
     if (rc == AST_EINVAL)
-        return set_error(rt, rc, "trace_event: kind %d, lane %d, name %s%s%s; allowed: a kind "
-                         "below %d, a lane in [%d, -1] or a worker index >= 0, a name (required "
-                         "for custom kinds) and category of at most 1023 bytes",
-                         (int)ev->kind, ev->lane, ev->name ? "'" : "", ev->name ? ev->name : "NULL",
-                         ev->name ? "'" : "", AST_TRACE_KIND_COUNT, AST_TRACE_LANE_MIN);
+        return RT_ERROR(rt, rc, "trace_event: kind %d, lane %d, name %s%s%s; allowed: a kind "
+                        "below %d, a lane in [%d, -1] or a worker index >= 0, a name (required "
+                        "for custom kinds) and category of at most 1023 bytes",
+                        (int)ev->kind, ev->lane, ev->name ? "'" : "", ev->name ? ev->name : "NULL",
+                        ev->name ? "'" : "", AST_TRACE_KIND_COUNT, AST_TRACE_LANE_MIN);
     if (rc == AST_ENOSPC)
-        return set_error(rt, rc, "trace_event: the recorder's event limit is reached; the event "
-                         "was dropped");
+        return RT_ERROR(rt, rc, "trace_event: the recorder's event limit is reached; the event "
+                        "was dropped");
     if (rc)
-        return set_error(rt, rc, "trace_event: %s", ast_strerror(rc));
+        return RT_ERROR(rt, rc, "trace_event: %s", ast_strerror(rc));
     return 0;
 }
 
@@ -727,11 +720,11 @@ int ast_runtime_trace_name_lane(ast_runtime *rt, int lane, const char *name)
         return 0;
     int rc = ast_trace_name_lane(rt->trace, lane, name);
     if (rc == AST_EINVAL)
-        return set_error(rt, rc, "trace_name_lane: lane %d, name %s; allowed: a lane in [%d, -1] "
-                         "or a worker index >= 0 and a non-NULL name of at most 1023 bytes",
-                         lane, name ? name : "NULL", AST_TRACE_LANE_MIN);
+        return RT_ERROR(rt, rc, "trace_name_lane: lane %d, name %s; allowed: a lane in [%d, -1] "
+                        "or a worker index >= 0 and a non-NULL name of at most 1023 bytes",
+                        lane, name ? name : "NULL", AST_TRACE_LANE_MIN);
     if (rc)
-        return set_error(rt, rc, "trace_name_lane: %s", ast_strerror(rc));
+        return RT_ERROR(rt, rc, "trace_name_lane: %s", ast_strerror(rc));
     return 0;
 }
 
@@ -740,8 +733,8 @@ int ast_runtime_trace_write(ast_runtime *rt, const char *path)
     if (!rt)
         return AST_EINVAL;
     if (!rt->trace)
-        return set_error(rt, AST_ESTATE, "trace_write: this runtime records no trace (config key "
-                         "'trace' is empty)");
+        return RT_ERROR(rt, AST_ESTATE, "trace_write: this runtime records no trace (config key "
+                        "'trace' is empty)");
     if (!path || !*path)
         path = rt->cfg.trace;
     int rc = ast_trace_write_json(rt->trace, path);
@@ -753,7 +746,7 @@ int ast_runtime_trace_write(ast_runtime *rt, const char *path)
         size_t n = strlen(name);
         if (!strncmp(d, name, n) && d[n] == ':')
             d += n + 1 + (d[n + 1] == ' ');
-        return set_error(rt, rc, "%s", d);
+        return RT_ERROR(rt, rc, "%s", d);
     }
     return 0;
 }

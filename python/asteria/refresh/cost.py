@@ -1,13 +1,16 @@
 """The cost model of the REFRESH work: how long a round takes on the lanes that run it.
 
-Owns: the FLOP count of each op (``flops``), the throughput measured per lane, op, dtype and
+Owns: the FLOP count of a job (``flops``, from each op's count in ``asteria.refresh.ops``),
+the throughput measured per lane, op, dtype and
 size (``CostModel``), the prediction of a round's time on a number of workers (``makespan``,
 ``assign``), and the capacity record of one optimizer (``Capacity``: rounds, their measured
-times, step times, the report and the smallest S that hides the refresh). May call: torch and,
+times, step times, the report and the smallest S that hides the refresh). May call: torch,
+``asteria.refresh.ops`` and,
 for ``calibrate`` only, ``asteria.refresh.host_pool``. Single-threaded (the training thread);
 executors hand it finished jobs through their ``observer`` on that thread.
 
-FLOPs per batch entry (n: the factor's size; real arithmetic, one multiply-add = 2 FLOPs):
+FLOPs per batch entry (n: the factor's size; real arithmetic, one multiply-add = 2 FLOPs; each
+op's count is its ``flops`` entry in asteria/refresh/ops.py):
 
 ==================  ============================================  ===============================
 op                  count                                         from
@@ -53,8 +56,8 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from asteria.refresh.engine import JobTiming
+from asteria.refresh.ops import NEWTON_NOMINAL_ITERS, OPS, WITH_BASIS  # noqa: F401
 
-NEWTON_NOMINAL_ITERS = 20
 SAMPLES = 9                  # per measured size: the last SAMPLES (see _typical)
 ASSUMED_GFLOPS = 5.0         # a lane with nothing measured and no base rate (labelled so)
 DEVICE_PRIOR_GFLOPS = 200.0  # a device lane before its first job: the split explores it
@@ -64,21 +67,9 @@ AUTO_MARGIN = 1.5            # staleness "auto": the window must be this much ab
 def flops(op: str, n: int, n1: int = 0, p: float = 0.0, sides: int = 2) -> float:
     """FLOPs of one batch entry of ``op`` on a factor of size n (table above). ``soap_rotate``:
     X is n x n1 and ``sides`` says which pairs were given (2: both; 1: the A pair)."""
-    n = float(n)
-    if op == "eigh":
-        return 9.0 * n ** 3
-    if op == "inv_root":
-        return 11.0 * n ** 3
-    if op == "newton_root":
-        root = max(1, int(p) if p else 2)
-        return NEWTON_NOMINAL_ITERS * (2.0 * root + 2.0) * n ** 3
-    if op in ("soap_qr", "kl_qr"):
-        return 14.0 / 3.0 * n ** 3
-    if op == "soap_rotate":
-        n1 = float(n1 or n)
-        a = 4.0 * n * n * n1
-        return a + (4.0 * n * n1 * n1 if sides >= 2 else 0.0)
-    raise ValueError(f"unknown REFRESH op {op!r}")
+    if op not in OPS:
+        raise ValueError(f"unknown REFRESH op {op!r}; allowed: {', '.join(OPS)}")
+    return OPS[op].flops(float(n), float(n1), p, sides)
 
 
 def _typical(samples: Iterable[float]) -> float:
@@ -125,7 +116,7 @@ class JobSpec:
         if self.op == "soap_rotate":
             mats = n * n1 + 2 * n * n + (2 * n1 * n1 if self.sides >= 2 else 0)
         else:
-            mats = n * n * (2 if self.op in ("soap_qr", "kl_qr") else 1)
+            mats = n * n * (2 if self.op in WITH_BASIS else 1)
         return self.batch * mats * size
 
 

@@ -34,14 +34,13 @@ import torch
 from asteria import _C
 from asteria.config import RuntimeConfig
 from asteria.refresh.engine import Engine, JobTiming, Result
-from asteria.refresh.ops import check_op
+from asteria.refresh.ops import WITH_BASIS, check_op, output_spec
 
 _C_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
 #: test hook, read at runtime creation: every job of the runtime sleeps this many milliseconds
 #: on its worker (a slow rank in a distributed test); set through the test-only
 #: ``_C._test_set_job_delay``
 DEBUG_DELAY_ENV = "ASTERIA_DEBUG_JOB_DELAY_MS"
-_WITH_BASIS = ("soap_qr", "kl_qr")
 
 
 def c_config(cfg: Any) -> Any:
@@ -232,7 +231,7 @@ class CEngine(Engine):
         if rotate:  # X, then the pairs given: in1 = A pair, in2 = B pair (None: identity side)
             slots = {"in0": f, "in1": q, "in2": b}
         else:
-            slots = {"in0": f, "in1": q if op in _WITH_BASIS else None, "in2": None}
+            slots = {"in0": f, "in1": q if op in WITH_BASIS else None, "in2": None}
         parts_of = {"in0": f_parts, "in1": q_parts}
         inputs, tickets = [], []
         for slot, src in slots.items():
@@ -264,11 +263,8 @@ class CEngine(Engine):
                 tickets.append(staged[1])
                 self._copies["snapshots_shadow"] += 1
             self._copies["bytes_d2h_snapshots"] += inputs[-1].numel() * inputs[-1].element_size()
-        outputs = [torch.empty((batch, n, n1 if rotate else n), dtype=cdtype, pin_memory=pin)]
-        if op == "eigh":
-            outputs.append(torch.empty((batch, n), dtype=cdtype, pin_memory=pin))
-        elif op == "soap_qr":
-            outputs.append(torch.empty((batch, n), dtype=torch.int64, pin_memory=pin))
+        outputs = [torch.empty((batch, *shape), dtype=dt, pin_memory=pin)
+                   for shape, dt in output_spec(op, n, cdtype, n1)]
         buffers = (*inputs, *outputs)
 
         def addr(ts: list, i: int) -> Optional[int]:

@@ -1,7 +1,7 @@
 """The REFRESH ops: the one table of their names, C codes, inputs and outputs.
 
 Owns: ``OPS`` (each op's name, its ``ast_op`` code in include/asteria/runtime.h, the shapes
-and dtypes of its outputs, and its torch reference) and the check of a job's inputs. Every
+and dtypes of its outputs, its torch reference and its FLOP count) and the check of a job's inputs. Every
 executor reads the op table from here: the torch executors run the references, the C pool
 takes the code, the replicated executor sizes its transfers with ``output_spec``;
 tests/python/test_refresh_ops.py checks the table against ``asteria._C``'s (which the extension
@@ -46,6 +46,11 @@ class Op:
     outputs: Callable[[int, int, torch.dtype], list]
     #: the torch reference: (f, q, p, eps, b) -> outputs, on batched inputs in their dtype
     reference: Callable
+    #: (n, n1, p, sides) -> FLOPs of one batch entry (the cost model's table,
+    #: asteria/refresh/cost.py); n1 and sides matter to soap_rotate only
+    flops: Callable[[float, float, float, int], float]
+    #: the second input is a basis Q of F's shape
+    with_basis: bool = False
 
 
 # ---- the torch references (include/asteria/linalg.h's numerics) ----------------------------
@@ -135,19 +140,34 @@ def _mat(n, n1, dt):
     return [((n, n), dt)]
 
 
+NEWTON_NOMINAL_ITERS = 20  # the cost model prices this many coupled-Newton iterations
+
+
+def _newton_flops(n, n1, p, sides):
+    return NEWTON_NOMINAL_ITERS * (2.0 * max(1, int(p) if p else 2) + 2.0) * n ** 3
+
+
+def _rotate_flops(n, n1, p, sides):
+    n1 = n1 or n
+    return 4.0 * n * n * n1 + (4.0 * n * n1 * n1 if sides >= 2 else 0.0)
+
+
 OPS: dict[str, Op] = {op.name: op for op in (
     Op("eigh", 1, lambda n, n1, dt: [((n, n), dt), ((n,), dt)],
-       lambda f, q, p, eps, b: _eigh(f)),
-    Op("inv_root", 2, _mat, lambda f, q, p, eps, b: _inv_root(f, p, eps)),
-    Op("newton_root", 3, _mat, lambda f, q, p, eps, b: _newton_root(f, p, eps)),
+       lambda f, q, p, eps, b: _eigh(f), lambda n, n1, p, s: 9.0 * n ** 3),
+    Op("inv_root", 2, _mat, lambda f, q, p, eps, b: _inv_root(f, p, eps),
+       lambda n, n1, p, s: 11.0 * n ** 3),
+    Op("newton_root", 3, _mat, lambda f, q, p, eps, b: _newton_root(f, p, eps), _newton_flops),
     Op("soap_qr", 4, lambda n, n1, dt: [((n, n), dt), ((n,), torch.int64)],
-       lambda f, q, p, eps, b: _soap_qr(f, q)),
-    Op("kl_qr", 5, _mat, lambda f, q, p, eps, b: _kl_qr(f, q)),
+       lambda f, q, p, eps, b: _soap_qr(f, q), lambda n, n1, p, s: 14.0 / 3.0 * n ** 3,
+       with_basis=True),
+    Op("kl_qr", 5, _mat, lambda f, q, p, eps, b: _kl_qr(f, q),
+       lambda n, n1, p, s: 14.0 / 3.0 * n ** 3, with_basis=True),
     Op("soap_rotate", 6, lambda n, n1, dt: [((n, n1), dt)],
-       lambda f, q, p, eps, b: soap_rotate(f, q, b)),
+       lambda f, q, p, eps, b: soap_rotate(f, q, b), _rotate_flops),
 )}
 #: ops whose second input is a basis Q of F's shape
-WITH_BASIS = ("soap_qr", "kl_qr")
+WITH_BASIS = tuple(op.name for op in OPS.values() if op.with_basis)
 
 
 def output_spec(op: str, n: int, dtype: torch.dtype, n1: int = 0) -> list:
