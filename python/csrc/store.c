@@ -714,8 +714,8 @@ PyDoc_STRVAR(store_view_doc,
              "block, for torch.from_dlpack: a compact tensor of shape and dtype (float32,\n"
              "float64, float16, bfloat16, int32, int64; a name or a torch.dtype) whose bytes "
              "must be exactly the block's (ValueError otherwise). Host and\nhost_pinned blocks "
-             "give CPU tensors; uvm and device blocks give CUDA tensors on device (the CUDA "
-             "index, required for them).\nLifetime: the view holds a BlockBuffer, so while any "
+             "give CPU tensors; a device block a CUDA tensor on device (its CUDA index, "
+             "required); a uvm block a CUDA tensor\non device, or a CPU tensor without one.\nLifetime: the view holds a BlockBuffer, so while any "
              "tensor over it lives the block is pinned as by buffer(): move(), free()\nand "
              "close() raise BusyError, and the Store outlives the view. AsteriaError "
              "(AST_ESTATE) for a block on NVMe.");
@@ -735,10 +735,13 @@ static PyObject *store_view(StoreObject *self, PyObject *args, PyObject *kwds)
     BlockBufferObject *b = store_export(self, st, id, 0, "view");
     if (!b)
         return NULL;
-    int cuda = b->tier == AST_TIER_UVM || b->tier == AST_TIER_DEVICE;
-    if (cuda && device < 0) {
-        PyErr_Format(PyExc_ValueError, "view: block %llu is on tier %s: give device=<CUDA "
-                     "device index>", (unsigned long long)id, ast_tier_name(b->tier));
+    /* managed memory is host-addressable: a CPU view without device, a CUDA one with it */
+    int cuda = b->tier == AST_TIER_DEVICE || (b->tier == AST_TIER_UVM && device >= 0);
+    if ((b->tier == AST_TIER_DEVICE) != (device >= 0) && b->tier != AST_TIER_UVM) {
+        PyErr_Format(PyExc_ValueError, "view: block %llu is on tier %s: %s",
+                     (unsigned long long)id, ast_tier_name(b->tier),
+                     device < 0 ? "give device=<CUDA device index>"
+                                : "its views are CPU tensors (no device)");
         Py_DECREF(b);
         return NULL;
     }
