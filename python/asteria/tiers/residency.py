@@ -24,6 +24,13 @@ Data flow of one block (its plan gives a home tier: host, host_pinned, uvm or nv
    Prefetching never raises; the step re-does what failed and raises there.
 Between steps the ring holds nothing: every slot is released at the step end.
 
+Views: every tensor over store or ring memory comes from ``torch.from_dlpack`` on a capsule of
+``asteria._C`` (``Store.view`` for host views and UVM blocks, ``Shadow.slot_view`` for ring
+slots), with the block's own dtype (bfloat16 included) and shape. A store view pins its block
+while it lives (move, free and the store's close raise BusyError: drop host views soon); a
+ring view keeps the shadow's rings allocated, even past ``close``, but its contents are the
+slot's only until the slot is released.
+
 A filesystem without O_DIRECT makes the store fall back to buffered I/O (its stats say
 ``nvme_direct`` False); the residency warns once per directory (RuntimeWarning naming it).
 Fork: the store's fork handler gives a forked child its own io_uring ring and records and never
