@@ -34,8 +34,9 @@
  *    it with the GIL held cannot deadlock. Library mutexes are never held by a thread that
  *    waits for the GIL (library code never calls back into Python).
  *  - Store block pins (exports, busy), Shadow tickets and Shadow view counts are plain C
- *    tables and counters touched only with the GIL held (a view's deleter takes it first); that is what makes "check, then release the GIL and act" safe against other
- *    Python threads (see StoreObject).
+ *    tables and counters touched only with the GIL held (a view's deleter takes it first);
+ *    that is what makes "check, then release the GIL and act" safe against other Python
+ *    threads (see StoreObject).
  */
 #include "common.h"
 
