@@ -92,6 +92,21 @@ PyObject *raise_exc(PyObject *exc);
 int dict_set_steal(PyObject *d, const char *key, PyObject *v);
 void close_in_dealloc(int (*close)(PyObject *), PyObject *self);
 PyObject *config_to_dict(const ast_config *c);
+/* ---- dlpack.c: tensor views as DLPack capsules ---- */
+#define VIEW_MAX_DIMS 8
+typedef struct {
+    uint8_t code, bits; /* DLDataType's */
+    int ndim;
+    int64_t shape[VIEW_MAX_DIMS];
+    uint64_t nbytes;
+} view_spec;
+/* dtype: a name ("float32", "bfloat16", ...) or a torch.dtype; shape: a sequence of ints. */
+int view_spec_parse(PyObject *dtype, PyObject *shape, view_spec *v);
+/* A "dltensor" capsule over ptr (avail bytes, which the spec must match exactly; cuda_device
+ * -1: host memory). Steals owner, which the view keeps until its deleter runs release(owner)
+ * (if not NULL) and drops it; on failure both happen at once. */
+PyObject *view_export(const view_spec *v, PyObject *owner, void (*release)(PyObject *),
+                      void *ptr, size_t avail, int cuda_device, const char *what);
 /* ---- runtime.c ---- */
 PyObject *config_validate(mod_state *st, PyObject *config);
 PyObject *mod_test_set_job_delay(PyObject *m, PyObject *args);

@@ -33,9 +33,10 @@
  *  - guard.lock is only ever held for a counter update or inside pthread_cond_wait, so taking
  *    it with the GIL held cannot deadlock. Library mutexes are never held by a thread that
  *    waits for the GIL (library code never calls back into Python).
- *  - Store block pins (exports, busy) and Shadow tickets are plain C tables touched only with
- *    the GIL held; that is what makes "check, then release the GIL and act" safe against other
- *    Python threads (see StoreObject).
+ *  - Store block pins (exports, busy), Shadow tickets and Shadow view counts are plain C
+ *    tables and counters touched only with the GIL held (a view's deleter takes it first);
+ *    that is what makes "check, then release the GIL and act" safe against other Python
+ *    threads (see StoreObject).
  */
 #include "common.h"
 

@@ -10,6 +10,13 @@
  * Snapshot tickets are ints (the ticket id); the binding keeps each live ticket's host pointer
  * and size in a table touched with the GIL held, and passes a stack copy to calls that release
  * it.
+ *
+ * Views (slot_view, snapshot_view) are DLPack capsules (dlpack.c) holding a reference to the
+ * Shadow, counted in `views`. Lifetime: the rings are freed only when no view lives. close()
+ * with views alive closes the handle at once (every method then raises) but defers freeing the
+ * stream and rings to the release of the last view, so no tensor ever points into freed
+ * memory. A view stays valid memory until then; what it reads is the ring's business: a slot
+ * released (or a ticket released) may be reused by the next copy, as with the raw pointers.
  */
 
 typedef struct {
@@ -18,6 +25,8 @@ typedef struct {
     guard g;
     ast_shadow_ticket *tickets; /* live snapshot tickets; id 0: free entry */
     size_t captickets;
+    int device;      /* the CUDA device of the rings; -1 on the host path */
+    uint64_t views;  /* live views (GIL held) */
 } ShadowObject;
 
 static int sh_enter(ShadowObject *self, mod_state *st)
@@ -125,7 +134,32 @@ static PyObject *shadow_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return raise_busy_aware(st, rc, err);
     }
     self->sh = sh;
+    self->device = -1;
+    if (ast_shadow_is_cuda(sh)) {
+        ast_shadow_stats ss;
+        Py_BEGIN_ALLOW_THREADS
+        rc = ast_shadow_stats_get(sh, &ss);
+        Py_END_ALLOW_THREADS
+        if (rc < 0) {
+            Py_DECREF(self);
+            return raise_ast_error(st, rc, NULL);
+        }
+        self->device = ss.device;
+    }
     return (PyObject *)self;
+}
+
+/* Frees the stream and rings (no view may live). Destroy waits for every copy in flight. */
+static void shadow_destroy(ShadowObject *self)
+{
+    ast_shadow *sh = self->sh;
+    if (!sh)
+        return;
+    Py_BEGIN_ALLOW_THREADS
+    guard_drain(&self->g);
+    ast_shadow_destroy(sh);
+    Py_END_ALLOW_THREADS
+    self->sh = NULL;
 }
 
 static int shadow_close_impl(ShadowObject *self)
@@ -133,15 +167,8 @@ static int shadow_close_impl(ShadowObject *self)
     if (self->g.closed)
         return 0;
     self->g.closed = 1;
-    ast_shadow *sh = self->sh;
-    if (!sh)
-        return 0;
-    /* Destroy waits for every copy in flight. */
-    Py_BEGIN_ALLOW_THREADS
-    guard_drain(&self->g);
-    ast_shadow_destroy(sh);
-    Py_END_ALLOW_THREADS
-    self->sh = NULL;
+    if (!self->views)
+        shadow_destroy(self);
     return 0;
 }
 
@@ -166,8 +193,9 @@ static void shadow_dealloc(ShadowObject *self)
 
 PyDoc_STRVAR(shadow_close_doc,
              "close()\n--\n\nWait (GIL released) for every copy in flight and free the stream, "
-             "events and rings; pointers it handed out become invalid. Idempotent; also done on "
-             "deallocation.");
+             "events and rings; pointers it handed out become invalid. While views\n(slot_view, "
+             "snapshot_view) live, the freeing waits for the last one to go (the handle is "
+             "closed at once). Idempotent; also done on\ndeallocation.");
 
 static PyObject *shadow_close(ShadowObject *self, PyObject *unused)
 {
@@ -520,6 +548,87 @@ static PyObject *shadow_release_after(ShadowObject *self, PyObject *args, PyObje
     return shadow_key_call(self, key, 4, (uintptr_t)stream);
 }
 
+/* The release hook of a view: the last one of a closed shadow frees it. */
+static void shadow_view_release(PyObject *owner)
+{
+    ShadowObject *self = (ShadowObject *)owner;
+    if (!--self->views && self->g.closed)
+        shadow_destroy(self);
+}
+
+static PyObject *shadow_view(ShadowObject *self, void *ptr, size_t n, int cuda,
+                             const view_spec *v, const char *what)
+{
+    self->views++;
+    return view_export(v, Py_NewRef(self), shadow_view_release, ptr, n, cuda ? self->device : -1,
+                       what);
+}
+
+PyDoc_STRVAR(shadow_slot_view_doc,
+             "slot_view(key, dtype, shape)\n--\n\nA DLPack capsule (\"dltensor\") over key's "
+             "prefetch slot, for torch.from_dlpack: a CUDA tensor on the shadow's device (a CPU\n"
+             "tensor on the host path) of shape and dtype (float32, float64, float16, bfloat16, "
+             "int32, int64; a name or a torch.dtype), whose bytes must be\nexactly the slot's "
+             "(ValueError otherwise). Read it in stream order after the slot's ready event; its "
+             "contents are the slot's until\nrelease(key). The view keeps the Shadow alive and "
+             "its rings allocated (see close). FileNotFoundError if key is not staged.");
+
+static PyObject *shadow_slot_view(ShadowObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"key", "dtype", "shape", NULL};
+    mod_state *st = type_state(Py_TYPE(self));
+    uint64_t key;
+    PyObject *dtype, *shape;
+    view_spec v;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&OO:slot_view", kwlist, conv_u64, &key,
+                                     &dtype, &shape) ||
+        view_spec_parse(dtype, shape, &v) < 0 || sh_enter(self, st) < 0)
+        return NULL;
+    ast_shadow *sh = self->sh;
+    void *p = NULL;
+    size_t n = 0;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ast_shadow_lookup(sh, key, &p, &n);
+    Py_END_ALLOW_THREADS
+    guard_leave(&self->g);
+    if (rc == AST_ENOENT) {
+        char msg[96];
+        snprintf(msg, sizeof msg, "slot_view: key %" PRIu64 " is not staged", key);
+        return raise_ast_error(st, rc, msg);
+    }
+    if (rc < 0 && rc != AST_EBUSY) /* EBUSY: copy in flight, the pointer is valid */
+        return raise_ast_error(st, rc, NULL);
+    char what[64];
+    snprintf(what, sizeof what, "prefetch slot %" PRIu64, key);
+    return shadow_view(self, p, n, ast_shadow_is_cuda(sh), &v, what);
+}
+
+PyDoc_STRVAR(shadow_snapshot_view_doc,
+             "snapshot_view(ticket, dtype, shape)\n--\n\nA DLPack capsule (\"dltensor\") over "
+             "the host copy of a snapshot ticket (a CPU tensor; read it after snapshot_wait),\n"
+             "dtype and shape as for slot_view, bytes exactly the ticket's. Its contents are the "
+             "ticket's until snapshot_release(ticket). The view\nkeeps the Shadow alive and its "
+             "rings allocated (see close). FileNotFoundError for an unknown ticket.");
+
+static PyObject *shadow_snapshot_view(ShadowObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"ticket", "dtype", "shape", NULL};
+    mod_state *st = type_state(Py_TYPE(self));
+    uint64_t id;
+    PyObject *dtype, *shape;
+    view_spec v;
+    ast_shadow_ticket t;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&OO:snapshot_view", kwlist, conv_u64, &id,
+                                     &dtype, &shape) ||
+        view_spec_parse(dtype, shape, &v) < 0 ||
+        guard_open(&self->g, self->sh != NULL, st, "shadow") < 0 || ticket_get(self, st, id, &t) < 0)
+        return NULL;
+    char what[64];
+    snprintf(what, sizeof what, "snapshot ticket %" PRIu64, id);
+    return shadow_view(self, t.host, t.nbytes, 0, &v, what);
+}
+
 PyDoc_STRVAR(shadow_stream_handle_doc,
              "stream_handle()\n--\n\nThe shadow cudaStream_t as an int, for "
              "torch.cuda.ExternalStream. AsteriaError (AST_ENODEV) on the host path.");
@@ -623,6 +732,10 @@ static PyMethodDef shadow_methods[] = {
     {"release", (PyCFunction)shadow_release, METH_O, shadow_release_doc},
     {"release_after", (PyCFunction)(void (*)(void))shadow_release_after,
      METH_VARARGS | METH_KEYWORDS, shadow_release_after_doc},
+    {"slot_view", (PyCFunction)(void (*)(void))shadow_slot_view, METH_VARARGS | METH_KEYWORDS,
+     shadow_slot_view_doc},
+    {"snapshot_view", (PyCFunction)(void (*)(void))shadow_snapshot_view,
+     METH_VARARGS | METH_KEYWORDS, shadow_snapshot_view_doc},
     {"stream_handle", (PyCFunction)shadow_stream_handle, METH_NOARGS, shadow_stream_handle_doc},
     {"stats", (PyCFunction)shadow_stats, METH_NOARGS, shadow_stats_doc},
     {"last_error", (PyCFunction)shadow_last_error, METH_NOARGS, shadow_last_error_doc},

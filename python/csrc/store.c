@@ -19,6 +19,12 @@
  * checked and set with the GIL held before a move or free releases it, so another Python thread
  * can neither export a block that is being moved nor move one that is exported. data_ptr() is
  * the raw alternative, with no such protection.
+ *
+ * Views over blocks. Store.view(id, dtype, shape) returns a DLPack capsule (dlpack.c) whose
+ * owner is a BlockBuffer made for it (never seen by Python), so a tensor from torch.from_dlpack
+ * pins its block exactly as a buffer does, for as long as the tensor's storage lives: the
+ * block can be neither moved nor freed, nor the store closed, under a live view (BusyError).
+ * Unlike buffer(), view() also takes uvm and device blocks (CUDA tensors).
  */
 
 typedef struct {
@@ -114,8 +120,9 @@ static int pins_check(StoreObject *self, mod_state *st, const uint64_t *ids, siz
         pin *p = pin_find(&self->pins, ids[i]);
         if (p && p->exports) {
             snprintf(msg, sizeof msg,
-                     "%s: block %" PRIu64 " has %u exported buffer(s) (Store.buffer); delete "
-                     "them and every tensor or memoryview made from them first",
+                     "%s: block %" PRIu64 " has %u exported buffer(s) (Store.buffer, "
+                     "Store.view); delete them and every tensor or memoryview made from them "
+                     "first",
                      what, ids[i], (unsigned)p->exports);
             raise_busy_aware(st, AST_EBUSY, msg);
             return -1;
@@ -222,8 +229,9 @@ static int store_close_impl(StoreObject *self)
         return 0;
     if (self->exports) {
         char msg[160];
-        snprintf(msg, sizeof msg, "close: %" PRIu64 " buffer(s) over store blocks are alive "
-                 "(Store.buffer); delete them and every view made from them first",
+        snprintf(msg, sizeof msg, "close: %" PRIu64 " buffer(s) or view(s) over store blocks "
+                 "are alive (Store.buffer, Store.view); delete them and every tensor made "
+                 "from them first",
                  self->exports);
         raise_busy_aware(type_state(Py_TYPE(self)), AST_EBUSY, msg);
         return -1;
@@ -591,28 +599,23 @@ static PyObject *store_last_error(StoreObject *self, PyObject *unused)
     return PyUnicode_DecodeUTF8(buf, (Py_ssize_t)strlen(buf), "replace");
 }
 
-PyDoc_STRVAR(store_buffer_doc,
-             "buffer(id)\n--\n\nA writable BlockBuffer (buffer protocol, bytes) over a block on "
-             "a host-addressable tier (host, host_pinned, uvm), for torch.frombuffer /\n"
-             "memoryview without copying. Lifetime: while the BlockBuffer lives (torch.frombuffer "
-             "and memoryview keep it alive) the block is pinned: move() and free() of it and "
-             "close() raise BusyError. AsteriaError (AST_ESTATE) for a block on device or NVMe.");
-
-static PyObject *store_buffer(StoreObject *self, PyObject *arg)
+/* A new BlockBuffer over block id, pinning it: the export behind buffer() and view(). Refuses
+ * NVMe blocks, and device blocks unless host_only is 0. */
+static BlockBufferObject *store_export(StoreObject *self, mod_state *st, uint64_t id,
+                                       int host_only, const char *what)
 {
-    mod_state *st = type_state(Py_TYPE(self));
-    uint64_t id;
-    if (!conv_u64(arg, &id) || st_enter(self, st) < 0)
+    if (st_enter(self, st) < 0)
         return NULL;
     /* Pin first (GIL held): a concurrent move or free of the block is refused from here on.
      * Several buffers may share a block; one being moved or freed cannot be exported. */
     pin *p = pin_find(&self->pins, id);
     if (p && p->busy) {
         char msg[160];
-        snprintf(msg, sizeof msg, "buffer: block %" PRIu64 " is being moved or freed by another "
-                 "thread", id);
+        snprintf(msg, sizeof msg, "%s: block %" PRIu64 " is being moved or freed by another "
+                 "thread", what, id);
         guard_leave(&self->g);
-        return raise_busy_aware(st, AST_EBUSY, msg);
+        raise_busy_aware(st, AST_EBUSY, msg);
+        return NULL;
     }
     if (!(p = pin_get(&self->pins, id))) {
         guard_leave(&self->g);
@@ -626,9 +629,10 @@ static PyObject *store_buffer(StoreObject *self, PyObject *arg)
     char err[ERRBUF_LEN] = "";
     int rc = store_describe(self, id, &tier, &n, &ptr, err, sizeof err);
     guard_leave(&self->g);
-    if (rc == 0 && (tier == AST_TIER_DEVICE || tier == AST_TIER_NVME || !ptr)) {
-        snprintf(err, sizeof err, "buffer: block %" PRIu64 " is on tier %s; buffers need a "
-                 "host-addressable tier (host, host_pinned, uvm)", id, ast_tier_name(tier));
+    if (rc == 0 && ((host_only && tier == AST_TIER_DEVICE) || tier == AST_TIER_NVME || !ptr)) {
+        snprintf(err, sizeof err, "%s: block %" PRIu64 " is on tier %s; %s", what, id,
+                 ast_tier_name(tier), host_only ? "buffers need a host-addressable tier (host, "
+                 "host_pinned, uvm)" : "views need a block in memory (not on NVMe)");
         rc = AST_ESTATE;
     }
     BlockBufferObject *b = NULL;
@@ -638,14 +642,73 @@ static PyObject *store_buffer(StoreObject *self, PyObject *arg)
         p->exports--;
         self->exports--;
         pin_put(&self->pins, p);
-        return rc < 0 ? raise_busy_aware(st, rc, err) : NULL;
+        if (rc < 0)
+            raise_busy_aware(st, rc, err);
+        return NULL;
     }
     b->store = (StoreObject *)Py_NewRef(self);
     b->id = id;
     b->ptr = ptr;
     b->nbytes = n;
     b->tier = tier;
-    return (PyObject *)b;
+    return b;
+}
+
+PyDoc_STRVAR(store_buffer_doc,
+             "buffer(id)\n--\n\nA writable BlockBuffer (buffer protocol, bytes) over a block on "
+             "a host-addressable tier (host, host_pinned, uvm), for torch.frombuffer /\n"
+             "memoryview without copying. Lifetime: while the BlockBuffer lives (torch.frombuffer "
+             "and memoryview keep it alive) the block is pinned: move() and free() of it and "
+             "close() raise BusyError. AsteriaError (AST_ESTATE) for a block on device or NVMe.");
+
+static PyObject *store_buffer(StoreObject *self, PyObject *arg)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    uint64_t id;
+    if (!conv_u64(arg, &id))
+        return NULL;
+    return (PyObject *)store_export(self, st, id, 1, "buffer");
+}
+
+PyDoc_STRVAR(store_view_doc,
+             "view(id, dtype, shape, device=-1)\n--\n\nA DLPack capsule (\"dltensor\") over a "
+             "block, for torch.from_dlpack: a compact tensor of shape and dtype (float32,\n"
+             "float64, float16, bfloat16, int32, int64; a name or a torch.dtype) whose bytes "
+             "must be exactly the block's (ValueError otherwise). Host and\nhost_pinned blocks "
+             "give CPU tensors; a device block a CUDA tensor on device (its CUDA index, "
+             "required); a uvm block a CUDA tensor\non device, or a CPU tensor without one.\nLifetime: the view holds a BlockBuffer, so while any "
+             "tensor over it lives the block is pinned as by buffer(): move(), free()\nand "
+             "close() raise BusyError, and the Store outlives the view. AsteriaError "
+             "(AST_ESTATE) for a block on NVMe.");
+
+static PyObject *store_view(StoreObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"id", "dtype", "shape", "device", NULL};
+    mod_state *st = type_state(Py_TYPE(self));
+    uint64_t id;
+    PyObject *dtype, *shape;
+    int device = -1;
+    view_spec v;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&OO|i:view", kwlist, conv_u64, &id, &dtype,
+                                     &shape, &device) ||
+        view_spec_parse(dtype, shape, &v) < 0)
+        return NULL;
+    BlockBufferObject *b = store_export(self, st, id, 0, "view");
+    if (!b)
+        return NULL;
+    /* managed memory is host-addressable: a CPU view without device, a CUDA one with it */
+    int cuda = b->tier == AST_TIER_DEVICE || (b->tier == AST_TIER_UVM && device >= 0);
+    if ((b->tier == AST_TIER_DEVICE) != (device >= 0) && b->tier != AST_TIER_UVM) {
+        PyErr_Format(PyExc_ValueError, "view: block %llu is on tier %s: %s",
+                     (unsigned long long)id, ast_tier_name(b->tier),
+                     device < 0 ? "give device=<CUDA device index>"
+                                : "its views are CPU tensors (no device)");
+        Py_DECREF(b);
+        return NULL;
+    }
+    char what[96];
+    snprintf(what, sizeof what, "block %" PRIu64 " (tier %s)", id, ast_tier_name(b->tier));
+    return view_export(&v, (PyObject *)b, NULL, b->ptr, b->nbytes, cuda ? device : -1, what);
 }
 
 PyDoc_STRVAR(store_exports_doc,
@@ -684,6 +747,8 @@ static PyMethodDef store_methods[] = {
     {"record_path", (PyCFunction)store_record_path, METH_O, store_record_path_doc},
     {"last_error", (PyCFunction)store_last_error, METH_NOARGS, store_last_error_doc},
     {"buffer", (PyCFunction)store_buffer, METH_O, store_buffer_doc},
+    {"view", (PyCFunction)(void (*)(void))store_view, METH_VARARGS | METH_KEYWORDS,
+     store_view_doc},
     {"exports", (PyCFunction)store_exports, METH_VARARGS, store_exports_doc},
     {"close", (PyCFunction)store_close, METH_NOARGS, store_close_doc},
     {"__enter__", (PyCFunction)store_enter, METH_NOARGS, NULL},

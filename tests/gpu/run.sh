@@ -6,6 +6,9 @@
 #      a missing optional one turns its feature off (-DASTERIA_WITH_URING=OFF, ...) or skips what
 #      needs it (no CMocka: no C tests), and says so. OpenBLAS + LAPACKE are required by
 #      libasteria: without them nothing of Asteria builds, and only the torch-only parts run.
+#      The DLPack header (asteria._C's tensor views): libdlpack-dev's <dlpack/dlpack.h>, or else
+#      the copy torch ships (torch/include/ATen/dlpack.h, the same structs) through a shim
+#      directory passed as -DDLPACK_INCLUDE_DIR, so the check stays offline.
 #   2. build libasteria with CUDA (build/gpu), then the Python package: pip install
 #      --no-build-isolation --no-deps --no-index --target build/gpu-py . (PYTHONPATH); if pip
 #      cannot (no scikit-build-core offline), a CMake dev build of asteria._C instead.
@@ -146,6 +149,22 @@ for lib in openblas lapacke; do
 done
 
 CMAKE_FLAGS=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DASTERIA_BUILD_EXAMPLES=OFF)
+if [ -n "$CC_BIN" ] && printf '#include <dlpack/dlpack.h>\n' | "$CC_BIN" -E -x c - >/dev/null 2>&1; then
+  say "dependency dlpack: found (libdlpack-dev)"
+  note dep:dlpack found "libdlpack-dev"
+else
+  TORCH_DLPACK=$("$PY" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "include", "ATen", "dlpack.h"))' 2>/dev/null)
+  if [ -n "$TORCH_DLPACK" ] && [ -f "$TORCH_DLPACK" ]; then
+    mkdir -p "$ROOT/build/dlpack-shim/dlpack"
+    ln -sf "$TORCH_DLPACK" "$ROOT/build/dlpack-shim/dlpack/dlpack.h"
+    CMAKE_FLAGS+=("-DDLPACK_INCLUDE_DIR=$ROOT/build/dlpack-shim")
+    say "dependency dlpack: no libdlpack-dev; using torch's copy $TORCH_DLPACK"
+    note dep:dlpack found "torch's ATen/dlpack.h"
+  else
+    say "dependency dlpack: MISSING (no libdlpack-dev, no torch/include/ATen/dlpack.h): asteria._C cannot build"
+    note dep:dlpack missing
+  fi
+fi
 [ "${HAVE[liburing]}" = 1 ] || { CMAKE_FLAGS+=(-DASTERIA_WITH_URING=OFF); say "skipped: NVMe tier (no liburing): -DASTERIA_WITH_URING=OFF"; note nvme-tier skipped "no liburing"; }
 [ "${HAVE[hwloc]}" = 1 ] || { CMAKE_FLAGS+=(-DASTERIA_WITH_HWLOC=OFF); say "skipped: worker pinning (no hwloc): -DASTERIA_WITH_HWLOC=OFF"; note hwloc skipped "no hwloc"; }
 WITH_TESTS=1
@@ -208,7 +227,7 @@ fi
 if [ $CAN_BUILD = 1 ]; then
   PIP_DEFS=()
   for f in "${CMAKE_FLAGS[@]}"; do
-    case $f in -DASTERIA_WITH_*|-DCUDAToolkit_ROOT=*) f=${f#-D}; PIP_DEFS+=("--config-settings=cmake.define.${f%%=*}=${f#*=}");; esac
+    case $f in -DASTERIA_WITH_*|-DCUDAToolkit_ROOT=*|-DDLPACK_INCLUDE_DIR=*) f=${f#-D}; PIP_DEFS+=("--config-settings=cmake.define.${f%%=*}=${f#*=}");; esac
   done
   rm -rf "$PYTARGET"
   if run pip-install 240 "$PY" -m pip install --no-build-isolation --no-deps --no-index \

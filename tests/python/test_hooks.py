@@ -82,7 +82,21 @@ def test_attach_registers_and_detach_removes_every_hook():
         opt.close()
 
 
-def test_hook_order_forward_then_reverse_prefetch():
+def spy_prefetch(monkeypatch, residency) -> list:
+    """Record each ``residency.prefetch`` call as (reason, keys it stages from); the real
+    method still runs."""
+    log, real = [], residency.prefetch
+
+    def prefetch(keys, reason=""):
+        keys = list(keys)
+        log.append((reason, [k for k in keys if residency.has(k)]))
+        return real(keys, reason)
+
+    monkeypatch.setattr(residency, "prefetch", prefetch)
+    return log
+
+
+def test_hook_order_forward_then_reverse_prefetch(monkeypatch):
     model = make_model("mlp")
     opt = SOAP(model.parameters(), precondition_frequency=4, runtime=RT)
     h = attach(model, opt)
@@ -102,7 +116,7 @@ def test_hook_order_forward_then_reverse_prefetch():
         assert st["prefetches_ahead"] >= 2
         assert st["prefetch_hits"] >= st["prefetches_ahead"]
         assert st["ring_evictions"] == 0
-        log = opt._tiered.prefetch_log = []
+        log = spy_prefetch(monkeypatch, opt._tiered)
         loss_and_grad(model, "mlp", 3)
         names = [opt._describe_key(keys[0]) for reason, keys in log]
         assert [r for r, _ in log] == ["layers.2", "layers.1", "layers.0"]

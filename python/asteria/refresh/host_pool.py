@@ -179,16 +179,14 @@ class CEngine(Engine):
             ticket = self._shadow.snapshot_gather(pieces, event)
         except (_C.BusyError, ValueError):
             return None
-        host_ptr = self._shadow.snapshot_wait(ticket)  # the host path copied at issue
+        self._shadow.snapshot_wait(ticket)  # the host path copied at issue
         t1 = time.monotonic_ns()
         self.trace("copy_issued", "shadow", bytes=nbytes, direction="d2h", block=block,
                    ts_ns=t0)
         self.trace("copy", "shadow", bytes=nbytes, direction="d2h", block=block, ts_ns=t0,
                    dur_ns=t1 - t0)
         self.trace("copy_done", "shadow", bytes=nbytes, direction="d2h", block=block, ts_ns=t1)
-        from asteria.tiers.residency import _cpu_view
-
-        return _cpu_view(host_ptr, nbytes, cdtype, shape), ticket
+        return torch.from_dlpack(self._shadow.snapshot_view(ticket, cdtype, shape)), ticket
 
     @property
     def runtime(self) -> "_C.Runtime":

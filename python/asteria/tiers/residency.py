@@ -24,6 +24,13 @@ Data flow of one block (its plan gives a home tier: host, host_pinned, uvm or nv
    Prefetching never raises; the step re-does what failed and raises there.
 Between steps the ring holds nothing: every slot is released at the step end.
 
+Views: every tensor over store or ring memory comes from ``torch.from_dlpack`` on a capsule of
+``asteria._C`` (``Store.view`` for host views and UVM blocks, ``Shadow.slot_view`` for ring
+slots), with the block's own dtype (bfloat16 included) and shape. A store view pins its block
+while it lives (move, free and the store's close raise BusyError: drop host views soon); a
+ring view keeps the shadow's rings allocated, even past ``close``, but its contents are the
+slot's only until the slot is released.
+
 A filesystem without O_DIRECT makes the store fall back to buffered I/O (its stats say
 ``nvme_direct`` False); the residency warns once per directory (RuntimeWarning naming it).
 Fork: the store's fork handler gives a forked child its own io_uring ring and records and never
@@ -34,7 +41,6 @@ cannot harm the parent.
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import os
 import re
@@ -96,41 +102,8 @@ class _Blk:
         self.consumed = False
 
 
-# ctypes keeps an array type only while something references it: one made per call dies in a
-# reference cycle, garbage the cycle collector must find (a training loop that disables the
-# collector, as OLMo-core's trainer does, would grow by it). One type per distinct size, kept.
-_BYTE_ARRAYS: dict = {}
-
-
-def _cpu_view(ptr: int, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
-    """A CPU tensor over raw host memory (a ring slot on the host path)."""
-    kind = _BYTE_ARRAYS.get(nbytes)
-    if kind is None:
-        kind = _BYTE_ARRAYS[nbytes] = ctypes.c_byte * nbytes
-    raw = kind.from_address(ptr)
-    return torch.frombuffer(raw, dtype=dtype, count=nbytes // _elem(dtype)).view(shape)
-
-
-class _CudaArray:
-    """An object exposing ``__cuda_array_interface__`` (an instance attribute: a class made
-    per call would be a reference cycle)."""
-
-    __slots__ = ("__cuda_array_interface__",)
-
-    def __init__(self, iface: dict):
-        self.__cuda_array_interface__ = iface
-
-
-def _cuda_view(ptr: int, nbytes: int, dtype: torch.dtype, shape, device) -> torch.Tensor:
-    """A CUDA tensor over raw device (or managed) memory, through __cuda_array_interface__."""
-    # the interface has no bfloat16: go through a same-sized integer type and reinterpret
-    typestr, carrier = {torch.float32: ("<f4", None), torch.float64: ("<f8", None),
-                        torch.float16: ("<f2", None),
-                        torch.bfloat16: ("<i2", torch.int16)}[dtype]
-    iface = {"shape": tuple(shape), "typestr": typestr, "data": (ptr, False), "version": 2,
-             "strides": None}
-    t = torch.as_tensor(_CudaArray(iface), device=device)
-    return t.view(dtype) if carrier is not None else t
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 #: directories already reported as lacking O_DIRECT (one warning per directory and process)
@@ -149,10 +122,6 @@ def _warn_buffered(nvme_dir) -> None:
                   "goes through the page cache). Use a directory on a filesystem that supports "
                   "O_DIRECT (ext4, xfs, ...) for the NVMe tier's full bandwidth",
                   RuntimeWarning, stacklevel=4)
-
-
-def _elem(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 class Residency:
@@ -191,7 +160,6 @@ class Residency:
                          "prefetches_ahead": 0, "prefetch_busy": 0, "ring_evictions": 0,
                          "nvme_window_bytes": 0, "nvme_fetches_early": 0,
                          "nvme_spill_deferred": 0}
-        self.prefetch_log: Optional[list] = None  # set to a list to record prefetch calls
         self._closed = False
 
     # ---- the block table ------------------------------------------------------------------------
@@ -257,8 +225,7 @@ class Residency:
     # ---- host reads (job inputs, checkpoints) ----------------------------------------------------
     def _host_view(self, blk: _Blk) -> torch.Tensor:
         """A CPU tensor over the block's host memory; it pins the block while alive."""
-        buf = self.store.buffer(blk.sid)
-        return torch.frombuffer(buf, dtype=blk.dtype).view(blk.shape)
+        return torch.from_dlpack(self.store.view(blk.sid, blk.dtype, blk.shape))
 
     def read_host(self, key) -> torch.Tensor:
         """The block's value as a CPU tensor: a view of its host memory (drop it soon: it pins
@@ -465,8 +432,6 @@ class Residency:
         """Stage blocks ahead of their use, as far as the ring has room; returns how many are
         staged. Never raises for a full ring."""
         blks = [self._blocks[k] for k in keys if k in self._blocks]
-        if self.prefetch_log is not None:
-            self.prefetch_log.append((reason, [b.key for b in blks]))
         if self.shadow is None:
             return 0
         n = 0
@@ -518,15 +483,12 @@ class Residency:
         out = []
         for blk in blks:
             if blk.home == "uvm":
-                out.append(_cuda_view(self.store.data_ptr(blk.sid), blk.nbytes, blk.dtype,
-                                      blk.shape, blk.device))
+                out.append(torch.from_dlpack(self.store.view(
+                    blk.sid, blk.dtype, blk.shape, device=_cuda_index(blk.device))))
                 continue
             if self.cuda:
                 torch.cuda.current_stream().wait_event(blk.slot_event)
-                out.append(_cuda_view(blk.slot_ptr, blk.nbytes, blk.dtype, blk.shape,
-                                      blk.device))
-            else:
-                out.append(_cpu_view(blk.slot_ptr, blk.nbytes, blk.dtype, blk.shape))
+            out.append(torch.from_dlpack(self.shadow.slot_view(blk.slot, blk.dtype, blk.shape)))
             blk.consumed = True
         return out
 
