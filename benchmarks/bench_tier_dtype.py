@@ -222,6 +222,7 @@ def plot(data: dict, path: str) -> None:
         c.bar(labels, vals, bottom=bottom, color=col, label=t)
         bottom = [x + y for x, y in zip(bottom, vals)]
     c.set(ylabel="optimizer state (MiB)", title="Bytes per tier after the last step")
+    c.set_ylim(0, 1.15 * max(bottom))
     c.tick_params(axis="x", labelrotation=20, labelsize=7)
     for ax in (a, b, c):
         ax.grid(True, alpha=0.3)
