@@ -2,11 +2,12 @@
 
 ``RuntimeConfig.from_user`` accepts ``None``, a plain dict or a ``RuntimeConfig``. Each key has
 one validator. The optimizer's keys (mode, staleness, install, placement, the budgets, nvme_dir,
-on_failure, fsdp_blocking, tier_dtype) are checked here. The keys libasteria reads (``_C.config_keys()``: workers, cpuset,
-pin, max_failures, trace) are handed over once, at construction, to libasteria's validator
-(``ast_config_set``, via ``asteria._C.validate_config``), whose result (``c_config``, a
-``_C.Config``) ``_C.Runtime`` takes as it is. Every rejection is a ValueError naming the key and
-the allowed values. See the config table in README.md / DESIGN.md.
+on_failure, fsdp_blocking, tier_dtype) are checked here. The keys libasteria reads
+(``_C.config_keys()``: workers, cpuset, pin, max_failures, trace) are handed over once, at
+construction, to libasteria's validator (``ast_config_set``, via
+``asteria._C.validate_config``), whose result (``c_config``, a ``_C.Config``) ``_C.Runtime``
+takes as it is. Every rejection is a ValueError naming the key and the allowed values. See the
+config table in README.md / DESIGN.md.
 """
 
 from __future__ import annotations

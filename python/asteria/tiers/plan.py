@@ -313,7 +313,8 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
             block_tier[e.key] = "nvme"
         dec.append(f"host_budget_bytes {_mib(host_budget)}: {len(spilled)} blocks "
                    f"({_mib(sum(e.host_nbytes for e in spilled))}) of the last parameters "
-                   f"spilled to NVMe under {cfg.nvme_dir} (read back, checksummed, for each step)")
+                   f"spilled to NVMe under {cfg.nvme_dir} (read back, checksummed, for each "
+                   "step)")
     elif host_budget is not None:
         dec.append(f"host_budget_bytes {_mib(host_budget)}: all {_mib(host_bytes)} of host-"
                    "resident blocks fit")
