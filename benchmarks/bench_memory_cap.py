@@ -98,15 +98,14 @@ def worker(spec: dict) -> dict[str, Any]:
     if hasattr(opt, "asteria_stats"):
         st = opt.asteria_stats()
         out["stats"] = {k: v for k, v in st.items() if isinstance(v, (int, float))}
-        out["plan"] = opt.asteria_plan() if hasattr(opt, "asteria_plan") else []
-        plan = getattr(opt, "_plan", None)  # no public accessor yet: the planner's peak figures
-        if plan is not None and getattr(plan, "peak_bytes", None):
-            parts = dict(plan.peak_parts)
-            out["memory_plan"] = {"peak_bytes": dict(plan.peak_bytes), "parts": parts,
-                                  "peak_total": sum(plan.peak_bytes.values()),
-                                  "inflight_bytes": parts.get("snapshot ring", 0)
-                                  + parts.get("refresh results", 0)
-                                  + parts.get("rotated moments", 0)}
+        out["plan"] = opt.asteria_plan()
+        mp = opt.asteria_memory_plan()  # the planner's figures (peak bytes per tier and parts)
+        parts = mp["peak_parts"]
+        out["memory_plan"] = {"peak_bytes": mp["peak_bytes"], "parts": parts,
+                              "peak_total": mp["peak_total"],
+                              "inflight_bytes": parts.get("snapshot ring", 0)
+                              + parts.get("refresh results", 0)
+                              + parts.get("rotated moments", 0)}
     if spec.get("params_out"):
         torch.save([p.detach().clone() for p in params], spec["params_out"])
     if hasattr(opt, "close"):

@@ -2,11 +2,12 @@
 
 ``RuntimeConfig.from_user`` accepts ``None``, a plain dict or a ``RuntimeConfig``. Each key has
 one validator. The optimizer's keys (mode, staleness, install, placement, the budgets, nvme_dir,
-on_failure, fsdp_blocking) are checked here. The keys libasteria reads (``_C.config_keys()``: workers, cpuset,
-pin, max_failures, trace) are handed over once, at construction, to libasteria's validator
-(``ast_config_set``, via ``asteria._C.validate_config``), whose result (``c_config``, a
-``_C.Config``) ``_C.Runtime`` takes as it is. Every rejection is a ValueError naming the key and
-the allowed values. See the config table in README.md / DESIGN.md.
+on_failure, fsdp_blocking, tier_dtype) are checked here. The keys libasteria reads
+(``_C.config_keys()``: workers, cpuset, pin, max_failures, trace) are handed over once, at
+construction, to libasteria's validator (``ast_config_set``, via
+``asteria._C.validate_config``), whose result (``c_config``, a ``_C.Config``) ``_C.Runtime``
+takes as it is. Every rejection is a ValueError naming the key and the allowed values. See the
+config table in README.md / DESIGN.md.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any, Mapping, Optional, Union
 
 PLACEMENT_KINDS = ("factors", "roots", "eigenbases", "moments")
 TIERS = ("device", "host_pinned", "host", "uvm", "nvme")
+#: storage dtypes of the tiers outside the device ("float32": every block in its state's dtype)
+TIER_DTYPES = ("float32", "bfloat16")
 
 
 def _check_text(key: str, value: Any) -> None:
@@ -56,6 +59,10 @@ class RuntimeConfig:
     #: FSDP2 parameters: blocks cut from each rank's shard ("local"), or from the full
     #: parameter with one owner rank per block ("global", docs/distributed.md); Python only
     fsdp_blocking: str = "local"
+    #: the dtype roots / eigenbases are stored and moved in outside the device (host, pinned,
+    #: UVM, NVMe): "bfloat16" narrows wider blocks once when written and widens them where
+    #: used (tiers/plan.py, stored_dtype); "float32" keeps every block as it is; Python only
+    tier_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         self._validate()
@@ -111,6 +118,8 @@ class RuntimeConfig:
             need(key, v is None or (is_int(v) and v >= 0), "None or a byte count >= 0")
         need("on_failure", self.on_failure in ("raise", "keep"), '"raise", "keep"')
         need("fsdp_blocking", self.fsdp_blocking in ("local", "global"), '"local", "global"')
+        need("tier_dtype", isinstance(self.tier_dtype, str) and self.tier_dtype in TIER_DTYPES,
+             ", ".join(f'"{d}"' for d in TIER_DTYPES))
         # each rank would choose its own S from its own measurements: the owners of one
         # parameter's blocks would install at different steps
         need("fsdp_blocking", self.fsdp_blocking == "local" or self.staleness != "auto"

@@ -1,5 +1,5 @@
 """Smoke tests of benchmarks/bench_step_time.py, bench_core_contention.py, bench_convergence.py,
-bench_staleness.py and examples/train_tiny.py (the main job): a --quick (or tiny) run into tmp_path
+bench_staleness.py, bench_tier_dtype.py and examples/train_tiny.py (the main job): a --quick (or tiny) run into tmp_path
 writes a result file with the metadata and sane statistics. They run in this process through
 main(argv) (no second torch import), which restores the thread count and CPU affinity."""
 
@@ -184,6 +184,25 @@ def test_bench_staleness_quick(tmp_path):
     # the target is about S=5, which this run left out
     assert set(data["targets"]) == {"abs_train_diff_S5_deterministic", "abs_train_diff_S5_eager"}
     assert all(t["value"] is None and t["met"] is None for t in data["targets"].values())
+
+
+@pytest.mark.timeout(120)
+def test_bench_tier_dtype_quick(tmp_path):
+    bt = load_bench("bench_tier_dtype")
+    _restores(lambda: bt.main(["--quick", "--no-plot", "--out-dir", str(tmp_path),
+                               "--nvme-dir", str(tmp_path)]))
+    data = json.loads((tmp_path / "bench_tier_dtype.json").read_text())
+    assert "--quick" in data["command"] and data["complete"]
+    assert [r["label"] for r in data["results"]] == [
+        "float32 seed 0", "bfloat16 seed 0", "float32 seed 1", "bfloat16 seed 1"]
+    for r in data["results"]:
+        assert r["steps_run"] == data["settings"]["steps"] and math.isfinite(r["val_loss"])
+        assert r["memory_plan"]["tier_dtype"] == r["tier_dtype"]
+    for seed, d in data["comparison"]["per_seed"].items():
+        assert d["host_bytes_bfloat16"] * 2 == d["host_bytes_float32"] > 0
+    assert data["comparison"]["within_noise"] in (True, False)
+    assert [n["bytes"]["nvme"] for n in data["nvme"]] == [
+        data["results"][0]["bytes"]["host"], data["results"][1]["bytes"]["host"]]
 
 
 @pytest.mark.timeout(120)

@@ -204,7 +204,7 @@ def test_borrow_restages_a_chunk_that_fits_only_from_an_empty_ring():
     keys = {(0, "x"): (16, 16), (1, "y"): (16, 16), (2, "z"): (16, 32)}  # 1, 1 and 2 KiB
     plan = Plan("async", {}, {k: "host" for k in keys}, ring_bytes=3072, ring_min=3072,
                 snapshot_ring_bytes=4096)
-    res = Residency(plan, types.SimpleNamespace(nvme_dir=None))
+    res = Residency(plan, types.SimpleNamespace(nvme_dir=None, tier_dtype="float32"))
     try:
         values = {k: torch.randn(shape) for k, shape in keys.items()}
         for k, v in values.items():

@@ -17,6 +17,12 @@ those of the all-device path). A step with a residency runs in two phases: ``pre
 reads and writes, ring prefetches) before anything is mutated, so an I/O failure raises with
 the parameters, the state and the step counter untouched; then the usual step, streaming
 preconditioned stacks through the staging ring in chunks that fit it.
+
+Reduced-precision tiers (``tier_dtype="bfloat16"``): the residency keeps the blocks narrowed;
+``_stack`` widens the borrowed ones as it stacks them, so the kernels see the stored value,
+rounded, in the state's dtype. A value used before it is stored (SOAP's new basis, which m
+is re-expressed in at install) is rounded the same way first (``_as_stored``): the step
+always uses the basis the state holds.
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ class TieringMixin:
                     itemsize = torch.empty((), dtype=dtype).element_size()
                     out.append(_placement.StateEntry(pidx, name, kind,
                                                      int(torch.Size(shape).numel()) * itemsize,
-                                                     lp.device))
+                                                     lp.device, dtype))
         return out
 
     def _replan(self) -> None:
@@ -150,6 +156,14 @@ class TieringMixin:
         else:
             st[name] = value.to(device=local(p).device, copy=True)
 
+    def _as_stored(self, p: torch.Tensor, name: str, value: torch.Tensor) -> torch.Tensor:
+        """``value`` as the block ``name`` of p will hold it once written: rounded through the
+        tier dtype when the block lives outside the device narrowed (else value itself)."""
+        if not self._owned(p, name):
+            return value
+        narrow = _placement.stored_dtype(self._cfg.tier_dtype, value.dtype)
+        return value if narrow == value.dtype else value.to(narrow).to(value.dtype)
+
     def _root_for_job(self, p: torch.Tensor, name: str) -> torch.Tensor:
         """A root / eigenbasis as a REFRESH job input (the engine copies it at submit)."""
         if self._owned(p, name):
@@ -188,8 +202,14 @@ class TieringMixin:
                 mine = [k for k, o in zip(keys, owned) if o]
                 staged = iter(self._tiered.borrow(mine))
                 try:
-                    return torch.stack([next(staged) if o else self.state[p][f"b{j}.{name}"]
-                                        for (p, j), o in zip(members, owned)], out=out)
+                    parts = [next(staged) if o else self.state[p][f"b{j}.{name}"]
+                             for (p, j), o in zip(members, owned)]
+                    wide = self._tiered.dtype_of(mine[0])
+                    if out is None and any(x.dtype != wide for x in parts):
+                        # narrowed blocks: widened as they are stacked (one pass)
+                        out = torch.empty((len(parts),) + tuple(parts[0].shape), dtype=wide,
+                                          device=parts[0].device)
+                    return torch.stack(parts, out=out)
                 finally:
                     self._tiered.give_back(mine)
         return torch.stack([self.state[p][f"b{j}.{name}"] for p, j in members], out=out)
@@ -278,3 +298,17 @@ class TieringMixin:
     def asteria_plan(self) -> list[str]:
         """The planner's decisions, in plain words."""
         return list(self._plan.decisions) if self._plan is not None else []
+
+    def asteria_memory_plan(self) -> dict:
+        """The planner's memory figures, from construction on (nothing measured): bytes of
+        optimizer state per tier in the steady state (``planned_bytes``) and at the planned
+        peak (``peak_bytes``, ``peak_total``), the peak's parts by owner (``peak_parts``: the
+        state, the snapshot ring, refresh results, rotated moments, the NVMe step cache, ...),
+        the device staging ring (``ring_bytes``, included in device bytes) and the snapshot
+        ring (``snapshot_ring_bytes``), and ``tier_dtype``. Blocks outside the device count in
+        their stored dtype."""
+        plan = self._plan
+        return {"mode": plan.mode, "tier_dtype": self._cfg.tier_dtype,
+                "planned_bytes": dict(plan.planned_bytes), "peak_bytes": dict(plan.peak_bytes),
+                "peak_total": sum(plan.peak_bytes.values()), "peak_parts": dict(plan.peak_parts),
+                "ring_bytes": plan.ring_bytes, "snapshot_ring_bytes": plan.snapshot_ring_bytes}

@@ -175,7 +175,9 @@ class SOAP(AsteriaOptimizer):
             qs, ps = [], []
             for (p, j), q in zip(members, q_old.unbind(0)):
                 out = outputs[p].get((j, i))
-                qs.append(q if out is None else out[0].to(q.device))
+                # m is re-expressed in the basis as it will be stored (tier_dtype)
+                qs.append(q if out is None else
+                          self._as_stored(p, f"b{j}.Q{i}", out[0].to(q.device)))
                 ps.append(torch.arange(q.shape[0], device=q.device) if out is None
                           else out[1].to(q.device))
             new.append(torch.stack(qs, out=None if pairs[i] is None else pairs[i][:, 1]))

@@ -33,6 +33,12 @@ Rules (``mode="async"``)
     remaining ones (the LAST parameters: they are prefetched first in backward, so their
     NVMe read has the most time) go to "nvme". Exceeding it without ``nvme_dir`` is a
     ValueError. Explicit "nvme" places every block of that kind on NVMe.
+ 5. storage dtype (``tier_dtype``): a block whose home is outside the device (host,
+    host_pinned, uvm, nvme) is stored, staged through the ring and written to NVMe in
+    ``stored_dtype(tier_dtype, its dtype)``: "bfloat16" narrows wider floating blocks, a block
+    already that narrow (or narrower) stays as it is, "float32" keeps every block as it is.
+    Every byte figure of a block outside the device (budgets, ring, tiers, peaks) is in that
+    dtype; blocks on the device and refresh results keep the state's dtype.
 ``mode="sync"`` is the native reference: everything on the parameter's device; a placement
 dict naming another tier is a ValueError, budgets are reported but not enforced.
 Every decision is written to ``Plan.decisions`` in plain words.
@@ -59,10 +65,25 @@ RING_FRACTION = 8                            # default ring: 1/8 of the staged b
 SNAPSHOT_RING_DEFAULT = 64 << 20
 SNAPSHOT_RING_MIN = 64 << 10
 PREPARE_CHUNK = 16 << 20                     # NVMe bytes residency.prepare reads back at a time
+#: the narrowing tier dtypes (config.TIER_DTYPES; "float32" narrows nothing)
+_NARROW = {"bfloat16": torch.bfloat16}
 
 
 def align(n: int) -> int:
     return (n + RING_ALIGN - 1) // RING_ALIGN * RING_ALIGN
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def stored_dtype(tier_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a block of ``dtype`` is kept in outside the device under the runtime key
+    ``tier_dtype`` (rule 5): the narrow dtype for wider floating blocks, else ``dtype``."""
+    narrow = _NARROW.get(tier_dtype)
+    if narrow is None or not dtype.is_floating_point or _itemsize(dtype) <= _itemsize(narrow):
+        return dtype
+    return narrow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +93,10 @@ class StateEntry:
     pidx: int                 # the parameter's stable index
     name: str                 # its key in the parameter's state ("b0.Q1")
     kind: str                 # one of PLACEMENT_KINDS
-    nbytes: int
+    nbytes: int               # in its own dtype (on the device)
     device: torch.device      # the parameter's device
+    dtype: Optional[torch.dtype] = None  # None: nbytes everywhere
+    host_nbytes: int = -1     # outside the device (rule 5); set by make_plan
 
     @property
     def key(self) -> tuple[int, str]:
@@ -173,6 +196,8 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
               caps: Optional[Capabilities] = None) -> Plan:
     """The plan for ``entries`` (every piece of optimizer state, in parameter order) under the
     validated RuntimeConfig ``cfg``."""
+    entries = [dataclasses.replace(e, host_nbytes=_host_nbytes(e, cfg.tier_dtype))
+               for e in entries]
     cuda_params = any(e.device.type == "cuda" for e in entries)
     caps = caps or Capabilities.probe(cuda_params)
     explicit = dict(cfg.placement) if isinstance(cfg.placement, Mapping) else {}
@@ -245,7 +270,7 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
         for e in es:
             if every or block_tier[e.key] in ("host", "host_pinned", "nvme"):
                 unit = (e.pidx, e.name.split(".")[0])
-                per_block[unit] = per_block.get(unit, 0) + align(e.nbytes)
+                per_block[unit] = per_block.get(unit, 0) + align(e.host_nbytes)
         return max(per_block.values(), default=0)
 
     # device budget: explicit device blocks in parameter order, the rest spill to host
@@ -271,7 +296,7 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
 
     # host budget: host-resident blocks in parameter order, the rest to NVMe
     on_host = [e for e in tiered_entries if block_tier[e.key] in HOST_TIERS]
-    host_bytes = sum(e.nbytes for e in on_host)
+    host_bytes = sum(e.host_nbytes for e in on_host)
     if host_budget is not None and host_bytes > host_budget:
         if not cfg.nvme_dir:
             raise ValueError(
@@ -280,15 +305,16 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
                 f"allowed: None, a byte count >= {host_bytes}, or set 'nvme_dir'")
         room, spilled = host_budget, []
         for e in sorted(on_host, key=lambda e: (e.pidx, e.name)):
-            if e.nbytes <= room and not spilled:
-                room -= e.nbytes
+            if e.host_nbytes <= room and not spilled:
+                room -= e.host_nbytes
             else:
                 spilled.append(e)
         for e in spilled:
             block_tier[e.key] = "nvme"
         dec.append(f"host_budget_bytes {_mib(host_budget)}: {len(spilled)} blocks "
-                   f"({_mib(sum(e.nbytes for e in spilled))}) of the last parameters spilled to "
-                   f"NVMe under {cfg.nvme_dir} (read back, checksummed, for each step)")
+                   f"({_mib(sum(e.host_nbytes for e in spilled))}) of the last parameters "
+                   f"spilled to NVMe under {cfg.nvme_dir} (read back, checksummed, for each "
+                   "step)")
     elif host_budget is not None:
         dec.append(f"host_budget_bytes {_mib(host_budget)}: all {_mib(host_bytes)} of host-"
                    "resident blocks fit")
@@ -298,7 +324,7 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
     ring_min = staged_min(tiered_entries)
     ring = 0
     if staged:
-        total = sum(align(e.nbytes) for e in staged)
+        total = sum(align(e.host_nbytes) for e in staged)
         # without a budget: a bounded ring (host residency is there to save device memory);
         # with one: whatever the budget leaves, up to every staged block
         ring = min(RING_DEFAULT, total) if dev_budget is not None else \
@@ -326,12 +352,30 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
     planned: dict = {}
     for e in entries:
         t = block_tier.get(e.key, "device")
-        planned[t] = planned.get(t, 0) + e.nbytes
+        planned[t] = planned.get(t, 0) + (e.nbytes if t == "device" else e.host_nbytes)
     planned["device"] = planned.get("device", 0) + ring
+    narrowed = [e for e in tiered_entries if block_tier[e.key] != "device"
+                and e.host_nbytes != e.nbytes]
+    if narrowed:
+        dec.append(f"tier_dtype {cfg.tier_dtype!r}: {len(narrowed)} root/eigenbasis blocks "
+                   f"outside the device stored and moved as {cfg.tier_dtype} "
+                   f"({_mib(sum(e.host_nbytes for e in narrowed))} instead of "
+                   f"{_mib(sum(e.nbytes for e in narrowed))}), widened to their state's dtype "
+                   "where the step and the refresh use them")
+    elif cfg.tier_dtype != "float32":
+        dec.append(f"tier_dtype {cfg.tier_dtype!r}: no block outside the device is wider, "
+                   "nothing is narrowed")
     peak, parts = _peaks(entries, block_tier, planned, snap, cuda_params)
     dec.append(_peak_line(peak, parts))
     return Plan(mode, tiers, block_tier, ring, ring_min, snap, dec, planned, cuda_params, peak,
                 parts)
+
+
+def _host_nbytes(e: StateEntry, tier_dtype: str) -> int:
+    if e.dtype is None or e.kind not in TIERED_KINDS:
+        return e.nbytes
+    sd = stored_dtype(tier_dtype, e.dtype)
+    return e.nbytes // _itemsize(e.dtype) * _itemsize(sd)
 
 
 def _peaks(entries: Sequence[StateEntry], block_tier: dict, planned: dict, snap: int,
@@ -343,8 +387,8 @@ def _peaks(entries: Sequence[StateEntry], block_tier: dict, planned: dict, snap:
     blocks the step's host cache of them, one prepare chunk of read-back memory and their
     installed values until they are written out."""
     tiered = [e for e in entries if e.kind in TIERED_KINDS]
-    nvme = sum(e.nbytes for e in tiered if block_tier.get(e.key) == "nvme")
-    results = sum(e.nbytes for e in tiered)
+    nvme = sum(e.host_nbytes for e in tiered if block_tier.get(e.key) == "nvme")
+    results = sum(e.nbytes for e in tiered)  # refresh results are in the state's dtype
     moments = sum(e.nbytes for e in entries if e.kind == "moments" and
                   any(t.pidx == e.pidx and t.kind == "eigenbases" for t in tiered))
     host_side = "host_pinned" if cuda else "host"

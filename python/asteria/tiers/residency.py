@@ -7,6 +7,11 @@ events written to the runtime's trace. May call: torch, ``asteria._C``, ``asteri
 Single-threaded: the optimizer's training thread (and the hooks it runs on that thread).
 
 Data flow of one block (its plan gives a home tier: host, host_pinned, uvm or nvme)
+ - stored dtype: every block is kept, copied and written to NVMe in
+   ``plan.stored_dtype(cfg.tier_dtype, its dtype)`` (narrowed once, at the write); what leaves
+   the residency for use (``read_host``, ``materialize``) is widened to the block's own dtype
+   here, and ``borrow``'s ring views (stored dtype) are widened where they are stacked
+   (``optim/_tiering``, ``dtype_of`` says to what).
  - write (first-step eigenbasis, install of a refresh, load_state_dict): into the block's
    host memory in place; a block whose home is NVMe is written to fresh host memory and goes
    back to NVMe at the step end (best effort) or at the next step's ``prepare`` (raising).
@@ -51,7 +56,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from asteria import _C
-from asteria.tiers.plan import PREPARE_CHUNK, Plan, align
+from asteria.tiers.plan import PREPARE_CHUNK, Plan, align, stored_dtype
 
 log = logging.getLogger("asteria")
 
@@ -83,15 +88,16 @@ class TieredStateError(RuntimeError):
 
 
 class _Blk:
-    __slots__ = ("key", "home", "shape", "dtype", "nbytes", "device", "sid", "version",
-                 "slot", "slot_version", "slot_ptr", "slot_event", "consumed")
+    __slots__ = ("key", "home", "shape", "dtype", "sdtype", "nbytes", "device", "sid",
+                 "version", "slot", "slot_version", "slot_ptr", "slot_event", "consumed")
 
-    def __init__(self, key, home, shape, dtype, device):
+    def __init__(self, key, home, shape, dtype, sdtype, device):
         self.key = key
         self.home = home
         self.shape = tuple(shape)
-        self.dtype = dtype
-        self.nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        self.dtype = dtype      # the state's (what users of the block see)
+        self.sdtype = sdtype    # the stored one: host memory, ring slots, NVMe records
+        self.nbytes = int(torch.Size(shape).numel()) * sdtype.itemsize
         self.device = device
         self.sid = 0
         self.version = 0
@@ -133,6 +139,7 @@ class Residency:
     def __init__(self, plan: Plan, cfg: Any, *, tracer: Optional[Callable] = None,
                  describe: Optional[Callable] = None) -> None:
         self.plan = plan
+        self._cfg = cfg
         self._trace = tracer or (lambda *a, **k: None)
         self._describe = describe or (lambda key: f"param {key[0]} state {key[1]!r}")
         self.store = _C.Store(nvme_dir=cfg.nvme_dir, direct="fallback",
@@ -175,6 +182,10 @@ class Residency:
     def tier_of(self, key) -> str:
         return self.store.tier(self._blocks[key].sid)
 
+    def dtype_of(self, key) -> torch.dtype:
+        """The block's own dtype (``borrow``'s views are in the stored one)."""
+        return self._blocks[key].dtype
+
     def record_path(self, key) -> str:
         """The record file of a block now on NVMe (diagnostics, fault tests)."""
         return self.store.record_path(self._blocks[key].sid)
@@ -193,7 +204,8 @@ class Residency:
             if blk is not None:
                 self.drop(key)
             home = self.plan.tier(key)
-            blk = _Blk(key, home, value.shape, value.dtype, value.device)
+            blk = _Blk(key, home, value.shape, value.dtype,
+                       stored_dtype(self._cfg.tier_dtype, value.dtype), value.device)
             blk.sid = self.store.alloc("host" if home == "nvme" else home, blk.nbytes)
             self._blocks[key] = blk
         else:
@@ -205,7 +217,7 @@ class Residency:
                 blk.sid = sid
         self._cache.pop(key, None)
         view = self._host_view(blk)
-        view.copy_(value.reshape(view.shape))
+        view.copy_(value.reshape(view.shape))  # narrowed here (round to nearest even)
         del view
         if value.device.type == "cuda":
             self.counters["bytes_d2h"] += blk.nbytes
@@ -225,19 +237,21 @@ class Residency:
     # ---- host reads (job inputs, checkpoints) ----------------------------------------------------
     def _host_view(self, blk: _Blk) -> torch.Tensor:
         """A CPU tensor over the block's host memory; it pins the block while alive."""
-        return torch.from_dlpack(self.store.view(blk.sid, blk.dtype, blk.shape))
+        return torch.from_dlpack(self.store.view(blk.sid, blk.sdtype, blk.shape))
 
     def read_host(self, key) -> torch.Tensor:
         """The block's value as a CPU tensor: a view of its host memory (drop it soon: it pins
-        the block) or, for a block on NVMe, this step's cached copy."""
+        the block) or, for a block on NVMe, this step's cached copy; a narrowed block as a
+        widened copy."""
         blk = self._blocks[key]
         if self.store.tier(blk.sid) != "nvme":
-            return self._host_view(blk)
-        cached = self._cache.get(key)
-        if cached is None:
-            raise RuntimeError(f"internal: {self._label(blk)} is on NVMe and was not fetched "
-                               "for this step")
-        return cached
+            value = self._host_view(blk)
+        else:
+            value = self._cache.get(key)
+            if value is None:
+                raise RuntimeError(f"internal: {self._label(blk)} is on NVMe and was not "
+                                   "fetched for this step")
+        return value if blk.sdtype == blk.dtype else value.to(blk.dtype)
 
     def materialize(self, keys: Iterable) -> dict:
         """Copies of blocks as tensors on their parameters' devices (checkpoints). Blocks on
@@ -249,7 +263,7 @@ class Residency:
         for k in keys:
             blk = self._blocks[k]
             v = self._host_view(blk)
-            out[k] = v.to(device=blk.device, copy=True)
+            out[k] = v.to(device=blk.device, dtype=blk.dtype, copy=True)
             del v
         if not self._in_step:  # inside a step the blocks wait for its end
             self._spill(best_effort=True)
@@ -451,8 +465,9 @@ class Residency:
                    if k in self._blocks and self._blocks[k].home != "uvm")
 
     def borrow(self, keys: list) -> list:
-        """Device tensors of blocks for this chunk (ring slot views, or UVM views); the caller
-        stacks them and then calls give_back(keys).
+        """Device tensors of blocks for this chunk (ring slot views, or UVM views, in the
+        stored dtype); the caller stacks them (widening them to ``dtype_of``) and then calls
+        give_back(keys).
 
         Two phases: first every block of the chunk gets a slot (a block staged ahead is a hit;
         the others are staged now, evicting the oldest slots of other blocks as needed), then
@@ -484,11 +499,11 @@ class Residency:
         for blk in blks:
             if blk.home == "uvm":
                 out.append(torch.from_dlpack(self.store.view(
-                    blk.sid, blk.dtype, blk.shape, device=_cuda_index(blk.device))))
+                    blk.sid, blk.sdtype, blk.shape, device=_cuda_index(blk.device))))
                 continue
             if self.cuda:
                 torch.cuda.current_stream().wait_event(blk.slot_event)
-            out.append(torch.from_dlpack(self.shadow.slot_view(blk.slot, blk.dtype, blk.shape)))
+            out.append(torch.from_dlpack(self.shadow.slot_view(blk.slot, blk.sdtype, blk.shape)))
             blk.consumed = True
         return out
 

@@ -1,0 +1,316 @@
+"""Reduced-precision tier storage (runtime key ``tier_dtype``).
+
+ - With ``tier_dtype="bfloat16"`` roots / eigenbases outside the device (host and NVMe tiers)
+   are stored rounded to bfloat16 and widened where used. Each optimizer (async, deterministic
+   S = 2, on the C pool) equals the plain-torch restatement (reference.py) in which every basis
+   / root is rounded to bfloat16 when it is stored (first-step eigenbasis, each install) and
+   widened before it is used (the step, the next refresh, SOAP's re-expression of m at
+   install). Tolerances are test_staleness.py's for async against the restatement (rtol 1e-6,
+   atol 1e-9): the pool's LAPACK differs from torch's in the last bits, far below a bfloat16
+   step, so roundings agree; bfloat16 itself moves the trajectory by more than that (checked).
+ - The stats and the plan report the narrowed blocks at 2 bytes an element (half a float32
+   block's bytes), on the host and the NVMe tier; blocks already that narrow stay as they are.
+ - state_dict() returns a tiered block widened, in the state's dtype (checkpoints move between
+   tier_dtype settings); loading narrows again, and a resumed run continues bitwise.
+ - A bad value is a ValueError naming the key, the value and the allowed values.
+ - asteria_memory_plan(): the planner's figures before the first step.
+The float32 default is covered bit for bit by the other tests (test_staleness, test_nvme_training,
+test_state_dict, ...), which run with it.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from asteria import RuntimeConfig
+from asteria.optim import KLShampoo, SOAP, Shampoo
+from models import (assert_lockstep, batch, loss_and_grad, lockstep, make_model, params_of,
+                    require_c_extension, run)
+from reference import KLShampooRef, SOAPRef, ShampooRef
+
+BF16 = torch.bfloat16
+F64 = dict(compute_dtype=torch.float64)
+OPTIMIZERS = {
+    "soap": (lambda p, **kw: SOAP(p, precondition_frequency=4, **kw),
+             lambda p, **kw: SOAPRefBF16(p, precondition_frequency=4, **kw)),
+    "shampoo": (lambda p, **kw: Shampoo(p, lr=3e-3, precondition_frequency=4, **kw),
+                lambda p, **kw: ShampooRefBF16(p, lr=3e-3, precondition_frequency=4, **kw)),
+    "kl_shampoo": (lambda p, **kw: KLShampoo(p, lr=3e-3, precondition_frequency=4, **F64, **kw),
+                   lambda p, **kw: KLShampooRefBF16(p, lr=3e-3, precondition_frequency=4,
+                                                    **kw)),
+}
+NAMES = list(OPTIMIZERS)
+S = 2
+BLOCKS = 6  # the mlp's 3 square weights x 2 factors
+HOST_BUDGET = 2 * 8 * 8 * 2  # two 8 x 8 bfloat16 blocks on the host, the other 4 on NVMe
+
+
+@pytest.fixture(autouse=True)
+def _c_extension():
+    require_c_extension()
+
+
+def rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the tier stores it: rounded to bfloat16 (nearest even), widened back."""
+    return x.to(BF16).to(x.dtype)
+
+
+class SOAPRefBF16(SOAPRef):
+    """SOAPRef with Q stored in bfloat16: the first-step eigenbasis and each refreshed one are
+    rounded when stored; m is re-expressed in the rounded new basis (the one the steps use)."""
+
+    def update(self, w, g, st):
+        first = not st
+        due = super().update(w, g, st)
+        if first:
+            st["Q"] = [None if q is None else rounded(q) for q in st["Q"]]
+        return due
+
+    def install(self, st, result):
+        super().install(st, [None if r is None else (r[0], rounded(r[1])) for r in result])
+
+
+class KLShampooRefBF16(KLShampooRef):
+    def update(self, w, g, st):
+        first = not st
+        due = super().update(w, g, st)
+        if first:
+            st["Q"] = {d: rounded(q) for d, q in st["Q"].items()}
+        return due
+
+    def install(self, st, result):
+        super().install(st, {d: rounded(q) for d, q in result.items()})
+
+
+class ShampooRefBF16(ShampooRef):
+    def install(self, st, result):
+        super().install(st, {d: rounded(r) for d, r in result.items()})
+
+
+def rt(tier_dtype="bfloat16", **kw):
+    base = {"mode": "async", "staleness": S, "install": "deterministic", "workers": 2,
+            "tier_dtype": tier_dtype}
+    base.update(kw)
+    return base
+
+
+def nvme(tmp_path, **kw):
+    return rt(nvme_dir=str(tmp_path), host_budget_bytes=HOST_BUDGET, **kw)
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+@pytest.mark.parametrize("name", NAMES)
+def test_bf16_storage_equals_rounded_reference(name, tier, tmp_path):
+    make_opt, make_ref = OPTIMIZERS[name]
+    runtime = rt() if tier == "host" else nvme(tmp_path)
+    history, opt = lockstep("mlp", lambda p: make_opt(p, runtime=runtime),
+                            lambda p: make_ref(p, install_delay=S), steps=20)
+    assert_lockstep(history, rtol=1e-6, atol=1e-9)
+    stats = opt.asteria_stats()
+    assert stats["installs"] > 0 and stats["max_install_lag"] == S
+    if tier == "nvme":
+        assert stats["bytes_nvme"] == 4 * 8 * 8 * 2 and stats["bytes_nvme_read"] > 0
+    # not vacuous: bfloat16 storage moves the trajectory beyond the tolerance
+    full, _ = run("mlp", lambda p: make_opt(p, runtime=rt("float32")), 20)
+    assert max(float((a - b).abs().max()) for a, b in zip(full[-1], history[-1][1])) > 1e-6
+
+
+def test_soap_block_model_equals_rounded_reference():
+    """Several block shapes and stacks of them (attention and MLP weights)."""
+    make_opt, make_ref = OPTIMIZERS["soap"]
+    history, _ = lockstep("block", lambda p: make_opt(p, runtime=rt()),
+                          lambda p: make_ref(p, install_delay=S), steps=20)
+    assert_lockstep(history, rtol=1e-6, atol=1e-9)
+
+
+def narrow_step(model, opt, t):
+    """loss_and_grad for a model in another dtype than the float64 batches."""
+    dtype = next(model.parameters()).dtype
+    opt.zero_grad(set_to_none=True)
+    x, y = batch("mlp", t)
+    ((model(x.to(dtype)) - y.to(dtype)) ** 2).mean().backward()
+    opt.step()
+
+
+def stats_after(make_opt, model, runtime, steps=6):
+    opt = make_opt(model.parameters(), runtime=runtime)
+    plan = opt.asteria_memory_plan()  # before the first step
+    for t in range(1, steps + 1):
+        narrow_step(model, opt, t)
+    stats = opt.asteria_stats()
+    opt.close()
+    return plan, stats
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_stats_and_plan_report_half_the_bytes(tier, tmp_path):
+    """float32 parameters: the tiered blocks take half their bytes in bfloat16; device state
+    (factors, moments) is unchanged."""
+    make_opt, _ = OPTIMIZERS["soap"]
+    out = {}
+    for dt in ("float32", "bfloat16"):
+        model = make_model("mlp").float()
+        d = tmp_path / dt
+        d.mkdir()
+        runtime = rt(dt) if tier == "host" else rt(dt, nvme_dir=str(d), host_budget_bytes=0)
+        out[dt] = stats_after(make_opt, model, runtime)
+    (p32, s32), (p16, s16) = out["float32"], out["bfloat16"]
+    block32 = 8 * 8 * 4
+    assert s32[f"bytes_{tier}"] == BLOCKS * block32
+    assert s16[f"bytes_{tier}"] == BLOCKS * block32 // 2
+    assert p32["planned_bytes"][tier] == BLOCKS * block32
+    assert p16["planned_bytes"][tier] == BLOCKS * block32 // 2
+    assert p16["tier_dtype"] == "bfloat16" and p32["tier_dtype"] == "float32"
+    assert s16["bytes_state_device"] == s32["bytes_state_device"]
+    assert 0 < s16["bytes_device_ring"] <= s32["bytes_device_ring"]
+    assert 0 < s16["bytes_h2d"] < s32["bytes_h2d"]
+    if tier == "nvme":
+        assert p16["peak_parts"]["nvme step cache"] == BLOCKS * block32 // 2
+        assert p32["peak_parts"]["nvme step cache"] == BLOCKS * block32
+    # the refresh results are in the state's dtype whatever the tier keeps
+    assert p16["peak_parts"]["refresh results"] == p32["peak_parts"]["refresh results"]
+
+
+def test_nvme_records_move_half_the_bytes(tmp_path):
+    """Blocks of 64 x 64 (records larger than the 4 KiB an O_DIRECT record rounds up to): the
+    NVMe tier reads and writes half the bytes."""
+    moved = {}
+    for dt in ("float32", "bfloat16"):
+        w = torch.nn.Parameter(torch.randn(64, 64, generator=torch.Generator().manual_seed(0)))
+        d = tmp_path / dt
+        d.mkdir()
+        opt = SOAP([w], precondition_frequency=2,
+                   runtime=rt(dt, nvme_dir=str(d), host_budget_bytes=0))
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            w.grad = torch.randn(64, 64, generator=gen)
+            opt.step()
+        st = opt.asteria_stats()
+        opt.close()
+        assert st["bytes_nvme"] == 2 * 64 * 64 * (4 if dt == "float32" else 2)
+        moved[dt] = (st["bytes_nvme_read"], st["bytes_nvme_written"])
+    for wide, narrow in zip(moved["float32"], moved["bfloat16"]):
+        assert 0 < narrow and abs(narrow / wide - 0.5) < 0.1, moved
+
+
+def test_narrow_parameters_are_stored_as_they_are():
+    """bfloat16 parameters: their blocks are already bfloat16; the setting changes nothing."""
+    make_opt, _ = OPTIMIZERS["soap"]
+    trajs, stats = [], []
+    for dt in ("float32", "bfloat16"):
+        model = make_model("mlp").to(BF16)
+        opt = make_opt(model.parameters(), runtime=rt(dt))
+        traj = []
+        for t in range(1, 11):
+            narrow_step(model, opt, t)
+            traj.append(params_of(model))
+        trajs.append(traj)
+        stats.append(opt.asteria_stats())
+        opt.close()
+    assert all(torch.equal(a, b) for x, y in zip(*trajs) for a, b in zip(x, y))
+    assert stats[0]["bytes_host"] == stats[1]["bytes_host"] == BLOCKS * 8 * 8 * 2
+
+
+def train(model, opt, steps):
+    out = []
+    for t in steps:
+        loss_and_grad(model, "mlp", t)
+        opt.step()
+        out.append(params_of(model))
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_dict_widened_and_resumes_bitwise(name, tmp_path):
+    """state_dict() holds tiered blocks in the state's dtype (float64 here), with values that
+    are exactly bfloat16 numbers; a fresh bfloat16 optimizer loaded from it (a refresh in
+    flight: f = 4, S = 2, split after step 6) continues bitwise like the uninterrupted run, on
+    the host and the NVMe tier."""
+    make_opt, _ = OPTIMIZERS[name]
+    split, steps = 6, 14
+    model = make_model("mlp")
+    opt = make_opt(model.parameters(), runtime=rt())
+    train(model, opt, range(1, split + 1))
+    sd = copy.deepcopy(opt.state_dict())
+    params = params_of(model)
+    want = train(model, opt, range(split + 1, steps + 1))
+    opt.close()
+    key = "b0.Linv0" if name == "shampoo" else "b0.Q0"
+    blocks = [st[key] for st in sd["state"].values() if key in st]
+    assert len(blocks) == 3
+    for q in blocks:
+        assert q.dtype == torch.float64 and torch.equal(q, rounded(q))
+    assert any(bool((q != 0).any()) for q in blocks)
+    for runtime in (rt(), nvme(tmp_path)):
+        model2 = make_model("mlp")
+        with torch.no_grad():
+            for p, v in zip(model2.parameters(), params):
+                p.copy_(v)
+        opt2 = make_opt(model2.parameters(), runtime=runtime)
+        opt2.load_state_dict(copy.deepcopy(sd))
+        got = train(model2, opt2, range(split + 1, steps + 1))
+        opt2.close()
+        for t, (a, b) in enumerate(zip(got, want), split + 1):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {t}"
+
+
+def test_checkpoints_move_between_tier_dtypes():
+    """A float32-tier checkpoint loads into a bfloat16-tier optimizer (narrowed on load: its
+    state then shows the rounded basis) and the other way round (kept exactly)."""
+    make_opt, _ = OPTIMIZERS["soap"]
+    model = make_model("mlp")
+    opt = make_opt(model.parameters(), runtime=rt("float32"))
+    train(model, opt, range(1, 7))
+    sd = opt.state_dict()
+    opt.close()
+    wide = [st["b0.Q0"] for st in sd["state"].values() if "b0.Q0" in st]
+    assert any(not torch.equal(q, rounded(q)) for q in wide)
+    opt16 = make_opt(make_model("mlp").parameters(), runtime=rt())
+    opt16.load_state_dict(copy.deepcopy(sd))
+    back = opt16.state_dict()
+    got = [st["b0.Q0"] for st in back["state"].values() if "b0.Q0" in st]
+    assert all(torch.equal(g, rounded(q)) for g, q in zip(got, wide))
+    opt16.close()
+    opt32 = make_opt(make_model("mlp").parameters(), runtime=rt("float32"))
+    opt32.load_state_dict(copy.deepcopy(back))
+    again = [st["b0.Q0"] for st in opt32.state_dict()["state"].values() if "b0.Q0" in st]
+    assert all(torch.equal(a, g) for a, g in zip(again, got))
+    opt32.close()
+
+
+@pytest.mark.parametrize("value", ["fp8", "bf16", "float64", torch.bfloat16, None, 16])
+def test_bad_value_names_key_value_and_allowed(value):
+    with pytest.raises(ValueError) as ei:
+        RuntimeConfig.from_user({"tier_dtype": value})
+    msg = str(ei.value)
+    assert "runtime key 'tier_dtype'" in msg and repr(value) in msg
+    assert '"float32"' in msg and '"bfloat16"' in msg
+
+
+def test_default_is_float32():
+    assert RuntimeConfig().tier_dtype == "float32"
+    assert RuntimeConfig.from_user({"tier_dtype": "bfloat16"}).tier_dtype == "bfloat16"
+    opt = SOAP(make_model("mlp").parameters(), runtime={"mode": "async"})
+    assert opt.asteria_memory_plan()["tier_dtype"] == "float32"
+    assert not any("tier_dtype" in line for line in opt.asteria_plan())
+    opt.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_memory_plan_before_training(mode):
+    """asteria_memory_plan(): the planner's figures from construction on, no step needed."""
+    opt = SOAP(make_model("mlp").float().parameters(),
+               runtime={"mode": mode, "tier_dtype": "bfloat16"})
+    plan = opt.asteria_memory_plan()
+    opt.close()
+    assert set(plan) >= {"peak_bytes", "peak_total", "peak_parts", "planned_bytes",
+                         "ring_bytes", "snapshot_ring_bytes", "tier_dtype", "mode"}
+    assert plan["mode"] == mode and plan["peak_total"] == sum(plan["peak_bytes"].values())
+    assert plan["peak_total"] >= sum(plan["planned_bytes"].values()) > 0
+    eig = BLOCKS * 8 * 8 * 4
+    if mode == "sync":  # everything on the device, nothing narrowed
+        assert set(plan["planned_bytes"]) == {"device"} and plan["ring_bytes"] == 0
+    else:
+        assert plan["planned_bytes"]["host"] == eig // 2
+        assert plan["ring_bytes"] > 0
