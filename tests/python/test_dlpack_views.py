@@ -207,7 +207,7 @@ def residency(ring_bytes=1 << 16):
     keys = {(0, "x"): (8, 8), (1, "y"): (4, 6)}
     plan = Plan("async", {}, {k: "host" for k in keys}, ring_bytes=ring_bytes,
                 ring_min=ring_bytes, snapshot_ring_bytes=4096)
-    return Residency(plan, types.SimpleNamespace(nvme_dir=None)), keys
+    return Residency(plan, types.SimpleNamespace(nvme_dir=None, tier_dtype="float32")), keys
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
