@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH_DEFAULT=2.11.0
 APT_PKGS=(build-essential cmake ninja-build pkg-config libopenblas-dev liblapacke-dev liburing-dev
-          libhwloc-dev libcmocka-dev zlib1g-dev python3-venv libdlpack-dev)
+          libhwloc-dev libcmocka-dev python3-venv libdlpack-dev)
 # Optional packages used by some tests, benchmarks and examples, each with the torch range its own
 # metadata requires. Where the torch in use is outside it, the package is left out and the tests
 # that need it skip, saying why (the oldest-torch run of scripts/run_tests.sh has no OLMo-core).
