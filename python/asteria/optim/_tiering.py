@@ -150,10 +150,11 @@ class TieringMixin:
         else:
             st[name] = value.to(device=local(p).device, copy=True)
 
-    def _root_for_job(self, p: torch.Tensor, name: str) -> torch.Tensor:
-        """A root / eigenbasis as a REFRESH job input (the engine copies it at submit)."""
+    def _root_for_job(self, p: torch.Tensor, name: str):
+        """A root / eigenbasis as a REFRESH job input (the engine copies it at submit): a
+        tensor, or a ``residency.OnNvme`` read when the job's stack is made."""
         if self._owned(p, name):
-            return self._tiered.read_host(self._key(p, name))
+            return self._tiered.job_input(self._key(p, name))
         return self.state[p][name]
 
     def _member_keys(self, p: torch.Tensor, j: int) -> list:
