@@ -58,7 +58,7 @@ RING_DEFAULT = 64 << 20
 RING_FRACTION = 8                            # default ring: 1/8 of the staged bytes (>= ring_min)
 SNAPSHOT_RING_DEFAULT = 64 << 20
 SNAPSHOT_RING_MIN = 64 << 10
-PREPARE_CHUNK = 16 << 20                     # NVMe bytes residency.prepare reads back at a time
+PREPARE_CHUNK = 16 << 20                     # NVMe bytes residency reads back at a time
 
 
 def align(n: int) -> int:
@@ -328,32 +328,43 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
         t = block_tier.get(e.key, "device")
         planned[t] = planned.get(t, 0) + e.nbytes
     planned["device"] = planned.get("device", 0) + ring
-    peak, parts = _peaks(entries, block_tier, planned, snap, cuda_params)
+    peak, parts = _peaks(entries, block_tier, planned, snap, cuda_params, ring)
     dec.append(_peak_line(peak, parts))
     return Plan(mode, tiers, block_tier, ring, ring_min, snap, dec, planned, cuda_params, peak,
                 parts)
 
 
 def _peaks(entries: Sequence[StateEntry], block_tier: dict, planned: dict, snap: int,
-           cuda: bool) -> tuple[dict, dict]:
+           cuda: bool, ring: int) -> tuple[dict, dict]:
     """Peak optimizer-state bytes per tier in mode "async", and by owner: the steady state
     (planned) plus what a step and a refresh hold at once: the snapshot ring (the refresh
     inputs in flight), the results of one refresh round waiting for install (S <= f: at most one
-    round per block), SOAP's re-expressed moments while the rotation runs, and for NVMe-homed
-    blocks the step's host cache of them, one prepare chunk of read-back memory and their
-    installed values until they are written out."""
+    round per block), SOAP's re-expressed moments while the rotation runs (for parameters whose
+    bases are NVMe-homed one chunk's rotation at a time: its m, result and (old, new) basis
+    pairs, each chunk at most the ring), and for NVMe-homed blocks the host memory they stream
+    through (tiers/residency.py): blocks fetched early (at most PREPARE_CHUNK) and one chunk
+    read back (the larger of PREPARE_CHUNK, a ring chunk and the largest NVMe block); their
+    installs are written through one block at a time, inside that."""
     tiered = [e for e in entries if e.kind in TIERED_KINDS]
-    nvme = sum(e.nbytes for e in tiered if block_tier.get(e.key) == "nvme")
+    nv_blocks = [e for e in tiered if block_tier.get(e.key) == "nvme"]
+    nvme = sum(e.nbytes for e in nv_blocks)
     results = sum(e.nbytes for e in tiered)
-    moments = sum(e.nbytes for e in entries if e.kind == "moments" and
-                  any(t.pidx == e.pidx and t.kind == "eigenbases" for t in tiered))
+    nv_params = {e.pidx for e in nv_blocks if e.kind == "eigenbases"}
+    rotating = {e.pidx for e in tiered if e.kind == "eigenbases"}
+    mom = {i: sum(e.nbytes for e in entries if e.kind == "moments" and e.pidx == i)
+           for i in rotating}
+    moments = sum(b for i, b in mom.items() if i not in nv_params)
+    if nv_params:
+        whole = sum(mom[i] for i in nv_params) + 2 * sum(
+            e.nbytes for e in nv_blocks if e.kind == "eigenbases")
+        moments += min(whole, 4 * max(ring, PREPARE_CHUNK))
+    largest = max((e.nbytes for e in nv_blocks), default=0)
+    stream = min(nvme, PREPARE_CHUNK) + min(nvme, max(PREPARE_CHUNK, ring, largest))
     host_side = "host_pinned" if cuda else "host"
     parts = {"state": sum(planned.values()), "snapshot ring": snap, "refresh results": results,
-             "rotated moments": moments, "nvme step cache": nvme,
-             "nvme read-back chunk": min(PREPARE_CHUNK, nvme), "nvme installs": nvme}
+             "rotated moments": moments, "nvme stream buffers": stream}
     peak = dict(planned)
-    peak[host_side] = peak.get(host_side, 0) + snap + results + 3 * nvme \
-        + min(PREPARE_CHUNK, nvme)
+    peak[host_side] = peak.get(host_side, 0) + snap + results + stream
     peak["device" if not cuda else host_side] = peak.get("device" if not cuda else host_side,
                                                          0) + moments
     return peak, parts

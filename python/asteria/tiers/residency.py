@@ -165,6 +165,19 @@ def _cuda_view(ptr: int, nbytes: int, dtype: torch.dtype, shape, device) -> torc
     return t.view(dtype) if carrier is not None else t
 
 
+def _libc_trim() -> Optional[Callable]:
+    """glibc's ``malloc_trim``, or None elsewhere (musl, macOS)."""
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
 #: directories already reported as lacking O_DIRECT (one warning per directory and process)
 _BUFFERED_DIRS: set = set()
 
@@ -217,6 +230,13 @@ class Residency:
         self._slots: "collections.OrderedDict[int, _Blk]" = collections.OrderedDict()
         self._next_slot = 1
         self._early: set = set()  # keys of NVMe blocks fetched early (clean, in host memory)
+        # With an NVMe tier (host memory is what is short): after prepare's verify pass and at
+        # each step end, hand the heap
+        # pages that the step's and the refresh's transient buffers freed back to the kernel.
+        # glibc keeps them otherwise (its mmap threshold rises to the largest block freed, so
+        # later blocks of up to 32 MiB come from heaps it does not return): under a memory cap
+        # that retained memory counts as much as live memory.
+        self._trim = _MALLOC_TRIM if cfg.nvme_dir else None
         self._in_step = False
         self.deferred_error: Optional[BaseException] = None  # last early fetch that failed
         self.counters = {"bytes_h2d": 0, "bytes_d2h": 0, "prefetches": 0, "prefetch_hits": 0,
@@ -440,6 +460,7 @@ class Residency:
             self.counters["nvme_window_bytes"] = max(
                 self.counters["nvme_window_bytes"], sum(b.nbytes for b in nv))
             self._spill(best_effort=False, keep=self._early)
+            self._trim_heap()
         except BaseException:
             self.end_step(spill=False)
             raise
@@ -451,6 +472,11 @@ class Residency:
         self._in_step = False
         if spill:
             self._spill(best_effort=True)
+        self._trim_heap()
+
+    def _trim_heap(self) -> None:
+        if self._trim is not None:
+            self._trim(0)
 
     def fetch_early(self, keys: Iterable) -> None:
         """Forward hooks: read NVMe blocks back into host memory ahead of the step, as long as
