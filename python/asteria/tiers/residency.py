@@ -231,11 +231,10 @@ class Residency:
         self._next_slot = 1
         self._early: set = set()  # keys of NVMe blocks fetched early (clean, in host memory)
         # With an NVMe tier (host memory is what is short): after prepare's verify pass and at
-        # each step end, hand the heap
-        # pages that the step's and the refresh's transient buffers freed back to the kernel.
-        # glibc keeps them otherwise (its mmap threshold rises to the largest block freed, so
-        # later blocks of up to 32 MiB come from heaps it does not return): under a memory cap
-        # that retained memory counts as much as live memory.
+        # each step end, hand the heap pages that the step's and the refresh's transient
+        # buffers freed back to the kernel. glibc keeps them otherwise (its mmap threshold rises
+        # to the largest block freed, so later blocks of up to 32 MiB come from heaps it does
+        # not return), and under a memory cap retained memory counts as much as live memory.
         self._trim = _MALLOC_TRIM if cfg.nvme_dir else None
         self._in_step = False
         self.deferred_error: Optional[BaseException] = None  # last early fetch that failed
