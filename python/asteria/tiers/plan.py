@@ -323,6 +323,11 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
     # refresh in flight, so every factor and its basis once (jobs beyond it use private buffers)
     snap_need = sum(align(e.nbytes) for e in entries if e.kind in ("factors",) + TIERED_KINDS)
     snap = min(SNAPSHOT_RING_DEFAULT, max(SNAPSHOT_RING_MIN, 2 * snap_need))
+    if "nvme" in block_tier.values():
+        # host memory is what is short: the ring holds one round's factors (a round's bases are
+        # given to its jobs, not snapshotted; a job that finds no room uses a private buffer)
+        snap = min(snap, max(SNAPSHOT_RING_MIN,
+                             sum(align(e.nbytes) for e in entries if e.kind == "factors")))
     planned: dict = {}
     for e in entries:
         t = block_tier.get(e.key, "device")
