@@ -110,7 +110,12 @@ def test_native_soap_is_oom_killed_where_asteria_nvme_completes_bitwise(uncapped
     tmp, native, ref = uncapped
     pn, pa = native["anon_peak_bytes"], ref["anon_peak_bytes"]
     assert pa <= pn - 0.8 * EIG, (pn / MiB, pa / MiB)
-    cap = (pn + pa) // 2  # under a cap the page cache is reclaimed: anonymous memory is the need
+    # Under a cap the page cache is reclaimed: anonymous memory is the need. Native SOAP's need
+    # differs from run to run by up to ~120 MiB here (759-879 MiB measured on this model), so a
+    # cap halfway between the two peaks of one uncapped pair can sit above the need of its next
+    # run; Asteria's varies far less. The cap: Asteria's measured peak + 48 MiB, never above the
+    # halfway point (never more room for Asteria than that).
+    cap = min((pn + pa) // 2, pa + 48 * MiB)
 
     capped_native = run("soap-native", cap, tmp, "capped")
     assert capped_native["killed_by_oom"] and capped_native["result"] is None
