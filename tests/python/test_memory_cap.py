@@ -7,9 +7,11 @@
    (mode="sync") and Asteria (async, S=5, host_budget_bytes 1 MiB, nvme_dir) run in groups
    capped at the machine's memory; the planner's peak figures (asteria_plan()) bound the
    measured difference of their anonymous peaks;
- - the capped run (native SOAP OOM-killed under a cap where Asteria completes, bitwise equal to
-   its uncapped run) is an expected failure today: Asteria's async NVMe configuration needs MORE
-   memory than native SOAP (see the xfail reason); strict, so it reports when that changes.
+ - the capped run: Asteria's NVMe configuration peaks at least 0.8 x the eigenbasis bytes
+   below native SOAP (NVMe blocks stream through bounded buffers, installs are written through,
+   one m rotation at a time, freed heap pages handed back: docs/memory.md), so a cap halfway
+   between the two peaks OOM-kills native SOAP while Asteria completes, bitwise equal to its
+   uncapped run.
 Skipped, with the reason, where no memory cgroup can be made (no controller, no permission)."""
 
 import importlib.util
@@ -104,18 +106,16 @@ def test_planner_peak_bounds_the_measured_difference(uncapped):
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.xfail(strict=False, reason=(
-    "Asteria's async NVMe configuration needs more memory than native SOAP today (measured on "
-    "this test's model: anonymous peak 878 MiB vs 759 MiB): the 32 MiB of eigenbases it moves to "
-    "NVMe are outweighed by the snapshot ring, one round of refresh results, SOAP's rotated "
-    "moments, the step's host cache of the NVMe blocks and their installs (asteria_plan()'s peak "
-    "line breaks them down); no cap separates the two until those stream through bounded "
-    "buffers"))
 def test_native_soap_is_oom_killed_where_asteria_nvme_completes_bitwise(uncapped):
     tmp, native, ref = uncapped
     pn, pa = native["anon_peak_bytes"], ref["anon_peak_bytes"]
     assert pa <= pn - 0.8 * EIG, (pn / MiB, pa / MiB)
-    cap = (pn + pa) // 2  # under a cap the page cache is reclaimed: anonymous memory is the need
+    # Under a cap the page cache is reclaimed: anonymous memory is the need. Native SOAP's need
+    # differs from run to run by up to ~120 MiB here (759-879 MiB measured on this model), so a
+    # cap halfway between the two peaks of one uncapped pair can sit above the need of its next
+    # run; Asteria's varies far less. The cap: Asteria's measured peak + 48 MiB, never above the
+    # halfway point (never more room for Asteria than that).
+    cap = min((pn + pa) // 2, pa + 48 * MiB)
 
     capped_native = run("soap-native", cap, tmp, "capped")
     assert capped_native["killed_by_oom"] and capped_native["result"] is None

@@ -138,6 +138,20 @@ class _Round:
         self._results = {}
 
 
+def _stack_inputs(qs: list) -> torch.Tensor:
+    """The stack of a job's bases / roots. Blocks on NVMe (``OnNvme``: no ``copy_``) are read
+    straight into it one at a time; a mix of host and device blocks is stacked in host memory."""
+    if len({x.device for x in qs}) == 1 and all(isinstance(x, torch.Tensor) for x in qs):
+        return torch.stack(qs)
+    q = torch.empty((len(qs),) + tuple(qs[0].shape), dtype=qs[0].dtype)
+    for x, dst in zip(qs, q.unbind(0)):
+        if isinstance(x, torch.Tensor):
+            dst.copy_(x)
+        else:
+            x.read_into(dst)
+    return q
+
+
 class ScheduleMixin:
     """The schedule's part of ``AsteriaOptimizer``."""
 
@@ -293,11 +307,7 @@ class ScheduleMixin:
             f = fs if local else torch.stack(fs)
             q = None
             if entries[0][4] is not None:
-                qs = [e[4] for e in entries]
-                if len({x.device for x in qs}) > 1:  # some in host memory, some on the device
-                    qs = [x.cpu() for x in qs]
-                q = torch.stack(qs)
-                del qs
+                q = _stack_inputs([e[4] for e in entries])
             targets = [(p, j, dim) for p, j, dim, _, _ in entries]
             key = (kind, op, tuple((self._pindex[p], j, dim) for p, j, dim in targets))
             block = self._block_keys.setdefault(key, len(self._block_keys) + 1)

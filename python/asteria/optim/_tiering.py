@@ -164,10 +164,11 @@ class TieringMixin:
         narrow = _placement.stored_dtype(self._cfg.tier_dtype, value.dtype)
         return value if narrow == value.dtype else value.to(narrow).to(value.dtype)
 
-    def _root_for_job(self, p: torch.Tensor, name: str) -> torch.Tensor:
-        """A root / eigenbasis as a REFRESH job input (the engine copies it at submit)."""
+    def _root_for_job(self, p: torch.Tensor, name: str):
+        """A root / eigenbasis as a REFRESH job input (the engine copies it at submit): a
+        tensor, or a ``residency.OnNvme`` read when the job's stack is made."""
         if self._owned(p, name):
-            return self._tiered.read_host(self._key(p, name))
+            return self._tiered.job_input(self._key(p, name))
         return self.state[p][name]
 
     def _member_keys(self, p: torch.Tensor, j: int) -> list:

@@ -186,6 +186,10 @@ class SOAP(AsteriaOptimizer):
             # v permuted here (cheap), m re-expressed by a worker while the next forward and
             # backward run; the next read of m waits for it (_submit_rotation)
             F.soap_permute(v, perms)
+            if self._bases_on_nvme(members):
+                # one rotation in flight: the previous chunk's m, pairs and result are let go
+                # before this chunk's are made (memory for one chunk, not one round)
+                self._settle_rotations()
             self._submit_rotation(members, m, pairs)
         else:
             F.soap_install(m, v, old, new, perms)
@@ -208,6 +212,13 @@ class SOAP(AsteriaOptimizer):
         (the op's layout)."""
         return (self._offloads_rotation() and ndim <= 2
                 and all(local(p).device.type == "cpu" for p, _ in members))
+
+    def _bases_on_nvme(self, members: list) -> bool:
+        """Are some of these members' bases NVMe-homed (a configuration that trades the
+        overlap of the rotations of one install for memory)?"""
+        return self._tiered is not None and any(
+            self._tiered.plan.tier(k) == "nvme" for p, j in members
+            for k in self._member_keys(p, j))
 
     def _submit_rotation(self, members: list, m: torch.Tensor, pairs: list) -> None:
         """Start m_new = Q_new^T (Q_old m Q_old^T) Q_new (per side) on a worker; m stays as it

@@ -64,7 +64,7 @@ RING_DEFAULT = 64 << 20
 RING_FRACTION = 8                            # default ring: 1/8 of the staged bytes (>= ring_min)
 SNAPSHOT_RING_DEFAULT = 64 << 20
 SNAPSHOT_RING_MIN = 64 << 10
-PREPARE_CHUNK = 16 << 20                     # NVMe bytes residency.prepare reads back at a time
+PREPARE_CHUNK = 16 << 20                     # NVMe bytes residency reads back at a time
 #: the narrowing tier dtypes (config.TIER_DTYPES; "float32" narrows nothing)
 _NARROW = {"bfloat16": torch.bfloat16}
 
@@ -349,6 +349,11 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
     # refresh in flight, so every factor and its basis once (jobs beyond it use private buffers)
     snap_need = sum(align(e.nbytes) for e in entries if e.kind in ("factors",) + TIERED_KINDS)
     snap = min(SNAPSHOT_RING_DEFAULT, max(SNAPSHOT_RING_MIN, 2 * snap_need))
+    if "nvme" in block_tier.values():
+        # host memory is what is short: the ring holds one round's factors (a round's bases are
+        # given to its jobs, not snapshotted; a job that finds no room uses a private buffer)
+        snap = min(snap, max(SNAPSHOT_RING_MIN,
+                             sum(align(e.nbytes) for e in entries if e.kind == "factors")))
     planned: dict = {}
     for e in entries:
         t = block_tier.get(e.key, "device")
@@ -365,7 +370,7 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
     elif cfg.tier_dtype != "float32":
         dec.append(f"tier_dtype {cfg.tier_dtype!r}: no block outside the device is wider, "
                    "nothing is narrowed")
-    peak, parts = _peaks(entries, block_tier, planned, snap, cuda_params)
+    peak, parts = _peaks(entries, block_tier, planned, snap, cuda_params, ring)
     dec.append(_peak_line(peak, parts))
     return Plan(mode, tiers, block_tier, ring, ring_min, snap, dec, planned, cuda_params, peak,
                 parts)
@@ -379,25 +384,36 @@ def _host_nbytes(e: StateEntry, tier_dtype: str) -> int:
 
 
 def _peaks(entries: Sequence[StateEntry], block_tier: dict, planned: dict, snap: int,
-           cuda: bool) -> tuple[dict, dict]:
+           cuda: bool, ring: int) -> tuple[dict, dict]:
     """Peak optimizer-state bytes per tier in mode "async", and by owner: the steady state
     (planned) plus what a step and a refresh hold at once: the snapshot ring (the refresh
     inputs in flight), the results of one refresh round waiting for install (S <= f: at most one
-    round per block), SOAP's re-expressed moments while the rotation runs, and for NVMe-homed
-    blocks the step's host cache of them, one prepare chunk of read-back memory and their
-    installed values until they are written out."""
+    round per block), SOAP's re-expressed moments while the rotation runs (for parameters whose
+    bases are NVMe-homed one chunk's rotation at a time: its m, result and (old, new) basis
+    pairs, each chunk at most the ring), and for NVMe-homed blocks the host memory they stream
+    through (tiers/residency.py): blocks fetched early (at most PREPARE_CHUNK) and one chunk
+    read back (the larger of PREPARE_CHUNK, a ring chunk and the largest NVMe block); their
+    installs are written through one block at a time, inside that."""
     tiered = [e for e in entries if e.kind in TIERED_KINDS]
-    nvme = sum(e.host_nbytes for e in tiered if block_tier.get(e.key) == "nvme")
+    nv_blocks = [e for e in tiered if block_tier.get(e.key) == "nvme"]
+    nvme = sum(e.host_nbytes for e in nv_blocks)  # in the tier dtype, as they stream
     results = sum(e.nbytes for e in tiered)  # refresh results are in the state's dtype
-    moments = sum(e.nbytes for e in entries if e.kind == "moments" and
-                  any(t.pidx == e.pidx and t.kind == "eigenbases" for t in tiered))
+    nv_params = {e.pidx for e in nv_blocks if e.kind == "eigenbases"}
+    rotating = {e.pidx for e in tiered if e.kind == "eigenbases"}
+    mom = {i: sum(e.nbytes for e in entries if e.kind == "moments" and e.pidx == i)
+           for i in rotating}
+    moments = sum(b for i, b in mom.items() if i not in nv_params)
+    if nv_params:
+        whole = sum(mom[i] for i in nv_params) + 2 * sum(
+            e.nbytes for e in nv_blocks if e.kind == "eigenbases")
+        moments += min(whole, 4 * max(ring, PREPARE_CHUNK))
+    largest = max((e.host_nbytes for e in nv_blocks), default=0)
+    stream = min(nvme, PREPARE_CHUNK) + min(nvme, max(PREPARE_CHUNK, ring, largest))
     host_side = "host_pinned" if cuda else "host"
     parts = {"state": sum(planned.values()), "snapshot ring": snap, "refresh results": results,
-             "rotated moments": moments, "nvme step cache": nvme,
-             "nvme read-back chunk": min(PREPARE_CHUNK, nvme), "nvme installs": nvme}
+             "rotated moments": moments, "nvme stream buffers": stream}
     peak = dict(planned)
-    peak[host_side] = peak.get(host_side, 0) + snap + results + 3 * nvme \
-        + min(PREPARE_CHUNK, nvme)
+    peak[host_side] = peak.get(host_side, 0) + snap + results + stream
     peak["device" if not cuda else host_side] = peak.get("device" if not cuda else host_side,
                                                          0) + moments
     return peak, parts

@@ -2,8 +2,8 @@
 ``_C.Store``, staged for each step through the bounded device ring of a ``_C.Shadow``.
 
 Owns: one store, one shadow (prefetch ring; the snapshot ring is the engine's), the block table
-``(param index, state name) -> _Blk``, the per-step NVMe cache, the copy counters and the copy
-events written to the runtime's trace. May call: torch, ``asteria._C``, ``asteria.tiers.plan``.
+``(param index, state name) -> _Blk``, the copy counters and the copy events written to the
+runtime's trace. May call: torch, ``asteria._C``, ``asteria.tiers.plan``.
 Single-threaded: the optimizer's training thread (and the hooks it runs on that thread).
 
 Data flow of one block (its plan gives a home tier: host, host_pinned, uvm or nvme)
@@ -13,21 +13,39 @@ Data flow of one block (its plan gives a home tier: host, host_pinned, uvm or nv
    here, and ``borrow``'s ring views (stored dtype) are widened where they are stacked
    (``optim/_tiering``, ``dtype_of`` says to what).
  - write (first-step eigenbasis, install of a refresh, load_state_dict): into the block's
-   host memory in place; a block whose home is NVMe is written to fresh host memory and goes
-   back to NVMe at the step end (best effort) or at the next step's ``prepare`` (raising).
- - ``prepare`` (start of ``step()``, before ANYTHING is mutated): one batched io_uring read of
-   the NVMe blocks the step needs (records verified by their CRC), a copy of each into the
-   step's host cache, then one batched write of every NVMe-homed block back to NVMe. Any
-   failure (ENOSPC, a missing or unreadable record, a checksum mismatch) raises
-   ``TieredStateError`` naming the block, the file and the cause, and the step is not applied.
- - ``borrow`` (inside the step, per stack chunk): each block is prefetched into a ring slot
-   (H2D on the shadow stream; a memcpy on the host path), the consuming stream waits on that
-   slot's ready event only, the caller stacks the slot views and ``give_back`` releases the
-   slots (``release_after`` the current stream on CUDA). A UVM block is read in place.
+   host memory in place; a block whose home is NVMe is written to fresh host memory and
+   written through to NVMe at once (one block of host memory at a time, not every install of
+   the step). A write-through that fails keeps the block in host memory: it goes back to NVMe
+   at the step end (best effort) or at the next step's ``prepare`` (raising).
+ - NVMe blocks STREAM through the step: no step holds a host copy of every NVMe block. A read
+   back makes the store's record stale (the store rewrites it in place at the next write), so
+   every read is followed by a write of the same bytes once they are used; host memory for
+   NVMe blocks is one chunk at a time (``PREPARE_CHUNK`` in ``prepare``, one ring chunk in
+   ``borrow``, one block in ``read_host``), plus at most ``PREPARE_CHUNK`` fetched early.
+ - ``prepare`` (start of ``step()``, before ANYTHING is mutated): the verify pass. Every NVMe
+   record the step needs is read back (verified by its CRC) and written out again, one
+   ``PREPARE_CHUNK`` at a time, and every NVMe-homed block still in host memory (a failed
+   write-through) is written out. Any failure (ENOSPC, a missing or unreadable record, a
+   checksum mismatch) raises ``TieredStateError`` naming the block, the file and the cause,
+   and the step is not applied. The price of streaming: each NVMe block is read and written
+   twice per step (here, and where it is used) instead of once into a step-long cache.
+ - ``borrow`` (inside the step, per stack chunk): the chunk's NVMe blocks are read back (one
+   batch), each block is prefetched into a ring slot (H2D on the shadow stream; a memcpy on
+   the host path), the NVMe blocks are written out again once their copy has landed, the
+   consuming stream waits on each slot's ready event only, the caller stacks the slot views
+   and ``give_back`` releases the slots (``release_after`` the current stream on CUDA). A UVM
+   block is read in place. A read that fails here (a record damaged between this step's
+   verify pass and its use: nothing of Asteria's own does that) raises ``TieredStateError``
+   saying that the step is PARTLY applied: stacks before this chunk were updated. Keeping the
+   all-or-nothing promise for that case too would need every NVMe block in host memory for
+   the whole step, which is what streaming removes.
  - ``prefetch`` (backward-pre hooks, start of ``step()``): the same ring copies ahead of time,
-   as far as the ring has room; the forward hooks fetch NVMe blocks into host memory early.
-   Prefetching never raises; the step re-does what failed and raises there.
-Between steps the ring holds nothing: every slot is released at the step end.
+   as far as the ring has room (blocks on NVMe are staged by ``borrow``); the forward hooks
+   fetch NVMe blocks into host memory early, at most ``PREPARE_CHUNK`` bytes of them, which
+   the verify pass then needs not read. Prefetching never raises; the step re-does what failed
+   and raises there.
+Between steps the ring holds nothing: every slot is released at the step end, and every
+NVMe-homed block is on NVMe (unless a write failed).
 
 Views: every tensor over store or ring memory comes from ``torch.from_dlpack`` on a capsule of
 ``asteria._C`` (``Store.view`` for host views and UVM blocks, ``Shadow.slot_view`` for ring
@@ -46,6 +64,7 @@ cannot harm the parent.
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
 import os
 import re
@@ -112,6 +131,33 @@ def _cuda_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+class OnNvme:
+    """A block on NVMe handed out as a job input (``Residency.job_input``): read into the
+    job's stack when the stack is made, one block at a time."""
+
+    __slots__ = ("_res", "key", "shape", "dtype", "device")
+
+    def __init__(self, res: "Residency", key, shape, dtype):
+        self._res, self.key, self.shape, self.dtype = res, key, tuple(shape), dtype
+        self.device = torch.device("cpu")
+
+    def read_into(self, out: torch.Tensor) -> None:
+        self._res.read_host(self.key, out=out)
+
+
+def _libc_trim() -> Optional[Callable]:
+    """glibc's ``malloc_trim``, or None elsewhere (musl, macOS)."""
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
 #: directories already reported as lacking O_DIRECT (one warning per directory and process)
 _BUFFERED_DIRS: set = set()
 
@@ -160,13 +206,19 @@ class Residency:
         self._blocks: dict = {}
         self._slots: "collections.OrderedDict[int, _Blk]" = collections.OrderedDict()
         self._next_slot = 1
-        self._cache: dict = {}   # key -> CPU tensor: this step's copy of an NVMe-homed block
+        self._early: set = set()  # keys of NVMe blocks fetched early (clean, in host memory)
+        # With an NVMe tier (host memory is what is short): after prepare's verify pass and at
+        # each step end, hand the heap pages that the step's and the refresh's transient
+        # buffers freed back to the kernel. glibc keeps them otherwise (its mmap threshold rises
+        # to the largest block freed, so later blocks of up to 32 MiB come from heaps it does
+        # not return), and under a memory cap retained memory counts as much as live memory.
+        self._trim = _MALLOC_TRIM if cfg.nvme_dir else None
         self._in_step = False
         self.deferred_error: Optional[BaseException] = None  # last early fetch that failed
         self.counters = {"bytes_h2d": 0, "bytes_d2h": 0, "prefetches": 0, "prefetch_hits": 0,
                          "prefetches_ahead": 0, "prefetch_busy": 0, "ring_evictions": 0,
                          "nvme_window_bytes": 0, "nvme_fetches_early": 0,
-                         "nvme_spill_deferred": 0}
+                         "nvme_spill_deferred": 0, "nvme_writes_deferred": 0}
         self._closed = False
 
     # ---- the block table ------------------------------------------------------------------------
@@ -215,19 +267,21 @@ class Residency:
                 sid = self.store.alloc("host", blk.nbytes)
                 self.store.free(blk.sid)
                 blk.sid = sid
-        self._cache.pop(key, None)
+        self._early.discard(key)
         view = self._host_view(blk)
         view.copy_(value.reshape(view.shape))  # narrowed here (round to nearest even)
         del view
         if value.device.type == "cuda":
             self.counters["bytes_d2h"] += blk.nbytes
         blk.version += 1
+        if blk.home == "nvme":
+            self._write_out([blk])
 
     def drop(self, key) -> None:
         blk = self._blocks.pop(key, None)
         if blk is not None:
             self._quiesce(blk)
-            self._cache.pop(key, None)
+            self._early.discard(key)
             self.store.free(blk.sid)
 
     def clear(self) -> None:
@@ -239,19 +293,35 @@ class Residency:
         """A CPU tensor over the block's host memory; it pins the block while alive."""
         return torch.from_dlpack(self.store.view(blk.sid, blk.sdtype, blk.shape))
 
-    def read_host(self, key) -> torch.Tensor:
-        """The block's value as a CPU tensor: a view of its host memory (drop it soon: it pins
-        the block) or, for a block on NVMe, this step's cached copy; a narrowed block as a
-        widened copy."""
+    def read_host(self, key, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The block's value as a CPU tensor in its own dtype, copied into ``out`` when given;
+        else a view of its host memory (drop it soon: it pins the block), or a widened copy of
+        a narrowed block, or for a block on NVMe a copy read back (verified) for this call, the
+        record written out again."""
         blk = self._blocks[key]
-        if self.store.tier(blk.sid) != "nvme":
-            value = self._host_view(blk)
+        on_nvme = self.store.tier(blk.sid) == "nvme"
+        if on_nvme:
+            self._nvme_move([blk], "host", "read")
+        view = self._host_view(blk)
+        if out is not None:
+            out.copy_(view)
+        elif on_nvme or blk.sdtype != blk.dtype:
+            out = view.to(blk.dtype, copy=True)
         else:
-            value = self._cache.get(key)
-            if value is None:
-                raise RuntimeError(f"internal: {self._label(blk)} is on NVMe and was not "
-                                   "fetched for this step")
-        return value if blk.sdtype == blk.dtype else value.to(blk.dtype)
+            return view
+        del view
+        if on_nvme:
+            self._write_out([blk])
+        return out
+
+    def job_input(self, key) -> Any:
+        """A block as a REFRESH job input: its host value, or for a block on NVMe an
+        ``OnNvme`` that the job's stack reads when it is made (``read_into``), so a round's
+        inputs never hold a host copy of every NVMe block next to the stack."""
+        blk = self._blocks[key]
+        if self.store.tier(blk.sid) == "nvme":
+            return OnNvme(self, key, blk.shape, blk.dtype)
+        return self.read_host(key)
 
     def materialize(self, keys: Iterable) -> dict:
         """Copies of blocks as tensors on their parameters' devices (checkpoints). Blocks on
@@ -309,17 +379,40 @@ class Residency:
             path = files.get(culprit.sid)
             if path and path not in msg:
                 where += f" (record file {path})"
-        verb = {"read": "reading back", "write": "writing", "fetch": "reading back"}[what]
+        verb = {"read": "reading back", "write": "writing", "fetch": "reading back",
+                "stream": "reading back"}[what]
+        outcome = ("The step was not applied: parameters and optimizer state are unchanged"
+                   if what != "stream" else
+                   "The record changed after this step's verify pass: the step may be PARTLY "
+                   "applied (stacks before this one were updated); load a checkpoint")
         return TieredStateError(
-            f"Asteria NVMe tier: {verb} {len(blks)} block(s) failed at{where}: {msg}. The step "
-            "was not applied: parameters and optimizer state are unchanged",
+            f"Asteria NVMe tier: {verb} {len(blks)} block(s) failed at{where}: {msg}. "
+            f"{outcome}",
             exc, [b.key for b in ([culprit] if culprit else blks)],
             [files[b.sid] for b in ([culprit] if culprit else blks) if b.sid in files])
 
-    def _spill(self, best_effort: bool) -> None:
-        """Write every NVMe-homed block that is in host memory back to NVMe (one batch)."""
-        pending = [b for b in self._blocks.values()
-                   if b.home == "nvme" and self.store.tier(b.sid) != "nvme"]
+    def _write_out(self, blks: list) -> None:
+        """Write NVMe-homed blocks now in host memory to NVMe, best effort: a failure leaves
+        them in host memory, for the step end or the next ``prepare`` to retry (and raise)."""
+        blks = [b for b in blks if self.store.tier(b.sid) != "nvme"]
+        if not blks:
+            return
+        try:
+            self._nvme_move(blks, "nvme", "write")
+        except TieredStateError as exc:  # the step end's spill retries, counts and warns
+            self.counters["nvme_writes_deferred"] += 1
+            log.debug("asteria: writing %d block(s) to NVMe failed, retried at the step end: "
+                      "%s", len(blks), exc.cause)
+        for b in blks:
+            self._early.discard(b.key)
+
+    def _spill(self, best_effort: bool, keep: Iterable = ()) -> None:
+        """Write every NVMe-homed block that is in host memory back to NVMe (one batch), but
+        the keys in ``keep``."""
+        keep = set(keep)
+        pending = [b for b in self._blocks.values() if b.home == "nvme"
+                   and b.key not in keep and self.store.tier(b.sid) != "nvme"]
+        self._early -= set(b.key for b in pending)
         if not pending:
             return
         try:
@@ -338,54 +431,62 @@ class Residency:
         need = [self._blocks[k] for k in keys if k in self._blocks]
         nv = [b for b in need if b.home == "nvme"]
         try:
-            # In chunks of PREPARE_CHUNK bytes: read back, copy into the step's cache, write
-            # back, so the store's read-back memory is one chunk, not a second copy of every
-            # NVMe block of the step next to the cache.
-            for chunk in _chunks(nv, PREPARE_CHUNK):
-                self._nvme_move([b for b in chunk if self.store.tier(b.sid) == "nvme"],
-                                "host", "read")
-                for b in chunk:
-                    if b.key not in self._cache:
-                        v = self._host_view(b)
-                        self._cache[b.key] = v.clone()
-                        del v
-                self._nvme_move([b for b in chunk if self.store.tier(b.sid) != "nvme"],
-                                "nvme", "write")
+            # the verify pass, PREPARE_CHUNK bytes at a time: read back (CRC-checked), write
+            # out again; blocks fetched early were read (and checked) already and stay
+            for chunk in _chunks([b for b in nv if self.store.tier(b.sid) == "nvme"],
+                                 PREPARE_CHUNK):
+                self._nvme_move(chunk, "host", "read")
+                self._nvme_move(chunk, "nvme", "write")
             self.counters["nvme_window_bytes"] = max(
                 self.counters["nvme_window_bytes"], sum(b.nbytes for b in nv))
-            self._spill(best_effort=False)
+            self._spill(best_effort=False, keep=self._early)
+            self._trim_heap()
         except BaseException:
             self.end_step(spill=False)
             raise
 
     def end_step(self, spill: bool = True) -> None:
-        """Release every ring slot, drop the step's NVMe cache, spill what was installed."""
+        """Release every ring slot, spill what is left in host memory of NVMe blocks."""
         for blk in list(self._slots.values()):
             self._release(blk)
-        self._cache.clear()
         self._in_step = False
         if spill:
             self._spill(best_effort=True)
+        self._trim_heap()
+
+    def _trim_heap(self) -> None:
+        if self._trim is not None:
+            self._trim(0)
 
     def fetch_early(self, keys: Iterable) -> None:
-        """Forward hooks: read NVMe blocks back into host memory ahead of the step. Never
-        raises (the step's ``prepare`` retries and reports)."""
-        blks = [self._blocks[k] for k in keys if k in self._blocks]
-        nv = [b for b in blks if self.store.tier(b.sid) == "nvme"]
+        """Forward hooks: read NVMe blocks back into host memory ahead of the step, as long as
+        the blocks fetched early stay within ``PREPARE_CHUNK`` bytes. Never raises (the step's
+        ``prepare`` retries and reports)."""
+        room = PREPARE_CHUNK - sum(self._blocks[k].nbytes for k in self._early)
+        nv = []
+        for k in keys:
+            b = self._blocks.get(k)
+            if b is None or self.store.tier(b.sid) != "nvme":
+                continue
+            if b.nbytes > room:
+                break
+            room -= b.nbytes
+            nv.append(b)
         if not nv:
             return
         try:
             self._nvme_move(nv, "host", "fetch")
+            self._early.update(b.key for b in nv)
             self.counters["nvme_fetches_early"] += len(nv)
         except TieredStateError as exc:
             self.deferred_error = exc
 
     # ---- the staging ring -----------------------------------------------------------------------
     def _src_ptr(self, blk: _Blk) -> Optional[int]:
+        """The block's host memory; None while it is on NVMe (``borrow`` reads it back)."""
         if self.store.tier(blk.sid) != "nvme":
             return self.store.data_ptr(blk.sid)
-        cached = self._cache.get(blk.key)
-        return None if cached is None else cached.data_ptr()
+        return None
 
     def _stage(self, blk: _Blk) -> bool:
         """Issue the prefetch of blk into a ring slot; False when the ring is full (or the
@@ -450,8 +551,9 @@ class Residency:
             return 0
         n = 0
         for blk in blks:
-            if blk.home == "uvm":
-                continue
+            if blk.home == "uvm" or (self._src_ptr(blk) is None and not (
+                    blk.slot and blk.slot_version == blk.version)):
+                continue  # read in place; or on NVMe: borrow stages it
             fresh = not (blk.slot and blk.slot_version == blk.version)
             if not self._stage(blk):
                 break
@@ -477,10 +579,9 @@ class Residency:
         empty ring. Only a chunk larger than the ring raises."""
         blks = [self._blocks[k] for k in keys]
         staged = [b for b in blks if b.home != "uvm"]
-        for blk in staged:
-            if self._src_ptr(blk) is None:
-                raise RuntimeError(f"internal: {self._label(blk)} is on NVMe and was not "
-                                   "fetched for this step")
+        # the chunk's NVMe blocks, read back now (one batch) and written out once staged
+        self._nvme_move([b for b in staged if self.store.tier(b.sid) == "nvme"
+                         and not (b.slot and b.slot_version == b.version)], "host", "stream")
         hits = sum(1 for b in staged if b.slot and b.slot_version == b.version)
         mine = set(id(b) for b in blks)
         if not self._stage_all(staged, exclude=mine):
@@ -494,6 +595,7 @@ class Residency:
                     f"asteria: the staging ring ({self.plan.ring_bytes} bytes) cannot hold "
                     f"{self._label(staged[0])} with the rest of its chunk "
                     f"({self.chunk_cost(keys)} bytes); {self.shadow.last_error()}")
+        self._write_out([b for b in staged if b.home == "nvme"])
         self.counters["prefetch_hits"] += hits
         out = []
         for blk in blks:
@@ -582,7 +684,6 @@ class Residency:
         self._closed = True
         for blk in list(self._slots.values()):
             self._release(blk)
-        self._cache.clear()
         if self.shadow is not None:
             self.shadow.close()
         self.store.close()
