@@ -765,17 +765,12 @@ def plot(data: dict, path: str) -> None:
           title=f"{first['setting']}: lr sweep (seed {seed}); AdamW tuned lr "
                 f"{first['tuned_lr'].get('adamw', float('nan')):g}")
     c.legend(fontsize=7)
-    for ax in (a, b, c):
-        ax.grid(True, alpha=0.3)
     m = first["model"]
-    fig.suptitle(f"{m['params'] / 1e6:.2f}M-param TinyGPT, {m['tokens_per_step']} tokens/step "
-                 f"({m['tokens_over_widest']:.1f}x widest layer), f={data['settings']['frequency']}"
-                 f", S={data['settings']['staleness']}, on {data['machine']['cpu_model']} "
-                 f"x{data['machine']['nproc']} (load {data['machine']['loadavg1']} -> "
-                 f"{data['machine']['loadavg1_end']})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, (a, b, c), path,
+                       f"{m['params'] / 1e6:.2f}M-param TinyGPT, {m['tokens_per_step']} "
+                       f"tokens/step ({m['tokens_over_widest']:.1f}x widest layer), "
+                       f"f={data['settings']['frequency']}, S={data['settings']['staleness']}",
+                       data["machine"], legend=False)
 
 
 def _f(v, spec: str = ".3f") -> str:

@@ -193,18 +193,11 @@ def plot(data: dict, path: str) -> None:
     b.set(xlabel="staleness budget S (steps)", ylabel="step time (ms)", title="Step time")
     c.set(xlabel="staleness budget S (steps)", ylabel="barrier wait, whole run (ms)",
           title="Install steps waiting for their refresh")
-    for ax in (a, b, c):
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
     m = data["model"]
-    fig.suptitle(f"Asteria SOAP vs sync: {m['params'] / 1e6:.2f}M-param TinyGPT, "
-                 f"{m['tokens_per_step']} tokens/step, f={data['settings']['frequency']}, lr "
-                 f"{data['settings']['lr']:g}, on {data['machine']['cpu_model']} "
-                 f"x{data['machine']['nproc']} (load {data['machine']['loadavg1']} -> "
-                 f"{data['machine']['loadavg1_end']})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, (a, b, c), path,
+                       f"Asteria SOAP vs sync: {m['params'] / 1e6:.2f}M-param TinyGPT, "
+                       f"{m['tokens_per_step']} tokens/step, f={data['settings']['frequency']}, "
+                       f"lr {data['settings']['lr']:g}", data["machine"])
 
 
 def print_table(data: dict) -> None:

@@ -224,18 +224,11 @@ def plot(data: dict, path: str) -> None:
     c.set(ylabel="optimizer state (MiB)", title="Bytes per tier after the last step")
     c.set_ylim(0, 1.15 * max(bottom))
     c.tick_params(axis="x", labelrotation=20, labelsize=7)
-    for ax in (a, b, c):
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
     m = data["model"]
-    fig.suptitle(f"Asteria SOAP, eigenbases on the host tier in float32 vs bfloat16: "
-                 f"{m['params'] / 1e6:.2f}M-param TinyGPT, {m['tokens_per_step']} tokens/step, "
-                 f"{data['settings']['steps']} steps, on {data['machine']['cpu_model']} "
-                 f"x{data['machine']['nproc']} (load {data['machine']['loadavg1']} -> "
-                 f"{data['machine']['loadavg1_end']})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, (a, b, c), path,
+                       f"Asteria SOAP, eigenbases on the host tier in float32 vs bfloat16: "
+                       f"{m['params'] / 1e6:.2f}M-param TinyGPT, {m['tokens_per_step']} "
+                       f"tokens/step, {data['settings']['steps']} steps", data["machine"])
 
 
 def print_table(data: dict) -> None:

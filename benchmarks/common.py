@@ -327,6 +327,21 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, axes, path: str, title: str, machine: dict, legend: bool = True) -> None:
+    """Finish a benchmark figure: a grid (and a legend) on each of ``axes``, ``title`` followed
+    by the machine and its load at the start and end of the run as the figure's title, saved as
+    a PNG at ``path`` and closed."""
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        if legend:
+            ax.legend(fontsize=7)
+    fig.suptitle(f"{title}, on {machine['cpu_model']} x{machine['nproc']} (load "
+                 f"{machine['loadavg1']} -> {machine.get('loadavg1_end')})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+
+
 class Progress:
     """Progress lines on stdout, flushed, prefixed with the seconds since the start."""
 
@@ -342,6 +357,8 @@ class Progress:
 
 
 # ---- CPU placement -------------------------------------------------------------------------
+
+
 
 def split_cores() -> tuple[Optional[int], list[int]]:
     """(core for the training thread, cores for the worker pool): the first allowed CPU trains,

@@ -158,18 +158,11 @@ def plot(out, path):
             bottom = [x + v for x, v in zip(bottom, vals)]
     c.set_xticks(list(xs), [r["optimizer"] for r in results], rotation=15, fontsize=8)
     c.set(ylabel="optimizer state (MiB)", title="Optimizer bytes per tier")
-    for ax in (a, b, c):
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
     m = out["model"]
-    fig.suptitle(f"TinyGPT {m['params'] / 1e6:.2f}M params, {m['tokens_per_step']} tokens/step "
-                 f"({m['tokens_per_step'] // m['widest_layer_dim']}x the widest layer), "
-                 f"{out['args']['steps']} steps, on {out['machine']['cpu_model']} "
-                 f"x{out['machine']['nproc']} (load {out['machine']['loadavg1']} -> "
-                 f"{out['machine']['loadavg1_end']})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, (a, b, c), path,
+                       f"TinyGPT {m['params'] / 1e6:.2f}M params, {m['tokens_per_step']} "
+                       f"tokens/step ({m['tokens_per_step'] // m['widest_layer_dim']}x the widest "
+                       f"layer), {out['args']['steps']} steps", out["machine"])
 
 
 def print_table(out):
