@@ -131,6 +131,17 @@ def params_of(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def train_mlp(model: nn.Module, opt, steps) -> list[list[torch.Tensor]]:
+    """``opt.step()`` on the "mlp" batches of each step in ``steps``; the parameters after
+    each step."""
+    out = []
+    for t in steps:
+        loss_and_grad(model, "mlp", t)
+        opt.step()
+        out.append(params_of(model))
+    return out
+
+
 def lockstep(kind: str, make_opt, make_ref, steps: int, ref_views=None, before_step=None):
     """Train ``kind`` with ``make_opt(params)`` and a copy with ``make_ref(tensors)``. Returns
     ([(step, package params, reference params)] after every step, the optimizer (closed)).

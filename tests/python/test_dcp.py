@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, _init_opt
 
 from asteria.optim import KLShampoo, SOAP, Shampoo
 from models import (assert_params_close, loss_and_grad, make_model, params_of,
-                    require_c_extension)
+                    require_c_extension, train_mlp)
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 F64 = dict(compute_dtype=torch.float64)
@@ -48,13 +48,6 @@ def _c_extension():
     require_c_extension()
 
 
-def train(model, opt, steps):
-    out = []
-    for t in steps:
-        loss_and_grad(model, "mlp", t)
-        opt.step()
-        out.append(params_of(model))
-    return out
 
 
 _WANT: dict = {}
@@ -65,7 +58,7 @@ def uninterrupted(name, runtime=ASYNC):
     if key not in _WANT:
         model = make_model("mlp")
         opt = OPTIMIZERS[name](model.parameters(), runtime=runtime)
-        _WANT[key] = train(model, opt, range(1, STEPS + 1))
+        _WANT[key] = train_mlp(model, opt, range(1, STEPS + 1))
         opt.close()
     return _WANT[key]
 
@@ -94,7 +87,7 @@ def test_flattened_checkpoint_resumes_bitwise(name, split, through, tmp_path):
     make_opt = OPTIMIZERS[name]
     model = make_model("mlp")
     opt = make_opt(model.parameters(), runtime=ASYNC)
-    train(model, opt, range(1, split + 1))
+    train_mlp(model, opt, range(1, split + 1))
     flat = get_optimizer_state_dict(model, opt, options=FLAT)
     if through == "files":
         dcp.save({"optim": flat}, storage_writer=FileSystemWriter(str(tmp_path)))
@@ -121,7 +114,7 @@ def test_flattened_checkpoint_resumes_bitwise(name, split, through, tmp_path):
         dcp.load(template, storage_reader=FileSystemReader(str(tmp_path)))
         flat = template["optim"]
     set_optimizer_state_dict(fresh, opt2, flat, options=FLAT)
-    got = train(fresh, opt2, range(split + 1, STEPS + 1))
+    got = train_mlp(fresh, opt2, range(split + 1, STEPS + 1))
     opt2.close()
     assert_same(got, uninterrupted(name)[split:], split + 1)
 
@@ -166,7 +159,7 @@ def test_fake_step_leaves_the_trajectory_alone(name, runtime, how):
         get_optimizer_state_dict(model, opt, options=FLAT)
     assert opt.state and opt.asteria_stats()["jobs_submitted"] == 0
     assert_same([params_of(model)], [before], 0)
-    got = train(model, opt, range(1, STEPS + 1))
+    got = train_mlp(model, opt, range(1, STEPS + 1))
     assert opt.asteria_stats()["jobs_submitted"] > 0
     opt.close()
     assert_same(got, uninterrupted(name, runtime), 1)
@@ -183,7 +176,7 @@ def test_fake_step_launches_no_job_when_every_step_refreshes(name):
         if fake:
             _init_optim_state(opt)
             assert opt.asteria_stats()["jobs_submitted"] == 0
-        traj = train(model, opt, range(1, 6))
+        traj = train_mlp(model, opt, range(1, 6))
         opt.close()
         return traj
 
@@ -232,7 +225,7 @@ def test_kl_shampoo_compute_dtype_by_name_and_cpu_offload():
     model = make_model("mlp")
     opt = KLShampoo(model.parameters(), lr=3e-3, precondition_frequency=5, runtime=ASYNC)
     assert opt.param_groups[0]["compute_dtype"] == "float32"
-    train(model, opt, range(1, 8))
+    train_mlp(model, opt, range(1, 8))
     for options in (StateDictOptions(cpu_offload=True),
                     StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)):
         sd = get_optimizer_state_dict(model, opt, options=options)
@@ -248,7 +241,7 @@ def test_kl_shampoo_compute_dtype_by_name_and_cpu_offload():
     model = make_model("mlp")
     opt = KLShampoo(model.parameters(), lr=3e-3, precondition_frequency=5,
                     compute_dtype="float64", runtime=SYNC)
-    traj = train(model, opt, range(1, STEPS + 1))
+    traj = train_mlp(model, opt, range(1, STEPS + 1))
     opt.close()
     assert_same(traj, want, 1)
     with pytest.raises(ValueError, match="compute_dtype"):
@@ -261,12 +254,12 @@ def test_kl_shampoo_loads_a_group_with_a_torch_dtype():
     """A state dict saved before compute_dtype went by name still loads."""
     model = make_model("mlp")
     opt = KLShampoo(model.parameters(), lr=3e-3, precondition_frequency=5, **F64, runtime=SYNC)
-    train(model, opt, range(1, 4))
+    train_mlp(model, opt, range(1, 4))
     sd = opt.state_dict()
     sd["param_groups"][0]["compute_dtype"] = torch.float64
     opt.load_state_dict(sd)
     assert opt.param_groups[0]["compute_dtype"] == "float64"
-    train(model, opt, range(4, 6))
+    train_mlp(model, opt, range(4, 6))
     opt.close()
 
 

@@ -25,8 +25,8 @@ import torch
 
 from asteria import RuntimeConfig
 from asteria.optim import KLShampoo, SOAP, Shampoo
-from models import (assert_lockstep, batch, loss_and_grad, lockstep, make_model, params_of,
-                    require_c_extension, run)
+from models import (assert_lockstep, batch, lockstep, make_model, params_of,
+                    require_c_extension, run, train_mlp)
 from reference import KLShampooRef, SOAPRef, ShampooRef
 
 BF16 = torch.bfloat16
@@ -214,13 +214,6 @@ def test_narrow_parameters_are_stored_as_they_are():
     assert stats[0]["bytes_host"] == stats[1]["bytes_host"] == BLOCKS * 8 * 8 * 2
 
 
-def train(model, opt, steps):
-    out = []
-    for t in steps:
-        loss_and_grad(model, "mlp", t)
-        opt.step()
-        out.append(params_of(model))
-    return out
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -233,10 +226,10 @@ def test_state_dict_widened_and_resumes_bitwise(name, tmp_path):
     split, steps = 6, 14
     model = make_model("mlp")
     opt = make_opt(model.parameters(), runtime=rt())
-    train(model, opt, range(1, split + 1))
+    train_mlp(model, opt, range(1, split + 1))
     sd = copy.deepcopy(opt.state_dict())
     params = params_of(model)
-    want = train(model, opt, range(split + 1, steps + 1))
+    want = train_mlp(model, opt, range(split + 1, steps + 1))
     opt.close()
     key = "b0.Linv0" if name == "shampoo" else "b0.Q0"
     blocks = [st[key] for st in sd["state"].values() if key in st]
@@ -251,7 +244,7 @@ def test_state_dict_widened_and_resumes_bitwise(name, tmp_path):
                 p.copy_(v)
         opt2 = make_opt(model2.parameters(), runtime=runtime)
         opt2.load_state_dict(copy.deepcopy(sd))
-        got = train(model2, opt2, range(split + 1, steps + 1))
+        got = train_mlp(model2, opt2, range(split + 1, steps + 1))
         opt2.close()
         for t, (a, b) in enumerate(zip(got, want), split + 1):
             assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {t}"
@@ -263,7 +256,7 @@ def test_checkpoints_move_between_tier_dtypes():
     make_opt, _ = OPTIMIZERS["soap"]
     model = make_model("mlp")
     opt = make_opt(model.parameters(), runtime=rt("float32"))
-    train(model, opt, range(1, 7))
+    train_mlp(model, opt, range(1, 7))
     sd = opt.state_dict()
     opt.close()
     wide = [st["b0.Q0"] for st in sd["state"].values() if "b0.Q0" in st]
