@@ -376,6 +376,24 @@ static int store_describe(StoreObject *self, uint64_t id, ast_tier *tier, size_t
     return rc;
 }
 
+/* The tier, size and address of the block whose id is arg (the argument of data_ptr, size
+ * and tier). Returns 0, or -1 with a Python exception set. */
+static int describe_arg(StoreObject *self, PyObject *arg, ast_tier *tier, size_t *n, void **p)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    uint64_t id;
+    if (!conv_u64(arg, &id) || st_enter(self, st) < 0)
+        return -1;
+    char err[ERRBUF_LEN] = "";
+    int rc = store_describe(self, id, tier, n, p, err, sizeof err);
+    guard_leave(&self->g);
+    if (rc < 0) {
+        raise_busy_aware(st, rc, err);
+        return -1;
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(store_data_ptr_doc,
              "data_ptr(id)\n--\n\nThe block's address as an int (host or device memory by tier), "
              "or None while it is on NVMe. Valid until the block is moved or freed; nothing "
@@ -383,18 +401,11 @@ PyDoc_STRVAR(store_data_ptr_doc,
 
 static PyObject *store_data_ptr(StoreObject *self, PyObject *arg)
 {
-    mod_state *st = type_state(Py_TYPE(self));
-    uint64_t id;
-    if (!conv_u64(arg, &id) || st_enter(self, st) < 0)
-        return NULL;
     ast_tier tier;
     size_t n = 0;
     void *p = NULL;
-    char err[ERRBUF_LEN] = "";
-    int rc = store_describe(self, id, &tier, &n, &p, err, sizeof err);
-    guard_leave(&self->g);
-    if (rc < 0)
-        return raise_busy_aware(st, rc, err);
+    if (describe_arg(self, arg, &tier, &n, &p) < 0)
+        return NULL;
     if (!p)
         Py_RETURN_NONE;
     return PyLong_FromVoidPtr(p);
@@ -404,18 +415,11 @@ PyDoc_STRVAR(store_size_doc, "size(id)\n--\n\nThe block's size in bytes.");
 
 static PyObject *store_size(StoreObject *self, PyObject *arg)
 {
-    mod_state *st = type_state(Py_TYPE(self));
-    uint64_t id;
-    if (!conv_u64(arg, &id) || st_enter(self, st) < 0)
-        return NULL;
     ast_tier tier;
     size_t n = 0;
     void *p = NULL;
-    char err[ERRBUF_LEN] = "";
-    int rc = store_describe(self, id, &tier, &n, &p, err, sizeof err);
-    guard_leave(&self->g);
-    if (rc < 0)
-        return raise_busy_aware(st, rc, err);
+    if (describe_arg(self, arg, &tier, &n, &p) < 0)
+        return NULL;
     return PyLong_FromSize_t(n);
 }
 
@@ -423,18 +427,11 @@ PyDoc_STRVAR(store_tier_doc, "tier(id)\n--\n\nThe block's tier name.");
 
 static PyObject *store_tier(StoreObject *self, PyObject *arg)
 {
-    mod_state *st = type_state(Py_TYPE(self));
-    uint64_t id;
-    if (!conv_u64(arg, &id) || st_enter(self, st) < 0)
-        return NULL;
     ast_tier tier;
     size_t n = 0;
     void *p = NULL;
-    char err[ERRBUF_LEN] = "";
-    int rc = store_describe(self, id, &tier, &n, &p, err, sizeof err);
-    guard_leave(&self->g);
-    if (rc < 0)
-        return raise_busy_aware(st, rc, err);
+    if (describe_arg(self, arg, &tier, &n, &p) < 0)
+        return NULL;
     return tier_str(tier);
 }
 
