@@ -9,9 +9,10 @@ grows with the tokens, SOAP's rotations and factor updates only with the layer s
 
 Every run: the same model, initial weights and batches for a given seed; linear warm-up over the
 first 10% of the steps, then cosine decay to 10% of the peak lr at the last step. Optimizers:
-AdamW, Asteria SOAP / KL-Shampoo / Shampoo async (S=1, deterministic install, one worker on the
-other core: at this size a REFRESH round ends well inside one step, so S=1 hides it and costs
-the fewest steps; bench_staleness.py measures S up to 10), native sync SOAP (asteria.SOAP,
+AdamW, Asteria SOAP / KL-Shampoo / Shampoo async (S=0, deterministic install, one worker on the
+other core: sync's trajectory, each refresh installed at the start of the next step, so it runs
+during that step's forward and backward; at this size a REFRESH round ends well inside them;
+bench_staleness.py measures S up to 10), native sync SOAP (asteria.SOAP,
 runtime {"mode": "sync"}), and the third-party SOAPs of pytorch-optimizer and heavyball (eager;
 see bench_third_party.py), all SOAPs with the same hyperparameters (SOAP_HP).
 
@@ -852,7 +853,8 @@ def parse_args(argv: Optional[Sequence[str]]):
     ap.add_argument("--frequency", type=int, default=None,
                     help="precondition_frequency f of every preconditioner (10; --quick 4)")
     ap.add_argument("--staleness", type=int, default=None,
-                    help="Asteria's staleness budget S (1)")
+                    help="Asteria's staleness budget S (0: sync's trajectory, the refresh "
+                         "overlapping the next forward and backward)")
     ap.add_argument("--window", type=int, default=None,
                     help="steps of the trailing mean that smooths the loss (20; --quick 4)")
     ap.add_argument("--budget", type=float, default=3.0,
@@ -881,7 +883,7 @@ def parse_args(argv: Optional[Sequence[str]]):
     q = args.quick
     common.fill_defaults(args, dict(
         steps=24 if q else 300, warmup=4 if q else 10, frequency=4 if q else 10,
-        staleness=1, window=4 if q else 20, log_every=12 if q else 50,
+        staleness=0, window=4 if q else 20, log_every=12 if q else 50,
         gemm_reps=3 if q else 30, profile_steps=0 if q else 8,
         out_dir=os.path.join(common.RESULTS_DIR, "tmp") if q else common.RESULTS_DIR))
     args.settings = [s.strip() for s in args.settings.split(",") if s.strip()]

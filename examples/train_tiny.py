@@ -45,7 +45,7 @@ import asteria  # noqa: E402
 LR = {"adamw": 6e-3, "soap-async": 1e-2, "soap-sync": 1e-2, "kl-shampoo-async": 3e-2,
       "shampoo-async": 1e-2}
 DEFAULT_RUNS = ("adamw", "soap-async", "soap-sync")
-STALENESS = 1
+STALENESS = 0
 WINDOW = 20  # trailing mean of the train loss: the final loss and the time-to-target curve
 
 

@@ -144,3 +144,103 @@ def test_first_step_eigh_is_waited_for_at_once(name):
     assert torch.all(lam[:-1] >= lam[1:])  # descending eigenvalues, not the identity start
     torch.testing.assert_close(q.T @ f @ q, torch.diag(lam), rtol=0, atol=1e-12)
     opt.close()
+
+
+def _no_deferral(monkeypatch):
+    from asteria.optim import _schedule
+    monkeypatch.setattr(_schedule.ScheduleMixin, "_defers", lambda self: False)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_s0_install_waits_for_the_next_use(name):
+    """S = 0 in async mode: the refresh of step t is installed when the state is next used
+    (here: a read of optimizer.state), not at step t's end; the read sees the state that an
+    install at step t's end leaves."""
+    make_opt, _ = OPTIMIZERS[name]
+    model = make_model("mlp")
+    opt = make_opt(model.parameters(), runtime=deterministic(0))
+    w = model.layers[0].weight
+    key = "b0.Linv0" if name == "shampoo" else "b0.Q0"
+    refresh = 5 if name == "shampoo" else 6  # the step where k reaches 5
+    for t in range(1, refresh + 1):
+        loss_and_grad(model, "mlp", t)
+        opt.step()
+    before = opt.asteria_stats()["installs"]
+    assert opt._deferred, "the round of the refresh step waits for the next use"
+    seen = opt.state[w][key].clone()  # the read installs it
+    assert not opt._deferred and opt.asteria_stats()["installs"] > before
+    opt.close()
+    ref_model = make_model("mlp")
+    ref = make_opt(ref_model.parameters(), runtime=deterministic(0))
+    for t in range(1, refresh + 1):
+        loss_and_grad(ref_model, "mlp", t)
+        ref.step()
+        assert not (ref._deferred and t < refresh)
+    ref.state_dict()  # settles too
+    assert not ref._deferred
+    assert torch.equal(seen, ref.state[ref_model.layers[0].weight][key])
+    ref.close()
+
+
+@pytest.mark.parametrize("kind", ["mlp", "block"])
+@pytest.mark.parametrize("name", NAMES)
+def test_s0_deferred_install_is_the_same_trajectory(name, kind, monkeypatch):
+    """Installing at the next step's start is the trajectory of installing at the step end
+    (the same executor, the same math), with a checkpoint round trip in between: bitwise for
+    Shampoo and KL-Shampoo; SOAP's re-expression of m runs in torch on the training thread at
+    a deferred install (the step reads m next) and in the pool's kernel otherwise, equal to
+    rounding."""
+    make_opt, _ = OPTIMIZERS[name]
+
+    def train(steps, resume_at=None):
+        model = make_model(kind)
+        opt = make_opt(model.parameters(), runtime=deterministic(0))
+        out = []
+        for t in range(1, steps + 1):
+            loss_and_grad(model, kind, t)
+            opt.step()
+            out.append([p.detach().clone() for p in model.parameters()])
+            if t == resume_at:  # a deferred round is pending here (t % 5 == 1: SOAP's k = 5)
+                sd = opt.state_dict()
+                opt.close()
+                opt = make_opt(model.parameters(), runtime=deterministic(0))
+                opt.load_state_dict(sd)
+        opt.close()
+        return out, opt
+
+    deferred, opt = train(17, resume_at=11)
+    assert opt.asteria_stats()["installs"] > 0
+    with monkeypatch.context() as m:
+        _no_deferral(m)
+        at_end, _ = train(17)
+    for t, (a, b) in enumerate(zip(deferred, at_end), 1):
+        if name == "soap":
+            assert_params_close(a, b, rtol=1e-9, atol=1e-12, what=f"step {t}")
+        else:
+            for x, y in zip(a, b):
+                assert torch.equal(x, y), f"step {t}"
+
+
+def test_s0_deferred_refresh_runs_before_the_next_step():
+    """The point of the deferral: the round's jobs run while the training thread does other
+    work (the next forward and backward), so the next step finds them done."""
+    import time
+
+    make_opt, _ = OPTIMIZERS["soap"]
+    model = make_model("mlp")
+    opt = make_opt(model.parameters(), runtime=deterministic(0))
+    for t in range(1, 7):
+        loss_and_grad(model, "mlp", t)
+        opt.step()
+    assert opt._deferred
+    rnd = opt._deferred[0]
+    deadline = time.monotonic() + 30
+    while not rnd.ready(opt._engine) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the "forward and backward"
+    assert rnd.ready(opt._engine)
+    waits = opt.asteria_stats().get("install_waits", 0)
+    loss_and_grad(model, "mlp", 7)
+    opt.step()
+    assert not opt._deferred
+    assert opt.asteria_stats().get("install_waits", 0) == waits  # no barrier wait
+    opt.close()

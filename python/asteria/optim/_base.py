@@ -273,6 +273,7 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
             elif tag is not None:
                 self._tags[p] = tag
         if getattr(self, "_plan", None) is not None:  # a group added after construction
+            self._settle_step_end()  # installs deferred to the next use are state to re-plan
             self._replan()
             _select.add_params(self._engine, self.param_groups[-1]["params"])
 

@@ -178,6 +178,7 @@ class CheckpointMixin:
         loaded, others = self._loaded_states(state_dict)
         # checked: from here on the optimizer changes
         self._unfinished_end = None
+        self._deferred = []  # its rounds are dropped below with the others
         self._settle_rotations()
         for rnd in self._rounds:
             rnd.drop(self._engine)

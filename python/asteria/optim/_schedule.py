@@ -16,7 +16,12 @@ Schedule (DESIGN.md, "Staleness"). Steps are counted per ``step()`` call (t = 1,
    barrier if need be), or (``install="eager"``) all its jobs are ready. Then the factors that
    came due in step t (k % f == 0 for their parameter) are snapshotted and submitted: one
    batched job per (op, factor size, dtype, device), grouped over all same-shape blocks of all
-   parameters. A round whose install step is t (``mode="sync"``, or S = 0) is installed at once.
+   parameters. A round whose install step is t (``mode="sync"``, or S = 0) is installed at once;
+   in ``mode="async"`` with a rank-local executor, an S = 0 round's install is carried out at
+   the next use of the state instead (the next ``step()``'s start, a read of
+   ``optimizer.state``, ``state_dict()``, ``close()``, ``add_param_group``): nothing changes
+   the state in between, so the trajectory is the same (sync's), and the REFRESH runs during
+   the next forward and backward rather than at a barrier in this step's end.
    So a refresh always starts from the newest installed basis, and with 0 <= S <= f a parameter
    never has two refreshes in flight. Each job carries a block key that is stable for its set of
    (parameter, block, dimension) targets, so the C pool's failure counting sees one block.
@@ -59,7 +64,7 @@ from typing import Optional
 import torch
 
 from asteria.optim._blocking import Layout
-from asteria.optim._state import local
+from asteria.optim._state import _States, local
 from asteria.refresh.cost import Capacity, JobSpec
 
 
@@ -161,6 +166,8 @@ class ScheduleMixin:
         self._versions: dict[int, int] = {}
         self._zeros: dict = {}  # (dtype, device) -> the zero behind the placeholders
         self._unfinished_end: Optional[list] = None  # see _step_end
+        self._deferred: list = []  # S = 0 rounds installed at the next use (see _defers)
+        self._settling = False     # a deferred install is running (its reads must not recurse)
         self._fail_streak: dict = {}  # (param index, block, dim) -> consecutive failures
         self._failed: list = []       # failures to raise at the end of this step
         self._lazy_counts: dict = {}  # name -> device tensor (see _count_lazy)
@@ -272,7 +279,9 @@ class ScheduleMixin:
             rnd = self._submit(kind, items, t if kind == INIT else None)
             self._rounds.append(rnd)
             self._unfinished_end = [d for d in self._unfinished_end if d[0] != kind]
-            if rnd.install_step == t or (self._eager and rnd.ready(self._engine)):
+            if rnd.install_step == t and kind == REFRESH and self._defers():
+                self._deferred.append(rnd)
+            elif rnd.install_step == t or (self._eager and rnd.ready(self._engine)):
                 self._install_round(rnd)
         self._unfinished_end = None
         self.capacity.step_end(self._stall_ns)
@@ -280,9 +289,38 @@ class ScheduleMixin:
         self._raise_failures()
 
     def _settle_step_end(self) -> None:
-        """Finish a step end that a signal interrupted (see ``_step_end``)."""
+        """Finish a step end that a signal interrupted (see ``_step_end``), then carry out the
+        installs deferred from it (``_settle_deferred``)."""
         if getattr(self, "_unfinished_end", None) is not None:
             self._finish_step_end()
+        self._settle_deferred()
+
+    def _defers(self) -> bool:
+        """May an S = 0 round's install wait for the next use of the state? Its install step is
+        the step that submitted it, and nothing changes the state between that step's end and
+        the next step's start: installing it then, or at the first read of ``optimizer.state``
+        or ``state_dict()`` / ``close()`` before, is the same trajectory, while the REFRESH
+        runs during the next forward and backward instead of at a barrier. Only with a
+        rank-local background executor (a replicated engine's waits are collective: every
+        rank must wait at the same point) and the state proxy that settles reads."""
+        return (self._async and not self._engine.replicated
+                and isinstance(self.state, _States))
+
+    def _settle_deferred(self) -> None:
+        """Install the rounds deferred from the last step end (waiting for them if need be).
+        A wait a signal interrupts keeps what was waited for; the next settle finishes it."""
+        if not getattr(self, "_deferred", None) or self._settling:
+            return
+        self._settling = True
+        try:
+            while self._deferred:
+                if self._deferred[0] in self._rounds:  # else a step end installed it already
+                    self._install_round(self._deferred[0])
+                self._deferred.pop(0)
+        finally:
+            self._settling = False
+        # its barrier time counts in the next step end's stall; failures it records are raised
+        # at the end of the next step, which completes first
 
     def _submit(self, kind: str, items: list, install_step: Optional[int]) -> _Round:
         """Submit a round; ``install_step`` None: t + S, with S chosen first if auto."""

@@ -120,14 +120,23 @@ class _ParamState(dict):
         pidx = opt._pindex[self._p]
         return [k[1] for k in opt._tkeys.get(pidx, ()) if opt._tiered.has(k)]
 
+    def _settle(self, opt, k) -> None:
+        """Before a read or write of k: the work that still changes it is done (an install
+        deferred to the next use, a re-expression of m in flight)."""
+        if opt._deferred:
+            opt._settle_deferred()
+        if opt._rotations:
+            opt._settle_rotation(self._p, k)
+
     def __getitem__(self, k):
         k = self._int(k)
-        if self._opt._rotations:
-            self._opt._settle_rotation(self._p, k)
+        opt = self._opt
+        if opt._rotations or opt._deferred:
+            self._settle(opt, k)
         key = self._vkey(k)
         if key is None:
             return dict.__getitem__(self, k)
-        return self._opt._tiered.materialize([key])[key]
+        return opt._tiered.materialize([key])[key]
 
     def get(self, k, default=None):
         return self[k] if k in self else default
@@ -159,8 +168,8 @@ class _ParamState(dict):
     def __setitem__(self, k, v):
         opt = self._opt
         k = self._int(k)
-        if opt._rotations:
-            opt._settle_rotation(self._p, k)
+        if opt._rotations or opt._deferred:
+            self._settle(opt, k)
         if isinstance(v, torch.Tensor) and opt._owned(self._p, k):
             opt._tiered.write((opt._pindex[self._p], k), v)
         else:
@@ -168,8 +177,9 @@ class _ParamState(dict):
 
     def pop(self, k, *default):
         k = self._int(k)
-        if self._opt._rotations:
-            self._opt._settle_rotation(self._p, k)
+        opt = self._opt
+        if opt._rotations or opt._deferred:
+            self._settle(opt, k)
         key = self._vkey(k)
         if key is None:
             return dict.pop(self, k, *default)
@@ -179,8 +189,9 @@ class _ParamState(dict):
 
     def __delitem__(self, k):
         k = self._int(k)
-        if self._opt._rotations:
-            self._opt._settle_rotation(self._p, k)
+        opt = self._opt
+        if opt._rotations or opt._deferred:
+            self._settle(opt, k)
         key = self._vkey(k)
         if key is None:
             dict.__delitem__(self, k)

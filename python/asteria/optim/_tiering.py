@@ -104,8 +104,9 @@ class TieringMixin:
                                                    self._tiered)
         elif self._tiered is not None:
             self._tiered.plan = plan
-        if (self._tags or self._offloads_rotation()) and not isinstance(self.state, _States):
-            # per-shard key names; reads that must wait for a rotation in flight
+        if (self._tags or self._async) and not isinstance(self.state, _States):
+            # per-shard key names; reads that must wait for a rotation in flight or an install
+            # deferred to the next use
             self.state = _States(self, self.state)
         self._migrate()
 

@@ -209,8 +209,9 @@ class SOAP(AsteriaOptimizer):
     def _rotation_offload(self, members: list, ndim: int) -> bool:
         """Offload the re-expression of these members' m: CPU parameters (on a GPU it is two
         device matmuls per side, cheaper than the round trip) with blocks of at most 2 dims
-        (the op's layout)."""
-        return (self._offloads_rotation() and ndim <= 2
+        (the op's layout), unless m is read next (an install deferred to the next step's
+        start, ``_settle_deferred``: the step would wait for the worker at once)."""
+        return (self._offloads_rotation() and ndim <= 2 and not self._settling
                 and all(local(p).device.type == "cpu" for p, _ in members))
 
     def _bases_on_nvme(self, members: list) -> bool:
