@@ -9,6 +9,7 @@ read / written) and the planner's decisions:
   adamw          torch.optim.AdamW
   soap-native    asteria.SOAP, runtime mode="sync" (the native reference: torch.linalg inline)
   asteria-host   asteria.SOAP, mode="async", staleness S (--staleness), eigenbases in host memory
+                 (the host tier, asked for: placement {"eigenbases": "host"})
   asteria-nvme   the same with host_budget_bytes --host-budget and nvme_dir (a fresh directory
                  under --dir-parent): the eigenbases past the budget live on the NVMe tier
 Part 2, the cap: a memory cgroup (benchmarks/memcap.py: cgroup v1 or v2, no swap) capped at
@@ -72,6 +73,8 @@ def worker(spec: dict) -> dict[str, Any]:
         if name.startswith("asteria"):
             rt = {"mode": "async", "staleness": spec["staleness"], "install": "deterministic",
                   "workers": 1}
+            if name == "asteria-host":  # "auto" keeps CPU eigenbases in optimizer.state
+                rt["placement"] = {"eigenbases": "host"}
             rt.update(spec.get("runtime_extra", {}))
         if name == "asteria-nvme":
             rt.update(nvme_dir=spec["nvme_dir"], host_budget_bytes=spec["host_budget"])

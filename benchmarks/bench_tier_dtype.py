@@ -4,7 +4,7 @@ bfloat16 (runtime key ``tier_dtype``), in the users' regime, at equal steps, on 
 Every run trains examples/train_tiny.py's problem (bench_convergence.py's "users" setting:
 TinyGPT d=128, 2 layers, context 128, batch 64 = 8,192 tokens a step, 16x the widest layer),
 warm-up + cosine, Asteria SOAP async S=5 with deterministic install, lr 1e-2, f=10. Its
-eigenbases live on the host tier (``placement="auto"`` on the CPU puts them there). For each
+eigenbases live on the host tier (asked for: ``placement={"eigenbases": "host"}``). For each
 seed (initial weights and batches), one run per tier dtype; reported per run:
   - bytes per tier (asteria_stats(), measured after the last step) and the planner's figures
     (asteria_memory_plan(): steady state and peak per tier);
@@ -63,7 +63,8 @@ def tier_figures(opt) -> dict[str, Any]:
 def run_one(dtype: str, seed: int, problem, args, pin: dict, log) -> dict[str, Any]:
     label = f"{dtype} seed {seed}"
     model = problem.model()
-    rt = dict(async_runtime(args, pin["worker_cpus"]), tier_dtype=dtype)
+    rt = dict(async_runtime(args, pin["worker_cpus"]), tier_dtype=dtype,
+              placement={"eigenbases": "host"})  # "auto" keeps CPU eigenbases in place
     opt, _ = make_with_wide_mask(lambda: make_optimizer("asteria-soap-async",
                                                         model.parameters(), args.lr, args,
                                                         None, runtime=rt))

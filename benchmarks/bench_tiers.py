@@ -3,9 +3,10 @@
 Three configurations train the same TinyGPT (same weights, seed, batches) for f + S + 2 steps,
 past the first refresh's install, so every piece of state exists:
   soap-sync         the native reference (everything on the training device),
-  soap-async-auto   Asteria, placement "auto" (eigenbases in host memory; with no device budget
-                    the device staging ring is bounded: max(one block's eigenbases, 1/8 of
-                    the staged bytes), at most 64 MiB),
+  soap-async-auto   Asteria, eigenbases in host memory, asked for (placement {"eigenbases":
+                    "host"}: on a CPU parameter "auto" keeps them in optimizer.state); with no
+                    device budget the device staging ring is bounded: max(one block's
+                    eigenbases, 1/8 of the staged bytes), at most 64 MiB,
   soap-async-devbudget  Asteria, device_budget_bytes = native's device bytes minus
                     --ring-cut of soap-async-auto's host bytes: the ring shrinks to fit and the
                     step streams the eigenbases through it in chunks,
@@ -54,8 +55,9 @@ def runtime_for(name: str, args, worker_cpus: Optional[str], host_budget: Option
                 device_budget: Optional[int], nvme_dir: Optional[str]) -> dict[str, Any]:
     if name == "soap-sync":
         return {"mode": "sync"}
+    # the host tier asked for: under "auto" a CPU parameter's eigenbases stay in place
     rt: dict[str, Any] = {"mode": "async", "staleness": args.staleness, "workers": args.workers,
-                          "placement": "auto"}
+                          "placement": {"eigenbases": "host"}}
     if worker_cpus:
         rt["cpuset"] = worker_cpus
     if name == "soap-async-devbudget":

@@ -39,6 +39,9 @@ OPTIMIZERS = {
 }
 NAMES = list(OPTIMIZERS)
 ASYNC = {"mode": "async", "staleness": 3, "install": "deterministic", "workers": 2}
+# the host tier explicitly (the residency's blocks go through the checkpoint too): "auto"
+# keeps a CPU parameter's roots / eigenbases in optimizer.state
+ASYNC_HOST = dict(ASYNC, placement={"roots": "host", "eigenbases": "host"})
 SYNC = {"mode": "sync"}
 STEPS = 20
 
@@ -80,13 +83,14 @@ def copied(flat: dict) -> dict:
 # After step 7 and after step 12 one is in flight for every method; Shampoo has no root yet
 # after step 7 and has one after step 12. Split 0 is the checkpoint of an optimizer that never
 # stepped: DCP's fake step creates its state.
+@pytest.mark.parametrize("runtime", [ASYNC, ASYNC_HOST], ids=["async", "async-host"])
 @pytest.mark.parametrize("through", ["files", "memory"])
 @pytest.mark.parametrize("split", [0, 7, 12])
 @pytest.mark.parametrize("name", NAMES)
-def test_flattened_checkpoint_resumes_bitwise(name, split, through, tmp_path):
+def test_flattened_checkpoint_resumes_bitwise(name, split, through, runtime, tmp_path):
     make_opt = OPTIMIZERS[name]
     model = make_model("mlp")
-    opt = make_opt(model.parameters(), runtime=ASYNC)
+    opt = make_opt(model.parameters(), runtime=runtime)
     train_mlp(model, opt, range(1, split + 1))
     flat = get_optimizer_state_dict(model, opt, options=FLAT)
     if through == "files":
@@ -107,7 +111,7 @@ def test_flattened_checkpoint_resumes_bitwise(name, split, through, tmp_path):
 
     fresh = make_model("mlp", seed=123)
     fresh.load_state_dict(msd)
-    opt2 = make_opt(fresh.parameters(), runtime=ASYNC)
+    opt2 = make_opt(fresh.parameters(), runtime=runtime)
     if through == "files":  # as OLMo-core resumes: the template is the fresh optimizer's state
         template = {"optim": get_optimizer_state_dict(fresh, opt2, options=FLAT)}
         assert set(template["optim"]) == set(flat)
@@ -119,7 +123,7 @@ def test_flattened_checkpoint_resumes_bitwise(name, split, through, tmp_path):
     assert_same(got, uninterrupted(name)[split:], split + 1)
 
 
-@pytest.mark.parametrize("runtime", [SYNC, ASYNC], ids=["sync", "async"])
+@pytest.mark.parametrize("runtime", [SYNC, ASYNC, ASYNC_HOST], ids=["sync", "async", "async-host"])
 @pytest.mark.parametrize("name", NAMES)
 def test_live_state_has_its_keys_from_the_start(name, runtime):
     """The live state (what DCP's flattened load keeps), the state dict and the fake-step

@@ -49,6 +49,8 @@ def runtime(nvme_dir=None):
     rt = {"mode": "async", "staleness": 2, "install": "deterministic", "workers": 2}
     if nvme_dir is not None:
         rt.update(nvme_dir=str(nvme_dir), host_budget_bytes=HOST_BUDGET)
+    else:  # the host tier (a residency in the child too), which "auto" gives CPU params no more
+        rt.update(placement={"roots": "host", "eigenbases": "host"})
     return rt
 
 

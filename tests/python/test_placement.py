@@ -1,7 +1,9 @@
 """Placement by life cycle (asteria.tiers.plan, asteria.tiers.residency) on the CPU path.
 
  - the planner's decisions: factors and moments on the device, roots / eigenbases in host
-   memory in async mode, everything on the device in sync mode; logged once at INFO;
+   memory in async mode (a CPU parameter's stay in optimizer.state under "auto" unless a
+   budget or nvme_dir asks for spilling: its device is host memory already), everything on
+   the device in sync mode; logged once at INFO;
  - impossible explicit placements and budgets raise ValueError naming the key, why, and what
    is allowed;
  - asteria_stats() carries the contract keys in both modes, with the bytes per tier;
@@ -32,6 +34,7 @@ MAKERS = {
 }
 NAMES = list(MAKERS)
 ALL_DEVICE = {"roots": "device", "eigenbases": "device"}
+HOST = {"roots": "host", "eigenbases": "host"}  # the residency + staging ring on CPU
 STEPS = 12
 
 
@@ -54,9 +57,11 @@ def assert_bitwise(a, b):
 
 
 def test_auto_plan_async_and_logged_once(caplog):
+    # a host budget asks for spilling, so "auto" keeps a CPU parameter's eigenbases in the
+    # host tier (without one they stay in optimizer.state: test_auto_keeps_cpu_bases_in_place)
     model = make_model("mlp")
     with caplog.at_level(logging.INFO, logger="asteria"):
-        opt = SOAP(model.parameters(), runtime=rt())
+        opt = SOAP(model.parameters(), runtime=rt(host_budget_bytes=1 << 30))
     try:
         plan = opt.asteria_plan()
         assert any("factors" in d and "device" in d for d in plan)
@@ -71,6 +76,124 @@ def test_auto_plan_async_and_logged_once(caplog):
         opt.close()
 
 
+AUTO_KINDS = {"soap": ("eigenbases", "b0.Q0"), "shampoo": ("roots", "b0.Linv0")}
+CPU_BLOCKS, CPU_BYTES = 6, 6 * 8 * 8 * 8  # the mlp: 3 weights x 2 sides, 8x8 float64
+
+
+def train_open(name, runtime, steps=STEPS):
+    """Train the mlp; return (params after every step, the optimizer, still open)."""
+    model = make_model("mlp")
+    opt = MAKERS[name](model.parameters(), runtime)
+    traj = []
+    for t in range(1, steps + 1):
+        loss_and_grad(model, "mlp", t)
+        opt.step()
+        traj.append(params_of(model))
+    return traj, opt
+
+
+@pytest.mark.parametrize("name", list(AUTO_KINDS))
+def test_auto_keeps_cpu_bases_in_place(name, caplog):
+    """Rule 2 on CPU: with placement "auto" and no budget / nvme_dir a CPU parameter's roots /
+    eigenbases stay in optimizer.state: no residency, no staging ring, no host bytes for them,
+    and the same trajectory as the explicit all-device placement."""
+    kind, key = AUTO_KINDS[name]
+    with caplog.at_level(logging.INFO, logger="asteria"):
+        opt = MAKERS[name](make_model("mlp").parameters(), rt())
+    try:
+        plan = opt.asteria_plan()
+        logged = [r.getMessage() for r in caplog.records if r.name == "asteria"]
+        assert logged == [f"asteria plan: {d}" for d in plan]  # each decision once
+    finally:
+        opt.close()
+    dev, opt_d = run("mlp", lambda p: MAKERS[name](p, rt(placement=ALL_DEVICE)), STEPS)
+    auto, opt = train_open(name, rt())
+    try:
+        assert_bitwise(auto, dev)
+        assert opt._tiered is None
+        assert set(opt._plan.block_tier.values()) == {"device"} and not opt._plan.tiered
+        assert opt._plan.tiers[kind] == "auto"
+        plan = opt.asteria_plan()
+        assert f"{kind} ({CPU_BYTES / 1024:.1f} KiB, {CPU_BLOCKS} blocks) on the parameters' " \
+               "device (CPU: host memory already; no staging)" in plan
+        assert not any("staging ring" in d or "in host memory" in d for d in plan)
+        mp, md = opt.asteria_memory_plan(), opt_d.asteria_memory_plan()
+        assert mp["ring_bytes"] == 0 and mp["planned_bytes"].get("host", 0) == 0
+        assert mp["planned_bytes"] == md["planned_bytes"]
+        assert mp["planned_bytes"]["device"] >= CPU_BYTES
+        assert mp["peak_total"] == sum(mp["peak_parts"].values()) == \
+            sum(mp["peak_bytes"].values())
+        assert mp["peak_parts"]["state"] == sum(mp["planned_bytes"].values())
+        assert mp["peak_bytes"] == md["peak_bytes"] and mp["peak_parts"] == md["peak_parts"]
+        held = [dict.__getitem__(st, key) for st in opt.state.values() if key in dict.keys(st)]
+        assert len(held) == 3 and all(torch.is_tensor(v) and v.shape == (8, 8) for v in held)
+        st = opt.asteria_stats()
+        assert st["bytes_host"] == 0 and st["bytes_device_ring"] == 0
+        assert st.get("prefetches", 0) == 0 and st.get("bytes_h2d_ring", 0) == 0
+        assert st["installs"] > 0
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("name", list(AUTO_KINDS))
+@pytest.mark.parametrize("ask", ["host_budget", "nvme_dir", "device_budget", "explicit"])
+def test_cpu_bases_still_tier_when_asked(name, ask, tmp_path):
+    """A budget, nvme_dir or an explicit "host" keeps the host tier on CPU: the blocks live in
+    the residency and reach the step through the staging ring, on the all-device
+    trajectory."""
+    kind, key = AUTO_KINDS[name]
+    kw = {"host_budget": dict(host_budget_bytes=1 << 30),
+          "nvme_dir": dict(nvme_dir=str(tmp_path)),
+          "device_budget": dict(device_budget_bytes=1 << 30),
+          "explicit": dict(placement={kind: "host"})}[ask]
+    dev, _ = run("mlp", lambda p: MAKERS[name](p, rt(placement=ALL_DEVICE)), STEPS)
+    host, opt = train_open(name, rt(**kw))
+    try:
+        assert_bitwise(host, dev)
+        assert opt._tiered is not None and opt._plan.tiered
+        assert set(opt._plan.block_tier.values()) == {"host"}
+        plan = opt.asteria_plan()
+        assert any("staging ring" in d for d in plan)
+        assert not any("no staging" in d for d in plan)
+        mp = opt.asteria_memory_plan()
+        assert mp["planned_bytes"]["host"] == CPU_BYTES and mp["ring_bytes"] > 0
+        assert mp["peak_total"] == sum(mp["peak_parts"].values())
+        assert sum(opt._tiered.owns((i, key)) for i in opt._pindex.values()) == 3
+        assert not any(key in dict.keys(st) for st in opt.state.values())
+        st = opt.asteria_stats()
+        assert st["bytes_host"] == CPU_BYTES and st["prefetches"] > 0
+        assert st["bytes_h2d_ring"] > 0
+    finally:
+        opt.close()
+
+
+def test_auto_rule_is_per_parameter_device():
+    """make_plan alone, a CUDA and a CPU parameter side by side (no device needed: the
+    capabilities are given): "auto" stages the CUDA parameter's bases from pinned host memory
+    and keeps the CPU parameter's in place; a host budget sends both to host memory."""
+    from asteria.config import RuntimeConfig
+    from asteria.tiers.plan import Capabilities, StateEntry, make_plan
+
+    caps = Capabilities(cuda=True, pinned=True, pinned_reason="", uvm=False, uvm_reason="no")
+    f64 = torch.float64
+    entries = [StateEntry(0, "b0.GG0", "factors", 512, torch.device("cuda", 0), f64),
+               StateEntry(0, "b0.Q0", "eigenbases", 512, torch.device("cuda", 0), f64),
+               StateEntry(1, "b0.GG0", "factors", 512, torch.device("cpu"), f64),
+               StateEntry(1, "b0.Q0", "eigenbases", 512, torch.device("cpu"), f64)]
+    plan = make_plan(RuntimeConfig.from_user({"mode": "async"}), entries, caps)
+    assert plan.block_tier == {(0, "b0.Q0"): "host_pinned", (1, "b0.Q0"): "device"}
+    assert "eigenbases (512 B, 1 blocks) on the parameters' device (CPU: host memory " \
+           "already; no staging)" in plan.decisions
+    assert any(d.startswith("eigenbases (512 B, 1 blocks) in host memory (host_pinned)")
+               for d in plan.decisions)
+    assert plan.planned_bytes == {"device": 3 * 512 + plan.ring_bytes, "host_pinned": 512}
+    assert sum(plan.peak_parts.values()) == sum(plan.peak_bytes.values())
+    plan = make_plan(RuntimeConfig.from_user({"mode": "async", "host_budget_bytes": 1 << 20}),
+                     entries, caps)
+    assert plan.block_tier == {(0, "b0.Q0"): "host_pinned", (1, "b0.Q0"): "host"}
+    assert any("CPU parameters' too: host_budget_bytes set" in d for d in plan.decisions)
+
+
 def test_sync_plan_is_all_device_and_stats_keys():
     _, opt = run("mlp", lambda p: SOAP(p, precondition_frequency=4, runtime={"mode": "sync"}),
                  6)
@@ -82,7 +205,7 @@ def test_sync_plan_is_all_device_and_stats_keys():
 
 
 def test_async_stats_keys_and_tier_bytes():
-    _, opt = run("mlp", lambda p: MAKERS["soap"](p, rt()), 8)
+    _, opt = run("mlp", lambda p: MAKERS["soap"](p, rt(placement=HOST)), 8)
     st = opt.asteria_stats()
     assert set(STATS_KEYS) <= set(st)
     q_bytes = 6 * 8 * 8 * 8  # 3 weights x 2 eigenbases, 8x8 float64
@@ -122,7 +245,7 @@ def test_sync_refuses_tiers_and_budgets_that_cannot_hold():
 
 def budgets(name):
     """(device bytes of factors + moments, the ring's minimum) of the mlp for an optimizer."""
-    opt = MAKERS[name](make_model("mlp").parameters(), rt())
+    opt = MAKERS[name](make_model("mlp").parameters(), rt(placement=HOST))
     plan = opt._plan
     opt.close()
     return plan.planned_bytes["device"] - plan.ring_bytes, plan.ring_min
@@ -131,7 +254,7 @@ def budgets(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_tiered_is_bitwise_the_all_device_path(name):
     dev, opt_d = run("mlp", lambda p: MAKERS[name](p, rt(placement=ALL_DEVICE)), STEPS)
-    host, opt_h = run("mlp", lambda p: MAKERS[name](p, rt()), STEPS)
+    host, opt_h = run("mlp", lambda p: MAKERS[name](p, rt(placement=HOST)), STEPS)
     assert_bitwise(host, dev)
     sd, sh = opt_d.asteria_stats(), opt_h.asteria_stats()
     # all-device: refresh results are copied to the device; tiered: they stay in host memory
@@ -225,8 +348,7 @@ def test_borrow_restages_a_chunk_that_fits_only_from_an_empty_ring():
 def test_checkpoint_of_tiered_state_is_the_all_device_one(name):
     def train(placement, steps, model=None, sd=None):
         model = model or make_model("mlp")
-        opt = MAKERS[name](model.parameters(), rt(placement=placement) if placement
-                           else rt())
+        opt = MAKERS[name](model.parameters(), rt(placement=placement))
         if sd is not None:
             opt.load_state_dict(sd)
         for t in range(steps[0], steps[1] + 1):
@@ -235,7 +357,7 @@ def test_checkpoint_of_tiered_state_is_the_all_device_one(name):
         return model, opt
 
     m_d, o_d = train(ALL_DEVICE, (1, 7))
-    m_h, o_h = train(None, (1, 7))
+    m_h, o_h = train(HOST, (1, 7))
     sd_d, sd_h = o_d.state_dict(), o_h.state_dict()
     assert sd_d["state"].keys() == sd_h["state"].keys()
     for i in sd_d["state"]:
@@ -249,7 +371,7 @@ def test_checkpoint_of_tiered_state_is_the_all_device_one(name):
     o_d.close()
     twin = make_model("mlp")
     twin.load_state_dict(m_h.state_dict())
-    _, o_r = train(None, (8, STEPS), model=twin, sd=sd_h)
+    _, o_r = train(HOST, (8, STEPS), model=twin, sd=sd_h)
     for t in range(8, STEPS + 1):
         loss_and_grad(m_h, "mlp", t)
         o_h.step()

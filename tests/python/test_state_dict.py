@@ -29,6 +29,9 @@ OPTIMIZERS = {
 }
 NAMES = list(OPTIMIZERS)
 ASYNC = {"mode": "async", "staleness": 3, "install": "deterministic", "workers": 2}
+# the host tier explicitly (state_dict gathers the residency's blocks, load puts them back):
+# "auto" keeps a CPU parameter's roots / eigenbases in optimizer.state
+ASYNC_HOST = dict(ASYNC, placement={"roots": "host", "eigenbases": "host"})
 SPLIT, STEPS = 7, 20
 
 
@@ -81,11 +84,12 @@ def resumed(name, runtime, through, new_runtime=None):
     return traj, sd
 
 
+@pytest.mark.parametrize("runtime", [ASYNC, ASYNC_HOST], ids=["async", "async-host"])
 @pytest.mark.parametrize("through", ["direct", "bytes"])
 @pytest.mark.parametrize("name", NAMES)
-def test_resume_with_refresh_in_flight_is_bitwise(name, through):
+def test_resume_with_refresh_in_flight_is_bitwise(name, through, runtime):
     want = uninterrupted(name, ASYNC)
-    got, sd = resumed(name, ASYNC, through)
+    got, sd = resumed(name, runtime, through)
     pending = [st for st in sd["state"].values() if "pending.install_in" in st]
     assert len(pending) == 3  # the three weight matrices; biases are AdamW
     install_step = (5 if name == "shampoo" else 6) + ASYNC["staleness"]

@@ -89,8 +89,10 @@ class ShampooRefBF16(ShampooRef):
 
 
 def rt(tier_dtype="bfloat16", **kw):
+    # explicit host tier: "auto" keeps a CPU parameter's blocks in optimizer.state (nothing to
+    # narrow) unless a budget / nvme_dir asks for spilling
     base = {"mode": "async", "staleness": S, "install": "deterministic", "workers": 2,
-            "tier_dtype": tier_dtype}
+            "tier_dtype": tier_dtype, "placement": {"roots": "host", "eigenbases": "host"}}
     base.update(kw)
     return base
 
@@ -296,7 +298,9 @@ def test_default_is_float32():
 def test_memory_plan_before_training(mode):
     """asteria_memory_plan(): the planner's figures from construction on, no step needed."""
     opt = SOAP(make_model("mlp").float().parameters(),
-               runtime={"mode": mode, "tier_dtype": "bfloat16"})
+               runtime={"mode": mode, "tier_dtype": "bfloat16",
+                        # async: the host tier explicitly (what is narrowed)
+                        **({"placement": {"eigenbases": "host"}} if mode == "async" else {})})
     plan = opt.asteria_memory_plan()
     opt.close()
     assert set(plan) >= {"peak_bytes", "peak_total", "peak_parts", "planned_bytes",

@@ -8,17 +8,25 @@ State kinds and their life cycle
    (Adam / momentum buffers) are read and written every step: they stay on the parameter's
    device. Nothing else is possible for them in either mode (the step computes there).
  - ``roots`` (Shampoo's Linv, Rinv) and ``eigenbases`` (SOAP's Q_L, Q_R, KL-Shampoo's Q_a, Q_b)
-   are written once per refresh and read every step: in ``mode="async"`` they live in host
-   memory and reach the step through the device staging ring (``asteria.tiers.residency``).
+   are written once per refresh and read every step: in ``mode="async"`` those of a CUDA
+   parameter live in host memory and reach the step through the device staging ring
+   (``asteria.tiers.residency``); those of a CPU parameter are in host memory already and
+   stay in optimizer.state unless the run asks for budgeting or spilling (rule 2).
 
 Rules (``mode="async"``)
  1. factors and moments: "device". Their bytes must fit ``device_budget_bytes`` (else
     ValueError naming the key).
- 2. roots / eigenbases under ``placement="auto"``: the host tier of their parameter's device:
-    "uvm" where the CUDA device reports coherent host access to managed memory (probed through
-    the store, never assumed), else "host_pinned" for a CUDA parameter, else "host". An
-    explicit tier in a placement dict replaces that preference; an impossible one raises
-    ValueError naming the key, the reason and the allowed tiers.
+ 2. roots / eigenbases under ``placement="auto"``: for a CUDA parameter, the host tier of its
+    device: "uvm" where the device reports coherent host access to managed memory (probed
+    through the store, never assumed), else "host_pinned". For a parameter whose device is
+    not CUDA (a CPU parameter: its device IS host memory) they stay on "device", i.e. in
+    optimizer.state with no residency and no staging ring (a host->host copy each step buys
+    nothing), unless the run asks for budgeting or spilling: with ``host_budget_bytes``,
+    ``nvme_dir`` or ``device_budget_bytes`` set they go to "host" as for any host-resident
+    block, so rules 3 and 4 apply (CPU-only runs can still spill to NVMe). An explicit tier
+    in a placement dict replaces that preference (explicit "host" on a CPU parameter puts
+    its blocks in the residency); an impossible one raises ValueError naming the key, the
+    reason and the allowed tiers.
  3. device budget: roots / eigenbases placed on "device" (explicitly) are kept there in
     parameter order while ``device_budget_bytes`` allows, the rest spill to the host tier
     (roots -> host first). Whenever any block is host-resident, the staging ring is carved out
@@ -209,6 +217,13 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
     kind_bytes = {k: sum(e.nbytes for e in v) for k, v in by_kind.items()}
     dev_budget, host_budget = cfg.device_budget_bytes, cfg.host_budget_bytes
 
+    # rule 2: a parameter off CUDA already lives in host memory, so its roots / eigenbases
+    # stay in place under "auto" unless the run asks for budgeting or spilling
+    asked = [k for k, v in (("device_budget_bytes", dev_budget is not None),
+                            ("host_budget_bytes", host_budget is not None),
+                            ("nvme_dir", bool(cfg.nvme_dir))) if v]
+    spill_asked = bool(asked)
+
     def host_tier(e: StateEntry) -> str:
         if e.device.type != "cuda":
             return "host"
@@ -246,13 +261,29 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
         if not es:
             continue
         if want is None:
-            for e in es:
+            in_place = [e for e in es if e.device.type != "cuda" and not spill_asked]
+            hosted = [e for e in es if e.device.type == "cuda" or spill_asked]
+            for e in in_place:
+                block_tier[e.key] = "device"
+            for e in hosted:
                 block_tier[e.key] = host_tier(e)
-            names = sorted({block_tier[e.key] for e in es})
-            dec.append(f"{kind} ({_mib(kind_bytes[kind])}, {len(es)} blocks) in host memory "
-                       f"({', '.join(names)}): written once per refresh, staged for each step"
-                       + ("; coherent host access detected, read in place (no prefetch copy)"
-                          if "uvm" in names else ""))
+            if in_place:
+                types = sorted({e.device.type for e in in_place})
+                why = "; ".join("CPU: host memory already" if t == "cpu" else
+                                f"{t}: not a CUDA device" for t in types)
+                dec.append(f"{kind} ({_mib(sum(e.nbytes for e in in_place))}, "
+                           f"{len(in_place)} blocks) on the parameters' device ({why}; "
+                           "no staging)")
+            if hosted:
+                names = sorted({block_tier[e.key] for e in hosted})
+                dec.append(f"{kind} ({_mib(sum(e.nbytes for e in hosted))}, {len(hosted)} "
+                           f"blocks) in host memory ({', '.join(names)}): written once per "
+                           "refresh, staged for each step"
+                           + ("; coherent host access detected, read in place (no prefetch "
+                              "copy)" if "uvm" in names else "")
+                           + (f"; CPU parameters' too: {' and '.join(asked)} set "
+                              "(budgeting / spilling asked for)"
+                              if any(e.device.type != "cuda" for e in hosted) else ""))
         else:
             for e in es:
                 block_tier[e.key] = want if want != "host_pinned" or e.device.type == "cuda" \
