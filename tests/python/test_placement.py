@@ -383,3 +383,18 @@ def test_checkpoint_of_tiered_state_is_the_all_device_one(name):
     st = o_r.state[twin.layers[0].weight]
     key = "b0.Linv0" if name == "shampoo" else "b0.Q0"
     assert type(st) is dict and torch.is_tensor(st[key]) and st[key].shape == (8, 8)
+
+
+@pytest.mark.parametrize("name", list(AUTO_KINDS))
+def test_cpu_bases_tier_when_narrowing_is_asked(name):
+    """tier_dtype "bfloat16" narrows blocks outside the device only: asking for it puts a CPU
+    parameter's blocks in the residency (narrowed) instead of leaving it without effect."""
+    kind, key = AUTO_KINDS[name]
+    _, opt = train_open(name, rt(tier_dtype="bfloat16"))
+    try:
+        assert opt._tiered is not None and set(opt._plan.block_tier.values()) == {"host"}
+        plan = opt.asteria_plan()
+        assert any("tier_dtype 'bfloat16' set" in d for d in plan), plan
+        assert 0 < opt.asteria_memory_plan()["planned_bytes"]["host"] < CPU_BYTES
+    finally:
+        opt.close()

@@ -21,8 +21,9 @@ Rules (``mode="async"``)
     through the store, never assumed), else "host_pinned". For a parameter whose device is
     not CUDA (a CPU parameter: its device IS host memory) they stay on "device", i.e. in
     optimizer.state with no residency and no staging ring (a host->host copy each step buys
-    nothing), unless the run asks for budgeting or spilling: with ``host_budget_bytes``,
-    ``nvme_dir`` or ``device_budget_bytes`` set they go to "host" as for any host-resident
+    nothing), unless the run asks for budgeting, spilling or narrowing: with
+    ``host_budget_bytes``, ``nvme_dir``, ``device_budget_bytes`` or a narrowing
+    ``tier_dtype`` (rule 5) set they go to "host" as for any host-resident
     block, so rules 3 and 4 apply (CPU-only runs can still spill to NVMe). An explicit tier
     in a placement dict replaces that preference (explicit "host" on a CPU parameter puts
     its blocks in the residency); an impossible one raises ValueError naming the key, the
@@ -221,7 +222,9 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
     # stay in place under "auto" unless the run asks for budgeting or spilling
     asked = [k for k, v in (("device_budget_bytes", dev_budget is not None),
                             ("host_budget_bytes", host_budget is not None),
-                            ("nvme_dir", bool(cfg.nvme_dir))) if v]
+                            ("nvme_dir", bool(cfg.nvme_dir)),
+                            (f"tier_dtype {cfg.tier_dtype!r}", cfg.tier_dtype in _NARROW))
+              if v]
     spill_asked = bool(asked)
 
     def host_tier(e: StateEntry) -> str:
@@ -282,7 +285,7 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
                            + ("; coherent host access detected, read in place (no prefetch "
                               "copy)" if "uvm" in names else "")
                            + (f"; CPU parameters' too: {' and '.join(asked)} set "
-                              "(budgeting / spilling asked for)"
+                              "(budgeting / spilling / narrowing asked for)"
                               if any(e.device.type != "cuda" for e in hosted) else ""))
         else:
             for e in es:
