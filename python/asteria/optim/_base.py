@@ -362,21 +362,21 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         finite = [True] * len(params)
         for device, idx in by_device.items():
             # one reduction per gradient that is finite iff all its elements are (NaN and
-            # +-inf propagate, huge finite values must not overflow), then one isfinite and one
-            # transfer per device. On the host, float32/16 sums in float64 (|sum| <= n*3.4e38
-            # cannot overflow): one pass, ~4x cheaper than isfinite().all() (eq, abs, ne, all)
-            # and than _foreach_norm(inf) there; else the max-norm, one fused kernel per device
-            # on an accelerator (the norm has no value on an empty tensor: those count as 0).
+            # +-inf propagate, huge finite values cannot overflow), then one isfinite and one
+            # transfer per device. On the host aminmax: one pass, no temporary, ~5x cheaper
+            # than isfinite().all() (eq, abs, ne, all) and than _foreach_norm(inf) there; on an
+            # accelerator the max-norm, one fused kernel for the device's gradients.
+            idx = [i for i in idx if local(params[i].grad).numel()]  # empty: finite, no value
+            if not idx:
+                continue
             grads = [local(params[i].grad) for i in idx]
-            if device.type == "cpu" and all(
-                    g.dtype in (torch.float32, torch.float16, torch.bfloat16) for g in grads):
-                red = [g.sum(dtype=torch.float64) for g in grads]
+            if device.type == "cpu" and not any(g.is_complex() for g in grads):
+                ext = torch.stack([t for g in grads for t in torch.aminmax(g)]).view(-1, 2)
+                flags = torch.isfinite(ext).all(1).tolist()
             else:
-                full = [g for g in grads if g.numel()]
-                norms = iter(torch._foreach_norm(full, float("inf")) if full else ())
-                zero = torch.zeros((), device=device)
-                red = [next(norms) if g.numel() else zero for g in grads]
-            for i, ok in zip(idx, torch.isfinite(torch.stack(red)).tolist()):
+                flags = torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf"))))
+                flags = flags.tolist()
+            for i, ok in zip(idx, flags):
                 finite[i] = ok
         if self._global is not None:  # a globally blocked parameter is skipped on every rank
             finite = self._global.agree(params, finite)
