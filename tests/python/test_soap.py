@@ -203,18 +203,23 @@ def test_matrix_fast_path_equals_general_path(shape):
     for dim in (0, 1):
         torch.testing.assert_close(F.gram(x, dim), want[dim], rtol=1e-13, atol=1e-14)
 
-    for hp in (dict(normalize_grads=False, correct_bias=True),
-               dict(normalize_grads=True, correct_bias=True),
-               dict(normalize_grads=False, correct_bias=False)):
-        for steps in ([3] * B, list(range(2, 2 + B))):  # one step size, one per block
-            w, g, mo, v = rand(B, m, n), rand(B, m, n), rand(B, m, n), rand(B, m, n).abs()
-            factors = [rand(B, m, m), rand(B, n, n)]
-            args = dict(lr=1e-2, beta1=0.9, beta2=0.95, shampoo_beta=0.9, eps=1e-8,
-                        weight_decay=0.1, **hp)
-            nd = [t.clone().unsqueeze(-1) for t in (w, g, mo, v)]
-            nd_factors = [f.clone() for f in factors] + [None]
-            F.soap_step(w, g, mo, v, factors, [ql, qr], steps, **args)
-            F.soap_step(*nd, nd_factors, [ql, qr, None], steps, **args)
-            for got, want in zip((w, g, mo, v, *factors), (*nd, *nd_factors)):
-                torch.testing.assert_close(got, want.squeeze(-1) if want.dim() == 4 else want,
-                                           rtol=1e-12, atol=1e-14)
+    cases = [(hp, bases, steps)
+             for hp in (dict(normalize_grads=False, correct_bias=True),
+                        dict(normalize_grads=True, correct_bias=True),
+                        dict(normalize_grads=False, correct_bias=False))
+             for bases in ([ql, qr], [ql, None], [None, qr])
+             for steps in ([3] * B, list(range(2, 2 + B)))]  # one step size, one per block
+    for hp, bases, steps in cases:
+        w, g, mo, v = rand(B, m, n), rand(B, m, n), rand(B, m, n), rand(B, m, n).abs()
+        factors = [None if q is None else rand(B, q.shape[1], q.shape[1]) for q in bases]
+        args = dict(lr=1e-2, beta1=0.9, beta2=0.95, shampoo_beta=0.9, eps=1e-8,
+                    weight_decay=0.1, **hp)
+        nd = [t.clone().unsqueeze(-1) for t in (w, g, mo, v)]
+        nd_factors = [None if f is None else f.clone() for f in factors] + [None]
+        F.soap_step(w, g, mo, v, factors, bases, steps, **args)
+        F.soap_step(*nd, nd_factors, bases + [None], steps, **args)
+        for got, want in zip((w, g, mo, v, *factors), (*nd, *nd_factors)):
+            if got is None:
+                continue
+            torch.testing.assert_close(got, want.squeeze(-1) if want.dim() == 4 else want,
+                                       rtol=1e-12, atol=1e-14)

@@ -153,17 +153,21 @@ def soap_step(w: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor,
     else:
         sizes = [lr] * len(steps)
     decay = 1.0 - lr * weight_decay
-    # W = (W - step U) - lr wd (W - step U) = decay W - decay step U: U's last product
-    # accumulates into W (one baddbmm) where the update has no normalisation
-    last = max((i for i, q in enumerate(bases) if q is not None), default=None)
-    if (not normalize_grads and w.dim() == 3 and last == 1 and w.dtype == x.dtype):
+    if (w.dim() == 3 and not normalize_grads and w.dtype == x.dtype
+            and any(q is not None for q in bases)):
+        # W = (W - step U) - lr wd (W - step U) = decay W - decay step U: U's last product
+        # accumulates into W (one baddbmm: no U, no separate update or weight-decay pass)
         if all(s == sizes[0] for s in sizes):
             alpha = -decay * sizes[0]
         else:
             x.mul_(_per_block(sizes, x))
             alpha = -decay
-        u = project_back(x, [bases[0], None])
-        w.baddbmm_(u, bases[1].transpose(1, 2), beta=decay, alpha=alpha)
+        q_l, q_r = bases
+        if q_r is None:
+            w.baddbmm_(q_l, x, beta=decay, alpha=alpha)
+        else:
+            w.baddbmm_(project_back(x, [q_l, None]), q_r.transpose(1, 2), beta=decay,
+                       alpha=alpha)
     else:
         u = project_back(x, bases)
         if normalize_grads:
@@ -173,7 +177,6 @@ def soap_step(w: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor,
         else:
             w.sub_(u.mul_(_per_block(sizes, u)))  # u is this step's own temporary
         w.add_(w, alpha=-lr * weight_decay)
-    del x, u
     for i, f in enumerate(factors):
         if f is not None:
             _ema_gram(f, g, i, shampoo_beta, 1.0 - shampoo_beta)
