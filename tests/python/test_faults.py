@@ -202,3 +202,39 @@ def test_kl_shampoo_overflow_guard_is_exact_otherwise():
     assert torch.equal(w_b[1], w0_b[1])  # the overflowing block is untouched
     for x, y in zip(f_a + s_a, f_b + s_b):
         assert torch.equal(x[0], y[0])
+
+
+# ---- non-finite gradients: the per-step check --------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_finite_check_flags_nan_and_inf_not_huge_finite(dtype):
+    """_finite flags a gradient holding NaN, +inf or -inf (anywhere, also next to huge values)
+    and only those: the largest finite values of the dtype (1e38 in float32, its max in every
+    dtype) and an empty gradient are finite; and SOAP skips exactly the flagged parameters."""
+    top = torch.finfo(dtype).max
+    cases = {"ok": None, "nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf"),
+             "1e38": min(1e38, top), "-max": -top, "nan_after_inf": "mix"}
+    params = []
+    for value in cases.values():
+        p = torch.nn.Parameter(torch.ones(4, 3, dtype=dtype))
+        p.grad = torch.full_like(p, 0.5)
+        if value == "mix":
+            p.grad[0, 0], p.grad[3, 2] = float("inf"), float("nan")
+        elif value is not None:
+            p.grad[2, 1] = value
+            p.grad[1, 1] = p.grad[0, 1] = top  # a naive sum in the dtype would overflow
+        params.append(p)
+    empty = torch.nn.Parameter(torch.ones(0, 3, dtype=dtype))
+    empty.grad = torch.zeros_like(empty)
+    want = [True, False, False, False, True, True, False]
+    opt = SOAP(params + [empty], runtime={"mode": "sync"})
+    assert opt._finite(params + [empty]) == want + [True]
+    assert opt._finite([params[0]]) == [True]
+    assert opt._finite([params[1]]) == [False]
+    if dtype in (torch.float32, torch.float64):
+        opt.step()  # SOAP's first step: a finite block's factors start, a skipped one's not
+        assert opt.asteria_stats()["nonfinite_skipped"] == want.count(False)
+        assert [bool(opt.state[p]) for p in params] == want
+        opt.step()
+        assert [opt.state[p].get("step") for p in params] == [1 if ok else None for ok in want]
+    opt.close()

@@ -166,3 +166,60 @@ def test_soap_permute_moves_v_by_each_sort_order(shape, sides):
     got = v.clone()
     F.soap_permute(got, perms)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 3), (3, 4, 4), (2, 3, 6)])
+def test_matrix_fast_path_equals_general_path(shape):
+    """project / project_back / gram / mode_mul on a stack of matrices (direct bmms on
+    transposed views) equal the general N-D path (dimension moved last, reshaped, bmm), and a
+    whole soap_step (U's last product and weight decay accumulated into W, factors by baddbmm)
+    equals the step of the same blocks with a trailing dimension of size 1 (the N-D path)."""
+    gen = torch.Generator().manual_seed(5)
+
+    def rand(*s):
+        return torch.randn(*s, generator=gen, dtype=torch.float64)
+
+    B, m, n = shape
+    x = rand(B, m, n)
+    ql, qr = torch.linalg.qr(rand(B, m, m)).Q, torch.linalg.qr(rand(B, n, n)).Q
+    for bases in ([ql, qr], [ql, None], [None, qr]):
+        general, general_back = x, x  # the general path, dimension by dimension
+        for i, q in enumerate(bases):
+            if q is not None:
+                general = F._mode_mul_nd(general, q, i)
+                general_back = F._mode_mul_nd(general_back, q.transpose(1, 2), i)
+        for got, want in ((F.project(x, bases), general),
+                          (F.project_back(x, bases), general_back),
+                          (F.project(x.unsqueeze(-1), bases + [None])[..., 0], general),
+                          (F.project_back(x.unsqueeze(-1), bases + [None])[..., 0],
+                           general_back)):
+            torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-14)
+    for dim, q in ((0, ql), (1, qr)):
+        torch.testing.assert_close(F.mode_mul(x, q, dim), F._mode_mul_nd(x, q, dim),
+                                   rtol=1e-13, atol=1e-14)
+        torch.testing.assert_close(F.gram(x, dim), F.gram(x.unsqueeze(-1), dim), rtol=1e-13,
+                                   atol=1e-14)
+    want = x @ x.transpose(1, 2), x.transpose(1, 2) @ x
+    for dim in (0, 1):
+        torch.testing.assert_close(F.gram(x, dim), want[dim], rtol=1e-13, atol=1e-14)
+
+    cases = [(hp, bases, steps)
+             for hp in (dict(normalize_grads=False, correct_bias=True),
+                        dict(normalize_grads=True, correct_bias=True),
+                        dict(normalize_grads=False, correct_bias=False))
+             for bases in ([ql, qr], [ql, None], [None, qr])
+             for steps in ([3] * B, list(range(2, 2 + B)))]  # one step size, one per block
+    for hp, bases, steps in cases:
+        w, g, mo, v = rand(B, m, n), rand(B, m, n), rand(B, m, n), rand(B, m, n).abs()
+        factors = [None if q is None else rand(B, q.shape[1], q.shape[1]) for q in bases]
+        args = dict(lr=1e-2, beta1=0.9, beta2=0.95, shampoo_beta=0.9, eps=1e-8,
+                    weight_decay=0.1, **hp)
+        nd = [t.clone().unsqueeze(-1) for t in (w, g, mo, v)]
+        nd_factors = [None if f is None else f.clone() for f in factors] + [None]
+        F.soap_step(w, g, mo, v, factors, bases, steps, **args)
+        F.soap_step(*nd, nd_factors, bases + [None], steps, **args)
+        for got, want in zip((w, g, mo, v, *factors), (*nd, *nd_factors)):
+            if got is None:
+                continue
+            torch.testing.assert_close(got, want.squeeze(-1) if want.dim() == 4 else want,
+                                       rtol=1e-12, atol=1e-14)

@@ -361,9 +361,22 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
                 raise RuntimeError("Asteria optimizers do not support sparse gradients")
             by_device[local(p.grad).device].append(i)
         finite = [True] * len(params)
-        for idx in by_device.values():
-            flags = torch.stack([torch.isfinite(local(params[i].grad)).all()
-                                 for i in idx]).tolist()
+        for device, idx in by_device.items():
+            # one reduction per gradient that is finite iff all its elements are (NaN and
+            # +-inf propagate, huge finite values cannot overflow), then one isfinite and one
+            # transfer per device. On the host aminmax: one pass, no temporary, ~5x cheaper
+            # than isfinite().all() (eq, abs, ne, all) and than _foreach_norm(inf) there; on an
+            # accelerator the max-norm, one fused kernel for the device's gradients.
+            idx = [i for i in idx if local(params[i].grad).numel()]  # empty: finite, no value
+            if not idx:
+                continue
+            grads = [local(params[i].grad) for i in idx]
+            if device.type == "cpu" and not any(g.is_complex() for g in grads):
+                ext = torch.stack([t for g in grads for t in torch.aminmax(g)]).view(-1, 2)
+                flags = torch.isfinite(ext).all(1).tolist()
+            else:
+                flags = torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf"))))
+                flags = flags.tolist()
             for i, ok in zip(idx, flags):
                 finite[i] = ok
         if self._global is not None:  # a globally blocked parameter is skipped on every rank

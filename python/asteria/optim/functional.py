@@ -27,6 +27,13 @@ Mats = Sequence[Optional[torch.Tensor]]
 def mode_mul(x: torch.Tensor, m: torch.Tensor, dim: int) -> torch.Tensor:
     """Contract block dimension ``dim`` of ``x`` with the first index of ``m`` (B, d, e):
     ``y[.., b, ..] = sum_a x[.., a, ..] m[a, b]``; for a matrix and dim 0 that is ``m^T x``."""
+    if x.dim() == 3:  # a stack of matrices: one bmm, operands as (transposed) views, no copies
+        return torch.bmm(m.transpose(1, 2), x) if dim == 0 else torch.bmm(x, m)
+    return _mode_mul_nd(x, m, dim)
+
+
+def _mode_mul_nd(x: torch.Tensor, m: torch.Tensor, dim: int) -> torch.Tensor:
+    """mode_mul for blocks of any rank: dimension ``dim`` moved last, one bmm, moved back."""
     xm = x.movedim(dim + 1, -1)
     shape = xm.shape
     y = torch.bmm(xm.reshape(shape[0], -1, shape[-1]), m)
@@ -51,8 +58,26 @@ def project_back(x: torch.Tensor, bases: Mats) -> torch.Tensor:
 
 def gram(g: torch.Tensor, dim: int) -> torch.Tensor:
     """``G G^T`` along block dimension ``dim``, contracting every other dimension: (B, d, d)."""
+    if g.dim() == 3:
+        return torch.bmm(g, g.transpose(1, 2)) if dim == 0 else torch.bmm(g.transpose(1, 2), g)
     gm = g.movedim(dim + 1, 1).reshape(g.shape[0], g.shape[dim + 1], -1)
     return torch.bmm(gm, gm.transpose(1, 2))
+
+
+def _ema_gram(f: torch.Tensor, g: torch.Tensor, dim: int, beta: float, alpha: float,
+              inplace: bool = True) -> torch.Tensor:
+    """``beta * f + alpha * gram(g, dim)``, into f (``inplace``) or a new tensor. For a stack of
+    matrices one baddbmm: the product accumulates into the result, no (B, d, d) temporary and
+    no second pass over f."""
+    if g.dim() == 3 and f.dtype == g.dtype:
+        gt = g.transpose(1, 2)
+        a, b = (g, gt) if dim == 0 else (gt, g)
+        if inplace:
+            return f.baddbmm_(a, b, beta=beta, alpha=alpha)
+        return torch.baddbmm(f, a, b, beta=beta, alpha=alpha)
+    if inplace:
+        return f.mul_(beta).add_(gram(g, dim), alpha=alpha)
+    return torch.add(f * beta, gram(g, dim), alpha=alpha)
 
 
 def is_scaled_identity(f: torch.Tensor) -> list[bool]:
@@ -118,21 +143,43 @@ def soap_step(w: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor,
     """One later SOAP step: moments in the rotated basis, parameter update, then L/R update
     with the current gradient. The REFRESH (k % f == 0) is the caller's business."""
     gp = project(g, bases)
-    exp_avg.mul_(beta1).add_(gp, alpha=1.0 - beta1)
-    exp_avg_sq.mul_(beta2).add_(gp.square(), alpha=1.0 - beta2)
-    denom = exp_avg_sq.sqrt().add_(eps)
+    exp_avg.lerp_(gp, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(gp, gp, value=1.0 - beta2)
+    del gp
+    x = exp_avg_sq.sqrt().add_(eps)
+    x = torch.div(exp_avg, x, out=x)  # m / (sqrt(v) + eps), in the one temporary
     if correct_bias:
         sizes = [lr * math.sqrt(1.0 - beta2 ** k) / (1.0 - beta1 ** k) for k in steps]
     else:
         sizes = [lr] * len(steps)
-    u = project_back(exp_avg / denom, bases)
-    if normalize_grads:
-        u = u / (_rms(u) + 1e-30)
-    w.sub_(_per_block(sizes, w) * u)
-    w.add_(w, alpha=-lr * weight_decay)
+    decay = 1.0 - lr * weight_decay
+    if (w.dim() == 3 and not normalize_grads and w.dtype == x.dtype
+            and any(q is not None for q in bases)):
+        # W = (W - step U) - lr wd (W - step U) = decay W - decay step U: U's last product
+        # accumulates into W (one baddbmm: no U, no separate update or weight-decay pass)
+        if all(s == sizes[0] for s in sizes):
+            alpha = -decay * sizes[0]
+        else:
+            x.mul_(_per_block(sizes, x))
+            alpha = -decay
+        q_l, q_r = bases
+        if q_r is None:
+            w.baddbmm_(q_l, x, beta=decay, alpha=alpha)
+        else:
+            w.baddbmm_(project_back(x, [q_l, None]), q_r.transpose(1, 2), beta=decay,
+                       alpha=alpha)
+    else:
+        u = project_back(x, bases)
+        if normalize_grads:
+            u = u / (_rms(u) + 1e-30)
+        if all(s == sizes[0] for s in sizes):
+            w.add_(u, alpha=-sizes[0])
+        else:
+            w.sub_(u.mul_(_per_block(sizes, u)))  # u is this step's own temporary
+        w.add_(w, alpha=-lr * weight_decay)
     for i, f in enumerate(factors):
         if f is not None:
-            f.lerp_(gram(g, i), 1.0 - shampoo_beta)
+            _ema_gram(f, g, i, shampoo_beta, 1.0 - shampoo_beta)
 
 
 def soap_install(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, old_bases: Mats,
@@ -231,7 +278,7 @@ def kl_step(w: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor, factors: Ma
             if j != i and qj is not None:
                 x = mode_mul(x, qj * sj.unsqueeze(1), j)
                 hs = hs * broadcast(j, sj)
-        f_new = torch.add(f * b, gram(x, i), alpha=(1.0 - b) / (numel / shape[i + 1]))
+        f_new = _ema_gram(f, x, i, b, (1.0 - b) / (numel / shape[i + 1]), inplace=False)
         other = [d for d in range(1, len(shape)) if d != i + 1]
         d = hs.square().mean(dim=other) if other else hs.square()
         lam = torch.lerp(1.0 / s.square(), d, 1.0 - b)
@@ -265,10 +312,7 @@ def shampoo_step(w: torch.Tensor, g: torch.Tensor, factors: Mats, roots: Optiona
     for i, f in enumerate(factors):
         if f is None:
             continue
-        if beta2 == 1.0:
-            f.add_(gram(g, i))
-        else:
-            f.mul_(beta2).add_(gram(g, i), alpha=1.0 - beta2)
+        _ema_gram(f, g, i, beta2, 1.0 if beta2 == 1.0 else 1.0 - beta2)  # b2 = 1: L += G G^T
     momentum.mul_(beta1).add_(g, alpha=1.0 - beta1)
     mh = momentum / _per_block([1.0 - beta1 ** k for k in steps], momentum)
     grafting_v.mul_(grafting_beta2).addcmul_(g, g, value=1.0 - grafting_beta2)
