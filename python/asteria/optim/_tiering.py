@@ -316,14 +316,9 @@ class TieringMixin:
         for st, (p, j), xi in zip(states, members, x.unbind(0)):
             dict.__setitem__(st, key(j), xi)  # not through the proxy: no tier, no settle
             entries.append((p, key(j)))
-        ident = id(x)
-
-        def forget(_ref, ident=ident, packs=packs):
-            got = packs.get(ident)
-            if got is not None and got[0] is _ref:
-                del packs[ident]
-
-        packs[ident] = (weakref.ref(x, forget), entries)
+        for ident in [i for i, (ref, _) in packs.items() if ref() is None]:
+            del packs[ident]  # packs nothing holds any more (no callback: no cycle)
+        packs[id(x)] = (weakref.ref(x), entries)
         return x
 
     def _stack_dims(self, members: list, name: str, has: Sequence[bool],
