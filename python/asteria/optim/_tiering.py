@@ -2,10 +2,11 @@
 eigenbases outside the device, and the accessors the step uses so that the kernels see exactly
 the tensors of the all-device path.
 
-Owns: the plan, the residency, the map from a parameter to its tiered keys, and the staging of
-stacks through the ring in chunks that fit it. May call: torch, ``asteria.tiers.plan``,
-``asteria.tiers.residency``, the executor selection (``asteria.refresh.select``). Single-threaded
-(the training thread and the hooks it runs on that thread).
+Owns: the plan, the residency, the map from a parameter to its tiered keys, the staging of
+stacks through the ring in chunks that fit it, and the packs of device state (``_packs``).
+May call: torch, ``asteria.tiers.plan``, ``asteria.tiers.residency``, the executor selection
+(``asteria.refresh.select``). Single-threaded (the training thread and the hooks it runs on
+that thread).
 
 Placement (``asteria.tiers.plan``, ``asteria.tiers.residency``): at construction the planner assigns a
 tier to every piece of state. Factors and moments always live in ``self.state`` on the
@@ -23,6 +24,17 @@ Reduced-precision tiers (``tier_dtype="bfloat16"``): the residency keeps the blo
 rounded, in the state's dtype. A value used before it is stored (SOAP's new basis, which m
 is re-expressed in at install) is rounded the same way first (``_as_stored``): the step
 always uses the basis the state holds.
+
+Packed state: the device-resident state of a stack of same-shape blocks (the moments, factors
+and device roots / bases that a step reads and updates) is kept in one buffer per name, each
+member's entry a slice of it, so that the step's kernels work on the state in place: no
+stack copied in, nothing copied back (``_stack(view=True)``, used by the subclasses'
+``_step_blocks`` only). When the members' tensors are not such slices (the first step, a
+parameter skipped or without a gradient, a load, an added group, a tensor replaced), the
+stack is copied as before and the entries are re-pointed at its slices; a former pack's other
+members get private copies then, so no stale buffer stays alive (torch.save writes a view's
+whole storage). Everything else that takes a stack (installs, jobs, ``out=``) gets a copy, as
+before. Values are those of the copying path, bit for bit.
 """
 
 from __future__ import annotations
@@ -38,6 +50,61 @@ from asteria.tiers import plan as _placement
 from asteria.tiers import residency as _tiered_mod
 from asteria.refresh import select as _select
 from asteria.optim._state import _ParamState, _States, local
+
+
+#: Keep the device-resident state of a stack of same-shape blocks packed in one buffer, so
+#: that the step reads and updates it in place (``TieringMixin._stack(view=True)``). Tests
+#: flip it off to compare against a run whose every step copies.
+PACK = True
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Are a and b the same memory, seen the same way?"""
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride() and a.device == b.device)
+
+
+def _slices_of(ts: list) -> Optional[torch.Tensor]:
+    """The stack that ts are, in order, the consecutive slices x[a], x[a + 1], ... of (a
+    contiguous packed buffer, or the exact part of it), else None."""
+    t0 = ts[0]
+    base = t0._base
+    if base is None or base.dim() != t0.dim() + 1 or not base.is_contiguous():
+        return None
+    shape = base.shape[1:]
+    step = base.stride(0)
+    start = t0.storage_offset() - base.storage_offset()
+    if step == 0 or start % step:
+        return None
+    a, n = start // step, len(ts)
+    if a + n > base.shape[0]:
+        return None
+    strides = base.stride()[1:]
+    at = t0.storage_offset()
+    for t in ts:
+        if (t._base is not base or t.storage_offset() != at or t.shape != shape
+                or t.stride() != strides):
+            return None
+        at += step
+    return base if a == 0 and n == base.shape[0] else base[a:a + n]
+
+
+def _release(packs: dict, base, keep: set, state) -> None:
+    """A pack being replaced: its members not in ``keep`` ({(id(param), name)}) that still
+    hold their slice of it get a private copy, so nothing keeps the old buffer alive (memory,
+    and torch.save, which writes a view's whole storage)."""
+    if base is None:
+        return
+    got = packs.pop(id(base), None)
+    if got is None or got[0]() is not base:
+        return
+    for p, name in got[1]:
+        if (id(p), name) in keep:
+            continue
+        st = state.get(p)
+        cur = dict.get(st, name) if isinstance(st, dict) else None
+        if isinstance(cur, torch.Tensor) and cur._base is base:
+            dict.__setitem__(st, name, cur.clone())
 
 
 def _close_all(engine, tiered) -> None:
@@ -194,9 +261,20 @@ class TieringMixin:
         chunks.append(cur)
         return chunks
 
-    def _stack(self, members: list, name: str, out: Optional[torch.Tensor] = None
-               ) -> torch.Tensor:
-        """The members' ``b{j}.{name}`` stacked (a copy), into ``out`` when given."""
+    def _stack(self, members: list, name: str, out: Optional[torch.Tensor] = None,
+               view: bool = False) -> torch.Tensor:
+        """The members' ``b{j}.{name}`` stacked: a copy (into ``out`` when given), which the
+        caller may keep, donate to a job or write freely.
+
+        ``view=True`` (the step's reads of the state it updates in place): where every member's
+        tensor lives on the device (none owned by the residency), the packed buffer itself
+        when the members' tensors are its consecutive slices in this order (no copy: writes
+        to it are writes to the state); otherwise the members are stacked as above and each
+        member's entry is re-pointed at its slice of the new stack, so that the next step's
+        read is zero-copy. Residency-owned blocks are always copied (borrowed from the ring);
+        ``_unstack`` writes them back. See "Packed state" in the module docstring."""
+        if out is None and view and PACK and not self._any_owned(members, name):
+            return self._packed(members, name)
         if self._tiered is not None:
             keys = [(self._pindex[p], f"b{j}.{name}") for p, j in members]
             owned = [self._tiered.owns(k) for k in keys]
@@ -216,15 +294,49 @@ class TieringMixin:
                     self._tiered.give_back(mine)
         return torch.stack([self.state[p][f"b{j}.{name}"] for p, j in members], out=out)
 
-    def _stack_dims(self, members: list, name: str, has: Sequence[bool]) -> list:
-        return [self._stack(members, f"{name}{i}") if h else None for i, h in enumerate(has)]
+    def _any_owned(self, members: list, name: str) -> bool:
+        if self._tiered is None:
+            return False
+        return any(self._tiered.owns((self._pindex[p], f"b{j}.{name}")) for p, j in members)
+
+    def _packed(self, members: list, name: str) -> torch.Tensor:
+        """The device-resident members' ``b{j}.{name}`` as one packed stack that the state
+        entries are slices of (see ``_stack(view=True)``)."""
+        key = f"b{{}}.{name}".format
+        states = [self.state[p] for p, _ in members]  # (reads settle a rotation in flight)
+        ts = [st[key(j)] for st, (_, j) in zip(states, members)]
+        x = _slices_of(ts)
+        if x is not None:
+            return x
+        x = torch.stack(ts)
+        packs = self.__dict__.setdefault("_packs", {})
+        mine = {(id(p), key(j)) for p, j in members}
+        for t in ts:  # a former pack's other members keep private copies (no stale buffer)
+            _release(packs, t._base, mine, self.state)
+        entries = []
+        for st, (p, j), xi in zip(states, members, x.unbind(0)):
+            dict.__setitem__(st, key(j), xi)  # not through the proxy: no tier, no settle
+            entries.append((p, key(j)))
+        for ident in [i for i, (ref, _) in packs.items() if ref() is None]:
+            del packs[ident]  # packs nothing holds any more (no callback: no cycle)
+        packs[id(x)] = (weakref.ref(x), entries)
+        return x
+
+    def _stack_dims(self, members: list, name: str, has: Sequence[bool],
+                    view: bool = False) -> list:
+        return [self._stack(members, f"{name}{i}", view=view) if h else None
+                for i, h in enumerate(has)]
 
     def _unstack(self, members: list, name: str, x: torch.Tensor) -> None:
+        """Write a stack back into the members' ``b{j}.{name}``; a member whose tensor is
+        already its slice of x (a packed stack from ``_stack(view=True)``) needs nothing."""
         for (p, j), xi in zip(members, x.unbind(0)):
             if self._owned(p, f"b{j}.{name}"):
                 self._tiered.write(self._key(p, f"b{j}.{name}"), xi)
             else:
-                self.state[p][f"b{j}.{name}"].copy_(xi)
+                t = self.state[p][f"b{j}.{name}"]
+                if not _same(t, xi):
+                    t.copy_(xi)
 
     def _prepare(self, work: list) -> None:
         """Phase A of a step with a residency: NVMe blocks read back (verified) and written out

@@ -158,10 +158,11 @@ class KLShampoo(AsteriaOptimizer):
     def _step_blocks(self, group, members, w, g, steps):
         g = g.to(_cdtype(group))
         has = self._has_factor(g.shape[1:], group)
-        m = self._stack(members, "exp_avg")
-        factors = self._stack_dims(members, "S", has)
-        bases = self._stack_dims(members, "Q", has)
-        scales = self._stack_dims(members, "s", has)
+        # the state's packed stacks, updated in place (copies only for tiered blocks)
+        m = self._stack(members, "exp_avg", view=True)
+        factors = self._stack_dims(members, "S", has, view=True)
+        bases = self._stack_dims(members, "Q", has, view=True)
+        scales = self._stack_dims(members, "s", has, view=True)
         clamp = [F.kl_clamp_max(d, group["max_clamp_value"]) if h and group["using_clamping"]
                  else None for d, h in zip(g.shape[1:], has)]
         ok = F.kl_step(w, g, m, factors, bases, scales, lr=float(group["lr"]),

@@ -141,13 +141,16 @@ class Shampoo(AsteriaOptimizer):
 
     def _step_blocks(self, group, members, w, g, steps):
         has = self._has_factor(g.shape[1:], group)
-        factors = self._stack_dims(members, "L", has)
+        # the state's packed stacks, updated in place (copies only for tiered blocks)
+        factors = self._stack_dims(members, "L", has, view=True)
         p0, j0 = members[0]
-        roots = self._stack_dims(members, "Linv", has) if self._batch_tag(p0, j0) else None
+        roots = (self._stack_dims(members, "Linv", has, view=True) if self._batch_tag(p0, j0)
+                 else None)
         start = group["start_preconditioning_step"]
         if start == -1:
             start = group["precondition_frequency"]
-        m1, vg = self._stack(members, "momentum"), self._stack(members, "grafting_v")
+        m1 = self._stack(members, "momentum", view=True)
+        vg = self._stack(members, "grafting_v", view=True)
         F.shampoo_step(w, g, factors, roots, m1, vg, steps, [k >= start for k in steps],
                        lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
                        grafting_beta2=group["grafting_beta2"],

@@ -128,9 +128,11 @@ class SOAP(AsteriaOptimizer):
 
     def _step_blocks(self, group, members, w, g, steps):
         has = self._has_factor(g.shape[1:], group)
-        m, v = self._stack(members, "exp_avg"), self._stack(members, "exp_avg_sq")
-        factors = self._stack_dims(members, "GG", has)
-        bases = self._stack_dims(members, "Q", has)
+        # the state's packed stacks, updated in place (copies only for tiered blocks)
+        m = self._stack(members, "exp_avg", view=True)
+        v = self._stack(members, "exp_avg_sq", view=True)
+        factors = self._stack_dims(members, "GG", has, view=True)
+        bases = self._stack_dims(members, "Q", has, view=True)
         F.soap_step(w, g, m, v, factors, bases, steps, lr=float(group["lr"]),
                     beta1=group["betas"][0], beta2=group["betas"][1],
                     shampoo_beta=self._shampoo_beta(group), eps=group["eps"],

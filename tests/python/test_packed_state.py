@@ -1,0 +1,210 @@
+"""Packed state (``asteria.optim._tiering``, "Packed state"): the device state of a stack of
+same-shape blocks lives in one buffer per name, the members' entries its slices, so the step
+updates it in place with no stack copied in or out.
+
+ - after a few steps the stack's state tensors share one storage, stay where they are, and
+   the step stacks none of them (torch.stack is watched during ``_step_blocks``);
+ - a parameter skipped (non-finite gradient), one without a gradient, a group added and a
+   load_state_dict in between leave the run bitwise that of an optimizer that never packs
+   (``_tiering.PACK = False``), in mode "sync" and "async";
+ - a saved state dict is no larger than one of the same state unpacked (torch.save writes a
+   view's whole storage: a pack must not outlive its members' use of it).
+"""
+
+from __future__ import annotations
+
+import io
+import re
+
+import pytest
+import torch
+
+from asteria import KLShampoo, SOAP, Shampoo
+from asteria.optim import _tiering
+from models import loss_and_grad, make_model, require_c_extension
+
+F64 = {"compute_dtype": torch.float64}
+MAKERS = {
+    "soap": lambda p, rt: SOAP(p, precondition_frequency=3, runtime=rt),
+    "shampoo": lambda p, rt: Shampoo(p, lr=3e-3, precondition_frequency=3, runtime=rt),
+    "kl_shampoo": lambda p, rt: KLShampoo(p, lr=3e-3, precondition_frequency=3, runtime=rt,
+                                          **F64),
+}
+ASYNC = {"mode": "async", "staleness": 2, "install": "deterministic", "workers": 2}
+RUNTIMES = {
+    "sync": {"mode": "sync"},
+    "async": ASYNC,  # roots / bases in the residency (copied through the ring)
+    "async-device": dict(ASYNC, placement={"roots": "device", "eigenbases": "device"}),
+}
+# the per-block state a step reads and updates (not the refresh placeholders)
+_STEP_KEY = re.compile(r"b\d+\.(exp_avg|exp_avg_sq|momentum|grafting_v|(GG|Q|L|Linv|S|s)\d+)")
+
+
+@pytest.fixture(autouse=True)
+def _c_ext():
+    require_c_extension()
+
+
+def weights(model):
+    return [p for p in model.parameters() if p.dim() == 2]
+
+
+def step_state(opt, p) -> dict:
+    """p's device tensors of the step's keys (the live entries, not through the proxy)."""
+    return {k: v for k, v in dict.items(opt.state[p])
+            if isinstance(v, torch.Tensor) and _STEP_KEY.fullmatch(k)}
+
+
+def train(opt, model, steps):
+    for t in steps:
+        loss_and_grad(model, "mlp", t)
+        opt.step()
+
+
+@pytest.mark.parametrize("mode", list(RUNTIMES))
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_stack_state_is_packed_and_not_copied(name, mode, monkeypatch):
+    model = make_model("mlp")
+    ws = weights(model)
+    opt = MAKERS[name](model.parameters(), RUNTIMES[mode])
+    try:
+        # past the first installs (Shampoo's roots change its stacks once they are all set)
+        train(opt, model, range(1, 10))
+        before = {(i, k): v.data_ptr() for i, p in enumerate(ws)
+                  for k, v in step_state(opt, p).items()}
+        assert before
+        one_chunk = opt._tiered is None  # with a residency the ring may split a stack
+        if one_chunk:
+            keys = set(step_state(opt, ws[0]))
+            for k in keys:  # the three weights' blocks: one stack, one storage per name
+                ts = [step_state(opt, p)[k] for p in ws]
+                assert len({t.untyped_storage().data_ptr() for t in ts}) == 1, k
+                assert ts[0].untyped_storage().nbytes() == sum(t.nbytes for t in ts), k
+
+        stacked, inside = [], []
+        real_stack = torch.stack
+
+        def watched_stack(tensors, *args, **kwargs):
+            if inside:
+                stacked.append([t.data_ptr() for t in tensors])
+            return real_stack(tensors, *args, **kwargs)
+
+        real_blocks = opt._step_blocks
+
+        def watched_blocks(*args, **kwargs):
+            inside.append(1)
+            try:
+                return real_blocks(*args, **kwargs)
+            finally:
+                inside.pop()
+
+        monkeypatch.setattr(torch, "stack", watched_stack)
+        monkeypatch.setattr(opt, "_step_blocks", watched_blocks)
+        train(opt, model, range(10, 14))  # a refresh comes due and is installed in here
+        monkeypatch.undo()
+        after = {(i, k): v.data_ptr() for i, p in enumerate(ws)
+                 for k, v in step_state(opt, p).items()}
+        assert after == before  # updated in place, never re-made
+        state_ptrs = set(before.values())
+        copied = [ptr for call in stacked for ptr in call if ptr in state_ptrs]
+        assert not copied, f"the step stacked {len(copied)} state tensors"
+        if one_chunk:
+            assert not stacked  # nothing at all is stacked by the step's state reads
+    finally:
+        opt.close()
+
+
+def trajectory(name, mode, pack, monkeypatch):
+    """Losses, parameters and final state of a run that changes its stacks' membership:
+    a skipped parameter (step 4), one without a gradient (step 6), a group added (step 7),
+    a load_state_dict of a saved state dict (step 9)."""
+    monkeypatch.setattr(_tiering, "PACK", pack)
+    model = make_model("mlp")
+    ws = weights(model)
+    torch.manual_seed(5)
+    extra = [torch.nn.Parameter(torch.randn(8, 8, dtype=torch.float64)) for _ in range(2)]
+    opt = MAKERS[name](model.parameters(), RUNTIMES[mode])
+    losses = []
+    try:
+        for t in range(1, 15):
+            losses.append(loss_and_grad(model, "mlp", t))
+            if t == 4:
+                ws[1].grad.fill_(float("nan"))
+            if t == 6:
+                ws[0].grad = None
+            if t == 7:
+                opt.add_param_group({"params": extra})
+            for i, e in enumerate(extra):
+                e.grad = torch.sin((t + i) * e.detach())
+            if t == 9:
+                buf = io.BytesIO()
+                torch.save(opt.state_dict(), buf)
+                buf.seek(0)
+                opt.load_state_dict(torch.load(buf, weights_only=False))
+            opt.step()
+        packed = [t._base is not None for p in ws for t in step_state(opt, p).values()]
+        sd = opt.state_dict()
+        assert opt.asteria_stats()["nonfinite_skipped"] == 1
+    finally:
+        opt.close()
+    params = [p.detach().clone() for p in list(model.parameters()) + extra]
+    return losses, params, sd, packed
+
+
+def assert_same_state(a, b):
+    assert a["state"].keys() == b["state"].keys()
+    for i in a["state"]:
+        sa, sb = a["state"][i], b["state"][i]
+        assert sa.keys() == sb.keys(), i
+        for k in sa:
+            if isinstance(sa[k], torch.Tensor):
+                assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), (i, k)
+            else:
+                assert sa[k] == sb[k], (i, k)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_membership_changes_bitwise_as_unpacked(name, mode, monkeypatch):
+    want_loss, want_params, want_sd, unpacked = trajectory(name, mode, False, monkeypatch)
+    got_loss, got_params, got_sd, packed = trajectory(name, mode, True, monkeypatch)
+    assert not any(unpacked)
+    assert packed and all(packed)  # the comparison is not vacuous: the state is packed
+    assert all(torch.equal(a, b) for a, b in zip(got_loss, want_loss))
+    assert all(torch.equal(a, b) for a, b in zip(got_params, want_params))
+    assert_same_state(got_sd, want_sd)
+
+
+def saved_bytes(sd) -> int:
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    return buf.tell()
+
+
+def unpacked(sd) -> dict:
+    return dict(sd, state={i: {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                for k, v in st.items()} for i, st in sd["state"].items()})
+
+
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_saved_state_dict_does_not_grow(name):
+    model = make_model("mlp")
+    ws = weights(model)
+    opt = MAKERS[name](model.parameters(), {"mode": "sync"})
+    try:
+        train(opt, model, range(1, 6))
+        assert all(t._base is not None for t in step_state(opt, ws[1]).values())
+        for skipped in (False, True):
+            if skipped:  # the stack is re-made without ws[1]: ws[1] must not keep the old one
+                loss_and_grad(model, "mlp", 6)
+                ws[1].grad = None
+                opt.step()
+            sd = opt.state_dict()
+            got, want = saved_bytes(sd), saved_bytes(unpacked(sd))
+            assert got <= want * 1.01, (skipped, got, want)
+            for st in sd["state"].values():  # no saved tensor drags a larger storage along
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor) and v._base is not None:
+                        assert v.untyped_storage().nbytes() <= 3 * v.nbytes, k
+    finally:
+        opt.close()
