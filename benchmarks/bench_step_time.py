@@ -3,8 +3,9 @@
 The same TinyGPT (examples/tinygpt.py), initial weights, seed and batches of Tiny Shakespeare
 train under each optimizer in turn, all SOAPs at precondition_frequency f. Native sync SOAP runs
 its REFRESH (QR power iteration of every eigenbasis) inline every f steps, so its step time
-spikes; Asteria async SOAP (staleness S, deterministic install) hands it to one C pool worker
-pinned to the core the training thread does not use. Warm-up steps are excluded from the
+spikes; Asteria async SOAP (staleness S, deterministic install; eigenbases placed in host
+memory and staged for each step, as on a GPU) hands it to one C pool worker pinned to the core
+the training thread does not use. Warm-up steps are excluded from the
 statistics. The model is sized so a REFRESH costs several steps (fc factors 4d wide).
 
 Reports per optimizer: step-time median / p99 / max, p99/median, max/median, optimizer-state bytes
@@ -62,14 +63,19 @@ def make_optimizer(name: str, params, args, worker_cpus: Optional[str]):
     if name == "soap-sync":
         return asteria.SOAP(params, lr=LR, precondition_frequency=f, runtime={"mode": "sync"})
     if name == "soap-async":
+        params = list(params)
         return asteria.SOAP(params, lr=LR, precondition_frequency=f,
-                            runtime=async_runtime(args, worker_cpus))
+                            runtime=async_runtime(args, worker_cpus, params[0].device))
     raise ValueError(f"unknown run {name!r}; allowed: {', '.join(RUNS)}")
 
 
-def async_runtime(args, worker_cpus: Optional[str]) -> dict[str, Any]:
+def async_runtime(args, worker_cpus: Optional[str], device: torch.device) -> dict[str, Any]:
     rt: dict[str, Any] = {"mode": "async", "staleness": args.staleness,
                           "install": "deterministic", "workers": args.workers}
+    if device.type == "cpu":
+        # the GPU layout (eigenbases in host memory, staged for each step), so the device-bytes
+        # target means what it means on a GPU; "auto" would keep them in place on a CPU
+        rt["placement"] = {"eigenbases": "host"}
     if worker_cpus:
         rt["cpuset"] = worker_cpus
     return rt
@@ -110,7 +116,7 @@ def run_one(name: str, args, cfg: GPTConfig, init_state: dict, batches: list, de
     w = args.warmup
     out: dict[str, Any] = {
         "optimizer": name,
-        "runtime": (async_runtime(args, worker_cpus) if name == "soap-async"
+        "runtime": (async_runtime(args, worker_cpus, device) if name == "soap-async"
                     else {"mode": "sync"} if name == "soap-sync" else None),
         "summary": common.summarize_ms(res["step_s"][w:]),
         "opt_step_summary": common.summarize_ms(res["opt_s"][w:]),
