@@ -1,5 +1,5 @@
 """Smoke tests of benchmarks/bench_step_time.py, bench_core_contention.py, bench_convergence.py,
-bench_staleness.py, bench_tier_dtype.py and examples/train_tiny.py (the main job): a --quick (or tiny) run into tmp_path
+bench_staleness.py, bench_tier_dtype.py, bench_step_lockstep.py and examples/train_tiny.py (the main job): a --quick (or tiny) run into tmp_path
 writes a result file with the metadata and sane statistics. They run in this process through
 main(argv) (no second torch import), which restores the thread count and CPU affinity."""
 
@@ -203,6 +203,28 @@ def test_bench_tier_dtype_quick(tmp_path):
     assert data["comparison"]["within_noise"] in (True, False)
     assert [n["bytes"]["nvme"] for n in data["nvme"]] == [
         data["results"][0]["bytes"]["host"], data["results"][1]["bytes"]["host"]]
+
+
+@pytest.mark.timeout(120)
+def test_bench_step_lockstep_quick(tmp_path):
+    bl = load_bench("bench_step_lockstep")
+    bl.main(["--quick", "--no-plot", "--out-dir", str(tmp_path)])
+    data = json.loads((tmp_path / "bench_step_lockstep.json").read_text())
+    assert set(data["runs"]) == {"adamw", "asteria-soap-async", "asteria-soap-sync"}
+    steps = data["settings"]["steps"]
+    for name, r in data["runs"].items():
+        ps = r["per_step"]
+        assert len(ps["fwd_bwd_ms"]) == len(ps["opt_ms"]) == len(ps["loss"]) == steps, name
+        assert all(t > 0 for t in ps["fwd_bwd_ms"] + ps["opt_ms"])
+        assert 0 < r["opt_ms"]["median"] and 0 < r["fwd_bwd_ms"]["median"] < r["step_ms"]["p99"]
+    # the three share initial weights and batches: the first step's loss is the same
+    first = {r["per_step"]["loss"][0] for r in data["runs"].values()}
+    assert len(first) == 1
+    kinds = data["runs"]["asteria-soap-async"]["per_step"]["kinds"]
+    assert "refresh" in kinds and "install" in kinds  # S = 0: the install in the next step
+    f = data["figures"]
+    assert f["limit_ms"] > data["runs"]["adamw"]["step_ms"]["median"]
+    assert f["step_over_limit"] > 0 and f["step_over_limit_equal_fwd_bwd"] > 0
 
 
 @pytest.mark.timeout(120)
