@@ -105,16 +105,22 @@ def test_eager_never_older_than_s(name, s):
     assert all(torch.isfinite(p).all() for p in traj[-1])
 
 
+def _watched(name, s):
+    """An "mlp" model, its optimizer at staleness s, the first layer's weight, the state key
+    of that weight's first basis (root for Shampoo) and the step whose end snapshots its first
+    REFRESH (the step where k reaches 5)."""
+    make_opt, _ = OPTIMIZERS[name]
+    model = make_model("mlp")
+    opt = make_opt(model.parameters(), runtime=deterministic(s))
+    key = "b0.Linv0" if name == "shampoo" else "b0.Q0"
+    return model, opt, model.layers[0].weight, key, 5 if name == "shampoo" else 6
+
+
 @pytest.mark.parametrize("name", ["soap", "kl_shampoo", "shampoo"])
 def test_install_exactly_s_steps_after_snapshot(name):
     """With S = 3 the refresh snapshotted at the end of step t changes the basis at the end of
     step t + 3, not before."""
-    make_opt, _ = OPTIMIZERS[name]
-    model = make_model("mlp")
-    opt = make_opt(model.parameters(), runtime=deterministic(3))
-    w = model.layers[0].weight
-    key = "b0.Linv0" if name == "shampoo" else "b0.Q0"
-    snapshot = 5 if name == "shampoo" else 6  # the step where k reaches 5
+    model, opt, w, key, snapshot = _watched(name, 3)
     seen = []
     for t in range(1, 12):
         loss_and_grad(model, "mlp", t)
@@ -157,11 +163,7 @@ def test_s0_install_waits_for_the_next_use(name):
     (here: a read of optimizer.state), not at step t's end; the read sees the state that an
     install at step t's end leaves."""
     make_opt, _ = OPTIMIZERS[name]
-    model = make_model("mlp")
-    opt = make_opt(model.parameters(), runtime=deterministic(0))
-    w = model.layers[0].weight
-    key = "b0.Linv0" if name == "shampoo" else "b0.Q0"
-    refresh = 5 if name == "shampoo" else 6  # the step where k reaches 5
+    model, opt, w, key, refresh = _watched(name, 0)
     for t in range(1, refresh + 1):
         loss_and_grad(model, "mlp", t)
         opt.step()
