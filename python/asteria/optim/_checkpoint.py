@@ -17,8 +17,8 @@ Checkpoints through torch.distributed.checkpoint (DCP).
    shapes and dtypes, with ``b{j}.pending{dim}_ok`` = 0), and so do Shampoo's roots (zeros with
    ``b{j}.Linv{i}_set`` = 0 before the first install). Live, a placeholder is a stride-0 view of
    one shared zero (no memory); ``state_dict()`` hands out real zeros or the results. With
-   S = 0 (``mode="sync"``) nothing is ever in flight at a step end and the pending keys do not
-   exist.
+   S = 0 (and ``mode="sync"``) the pending keys do not exist: ``state_dict()`` first carries
+   out an install deferred to the next use (``_schedule``), so nothing is in flight there.
  - The fake step. DCP materialises the state of an optimizer without one by ``step()`` with
    zero gradients and lr 0. It launches no engine job (zero factors get the identity basis;
    a refresh due then is not submitted), and the next real step of a parameter whose state is
