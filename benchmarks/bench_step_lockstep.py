@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import Any, Optional, Sequence
 
 import torch
@@ -54,40 +53,17 @@ def run(args, argv) -> dict[str, Any]:
     torch.set_num_threads(1)
     pin = conv.placement()
     problem = conv.build_problem(args.preset, args.steps, args.seed)
-    rows = []
-    for name in RUNS:
-        model = problem.model()
-        opt, kw = conv.make_with_wide_mask(lambda: conv.make_optimizer(
-            name, model.parameters(), LRS[name], args, pin["worker_cpus"]))
-        rows.append({"name": name, "model": model, "opt": opt, "fb": [], "opt_ms": [],
-                     "kinds": [], "losses": []})
-    cpu0 = common.cpu_snapshot()
     log(f"{args.steps} steps of {', '.join(RUNS)} in lockstep ({args.preset}, "
         f"{problem.batch * problem.cfg.block} tokens a step), load {common.loadavg()}")
-    schedules = {name: conv.warmup_cosine(LRS[name], args.steps) for name in RUNS}
-    for i in range(args.steps):
-        for r in rows:
-            for g in r["opt"].param_groups:
-                g["lr"] = schedules[r["name"]](i)
-            r["opt"].zero_grad(set_to_none=True)
-            before = r["opt"].asteria_stats() if hasattr(r["opt"], "asteria_stats") else {}
-            t0 = time.perf_counter()
-            loss = r["model"](*problem.batches[i])
-            loss.backward()
-            t1 = time.perf_counter()
-            r["opt"].step()
-            t2 = time.perf_counter()
-            after = r["opt"].asteria_stats() if hasattr(r["opt"], "asteria_stats") else {}
-            r["fb"].append(1e3 * (t1 - t0))
-            r["opt_ms"].append(1e3 * (t2 - t1))
-            r["kinds"].append(conv.step_kind(before, after) if before else None)
-            r["losses"].append(float(loss.detach()))
-        if (i + 1) % args.log_every == 0:
-            log(f"step {i + 1}/{args.steps}: " + ", ".join(
-                f"{r['name']} {r['fb'][-1] + r['opt_ms'][-1]:.0f} ms" for r in rows))
-    for r in rows:
-        conv.close(r["opt"])
-    meta["cpu"] = common.cpu_delta(cpu0, common.cpu_snapshot())
+    made = [conv.make_curve(name, LRS[name], problem, args, pin, log, stop_below=None,
+                            budget_s=None) for name in RUNS]
+    results = conv.run_curves([c for c, _ in made])
+    meta["cpu"] = results[0]["cpu"]
+    rows = []
+    for name, (c, _), r in zip(RUNS, made, results):
+        conv.close(c.opt)
+        rows.append({"name": name, "fb": [s - o for s, o in zip(r["step_ms"], r["opt_ms"])],
+                     "opt_ms": r["opt_ms"], "kinds": r["step_kinds"], "losses": r["losses"]})
     meta["machine"]["loadavg_end"] = list(os.getloadavg())
     w = args.warmup
     out: dict[str, Any] = {}
@@ -192,6 +168,7 @@ def parse_args(argv: Optional[Sequence[str]]):
         gemm_reps=3 if q else 30, log_every=4 if q else 20,
         out_dir=os.path.join(common.RESULTS_DIR, "tmp") if q else common.RESULTS_DIR))
     args.heavyball_compile = False
+    args.window = 20  # conv.make_curve's trailing mean (no run stops at a loss here)
     return args
 
 

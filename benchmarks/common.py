@@ -586,100 +586,155 @@ class GcWatch:
         return {"collections_by_generation": list(self.count), "ms": round(self.ms, 3)}
 
 
-def train_steps(model, optimizer, batch, steps: int, device, *, autocast_dtype=None,
-                budget_s: Optional[float] = None, log=None, log_every: int = 25,
-                label: str = "", on_step=None, gc_policy: str = "olmo",
-                gc_interval: int = OLMO_GC_INTERVAL) -> dict[str, Any]:
-    """Run up to ``steps`` training steps, ``batch(i)`` giving step i's (x, y) on ``device``.
-    Times every step (zero_grad + forward + backward + optimizer.step, device synchronised
-    around it), the optimizer step alone, and the training thread's CPU time over the step
-    (what other processes' load does not stretch, as long as the thread keeps its core's cache). Stops early, after a whole step, once ``budget_s``
-    seconds have passed. Between steps (outside the timed region) it samples the runtime's
-    registered host buffers, whose peak the end-of-run stats would miss. ``on_step(i, step_s,
-    opt_s, loss)`` is called after each step (outside the timed region); a true return value
-    stops the run there (a loss target reached: "stopped_at_target"). ``gc_policy``:
-    "olmo" (automatic collection off, ``gc.collect(1)`` after every ``gc_interval`` steps,
-    outside the timed region; the collector's state is restored on the way out) or "auto"
-    (Python's default). The result's "gc" says which collections ran in the timed region."""
-    import gc
+class StepLoop:
+    """Training steps one at a time, ``batch(i)`` giving step i's (x, y) on ``device``, so
+    several models can take turns (``run_loops``). Times every step (zero_grad + forward +
+    backward + optimizer.step, device synchronised around it), the optimizer step alone, and
+    the training thread's CPU time over the step (what other processes' load does not stretch,
+    as long as the thread keeps its core's cache). ``clock()`` is the loop's own time: its
+    steps and their bookkeeping, not other loops' turns. Stops early, after a whole step, once
+    that clock passes ``budget_s``. Between steps (outside the timed region) it samples the
+    runtime's registered host buffers, whose peak the end-of-run stats would miss.
+    ``on_step(i, step_s, opt_s, loss)`` is called after each step (outside the timed region);
+    a true return value stops the loop there (a loss target reached: "stopped_at_target").
+    ``gc_policy``: "olmo" (``gc.collect(1)`` after every ``gc_interval`` steps, outside the
+    timed region; run_loops turns automatic collection off) or "auto" (Python's default).
+    The result's "gc" says which collections ran in the timed region."""
 
-    import torch
+    def __init__(self, model, optimizer, batch, steps: int, device, *, autocast_dtype=None,
+                 budget_s: Optional[float] = None, log=None, log_every: int = 25,
+                 label: str = "", on_step=None, gc_policy: str = "olmo",
+                 gc_interval: int = OLMO_GC_INTERVAL) -> None:
+        if gc_policy not in GC_POLICIES:
+            raise ValueError(f"gc_policy {gc_policy!r}: allowed {', '.join(GC_POLICIES)}")
+        if gc_interval < 1:
+            raise ValueError(f"gc_interval must be >= 1, got {gc_interval}")
+        self.model, self.optimizer, self.batch, self.steps = model, optimizer, batch, steps
+        self.device, self.autocast_dtype, self.budget_s = device, autocast_dtype, budget_s
+        self.log, self.log_every, self.label, self.on_step = log, log_every, label, on_step
+        self.gc_policy, self.gc_interval = gc_policy, gc_interval
+        self.step_s: list[float] = []
+        self.opt_s: list[float] = []
+        self.cpu_s: list[float] = []  # the training thread's CPU time in each step
+        self.losses: list[float] = []
+        self.peak_registered = 0
+        self.stats_fn = getattr(optimizer, "asteria_stats", None)
+        self.watch = GcWatch()
+        self.own_s = 0.0              # finished steps, bookkeeping included
+        self._t0: Optional[float] = None
+        self.done = steps < 1
+        self.stopped_early = self.stopped_at_target = False
 
-    if gc_policy not in GC_POLICIES:
-        raise ValueError(f"gc_policy {gc_policy!r}: allowed {', '.join(GC_POLICIES)}")
-    if gc_interval < 1:
-        raise ValueError(f"gc_interval must be >= 1, got {gc_interval}")
-    step_s: list[float] = []
-    opt_s: list[float] = []
-    cpu_s: list[float] = []  # the training thread's CPU time in each step (time.thread_time)
-    losses: list[float] = []
-    peak_registered = 0
-    stats_fn = getattr(optimizer, "asteria_stats", None)
-    watch = GcWatch()
-    was_enabled = gc.isenabled()
-    gc.callbacks.append(watch)
-    if gc_policy == "olmo":
-        gc.disable()
-    t_start = time.perf_counter()
-    stopped_early = False
-    stopped_at_target = False
-    try:
-        for i in range(steps):
-            x, y = batch(i)
-            device_sync(device)
-            watch.active = True
+    def clock(self) -> float:
+        """Seconds of this loop's own: its finished steps, and the current one so far."""
+        return self.own_s + (0.0 if self._t0 is None else time.perf_counter() - self._t0)
+
+    def step(self) -> bool:
+        """Run the next step and its bookkeeping; True once the loop is over."""
+        import gc
+
+        import torch
+
+        if self.done:
+            return True
+        i = len(self.losses)
+        x, y = self.batch(i)
+        gc.callbacks.append(self.watch)
+        try:
+            device_sync(self.device)
+            self.watch.active = True
             c0 = time.thread_time()
-            t0 = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            if autocast_dtype is not None:
-                with torch.autocast(device_type=torch.device(device).type, dtype=autocast_dtype):
-                    loss = model(x, y)
+            t0 = self._t0 = time.perf_counter()
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.autocast_dtype is not None:
+                with torch.autocast(device_type=torch.device(self.device).type,
+                                    dtype=self.autocast_dtype):
+                    loss = self.model(x, y)
             else:
-                loss = model(x, y)
+                loss = self.model(x, y)
             loss.backward()
-            device_sync(device)
+            device_sync(self.device)
             t1 = time.perf_counter()
-            optimizer.step()
-            device_sync(device)
+            self.optimizer.step()
+            device_sync(self.device)
             t2 = time.perf_counter()
             c2 = time.thread_time()
-            watch.active = False
-            if gc_policy == "olmo" and (i + 1) % gc_interval == 0:
+            self.watch.active = False
+            if self.gc_policy == "olmo" and (i + 1) % self.gc_interval == 0:
                 gc.collect(1)
-            step_s.append(t2 - t0)
-            opt_s.append(t2 - t1)
-            cpu_s.append(c2 - c0)
-            losses.append(float(loss.detach()))
-            if on_step is not None and on_step(i, step_s[-1], opt_s[-1], losses[-1]):
-                stopped_at_target = True
-            if stats_fn is not None:
-                peak_registered = max(peak_registered,
-                                      int(stats_fn().get("bytes_registered", 0)))
-            if log is not None and ((i + 1) % log_every == 0 or i + 1 == steps):
-                recent = losses[-log_every:]
-                log(f"{label:>10} step {i + 1:4d}/{steps}  loss {sum(recent) / len(recent):.4f}"
-                    f"  step {1e3 * step_s[-1]:8.1f} ms  (opt {1e3 * opt_s[-1]:8.1f} ms)")
-            if stopped_at_target:
-                if log is not None:
-                    log(f"{label:>10} target reached after {i + 1} steps: stop")
-                break
-            if (budget_s is not None and time.perf_counter() - t_start > budget_s
-                    and i + 1 < steps):
-                stopped_early = True
-                if log is not None:
-                    log(f"{label:>10} time budget {budget_s:.0f} s spent after {i + 1} steps: "
-                        f"stop")
-                break
+        finally:
+            self.watch.active = False
+            gc.callbacks.remove(self.watch)
+        self.step_s.append(t2 - t0)
+        self.opt_s.append(t2 - t1)
+        self.cpu_s.append(c2 - c0)
+        self.losses.append(float(loss.detach()))
+        if self.on_step is not None and self.on_step(i, self.step_s[-1], self.opt_s[-1],
+                                                     self.losses[-1]):
+            self.stopped_at_target = True
+        if self.stats_fn is not None:
+            self.peak_registered = max(self.peak_registered,
+                                       int(self.stats_fn().get("bytes_registered", 0)))
+        log, every = self.log, self.log_every
+        if log is not None and ((i + 1) % every == 0 or i + 1 == self.steps):
+            recent = self.losses[-every:]
+            log(f"{self.label:>10} step {i + 1:4d}/{self.steps}  loss "
+                f"{sum(recent) / len(recent):.4f}  step {1e3 * self.step_s[-1]:8.1f} ms  "
+                f"(opt {1e3 * self.opt_s[-1]:8.1f} ms)")
+        self.own_s += time.perf_counter() - t0
+        self._t0 = None
+        if self.stopped_at_target:
+            if log is not None:
+                log(f"{self.label:>10} target reached after {i + 1} steps: stop")
+            self.done = True
+        elif i + 1 >= self.steps:
+            self.done = True
+        elif self.budget_s is not None and self.own_s > self.budget_s:
+            self.stopped_early = self.done = True
+            if log is not None:
+                log(f"{self.label:>10} time budget {self.budget_s:.0f} s spent after {i + 1} "
+                    f"steps: stop")
+        return self.done
+
+    def result(self) -> dict[str, Any]:
+        return {"step_s": self.step_s, "opt_s": self.opt_s, "cpu_s": self.cpu_s,
+                "losses": self.losses, "wall_s": self.own_s,
+                "stopped_early": self.stopped_early,
+                "stopped_at_target": self.stopped_at_target,
+                "peak_bytes_registered": self.peak_registered,
+                "gc": {"policy": self.gc_policy,
+                       "interval": self.gc_interval if self.gc_policy == "olmo" else None,
+                       "in_timed_region": self.watch.summary()}}
+
+
+def run_loops(loops: Sequence[StepLoop]) -> None:
+    """Run the loops to their ends, taking turns a step each (one loop: one after another);
+    each round starts one loop further on, so no loop always follows the same other one.
+    Automatic collection is off throughout if any loop's policy is "olmo", and restored."""
+    import gc
+
+    was_enabled = gc.isenabled()
+    if any(lp.gc_policy == "olmo" for lp in loops):
+        gc.disable()
+    try:
+        active = [lp for lp in loops if not lp.done]
+        k = 0
+        while active:
+            j = k % len(active)
+            for lp in active[j:] + active[:j]:
+                lp.step()
+            active = [lp for lp in active if not lp.done]
+            k += 1
     finally:
-        gc.callbacks.remove(watch)
         if was_enabled:
             gc.enable()
-    return {"step_s": step_s, "opt_s": opt_s, "cpu_s": cpu_s, "losses": losses,
-            "wall_s": time.perf_counter() - t_start, "stopped_early": stopped_early,
-            "stopped_at_target": stopped_at_target,
-            "peak_bytes_registered": peak_registered,
-            "gc": {"policy": gc_policy, "interval": gc_interval if gc_policy == "olmo" else None,
-                   "in_timed_region": watch.summary()}}
+
+
+def train_steps(model, optimizer, batch, steps: int, device, **kwargs) -> dict[str, Any]:
+    """Run up to ``steps`` training steps of one model (StepLoop's arguments and result)."""
+    loop = StepLoop(model, optimizer, batch, steps, device, **kwargs)
+    run_loops([loop])
+    return loop.result()
 
 
 def measured(xs: Sequence[float], warmup: int) -> list[float]:
