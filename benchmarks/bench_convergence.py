@@ -776,8 +776,13 @@ def run(args, argv) -> dict[str, Any]:
                      "pinning": pin, "heavyball_compile": args.heavyball_compile,
                      "lr_choice": "AdamW: lowest final loss on seed 0; others: fewest steps to "
                                   "AdamW's final loss on seed 0 (then lowest loss)",
-                     "time_axis": "wall-clock seconds from the start of the run's first step "
-                                  "to the end of each step (batches prepared beforehand)",
+                     "time_axis": "the run's own seconds (its steps and their bookkeeping, "
+                                  "not the other runs' turns in lockstep) from the start of its "
+                                  "first step to the end of each step (batches prepared "
+                                  "beforehand)",
+                     "timed_runs": "every optimizer at its tuned lr, in lockstep (a step each "
+                                   "in turn), all steps, per seed; the sweep's times are those "
+                                   "of separate runs, one after another",
                      "disturbed_if_foreign_cores_above": DISTURBED_CORES},
         "why_settings_differ": WHY_SETTINGS_DIFFER,
         "setting_results": settings,
@@ -808,8 +813,9 @@ def plot(data: dict, path: str) -> None:
                label=f"{r['optimizer']} (lr {r['lr']:g})")
     if tt:
         a.axhline(tt["target"], color="k", ls=":", lw=1, label="tuned AdamW's final loss")
-    a.set(xlabel="wall-clock time (s)", ylabel=f"train loss ({data['settings']['smoothing']})",
-          title=f"{first['setting']}: tuned runs, seed {seed} (stop at the target)")
+    a.set(xlabel="time (s): the run's own steps, in lockstep with the others",
+          ylabel=f"train loss ({data['settings']['smoothing']})",
+          title=f"{first['setting']}: timed runs at the tuned lrs, seed {seed}")
     a.set_ylim(top=min(3.5, a.get_ylim()[1]))
     a.legend(fontsize=7)
     kinds = [(sname, s, key) for sname, s in sets.items() for key in ("time", "cpu_time")]
@@ -827,7 +833,7 @@ def plot(data: dict, path: str) -> None:
             ys.append(mean)
             lo.append(mean - min(per))
             hi.append(max(per) - mean)
-        what = "wall" if key == "time" else "thread CPU + barrier"
+        what = "own time" if key == "time" else "thread CPU + barrier"
         b.bar(xs, ys, width, yerr=[lo, hi], capsize=3, hatch="" if key == "time" else "//",
               label=f"{sname}, {what} ({s['model']['tokens_per_step']} tokens/step)")
     b.axhline(1.0, color="k", lw=0.8)
@@ -894,7 +900,7 @@ def print_table(data: dict) -> None:
             print(f"{name:<26}{s['tuned_lr'][name]:>8g}{_f(med, '.1f'):>11}{steps:>18}"
                   f"{per:>26}{_f(q['time_ratio_mean'], '.2f'):>7}"
                   f"{_f(q['cpu_time_ratio_mean'], '.2f'):>11}")
-        print("(time ratio: wall-clock; cpu ratio: the training thread's CPU time plus barrier "
+        print("(time ratio: own time in lockstep; cpu ratio: the training thread's CPU time plus barrier "
               "waits, which other processes' load stretches far less)")
         print()
     lim = data.get("step_limit")
