@@ -8,7 +8,13 @@ updates it in place with no stack copied in or out.
    load_state_dict in between leave the run bitwise that of an optimizer that never packs
    (``_tiering.PACK = False``), in mode "sync" and "async";
  - a saved state dict is no larger than one of the same state unpacked (torch.save writes a
-   view's whole storage: a pack must not outlive its members' use of it).
+   view's whole storage: a pack must not outlive its members' use of it);
+ - the steady state looks at no member's layout: a pack is recognised by its slice objects
+   (no ``_slices_of``) and a stack handed out packed is not walked back (no ``_same``), and
+   an entry replaced between steps (through the proxy, or by a load) is seen, bitwise as a
+   run that never packs;
+ - a one-block layout hands out the parameter itself and writes it with one copy, a
+   non-contiguous parameter included, bitwise as the blocked path.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch
 
 from asteria import KLShampoo, SOAP, Shampoo
 from asteria.optim import _tiering
+from asteria.optim._blocking import make_layout
 from models import loss_and_grad, make_model, require_c_extension
 
 F64 = {"compute_dtype": torch.float64}
@@ -208,3 +215,104 @@ def test_saved_state_dict_does_not_grow(name):
                         assert v.untyped_storage().nbytes() <= 3 * v.nbytes, k
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_steady_state_walks_no_member(name, monkeypatch):
+    model = make_model("mlp")
+    opt = MAKERS[name](model.parameters(), dict(RUNTIMES["async-device"]))
+    try:
+        train(opt, model, range(1, 10))
+        calls = {"_slices_of": 0, "_same": 0}  # made by the step's kernels' stacks
+        inside = []
+        for fn in calls:
+            real = getattr(_tiering, fn)
+
+            def counted(*args, _fn=fn, _real=real):
+                calls[_fn] += bool(inside)
+                return _real(*args)
+
+            monkeypatch.setattr(_tiering, fn, counted)
+        real_blocks = opt._step_blocks
+
+        def watched_blocks(*args, **kwargs):
+            inside.append(1)
+            try:
+                return real_blocks(*args, **kwargs)
+            finally:
+                inside.pop()
+
+        monkeypatch.setattr(opt, "_step_blocks", watched_blocks)
+        train(opt, model, range(10, 14))  # a refresh comes due and is installed in here
+        monkeypatch.undo()
+        assert calls == {"_slices_of": 0, "_same": 0}
+        assert not opt._handed  # nothing handed out outlives its _step_blocks
+    finally:
+        opt.close()
+
+
+def replaced_entry_run(name, mode, pack, monkeypatch):
+    """Losses and parameters of a run whose step state is replaced between steps: a member's
+    entry set through the proxy (step 5), the state reloaded from its own state dict (step 8)."""
+    monkeypatch.setattr(_tiering, "PACK", pack)
+    model = make_model("mlp")
+    ws = weights(model)
+    opt = MAKERS[name](model.parameters(), RUNTIMES[mode])
+    losses = []
+    try:
+        for t in range(1, 12):
+            losses.append(loss_and_grad(model, "mlp", t))
+            if t == 5:
+                st = opt.state[ws[1]]
+                for k in list(step_state(opt, ws[1])):
+                    if k.endswith("exp_avg") or k.endswith("momentum"):
+                        st[k] = st[k] * 0.5  # a new tensor: no longer the pack's slice
+            if t == 8:
+                opt.load_state_dict(opt.state_dict())
+            opt.step()
+    finally:
+        opt.close()
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async-device"])
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_replaced_entries_bitwise_as_unpacked(name, mode, monkeypatch):
+    want_loss, want_params = replaced_entry_run(name, mode, False, monkeypatch)
+    got_loss, got_params = replaced_entry_run(name, mode, True, monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(got_loss, want_loss))
+    assert all(torch.equal(a, b) for a, b in zip(got_params, want_params))
+
+
+def test_one_block_layout_is_the_parameter():
+    whole, cut = make_layout((6, 8)), make_layout((6, 8), block_size=4)
+    assert whole.whole and not cut.whole
+    assert whole.block_shapes == ((6, 8),) and cut.block_shapes == ((4, 4),) * 2 + ((2, 4),) * 2
+    t = torch.randn(6, 8)
+    assert whole.blocks(t)[0] is t
+    p = torch.zeros(8, 6).t()  # non-contiguous
+    whole.write(p, 0, t)
+    assert torch.equal(p, t)
+    q = torch.zeros(8, 6).t()
+    for j, b in enumerate(cut.blocks(t)):
+        cut.write(q, j, b)
+    assert torch.equal(q, t)
+
+
+def test_non_contiguous_parameter_bitwise_as_contiguous():
+    torch.manual_seed(3)
+    w = torch.randn(12, 10, dtype=torch.float64)
+    a = torch.nn.Parameter(w.clone())
+    b = torch.nn.Parameter(w.t().contiguous().t())  # same values, transposed storage
+    assert not b.is_contiguous()
+    opts = [SOAP([x], precondition_frequency=2, runtime={"mode": "sync"}) for x in (a, b)]
+    try:
+        for t in range(1, 8):
+            g = torch.sin(t * torch.arange(120, dtype=torch.float64)).view(12, 10)
+            for x, opt in zip((a, b), opts):
+                x.grad = g.clone()
+                opt.step()
+            assert torch.equal(a, b), t
+    finally:
+        for opt in opts:
+            opt.close()

@@ -127,6 +127,9 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         self._engine = None
         self._tiered = None
         self._rotations: dict = {}  # (param, "b{j}.exp_avg") -> its rotation in flight (SOAP)
+        # id(stack) -> (stack, members, name) of the packed stacks handed to the _step_blocks
+        # running now (``_tiering._packed``); emptied when it returns
+        self._handed: dict = {}
         self._planning = False
         self._check_hyperparameters(defaults)
         self._cfg = RuntimeConfig.from_user(runtime)
@@ -386,11 +389,11 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
     def _adamw(self, group: dict, params: list) -> None:
         if not params:
             return
-        fake = self._agreed_zero({p: [self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"]]
-                                  for p in params if self.state[p]
-                                  and _count(self.state[p]["step"]) == 1})
-        for p in params:
-            st = self.state[p]
+        sts = [self.state[p] for p in params]  # each looked up once: the proxy costs per read
+        fake = self._agreed_zero({p: [st["exp_avg"], st["exp_avg_sq"]]
+                                  for p, st in zip(params, sts)
+                                  if st and _count(st["step"]) == 1})
+        for p, st in zip(params, sts):
             if p in fake:  # what DCP's fake step left (step 1, zero moments): start afresh
                 st["step"] = 0
             if not st:
@@ -402,20 +405,20 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         beta1, beta2, eps = self._adamw_hparams(group)
         data = [local(p) for p in params]
         F.adamw_step(data, [local(p.grad).to(p.dtype) for p in params],
-                     [self.state[p]["exp_avg"] for p in params],
-                     [self.state[p]["exp_avg_sq"] for p in params],
-                     [self.state[p]["step"] for p in params],
+                     [st["exp_avg"] for st in sts], [st["exp_avg_sq"] for st in sts],
+                     [st["step"] for st in sts],
                      lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=eps,
                      weight_decay=group["weight_decay"])
 
     def _precond_step(self, group: dict, params: list) -> list:
         """Run the kernels over stacks of same-shape blocks; return the factors now due."""
         stacks: dict = defaultdict(list)
-        fake = self._fake_states([p for p in params if self.state[p]])
+        sts = [self.state[p] for p in params]  # each looked up once: the proxy costs per read
+        fake = self._fake_states([p for p, st in zip(params, sts) if st])
+        counts: dict = {}  # param -> its step count after this step
         # last parameters first: backward produced their gradients (and the backward-pre hooks
         # staged their roots) first, so the step consumes the ring in the order it was filled
-        for p in reversed(params):
-            st = self.state[p]
+        for p, st in zip(reversed(params), reversed(sts)):
             lay = self._layout(p, group)
             phase = "step"
             if not st:
@@ -429,8 +432,10 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
                     phase = INIT
             if phase == "step":
                 st["step"] += 1
+                counts[p] = st["step"]
+            dtype, device = p.dtype, local(p).device
             for j, bshape in enumerate(lay.block_shapes):
-                key = (phase, bshape, p.dtype, local(p).device, self._batch_tag(p, j))
+                key = (phase, bshape, dtype, device, self._batch_tag(p, j))
                 stacks[key].append((p, j))
         due: list = []
         freq = group["precondition_frequency"]
@@ -459,8 +464,11 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
                                        for k in self._member_keys(*m)], reason="step")
             g = torch.stack([grads[p][j] for p, j in members]).to(dtype)
             w = torch.stack([weights[p][j] for p, j in members])
-            steps = [self.state[p]["step"] for p, _ in members]
-            self._step_blocks(group, members, w, g, steps)
+            steps = [counts[p] for p, _ in members]
+            try:
+                self._step_blocks(group, members, w, g, steps)
+            finally:
+                self._handed.clear()  # its packed stacks were its own until it returned
             for (p, j), wi in zip(members, w.unbind(0)):
                 if p in glob_set:
                     weights[p][j].copy_(wi)

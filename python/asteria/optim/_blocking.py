@@ -12,6 +12,7 @@ optimizers write block results straight back into the parameter.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Optional
 
@@ -43,17 +44,28 @@ class Layout:
     view_shape: tuple[int, ...]            # after merge_dims (== shape without it)
     slices: tuple[tuple[slice, ...], ...]  # one entry per block, indexing view_shape
 
-    @property
+    # derived once per layout: the step reads them for every block of every step
+    @functools.cached_property
     def block_shapes(self) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(s.stop - s.start for s in sl) for sl in self.slices)
 
+    @functools.cached_property
+    def whole(self) -> bool:
+        """One block, the parameter itself (no reshape, no cut)."""
+        return len(self.slices) == 1 and self.view_shape == self.shape
+
     def blocks(self, t: torch.Tensor) -> list[torch.Tensor]:
         """The blocks of ``t`` (a parameter or gradient of this layout), views where possible."""
+        if self.whole:
+            return [t]
         v = t.reshape(self.view_shape)
         return [v[sl] for sl in self.slices]
 
     def write(self, p: torch.Tensor, j: int, value: torch.Tensor) -> None:
         """Copy the new value of block ``j`` into parameter ``p``."""
+        if self.whole:
+            p.copy_(value)
+            return
         try:
             p.view(self.view_shape)[self.slices[j]].copy_(value)
         except RuntimeError:  # a non-viewable (non-contiguous) parameter: go through a copy

@@ -99,6 +99,9 @@ class _ParamState(dict):
             raise RuntimeError("the Asteria optimizer this state belonged to is gone")
         return opt
 
+    # The accessors below are on the step's path (every read of a moment or a step count goes
+    # through one), so each resolves its optimizer once and strips a tag only where one exists.
+
     def _int(self, k):
         """The optimizer's name of a key (the tag stripped)."""
         return internal_key(self._tag, k)
@@ -106,15 +109,17 @@ class _ParamState(dict):
     def _ext(self, k):
         return external_key(self._tag, k)
 
-    def _vkey(self, k):
-        opt = self._opt
+    def _vkey(self, k, opt=None):
+        if opt is None:
+            opt = self._opt
         if opt._tiered is None or not isinstance(k, str) or dict.__contains__(self, k):
             return None
         key = (opt._pindex[self._p], k)
         return key if opt._tiered.has(key) else None
 
-    def _virtual(self) -> list:
-        opt = self._opt
+    def _virtual(self, opt=None) -> list:
+        if opt is None:
+            opt = self._opt
         if opt._tiered is None:
             return []
         pidx = opt._pindex[self._p]
@@ -129,11 +134,14 @@ class _ParamState(dict):
             opt._settle_rotation(self._p, k)
 
     def __getitem__(self, k):
-        k = self._int(k)
+        if self._tag is not None:
+            k = internal_key(self._tag, k)
         opt = self._opt
         if opt._rotations or opt._deferred:
             self._settle(opt, k)
-        key = self._vkey(k)
+        if opt._tiered is None:
+            return dict.__getitem__(self, k)
+        key = self._vkey(k, opt)
         if key is None:
             return dict.__getitem__(self, k)
         return opt._tiered.materialize([key])[key]
@@ -142,7 +150,8 @@ class _ParamState(dict):
         return self[k] if k in self else default
 
     def __contains__(self, k):
-        k = self._int(k)
+        if self._tag is not None:
+            k = internal_key(self._tag, k)
         return dict.__contains__(self, k) or self._vkey(k) is not None
 
     def _names(self) -> list:
@@ -154,7 +163,10 @@ class _ParamState(dict):
             yield self._ext(k)
 
     def __len__(self):
-        return dict.__len__(self) + len(self._virtual())
+        opt = self._opt
+        if opt._tiered is None:
+            return dict.__len__(self)
+        return dict.__len__(self) + len(self._virtual(opt))
 
     def keys(self):
         return list(iter(self))
@@ -167,10 +179,11 @@ class _ParamState(dict):
 
     def __setitem__(self, k, v):
         opt = self._opt
-        k = self._int(k)
+        if self._tag is not None:
+            k = internal_key(self._tag, k)
         if opt._rotations or opt._deferred:
             self._settle(opt, k)
-        if isinstance(v, torch.Tensor) and opt._owned(self._p, k):
+        if opt._tiered is not None and isinstance(v, torch.Tensor) and opt._owned(self._p, k):
             opt._tiered.write((opt._pindex[self._p], k), v)
         else:
             dict.__setitem__(self, k, v)

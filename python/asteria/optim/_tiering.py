@@ -34,7 +34,10 @@ parameter skipped or without a gradient, a load, an added group, a tensor replac
 stack is copied as before and the entries are re-pointed at its slices; a former pack's other
 members get private copies then, so no stale buffer stays alive (torch.save writes a view's
 whole storage). Everything else that takes a stack (installs, jobs, ``out=``) gets a copy, as
-before. Values are those of the copying path, bit for bit.
+before. Values are those of the copying path, bit for bit. The steady state costs no walk over
+the members' layouts: entries that are still the very slice objects a pack was made of (at the
+same memory) are that pack (``_whole_pack``), and the ``_unstack`` of a stack handed out
+packed to the ``_step_blocks`` running now writes nothing (``_handed``).
 """
 
 from __future__ import annotations
@@ -87,6 +90,20 @@ def _slices_of(ts: list) -> Optional[torch.Tensor]:
             return None
         at += step
     return base if a == 0 and n == base.shape[0] else base[a:a + n]
+
+
+def _whole_pack(packs: dict, ts: list) -> Optional[torch.Tensor]:
+    """The pack that ts are, in order, all the slices of, recognised without looking at their
+    layout: the same tensor objects ``TieringMixin._repack`` made, at the same memory (the
+    steady state: nothing re-pointed or replaced them since), else None."""
+    base = ts[0]._base
+    got = packs.get(id(base)) if base is not None else None
+    if got is None or got[0]() is not base or len(got[2]) != len(ts):
+        return None
+    for t, (ref, ptr) in zip(ts, got[2]):
+        if ref() is not t or t.data_ptr() != ptr:
+            return None
+    return base
 
 
 def _release(packs: dict, base, keep: set, state) -> None:
@@ -301,25 +318,38 @@ class TieringMixin:
 
     def _packed(self, members: list, name: str) -> torch.Tensor:
         """The device-resident members' ``b{j}.{name}`` as one packed stack that the state
-        entries are slices of (see ``_stack(view=True)``)."""
+        entries are slices of (see ``_stack(view=True)``). The stack is recorded as handed out
+        (``_handed``): ``_unstack`` of it, with these members, has nothing to write."""
         key = f"b{{}}.{name}".format
-        states = [self.state[p] for p, _ in members]  # (reads settle a rotation in flight)
-        ts = [st[key(j)] for st, (_, j) in zip(states, members)]
-        x = _slices_of(ts)
-        if x is not None:
-            return x
+        states = [self.state[p] for p, _ in members]
+        if self._rotations or self._deferred:  # reads through the proxy settle them first
+            ts = [st[key(j)] for st, (_, j) in zip(states, members)]
+        else:  # nothing to settle, no entry in the residency: the proxy's read is the dict's
+            ts = [dict.__getitem__(st, key(j)) for st, (_, j) in zip(states, members)]
+        x = _whole_pack(self.__dict__.get("_packs", {}), ts)
+        if x is None:
+            x = _slices_of(ts)
+        if x is None:
+            x = self._repack(members, key, states, ts)
+        self._handed[id(x)] = (x, members, name)
+        return x
+
+    def _repack(self, members: list, key, states: list, ts: list) -> torch.Tensor:
+        """Stack ts into a new pack and re-point the members' entries at its slices."""
         x = torch.stack(ts)
+        self._handed.clear()  # entries are re-pointed below: earlier records may not hold
         packs = self.__dict__.setdefault("_packs", {})
         mine = {(id(p), key(j)) for p, j in members}
         for t in ts:  # a former pack's other members keep private copies (no stale buffer)
             _release(packs, t._base, mine, self.state)
-        entries = []
+        entries, slices = [], []
         for st, (p, j), xi in zip(states, members, x.unbind(0)):
             dict.__setitem__(st, key(j), xi)  # not through the proxy: no tier, no settle
             entries.append((p, key(j)))
-        for ident in [i for i, (ref, _) in packs.items() if ref() is None]:
+            slices.append((weakref.ref(xi), xi.data_ptr()))  # weak: the entry owns its slice
+        for ident in [i for i, (ref, _, _) in packs.items() if ref() is None]:
             del packs[ident]  # packs nothing holds any more (no callback: no cycle)
-        packs[id(x)] = (weakref.ref(x), entries)
+        packs[id(x)] = (weakref.ref(x), entries, slices)
         return x
 
     def _stack_dims(self, members: list, name: str, has: Sequence[bool],
@@ -329,12 +359,17 @@ class TieringMixin:
 
     def _unstack(self, members: list, name: str, x: torch.Tensor) -> None:
         """Write a stack back into the members' ``b{j}.{name}``; a member whose tensor is
-        already its slice of x (a packed stack from ``_stack(view=True)``) needs nothing."""
+        already its slice of x (a packed stack from ``_stack(view=True)``) needs nothing, and
+        a stack handed out packed for these very members needs no look at them at all."""
+        handed = self._handed.pop(id(x), None)
+        if handed is not None and handed[0] is x and handed[1] is members and handed[2] == name:
+            return
+        key = f"b{{}}.{name}".format
         for (p, j), xi in zip(members, x.unbind(0)):
-            if self._owned(p, f"b{j}.{name}"):
-                self._tiered.write(self._key(p, f"b{j}.{name}"), xi)
+            if self._owned(p, key(j)):
+                self._tiered.write(self._key(p, key(j)), xi)
             else:
-                t = self.state[p][f"b{j}.{name}"]
+                t = self.state[p][key(j)]
                 if not _same(t, xi):
                     t.copy_(xi)
 
