@@ -68,6 +68,20 @@ def train(opt, model, steps):
         opt.step()
 
 
+def _mark_inside_step_blocks(monkeypatch, opt, inside: list) -> None:
+    """``inside`` is non-empty while ``opt._step_blocks`` runs."""
+    real_blocks = opt._step_blocks
+
+    def watched_blocks(*args, **kwargs):
+        inside.append(1)
+        try:
+            return real_blocks(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(opt, "_step_blocks", watched_blocks)
+
+
 @pytest.mark.parametrize("mode", list(RUNTIMES))
 @pytest.mark.parametrize("name", list(MAKERS))
 def test_stack_state_is_packed_and_not_copied(name, mode, monkeypatch):
@@ -96,17 +110,8 @@ def test_stack_state_is_packed_and_not_copied(name, mode, monkeypatch):
                 stacked.append([t.data_ptr() for t in tensors])
             return real_stack(tensors, *args, **kwargs)
 
-        real_blocks = opt._step_blocks
-
-        def watched_blocks(*args, **kwargs):
-            inside.append(1)
-            try:
-                return real_blocks(*args, **kwargs)
-            finally:
-                inside.pop()
-
         monkeypatch.setattr(torch, "stack", watched_stack)
-        monkeypatch.setattr(opt, "_step_blocks", watched_blocks)
+        _mark_inside_step_blocks(monkeypatch, opt, inside)
         train(opt, model, range(10, 14))  # a refresh comes due and is installed in here
         monkeypatch.undo()
         after = {(i, k): v.data_ptr() for i, p in enumerate(ws)
@@ -233,16 +238,7 @@ def test_steady_state_walks_no_member(name, monkeypatch):
                 return _real(*args)
 
             monkeypatch.setattr(_tiering, fn, counted)
-        real_blocks = opt._step_blocks
-
-        def watched_blocks(*args, **kwargs):
-            inside.append(1)
-            try:
-                return real_blocks(*args, **kwargs)
-            finally:
-                inside.pop()
-
-        monkeypatch.setattr(opt, "_step_blocks", watched_blocks)
+        _mark_inside_step_blocks(monkeypatch, opt, inside)
         train(opt, model, range(10, 14))  # a refresh comes due and is installed in here
         monkeypatch.undo()
         assert calls == {"_slices_of": 0, "_same": 0}
