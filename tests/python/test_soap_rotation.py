@@ -37,7 +37,7 @@ def _c_extension():
 class OnThreadSOAP(SOAP):
     """The same optimizer re-expressing m on the training thread (the sync path's code)."""
 
-    def _offloads_rotation(self):
+    def _offloads_to_workers(self):
         return False
 
 
@@ -86,12 +86,12 @@ def test_state_after_install_is_the_reexpressed_moment():
             opt.step()
             if t == F + 2 + 1:
                 del opt._install_chunk
-                assert (w, "b0.exp_avg") in opt._rotations, "no rotation left in flight"
+                assert (w, "b0.exp_avg") in opt._offloaded, "no rotation left in flight"
                 q0n, q1n = pending[(0, 0)][0], pending[(0, 1)][0]
                 m = m_after_update["m"]
                 want = q0n.T @ (before["b0.Q0"] @ m @ before["b0.Q1"].T) @ q1n
                 got = opt.state[w]["b0.exp_avg"]  # waits for the worker
-                assert (w, "b0.exp_avg") not in opt._rotations
+                assert (w, "b0.exp_avg") not in opt._offloaded
                 torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
                 assert torch.equal(opt.state[w]["b0.Q0"], q0n)
     finally:
@@ -107,9 +107,9 @@ def test_checkpoint_at_an_install_step_resumes_bitwise():
         for t in range(1, cut + 1):
             loss_and_grad(model, "mlp", t)
             opt.step()
-        assert opt._rotations
+        assert opt._offloaded
         sd = copy.deepcopy(opt.state_dict())  # waits for the rotation in flight
-        assert not opt._rotations
+        assert not opt._offloaded
         saved = params_of(model)
     finally:
         opt.close()

@@ -126,7 +126,9 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         self._closed = False
         self._engine = None
         self._tiered = None
-        self._rotations: dict = {}  # (param, "b{j}.exp_avg") -> its rotation in flight (SOAP)
+        # (param, state key) -> the worker job that still writes that entry (SOAP: m's
+        # re-expression at an install, the factor EMAs of a step); a read waits for it
+        self._offloaded: dict = {}
         # id(stack) -> (stack, members, name) of the packed stacks handed to the _step_blocks
         # running now (``_tiering._packed``); emptied when it returns
         self._handed: dict = {}
@@ -145,7 +147,8 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         self._init_schedule()
         self._counters = {"nonfinite_skipped": 0, "refreshes_submitted": 0,
                           "refresh_failures": 0, "installs": 0, "max_install_lag": 0,
-                          "rotations_submitted": 0, "rotation_failures": 0}
+                          "rotations_submitted": 0, "rotation_failures": 0,
+                          "factor_emas_submitted": 0, "factor_ema_failures": 0}
         self._pnames: dict[int, str] = {}  # param index -> name (asteria.attach fills it)
         self._plan = None  # the placement plan (_tiering)
         self._tkeys: dict[int, list] = {}  # param index -> its tiered state keys
@@ -325,6 +328,8 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         if self._closed:
             raise RuntimeError("step() on a closed Asteria optimizer")
         self._settle_step_end()
+        if self._offloaded:  # done during the forward and backward: taken in one go, so the
+            self._settle_all_offloaded()  # step's reads of the state take the direct path
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -610,8 +615,8 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
             return
         if detier:
             self._settle_step_end()  # a step end a signal interrupted: its installs are state
-        if detier and getattr(self, "_rotations", None):
-            self._settle_rotations()
+        if detier and getattr(self, "_offloaded", None):
+            self._settle_all_offloaded()
         self._closed = True
         if detier:
             self._detier()
@@ -629,15 +634,15 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         except Exception:  # interpreter shutdown: the engine module may already be gone
             pass
 
-    # ---- SOAP's m re-expression (soap.py offloads it; the others have none) -------------------
-    def _offloads_rotation(self) -> bool:
+    # ---- state a worker job still writes (soap.py offloads some; the others none) ------------
+    def _offloads_to_workers(self) -> bool:
         return False
 
-    def _settle_rotation(self, p, name) -> None:
-        """Wait for the re-expression of p's ``name`` in flight, if any."""
+    def _settle_offloaded(self, p, name) -> None:
+        """Wait for the worker job still writing p's ``name``, if any."""
 
-    def _settle_rotations(self) -> None:
-        """Wait for every re-expression in flight."""
+    def _settle_all_offloaded(self) -> None:
+        """Wait for every worker job still writing the state."""
 
     def _rebuild(self, groups: list, defaults: dict, runtime: Any) -> None:
         """Construct in place (``__setstate__`` of a copy)."""

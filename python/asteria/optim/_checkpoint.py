@@ -80,7 +80,7 @@ class CheckpointMixin:
         state but one. Resuming needs the same mesh and sharding (``load_state_dict`` raises
         ValueError on another shard's keys)."""
         self._settle_step_end()
-        self._settle_rotations()
+        self._settle_all_offloaded()
         for rnd in self._rounds:
             rnd.resolve(self._engine)
         # torch's post hooks must see the state dict as returned: they run after ours is built
@@ -179,7 +179,7 @@ class CheckpointMixin:
         # checked: from here on the optimizer changes
         self._unfinished_end = None
         self._deferred = []  # its rounds are dropped below with the others
-        self._settle_rotations()
+        self._settle_all_offloaded()
         for rnd in self._rounds:
             rnd.drop(self._engine)
         self._rounds = []
@@ -195,7 +195,7 @@ class CheckpointMixin:
         if self._tiered is not None:
             self._tiered.clear()
             self.state = _States(self, self.state)
-        elif self._tags or self._offloads_rotation():
+        elif self._tags or self._offloads_to_workers():
             self.state = _States(self, self.state)
         rounds: dict = {}
         for p in loaded:

@@ -130,14 +130,14 @@ class _ParamState(dict):
         deferred to the next use, a re-expression of m in flight)."""
         if opt._deferred:
             opt._settle_deferred()
-        if opt._rotations:
-            opt._settle_rotation(self._p, k)
+        if opt._offloaded:
+            opt._settle_offloaded(self._p, k)
 
     def __getitem__(self, k):
         if self._tag is not None:
             k = internal_key(self._tag, k)
         opt = self._opt
-        if opt._rotations or opt._deferred:
+        if opt._offloaded or opt._deferred:
             self._settle(opt, k)
         if opt._tiered is None:
             return dict.__getitem__(self, k)
@@ -181,7 +181,7 @@ class _ParamState(dict):
         opt = self._opt
         if self._tag is not None:
             k = internal_key(self._tag, k)
-        if opt._rotations or opt._deferred:
+        if opt._offloaded or opt._deferred:
             self._settle(opt, k)
         if opt._tiered is not None and isinstance(v, torch.Tensor) and opt._owned(self._p, k):
             opt._tiered.write((opt._pindex[self._p], k), v)
@@ -191,7 +191,7 @@ class _ParamState(dict):
     def pop(self, k, *default):
         k = self._int(k)
         opt = self._opt
-        if opt._rotations or opt._deferred:
+        if opt._offloaded or opt._deferred:
             self._settle(opt, k)
         key = self._vkey(k)
         if key is None:
@@ -203,7 +203,7 @@ class _ParamState(dict):
     def __delitem__(self, k):
         k = self._int(k)
         opt = self._opt
-        if opt._rotations or opt._deferred:
+        if opt._offloaded or opt._deferred:
             self._settle(opt, k)
         key = self._vkey(k)
         if key is None:

@@ -196,7 +196,7 @@ class TieringMixin:
 
     def _migrate(self) -> None:
         """Put every existing root / eigenbasis where the plan says: self.state or residency."""
-        self._settle_rotations()
+        self._settle_all_offloaded()
         if self._tiered is None:
             return
         params = {i: p for p, i in self._pindex.items()}
@@ -322,7 +322,7 @@ class TieringMixin:
         (``_handed``): ``_unstack`` of it, with these members, has nothing to write."""
         key = f"b{{}}.{name}".format
         states = [self.state[p] for p, _ in members]
-        if self._rotations or self._deferred:  # reads through the proxy settle them first
+        if self._offloaded or self._deferred:  # reads through the proxy settle them first
             ts = [st[key(j)] for st, (_, j) in zip(states, members)]
         else:  # nothing to settle, no entry in the residency: the proxy's read is the dict's
             ts = [dict.__getitem__(st, key(j)) for st, (_, j) in zip(states, members)]
@@ -336,6 +336,8 @@ class TieringMixin:
 
     def _repack(self, members: list, key, states: list, ts: list) -> torch.Tensor:
         """Stack ts into a new pack and re-point the members' entries at its slices."""
+        if self._offloaded:  # slices of packs are about to move: no worker may still write one
+            self._settle_all_offloaded()
         x = torch.stack(ts)
         self._handed.clear()  # entries are re-pointed below: earlier records may not hold
         packs = self.__dict__.setdefault("_packs", {})

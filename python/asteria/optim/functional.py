@@ -64,7 +64,7 @@ def gram(g: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.bmm(gm, gm.transpose(1, 2))
 
 
-def _ema_gram(f: torch.Tensor, g: torch.Tensor, dim: int, beta: float, alpha: float,
+def ema_gram(f: torch.Tensor, g: torch.Tensor, dim: int, beta: float, alpha: float,
               inplace: bool = True) -> torch.Tensor:
     """``beta * f + alpha * gram(g, dim)``, into f (``inplace``) or a new tensor. For a stack of
     matrices one baddbmm: the product accumulates into the result, no (B, d, d) temporary and
@@ -179,7 +179,7 @@ def soap_step(w: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor,
         w.add_(w, alpha=-lr * weight_decay)
     for i, f in enumerate(factors):
         if f is not None:
-            _ema_gram(f, g, i, shampoo_beta, 1.0 - shampoo_beta)
+            ema_gram(f, g, i, shampoo_beta, 1.0 - shampoo_beta)
 
 
 def soap_install(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, old_bases: Mats,
@@ -278,7 +278,7 @@ def kl_step(w: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor, factors: Ma
             if j != i and qj is not None:
                 x = mode_mul(x, qj * sj.unsqueeze(1), j)
                 hs = hs * broadcast(j, sj)
-        f_new = _ema_gram(f, x, i, b, (1.0 - b) / (numel / shape[i + 1]), inplace=False)
+        f_new = ema_gram(f, x, i, b, (1.0 - b) / (numel / shape[i + 1]), inplace=False)
         other = [d for d in range(1, len(shape)) if d != i + 1]
         d = hs.square().mean(dim=other) if other else hs.square()
         lam = torch.lerp(1.0 / s.square(), d, 1.0 - b)
@@ -312,7 +312,7 @@ def shampoo_step(w: torch.Tensor, g: torch.Tensor, factors: Mats, roots: Optiona
     for i, f in enumerate(factors):
         if f is None:
             continue
-        _ema_gram(f, g, i, beta2, 1.0 if beta2 == 1.0 else 1.0 - beta2)  # b2 = 1: L += G G^T
+        ema_gram(f, g, i, beta2, 1.0 if beta2 == 1.0 else 1.0 - beta2)  # b2 = 1: L += G G^T
     momentum.mul_(beta1).add_(g, alpha=1.0 - beta1)
     mh = momentum / _per_block([1.0 - beta1 ** k for k in steps], momentum)
     grafting_v.mul_(grafting_beta2).addcmul_(g, g, value=1.0 - grafting_beta2)

@@ -2,8 +2,11 @@
 
 Owns SOAP's hyperparameters, per-block state layout and the install of a refreshed basis; the
 math is in ``functional`` (soap_init / soap_step / soap_install), the scheduling in
-``_schedule``. At an install, m is re-expressed in the new basis by a worker while the next
-forward and backward run (``soap_rotate`` jobs, docs/departures.md); its first read waits.
+``_schedule``. Two pieces of a step's work run on the pool's workers while the next forward and
+backward run (docs/departures.md), with libasteria's pool on host parameters: at an install,
+m's re-expression in the new basis (``soap_rotate`` jobs); on a step whose factors no REFRESH
+reads at its end, the factor EMAs L, R (``gram_ema`` jobs, in place). A read of what such a job
+writes waits for it (``_settle_offloaded``); the next step takes them all first.
 
 State of a preconditioned parameter: ``step`` (k) and per block j ``b{j}.exp_avg`` (m),
 ``b{j}.exp_avg_sq`` (v), both in the rotated basis, and for every dimension i with a factor
@@ -40,6 +43,19 @@ class _Rotation:
     members: list
     inputs: tuple
     shape: tuple
+
+
+@dataclasses.dataclass
+class _FactorEma:
+    """One gram_ema job: the state keys it writes, the gradient stack and the factor stacks
+    (the state's packed memory, updated in place; None: no factor) and beta, kept to redo
+    the update here should the job fail."""
+
+    ticket: int
+    keys: list
+    g: torch.Tensor
+    factors: list
+    beta: float
 
 
 class SOAP(AsteriaOptimizer):
@@ -94,7 +110,10 @@ class SOAP(AsteriaOptimizer):
 
     def _fake_step_tensors(self, p):
         st = self.state[p]  # a fake step's factors are zero (its bases the identity, from them)
-        return [v for k, v in dict.items(st) if _FACTOR.fullmatch(k)]
+        keys = [k for k in dict.keys(st) if _FACTOR.fullmatch(k)]
+        for k in keys:
+            self._settle_offloaded(p, k)  # a factor EMA in flight writes it
+        return [dict.__getitem__(st, k) for k in keys]
 
     def _max_dim(self, group):
         return group["max_precond_dim"]
@@ -133,11 +152,15 @@ class SOAP(AsteriaOptimizer):
         v = self._stack(members, "exp_avg_sq", view=True)
         factors = self._stack_dims(members, "GG", has, view=True)
         bases = self._stack_dims(members, "Q", has, view=True)
-        F.soap_step(w, g, m, v, factors, bases, steps, lr=float(group["lr"]),
+        offload = self._factor_offload(group, members, g, factors, steps)
+        F.soap_step(w, g, m, v, [None] * len(factors) if offload else factors, bases, steps,
+                    lr=float(group["lr"]),
                     beta1=group["betas"][0], beta2=group["betas"][1],
                     shampoo_beta=self._shampoo_beta(group), eps=group["eps"],
                     weight_decay=group["weight_decay"], correct_bias=group["correct_bias"],
                     normalize_grads=group["normalize_grads"])
+        if offload:
+            self._submit_factor_ema(members, g, factors, self._shampoo_beta(group))
         self._unstack(members, "exp_avg", m)
         self._unstack(members, "exp_avg_sq", v)
         for i, f in enumerate(factors):
@@ -191,7 +214,7 @@ class SOAP(AsteriaOptimizer):
             if self._bases_on_nvme(members):
                 # one rotation in flight: the previous chunk's m, pairs and result are let go
                 # before this chunk's are made (memory for one chunk, not one round)
-                self._settle_rotations()
+                self._settle_all_offloaded()
             self._submit_rotation(members, m, pairs)
         else:
             F.soap_install(m, v, old, new, perms)
@@ -202,7 +225,7 @@ class SOAP(AsteriaOptimizer):
                 self._unstack(members, f"Q{i}", q)
 
     # ---- m's re-expression on the workers ------------------------------------------------------
-    def _offloads_rotation(self) -> bool:
+    def _offloads_to_workers(self) -> bool:
         """Is SOAP's m re-expression at install handed to the workers? Only with an executor
         that takes inputs made for it (libasteria's pool, ``mode="async"``), rank-local (a
         replicated block's m is re-expressed by every replica itself, on its own thread)."""
@@ -213,7 +236,7 @@ class SOAP(AsteriaOptimizer):
         device matmuls per side, cheaper than the round trip) with blocks of at most 2 dims
         (the op's layout), unless m is read next (an install deferred to the next step's
         start, ``_settle_deferred``: the step would wait for the worker at once)."""
-        return (self._offloads_rotation() and ndim <= 2 and not self._settling
+        return (self._offloads_to_workers() and ndim <= 2 and not self._settling
                 and all(local(p).device.type == "cpu" for p, _ in members))
 
     def _bases_on_nvme(self, members: list) -> bool:
@@ -225,7 +248,7 @@ class SOAP(AsteriaOptimizer):
 
     def _submit_rotation(self, members: list, m: torch.Tensor, pairs: list) -> None:
         """Start m_new = Q_new^T (Q_old m Q_old^T) Q_new (per side) on a worker; m stays as it
-        is until a read of it waits for the result (``_settle_rotation``). ``m`` (a stack made
+        is until a read of it waits for the result (``_settle_offloaded``). ``m`` (a stack made
         for this) and ``pairs`` ((B, 2, n, n): old, new basis per block; None: identity side)
         are given to the job: the worker reads them in place, nothing here writes them."""
         x = m.reshape(m.shape[0], m.shape[1], -1)
@@ -240,23 +263,29 @@ class SOAP(AsteriaOptimizer):
         self._counters["rotations_submitted"] += 1
         rot = _Rotation(ticket, list(members), (x, pairs[0], pairs[1]), tuple(m.shape[1:]))
         for p, j in members:
-            self._rotations[(p, f"b{j}.exp_avg")] = rot
+            self._offloaded[(p, f"b{j}.exp_avg")] = rot
 
-    def _settle_rotation(self, p, name) -> None:
-        rot = self._rotations.get((p, name))
-        if rot is not None:
-            self._finish_rotation(rot)
+    def _settle_offloaded(self, p, name) -> None:
+        job = self._offloaded.get((p, name))
+        if job is not None:
+            self._finish(job)
 
-    def _settle_rotations(self) -> None:
-        for rot in list({id(r): r for r in self._rotations.values()}.values()):
-            self._finish_rotation(rot)
+    def _settle_all_offloaded(self) -> None:
+        for job in list({id(j): j for j in self._offloaded.values()}.values()):
+            self._finish(job)
+
+    def _finish(self, job) -> None:
+        if isinstance(job, _FactorEma):
+            self._finish_factor_ema(job)
+        else:
+            self._finish_rotation(job)
 
     def _finish_rotation(self, rot: "_Rotation") -> None:
         """Wait for a rotation job and write its result into m; a failed job is redone here
         with torch (the result is the same math; the state must not keep the old basis' m)."""
         res = self._engine.wait(rot.ticket)  # an interrupted wait leaves the rotation pending
         for p, j in rot.members:
-            self._rotations.pop((p, f"b{j}.exp_avg"), None)
+            self._offloaded.pop((p, f"b{j}.exp_avg"), None)
         if res.status == 0:
             out = res.outputs[0]
         else:
@@ -268,6 +297,66 @@ class SOAP(AsteriaOptimizer):
         for i, (p, j) in enumerate(rot.members):
             dst = dict.__getitem__(self.state[p], f"b{j}.exp_avg")
             dst.copy_(out[i].reshape(rot.shape))
+
+
+    # ---- the factor EMAs on the workers ---------------------------------------------------------
+    def _factor_offload(self, group: dict, members: list, g: torch.Tensor, factors: list,
+                        steps: list) -> bool:
+        """Hand this step's L, R update to a worker? With libasteria's pool, host parameters,
+        matrix blocks of float32 / float64, factors that are the state's packed memory (a
+        ``_stack(view=True)`` handed out as is: the worker writes the state itself), and no
+        REFRESH due at this step's end (it reads the factors at once: the update stays here)."""
+        if (not self._offloads_to_workers() or g.dim() != 3
+                or g.dtype not in (torch.float32, torch.float64)
+                or all(f is None for f in factors)):
+            return False
+        freq = group["precondition_frequency"]
+        if any(k % freq == 0 for k in steps):
+            return False
+        for f in factors:
+            if f is None:
+                continue
+            handed = self._handed.get(id(f))
+            if handed is None or handed[0] is not f or f.dtype != g.dtype or not f.is_contiguous():
+                return False
+        return all(local(p).device.type == "cpu" for p, _ in members)
+
+    def _submit_factor_ema(self, members: list, g: torch.Tensor, factors: list,
+                           beta: float) -> None:
+        """Start L = beta L + (1 - beta) G G^T, R = beta R + (1 - beta) G^T G on a worker, in
+        the state's own factor memory. ``g`` (a stack made for this step) is given to the job;
+        a read of a factor waits for it (``_settle_offloaded``)."""
+        key = ("gram_ema", tuple((self._pindex[p], j) for p, j in members))
+        block = self._block_keys.setdefault(key, len(self._block_keys) + 1)
+        version = self._versions[block] = self._versions.get(block, 0) + 1
+        ticket = self._engine.submit("gram_ema", g, factors[0], b=factors[1], block=block,
+                                     version=version, deadline=self._t + 1,
+                                     snapshot_step=self._t, p=beta, eps=1.0 - beta,
+                                     host_outputs=True, donate=("f",))
+        self._counters["factor_emas_submitted"] += 1
+        keys = [(p, f"b{j}.GG{i}") for p, j in members
+                for i, f in enumerate(factors) if f is not None]
+        job = _FactorEma(ticket, keys, g, list(factors), beta)
+        for k in keys:
+            self._offloaded[k] = job
+
+    def _finish_factor_ema(self, job: _FactorEma) -> None:
+        """Wait for a gram_ema job. Its factors are updated where they are; a failed job has
+        written nothing, and its update is done here with torch instead."""
+        res = self._engine.wait(job.ticket)  # an interrupted wait leaves the job pending
+        for k in job.keys:
+            self._offloaded.pop(k, None)
+        if res.status == 0:
+            for f, out in zip(job.factors, res.outputs):
+                if f is not None and out is not None and out.data_ptr() != f.data_ptr():
+                    f.copy_(out)
+            return
+        self._counters["factor_ema_failures"] += 1
+        warnings.warn(f"Asteria: updating SOAP's factors on a worker failed ({res.error}); "
+                      f"done on the training thread instead", RuntimeWarning, stacklevel=3)
+        for i, f in enumerate(job.factors):
+            if f is not None:
+                F.ema_gram(f, job.g, i, job.beta, 1.0 - job.beta)
 
 
 def _stacks_of(opt, outputs: dict):

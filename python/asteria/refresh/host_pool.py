@@ -208,8 +208,15 @@ class CEngine(Engine):
         ``f`` and ``q`` may also be given as parts: a list of same-shape tensors, one per batch
         entry, that the job sees stacked. They are snapshotted straight into one slot of the
         shadow's ring (or, without room there, into one private buffer), so the caller need
-        not stack them into fresh memory first; parts are never donated."""
+        not stack them into fresh memory first; parts are never donated.
+
+        ``gram_ema`` is the one op whose outputs are the caller's own tensors: L (``q``) and R
+        (``b``) are updated in place (``_submit_in_place``)."""
         self._check_open()
+        if op == "gram_ema":
+            return self._submit_in_place(op, f, q, b, block=block, version=version,
+                                         deadline=deadline, snapshot_step=snapshot_step, p=p,
+                                         eps=eps, donate=donate)
         f_parts, f = _parts(f)
         q_parts, q = _parts(q)
         check_op(op, (f, q, b))
@@ -292,6 +299,53 @@ class CEngine(Engine):
                                   snapshots=tuple(tickets), host_outputs=host_outputs,
                                   shape=(batch, n, n1, float(p),
                                          (q is not None) + (b is not None) if rotate else 2))
+        return ticket
+
+    def _submit_in_place(self, op, g, l, r, *, block, version, deadline, snapshot_step, p, eps,
+                         donate) -> int:
+        """``gram_ema``: G (``f``) is snapshotted (or read in place if donated); L (``q``) and
+        R (``b``) are the job's outputs, updated in place by the worker (out0, out1), so they
+        must be contiguous host tensors of G's dtype (float32 or float64) that the caller
+        neither reads nor writes until it has waited for the result, whose outputs are L and R
+        themselves (None for a side not given). A failed job has written neither."""
+        check_op(op, (g, l, r))
+        if g.dtype not in _C_DTYPES:
+            raise ValueError(f"gram_ema runs on float32 or float64 tensors, got G of {g.dtype}")
+        for name, t in (("L (q)", l), ("R (b)", r)):
+            if t is not None and (t.device.type != "cpu" or t.dtype != g.dtype
+                                  or not t.is_contiguous()):
+                raise ValueError(f"gram_ema updates {name} in place: it must be a contiguous "
+                                 f"host tensor of G's dtype {g.dtype}, got {t.dtype} on "
+                                 f"{t.device}{'' if t.is_contiguous() else ', not contiguous'}")
+        if g.device.type != "cpu":
+            raise ValueError(f"gram_ema takes G in host memory, got it on {g.device}")
+        batch, n, n1 = (int(s) for s in g.shape)
+        self._poll()
+        if "in0" in _donated(donate) and g.is_contiguous():
+            x = g
+            self._copies["inputs_donated"] += 1
+        else:
+            x = _snapshot([g], tuple(g.shape), g.dtype, False)
+            self._copies["bytes_d2h_snapshots"] += x.numel() * x.element_size()
+        outputs = (l, r)
+        buffers = tuple(t for t in (x, l, r) if t is not None)
+        handles: list[int] = []
+        try:
+            for t in buffers:
+                handles.append(self._rt.register(t.data_ptr(), t.numel() * t.element_size()))
+            ticket = self._rt.submit(
+                op, _C_DTYPES[g.dtype], n, batch, x.data_ptr(), None,
+                None if l is None else l.data_ptr(), None if r is None else r.data_ptr(),
+                p=float(p), eps=float(eps), block=block, version=version, deadline=deadline,
+                snapshot_step=snapshot_step, n1=n1, in2=None)
+        except BaseException:
+            for h in handles:
+                self._rt.unregister(h)
+            raise
+        self._jobs[ticket] = _Job(op=op, device=g.device, dtype=g.dtype, pinned=False,
+                                  buffers=buffers, outputs=outputs, handles=tuple(handles),
+                                  host_outputs=True,
+                                  shape=(batch, n, n1, float(p), (l is not None) + (r is not None)))
         return ticket
 
     def drain(self) -> int:
@@ -432,7 +486,7 @@ class CEngine(Engine):
         res = job.result
         outputs, error = None, ""
         if res.status == 0:
-            outputs = tuple(self._restore(t, job) for t in job.outputs)
+            outputs = tuple(None if t is None else self._restore(t, job) for t in job.outputs)
             if not job.host_outputs:
                 self._copies["bytes_h2d_results"] += sum(t.numel() * t.element_size()
                                                          for t in job.outputs)

@@ -1,0 +1,217 @@
+"""SOAP's factor EMAs on the C workers (SOAP._submit_factor_ema).
+
+L = b L + (1 - b) G G^T and R = b R + (1 - b) G^T G (DESIGN.md, b = shampoo_beta). In mode
+"async" on CPU parameters, a step whose factors no REFRESH reads at its end hands this update
+to a ``gram_ema`` job, which writes the state's own factor memory while the next forward and
+backward run; a read of a factor (the next step, optimizer.state, state_dict) waits for it.
+Checked here:
+ - the update itself: a factor right after an offloaded step equals the plain-torch
+   restatement from the factor before it and the step's gradient;
+ - which steps offload: every step but the first (it initialises the factors) and those a
+   REFRESH reads at their end (k % f == 0);
+ - trajectories equal the on-thread path's to rounding (OpenBLAS's syrk vs torch's bmm);
+ - state_dict() right after a step carries the updated factors, and resuming from it is
+   bitwise the continuous run;
+ - a job that fails on its worker (here: a non-finite G, AST_ENONFINITE) has written nothing,
+   and the update is redone on the training thread, with a warning and a counter;
+ - the executor's in-place contract (CEngine.submit("gram_ema")): outputs are L and R
+   themselves, and what may not be updated in place is refused with a clear error.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from asteria.optim import SOAP
+from models import assert_params_close, loss_and_grad, make_model, params_of, \
+    require_c_extension, run
+
+RT = {"mode": "async", "staleness": 1, "install": "deterministic", "workers": 2}
+F = 4  # precondition_frequency
+
+
+@pytest.fixture(autouse=True)
+def _c_extension():
+    require_c_extension()
+
+
+class OnThreadSOAP(SOAP):
+    """The same optimizer with every worker offload off (the sync path's code)."""
+
+    def _offloads_to_workers(self):
+        return False
+
+
+def make(cls=SOAP, runtime=RT, **kw):
+    return lambda p: cls(p, precondition_frequency=F, runtime=runtime, **kw)
+
+
+def test_factor_after_an_offloaded_step_is_the_ema():
+    model = make_model("mlp")
+    opt = SOAP(model.parameters(), precondition_frequency=F, shampoo_beta=0.9, runtime=RT)
+    w = model.layers[0].weight
+    try:
+        for t in range(1, F + 3):
+            loss_and_grad(model, "mlp", t)
+            if t == F + 2:  # step count F + 1 (the first step is the bases' init): offloaded
+                before = [opt.state[w][f"b0.GG{i}"].clone() for i in (0, 1)]
+                g = w.grad.clone()
+            opt.step()
+        assert (w, "b0.GG0") in opt._offloaded and (w, "b0.GG1") in opt._offloaded
+        want = [0.9 * before[0] + 0.1 * g @ g.T, 0.9 * before[1] + 0.1 * g.T @ g]
+        got = [opt.state[w]["b0.GG0"], opt.state[w]["b0.GG1"]]  # waits for the worker
+        assert (w, "b0.GG0") not in opt._offloaded
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+            assert torch.equal(a, a.T)  # syrk's triangle, mirrored: exactly symmetric
+    finally:
+        opt.close()
+
+
+def test_offloaded_steps_are_those_no_refresh_reads():
+    steps = 3 * F + 1
+    _, opt = run("mlp", make(), steps)
+    st = opt.asteria_stats()
+    # step counts 1 .. steps - 1 after the init step; k % F == 0 keeps the update here;
+    # the mlp's parameters of one block shape share one job per step
+    counts = [k for k in range(1, steps) if k % F]
+    shapes = {tuple(p.shape) for p in opt._all_params() if p.dim() == 2}
+    assert st["factor_emas_submitted"] == len(counts) * len(shapes)
+    assert st["factor_ema_failures"] == 0
+    assert not opt._offloaded  # close() waited for the last ones
+
+
+@pytest.mark.parametrize("kind", ["mlp", "block"])
+def test_trajectory_equals_on_thread_update(kind):
+    worker, opt_w = run(kind, make(), 14)
+    thread, opt_t = run(kind, make(OnThreadSOAP), 14)
+    for t, (a, b) in enumerate(zip(worker, thread), 1):
+        assert_params_close(a, b, rtol=1e-9, atol=1e-12, what=f"step {t}")
+    assert opt_w.asteria_stats()["factor_emas_submitted"] > 0
+    assert opt_t.asteria_stats()["factor_emas_submitted"] == 0
+
+
+def test_sync_mode_updates_factors_on_the_training_thread():
+    _, opt = run("mlp", make(runtime={"mode": "sync"}), 8)
+    assert opt.asteria_stats()["factor_emas_submitted"] == 0
+
+
+def test_checkpoint_after_an_offloaded_step_resumes_bitwise():
+    steps, cut = 12, F + 2
+    full, _ = run("mlp", make(), steps)
+    model = make_model("mlp")
+    opt = make()(model.parameters())
+    try:
+        for t in range(1, cut + 1):
+            loss_and_grad(model, "mlp", t)
+            opt.step()
+        assert any(k[1].startswith("b0.GG") for k in opt._offloaded)
+        sd = copy.deepcopy(opt.state_dict())  # waits for the factor EMAs in flight
+        assert not opt._offloaded
+        saved = params_of(model)
+    finally:
+        opt.close()
+    model2 = make_model("mlp")
+    with torch.no_grad():
+        for p, v in zip(model2.parameters(), saved):
+            p.copy_(v)
+    opt2 = make()(model2.parameters())
+    try:
+        opt2.load_state_dict(sd)
+        for t in range(cut + 1, steps + 1):
+            loss_and_grad(model2, "mlp", t)
+            opt2.step()
+            assert all(torch.equal(a, b) for a, b in zip(params_of(model2), full[t - 1])), t
+    finally:
+        opt2.close()
+
+
+def test_failed_job_is_redone_on_the_training_thread():
+    model = make_model("mlp")
+    opt = SOAP(model.parameters(), precondition_frequency=F, runtime=RT)
+    ref_model = make_model("mlp")
+    ref = OnThreadSOAP(ref_model.parameters(), precondition_frequency=F, runtime=RT)
+    real = opt._engine.submit
+
+    def poisoned(op, f, *a, **kw):  # the worker sees a non-finite G; the step kept its own
+        if op == "gram_ema":
+            f = f.clone()
+            f.view(-1)[0] = float("nan")
+            kw["donate"] = ()
+        return real(op, f, *a, **kw)
+
+    try:
+        for t in range(1, F + 3):
+            if t == F + 2:
+                before = {p: opt.state[p]["b0.GG0"].clone() for p in opt._all_params()
+                          if p.dim() == 2}
+                submitted = opt.asteria_stats()["factor_emas_submitted"]
+                opt._engine.submit = poisoned
+            for m, o in ((model, opt), (ref_model, ref)):
+                loss_and_grad(m, "mlp", t)
+                o.step()
+        jobs = opt.asteria_stats()["factor_emas_submitted"] - submitted
+        assert jobs >= 1 and len(opt._offloaded) >= 2 * jobs
+        with pytest.warns(RuntimeWarning, match="done on the training thread"):
+            opt._settle_all_offloaded()
+        assert opt.asteria_stats()["factor_ema_failures"] == jobs
+        for (p, f0), q in zip(before.items(), [q for q in ref_model.parameters()
+                                               if q.dim() == 2]):
+            got = opt.state[p]["b0.GG0"]
+            assert not torch.equal(got, f0)
+            torch.testing.assert_close(got, ref.state[q]["b0.GG0"], rtol=1e-12, atol=1e-14)
+    finally:
+        opt._engine.submit = real
+        opt.close()
+        ref.close()
+
+
+# ---- the executor's in-place contract ---------------------------------------------------------
+
+def _engine():
+    from asteria.refresh.host_pool import CEngine
+    return CEngine({"workers": 1})
+
+
+@pytest.mark.parametrize("sides", ["both", "left", "right"])
+def test_engine_updates_l_and_r_in_place(sides):
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(3, 5, 7, generator=gen, dtype=torch.float64)
+    l0 = torch.randn(3, 5, 5, generator=gen, dtype=torch.float64)
+    r0 = torch.randn(3, 7, 7, generator=gen, dtype=torch.float64)
+    l = l0.clone() if sides != "right" else None
+    r = r0.clone() if sides != "left" else None
+    eng = _engine()
+    try:
+        t = eng.submit("gram_ema", g, l, b=r, block=1, version=1, deadline=1, snapshot_step=0,
+                       p=0.8, eps=0.2, host_outputs=True)
+        res = eng.wait(t)
+        assert res.status == 0, res.error
+        for out, mine, start, prod in ((res.outputs[0], l, l0, g @ g.transpose(1, 2)),
+                                       (res.outputs[1], r, r0, g.transpose(1, 2) @ g)):
+            if mine is None:
+                assert out is None
+                continue
+            assert out is mine  # the caller's tensor, written in place
+            torch.testing.assert_close(mine, 0.8 * start + 0.2 * prod, rtol=1e-12, atol=1e-12)
+    finally:
+        eng.close()
+
+
+def test_engine_refuses_what_it_cannot_update_in_place():
+    g = torch.randn(2, 4, 6)
+    eng = _engine()
+    try:
+        kw = dict(block=1, version=1, deadline=1, snapshot_step=0, p=0.9, eps=0.1)
+        with pytest.raises(ValueError, match="in place.*contiguous"):
+            eng.submit("gram_ema", g, torch.zeros(2, 4, 4).transpose(1, 2), **kw)
+        with pytest.raises(ValueError, match="in place"):
+            eng.submit("gram_ema", g, torch.zeros(2, 4, 4, dtype=torch.float64), **kw)
+        with pytest.raises(ValueError, match="float32 or float64"):
+            eng.submit("gram_ema", g.bfloat16(), torch.zeros(2, 4, 4, dtype=torch.bfloat16),
+                       **kw)
+        with pytest.raises(ValueError, match="gram_ema"):
+            eng.submit("gram_ema", g, None, b=None, **kw)  # neither side
+    finally:
+        eng.close()
