@@ -1121,6 +1121,8 @@ static void to_f32(size_t count, const double *src, void *dst)
         f[i] = (float)src[i];
 }
 
+/* One float32 block again in float64. Never for an in-place op (run_block), so it has no R
+ * (mat1) to carry. */
 static int retry_f64(ast_op kind, const op_args *o)
 {
     const op_counts c = counts_for(kind, o);
