@@ -1,8 +1,9 @@
 /*
  * linalg.c - the host REFRESH kernels (asteria/linalg.h): eigh, inverse p-th roots (eigen and
- * coupled Newton), SOAP's and KL-Shampoo's QR power-iteration refreshes, and SOAP's
- * re-expression of its first moment in a new basis (soap_rotate); and the REFRESH op table
- * (op_table.h) that the runtime validates and runs requests with.
+ * coupled Newton), SOAP's and KL-Shampoo's QR power-iteration refreshes, SOAP's
+ * re-expression of its first moment in a new basis (soap_rotate) and its factors' EMA update
+ * (gram_ema); and the REFRESH op table (op_table.h) that the runtime validates and runs
+ * requests with.
  *
  * Owns: the op table, one constant entry per ast_op (runtime.h): its name (ast_op_name), which
  * of a request's pointers it takes, the check of its own arguments and buffer sizes, the run
@@ -27,13 +28,19 @@
  * float and double by AST__LINALG_TYPED; run() owns validation, the input NaN/Inf check, the
  * float32 -> float64 retry and batching, so each kernel only computes.
  *
+ * In-place ops (gram_ema: L and R are both read and written) cannot be retried, since the
+ * kernel has overwritten what a retry would read, and need none: once the inputs are finite they
+ * cannot fail. For them run() checks every block's inputs before it runs any block, so a
+ * failure leaves every block as it was.
+ *
  * Semantics this file adds to the header:
- *  - n must be in [1, LINALG_NMAX] (LAPACK's 32-bit workspace sizes bound n). soap_rotate calls
- *    no LAPACK routine: any n, n1 >= 1 whose buffers' byte sizes fit a size_t.
+ *  - n must be in [1, LINALG_NMAX] (LAPACK's 32-bit workspace sizes bound n). soap_rotate and
+ *    gram_ema call no LAPACK routine: any n, n1 >= 1 whose buffers' byte sizes fit a size_t.
  *  - ast_linalg_last_retried() reports the most recent ast_linalg_* call of the thread (any
  *    block of a batched call); every call resets it.
  *  - Batched calls set *failed_index (may be NULL) to -1 on success, to the failing block
  *    otherwise, and to 0 when the arguments themselves are rejected (nothing was written).
+ *    gram_ema fails only on a non-finite G, found before anything is written.
  *  - Newton stops early with AST_ENOCONV once the iteration stalls (no new best ||M - I||_inf
  *    for NEWTON_STALL steps) or diverges (error above twice the best), rather than burning the
  *    remaining iterations at the rounding floor. Both tests apply only once the best error is
@@ -84,6 +91,10 @@ typedef struct kern {
     void (*gemm_rm)(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int m, int n, int k, const void *a,
                     int lda, const void *b, int ldb, void *c, int ldc);
     void (*syrk)(int n, const void *a_cm, void *c_cm); /* lower triangle of A A^T */
+    /* row-major C (n x n) = alpha op(A) op(A)^T + beta C on C's upper triangle (the
+     * column-major lower one, which mirror_lower copies across); op(A) n x k */
+    void (*syrk_rm)(CBLAS_TRANSPOSE ta, int n, int k, double alpha, const void *a, int lda,
+                    double beta, void *c);
     double (*dot)(int n, const void *x, int incx, const void *y, int incy);
     void (*scal)(int count, double alpha, void *x);
     double (*get)(const void *v, size_t i);
@@ -131,6 +142,11 @@ typedef struct kern {
     static void P##_syrk(int n, const void *a, void *c)                                           \
     {                                                                                             \
         cblas_##P##syrk(CblasColMajor, CblasLower, CblasNoTrans, n, n, 1, a, n, 0, c, n);         \
+    }                                                                                             \
+    static void P##_syrk_rm(CBLAS_TRANSPOSE ta, int n, int k, double alpha, const void *a,        \
+                            int lda, double beta, void *c)                                        \
+    {                                                                                             \
+        cblas_##P##syrk(CblasRowMajor, CblasUpper, ta, n, k, (T)alpha, a, lda, (T)beta, c, n);    \
     }                                                                                             \
     static double P##_dot(int n, const void *x, int incx, const void *y, int incy)                \
     {                                                                                             \
@@ -207,6 +223,7 @@ typedef struct kern {
         .gemm = P##_gemm,                                                                         \
         .gemm_rm = P##_gemm_rm,                                                                   \
         .syrk = P##_syrk,                                                                         \
+        .syrk_rm = P##_syrk_rm,                                                                   \
         .dot = P##_dot,                                                                           \
         .scal = P##_scal,                                                                         \
         .get = P##_get,                                                                           \
@@ -273,14 +290,16 @@ static lapack_int ws_lwork(const kern *K, const void *query, lapack_int minimum)
 
 typedef struct op_args {
     int n;
-    int n1;            /* soap_rotate: columns of X */
-    const void *in0;   /* A or F; X (soap_rotate) */
+    int n1;            /* soap_rotate: columns of X; gram_ema: columns of G */
+    const void *in0;   /* A or F; X (soap_rotate); G (gram_ema) */
     const void *in1;   /* Q (refreshes); A pair (soap_rotate, may be NULL) */
     const void *in2;   /* B pair (soap_rotate, may be NULL) */
-    void *mat;         /* q (eigh), x (roots), q_new (refreshes); may be NULL for eigh */
+    void *mat;         /* q (eigh), x (roots), q_new (refreshes); L (gram_ema); may be NULL for
+                        * eigh and gram_ema */
+    void *mat1;        /* R (gram_ema, may be NULL) */
     void *vec;         /* w (eigh) */
     int64_t *perm;     /* SOAP */
-    double p, eps, tol;
+    double p, eps, tol; /* gram_ema: p = beta, eps = alpha */
     int ip, max_iter;
 } op_args;
 
@@ -651,6 +670,27 @@ static int k_rotate(const kern *K, const op_args *o)
     return rc;
 }
 
+/*
+ * SOAP's factor EMAs, in place: L = p L + eps G G^T, R = p R + eps G^T G with G n x n1. Each is
+ * one ?syrk on the row-major G as it lies (G G^T: no transposition, G^T G: the transposed
+ * product, both with leading dimension n1) into the upper triangle of the factor itself, which
+ * is then mirrored: exactly symmetric, half the flops of a ?gemm, no workspace. Inputs are
+ * known finite (run() checked every block's G first), so nothing here can fail.
+ */
+static int k_gram_ema(const kern *K, const op_args *o)
+{
+    const int n = o->n, n1 = o->n1;
+    if (o->mat) {
+        K->syrk_rm(CblasNoTrans, n, n1, o->eps, o->in0, n1, o->p, o->mat);
+        K->mirror_lower(n, o->mat);
+    }
+    if (o->mat1) {
+        K->syrk_rm(CblasTrans, n1, n, o->eps, o->in0, n1, o->p, o->mat1);
+        K->mirror_lower(n1, o->mat1);
+    }
+    return 0;
+}
+
 /* ---- the REFRESH op table (op_table.h) -------------------------------------------------------
  * One entry per ast_op: its name, what ast_runtime_submit accepts, how a pool worker runs it
  * (through the public batched call) and the kernel that computes one block. */
@@ -671,6 +711,12 @@ static int bytes_of(size_t *out, size_t a, size_t b, size_t c, size_t d)
     }
     *out = p;
     return 0;
+}
+
+static int overlaps(const void *a, size_t alen, const void *b, size_t blen)
+{
+    uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+    return x < y + blen && y < x + alen;
 }
 
 /* in0, in1 and out0 span batch n x n blocks; ast__op_check has made sure that fits a size_t. */
@@ -746,6 +792,49 @@ static int check_rotate(const ast_refresh *r, size_t bytes[AST__ARG_COUNT], char
     return 0;
 }
 
+/* L and R are written in place from G: a byte shared with G or with each other would be read
+ * after it was written, so they must lie apart. */
+static int check_gram_ema(const ast_refresh *r, size_t bytes[AST__ARG_COUNT], char *msg,
+                          size_t len)
+{
+    if (r->n1 <= 0)
+        return ast__errorf(msg, len, AST_EINVAL,
+                           "gram_ema n1=%d; allowed: n1 >= 1 (G is n x n1)", r->n1);
+    if (!r->out0 && !r->out1)
+        return ast__errorf(msg, len, AST_EINVAL,
+                           "gram_ema got neither out0 (L) nor out1 (R); allowed: either or both");
+    const double maxval = kern_for(r->dtype)->maxval;
+    if (!(fabs(r->p) <= maxval) || !(fabs(r->eps) <= maxval))
+        return ast__errorf(msg, len, AST_EINVAL,
+                           "gram_ema p=%g eps=%g; allowed: finite values in the dtype's range "
+                           "(p = beta, eps = alpha)",
+                           r->p, r->eps);
+    const size_t batch = (size_t)r->batch, n = (size_t)r->n, n1 = (size_t)r->n1;
+    const size_t es = ast_dtype_size(r->dtype);
+    size_t g, lb, rb;
+    if (bytes_of(&g, batch, n, n1, es) || bytes_of(&lb, batch, n, n, es) ||
+        bytes_of(&rb, batch, n1, n1, es))
+        return ast__errorf(msg, len, AST_EINVAL,
+                           "gram_ema n=%d n1=%d batch=%d; the buffer sizes overflow size_t",
+                           r->n, r->n1, r->batch);
+    const char *clash = NULL;
+    if (r->out0 && r->in0 && overlaps(r->out0, lb, r->in0, g))
+        clash = "out0 (L) overlaps in0 (G)";
+    else if (r->out1 && r->in0 && overlaps(r->out1, rb, r->in0, g))
+        clash = "out1 (R) overlaps in0 (G)";
+    else if (r->out0 && r->out1 && overlaps(r->out0, lb, r->out1, rb))
+        clash = "out0 (L) overlaps out1 (R)";
+    if (clash)
+        return ast__errorf(msg, len, AST_EINVAL,
+                           "gram_ema %s; allowed: L, R and G in separate memory (L and R are "
+                           "updated in place)",
+                           clash);
+    bytes[AST__ARG_IN0] = g;
+    bytes[AST__ARG_OUT0] = lb;
+    bytes[AST__ARG_OUT1] = rb;
+    return 0;
+}
+
 static int run_eigh(const ast_refresh *r, int *failed_index)
 {
     return ast_linalg_eigh_batched(r->dtype, r->batch, r->n, r->in0, r->out1, r->out0,
@@ -792,11 +881,21 @@ static int run_rotate(const ast_refresh *r, int *failed_index)
                                           r->in2, r->out0, failed_index);
 }
 
+static int run_gram_ema(const ast_refresh *r, int *failed_index)
+{
+    return ast_linalg_gram_ema_batched(r->dtype, r->batch, r->n, r->n1, r->in0, r->p, r->eps,
+                                       r->out0, r->out1, failed_index);
+}
+
 typedef int (*kernel_fn)(const kern *K, const op_args *o);
 
 typedef struct op_entry {
     ast__op op;       /* what runtime.c reads */
     kernel_fn kernel; /* one block, for run() and the float64 retry */
+    /* 1: the kernel updates its outputs in place (reads them too). run() then checks every
+     * block's inputs before running any block and never retries in float64 (see the file
+     * comment). */
+    unsigned char in_place;
 } op_entry;
 
 enum { NONE = AST__ARG_NONE, OPT = AST__ARG_OPTIONAL, REQ = AST__ARG_REQUIRED };
@@ -817,6 +916,9 @@ static const op_entry op_table[] = {
     [AST_OP_SOAP_ROTATE] = {{"soap_rotate", {REQ, OPT, OPT, REQ, NONE}, check_rotate,
                              run_rotate},
                             k_rotate},
+    [AST_OP_GRAM_EMA] = {{"gram_ema", {REQ, NONE, NONE, OPT, OPT}, check_gram_ema,
+                          run_gram_ema},
+                         k_gram_ema, 1},
 };
 /* Codes run from 1; slot 0 is no op. */
 #define OP_SLOTS ((int)(sizeof op_table / sizeof op_table[0]))
@@ -882,13 +984,18 @@ int ast__op_check(const ast_refresh *req, const ast__op **op, size_t bytes[AST__
 
 /* Element counts of one block's buffers (0 for a buffer the call does not have). */
 typedef struct op_counts {
-    size_t in0, in1, in2, mat, vec, perm;
+    size_t in0, in1, in2, mat, mat1, vec, perm;
 } op_counts;
 
 static op_counts counts_for(ast_op kind, const op_args *o)
 {
     const size_t n = (size_t)o->n, nn = n * n;
-    op_counts c = {nn, o->in1 ? nn : 0, 0, o->mat ? nn : 0, o->vec ? n : 0, o->perm ? n : 0};
+    op_counts c = {nn, o->in1 ? nn : 0, 0, o->mat ? nn : 0, 0, o->vec ? n : 0, o->perm ? n : 0};
+    if (kind == AST_OP_GRAM_EMA) {
+        const size_t n1 = (size_t)o->n1;
+        c.in0 = n * n1;
+        c.mat1 = o->mat1 ? n1 * n1 : 0;
+    }
     if (kind == AST_OP_SOAP_ROTATE) {
         const size_t n1 = (size_t)o->n1;
         c.in0 = n * n1;
@@ -897,12 +1004,6 @@ static op_counts counts_for(ast_op kind, const op_args *o)
         c.mat = o->mat ? n * n1 : 0;
     }
     return c;
-}
-
-static int overlaps(const void *a, size_t alen, const void *b, size_t blen)
-{
-    uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
-    return x < y + blen && y < x + alen;
 }
 
 /* batch * count * es fits a size_t. */
@@ -932,12 +1033,37 @@ static int validate_rotate(const op_args *o, int batch, size_t es)
     return 0;
 }
 
-static int validate(ast_op kind, const op_args *o, int batch, size_t es)
+/* gram_ema: as soap_rotate, no bound on n or n1 but addressable spans; L and R are updated in
+ * place, so neither may overlap G or the other; beta and alpha finite in the type. */
+static int validate_gram_ema(const op_args *o, int batch, const kern *K)
 {
+    if (o->n1 < 1 || (!o->mat && !o->mat1) || !(fabs(o->p) <= K->maxval) ||
+        !(fabs(o->eps) <= K->maxval))
+        return AST_EINVAL;
+    const size_t n = (size_t)o->n, n1 = (size_t)o->n1, es = K->es;
+    if (n1 > SIZE_MAX / n || n > SIZE_MAX / n || n1 > SIZE_MAX / n1)
+        return AST_EINVAL;
+    op_counts c = counts_for(AST_OP_GRAM_EMA, o);
+    if (!span_fits(batch, c.in0, es) || !span_fits(batch, c.mat, es) ||
+        !span_fits(batch, c.mat1, es))
+        return AST_EINVAL;
+    const size_t b = (size_t)batch, g = b * c.in0 * es, l = b * c.mat * es, r = b * c.mat1 * es;
+    if ((o->mat && overlaps(o->mat, l, o->in0, g)) ||
+        (o->mat1 && overlaps(o->mat1, r, o->in0, g)) ||
+        (o->mat && o->mat1 && overlaps(o->mat, l, o->mat1, r)))
+        return AST_EINVAL;
+    return 0;
+}
+
+static int validate(ast_op kind, const op_args *o, int batch, const kern *K)
+{
+    const size_t es = K->es;
     if (o->n < 1 || batch < 0 || !o->in0)
         return AST_EINVAL;
     if (kind == AST_OP_SOAP_ROTATE)
         return validate_rotate(o, batch, es);
+    if (kind == AST_OP_GRAM_EMA)
+        return validate_gram_ema(o, batch, K);
     if (o->n > LINALG_NMAX)
         return AST_EINVAL;
     const size_t span = (size_t)batch * o->n * o->n * es;
@@ -963,7 +1089,8 @@ static int validate(ast_op kind, const op_args *o, int batch, size_t es)
             return AST_EINVAL;
         return 0;
     case AST_OP_SOAP_ROTATE:
-        break; /* validate_rotate */
+    case AST_OP_GRAM_EMA:
+        break; /* validate_rotate, validate_gram_ema */
     }
     return AST_EINVAL;
 }
@@ -994,6 +1121,8 @@ static void to_f32(size_t count, const double *src, void *dst)
         f[i] = (float)src[i];
 }
 
+/* One float32 block again in float64. Never for an in-place op (run_block), so it has no R
+ * (mat1) to carry. */
 static int retry_f64(ast_op kind, const op_args *o)
 {
     const op_counts c = counts_for(kind, o);
@@ -1036,18 +1165,48 @@ out:
     return rc;
 }
 
-static int run_block(const kern *K, ast_dtype dt, ast_op kind, const op_args *o)
+static int inputs_finite(const kern *K, ast_op kind, const op_args *o)
 {
     const op_counts c = counts_for(kind, o);
-    if (!K->finite(c.in0, o->in0) || (o->in1 && !K->finite(c.in1, o->in1)) ||
-        (o->in2 && !K->finite(c.in2, o->in2)))
+    return K->finite(c.in0, o->in0) && (!o->in1 || K->finite(c.in1, o->in1)) &&
+           (!o->in2 || K->finite(c.in2, o->in2));
+}
+
+/* One block. An in-place op's inputs were all checked by run() already, and it has no retry. */
+static int run_block(const kern *K, ast_dtype dt, ast_op kind, const op_args *o)
+{
+    const op_entry *e = &op_table[kind];
+    if (e->in_place)
+        return e->kernel(K, o);
+    if (!inputs_finite(K, kind, o))
         return AST_ENONFINITE; /* bad input: a float64 retry could not help */
-    int rc = op_table[kind].kernel(K, o);
+    int rc = e->kernel(K, o);
     if (dt == AST_F32 && (rc == AST_ENOCONV || rc == AST_ENONFINITE)) {
         tl_retried = 1;
         rc = retry_f64(kind, o);
     }
     return rc;
+}
+
+/* Block b of a batched call's arguments. */
+static op_args block_of(const op_args *o, const op_counts *c, size_t es, int b)
+{
+    const size_t ub = (size_t)b;
+    op_args blk = *o;
+    blk.in0 = (const char *)o->in0 + ub * c->in0 * es;
+    if (o->in1)
+        blk.in1 = (const char *)o->in1 + ub * c->in1 * es;
+    if (o->in2)
+        blk.in2 = (const char *)o->in2 + ub * c->in2 * es;
+    if (o->mat)
+        blk.mat = (char *)o->mat + ub * c->mat * es;
+    if (o->mat1)
+        blk.mat1 = (char *)o->mat1 + ub * c->mat1 * es;
+    if (o->vec)
+        blk.vec = (char *)o->vec + ub * c->vec * es;
+    if (o->perm)
+        blk.perm = o->perm + ub * c->perm;
+    return blk;
 }
 
 static int run(ast_dtype dt, ast_op kind, const op_args *o, int batch, int *failed_index)
@@ -1058,27 +1217,23 @@ static int run(ast_dtype dt, ast_op kind, const op_args *o, int batch, int *fail
         *failed_index = 0;
     if (!K)
         return AST_EINVAL;
-    int rc = validate(kind, o, batch, K->es);
+    int rc = validate(kind, o, batch, K);
     if (rc != 0)
         return rc;
     ast_linalg_init();
 
     const op_counts c = counts_for(kind, o);
     const size_t es = K->es;
+    for (int b = 0; op_table[kind].in_place && b < batch; b++) {
+        const op_args blk = block_of(o, &c, es, b);
+        if (!inputs_finite(K, kind, &blk)) {
+            if (failed_index)
+                *failed_index = b;
+            return AST_ENONFINITE;
+        }
+    }
     for (int b = 0; b < batch; b++) {
-        const size_t ub = (size_t)b;
-        op_args blk = *o;
-        blk.in0 = (const char *)o->in0 + ub * c.in0 * es;
-        if (o->in1)
-            blk.in1 = (const char *)o->in1 + ub * c.in1 * es;
-        if (o->in2)
-            blk.in2 = (const char *)o->in2 + ub * c.in2 * es;
-        if (o->mat)
-            blk.mat = (char *)o->mat + ub * c.mat * es;
-        if (o->vec)
-            blk.vec = (char *)o->vec + ub * c.vec * es;
-        if (o->perm)
-            blk.perm = o->perm + ub * c.perm;
+        const op_args blk = block_of(o, &c, es, b);
         rc = run_block(K, dt, kind, &blk);
         if (rc != 0) {
             if (failed_index)
@@ -1182,4 +1337,17 @@ int ast_linalg_soap_rotate_batched(ast_dtype dt, int batch, int n, int n1, const
 {
     op_args o = {.n = n, .n1 = n1, .in0 = x, .in1 = a_pair, .in2 = b_pair, .mat = out};
     return run(dt, AST_OP_SOAP_ROTATE, &o, batch, failed_index);
+}
+
+int ast_linalg_gram_ema(ast_dtype dt, int n, int n1, const void *g, double beta, double alpha,
+                        void *l, void *r)
+{
+    return ast_linalg_gram_ema_batched(dt, 1, n, n1, g, beta, alpha, l, r, NULL);
+}
+
+int ast_linalg_gram_ema_batched(ast_dtype dt, int batch, int n, int n1, const void *g,
+                                double beta, double alpha, void *l, void *r, int *failed_index)
+{
+    op_args o = {.n = n, .n1 = n1, .in0 = g, .mat = l, .mat1 = r, .p = beta, .eps = alpha};
+    return run(dt, AST_OP_GRAM_EMA, &o, batch, failed_index);
 }

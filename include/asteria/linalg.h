@@ -2,12 +2,13 @@
  * asteria/linalg.h - host linear algebra for preconditioner refreshes (LAPACKE/OpenBLAS).
  *
  * Owns: the O(n^3) REFRESH kernels of Shampoo, SOAP and KL-Shampoo (and SOAP's re-expression
- * of its first moment at install), in float32 and float64, single-block and batched (many
- * same-shape blocks laid out contiguously).
+ * of its first moment at install, and its factors' EMA update), in float32 and float64,
+ * single-block and batched (many same-shape blocks laid out contiguously).
  *
  * Conventions
  *  - Matrices are dense, ROW-MAJOR (torch's layout), no padding; square n x n except the
- *    n x n1 operand and result of ast_linalg_soap_rotate.
+ *    n x n1 operand and result of ast_linalg_soap_rotate and the n x n1 G (and n1 x n1 R) of
+ *    ast_linalg_gram_ema.
  *  - "Eigenvectors as columns": Q[i*n + j] is component i of eigenvector j.
  *  - Outputs are written only on success. On any failure (non-convergence, NaN/Inf in the
  *    input or the result, bad argument) the output buffers are left exactly as they were, so
@@ -109,6 +110,26 @@ int ast_linalg_soap_rotate(ast_dtype dt, int n, int n1, const void *x, const voi
 int ast_linalg_soap_rotate_batched(ast_dtype dt, int batch, int n, int n1, const void *x,
                                    const void *a_pair, const void *b_pair, void *out,
                                    int *failed_index);
+
+/* SOAP's factor EMAs, IN PLACE: for G (n x n1),
+ *   L = beta L + alpha G G^T   (l: n x n, or NULL: L not updated)
+ *   R = beta R + alpha G^T G   (r: n1 x n1, or NULL: R not updated), not both NULL.
+ * Each product is one ?syrk (half the flops of a ?gemm) on one triangle, then mirrored, so L
+ * and R come out exactly symmetric; they are taken as symmetric on input (only the upper
+ * triangle, row-major, is read). beta and alpha may be any finite values; n, n1 >= 1 (no
+ * LAPACK bound on either). l and r may not overlap g or each other (AST_EINVAL). Only G is
+ * checked: NaN/Inf in G is AST_ENONFINITE; NaN/Inf already in L or R, or a product beyond the
+ * type's range, is written as the arithmetic gives it (as torch.baddbmm would). The call cannot
+ * fail once its arguments and G pass, so there is no float64 retry.
+ * Batched: g is batch x n x n1, l batch x n x n, r batch x n1 x n1; block i uses the i-th of
+ * each. Unlike the other batched calls, every block's G is checked before any block is
+ * written: on AST_ENONFINITE (*failed_index = the first poisoned block) no block's L or R has
+ * changed. Returns 0 or an AST_E* code as listed at the top of this file (AST_EINVAL also for
+ * both l and r NULL, a non-finite beta or alpha, or an overlap). */
+int ast_linalg_gram_ema(ast_dtype dt, int n, int n1, const void *g, double beta, double alpha,
+                        void *l, void *r);
+int ast_linalg_gram_ema_batched(ast_dtype dt, int batch, int n, int n1, const void *g,
+                                double beta, double alpha, void *l, void *r, int *failed_index);
 
 #ifdef __cplusplus
 }

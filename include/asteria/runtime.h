@@ -79,7 +79,12 @@ typedef enum ast_op {
     /* in0 = X (batch x n x n1), in1 = A pair (batch x 2 x n x n) or NULL, in2 = B pair
      * (batch x 2 x n1 x n1) or NULL, not both NULL; out0 = A_new^T A_old X B_old^T B_new
      * (batch x n x n1), a NULL pair being the identity (ast_linalg_soap_rotate) */
-    AST_OP_SOAP_ROTATE = 6
+    AST_OP_SOAP_ROTATE = 6,
+    /* in0 = G (batch x n x n1); out0 = L (batch x n x n) or NULL, out1 = R (batch x n1 x n1)
+     * or NULL, not both, each updated IN PLACE: L = p L + eps G G^T, R = p R + eps G^T G
+     * (p = beta, the old factor's weight; eps = alpha, the new product's), exactly symmetric
+     * (ast_linalg_gram_ema) */
+    AST_OP_GRAM_EMA = 7
 } ast_op;
 
 /* The REFRESH ops are one table in src/linalg.c (name, argument checks, run function), which
@@ -97,13 +102,14 @@ typedef struct ast_refresh {
     int batch;              /* same-shape blocks, laid out contiguously */
     const void *in0, *in1;
     void *out0, *out1;
-    double p;               /* root exponent denominator (inverse p-th root) */
-    double eps;
+    double p;               /* root exponent denominator (inverse p-th root); gram_ema: beta */
+    double eps;             /* the roots' eps; gram_ema: alpha */
     uint64_t block;         /* caller's block key (supersede, failure counting) */
     uint64_t version;
     int64_t deadline;       /* step by which it must be installed */
     int64_t snapshot_step;  /* step whose end state the inputs are (for version stats) */
-    int n1;                 /* soap_rotate: columns of X (>= 1); other ops ignore it */
+    int n1;                 /* soap_rotate: columns of X, gram_ema: columns of G (>= 1);
+                             * other ops ignore it */
     const void *in2;        /* soap_rotate: the B pair or NULL; must be NULL for other ops */
 } ast_refresh;
 
@@ -155,7 +161,8 @@ int ast_runtime_unregister(ast_runtime *rt, uint64_t handle);
 
 /* Queues a REFRESH job; *ticket (may be NULL) receives its ticket. Returns 0 on success;
  * AST_EINVAL for a malformed request (dtype, n, batch, p, eps, n1, a missing input or output, an
- * operand that must be NULL, a version not above the block's queued one); AST_ERANGE for a
+ * operand that must be NULL, gram_ema outputs that overlap G or each other, a version not above
+ * the block's queued one); AST_ERANGE for a
  * pointer range outside every registered buffer; AST_ENOMEM; AST_ESHUTDOWN while rt is being
  * destroyed. Failures set the last-error message. */
 int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket);

@@ -1,6 +1,7 @@
 /*
  * test_linalg.c - asteria/linalg.h against matrices with known spectra and against plain
- * restatements of every formula in the header (soap_rotate against plain triple loops).
+ * restatements of every formula in the header (soap_rotate and gram_ema against plain triple
+ * loops).
  *
  * The restatements are float64 and use other LAPACK drivers than the code under test where one
  * exists (?syev, the QR algorithm, for the eigen-formula; row-major LAPACKE for the QR), so a
@@ -23,6 +24,7 @@
 #include "asteria/errors.h"
 #include "asteria/linalg.h"
 
+#include "ref_gram_ema.h"
 #include "ref_rotate.h"
 
 #include <cblas.h>
@@ -1359,6 +1361,292 @@ static void test_soap_rotate_retry_f64(void **state)
     assert_true(sentinel_intact(o32, sizeof o32));
 }
 
+/* ---- SOAP's factor EMAs (gram_ema) --------------------------------------------------------- */
+
+/* A random symmetric m x m matrix (Gaussian entries, mirrored). */
+static void rand_sym(int m, double *a)
+{
+    for (int i = 0; i < m; i++)
+        for (int j = i; j < m; j++)
+            a[(size_t)i * m + j] = a[(size_t)j * m + i] = nrand();
+}
+
+/* A copy of src in dtype dt followed by 8 sentinel elements. */
+static char *to_dt_padded(ast_dtype dt, size_t count, const double *src)
+{
+    const size_t es = ast_dtype_size(dt);
+    char *p = xalloc((count + 8) * es), *t = to_dt(dt, count, src);
+    memcpy(p, t, count * es);
+    fill_sentinel(p + count * es, 8 * es);
+    free(t);
+    return p;
+}
+
+static double *abs_copy(size_t count, const double *v)
+{
+    double *a = dalloc(count);
+    for (size_t i = 0; i < count; i++)
+        a[i] = fabs(v[i]);
+    return a;
+}
+
+/* got (m x m, a call's output in float64) against the restatement ref, element by element within
+ * C (k + 2) u bound, bound being the restatement on absolute values: the componentwise error of a
+ * k-term dot product (Higham, Accuracy and Stability, 3.1) plus the rounding of the scaling and
+ * the sum; and exactly symmetric. */
+static void expect_gram(ast_dtype dt, int m, int k, const double *got, const double *ref,
+                        const double *bound, const char *what, int block)
+{
+    const double c = TOL_C * (k + 2) * uround(dt);
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < m; j++) {
+            const size_t ij = (size_t)i * m + j, ji = (size_t)j * m + i;
+            if (!(fabs(got[ij] - ref[ij]) <= c * bound[ij]))
+                fail_msg("dtype %d %s (%d x %d, k %d) block %d (%d, %d): %.17g, restatement "
+                         "%.17g, bound %.3e",
+                         (int)dt, what, m, m, k, block, i, j, got[ij], ref[ij], c * bound[ij]);
+            if (got[ij] != got[ji])
+                fail_msg("dtype %d %s block %d not symmetric at (%d, %d): %.17g vs %.17g",
+                         (int)dt, what, block, i, j, got[ij], got[ji]);
+        }
+}
+
+enum { GRAM_BOTH, GRAM_L, GRAM_R };
+
+/* Against the restatement for square, tall and wide G, a single row, a single column and 1 x 1,
+ * both factors and each alone, three (beta, alpha) pairs (SOAP's, a negative beta, beta 0),
+ * batch 3: within the componentwise bound, exactly symmetric, each block of the batched call
+ * bitwise the single call's, nothing past L or R written and nothing retried. */
+static void test_gram_ema_restatement(void **state)
+{
+    (void)state;
+    static const int shapes[][2] = {{6, 6}, {3, 11}, {11, 3}, {1, 7}, {7, 1}, {1, 1}, {9, 16}};
+    static const double coef[][2] = {{0.95, 0.05}, {-0.5, 2.0}, {0.0, 1.0}};
+    enum { B = 3 };
+    rng_seed(31);
+    for (size_t d = 0; d < 2; d++)
+        for (size_t sh = 0; sh < sizeof shapes / sizeof shapes[0]; sh++)
+            for (int side = GRAM_BOTH; side <= GRAM_R; side++)
+                for (size_t cf = 0; cf < sizeof coef / sizeof coef[0]; cf++) {
+                    const ast_dtype dt = dtypes[d];
+                    const size_t es = ast_dtype_size(dt);
+                    const int n = shapes[sh][0], n1 = shapes[sh][1];
+                    const size_t ng = (size_t)n * n1, nl = (size_t)n * n, nr = (size_t)n1 * n1;
+                    const double beta = coef[cf][0], alpha = coef[cf][1];
+                    const int has_l = side != GRAM_R, has_r = side != GRAM_L;
+                    double *g = dalloc(B * ng), *l = dalloc(B * nl), *r = dalloc(B * nr);
+                    for (size_t i = 0; i < B * ng; i++)
+                        g[i] = nrand();
+                    for (int b = 0; b < B; b++) {
+                        rand_sym(n, l + b * nl);
+                        rand_sym(n1, r + b * nr);
+                    }
+                    round_to(dt, B * ng, g);
+                    round_to(dt, B * nl, l);
+                    round_to(dt, B * nr, r);
+                    char *gd = to_dt(dt, B * ng, g), *ld = to_dt_padded(dt, B * nl, l),
+                         *rd = to_dt_padded(dt, B * nr, r);
+                    char *l0 = to_dt(dt, B * nl, l), *r0 = to_dt(dt, B * nr, r);
+                    int fi = 99;
+                    assert_int_equal(ast_linalg_gram_ema_batched(dt, B, n, n1, gd, beta, alpha,
+                                                                 has_l ? ld : NULL,
+                                                                 has_r ? rd : NULL, &fi),
+                                     0);
+                    assert_int_equal(fi, -1);
+                    assert_int_equal(ast_linalg_last_retried(), 0);
+                    assert_true(sentinel_intact(ld + B * nl * es, 8 * es));
+                    assert_true(sentinel_intact(rd + B * nr * es, 8 * es));
+                    if (!has_l)
+                        assert_memory_equal(ld, l0, B * nl * es);
+                    if (!has_r)
+                        assert_memory_equal(rd, r0, B * nr * es);
+                    double *got_l = dalloc(nl), *got_r = dalloc(nr), *ref_l = dalloc(nl),
+                           *ref_r = dalloc(nr), *bnd_l = dalloc(nl), *bnd_r = dalloc(nr);
+                    double *ga = abs_copy(B * ng, g), *la = abs_copy(B * nl, l),
+                           *ra = abs_copy(B * nr, r);
+                    char *one_l = xalloc(nl * es), *one_r = xalloc(nr * es);
+                    for (int b = 0; b < B; b++) {
+                        ref_gram_ema(n, n1, g + b * ng, beta, alpha, l + b * nl, r + b * nr,
+                                     has_l ? ref_l : NULL, has_r ? ref_r : NULL);
+                        ref_gram_ema(n, n1, ga + b * ng, fabs(beta), fabs(alpha), la + b * nl,
+                                     ra + b * nr, has_l ? bnd_l : NULL, has_r ? bnd_r : NULL);
+                        memcpy(one_l, l0 + b * nl * es, nl * es);
+                        memcpy(one_r, r0 + b * nr * es, nr * es);
+                        assert_int_equal(ast_linalg_gram_ema(dt, n, n1, gd + b * ng * es, beta,
+                                                             alpha, has_l ? one_l : NULL,
+                                                             has_r ? one_r : NULL),
+                                         0);
+                        if (has_l) {
+                            from_dt(dt, nl, ld + b * nl * es, got_l);
+                            expect_gram(dt, n, n1, got_l, ref_l, bnd_l, "L", b);
+                            assert_memory_equal(one_l, ld + b * nl * es, nl * es);
+                        }
+                        if (has_r) {
+                            from_dt(dt, nr, rd + b * nr * es, got_r);
+                            expect_gram(dt, n1, n, got_r, ref_r, bnd_r, "R", b);
+                            assert_memory_equal(one_r, rd + b * nr * es, nr * es);
+                        }
+                    }
+                    free(g);
+                    free(l);
+                    free(r);
+                    free(gd);
+                    free(ld);
+                    free(rd);
+                    free(l0);
+                    free(r0);
+                    free(got_l);
+                    free(got_r);
+                    free(ref_l);
+                    free(ref_r);
+                    free(bnd_l);
+                    free(bnd_r);
+                    free(ga);
+                    free(la);
+                    free(ra);
+                    free(one_l);
+                    free(one_r);
+                }
+}
+
+/* L and R are taken as symmetric: what their strict lower triangles hold does not matter. */
+static void test_gram_ema_reads_upper_triangle(void **state)
+{
+    (void)state;
+    enum { N = 5, N1 = 3 };
+    double g[N * N1], l[N * N], r[N1 * N1], l2[N * N], r2[N1 * N1];
+    rng_seed(32);
+    for (int i = 0; i < N * N1; i++)
+        g[i] = nrand();
+    rand_sym(N, l);
+    rand_sym(N1, r);
+    memcpy(l2, l, sizeof l);
+    memcpy(r2, r, sizeof r);
+    for (int i = 0; i < N; i++)
+        for (int j = 0; j < i; j++)
+            l2[i * N + j] = 1e3;
+    for (int i = 0; i < N1; i++)
+        for (int j = 0; j < i; j++)
+            r2[i * N1 + j] = -1e3;
+    assert_int_equal(ast_linalg_gram_ema(AST_F64, N, N1, g, 0.9, 0.1, l, r), 0);
+    assert_int_equal(ast_linalg_gram_ema(AST_F64, N, N1, g, 0.9, 0.1, l2, r2), 0);
+    assert_memory_equal(l, l2, sizeof l);
+    assert_memory_equal(r, r2, sizeof r);
+}
+
+/* NaN/Inf in any block's G: AST_ENONFINITE at the first poisoned block, no retry, and L and R of
+ * EVERY block as they were (all of G is checked before anything is written), for each side.
+ * Bad arguments (shape, NULLs, dtype, batch, non-finite or out-of-range beta / alpha, L or R
+ * overlapping G or each other): AST_EINVAL, failed_index 0, nothing written. */
+static void test_gram_ema_failures(void **state)
+{
+    (void)state;
+    enum { B = 3, N = 5, N1 = 3 };
+    const size_t ng = N * N1, nl = N * N, nr = N1 * N1;
+    rng_seed(33);
+    for (size_t d = 0; d < 2; d++) {
+        const ast_dtype dt = dtypes[d];
+        const size_t es = ast_dtype_size(dt);
+        double g[B * ng], l[B * nl], r[B * nr];
+        for (size_t i = 0; i < B * ng; i++)
+            g[i] = nrand();
+        for (int b = 0; b < B; b++) {
+            rand_sym(N, l + b * nl);
+            rand_sym(N1, r + b * nr);
+        }
+        char *gd = to_dt(dt, B * ng, g), *ld = to_dt(dt, B * nl, l), *rd = to_dt(dt, B * nr, r);
+        char *g0 = to_dt(dt, B * ng, g), *l0 = to_dt(dt, B * nl, l), *r0 = to_dt(dt, B * nr, r);
+        const double bad[] = {NAN, INFINITY, -INFINITY};
+        for (int side = GRAM_BOTH; side <= GRAM_R; side++) {
+            char *la = side != GRAM_R ? ld : NULL, *ra = side != GRAM_L ? rd : NULL;
+            for (int fail_at = 0; fail_at < B; fail_at++) {
+                char *poison = gd + ((size_t)fail_at * ng + 2 + side) * es, saved[8];
+                char *later = gd + ((size_t)(B - 1) * ng + ng - 1) * es, saved_later[8];
+                poison_elem(poison, dt, bad[fail_at], saved);
+                if (fail_at < B - 1) /* a second poisoned block after it changes nothing */
+                    poison_elem(later, dt, NAN, saved_later);
+                int fi = 99;
+                assert_int_equal(ast_linalg_gram_ema_batched(dt, B, N, N1, gd, 0.95, 0.05, la,
+                                                             ra, &fi),
+                                 AST_ENONFINITE);
+                assert_int_equal(fi, fail_at);
+                assert_int_equal(ast_linalg_last_retried(), 0);
+                assert_memory_equal(ld, l0, B * nl * es);
+                assert_memory_equal(rd, r0, B * nr * es);
+                assert_int_equal(ast_linalg_gram_ema(dt, N, N1, gd + fail_at * ng * es, 0.95,
+                                                     0.05, la ? la + fail_at * nl * es : NULL,
+                                                     ra ? ra + fail_at * nr * es : NULL),
+                                 AST_ENONFINITE);
+                assert_memory_equal(ld, l0, B * nl * es);
+                assert_memory_equal(rd, r0, B * nr * es);
+                memcpy(poison, saved, es);
+                if (fail_at < B - 1)
+                    memcpy(later, saved_later, es);
+            }
+        }
+
+        /* Bad arguments. */
+        int fi = 99;
+        assert_int_equal(ast_linalg_gram_ema(dt, N, 0, gd, 0.9, 0.1, ld, rd), AST_EINVAL);
+        assert_int_equal(ast_linalg_gram_ema(dt, N, -1, gd, 0.9, 0.1, ld, rd), AST_EINVAL);
+        assert_int_equal(ast_linalg_gram_ema(dt, 0, N1, gd, 0.9, 0.1, ld, rd), AST_EINVAL);
+        assert_int_equal(ast_linalg_gram_ema(dt, N, N1, gd, 0.9, 0.1, NULL, NULL), AST_EINVAL);
+        assert_int_equal(ast_linalg_gram_ema(dt, N, N1, NULL, 0.9, 0.1, ld, rd), AST_EINVAL);
+        assert_int_equal(ast_linalg_gram_ema((ast_dtype)5, N, N1, gd, 0.9, 0.1, ld, rd),
+                         AST_EINVAL);
+        assert_int_equal(ast_linalg_gram_ema(dt, N, N1, gd, NAN, 0.1, ld, rd), AST_EINVAL);
+        assert_int_equal(ast_linalg_gram_ema(dt, N, N1, gd, 0.9, INFINITY, ld, rd), AST_EINVAL);
+        assert_int_equal(ast_linalg_gram_ema(dt, N, N1, gd, -INFINITY, 0.1, ld, NULL),
+                         AST_EINVAL);
+        if (dt == AST_F32) /* finite in float64, not in float32 */
+            assert_int_equal(ast_linalg_gram_ema(dt, N, N1, gd, 1e39, 0.1, ld, rd), AST_EINVAL);
+        assert_int_equal(ast_linalg_gram_ema_batched(dt, -1, N, N1, gd, 0.9, 0.1, ld, rd, &fi),
+                         AST_EINVAL);
+        assert_int_equal(fi, 0);
+        /* L over G (in place), R over G's last element, L and R overlapping each other. */
+        fi = 99;
+        assert_int_equal(ast_linalg_gram_ema_batched(dt, B, N, N1, gd, 0.9, 0.1, gd, NULL, &fi),
+                         AST_EINVAL);
+        assert_int_equal(fi, 0);
+        assert_int_equal(ast_linalg_gram_ema_batched(dt, B, N, N1, gd, 0.9, 0.1, NULL,
+                                                     gd + (B * ng - 1) * es, &fi),
+                         AST_EINVAL);
+        assert_int_equal(ast_linalg_gram_ema_batched(dt, B, N, N1, gd, 0.9, 0.1, ld,
+                                                     ld + (B * nl - 1) * es, &fi),
+                         AST_EINVAL);
+        assert_int_equal(ast_linalg_gram_ema(dt, N, N1, gd, 0.9, 0.1, rd, rd), AST_EINVAL);
+        assert_memory_equal(gd, g0, B * ng * es);
+        assert_memory_equal(ld, l0, B * nl * es);
+        assert_memory_equal(rd, r0, B * nr * es);
+        /* An empty batch succeeds and writes nothing. */
+        fi = 99;
+        assert_int_equal(ast_linalg_gram_ema_batched(dt, 0, N, N1, gd, 0.9, 0.1, ld, rd, &fi), 0);
+        assert_int_equal(fi, -1);
+        assert_memory_equal(ld, l0, B * nl * es);
+        assert_memory_equal(rd, r0, B * nr * es);
+        free(gd);
+        free(ld);
+        free(rd);
+        free(g0);
+        free(l0);
+        free(r0);
+    }
+}
+
+/* A finite G whose product overflows the type is no failure and is not retried: the call returns
+ * 0 with the arithmetic's Inf in L, as torch.baddbmm would give (linalg.h). */
+static void test_gram_ema_overflow_is_arithmetic(void **state)
+{
+    (void)state;
+    const float g[2] = {3e38f, 3e38f};
+    float l[1] = {1.0f}, r[4] = {1, 0, 0, 1};
+    assert_int_equal(ast_linalg_gram_ema(AST_F32, 1, 2, g, 0.5, 0.5, l, r), 0);
+    assert_int_equal(ast_linalg_last_retried(), 0);
+    assert_true(isinf(l[0]));
+    for (int i = 0; i < 4; i++)
+        assert_true(isinf(r[i]));
+}
+
 /* ---- the float32 -> float64 retry ------------------------------------------------------------ */
 
 /* F = 3e38 * ones(2) is finite in float32, but F Q with Q a 45-degree rotation has entries
@@ -1534,6 +1822,10 @@ int main(void)
         cmocka_unit_test(test_soap_rotate_same_basis_is_identity),
         cmocka_unit_test(test_soap_rotate_failures),
         cmocka_unit_test(test_soap_rotate_retry_f64),
+        cmocka_unit_test(test_gram_ema_restatement),
+        cmocka_unit_test(test_gram_ema_reads_upper_triangle),
+        cmocka_unit_test(test_gram_ema_failures),
+        cmocka_unit_test(test_gram_ema_overflow_is_arithmetic),
         cmocka_unit_test(test_concurrent),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -1,7 +1,8 @@
 /* test_runtime.c - runtime: config handling, buffer registration, REFRESH jobs end to end
- * (soap_rotate's submit validation and a run through the pool too), the op table (ast_op_name,
- * the wording of its submit checks), consecutive-failure rule, barrier stats, shutdown with jobs
- * pending, the runtime's trace, waits that check between slices (ast_runtime_wait_check). */
+ * (soap_rotate's and gram_ema's submit validation and runs through the pool too), the op table
+ * (ast_op_name, the wording of its submit checks), consecutive-failure rule, barrier stats,
+ * shutdown with jobs pending, the runtime's trace, waits that check between slices
+ * (ast_runtime_wait_check). */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -20,6 +21,7 @@
 #include "asteria/errors.h"
 #include "asteria/runtime.h"
 
+#include "ref_gram_ema.h"
 #include "ref_rotate.h"
 #include "testing.h"
 
@@ -288,13 +290,160 @@ static void test_soap_rotate_submit_validation(void **state)
                      .in1 = ap + 4, .in2 = bp, .out0 = out, .block = 2, .version = 1};
     expect_submit_error(rt, &k, AST_EINVAL, "in2 must be NULL", "soap_rotate");
     /* An unknown op names soap_rotate among the allowed ones. */
-    k.op = (ast_op)7;
+    k.op = (ast_op)8;
     k.in2 = NULL;
-    expect_submit_error(rt, &k, AST_EINVAL, "soap_rotate (6)", NULL);
+    expect_submit_error(rt, &k, AST_EINVAL, "soap_rotate (6)", "gram_ema (7)");
     ast_stats st;
     assert_int_equal(ast_runtime_stats_get(rt, &st), 0);
     assert_int_equal(st.jobs_submitted, 0);
     ast_runtime_destroy(rt);
+}
+
+/* ---- gram_ema -------------------------------------------------------------------------------- */
+
+static void test_gram_ema_submit_validation(void **state)
+{
+    (void)state;
+    ast_runtime *rt = make_rt(1, 3);
+    enum { N = 4, N1 = 3, B = 2, NG = B * N * N1, NL = B * N * N, NR = B * N1 * N1, GAP = 8 };
+    /* One allocation with unregistered gaps, so that a range one element too long runs into a
+     * gap (AST_ERANGE) rather than into the next buffer (an overlap). */
+    double mem[NG + GAP + NL + GAP + NR + GAP], other[64];
+    memset(mem, 0, sizeof mem);
+    double *g = mem, *l = g + NG + GAP, *r = l + NL + GAP;
+    uint64_t h;
+    assert_int_equal(ast_runtime_register(rt, g, sizeof(double) * NG, &h), 0);
+    assert_int_equal(ast_runtime_register(rt, l, sizeof(double) * NL, &h), 0);
+    assert_int_equal(ast_runtime_register(rt, r, sizeof(double) * NR, &h), 0);
+    ast_refresh e = {.op = AST_OP_GRAM_EMA, .dtype = AST_F64, .n = N, .n1 = 0, .batch = B,
+                     .in0 = g, .out0 = l, .out1 = r, .p = 0.95, .eps = 0.05, .block = 1,
+                     .version = 1};
+    expect_submit_error(rt, &e, AST_EINVAL, "n1=0", "n1 >= 1");
+    e.n1 = N1;
+    e.out0 = e.out1 = NULL;
+    expect_submit_error(rt, &e, AST_EINVAL, "neither out0 (L) nor out1 (R)", "either or both");
+    e.out0 = l;
+    e.out1 = r;
+    e.in1 = l;
+    expect_submit_error(rt, &e, AST_EINVAL, "in1 must be NULL for op 7", NULL);
+    e.in1 = NULL;
+    e.in2 = r;
+    expect_submit_error(rt, &e, AST_EINVAL, "in2 must be NULL for op 7", "soap_rotate (6)");
+    e.in2 = NULL;
+    e.p = NAN;
+    expect_submit_error(rt, &e, AST_EINVAL, "gram_ema p=nan", "finite");
+    e.p = 0.95;
+    e.eps = INFINITY;
+    expect_submit_error(rt, &e, AST_EINVAL, "eps=inf", "finite");
+    e.eps = 0.05;
+    /* L and R are updated in place: neither may overlap G, nor each other. */
+    e.out0 = g;
+    expect_submit_error(rt, &e, AST_EINVAL, "out0 (L) overlaps in0 (G)", "separate memory");
+    e.out0 = l;
+    e.out1 = g + NG - 1;
+    expect_submit_error(rt, &e, AST_EINVAL, "out1 (R) overlaps in0 (G)", NULL);
+    e.out1 = l + 1;
+    expect_submit_error(rt, &e, AST_EINVAL, "out0 (L) overlaps out1 (R)", NULL);
+    /* Outside any registered buffer, and running past the end of one (sized n x n1, n x n and
+     * n1 x n1). */
+    e.out1 = other;
+    expect_submit_error(rt, &e, AST_ERANGE, "out1", "registered buffer");
+    e.out1 = r + 1;
+    expect_submit_error(rt, &e, AST_ERANGE, "out1", NULL);
+    e.out1 = r;
+    e.out0 = l + 1;
+    expect_submit_error(rt, &e, AST_ERANGE, "out0", NULL);
+    e.out0 = l;
+    e.in0 = g + 1;
+    expect_submit_error(rt, &e, AST_ERANGE, "in0", NULL);
+    e.in0 = NULL;
+    expect_submit_error(rt, &e, AST_EINVAL, "in0 is required", NULL);
+    ast_stats st;
+    assert_int_equal(ast_runtime_stats_get(rt, &st), 0);
+    assert_int_equal(st.jobs_submitted, 0);
+    ast_runtime_destroy(rt);
+}
+
+/* Rectangular, batched, both factors, through the pool, in place; then L alone; then a NaN in
+ * block 1's G: the job fails there and every block's L and R is as it was. */
+static void test_gram_ema_job(void **state)
+{
+    (void)state;
+    ast_runtime *rt = make_rt(2, 3);
+    enum { N = 7, N1 = 4, B = 3 };
+    const int ng = N * N1, nl = N * N, nr = N1 * N1;
+    double *g = malloc(sizeof(double) * B * ng), *l = malloc(sizeof(double) * B * nl);
+    double *r = malloc(sizeof(double) * B * nr), *l0 = malloc(sizeof(double) * B * nl);
+    double *r0 = malloc(sizeof(double) * B * nr);
+    double ref_l[N * N], ref_r[N1 * N1];
+    srand(78);
+    for (int i = 0; i < B * ng; i++)
+        g[i] = (double)rand() / RAND_MAX - 0.5;
+    for (int b = 0; b < B; b++) {
+        spd(l + b * nl, N, 10 + b);
+        spd(r + b * nr, N1, 20 + b);
+    }
+    uint64_t h;
+    assert_int_equal(ast_runtime_register(rt, g, sizeof(double) * B * ng, &h), 0);
+    assert_int_equal(ast_runtime_register(rt, l, sizeof(double) * B * nl, &h), 0);
+    assert_int_equal(ast_runtime_register(rt, r, sizeof(double) * B * nr, &h), 0);
+    ast_refresh e = {.op = AST_OP_GRAM_EMA, .dtype = AST_F64, .n = N, .n1 = N1, .batch = B,
+                     .in0 = g, .out0 = l, .out1 = r, .p = 0.95, .eps = 0.05, .block = 9,
+                     .version = 1, .snapshot_step = 4};
+    memcpy(l0, l, sizeof(double) * B * nl);
+    memcpy(r0, r, sizeof(double) * B * nr);
+    uint64_t t;
+    ast_result res;
+    assert_int_equal(ast_runtime_submit(rt, &e, &t), 0);
+    assert_int_equal(ast_runtime_wait(rt, t, -1, &res), 0);
+    assert_int_equal(res.status, 0);
+    assert_int_equal(res.failed_index, -1);
+    assert_int_equal(res.retried_f64, 0);
+    assert_int_equal(res.snapshot_step, 4);
+    for (int b = 0; b < B; b++) {
+        ref_gram_ema(N, N1, g + b * ng, 0.95, 0.05, l0 + b * nl, r0 + b * nr, ref_l, ref_r);
+        for (int i = 0; i < nl; i++)
+            assert_true(fabs(l[b * nl + i] - ref_l[i]) < 1e-12);
+        for (int i = 0; i < nr; i++)
+            assert_true(fabs(r[b * nr + i] - ref_r[i]) < 1e-12);
+        for (int i = 0; i < N; i++)
+            for (int j = 0; j < N; j++)
+                assert_true(l[b * nl + i * N + j] == l[b * nl + j * N + i]);
+        for (int i = 0; i < N1; i++)
+            for (int j = 0; j < N1; j++)
+                assert_true(r[b * nr + i * N1 + j] == r[b * nr + j * N1 + i]);
+    }
+    /* L alone: R keeps what it has. */
+    memcpy(l0, l, sizeof(double) * B * nl);
+    memcpy(r0, r, sizeof(double) * B * nr);
+    e.out1 = NULL;
+    e.version = 2;
+    assert_int_equal(ast_runtime_submit(rt, &e, &t), 0);
+    assert_int_equal(ast_runtime_wait(rt, t, -1, &res), 0);
+    assert_int_equal(res.status, 0);
+    assert_memory_equal(r, r0, sizeof(double) * B * nr);
+    for (int b = 0; b < B; b++) {
+        ref_gram_ema(N, N1, g + b * ng, 0.95, 0.05, l0 + b * nl, NULL, ref_l, NULL);
+        for (int i = 0; i < nl; i++)
+            assert_true(fabs(l[b * nl + i] - ref_l[i]) < 1e-12);
+    }
+    /* A NaN in block 1's G: nothing is written, block 0 included. */
+    memcpy(l0, l, sizeof(double) * B * nl);
+    g[ng + 3] = NAN;
+    e.out1 = r;
+    e.version = 3;
+    assert_int_equal(ast_runtime_submit(rt, &e, &t), 0);
+    assert_int_equal(ast_runtime_wait(rt, t, -1, &res), 0);
+    assert_int_equal(res.status, AST_ENONFINITE);
+    assert_int_equal(res.failed_index, 1);
+    assert_memory_equal(l, l0, sizeof(double) * B * nl);
+    assert_memory_equal(r, r0, sizeof(double) * B * nr);
+    ast_runtime_destroy(rt);
+    free(g);
+    free(l);
+    free(r);
+    free(l0);
+    free(r0);
 }
 
 /* ast_op_name covers every code 1 .. ast_op_count() with a distinct name and answers NULL outside
@@ -303,9 +452,9 @@ static void test_op_names(void **state)
 {
     (void)state;
     static const char *const want[] = {NULL, "eigh", "inv_root", "newton_root", "soap_qr",
-                                       "kl_qr", "soap_rotate"};
+                                       "kl_qr", "soap_rotate", "gram_ema"};
     const int count = ast_op_count();
-    assert_int_equal(count, AST_OP_SOAP_ROTATE);
+    assert_int_equal(count, AST_OP_GRAM_EMA);
     assert_int_equal(count, (int)(sizeof want / sizeof want[0]) - 1);
     for (int op = 1; op <= count; op++) {
         const char *name = ast_op_name(op);
@@ -358,7 +507,8 @@ static void test_submit_messages_from_the_op_table(void **state)
     r.op = (ast_op)0;
     expect_submit_message(rt, &r, AST_EINVAL,
                           "AST_EINVAL: submit: op 0; allowed: eigh (1), inv_root (2), "
-                          "newton_root (3), soap_qr (4), kl_qr (5), soap_rotate (6)");
+                          "newton_root (3), soap_qr (4), kl_qr (5), soap_rotate (6), "
+                          "gram_ema (7)");
     r.op = AST_OP_SOAP_QR;
     r.in1 = q;
     expect_submit_message(rt, &r, AST_EINVAL, "AST_EINVAL: submit: out1 is required for op 4");
@@ -795,6 +945,8 @@ int main(void)
         cmocka_unit_test(test_op_names),
         cmocka_unit_test(test_submit_messages_from_the_op_table),
         cmocka_unit_test(test_soap_rotate_job),
+        cmocka_unit_test(test_gram_ema_submit_validation),
+        cmocka_unit_test(test_gram_ema_job),
         cmocka_unit_test(test_trace_job_order_and_caller_events),
         cmocka_unit_test(test_trace_uncollected_and_write_errors),
         cmocka_unit_test(test_wait_check),

@@ -220,7 +220,7 @@ def test_error_table_constants():
     assert _C.err_name(12345) == "AST_EUNKNOWN"
     assert _C.strerror(1 << 40) == "unknown error"
     assert _C.OPS == {"eigh": 1, "inv_root": 2, "newton_root": 3, "soap_qr": 4, "kl_qr": 5,
-                      "soap_rotate": 6}
+                      "soap_rotate": 6, "gram_ema": 7}
     assert (_C.AST_OP_EIGH, _C.AST_OP_KL_QR) == (1, 5)
 
 

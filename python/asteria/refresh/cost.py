@@ -24,6 +24,8 @@ op                  count                                         from
                                                                   (geqrf 4/3 + orgqr 4/3)
 ``kl_qr``           14/3 n^3                                      as soap_qr
 ``soap_rotate``     4 n^2 n1 (A pair) + 4 n n1^2 (B pair)         two matmuls per side
+``gram_ema``        n^2 n1 (L) + n n1^2 (R); one factor given:    one ?syrk per factor (half a
+                    n^2 n1 (which one is not known)               matmul), G n x n1
 ==================  ============================================  ===============================
 
 Throughput: a lane's seconds per entry are measured from finished jobs (the C pool's own
@@ -66,7 +68,8 @@ AUTO_MARGIN = 1.5            # staleness "auto": the window must be this much ab
 
 def flops(op: str, n: int, n1: int = 0, p: float = 0.0, sides: int = 2) -> float:
     """FLOPs of one batch entry of ``op`` on a factor of size n (table above). ``soap_rotate``:
-    X is n x n1 and ``sides`` says which pairs were given (2: both; 1: the A pair)."""
+    X is n x n1 and ``sides`` says which pairs were given (2: both; 1: the A pair);
+    ``gram_ema``: G is n x n1 and ``sides`` says how many of L and R were given."""
     if op not in OPS:
         raise ValueError(f"unknown REFRESH op {op!r}; allowed: {', '.join(OPS)}")
     return OPS[op].flops(float(n), float(n1), p, sides)
@@ -110,11 +113,14 @@ class JobSpec:
 
     @property
     def input_bytes(self) -> int:
-        """Bytes the executor snapshots at submit (F, and Q or the rotation's pairs)."""
+        """Bytes the executor snapshots at submit (F, and Q or the rotation's pairs, or G and
+        the factors)."""
         size = 8 if _dtype_key(self.dtype) == "float64" else 4
         n, n1 = self.n, self.n1 or self.n
         if self.op == "soap_rotate":
             mats = n * n1 + 2 * n * n + (2 * n1 * n1 if self.sides >= 2 else 0)
+        elif self.op == "gram_ema":
+            mats = n * n1 + n * n + (n1 * n1 if self.sides >= 2 else 0)
         else:
             mats = n * n * (2 if self.op in WITH_BASIS else 1)
         return self.batch * mats * size

@@ -35,7 +35,7 @@ import torch
 
 from asteria.refresh.engine import Engine, JobTiming, Result
 from asteria.refresh.inline_torch import run
-from asteria.refresh.ops import check_op
+from asteria.refresh.ops import RECTANGULAR, check_op
 
 AST_ECANCELED = -5  # include/asteria/errors.h
 #: CUDA's least stream priority is 0 (cudaDeviceGetStreamPriorityRange: least 0, greatest
@@ -105,10 +105,10 @@ class DeviceEngine(Engine):
             raise RuntimeError("DeviceEngine is closed")
         f, q = _stacked(f), _stacked(q)
         check_op(op, (f, q, b))
-        rotate = op == "soap_rotate"
+        rect = op in RECTANGULAR
         batch, n = int(f.shape[0]), int(f.shape[1])
-        n1 = int(f.shape[2]) if rotate else 0
-        sides = (q is not None) + (b is not None) if rotate else 2
+        n1 = int(f.shape[2]) if rect else 0
+        sides = (q is not None) + (b is not None) if rect else 2
         with torch.no_grad():
             if self._cuda:
                 ready = torch.cuda.Event()
@@ -144,9 +144,10 @@ class DeviceEngine(Engine):
                 cur = torch.cuda.current_stream(self._device)
                 cur.wait_event(job.end_event)
                 for t in res.outputs:
-                    t.record_stream(cur)
+                    if t is not None:  # gram_ema: a factor not given
+                        t.record_stream(cur)
             if job.host_outputs:
-                res.outputs = tuple(t.cpu() for t in res.outputs)
+                res.outputs = tuple(None if t is None else t.cpu() for t in res.outputs)
         if self.observer is not None and res.started_ns:
             batch, n, n1, sides = job.shape
             self.observer(JobTiming(ticket, "device", job.op, job.dtype, n, n1, batch,

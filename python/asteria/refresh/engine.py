@@ -18,8 +18,9 @@ picks one):
   ranks (one owner computes, the others receive).
 
 All tensors passed to ``submit`` are *batched*: shape ``(batch, n, n)`` for same-shape blocks
-(``soap_rotate``: see the op table), so one job refreshes many blocks. ``submit`` copies
-(snapshots) its inputs, so the caller may keep mutating its state right after the call.
+(``soap_rotate``, ``gram_ema``: see the op table), so one job refreshes many blocks.
+``submit`` copies (snapshots) its inputs, so the caller may keep mutating its state right after
+the call.
 
 Capabilities an executor declares (class attributes) instead of callers testing its type:
 ``takes_parts`` (inputs may be given as a list of per-block tensors and donated, see
@@ -76,7 +77,7 @@ class JobTiming:
     done_ns: int
     timing: str
     p: float = 0.0
-    sides: int = 2    # soap_rotate: how many of the A / B pairs were given
+    sides: int = 2    # soap_rotate / gram_ema: how many of the A / B pairs (L / R) were given
     ok: bool = True
     last: bool = True  # the last part of the caller's job to finish (a split job has several)
 
@@ -117,7 +118,8 @@ class Engine(abc.ABC):
         b: Optional[torch.Tensor] = None,
     ) -> int:
         """Snapshot the inputs and start the job. Returns its ticket. ``b``: the B pair of
-        ``soap_rotate`` (``q`` is its A pair, ``f`` its X); only ``soap_rotate`` uses it."""
+        ``soap_rotate`` (``q`` is its A pair, ``f`` its X) or R of ``gram_ema`` (``q`` is its
+        L, ``f`` its G); only those two use it."""
 
     @abc.abstractmethod
     def ready(self, ticket: int) -> bool:

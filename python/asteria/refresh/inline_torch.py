@@ -1,9 +1,9 @@
 """``TorchEngine``: the ``mode="sync"`` REFRESH executor, the native reference.
 
 Owns: nothing but a table of finished results and its counters. Every job is computed inline
-with ``torch.linalg`` (``soap_rotate``: plain matmuls) at ``submit`` time, on the inputs' own
-device and dtype, so ``ready`` is always true and ``wait`` never blocks. It may call only
-torch. Single-threaded use (the optimizer's training thread); no locks.
+with ``torch.linalg`` (``soap_rotate``, ``gram_ema``: plain matmuls) at ``submit`` time, on the
+inputs' own device and dtype, so ``ready`` is always true and ``wait`` never blocks. It may
+call only torch. Single-threaded use (the optimizer's training thread); no locks.
 
 The math of each op is its torch reference in ``asteria.refresh.ops``. Here: float32 retried
 once in float64, half precision computed in float32, and a failure (non-finite input or
@@ -19,7 +19,8 @@ from typing import Any, Optional
 import torch
 
 from asteria.refresh.engine import Engine, JobTiming, Result
-from asteria.refresh.ops import AST_ENOCONV, AST_ENONFINITE, OPS, _Failure, check_op
+from asteria.refresh.ops import (AST_ENOCONV, AST_ENONFINITE, OPS, RECTANGULAR, _Failure,
+                                 check_op)
 
 FUNCTIONS = {name: op.reference for name, op in OPS.items()}  # name -> (f, q, p, eps, b) -> outputs
 
@@ -27,10 +28,11 @@ FUNCTIONS = {name: op.reference for name, op in OPS.items()}  # name -> (f, q, p
 def compute(op: str, f: torch.Tensor, q: Optional[torch.Tensor], p: float,
             eps: float, b: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
     """One REFRESH op on batched inputs, in their dtype. Raises _Failure. ``b``: the B pair
-    of ``soap_rotate`` (``q`` its A pair)."""
+    of ``soap_rotate`` (``q`` its A pair), R of ``gram_ema`` (``q`` its L); an output of
+    ``gram_ema`` whose factor was not given is None."""
     out = FUNCTIONS[op](f, q, p, eps, b)
     for t in out:
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise _Failure(AST_ENONFINITE, f"{op}: non-finite result")
     return out
 
@@ -43,7 +45,7 @@ def _compute_with_retry(op, f, q, p, eps, b=None) -> tuple[tuple[torch.Tensor, .
         def up(t):
             return None if t is None or not t.is_floating_point() else t.float()
         out, retried = _compute_with_retry(op, up(f), up(q), p, eps, up(b))
-        return tuple(t.to(f.dtype) if t.is_floating_point() else t for t in out), retried
+        return _cast(out, f.dtype), retried
     with torch.no_grad():
         try:
             return compute(op, f, q, p, eps, b), False
@@ -52,7 +54,13 @@ def _compute_with_retry(op, f, q, p, eps, b=None) -> tuple[tuple[torch.Tensor, .
                 raise
         out = compute(op, f.double(), None if q is None else q.double(), p, eps,
                       None if b is None else b.double())
-    return tuple(t.to(f.dtype) if t.is_floating_point() else t for t in out), True
+    return _cast(out, f.dtype), True
+
+
+def _cast(out, dtype) -> tuple:
+    """The floating-point outputs in dtype; integer ones (perm) and absent ones (None) as
+    they are."""
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in out)
 
 
 def run(op: str, f: torch.Tensor, q: Optional[torch.Tensor], p: float, eps: float,
@@ -106,10 +114,10 @@ class TorchEngine(Engine):
                                     outputs=outputs, error=error, retried_f64=retried,
                                     started_ns=t0, done_ns=t1, timing="wall")
         if self.observer is not None:
-            rotate = op == "soap_rotate"
+            rect = op in RECTANGULAR
             self._shapes[ticket] = (op, f.dtype, int(f.shape[0]), int(f.shape[1]),
-                                    int(f.shape[2]) if rotate else 0, float(p),
-                                    (q is not None) + (b is not None) if rotate else 2)
+                                    int(f.shape[2]) if rect else 0, float(p),
+                                    (q is not None) + (b is not None) if rect else 2)
         return ticket
 
     def ready(self, ticket: int) -> bool:

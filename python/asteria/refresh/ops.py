@@ -27,7 +27,18 @@ op                    inputs                      outputs (``Result.outputs``)
                                                   (batch, 2, n, n) = (A_old, A_new), B pair
                                                   (batch, 2, n1, n1); a pair None = identity
                                                   side, not both
+``"gram_ema"``        G, L (``q``), R (``b``),    (L_new, R_new) = (p L + eps G G^T,
+                      p = beta, eps = alpha       p R + eps G^T G): SOAP's factor EMAs; G
+                                                  (batch, n, n1), L (batch, n, n), R (batch,
+                                                  n1, n1); a factor None is not updated (None
+                                                  in its place), not both. The C pool updates
+                                                  L and R in place (exactly symmetric, ?syrk);
+                                                  the reference returns new tensors
 ====================  ==========================  ===========================================
+
+``soap_rotate`` and ``gram_ema`` are ``RECTANGULAR``: their first input is (batch, n, n1) and
+``q``, ``b`` are optional operands of its two sides; executors report n1 and ``sides`` (how
+many of ``q``, ``b`` were given) for them.
 """
 
 from __future__ import annotations
@@ -47,10 +58,12 @@ class Op:
     #: the torch reference: (f, q, p, eps, b) -> outputs, on batched inputs in their dtype
     reference: Callable
     #: (n, n1, p, sides) -> FLOPs of one batch entry (the cost model's table,
-    #: asteria/refresh/cost.py); n1 and sides matter to soap_rotate only
+    #: asteria/refresh/cost.py); n1 and sides matter to the rectangular ops only
     flops: Callable[[float, float, float, int], float]
     #: the second input is a basis Q of F's shape
     with_basis: bool = False
+    #: the first input is (batch, n, n1); q and b are optional operands of its two sides
+    rectangular: bool = False
 
 
 # ---- the torch references (include/asteria/linalg.h's numerics) ----------------------------
@@ -136,6 +149,19 @@ def soap_rotate(x: torch.Tensor, a: Optional[torch.Tensor],
     return (x,)
 
 
+def gram_ema(g: torch.Tensor, l: Optional[torch.Tensor], r: Optional[torch.Tensor],
+             beta: float, alpha: float) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """SOAP's factor EMAs for G (batch, n, n1): (beta L + alpha G G^T, beta R + alpha G^T G)
+    as new tensors, L (batch, n, n), R (batch, n1, n1). A None factor is not updated and None
+    stands in its place; not both. The inputs are not modified (the C pool's op updates L and
+    R in place, src/linalg.c)."""
+    if l is None and r is None:
+        raise ValueError("gram_ema needs L, R or both; got neither")
+    gt = g.transpose(-1, -2)
+    return (None if l is None else torch.baddbmm(l, g, gt, beta=beta, alpha=alpha),
+            None if r is None else torch.baddbmm(r, gt, g, beta=beta, alpha=alpha))
+
+
 def _mat(n, n1, dt):
     return [((n, n), dt)]
 
@@ -152,6 +178,13 @@ def _rotate_flops(n, n1, p, sides):
     return 4.0 * n * n * n1 + (4.0 * n * n1 * n1 if sides >= 2 else 0.0)
 
 
+def _gram_flops(n, n1, p, sides):
+    """One ?syrk per factor: n^2 n1 for L, n n1^2 for R. ``sides`` counts the factors given,
+    not which: one factor is priced as L."""
+    n1 = n1 or n
+    return n * n * n1 + (n * n1 * n1 if sides >= 2 else 0.0)
+
+
 OPS: dict[str, Op] = {op.name: op for op in (
     Op("eigh", 1, lambda n, n1, dt: [((n, n), dt), ((n,), dt)],
        lambda f, q, p, eps, b: _eigh(f), lambda n, n1, p, s: 9.0 * n ** 3),
@@ -164,10 +197,14 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("kl_qr", 5, _mat, lambda f, q, p, eps, b: _kl_qr(f, q),
        lambda n, n1, p, s: 14.0 / 3.0 * n ** 3, with_basis=True),
     Op("soap_rotate", 6, lambda n, n1, dt: [((n, n1), dt)],
-       lambda f, q, p, eps, b: soap_rotate(f, q, b), _rotate_flops),
+       lambda f, q, p, eps, b: soap_rotate(f, q, b), _rotate_flops, rectangular=True),
+    Op("gram_ema", 7, lambda n, n1, dt: [((n, n), dt), ((n1, n1), dt)],
+       lambda f, q, p, eps, b: gram_ema(f, q, b, p, eps), _gram_flops, rectangular=True),
 )}
 #: ops whose second input is a basis Q of F's shape
 WITH_BASIS = tuple(op.name for op in OPS.values() if op.with_basis)
+#: ops whose first input is (batch, n, n1), with q and b optional operands of its two sides
+RECTANGULAR = tuple(op.name for op in OPS.values() if op.rectangular)
 
 
 def output_spec(op: str, n: int, dtype: torch.dtype, n1: int = 0) -> list:
@@ -190,18 +227,42 @@ def _check_rotate(f: torch.Tensor, a: Optional[torch.Tensor],
                              f"(old, new) for X {tuple(f.shape)}, got {tuple(pair.shape)}")
 
 
+def _check_gram_ema(g: torch.Tensor, l: Optional[torch.Tensor],
+                    r: Optional[torch.Tensor]) -> None:
+    if g.dim() != 3:
+        raise ValueError(f"gram_ema input G must have shape (batch, n, n1), got "
+                         f"{tuple(g.shape)}")
+    batch, n, n1 = (int(s) for s in g.shape)
+    if l is None and r is None:
+        raise ValueError("gram_ema needs L (q), R (b) or both; got neither (a None factor is "
+                         "not updated)")
+    for name, t, m in (("L (q)", l, n), ("R (b)", r, n1)):
+        if t is None:
+            continue
+        if tuple(t.shape) != (batch, m, m):
+            raise ValueError(f"gram_ema {name} must have shape {(batch, m, m)} for G "
+                             f"{tuple(g.shape)}, got {tuple(t.shape)}")
+        if t.dtype != g.dtype:
+            raise ValueError(f"gram_ema {name} must have G's dtype {g.dtype}, got {t.dtype}")
+
+
 def check_op(op: str, inputs: Sequence[Optional[torch.Tensor]]) -> None:
     """Validates an op name and its inputs ``(f, q)`` or ``(f, q, b)`` (``b`` defaults to None;
-    only ``soap_rotate`` takes it). Raises ValueError naming what is wrong."""
+    only the ``RECTANGULAR`` ops take it). Raises ValueError naming what is wrong."""
     if op not in OPS:
         raise ValueError(f"unknown REFRESH op {op!r}; allowed: {', '.join(OPS)}")
     f = inputs[0]
+    q = inputs[1] if len(inputs) > 1 else None
     b = inputs[2] if len(inputs) > 2 else None
     if op == "soap_rotate":
-        _check_rotate(f, inputs[1] if len(inputs) > 1 else None, b)
+        _check_rotate(f, q, b)
+        return
+    if op == "gram_ema":
+        _check_gram_ema(f, q, b)
         return
     if b is not None:
-        raise ValueError(f"op {op!r} takes no B pair (b); only soap_rotate does")
+        raise ValueError(f"op {op!r} takes no third input (b); only {', '.join(RECTANGULAR)} "
+                         "do")
     if f.dim() != 3 or f.shape[1] != f.shape[2]:
         raise ValueError(f"REFRESH input must have shape (batch, n, n), got {tuple(f.shape)}")
     if op in WITH_BASIS:

@@ -30,6 +30,7 @@ import torch
 
 from asteria.refresh.cost import CostModel, JobSpec, assign
 from asteria.refresh.engine import Engine, JobTiming, Result
+from asteria.refresh.ops import RECTANGULAR
 
 PART_KEYS = 1024  # derived block keys per job block
 
@@ -132,10 +133,10 @@ class SplitEngine(Engine):
             raise RuntimeError("SplitEngine is closed")
         first = f[0] if isinstance(f, (list, tuple)) else f[0]
         batch = len(f) if isinstance(f, (list, tuple)) else int(f.shape[0])
-        rotate = op == "soap_rotate"
+        rect = op in RECTANGULAR
         spec = JobSpec(op, first.dtype, int(first.shape[0]), batch,
-                       int(first.shape[1]) if rotate else 0, float(p),
-                       (q is not None) + (b is not None) if rotate else 2)
+                       int(first.shape[1]) if rect else 0, float(p),
+                       (q is not None) + (b is not None) if rect else 2)
         ticket = self._next
         self._next += 1
         parts, lo = [], 0
@@ -171,9 +172,10 @@ class SplitEngine(Engine):
             self._child.pop((pt.lane, pt.ticket), None)
         failed = next((r for r in results if r.status), None)
         outputs = None
-        if failed is None:
-            dev = results[0].outputs[0].device
-            outputs = tuple(torch.cat([r.outputs[i].to(dev) for r in results])
+        if failed is None:  # an absent output (gram_ema's factor not given) stays None
+            dev = next(t for t in results[0].outputs if t is not None).device
+            outputs = tuple(None if results[0].outputs[i] is None else
+                            torch.cat([r.outputs[i].to(dev) for r in results])
                             for i in range(len(results[0].outputs)))
         started = min((r.started_ns for r in results if r.started_ns), default=0)
         return Result(ticket, job.block, job.version, job.snapshot_step,
