@@ -417,11 +417,14 @@ PyDoc_STRVAR(runtime_submit_doc,
              "version=0, deadline=0, snapshot_step=0, n1=0, in2=None)\n--\n\n"
              "Queue one REFRESH job. op: an AST_OP_* code or its name (a key of OPS, the op\n"
              "table of libasteria); dtype: 'float32' or 'float64';\n"
-             "in0/in1/in2/out0/out1: addresses (int, or None for in1/in2/out1) inside registered\n"
-             "buffers. soap_rotate: in0 = X (batch x n x n1), in1 = A pair (batch x 2 x n x n) or\n"
+             "in0/in1/in2/out0/out1: addresses (int, or None for in1/in2/out0/out1: the op\n"
+             "table says which an op needs) inside registered buffers. gram_ema: in0 = G\n"
+             "(batch x n x n1), out0 = L (batch x n x n) or None, out1 = R (batch x n1 x n1) or\n"
+             "None (not both), each updated in place: L = p L + eps G G^T, R = p R + eps G^T G.\n"
+             "soap_rotate: in0 = X (batch x n x n1), in1 = A pair (batch x 2 x n x n) or\n"
              "None, in2 = B pair (batch x 2 x n1 x n1) or None (not both), out0 = A_new^T A_old X\n"
-             "B_old^T B_new; n1 >= 1 is read by soap_rotate only, in2 must be None for the other\n"
-             "ops. Returns the ticket.");
+             "B_old^T B_new. n1 >= 1 is read by soap_rotate and gram_ema only; in2 must be\n"
+             "None for the other ops. Returns the ticket.");
 
 static PyObject *runtime_submit(RuntimeObject *self, PyObject *args, PyObject *kwds)
 {
@@ -435,7 +438,7 @@ static PyObject *runtime_submit(RuntimeObject *self, PyObject *args, PyObject *k
     long long deadline = 0, snapshot_step = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOiiO&O&O&O&|ddO&O&LLiO&:submit", kwlist,
                                      &op_o, &dtype_o, &req.n, &req.batch, conv_ptr, &req.in0,
-                                     conv_optptr, &req.in1, conv_ptr, &req.out0, conv_optptr,
+                                     conv_optptr, &req.in1, conv_optptr, &req.out0, conv_optptr,
                                      &req.out1, &req.p, &req.eps, conv_u64, &req.block, conv_u64,
                                      &req.version, &deadline, &snapshot_step, &req.n1,
                                      conv_optptr, &req.in2))

@@ -10,7 +10,7 @@ updates it in place with no stack copied in or out.
  - a saved state dict is no larger than one of the same state unpacked (torch.save writes a
    view's whole storage: a pack must not outlive its members' use of it);
  - the steady state looks at no member's layout: a pack is recognised by its slice objects
-   (no ``_slices_of``) and a stack handed out packed is not walked back (no ``_same``), and
+   (no ``_slices_of``) and a stack handed out packed is not walked back (no ``same_memory``), and
    an entry replaced between steps (through the proxy, or by a load) is seen, bitwise as a
    run that never packs;
  - a one-block layout hands out the parameter itself and writes it with one copy, a
@@ -126,11 +126,20 @@ def test_stack_state_is_packed_and_not_copied(name, mode, monkeypatch):
         opt.close()
 
 
-def trajectory(name, mode, pack, monkeypatch):
+def on_thread_factors(monkeypatch, offload):
+    """Unless ``offload``: SOAP's factor EMAs stay on the training thread. Only packed factors
+    go to a worker (test_soap_factor_offload.py), whose OpenBLAS rounds otherwise than torch:
+    the bitwise comparisons with unpacked runs keep them here."""
+    if not offload:
+        monkeypatch.setattr(SOAP, "_factor_offload", lambda self, *a: False)
+
+
+def trajectory(name, mode, pack, monkeypatch, offload=False):
     """Losses, parameters and final state of a run that changes its stacks' membership:
     a skipped parameter (step 4), one without a gradient (step 6), a group added (step 7),
     a load_state_dict of a saved state dict (step 9)."""
     monkeypatch.setattr(_tiering, "PACK", pack)
+    on_thread_factors(monkeypatch, offload)
     model = make_model("mlp")
     ws = weights(model)
     torch.manual_seed(5)
@@ -228,7 +237,7 @@ def test_steady_state_walks_no_member(name, monkeypatch):
     opt = MAKERS[name](model.parameters(), dict(RUNTIMES["async-device"]))
     try:
         train(opt, model, range(1, 10))
-        calls = {"_slices_of": 0, "_same": 0}  # made by the step's kernels' stacks
+        calls = {"_slices_of": 0, "same_memory": 0}  # made by the step's kernels' stacks
         inside = []
         for fn in calls:
             real = getattr(_tiering, fn)
@@ -241,16 +250,17 @@ def test_steady_state_walks_no_member(name, monkeypatch):
         _mark_inside_step_blocks(monkeypatch, opt, inside)
         train(opt, model, range(10, 14))  # a refresh comes due and is installed in here
         monkeypatch.undo()
-        assert calls == {"_slices_of": 0, "_same": 0}
+        assert calls == {"_slices_of": 0, "same_memory": 0}
         assert not opt._handed  # nothing handed out outlives its _step_blocks
     finally:
         opt.close()
 
 
-def replaced_entry_run(name, mode, pack, monkeypatch):
+def replaced_entry_run(name, mode, pack, monkeypatch, offload=False):
     """Losses and parameters of a run whose step state is replaced between steps: a member's
     entry set through the proxy (step 5), the state reloaded from its own state dict (step 8)."""
     monkeypatch.setattr(_tiering, "PACK", pack)
+    on_thread_factors(monkeypatch, offload)
     model = make_model("mlp")
     ws = weights(model)
     opt = MAKERS[name](model.parameters(), RUNTIMES[mode])
@@ -278,6 +288,23 @@ def test_replaced_entries_bitwise_as_unpacked(name, mode, monkeypatch):
     got_loss, got_params = replaced_entry_run(name, mode, True, monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(got_loss, want_loss))
     assert all(torch.equal(a, b) for a, b in zip(got_params, want_params))
+
+
+@pytest.mark.parametrize("run", [trajectory, replaced_entry_run],
+                         ids=["membership", "replaced"])
+def test_offloaded_factor_emas_follow_the_packs(run, monkeypatch):
+    """The same runs with SOAP's factor EMAs on the workers (written into the packs in place)
+    follow the on-thread ones to rounding: a job never writes a pack its entries have left."""
+    want = run("soap", "async", True, monkeypatch)
+    monkeypatch.undo()
+    jobs = []
+    real = SOAP._submit_factor_ema
+    monkeypatch.setattr(SOAP, "_submit_factor_ema",
+                        lambda self, *a: jobs.append(1) or real(self, *a))
+    got = run("soap", "async", True, monkeypatch, offload=True)
+    assert len(jobs) >= 5  # not vacuous
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
 def test_one_block_layout_is_the_parameter():

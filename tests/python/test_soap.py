@@ -149,6 +149,33 @@ def test_functional_kernel_is_batched_per_block():
             torch.testing.assert_close(got[b:b + 1], want, rtol=1e-13, atol=1e-15)
 
 
+@pytest.mark.parametrize("normalize_grads", [False, True])
+@pytest.mark.parametrize("one_side", [False, True])
+def test_functional_kernel_updates_a_list_of_weights_in_place(normalize_grads, one_side):
+    """``w`` given as the list of the blocks themselves (whole parameters: no stack to copy
+    back): each block is updated where it is, as the stack would be."""
+    gen = torch.Generator().manual_seed(1)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    w, g, m, v = rand(2, 5, 3), rand(2, 5, 3), rand(2, 5, 3), rand(2, 5, 3).abs()
+    factors = [rand(2, 5, 5), None if one_side else rand(2, 3, 3)]
+    bases = [torch.linalg.qr(rand(2, 5, 5)).Q,
+             None if one_side else torch.linalg.qr(rand(2, 3, 3)).Q]
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.95, shampoo_beta=0.95, eps=1e-8, weight_decay=0.01,
+              correct_bias=True, normalize_grads=normalize_grads)
+    members = [w[0].clone().t().contiguous().t(), w[1].clone()]  # one of them column-major
+    mine = [t.clone() for t in (m, v)] + [None if f is None else f.clone() for f in factors]
+    F.soap_step(w, g, m, v, factors, bases, [3, 4], **hp)
+    F.soap_step(members, g, mine[0], mine[1], mine[2:], bases, [3, 4], **hp)
+    for b in range(2):
+        torch.testing.assert_close(members[b], w[b], rtol=1e-13, atol=1e-15)
+    for got, want in zip(mine, [m, v] + factors):
+        if want is not None:
+            torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-15)
+
+
 @pytest.mark.parametrize("shape,sides", [((3, 5, 4), (True, True)), ((2, 6, 3), (False, True)),
                                          ((2, 4, 3, 5), (True, False, True))])
 def test_soap_permute_moves_v_by_each_sort_order(shape, sides):

@@ -69,15 +69,28 @@ def test_factor_after_an_offloaded_step_is_the_ema():
         opt.close()
 
 
+class CountingSOAP(SOAP):
+    def _submit_factor_ema(self, members, *a):
+        self.offloaded_at.append((len(members), [self.state[p]["step"] for p, _ in members]))
+        return super()._submit_factor_ema(members, *a)
+
+
 def test_offloaded_steps_are_those_no_refresh_reads():
     steps = 3 * F + 1
-    _, opt = run("mlp", make(), steps)
+    make_opt = make(CountingSOAP)
+
+    def opt_with_log(params):
+        opt = make_opt(params)
+        opt.offloaded_at = []
+        return opt
+
+    _, opt = run("mlp", opt_with_log, steps)
     st = opt.asteria_stats()
-    # step counts 1 .. steps - 1 after the init step; k % F == 0 keeps the update here;
-    # the mlp's parameters of one block shape share one job per step
+    # step counts 1 .. steps - 1 after the init step; k % F == 0 keeps the update here
     counts = [k for k in range(1, steps) if k % F]
-    shapes = {tuple(p.shape) for p in opt._all_params() if p.dim() == 2}
-    assert st["factor_emas_submitted"] == len(counts) * len(shapes)
+    n2d = sum(1 for p in opt._all_params() if p.dim() == 2)  # one shape: one job per step
+    assert opt.offloaded_at == [(n2d, [k] * n2d) for k in counts]
+    assert st["factor_emas_submitted"] == len(counts)
     assert st["factor_ema_failures"] == 0
     assert not opt._offloaded  # close() waited for the last ones
 
@@ -178,8 +191,8 @@ def _engine():
 def test_engine_updates_l_and_r_in_place(sides):
     gen = torch.Generator().manual_seed(0)
     g = torch.randn(3, 5, 7, generator=gen, dtype=torch.float64)
-    l0 = torch.randn(3, 5, 5, generator=gen, dtype=torch.float64)
-    r0 = torch.randn(3, 7, 7, generator=gen, dtype=torch.float64)
+    a, c = (torch.randn(3, k, k, generator=gen, dtype=torch.float64) for k in (5, 7))
+    l0, r0 = a @ a.transpose(1, 2), c @ c.transpose(1, 2)  # factors are symmetric
     l = l0.clone() if sides != "right" else None
     r = r0.clone() if sides != "left" else None
     eng = _engine()
@@ -206,7 +219,7 @@ def test_engine_refuses_what_it_cannot_update_in_place():
         kw = dict(block=1, version=1, deadline=1, snapshot_step=0, p=0.9, eps=0.1)
         with pytest.raises(ValueError, match="in place.*contiguous"):
             eng.submit("gram_ema", g, torch.zeros(2, 4, 4).transpose(1, 2), **kw)
-        with pytest.raises(ValueError, match="in place"):
+        with pytest.raises(ValueError, match="G's dtype"):
             eng.submit("gram_ema", g, torch.zeros(2, 4, 4, dtype=torch.float64), **kw)
         with pytest.raises(ValueError, match="float32 or float64"):
             eng.submit("gram_ema", g.bfloat16(), torch.zeros(2, 4, 4, dtype=torch.bfloat16),

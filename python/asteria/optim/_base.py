@@ -121,6 +121,9 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
 
     #: SOAP and KL-Shampoo spend their first step on the initial eigenbasis (no update).
     _init_step = True
+    #: ``_step_blocks`` takes whole parameters as the list of them (``w``), which it updates
+    #: in place, instead of a stack that is copied back
+    _weights_in_place = False
 
     def __init__(self, params: Iterable, defaults: dict, runtime: Any) -> None:
         self._closed = False
@@ -468,13 +471,18 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
                 self._tiered.prefetch([k for c in (members, work[i + 1][2]) for m in c
                                        for k in self._member_keys(*m)], reason="step")
             g = torch.stack([grads[p][j] for p, j in members]).to(dtype)
-            w = torch.stack([weights[p][j] for p, j in members])
+            ws = [weights[p][j] for p, j in members]
+            # whole parameters to an optimizer that updates them where they are: no stack of
+            # them to make and copy back
+            w = (ws if self._weights_in_place and all(self._layouts[p].whole and p not in glob_set
+                                                       for p, _ in members)
+                 else torch.stack(ws))
             steps = [counts[p] for p, _ in members]
             try:
                 self._step_blocks(group, members, w, g, steps)
             finally:
                 self._handed.clear()  # its packed stacks were its own until it returned
-            for (p, j), wi in zip(members, w.unbind(0)):
+            for (p, j), wi in zip(members, () if w is ws else w.unbind(0)):
                 if p in glob_set:
                     weights[p][j].copy_(wi)
                 else:

@@ -61,7 +61,7 @@ from asteria.optim._state import _ParamState, _States, local
 PACK = True
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Are a and b the same memory, seen the same way?"""
     return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
             and a.stride() == b.stride() and a.device == b.device)
@@ -372,7 +372,7 @@ class TieringMixin:
                 self._tiered.write(self._key(p, key(j)), xi)
             else:
                 t = self.state[p][key(j)]
-                if not _same(t, xi):
+                if not same_memory(t, xi):
                     t.copy_(xi)
 
     def _prepare(self, work: list) -> None:

@@ -141,7 +141,9 @@ def soap_step(w: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor,
               lr: float, beta1: float, beta2: float, shampoo_beta: float, eps: float,
               weight_decay: float, correct_bias: bool, normalize_grads: bool) -> None:
     """One later SOAP step: moments in the rotated basis, parameter update, then L/R update
-    with the current gradient. The REFRESH (k % f == 0) is the caller's business."""
+    with the current gradient. The REFRESH (k % f == 0) is the caller's business. ``w``: the
+    stack of weight blocks, or the list of the blocks themselves (each updated in place)."""
+    ws = w if isinstance(w, list) else None
     gp = project(g, bases)
     exp_avg.lerp_(gp, 1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(gp, gp, value=1.0 - beta2)
@@ -153,30 +155,40 @@ def soap_step(w: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor,
     else:
         sizes = [lr] * len(steps)
     decay = 1.0 - lr * weight_decay
-    if (w.dim() == 3 and not normalize_grads and w.dtype == x.dtype
-            and any(q is not None for q in bases)):
+    if (x.dim() == 3 and not normalize_grads and any(q is not None for q in bases)
+            and all(t.dtype == x.dtype for t in (ws if ws is not None else [w]))):
         # W = (W - step U) - lr wd (W - step U) = decay W - decay step U: U's last product
-        # accumulates into W (one baddbmm: no U, no separate update or weight-decay pass)
-        if all(s == sizes[0] for s in sizes):
+        # accumulates into W (one baddbmm, or one addmm per block: no U, no separate update
+        # or weight-decay pass)
+        if ws is not None:  # one addmm per block, with its own step size
+            alphas = [-decay * s for s in sizes]
+        elif all(s == sizes[0] for s in sizes):
             alpha = -decay * sizes[0]
         else:
             x.mul_(_per_block(sizes, x))
             alpha = -decay
         q_l, q_r = bases
-        if q_r is None:
-            w.baddbmm_(q_l, x, beta=decay, alpha=alpha)
+        a, b = (q_l, x) if q_r is None else (project_back(x, [q_l, None]), q_r.transpose(1, 2))
+        if ws is not None:
+            for wi, ai, bi, alpha in zip(ws, a.unbind(0), b.unbind(0), alphas):
+                if wi.is_contiguous():
+                    wi.addmm_(ai, bi, beta=decay, alpha=alpha)
+                else:  # computed as for a contiguous one: a parameter's layout rounds alike
+                    wi.copy_(torch.addmm(wi.contiguous(), ai, bi, beta=decay, alpha=alpha))
         else:
-            w.baddbmm_(project_back(x, [q_l, None]), q_r.transpose(1, 2), beta=decay,
-                       alpha=alpha)
+            w.baddbmm_(a, b, beta=decay, alpha=alpha)
     else:
+        w_stack = torch.stack(ws) if ws is not None else w  # these updates take a stack
         u = project_back(x, bases)
         if normalize_grads:
             u = u / (_rms(u) + 1e-30)
         if all(s == sizes[0] for s in sizes):
-            w.add_(u, alpha=-sizes[0])
+            w_stack.add_(u, alpha=-sizes[0])
         else:
-            w.sub_(u.mul_(_per_block(sizes, u)))  # u is this step's own temporary
-        w.add_(w, alpha=-lr * weight_decay)
+            w_stack.sub_(u.mul_(_per_block(sizes, u)))  # u is this step's own temporary
+        w_stack.add_(w_stack, alpha=-lr * weight_decay)
+        for wi, new in zip(ws or (), w_stack.unbind(0)):
+            wi.copy_(new)
     for i, f in enumerate(factors):
         if f is not None:
             ema_gram(f, g, i, shampoo_beta, 1.0 - shampoo_beta)

@@ -28,6 +28,7 @@ import torch
 
 from asteria.optim import functional as F
 from asteria.refresh.ops import soap_rotate
+from asteria.optim._tiering import same_memory
 from asteria.optim._base import (INIT, AsteriaOptimizer, check_common, eigh_input, init_bases,
                                  install_bases, is_int, local, require)
 
@@ -71,6 +72,7 @@ class SOAP(AsteriaOptimizer):
     none, preconditions the group as usual.
     """
 
+    _weights_in_place = True  # soap_step updates a list of whole parameters where they are
 
     def __init__(self, params, lr: float = 3e-3, betas=(0.95, 0.95), shampoo_beta: float = -1,
                  eps: float = 1e-8, weight_decay: float = 0.01, precondition_frequency: int = 10,
@@ -298,14 +300,13 @@ class SOAP(AsteriaOptimizer):
             dst = dict.__getitem__(self.state[p], f"b{j}.exp_avg")
             dst.copy_(out[i].reshape(rot.shape))
 
-
     # ---- the factor EMAs on the workers ---------------------------------------------------------
     def _factor_offload(self, group: dict, members: list, g: torch.Tensor, factors: list,
                         steps: list) -> bool:
         """Hand this step's L, R update to a worker? With libasteria's pool, host parameters,
-        matrix blocks of float32 / float64, factors that are the state's packed memory (a
-        ``_stack(view=True)`` handed out as is: the worker writes the state itself), and no
-        REFRESH due at this step's end (it reads the factors at once: the update stays here)."""
+        matrix blocks of float32 / float64, factor stacks whose slices are the state's entries
+        (the packed state: the worker writes the state itself), and no REFRESH due at this
+        step's end (it reads the factors at once: the update stays here)."""
         if (not self._offloads_to_workers() or g.dim() != 3
                 or g.dtype not in (torch.float32, torch.float64)
                 or all(f is None for f in factors)):
@@ -313,13 +314,22 @@ class SOAP(AsteriaOptimizer):
         freq = group["precondition_frequency"]
         if any(k % freq == 0 for k in steps):
             return False
-        for f in factors:
+        if not all(local(p).device.type == "cpu" for p, _ in members):
+            return False
+        for i, f in enumerate(factors):
             if f is None:
                 continue
-            handed = self._handed.get(id(f))
-            if handed is None or handed[0] is not f or f.dtype != g.dtype or not f.is_contiguous():
+            if f.dtype != g.dtype or not f.is_contiguous():
                 return False
-        return all(local(p).device.type == "cpu" for p, _ in members)
+            handed = self._handed.get(id(f))
+            if handed is not None and handed[0] is f:  # the steady state: no member looked at
+                continue
+            # a stack packed in this very step (the first, or the first after a load) is not on
+            # record as handed out: its slices are the entries all the same
+            if not all(same_memory(dict.__getitem__(self.state[p], f"b{j}.GG{i}"), fk)
+                       for (p, j), fk in zip(members, f.unbind(0))):
+                return False
+        return True
 
     def _submit_factor_ema(self, members: list, g: torch.Tensor, factors: list,
                            beta: float) -> None:
