@@ -218,6 +218,9 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
                      steps: list[int]) -> None:
         raise NotImplementedError
 
+    def _blocks_done(self) -> None:
+        """Every stack of a group's step has run (``_step_blocks``): work it left to start."""
+
     def _refresh_input(self, kind: str, p: torch.Tensor, j: int, dim: int):
         """(op, F, Q or None, p, eps) of one factor's REFRESH job."""
         raise NotImplementedError
@@ -464,33 +467,36 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
                 continue
             # one chunk without a residency
             work.extend((bshape, dtype, m) for m in self._chunks(all_members))
-        for i, (bshape, dtype, members) in enumerate(work):
-            if self._tiered is not None and i + 1 < len(work):
-                # this chunk, then the next one, so its copy overlaps this one's compute (as
-                # far as the ring has room)
-                self._tiered.prefetch([k for c in (members, work[i + 1][2]) for m in c
-                                       for k in self._member_keys(*m)], reason="step")
-            g = torch.stack([grads[p][j] for p, j in members]).to(dtype)
-            ws = [weights[p][j] for p, j in members]
-            # whole parameters to an optimizer that updates them where they are: no stack of
-            # them to make and copy back
-            w = (ws if self._weights_in_place and all(self._layouts[p].whole and p not in glob_set
-                                                       for p, _ in members)
-                 else torch.stack(ws))
-            steps = [counts[p] for p, _ in members]
-            try:
-                self._step_blocks(group, members, w, g, steps)
-            finally:
-                self._handed.clear()  # its packed stacks were its own until it returned
-            for (p, j), wi in zip(members, () if w is ws else w.unbind(0)):
-                if p in glob_set:
-                    weights[p][j].copy_(wi)
-                else:
-                    self._layouts[p].write(local(p), j, wi)
-            dims = [i for i, h in enumerate(self._has_factor(bshape, group)) if h]
-            if dims:
-                due.extend((REFRESH, p, j, dims) for (p, j), k in zip(members, steps)
-                           if k % freq == 0)
+        try:
+            for i, (bshape, dtype, members) in enumerate(work):
+                if self._tiered is not None and i + 1 < len(work):
+                    # this chunk, then the next one, so its copy overlaps this one's compute (as
+                    # far as the ring has room)
+                    self._tiered.prefetch([k for c in (members, work[i + 1][2]) for m in c
+                                           for k in self._member_keys(*m)], reason="step")
+                g = torch.stack([grads[p][j] for p, j in members]).to(dtype)
+                ws = [weights[p][j] for p, j in members]
+                # whole parameters to an optimizer that updates them where they are: no stack of
+                # them to make and copy back
+                in_place = self._weights_in_place and all(
+                    self._layouts[p].whole and p not in glob_set for p, _ in members)
+                w = ws if in_place else torch.stack(ws)
+                steps = [counts[p] for p, _ in members]
+                try:
+                    self._step_blocks(group, members, w, g, steps)
+                finally:
+                    self._handed.clear()  # its packed stacks were its own until it returned
+                for (p, j), wi in zip(members, () if w is ws else w.unbind(0)):
+                    if p in glob_set:
+                        weights[p][j].copy_(wi)
+                    else:
+                        self._layouts[p].write(local(p), j, wi)
+                dims = [i for i, h in enumerate(self._has_factor(bshape, group)) if h]
+                if dims:
+                    due.extend((REFRESH, p, j, dims) for (p, j), k in zip(members, steps)
+                               if k % freq == 0)
+        finally:  # what the stacks that ran left to start (an interrupted step's too)
+            self._blocks_done()
         if glob:
             self._global.scatter()  # the new rows back to the ranks holding them
         # jobs are batched in parameter order, whatever order the step ran in

@@ -161,8 +161,9 @@ class SOAP(AsteriaOptimizer):
                     shampoo_beta=self._shampoo_beta(group), eps=group["eps"],
                     weight_decay=group["weight_decay"], correct_bias=group["correct_bias"],
                     normalize_grads=group["normalize_grads"])
-        if offload:
-            self._submit_factor_ema(members, g, factors, self._shampoo_beta(group))
+        if offload:  # started once the group's stacks have all run (_blocks_done)
+            self.__dict__.setdefault("_emas_due", []).append(
+                (members, g, factors, self._shampoo_beta(group)))
         self._unstack(members, "exp_avg", m)
         self._unstack(members, "exp_avg_sq", v)
         for i, f in enumerate(factors):
@@ -301,6 +302,12 @@ class SOAP(AsteriaOptimizer):
             dst.copy_(out[i].reshape(rot.shape))
 
     # ---- the factor EMAs on the workers ---------------------------------------------------------
+    def _blocks_done(self) -> None:
+        """Start the factor EMAs of the group's step: after its last stack, so a worker's job
+        does not compete with the training thread's step for the memory bus."""
+        for args in self.__dict__.pop("_emas_due", ()):
+            self._submit_factor_ema(*args)
+
     def _factor_offload(self, group: dict, members: list, g: torch.Tensor, factors: list,
                         steps: list) -> bool:
         """Hand this step's L, R update to a worker? With libasteria's pool, host parameters,
