@@ -250,10 +250,11 @@ first_reach = common.first_reach
 
 
 def step_kind(before: dict, after: dict) -> str:
-    """What the runtime did in a step, from asteria_stats() around it: "refresh" (jobs
-    submitted: the refresh's snapshot, or in sync mode the refresh itself), "install" (a
-    refresh's result installed), both, or "plain"."""
-    sub = after.get("jobs_submitted", 0) > before.get("jobs_submitted", 0)
+    """What the runtime did in a step, from asteria_stats() around it: "refresh" (REFRESH
+    jobs submitted: the refresh's snapshot, or in sync mode the refresh itself; not the
+    jobs every step may hand the workers, SOAP's factor EMAs), "install" (a refresh's result
+    installed), both, or "plain"."""
+    sub = after.get("refreshes_submitted", 0) > before.get("refreshes_submitted", 0)
     ins = after.get("installs", 0) > before.get("installs", 0)
     return "refresh+install" if sub and ins else "refresh" if sub else "install" if ins \
         else "plain"

@@ -172,6 +172,8 @@ def test_bench_convergence_quick(tmp_path):
         if r["optimizer"].startswith("asteria"):
             # f=4 in --quick: refreshes after the first step's (sync: installed at once)
             assert any(k.startswith("refresh") for k in r["step_kinds"][1:]), r["step_kinds"]
+            # ... and steps without one (a SOAP step's factor EMA jobs are no refresh)
+            assert "plain" in r["step_kinds"][1:], r["step_kinds"]
     assert data["setting_results"]["optimizer-bound"]["seeds"] == [0]
     lim = data["step_limit"]
     assert lim["added_flops_per_step"] > 0 and lim["gemm_gflops_peak"] > 0
