@@ -70,7 +70,12 @@ def test_trace_orders_one_refresh(tmp_path):
     # SOAP's first refresh: k = 4 at step 5 (step 1 was the initial eigendecomposition)
     refresh = next(e for e in installs if e["args"]["version"] == 5)
     assert refresh["args"]["step"] == 5 + S
-    queued = next(e for e in evs if e["name"] == "job queued" and e["ts"] > init["ts"])
+    # the first REFRESH job queued after the init: the one whose inputs the shadow snapshotted
+    # (SOAP's factor EMA jobs, queued from step 2 on, have no snapshot copies)
+    d2h = {e["args"].get("block") for e in evs
+           if e["cat"] == "copy" and e["args"].get("dir") == "d2h"}
+    queued = next(e for e in evs if e["name"] == "job queued" and e["ts"] > init["ts"]
+                  and e["args"]["block"] in d2h)
     block, version = queued["args"]["block"], queued["args"]["version"]
 
     def one(name):

@@ -479,7 +479,7 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
                 # whole parameters to an optimizer that updates them where they are: no stack of
                 # them to make and copy back
                 in_place = self._weights_in_place and all(
-                    self._layouts[p].whole and p not in glob_set for p, _ in members)
+                    p not in glob_set and self._layouts[p].whole for p, _ in members)
                 w = ws if in_place else torch.stack(ws)
                 steps = [counts[p] for p, _ in members]
                 try:
