@@ -25,8 +25,9 @@ Procedure, per setting:
      final loss if none does). Losses are deterministic: the choice does not depend on the
      machine's load.
   2. The timed runs, every seed: all optimizers at their tuned lrs in lockstep, each on its own
-     copy of the model (same initial weights and batches), taking turns a step each for all
-     steps. The VM's speed drifts by several percent over minutes (docs/step_time_tail.md),
+     copy of the model (same initial weights and batches), taking turns of 10 consecutive steps
+     (common.run_loops: so an Asteria run's worker jobs overlap its own forward and backward)
+     for all steps. The VM's speed drifts by several percent over minutes (docs/step_time_tail.md),
      as much as the differences between the SOAPs' steps; in lockstep every optimizer's step i
      runs within seconds of the others', so the drift reaches all of them alike. Each run's
      clock counts its own steps only. The seed's target is AdamW's final loss there.
@@ -335,8 +336,8 @@ class Curve:
 
 
 def run_curves(curves: Sequence[Curve]) -> list[dict[str, Any]]:
-    """Train the curves, taking turns a step each (common.run_loops); their results, each
-    with the machine's CPU use over the whole run."""
+    """Train the curves, taking turns of common.TURN_STEPS steps (common.run_loops); their
+    results, each with the machine's CPU use over the whole run."""
     cpu0 = common.cpu_snapshot()
     common.run_loops([c.loop for c in curves])
     cpu = common.cpu_delta(cpu0, common.cpu_snapshot())
@@ -426,9 +427,9 @@ def train_one(name: str, lr: float, problem: Problem, args, pin: dict, log: comm
 def train_lockstep(names: list, lrs: dict, problem: Problem, args, pin: dict,
                    log: common.Progress) -> list[dict[str, Any]]:
     """Every optimizer of ``names`` at its lr, each on its own copy of the model (same initial
-    weights and batches), taking turns a step each for all steps: every optimizer's step i runs
-    within seconds of the others', so the machine's drift over minutes (docs/step_time_tail.md)
-    reaches all of them alike. Each run's times are its own steps'."""
+    weights and batches), taking turns of common.TURN_STEPS steps for all steps: every
+    optimizer's step i runs within seconds of the others', so the machine's drift over
+    minutes (docs/step_time_tail.md) reaches all of them alike. Each run's times are its own steps'."""
     made = []
     for name in names:
         try:
@@ -781,8 +782,9 @@ def run(args, argv) -> dict[str, Any]:
                                   "not the other runs' turns in lockstep) from the start of its "
                                   "first step to the end of each step (batches prepared "
                                   "beforehand)",
-                     "timed_runs": "every optimizer at its tuned lr, in lockstep (a step each "
-                                   "in turn), all steps, per seed; the sweep's times are those "
+                     "timed_runs": "every optimizer at its tuned lr, in lockstep (turns of "
+                                   f"{common.TURN_STEPS} consecutive steps), all steps, per "
+                                   "seed; the sweep's times are those "
                                    "of separate runs, one after another",
                      "disturbed_if_foreign_cores_above": DISTURBED_CORES},
         "why_settings_differ": WHY_SETTINGS_DIFFER,

@@ -4,8 +4,9 @@ bench_convergence.py times each optimizer in its own run, one after the other. O
 forward and backward of the same model drift by several percent between runs minutes apart
 (docs/step_time_tail.md), which is as large as the 2-3% the step targets are about. Here the
 three train side by side in one process: each has its own copy of the users' model (same
-initial weights and batches) and they take turns step by step, so every optimizer's step i
-runs within a second of the others'. Per step: forward + backward time, optimizer time, and
+initial weights and batches) and they take turns of 10 consecutive steps (common.run_loops:
+an Asteria step's worker jobs overlap its own next forward and backward, not another run's),
+so every optimizer's step i runs within seconds of the others'. Per step: forward + backward time, optimizer time, and
 the step kind (Asteria: refresh / install / plain, from asteria_stats()).
 
 Figures (the issue's step targets, measured here as well as in bench_convergence.py):

@@ -707,10 +707,19 @@ class StepLoop:
                        "in_timed_region": self.watch.summary()}}
 
 
-def run_loops(loops: Sequence[StepLoop]) -> None:
-    """Run the loops to their ends, taking turns a step each (one loop: one after another);
-    each round starts one loop further on, so no loop always follows the same other one.
-    Automatic collection is off throughout if any loop's policy is "olmo", and restored."""
+#: consecutive steps a loop takes per turn in run_loops
+TURN_STEPS = 10
+
+
+def run_loops(loops: Sequence[StepLoop], turn: int = TURN_STEPS) -> None:
+    """Run the loops to their ends, taking turns of ``turn`` consecutive steps (one loop: one
+    after another); each round starts one loop further on, so no loop always follows the same
+    other one. Consecutive steps, not one step a turn: an Asteria step starts worker jobs at
+    its end that run during the next forward and backward; in turns of one step they ran
+    during another loop's turn, which hid what they cost the run that started them (and
+    charged it to the other). With turns of ``turn`` steps only a turn's first step sees the
+    previous loop's jobs. Automatic collection is off throughout if any loop's policy is
+    "olmo", and restored."""
     import gc
 
     was_enabled = gc.isenabled()
@@ -722,7 +731,9 @@ def run_loops(loops: Sequence[StepLoop]) -> None:
         while active:
             j = k % len(active)
             for lp in active[j:] + active[:j]:
-                lp.step()
+                for _ in range(turn):
+                    if lp.step():
+                        break
             active = [lp for lp in active if not lp.done]
             k += 1
     finally:

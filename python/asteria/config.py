@@ -2,7 +2,7 @@
 
 ``RuntimeConfig.from_user`` accepts ``None``, a plain dict or a ``RuntimeConfig``. Each key has
 one validator. The optimizer's keys (mode, staleness, install, placement, the budgets, nvme_dir,
-on_failure, fsdp_blocking, tier_dtype) are checked here. The keys libasteria reads
+on_failure, fsdp_blocking, tier_dtype, factor_emas) are checked here. The keys libasteria reads
 (``_C.config_keys()``: workers, cpuset, pin, max_failures, trace) are handed over once, at
 construction, to libasteria's validator (``ast_config_set``, via
 ``asteria._C.validate_config``), whose result (``c_config``, a ``_C.Config``) ``_C.Runtime``
@@ -63,6 +63,12 @@ class RuntimeConfig:
     #: UVM, NVMe): "bfloat16" narrows wider blocks once when written and widens them where
     #: used (tiers/plan.py, stored_dtype); "float32" keeps every block as it is; Python only
     tier_dtype: str = "float32"
+    #: where SOAP's factor EMAs (L, R) of host parameters run in mode "async": "thread" (the
+    #: training thread, in the step) or "workers" (libasteria's pool, in place, during the next
+    #: forward and backward). "thread" by default: on a 2-core machine a worker's job slows the
+    #: forward and backward it overlaps by more than it takes off the step
+    #: (docs/departures.md); "workers" where the pool has cores of its own; Python only
+    factor_emas: str = "thread"
 
     def __post_init__(self) -> None:
         self._validate()
@@ -118,6 +124,7 @@ class RuntimeConfig:
             need(key, v is None or (is_int(v) and v >= 0), "None or a byte count >= 0")
         need("on_failure", self.on_failure in ("raise", "keep"), '"raise", "keep"')
         need("fsdp_blocking", self.fsdp_blocking in ("local", "global"), '"local", "global"')
+        need("factor_emas", self.factor_emas in ("thread", "workers"), '"thread", "workers"')
         need("tier_dtype", isinstance(self.tier_dtype, str) and self.tier_dtype in TIER_DTYPES,
              ", ".join(f'"{d}"' for d in TIER_DTYPES))
         # each rank would choose its own S from its own measurements: the owners of one

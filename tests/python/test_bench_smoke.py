@@ -267,3 +267,29 @@ def test_train_tiny_small(tmp_path):
         tiers = r["bytes_per_tier"]
         assert tiers["total"] == sum(tiers["tiers"].values()) > 0
     assert data["results"][0]["time_to_adamw_final"]["step"] == 12
+
+
+def test_run_loops_takes_turns_of_consecutive_steps():
+    """Lockstep turns are runs of consecutive steps (an Asteria run's worker jobs, started at a
+    step's end, overlap its own next forward and backward), rotating who starts each round;
+    a loop that ends mid-turn hands over at once."""
+    common = load_bench("common")
+    order = []
+
+    class Loop:
+        gc_policy = None
+
+        def __init__(self, name, steps):
+            self.name, self.left, self.done = name, steps, steps < 1
+
+        def step(self):
+            order.append(self.name)
+            self.left -= 1
+            self.done = self.left == 0
+            return self.done
+
+    common.run_loops([Loop("a", 5), Loop("b", 4), Loop("c", 0)], turn=2)
+    assert "".join(order) == "aabbbbaaa"
+    order.clear()
+    common.run_loops([Loop("a", 3), Loop("b", 3)], turn=1)
+    assert "".join(order) == "abbaab"

@@ -29,7 +29,9 @@ def test_good_values_are_kept(tmp_path):
         "mode": "sync", "staleness": 0, "install": "eager", "workers": 4,
         "placement": {"factors": "device", "roots": "host_pinned"},
         "device_budget_bytes": 1048576, "host_budget_bytes": None, "nvme_dir": str(tmp_path),
-        "pin": False, "max_failures": 4, "trace": str(tmp_path / "t.json")})
+        "pin": False, "max_failures": 4, "trace": str(tmp_path / "t.json"),
+        "factor_emas": "workers"})
+    assert c.factor_emas == "workers" and RuntimeConfig().factor_emas == "thread"
     assert c.mode == "sync" and c.staleness == 0 and c.install == "eager"
     assert c.placement == {"factors": "device", "roots": "host_pinned"}
     assert c.placement_for("roots") == "host_pinned" and c.placement_for("moments") is None
@@ -53,6 +55,7 @@ def test_good_values_are_kept(tmp_path):
     ("placement", "nonsense", ['"auto"', "kind: tier"]),
     ("nvme_dir", "a" * 5000, ["an existing directory"]),
     ("on_failure", "ignore", ['"raise", "keep"']),
+    ("factor_emas", "gpu", ['"thread", "workers"']),
     # C's keys: the message is libasteria's, raised unchanged
     ("workers", 0, ["1..1024"]),
     ("pin", "maybe", ["true", "false"]),

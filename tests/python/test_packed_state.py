@@ -42,6 +42,8 @@ RUNTIMES = {
     "sync": {"mode": "sync"},
     "async": ASYNC,  # roots / bases in the residency (copied through the ring)
     "async-device": dict(ASYNC, placement={"roots": "device", "eigenbases": "device"}),
+    # SOAP's factor EMAs on the workers, in place in the packs (test_soap_factor_offload.py)
+    "async-workers": dict(ASYNC, factor_emas="workers"),
 }
 # the per-block state a step reads and updates (not the refresh placeholders)
 _STEP_KEY = re.compile(r"b\d+\.(exp_avg|exp_avg_sq|momentum|grafting_v|(GG|Q|L|Linv|S|s)\d+)")
@@ -126,20 +128,11 @@ def test_stack_state_is_packed_and_not_copied(name, mode, monkeypatch):
         opt.close()
 
 
-def on_thread_factors(monkeypatch, offload):
-    """Unless ``offload``: SOAP's factor EMAs stay on the training thread. Only packed factors
-    go to a worker (test_soap_factor_offload.py), whose OpenBLAS rounds otherwise than torch:
-    the bitwise comparisons with unpacked runs keep them here."""
-    if not offload:
-        monkeypatch.setattr(SOAP, "_factor_offload", lambda self, *a: False)
-
-
-def trajectory(name, mode, pack, monkeypatch, offload=False):
+def trajectory(name, mode, pack, monkeypatch):
     """Losses, parameters and final state of a run that changes its stacks' membership:
     a skipped parameter (step 4), one without a gradient (step 6), a group added (step 7),
     a load_state_dict of a saved state dict (step 9)."""
     monkeypatch.setattr(_tiering, "PACK", pack)
-    on_thread_factors(monkeypatch, offload)
     model = make_model("mlp")
     ws = weights(model)
     torch.manual_seed(5)
@@ -256,11 +249,10 @@ def test_steady_state_walks_no_member(name, monkeypatch):
         opt.close()
 
 
-def replaced_entry_run(name, mode, pack, monkeypatch, offload=False):
+def replaced_entry_run(name, mode, pack, monkeypatch):
     """Losses and parameters of a run whose step state is replaced between steps: a member's
     entry set through the proxy (step 5), the state reloaded from its own state dict (step 8)."""
     monkeypatch.setattr(_tiering, "PACK", pack)
-    on_thread_factors(monkeypatch, offload)
     model = make_model("mlp")
     ws = weights(model)
     opt = MAKERS[name](model.parameters(), RUNTIMES[mode])
@@ -296,12 +288,11 @@ def test_offloaded_factor_emas_follow_the_packs(run, monkeypatch):
     """The same runs with SOAP's factor EMAs on the workers (written into the packs in place)
     follow the on-thread ones to rounding: a job never writes a pack its entries have left."""
     want = run("soap", "async", True, monkeypatch)
-    monkeypatch.undo()
     jobs = []
     real = SOAP._submit_factor_ema
     monkeypatch.setattr(SOAP, "_submit_factor_ema",
                         lambda self, *a: jobs.append(1) or real(self, *a))
-    got = run("soap", "async", True, monkeypatch, offload=True)
+    got = run("soap", "async-workers", True, monkeypatch)
     assert len(jobs) >= 5  # not vacuous
     for a, b in zip(got[0] + got[1], want[0] + want[1]):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)

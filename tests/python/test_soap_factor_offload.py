@@ -1,7 +1,8 @@
 """SOAP's factor EMAs on the C workers (SOAP._submit_factor_ema).
 
 L = b L + (1 - b) G G^T and R = b R + (1 - b) G^T G (DESIGN.md, b = shampoo_beta). In mode
-"async" on CPU parameters, a step whose factors no REFRESH reads at its end hands this update
+"async" with runtime ``factor_emas="workers"`` (the default is "thread") on CPU parameters, a
+step whose factors no REFRESH reads at its end hands this update
 to a ``gram_ema`` job, which writes the state's own factor memory while the next forward and
 backward run; a read of a factor (the next step, optimizer.state, state_dict) waits for it.
 Checked here:
@@ -27,7 +28,8 @@ from asteria.optim import SOAP
 from models import assert_params_close, loss_and_grad, make_model, params_of, \
     require_c_extension, run
 
-RT = {"mode": "async", "staleness": 1, "install": "deterministic", "workers": 2}
+RT = {"mode": "async", "staleness": 1, "install": "deterministic", "workers": 2,
+      "factor_emas": "workers"}
 F = 4  # precondition_frequency
 
 
@@ -105,8 +107,11 @@ def test_trajectory_equals_on_thread_update(kind):
     assert opt_t.asteria_stats()["factor_emas_submitted"] == 0
 
 
-def test_sync_mode_updates_factors_on_the_training_thread():
-    _, opt = run("mlp", make(runtime={"mode": "sync"}), 8)
+@pytest.mark.parametrize("runtime", [{"mode": "sync"}, dict(RT, factor_emas="thread"),
+                                     {k: v for k, v in RT.items() if k != "factor_emas"}],
+                         ids=["sync", "thread", "default"])
+def test_factors_stay_on_the_training_thread_unless_asked(runtime):
+    _, opt = run("mlp", make(runtime=runtime), 8)
     assert opt.asteria_stats()["factor_emas_submitted"] == 0
 
 
@@ -178,6 +183,40 @@ def test_failed_job_is_redone_on_the_training_thread():
         opt._engine.submit = real
         opt.close()
         ref.close()
+
+
+@pytest.mark.parametrize("lands", ["before", "after"])
+def test_an_interrupt_at_the_start_starts_the_job_once(lands, monkeypatch):
+    """A signal (Ctrl-C) landing in the start of a step's factor EMA jobs, before or after the
+    job is handed over: the next step starts what was not, and nothing twice (an EMA applied
+    twice would leave the trajectory), so the run goes on bitwise as an uninterrupted one."""
+    steps, cut = 10, 7  # step 7 (count 6): factors offloaded, no refresh due or installed
+    full, _ = run("mlp", make(), steps)
+    model = make_model("mlp")
+    opt = make()(model.parameters())
+    real = SOAP._submit_factor_ema
+
+    def interrupted(self, *a):
+        if lands == "after":
+            real(self, *a)
+        monkeypatch.setattr(SOAP, "_submit_factor_ema", real)  # once
+        raise KeyboardInterrupt
+
+    try:
+        for t in range(1, steps + 1):
+            loss_and_grad(model, "mlp", t)
+            if t == cut:
+                monkeypatch.setattr(SOAP, "_submit_factor_ema", interrupted)
+                with pytest.raises(KeyboardInterrupt):
+                    opt.step()
+                assert opt._emas_due  # left to start
+            else:
+                opt.step()
+            assert all(torch.equal(a, b) for a, b in zip(params_of(model), full[t - 1])), t
+        assert opt.asteria_stats()["factor_emas_submitted"] == len(
+            [k for k in range(1, steps) if k % F])
+    finally:
+        opt.close()
 
 
 # ---- the executor's in-place contract ---------------------------------------------------------

@@ -219,7 +219,9 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         raise NotImplementedError
 
     def _blocks_done(self) -> None:
-        """Every stack of a group's step has run (``_step_blocks``): work it left to start."""
+        """Every stack of a group's step has run (``_step_blocks``): start the work they left
+        to start. Also called at the next step's start and before any wait for the workers,
+        for what a signal interrupted; starts nothing twice."""
 
     def _refresh_input(self, kind: str, p: torch.Tensor, j: int, dim: int):
         """(op, F, Q or None, p, eps) of one factor's REFRESH job."""
@@ -334,6 +336,7 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         if self._closed:
             raise RuntimeError("step() on a closed Asteria optimizer")
         self._settle_step_end()
+        self._blocks_done()  # what an interrupted step left to start
         if self._offloaded:  # done during the forward and backward: taken in one go, so the
             self._settle_all_offloaded()  # step's reads of the state take the direct path
         loss = None

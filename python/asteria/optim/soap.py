@@ -4,8 +4,9 @@ Owns SOAP's hyperparameters, per-block state layout and the install of a refresh
 math is in ``functional`` (soap_init / soap_step / soap_install), the scheduling in
 ``_schedule``. Two pieces of a step's work run on the pool's workers while the next forward and
 backward run (docs/departures.md), with libasteria's pool on host parameters: at an install,
-m's re-expression in the new basis (``soap_rotate`` jobs); on a step whose factors no REFRESH
-reads at its end, the factor EMAs L, R (``gram_ema`` jobs, in place). A read of what such a job
+m's re-expression in the new basis (``soap_rotate`` jobs); with runtime
+``factor_emas="workers"``, on a step whose factors no REFRESH reads at its end, the factor EMAs
+L, R (``gram_ema`` jobs, in place). A read of what such a job
 writes waits for it (``_settle_offloaded``); the next step takes them all first.
 
 State of a preconditioned parameter: ``step`` (k) and per block j ``b{j}.exp_avg`` (m),
@@ -229,7 +230,8 @@ class SOAP(AsteriaOptimizer):
 
     # ---- m's re-expression on the workers ------------------------------------------------------
     def _offloads_to_workers(self) -> bool:
-        """Is SOAP's m re-expression at install handed to the workers? Only with an executor
+        """Are m's re-expression at an install and the factor EMAs handed to the workers
+        (where ``_rotation_offload`` / ``_factor_offload`` allow)? Only with an executor
         that takes inputs made for it (libasteria's pool, ``mode="async"``), rank-local (a
         replicated block's m is re-expressed by every replica itself, on its own thread)."""
         return self._local_c_engine()
@@ -269,11 +271,15 @@ class SOAP(AsteriaOptimizer):
             self._offloaded[(p, f"b{j}.exp_avg")] = rot
 
     def _settle_offloaded(self, p, name) -> None:
+        if self.__dict__.get("_emas_due"):  # an interrupted step's, not started yet
+            self._blocks_done()
         job = self._offloaded.get((p, name))
         if job is not None:
             self._finish(job)
 
     def _settle_all_offloaded(self) -> None:
+        if self.__dict__.get("_emas_due"):
+            self._blocks_done()
         for job in list({id(j): j for j in self._offloaded.values()}.values()):
             self._finish(job)
 
@@ -304,18 +310,26 @@ class SOAP(AsteriaOptimizer):
     # ---- the factor EMAs on the workers ---------------------------------------------------------
     def _blocks_done(self) -> None:
         """Start the factor EMAs of the group's step: after its last stack, so a worker's job
-        does not compete with the training thread's step for the memory bus."""
-        for args in self.__dict__.pop("_emas_due", ()):
-            self._submit_factor_ema(*args)
+        does not compete with the training thread's step for the memory bus. One at a time,
+        each let go of only once started (or found started: a signal may land between)."""
+        due = self.__dict__.get("_emas_due")
+        while due:
+            members, g, factors, beta = due[0]
+            i = next(i for i, f in enumerate(factors) if f is not None)
+            job = self._offloaded.get((members[0][0], f"b{members[0][1]}.GG{i}"))
+            if not (isinstance(job, _FactorEma) and job.g is g):
+                self._submit_factor_ema(members, g, factors, beta)
+            due.pop(0)
 
     def _factor_offload(self, group: dict, members: list, g: torch.Tensor, factors: list,
                         steps: list) -> bool:
-        """Hand this step's L, R update to a worker? With libasteria's pool, host parameters,
-        matrix blocks of float32 / float64, factor stacks whose slices are the state's entries
-        (the packed state: the worker writes the state itself), and no REFRESH due at this
-        step's end (it reads the factors at once: the update stays here)."""
-        if (not self._offloads_to_workers() or g.dim() != 3
-                or g.dtype not in (torch.float32, torch.float64)
+        """Hand this step's L, R update to a worker? With runtime ``factor_emas="workers"``,
+        libasteria's pool, host parameters, matrix blocks of float32 / float64, factor stacks
+        whose slices are the state's entries (the packed state: the worker writes the state
+        itself), and no REFRESH due at this step's end (it reads the factors at once: the
+        update stays here)."""
+        if (self._cfg.factor_emas != "workers" or not self._offloads_to_workers()
+                or g.dim() != 3 or g.dtype not in (torch.float32, torch.float64)
                 or all(f is None for f in factors)):
             return False
         freq = group["precondition_frequency"]
