@@ -193,6 +193,39 @@ def run(kind: str, make_opt, steps: int, model: nn.Module = None):
     return traj, opt
 
 
+def assert_resumes_bitwise(kind: str, make_opt, steps: int, cut: int, in_flight=None):
+    """Train ``cut`` steps, take ``state_dict()`` (``in_flight(opt)``, when given, must hold
+    before it and not after: the worker jobs it waits for), load it into a fresh optimizer over
+    a copy of the weights and go on: every later step's parameters equal those of the
+    uninterrupted run bit for bit."""
+    full, _ = run(kind, make_opt, steps)
+    model = make_model(kind)
+    opt = make_opt(model.parameters())
+    try:
+        for t in range(1, cut + 1):
+            loss_and_grad(model, kind, t)
+            opt.step()
+        assert in_flight is None or in_flight(opt)
+        sd = copy.deepcopy(opt.state_dict())
+        assert in_flight is None or not in_flight(opt)
+        saved = params_of(model)
+    finally:
+        opt.close()
+    model2 = make_model(kind)
+    with torch.no_grad():
+        for p, v in zip(model2.parameters(), saved):
+            p.copy_(v)
+    opt2 = make_opt(model2.parameters())
+    try:
+        opt2.load_state_dict(sd)
+        for t in range(cut + 1, steps + 1):
+            loss_and_grad(model2, kind, t)
+            opt2.step()
+            assert all(torch.equal(a, b) for a, b in zip(params_of(model2), full[t - 1])), t
+    finally:
+        opt2.close()
+
+
 def assert_params_close(got, want, rtol=1e-7, atol=1e-10, what=""):
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):

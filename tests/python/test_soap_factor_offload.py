@@ -19,14 +19,13 @@ Checked here:
    themselves, and what may not be updated in place is refused with a clear error.
 """
 
-import copy
 
 import pytest
 import torch
 
 from asteria.optim import SOAP
-from models import assert_params_close, loss_and_grad, make_model, params_of, \
-    require_c_extension, run
+from models import assert_params_close, assert_resumes_bitwise, loss_and_grad, make_model, \
+    params_of, require_c_extension, run
 
 RT = {"mode": "async", "staleness": 1, "install": "deterministic", "workers": 2,
       "factor_emas": "workers"}
@@ -116,33 +115,9 @@ def test_factors_stay_on_the_training_thread_unless_asked(runtime):
 
 
 def test_checkpoint_after_an_offloaded_step_resumes_bitwise():
-    steps, cut = 12, F + 2
-    full, _ = run("mlp", make(), steps)
-    model = make_model("mlp")
-    opt = make()(model.parameters())
-    try:
-        for t in range(1, cut + 1):
-            loss_and_grad(model, "mlp", t)
-            opt.step()
-        assert any(k[1].startswith("b0.GG") for k in opt._offloaded)
-        sd = copy.deepcopy(opt.state_dict())  # waits for the factor EMAs in flight
-        assert not opt._offloaded
-        saved = params_of(model)
-    finally:
-        opt.close()
-    model2 = make_model("mlp")
-    with torch.no_grad():
-        for p, v in zip(model2.parameters(), saved):
-            p.copy_(v)
-    opt2 = make()(model2.parameters())
-    try:
-        opt2.load_state_dict(sd)
-        for t in range(cut + 1, steps + 1):
-            loss_and_grad(model2, "mlp", t)
-            opt2.step()
-            assert all(torch.equal(a, b) for a, b in zip(params_of(model2), full[t - 1])), t
-    finally:
-        opt2.close()
+    # state_dict() waits for the factor EMAs in flight
+    assert_resumes_bitwise("mlp", make(), 12, F + 2, in_flight=lambda opt: any(
+        k[1].startswith("b0.GG") for k in opt._offloaded))
 
 
 def test_failed_job_is_redone_on_the_training_thread():

@@ -16,13 +16,12 @@ step, state_dict, optimizer.state) waits for it. Checked here:
  - sync mode never submits rotations.
 """
 
-import copy
 
 import pytest
 import torch
 
 from asteria.optim import SOAP
-from models import assert_params_close, loss_and_grad, make_model, params_of, \
+from models import assert_params_close, assert_resumes_bitwise, loss_and_grad, make_model, \
     require_c_extension, run
 
 RT = {"mode": "async", "staleness": 2, "install": "deterministic", "workers": 2}
@@ -99,33 +98,8 @@ def test_state_after_install_is_the_reexpressed_moment():
 
 
 def test_checkpoint_at_an_install_step_resumes_bitwise():
-    steps, cut = 14, F + 2 + 1
-    full, _ = run("mlp", make(), steps)
-    model = make_model("mlp")
-    opt = make()(model.parameters())
-    try:
-        for t in range(1, cut + 1):
-            loss_and_grad(model, "mlp", t)
-            opt.step()
-        assert opt._offloaded
-        sd = copy.deepcopy(opt.state_dict())  # waits for the rotation in flight
-        assert not opt._offloaded
-        saved = params_of(model)
-    finally:
-        opt.close()
-    model2 = make_model("mlp")
-    with torch.no_grad():
-        for p, v in zip(model2.parameters(), saved):
-            p.copy_(v)
-    opt2 = make()(model2.parameters())
-    try:
-        opt2.load_state_dict(sd)
-        for t in range(cut + 1, steps + 1):
-            loss_and_grad(model2, "mlp", t)
-            opt2.step()
-            assert all(torch.equal(a, b) for a, b in zip(params_of(model2), full[t - 1])), t
-    finally:
-        opt2.close()
+    # state_dict() waits for the rotation in flight
+    assert_resumes_bitwise("mlp", make(), 14, F + 2 + 1, in_flight=lambda opt: opt._offloaded)
 
 
 def test_sync_mode_rotates_on_the_training_thread():
