@@ -39,6 +39,18 @@ def require_c_extension() -> None:
                     "-DASTERIA_BUILD_PYTHON=ON && cmake --build build-py --target _C")
 
 
+def on_thread_soap():
+    """SOAP with every worker offload off (m's re-expression and the factor EMAs on the
+    training thread: the sync path's code), whatever the runtime config asks."""
+    from asteria.optim import SOAP
+
+    class OnThreadSOAP(SOAP):
+        def _offloads_to_workers(self):
+            return False
+
+    return OnThreadSOAP
+
+
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()

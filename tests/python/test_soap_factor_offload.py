@@ -25,6 +25,7 @@ import torch
 
 from asteria.optim import SOAP
 from models import assert_params_close, assert_resumes_bitwise, loss_and_grad, make_model, \
+    on_thread_soap, \
     params_of, require_c_extension, run
 
 RT = {"mode": "async", "staleness": 1, "install": "deterministic", "workers": 2,
@@ -37,11 +38,7 @@ def _c_extension():
     require_c_extension()
 
 
-class OnThreadSOAP(SOAP):
-    """The same optimizer with every worker offload off (the sync path's code)."""
-
-    def _offloads_to_workers(self):
-        return False
+OnThreadSOAP = on_thread_soap()
 
 
 def make(cls=SOAP, runtime=RT, **kw):

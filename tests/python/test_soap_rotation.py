@@ -22,7 +22,7 @@ import torch
 
 from asteria.optim import SOAP
 from models import assert_params_close, assert_resumes_bitwise, loss_and_grad, make_model, \
-    require_c_extension, run
+    on_thread_soap, require_c_extension, run
 
 RT = {"mode": "async", "staleness": 2, "install": "deterministic", "workers": 2}
 F = 4  # precondition_frequency: installs at the ends of steps 2 (first eigh), 6, 10, ...
@@ -33,11 +33,7 @@ def _c_extension():
     require_c_extension()
 
 
-class OnThreadSOAP(SOAP):
-    """The same optimizer re-expressing m on the training thread (the sync path's code)."""
-
-    def _offloads_to_workers(self):
-        return False
+OnThreadSOAP = on_thread_soap()
 
 
 def make(cls=SOAP, runtime=RT, **kw):
