@@ -331,6 +331,7 @@ class Curve:
             "smoothed": smooth(losses, self.window),
             "step_ms": [1e3 * t for t in res["step_s"]],
             "opt_ms": [1e3 * t for t in res["opt_s"]],
+            "minor_faults": res["minor_faults"],
             "step_kinds": self.kinds,
         }
 
@@ -656,11 +657,15 @@ def step_limit(users: dict, args, log: common.Progress) -> Optional[dict[str, An
         out[f"step_mean_over_limit_{key}"] = soap_mean / limit
     # the target: the median step against the limit at the peak rate (the stricter limit)
     out["step_over_limit"] = out["step_median_over_limit_peak"]
+    def fb_of(name):
+        return [s - o for r in by[name] for s, o in zip(r["step_ms"][w:], r["opt_ms"][w:])]
+
+    fb = fb_of("asteria-soap-async")
+    out["asteria_fwd_bwd_median_ms"] = common.percentile(fb, 50)
+    out["adamw_fwd_bwd_median_ms"] = common.percentile(fb_of("adamw"), 50)
     # the same with Asteria's own forward + backward in place of AdamW's: the models' weights
     # differ after a few steps and a forward / backward's time depends on them, so the limit
     # above can flatter (or wrong) a SOAP; this one compares optimizer work only
-    fb = [s - o for r in by["asteria-soap-async"]
-          for s, o in zip(r["step_ms"][w:], r["opt_ms"][w:])]
     equal = common.percentile(fb, 50) + out["adamw_opt_median_ms"] + 1e3 * added / (peak * 1e9)
     out["limit_equal_fwd_bwd_ms"] = equal
     out["step_over_limit_equal_fwd_bwd"] = soap / equal
@@ -677,39 +682,118 @@ def step_limit(users: dict, args, log: common.Progress) -> Optional[dict[str, An
     return out
 
 
-def profile_steps(problem: Problem, args, pin: dict, log: common.Progress,
-                  tuned: dict) -> dict[str, Any]:
-    """torch.profiler over ``args.profile_steps`` steps (after 12 unprofiled ones) of AdamW and
-    Asteria SOAP: the ops with the most self CPU time on the training thread."""
+#: the torch ops that are a step's matrix products (SOAP's rotations, update and factor EMAs)
+MATMUL_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::addmm_", "aten::baddbmm",
+              "aten::baddbmm_")
+
+
+def profile_steps(problem: Problem, args, pin: dict, log: common.Progress, tuned: dict,
+                  added_flops: Optional[float] = None) -> dict[str, Any]:
+    """Where the optimizer step's time goes: torch.profiler around ``opt.step()`` alone, on
+    ``args.profile_steps`` plain steps (no refresh, no install: the steps the median step is)
+    after 12 unprofiled ones, of AdamW and Asteria SOAP. Per step: the matrix products' self
+    CPU time (``MATMUL_OPS``), the other torch ops' (elementwise, stacking, the finiteness
+    check), the interpreter's (the step's own self time: Python between the ops), and the top
+    ops. With ``added_flops`` (SOAP's per-step FLOPs), the GEMM rate the step's products ran
+    at, where they ran (operands cold from the forward and backward), against the warm rate
+    the limit takes. The profiler's own cost inflates every figure a little (see
+    ``opt_ms_profiled`` against ``opt_ms_unprofiled``)."""
+    import warnings
+
     from torch.profiler import ProfilerActivity, profile
 
+    # one profiler per step (only plain steps are kept); torch warns that each one's events
+    # end with it, which is what is wanted here
+    warnings.filterwarnings("ignore", message="Warning: Profiler clears events")
     out = {}
     for name in ("adamw", "asteria-soap-async"):
         model = problem.model()
         opt, _ = make_with_wide_mask(lambda: make_optimizer(
             name, model.parameters(), tuned.get(name, 3e-3), args, pin["worker_cpus"]))
-        n0 = 12
-        for i in range(n0):
+        stats = getattr(opt, "asteria_stats", lambda: {})
+        agg: dict[str, list[float]] = {}
+        walls, plain_walls, n, i = [], [], 0, 0
+        step_self = 0.0
+        while n < args.profile_steps and i < len(problem.batches):
             opt.zero_grad(set_to_none=True)
             model(*problem.batches[i]).backward()
-            opt.step()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for i in range(n0, n0 + args.profile_steps):
-                opt.zero_grad(set_to_none=True)
-                model(*problem.batches[i]).backward()
+            before = stats()
+            if i < 12 or i % 2:  # unprofiled: warm-up, and every other step for the plain time
+                t0 = time.perf_counter()
                 opt.step()
+                t = time.perf_counter() - t0
+                if i >= 12 and step_kind(before, stats()) == "plain":
+                    plain_walls.append(t)
+                i += 1
+                continue
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                t0 = time.perf_counter()
+                opt.step()
+                t = time.perf_counter() - t0
+            i += 1
+            if step_kind(before, stats()) != "plain":
+                continue
+            n += 1
+            walls.append(t)
+            for e in prof.key_averages():
+                if e.key.startswith("Optimizer.step#"):
+                    step_self += e.self_cpu_time_total
+                    continue
+                a = agg.setdefault(e.key, [0.0, 0])
+                a[0] += e.self_cpu_time_total
+                a[1] += e.count
         close(opt)
-        rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-        total = sum(e.self_cpu_time_total for e in rows)
-        out[name] = {"steps": args.profile_steps, "self_cpu_ms_per_step_total":
-                     total / 1e3 / args.profile_steps,
-                     "top": [{"op": e.key, "calls_per_step": e.count / args.profile_steps,
-                              "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3
-                              / args.profile_steps} for e in rows[:15]]}
-        log(f"profile {name}: {out[name]['self_cpu_ms_per_step_total']:.1f} ms self CPU a step;"
-            f" top: " + ", ".join(f"{t['op']} {t['self_cpu_ms_per_step']:.1f}"
-                                  for t in out[name]["top"][:4]))
+        if not n:
+            continue
+        ms = {k: (v[0] / 1e3 / n, v[1] / n) for k, v in agg.items()}
+        matmul = sum(t for k, (t, _) in ms.items() if k in MATMUL_OPS)
+        other = sum(t for k, (t, _) in ms.items() if k not in MATMUL_OPS)
+        rows = sorted(ms.items(), key=lambda kv: -kv[1][0])
+        r: dict[str, Any] = {
+            "plain_steps_profiled": n,
+            "opt_ms_profiled": common.percentile([1e3 * t for t in walls], 50),
+            "opt_ms_unprofiled": (common.percentile([1e3 * t for t in plain_walls], 50)
+                                  if plain_walls else None),
+            "matmul_ms": matmul, "other_ops_ms": other, "interpreter_ms": step_self / 1e3 / n,
+            "top": [{"op": k, "calls_per_step": c, "self_cpu_ms_per_step": t}
+                    for k, (t, c) in rows[:15]]}
+        if added_flops and matmul > 0 and name != "adamw":
+            r["matmul_gflops_in_step"] = added_flops / (matmul * 1e6)
+        out[name] = r
+        log(f"profile {name} ({n} plain steps): opt {r['opt_ms_profiled']:.1f} ms profiled = "
+            f"matmul {matmul:.1f} + other ops {other:.1f} + interpreter "
+            f"{r['interpreter_ms']:.1f}; top: " + ", ".join(
+                f"{t['op']} {t['self_cpu_ms_per_step']:.2f}" for t in r["top"][:4]))
     return out
+
+
+def breakdown(limit: dict, prof: dict) -> None:
+    """Where Asteria-SOAP's step goes beyond its limit, into ``limit["excess"]`` (ms a step):
+    its forward + backward over AdamW's (medians: weights differ, so do their times), and its
+    optimizer step over AdamW's + the FLOP time, split by the profile of plain steps into the
+    matrix products' time over the FLOP time at the peak rate, the other torch ops' and the
+    interpreter's over AdamW's."""
+    a, s = prof.get("adamw"), prof.get("asteria-soap-async")
+    flop_ms = 1e3 * limit["added_flops_per_step"] / (limit["gemm_gflops_peak"] * 1e9)
+    out: dict[str, Any] = {
+        "step_over_limit_ms": limit["asteria_soap_step_median_ms"] - limit["limit_ms_at_peak_rate"],
+        "fwd_bwd_over_adamw_ms": limit["asteria_fwd_bwd_median_ms"] - limit["adamw_fwd_bwd_median_ms"],
+        "opt_over_adamw_plus_flops_ms": (limit["asteria_soap_opt_median_ms"]
+                                         - limit["adamw_opt_median_ms"] - flop_ms),
+        "flop_ms_at_peak": flop_ms}
+    if a and s:
+        out["profiled"] = {
+            "matmul_over_flop_time_ms": s["matmul_ms"] - a["matmul_ms"] - flop_ms,
+            "other_ops_over_adamw_ms": s["other_ops_ms"] - a["other_ops_ms"],
+            "interpreter_over_adamw_ms": s["interpreter_ms"] - a["interpreter_ms"],
+            "matmul_gflops_in_step": s.get("matmul_gflops_in_step")}
+        rate = s.get("matmul_gflops_in_step")
+        if rate:
+            lim = limit["adamw_step_median_ms"] + 1e3 * limit["added_flops_per_step"] / (rate * 1e9)
+            limit["limit_ms_at_in_step_rate"] = lim
+            limit["step_median_over_limit_in_step_rate"] = (limit["asteria_soap_step_median_ms"]
+                                                            / lim)
+    limit["excess"] = out
 
 
 def targets(users: Optional[dict], limit: Optional[dict]) -> dict[str, Any]:
@@ -759,9 +843,12 @@ def run(args, argv) -> dict[str, Any]:
     limit = step_limit(users, args, log) if users else None
     prof = None
     if users and args.profile_steps > 0:
-        prof = profile_steps(build_problem(users["preset"], 12 + args.profile_steps,
+        prof = profile_steps(build_problem(users["preset"], 12 + 4 * args.profile_steps,
                                            users["seeds"][0]), args, pin, log,
-                             users["tuned_lr"])
+                             users["tuned_lr"],
+                             limit["added_flops_per_step"] if limit else None)
+        if limit:
+            breakdown(limit, prof)
     meta["machine"]["loadavg1_end"] = common.loadavg()
     meta["machine"]["loadavg_end"] = list(os.getloadavg())
     meta["cpu"] = common.cpu_delta(cpu0, common.cpu_snapshot())
@@ -915,6 +1002,22 @@ def print_table(data: dict) -> None:
               f"(at the rotation shapes' {lim['gemm_rate_rotation_shapes']['gflops_all']:.0f} "
               f"GFLOP/s: x{lim['step_median_over_limit_rotation_shapes']:.3f}); with its own "
               f"forward + backward in AdamW's: x{lim['step_over_limit_equal_fwd_bwd']:.3f}")
+        ex = lim.get("excess")
+        if ex:
+            print(f"over the limit by {ex['step_over_limit_ms']:.1f} ms a step: forward + "
+                  f"backward {ex['fwd_bwd_over_adamw_ms']:+.1f} ms against AdamW's, optimizer "
+                  f"step {ex['opt_over_adamw_plus_flops_ms']:+.1f} ms against AdamW's + "
+                  f"{ex['flop_ms_at_peak']:.1f} ms of FLOPs")
+            pr = ex.get("profiled")
+            if pr:
+                print(f"  profiled plain steps: matrix products {pr['matmul_over_flop_time_ms']:+.1f}"
+                      f" ms over the FLOP time (they ran at {_f(pr['matmul_gflops_in_step'], '.0f')}"
+                      f" GFLOP/s), other ops {pr['other_ops_over_adamw_ms']:+.1f} ms and the "
+                      f"interpreter {pr['interpreter_over_adamw_ms']:+.1f} ms over AdamW's")
+            if lim.get("limit_ms_at_in_step_rate"):
+                print(f"  against the limit at that in-step rate "
+                      f"({lim['limit_ms_at_in_step_rate']:.1f} ms): "
+                      f"x{lim['step_median_over_limit_in_step_rate']:.3f}")
         if lim.get("nonrefresh_mean_over_sync_median") is not None:
             print(f"Asteria-SOAP mean step without a refresh {lim['asteria_nonrefresh_mean_ms']:.1f}"
                   f" ms vs native sync SOAP median {lim['native_sync_median_ms']:.1f} ms: "

@@ -64,7 +64,8 @@ def run(args, argv) -> dict[str, Any]:
     for name, (c, _), r in zip(RUNS, made, results):
         conv.close(c.opt)
         rows.append({"name": name, "fb": [s - o for s, o in zip(r["step_ms"], r["opt_ms"])],
-                     "opt_ms": r["opt_ms"], "kinds": r["step_kinds"], "losses": r["losses"]})
+                     "opt_ms": r["opt_ms"], "kinds": r["step_kinds"], "losses": r["losses"],
+                     "faults": r["minor_faults"]})
     meta["machine"]["loadavg_end"] = list(os.getloadavg())
     w = args.warmup
     out: dict[str, Any] = {}
@@ -77,8 +78,10 @@ def run(args, argv) -> dict[str, Any]:
                         "p99": common.percentile(step, 99)},
             "fwd_bwd_ms": {"median": common.percentile(fb, 50), "mean": sum(fb) / len(fb)},
             "opt_ms": {"median": common.percentile(op, 50), "mean": sum(op) / len(op)},
+            "minor_faults_median": {k: common.percentile(v[w:], 50)
+                                    for k, v in r["faults"].items()},
             "per_step": {"fwd_bwd_ms": r["fb"], "opt_ms": r["opt_ms"], "kinds": r["kinds"],
-                         "loss": r["losses"]}}
+                         "loss": r["losses"], "minor_faults": r["faults"]}}
     mats = conv.precond_shapes(problem)
     added = sum(6.0 * m * n * (m + n) for m, n in mats)
     rate = conv.gemm_rate(sorted({(m, m, n) for m, n in mats} | {(m, n, n) for m, n in mats}
@@ -116,11 +119,13 @@ def run(args, argv) -> dict[str, Any]:
 
 def print_table(data: dict) -> None:
     print(f"{'optimizer':<22}{'step med':>10}{'step mean':>11}{'fwd+bwd med':>13}"
-          f"{'opt med':>9}{'opt mean':>10}")
+          f"{'opt med':>9}{'opt mean':>10}{'faults fwd+bwd':>16}{'faults opt':>12}")
     for name, r in data["runs"].items():
+        fl = r.get("minor_faults_median", {})
         print(f"{name:<22}{r['step_ms']['median']:>10.1f}{r['step_ms']['mean']:>11.1f}"
               f"{r['fwd_bwd_ms']['median']:>13.1f}{r['opt_ms']['median']:>9.1f}"
-              f"{r['opt_ms']['mean']:>10.1f}")
+              f"{r['opt_ms']['mean']:>10.1f}{fl.get('fwd_bwd', float('nan')):>16.0f}"
+              f"{fl.get('opt', float('nan')):>12.0f}")
     f, t = data["figures"], data["targets"]
     print(f"limit {f['limit_ms']:.1f} ms (AdamW median + {f['flop_ms']:.1f} ms of FLOPs at "
           f"{f['gemm_gflops_peak']:.0f} GFLOP/s): Asteria x{f['step_over_limit']:.3f}; at equal "

@@ -68,6 +68,7 @@
 #define LINALG_NMAX 32766
 #define WS_ALIGN 64
 #define TRANSPOSE_TILE 32
+#define FINITE_CHUNK 1024
 #define NEWTON_STALL 5
 
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
@@ -159,10 +160,24 @@ typedef struct kern {
     static double P##_get(const void *v, size_t i) { return ((const T *)v)[i]; }                  \
     static int P##_finite(size_t count, const void *v)                                            \
     {                                                                                             \
+        /* x - x is 0 for a finite x and NaN for NaN / +-inf; a chunk's sum of them has no      \
+         * branch per element (the early exit is per chunk) and cannot overflow */               \
         const T *x = v;                                                                           \
-        for (size_t i = 0; i < count; i++)                                                        \
-            if (!isfinite(x[i]))                                                                  \
+        for (size_t i0 = 0; i0 < count; i0 += FINITE_CHUNK) {                                     \
+            const size_t end = count - i0 < FINITE_CHUNK ? count : i0 + FINITE_CHUNK;            \
+            T s0 = 0, s1 = 0, s2 = 0, s3 = 0;                                                     \
+            size_t i = i0;                                                                        \
+            for (; i + 4 <= end; i += 4) {                                                        \
+                s0 += x[i] - x[i];                                                                \
+                s1 += x[i + 1] - x[i + 1];                                                        \
+                s2 += x[i + 2] - x[i + 2];                                                        \
+                s3 += x[i + 3] - x[i + 3];                                                        \
+            }                                                                                     \
+            for (; i < end; i++)                                                                  \
+                s0 += x[i] - x[i];                                                                \
+            if (s0 + s1 + s2 + s3 != 0)                                                           \
                 return 0;                                                                         \
+        }                                                                                         \
         return 1;                                                                                 \
     }                                                                                             \
     static void P##_transpose(int n, const void *src, void *dst, int reverse)                     \
@@ -179,10 +194,14 @@ typedef struct kern {
     }                                                                                             \
     static void P##_mirror_lower(int n, void *a)                                                  \
     {                                                                                             \
+        /* in tiles, as the transpose: a column-at-a-time copy misses the cache on every write  \
+         * once a row is larger than a few cache lines */                                       \
         T *x = a;                                                                                 \
-        for (int j = 0; j < n; j++)                                                               \
-            for (int i = j + 1; i < n; i++)                                                       \
-                x[(size_t)i * n + j] = x[(size_t)j * n + i];                                      \
+        for (int i0 = 0; i0 < n; i0 += TRANSPOSE_TILE)                                            \
+            for (int j0 = 0; j0 <= i0; j0 += TRANSPOSE_TILE)                                      \
+                for (int i = i0; i < n && i < i0 + TRANSPOSE_TILE; i++)                           \
+                    for (int j = j0; j < i && j < j0 + TRANSPOSE_TILE; j++)                       \
+                        x[(size_t)i * n + j] = x[(size_t)j * n + i];                              \
     }                                                                                             \
     static void P##_shift_diag(int n, void *a, double c)                                          \
     {                                                                                             \

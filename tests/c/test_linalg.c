@@ -1420,7 +1420,10 @@ enum { GRAM_BOTH, GRAM_L, GRAM_R };
 static void test_gram_ema_restatement(void **state)
 {
     (void)state;
-    static const int shapes[][2] = {{6, 6}, {3, 11}, {11, 3}, {1, 7}, {7, 1}, {1, 1}, {9, 16}};
+    /* 70 and 33 span several of the mirror's 32 x 32 tiles, with partial ones at the edge */
+    static const int shapes[][2] = {{6, 6},  {3, 11},  {11, 3}, {1, 7},
+                                    {7, 1},  {1, 1},   {9, 16}, {70, 33},
+                                    {33, 70}};
     static const double coef[][2] = {{0.95, 0.05}, {-0.5, 2.0}, {0.0, 1.0}};
     enum { B = 3 };
     rng_seed(31);
@@ -1532,6 +1535,51 @@ static void test_gram_ema_reads_upper_triangle(void **state)
     assert_int_equal(ast_linalg_gram_ema(AST_F64, N, N1, g, 0.9, 0.1, l2, r2), 0);
     assert_memory_equal(l, l2, sizeof l);
     assert_memory_equal(r, r2, sizeof r);
+}
+
+/* The finiteness check of G looks at every element: one NaN / +-inf anywhere (first, last, at
+ * and around the check's chunk edges, in the tail of a count that is no multiple of 4) is
+ * AST_ENONFINITE with L and R untouched, while the largest finite values pass. */
+static void test_gram_ema_finite_check_positions(void **state)
+{
+    (void)state;
+    enum { N = 33, N1 = 65 }; /* 2,145 elements: two whole chunks of 1,024 and a tail of 97 */
+    const size_t ng = (size_t)N * N1, nl = (size_t)N * N, nr = (size_t)N1 * N1;
+    const size_t at[] = {0, 1, 2, 3, 1022, 1023, 1024, 1025, 2047, 2048, 2049, 2143, 2144};
+    const double bad[] = {NAN, INFINITY, -INFINITY};
+    for (size_t d = 0; d < 2; d++) {
+        const ast_dtype dt = dtypes[d];
+        const size_t es = ast_dtype_size(dt);
+        double *g = dalloc(ng), *l = dalloc(nl), *r = dalloc(nr);
+        for (size_t i = 0; i < ng; i++)
+            g[i] = 1e-3 * (double)(i % 17);
+        rand_sym(N, l);
+        rand_sym(N1, r);
+        char *gd = to_dt(dt, ng, g), *ld = to_dt(dt, nl, l), *rd = to_dt(dt, nr, r);
+        char *l0 = to_dt(dt, nl, l), *r0 = to_dt(dt, nr, r);
+        for (size_t k = 0; k < sizeof at / sizeof at[0]; k++) {
+            char saved[8];
+            poison_elem(gd + at[k] * es, dt, bad[k % 3], saved);
+            assert_int_equal(ast_linalg_gram_ema(dt, N, N1, gd, 0.9, 0.1, ld, rd),
+                             AST_ENONFINITE);
+            assert_memory_equal(ld, l0, nl * es);
+            assert_memory_equal(rd, r0, nr * es);
+            memcpy(gd + at[k] * es, saved, es);
+        }
+        /* huge but finite: no false alarm (x - x is 0 for any finite x) */
+        const double big = dt == AST_F32 ? FLT_MAX : DBL_MAX;
+        poison_elem(gd + 5 * es, dt, big, (char[8]){0});
+        poison_elem(gd + (ng - 1) * es, dt, -big, (char[8]){0});
+        assert_int_equal(ast_linalg_gram_ema(dt, N, N1, gd, 0.0, 0.0, ld, NULL), 0);
+        free(g);
+        free(l);
+        free(r);
+        free(gd);
+        free(ld);
+        free(rd);
+        free(l0);
+        free(r0);
+    }
 }
 
 /* NaN/Inf in any block's G: AST_ENONFINITE at the first poisoned block, no retry, and L and R of
@@ -1825,6 +1873,7 @@ int main(void)
         cmocka_unit_test(test_gram_ema_restatement),
         cmocka_unit_test(test_gram_ema_reads_upper_triangle),
         cmocka_unit_test(test_gram_ema_failures),
+        cmocka_unit_test(test_gram_ema_finite_check_positions),
         cmocka_unit_test(test_gram_ema_overflow_is_arithmetic),
         cmocka_unit_test(test_concurrent),
     };

@@ -127,7 +127,8 @@ def test_bench_convergence_quick(tmp_path):
     _restores(lambda: bc.main(
         ["--quick", "--no-plot", "--out-dir", str(tmp_path), "--runs",
          "adamw,asteria-soap-async,asteria-soap-sync", "--bound-runs", "adamw,asteria-soap-async",
-         "--bound-seeds", "0", "--lrs", "adamw=3e-3,6e-3", "--gemm-reps", "2"]))
+         "--bound-seeds", "0", "--lrs", "adamw=3e-3,6e-3", "--gemm-reps", "2",
+         "--profile-steps", "2"]))
     data = json.loads((tmp_path / "bench_convergence.json").read_text())
     assert "--quick" in data["command"] and data["versions"]["asteria"]
     assert set(data["setting_results"]) == {"users", "optimizer-bound"}
@@ -182,6 +183,26 @@ def test_bench_convergence_quick(tmp_path):
     assert set(data["targets"]) >= {"soap_async_time_ratio", "step_over_limit",
                                     "nonrefresh_mean_over_sync_median"}
     assert data["why_settings_differ"]
+    for r in users["runs"]:  # page faults of the training thread, per step
+        mf = r["minor_faults"]
+        assert len(mf["fwd_bwd"]) == len(mf["opt"]) == r["steps_run"]
+        assert all(isinstance(x, int) and x >= 0 for x in mf["fwd_bwd"] + mf["opt"])
+    # where the step's time goes: plain steps only, AdamW has no matrix products, SOAP's ran
+    # at some rate, and the excess over the limit is split as the text says
+    prof = data["profile"]
+    assert prof["adamw"]["plain_steps_profiled"] == 2 == prof["asteria-soap-async"][
+        "plain_steps_profiled"]
+    assert prof["adamw"]["matmul_ms"] == 0 and prof["asteria-soap-async"]["matmul_ms"] > 0
+    assert prof["asteria-soap-async"]["matmul_gflops_in_step"] > 0
+    assert all(prof[n]["interpreter_ms"] > 0 and prof[n]["other_ops_ms"] > 0 for n in prof)
+    ex = lim["excess"]
+    assert ex["step_over_limit_ms"] == pytest.approx(
+        lim["asteria_soap_step_median_ms"] - lim["limit_ms_at_peak_rate"])
+    assert ex["fwd_bwd_over_adamw_ms"] == pytest.approx(
+        lim["asteria_fwd_bwd_median_ms"] - lim["adamw_fwd_bwd_median_ms"])
+    assert set(ex["profiled"]) == {"matmul_over_flop_time_ms", "other_ops_over_adamw_ms",
+                                   "interpreter_over_adamw_ms", "matmul_gflops_in_step"}
+    assert lim["limit_ms_at_in_step_rate"] > lim["adamw_step_median_ms"]
 
 
 @pytest.mark.timeout(120)
@@ -237,6 +258,8 @@ def test_bench_step_lockstep_quick(tmp_path):
         assert len(ps["fwd_bwd_ms"]) == len(ps["opt_ms"]) == len(ps["loss"]) == steps, name
         assert all(t > 0 for t in ps["fwd_bwd_ms"] + ps["opt_ms"])
         assert 0 < r["opt_ms"]["median"] and 0 < r["fwd_bwd_ms"]["median"] < r["step_ms"]["p99"]
+        assert len(ps["minor_faults"]["fwd_bwd"]) == steps
+        assert set(r["minor_faults_median"]) == {"fwd_bwd", "opt"}
     # the three share initial weights and batches: the first step's loss is the same
     first = {r["per_step"]["loss"][0] for r in data["runs"].values()}
     assert len(first) == 1
