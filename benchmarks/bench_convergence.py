@@ -39,8 +39,10 @@ Also (users setting): Asteria-SOAP's step against its limit, AdamW's step plus t
 adds to each step (6 m n (m + n) per m x n preconditioned matrix: two rotations of the gradient
 and the two factor updates) at this machine's single-thread GEMM rate, measured here on the
 training core; and Asteria-SOAP's mean step on steps without a refresh against native sync
-SOAP's median step. With --profile-steps N, a torch.profiler table of N steps of AdamW and of
-Asteria SOAP says where a step's time goes.
+SOAP's median step. Where the step goes beyond its limit: torch.profiler around the optimizer
+step of N plain steps (--profile-steps, 16) of AdamW and of Asteria SOAP splits it into the
+matrix products (and the GEMM rate they ran at, operands cold from the forward and backward),
+the other torch ops and the interpreter.
 
 Training: one torch thread pinned to the first core; Asteria's worker pool on the others.
 
@@ -1071,7 +1073,7 @@ def parse_args(argv: Optional[Sequence[str]]):
                         f"{k} {','.join(f'{x:g}' for x in v)}" for k, v in GRIDS.items()))
     ap.add_argument("--gemm-reps", type=int, default=None, help="GEMM timings per shape (30)")
     ap.add_argument("--profile-steps", type=int, default=None,
-                    help="profile this many steps of AdamW and Asteria SOAP (8; --quick 0)")
+                    help="profile this many steps of AdamW and Asteria SOAP (16; --quick 0)")
     ap.add_argument("--heavyball-compile", action="store_true",
                     help="keep heavyball's torch.compile (minutes of CPU autotuning)")
     ap.add_argument("--log-every", type=int, default=None)
@@ -1082,7 +1084,7 @@ def parse_args(argv: Optional[Sequence[str]]):
     common.fill_defaults(args, dict(
         steps=24 if q else 300, warmup=4 if q else 10, frequency=4 if q else 10,
         staleness=0, window=4 if q else 20, log_every=12 if q else 50,
-        gemm_reps=3 if q else 30, profile_steps=0 if q else 8,
+        gemm_reps=3 if q else 30, profile_steps=0 if q else 16,
         out_dir=os.path.join(common.RESULTS_DIR, "tmp") if q else common.RESULTS_DIR))
     args.settings = [s.strip() for s in args.settings.split(",") if s.strip()]
     for s in args.settings:
