@@ -652,6 +652,7 @@ def step_limit(users: dict, args, log: common.Progress) -> Optional[dict[str, An
         "asteria_soap_opt_median_ms": common.percentile(opt_of("asteria-soap-async"), 50),
         "runs_used": {n: [(r["lr"], r["seed"]) for r in rs] for n, rs in by.items()},
     }
+    out["flop_ms_at_peak"] = 1e3 * added / (peak * 1e9)  # the FLOP time every limit here adds
     for key, rate in (("rotation_shapes", rate_rot["gflops_all"]), ("peak", peak)):
         limit = adamw + 1e3 * added / (rate * 1e9)
         out[f"limit_ms_at_{key}_rate"] = limit
@@ -668,7 +669,7 @@ def step_limit(users: dict, args, log: common.Progress) -> Optional[dict[str, An
     # the same with Asteria's own forward + backward in place of AdamW's: the models' weights
     # differ after a few steps and a forward / backward's time depends on them, so the limit
     # above can flatter (or wrong) a SOAP; this one compares optimizer work only
-    equal = common.percentile(fb, 50) + out["adamw_opt_median_ms"] + 1e3 * added / (peak * 1e9)
+    equal = common.percentile(fb, 50) + out["adamw_opt_median_ms"] + out["flop_ms_at_peak"]
     out["limit_equal_fwd_bwd_ms"] = equal
     out["step_over_limit_equal_fwd_bwd"] = soap / equal
     nonref = steps_of("asteria-soap-async", lambda k: k not in ("refresh", "refresh+install"))
@@ -704,9 +705,6 @@ def profile_steps(problem: Problem, args, pin: dict, log: common.Progress, tuned
 
     from torch.profiler import ProfilerActivity, profile
 
-    # one profiler per step (only plain steps are kept); torch warns that each one's events
-    # end with it, which is what is wanted here
-    warnings.filterwarnings("ignore", message="Warning: Profiler clears events")
     out = {}
     for name in ("adamw", "asteria-soap-async"):
         model = problem.model()
@@ -728,7 +726,10 @@ def profile_steps(problem: Problem, args, pin: dict, log: common.Progress, tuned
                     plain_walls.append(t)
                 i += 1
                 continue
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            # one profiler per step (only plain steps are kept); torch warns that each one's
+            # events end with it, which is what is wanted here
+            with warnings.catch_warnings(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                warnings.filterwarnings("ignore", message="Warning: Profiler clears events")
                 t0 = time.perf_counter()
                 opt.step()
                 t = time.perf_counter() - t0
@@ -776,10 +777,12 @@ def breakdown(limit: dict, prof: dict) -> None:
     matrix products' time over the FLOP time at the peak rate, the other torch ops' and the
     interpreter's over AdamW's."""
     a, s = prof.get("adamw"), prof.get("asteria-soap-async")
-    flop_ms = 1e3 * limit["added_flops_per_step"] / (limit["gemm_gflops_peak"] * 1e9)
+    flop_ms = limit["flop_ms_at_peak"]
     out: dict[str, Any] = {
-        "step_over_limit_ms": limit["asteria_soap_step_median_ms"] - limit["limit_ms_at_peak_rate"],
-        "fwd_bwd_over_adamw_ms": limit["asteria_fwd_bwd_median_ms"] - limit["adamw_fwd_bwd_median_ms"],
+        "step_over_limit_ms": (limit["asteria_soap_step_median_ms"]
+                               - limit["limit_ms_at_peak_rate"]),
+        "fwd_bwd_over_adamw_ms": (limit["asteria_fwd_bwd_median_ms"]
+                                  - limit["adamw_fwd_bwd_median_ms"]),
         "opt_over_adamw_plus_flops_ms": (limit["asteria_soap_opt_median_ms"]
                                          - limit["adamw_opt_median_ms"] - flop_ms),
         "flop_ms_at_peak": flop_ms}
@@ -791,7 +794,8 @@ def breakdown(limit: dict, prof: dict) -> None:
             "matmul_gflops_in_step": s.get("matmul_gflops_in_step")}
         rate = s.get("matmul_gflops_in_step")
         if rate:
-            lim = limit["adamw_step_median_ms"] + 1e3 * limit["added_flops_per_step"] / (rate * 1e9)
+            lim = (limit["adamw_step_median_ms"]
+                   + 1e3 * limit["added_flops_per_step"] / (rate * 1e9))
             limit["limit_ms_at_in_step_rate"] = lim
             limit["step_median_over_limit_in_step_rate"] = (limit["asteria_soap_step_median_ms"]
                                                             / lim)
@@ -1012,10 +1016,11 @@ def print_table(data: dict) -> None:
                   f"{ex['flop_ms_at_peak']:.1f} ms of FLOPs")
             pr = ex.get("profiled")
             if pr:
-                print(f"  profiled plain steps: matrix products {pr['matmul_over_flop_time_ms']:+.1f}"
-                      f" ms over the FLOP time (they ran at {_f(pr['matmul_gflops_in_step'], '.0f')}"
-                      f" GFLOP/s), other ops {pr['other_ops_over_adamw_ms']:+.1f} ms and the "
-                      f"interpreter {pr['interpreter_over_adamw_ms']:+.1f} ms over AdamW's")
+                print(f"  profiled plain steps: matrix products "
+                      f"{pr['matmul_over_flop_time_ms']:+.1f} ms over the FLOP time (they ran at "
+                      f"{_f(pr['matmul_gflops_in_step'], '.0f')} GFLOP/s), other ops "
+                      f"{pr['other_ops_over_adamw_ms']:+.1f} ms and the interpreter "
+                      f"{pr['interpreter_over_adamw_ms']:+.1f} ms over AdamW's")
             if lim.get("limit_ms_at_in_step_rate"):
                 print(f"  against the limit at that in-step rate "
                       f"({lim['limit_ms_at_in_step_rate']:.1f} ms): "

@@ -1571,14 +1571,9 @@ static void test_gram_ema_finite_check_positions(void **state)
         poison_elem(gd + 5 * es, dt, big, (char[8]){0});
         poison_elem(gd + (ng - 1) * es, dt, -big, (char[8]){0});
         assert_int_equal(ast_linalg_gram_ema(dt, N, N1, gd, 0.0, 0.0, ld, NULL), 0);
-        free(g);
-        free(l);
-        free(r);
-        free(gd);
-        free(ld);
-        free(rd);
-        free(l0);
-        free(r0);
+        void *bufs[] = {g, l, r, gd, ld, rd, l0, r0};
+        for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+            free(bufs[i]);
     }
 }
 

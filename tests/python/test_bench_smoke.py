@@ -179,6 +179,8 @@ def test_bench_convergence_quick(tmp_path):
     lim = data["step_limit"]
     assert lim["added_flops_per_step"] > 0 and lim["gemm_gflops_peak"] > 0
     assert lim["limit_ms_at_peak_rate"] > lim["adamw_step_median_ms"] > 0
+    assert lim["limit_ms_at_peak_rate"] == pytest.approx(
+        lim["adamw_step_median_ms"] + lim["flop_ms_at_peak"])
     assert lim["nonrefresh_mean_over_sync_median"] > 0
     assert set(data["targets"]) >= {"soap_async_time_ratio", "step_over_limit",
                                     "nonrefresh_mean_over_sync_median"}

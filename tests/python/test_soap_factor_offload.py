@@ -25,8 +25,7 @@ import torch
 
 from asteria.optim import SOAP
 from models import assert_params_close, assert_resumes_bitwise, loss_and_grad, make_model, \
-    on_thread_soap, \
-    params_of, require_c_extension, run
+    on_thread_soap, params_of, require_c_extension, run
 
 RT = {"mode": "async", "staleness": 1, "install": "deterministic", "workers": 2,
       "factor_emas": "workers"}
