@@ -6,7 +6,9 @@ model's forward and backward, not the optimizer, set the step time, as in LLM tr
 uses the same seed, initial weights and batches, linear warm-up then cosine decay, each
 optimizer at its tuned peak lr (benchmarks/bench_convergence.py's sweep in this setting); only
 the optimizer changes. The training thread runs on one core with one torch thread, Asteria's
-worker pool on the other.
+worker pool on the other. The runs train in lockstep, taking turns of 10 consecutive steps
+(benchmarks/common.py run_loops), so a slow spell of the VM falls on all of them alike; each
+run's time axis is its own clock (its steps and their bookkeeping, not the others' turns).
 
 Prints progress, then a table: final train loss, validation loss, the wall time at which the run
 first reaches AdamW's final loss (and its ratio to AdamW's time), step time median / p99, wall
@@ -26,7 +28,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -34,7 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
 import common  # noqa: E402
-from bench_convergence import smooth, time_to_target  # noqa: E402
+from bench_convergence import Curve, Problem, run_curves, time_to_target  # noqa: E402
 from tinygpt import SCHEDULE, CharData, GPTConfig, TinyGPT, n_params, warmup_cosine  # noqa: E402
 
 import asteria  # noqa: E402
@@ -66,33 +67,21 @@ def make_runs(worker_cpus, staleness=STALENESS, install="deterministic"):
     }
 
 
-def train_one(name, factory, lr, data, cfg, batches, args):
-    torch.manual_seed(args.seed)
-    model = TinyGPT(cfg)
+def make_curve(name, factory, lr, problem, args, log):
+    """A fresh model of ``problem`` and optimizer ``name`` at peak lr ``lr`` under the warm-up +
+    cosine schedule, as a bench_convergence.Curve (its steps taken by run_curves)."""
+    model = problem.model()
     with common.unpinned(common.allowed_cpus()):  # the pool's threads get every core's mask
         opt = factory(model.parameters(), lr)
-    lr_at = warmup_cosine(lr, args.steps)
-    losses, times, ends = [], [], []
-    cpu0 = common.cpu_snapshot()
-    t_start = time.perf_counter()
-    for step in range(args.steps):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step)
-        x, y = batches[step]
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        t1 = time.perf_counter()
-        times.append(t1 - t0)
-        ends.append(t1 - t_start)
-        losses.append(loss.item())
-        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            recent = statistics.mean(losses[-args.log_every:])
-            print(f"  [{name:>16}] step {step + 1:4d}/{args.steps}  loss {recent:.4f}  "
-                  f"step {1e3 * times[-1]:7.1f} ms  ({ends[-1]:.0f} s)", flush=True)
-    cpu = common.cpu_delta(cpu0, common.cpu_snapshot())
+    return Curve(model, opt, problem, args.steps, window=WINDOW, label=name, log=log,
+                 log_every=args.log_every, warmup=min(10, args.steps - 1),
+                 lr_at=warmup_cosine(lr, args.steps))
+
+
+def finish_one(name, lr, curve, res, data, args):
+    """One trained curve's row: its losses and times (the loop's own clock), validation loss,
+    step-time statistics, optimizer bytes per tier; the optimizer is closed."""
+    model, opt = curve.loop.model, curve.opt
     model.eval()
     vgen = torch.Generator().manual_seed(1234)
     with torch.no_grad():
@@ -102,23 +91,23 @@ def train_one(name, factory, lr, data, cfg, batches, args):
     tiers = common.tier_bytes(opt, "cpu", stats)
     if hasattr(opt, "close"):
         opt.close()
-    w = min(10, args.steps - 1)
-    ms = [1e3 * t for t in times[w:]]
-    smoothed = [round(x, 5) for x in smooth(losses, WINDOW)]
+    ms = common.measured(res["step_ms"], curve.warmup)
     return {
         "optimizer": name, "lr": lr,
-        "final_train_loss": smoothed[-1],
+        "final_train_loss": round(res["smoothed"][-1], 5),
         "val_loss": val,
         "step_ms_median": statistics.median(ms),
         "step_ms_p99": common.percentile(ms, 99),
         "step_ms_max": max(ms),
-        "wall_s": ends[-1],
-        "losses": [round(x, 5) for x in losses],
-        "smoothed": smoothed,
-        "time_s": [round(t, 4) for t in ends],
-        "step_times_ms": [round(1e3 * t, 3) for t in times],
+        "wall_s": res["wall_s"],
+        "losses": [round(x, 5) for x in res["losses"]],
+        "smoothed": [round(x, 5) for x in res["smoothed"]],
+        "time_s": [round(t, 4) for t in res["time_s"]],
+        "step_times_ms": [round(t, 3) for t in res["step_ms"]],
+        "opt_times_ms": [round(t, 3) for t in res["opt_ms"]],
+        "step_kinds": res["step_kinds"],
         "bytes_per_tier": tiers,
-        "cpu": cpu,
+        "cpu": res["cpu"],
         "asteria_stats": stats,
     }
 
@@ -182,10 +171,10 @@ def print_table(out):
               f"{'-' if t['time_s'] is None else format(t['time_s'], '.1f'):>9}"
               f"{'-' if t['time_ratio'] is None else format(t['time_ratio'], '.2f'):>9}"
               f"{r['step_ms_median']:>11.1f}{r['step_ms_p99']:>9.1f}{r['wall_s']:>8.1f}  {mib}")
+    cpu = out["results"][0]["cpu"] if out["results"] else {}
     print(f"(machine load: 1-min average {out['machine']['loadavg1']} at the start, "
-          f"{out['machine']['loadavg1_end']} at the end; other processes' CPU per run: "
-          + ", ".join(f"{r['optimizer']} {r['cpu'].get('foreign_cores_avg', 0):.2f} cores"
-                      for r in out["results"]) + ")")
+          f"{out['machine']['loadavg1_end']} at the end; other processes' CPU during the "
+          f"lockstep run: {cpu.get('foreign_cores_avg', 0):.2f} cores)")
 
 
 def main(argv=None):
@@ -239,10 +228,13 @@ def main(argv=None):
         data = CharData(block=args.context)
         cfg = GPTConfig(vocab=data.vocab, block=args.context, d=args.d, layers=args.layers,
                         heads=4)
+        torch.manual_seed(args.seed)
+        init = {k: v.clone() for k, v in TinyGPT(cfg).state_dict().items()}
         gen = torch.Generator().manual_seed(args.seed)
         batches = [data.batch("train", args.batch, gen) for _ in range(args.steps)]
+        problem = Problem("main", cfg, init, batches, args.seed, args.batch, data)
         tokens, widest = args.batch * args.context, 4 * args.d
-        model_info = {"params": n_params(TinyGPT(cfg)), "d": args.d, "layers": args.layers,
+        model_info = {"params": n_params(problem.model()), "d": args.d, "layers": args.layers,
                       "context": args.context, "batch": args.batch, "tokens_per_step": tokens,
                       "widest_layer_dim": widest}
         print(f"TinyGPT: {model_info['params'] / 1e6:.2f}M parameters, d={args.d}, "
@@ -250,10 +242,13 @@ def main(argv=None):
               f"tokens a step ({tokens / widest:.0f}x the widest layer, {widest}); {args.steps} "
               f"steps, {SCHEDULE}; training on cpu {train_cpu}, pool on {worker_cpus}; load "
               f"{common.loadavg()}", flush=True)
-        results = []
-        for n in names:
-            print(f"run {n} (lr {lrs[n]:g})", flush=True)
-            results.append(train_one(n, runs[n], lrs[n], data, cfg, batches, args))
+        log = common.Progress("train_tiny")
+        curves = [make_curve(n, runs[n], lrs[n], problem, args, log) for n in names]
+        log(f"{', '.join(f'{n} (lr {lrs[n]:g})' for n in names)} in lockstep: turns of "
+            f"{common.TURN_STEPS} consecutive steps each")
+        trained = run_curves(curves)
+        results = [finish_one(n, lrs[n], c, r, data, args)
+                   for n, c, r in zip(names, curves, trained)]
     finally:
         torch.set_num_threads(threads)
         common.pin_thread(cpus)

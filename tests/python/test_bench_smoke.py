@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -280,9 +281,11 @@ def test_train_tiny_small(tmp_path):
                                                                  "train_tiny.py"))
     tt = iu.module_from_spec(spec)
     spec.loader.exec_module(tt)
+    t0 = time.perf_counter()
     out = _restores(lambda: tt.main(["--steps", "12", "--d", "32", "--context", "32",
                                      "--batch", "4", "--val-batches", "1", "--log-every", "6",
                                      "--out-dir", str(tmp_path)]))
+    elapsed = time.perf_counter() - t0
     assert (tmp_path / "train_tiny.png").exists()
     data = json.loads((tmp_path / "train_tiny.json").read_text())
     assert [r["optimizer"] for r in data["results"]] == ["adamw", "soap-async", "soap-sync"]
@@ -292,6 +295,15 @@ def test_train_tiny_small(tmp_path):
         tiers = r["bytes_per_tier"]
         assert tiers["total"] == sum(tiers["tiers"].values()) > 0
     assert data["results"][0]["time_to_adamw_final"]["step"] == 12
+    # lockstep: each run's time axis is its own clock (the others' turns left out), so the
+    # three together fit in the job's time; Asteria's runtime counters are read every step
+    assert sum(r["wall_s"] for r in data["results"]) < elapsed
+    for r in data["results"]:
+        assert r["time_s"] == sorted(r["time_s"])
+        assert r["time_s"][-1] == pytest.approx(r["wall_s"], abs=1e-3)
+    kinds = {r["optimizer"]: r["step_kinds"] for r in data["results"]}
+    assert kinds["adamw"] == [None] * 12
+    assert any(k in ("refresh", "refresh+install") for k in kinds["soap-async"])
 
 
 def test_run_loops_takes_turns_of_consecutive_steps():
