@@ -330,3 +330,32 @@ def test_run_loops_takes_turns_of_consecutive_steps():
     order.clear()
     common.run_loops([Loop("a", 3), Loop("b", 3)], turn=1)
     assert "".join(order) == "abbaab"
+
+
+@pytest.mark.timeout(180)
+def test_gpu_bench_smoke_convergence(tmp_path):
+    """benchmarks/gpu_bench.py (stages 5 and 6 of tests/gpu/run.sh) in its --smoke mode on the
+    host: every optimizer's child process runs its steps and streams them back, AdamW first
+    sets the convergence target, and the JSON holds the comparisons. The GPU machine is lent
+    rarely; this is what keeps the script's logic working between its runs there."""
+    import subprocess
+
+    out = tmp_path / "gpu_convergence.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_bench.py"),
+                           "--smoke", "--convergence", "--device", "cpu", "--no-plot",
+                           "--out", str(out)], capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["asteria_import_error"] is None
+    assert data["settings"]["tokens_over_widest"] >= 16
+    runs = {r["optimizer"]: r for r in data["results"]}
+    assert list(runs) == ["adamw", "soap-async", "soap-sync"]
+    for r in runs.values():
+        assert r["returncode"] == 0 and not r["timed_out"]
+        assert r["steps_run"] == data["settings"]["steps"] == len(r["losses"])
+        assert all(math.isfinite(x) for x in r["losses"])
+    conv = data["convergence"]
+    assert conv["adamw_complete"]
+    assert conv["adamw_final_loss"] == pytest.approx(runs["adamw"]["smoothed"][-1])
+    assert set(conv["runs"]) == {"soap-async", "soap-sync"}
+    assert data["comparisons"]["async_over_sync_median_ms"] > 0
