@@ -16,7 +16,7 @@ time and optimizer-state MiB per memory tier (asteria_stats(); for AdamW its sta
 Writes examples/out/train_tiny.png (loss vs wall-clock time, step time vs step, bytes per tier)
 and train_tiny.json (every loss and step time, the machine, its load, the versions, the command).
 
-    bash scripts/run_main.sh                         # = python3 examples/train_tiny.py, ~5 min
+    bash scripts/run_main.sh                         # = python3 examples/train_tiny.py, ~3 min
     python3 examples/train_tiny.py --steps 50 --runs adamw,soap-async
 
 The corpus is bundled (examples/data/tinyshakespeare.txt, from char-rnn); nothing is downloaded.
