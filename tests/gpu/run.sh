@@ -2,6 +2,10 @@
 # The GPU check, for a machine with one NVIDIA GPU and torch with CUDA preinstalled, and nothing
 # to download: every step works offline and copes with missing system packages.
 #
+#   0. on a machine without apt: the Debian packages fetched elsewhere with
+#      tests/gpu/fetch_debs.sh into .debs (or $ASTERIA_GPU_DEBS), carried along, unpacked with
+#      dpkg -x into build/gpu-deps (tests/gpu/deps_prefix.sh); pkg-config, CMake and the loader
+#      are pointed there. From the device tool: carry [".debs"], command `bash tests/gpu/run.sh`.
 #   1. dependencies: liburing, hwloc, CMocka, OpenBLAS, LAPACKE (pkg-config + header), nvcc;
 #      a missing optional one turns its feature off (-DASTERIA_WITH_URING=OFF, ...) or skips what
 #      needs it (no CMocka: no C tests), and says so. OpenBLAS + LAPACKE are required by
@@ -104,6 +108,22 @@ command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | sed 's/^/    /'
 "$PY" -c "import torch; print('    torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())" \
   || { say "FAILED: $PY cannot import torch"; note torch failed "import torch"; finish 1; }
 
+# ---- 0. dependencies carried as .deb files -----------------------------------------------------
+# A machine without apt (the lent GPU machine): tests/gpu/fetch_debs.sh fetched the packages
+# elsewhere into .debs (carried along); unpacked into build/gpu-deps, with pkg-config, CMake and
+# the loader pointed there. Without .debs the machine's own packages are used.
+DEBS=${ASTERIA_GPU_DEBS:-$ROOT/.debs}
+DEPS_PREFIX=""
+# shellcheck source=tests/gpu/deps_prefix.sh
+. "$ROOT/tests/gpu/deps_prefix.sh"
+if asteria_deps_prefix "$DEBS" "$ROOT/build/gpu-deps"; then
+  DEPS_PREFIX=$ROOT/build/gpu-deps
+  say "dependencies: $(ls "$DEBS"/*.deb "$DEBS"/fallback/*.deb 2>/dev/null | wc -l) packages from $DEBS unpacked into build/gpu-deps"
+  note deps-prefix ok "$DEBS -> build/gpu-deps"
+else
+  note deps-prefix skipped "no .deb files in $DEBS: the machine's own packages"
+fi
+
 # ---- 1. dependencies ---------------------------------------------------------------------------
 have_tool() { command -v "$1" >/dev/null 2>&1; }
 CC_BIN=$(command -v cc || command -v gcc || true)
@@ -149,7 +169,11 @@ for lib in openblas lapacke; do
 done
 
 CMAKE_FLAGS=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DASTERIA_BUILD_EXAMPLES=OFF)
-if [ -n "$CC_BIN" ] && printf '#include <dlpack/dlpack.h>\n' | "$CC_BIN" -E -x c - >/dev/null 2>&1; then
+if [ -n "$DEPS_PREFIX" ] && [ -f "$DEPS_PREFIX/usr/include/dlpack/dlpack.h" ]; then
+  CMAKE_FLAGS+=("-DDLPACK_INCLUDE_DIR=$DEPS_PREFIX/usr/include")
+  say "dependency dlpack: found (libdlpack-dev, carried)"
+  note dep:dlpack found "libdlpack-dev from $DEBS"
+elif [ -n "$CC_BIN" ] && printf '#include <dlpack/dlpack.h>\n' | "$CC_BIN" -E -x c - >/dev/null 2>&1; then
   say "dependency dlpack: found (libdlpack-dev)"
   note dep:dlpack found "libdlpack-dev"
 else

@@ -1,0 +1,144 @@
+"""The GPU check's dependencies carried as .deb files (tests/gpu/fetch_debs.sh,
+tests/gpu/deps_prefix.sh, stage 0 of tests/gpu/run.sh), for the lent GPU machine, which has no
+apt. Checked here with the machine's own pkg-config modules hidden (PKG_CONFIG_LIBDIR at an
+empty directory), so only the unpacked prefix can satisfy them: the headers a program includes
+and the libraries it loads come from the prefix, and run.sh builds libasteria and the package
+against it and reaches its no-GPU exit (77).
+
+The packages come from $ASTERIA_GPU_DEBS or .debs in the checkout when they are there, else
+fetch_debs.sh fetches them (about 14 MB from the Debian registry); the tests skip when that
+cannot be done (no apt-get, no registry)."""
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GPU = os.path.join(ROOT, "tests", "gpu")
+MODULES = ("openblas", "lapacke", "liburing", "hwloc", "cmocka")
+
+PROBE = r"""
+#include <stdarg.h>
+#include <stddef.h>
+#include <setjmp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <cblas.h>
+#include <lapacke.h>
+#include <hwloc.h>
+#include <liburing.h>
+#include <cmocka.h>
+int main(void) {
+    float x[2] = {1, 2}, a[4] = {2, 1, 1, 2}, w[2];
+    float dot = cblas_sdot(2, x, 1, x, 1);
+    int info = LAPACKE_ssyev(LAPACK_ROW_MAJOR, 'V', 'U', 2, a, 2, w);
+    /* linked, not called: an io_uring or a test run needs more than a probe */
+    void *ring = (void *)&io_uring_queue_init, *mock = (void *)&_cmocka_run_group_tests;
+    printf("%g %d %g %g %x\n", dot, info, w[0], w[1], hwloc_get_api_version());
+    return !(dot == 5 && info == 0 && w[0] > 0.99f && w[0] < 1.01f && w[1] > 2.99f
+             && w[1] < 3.01f && ring != mock);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def debs(tmp_path_factory):
+    for d in (os.environ.get("ASTERIA_GPU_DEBS"), os.path.join(ROOT, ".debs")):
+        if d and os.path.isdir(d) and any(f.endswith(".deb") for f in os.listdir(d)):
+            return d
+    if shutil.which("apt-get") is None:
+        pytest.skip("no apt-get to fetch the .deb files")
+    d = str(tmp_path_factory.mktemp("debs"))
+    r = subprocess.run(["bash", os.path.join(GPU, "fetch_debs.sh"), d], capture_output=True,
+                       text=True, timeout=300)
+    if r.returncode != 0:
+        pytest.skip(f"fetch_debs.sh could not fetch the packages: {r.stderr[-500:]}")
+    return d
+
+
+def _hidden_env(tmp_path):
+    empty = tmp_path / "no-system-pc"
+    empty.mkdir(exist_ok=True)
+    env = dict(os.environ, PKG_CONFIG_LIBDIR=str(empty))
+    env.pop("PKG_CONFIG_PATH", None)
+    return env
+
+
+@pytest.mark.timeout(300)
+def test_prefix_serves_headers_and_libraries(debs, tmp_path):
+    if shutil.which("cc") is None or shutil.which("dpkg") is None:
+        pytest.skip("needs a C compiler and dpkg")
+    prefix = tmp_path / "prefix"
+    (tmp_path / "probe.c").write_text(PROBE)
+    mods = " ".join(MODULES)
+    script = f"""set -euo pipefail
+. {GPU}/deps_prefix.sh
+asteria_deps_prefix {debs} {prefix}
+flags="$(pkg-config --cflags --libs {mods})"
+echo "FLAGS $flags"
+cc -M probe.c $(pkg-config --cflags {mods}) | tr ' \\\\' '\\n\\n' | sed -n 's/^/HEADER /p'
+cc -o probe probe.c $flags
+./probe
+ldd ./probe | sed -n 's/^/LDD /p'
+"""
+    r = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=_hidden_env(tmp_path),
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout.splitlines()
+    headers = [ln[len("HEADER "):].strip() for ln in out if ln.startswith("HEADER ")]
+    for h in ("cblas.h", "lapacke.h", "hwloc.h", "liburing.h", "cmocka.h"):
+        found = [p for p in headers if os.path.basename(p) == h]
+        assert found and all(p.startswith(str(prefix)) for p in found), (h, found)
+    libs = {ln.split()[1]: ln.split("=>")[1].split()[0] for ln in out
+            if ln.startswith("LDD ") and "=>" in ln}
+    for soname in ("libopenblas.so.0", "liblapacke.so.3", "libhwloc.so.15", "liburing.so.2",
+                   "libcmocka.so.0", "liblapack.so.3", "libblas.so.3"):
+        assert libs.get(soname, "").startswith(str(prefix)), (soname, libs.get(soname))
+
+
+@pytest.mark.timeout(600)
+def test_run_sh_builds_against_carried_debs(debs, tmp_path):
+    """tests/gpu/run.sh in a copy of this checkout, the machine's pkg-config modules hidden:
+    stage 0 unpacks the packages, libasteria, the CUDA C tests (where nvcc is) and the Python
+    package build against them, and without a GPU it exits 77."""
+    for tool in ("cmake", "cc", "dpkg", "git"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"needs {tool}")
+    try:
+        import torch
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is here: run.sh would run its benchmarks")
+    except ImportError:
+        pytest.skip("needs torch")
+    files = subprocess.run(["git", "-C", ROOT, "ls-files", "-z"], capture_output=True,
+                           check=True).stdout.decode().split("\0")
+    work = tmp_path / "checkout"
+    for f in filter(None, files):
+        src = os.path.join(ROOT, f)
+        if os.path.isfile(src):
+            dst = work / f
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst)
+    out = tmp_path / "out"
+    env = dict(_hidden_env(tmp_path), ASTERIA_GPU_DEBS=debs, OUT=str(out))
+    env.pop("ASTERIA_GPU_INNER", None)
+    r = subprocess.run(["bash", "tests/gpu/run.sh"], cwd=work, env=env, capture_output=True,
+                       text=True, timeout=580)
+    assert r.returncode == 77, r.stdout[-4000:] + r.stderr[-2000:]
+    steps = {s["step"]: s for s in json.loads((out / "gpu_check.json").read_text())["steps"]}
+    assert steps["deps-prefix"]["status"] == "ok"
+    for dep in MODULES:
+        assert steps[f"dep:{dep}"]["status"] == "found", steps[f"dep:{dep}"]
+    assert steps["dep:dlpack"]["detail"].startswith("libdlpack-dev from")
+    assert steps["build-libasteria"]["status"] == "ok"
+    assert steps["python-package"]["status"] == "ok"
+    assert steps["gpu"]["status"] == "skipped"
+    cache = (work / "build" / "gpu" / "CMakeCache.txt").read_text()
+    deps = str(work / "build" / "gpu-deps")
+    for var in ("OPENBLAS_LIBRARY_DIRS", "LAPACKE_INCLUDE_DIRS", "URING_LIBRARY_DIRS",
+                "HWLOC_LIBRARY_DIRS"):
+        line = next(ln for ln in cache.splitlines() if ln.startswith(var + ":"))
+        assert deps in line, line
