@@ -162,12 +162,18 @@ def build_problem(preset: str, steps: int, seed: int, batch: Optional[int] = Non
     data = CharData(block=p["block"])
     cfg = GPTConfig(vocab=data.vocab, block=p["block"], d=p["d"], layers=p["layers"],
                     heads=p["heads"])
+    return make_problem(preset, cfg, data, steps, seed, batch or p["batch"])
+
+
+def make_problem(name: str, cfg: GPTConfig, data: CharData, steps: int, seed: int,
+                 batch: int) -> Problem:
+    """A Problem of model ``cfg``: initial weights from ``seed``, ``steps`` training batches of
+    ``batch`` sequences from a generator seeded with it."""
     torch.manual_seed(seed)
     init_state = {k: v.clone() for k, v in TinyGPT(cfg).state_dict().items()}
     gen = torch.Generator().manual_seed(seed)
-    b = batch or p["batch"]
-    batches = [data.batch("train", b, gen) for _ in range(steps)]
-    return Problem(preset, cfg, init_state, batches, seed, b, data)
+    batches = [data.batch("train", batch, gen) for _ in range(steps)]
+    return Problem(name, cfg, init_state, batches, seed, batch, data)
 
 
 def placement(train_cpu: Optional[int] = None) -> dict[str, Any]:
@@ -587,6 +593,21 @@ def precond_shapes(problem: Problem, max_dim: int = 10000) -> list[tuple[int, in
             if p.dim() == 2 and max(p.shape) <= max_dim]
 
 
+def added_flops(mats: Sequence[tuple[int, int]]) -> float:
+    """The FLOPs SOAP adds to a step: 6 m n (m + n) per m x n preconditioned matrix."""
+    return sum(6.0 * m * n * (m + n) for m, n in mats)
+
+
+def rotation_shapes(mats: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """The (m, k, n) GEMM shapes of those matrices' rotations, for ``gemm_rate``."""
+    return sorted({(m, m, n) for m, n in mats} | {(m, n, n) for m, n in mats})
+
+
+def flop_ms(flops: float, gflops: float) -> float:
+    """Milliseconds ``flops`` take at ``gflops`` GFLOP/s."""
+    return 1e3 * flops / (gflops * 1e9)
+
+
 def gemm_rate(shapes: Sequence[tuple[int, int, int]], reps: int) -> dict[str, Any]:
     """Single-thread float32 GEMM rate (torch.mm, on the calling thread's core), best of
     ``reps`` per shape (m, k, n): GFLOP/s per shape and over all of them together."""
@@ -629,8 +650,8 @@ def step_limit(users: dict, args, log: common.Progress) -> Optional[dict[str, An
 
     problem = build_problem(users["preset"], 1, users["seeds"][0])
     mats = precond_shapes(problem)
-    added = sum(6.0 * m * n * (m + n) for m, n in mats)
-    rot = sorted({(m, m, n) for m, n in mats} | {(m, n, n) for m, n in mats})
+    added = added_flops(mats)
+    rot = rotation_shapes(mats)
     log(f"GEMM rate on the training core: {len(rot)} rotation shapes and 512^3, 1024^3")
     rate_rot = gemm_rate(rot, args.gemm_reps)
     rate_sq = gemm_rate([(512, 512, 512), (1024, 1024, 1024)], args.gemm_reps)
@@ -652,9 +673,9 @@ def step_limit(users: dict, args, log: common.Progress) -> Optional[dict[str, An
         "asteria_soap_opt_median_ms": common.percentile(opt_of("asteria-soap-async"), 50),
         "runs_used": {n: [(r["lr"], r["seed"]) for r in rs] for n, rs in by.items()},
     }
-    out["flop_ms_at_peak"] = 1e3 * added / (peak * 1e9)  # the FLOP time every limit here adds
+    out["flop_ms_at_peak"] = flop_ms(added, peak)  # the FLOP time every limit here adds
     for key, rate in (("rotation_shapes", rate_rot["gflops_all"]), ("peak", peak)):
-        limit = adamw + 1e3 * added / (rate * 1e9)
+        limit = adamw + flop_ms(added, rate)
         out[f"limit_ms_at_{key}_rate"] = limit
         out[f"step_median_over_limit_{key}"] = soap / limit
         out[f"step_mean_over_limit_{key}"] = soap_mean / limit
@@ -691,13 +712,13 @@ MATMUL_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::addmm_", "aten::bad
 
 
 def profile_steps(problem: Problem, args, pin: dict, log: common.Progress, tuned: dict,
-                  added_flops: Optional[float] = None) -> dict[str, Any]:
+                  flops: Optional[float] = None) -> dict[str, Any]:
     """Where the optimizer step's time goes: torch.profiler around ``opt.step()`` alone, on
     ``args.profile_steps`` plain steps (no refresh, no install: the steps the median step is)
     after 12 unprofiled ones, of AdamW and Asteria SOAP. Per step: the matrix products' self
     CPU time (``MATMUL_OPS``), the other torch ops' (elementwise, stacking, the finiteness
     check), the interpreter's (the step's own self time: Python between the ops), and the top
-    ops. With ``added_flops`` (SOAP's per-step FLOPs), the GEMM rate the step's products ran
+    ops. With ``flops`` (SOAP's added FLOPs a step), the GEMM rate the step's products ran
     at, where they ran (operands cold from the forward and backward), against the warm rate
     the limit takes. The profiler's own cost inflates every figure a little (see
     ``opt_ms_profiled`` against ``opt_ms_unprofiled``)."""
@@ -760,8 +781,8 @@ def profile_steps(problem: Problem, args, pin: dict, log: common.Progress, tuned
             "matmul_ms": matmul, "other_ops_ms": other, "interpreter_ms": step_self / 1e3 / n,
             "top": [{"op": k, "calls_per_step": c, "self_cpu_ms_per_step": t}
                     for k, (t, c) in rows[:15]]}
-        if added_flops and matmul > 0 and name != "adamw":
-            r["matmul_gflops_in_step"] = added_flops / (matmul * 1e6)
+        if flops and matmul > 0 and name != "adamw":
+            r["matmul_gflops_in_step"] = flops / (matmul * 1e6)
         out[name] = r
         log(f"profile {name} ({n} plain steps): opt {r['opt_ms_profiled']:.1f} ms profiled = "
             f"matmul {matmul:.1f} + other ops {other:.1f} + interpreter "
@@ -777,25 +798,24 @@ def breakdown(limit: dict, prof: dict) -> None:
     matrix products' time over the FLOP time at the peak rate, the other torch ops' and the
     interpreter's over AdamW's."""
     a, s = prof.get("adamw"), prof.get("asteria-soap-async")
-    flop_ms = limit["flop_ms_at_peak"]
+    at_peak = limit["flop_ms_at_peak"]
     out: dict[str, Any] = {
         "step_over_limit_ms": (limit["asteria_soap_step_median_ms"]
                                - limit["limit_ms_at_peak_rate"]),
         "fwd_bwd_over_adamw_ms": (limit["asteria_fwd_bwd_median_ms"]
                                   - limit["adamw_fwd_bwd_median_ms"]),
         "opt_over_adamw_plus_flops_ms": (limit["asteria_soap_opt_median_ms"]
-                                         - limit["adamw_opt_median_ms"] - flop_ms),
-        "flop_ms_at_peak": flop_ms}
+                                         - limit["adamw_opt_median_ms"] - at_peak),
+        "flop_ms_at_peak": at_peak}
     if a and s:
         out["profiled"] = {
-            "matmul_over_flop_time_ms": s["matmul_ms"] - a["matmul_ms"] - flop_ms,
+            "matmul_over_flop_time_ms": s["matmul_ms"] - a["matmul_ms"] - at_peak,
             "other_ops_over_adamw_ms": s["other_ops_ms"] - a["other_ops_ms"],
             "interpreter_over_adamw_ms": s["interpreter_ms"] - a["interpreter_ms"],
             "matmul_gflops_in_step": s.get("matmul_gflops_in_step")}
         rate = s.get("matmul_gflops_in_step")
         if rate:
-            lim = (limit["adamw_step_median_ms"]
-                   + 1e3 * limit["added_flops_per_step"] / (rate * 1e9))
+            lim = limit["adamw_step_median_ms"] + flop_ms(limit["added_flops_per_step"], rate)
             limit["limit_ms_at_in_step_rate"] = lim
             limit["step_median_over_limit_in_step_rate"] = (limit["asteria_soap_step_median_ms"]
                                                             / lim)

@@ -83,11 +83,11 @@ def run(args, argv) -> dict[str, Any]:
             "per_step": {"fwd_bwd_ms": r["fb"], "opt_ms": r["opt_ms"], "kinds": r["kinds"],
                          "loss": r["losses"], "minor_faults": r["faults"]}}
     mats = conv.precond_shapes(problem)
-    added = sum(6.0 * m * n * (m + n) for m, n in mats)
-    rate = conv.gemm_rate(sorted({(m, m, n) for m, n in mats} | {(m, n, n) for m, n in mats}
-                                 | {(512, 512, 512)}), args.gemm_reps)
+    added = conv.added_flops(mats)
+    rate = conv.gemm_rate(sorted(set(conv.rotation_shapes(mats)) | {(512, 512, 512)}),
+                          args.gemm_reps)
     peak = max(s["gflops_best"] for s in rate["shapes"])
-    flop_ms = 1e3 * added / (peak * 1e9)
+    flop_ms = conv.flop_ms(added, peak)
     a, s, n = out["adamw"], out["asteria-soap-async"], out["asteria-soap-sync"]
     limit = a["step_ms"]["median"] + flop_ms
     equal_fb = s["fwd_bwd_ms"]["median"] + a["opt_ms"]["median"] + flop_ms

@@ -35,8 +35,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
 import common  # noqa: E402
-from bench_convergence import Curve, Problem, run_curves, time_to_target  # noqa: E402
-from tinygpt import SCHEDULE, CharData, GPTConfig, TinyGPT, n_params, warmup_cosine  # noqa: E402
+from bench_convergence import Curve, make_problem, run_curves, time_to_target  # noqa: E402
+from tinygpt import SCHEDULE, CharData, GPTConfig, n_params, warmup_cosine  # noqa: E402
 
 import asteria  # noqa: E402
 
@@ -91,14 +91,14 @@ def finish_one(name, lr, curve, res, data, args):
     tiers = common.tier_bytes(opt, "cpu", stats)
     if hasattr(opt, "close"):
         opt.close()
-    ms = common.measured(res["step_ms"], curve.warmup)
+    summary = res["summary"]  # the steps after the warm-up
     return {
         "optimizer": name, "lr": lr,
         "final_train_loss": round(res["smoothed"][-1], 5),
         "val_loss": val,
-        "step_ms_median": statistics.median(ms),
-        "step_ms_p99": common.percentile(ms, 99),
-        "step_ms_max": max(ms),
+        "step_ms_median": summary["median_ms"],
+        "step_ms_p99": summary["p99_ms"],
+        "step_ms_max": summary["max_ms"],
         "wall_s": res["wall_s"],
         "losses": [round(x, 5) for x in res["losses"]],
         "smoothed": [round(x, 5) for x in res["smoothed"]],
@@ -228,11 +228,7 @@ def main(argv=None):
         data = CharData(block=args.context)
         cfg = GPTConfig(vocab=data.vocab, block=args.context, d=args.d, layers=args.layers,
                         heads=4)
-        torch.manual_seed(args.seed)
-        init = {k: v.clone() for k, v in TinyGPT(cfg).state_dict().items()}
-        gen = torch.Generator().manual_seed(args.seed)
-        batches = [data.batch("train", args.batch, gen) for _ in range(args.steps)]
-        problem = Problem("main", cfg, init, batches, args.seed, args.batch, data)
+        problem = make_problem("main", cfg, data, args.steps, args.seed, args.batch)
         tokens, widest = args.batch * args.context, 4 * args.d
         model_info = {"params": n_params(problem.model()), "d": args.d, "layers": args.layers,
                       "context": args.context, "batch": args.batch, "tokens_per_step": tokens,
