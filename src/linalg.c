@@ -34,6 +34,9 @@
  * failure leaves every block as it was.
  *
  * Semantics this file adds to the header:
+ *  - eigh and soap_refresh give the null space of a rank-deficient factor a canonical basis
+ *    (the "canonical bases" section below), so their result is a function of the factor (and of
+ *    the previous basis) and not of LAPACK's rounding; full-rank factors are untouched.
  *  - n must be in [1, LINALG_NMAX] (LAPACK's 32-bit workspace sizes bound n). soap_rotate and
  *    gram_ema call no LAPACK routine: any n, n1 >= 1 whose buffers' byte sizes fit a size_t.
  *  - ast_linalg_last_retried() reports the most recent ast_linalg_* call of the thread (any
@@ -83,11 +86,17 @@ typedef struct kern {
     double epsm;   /* machine epsilon of the type */
     lapack_int (*syevd)(lapack_int n, void *a_cm, void *w, void *work, lapack_int lwork,
                         lapack_int *iwork, lapack_int liwork);
-    lapack_int (*geqrf)(lapack_int n, void *a_cm, void *tau, void *work, lapack_int lwork);
-    lapack_int (*orgqr)(lapack_int n, void *a_cm, const void *tau, void *work, lapack_int lwork);
+    /* QR of an n x m column-major A (lda n, m <= n): Householder vectors, then Q's m columns */
+    lapack_int (*geqrf)(lapack_int n, lapack_int m, void *a_cm, void *tau, void *work,
+                        lapack_int lwork);
+    lapack_int (*orgqr)(lapack_int n, lapack_int m, void *a_cm, const void *tau, void *work,
+                        lapack_int lwork);
     double (*lange)(char norm, int n, const void *a_cm);
     void (*gemm)(CBLAS_ORDER order, CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int n, const void *a,
                  const void *b, void *c);
+    /* column-major C (m x n, ldc) = alpha op(A) op(B) + beta C, op(A) m x k, op(B) k x n */
+    void (*gemm_cm)(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int m, int n, int k, double alpha,
+                    const void *a, int lda, const void *b, int ldb, double beta, void *c, int ldc);
     /* row-major C (m x n, ldc) = op(A) op(B), op(A) m x k, op(B) k x n */
     void (*gemm_rm)(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int m, int n, int k, const void *a,
                     int lda, const void *b, int ldb, void *c, int ldc);
@@ -99,6 +108,7 @@ typedef struct kern {
     double (*dot)(int n, const void *x, int incx, const void *y, int incy);
     void (*scal)(int count, double alpha, void *x);
     double (*get)(const void *v, size_t i);
+    void (*set)(void *v, size_t i, double x);
     int (*finite)(size_t count, const void *v);
     /* dst[i*n + j] = src_cm[i + jj*n], jj = n-1-j if reverse else j */
     void (*transpose)(int n, const void *src_cm, void *dst, int reverse);
@@ -117,14 +127,15 @@ typedef struct kern {
         return LAPACKE_##P##syevd_work(LAPACK_COL_MAJOR, 'V', 'L', n, a, n, w, work, lwork,      \
                                        iwork, liwork);                                            \
     }                                                                                             \
-    static lapack_int P##_geqrf(lapack_int n, void *a, void *tau, void *work, lapack_int lwork)   \
-    {                                                                                             \
-        return LAPACKE_##P##geqrf_work(LAPACK_COL_MAJOR, n, n, a, n, tau, work, lwork);          \
-    }                                                                                             \
-    static lapack_int P##_orgqr(lapack_int n, void *a, const void *tau, void *work,               \
+    static lapack_int P##_geqrf(lapack_int n, lapack_int m, void *a, void *tau, void *work,       \
                                 lapack_int lwork)                                                 \
     {                                                                                             \
-        return LAPACKE_##P##orgqr_work(LAPACK_COL_MAJOR, n, n, n, a, n, tau, work, lwork);       \
+        return LAPACKE_##P##geqrf_work(LAPACK_COL_MAJOR, n, m, a, n, tau, work, lwork);          \
+    }                                                                                             \
+    static lapack_int P##_orgqr(lapack_int n, lapack_int m, void *a, const void *tau,             \
+                                void *work, lapack_int lwork)                                     \
+    {                                                                                             \
+        return LAPACKE_##P##orgqr_work(LAPACK_COL_MAJOR, n, m, m, a, n, tau, work, lwork);       \
     }                                                                                             \
     static double P##_lange(char norm, int n, const void *a)                                      \
     {                                                                                             \
@@ -134,6 +145,13 @@ typedef struct kern {
                          const void *a, const void *b, void *c)                                   \
     {                                                                                             \
         cblas_##P##gemm(order, ta, tb, n, n, n, 1, a, n, b, n, 0, c, n);                          \
+    }                                                                                             \
+    static void P##_gemm_cm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int m, int n, int k,          \
+                            double alpha, const void *a, int lda, const void *b, int ldb,         \
+                            double beta, void *c, int ldc)                                        \
+    {                                                                                             \
+        cblas_##P##gemm(CblasColMajor, ta, tb, m, n, k, (T)alpha, a, lda, b, ldb, (T)beta, c,     \
+                        ldc);                                                                     \
     }                                                                                             \
     static void P##_gemm_rm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int m, int n, int k,          \
                             const void *a, int lda, const void *b, int ldb, void *c, int ldc)     \
@@ -158,6 +176,7 @@ typedef struct kern {
         cblas_##P##scal(count, (T)alpha, x, 1);                                                   \
     }                                                                                             \
     static double P##_get(const void *v, size_t i) { return ((const T *)v)[i]; }                  \
+    static void P##_set(void *v, size_t i, double x) { ((T *)v)[i] = (T)x; }                      \
     static int P##_finite(size_t count, const void *v)                                            \
     {                                                                                             \
         /* x - x is 0 for a finite x and NaN for NaN / +-inf; a chunk's sum of them has no      \
@@ -240,12 +259,14 @@ typedef struct kern {
         .orgqr = P##_orgqr,                                                                       \
         .lange = P##_lange,                                                                       \
         .gemm = P##_gemm,                                                                         \
+        .gemm_cm = P##_gemm_cm,                                                                   \
         .gemm_rm = P##_gemm_rm,                                                                   \
         .syrk = P##_syrk,                                                                         \
         .syrk_rm = P##_syrk_rm,                                                                   \
         .dot = P##_dot,                                                                           \
         .scal = P##_scal,                                                                         \
         .get = P##_get,                                                                           \
+        .set = P##_set,                                                                           \
         .finite = P##_finite,                                                                     \
         .transpose = P##_transpose,                                                               \
         .mirror_lower = P##_mirror_lower,                                                         \
@@ -350,6 +371,8 @@ static int eig_core(const kern *K, int n, const void *a, void *z_cm, void *w)
     return 0;
 }
 
+static int eigh_vectors(const kern *K, int n, const void *z_cm, const void *w, void *out);
+
 static int k_eigh(const kern *K, const op_args *o)
 {
     const int n = o->n;
@@ -360,15 +383,13 @@ static int k_eigh(const kern *K, const op_args *o)
     if (!base)
         return AST_ENOMEM;
     int rc = eig_core(K, n, o->in0, buf[0], buf[1]);
-    if (rc == 0) {
-        /* LAPACK returns ascending order; the contract is descending. */
-        if (o->vec)
-            for (int j = 0; j < n; j++)
-                memcpy((char *)o->vec + (size_t)j * es, (char *)buf[1] + (size_t)(n - 1 - j) * es,
-                       es);
-        if (o->mat)
-            K->transpose(n, buf[0], o->mat, 1);
-    }
+    /* LAPACK returns ascending order; the contract is descending. */
+    if (rc == 0 && o->mat)
+        rc = eigh_vectors(K, n, buf[0], buf[1], o->mat);
+    if (rc == 0 && o->vec)
+        for (int j = 0; j < n; j++)
+            memcpy((char *)o->vec + (size_t)j * es, (char *)buf[1] + (size_t)(n - 1 - j) * es,
+                   es);
     free(base);
     return rc;
 }
@@ -540,28 +561,146 @@ static int fq_product(const kern *K, int n, const void *f, const void *q, void *
     return K->finite((size_t)n * n, c_cm) ? 0 : AST_ENONFINITE;
 }
 
-/* Replaces g_cm by the Q factor of its Householder QR (geqrf + orgqr, torch.linalg.qr's
- * convention), then writes it row-major to out. */
-static int qr_q(const kern *K, int n, void *g_cm, void *out)
+/* Householder QR of the n x m column-major a (m <= n; geqrf + orgqr, torch.linalg.qr's
+ * convention): a is replaced by Q's m columns; rdiag (may be NULL) receives R's diagonal. */
+static int qr_cols(const kern *K, int n, int m, void *a, double *rdiag)
 {
     double q1 = 0, q2 = 0;
-    if (K->geqrf(n, g_cm, NULL, &q1, -1) != 0 || K->orgqr(n, g_cm, NULL, &q2, -1) != 0)
+    if (K->geqrf(n, m, a, NULL, &q1, -1) != 0 || K->orgqr(n, m, a, NULL, &q2, -1) != 0)
         return AST_EINVAL;
-    lapack_int l1 = ws_lwork(K, &q1, n), l2 = ws_lwork(K, &q2, n);
+    lapack_int l1 = ws_lwork(K, &q1, m), l2 = ws_lwork(K, &q2, m);
     lapack_int lwork = l1 > l2 ? l1 : l2;
-    size_t sz[2] = {(size_t)n * K->es, (size_t)lwork * K->es};
+    size_t sz[2] = {(size_t)m * K->es, (size_t)lwork * K->es};
     void *buf[2];
     void *base = ws_alloc(2, sz, buf);
     if (!base)
         return AST_ENOMEM;
     int rc = 0;
-    if (K->geqrf(n, g_cm, buf[0], buf[1], lwork) != 0 ||
-        K->orgqr(n, g_cm, buf[0], buf[1], lwork) != 0)
+    if (K->geqrf(n, m, a, buf[0], buf[1], lwork) != 0)
         rc = AST_EINVAL;
-    else if (!K->finite((size_t)n * n, g_cm))
+    for (int j = 0; rc == 0 && rdiag && j < m; j++)
+        rdiag[j] = K->get(a, (size_t)j * n + j);
+    if (rc == 0 && K->orgqr(n, m, a, buf[0], buf[1], lwork) != 0)
+        rc = AST_EINVAL;
+    if (rc == 0 && !K->finite((size_t)n * m, a))
         rc = AST_ENONFINITE;
-    else
-        K->transpose(n, g_cm, out, 0);
+    free(base);
+    return rc;
+}
+
+/* ---- canonical bases of null spaces -----------------------------------------------------------
+ * A rank-deficient factor's null space gets a basis that depends on the factor's range and on
+ * the caller's candidate vectors only, not on the rounding noise LAPACK turned into unit vectors
+ * there. python/asteria/refresh/basis.py states the rule and is its torch side; the two must
+ * agree to rounding (tests/python/test_soap_basis.py). A full-rank factor never gets here. */
+
+/* n eps_m scale: what is rounding noise next to scale in a factor of size n. */
+static double null_tol(const kern *K, int n, double scale) { return (double)n * K->epsm * scale; }
+
+/* y (n x m) -= U (U^T y), twice (orthogonal to rounding); U n x r; both column-major with
+ * leading dimension n; ws holds r x m. */
+static void project_off(const kern *K, int n, int r, const void *u, int m, void *y, void *ws)
+{
+    for (int t = 0; r > 0 && t < 2; t++) {
+        K->gemm_cm(CblasTrans, CblasNoTrans, r, m, n, 1.0, u, n, y, n, 0.0, ws, r);
+        K->gemm_cm(CblasNoTrans, CblasNoTrans, n, m, r, -1.0, u, n, ws, r, 1.0, y, n);
+    }
+}
+
+/* Columns r..n-1 of basis (n x n column-major, columns 0..r-1 orthonormal) <- an orthonormal
+ * basis of the complement of the first r: Gram-Schmidt of the c candidates cand (n x c
+ * column-major), then of the identity's columns, each accepted when its residual exceeds
+ * 1 / (2 sqrt(n)); Gram-Schmidt's signs. When all candidates are accepted that is one QR of them
+ * projected, which is tried first. */
+static int complete(const kern *K, int n, int r, void *basis, const void *cand, int c)
+{
+    const int need = n - r;
+    const size_t es = K->es;
+    if (need == 0)
+        return 0;
+    const double delta = 0.5 / sqrt((double)n);
+    char *b = basis, *dst = b + (size_t)r * n * es;
+    size_t sz[2] = {(size_t)n * n * es, (size_t)n * sizeof(double)};
+    void *buf[2];
+    void *base = ws_alloc(2, sz, buf);
+    if (!base)
+        return AST_ENOMEM;
+    double *rd = buf[1];
+    int rc = 0, fast = 0;
+    if (c == need) {
+        memcpy(dst, cand, (size_t)n * need * es);
+        project_off(K, n, r, b, need, dst, buf[0]);
+        rc = qr_cols(K, n, need, dst, rd);
+        fast = rc == 0;
+        for (int j = 0; fast && j < need; j++)
+            fast = fabs(rd[j]) > delta;
+        for (int j = 0; fast && j < need; j++)
+            if (rd[j] < 0)
+                K->scal(n, -1.0, dst + (size_t)j * n * es);
+    }
+    if (rc == 0 && !fast) {
+        int have = 0;
+        for (int i = 0; i < c + n && have < need; i++) {
+            char *y = dst + (size_t)have * n * es;
+            if (i < c) {
+                memcpy(y, (const char *)cand + (size_t)i * n * es, (size_t)n * es);
+            } else {
+                memset(y, 0, (size_t)n * es);
+                K->set(y, (size_t)(i - c), 1.0);
+            }
+            project_off(K, n, r + have, b, 1, y, buf[0]);
+            double nrm = sqrt(K->dot(n, y, 1, y, 1));
+            if (nrm > delta) {
+                K->scal(n, 1.0 / nrm, y);
+                have++;
+            }
+        }
+        if (have < need) /* cannot happen: the identity alone fills the space (basis.py) */
+            rc = AST_ENOCONV;
+    }
+    free(base);
+    return rc;
+}
+
+/* The eigenvectors z_cm (columns in ascending order of w) into the row-major out in descending
+ * order, the null space (|w| <= n eps_m max |w|) given the identity's columns at its positions as
+ * candidates. */
+static int eigh_vectors(const kern *K, int n, const void *z_cm, const void *w, void *out)
+{
+    const size_t es = K->es, nn = (size_t)n * n, col = (size_t)n * es;
+    const double tol =
+        null_tol(K, n, fmax(fabs(K->get(w, 0)), fabs(K->get(w, (size_t)n - 1))));
+    int d = 0;
+    for (int j = 0; j < n; j++)
+        d += fabs(K->get(w, (size_t)j)) <= tol;
+    if (d == 0) {
+        K->transpose(n, z_cm, out, 1);
+        return 0;
+    }
+    const int r = n - d;
+    size_t sz[3] = {nn * es, (size_t)d * col, nn * es};
+    void *buf[3];
+    void *base = ws_alloc(3, sz, buf);
+    if (!base)
+        return AST_ENOMEM;
+    char *basis = buf[0], *cand = buf[1], *final = buf[2];
+    memset(cand, 0, (size_t)d * col);
+    /* descending position j is ascending column n - 1 - j */
+    for (int j = 0, ui = 0, ni = 0; j < n; j++) {
+        if (fabs(K->get(w, (size_t)(n - 1 - j))) <= tol)
+            K->set(cand, (size_t)ni++ * n + (size_t)j, 1.0);
+        else
+            memcpy(basis + (size_t)ui++ * col, (const char *)z_cm + (size_t)(n - 1 - j) * col,
+                   col);
+    }
+    int rc = complete(K, n, r, basis, cand, d);
+    if (rc == 0) {
+        for (int j = 0, ui = 0, ni = r; j < n; j++) {
+            int null = fabs(K->get(w, (size_t)(n - 1 - j))) <= tol;
+            memcpy(final + (size_t)j * col, basis + (size_t)(null ? ni++ : ui++) * col, col);
+        }
+        K->transpose(n, final, out, 0);
+    }
     free(base);
     return rc;
 }
@@ -580,19 +719,95 @@ static int ranked_cmp(const void *pa, const void *pb)
     return (a->i > b->i) - (a->i < b->i);
 }
 
+/* The QR refresh where C = F Q[:, s] (c_cm holds F Q, columns unsorted; s = r[j].i) has
+ * dependent columns (R's diagonal rd at most tol): the QR of the independent columns alone (any
+ * found dependent there too is added to them, until none is) at their positions, the completion
+ * from the previous basis's columns (q, row-major) at the dependent ones. Writes Q_new row-major
+ * to out. */
+static int qr_canonical(const kern *K, int n, const char *c_cm, const ranked *r, const void *q,
+                          const double *rd, double tol, void *out)
+{
+    const size_t es = K->es, nn = (size_t)n * n, col = (size_t)n * es;
+    size_t sz[5] = {nn * es, nn * es, nn * es, (size_t)n * sizeof(int), (size_t)n * sizeof(double)};
+    void *buf[5];
+    void *base = ws_alloc(5, sz, buf);
+    if (!base)
+        return AST_ENOMEM;
+    char *a = buf[0], *basis = buf[1], *cand = buf[2];
+    int *dep = buf[3];
+    double *rd2 = buf[4];
+    int rc = 0, m = 0, d = 0;
+    for (int j = 0; j < n; j++)
+        dep[j] = fabs(rd[j]) <= tol;
+    for (;;) {
+        m = 0;
+        for (int j = 0; j < n; j++)
+            if (!dep[j])
+                memcpy(a + (size_t)m++ * col, c_cm + (size_t)r[j].i * col, col);
+        if (m == 0 || (rc = qr_cols(K, n, m, a, rd2)) != 0)
+            break;
+        int bad = 0;
+        for (int j = 0, i = 0; j < n; j++)
+            if (!dep[j] && fabs(rd2[i++]) <= tol)
+                dep[j] = bad = 1;
+        if (!bad)
+            break;
+    }
+    if (rc == 0) {
+        memcpy(basis, a, (size_t)m * col);
+        for (int j = 0; j < n; j++)
+            if (dep[j]) {
+                for (int i = 0; i < n; i++)
+                    K->set(cand, (size_t)d * n + i, K->get(q, (size_t)i * n + (size_t)r[j].i));
+                d++;
+            }
+        rc = complete(K, n, m, basis, cand, d);
+    }
+    if (rc == 0) {
+        for (int j = 0, ui = 0, ni = m; j < n; j++)
+            memcpy(a + (size_t)j * col, basis + (size_t)(dep[j] ? ni++ : ui++) * col, col);
+        K->transpose(n, a, out, 0);
+    }
+    free(base);
+    return rc;
+}
+
+/* Q_new of a QR refresh into the row-major out: the QR of g_cm = C = (F Q)[:, s] (overwritten),
+ * canonical where C has dependent columns (qr_canonical: c_cm = F Q, s = r[j].i, q the previous
+ * basis); rd: n doubles of workspace. */
+static int qr_refresh_q(const kern *K, int n, const char *c_cm, void *g_cm, const ranked *r,
+                        const void *q, double *rd, void *out)
+{
+    int rc = qr_cols(K, n, n, g_cm, rd);
+    if (rc != 0)
+        return rc;
+    double rmax = 0;
+    for (int j = 0; j < n; j++)
+        rmax = fmax(rmax, fabs(rd[j]));
+    const double tol = null_tol(K, n, rmax);
+    int dependent = 0;
+    for (int j = 0; j < n; j++)
+        dependent |= fabs(rd[j]) <= tol;
+    if (dependent)
+        return qr_canonical(K, n, c_cm, r, q, rd, tol, out);
+    K->transpose(n, g_cm, out, 0);
+    return 0;
+}
+
 /* F Q[:, s] = (F Q)[:, s]: permuting the product's columns equals the product with permuted
  * columns, and in column-major each column moves as one memcpy. */
 static int k_soap(const kern *K, const op_args *o)
 {
     const int n = o->n;
     const size_t es = K->es, nn = (size_t)n * n;
-    size_t sz[3] = {nn * es, nn * es, (size_t)n * sizeof(ranked)};
-    void *buf[3];
-    void *base = ws_alloc(3, sz, buf);
+    size_t sz[4] = {nn * es, nn * es, (size_t)n * sizeof(ranked), (size_t)n * sizeof(double)};
+    void *buf[4];
+    void *base = ws_alloc(4, sz, buf);
     if (!base)
         return AST_ENOMEM;
     char *c = buf[0], *g = buf[1];
     ranked *r = buf[2];
+    double *rd = buf[3];
     int rc = fq_product(K, n, o->in0, o->in1, c);
     for (int j = 0; rc == 0 && j < n; j++) {
         r[j].e = K->dot(n, (const char *)o->in1 + (size_t)j * es, n, c + (size_t)j * n * es, 1);
@@ -604,7 +819,7 @@ static int k_soap(const kern *K, const op_args *o)
         qsort(r, (size_t)n, sizeof *r, ranked_cmp);
         for (int j = 0; j < n; j++)
             memcpy(g + (size_t)j * n * es, c + (size_t)r[j].i * n * es, (size_t)n * es);
-        rc = qr_q(K, n, g, o->mat);
+        rc = qr_refresh_q(K, n, c, g, r, o->in1, rd, o->mat);
     }
     if (rc == 0)
         for (int j = 0; j < n; j++)
@@ -615,14 +830,22 @@ static int k_soap(const kern *K, const op_args *o)
 
 static int k_qr_refresh(const kern *K, const op_args *o)
 {
-    const size_t nn = (size_t)o->n * o->n;
-    void *c = malloc(nn * K->es);
-    if (!c)
+    const int n = o->n;
+    const size_t nn = (size_t)n * n;
+    size_t sz[4] = {nn * K->es, nn * K->es, (size_t)n * sizeof(ranked), (size_t)n * sizeof(double)};
+    void *buf[4];
+    void *base = ws_alloc(4, sz, buf);
+    if (!base)
         return AST_ENOMEM;
-    int rc = fq_product(K, o->n, o->in0, o->in1, c);
-    if (rc == 0)
-        rc = qr_q(K, o->n, c, o->mat);
-    free(c);
+    ranked *r = buf[2];
+    int rc = fq_product(K, n, o->in0, o->in1, buf[0]);
+    if (rc == 0) {
+        for (int j = 0; j < n; j++)
+            r[j].i = j;
+        memcpy(buf[1], buf[0], nn * K->es);
+        rc = qr_refresh_q(K, n, buf[0], buf[1], r, o->in1, buf[3], o->mat);
+    }
+    free(base);
     return rc;
 }
 

@@ -466,6 +466,47 @@ static void test_eigh_diagonal(void **state)
     }
 }
 
+/* A rank-deficient factor (python/asteria/refresh/basis.py has the rule, and
+ * tests/python/test_soap_basis.py checks it against the torch executor): the null space keeps the
+ * previous basis's columns where they span it (SOAP and KL refreshes), a zero factor keeps the
+ * whole basis, and eigh's null columns are orthonormal eigenvectors of eigenvalue 0. */
+static void test_rank_deficient_bases(void **state)
+{
+    (void)state;
+    static const double lam[] = {3, 2, 1, 0, 0, 0, 0, 0, 0};
+    const int n = 9, r = 3;
+    const size_t nn = (size_t)n * n;
+    for (size_t d = 0; d < 2; d++) {
+        const double tol = tol_for(dtypes[d], n, 10);
+        double *u = dalloc(nn), *f = dalloc(nn), *q = dalloc(nn), *w = dalloc((size_t)n);
+        int64_t perm[9];
+        rand_orthogonal(n, u);
+        from_spectrum(n, lam, u, f);
+        for (int kind = 0; kind < 2; kind++) {
+            assert_int_equal(call_refresh(dtypes[d], n, f, u, q, kind ? perm : NULL), 0);
+            check_orthonormal(n, q, tol);
+            for (int j = r; j < n; j++) { /* e is rounding noise there: any order */
+                const int64_t k = kind ? perm[j] : j;
+                for (int i = 0; i < n; i++)
+                    assert_le(fabs(q[(size_t)i * n + j] - u[(size_t)i * n + k]), tol);
+            }
+        }
+        memset(f, 0, nn * sizeof *f);
+        assert_int_equal(call_refresh(dtypes[d], n, f, u, q, perm), 0);
+        for (int j = 0; j < n; j++) /* e all 0: the stable order */
+            assert_int_equal(perm[j], j);
+        for (size_t i = 0; i < nn; i++)
+            assert_le(fabs(q[i] - u[i]), tol);
+        from_spectrum(n, lam, u, f);
+        assert_int_equal(call_eigh(dtypes[d], n, f, w, q), 0);
+        check_eigh(n, f, w, q, tol);
+        free(u);
+        free(f);
+        free(q);
+        free(w);
+    }
+}
+
 /* n = 1: every kernel reduces to scalar arithmetic. */
 static void test_one_by_one(void **state)
 {
@@ -1844,6 +1885,7 @@ int main(void)
         cmocka_unit_test(test_dtype_size),
         cmocka_unit_test(test_eigh_identity),
         cmocka_unit_test(test_eigh_diagonal),
+        cmocka_unit_test(test_rank_deficient_bases),
         cmocka_unit_test(test_one_by_one),
         cmocka_unit_test(test_eigh_spectra),
         cmocka_unit_test(test_eigh_partial_outputs),

@@ -1,7 +1,8 @@
 """Plain-torch restatements of DESIGN.md's optimizer equations, for the numerics tests.
 
 Written straight from the pseudo-code in DESIGN.md ("The optimizers (exact semantics)" and
-"Staleness"), one parameter at a time, with no code shared with the ``asteria`` package, so a
+"Staleness"), with the canonical bases of rank-deficient factors of docs/departures.md, one
+parameter at a time, with no code shared with the ``asteria`` package, so a
 test that compares the two checks the package against the specification, not against itself.
 
 Each class takes a list of tensors (updated in place; they may be views of a model's
@@ -47,9 +48,68 @@ def outer(g, d):
     return torch.tensordot(g, g, dims=(others, others))
 
 
+# ---- canonical bases on rank-deficient factors (docs/departures.md) ----------------------------
+# Where a factor is rank-deficient, the basis of its null space is chosen by a rule instead of
+# being LAPACK's rounding noise: Gram-Schmidt, in order, of candidate vectors (the previous
+# basis's columns there), then of the identity's columns, each accepted when its residual
+# exceeds 1 / (2 sqrt(n)).
+
+
+def gram_schmidt(vectors, basis, threshold):
+    """Gram-Schmidt (twice per vector) of vectors against basis and the ones accepted before;
+    a vector whose residual norm is at most threshold is skipped. (accepted, skipped indices)."""
+    out, skipped = [], []
+    for i, v in enumerate(vectors):
+        for _ in range(2):
+            for u in list(basis) + out:
+                v = v - (u @ v) * u
+        nrm = torch.linalg.vector_norm(v)
+        if nrm > threshold:
+            out.append(v / nrm)
+        else:
+            skipped.append(i)
+    return out, skipped
+
+
+def null_complete(basis, cand, n, dtype):
+    """n - len(basis) orthonormal vectors completing basis: the candidates, then the identity."""
+    pool = list(cand) + list(torch.eye(n, dtype=dtype))
+    acc, _ = gram_schmidt(pool, basis, 0.5 / math.sqrt(n))
+    return acc[:n - len(basis)]
+
+
+def _assemble(range_cols, null_cols, null_pos, n, dtype):
+    out = torch.empty(n, n, dtype=dtype)
+    ri, ni = iter(range_cols), iter(null_cols)
+    for j in range(n):
+        out[:, j] = next(ni) if j in null_pos else next(ri)
+    return out
+
+
+def canonical_qr(c, q_prev):
+    """Q of the QR of c, whose columns that depend on the ones before them (residual at most
+    n eps_m max|R_kk|) take the completion from q_prev's columns at their positions; the others
+    are the QR of the independent columns alone."""
+    n = c.shape[0]
+    tol = n * torch.finfo(c.dtype).eps * torch.linalg.qr(c).R.diagonal().abs().max()
+    _, dep = gram_schmidt(list(c.T), [], tol)
+    keep = [j for j in range(n) if j not in dep]
+    rng = list(torch.linalg.qr(c[:, keep]).Q.T) if keep else []
+    null = null_complete(rng, [q_prev[:, j] for j in dep], n, c.dtype)
+    return _assemble(rng, null, set(dep), n, c.dtype)
+
+
 def eigvecs_descending(f):
-    _, q = torch.linalg.eigh(f)
-    return q.flip(1)
+    """Eigenvectors in descending eigenvalue order; those of |w| <= n eps_m max|w| (the null
+    space) completed from the identity's columns at their positions."""
+    n = f.shape[0]
+    w, v = torch.linalg.eigh(f)
+    w, v = w.flip(0), v.flip(1)
+    null = (w.abs() <= n * torch.finfo(f.dtype).eps * w.abs().max()).nonzero().flatten().tolist()
+    rng = [v[:, j] for j in range(n) if j not in null]
+    eye = torch.eye(n, dtype=f.dtype)
+    return _assemble(rng, null_complete(rng, [eye[:, j] for j in null], n, f.dtype), set(null),
+                     n, f.dtype)
 
 
 class _AdamW:
@@ -156,7 +216,7 @@ class SOAPRef(_Reference):
                 continue
             e = torch.diag(q.T @ f @ q)
             s = torch.argsort(e, descending=True, stable=True)
-            out.append((s, torch.linalg.qr(f @ q[:, s]).Q))
+            out.append((s, canonical_qr(f @ q[:, s], q[:, s])))
         return out
 
     def install(self, st, result):
@@ -228,7 +288,7 @@ class KLShampooRef(_Reference):
         return st["k"] % self.f == 0 and bool(dims)
 
     def refresh(self, st):
-        return {d: torch.linalg.qr(st["S"][d] @ st["Q"][d]).Q for d in st["S"]}
+        return {d: canonical_qr(st["S"][d] @ st["Q"][d], st["Q"][d]) for d in st["S"]}
 
     def install(self, st, result):
         st["Q"].update(result)

@@ -15,13 +15,16 @@ Operations (names mirror ``ast_op`` in include/asteria/runtime.h):
 op                    inputs                      outputs (``Result.outputs``)
 ====================  ==========================  ===========================================
 ``"eigh"``            F                           (Q, w): Q columns in descending eigenvalue
-                                                  order, w descending eigenvalues
+                                                  order, w descending eigenvalues; the null
+                                                  space's basis canonical (``basis``)
 ``"inv_root"``        F, p, eps                   (X,) with X = (F + eps I)^(-1/p), eigenvalues
                                                   raised to n eps_m lam_max before eps
 ``"newton_root"``     F, p (int), eps             (X,) coupled-Newton inverse root
 ``"soap_qr"``         F, Q                        (Q_new, perm): perm = argsort(diag(Q^T F Q),
-                                                  descending) (int64), Q_new = qr(F Q[:, perm]).Q
-``"kl_qr"``           F, Q                        (Q_new,) = qr(F Q).Q
+                                                  descending) (int64), Q_new = qr(F Q[:, perm]).Q,
+                                                  its dependent columns canonical (``basis``)
+``"kl_qr"``           F, Q                        (Q_new,) = qr(F Q).Q, its dependent columns
+                                                  canonical (``basis``)
 ``"soap_rotate"``     X, A pair (``q``), B pair   (out,) = A_new^T A_old X B_old^T B_new, shape
                       (``b``)                     (batch, n, n1); X (batch, n, n1), A pair
                                                   (batch, 2, n, n) = (A_old, A_new), B pair
@@ -48,6 +51,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from asteria.refresh.basis import eigh_basis, qr_basis
 
 @dataclasses.dataclass(frozen=True)
 class Op:
@@ -87,7 +91,8 @@ def _eye_like(f: torch.Tensor) -> torch.Tensor:
 
 def _eigh(f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w, q = torch.linalg.eigh(f)
-    return q.flip(-1), w.flip(-1)
+    w = w.flip(-1)
+    return eigh_basis(w, q.flip(-1)), w
 
 
 def null_floor(w: torch.Tensor) -> torch.Tensor:
@@ -131,11 +136,12 @@ def _soap_qr(f: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     est = (q * fq).sum(1)  # diag(Q^T F Q); torch.einsum's path search leaves cyclic garbage
     perm = torch.argsort(est, dim=-1, descending=True, stable=True)
     # F (Q with its columns sorted) = (F Q) with its columns sorted
-    return torch.linalg.qr(torch.gather(fq, 2, perm.unsqueeze(1).expand_as(fq))).Q, perm
+    cols = perm.unsqueeze(1).expand_as(fq)
+    return qr_basis(torch.gather(fq, 2, cols), torch.gather(q, 2, cols)), perm
 
 
 def _kl_qr(f: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor]:
-    return (torch.linalg.qr(f @ q).Q,)
+    return (qr_basis(f @ q, q),)
 
 
 def soap_rotate(x: torch.Tensor, a: Optional[torch.Tensor],
