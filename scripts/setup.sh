@@ -18,9 +18,16 @@ APT_PKGS=(build-essential cmake ninja-build pkg-config libopenblas-dev liblapack
 # Optional packages used by some tests, benchmarks and examples, each with the torch range its own
 # metadata requires. Where the torch in use is outside it, the package is left out and the tests
 # that need it skip, saying why (the oldest-torch run of scripts/run_tests.sh has no OLMo-core).
+# The training frameworks of tests/python/test_clients.py: transformers 5.24.0 is the newest
+# whose huggingface_hub requirement (>=1.31,<3) admits the <2 of OLMo-core 3.0.0 (through
+# cached-path); 5.25.0 needs huggingface_hub>=2.4. All of them are installed in one pip call,
+# so pip resolves them together.
 OPTIONAL_PKGS=("ai2-olmo-core==3.0.0 >=2.10,<2.14"
                "pytorch-optimizer==4.1.0 >=2.1"
-               "heavyball==3.2.1 >=2.2")
+               "heavyball==3.2.1 >=2.2"
+               "transformers==5.24.0 >=2.6"
+               "accelerate==1.16.0 >=2.6"
+               "lightning==2.6.6 >=2.1,<4.0")
 
 missing=()
 for p in "${APT_PKGS[@]}"; do

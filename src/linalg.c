@@ -594,8 +594,14 @@ static int qr_cols(const kern *K, int n, int m, void *a, double *rdiag)
  * there. python/asteria/refresh/basis.py states the rule and is its torch side; the two must
  * agree to rounding (tests/python/test_soap_basis.py). A full-rank factor never gets here. */
 
-/* n eps_m scale: what is rounding noise next to scale in a factor of size n. */
+/* n eps_m scale: what is rounding noise next to scale in a factor of size n (the floor of
+ * k_inv_root; eigh's null space). */
 static double null_tol(const kern *K, int n, double scale) { return (double)n * K->epsm * scale; }
+
+/* A refresh's dependent columns: the residual of a truly dependent column of F Q carries the
+ * rounding of F's accumulation (its EMA over steps) as well as the QR's own, measured at up to
+ * 42 eps_m max|R| for n = 24 in float64, so the QR's threshold is this many times null_tol. */
+#define QR_TOL_SAFETY 8.0
 
 /* y (n x m) -= U (U^T y), twice (orthogonal to rounding); U n x r; both column-major with
  * leading dimension n; ws holds r x m. */
@@ -784,7 +790,7 @@ static int qr_refresh_q(const kern *K, int n, const char *c_cm, void *g_cm, cons
     double rmax = 0;
     for (int j = 0; j < n; j++)
         rmax = fmax(rmax, fabs(rd[j]));
-    const double tol = null_tol(K, n, rmax);
+    const double tol = QR_TOL_SAFETY * null_tol(K, n, rmax);
     int dependent = 0;
     for (int j = 0; j < n; j++)
         dependent |= fabs(rd[j]) <= tol;

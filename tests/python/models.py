@@ -2,13 +2,13 @@
 model with an Asteria optimizer next to a copy trained by a reference, and the check that the
 C extension is there.
 
-Numerics: eigenvectors of a degenerate eigenvalue are arbitrary, and different LAPACKs (torch's
-MKL in ``mode="sync"``, OpenBLAS in the C pool) pick different ones, which moves SOAP and
-KL-Shampoo trajectories at O(1). So every factor must be full rank with distinct eigenvalues:
+Numerics: a rank-deficient factor's null space gets a canonical basis (docs/departures.md), so
+SOAP and KL-Shampoo agree across executors and process counts there too (tests/python/
+test_soap_basis.py, test_rank_deficient.py). Eigenvectors of a repeated NONZERO eigenvalue are
+still arbitrary, and different LAPACKs (torch's in ``mode="sync"``, OpenBLAS in the C pool) pick
+different ones, so these models keep every factor full rank with distinct eigenvalues:
  - batches have more tokens (rows of the activations) than any layer is wide, and
- - every weight matrix is SQUARE: one step's gradient G (m x n) has rank <= min(m, n), so the
-   first-step factor G G^T of a rectangular G has a zero eigenvalue of multiplicity |m - n|
-   whose eigenvectors are arbitrary even with many tokens.
+ - every weight matrix is square.
 """
 
 from __future__ import annotations

@@ -52,7 +52,9 @@ def outer(g, d):
 # Where a factor is rank-deficient, the basis of its null space is chosen by a rule instead of
 # being LAPACK's rounding noise: Gram-Schmidt, in order, of candidate vectors (the previous
 # basis's columns there), then of the identity's columns, each accepted when its residual
-# exceeds 1 / (2 sqrt(n)).
+# exceeds 1 / (2 sqrt(n)). Null eigenvalues: at most n eps_m of the largest; dependent QR
+# columns: at most QR_TOL n eps_m.
+QR_TOL = 8
 
 
 def gram_schmidt(vectors, basis, threshold):
@@ -88,10 +90,10 @@ def _assemble(range_cols, null_cols, null_pos, n, dtype):
 
 def canonical_qr(c, q_prev):
     """Q of the QR of c, whose columns that depend on the ones before them (residual at most
-    n eps_m max|R_kk|) take the completion from q_prev's columns at their positions; the others
+    QR_TOL n eps_m max|R_kk|) take the completion from q_prev's columns at their positions; the others
     are the QR of the independent columns alone."""
     n = c.shape[0]
-    tol = n * torch.finfo(c.dtype).eps * torch.linalg.qr(c).R.diagonal().abs().max()
+    tol = QR_TOL * n * torch.finfo(c.dtype).eps * torch.linalg.qr(c).R.diagonal().abs().max()
     _, dep = gram_schmidt(list(c.T), [], tol)
     keep = [j for j in range(n) if j not in dep]
     rng = list(torch.linalg.qr(c[:, keep]).Q.T) if keep else []
@@ -105,7 +107,8 @@ def eigvecs_descending(f):
     n = f.shape[0]
     w, v = torch.linalg.eigh(f)
     w, v = w.flip(0), v.flip(1)
-    null = (w.abs() <= n * torch.finfo(f.dtype).eps * w.abs().max()).nonzero().flatten().tolist()
+    null = (w.abs() <= n * torch.finfo(f.dtype).eps * w.abs().max())
+    null = null.nonzero().flatten().tolist()
     rng = [v[:, j] for j in range(n) if j not in null]
     eye = torch.eye(n, dtype=f.dtype)
     return _assemble(rng, null_complete(rng, [eye[:, j] for j in null], n, f.dtype), set(null),

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -353,3 +354,104 @@ def test_fsdp2_two_ranks_flattened_resume(tmp_path):
             assert r["steps"] and all(k.endswith(f"@shard{rank}of2") for k in r["steps"]), \
                 (name, r["steps"])
             assert r["got"] == r["want"], f"{name}, rank {rank}"
+
+
+# ---- fsdp_blocking="local" at another world size ---------------------------------------------
+
+LOCAL_REFUSAL = (r"was saved for {saved}, this rank has {here}\. With fsdp_blocking='local' each "
+                 r"rank's state is that of the blocks cut from its own shard, so a checkpoint is "
+                 r"tied to the shard layout.*To resume on another world size, train with "
+                 r"runtime=\{{'fsdp_blocking': 'global'\}}")
+
+
+def _other_world_worker(rank: int, port: int, folder: str, out: str) -> None:
+    """Save on 2 ranks (fsdp_blocking="local"), and load the state dict of one unsharded
+    process: the refusal's message goes to out.{rank}."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        model = _fsdp_model()
+        opt = OPTIMIZERS["soap"](model.parameters(), runtime=ASYNC)
+        for t in range(1, 4):
+            x = torch.randn(32, 8, generator=torch.Generator().manual_seed(100 * t + rank),
+                            dtype=torch.float64)
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        dcp.save({"model": get_model_state_dict(model),
+                  "optim": get_optimizer_state_dict(model, opt, options=FLAT)},
+                 storage_writer=FileSystemWriter(f"{folder}/ck"))
+        torch.save(opt.state_dict(), f"{folder}/rank{rank}.pt")
+        try:
+            opt.load_state_dict(torch.load(f"{folder}/single.pt"))
+            message = "loaded"
+        except ValueError as exc:
+            message = str(exc)
+        opt.close()
+        with open(f"{out}.{rank}", "w") as f:
+            f.write(message)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_local_blocking_refuses_another_world_size_naming_the_remedy(tmp_path):
+    """A checkpoint of fsdp_blocking="local" is tied to the shard layout: saved on 2 ranks it
+    does not load into 1, nor one of 1 into 2. torch.distributed.checkpoint's planner refuses
+    first, on the keys (a rank's keys carry its shard, ``@shard0of2``); where the state dict
+    reaches the optimizer, its refusal names the cause and the remedy, fsdp_blocking="global"
+    (before: "belongs to shard shard0of2, ...: a sharded checkpoint resumes on the same mesh
+    and sharding only")."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    model = _plain_model()
+    single = OPTIMIZERS["soap"](model.parameters(), runtime=ASYNC)
+    train_steps(model, single, 3)
+    torch.save(single.state_dict(), tmp_path / "single.pt")
+    single.close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "refusal")
+    mp.spawn(_other_world_worker, args=(port, str(tmp_path), out), nprocs=2)
+    for rank in (0, 1):  # 1 rank's state into 2
+        with open(f"{out}.{rank}") as f:
+            message = f.read()
+        assert re.search(LOCAL_REFUSAL.format(
+            saved=r"an unsharded parameter \(one rank, or no FSDP\)",
+            here=rf"shard {rank} of 2 \(fsdp_blocking='local'\)"), message), message
+    # 2 ranks' state into 1: DCP's planner refuses on the keys, before the optimizer sees them
+    model = _plain_model()
+    opt = OPTIMIZERS["soap"](model.parameters(), runtime=ASYNC)
+    template = {"optim": get_optimizer_state_dict(model, opt, options=FLAT)}
+    with pytest.raises(CheckpointException, match="Missing key in checkpoint state_dict"):
+        dcp.load(template, storage_reader=FileSystemReader(str(tmp_path / "ck")))
+    # the optimizer's own refusal, where the state dict reaches it
+    with pytest.raises(ValueError, match=LOCAL_REFUSAL.format(
+            saved=r"shard 0 of 2 \(fsdp_blocking='local'\)",
+            here=r"an unsharded parameter \(one rank, or no FSDP\)")):
+        opt.load_state_dict(torch.load(tmp_path / "rank0.pt"))
+    opt.close()
+
+
+def _plain_model():
+    """_fsdp_model's network, unsharded."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8),
+                               torch.nn.Tanh(), torch.nn.Linear(8, 3)).to(torch.float64)
+
+
+def train_steps(model, opt, steps):
+    for t in range(1, steps + 1):
+        x = torch.randn(32, 8, generator=torch.Generator().manual_seed(100 * t),
+                        dtype=torch.float64)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)

@@ -138,3 +138,37 @@ def test_load_into_sync_optimizer(name):
     # and it is not the async continuation
     asyn = uninterrupted(name, ASYNC)
     assert max(float((a - b).abs().max()) for a, b in zip(got[-1], asyn[-1])) > 1e-9
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_dict_after_close_says_what_close_did(name):
+    """close() stops the engine: a refresh in flight then has no results any more, and
+    state_dict() says so (before: "unknown or already waited-for ticket"). Taken before close(),
+    the state dict holds the refresh, and a later one (after close) is the same; with no
+    refresh in flight the state stays checkpointable after close()."""
+    make_opt, _ = OPTIMIZERS[name]
+    model = make_model("mlp")
+    opt = make_opt(model.parameters(), runtime=ASYNC)
+    train(model, opt, range(1, SPLIT + 1))  # a refresh in flight (see the module's header)
+    opt.close()
+    with pytest.raises(RuntimeError, match=r"state_dict\(\) after close\(\): close\(\) stopped "
+                       r"the engine with a REFRESH in flight \(snapshotted at step [56], to be "
+                       r"installed at step [89]; this run is at step 7\).*Call state_dict\(\) "
+                       r"before close\(\)"):
+        opt.state_dict()
+    model = make_model("mlp")
+    opt = make_opt(model.parameters(), runtime=ASYNC)
+    train(model, opt, range(1, SPLIT + 1))
+    before = opt.state_dict()
+    opt.close()
+    after = opt.state_dict()  # the refresh was waited for before the close: it is kept
+    for i, st in before["state"].items():
+        for k, v in st.items():
+            w = after["state"][i][k]
+            assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w, (i, k)
+    model = make_model("mlp")
+    opt = make_opt(model.parameters(), runtime=ASYNC)
+    train(model, opt, range(1, 4))  # nothing in flight yet
+    opt.close()
+    assert all(st["pending.install_in"] == -1 for st in opt.state_dict()["state"].values()
+               if "pending.install_in" in st)

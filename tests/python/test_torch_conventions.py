@@ -7,8 +7,12 @@ sync and async mode:
 - ``copy.deepcopy`` and pickling give a working optimizer with its own runtime;
 - entries of ``optimizer.state`` that are not a parameter's state, and the four state-dict
   hooks, work as torch.optim has them;
-- complex parameters are rejected up front (the view-as-real path works);
+- complex parameters are optimised as their real view, as torch.optim's optimizers take them
+  (and a real-view parameter the caller keeps works the same);
 - a state dict that does not fit raises a clear error and changes nothing;
+- the group keys torch.optim adds itself (``differentiable`` after any load or copy;
+  ``foreach``, ``maximize``, ``capturable``, ``fused``) may be present or absent in a state
+  dict: a self round trip (accelerate's prepare) or a copy does not break later loads;
 - a Tensor lr with more than one element fails with torch's wording.
 """
 
@@ -183,17 +187,37 @@ def test_non_parameter_state_and_state_dict_hooks(name, mode):
 
 # ---- 4. complex parameters ----------------------------------------------------------------------
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", CLASSES)
-def test_complex_parameters_are_rejected_naming_them(name):
-    z = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))
-    w = torch.nn.Parameter(torch.randn(4, 4))
-    with pytest.raises(ValueError, match=r"parameter 1 of param group 0 is complex.*view_as_real"):
-        CLASSES[name]([w, z], runtime={"mode": "sync"})
-    opt = CLASSES[name]([w], runtime={"mode": "sync"})
-    with pytest.raises(ValueError, match=r"parameter 0 of param group 1 is complex"):
-        opt.add_param_group({"params": [z]})
-    assert len(opt.param_groups) == 1
-    opt.close()
+def test_complex_parameters_are_optimised_as_their_real_view(name, mode):
+    """torch.optim's convention: a complex parameter, given at construction or added later, is
+    optimised as its real view, bitwise as the run on ``torch.view_as_real(p)`` itself
+    (tests/python/test_complex_params.py checks the state, blocks and checkpoints)."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 4)
+    zs = [torch.randn(4, 4, dtype=torch.complex64), torch.randn(3, dtype=torch.complex64)]
+    target = torch.randn(4, 4, dtype=torch.complex64)
+    runs = []
+    for cplx in (True, False):
+        ps = [torch.nn.Parameter(w.clone())] + [
+            torch.nn.Parameter(z.clone() if cplx else torch.view_as_real(z).clone()) for z in zs]
+        c = (lambda p: p) if cplx else torch.view_as_complex
+        opt = CLASSES[name](ps[:2], lr=1e-2, precondition_frequency=2, runtime=MODES[mode])
+        opt.add_param_group({"params": [ps[2]]})
+        losses = []
+        for _ in range(8):
+            opt.zero_grad()
+            loss = ((ps[0] * c(ps[1]) - target).abs().square().mean()
+                    + (c(ps[2]).abs() - 1).square().sum())
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        runs.append(([torch.view_as_real(p.detach()) if p.is_complex() else p.detach()
+                      for p in ps], losses))
+        opt.close()
+    (got, got_losses), (want, want_losses) = runs
+    assert got_losses == want_losses and got_losses[-1] < got_losses[0]
+    assert_same_params(got, want)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -272,6 +296,63 @@ def test_bad_state_entry_kind_is_rejected():
     sd = copy.deepcopy(opt.state_dict())
     sd["state"][0]["b0.bogus"] = torch.zeros(2)
     _unchanged_after(opt, model, sd, r"unexpected key 'b0.bogus'")
+    opt.close()
+
+
+# ---- 6. the group keys torch.optim adds itself ----------------------------------------------
+
+# torch.optim's __setstate__ (the end of every load_state_dict, and of a copy) adds
+# "differentiable" to the defaults; torch's own optimizers keep the other four in their groups
+TORCH_GROUP_KEYS = ("differentiable", "foreach", "maximize", "capturable", "fused")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("name", CLASSES)
+def test_load_after_a_self_round_trip_or_a_copy(name, mode):
+    """accelerate's prepare() does opt.load_state_dict(opt.state_dict()) before a resume loads
+    the checkpoint; a copy goes through the same load. Neither may make a later load demand the
+    keys torch added."""
+    model, opt = make(name, mode)
+    train(model, opt, range(1, 6))
+    saved = opt.state_dict()
+    with_keys = copy.deepcopy(saved)
+    for g in with_keys["param_groups"]:
+        g.update({k: False for k in TORCH_GROUP_KEYS}, foreach=None)
+    model2, opt2 = make(name, mode, seed=1)
+    model2.load_state_dict(model.state_dict())
+    opt2.load_state_dict(opt2.state_dict())  # as accelerate's prepare() does
+    opt2.load_state_dict(saved)
+    model3, fresh = make(name, mode, seed=1)
+    model3.load_state_dict(model.state_dict())
+    model3, opt3 = copy.deepcopy((model3, fresh))
+    opt3.load_state_dict(with_keys)  # torch's keys present load too
+    opt2.load_state_dict(with_keys)
+    opt2.load_state_dict(saved)
+    for m, o in ((model, opt), (model2, opt2), (model3, opt3)):
+        train(m, o, range(6, 12))
+    assert_same_params(params(model), params(model2))
+    assert_same_params(params(model), params(model3))
+    for o in (opt, opt2, fresh, opt3):
+        o.close()
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_another_optimizers_state_dict_is_refused_after_a_self_round_trip(name):
+    model, opt = make(name, "sync")
+    opt.load_state_dict(opt.state_dict())
+    train(model, opt, range(1, 4))
+    adamw = torch.optim.AdamW(model.parameters())  # its groups hold all of torch's keys
+    train(model, adamw, range(1, 3))
+    before = _unchanged_after(opt, model, adamw.state_dict(),
+                              rf"lacks {type(opt).__name__}'s hyperparameter\(s\) \[")
+    with pytest.raises(ValueError) as err:
+        opt.load_state_dict(adamw.state_dict())
+    missing = str(err.value).split("hyperparameter(s) ")[1].split("]")[0]
+    assert not any(k in missing for k in TORCH_GROUP_KEYS), missing  # only its own
+    assert "betas" not in missing and "precondition_frequency" in missing
+    assert before["param_groups"][0].keys() == opt.state_dict()["param_groups"][0].keys()
+    opt.load_state_dict(before)  # its own still loads
+    assert_same_state(before, opt.state_dict())
     opt.close()
 
 

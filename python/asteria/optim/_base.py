@@ -10,6 +10,16 @@ proxy). May call: those, the functional kernels only through its subclasses, tor
 A parameter with a non-finite gradient is skipped entirely (parameter, state, step count and
 refresh schedule untouched) and counted.
 
+Inside the frameworks that drive it: ``step`` is compile-disabled (a compiled function that
+calls it runs it eagerly, a graph break); teardown (``close``, ``__del__``) acts on the object
+that owns the engine only, never through a wrapper that takes on the optimizer's class and
+forwards attributes to it (Lightning's ``LightningOptimizer``).
+
+A complex parameter is optimised as its real view, as torch.optim's optimizers take it: every
+read of a parameter's or gradient's shape, dtype or data goes through ``_state.real``, so its
+blocks, state and checkpoint are those of the real parameter ``torch.view_as_real(p)``.
+Complex DTensors are refused (``add_param_group``).
+
 Distributed runs (``asteria.distributed``, docs/distributed.md): FSDP2 parameters are DTensors and
 the optimizer works on their local shards (``local``), blocked as usual; with the runtime's
 ``fsdp_blocking="global"`` they are blocked whole instead, one owner rank per block
@@ -41,7 +51,7 @@ from asteria.optim._blocking import Layout, make_layout
 from asteria.optim._checkpoint import CheckpointMixin
 from asteria.optim._global import GlobalBlocking, sharded_dim0
 from asteria.optim._schedule import _PENDING, INIT, REFRESH, ScheduleMixin
-from asteria.optim._state import _count, local, shard_tag
+from asteria.optim._state import _count, local, real, shard_tag
 from asteria.optim._tiering import TieringMixin, _close_all
 
 
@@ -168,7 +178,8 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         raise NotImplementedError
 
     def _uses_adamw(self, p: torch.Tensor, group: dict) -> bool:
-        """The method's own rule (1-D / 0-D parameters); see ``_is_adamw``."""
+        """The method's own rule (1-D / 0-D parameters, by the dimensions of ``real(p)``: a
+        complex 1-D parameter's real view is 2-D); see ``_is_adamw``."""
         raise NotImplementedError
 
     def _is_adamw(self, p: torch.Tensor, group: dict) -> bool:
@@ -186,7 +197,7 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
     def _output_specs(self, p: torch.Tensor, group: dict, d: int) -> list:
         """[(shape, dtype)] of the outputs of a REFRESH job of a factor of size d (the
         ``b{j}.pending{dim}.{i}`` placeholders)."""
-        return [((d, d), p.dtype)]
+        return [((d, d), real(p).dtype)]
 
     def _flag_keys(self, p: torch.Tensor, group: dict, layout: Layout) -> list:
         """Names of the number-valued state keys of a preconditioned parameter besides the
@@ -261,13 +272,17 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
             params = list(params)
         param_group = dict(param_group, params=params)
         for i, p in enumerate(params):
-            if isinstance(p, torch.Tensor) and p.is_complex():
+            # a complex parameter is optimised as its real view (``real``); a DTensor's is not
+            # taken: FSDP2 shards and blocks (fsdp_blocking="global") the complex shape, which
+            # its real view's blocks, state and checkpoint keys would not follow
+            if isinstance(p, torch.Tensor) and p.is_complex() and local(p) is not p:
                 raise ValueError(
-                    f"parameter {i} of param group {len(self.param_groups)} is complex "
-                    f"({p.dtype}, shape {tuple(p.shape)}): Asteria optimizers take real "
-                    f"parameters only. Optimise its real view instead: keep "
-                    f"torch.view_as_real(p) as the parameter (a real tensor with a last "
-                    f"dimension of 2) and build the complex value from it in forward with "
+                    f"parameter {i} of param group {len(self.param_groups)} is a complex "
+                    f"DTensor ({p.dtype}, shape {tuple(p.shape)}): Asteria optimises a complex "
+                    f"parameter as its real view (torch.view_as_real), which it does not take "
+                    f"of a sharded (FSDP2) parameter. Allowed: complex plain tensors and real "
+                    f"DTensors; keep torch.view_as_real(p) as the parameter before sharding "
+                    f"and build the complex value from it in forward with "
                     f"torch.view_as_complex")
         merged = dict(self.defaults)
         merged.update({k: v for k, v in param_group.items() if k != "params"})
@@ -329,8 +344,13 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         args = (group["block_size"], self._merge_dims(group), self._max_dim(group))
         if self._global is not None and self._global.has(p):
             return self._global.layout(p, *args)
-        return make_layout(local(p).shape, *args)
+        return make_layout(real(p).shape, *args)
 
+    # torch.compile: a compiled function that calls step() runs it eagerly (a graph break).
+    # Dynamo cannot trace it (the engine, the residency and the schedule are Python objects it
+    # mutates; torch's functional AdamW fails under fake tensors here), and what it calls is
+    # already batched: foreach AdamW, one kernel call per stack of same-shape blocks.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):
         if self._closed:
@@ -387,8 +407,8 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
             idx = [i for i in idx if local(params[i].grad).numel()]  # empty: finite, no value
             if not idx:
                 continue
-            grads = [local(params[i].grad) for i in idx]
-            if device.type == "cpu" and not any(g.is_complex() for g in grads):
+            grads = [real(params[i].grad) for i in idx]
+            if device.type == "cpu":
                 ext = torch.stack([t for g in grads for t in torch.aminmax(g)]).view(-1, 2)
                 flags = torch.isfinite(ext).all(1).tolist()
             else:
@@ -412,13 +432,12 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
                 st["step"] = 0
             if not st:
                 st["step"] = 0
-                st["exp_avg"] = torch.zeros_like(local(p), memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(local(p),
-                                                    memory_format=torch.preserve_format)
+                st["exp_avg"] = torch.zeros_like(real(p), memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(real(p), memory_format=torch.preserve_format)
             st["step"] += 1
         beta1, beta2, eps = self._adamw_hparams(group)
-        data = [local(p) for p in params]
-        F.adamw_step(data, [local(p.grad).to(p.dtype) for p in params],
+        data = [real(p) for p in params]
+        F.adamw_step(data, [real(p.grad).to(w.dtype) for p, w in zip(params, data)],
                      [st["exp_avg"] for st in sts], [st["exp_avg_sq"] for st in sts],
                      [st["step"] for st in sts],
                      lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=eps,
@@ -447,7 +466,8 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
             if phase == "step":
                 st["step"] += 1
                 counts[p] = st["step"]
-            dtype, device = p.dtype, local(p).device
+            rp = real(p)
+            dtype, device = rp.dtype, rp.device
             for j, bshape in enumerate(lay.block_shapes):
                 key = (phase, bshape, dtype, device, self._batch_tag(p, j))
                 stacks[key].append((p, j))
@@ -458,8 +478,8 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         grads, weights = self._global.gather(glob) if glob else ({}, {})  # the owned blocks
         for p in params:
             if p not in grads:
-                grads[p] = self._layouts[p].blocks(local(p.grad))
-                weights[p] = self._layouts[p].blocks(local(p))
+                grads[p] = self._layouts[p].blocks(real(p.grad))
+                weights[p] = self._layouts[p].blocks(real(p))
         work = []
         for (phase, bshape, dtype, _, _), all_members in stacks.items():
             if phase == INIT:
@@ -493,7 +513,7 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
                     if p in glob_set:
                         weights[p][j].copy_(wi)
                     else:
-                        self._layouts[p].write(local(p), j, wi)
+                        self._layouts[p].write(real(p), j, wi)
                 dims = [i for i, h in enumerate(self._has_factor(bshape, group)) if h]
                 if dims:
                     due.extend((REFRESH, p, j, dims) for (p, j), k in zip(members, steps)
@@ -624,30 +644,50 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
 
     def close(self) -> None:
         """Release the engine (workers, buffers; the trace file is written now) and the
-        residency. Idempotent; the optimizer cannot step after."""
-        self._close(detier=True)
+        residency. Idempotent; the optimizer cannot step after. Called on a wrapper that
+        forwards attributes to the optimizer (Lightning's ``LightningOptimizer``), it closes
+        the optimizer the wrapper stands for."""
+        owner = self._engine_owner()
+        if owner is not None:
+            owner._close(detier=True)
+
+    def _engine_owner(self) -> Optional["AsteriaOptimizer"]:
+        """The optimizer whose ``__init__`` made this engine: self, or for an object that only
+        takes on this class and forwards the attributes it lacks (LightningOptimizer: a
+        subclass of the wrapped optimizer's class made without running its ``__init__``), the
+        optimizer its finalizer is registered on. None once that one is closed or gone."""
+        if "_closed" in vars(self):
+            return self
+        fin = getattr(self, "_finalizer", None)  # forwarded to the wrapped optimizer
+        alive = fin.peek() if isinstance(fin, weakref.finalize) else None
+        return alive[0] if alive is not None else None
 
     def _close(self, detier: bool) -> None:
-        if getattr(self, "_closed", True):
+        # the object's own attributes only: read through a wrapper's forwarding __getattr__,
+        # the wrapped optimizer's would make the wrapper's teardown close that one
+        own = vars(self)
+        if own.get("_closed", True):
             return
         if detier:
             self._settle_step_end()  # a step end a signal interrupted: its installs are state
-        if detier and getattr(self, "_offloaded", None):
+        if detier and own.get("_offloaded"):
             self._settle_all_offloaded()
         self._closed = True
         if detier:
             self._detier()
-        fin = getattr(self, "_finalizer", None)
+        fin = own.get("_finalizer")
         if fin is not None:
             fin()
             return
-        engine = getattr(self, "_engine", None)
+        engine = own.get("_engine")
         if engine is not None:
             engine.close()
 
     def __del__(self) -> None:
         try:
-            self._close(detier=False)  # a dying optimizer's state need not be kept
+            # the dying object's own engine only (a dropped wrapper has none); a dying
+            # optimizer's state need not be kept
+            self._close(detier=False)
         except Exception:  # interpreter shutdown: the engine module may already be gone
             pass
 

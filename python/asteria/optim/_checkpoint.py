@@ -30,7 +30,9 @@ Checkpoints through torch.distributed.checkpoint (DCP).
    a plain tensor per rank; DCP keeps one copy of a plain value that several ranks save under
    one name. So its keys carry the shard's tag (``b0.exp_avg@shard1of2``, ``step@shard1of2``;
    ``shard_tag``), live and in ``state_dict()``, and every rank's copy is kept (uneven shards,
-   a different key set per rank included). Resuming needs the same mesh and sharding.
+   a different key set per rank included). Resuming needs the same mesh and sharding: the
+   state of another layout is refused (by DCP's planner on the keys, or by ``load_state_dict``
+   naming the cause and the remedy, ``fsdp_blocking="global"``).
    With ``fsdp_blocking="global"`` (``_global``) the keys name the global blocks instead, each
    on its owner, and the AdamW state is saved as DTensors: a checkpoint resumes on another
    world size.
@@ -48,7 +50,34 @@ import torch
 from asteria.optim._schedule import (_PENDING, _PENDING_AGE, _PENDING_IN, _PENDING_OK,
                                      _PENDING_OK_RE, _PENDING_OUT_RE, AUTO_S, NO_ROUND, REFRESH,
                                      _Round)
-from asteria.optim._state import _TAG_RE, _TAG_SEP, _count, _ParamState, _States, local
+from asteria.optim._state import _TAG_RE, _TAG_SEP, _count, _ParamState, _States, real
+
+
+#: group keys torch.optim itself puts into an optimizer's defaults or groups, none of them a
+#: hyperparameter of these optimizers: torch's __setstate__ (the end of every load_state_dict,
+#: of a copy and of an unpickling) adds "differentiable" to the defaults, so an optimizer that
+#: was loaded once (accelerate's prepare() loads its own state dict) would otherwise demand it
+#: of every later state dict; torch's own optimizers store all five in their groups. A loaded
+#: state dict may have them or not.
+TORCH_GROUP_KEYS = frozenset({"differentiable", "foreach", "maximize", "capturable", "fused"})
+
+
+def _shard_words(tag) -> str:
+    """``shard1of2`` -> "shard 1 of 2 (fsdp_blocking='local')"; None -> an unsharded one."""
+    if tag is None:
+        return "an unsharded parameter (one rank, or no FSDP)"
+    return f"shard {tag[len('shard'):].replace('of', ' of ')} (fsdp_blocking='local')"
+
+
+def _layout_mismatch(key: str, who: str, saved: str, here: str) -> str:
+    """The refusal of a checkpoint of another shard layout: what, why, and the remedy."""
+    return (f"load_state_dict: optimizer state key {key!r} of {who} was saved for {saved}, this "
+            f"rank has {here}. With fsdp_blocking='local' each rank's state is that of the "
+            f"blocks cut from its own shard, so a checkpoint is tied to the shard layout it "
+            f"was saved with: it resumes on the same mesh and sharding only (the same world "
+            f"size). To resume on another world size, train with "
+            f"runtime={{'fsdp_blocking': 'global'}}: its blocks are those of the whole "
+            f"parameter and torch.distributed.checkpoint reshards its checkpoints")
 
 
 @contextlib.contextmanager
@@ -71,7 +100,9 @@ class CheckpointMixin:
         a refresh in flight is waited for and stored, not installed, in its
         ``b{j}.pending{dim}.{i}`` tensors (flag ``b{j}.pending{dim}_ok`` = 1) with
         ``pending.install_in`` / ``pending.age``; without one they are zeros, flags 0 and
-        ``pending.install_in`` = -1.
+        ``pending.install_in`` = -1. After ``close()`` the state is still there, but a refresh
+        that was in flight at the close is gone with the engine: then it raises RuntimeError
+        saying so (call it before ``close()``).
 
         The state of a DTensor parameter sharded over several ranks (FSDP2) is its local
         shard's, under keys tagged with the shard (``b0.exp_avg@shard1of2``, ``step@...``, as
@@ -81,6 +112,15 @@ class CheckpointMixin:
         ValueError on another shard's keys)."""
         self._settle_step_end()
         self._settle_all_offloaded()
+        lost = [r for r in self._rounds if r.outputs is None] if self._closed else []
+        if lost:  # close() stopped the engine: the results of these rounds no longer exist
+            r = lost[0]
+            raise RuntimeError(
+                f"state_dict() after close(): close() stopped the engine with a REFRESH in "
+                f"flight (snapshotted at step {r.snapshot_step}, to be installed at step "
+                f"{r.install_step}; this run is at step {self._t}), and its results went with "
+                f"it, so this state would not resume the run's trajectory. Call state_dict() "
+                f"before close(): it waits for the refresh and stores its results")
         for rnd in self._rounds:
             rnd.resolve(self._engine)
         # torch's post hooks must see the state dict as returned: they run after ours is built
@@ -134,7 +174,8 @@ class CheckpointMixin:
 
     def _untag(self, state_dict: dict) -> dict:
         """A loaded state dict under the optimizer's key names: a sharded parameter's own tag
-        stripped; another shard's tag (another mesh or rank) is a ValueError."""
+        stripped; another shard's tag (another mesh, rank or world size), or an untagged key
+        of a parameter sharded here, is a ValueError naming the cause and the remedy."""
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         state = dict(state_dict["state"])
@@ -147,16 +188,17 @@ class CheckpointMixin:
                 state[i] = tag.internal_state(st, self._describe_param(self._pindex[p]))
                 continue
             out = {}
+            who = self._describe_param(self._pindex[p])
             for k, v in st.items():
                 m = _TAG_RE.search(k) if isinstance(k, str) else None
                 if m is not None and m.end() == len(k):
                     if m.group(0) != _TAG_SEP + str(tag):
-                        here = f"shard {tag}" if tag else "an unsharded parameter"
-                        raise ValueError(
-                            f"optimizer state key {k!r} of parameter {self._pindex[p]} belongs "
-                            f"to shard {m.group(0)[1:]}, this rank has {here}: a sharded "
-                            f"checkpoint resumes on the same mesh and sharding only")
+                        raise ValueError(_layout_mismatch(k, who, _shard_words(m.group(0)[1:]),
+                                                          _shard_words(tag)))
                     k = k[:m.start()]
+                elif tag is not None and isinstance(k, str):
+                    raise ValueError(_layout_mismatch(k, who, _shard_words(None),
+                                                      _shard_words(tag)))
                 out[k] = v
             state[i] = out
         return dict(state_dict, state=state)
@@ -254,7 +296,7 @@ class CheckpointMixin:
                 raise ValueError(f"load_state_dict: param group {gi} of the state dict has "
                                  f"{len(ids)} parameters, this {name}'s has "
                                  f"{len(live['params'])}")
-            missing = [k for k in self.defaults if k not in saved]
+            missing = [k for k in self.defaults if k not in saved and k not in TORCH_GROUP_KEYS]
             if missing:
                 raise ValueError(f"load_state_dict: param group {gi} of the state dict lacks "
                                  f"{name}'s hyperparameter(s) {missing}: it was saved by another "
@@ -276,7 +318,7 @@ class CheckpointMixin:
         (keys, shapes, kinds) and converted: tensors copied to the parameter's device in the
         dtype this optimizer keeps them in."""
         who = self._describe_param(self._pindex[p])
-        lp = local(p)
+        lp = real(p)
 
         def bad(msg):
             return ValueError(f"load_state_dict: the state of {who} {tuple(lp.shape)} does not "

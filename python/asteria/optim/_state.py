@@ -2,7 +2,9 @@
 
 Owns: how a parameter's state looks from outside (``_ParamState``: plain device tensors plus
 "virtual" entries for roots / eigenbases that live in a Residency; keys tagged per shard for a
-DTensor sharded over several ranks) and the shard tags themselves. Holds its optimizer weakly:
+DTensor sharded over several ranks), the shard tags themselves, and the tensor the optimizer
+works on for a parameter or gradient (``local``: a DTensor's shard; ``real``: a complex
+tensor's real view, the one home of that mapping). Holds its optimizer weakly:
 the state must never own the optimizer (with the cycle collector off, as OLMo-core trains, a
 cycle would keep the optimizer, its workers and buffers alive). May call: torch, the optimizer
 it belongs to (through a weak reference). Single-threaded (the training thread).
@@ -26,6 +28,18 @@ def local(t):
     if mod is not None and isinstance(t, mod.DTensor):
         return t.to_local()
     return t
+
+
+def real(t):
+    """A parameter's (or its gradient's) local tensor as the optimizer works on it: a complex
+    one is its real view (``torch.view_as_real``: a trailing dimension of 2 holding the real
+    and imaginary parts, sharing the storage), as torch.optim's optimizers take complex
+    parameters; anything else is ``local(t)``. So a complex parameter's shape, dtype, blocks,
+    state and checkpoint are those of a real parameter of shape ``p.shape + (2,)``. The one
+    place that maps complex to real: every read of a parameter's or gradient's shape, dtype or
+    data goes through it (complex DTensors are refused in ``add_param_group``)."""
+    t = local(t)
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 _TAG_SEP = "@"

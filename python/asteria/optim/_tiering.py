@@ -52,7 +52,7 @@ import torch
 from asteria.tiers import plan as _placement
 from asteria.tiers import residency as _tiered_mod
 from asteria.refresh import select as _select
-from asteria.optim._state import _ParamState, _States, local
+from asteria.optim._state import _ParamState, _States, local, real
 
 
 #: Keep the device-resident state of a stack of same-shape blocks packed in one buffer, so
@@ -142,7 +142,7 @@ class TieringMixin:
         out = []
         for group in self.param_groups:
             for p in group["params"]:
-                lp = local(p)
+                lp = real(p)
                 pidx = self._pindex[p]
                 itemsize = lp.element_size()
                 if lp.numel() == 0 or self._is_adamw(p, group):

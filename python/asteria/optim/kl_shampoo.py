@@ -24,7 +24,7 @@ import torch
 
 from asteria.optim import functional as F
 from asteria.optim._base import (INIT, AsteriaOptimizer, check_common, eigh_input, init_bases,
-                                 install_bases, is_int, require)
+                                 install_bases, is_int, real, require)
 
 _FACTOR = re.compile(r"b\d+\.S\d+")
 
@@ -98,7 +98,7 @@ class KLShampoo(AsteriaOptimizer):
         return sb if sb >= 0 else group["betas"][1]
 
     def _uses_adamw(self, p, group):
-        return p.dim() <= 1
+        return real(p).dim() <= 1
 
     def _adamw_hparams(self, group):
         return group["betas"][0], group["betas"][1], group["eps"]

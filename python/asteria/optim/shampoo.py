@@ -24,7 +24,7 @@ from typing import Optional, Union
 import torch
 
 from asteria.optim import functional as F
-from asteria.optim._base import AsteriaOptimizer, check_common, is_int, local, require
+from asteria.optim._base import AsteriaOptimizer, check_common, is_int, real, require
 
 _ZERO_AFTER_FAKE = re.compile(r"b\d+\.(?:L\d+|momentum|grafting_v)")
 
@@ -80,7 +80,7 @@ class Shampoo(AsteriaOptimizer):
                 "None, a root p > 0, or a dict {order: p}")
 
     def _uses_adamw(self, p, group):
-        return p.dim() <= 1
+        return real(p).dim() <= 1
 
     def _adamw_hparams(self, group):
         return group["betas"][0], group["grafting_beta2"], group["grafting_epsilon"]
@@ -91,13 +91,14 @@ class Shampoo(AsteriaOptimizer):
     def _create_state(self, p, group, layout):
         st = self.state[p]
         st["step"] = 0
+        rp = real(p)
         for j, shape in enumerate(layout.block_shapes):
-            st[f"b{j}.momentum"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
-            st[f"b{j}.grafting_v"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
+            st[f"b{j}.momentum"] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
+            st[f"b{j}.grafting_v"] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
             for i, has in enumerate(self._has_factor(shape, group)):
                 if has:
-                    st[f"b{j}.L{i}"] = torch.zeros(shape[i], shape[i], dtype=p.dtype,
-                                                   device=p.device)
+                    st[f"b{j}.L{i}"] = torch.zeros(shape[i], shape[i], dtype=rp.dtype,
+                                                   device=rp.device)
 
     def _flag_keys(self, p, group, layout):
         return [f"b{j}.Linv{i}_set" for j, shape in enumerate(layout.block_shapes)
@@ -111,8 +112,9 @@ class Shampoo(AsteriaOptimizer):
                 if has and flag not in st:
                     st[flag] = int(self._root_has(p, f"b{j}.Linv{i}"))
                     if not st[flag]:
+                        rp = real(p)
                         self._root_set(p, f"b{j}.Linv{i}", torch.zeros(
-                            shape[i], shape[i], dtype=p.dtype, device=local(p).device))
+                            shape[i], shape[i], dtype=rp.dtype, device=rp.device))
         super()._fixed_state(p, group, layout)
 
     def _fake_step_tensors(self, p):
@@ -120,7 +122,7 @@ class Shampoo(AsteriaOptimizer):
         return [v for k, v in dict.items(st) if _ZERO_AFTER_FAKE.fullmatch(k)]
 
     def _state_spec(self, p, group, layout):
-        dt = p.dtype
+        dt = real(p).dtype
         out = []
         for j, shape in enumerate(layout.block_shapes):
             out += [(f"b{j}.momentum", "moments", shape, dt),

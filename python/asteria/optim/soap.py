@@ -31,7 +31,7 @@ from asteria.optim import functional as F
 from asteria.refresh.ops import soap_rotate
 from asteria.optim._tiering import same_memory
 from asteria.optim._base import (INIT, AsteriaOptimizer, check_common, eigh_input, init_bases,
-                                 install_bases, is_int, local, require)
+                                 install_bases, is_int, local, real, require)
 
 _FACTOR = re.compile(r"b\d+\.GG\d+")
 
@@ -103,13 +103,14 @@ class SOAP(AsteriaOptimizer):
         return sb if sb >= 0 else group["betas"][1]
 
     def _uses_adamw(self, p, group):
-        return p.dim() == 0 or (p.dim() == 1 and not group["precondition_1d"])
+        d = real(p).dim()
+        return d == 0 or (d == 1 and not group["precondition_1d"])
 
     def _adamw_hparams(self, group):
         return group["betas"][0], group["betas"][1], group["eps"]
 
     def _output_specs(self, p, group, d):
-        return [((d, d), p.dtype), ((d,), torch.int64)]  # soap_qr: (Q, sort order)
+        return [((d, d), real(p).dtype), ((d,), torch.int64)]  # soap_qr: (Q, sort order)
 
     def _fake_step_tensors(self, p):
         st = self.state[p]  # a fake step's factors are zero (its bases the identity, from them)
@@ -127,12 +128,13 @@ class SOAP(AsteriaOptimizer):
     def _create_state(self, p, group, layout):
         st = self.state[p]
         st["step"] = 0
+        rp = real(p)
         for j, shape in enumerate(layout.block_shapes):
-            st[f"b{j}.exp_avg"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
-            st[f"b{j}.exp_avg_sq"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
+            st[f"b{j}.exp_avg"] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
+            st[f"b{j}.exp_avg_sq"] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
 
     def _state_spec(self, p, group, layout):
-        dt = p.dtype
+        dt = real(p).dtype
         out = []
         for j, shape in enumerate(layout.block_shapes):
             out += [(f"b{j}.exp_avg", "moments", shape, dt),

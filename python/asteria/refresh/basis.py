@@ -10,11 +10,11 @@ for every LAPACK, process count and executor, and SOAP's Adam statistics, kept e
 that basis, inherit the difference. Here those columns are replaced by a basis that depends
 only on the factor's range and on candidate vectors the caller supplies:
 
-- ``eigh``: eigenvalues |w| <= n eps_m max |w| are null (the floor the inverse roots use,
-  signed so that an indefinite matrix's negative eigenvalues stay in the range); the range part
+- ``eigh``: eigenvalues |w| <= n eps_m max |w| are null (``null_tol``, the floor the inverse
+  roots use; absolute, so that an indefinite matrix's negative eigenvalues stay in the range); the range part
   is the other eigenvectors; the null part is ``complete`` of the identity's
   columns at the null positions (the basis SOAP starts from).
-- ``soap_qr`` (``kl_qr`` alike, with no sorting): C = F Q[:, perm]; a column of C whose QR diagonal |R_kk| <= n eps_m max|R| is
+- ``soap_qr`` (``kl_qr`` alike, with no sorting): C = F Q[:, perm]; a column of C whose QR diagonal |R_kk| <= 8 n eps_m max|R| (``QR_TOL_SAFETY``) is
   dependent on the columns before it. The range part is the QR of the independent columns
   alone (so no noise column is orthogonalised against), placed at their positions; the null
   part is ``complete`` of the previous basis's columns at the dependent positions, so a
@@ -36,9 +36,15 @@ import math
 
 import torch
 
+#: a refresh's dependent columns are those within this many times ``null_tol``: a truly
+#: dependent column's residual carries the rounding of the factor's accumulation (its EMA over
+#: steps) as well as the QR's own, measured at up to 42 eps_m max|R| for n = 24 in float64
+#: (src/linalg.c's QR_TOL_SAFETY)
+QR_TOL_SAFETY = 8
 
 def null_tol(scale: torch.Tensor, n: int) -> torch.Tensor:
-    """n eps_m scale: what is rounding noise next to ``scale`` in a factor of size n."""
+    """n eps_m scale: what is rounding noise next to ``scale`` in a factor of size n (the floor
+    of the inverse roots; eigh's null space)."""
     return n * torch.finfo(scale.dtype).eps * scale
 
 
@@ -127,7 +133,7 @@ def qr_basis(c: torch.Tensor, q_prev: torch.Tensor) -> torch.Tensor:
     n = c.shape[-1]
     qn, r = torch.linalg.qr(c)
     rd = r.diagonal(dim1=-2, dim2=-1).abs()
-    tol = null_tol(rd.amax(-1, keepdim=True), n)
+    tol = QR_TOL_SAFETY * null_tol(rd.amax(-1, keepdim=True), n)
     dep = rd <= tol
     if not bool(dep.any()):
         return qn
