@@ -778,6 +778,43 @@ static int qr_canonical(const kern *K, int n, const char *c_cm, const ranked *r,
     return rc;
 }
 
+/* The common case of qr_canonical: the dependent columns are the trailing n - m, so the QR of
+ * the independent ones is the first m columns of the full QR's Q (g_cm), and its other columns W
+ * are an orthonormal basis of their complement. The completion from the previous basis's columns
+ * cand (q's columns r[j].i, j >= m) is then W qr(W^T cand) with Gram-Schmidt's signs, written
+ * over W. AST_ENOCONV when a candidate falls short of complete()'s threshold (the caller takes
+ * the general path). */
+static int complete_trailing(const kern *K, int n, int m, void *g_cm, const ranked *r, const void *q)
+{
+    const int d = n - m;
+    const size_t es = K->es, col = (size_t)n * es;
+    size_t sz[4] = {(size_t)d * col, (size_t)d * d * es, (size_t)d * col, (size_t)d * sizeof(double)};
+    void *buf[4];
+    void *base = ws_alloc(4, sz, buf);
+    if (!base)
+        return AST_ENOMEM;
+    char *cand = buf[0], *w = (char *)g_cm + (size_t)m * col, *mm = buf[1];
+    double *rd = buf[3];
+    for (int j = 0; j < d; j++)
+        for (int i = 0; i < n; i++)
+            K->set(cand, (size_t)j * n + i, K->get(q, (size_t)i * n + (size_t)r[m + j].i));
+    K->gemm_cm(CblasTrans, CblasNoTrans, d, d, n, 1.0, w, n, cand, n, 0.0, mm, d);
+    int rc = qr_cols(K, d, d, mm, rd);
+    const double delta = 0.5 / sqrt((double)n);
+    for (int j = 0; rc == 0 && j < d; j++)
+        if (!(fabs(rd[j]) > delta))
+            rc = AST_ENOCONV;
+    if (rc == 0) {
+        for (int j = 0; j < d; j++)
+            if (rd[j] < 0)
+                K->scal(d, -1.0, mm + (size_t)j * d * es);
+        K->gemm_cm(CblasNoTrans, CblasNoTrans, n, d, d, 1.0, w, n, mm, d, 0.0, buf[2], n);
+        memcpy(w, buf[2], (size_t)d * col);
+    }
+    free(base);
+    return rc;
+}
+
 /* Q_new of a QR refresh into the row-major out: the QR of g_cm = C = (F Q)[:, s] (overwritten),
  * canonical where C has dependent columns (qr_canonical: c_cm = F Q, s = r[j].i, q the previous
  * basis); rd: n doubles of workspace. */
@@ -791,13 +828,25 @@ static int qr_refresh_q(const kern *K, int n, const char *c_cm, void *g_cm, cons
     for (int j = 0; j < n; j++)
         rmax = fmax(rmax, fabs(rd[j]));
     const double tol = QR_TOL_SAFETY * null_tol(K, n, rmax);
-    int dependent = 0;
-    for (int j = 0; j < n; j++)
-        dependent |= fabs(rd[j]) <= tol;
-    if (dependent)
-        return qr_canonical(K, n, c_cm, r, q, rd, tol, out);
-    K->transpose(n, g_cm, out, 0);
-    return 0;
+    int m = 0, trailing = 1;
+    while (m < n && fabs(rd[m]) > tol)
+        m++;
+    for (int j = m; j < n; j++)
+        trailing &= fabs(rd[j]) <= tol;
+    if (m == n) {
+        K->transpose(n, g_cm, out, 0);
+        return 0;
+    }
+    if (m > 0 && trailing) {
+        rc = complete_trailing(K, n, m, g_cm, r, q);
+        if (rc == 0) {
+            K->transpose(n, g_cm, out, 0);
+            return 0;
+        }
+        if (rc != AST_ENOCONV)
+            return rc;
+    }
+    return qr_canonical(K, n, c_cm, r, q, rd, tol, out);
 }
 
 /* F Q[:, s] = (F Q)[:, s]: permuting the product's columns equals the product with permuted

@@ -27,6 +27,9 @@ only on the factor's range and on candidate vectors the caller supplies:
   candidates, which is how it is computed.
 
 A full-rank factor takes none of this: its result is the plain decomposition's, bit for bit.
+When the dependent columns are the trailing ones (the usual case: SOAP sorts its columns by
+decreasing diag(Q^T F Q)), the full QR already holds the range part and an orthonormal basis W
+of its complement, and the completion is W qr(W^T cand): a d x d QR instead of two n-row ones.
 Batched: only the rank-deficient entries of a batch take the per-entry path. May call: torch.
 """
 
@@ -74,17 +77,19 @@ def complete(u: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
         rd = ry.diagonal()
         if bool((rd.abs() > delta).all()):
             return qy * torch.sign(rd)
-    basis, accepted = u, []
+    basis = torch.empty(n, n, dtype=u.dtype, device=u.device)  # u, then what is accepted
+    basis[:, :r] = u
+    have = r
     eye = torch.eye(n, dtype=u.dtype, device=u.device)
     for c in torch.cat([cand, eye], 1).unbind(1):
-        y = _project_off(basis, c.unsqueeze(1))
-        nrm = torch.linalg.vector_norm(y)
-        if float(nrm) > delta:
-            accepted.append(y / nrm)
-            basis = torch.cat([basis, accepted[-1]], 1)
-            if len(accepted) == need:
+        y = _project_off(basis[:, :have], c.unsqueeze(1))
+        nrm = float(torch.linalg.vector_norm(y))
+        if nrm > delta:
+            basis[:, have:have + 1] = y / nrm
+            have += 1
+            if have == n:
                 break
-    return torch.cat(accepted, 1)
+    return basis[:, r:]
 
 
 def _with_null(range_cols: torch.Tensor, null: torch.Tensor, null_cols: torch.Tensor) -> torch.Tensor:
@@ -139,6 +144,29 @@ def qr_basis(c: torch.Tensor, q_prev: torch.Tensor) -> torch.Tensor:
         return qn
     qn = qn.clone()
     for b in dep.any(-1).nonzero().flatten().tolist():
+        trailing = _complete_trailing(qn[b], dep[b], q_prev[b])
+        if trailing is not None:
+            qn[b] = trailing
+            continue
         u, d = _independent(c[b], dep[b], tol[b])
         qn[b] = _with_null(u, d, complete(u, q_prev[b][:, d]))
     return qn
+
+
+def _complete_trailing(q: torch.Tensor, dep: torch.Tensor, q_prev: torch.Tensor):
+    """The common case: the dependent columns are the trailing n - m (m > 0), so the QR of the
+    independent ones is q's first m columns and its others, W, are an orthonormal basis of
+    their complement; the completion is then W qr(W^T cand) with Gram-Schmidt's signs. None
+    where that does not apply or a candidate falls short (the general path decides then)."""
+    n = q.shape[-1]
+    m = int((~dep).sum())
+    if m == 0 or bool(dep[:m].any()):
+        return None
+    w = q[:, m:]
+    qm, rm = torch.linalg.qr(w.transpose(0, 1) @ q_prev[:, m:])
+    rd = rm.diagonal()
+    if not bool((rd.abs() > accept_tol(n)).all()):
+        return None
+    out = q.clone()
+    out[:, m:] = w @ (qm * torch.sign(rd))
+    return out
