@@ -15,25 +15,33 @@
 #if ASTERIA_HAVE_CUDA
 #include <cuda_runtime.h>
 
+int ast__cuda_status(int status, const char *call, char *err, size_t len)
+{
+    cudaError_t e = (cudaError_t)status;
+    if (e == cudaSuccess)
+        return 0;
+    /* Taken out of the thread's slot before anything else runs on this thread (cuda_mem.h). */
+    (void)cudaGetLastError();
+    if (err && len)
+        snprintf(err, len, "%s: %s (%s)", call, cudaGetErrorString(e), cudaGetErrorName(e));
+    return e == cudaErrorNotReady ? AST__CUDA_NOT_READY : AST_ECUDA;
+}
+
+/* A memory call that did not succeed: AST_ECUDA (NotReady from a synchronous call is one too). */
 static int cuda_fail(cudaError_t e, const char *call, size_t nbytes, char *err, size_t len)
 {
-    /* The runtime also keeps e as the thread's last error; code that checks cudaGetLastError()
-     * after its own launches (PyTorch does) would otherwise blame itself for our failure. */
-    cudaGetLastError();
-    if (err && len)
-        snprintf(err, len, "%s(%zu bytes): %s (%s)", call, nbytes, cudaGetErrorString(e),
-                 cudaGetErrorName(e));
-    return AST_ECUDA;
+    char what[96];
+    snprintf(what, sizeof what, "%s(%zu bytes)", call, nbytes);
+    int rc = ast__cuda_status(e, what, err, len);
+    return rc < 0 ? rc : AST_ECUDA;
 }
 
 int ast__cuda_device_count(void)
 {
     int n = 0;
     /* No driver, an old driver or no device all come back as errors here: they mean "none". */
-    if (cudaGetDeviceCount(&n) != cudaSuccess) {
-        cudaGetLastError(); /* likewise: none of our business to leave behind */
+    if (ast__cuda_status(cudaGetDeviceCount(&n), "cudaGetDeviceCount", NULL, 0))
         return 0;
-    }
     return n > 0 ? n : 0;
 }
 
@@ -64,8 +72,9 @@ int ast__cuda_malloc(void **out, size_t nbytes, char *err, size_t len)
     if (e == cudaSuccess)
         e = cudaStreamSynchronize(0);
     if (e != cudaSuccess) {
-        cudaFree(p);
-        return cuda_fail(e, "cudaMemset", nbytes, err, len);
+        int rc = cuda_fail(e, "cudaMemset", nbytes, err, len);
+        ast__cuda_status(cudaFree(p), "cudaFree", NULL, 0);
+        return rc;
     }
     *out = p;
     return 0;
@@ -77,12 +86,52 @@ int ast__cuda_free(void *p, char *err, size_t len)
     return e == cudaSuccess ? 0 : cuda_fail(e, "cudaFree", 0, err, len);
 }
 
+/* Managed blocks are host memory that the device reads in place, through its own page tables:
+ * preferred location the host, mapped for the current device. Without this advice the first
+ * device access migrates the pages into device memory (page faults, on x86 where
+ * concurrentManagedAccess is what makes the tier usable) and they stay there until the host
+ * touches them again: the tier would take device memory that every byte count reports as host.
+ * Where the device uses the host's page tables (pageableMemoryAccessUsesHostPageTables) the
+ * advice changes nothing. CUDA 13 takes a cudaMemLocation, CUDA 12 a device ordinal. */
+static cudaError_t advise_host_resident(void *p, size_t n, const char **call)
+{
+    int dev;
+    cudaError_t e;
+    *call = "cudaGetDevice";
+    if ((e = cudaGetDevice(&dev)) != cudaSuccess)
+        return e;
+#if CUDART_VERSION >= 13000
+    const struct cudaMemLocation host = {.type = cudaMemLocationTypeHost, .id = 0};
+    const struct cudaMemLocation gpu = {.type = cudaMemLocationTypeDevice, .id = dev};
+    *call = "cudaMemAdvise(SetPreferredLocation host)";
+    if ((e = cudaMemAdvise(p, n, cudaMemAdviseSetPreferredLocation, host)) != cudaSuccess)
+        return e;
+    *call = "cudaMemAdvise(SetAccessedBy device)";
+    return cudaMemAdvise(p, n, cudaMemAdviseSetAccessedBy, gpu);
+#else
+    *call = "cudaMemAdvise(SetPreferredLocation host)";
+    if ((e = cudaMemAdvise(p, n, cudaMemAdviseSetPreferredLocation, cudaCpuDeviceId)) !=
+        cudaSuccess)
+        return e;
+    *call = "cudaMemAdvise(SetAccessedBy device)";
+    return cudaMemAdvise(p, n, cudaMemAdviseSetAccessedBy, dev);
+#endif
+}
+
 int ast__cuda_managed_alloc(void **out, size_t nbytes, char *err, size_t len)
 {
     void *p = NULL;
+    const char *call = "cudaMallocManaged";
     cudaError_t e = cudaMallocManaged(&p, nbytes ? nbytes : 1, cudaMemAttachGlobal);
     if (e != cudaSuccess)
-        return cuda_fail(e, "cudaMallocManaged", nbytes, err, len);
+        return cuda_fail(e, call, nbytes, err, len);
+    /* a block the device cannot read in place is not this tier's: refused, so that the
+     * planner's probe falls back to pinned memory and the staging ring */
+    if ((e = advise_host_resident(p, nbytes ? nbytes : 1, &call)) != cudaSuccess) {
+        int rc = cuda_fail(e, call, nbytes, err, len);
+        ast__cuda_status(cudaFree(p), "cudaFree", NULL, 0);
+        return rc;
+    }
     /* Zeroed from the host: ordered with the caller's next host access, unlike cudaMemset. */
     memset(p, 0, nbytes);
     *out = p;

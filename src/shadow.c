@@ -4,8 +4,12 @@
  *
  * Owns: the shadow stream, the two rings (memory, slot descriptors, per-slot events), the
  * copy statistics and the last-error text. May call: the CUDA runtime (streams, events, async
- * copies; cudaError_t is translated in cuda_fail() below, the stream/event counterpart of
- * cuda_mem.c, which serves the allocations), trace.h, util.h, libc.
+ * copies; every cudaError_t is read by ast__cuda_status of cuda_mem.h, which also serves the
+ * allocations), trace.h, util.h, libc.
+ *
+ * Priority: the stream has the lowest priority of the device's range. That is the priority of
+ * PyTorch's default streams too, so copies here compete with training on equal terms; training
+ * that must win runs on a stream of higher priority (torch.cuda.Stream(priority=-1)).
  *
  * One code path for both backends: every ring operation, slot state change and statistic is
  * shared; only the four be_* functions (copy, query, wait, record a release) differ, and on the
@@ -18,6 +22,26 @@
  *   oldest live slot; its bytes return to the ring.
  * A slot in ISSUING is never reclaimed, handed out or released, so the copy may be enqueued
  * without the lock while the slot's bytes stay reserved.
+ *
+ * Stream ordering (CUDA path). Every copy runs on the shadow stream and ends by recording its
+ * slot's done event.
+ *   snapshot (D2H into a pinned slot): the shadow stream first waits on the caller's event
+ *   (recorded on the producer's stream after it wrote the source); host threads read the slot
+ *   only after the done event passed (snapshot_wait / snapshot_query); a producer that
+ *   overwrites the source in place makes its stream wait on snapshot_event first. The slot is
+ *   reused after snapshot_release, which its last host reader calls: no stream reads a
+ *   snapshot slot.
+ *   prefetch (H2D into a device slot): the consumer's stream waits on the done event
+ *   (ready_event) or a host thread waits for it (prefetch_wait; lookup polls). release_after
+ *   records the slot's release event on the consumer's stream after the reads it queued; the
+ *   slot's bytes return to the ring only once that event has passed (ring_reclaim), so a later
+ *   copy never overwrites bytes a queued consumer kernel has yet to read. release (no event) is
+ *   for a consumer that has finished reading (the host path, or after a synchronisation).
+ * Every status from the runtime goes through ast__cuda_status (cuda_mem.h), which also takes
+ * it out of the calling thread's last-error slot: cudaEventQuery answers cudaErrorNotReady on
+ * every poll of a copy in flight (snapshot_query, snapshot_wait's first poll, lookup, and the
+ * release events' queries in every reclaim: prefetch, release, stats), and the slot it would
+ * otherwise leave is the one PyTorch checks after each kernel launch.
  *
  * Locking: sh->mu guards both rings (offsets, sequence numbers, slot states), the statistics
  * and err (the last-error text). It is held around non-blocking CUDA calls only (cudaEventQuery,
@@ -96,30 +120,47 @@ struct ast_shadow {
 /* ---- backend: the only code that differs between CUDA and host ------------------------------ */
 
 #if ASTERIA_HAVE_CUDA
+/* A call that did not succeed, through the one reader of CUDA statuses (cuda_mem.h), which
+ * also clears the thread's last-error slot. NotReady from a call that waits is an error too. */
 static int cuda_fail(cudaError_t e, const char *call, char *err, size_t len)
 {
-    if (err && len)
-        snprintf(err, len, "%s: %s (%s)", call, cudaGetErrorString(e), cudaGetErrorName(e));
-    return AST_ECUDA;
+    int rc = ast__cuda_status(e, call, err, len);
+    return rc < 0 ? rc : AST_ECUDA;
 }
 
-/* Makes sh's device current for the calling thread; *prev receives the one to restore. */
-static void dev_enter(const ast_shadow *sh, int *prev)
+/* Makes sh's device current for the calling thread; *prev receives the one to restore (-1:
+ * nothing to restore). Failing to make it current is an error of the call: every copy, event
+ * and slot of sh belongs to that device. */
+static int dev_enter(ast_shadow *sh, int *prev)
 {
+    char err[256];
+    cudaError_t e;
     *prev = -1;
-    if (sh->cuda && cudaGetDevice(prev) == cudaSuccess && *prev != sh->device)
-        cudaSetDevice(sh->device);
+    if (!sh->cuda)
+        return 0;
+    if ((e = cudaGetDevice(prev)) != cudaSuccess) {
+        *prev = -1;
+        cuda_fail(e, "cudaGetDevice", err, sizeof err);
+        return ast__set_error(&sh->err, &sh->mu, AST_ECUDA, "device %d: %s", sh->device, err);
+    }
+    if (*prev != sh->device && (e = cudaSetDevice(sh->device)) != cudaSuccess) {
+        *prev = -1;
+        cuda_fail(e, "cudaSetDevice", err, sizeof err);
+        return ast__set_error(&sh->err, &sh->mu, AST_ECUDA, "device %d: %s", sh->device, err);
+    }
+    return 0;
 }
 
 static void dev_leave(const ast_shadow *sh, int prev)
 {
     if (sh->cuda && prev >= 0 && prev != sh->device)
-        cudaSetDevice(prev);
+        ast__cuda_status(cudaSetDevice(prev), "cudaSetDevice", NULL, 0);
 }
 #else
-static void dev_enter(const ast_shadow *sh, int *prev)
+static int dev_enter(ast_shadow *sh, int *prev)
 {
     *prev = -1;
+    return 0;
 }
 
 static void dev_leave(const ast_shadow *sh, int prev)
@@ -157,12 +198,10 @@ static int be_passed(ast_shadow *sh, void *ev, char *err, size_t len)
 {
 #if ASTERIA_HAVE_CUDA
     if (sh->cuda) {
-        cudaError_t e = cudaEventQuery((cudaEvent_t)ev);
-        if (e == cudaSuccess)
-            return 1;
-        if (e == cudaErrorNotReady)
-            return 0;
-        return cuda_fail(e, "cudaEventQuery", err, len);
+        /* NotReady is the common answer here, and the runtime keeps it in the thread's
+         * last-error slot: ast__cuda_status takes it out (cuda_mem.h says why) */
+        int rc = ast__cuda_status(cudaEventQuery((cudaEvent_t)ev), "cudaEventQuery", err, len);
+        return rc == 0 ? 1 : rc == AST__CUDA_NOT_READY ? 0 : rc;
     }
 #endif
     return 1;
@@ -431,9 +470,11 @@ static void ring_free(ast_shadow *sh, ring *r)
         for (unsigned i = 0; i < r->max; i++) {
 #if ASTERIA_HAVE_CUDA
             if (r->slots[i].done_ev)
-                cudaEventDestroy((cudaEvent_t)r->slots[i].done_ev);
+                ast__cuda_status(cudaEventDestroy((cudaEvent_t)r->slots[i].done_ev),
+                                 "cudaEventDestroy", NULL, 0);
             if (r->slots[i].release_ev)
-                cudaEventDestroy((cudaEvent_t)r->slots[i].release_ev);
+                ast__cuda_status(cudaEventDestroy((cudaEvent_t)r->slots[i].release_ev),
+                                 "cudaEventDestroy", NULL, 0);
 #endif
         }
         free(r->slots);
@@ -536,16 +577,23 @@ void ast_shadow_destroy(ast_shadow *sh)
     if (!sh)
         return;
     int prev;
-    dev_enter(sh, &prev);
+    dev_enter(sh, &prev); /* on failure the frees below still run, on the current device */
 #if ASTERIA_HAVE_CUDA
+    /* Only the shadow stream is waited for. A consumer stream may still read a prefetch slot
+     * it was given before release_after: the cudaFree of the device ring below synchronises the
+     * whole device first (the runtime's documented behaviour for cudaFree), so that read
+     * finishes before the memory goes. The snapshot ring is host memory read by host threads
+     * only after their copy's event passed. */
     if (sh->stream)
-        cudaStreamSynchronize((cudaStream_t)sh->stream);
+        ast__cuda_status(cudaStreamSynchronize((cudaStream_t)sh->stream),
+                         "cudaStreamSynchronize", NULL, 0);
 #endif
     ring_free(sh, &sh->snap);
     ring_free(sh, &sh->pre);
 #if ASTERIA_HAVE_CUDA
     if (sh->stream)
-        cudaStreamDestroy((cudaStream_t)sh->stream);
+        ast__cuda_status(cudaStreamDestroy((cudaStream_t)sh->stream), "cudaStreamDestroy",
+                         NULL, 0);
 #endif
     dev_leave(sh, prev);
     pthread_mutex_destroy(&sh->mu);
@@ -592,9 +640,10 @@ int ast_shadow_create_msg(const ast_shadow_opts *opts, ast_shadow **out, char *e
     sh->snap = (ring){.what = "snapshot ring", .opt = "snapshot_bytes", .dir = AST_TRACE_DIR_D2H};
     sh->pre = (ring){.what = "prefetch ring", .opt = "ring_bytes", .dir = AST_TRACE_DIR_H2D};
 
-    int prev;
+    int prev = -1;
     int rc = pick_path(sh, &o, ndev, errbuf, len);
-    dev_enter(sh, &prev);
+    if (!rc && (rc = dev_enter(sh, &prev)) != 0)
+        ast__errorf(errbuf, len, rc, "%s", sh->err.text);
     if (!rc)
         rc = stream_init(sh, errbuf, len);
     if (!rc)
@@ -679,7 +728,8 @@ int ast_shadow_snapshotv(ast_shadow *sh, const ast_shadow_piece *pieces, int npi
     int prev;
     uint64_t seq;
     size_t off;
-    dev_enter(sh, &prev);
+    if ((rc = dev_enter(sh, &prev)) != 0)
+        return rc;
     rc = ring_issue(sh, &sh->snap, pieces, npieces, nbytes, 0, wait_event, &seq, &off);
     dev_leave(sh, prev);
     if (!rc) {
@@ -707,7 +757,8 @@ int ast_shadow_snapshot_query(ast_shadow *sh, const ast_shadow_ticket *t)
     if (!sh)
         return AST_EINVAL;
     int prev, rc;
-    dev_enter(sh, &prev);
+    if ((rc = dev_enter(sh, &prev)) != 0)
+        return rc;
     pthread_mutex_lock(&sh->mu);
     slot *s = find_ticket(sh, t);
     rc = s ? slot_poll(sh, &sh->snap, s) : AST_ENOENT;
@@ -721,7 +772,8 @@ int ast_shadow_snapshot_wait(ast_shadow *sh, const ast_shadow_ticket *t)
     if (!sh)
         return AST_EINVAL;
     int prev, rc;
-    dev_enter(sh, &prev);
+    if ((rc = dev_enter(sh, &prev)) != 0)
+        return rc;
     pthread_mutex_lock(&sh->mu);
     slot *s = find_ticket(sh, t);
     rc = s ? slot_wait(sh, &sh->snap, s) : AST_ENOENT;
@@ -767,7 +819,8 @@ int ast_shadow_snapshot_release(ast_shadow *sh, const ast_shadow_ticket *t)
     if (!sh)
         return AST_EINVAL;
     int prev, rc;
-    dev_enter(sh, &prev);
+    if ((rc = dev_enter(sh, &prev)) != 0)
+        return rc;
     pthread_mutex_lock(&sh->mu);
     slot *s = find_ticket(sh, t);
     rc = s ? slot_release(sh, &sh->snap, s, 0, 0) : AST_ENOENT;
@@ -791,7 +844,8 @@ int ast_shadow_prefetch(ast_shadow *sh, const void *src, size_t nbytes, uint64_t
     int prev;
     uint64_t seq;
     size_t off;
-    dev_enter(sh, &prev);
+    if ((rc = dev_enter(sh, &prev)) != 0)
+        return rc;
     const ast_shadow_piece one = {src, nbytes};
     rc = ring_issue(sh, &sh->pre, &one, 1, nbytes, key, NULL, &seq, &off);
     dev_leave(sh, prev);
@@ -838,7 +892,8 @@ int ast_shadow_lookup(ast_shadow *sh, uint64_t key, void **dev, size_t *nbytes)
     if (nbytes)
         *nbytes = 0;
     int prev, rc;
-    dev_enter(sh, &prev);
+    if ((rc = dev_enter(sh, &prev)) != 0)
+        return rc;
     pthread_mutex_lock(&sh->mu);
     slot *s = find_key(sh, key);
     rc = s ? slot_poll(sh, &sh->pre, s) : AST_ENOENT;
@@ -858,7 +913,8 @@ int ast_shadow_prefetch_wait(ast_shadow *sh, uint64_t key)
     if (!sh)
         return AST_EINVAL;
     int prev, rc;
-    dev_enter(sh, &prev);
+    if ((rc = dev_enter(sh, &prev)) != 0)
+        return rc;
     pthread_mutex_lock(&sh->mu);
     slot *s = find_key(sh, key);
     rc = s ? slot_wait(sh, &sh->pre, s) : AST_ENOENT;
@@ -872,7 +928,8 @@ static int release_key(ast_shadow *sh, uint64_t key, int after, uintptr_t stream
     if (!sh)
         return AST_EINVAL;
     int prev, rc;
-    dev_enter(sh, &prev);
+    if ((rc = dev_enter(sh, &prev)) != 0)
+        return rc;
     pthread_mutex_lock(&sh->mu);
     slot *s = find_key(sh, key);
     rc = s ? slot_release(sh, &sh->pre, s, after, stream) : AST_ENOENT;
@@ -897,8 +954,9 @@ int ast_shadow_stats_get(ast_shadow *sh, ast_shadow_stats *out)
 {
     if (!sh || !out)
         return AST_EINVAL;
-    int prev;
-    dev_enter(sh, &prev);
+    int prev, rc;
+    if ((rc = dev_enter(sh, &prev)) != 0)
+        return rc;
     pthread_mutex_lock(&sh->mu);
     ring_reclaim(sh, &sh->pre);
     ring_reclaim(sh, &sh->snap);

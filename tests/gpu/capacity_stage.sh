@@ -14,6 +14,9 @@
 # capacity report (asteria_plan()), asteria_stats()'s capacity_* figures and the split counts.
 #   host-only: ASTERIA_REFRESH_DEVICE=0 (rounds divided among the host workers only)
 #   hybrid:    the device executor takes the share the cost model gives it
+# Each run's JSON is rewritten after every step, and written again when the run ends however it
+# ends (its SIGTERM from timeout(1) becomes SystemExit, so the writes in `finally` run; a close()
+# that raises is recorded, not lost): a run cut short keeps the steps it made.
 # Exit: 0 both ran; 1 a run failed; 77 no GPU (and not smoke).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -37,9 +40,16 @@ for mode in host hybrid; do
   if [ "$mode" = host ]; then dev=0; else dev=1; fi
   ASTERIA_REFRESH_DEVICE=$dev timeout -k 5 $((HALF + 20)) "$PY" - "$mode" "$HALF" "$SMOKE" \
       "$RESULTS/capacity_stage.$mode.json" "$ROOT" <<'EOF'
-import json, os, sys, time
+import json, os, signal, sys, time, traceback
 import torch
 mode, budget, smoke, out, root = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "1", sys.argv[4], sys.argv[5]
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))  # timeout(1): run the finally below
+
+def write(rec):
+    with open(out + ".tmp", "w") as f:
+        json.dump(rec, f, indent=1, default=str)
+    os.replace(out + ".tmp", out)
+
 sys.path.insert(0, os.path.join(root, "examples"))
 from tinygpt import CharData, GPTConfig, TinyGPT, n_params
 import asteria
@@ -63,7 +73,8 @@ rec = {"mode": mode, "device": dev, "smoke": smoke,
                  "tokens_per_step": batch * ctx, "params": n_params(model),
                  "max_precond_dim": dim, "block_size": dim},
        "ASTERIA_REFRESH_DEVICE": os.environ.get("ASTERIA_REFRESH_DEVICE"),
-       "budget_s": budget, "steps": []}
+       "budget_s": budget, "steps": [], "ok": False}
+write(rec)
 t_start = time.perf_counter()
 step = 0
 try:
@@ -85,15 +96,23 @@ try:
                              "install_waits": st["install_waits"],
                              "barrier_waits": st["barrier_waits"],
                              "measured_round_s": st["capacity_measured_round_s"]})
+        write(rec)
     st = opt.asteria_stats()
     rec["capacity_plan"] = opt.asteria_plan()
     rec["stats"] = {k: v for k, v in st.items() if k.startswith(("capacity_", "split_", "device_",
                     "install_wait", "barrier_wait", "staleness", "workers", "jobs_"))}
     rec["ok"] = True
+except BaseException as exc:
+    rec["error"] = "".join(traceback.format_exception_only(type(exc), exc)).strip() \
+        if not isinstance(exc, SystemExit) else f"terminated (exit {exc.code}: the stage's timeout)"
+    raise
 finally:
-    opt.close()
-    with open(out, "w") as f:
-        json.dump(rec, f, indent=1)
+    try:
+        opt.close()
+    except Exception as exc:
+        rec["ok"] = False
+        rec["close_error"] = f"{type(exc).__name__}: {exc}"
+    write(rec)
 print(f"[capacity] {mode}: {step} steps, round measured {st['capacity_measured_round_s']}, "
       f"predicted {st['capacity_predicted_round_s']}, install waits {st['install_waits']}, "
       f"split host {st.get('split_entries_host')} device {st.get('split_entries_device')}")

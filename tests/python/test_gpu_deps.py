@@ -5,9 +5,15 @@ empty directory), so only the unpacked prefix can satisfy them: the headers a pr
 and the libraries it loads come from the prefix, and run.sh builds libasteria and the package
 against it and reaches its no-GPU exit (77).
 
+Without dpkg the packages are unpacked with ar and tar, or by python3 alone: each gives the
+files, links and modes dpkg -x gives. The build tools a machine may lack (cmake >= 3.25, ninja,
+scikit-build-core) come as wheels (tests/gpu/fetch_wheels.sh) and install offline into a prefix
+whose cmake and ninja run without it on PYTHONPATH.
+
 The packages come from $ASTERIA_GPU_DEBS or .debs in the checkout when they are there, else
-fetch_debs.sh fetches them (about 14 MB from the Debian registry); the tests skip when that
-cannot be done (no apt-get, no registry)."""
+fetch_debs.sh fetches them (about 14 MB from the Debian registry); the wheels from
+$ASTERIA_GPU_WHEELS or .wheels, else fetch_wheels.sh (about 30 MB from the package index); the
+tests skip when that cannot be done (no apt-get or pip, no registry)."""
 
 import json
 import os
@@ -142,3 +148,87 @@ def test_run_sh_builds_against_carried_debs(debs, tmp_path):
                 "HWLOC_LIBRARY_DIRS"):
         line = next(ln for ln in cache.splitlines() if ln.startswith(var + ":"))
         assert deps in line, line
+
+
+def _tree_listing(root):
+    out = []
+    for d, dirs, files in os.walk(root):
+        for name in sorted(dirs + files):
+            p = os.path.join(d, name)
+            rel = os.path.relpath(p, root)
+            st = os.lstat(p)
+            out.append((rel, oct(st.st_mode), os.readlink(p) if os.path.islink(p) else
+                        (st.st_size if os.path.isfile(p) else None)))
+    return sorted(out)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["ar", "python"])
+def test_unpacking_without_dpkg_gives_what_dpkg_gives(debs, tmp_path, how):
+    if shutil.which("dpkg") is None:
+        pytest.skip("needs dpkg for the reference")
+    if how == "ar" and (shutil.which("ar") is None or shutil.which("tar") is None):
+        pytest.skip("needs binutils' ar and tar")
+    listings = {}
+    for unpacker in ("dpkg", how):
+        dest = tmp_path / unpacker
+        dest.mkdir()
+        script = f"""set -euo pipefail
+. {GPU}/deps_prefix.sh
+for f in {debs}/*.deb; do _asteria_deb_x {unpacker} "$f" {dest}; done
+"""
+        r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, r.stderr[-3000:]
+        listings[unpacker] = _tree_listing(dest)
+    assert listings["dpkg"] and listings[how] == listings["dpkg"]
+
+
+def test_unpacker_is_the_first_the_machine_has():
+    r = subprocess.run(["bash", "-c", f". {GPU}/deps_prefix.sh; asteria_deb_unpacker; "
+                        "ASTERIA_DEB_UNPACKER=python asteria_deb_unpacker"],
+                       capture_output=True, text=True, timeout=60)
+    first, forced = r.stdout.split()
+    assert first == ("dpkg" if shutil.which("dpkg") else "ar" if shutil.which("ar") else
+                     "python")
+    assert forced == "python"
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory):
+    for d in (os.environ.get("ASTERIA_GPU_WHEELS"), os.path.join(ROOT, ".wheels")):
+        if d and os.path.isdir(d) and any(f.endswith(".whl") for f in os.listdir(d)):
+            return d
+    d = str(tmp_path_factory.mktemp("wheels"))
+    r = subprocess.run(["bash", os.path.join(GPU, "fetch_wheels.sh"), d], capture_output=True,
+                       text=True, timeout=300)
+    if r.returncode != 0:
+        pytest.skip(f"fetch_wheels.sh could not fetch the wheels: {r.stderr[-500:]}")
+    return d
+
+
+@pytest.mark.timeout(300)
+def test_build_tools_from_wheels_offline(wheels, tmp_path):
+    """Every tool installed as if the machine lacked it: the carried cmake (>= 3.25) and ninja
+    run from PATH with PYTHONPATH untouched, and scikit-build-core imports from the one
+    directory the pip build is given."""
+    prefix = tmp_path / "tools"
+    script = f"""set -euo pipefail
+. {GPU}/deps_prefix.sh
+ASTERIA_GPU_TOOLS="cmake ninja scikit-build-core" asteria_tools_prefix {wheels} {prefix}
+echo "CMAKE $(command -v cmake) $(cmake --version | head -n1)"
+echo "NINJA $(command -v ninja) $(ninja --version)"
+echo "PYTHONPATH=${{PYTHONPATH:-}}"
+PYTHONPATH=$ASTERIA_TOOLS_PYTHONPATH python3 -c 'import scikit_build_core as s; print("SKB", s.__file__)'
+"""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=240,
+                       env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    out = {ln.split()[0]: ln.split()[1:] for ln in r.stdout.splitlines() if ln.strip()}
+    assert out["CMAKE"][0].startswith(str(prefix))
+    version = tuple(int(x) for x in out["CMAKE"][-1].split(".")[:2])
+    assert version >= (3, 25)
+    assert out["NINJA"][0].startswith(str(prefix))
+    assert out["SKB"][0].startswith(str(prefix))
+    assert "PYTHONPATH=" in r.stdout and f"PYTHONPATH={prefix}" not in r.stdout

@@ -11,7 +11,13 @@
    also when the device budget spills part of the roots from the device to host, and when a
    ring smaller than the state makes the step stream chunks and the ring wrap around;
  - checkpoints of the tiered path are the all-device path's (same keys, same tensors) and
-   resume on the same trajectory.
+   resume on the same trajectory;
+ - a CUDA parameter's roots / eigenbases (the planner alone, capabilities given): where
+   libasteria cannot reach the device (built without nvcc, or its runtime finds no device: no
+   driver, or an older one) they stay on the device, and an explicit host tier or a device
+   budget that would spill them is refused; without coherent managed memory they go to
+   host_pinned; under any capabilities, placement and budget a block reaches a CUDA step only
+   through a device ring or a coherent UVM view, never as a host-path (CPU) view.
 """
 
 import logging
@@ -398,3 +404,129 @@ def test_cpu_bases_tier_when_narrowing_is_asked(name):
         assert 0 < opt.asteria_memory_plan()["planned_bytes"]["host"] < CPU_BYTES
     finally:
         opt.close()
+
+
+# ---- CUDA parameters when a piece of CUDA is missing (the planner alone, no device needed) ----
+
+NO_NVCC = "libasteria was built without CUDA (ASTERIA_WITH_CUDA=OFF)"
+NO_DRIVER = ("tier host_pinned: no CUDA device (cudaGetDeviceCount reports none or no driver "
+             "is loaded)")
+NO_MANAGED = "tier uvm: device 0 has no coherent host access to managed memory"
+# what Capabilities.probe finds: libasteria without CUDA (no nvcc at its build), libasteria's
+# runtime finding no device (no driver, or one older than that runtime), a device without
+# coherent managed memory, and everything there
+CAPS = {
+    "no-nvcc": dict(cuda=False, pinned=False, pinned_reason=NO_NVCC, uvm=False,
+                    uvm_reason=NO_NVCC),
+    "no-driver": dict(cuda=True, pinned=False, pinned_reason=NO_DRIVER, uvm=False,
+                      uvm_reason=NO_DRIVER),
+    "no-managed": dict(cuda=True, pinned=True, pinned_reason="", uvm=False,
+                       uvm_reason=NO_MANAGED),
+    "all": dict(cuda=True, pinned=True, pinned_reason="", uvm=True, uvm_reason=""),
+}
+
+
+def cuda_entries(n_params=3, dev=None):
+    f32 = torch.float32
+    dev = dev or torch.device("cuda", 0)
+    out = []
+    for i in range(n_params):
+        out += [StateEntry(i, "b0.GG0", "factors", 4096, dev, f32),
+                StateEntry(i, "b0.exp_avg", "moments", 1024, dev, f32),
+                StateEntry(i, "b0.Q0", "eigenbases", 4096, dev, f32),
+                StateEntry(i, "b0.Q1", "eigenbases", 4096, dev, f32)]
+    return out
+
+
+from asteria.config import RuntimeConfig  # noqa: E402
+from asteria.tiers.plan import Capabilities, StateEntry, make_plan  # noqa: E402
+
+
+def plan_for(caps, **runtime):
+    return make_plan(RuntimeConfig.from_user({"mode": "async", **runtime}), cuda_entries(),
+                     Capabilities(**CAPS[caps]) if isinstance(caps, str) else caps)
+
+
+@pytest.mark.parametrize("caps,tier", [("no-nvcc", "device"), ("no-driver", "device"),
+                                       ("no-managed", "host_pinned"), ("all", "uvm")])
+def test_auto_tier_of_cuda_bases_follows_what_libasteria_reaches(caps, tier):
+    """Without libasteria's CUDA path (built without nvcc, or its runtime finds no device)
+    nothing can stage a host block into device memory: a CUDA parameter's bases stay on its
+    device, and the plan says why. With it, pinned memory and the ring, or UVM where the
+    device reads managed memory coherently."""
+    plan = plan_for(caps)
+    assert set(plan.block_tier.values()) == {tier}
+    if tier == "device":
+        assert plan.ring_bytes == 0 and not plan.tiered
+        why = CAPS[caps]["pinned_reason"]
+        line = next(d for d in plan.decisions if d.startswith("eigenbases"))
+        assert "on the parameters' device" in line and "cannot stage" in line and why in line
+    elif tier == "host_pinned":
+        assert plan.ring_bytes > 0
+
+
+@pytest.mark.parametrize("caps", ["no-nvcc", "no-driver"])
+@pytest.mark.parametrize("tier", ["host", "host_pinned", "nvme"])
+def test_explicit_host_tier_for_cuda_bases_without_libasteria_cuda_raises(caps, tier, tmp_path):
+    with pytest.raises(ValueError) as ei:
+        plan_for(caps, placement={"eigenbases": tier}, nvme_dir=str(tmp_path))
+    msg = str(ei.value)
+    assert f"eigenbases={tier!r} is not possible" in msg
+    assert "allowed for eigenbases: 'device'" in msg
+    assert CAPS[caps]["pinned_reason"] in msg
+
+
+@pytest.mark.parametrize("caps", ["no-nvcc", "no-driver"])
+def test_device_budget_cannot_spill_cuda_bases_without_libasteria_cuda(caps):
+    everything = sum(e.nbytes for e in cuda_entries())
+    with pytest.raises(ValueError) as ei:
+        plan_for(caps, placement={"eigenbases": "device"}, device_budget_bytes=everything // 2)
+    msg = str(ei.value)
+    assert "runtime key 'device_budget_bytes'" in msg and "cannot be spilled" in msg
+    assert CAPS[caps]["pinned_reason"] in msg
+
+
+def test_probe_on_this_machine_keeps_cuda_bases_on_the_device():
+    """The planner's own probe (no capabilities given), for parameters on a CUDA device of a
+    machine where libasteria's runtime finds none (this one, without a GPU; a GPU machine whose
+    driver is older than the runtime libasteria was built with): the bases stay on the device,
+    never in a host-path ring that would hand a CPU view to a CUDA step."""
+    from asteria import _C
+
+    caps = Capabilities.probe(True)
+    if caps.pinned:
+        pytest.skip("libasteria reaches a CUDA device here")
+    assert not caps.uvm and caps.pinned_reason
+    if not _C.HAVE_CUDA:
+        assert "without CUDA" in caps.pinned_reason
+    plan = make_plan(RuntimeConfig.from_user({"mode": "async"}), cuda_entries())
+    assert set(plan.block_tier.values()) == {"device"} and plan.ring_bytes == 0
+
+
+@pytest.mark.parametrize("caps", list(CAPS))
+@pytest.mark.parametrize("placement", [None, "host", "host_pinned", "uvm", "nvme", "device"])
+@pytest.mark.parametrize("budget", [None, "half"])
+def test_no_cuda_step_is_handed_a_host_path_view(caps, placement, budget, tmp_path):
+    """Every plan for CUDA parameters, under any capabilities, placement and budget: a block
+    staged through the ring (host, host_pinned, nvme) exists only where libasteria's ring is
+    device memory (it reaches the device: caps.pinned), a uvm block only where managed memory
+    is coherent; any other combination either keeps the block on the device or is refused
+    (ValueError) before a step runs."""
+    runtime = {"nvme_dir": str(tmp_path)}
+    if placement is not None:
+        runtime["placement"] = {"eigenbases": placement}
+    if budget:
+        runtime["device_budget_bytes"] = sum(e.nbytes for e in cuda_entries()) // 2 + 8192
+    try:
+        plan = plan_for(caps, **runtime)
+    except ValueError:
+        return
+    c = CAPS[caps]
+    for key, tier in plan.block_tier.items():
+        if tier in ("host", "host_pinned", "nvme"):
+            assert c["pinned"], (key, tier, caps)
+            assert plan.ring_bytes > 0
+        elif tier == "uvm":
+            assert c["uvm"], (key, tier, caps)
+        else:
+            assert tier == "device", (key, tier)

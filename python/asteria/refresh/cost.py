@@ -501,6 +501,9 @@ class Capacity:
                      "step_s": step, "staleness": staleness,
                      "window_s": staleness * step if step else None,
                      "utilisation": self.utilisation(), "timing": self._timing}
+        if "device" in lanes:
+            # process-wide: "high" / "medium" put the device lane's float32 matmuls in TF32
+            out["float32_matmul_precision"] = torch.get_float32_matmul_precision()
         if rec is None:
             return out
         pred = self.predict(rec)
@@ -527,6 +530,11 @@ def report_lines(s: dict) -> list[str]:
                 "; one job per (op, size, dtype), each on one worker")]
     if "device" not in s["lanes"]:
         lines.append("capacity: no device executor (no CUDA device for these parameters)")
+    elif s.get("float32_matmul_precision", "highest") != "highest":
+        lines.append(f"capacity: torch's float32 matmul precision is "
+                     f"{s['float32_matmul_precision']!r}: the device lane's float32 matmuls "
+                     "(soap_qr, inv_root, soap_rotate) run in TF32, the host lane's in full "
+                     "FP32, so a round divided among them mixes precisions")
     if "round_gflop" not in s:
         lines.append("capacity: no REFRESH round yet")
         return lines

@@ -18,9 +18,26 @@ Without CUDA (``device="cpu"``) the same thread runs the jobs with torch on the 
 how the tests exercise this executor and the split (``asteria.refresh.split``) on a machine
 without a GPU; ``asteria.refresh.select`` only builds one for a CUDA device.
 
+The device stream has CUDA's lowest priority, which is also the priority of torch's default
+streams: refreshes compete with training on equal terms unless the training runs on a stream
+of higher priority (``torch.cuda.Stream(priority=-1)``). The runner waits for a job's end with
+a blocking event (its thread sleeps, it does not spin on a core the C workers want).
+
+Precision: torch's float32 matmul precision is process-wide; under "high" or "medium" the
+device lane's matmuls (soap_qr, inv_root, soap_rotate) run in TF32 while the host lane stays
+in full FP32. It is not changed here (changing it from the runner thread would change the
+training thread's matmuls too); the capacity report names it (``cost.report_lines``).
+
+Failures: numerical ones (non-finite, non-convergence, torch.linalg's errors) are statuses of
+the job's Result, as with every executor. Anything else the job raises in the runner thread (a
+bug, an assertion) is kept with the job, which is then done: ``ready`` turns true, ``wait``
+raises it (a RuntimeError naming the job, the exception as its cause), and the thread goes on
+with the next job.
+
 Threading: ``submit``, ``ready``, ``wait``, ``cancel`` on the owner's (training) thread; the
 runner thread touches only its queue and each job's fields before setting the job's ``done``
-(a threading.Event: its set / wait order the writes). torch releases the GIL inside its ops.
+(a threading.Event: its set / wait order the writes), which it sets whatever the job did.
+torch releases the GIL inside its ops.
 """
 
 from __future__ import annotations
@@ -60,6 +77,7 @@ class _DJob:
     cancelled: bool = False
     result: Optional[Result] = None
     end_event: Any = None             # torch.cuda.Event of the job's end on the device stream
+    raised: Optional[BaseException] = None  # what the job raised in the runner thread
 
 
 def _stacked(x: Any) -> Any:
@@ -138,6 +156,11 @@ class DeviceEngine(Engine):
         job = self._job(ticket)
         job.done.wait()
         del self._jobs[ticket]
+        if job.raised is not None:
+            exc = job.raised
+            raise RuntimeError(f"DeviceEngine: job {ticket} ({job.op}, block {job.block}) "
+                               f"raised in the device thread: {type(exc).__name__}: {exc}") \
+                from exc
         res = job.result
         if res.outputs is not None:
             if self._cuda:
@@ -200,29 +223,37 @@ class DeviceEngine(Engine):
             job = self._queue.get()
             if job is None:
                 return
-            if job.cancelled:
-                job.result = Result(job.ticket, job.block, job.version, job.snapshot_step,
-                                    AST_ECANCELED, None, error=f"{job.op}: cancelled")
-                self._stats["jobs_cancelled"] += 1
+            try:
+                self._run_job(job)
+            except BaseException as exc:  # noqa: BLE001 - handed to wait(), which raises it
+                job.raised = exc
+                job.inputs = ()
+                self._stats["jobs_failed"] += 1
+            finally:
                 job.done.set()
-                continue
-            t0 = time.monotonic_ns()
-            f, q, b = job.inputs
-            if self._cuda:
-                with torch.cuda.stream(self._stream), torch.no_grad():
-                    status, outputs, error, retried = run(job.op, f, q, job.p, job.eps, b)
-                    job.end_event = self._stream.record_event()
-                job.end_event.synchronize()  # so the time below is the device's
-            else:
-                with torch.no_grad():
-                    status, outputs, error, retried = run(job.op, f, q, job.p, job.eps, b)
-            t1 = time.monotonic_ns()
-            job.inputs = ()
-            self._stats["jobs_done"] += 1
-            self._stats["busy_ns"] += t1 - t0
-            self._stats["jobs_failed"] += bool(status)
-            self._stats["jobs_retried_f64"] += bool(retried)
-            job.result = Result(job.ticket, job.block, job.version, job.snapshot_step, status,
-                                outputs, error=error, retried_f64=retried, started_ns=t0,
-                                done_ns=t1, timing="wall")
-            job.done.set()
+
+    def _run_job(self, job: _DJob) -> None:
+        if job.cancelled:
+            job.result = Result(job.ticket, job.block, job.version, job.snapshot_step,
+                                AST_ECANCELED, None, error=f"{job.op}: cancelled")
+            self._stats["jobs_cancelled"] += 1
+            return
+        t0 = time.monotonic_ns()
+        f, q, b = job.inputs
+        if self._cuda:
+            with torch.cuda.stream(self._stream), torch.no_grad():
+                status, outputs, error, retried = run(job.op, f, q, job.p, job.eps, b)
+                job.end_event = self._stream.record_event(torch.cuda.Event(blocking=True))
+            job.end_event.synchronize()  # so the time below is the device's (sleeps)
+        else:
+            with torch.no_grad():
+                status, outputs, error, retried = run(job.op, f, q, job.p, job.eps, b)
+        t1 = time.monotonic_ns()
+        job.inputs = ()
+        self._stats["jobs_done"] += 1
+        self._stats["busy_ns"] += t1 - t0
+        self._stats["jobs_failed"] += bool(status)
+        self._stats["jobs_retried_f64"] += bool(retried)
+        job.result = Result(job.ticket, job.block, job.version, job.snapshot_step, status,
+                            outputs, error=error, retried_f64=retried, started_ns=t0,
+                            done_ns=t1, timing="wall")

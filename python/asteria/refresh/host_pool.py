@@ -20,6 +20,17 @@ slot, so the caller never stacks it into fresh memory. The slot is registered wi
 for the job and released when the job's completion is collected. A full ring (or an input
 larger than it) falls back to a private buffer. Each snapshot is traced as a d2h copy (issued, span, done) before the job's "job
 queued" event.
+
+Stream ordering of a snapshot on CUDA: an event is recorded on the current stream of the
+sources' device after the step queued its writes to them; the shadow stream (on that device:
+``device=``) waits on it, copies into the pinned slot and records the slot's done event;
+``submit`` then waits for that event (a blocking one: the thread sleeps) before the runtime
+gets the slot, since its workers read host memory with no CUDA of their own. The converted
+sources (dtype casts, contiguous copies) stay referenced until that wait returns, so the
+caching allocator cannot hand their memory out under the copy. The price: a refresh submit
+waits until the device has run everything queued before it, in effect one device
+synchronisation per submitted job. Taking that wait off the training thread needs a job that
+the pool starts only once an event has passed, which libasteria's runtime does not offer.
 """
 
 from __future__ import annotations
@@ -123,9 +134,11 @@ class CEngine(Engine):
     takes_parts = True
 
     def __init__(self, cfg: Any = None, *, shadow: Any = False,
-                 snapshot_ring_bytes: int = 64 << 20) -> None:
+                 snapshot_ring_bytes: int = 64 << 20, device: int = -1) -> None:
         """``shadow``: False (private snapshot buffers), True or "cuda" (a shadow stream where
-        CUDA is there, else the host path), "host" (the host path)."""
+        CUDA is there, else the host path), "host" (the host path). ``device``: the CUDA
+        device of the parameters whose inputs the shadow snapshots (-1: the current one);
+        inputs on another device are snapshotted into private buffers."""
         self._closed = True  # until the runtime exists, so __del__ has nothing to do
         self._shadow = None
         self._rt = _C.Runtime(c_config(cfg))
@@ -141,7 +154,8 @@ class CEngine(Engine):
             cuda = shadow != "host" and torch.cuda.is_available() and _C.HAVE_CUDA
             self._shadow = _C.Shadow(mode="auto" if cuda else "host",
                                      snapshot_ring_bytes=snapshot_ring_bytes,
-                                     prefetch_ring_bytes=4096, slots=1024)
+                                     prefetch_ring_bytes=4096, slots=1024,
+                                     device=device if cuda else -1)
         self._closed = False
         if self._tracing:
             self._rt.trace_name_lane("nvme", "nvme tier")
@@ -165,12 +179,15 @@ class CEngine(Engine):
                 src = src.to(dtype=cdtype).contiguous()
             srcs.append(src)
         cuda = srcs[0].device.type == "cuda"
-        if cuda != bool(self._shadow.stats()["is_cuda"]):
+        st = self._shadow.stats()
+        if cuda != bool(st["is_cuda"]) or (cuda and srcs[0].device.index != st["device"]):
             return None
         event = 0
         if cuda:
+            # the factor update: every write to the sources was queued on the current stream
+            # of their device before this point (the shadow stream waits on this event)
             ev = torch.cuda.Event()
-            ev.record()
+            ev.record(torch.cuda.current_stream(srcs[0].device))
             event = ev.cuda_event
         pieces = [(x.data_ptr(), x.numel() * x.element_size()) for x in srcs]
         nbytes = sum(n for _, n in pieces)

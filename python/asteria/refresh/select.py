@@ -37,12 +37,13 @@ def make_engine(cfg: Any, plan: Optional[Any] = None,
         from asteria.refresh.host_pool import CEngine
 
         params = list(params)
+        cuda = device_for(params)
         if plan is None:
             engine = CEngine(cfg)
         else:
             engine = CEngine(cfg, shadow="cuda" if plan.cuda else "host",
-                             snapshot_ring_bytes=plan.snapshot_ring_bytes)
-        cuda = device_for(params)
+                             snapshot_ring_bytes=plan.snapshot_ring_bytes,
+                             device=-1 if cuda is None or cuda.index is None else cuda.index)
         if cuda is not None:
             from asteria.refresh.split import SplitEngine
 

@@ -18,8 +18,13 @@ Rules (``mode="async"``)
     ValueError naming the key).
  2. roots / eigenbases under ``placement="auto"``: for a CUDA parameter, the host tier of its
     device: "uvm" where the device reports coherent host access to managed memory (probed
-    through the store, never assumed), else "host_pinned". For a parameter whose device is
-    not CUDA (a CPU parameter: its device IS host memory) they stay on "device", i.e. in
+    through the store, never assumed), else "host_pinned". Where libasteria cannot reach
+    the device (built without CUDA, or its CUDA runtime finds none: no driver, or one older
+    than that runtime) nothing could stage a host block back into device memory, so a CUDA
+    parameter's blocks stay on "device" with a decision line saying why, and an explicit
+    host tier or a device budget that would spill them raises ValueError. For a parameter
+    whose device is not CUDA (a CPU parameter: its device IS host memory) they stay on
+    "device", i.e. in
     optimizer.state with no residency and no staging ring (a host->host copy each step buys
     nothing), unless the run asks for budgeting, spilling or narrowing: with
     ``host_budget_bytes``, ``nvme_dir``, ``device_budget_bytes`` or a narrowing
@@ -155,6 +160,9 @@ class Plan:
     cuda: bool = False          # some parameter is on a CUDA device
     peak_bytes: dict = dataclasses.field(default_factory=dict)  # tier -> bytes at the peak
     peak_parts: dict = dataclasses.field(default_factory=dict)  # owner -> bytes (the sum)
+    #: the CUDA device of the first CUDA parameter (-1: the current one), where a residency's
+    #: staging ring and stream go
+    cuda_index: int = -1
 
     def tier(self, key) -> str:
         return self.block_tier.get(key, "device")
@@ -177,7 +185,7 @@ def _mib(n: int) -> str:
 
 
 def _check_explicit(kind: str, tier: str, mode: str, caps: Capabilities,
-                    nvme_dir: Any) -> None:
+                    nvme_dir: Any, cuda_params: bool = False) -> None:
     def bad(why: str, allowed: Sequence[str]) -> None:
         raise ValueError(f"runtime key 'placement': {kind}={tier!r} is not possible: {why}; "
                          f"allowed for {kind}: {', '.join(repr(a) for a in allowed)}")
@@ -193,6 +201,12 @@ def _check_explicit(kind: str, tier: str, mode: str, caps: Capabilities,
         return
     allowed = ["device", "host"] + (["host_pinned"] if caps.pinned else []) + \
         (["uvm"] if caps.uvm else []) + (["nvme"] if nvme_dir else [])
+    if cuda_params and not caps.pinned:
+        allowed = ["device"]  # rule 2: nothing could bring a host block back to the device
+        if tier in ("host", "nvme"):
+            bad(f"a CUDA parameter's {kind} in host memory reach its step through libasteria's "
+                f"CUDA staging ring, and libasteria cannot reach the device "
+                f"({caps.pinned_reason})", allowed)
     if tier == "host_pinned" and not caps.pinned:
         bad(f"page-locked memory needs a CUDA device ({caps.pinned_reason})", allowed)
     if tier == "uvm" and not caps.uvm:
@@ -212,7 +226,7 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
     explicit = dict(cfg.placement) if isinstance(cfg.placement, Mapping) else {}
     mode = cfg.mode
     for kind, tier in explicit.items():
-        _check_explicit(kind, tier, mode, caps, cfg.nvme_dir)
+        _check_explicit(kind, tier, mode, caps, cfg.nvme_dir, cuda_params)
     dec: list[str] = []
     by_kind = {k: [e for e in entries if e.kind == k] for k in PLACEMENT_KINDS}
     kind_bytes = {k: sum(e.nbytes for e in v) for k, v in by_kind.items()}
@@ -265,9 +279,16 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
             continue
         if want is None:
             in_place = [e for e in es if e.device.type != "cuda" and not spill_asked]
-            hosted = [e for e in es if e.device.type == "cuda" or spill_asked]
-            for e in in_place:
+            # a CUDA parameter's blocks leave the device only where libasteria reaches it:
+            # without that, a block in host memory would reach the step as a CPU tensor
+            stuck = [e for e in es if e.device.type == "cuda" and not caps.pinned]
+            hosted = [e for e in es if e not in in_place and e not in stuck]
+            for e in in_place + stuck:
                 block_tier[e.key] = "device"
+            if stuck:
+                dec.append(f"{kind} ({_mib(sum(e.nbytes for e in stuck))}, {len(stuck)} blocks) "
+                           "of CUDA parameters on the parameters' device: libasteria cannot "
+                           f"stage them from host memory ({caps.pinned_reason}); no staging")
             for e in hosted:
                 block_tier[e.key] = host_tier(e)
             if in_place:
@@ -322,6 +343,14 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
                 else:
                     spilled.append(e)
                     room = -1  # keep parameter order: no later block jumps the queue
+            stuck = [e for e in spilled if e.device.type == "cuda" and not caps.pinned]
+            if stuck:
+                need = fixed + sum(e.nbytes for e in on_dev)
+                raise ValueError(
+                    f"runtime key 'device_budget_bytes': got {dev_budget}; {len(stuck)} "
+                    f"root/eigenbasis blocks of CUDA parameters cannot be spilled to host "
+                    f"memory: libasteria cannot stage them back to the device "
+                    f"({caps.pinned_reason}); allowed: None or a byte count >= {need}")
             for e in spilled:
                 block_tier[e.key] = host_tier(e)
             dec.append(f"device_budget_bytes {_mib(dev_budget)}: {len(spilled)} root/eigenbasis "
@@ -406,8 +435,10 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
                    "nothing is narrowed")
     peak, parts = _peaks(entries, block_tier, planned, snap, cuda_params, ring)
     dec.append(_peak_line(peak, parts))
+    cuda_index = next((e.device.index for e in entries
+                       if e.device.type == "cuda" and e.device.index is not None), -1)
     return Plan(mode, tiers, block_tier, ring, ring_min, snap, dec, planned, cuda_params, peak,
-                parts)
+                parts, cuda_index)
 
 
 def _host_nbytes(e: StateEntry, tier_dtype: str) -> int:

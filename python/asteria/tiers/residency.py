@@ -47,6 +47,20 @@ Data flow of one block (its plan gives a home tier: host, host_pinned, uvm or nv
 Between steps the ring holds nothing: every slot is released at the step end, and every
 NVMe-homed block is on NVMe (unless a write failed).
 
+Stream ordering (CUDA; all on the parameters' device, ``plan.cuda_index``)
+ - ring slots: the H2D copy runs on the shadow stream and records the block's ``slot_event``
+   (on an ExternalStream over it); ``borrow`` makes the current stream wait on that event
+   before the stack reads the slot; ``give_back`` releases the slot ``release_after`` the
+   current stream, so the ring reuses its bytes only once the reads queued there have passed
+   (asteria/shadow.h). The copy reads the block's host memory: before a host write, move or
+   free of a block with a slot, ``_quiesce`` waits for its copy (``prefetch_wait``).
+ - UVM blocks: read in place by kernels queued on the current stream (``borrow`` hands out a
+   CUDA view of managed memory). ``give_back`` records the block's ``read_event`` there, and
+   ``_quiesce`` waits for it before any host write, move or free: an install from host
+   tensors (Shampoo's roots, SOAP's first bases) is a plain memcpy into the block, which
+   would otherwise race the step's queued reads and leave them a torn mix of old and new
+   values. A write from a CUDA tensor is a D2H copy on the current stream, behind its reads.
+
 Views: every tensor over store or ring memory comes from ``torch.from_dlpack`` on a capsule of
 ``asteria._C`` (``Store.view`` for host views and UVM blocks, ``Shadow.slot_view`` for ring
 slots), with the block's own dtype (bfloat16 included) and shape. A store view pins its block
@@ -108,7 +122,8 @@ class TieredStateError(RuntimeError):
 
 class _Blk:
     __slots__ = ("key", "home", "shape", "dtype", "sdtype", "nbytes", "device", "sid",
-                 "version", "slot", "slot_version", "slot_ptr", "slot_event", "consumed")
+                 "version", "slot", "slot_version", "slot_ptr", "slot_event", "consumed",
+                 "read_event")
 
     def __init__(self, key, home, shape, dtype, sdtype, device):
         self.key = key
@@ -125,6 +140,7 @@ class _Blk:
         self.slot_ptr = 0
         self.slot_event = None   # torch.cuda.Event on the CUDA path
         self.consumed = False
+        self.read_event = None   # UVM: after the reads of its last borrow (module doc)
 
 
 def _cuda_index(device: torch.device) -> int:
@@ -197,12 +213,16 @@ class Residency:
         nblocks = max(8, len(plan.block_tier) + 8)
         self.shadow = _C.Shadow(mode="auto" if cuda else "host",
                                 prefetch_ring_bytes=plan.ring_bytes,
-                                snapshot_ring_bytes=4096, slots=nblocks) \
+                                snapshot_ring_bytes=4096, slots=nblocks,
+                                device=plan.cuda_index if cuda else -1) \
             if plan.ring_bytes else None
         self.cuda = bool(self.shadow is not None and self.shadow.stats()["is_cuda"])
         self._ext_stream = None
+        self._device = None  # the ring's CUDA device
         if self.cuda:
-            self._ext_stream = torch.cuda.ExternalStream(self.shadow.stream_handle())
+            self._device = torch.device("cuda", self.shadow.stats()["device"])
+            self._ext_stream = torch.cuda.ExternalStream(self.shadow.stream_handle(),
+                                                         device=self._device)
         self._blocks: dict = {}
         self._slots: "collections.OrderedDict[int, _Blk]" = collections.OrderedDict()
         self._next_slot = 1
@@ -528,15 +548,19 @@ class Residency:
         if not blk.slot:
             return
         if self.cuda:
-            self.shadow.release_after(blk.slot, torch.cuda.current_stream().cuda_stream)
+            self.shadow.release_after(blk.slot,
+                                      torch.cuda.current_stream(self._device).cuda_stream)
         else:
             self.shadow.release(blk.slot)
         self._slots.pop(blk.slot, None)
         blk.slot, blk.slot_ptr, blk.slot_event, blk.slot_version = 0, 0, None, -1
 
     def _quiesce(self, blk: _Blk, release: bool = True) -> None:
-        """No copy may still read blk's memory (before a write, move or free). A move keeps
-        the slot (its copy has landed and the value does not change)."""
+        """No copy or kernel may still read blk's memory (before a write, move or free). A
+        move keeps the slot (its copy has landed and the value does not change)."""
+        if blk.read_event is not None:  # UVM: the reads queued by its last borrow
+            blk.read_event.synchronize()
+            blk.read_event = None
         if blk.slot:
             if self.cuda:
                 self.shadow.prefetch_wait(blk.slot)
@@ -604,8 +628,14 @@ class Residency:
                     blk.sid, blk.sdtype, blk.shape, device=_cuda_index(blk.device))))
                 continue
             if self.cuda:
-                torch.cuda.current_stream().wait_event(blk.slot_event)
-            out.append(torch.from_dlpack(self.shadow.slot_view(blk.slot, blk.sdtype, blk.shape)))
+                torch.cuda.current_stream(self._device).wait_event(blk.slot_event)
+            view = torch.from_dlpack(self.shadow.slot_view(blk.slot, blk.sdtype, blk.shape))
+            if view.device != blk.device:
+                # a ring on another device than the block's parameter (the planner never makes
+                # one for a CUDA parameter: tiers/plan.py rule 2): a copy there, never a view
+                # of the wrong device handed to the step
+                view = view.to(blk.device)
+            out.append(view)
             blk.consumed = True
         return out
 
@@ -628,7 +658,7 @@ class Residency:
         Returns whether there was anything to wait for."""
         if not self.cuda or not self.shadow.stats()["ring_used"]:
             return False
-        torch.cuda.current_stream().synchronize()
+        torch.cuda.current_stream(self._device).synchronize()
         return True
 
     def _evict(self, exclude: set) -> bool:
@@ -643,8 +673,14 @@ class Residency:
     def give_back(self, keys: list) -> None:
         for k in keys:
             blk = self._blocks.get(k)
-            if blk is not None:
-                self._release(blk)
+            if blk is None:
+                continue
+            if blk.home == "uvm" and blk.device.type == "cuda":
+                # its reads are queued on the current stream (module doc: stream ordering);
+                # a blocking event, so that _quiesce's wait sleeps instead of spinning
+                blk.read_event = torch.cuda.Event(blocking=True)
+                blk.read_event.record(torch.cuda.current_stream(blk.device))
+            self._release(blk)
 
     # ---- stats / lifetime -----------------------------------------------------------------------
     def stats(self) -> dict:

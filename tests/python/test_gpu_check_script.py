@@ -1,0 +1,172 @@
+"""The GPU check writes as it goes (tests/gpu/run.sh, tests/gpu/train_smoke.py), checked on
+the CPU with a stage forced to fail or to hang:
+
+ - run.sh writes $OUT/gpu_check.json when it starts and after every stage, with what the
+   machine has: a build stage that fails leaves the stages before it, its own error (its log's
+   tail) and the stages after it; the global timeout (ASTERIA_GPU_TOTAL_S) interrupting a stage
+   that hangs leaves the stages before it, that stage marked timed out with its log, and the
+   timeout itself, and ends the hanging stage's processes;
+ - train_smoke.py (stage 5) runs its logic on the CPU, and a SIGTERM (its stage's timeout)
+   leaves its JSON with the checks done so far and the state "timed out".
+
+The stage is forced with a stand-in `cmake` first on PATH (it answers --version, then fails or
+hangs), in a copy of tests/gpu: nothing of this checkout's build is touched."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FAKE_CMAKE = """#!/bin/sh
+case "$1" in --version) echo "cmake version 3.30.0"; exit 0;; esac
+echo $$ >> "{pids}"
+case "{mode}" in
+  fail) case "$*" in *--build*) echo "stand-in cmake: boom, the build broke"; exit 3;; esac
+        mkdir -p "$3"; exit 0;;
+  hang) echo "stand-in cmake: hanging"; exec sleep 600;;
+esac
+"""
+
+
+def _pkg(mod):
+    return shutil.which("pkg-config") and subprocess.run(
+        ["pkg-config", "--exists", mod]).returncode == 0
+
+
+def _tree(tmp_path, mode):
+    if not (_pkg("openblas") and _pkg("lapacke")):
+        pytest.skip("needs OpenBLAS and LAPACKE (else run.sh never reaches its build stages)")
+    try:
+        import torch  # noqa: F401
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is here: run.sh would go on to its GPU stages")
+    except ImportError:
+        pytest.skip("needs torch")
+    work = tmp_path / "tree"
+    shutil.copytree(os.path.join(ROOT, "tests", "gpu"), work / "tests" / "gpu")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    pids = tmp_path / "cmake.pids"
+    fake = bin_dir / "cmake"
+    fake.write_text(FAKE_CMAKE.format(pids=pids, mode=mode))
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), PATH=f"{bin_dir}:{os.environ['PATH']}",
+               ASTERIA_GPU_DEBS=str(tmp_path / "no-debs"),
+               ASTERIA_GPU_WHEELS=str(tmp_path / "no-wheels"))
+    env.pop("ASTERIA_GPU_INNER", None)
+    env.pop("ASTERIA_GPU_T0", None)
+    return work, out, env, pids
+
+
+def _steps(out):
+    rec = json.loads((out / "gpu_check.json").read_text())
+    return rec, {s["step"]: s for s in rec["steps"]}
+
+
+@pytest.mark.timeout(300)
+def test_a_failing_stage_leaves_the_ones_before_it_and_its_error(tmp_path):
+    work, out, env, _ = _tree(tmp_path, "fail")
+    r = subprocess.run(["bash", "tests/gpu/run.sh"], cwd=work, env=env, capture_output=True,
+                       text=True, timeout=280)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-2000:]
+    rec, steps = _steps(out)
+    assert rec["state"] == "finished" and rec["exit_code"] == 1
+    # what the machine has, recorded first
+    assert rec["machine"]["cmake"] == "cmake version 3.30.0"
+    for key in ("python", "torch", "nvcc", "glibc", "Python.h", "ninja", "pip"):
+        assert key in rec["machine"], key
+    order = [s["step"] for s in rec["steps"]]
+    assert order.index("dep:openblas") < order.index("cmake-configure") < \
+        order.index("build-libasteria") < order.index("gpu")
+    assert steps["cmake-configure"]["status"] == "ok"
+    bad = steps["build-libasteria"]
+    assert bad["status"] == "failed" and bad["detail"] == "exit 3"
+    assert any("boom, the build broke" in line for line in bad["log_tail"])
+    assert steps["gpu"]["status"] == "skipped"  # the stages after it still ran
+
+
+@pytest.mark.timeout(300)
+def test_the_global_timeout_leaves_the_stages_before_it_and_ends_the_hung_one(tmp_path):
+    work, out, env, pids = _tree(tmp_path, "hang")
+    env["ASTERIA_GPU_TOTAL_S"] = "45"
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", "tests/gpu/run.sh"], cwd=work, env=env, capture_output=True,
+                       text=True, timeout=280)
+    took = time.monotonic() - t0
+    assert r.returncode == 124, r.stdout[-3000:] + r.stderr[-2000:]
+    assert took < 45 + 30, took
+    rec, steps = _steps(out)
+    assert rec["state"] == "timed out" and rec["exit_code"] == 124
+    if "cmake-configure" not in steps:
+        pytest.skip(f"the machine was too slow to reach the build in 45 s: {list(steps)}")
+    assert steps["dep:openblas"]["status"] == "found"
+    hung = steps["cmake-configure"]
+    assert hung["status"] == "timed out" and "global timeout" in hung["detail"]
+    assert any("stand-in cmake: hanging" in line for line in hung["log_tail"])
+    assert steps["global-timeout"]["status"] == "timed out"
+    # the hung stage's processes were ended with it
+    time.sleep(1)
+    for pid in (int(p) for p in pids.read_text().split()):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"the hung stage's process {pid} outlived the check")
+
+
+def _smoke(tmp_path, *, timeout_s=None):
+    out = tmp_path / "smoke.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (os.path.join(ROOT, "python"), os.environ.get("PYTHONPATH")) if p))
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "gpu", "train_smoke.py"), "--device",
+           "cpu", "--out", str(out)]
+    if timeout_s is None:
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
+    else:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        deadline = time.monotonic() + 120
+        # SIGTERM once the first training run has been recorded (a stage's timeout mid-way)
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if "sync" in json.loads(out.read_text()).get("checks", {}):
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        stdout, _ = proc.communicate(timeout=60)
+        r = subprocess.CompletedProcess(cmd, proc.returncode, stdout, "")
+    return r, json.loads(out.read_text())
+
+
+@pytest.mark.timeout(300)
+def test_train_smoke_logic_on_the_cpu(tmp_path):
+    pytest.importorskip("asteria._C")
+    r, rec = _smoke(tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert rec["state"] == "passed"
+    checks = rec["checks"]
+    for name in ("libasteria", "sync", "async", "async-pinned", "async=sync",
+                 "async-pinned=sync", "sync-f32", "async-f32", "async-f32=sync-f32",
+                 "ring-used"):
+        assert checks[name]["ok"], (name, checks[name])
+
+
+@pytest.mark.timeout(300)
+def test_train_smoke_terminated_leaves_its_json(tmp_path):
+    pytest.importorskip("asteria._C")
+    r, rec = _smoke(tmp_path, timeout_s=True)
+    assert r.returncode == 1, r.stdout[-3000:]
+    assert rec["state"] == "timed out" and "signal 15" in rec["error"]
+    assert rec["checks"]["libasteria"]["ok"] and rec["checks"]["sync"]["ok"]
+    assert "ring-used" not in rec["checks"]
