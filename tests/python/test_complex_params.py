@@ -216,19 +216,6 @@ def test_complex_params_with_a_closure(name):
         b.close()
 
 
-@pytest.fixture
-def gloo_group(tmp_path):
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    dist.init_process_group("gloo", world_size=1, rank=0,
-                            init_method=f"file://{tmp_path / 'pg'}")
-    try:
-        yield dist
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("name", CLASSES)
 def test_complex_dtensor_is_refused_naming_why(gloo_group, name):
     from torch.distributed.device_mesh import init_device_mesh

@@ -150,19 +150,6 @@ def test_attach_on_sync_optimizer_is_harmless():
     assert all(torch.equal(x, y) for s, t in zip(a, b) for x, y in zip(s, t))
 
 
-@pytest.fixture
-def gloo_group(tmp_path):
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    dist.init_process_group("gloo", world_size=1, rank=0,
-                            init_method=f"file://{tmp_path / 'pg'}")
-    try:
-        yield dist
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("name", ["soap", "shampoo"])
 def test_fsdp2_fully_shard_single_process(gloo_group, name):
     from torch.distributed.device_mesh import init_device_mesh
