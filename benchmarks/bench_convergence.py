@@ -14,7 +14,10 @@ other core: sync's trajectory, each refresh installed at the start of the next s
 during that step's forward and backward; at this size a REFRESH round ends well inside them;
 bench_staleness.py measures S up to 10), native sync SOAP (asteria.SOAP,
 runtime {"mode": "sync"}), and the third-party SOAPs of pytorch-optimizer and heavyball (eager;
-see bench_third_party.py), all SOAPs with the same hyperparameters (SOAP_HP).
+see bench_third_party.py), all SOAPs with the same hyperparameters (SOAP_HP). The amortisation
+question (AMORTISATION): native SOAP refreshing its eigenbasis every step
+("asteria-soap-sync-f1", precondition_frequency=1) beside native f=10 and Asteria f=10 with
+S=5 ("asteria-soap-async-s5"): the JSON's final_loss_at_equal_steps and time ratios, per seed.
 
 Procedure, per setting:
   1. The lr sweep, seed 0, one run after another: AdamW at each lr of its grid for all steps;
@@ -22,8 +25,9 @@ Procedure, per setting:
      losses). Then every other optimizer at each lr of its grid; a run stops once its
      trailing-mean loss reaches AdamW's tuned final loss (or at the last step, or at --budget x
      AdamW's wall time). Its tuned lr is the one that reaches it in the fewest steps (lowest
-     final loss if none does). Losses are deterministic: the choice does not depend on the
-     machine's load.
+     final loss if none does). Where a tuned lr sits at the edge of the lrs tried, the sweep
+     goes on beyond it (x2 or /2, up to --extend more lrs). Losses are deterministic: the
+     choice does not depend on the machine's load.
   2. The timed runs, every seed: all optimizers at their tuned lrs in lockstep, each on its own
      copy of the model (same initial weights and batches), taking turns of 10 consecutive steps
      (common.run_loops: so an Asteria run's worker jobs overlap its own forward and backward)
@@ -48,7 +52,7 @@ Training: one torch thread pinned to the first core; Asteria's worker pool on th
 
 Writes benchmarks/results/bench_convergence.{json,png}.
 
-    python3 benchmarks/bench_convergence.py            # default: about 40 minutes on 2 cores
+    python3 benchmarks/bench_convergence.py            # default: about an hour on 2 cores
     python3 benchmarks/bench_convergence.py --settings users --seeds 0 --runs adamw,asteria-soap-async
     python3 benchmarks/bench_convergence.py --quick --out-dir /tmp/x   # seconds
 
@@ -101,7 +105,15 @@ ADAMW_BETAS = (0.9, 0.95)
 WEIGHT_DECAY = 0.01
 PIP = {"pytorch-optimizer": "pytorch-optimizer", "heavyball": "heavyball"}
 RUNS = ("adamw", "asteria-soap-async", "asteria-kl-shampoo-async", "asteria-shampoo-async",
-        "asteria-soap-sync", "pytorch-optimizer", "heavyball")
+        "asteria-soap-sync", "asteria-soap-sync-f1", "asteria-soap-async-s5",
+        "pytorch-optimizer", "heavyball")
+# The amortisation question: native SOAP refreshing its eigenbasis every step (f=1, as
+# modded-nanogpt's SOAP record and NVIDIA's Emerging-Optimizers do) beside native f=10 and
+# Asteria f=10 with staleness S=5 (the refresh hidden on a worker, installed 5 steps late).
+AMORTISATION = ("asteria-soap-sync", "asteria-soap-sync-f1", "asteria-soap-async-s5")
+#: a sweep whose best lr sits at its grid's edge is extended by this factor, up to --extend
+#: times (AdamW: the lowest final loss; the others: the fewest steps to AdamW's loss)
+EXTEND_FACTOR = 2.0
 # Grids from two earlier runs (2026-12-03): AdamW's final loss was 2.276 / 1.961 / 1.870 / 1.924
 # / 2.502 at 1e-3 / 3e-3 / 6e-3 / 1e-2 / 2e-2, so its grid brackets 6e-3; SOAPs were best at
 # 1e-2 inside 6e-3..2e-2; KL-Shampoo and Shampoo were best at the top of 3e-3..3e-2 and
@@ -112,6 +124,8 @@ GRIDS = {
     "asteria-kl-shampoo-async": (1e-2, 3e-2, 1e-1),
     "asteria-shampoo-async": (6e-3, 1e-2, 2e-2),
     "asteria-soap-sync": (6e-3, 1e-2, 2e-2),
+    "asteria-soap-sync-f1": (6e-3, 1e-2, 2e-2),
+    "asteria-soap-async-s5": (6e-3, 1e-2, 2e-2),
     "pytorch-optimizer": (6e-3, 1e-2, 2e-2),
     "heavyball": (6e-3, 1e-2, 2e-2),
 }
@@ -210,6 +224,11 @@ def make_optimizer(name: str, params, lr: float, args, worker_cpus: Optional[str
     workers and heavyball_compile. ``runtime`` overrides an Asteria run's. Third-party imports
     happen here, so a missing library fails only its own run."""
     f = args.frequency
+    if name == "asteria-soap-sync-f1":  # native SOAP, the eigenbasis refreshed every step
+        f, name = 1, "asteria-soap-sync"
+    elif name == "asteria-soap-async-s5":  # Asteria at f with S=5 (at most f)
+        runtime = runtime or async_runtime(args, worker_cpus, staleness=min(5, f))
+        name = "asteria-soap-async"
     if name == "adamw":
         kw = dict(lr=lr, betas=ADAMW_BETAS, weight_decay=WEIGHT_DECAY)
         return torch.optim.AdamW(params, **kw), kw
@@ -476,16 +495,32 @@ def best_of(name: str, entries: list[dict]) -> dict:
                                        e["final_smoothed"]))
 
 
+def extend_grid(name: str, entries: list[dict]) -> Optional[float]:
+    """The next lr to try where the best of ``entries`` (best_of) sits at the edge of the lrs
+    tried: EXTEND_FACTOR beyond it; None where it is inside them (or nothing ran)."""
+    if not entries:
+        return None
+    lrs = sorted(e["lr"] for e in entries)
+    best = best_of(name, entries)["lr"]
+    if len(lrs) < 2 or lrs[0] < best < lrs[-1]:
+        return None
+    return best * EXTEND_FACTOR if best == lrs[-1] else best / EXTEND_FACTOR
+
+
 def sweep(names: list, problem: Problem, args, pin: dict,
           log: common.Progress) -> tuple[dict[str, list], dict[str, float]]:
     """Every optimizer at each lr of its grid, one run after another: (the sweep's entries per
     optimizer, the tuned lr per optimizer). AdamW first, for all steps; the others stop at its
-    tuned final loss or at --budget x its time."""
+    tuned final loss or at --budget x its time. A grid whose best lr sits at its edge is
+    extended (extend_grid) up to --extend times."""
     entries: dict[str, list] = {}
     tuned: dict[str, float] = {}
     target = adamw_ref = None
     for name in ["adamw"] + [n for n in names if n != "adamw"]:
-        for lr in args.grids[name]:
+        grid = list(args.grids[name])
+        extended = 0
+        while grid:
+            lr = grid.pop(0)
             stop = None if name == "adamw" else target
             budget = None if name == "adamw" else max(args.budget * adamw_ref["wall_s"],
                                                       MIN_BUDGET_S)
@@ -506,6 +541,12 @@ def sweep(names: list, problem: Problem, args, pin: dict,
                     f"did not reach {target:.4f} (final {e['final_smoothed']:.4f})"))
             else:
                 log(f"  adamw lr {lr:g}: final loss {e['final_smoothed']:.4f}")
+            if not grid and extended < args.extend:
+                more = extend_grid(name, [x for x in entries.get(name, []) if "error" not in x])
+                if more is not None:
+                    extended += 1
+                    log(f"  {name}: best lr at the grid's edge; trying {more:g}")
+                    grid.append(more)
         ok = [e for e in entries.get(name, []) if "error" not in e]
         if not ok:
             if name == "adamw":  # no target: nothing else can be measured
@@ -558,6 +599,14 @@ def run_setting(setting: str, args, pin: dict, log: common.Progress) -> dict[str
             "tuned_lr": tuned,
             "tuned_at_grid_edge": {n: lr in (min(args.grids[n]), max(args.grids[n]))
                                    for n, lr in tuned.items()},
+            "lrs_tried": {n: sorted(e["lr"] for e in es if "error" not in e)
+                          for n, es in entries.items()},
+            "tuned_at_edge_of_lrs_tried": {
+                n: lr in (min(e["lr"] for e in entries[n] if "error" not in e),
+                          max(e["lr"] for e in entries[n] if "error" not in e))
+                for n, lr in tuned.items()},
+            "final_loss_at_equal_steps": {n: {str(r["seed"]): r["smoothed"][-1] for r in runs
+                                              if r["optimizer"] == n} for n in timed},
             "sweep": entries, "time_to_adamw_final": per_seed,
             "ratios": ratio_summary(per_seed, names), "runs": runs}
 
@@ -911,7 +960,8 @@ def run(args, argv) -> dict[str, Any]:
 
 COLORS = {"adamw": "tab:gray", "asteria-soap-async": "tab:blue",
           "asteria-kl-shampoo-async": "tab:purple", "asteria-shampoo-async": "tab:olive",
-          "asteria-soap-sync": "tab:red", "pytorch-optimizer": "tab:orange",
+          "asteria-soap-sync": "tab:red", "asteria-soap-sync-f1": "tab:pink",
+          "asteria-soap-async-s5": "tab:cyan", "pytorch-optimizer": "tab:orange",
           "heavyball": "tab:green"}
 
 
@@ -991,7 +1041,8 @@ def print_table(data: dict) -> None:
         print(f"{sname}: {m['tokens_per_step']} tokens/step, {m['tokens_over_widest']:.1f}x the "
               f"widest layer; seeds {s['seeds']}")
         hdr = (f"{'optimizer':<26}{'lr':>8}{'median ms':>11}{'steps to target':>18}"
-               f"{'time ratio (per seed)':>26}{'mean':>7}{'cpu ratio':>11}")
+               f"{'time ratio (per seed)':>26}{'mean':>7}{'cpu ratio':>11}"
+               f"{'final loss (per seed)':>24}")
         print(hdr)
         print("-" * len(hdr))
         meds: dict[str, list] = {}
@@ -1003,11 +1054,13 @@ def print_table(data: dict) -> None:
                     e.get("error", "") for e in s["sweep"].get(name, []))[:90])
                 continue
             med = common.percentile(meds[name], 50) if name in meds else None
+            finals = "/".join(_f(v, ".4f") for v in
+                              s.get("final_loss_at_equal_steps", {}).get(name, {}).values())
             if name == "adamw":
                 steps = "/".join(str(v["adamw_steps"])
                                  for v in s["time_to_adamw_final"].values())
                 print(f"{name:<26}{s['tuned_lr'][name]:>8g}{_f(med, '.1f'):>11}{steps:>18}"
-                      f"{'1 (target: final loss)':>26}")
+                      f"{'1 (target: final loss)':>26}{'':>18}{finals:>24}")
                 continue
             q = s["ratios"][name]
             steps = "/".join(_f(v["runs"].get(name, {}).get("step"), "d")
@@ -1015,7 +1068,7 @@ def print_table(data: dict) -> None:
             per = "/".join(_f(x, ".2f") for x in q["time_ratio_per_seed"])
             print(f"{name:<26}{s['tuned_lr'][name]:>8g}{_f(med, '.1f'):>11}{steps:>18}"
                   f"{per:>26}{_f(q['time_ratio_mean'], '.2f'):>7}"
-                  f"{_f(q['cpu_time_ratio_mean'], '.2f'):>11}")
+                  f"{_f(q['cpu_time_ratio_mean'], '.2f'):>11}{finals:>24}")
         print("(time ratio: own time in lockstep; cpu ratio: the training thread's CPU time plus barrier "
               "waits, which other processes' load stretches far less)")
         print()
@@ -1082,6 +1135,9 @@ def parse_args(argv: Optional[Sequence[str]]):
                          "overlapping the next forward and backward)")
     ap.add_argument("--window", type=int, default=None,
                     help="steps of the trailing mean that smooths the loss (20; --quick 4)")
+    ap.add_argument("--extend", type=int, default=2,
+                    help="times a sweep whose best lr sits at its grid's edge is extended "
+                         f"by x{EXTEND_FACTOR:g} (or /{EXTEND_FACTOR:g}) beyond it")
     ap.add_argument("--budget", type=float, default=3.0,
                     help="a run stops once its wall time passes this many times AdamW's")
     ap.add_argument("--workers", type=int, default=1, help="Asteria worker threads")

@@ -13,8 +13,9 @@ read / written) and the planner's decisions:
   asteria-nvme   the same with host_budget_bytes --host-budget and nvme_dir (a fresh directory
                  under --dir-parent): the eigenbases past the budget live on the NVMe tier
 Part 2, the cap: a memory cgroup (benchmarks/memcap.py: cgroup v1 or v2, no swap) capped at
---cap-bytes, or by default halfway between asteria-nvme's and soap-native's cgroup peaks as
-measured uncapped: their ANONYMOUS peaks (part 1 runs each configuration in a group capped at
+--cap-bytes, or by default (choose_cap) halfway between asteria-nvme's and soap-native's cgroup
+peaks as measured uncapped (with --cap-margin-mib M: at most asteria-nvme's + M MiB): their
+ANONYMOUS peaks (part 1 runs each configuration in a group capped at
 the machine's memory and samples the group's anonymous memory every 20 ms; the group's own peak
 also counts page cache, which a cap reclaims, and ru_maxrss the shared libraries' pages). Where
 asteria-nvme's anonymous peak is not below native's no cap can separate them, and part 2 says
@@ -22,7 +23,9 @@ so instead of running; soap-native then asteria-nvme run inside it. The JSON rec
 kernel's OOM killer ended each, the group's peak, the step times against the uncapped run, and
 whether the capped asteria-nvme run's final parameters are bitwise equal to the uncapped one's.
 
-Writes benchmarks/results/bench_memory_cap.json and bench_memory_cap.png.
+The pieces (measure_uncapped, choose_cap, run_capped_configs) are also the main job's memory
+part (examples/main_job.py). Writes benchmarks/results/bench_memory_cap.json and
+bench_memory_cap.png.
 
     python3 benchmarks/bench_memory_cap.py                 # the issue's setting: 4 x 2048^2
     python3 benchmarks/bench_memory_cap.py --quick --out-dir /tmp/x
@@ -123,7 +126,9 @@ def spec_for(args, config: str, nvme_dir: str, params_out: Optional[str] = None)
     return {"config": config, "width": args.width, "layers": args.layers, "batch": args.batch,
             "steps": args.steps, "freq": args.freq, "staleness": args.staleness,
             "seed": args.seed, "nvme_dir": nvme_dir, "host_budget": args.host_budget,
-            "params_out": params_out}
+            "params_out": params_out,
+            "runtime_extra": ({"tier_dtype": args.tier_dtype}
+                              if getattr(args, "tier_dtype", "float32") != "float32" else {})}
 
 
 def child_cmd(spec: dict) -> list[str]:
@@ -172,10 +177,92 @@ def run_uncapped(spec: dict, timeout: float) -> dict:
     return res
 
 
+def measure_uncapped(args, configs: Sequence[str], work: str, log,
+                     parallel: bool = False) -> dict[str, Any]:
+    """Each of ``configs`` trained without a cap (run_uncapped), each its own process and group,
+    so peaks do not mix; ``parallel`` runs them side by side (peaks unaffected, step times
+    shared). asteria-nvme keeps its final parameters in ``work`` (``ref_params``), the capped
+    run's reference. Returns config -> result."""
+    specs = {}
+    for cfg in configs:
+        nvme = os.path.join(work, f"nvme-{cfg}")
+        os.makedirs(nvme, exist_ok=True)
+        out = ref_params(work) if cfg == "asteria-nvme" else None
+        specs[cfg] = spec_for(args, cfg, nvme, out)
+    from concurrent.futures import ThreadPoolExecutor
+    results: dict[str, Any] = {}
+    with ThreadPoolExecutor(max_workers=len(configs) if parallel else 1) as ex:
+        futs = {cfg: ex.submit(run_uncapped, specs[cfg], args.timeout) for cfg in configs}
+        for cfg in configs:
+            r = results[cfg] = futs[cfg].result()
+            log(f"{cfg:14s} ru_maxrss {r['ru_maxrss_bytes'] / MiB:8.1f} MiB, cgroup peak "
+                f"{(r['cgroup_peak_bytes'] or 0) / MiB:8.1f} MiB, anon peak "
+                f"{(r['anon_peak_bytes'] or 0) / MiB:8.1f} MiB, median step "
+                f"{sorted(r['step_s'])[len(r['step_s']) // 2]:.3f} s")
+    return results
+
+
+def ref_params(work: str) -> str:
+    """Where the uncapped asteria-nvme run leaves its final parameters."""
+    return os.path.join(work, "asteria-nvme-uncapped.pt")
+
+
+def choose_cap(native_anon: int, asteria_anon: int,
+               margin: Optional[int] = None) -> tuple[Optional[int], str]:
+    """(cap bytes, how it was chosen) from the uncapped anonymous peaks of native SOAP and
+    asteria-nvme: halfway between them, or with ``margin`` at most Asteria's peak + margin
+    (native SOAP's need varies from run to run by up to ~120 MiB on 4 x 1024^2, Asteria's far
+    less: a cap halfway between one pair's peaks can sit above native's next need). (None,
+    why) where Asteria's peak is not below native's: no cap separates them."""
+    if asteria_anon >= native_anon:
+        return None, (f"no cap separates them: asteria-nvme's anonymous peak "
+                      f"({asteria_anon / MiB:.0f} MiB) is not below native SOAP's "
+                      f"({native_anon / MiB:.0f} MiB)")
+    half = (native_anon + asteria_anon) // 2
+    if margin is None or asteria_anon + margin >= half:
+        return half, "halfway between native SOAP's and asteria-nvme's uncapped anonymous peaks"
+    return asteria_anon + margin, (f"asteria-nvme's uncapped anonymous peak + "
+                                   f"{margin / MiB:.0f} MiB (below halfway to native SOAP's)")
+
+
+def run_capped_configs(args, cap: int, work: str, log,
+                       configs: Sequence[str] = ("soap-native", "asteria-nvme"),
+                       tag: str = "capped") -> dict[str, Any]:
+    """Each of ``configs`` in a fresh memory cgroup capped at ``cap`` bytes (memcap.run_capped):
+    config -> whether the kernel's OOM killer ended it, the group's peaks, whether it completed,
+    its result, and for asteria-nvme whether its final parameters are bitwise equal to the
+    uncapped run's (``ref_params(work)``, from measure_uncapped)."""
+    import memcap
+    import torch
+
+    runs: dict[str, Any] = {}
+    for cfg in configs:
+        nvme = os.path.join(work, f"nvme-{tag}-{cfg}")
+        os.makedirs(nvme, exist_ok=True)
+        out = os.path.join(work, f"{cfg}-{tag}.pt")
+        spec = spec_for(args, cfg, nvme, out)
+        r = memcap.run_capped(child_cmd(spec), cap, args.timeout, env=child_env())
+        res = parse_result(r["stdout"])
+        entry = {k: r[k] for k in ("returncode", "killed_by_oom", "oom_kill_count",
+                                   "limit_hits", "cgroup_peak_bytes", "anon_peak_bytes",
+                                   "wall_s")}
+        entry["completed"] = res is not None and r["returncode"] == 0
+        entry["stderr_tail"] = r["stderr"][-600:]
+        if res is not None:
+            entry["result"] = res
+            if cfg == "asteria-nvme" and os.path.exists(ref_params(work)):
+                ref, got = torch.load(ref_params(work)), torch.load(out)
+                entry["bitwise_equal_to_uncapped"] = (
+                    len(ref) == len(got) and all(torch.equal(a, b) for a, b in zip(ref, got)))
+        runs[cfg] = entry
+        log(f"capped {cfg:14s} at {cap / MiB:.0f} MiB: rc {r['returncode']}, OOM-killed "
+            f"{entry['killed_by_oom']}, group peak {(r['cgroup_peak_bytes'] or 0) / MiB:.0f} MiB")
+    return runs
+
+
 def run(args, argv) -> dict[str, Any]:
     import common
     import memcap
-    import torch
 
     log = common.Progress(NAME)
     meta = common.run_metadata(NAME, __file__, argv)
@@ -185,71 +272,33 @@ def run(args, argv) -> dict[str, Any]:
     eig_bytes = args.layers * 2 * args.width * args.width * 4
     log(f"{args.layers} x {args.width}^2, batch {args.batch}, {args.steps} steps, f={args.freq}, "
         f"S={args.staleness}; eigenbases {eig_bytes / MiB:.0f} MiB; load {common.loadavg()}")
-    results: dict[str, Any] = {}
     capped: dict[str, Any] = {}
     try:
-        specs = {}
-        for cfg in CONFIGS:
-            nvme = os.path.join(work, f"nvme-{cfg}")
-            os.makedirs(nvme, exist_ok=True)
-            out = os.path.join(work, f"{cfg}-uncapped.pt") if cfg == "asteria-nvme" else None
-            specs[cfg] = spec_for(args, cfg, nvme, out)
-        # Each configuration is its own process (and group), so peaks do not mix; --parallel
-        # runs them side by side (their step times then share the cores).
-        from concurrent.futures import ThreadPoolExecutor
-        with ThreadPoolExecutor(max_workers=len(CONFIGS) if args.parallel else 1) as ex:
-            futs = {cfg: ex.submit(run_uncapped, specs[cfg], args.timeout) for cfg in CONFIGS}
-            for cfg in CONFIGS:
-                r = results[cfg] = futs[cfg].result()
-                log(f"{cfg:14s} ru_maxrss {r['ru_maxrss_bytes'] / MiB:8.1f} MiB, cgroup peak "
-                    f"{(r['cgroup_peak_bytes'] or 0) / MiB:8.1f} MiB, anon peak "
-                    f"{(r['anon_peak_bytes'] or 0) / MiB:8.1f} MiB, median step "
-                    f"{sorted(r['step_s'])[len(r['step_s']) // 2]:.3f} s")
+        results = measure_uncapped(args, CONFIGS, work, log, args.parallel)
         kind, why = memcap.available()
         native, nv = results["soap-native"], results["asteria-nvme"]
+        cap, how = args.cap_bytes or None, "--cap-bytes"
         if kind is None:
             capped = {"skipped": why}
             log(f"no capped run: {why}")
-        elif not args.cap_bytes and nv["anon_peak_bytes"] >= native["anon_peak_bytes"]:
-            capped = {"skipped": f"no cap separates them: asteria-nvme's anonymous peak "
-                                 f"({nv['anon_peak_bytes'] / MiB:.0f} MiB) is not below native "
-                                 f"SOAP's ({native['anon_peak_bytes'] / MiB:.0f} MiB)"}
-            log(capped["skipped"])
-        else:
+        elif cap is None:
             # Under a cap the group's page cache is reclaimed: the anonymous peaks are the need.
-            cap = args.cap_bytes or int((native["anon_peak_bytes"] +
-                                         nv["anon_peak_bytes"]) / 2)
-            capped = {"cgroup": kind, "cap_bytes": cap, "runs": {}}
-            for cfg in ("soap-native", "asteria-nvme"):
-                nvme = os.path.join(work, f"nvme-capped-{cfg}")
-                os.makedirs(nvme, exist_ok=True)
-                out = os.path.join(work, f"{cfg}-capped.pt")
-                spec = spec_for(args, cfg, nvme, out)
-                r = memcap.run_capped(child_cmd(spec), cap, args.timeout, env=child_env())
-                res = parse_result(r["stdout"])
-                entry = {k: r[k] for k in ("returncode", "killed_by_oom", "oom_kill_count",
-                                           "limit_hits", "cgroup_peak_bytes", "anon_peak_bytes",
-                                           "wall_s")}
-                entry["completed"] = res is not None and r["returncode"] == 0
-                entry["stderr_tail"] = r["stderr"][-600:]
-                if res is not None:
-                    entry["result"] = res
-                    ref = torch.load(os.path.join(work, "asteria-nvme-uncapped.pt"))
-                    got = torch.load(out)
-                    entry["bitwise_equal_to_uncapped"] = (
-                        cfg == "asteria-nvme" and all(torch.equal(a, b)
-                                                      for a, b in zip(ref, got)))
-                capped["runs"][cfg] = entry
-                log(f"capped {cfg:14s} at {cap / MiB:.0f} MiB: rc {r['returncode']}, OOM-killed "
-                    f"{entry['killed_by_oom']}, group peak "
-                    f"{(r['cgroup_peak_bytes'] or 0) / MiB:.0f} MiB")
+            margin = args.cap_margin_mib * MiB if args.cap_margin_mib else None
+            cap, how = choose_cap(native["anon_peak_bytes"], nv["anon_peak_bytes"], margin)
+            if cap is None:
+                capped = {"skipped": how}
+                log(how)
+        if kind is not None and cap is not None:
+            capped = {"cgroup": kind, "cap_bytes": cap, "cap_rule": how,
+                      "runs": run_capped_configs(args, cap, work, log)}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     meta["machine"]["loadavg_end"] = list(os.getloadavg())
     data = {**meta,
             "settings": {k: getattr(args, k) for k in ("width", "layers", "batch", "steps", "freq",
                                                        "staleness", "host_budget", "seed",
-                                                       "cap_bytes", "quick")},
+                                                       "cap_bytes", "cap_margin_mib",
+                                                       "tier_dtype", "quick")},
             "eigenbasis_bytes": eig_bytes, "uncapped": results, "capped": capped,
             "targets": targets(results, eig_bytes)}
     return common.finish(data, NAME, args.out_dir, args.no_plot, print_table, plot, log)
@@ -347,7 +396,13 @@ def parse_args(argv: Optional[Sequence[str]]):
     ap.add_argument("--freq", type=int, default=10, help="precondition_frequency")
     ap.add_argument("--staleness", type=int, default=5)
     ap.add_argument("--host-budget", type=int, default=1 << 20)
-    ap.add_argument("--cap-bytes", type=int, default=0, help="0: halfway native / asteria-nvme")
+    ap.add_argument("--cap-bytes", type=int, default=0,
+                    help="0: chosen from the uncapped peaks (choose_cap)")
+    ap.add_argument("--cap-margin-mib", type=float, default=0,
+                    help="0: the cap halfway between native's and asteria-nvme's anonymous "
+                         "peaks; else at most asteria-nvme's peak + this many MiB")
+    ap.add_argument("--tier-dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the Asteria runs' runtime tier_dtype")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--dir-parent", default=None,

@@ -1,4 +1,7 @@
-"""The main job: AdamW vs Asteria SOAP (async) vs native SOAP (sync) where users train.
+"""AdamW vs Asteria SOAP vs native SOAP where users train: the main job's time-to-loss part.
+
+The main job (examples/main_job.py, `bash scripts/run_main.sh`) runs this as its "time to loss"
+part; run alone it writes examples/out/train_tiny.{json,png}.
 
 A small GPT-style character LM (examples/tinygpt.py: d=128, 2 layers, context 128) on Tiny
 Shakespeare, batch 64: 8,192 tokens a step, 16x the widest layer (the MLP's 4d = 512), so the
@@ -7,8 +10,8 @@ uses the same seed, initial weights and batches, linear warm-up then cosine deca
 optimizer at its tuned peak lr (benchmarks/bench_convergence.py's sweep in this setting); only
 the optimizer changes. The training thread runs on one core with one torch thread, Asteria's
 worker pool on the other. The runs train in lockstep, taking turns of 10 consecutive steps
-(benchmarks/common.py run_loops), so a slow spell of the VM falls on all of them alike; each
-run's time axis is its own clock (its steps and their bookkeeping, not the others' turns).
+(benchmarks/common.py run_loops), so a slow spell of the machine falls on all of them alike;
+each run's time axis is its own clock (its steps and their bookkeeping, not the others' turns).
 
 Prints progress, then a table: final train loss, validation loss, the wall time at which the run
 first reaches AdamW's final loss (and its ratio to AdamW's time), step time median / p99, wall
@@ -16,7 +19,7 @@ time and optimizer-state MiB per memory tier (asteria_stats(); for AdamW its sta
 Writes examples/out/train_tiny.png (loss vs wall-clock time, step time vs step, bytes per tier)
 and train_tiny.json (every loss and step time, the machine, its load, the versions, the command).
 
-    bash scripts/run_main.sh                         # = python3 examples/train_tiny.py, ~3 min
+    python3 examples/train_tiny.py                   # ~3 min on 2 cores
     python3 examples/train_tiny.py --steps 50 --runs adamw,soap-async
 
 The corpus is bundled (examples/data/tinyshakespeare.txt, from char-rnn); nothing is downloaded.
@@ -118,25 +121,35 @@ TIER_COLORS = {"device": "tab:blue", "host_pinned": "tab:cyan", "host": "tab:ora
                "uvm": "tab:pink", "nvme": "tab:brown"}
 
 
-def plot(out, path):
-    plt = common.pyplot()
-    results = out["results"]
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(17, 4.8),
-                                  gridspec_kw={"width_ratios": [1.3, 1.3, 0.8]})
-    for r in results:
-        col = COLORS.get(r["optimizer"])
+LABELS = {"adamw": "AdamW", "soap-async": "Asteria SOAP", "soap-sync": "native SOAP"}
+
+
+def plot_loss_vs_time(a, out, labels=None):
+    """Loss (trailing mean) against each run's own time on axis ``a``, with AdamW's final loss
+    and each run's time to it."""
+    for r in out["results"]:
         t = r.get("time_to_adamw_final", {})
         extra = (f", AdamW's final at {t['time_s']:.0f} s (x{t['time_ratio']:.2f})"
                  if t.get("time_s") is not None and r["optimizer"] != "adamw" else "")
-        a.plot(r["time_s"], r["smoothed"], color=col, lw=1.3,
-               label=f"{r['optimizer']} (lr {r['lr']:g}){extra}")
-        b.plot(range(1, len(r["step_times_ms"]) + 1), r["step_times_ms"], color=col, lw=0.8,
-               label=r["optimizer"])
+        name = (labels or {}).get(r["optimizer"], r["optimizer"])
+        a.plot(r["time_s"], r["smoothed"], color=COLORS.get(r["optimizer"]), lw=1.3,
+               label=f"{name} (lr {r['lr']:g}){extra}")
     if "adamw_final_loss" in out:
         a.axhline(out["adamw_final_loss"], color="k", ls=":", lw=1, label="AdamW's final loss")
     a.set(xlabel="wall-clock time (s)", ylabel=f"train loss (trailing mean of {WINDOW})",
           title="Loss vs wall-clock time")
     a.set_ylim(top=min(3.5, a.get_ylim()[1]))
+
+
+def plot(out, path):
+    plt = common.pyplot()
+    results = out["results"]
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(17, 4.8),
+                                  gridspec_kw={"width_ratios": [1.3, 1.3, 0.8]})
+    plot_loss_vs_time(a, out)
+    for r in results:
+        b.plot(range(1, len(r["step_times_ms"]) + 1), r["step_times_ms"],
+               color=COLORS.get(r["optimizer"]), lw=0.8, label=r["optimizer"])
     b.set(xlabel="step", ylabel="step time (ms)", title="Step time vs step", yscale="log")
     xs = range(len(results))
     bottom = [0.0] * len(results)
@@ -177,7 +190,9 @@ def print_table(out):
           f"lockstep run: {cpu.get('foreign_cores_avg', 0):.2f} cores)")
 
 
-def main(argv=None):
+def parse_args(argv=None):
+    """The command line; ``args.lrs`` (name -> peak lr), ``args.staleness`` (an int or "auto")
+    and ``args.names`` (AdamW first) resolved."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=250)
     ap.add_argument("--batch", type=int, default=64)
@@ -205,10 +220,10 @@ def main(argv=None):
         if k not in LR or not v:
             ap.error(f"--lr {spec!r}: want NAME=LR with NAME one of {', '.join(LR)}")
         lrs[k] = float(v)
-    staleness = args.staleness if args.staleness == "auto" else None
-    if staleness is None:
+    args.lrs = lrs
+    if args.staleness != "auto":
         try:
-            staleness = int(args.staleness)
+            args.staleness = int(args.staleness)
         except ValueError:
             ap.error(f"--staleness {args.staleness!r}: want an int >= 0 or auto")
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
@@ -217,6 +232,15 @@ def main(argv=None):
             ap.error(f"unknown run {n!r}; allowed: {', '.join(LR)}")
     if "adamw" in names:  # AdamW first: its final loss is the others' target
         names = ["adamw"] + [n for n in names if n != "adamw"]
+    args.names = names
+    return args
+
+
+def run(args, argv=None, show=True):
+    """Train the runs of ``args`` (parse_args) in lockstep and print the table (``show``);
+    returns the result (what main writes as train_tiny.json). Restores the caller's torch
+    thread count and CPU affinity."""
+    names, lrs = args.names, args.lrs
     meta = common.run_metadata("train_tiny", __file__, argv)
     threads, cpus = torch.get_num_threads(), common.allowed_cpus()
     torch.set_num_threads(args.threads)
@@ -224,7 +248,7 @@ def main(argv=None):
     common.pin_thread(None if train_cpu is None else [train_cpu])
     try:
         runs = make_runs(common.cpu_list(worker_cpus) if train_cpu is not None else None,
-                         staleness, args.install)
+                         args.staleness, args.install)
         data = CharData(block=args.context)
         cfg = GPTConfig(vocab=data.vocab, block=args.context, d=args.d, layers=args.layers,
                         heads=4)
@@ -248,7 +272,8 @@ def main(argv=None):
     finally:
         torch.set_num_threads(threads)
         common.pin_thread(cpus)
-    out = {**meta, "args": vars(args), "lrs": {n: lrs[n] for n in names}, "schedule": SCHEDULE,
+    argd = {k: v for k, v in vars(args).items() if k not in ("lrs", "names")}
+    out = {**meta, "args": argd, "lrs": {n: lrs[n] for n in names}, "schedule": SCHEDULE,
            "model": model_info, "pinning": {"training_cpu": train_cpu,
                                             "worker_cpus": common.cpu_list(worker_cpus)}}
     out["machine"]["loadavg1_end"] = common.loadavg()
@@ -260,7 +285,14 @@ def main(argv=None):
             time_to_target(r, adamw["final_train_loss"], adamw["wall_s"], args.steps) if adamw
             else {"reached": False, "step": None, "time_s": None, "time_ratio": None})
     out["results"] = results
-    print_table(out)
+    if show:
+        print_table(out)
+    return out
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    out = run(args, argv)
     os.makedirs(args.out_dir, exist_ok=True)
     png = os.path.join(args.out_dir, "train_tiny.png")
     try:

@@ -1,5 +1,6 @@
 """Smoke tests of benchmarks/bench_step_time.py, bench_core_contention.py, bench_convergence.py,
-bench_staleness.py, bench_tier_dtype.py, bench_step_lockstep.py and examples/train_tiny.py (the main job): a --quick (or tiny) run into tmp_path
+bench_staleness.py, bench_tier_dtype.py, bench_step_lockstep.py and examples/main_job.py (the main
+job, with examples/train_tiny.py as its first part): a --quick (or tiny) run into tmp_path
 writes a result file with the metadata and sane statistics. They run in this process through
 main(argv) (no second torch import), which restores the thread count and CPU affinity."""
 
@@ -127,7 +128,8 @@ def test_bench_convergence_quick(tmp_path):
     bc = load_bench("bench_convergence")
     _restores(lambda: bc.main(
         ["--quick", "--no-plot", "--out-dir", str(tmp_path), "--runs",
-         "adamw,asteria-soap-async,asteria-soap-sync", "--bound-runs", "adamw,asteria-soap-async",
+         "adamw,asteria-soap-async,asteria-soap-sync,asteria-soap-sync-f1,asteria-soap-async-s5",
+         "--bound-runs", "adamw,asteria-soap-async",
          "--bound-seeds", "0", "--lrs", "adamw=3e-3,6e-3", "--gemm-reps", "2",
          "--profile-steps", "2"]))
     data = json.loads((tmp_path / "bench_convergence.json").read_text())
@@ -135,11 +137,33 @@ def test_bench_convergence_quick(tmp_path):
     assert set(data["setting_results"]) == {"users", "optimizer-bound"}
     users = data["setting_results"]["users"]
     assert users["seeds"] == [0, 1]
-    # seed 0 sweeps every lr of each grid (the whole sweep kept), seed 1 runs the tuned one
-    assert [e["lr"] for e in users["sweep"]["adamw"] if e["seed"] == 0] == [3e-3, 6e-3]
-    assert len([e for e in users["sweep"]["asteria-soap-sync"] if e["seed"] == 0]) == 3
+    # seed 0 sweeps every lr of each grid (the whole sweep kept), then beyond the edge of the
+    # lrs tried (x2 above, /2 below) while the best sits there, at most --extend (2) times;
+    # seed 1 runs the tuned one
+    for name, entries in users["sweep"].items():
+        lrs = [e["lr"] for e in entries if e["seed"] == 0]
+        grid = users["grids"][name]
+        assert lrs[:len(grid)] == grid and len(lrs) <= len(grid) + 2, (name, lrs)
+        for i in range(len(grid), len(lrs)):
+            assert lrs[i] in (2 * max(lrs[:i]), min(lrs[:i]) / 2), (name, lrs)
+        assert users["lrs_tried"][name] == sorted(lrs)
+        if len(lrs) < len(grid) + 2:  # stopped extending: the best is inside the lrs tried
+            assert not users["tuned_at_edge_of_lrs_tried"][name], (name, lrs)
+    assert len([e for e in users["sweep"]["asteria-soap-sync"] if e["seed"] == 0]) >= 3
     for name, lr in users["tuned_lr"].items():
-        assert lr in users["grids"][name]
+        assert lr in users["lrs_tried"][name]
+    # the amortisation runs: native SOAP at f=1, Asteria at f with S=min(5, f), and each
+    # timed run's final loss at equal steps
+    kw = {r["optimizer"]: r["kwargs"] for r in users["runs"] if r["seed"] == 0}
+    f = data["settings"]["frequency"]
+    assert kw["asteria-soap-sync-f1"]["precondition_frequency"] == 1
+    assert kw["asteria-soap-sync-f1"]["runtime"] == {"mode": "sync"}
+    assert kw["asteria-soap-async-s5"]["precondition_frequency"] == f
+    assert kw["asteria-soap-async-s5"]["runtime"]["staleness"] == min(5, f)
+    assert kw["asteria-soap-async"]["runtime"]["staleness"] == data["settings"]["staleness"]
+    for r in users["runs"]:
+        assert users["final_loss_at_equal_steps"][r["optimizer"]][str(r["seed"])] == \
+            r["smoothed"][-1]
     best = min((e for e in users["sweep"]["adamw"] if e["seed"] == 0),
                key=lambda e: e["final_smoothed"])
     assert users["tuned_lr"]["adamw"] == best["lr"]
@@ -171,7 +195,9 @@ def test_bench_convergence_quick(tmp_path):
         assert own <= r["time_s"][-1] < 1.5 * own + 0.5
     for r in users["runs"]:
         assert len(r["losses"]) == len(r["time_s"]) == len(r["step_kinds"]) == r["steps_run"]
-        if r["optimizer"].startswith("asteria"):
+        if r["optimizer"] == "asteria-soap-sync-f1":  # a refresh in every step
+            assert set(r["step_kinds"]) == {"refresh+install"}, r["step_kinds"]
+        elif r["optimizer"].startswith("asteria"):
             # f=4 in --quick: refreshes after the first step's (sync: installed at once)
             assert any(k.startswith("refresh") for k in r["step_kinds"][1:]), r["step_kinds"]
             # ... and steps without one (a SOAP step's factor EMA jobs are no refresh)
@@ -273,37 +299,137 @@ def test_bench_step_lockstep_quick(tmp_path):
     assert f["step_over_limit"] > 0 and f["step_over_limit_equal_fwd_bwd"] > 0
 
 
-@pytest.mark.timeout(120)
-def test_train_tiny_small(tmp_path):
-    import importlib.util as iu
+def load_example(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "examples",
+                                                                     f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
-    spec = iu.spec_from_file_location("train_tiny", os.path.join(ROOT, "examples",
-                                                                 "train_tiny.py"))
-    tt = iu.module_from_spec(spec)
-    spec.loader.exec_module(tt)
+
+@pytest.mark.timeout(150)
+def test_main_job_tiny(tmp_path):
+    """The main job (examples/main_job.py, `bash scripts/run_main.sh`) on its tiny settings:
+    the three parts run, their tables print, main.json holds each answer under the keys the
+    README names and main.png is written. No timing is asserted; what is checked is how each
+    answer follows from what was measured. Part 3's cap is set above every peak here (the
+    tiny model's two peaks are too close for a cap between them), so both runs complete and
+    Asteria's capped parameters equal its uncapped run's."""
+    mj = load_example("main_job")
     t0 = time.perf_counter()
-    out = _restores(lambda: tt.main(["--steps", "12", "--d", "32", "--context", "32",
-                                     "--batch", "4", "--val-batches", "1", "--log-every", "6",
-                                     "--out-dir", str(tmp_path)]))
+    out = _restores(lambda: mj.main(["--tiny", "--out-dir", str(tmp_path), "--mem-cap-mib",
+                                     "4096"]))
     elapsed = time.perf_counter() - t0
-    assert (tmp_path / "train_tiny.png").exists()
-    data = json.loads((tmp_path / "train_tiny.json").read_text())
-    assert [r["optimizer"] for r in data["results"]] == ["adamw", "soap-async", "soap-sync"]
-    assert data["adamw_final_loss"] == out["results"][0]["final_train_loss"]
-    for r in data["results"]:
-        assert len(r["losses"]) == len(r["step_times_ms"]) == 12
-        tiers = r["bytes_per_tier"]
-        assert tiers["total"] == sum(tiers["tiers"].values()) > 0
-    assert data["results"][0]["time_to_adamw_final"]["step"] == 12
-    # lockstep: each run's time axis is its own clock (the others' turns left out), so the
-    # three together fit in the job's time; Asteria's runtime counters are read every step
-    assert sum(r["wall_s"] for r in data["results"]) < elapsed
-    for r in data["results"]:
-        assert r["time_s"] == sorted(r["time_s"])
-        assert r["time_s"][-1] == pytest.approx(r["wall_s"], abs=1e-3)
-    kinds = {r["optimizer"]: r["step_kinds"] for r in data["results"]}
-    assert kinds["adamw"] == [None] * 12
-    assert any(k in ("refresh", "refresh+install") for k in kinds["soap-async"])
+    assert (tmp_path / "main.png").exists()
+    data = json.loads((tmp_path / "main.json").read_text())
+    assert data["time_to_loss"] == out["time_to_loss"]
+    for key in ("date", "command", "machine", "versions", "git_dirty", "load", "training_s",
+                "time_to_loss", "spikes", "memory_cap", "targets", "details"):
+        assert key in data, key
+    assert data["versions"]["git_commit"] and data["tiny"] is True
+    assert set(data["load"]) == {"start", "end", "time_to_loss", "spikes", "memory_cap"}
+    assert data["training_s"]["total"] <= elapsed
+
+    # part 1: time to loss; AdamW's final loss is the target, reached at its last step
+    tl = data["time_to_loss"]
+    assert set(tl) == {"adamw", "asteria_soap", "native_soap"}
+    for name, r in tl.items():
+        assert {"time_ratio", "final_loss", "lr"} <= set(r), name
+        assert r["lr"] > 0 and math.isfinite(r["final_loss"])
+    d1 = data["details"]["time_to_loss"]
+    assert tl["adamw"]["final_loss"] == d1["adamw_final_loss"]
+    assert tl["adamw"]["steps_to_adamw_final"] == d1["steps"] == 12
+    assert tl["adamw"]["time_ratio"] == pytest.approx(1.0, abs=1e-2)  # times kept to 0.1 ms
+    for name, r in tl.items():
+        cv = d1["curves"][name]
+        assert len(cv["smoothed"]) == len(cv["time_s"]) == 12
+        assert cv["time_s"] == sorted(cv["time_s"])  # each run's own clock (lockstep)
+        if r["time_ratio"] is None:
+            assert min(cv["smoothed"]) > d1["adamw_final_loss"]
+        else:
+            k = r["steps_to_adamw_final"] - 1
+            assert cv["smoothed"][k] <= d1["adamw_final_loss"] < min(cv["smoothed"][:k] + [9])
+            assert r["time_ratio"] == pytest.approx(cv["time_s"][k] / tl["adamw"]["wall_s"])
+
+    # part 2: native SOAP refreshes inline every f steps, Asteria snapshots on the same steps
+    # and installs S later; the statistics are the step times' after the warm-up
+    sp, d2 = data["spikes"], data["details"]["spikes"]
+    m = d2["model"]
+    f, S, w, n = m["frequency"], m["staleness"], m["warmup"], m["steps"]
+    for name in ("native_soap", "asteria_soap"):
+        r = sp[name]
+        assert {"median_ms", "p99_ms", "max_ms"} <= set(r)
+        assert 0 < r["median_ms"] <= r["p99_ms"] <= r["max_ms"]
+        steps = d2["per_step"][name]["step_ms"][w:]
+        assert r["max_ms"] == pytest.approx(max(steps), abs=1e-3)
+        assert r["max_over_median"] == pytest.approx(r["max_ms"] / r["median_ms"])
+        assert r["steps_over_2x_median"] == [w + 1 + i for i, t in enumerate(steps)
+                                             if t > 2 * r["median_ms"]]
+        assert r["refresh_steps"] == [i for i in range(w + 1, n + 1) if (i - 1) % f == 0]
+    assert sp["native_soap"]["install_steps"] == sp["native_soap"]["refresh_steps"]
+    assert sp["asteria_soap"]["install_steps"] == [
+        i + S for i in sp["asteria_soap"]["refresh_steps"] if i + S <= n]
+    assert sp["target_loss"] == sp["native_soap"]["final_loss"]
+    tn, ta = sp["native_soap"]["time_to_target_s"], sp["asteria_soap"]["time_to_target_s"]
+    assert tn is not None and tn <= sp["native_soap"]["wall_s"] + 1e-9
+    assert sp["asteria_time_over_native"] == (None if ta is None else pytest.approx(ta / tn))
+    # the loss both reach: the higher final; each reaches it, native's final at its own end
+    assert sp["common_loss"] == max(sp["native_soap"]["final_loss"],
+                                    sp["asteria_soap"]["final_loss"])
+    cn, ca = sp["native_soap"]["time_to_common_loss_s"], sp["asteria_soap"]["time_to_common_loss_s"]
+    assert cn is not None and ca is not None
+    assert sp["asteria_time_over_native_common_loss"] == pytest.approx(ca / cn)
+    if ta is not None:
+        assert sp["common_loss"] == sp["target_loss"] and ca == ta
+
+    # part 3: the memory cap (or why it was skipped)
+    mc = data["memory_cap"]
+    assert {"cap_mib", "native", "asteria", "asteria_equal_uncapped", "peak_mib"} <= set(mc)
+    if mc.get("skipped"):
+        assert mc["cap_mib"] is None and "cgroup" in mc["skipped"]
+        assert "memory_cap" not in data["targets"]
+    else:
+        assert mc["cap_mib"] == 4096
+        assert mc["native"] == mc["asteria"] == "completed"
+        assert mc["asteria_equal_uncapped"] is True
+        p = mc["peak_mib"]
+        assert all(p[k] > 0 for k in ("native_uncapped", "asteria_uncapped", "native_capped",
+                                      "asteria_capped"))
+        runs = data["details"]["memory_cap"]["uncapped"]
+        assert runs["asteria-nvme"]["nvme_mib"] > 0 and runs["soap-native"]["nvme_mib"] == 0
+        # completing is not enough: the target asks for native SOAP to be killed
+        assert data["targets"]["memory_cap"]["met"] is False
+
+    # the targets follow from the figures
+    t = data["targets"]
+    assert t["native_max_over_median"]["met"] == (
+        sp["native_soap"]["max_over_median"] >= mj.TARGETS["native_max_over_median_min"])
+    assert t["asteria_max_over_median"]["met"] == (
+        sp["asteria_soap"]["max_over_median"] <= mj.TARGETS["asteria_max_over_median_max"])
+    limit = mj.TARGETS["asteria_time_over_native_max"]
+    assert t["asteria_time_to_native_final"]["met"] == (ta is not None and ta / tn <= limit)
+    assert t["asteria_time_to_common_loss"]["met"] == (ca / cn <= limit)
+
+
+@pytest.mark.timeout(60)
+def test_main_job_memory_verdict_of_killed_runs(tmp_path):
+    """Part 3's verdict from real capped runs (bench_memory_cap.run_capped_configs) where the
+    cap is below what importing torch takes: both are OOM-killed, nothing is compared, and the
+    target is not met."""
+    mj = load_example("main_job")
+    if mj.memcap.available()[0] is None:
+        pytest.skip(f"no memory cgroup can be made here: {mj.memcap.available()[1]}")
+    args = mj.parse_args(["--tiny", "--out-dir", str(tmp_path)])
+    margs = mj.memory_args(args)
+    os.makedirs(margs.dir_parent, exist_ok=True)
+    cap = 64 << 20
+    runs = mj.memory_bench.run_capped_configs(margs, cap, str(tmp_path), lambda msg: None)
+    v = mj.memory_summary(cap, runs, {})
+    assert v["cap_mib"] == 64 and v["native"] == v["asteria"] == "OOM-killed"
+    assert v["asteria_equal_uncapped"] is False
+    assert v["peak_mib"]["native_uncapped"] is None and v["peak_mib"]["native_capped"] <= 64
+    t = mj.targets({"memory_cap": v})
+    assert t["memory_cap"]["met"] is False
 
 
 def test_run_loops_takes_turns_of_consecutive_steps():

@@ -1,0 +1,644 @@
+"""The main job: what SOAP gives over AdamW, and what Asteria adds over native SOAP, in three parts.
+
+1. Time to loss, where users train (examples/train_tiny.py): a 0.43M-parameter character GPT on
+   the bundled Tiny Shakespeare, 8,192 tokens a step (16x the widest layer), warm-up + cosine,
+   AdamW vs Asteria SOAP vs native SOAP, each at its swept peak lr, in lockstep. Answer: each
+   one's time to AdamW's final loss over AdamW's time. Here the refresh is about 1% of a step,
+   so Asteria and native SOAP run about even: this part shows SOAP's value, not Asteria's.
+2. Refresh spikes: a setting where native SOAP's refresh costs whole steps (a wider model, d=256
+   with 1024-wide MLP factors, 2,048 tokens a step, 2x the widest layer; still a character GPT
+   on the same corpus). Native SOAP (mode "sync": the refresh inline, every
+   precondition_frequency f=10 steps) and Asteria SOAP (mode "async", staleness S=4: its
+   refresh on one C worker on the other core, installed 4 steps later) continue the same run
+   from the same point, native SOAP's state after its first 80 steps, for 100 steps each, with
+   the same batches and warm-up + cosine schedule, in lockstep. Why a shared start: in a run's
+   first ~80 steps SOAP's eigenbasis moves fast and a basis S steps stale costs loss there
+   (from scratch, --spike-start 0 --spike-steps 180: 0.057 behind native at step 80, 0.048 at
+   step 180, no more after step 80), which a run of thousands of steps amortises and a
+   two-minute one cannot. Answer: step-time median / p99 / max of each (native
+   spikes every f steps, Asteria does not), and each one's time to native's final loss and to
+   the loss both reach (the higher of the two finals).
+3. Memory budget: a model (6 linear layers of 1024 x 1024) trained in a fresh process inside a
+   memory cgroup (benchmarks/bench_memory_cap.py and memcap.py: their functions, not a copy).
+   Native SOAP and Asteria SOAP with host_budget_bytes 1 MiB + nvme_dir (its eigenbases on the
+   NVMe tier) first run uncapped (their anonymous peaks), then under a cap between the two:
+   native SOAP is OOM-killed, Asteria completes with parameters bitwise equal to its uncapped
+   run's. Where no memory cgroup can be made (no controller, no permission) the part says so
+   and is skipped.
+
+Prints a table per part and writes examples/out/main.json (the three answers, the targets, the
+date, the commit, the machine and its load at the start and end of each part, and every step)
+and examples/out/main.png (one panel per part).
+
+    bash scripts/run_main.sh                       # setup, then this: about 6-7 min on 2 cores
+    python3 examples/main_job.py --parts spikes    # one part (time, spikes, memory)
+    python3 examples/main_job.py --tiny --out-dir /tmp/x   # tiny settings: the test suite's
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import bench_memory_cap as memory_bench  # noqa: E402
+import common  # noqa: E402
+import memcap  # noqa: E402
+import train_tiny  # noqa: E402
+from bench_convergence import Curve, make_problem, run_curves, time_to_target  # noqa: E402
+from tinygpt import SCHEDULE, CharData, GPTConfig, n_params, warmup_cosine  # noqa: E402
+
+import asteria  # noqa: E402
+
+NAME = "main"
+PARTS = ("time", "spikes", "memory")
+#: train_tiny's run names -> the names this job reports
+NAMES = {"adamw": "adamw", "soap-async": "asteria_soap", "soap-sync": "native_soap"}
+LABELS = {"adamw": "AdamW", "asteria_soap": "Asteria SOAP", "native_soap": "native SOAP"}
+COLORS = {"adamw": "tab:gray", "asteria_soap": "tab:blue", "native_soap": "tab:red"}
+MiB = 1 << 20
+
+TARGETS = {"native_max_over_median_min": 2.0, "asteria_max_over_median_max": 1.25,
+           "asteria_time_over_native_max": 0.9}
+
+# Part 2: fc / proj factors 4d = 1024 wide, 512 tokens a step: native SOAP's refresh (QR power
+# iteration of every eigenbasis) costs several steps. The same SOAP hyperparameters for both.
+SPIKES = dict(d=256, layers=2, heads=4, context=64, batch=32, start=80, steps=100, warmup=10,
+              frequency=10, staleness=4, lr=6e-3, seed=0, window=20)
+# Part 3: eigenbases 6 x 2 x 1024^2 x 4 B = 48 MiB; 16 steps (a refresh at step 10, its
+# install at 15). Uncapped anonymous peaks measured here: native SOAP 997-1132 MiB, Asteria
+# 724-802 MiB: the cap goes halfway between them (part_memory).
+MEMORY = dict(width=1024, layers=6, batch=256, steps=16, freq=10, staleness=5,
+              host_budget=1 << 20, tier_dtype="float32")
+# --tiny: seconds, for the test suite; the answers then mean nothing, the logic is the same
+TINY_TIME = ["--steps", "12", "--d", "32", "--context", "32", "--batch", "4",
+             "--val-batches", "1", "--log-every", "6"]
+TINY_SPIKES = dict(d=64, layers=1, heads=2, context=16, batch=4, start=8, steps=24, warmup=4,
+                   frequency=4, staleness=2, lr=1e-2, seed=0, window=4)
+TINY_MEMORY = dict(width=256, layers=2, batch=32, steps=6, freq=4, staleness=2,
+                   host_budget=1 << 16, tier_dtype="float32")
+
+
+def load() -> list:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def git_dirty() -> Optional[bool]:
+    """Whether the checkout has changes not in its commit (None outside a checkout)."""
+    try:
+        r = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(r.stdout.strip()) if r.returncode == 0 else None
+
+
+def check(value, threshold, op: str, note: str) -> dict[str, Any]:
+    met = None if value is None else (value >= threshold if op == ">=" else value <= threshold)
+    return {"value": value, "threshold": threshold, "op": op, "met": met, "note": note}
+
+
+# ---- part 1: time to loss ----------------------------------------------------------------------
+
+def part_time(args, log) -> tuple[dict, dict]:
+    """examples/train_tiny.py's comparison: (the answer per optimizer, details for the plot)."""
+    argv = ["--out-dir", args.out_dir] + (TINY_TIME if args.tiny else
+                                          ["--steps", str(args.time_steps)])
+    out = train_tiny.run(train_tiny.parse_args(argv), argv, show=False)
+    answer: dict[str, Any] = {}
+    curves: dict[str, Any] = {}
+    for r in out["results"]:
+        name = NAMES[r["optimizer"]]
+        t = r["time_to_adamw_final"]
+        answer[name] = {"time_ratio": t["time_ratio"], "final_loss": r["final_train_loss"],
+                        "lr": r["lr"], "val_loss": round(r["val_loss"], 5),
+                        "time_to_adamw_final_s": t["time_s"], "steps_to_adamw_final": t["step"],
+                        "wall_s": r["wall_s"], "median_ms": r["step_ms_median"],
+                        "p99_ms": r["step_ms_p99"],
+                        "optimizer_mib": round(r["bytes_per_tier"]["total"] / MiB, 3)}
+        curves[name] = {"time_s": r["time_s"], "smoothed": r["smoothed"],
+                        "step_ms": r["step_times_ms"]}
+    details = {"target": "AdamW's final loss (trailing mean of the last "
+                         f"{train_tiny.WINDOW} train losses)",
+               "adamw_final_loss": out.get("adamw_final_loss"), "model": out["model"],
+               "steps": out["args"]["steps"], "schedule": SCHEDULE,
+               "staleness": out["args"]["staleness"], "pinning": out["pinning"],
+               "cpu": out["results"][0]["cpu"] if out["results"] else None,
+               "curves": curves}
+    return answer, details
+
+
+def print_time(answer: dict, details: dict) -> None:
+    print(f"\nPart 1, time to loss ({details['model']['tokens_per_step']} tokens a step, "
+          f"{details['steps']} steps; target: AdamW's final loss {details['adamw_final_loss']})")
+    hdr = (f"{'optimizer':<14}{'lr':>8}{'final loss':>12}{'val loss':>10}{'time to target s':>18}"
+           f"{'x AdamW':>9}{'median ms':>11}{'p99 ms':>9}")
+    print(hdr)
+    print("-" * len(hdr))
+    for name, a in answer.items():
+        print(f"{LABELS[name]:<14}{a['lr']:>8g}{a['final_loss']:>12.4f}{a['val_loss']:>10.4f}"
+              f"{_f(a['time_to_adamw_final_s'], '.1f'):>18}{_f(a['time_ratio'], '.2f'):>9}"
+              f"{a['median_ms']:>11.1f}{a['p99_ms']:>9.1f}")
+
+
+# ---- part 2: refresh spikes --------------------------------------------------------------------
+
+def spike_optimizer(name: str, params, s: dict, worker_cpus: Optional[str]):
+    rt: dict[str, Any] = {"mode": "sync"}
+    if name == "asteria_soap":
+        rt = {"mode": "async", "staleness": s["staleness"], "workers": 1}
+        if worker_cpus:
+            rt["cpuset"] = worker_cpus
+    return asteria.SOAP(params, lr=s["lr"], precondition_frequency=s["frequency"], runtime=rt)
+
+
+def kind_positions(kinds: list, warmup: int) -> dict[str, list[int]]:
+    """1-based step numbers (after the warm-up) of the refresh steps (a snapshot, or the sync
+    refresh itself) and the install steps."""
+    out: dict[str, list[int]] = {"refresh": [], "install": []}
+    for i, k in enumerate(kinds[warmup:], start=warmup + 1):
+        if k and "refresh" in k:
+            out["refresh"].append(i)
+        if k and "install" in k:
+            out["install"].append(i)
+    return out
+
+
+def spike_stats(r: dict, warmup: int) -> dict[str, Any]:
+    """One run's step-time statistics after ``warmup`` steps (the Curve's summary), the medians
+    of its refresh steps and of its other steps, and the steps over 2x the median."""
+    s = r["summary"]
+    step = r["step_ms"]
+    pos = kind_positions(r["step_kinds"], warmup)
+    ref = [step[i - 1] for i in pos["refresh"]]
+    other = [step[i] for i in range(warmup, len(step)) if i + 1 not in pos["refresh"]]
+    med = s["median_ms"]
+    return {"median_ms": med, "p99_ms": s["p99_ms"], "max_ms": s["max_ms"],
+            "mean_ms": s["mean_ms"], "max_over_median": s["max_over_median"],
+            "p99_over_median": s["p99_over_median"],
+            "refresh_step_median_ms": common.percentile(ref, 50) if ref else None,
+            "other_step_median_ms": common.percentile(other, 50) if other else None,
+            "refresh_steps": pos["refresh"], "install_steps": pos["install"],
+            "steps_over_2x_median": [i + 1 for i in range(warmup, len(step))
+                                     if step[i] > 2 * med],
+            "final_loss": round(r["smoothed"][-1], 5), "wall_s": r["wall_s"],
+            "optimizer_median_ms": r["opt_summary"]["median_ms"]}
+
+
+def part_spikes(args, log) -> tuple[dict, dict]:
+    """Native sync SOAP and Asteria async SOAP in lockstep where a refresh costs whole steps:
+    (the answer, details for the plot)."""
+    s = dict(TINY_SPIKES if args.tiny else SPIKES)
+    if not args.tiny:
+        s.update(start=args.spike_start, steps=args.spike_steps,
+                 staleness=args.spike_staleness, lr=args.spike_lr)
+    data = CharData(block=s["context"])
+    cfg = GPTConfig(vocab=data.vocab, block=s["context"], d=s["d"], layers=s["layers"],
+                    heads=s["heads"])
+    start, n = s["start"], s["steps"]
+    assert start % s["frequency"] == 0, "the shared start keeps the refresh steps in place"
+    problem = make_problem("spikes", cfg, data, start + n, s["seed"], s["batch"])
+    tokens, widest = s["batch"] * s["context"], problem.widest()
+    info = {"params": n_params(problem.model()), "tokens_per_step": tokens,
+            "widest_layer_dim": widest, **s}
+    log(f"spikes: TinyGPT {info['params'] / 1e6:.2f}M parameters, d={s['d']}, {s['layers']} "
+        f"layers, {tokens} tokens a step ({tokens / widest:.1f}x the widest layer, {widest}); "
+        f"native SOAP's steps 1-{start}, then both for steps {start + 1}-{start + n}, "
+        f"f={s['frequency']}, Asteria S={s['staleness']}, lr {s['lr']:g}; load "
+        f"{common.loadavg()}")
+    sched = warmup_cosine(s["lr"], start + n)
+    threads, cpus = torch.get_num_threads(), common.allowed_cpus()
+    torch.set_num_threads(1)
+    train_cpu, worker_cpus = common.split_cores()
+    common.pin_thread(None if train_cpu is None else [train_cpu])
+    wc = common.cpu_list(worker_cpus) if train_cpu is not None else None
+    names = ("native_soap", "asteria_soap")
+    try:
+        # the shared start: native SOAP's first steps, weights and optimizer state kept
+        model = problem.model()
+        opt = spike_optimizer("native_soap", model.parameters(), s, wc)
+        for i in range(start):
+            for g in opt.param_groups:
+                g["lr"] = sched(i)
+            opt.zero_grad(set_to_none=True)
+            model(*problem.batches[i]).backward()
+            opt.step()
+        shared = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+        opt.close()
+        rest = dataclasses.replace(problem, batches=problem.batches[start:])
+        curves = []
+        for name in names:
+            model = problem.model()
+            model.load_state_dict(shared[0])
+            with common.unpinned(cpus):  # the pool's threads get every core's mask
+                opt = spike_optimizer(name, model.parameters(), s, wc)
+            opt.load_state_dict(copy.deepcopy(shared[1]))
+            curves.append(Curve(model, opt, rest, n, window=s["window"], label=name, log=log,
+                                log_every=max(1, n // 4), warmup=s["warmup"],
+                                lr_at=lambda i: sched(start + i)))
+        res = run_curves(curves)
+        for c in curves:
+            c.opt.close()
+    finally:
+        torch.set_num_threads(threads)
+        common.pin_thread(cpus)
+    by = dict(zip(names, res))
+    answer: dict[str, Any] = {name: spike_stats(by[name], s["warmup"]) for name in names}
+    # The same loss for both: native SOAP's final (trailing mean), each one's time to first
+    # reach it on its own clock. A stale basis can cost Asteria a little loss per step, so it
+    # may end above it; then also the loss both reach (the higher of the two finals).
+    target = by["native_soap"]["smoothed"][-1]
+    common_loss = max(target, by["asteria_soap"]["smoothed"][-1])
+    for name in names:
+        t = time_to_target(by[name], target, by["native_soap"]["wall_s"], n)
+        c = time_to_target(by[name], common_loss, by["native_soap"]["wall_s"], n)
+        answer[name].update(time_to_target_s=t["time_s"], steps_to_target=t["step"],
+                            time_to_common_loss_s=c["time_s"], steps_to_common_loss=c["step"])
+    answer["target_loss"] = round(target, 5)
+    answer["common_loss"] = round(common_loss, 5)
+    for key, field in (("asteria_time_over_native", "time_to_target_s"),
+                       ("asteria_time_over_native_common_loss", "time_to_common_loss_s")):
+        tn, ta = answer["native_soap"][field], answer["asteria_soap"][field]
+        answer[key] = ta / tn if ta is not None and tn else None
+    details = {"model": info, "schedule": SCHEDULE, "pinning": {"training_cpu": train_cpu,
+                                                               "worker_cpus": wc},
+               "cpu": res[0]["cpu"],
+               "per_step": {name: {"step_ms": [round(x, 3) for x in by[name]["step_ms"]],
+                                   "opt_ms": [round(x, 3) for x in by[name]["opt_ms"]],
+                                   "kinds": by[name]["step_kinds"],
+                                   "time_s": [round(x, 4) for x in by[name]["time_s"]],
+                                   "smoothed": [round(x, 5) for x in by[name]["smoothed"]]}
+                            for name in names}}
+    return answer, details
+
+
+def print_spikes(answer: dict, details: dict) -> None:
+    m = details["model"]
+    print(f"\nPart 2, refresh spikes (d={m['d']}, {m['tokens_per_step']} tokens a step, "
+          f"steps {m['start'] + 1}-{m['start'] + m['steps']} from native SOAP's state at step "
+          f"{m['start']}, f={m['frequency']}, Asteria S={m['staleness']}; statistics after "
+          f"{m['warmup']} steps; native SOAP's final loss {answer['target_loss']})")
+    hdr = (f"{'optimizer':<14}{'median ms':>11}{'p99 ms':>9}{'max ms':>9}{'max/med':>9}"
+           f"{'refresh-step ms':>17}{'final loss':>12}{'to native final s':>19}"
+           f"{'to common s':>13}")
+    print(hdr)
+    print("-" * len(hdr))
+    for n in ("native_soap", "asteria_soap"):
+        a = answer[n]
+        print(f"{LABELS[n]:<14}{a['median_ms']:>11.1f}{a['p99_ms']:>9.1f}{a['max_ms']:>9.1f}"
+              f"{a['max_over_median']:>9.2f}{_f(a['refresh_step_median_ms'], '.1f'):>17}"
+              f"{a['final_loss']:>12.4f}{_f(a['time_to_target_s'], '.1f'):>19}"
+              f"{_f(a['time_to_common_loss_s'], '.1f'):>13}")
+    ratio = _f(answer["asteria_time_over_native_common_loss"], ".3f")
+    print(f"Asteria's time / native's: to native's final loss "
+          f"{_f(answer['asteria_time_over_native'], '.3f')} (- : not reached), to the loss both "
+          f"reach ({answer['common_loss']}) {ratio}")
+
+
+# ---- part 3: memory budget ---------------------------------------------------------------------
+
+def status(entry: Optional[dict]) -> Optional[str]:
+    """How a capped run ended: "OOM-killed", "completed" or "failed (rc N)"."""
+    if entry is None:
+        return None
+    if entry["killed_by_oom"]:
+        return "OOM-killed"
+    return "completed" if entry["completed"] else f"failed (rc {entry['returncode']})"
+
+
+def memory_summary(cap: Optional[int], runs: dict, uncapped: dict) -> dict[str, Any]:
+    """The answer from the capped runs (bench_memory_cap.run_capped_configs) and the uncapped
+    ones (measure_uncapped): each one's end, whether Asteria's capped parameters equal its
+    uncapped run's, and the peaks in MiB."""
+    nat, ast = runs.get("soap-native"), runs.get("asteria-nvme")
+
+    def mib(x):
+        return None if x is None else round(x / MiB, 1)
+
+    peaks = {"native_uncapped": mib(uncapped.get("soap-native", {}).get("anon_peak_bytes")),
+             "asteria_uncapped": mib(uncapped.get("asteria-nvme", {}).get("anon_peak_bytes")),
+             "native_capped": mib((nat or {}).get("cgroup_peak_bytes")),
+             "asteria_capped": mib((ast or {}).get("cgroup_peak_bytes"))}
+    return {"cap_mib": mib(cap), "native": status(nat), "asteria": status(ast),
+            "asteria_equal_uncapped": bool((ast or {}).get("bitwise_equal_to_uncapped")),
+            "peak_mib": peaks}
+
+
+def memory_args(args) -> argparse.Namespace:
+    m = dict(TINY_MEMORY if args.tiny else MEMORY)
+    argv = ["--width", str(m["width"]), "--layers", str(m["layers"]), "--batch",
+            str(m["batch"]), "--steps", str(m["steps"]), "--freq", str(m["freq"]),
+            "--staleness", str(m["staleness"]), "--host-budget", str(m["host_budget"]),
+            "--tier-dtype", args.mem_tier_dtype or m["tier_dtype"], "--timeout", "900",
+            "--dir-parent", args.nvme_parent, "--out-dir", args.out_dir]
+    return memory_bench.parse_args(argv)
+
+
+def part_memory(args, log) -> tuple[dict, dict]:
+    """Native SOAP and Asteria SOAP (host_budget_bytes + nvme_dir) uncapped, then under a
+    memory cgroup cap between their needs: (the answer, details)."""
+    margs = memory_args(args)
+    eig = margs.layers * 2 * margs.width ** 2 * 4
+    setting = {k: getattr(margs, k) for k in ("width", "layers", "batch", "steps", "freq",
+                                              "staleness", "host_budget", "tier_dtype")}
+    setting.update(eigenbasis_mib=eig / MiB, model=f"{margs.layers} linear layers of "
+                   f"{margs.width} x {margs.width}, tanh between, batch {margs.batch}")
+    kind, why = memcap.available()
+    empty = {"cap_mib": None, "native": None, "asteria": None, "asteria_equal_uncapped": None,
+             "peak_mib": None}
+    if kind is None:
+        log(f"memory: skipped, no memory cgroup can be made here: {why}")
+        return {**empty, "skipped": f"no memory cgroup can be made here: {why}"}, \
+            {"setting": setting}
+    log(f"memory: {setting['model']}, {margs.steps} steps, f={margs.freq}, S={margs.staleness}; "
+        f"eigenbases {eig / MiB:.0f} MiB; cgroup {kind}; load {common.loadavg()}")
+    os.makedirs(margs.dir_parent, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="asteria-main-memory-", dir=margs.dir_parent)
+    try:
+        try:
+            uncapped = memory_bench.measure_uncapped(margs, ("soap-native", "asteria-nvme"),
+                                                     work, log)
+        except RuntimeError as e:  # e.g. nvme_dir on a file system without O_DIRECT
+            log(f"memory: an uncapped run failed: {e}")
+            return {**empty, "skipped": f"an uncapped run failed: {str(e)[:300]}"}, \
+                {"setting": setting}
+        if args.mem_cap_mib:
+            cap, how = int(args.mem_cap_mib * MiB), "--mem-cap-mib"
+        else:
+            # halfway between a lower bound of native SOAP's need (its sampled anonymous peak)
+            # and an upper bound of Asteria's (its group's kernel-tracked peak, page cache
+            # included): both vary from run to run by up to ~100 MiB here
+            nv = uncapped["asteria-nvme"]
+            cap, how = memory_bench.choose_cap(
+                uncapped["soap-native"]["anon_peak_bytes"],
+                max(nv["anon_peak_bytes"], nv["cgroup_peak_bytes"] or 0))
+            if cap is not None:
+                how = ("halfway between native SOAP's uncapped anonymous peak and asteria-nvme's "
+                       "uncapped group peak")
+        runs = {} if cap is None else memory_bench.run_capped_configs(margs, cap, work, log)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    answer = memory_summary(cap, runs, uncapped)
+    answer.update(cgroup=kind, cap_rule=how)
+    if cap is None:
+        answer["skipped"] = how
+    details = {"setting": setting,
+               "uncapped": {c: _run_record(r) for c, r in uncapped.items()},
+               "capped": {c: {**{k: v for k, v in e.items() if k != "result"},
+                              **({"run": _run_record(e["result"])} if "result" in e else {})}
+                          for c, e in runs.items()}}
+    return answer, details
+
+
+def _run_record(r: dict) -> dict[str, Any]:
+    st = r.get("stats", {})
+    steps = sorted(r["step_s"])
+    return {"anon_peak_mib": round((r.get("anon_peak_bytes") or 0) / MiB, 1) or None,
+            "cgroup_peak_mib": round((r.get("cgroup_peak_bytes") or 0) / MiB, 1) or None,
+            "ru_maxrss_mib": round(r["ru_maxrss_bytes"] / MiB, 1),
+            "median_step_s": steps[len(steps) // 2], "final_loss": r["losses"][-1],
+            "planned_peak_mib": round((r.get("memory_plan") or {}).get("peak_total", 0) / MiB,
+                                      1) or None,
+            "nvme_mib": round(st.get("bytes_nvme", 0) / MiB, 2),
+            "nvme_read_mib": round(st.get("bytes_nvme_read", 0) / MiB, 1),
+            "nvme_written_mib": round(st.get("bytes_nvme_written", 0) / MiB, 1)}
+
+
+def print_memory(answer: dict, details: dict) -> None:
+    s = details["setting"]
+    print(f"\nPart 3, memory budget ({s['model']}, {s['steps']} steps, f={s['freq']}; Asteria: "
+          f"host_budget_bytes {s['host_budget']}, nvme_dir, tier_dtype {s['tier_dtype']})")
+    if answer.get("skipped") and answer.get("cap_mib") is None:
+        print(f"skipped: {answer['skipped']}")
+        return
+    p = answer["peak_mib"]
+    hdr = (f"{'optimizer':<14}{'uncapped peak MiB':>19}{'capped at MiB':>15}{'capped peak MiB':>17}"
+           f"  {'under the cap':<16}{'params = uncapped':>18}")
+    print(hdr)
+    print("-" * len(hdr))
+    for n, key in (("native_soap", "native"), ("asteria_soap", "asteria")):
+        eq = answer["asteria_equal_uncapped"] if key == "asteria" else None
+        print(f"{LABELS[n]:<14}{_f(p[key + '_uncapped'], '.1f'):>19}"
+              f"{_f(answer['cap_mib'], '.1f'):>15}{_f(p[key + '_capped'], '.1f'):>17}"
+              f"  {answer[key] or '-':<16}{'-' if eq is None else str(eq):>18}")
+    print(f"(peaks: the group's anonymous memory uncapped, the group's own peak capped; cap: "
+          f"{answer.get('cap_rule')})")
+
+
+# ---- the job -----------------------------------------------------------------------------------
+
+def targets(out: dict) -> dict[str, Any]:
+    t: dict[str, Any] = {}
+    sp = out.get("spikes")
+    if sp:
+        reached = sp["asteria_time_over_native"] is not None
+        t["native_max_over_median"] = check(
+            sp["native_soap"]["max_over_median"], TARGETS["native_max_over_median_min"], ">=",
+            "native SOAP's slowest step / its median step (its refresh costs whole steps)")
+        t["asteria_max_over_median"] = check(
+            sp["asteria_soap"]["max_over_median"], TARGETS["asteria_max_over_median_max"], "<=",
+            "Asteria SOAP's slowest step / its median step (its refresh on a worker)")
+        t["asteria_time_to_native_final"] = check(
+            sp["asteria_time_over_native"], TARGETS["asteria_time_over_native_max"], "<=",
+            "Asteria's time to native SOAP's final loss / native SOAP's" + (
+                "" if reached else f" (not reached: Asteria's final loss "
+                                   f"{sp['asteria_soap']['final_loss']} against "
+                                   f"{sp['native_soap']['final_loss']})"))
+        if not reached:
+            t["asteria_time_to_native_final"]["met"] = False
+        t["asteria_time_to_common_loss"] = check(
+            sp["asteria_time_over_native_common_loss"], TARGETS["asteria_time_over_native_max"],
+            "<=", f"Asteria's time to the loss both reach ({sp['common_loss']}, the higher "
+                  f"final) / native SOAP's")
+    mc = out.get("memory_cap")
+    if mc and not (mc.get("skipped") and mc.get("cap_mib") is None):
+        ok = mc["native"] == "OOM-killed" and mc["asteria"] == "completed"
+        t["memory_cap"] = {"value": f"native {mc['native']}, Asteria {mc['asteria']}, equal to "
+                                    f"uncapped {mc['asteria_equal_uncapped']}",
+                           "met": ok and mc["asteria_equal_uncapped"],
+                           "note": "under the cap native SOAP is OOM-killed and Asteria "
+                                   "completes, bitwise equal to its uncapped run"}
+    return t
+
+
+def plot(out: dict, path: str) -> None:
+    plt = common.pyplot()
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(19, 5.2),
+                                  gridspec_kw={"width_ratios": [1.2, 1.4, 0.9]})
+    tl = out.get("time_to_loss")
+    if tl:
+        d = out["details"]["time_to_loss"]
+        for name, cv in d["curves"].items():
+            r = tl[name]
+            extra = (f": AdamW's loss in x{r['time_ratio']:.2f} its time"
+                     if name != "adamw" and r["time_ratio"] is not None else "")
+            a.plot(cv["time_s"], cv["smoothed"], color=COLORS[name], lw=1.3,
+                   label=f"{LABELS[name]} (lr {r['lr']:g}){extra}")
+        if d["adamw_final_loss"] is not None:
+            a.axhline(d["adamw_final_loss"], color="k", ls=":", lw=1, label="AdamW's final loss")
+        lowest = min(min(cv["smoothed"]) for cv in d["curves"].values())
+        if lowest < 3.0:  # the first steps' losses (4+) would flatten the rest
+            a.set_ylim(top=min(3.5, a.get_ylim()[1]))
+        a.legend(fontsize=7)
+    tokens = (out["details"].get("time_to_loss") or {}).get("model", {}).get("tokens_per_step")
+    a.set(xlabel="wall-clock time (s), each run's own", ylabel="train loss (trailing mean)")
+    a.set_title(f"1. Time to loss ({tokens} tokens/step)", fontsize=10)
+    sp = out.get("spikes")
+    if sp:
+        d = out["details"]["spikes"]
+        m = d["model"]
+        for name in ("native_soap", "asteria_soap"):
+            ps, r = d["per_step"][name], sp[name]
+            b.plot(range(m["start"] + 1, m["start"] + len(ps["step_ms"]) + 1), ps["step_ms"],
+                   color=COLORS[name], lw=0.9,
+                   label=f"{LABELS[name]}: median {r['median_ms']:.0f} ms, max "
+                         f"x{r['max_over_median']:.2f}; loss {sp['common_loss']:.3f} in "
+                         f"{_f(r['time_to_common_loss_s'], '.1f')} s")
+        b.set_yscale("log")
+        b.legend(fontsize=7)
+        b.set_title(f"2. Refresh spikes (d={m['d']}, {m['tokens_per_step']} tokens/step, "
+                    f"f={m['frequency']}, S={m['staleness']})", fontsize=10)
+    b.set(xlabel="step", ylabel="step time (ms)")
+    mc = out.get("memory_cap")
+    c.set_title("3. Memory budget", fontsize=10)
+    if mc and mc.get("peak_mib"):
+        p = mc["peak_mib"]
+        names = ["native SOAP\nuncapped", "Asteria\nuncapped", "native SOAP\ncapped",
+                 "Asteria\ncapped"]
+        vals = [p["native_uncapped"], p["asteria_uncapped"], p["native_capped"],
+                p["asteria_capped"]]
+        cols = ["tab:red", "tab:blue",
+                "tab:red" if mc["native"] == "OOM-killed" else "salmon",
+                "tab:blue" if mc["asteria"] == "completed" else "lightblue"]
+        c.bar(range(4), [v or 0 for v in vals], color=cols)
+        bottom = min(v for v in vals if v) * 0.8
+        c.set_ylim(bottom=bottom)
+        if mc["cap_mib"]:
+            c.axhline(mc["cap_mib"], color="k", ls="--", lw=1, label=f"cap {mc['cap_mib']:.0f} MiB")
+            for i, what in ((2, mc["native"]), (3, mc["asteria"])):
+                txt = what + ("\nbitwise =\nuncapped" if i == 3 and mc["asteria_equal_uncapped"]
+                              else "")
+                c.text(i, (bottom + (vals[i] or bottom)) / 2, txt, ha="center", va="center",
+                       fontsize=8, color="white")
+            c.legend(fontsize=7)
+        if not mc["cap_mib"]:
+            c.text(0.5, 0.5, mc.get("skipped", ""), ha="center", va="center", wrap=True,
+                   transform=c.transAxes, fontsize=8)
+        c.set_xticks(range(4), names, fontsize=8)
+        c.set(ylabel="memory peak (MiB)")
+    else:
+        c.text(0.5, 0.5, (mc or {}).get("skipped", "not run"), ha="center", va="center",
+               wrap=True, transform=c.transAxes, fontsize=9)
+    common.save_figure(fig, (a, b, c), path,
+                       f"Asteria main job, {out['date']}, commit "
+                       f"{(out['versions'].get('git_commit') or '?')[:10]}", out["machine"],
+                       legend=False)
+
+
+def _f(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help="comma-separated subset of " + ", ".join(PARTS))
+    ap.add_argument("--time-steps", type=int, default=250, help="steps of part 1")
+    ap.add_argument("--spike-start", type=int, default=SPIKES["start"],
+                    help="part 2: native SOAP's steps before both continue (a multiple of "
+                         f"f={SPIKES['frequency']}; 0: both from scratch)")
+    ap.add_argument("--spike-steps", type=int, default=SPIKES["steps"],
+                    help="part 2: steps of each after the shared start")
+    ap.add_argument("--spike-staleness", type=int, default=SPIKES["staleness"],
+                    help="Asteria's staleness budget S in part 2 (>= 1: the refresh overlaps "
+                         "the following steps)")
+    ap.add_argument("--spike-lr", type=float, default=SPIKES["lr"], help="peak lr of part 2")
+    ap.add_argument("--mem-cap-mib", type=float, default=0,
+                    help="part 3's cap (0: chosen from the uncapped peaks)")
+    ap.add_argument("--mem-tier-dtype", choices=("float32", "bfloat16"), default=None,
+                    help="Asteria's tier_dtype in part 3 (float32)")
+    ap.add_argument("--nvme-parent", default=None,
+                    help="where part 3's nvme_dir goes (default examples/out/tmp: a disk, "
+                         "not a tmpfs, as O_DIRECT needs)")
+    ap.add_argument("--tiny", action="store_true", help="tiny settings (the test suite's)")
+    ap.add_argument("--out-dir", default=os.path.join(HERE, "out"))
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    for p in args.parts:
+        if p not in PARTS:
+            ap.error(f"unknown part {p!r}; allowed: {', '.join(PARTS)}")
+    if args.spike_staleness < 1 or args.spike_staleness > SPIKES["frequency"]:
+        ap.error(f"need 1 <= --spike-staleness <= {SPIKES['frequency']}")
+    if args.spike_start < 0 or args.spike_start % SPIKES["frequency"]:
+        ap.error(f"--spike-start: a multiple of {SPIKES['frequency']} >= 0")
+    if args.nvme_parent is None:
+        args.nvme_parent = os.path.join(args.out_dir, "tmp")
+    return args
+
+
+def main(argv=None) -> dict[str, Any]:
+    args = parse_args(argv)
+    meta = common.run_metadata(NAME, __file__, argv)
+    meta["git_dirty"] = git_dirty()
+    log = common.Progress("main")
+    out: dict[str, Any] = {**meta, "parts": args.parts, "tiny": args.tiny,
+                           "load": {"start": load()}, "training_s": {}, "details": {}}
+    log(f"parts {', '.join(args.parts)} on {meta['machine']['cpu_model']} "
+        f"x{meta['machine']['nproc']}, load {load()}")
+    runners = {"time": ("time_to_loss", part_time, print_time),
+               "spikes": ("spikes", part_spikes, print_spikes),
+               "memory": ("memory_cap", part_memory, print_memory)}
+    t_all = time.perf_counter()
+    for part in PARTS:
+        if part not in args.parts:
+            continue
+        key, fn, show = runners[part]
+        l0, t0 = load(), time.perf_counter()
+        answer, details = fn(args, log)
+        out["training_s"][key] = round(time.perf_counter() - t0, 1)
+        out[key], out["details"][key] = answer, details
+        out["load"][key] = {"start": l0, "end": load()}
+        show(answer, details)
+    out["training_s"]["total"] = round(time.perf_counter() - t_all, 1)
+    out["load"]["end"] = load()
+    out["machine"]["loadavg1_end"] = common.loadavg()
+    out["targets"] = targets(out)
+    print(f"\nAll parts: {out['training_s']['total']:.0f} s; load (1, 5, 15 min) "
+          f"{out['load']['start']} at the start, {out['load']['end']} at the end")
+    for k, t in out["targets"].items():
+        met = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
+        val = t["value"] if isinstance(t["value"], str) else _f(t["value"], ".3f")
+        print(f"target {k}: {val}" + (f" {t['op']} {t['threshold']}" if "op" in t else "")
+              + f": {met}")
+    os.makedirs(args.out_dir, exist_ok=True)
+    path = common.write_json(out, "main.json", args.out_dir)
+    if not args.no_plot:
+        png = os.path.join(args.out_dir, "main.png")
+        try:
+            plot(out, png)
+            log(f"wrote {png}")
+        except ImportError as e:
+            log(f"no plot: {e}")
+    log(f"wrote {path}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
