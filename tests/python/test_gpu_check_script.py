@@ -125,8 +125,11 @@ def test_the_global_timeout_leaves_the_stages_before_it_and_ends_the_hung_one(tm
 
 def _smoke(tmp_path, *, timeout_s=None):
     out = tmp_path / "smoke.json"
+    import asteria  # the package under test (installed, or a dev build), not the source tree
+
+    pkg_root = os.path.dirname(os.path.dirname(asteria.__file__))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (os.path.join(ROOT, "python"), os.environ.get("PYTHONPATH")) if p))
+        p for p in (pkg_root, os.environ.get("PYTHONPATH")) if p))
     cmd = [sys.executable, os.path.join(ROOT, "tests", "gpu", "train_smoke.py"), "--device",
            "cpu", "--out", str(out)]
     if timeout_s is None:
