@@ -628,16 +628,8 @@ def main(argv=None) -> dict[str, Any]:
         print(f"target {k}: {val}" + (f" {t['op']} {t['threshold']}" if "op" in t else "")
               + f": {met}")
     os.makedirs(args.out_dir, exist_ok=True)
-    path = common.write_json(out, "main.json", args.out_dir)
-    if not args.no_plot:
-        png = os.path.join(args.out_dir, "main.png")
-        try:
-            plot(out, png)
-            log(f"wrote {png}")
-        except ImportError as e:
-            log(f"no plot: {e}")
-    log(f"wrote {path}")
-    return out
+    # each part's table was printed as it finished
+    return common.finish(out, "main", args.out_dir, args.no_plot, lambda data: None, plot, log)
 
 
 if __name__ == "__main__":

@@ -73,18 +73,7 @@ static void read_back(ast_store *s, uint64_t id, unsigned char *out, size_t n)
         fail_msg("%s", err);
 }
 
-#if ASTERIA_HAVE_CUDA
-#include <cuda_runtime.h>
-/* The thread's last-error slot holds nothing (PyTorch reads it after each launch). */
-#define SLOT_CLEAN(what)                                                                          \
-    do {                                                                                          \
-        cudaError_t e_ = cudaGetLastError();                                                      \
-        if (e_ != cudaSuccess)                                                                    \
-            fail_msg("%s left %s in the thread's last-error slot", what, cudaGetErrorName(e_));   \
-    } while (0)
-#else
-#define SLOT_CLEAN(what) ((void)0)
-#endif
+#include "cuda_slot.h"
 
 static void test_wrappers(void **state)
 {

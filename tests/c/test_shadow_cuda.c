@@ -25,15 +25,7 @@
 #include <cuda_runtime.h>
 
 #define CK(call) assert_int_equal((int)(call), (int)cudaSuccess)
-
-/* The thread's last-error slot holds nothing: what PyTorch's C10_CUDA_KERNEL_LAUNCH_CHECK reads
- * after its launches. Reading it with cudaGetLastError also resets it for the next check. */
-#define SLOT_CLEAN(what)                                                                          \
-    do {                                                                                          \
-        cudaError_t e_ = cudaGetLastError();                                                      \
-        if (e_ != cudaSuccess)                                                                    \
-            fail_msg("%s left %s in the thread's last-error slot", what, cudaGetErrorName(e_));   \
-    } while (0)
+#include "cuda_slot.h"
 
 static ast_shadow *make(size_t bytes)
 {
