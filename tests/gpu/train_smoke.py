@@ -61,8 +61,13 @@ class Terminated(Exception):
     pass
 
 
+_TERMINATED: list = []  # the signal's message, once one came
+
+
 def _on_term(signum, frame):  # coreutils timeout sends SIGTERM: record it, then exit
-    raise Terminated(f"terminated by signal {signum} (the stage's timeout)")
+    # kept aside too: the exception may surface wrapped by the code it interrupted
+    _TERMINATED.append(f"terminated by signal {signum} (the stage's timeout)")
+    raise Terminated(_TERMINATED[-1])
 
 
 def make_model(device: str, dtype: torch.dtype = DTYPE) -> torch.nn.Module:
@@ -243,11 +248,16 @@ def main(argv=None) -> int:
         rec["error"] = str(exc)
         failed = True
     except BaseException as exc:
-        rec["state"] = "failed"
-        rec["error"] = traceback.format_exc(limit=8)
+        rec["state"] = "timed out" if _TERMINATED else "failed"
+        rec["error"] = (_TERMINATED[0] + "\n" if _TERMINATED else "") + \
+            traceback.format_exc(limit=8)
         print(f"[train-smoke] FAILED: {type(exc).__name__}: {exc}", flush=True)
         failed = True
     finally:
+        if _TERMINATED and rec["state"] != "timed out":  # the exception was swallowed on the way
+            rec["state"] = "timed out"
+            rec.setdefault("error", _TERMINATED[0])
+            failed = True
         write()
     return 1 if failed else 0
 
