@@ -243,3 +243,17 @@ def assert_params_close(got, want, rtol=1e-7, atol=1e-10, what=""):
     for i, (a, b) in enumerate(zip(got, want)):
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol,
                                    msg=lambda m, i=i: f"{what} param {i}: {m}")
+
+
+def assert_same_state(sd_a, sd_b):
+    """Two optimizer state dicts hold the same keys and bitwise-equal values of one dtype."""
+    assert sd_a["state"].keys() == sd_b["state"].keys()
+    for i, st in sd_a["state"].items():
+        assert st.keys() == sd_b["state"][i].keys(), i
+        for k, v in st.items():
+            w = sd_b["state"][i][k]
+            if isinstance(v, torch.Tensor):
+                assert v.dtype == w.dtype and v.shape == w.shape, (i, k, v.dtype, w.dtype)
+                assert torch.equal(v, w), (i, k)
+            else:
+                assert v == w, (i, k)

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from asteria.optim import KLShampoo, SOAP, Shampoo
-from models import require_c_extension
+from models import assert_same_state, require_c_extension
 
 torch.set_num_threads(1)
 
@@ -71,19 +71,6 @@ def params(model):
 def assert_same_params(a, b):
     for x, y in zip(a, b):
         assert torch.equal(x, y), (x - y).abs().max()
-
-
-def assert_same_state(sd_a, sd_b):
-    assert sd_a["state"].keys() == sd_b["state"].keys()
-    for i, st in sd_a["state"].items():
-        assert st.keys() == sd_b["state"][i].keys(), i
-        for k, v in st.items():
-            w = sd_b["state"][i][k]
-            if isinstance(v, torch.Tensor):
-                assert v.dtype == w.dtype, (i, k, v.dtype, w.dtype)
-                assert torch.equal(v, w), (i, k)
-            else:
-                assert v == w, (i, k)
 
 
 # ---- 1. checkpoints in every dtype ------------------------------------------------------------
