@@ -10,14 +10,18 @@
    on the same corpus). Native SOAP (mode "sync": the refresh inline, every
    precondition_frequency f=10 steps) and Asteria SOAP (mode "async", staleness S=4: its
    refresh on one C worker on the other core, installed 4 steps later) continue the same run
-   from the same point, native SOAP's state after its first 80 steps, for 100 steps each, with
-   the same batches and warm-up + cosine schedule, in lockstep. Why a shared start: in a run's
-   first ~80 steps SOAP's eigenbasis moves fast and a basis S steps stale costs loss there
-   (from scratch, --spike-start 0 --spike-steps 180: 0.057 behind native at step 80, 0.048 at
-   step 180, no more after step 80), which a run of thousands of steps amortises and a
-   two-minute one cannot. Answer: step-time median / p99 / max of each (native
-   spikes every f steps, Asteria does not), and each one's time to native's final loss and to
-   the loss both reach (the higher of the two finals).
+   from the same point, native SOAP's state after its first 80 steps, with the same batches,
+   in lockstep. Native SOAP runs the rest of its warm-up + cosine schedule in 100 steps;
+   Asteria, whose steps are cheaper (no refresh inline: about 0.76x native's mean step here),
+   runs the same rest of the schedule stretched over 110 steps, which still fit in less time.
+   Why a shared start: in a run's first ~80 steps SOAP's eigenbasis moves fast and a basis S
+   steps stale costs loss there (from scratch, --spike-start 0 --spike-steps 180
+   --spike-asteria-steps 0: 0.057 behind native at step 80, 0.048 at step 180, no more after
+   step 80), which a run of thousands of steps amortises and a two-minute one cannot; a user
+   gets the same by starting in mode "sync" and loading its state dict into mode "async".
+   Answer: step-time median / p99 / max of each (native spikes every f steps, Asteria does
+   not), and each one's time to native's final loss and to the loss both reach (the higher of
+   the two finals).
 3. Memory budget: a model (6 linear layers of 1024 x 1024) trained in a fresh process inside a
    memory cgroup (benchmarks/bench_memory_cap.py and memcap.py: their functions, not a copy).
    Native SOAP and Asteria SOAP with host_budget_bytes 1 MiB + nvme_dir (its eigenbases on the
@@ -76,8 +80,11 @@ TARGETS = {"native_max_over_median_min": 2.0, "asteria_max_over_median_max": 1.2
 
 # Part 2: fc / proj factors 4d = 1024 wide, 512 tokens a step: native SOAP's refresh (QR power
 # iteration of every eigenbasis) costs several steps. The same SOAP hyperparameters for both.
-SPIKES = dict(d=256, layers=2, heads=4, context=64, batch=32, start=80, steps=100, warmup=10,
-              frequency=10, staleness=4, lr=6e-3, seed=0, window=20)
+# Asteria's steps are cheaper (no refresh inline), so in less time than native SOAP's 100 it
+# runs asteria_steps: the same continuation of the schedule, stretched over more steps.
+SPIKES = dict(d=256, layers=2, heads=4, context=64, batch=32, start=80, steps=100,
+              asteria_steps=110, warmup=10, frequency=10, staleness=4, lr=6e-3, seed=0,
+              window=20)
 # Part 3: eigenbases 6 x 2 x 1024^2 x 4 B = 48 MiB; 16 steps (a refresh at step 10, its
 # install at 15). Uncapped anonymous peaks measured here: native SOAP 997-1132 MiB, Asteria
 # 724-802 MiB: the cap goes halfway between them (part_memory).
@@ -86,8 +93,9 @@ MEMORY = dict(width=1024, layers=6, batch=256, steps=16, freq=10, staleness=5,
 # --tiny: seconds, for the test suite; the answers then mean nothing, the logic is the same
 TINY_TIME = ["--steps", "12", "--d", "32", "--context", "32", "--batch", "4",
              "--val-batches", "1", "--log-every", "6"]
-TINY_SPIKES = dict(d=64, layers=1, heads=2, context=16, batch=4, start=8, steps=24, warmup=4,
-                   frequency=4, staleness=2, lr=1e-2, seed=0, window=4)
+TINY_SPIKES = dict(d=64, layers=1, heads=2, context=16, batch=4, start=8, steps=24,
+                   asteria_steps=26, warmup=4, frequency=4, staleness=2, lr=1e-2, seed=0,
+                   window=4)
 TINY_MEMORY = dict(width=256, layers=2, batch=32, steps=6, freq=4, staleness=2,
                    host_budget=1 << 16, tier_dtype="float32")
 
@@ -207,22 +215,30 @@ def part_spikes(args, log) -> tuple[dict, dict]:
     s = dict(TINY_SPIKES if args.tiny else SPIKES)
     if not args.tiny:
         s.update(start=args.spike_start, steps=args.spike_steps,
+                 asteria_steps=args.spike_asteria_steps or args.spike_steps,
                  staleness=args.spike_staleness, lr=args.spike_lr)
     data = CharData(block=s["context"])
     cfg = GPTConfig(vocab=data.vocab, block=s["context"], d=s["d"], layers=s["layers"],
                     heads=s["heads"])
-    start, n = s["start"], s["steps"]
+    start, n, n_ast = s["start"], s["steps"], s["asteria_steps"]
     assert start % s["frequency"] == 0, "the shared start keeps the refresh steps in place"
-    problem = make_problem("spikes", cfg, data, start + n, s["seed"], s["batch"])
+    problem = make_problem("spikes", cfg, data, start + max(n, n_ast), s["seed"], s["batch"])
     tokens, widest = s["batch"] * s["context"], problem.widest()
     info = {"params": n_params(problem.model()), "tokens_per_step": tokens,
             "widest_layer_dim": widest, **s}
     log(f"spikes: TinyGPT {info['params'] / 1e6:.2f}M parameters, d={s['d']}, {s['layers']} "
         f"layers, {tokens} tokens a step ({tokens / widest:.1f}x the widest layer, {widest}); "
-        f"native SOAP's steps 1-{start}, then both for steps {start + 1}-{start + n}, "
-        f"f={s['frequency']}, Asteria S={s['staleness']}, lr {s['lr']:g}; load "
+        f"native SOAP's steps 1-{start}, then native SOAP {n} steps and Asteria {n_ast} (the "
+        f"same schedule stretched), f={s['frequency']}, Asteria S={s['staleness']}, lr "
+        f"{s['lr']:g}; load "
         f"{common.loadavg()}")
     sched = warmup_cosine(s["lr"], start + n)
+
+    def continuation(steps: int):
+        # step i of a continuation of `steps` steps: the schedule's point after the start,
+        # stretched so that its last step has the schedule's last lr
+        scale = (n - 1) / max(1, steps - 1)
+        return lambda i: sched(start + i * scale)
     threads, cpus = torch.get_num_threads(), common.allowed_cpus()
     torch.set_num_threads(1)
     train_cpu, worker_cpus = common.split_cores()
@@ -243,15 +259,15 @@ def part_spikes(args, log) -> tuple[dict, dict]:
         opt.close()
         rest = dataclasses.replace(problem, batches=problem.batches[start:])
         curves = []
-        for name in names:
+        for name, steps in zip(names, (n, n_ast)):
             model = problem.model()
             model.load_state_dict(shared[0])
             with common.unpinned(cpus):  # the pool's threads get every core's mask
                 opt = spike_optimizer(name, model.parameters(), s, wc)
             opt.load_state_dict(copy.deepcopy(shared[1]))
-            curves.append(Curve(model, opt, rest, n, window=s["window"], label=name, log=log,
-                                log_every=max(1, n // 4), warmup=s["warmup"],
-                                lr_at=lambda i: sched(start + i)))
+            curves.append(Curve(model, opt, rest, steps, window=s["window"], label=name,
+                                log=log, log_every=max(1, steps // 4), warmup=s["warmup"],
+                                lr_at=continuation(steps)))
         res = run_curves(curves)
         for c in curves:
             c.opt.close()
@@ -261,8 +277,10 @@ def part_spikes(args, log) -> tuple[dict, dict]:
     by = dict(zip(names, res))
     answer: dict[str, Any] = {name: spike_stats(by[name], s["warmup"]) for name in names}
     # The same loss for both: native SOAP's final (trailing mean), each one's time to first
-    # reach it on its own clock. A stale basis can cost Asteria a little loss per step, so it
-    # may end above it; then also the loss both reach (the higher of the two finals).
+    # reach it on its own clock. A stale basis can cost Asteria a little loss per step, which
+    # its extra steps make up, or not; so also the loss both reach (the higher of the finals).
+    for name, steps in zip(names, (n, n_ast)):
+        answer[name]["steps"] = steps
     target = by["native_soap"]["smoothed"][-1]
     common_loss = max(target, by["asteria_soap"]["smoothed"][-1])
     for name in names:
@@ -279,20 +297,22 @@ def part_spikes(args, log) -> tuple[dict, dict]:
     details = {"model": info, "schedule": SCHEDULE, "pinning": {"training_cpu": train_cpu,
                                                                "worker_cpus": wc},
                "cpu": res[0]["cpu"],
-               "per_step": {name: {"step_ms": [round(x, 3) for x in by[name]["step_ms"]],
+               "per_step": {name: {"lr": [continuation(steps)(i) for i in range(steps)],
+                                   "step_ms": [round(x, 3) for x in by[name]["step_ms"]],
                                    "opt_ms": [round(x, 3) for x in by[name]["opt_ms"]],
                                    "kinds": by[name]["step_kinds"],
                                    "time_s": [round(x, 4) for x in by[name]["time_s"]],
                                    "smoothed": [round(x, 5) for x in by[name]["smoothed"]]}
-                            for name in names}}
+                            for name, steps in zip(names, (n, n_ast))}}
     return answer, details
 
 
 def print_spikes(answer: dict, details: dict) -> None:
     m = details["model"]
     print(f"\nPart 2, refresh spikes (d={m['d']}, {m['tokens_per_step']} tokens a step, "
-          f"steps {m['start'] + 1}-{m['start'] + m['steps']} from native SOAP's state at step "
-          f"{m['start']}, f={m['frequency']}, Asteria S={m['staleness']}; statistics after "
+          f"from native SOAP's state at step {m['start']}: native {m['steps']} steps, Asteria "
+          f"{m['asteria_steps']} (the same schedule stretched), f={m['frequency']}, Asteria "
+          f"S={m['staleness']}; statistics after "
           f"{m['warmup']} steps; native SOAP's final loss {answer['target_loss']})")
     hdr = (f"{'optimizer':<14}{'median ms':>11}{'p99 ms':>9}{'max ms':>9}{'max/med':>9}"
            f"{'refresh-step ms':>17}{'final loss':>12}{'to native final s':>19}"
@@ -565,6 +585,9 @@ def parse_args(argv=None):
                          f"f={SPIKES['frequency']}; 0: both from scratch)")
     ap.add_argument("--spike-steps", type=int, default=SPIKES["steps"],
                     help="part 2: steps of each after the shared start")
+    ap.add_argument("--spike-asteria-steps", type=int, default=SPIKES["asteria_steps"],
+                    help="part 2: Asteria's steps after the shared start (the same schedule "
+                         "stretched over them; 0: as many as native SOAP's)")
     ap.add_argument("--spike-staleness", type=int, default=SPIKES["staleness"],
                     help="Asteria's staleness budget S in part 2 (>= 1: the refresh overlaps "
                          "the following steps)")
@@ -586,6 +609,8 @@ def parse_args(argv=None):
             ap.error(f"unknown part {p!r}; allowed: {', '.join(PARTS)}")
     if args.spike_staleness < 1 or args.spike_staleness > SPIKES["frequency"]:
         ap.error(f"need 1 <= --spike-staleness <= {SPIKES['frequency']}")
+    if args.spike_asteria_steps < 0:
+        ap.error("--spike-asteria-steps: >= 0 (0: as many as --spike-steps)")
     if args.spike_start < 0 or args.spike_start % SPIKES["frequency"]:
         ap.error(f"--spike-start: a multiple of {SPIKES['frequency']} >= 0")
     if args.nvme_parent is None:

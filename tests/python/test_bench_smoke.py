@@ -355,9 +355,15 @@ def test_main_job_tiny(tmp_path):
     # and installs S later; the statistics are the step times' after the warm-up
     sp, d2 = data["spikes"], data["details"]["spikes"]
     m = d2["model"]
-    f, S, w, n = m["frequency"], m["staleness"], m["warmup"], m["steps"]
-    for name in ("native_soap", "asteria_soap"):
+    f, S, w = m["frequency"], m["staleness"], m["warmup"]
+    # Asteria runs the rest of the same schedule stretched over more steps
+    assert m["asteria_steps"] > m["steps"]
+    lr_n, lr_a = d2["per_step"]["native_soap"]["lr"], d2["per_step"]["asteria_soap"]["lr"]
+    assert lr_a[0] == lr_n[0] and lr_a[-1] == pytest.approx(lr_n[-1])
+    assert all(a >= b for a, b in zip(lr_a, lr_a[1:]))  # past the warm-up: cosine decay only
+    for name, n in (("native_soap", m["steps"]), ("asteria_soap", m["asteria_steps"])):
         r = sp[name]
+        assert r["steps"] == n == len(d2["per_step"][name]["step_ms"])
         assert {"median_ms", "p99_ms", "max_ms"} <= set(r)
         assert 0 < r["median_ms"] <= r["p99_ms"] <= r["max_ms"]
         steps = d2["per_step"][name]["step_ms"][w:]
@@ -368,7 +374,7 @@ def test_main_job_tiny(tmp_path):
         assert r["refresh_steps"] == [i for i in range(w + 1, n + 1) if (i - 1) % f == 0]
     assert sp["native_soap"]["install_steps"] == sp["native_soap"]["refresh_steps"]
     assert sp["asteria_soap"]["install_steps"] == [
-        i + S for i in sp["asteria_soap"]["refresh_steps"] if i + S <= n]
+        i + S for i in sp["asteria_soap"]["refresh_steps"] if i + S <= m["asteria_steps"]]
     assert sp["target_loss"] == sp["native_soap"]["final_loss"]
     tn, ta = sp["native_soap"]["time_to_target_s"], sp["asteria_soap"]["time_to_target_s"]
     assert tn is not None and tn <= sp["native_soap"]["wall_s"] + 1e-9
