@@ -264,8 +264,8 @@ static int step_arg(ast_coherence *reg, int64_t step, const char *what)
 
 /* ---- create / destroy --------------------------------------------------------------------- */
 
-int ast_coherence_create_msg(const ast_coherence_opts *o, ast_coherence **out, char *errbuf,
-                             size_t len)
+int ast_coherence_create(const ast_coherence_opts *o, ast_coherence **out, char *errbuf,
+                         size_t len)
 {
     if (errbuf && len)
         errbuf[0] = '\0';
@@ -339,11 +339,6 @@ int ast_coherence_create_msg(const ast_coherence_opts *o, ast_coherence **out, c
     return 0;
 }
 
-int ast_coherence_create(const ast_coherence_opts *o, ast_coherence **out)
-{
-    return ast_coherence_create_msg(o, out, NULL, 0);
-}
-
 void ast_coherence_destroy(ast_coherence *reg)
 {
     if (!reg)
@@ -363,12 +358,9 @@ void ast_coherence_destroy(ast_coherence *reg)
 
 int ast_coherence_last_error(ast_coherence *reg, char *buf, size_t len)
 {
-    if (!reg || !buf || !len)
+    if (!reg)
         return AST_EINVAL;
-    pthread_mutex_lock(&reg->mu);
-    snprintf(buf, len, "%s", reg->err.text);
-    pthread_mutex_unlock(&reg->mu);
-    return 0;
+    return ast__get_error(&reg->err, &reg->mu, buf, len);
 }
 
 /* ---- registration and the plan ------------------------------------------------------------ */

@@ -4,7 +4,8 @@
  * Owns: an engine's ring, its staging arena and the record files of its store id. May call:
  * liburing, cuda_mem (staging device-side payloads), POSIX file calls, util.h (the clock, the
  * message formatter, a batch's first failure). errno and CQE results become AST_E* codes here
- * through ast_err_from_errno.
+ * through ast_err_from_errno. The fault injection that testing.h declares (ast__nvme_inject_fault,
+ * the opts' faults) is implemented here, where the failing calls are.
  *
  * Locking: none; one thread at a time per engine (store.c holds its mutex around every call).
  *
@@ -37,6 +38,7 @@
 #include "asteria/build_config.h"
 #include "asteria/errors.h"
 #include "cuda_mem.h"
+#include "testing.h"
 #include "util.h"
 
 #include <dirent.h>

@@ -76,7 +76,7 @@ typedef struct ast__nvme_opts {
     ast_direct_policy direct;
     unsigned queue_depth;  /* ring entries and staging slots; 0: 64 */
     uint64_t store_id;
-    unsigned faults;       /* AST__FAULT_* armed from the start (tests; 0 otherwise) */
+    unsigned faults;       /* test faults armed from the start (testing.h); 0 otherwise */
 } ast__nvme_opts;
 
 /* Checks the directory (exists, writable, O_DIRECT per policy) with a probe file, sets up the
@@ -148,25 +148,5 @@ int ast__nvme_write(ast__nvme *n, ast__nvme_io *ios, size_t count, ast__nvme_xfe
                     char *err, size_t len);
 int ast__nvme_read(ast__nvme *n, ast__nvme_io *ios, size_t count, ast__nvme_xfer *x,
                    char *err, size_t len);
-
-/* ---- fault injection, for tests of paths a test machine cannot provoke for real ---- */
-enum ast__fault {
-    AST__FAULT_NO_ODIRECT = 1u << 0,   /* open: the probe's O_DIRECT open fails with EINVAL */
-    AST__FAULT_EROFS = 1u << 1,        /* open and record creation fail with EROFS */
-    AST__FAULT_ENOSPC = 1u << 2,       /* write completions fail with -ENOSPC (past skip records) */
-    AST__FAULT_SHORT_IO = 1u << 3,     /* each SQE's first completion reports half the bytes */
-    AST__FAULT_EAGAIN = 1u << 4,       /* each SQE's first completion reports -EAGAIN */
-    AST__FAULT_NO_FALLOCATE = 1u << 5  /* skip the space reservation: ENOSPC comes from writes */
-};
-/* Arms faults (a mask of AST__FAULT_*; 0 disarms). AST__FAULT_ENOSPC spares the next skip
- * records. Stays armed until changed. */
-void ast__nvme_inject_fault(ast__nvme *n, unsigned faults, unsigned skip);
-
-/* Test hooks implemented by store.c (the store is the only owner of an engine). */
-/* ast_store_open_msg with faults armed on the engine from its probe on. */
-int ast__store_open_faults(const ast_store_opts *opts, unsigned faults, ast_store **out,
-                           char *errbuf, size_t len);
-/* The store's engine; NULL without an NVMe tier. */
-ast__nvme *ast__store_nvme(ast_store *s);
 
 #endif

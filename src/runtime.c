@@ -92,10 +92,12 @@ struct ast_runtime {
 /* Sets rt's last error under rt->mu and returns code (util's one setter). */
 #define RT_ERROR(rt, code, ...) ast__set_error(&(rt)->err, &(rt)->mu, (code), __VA_ARGS__)
 
-int ast_runtime_create_msg(const ast_config *cfg, ast_runtime **out, char *errbuf, size_t len)
+int ast_runtime_create(const ast_config *cfg, ast_runtime **out, char *errbuf, size_t len)
 {
+    if (errbuf && len)
+        errbuf[0] = '\0';
     if (!out)
-        return AST_EINVAL;
+        return ast__errorf(errbuf, len, AST_EINVAL, "ast_runtime_create: out is NULL");
     *out = NULL;
     ast_config defaults;
     if (!cfg) {
@@ -107,7 +109,7 @@ int ast_runtime_create_msg(const ast_config *cfg, ast_runtime **out, char *errbu
         return rc;
     ast_runtime *rt = calloc(1, sizeof *rt);
     if (!rt)
-        return AST_ENOMEM;
+        return ast__errorf(errbuf, len, AST_ENOMEM, "ast_runtime_create: out of memory");
     rt->cfg = *cfg;
     rt->err.named = 1;
     rt->next_handle = 1;
@@ -115,11 +117,10 @@ int ast_runtime_create_msg(const ast_config *cfg, ast_runtime **out, char *errbu
     atomic_init(&rt->last_install_step, -1);
     if (pthread_mutex_init(&rt->mu, NULL)) {
         free(rt);
-        return AST_ENOMEM;
+        return ast__errorf(errbuf, len, AST_ENOMEM, "ast_runtime_create: no mutex");
     }
     if (cfg->trace[0] && (rc = ast_trace_create(&rt->trace)) != 0) {
-        if (errbuf && len)
-            snprintf(errbuf, len, "trace '%s': %s", cfg->trace, ast_strerror(rc));
+        ast__errorf(errbuf, len, rc, "trace '%s': %s", cfg->trace, ast_strerror(rc));
         pthread_mutex_destroy(&rt->mu);
         free(rt);
         return rc;
@@ -132,9 +133,8 @@ int ast_runtime_create_msg(const ast_config *cfg, ast_runtime **out, char *errbu
     po.pin = cfg->pin;
     rc = ast_pool_create(&po, &rt->pool);
     if (rc) {
-        if (errbuf && len)
-            snprintf(errbuf, len, "worker pool: %s (workers=%d, cpuset='%s')", ast_strerror(rc),
-                     cfg->workers, cfg->cpuset);
+        ast__errorf(errbuf, len, rc, "worker pool: %s (workers=%d, cpuset='%s')", ast_strerror(rc),
+                    cfg->workers, cfg->cpuset);
         ast_trace_destroy(rt->trace);
         pthread_mutex_destroy(&rt->mu);
         free(rt);
@@ -144,12 +144,7 @@ int ast_runtime_create_msg(const ast_config *cfg, ast_runtime **out, char *errbu
     return 0;
 }
 
-int ast_runtime_create(const ast_config *cfg, ast_runtime **out)
-{
-    return ast_runtime_create_msg(cfg, out, NULL, 0);
-}
-
-int ast_runtime_destroy_msg(ast_runtime *rt, char *errbuf, size_t len)
+int ast_runtime_destroy(ast_runtime *rt, char *errbuf, size_t len)
 {
     if (errbuf && len)
         errbuf[0] = '\0';
@@ -187,11 +182,6 @@ int ast_runtime_destroy_msg(ast_runtime *rt, char *errbuf, size_t len)
     return rc;
 }
 
-void ast_runtime_destroy(ast_runtime *rt)
-{
-    ast_runtime_destroy_msg(rt, NULL, 0);
-}
-
 const ast_config *ast_runtime_config(const ast_runtime *rt) { return rt ? &rt->cfg : NULL; }
 
 int ast__runtime_set_job_delay(ast_runtime *rt, int delay_ms)
@@ -204,12 +194,9 @@ int ast__runtime_set_job_delay(ast_runtime *rt, int delay_ms)
 
 int ast_runtime_last_error(ast_runtime *rt, char *buf, size_t len)
 {
-    if (!rt || !buf || !len)
+    if (!rt)
         return AST_EINVAL;
-    pthread_mutex_lock(&rt->mu);
-    snprintf(buf, len, "%s", rt->err.text);
-    pthread_mutex_unlock(&rt->mu);
-    return 0;
+    return ast__get_error(&rt->err, &rt->mu, buf, len);
 }
 
 int ast_runtime_register(ast_runtime *rt, void *ptr, size_t nbytes, uint64_t *handle)

@@ -600,13 +600,12 @@ void ast_shadow_destroy(ast_shadow *sh)
     free(sh);
 }
 
-int ast_shadow_create_msg(const ast_shadow_opts *opts, ast_shadow **out, char *errbuf,
-                          size_t len)
+int ast_shadow_create(const ast_shadow_opts *opts, ast_shadow **out, char *errbuf, size_t len)
 {
     if (errbuf && len)
         errbuf[0] = '\0';
     if (!out)
-        return AST_EINVAL;
+        return ast__errorf(errbuf, len, AST_EINVAL, "ast_shadow_create: out is NULL");
     *out = NULL;
     ast_shadow_opts o;
     if (opts)
@@ -629,10 +628,10 @@ int ast_shadow_create_msg(const ast_shadow_opts *opts, ast_shadow **out, char *e
     }
     ast_shadow *sh = calloc(1, sizeof *sh);
     if (!sh)
-        return AST_ENOMEM;
+        return ast__errorf(errbuf, len, AST_ENOMEM, "ast_shadow_create: out of memory");
     if (pthread_mutex_init(&sh->mu, NULL)) {
         free(sh);
-        return AST_ENOMEM;
+        return ast__errorf(errbuf, len, AST_ENOMEM, "ast_shadow_create: no mutex");
     }
     sh->err.named = 1;
     sh->device = -1;
@@ -657,11 +656,6 @@ int ast_shadow_create_msg(const ast_shadow_opts *opts, ast_shadow **out, char *e
     }
     *out = sh;
     return 0;
-}
-
-int ast_shadow_create(const ast_shadow_opts *opts, ast_shadow **out)
-{
-    return ast_shadow_create_msg(opts, out, NULL, 0);
 }
 
 int ast_shadow_is_cuda(const ast_shadow *sh)
@@ -977,10 +971,7 @@ int ast_shadow_stats_get(ast_shadow *sh, ast_shadow_stats *out)
 
 int ast_shadow_last_error(ast_shadow *sh, char *buf, size_t len)
 {
-    if (!sh || !buf || !len)
+    if (!sh)
         return AST_EINVAL;
-    pthread_mutex_lock(&sh->mu);
-    snprintf(buf, len, "%s", sh->err.text);
-    pthread_mutex_unlock(&sh->mu);
-    return 0;
+    return ast__get_error(&sh->err, &sh->mu, buf, len);
 }

@@ -5,6 +5,7 @@
  * ast_store_stats, the store's NVMe engine (nvme.c) and its last-error message. May call:
  * cuda_mem.h (pinned, device and managed memory, copies), nvme.h (records), util.h (the block
  * table is an ast__htable; the last-error text and a move's first failure are util's), libc.
+ * Implements the store's test hooks of testing.h (an open with faults armed, the engine).
  *
  * Locking: one mutex per store. Every public function holds it for its whole duration, the I/O
  * batches of a move to or from NVME included, so allocation, free, lookups and stats on a store
@@ -53,6 +54,7 @@
 #include "asteria/errors.h"
 #include "cuda_mem.h"
 #include "nvme.h"
+#include "testing.h"
 #include "util.h"
 
 #include <fcntl.h>
@@ -471,14 +473,9 @@ int ast__store_open_faults(const ast_store_opts *opts, unsigned faults, ast_stor
     return 0;
 }
 
-int ast_store_open_msg(const ast_store_opts *opts, ast_store **out, char *errbuf, size_t len)
+int ast_store_open(const ast_store_opts *opts, ast_store **out, char *errbuf, size_t len)
 {
     return ast__store_open_faults(opts, 0, out, errbuf, len);
-}
-
-int ast_store_open(const ast_store_opts *opts, ast_store **out)
-{
-    return ast_store_open_msg(opts, out, NULL, 0);
 }
 
 void ast_store_close(ast_store *s)
@@ -904,12 +901,9 @@ int ast_store_stats_get(ast_store *s, ast_store_stats *out)
 
 int ast_store_last_error(ast_store *s, char *buf, size_t len)
 {
-    if (!s || !buf || !len)
+    if (!s)
         return AST_EINVAL;
-    pthread_mutex_lock(&s->mu);
-    snprintf(buf, len, "%s", s->err.text);
-    pthread_mutex_unlock(&s->mu);
-    return 0;
+    return ast__get_error(&s->err, &s->mu, buf, len);
 }
 
 int ast_store_record_path(ast_store *s, uint64_t id, char *buf, size_t len)

@@ -1,13 +1,20 @@
 /*
- * testing.h - test-only entry points of libasteria. Not public API: nothing here is declared in
- * include/asteria/, listed in src/asteria.map or promised to stay. The C tests include it (their
- * include path has src/), and asteria._C binds it under a name that says so
- * (_C._test_set_job_delay), because the Python suite runs against the installed wheel.
+ * testing.h - test-only entry points of libasteria: a job delay on a runtime, and fault injection
+ * into the store's NVMe engine for failures a test machine cannot provoke for real. Not public
+ * API: nothing here is declared in include/asteria/ or promised to stay. The C tests include it
+ * (their include path has src/). The job delay is also bound for the Python suite, which runs
+ * against the installed wheel, in the test-only module asteria._C_testing
+ * (python/csrc/testing.c), which the package never imports; so it alone has a node in
+ * src/asteria.map (a shared libasteria must export it to that module).
+ * Implemented by runtime.c (job delay), store.c (an open with faults, the engine) and nvme.c
+ * (the faults themselves).
  */
 #ifndef ASTERIA_TESTING_H
 #define ASTERIA_TESTING_H
 
 #include "asteria/runtime.h"
+#include "asteria/store.h"
+#include "nvme.h"
 
 /* Largest delay ast__runtime_set_job_delay takes: ten minutes. */
 #define AST__JOB_DELAY_MAX_MS 600000
@@ -16,5 +23,26 @@
  * simulate a slow rank or keep a job running while a test forks or signals. Returns 0 on
  * success; AST_EINVAL when rt is NULL or delay_ms is outside 0..AST__JOB_DELAY_MAX_MS. */
 int ast__runtime_set_job_delay(ast_runtime *rt, int delay_ms);
+
+/* ---- NVMe fault injection ------------------------------------------------------------------ */
+
+enum ast__fault {
+    AST__FAULT_NO_ODIRECT = 1u << 0,   /* open: the probe's O_DIRECT open fails with EINVAL */
+    AST__FAULT_EROFS = 1u << 1,        /* open and record creation fail with EROFS */
+    AST__FAULT_ENOSPC = 1u << 2,       /* write completions fail with -ENOSPC (past skip records) */
+    AST__FAULT_SHORT_IO = 1u << 3,     /* each SQE's first completion reports half the bytes */
+    AST__FAULT_EAGAIN = 1u << 4,       /* each SQE's first completion reports -EAGAIN */
+    AST__FAULT_NO_FALLOCATE = 1u << 5  /* skip the space reservation: ENOSPC comes from writes */
+};
+/* Arms faults (a mask of AST__FAULT_*; 0 disarms) on an engine. AST__FAULT_ENOSPC spares the
+ * next skip records. Stays armed until changed. No return value. */
+void ast__nvme_inject_fault(ast__nvme *n, unsigned faults, unsigned skip);
+
+/* ast_store_open with faults (a mask of AST__FAULT_*) armed on the engine from its probe on
+ * (ast__nvme_opts.faults). Returns as ast_store_open. */
+int ast__store_open_faults(const ast_store_opts *opts, unsigned faults, ast_store **out,
+                           char *errbuf, size_t len);
+/* Returns the store's engine (the store is its only owner); NULL without an NVMe tier. */
+ast__nvme *ast__store_nvme(ast_store *s);
 
 #endif

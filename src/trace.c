@@ -351,12 +351,9 @@ size_t ast_trace_dropped(ast_trace *tr)
 
 int ast_trace_last_error(ast_trace *tr, char *buf, size_t len)
 {
-    if (!tr || !buf || !len)
+    if (!tr)
         return AST_EINVAL;
-    pthread_mutex_lock(&tr->mu);
-    snprintf(buf, len, "%s", tr->err.text);
-    pthread_mutex_unlock(&tr->mu);
-    return 0;
+    return ast__get_error(&tr->err, &tr->mu, buf, len);
 }
 
 /* ---- JSON writer (no lock held) ----------------------------------------------------------- */

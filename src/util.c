@@ -62,6 +62,18 @@ int ast__set_error(ast__last_error *e, pthread_mutex_t *mu, int code, const char
     return code;
 }
 
+int ast__get_error(ast__last_error *e, pthread_mutex_t *mu, char *buf, size_t len)
+{
+    if (!buf || !len)
+        return AST_EINVAL;
+    if (mu)
+        pthread_mutex_lock(mu);
+    snprintf(buf, len, "%s", e->text);
+    if (mu)
+        pthread_mutex_unlock(mu);
+    return 0;
+}
+
 void ast__batch_err_init(ast__batch_err *e)
 {
     e->idx = SIZE_MAX;

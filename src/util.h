@@ -50,6 +50,10 @@ typedef struct ast__last_error {
  * mu: the mutex that guards e, taken around the write; NULL when the caller holds it. */
 int ast__set_error(ast__last_error *e, pthread_mutex_t *mu, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
+/* Copies e's text into buf (truncated to len): the one body of every ast_*_last_error.
+ * mu: the mutex that guards e, taken around the read; NULL when the caller holds it.
+ * Returns 0; AST_EINVAL for a NULL buf or len 0. */
+int ast__get_error(ast__last_error *e, pthread_mutex_t *mu, char *buf, size_t len);
 
 /* The first failure of a batch whose items (the blocks of a store move, the records of an NVMe
  * batch) succeed or fail on their own: the batch goes on past a failed item and reports the

@@ -70,10 +70,10 @@ void ast_coherence_opts_init(ast_coherence_opts *o);
 
 /* RETURN VALUE: 0; AST_EINVAL (NULL arguments, world_size < 1, rank out of range, staleness < 0,
  * ranks_per_node < 1 without node_ids, a negative node or replica group id); AST_ENOMEM.
- * *out is NULL on failure; the _msg form writes the cause into errbuf (may be NULL). */
-int ast_coherence_create(const ast_coherence_opts *o, ast_coherence **out);
-int ast_coherence_create_msg(const ast_coherence_opts *o, ast_coherence **out, char *errbuf,
-                             size_t len);
+ * *out is NULL on failure, and the cause is written into errbuf (may be NULL; len bytes,
+ * truncated). */
+int ast_coherence_create(const ast_coherence_opts *o, ast_coherence **out, char *errbuf,
+                         size_t len);
 /* Frees reg (NULL is a no-op). No return value. */
 void ast_coherence_destroy(ast_coherence *reg);
 

@@ -24,7 +24,7 @@
  * Thread safety: all functions are thread-safe. The runtime mutex guards the buffer table,
  * failure counters and last-error text; stats counters are atomics; the trace recorder has its
  * own mutex, never taken with the runtime mutex held. Jobs run on pool workers with no runtime
- * lock held. ast_runtime_destroy / _destroy_msg must not race with other calls.
+ * lock held. ast_runtime_destroy must not race with other calls.
  * No global mutable state: everything hangs off the ast_runtime handle.
  */
 #ifndef ASTERIA_RUNTIME_H
@@ -139,13 +139,16 @@ typedef struct ast_stats {
 /* Creates a runtime from cfg (NULL: the defaults), which is checked with ast_config_validate
  * first; *out receives it (NULL on failure). Returns 0 on success; AST_EINVAL for a NULL out or
  * an invalid cfg; AST_ENOMEM; the codes of ast_pool_create (workers, cpuset) and of
- * ast_trace_create. */
-int ast_runtime_create(const ast_config *cfg, ast_runtime **out);
-/* Same, with the failure detail (naming the key, for a bad config) written to errbuf (may be
- * NULL). Returns as ast_runtime_create. */
-int ast_runtime_create_msg(const ast_config *cfg, ast_runtime **out, char *errbuf, size_t len);
-/* ast_runtime_destroy_msg with its result dropped. NULL is a no-op. No return value. */
-void ast_runtime_destroy(ast_runtime *rt);
+ * ast_trace_create. The failure detail (naming the key, for a bad config) is written to errbuf
+ * (may be NULL; len bytes, truncated). */
+int ast_runtime_create(const ast_config *cfg, ast_runtime **out, char *errbuf, size_t len);
+/* Destroys rt: drains the completions not yet collected (so the trace shows them), lets running
+ * jobs finish, drops queued ones, writes the configured trace file and frees everything. NULL
+ * is a no-op. Must not race with other calls on rt.
+ * RETURN VALUE: 0 (also when no trace is configured); else the code of ast_runtime_trace_write
+ * (AST_ENOENT, AST_EACCES, AST_ENOSPC, AST_EIO, AST_ENOMEM), with its message, naming the path
+ * and the failing call, in errbuf (may be NULL; len bytes, truncated). rt is freed either way. */
+int ast_runtime_destroy(ast_runtime *rt, char *errbuf, size_t len);
 /* Returns rt's validated config (owned by rt, valid until destroy), or NULL for a NULL rt. */
 const ast_config *ast_runtime_config(const ast_runtime *rt);
 /* Copies the last error message set on this runtime ("" if none) into buf (truncated).
@@ -199,13 +202,6 @@ void ast_runtime_note_nonfinite(ast_runtime *rt);
 
 /* Copies the counters into out. Returns 0; AST_EINVAL for a NULL rt or out. */
 int ast_runtime_stats_get(ast_runtime *rt, ast_stats *out);
-
-/* Destroys rt exactly as ast_runtime_destroy does, and reports whether the configured trace file
- * was written. RETURN VALUE: 0 (also when no trace is configured); else the code of
- * ast_runtime_trace_write (AST_ENOENT, AST_EACCES, AST_ENOSPC, AST_EIO, AST_ENOMEM), with its
- * message, naming the path and the failing call, in errbuf (may be NULL). rt is freed either
- * way. ast_runtime_destroy is this call with the result dropped. */
-int ast_runtime_destroy_msg(ast_runtime *rt, char *errbuf, size_t len);
 
 /* Returns 1 if rt records a trace (config.trace non-empty), else 0 (also for a NULL rt). */
 int ast_runtime_tracing(const ast_runtime *rt);

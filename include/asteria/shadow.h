@@ -94,11 +94,9 @@ typedef struct ast_shadow_stats {
 } ast_shadow_stats;
 
 /* RETURN VALUE: 0; AST_EINVAL (NULL out, zero capacity, max_slots 0); AST_ENODEV (mode CUDA
- * without a device); AST_ECUDA; AST_ENOMEM. *out is NULL on failure; the _msg form writes the
- * cause into errbuf (may be NULL). */
-int ast_shadow_create(const ast_shadow_opts *opts, ast_shadow **out);
-int ast_shadow_create_msg(const ast_shadow_opts *opts, ast_shadow **out, char *errbuf,
-                          size_t len);
+ * without a device); AST_ECUDA; AST_ENOMEM. *out is NULL on failure, and the cause is written
+ * into errbuf (may be NULL; len bytes, truncated). */
+int ast_shadow_create(const ast_shadow_opts *opts, ast_shadow **out, char *errbuf, size_t len);
 /* Waits for every copy in flight, then frees the stream, events and both rings. NULL is a
  * no-op. No return value. */
 void ast_shadow_destroy(ast_shadow *sh);

@@ -80,11 +80,9 @@ typedef struct ast_store_stats {
 /* Opens a store (opts NULL: no NVMe tier); *out receives it (NULL on failure). Returns 0 on
  * success; AST_EINVAL for a NULL out or bad options; AST_ENOMEM; for nvme_dir: AST_ENOENT
  * (missing), AST_EACCES (not writable), AST_ENOTSUP (no O_DIRECT under AST_DIRECT_REQUIRE, or
- * built without liburing), AST_EIO. */
-int ast_store_open(const ast_store_opts *opts, ast_store **out);
-/* Like ast_store_open, but on failure writes a message that names the cause into errbuf.
- * Returns as ast_store_open. */
-int ast_store_open_msg(const ast_store_opts *opts, ast_store **out, char *errbuf, size_t len);
+ * built without liburing), AST_EIO. On failure a message that names the cause is written into
+ * errbuf (may be NULL; len bytes, truncated). */
+int ast_store_open(const ast_store_opts *opts, ast_store **out, char *errbuf, size_t len);
 /* Frees every block and removes the store's record files (in a forked child: the child's own
  * records only). NULL is a no-op. No return value. */
 void ast_store_close(ast_store *s);

@@ -136,7 +136,7 @@ static PyObject *coherence_new(PyTypeObject *type, PyObject *args, PyObject *kwd
     o.replica_group = groups;
     char err[ERRBUF_LEN] = "";
     ast_coherence *reg = NULL;
-    int rc = ast_coherence_create_msg(&o, &reg, err, sizeof err);
+    int rc = ast_coherence_create(&o, &reg, err, sizeof err);
     PyMem_Free(node_ids);
     PyMem_Free(groups);
     if (rc < 0)
@@ -757,7 +757,7 @@ static PyObject *coherence_last_error(CoherenceObject *self, PyObject *unused)
         return NULL;
     char buf[ERRBUF_LEN] = "";
     ast_coherence_last_error(reg, buf, sizeof buf);
-    return PyUnicode_DecodeUTF8(buf, (Py_ssize_t)strlen(buf), "replace");
+    return error_text(buf);
 }
 
 static PyObject *coherence_get_closed(CoherenceObject *self, void *closure)

@@ -1,8 +1,10 @@
 /*
  * common.h - what the files of asteria._C share: the module state, the guard that keeps a handle
  * alive across calls that released the GIL, the error mapping and the argument converters
- * (errors.c), and each bound type's spec. Internal to the extension (the module's
- * symbols are hidden: python/CMakeLists.txt).
+ * (errors.c), the config conversion (config.c) and each bound type's spec. One file per bound
+ * type: config.c, runtime.c, store.c, shadow.c, coherence.c; module.c puts them together;
+ * testing.c is the separate test-only module asteria._C_testing. Internal to the extension (the
+ * module's symbols are hidden: python/CMakeLists.txt).
  *
  * The binding's rules (GIL, locking, fork, signals) are in module.c's header comment; each
  * file follows them.
@@ -19,7 +21,6 @@
 #include "asteria/shadow.h"
 #include "asteria/store.h"
 #include "asteria/trace.h"
-#include "testing.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -70,6 +71,8 @@ static inline mod_state *type_state(PyTypeObject *tp) { return PyType_GetModuleS
 
 /* ---- errors.c ---- */
 PyObject *raise_ast_error(mod_state *st, int code, const char *detail);
+/* A libasteria message (a detail, a last-error text) as str. */
+PyObject *error_text(const char *text);
 const char *utf8_no_nul(PyObject *s, const char *what);
 int guard_enter(guard *g, int open, mod_state *st, const char *what);
 void guard_fini(guard *g);
@@ -91,7 +94,6 @@ PyObject *new_ast_error(mod_state *st, PyObject *type, int code, const char *det
 PyObject *raise_exc(PyObject *exc);
 int dict_set_steal(PyObject *d, const char *key, PyObject *v);
 void close_in_dealloc(int (*close)(PyObject *), PyObject *self);
-PyObject *config_to_dict(const ast_config *c);
 /* ---- dlpack.c: tensor views as DLPack capsules ---- */
 #define VIEW_MAX_DIMS 8
 typedef struct {
@@ -107,9 +109,18 @@ int view_spec_parse(PyObject *dtype, PyObject *shape, view_spec *v);
  * (if not NULL) and drops it; on failure both happen at once. */
 PyObject *view_export(const view_spec *v, PyObject *owner, void (*release)(PyObject *),
                       void *ptr, size_t avail, int cuda_device, const char *what);
-/* ---- runtime.c ---- */
+/* ---- config.c ---- */
+/* Applies config (a mapping of key -> value, or None: the defaults) to cfg through
+ * ast_config_set, C's one validator of each key; None values keep the default. 0, or -1 with
+ * ValueError (naming the key and the allowed values) or TypeError raised. */
+int config_apply(mod_state *st, ast_config *cfg, PyObject *config);
+/* A new Config (validated) from a mapping, as config_apply takes it; NULL with an exception. */
 PyObject *config_validate(mod_state *st, PyObject *config);
-PyObject *mod_test_set_job_delay(PyObject *m, PyObject *args);
+/* The dict form of a config; validate_config() of it gives the same config. */
+PyObject *config_to_dict(const ast_config *c);
+/* ---- module.c ---- */
+/* asteria._C's definition: how testing.c recognises this module's objects. */
+extern struct PyModuleDef asteria_module_def;
 
 /* ---- the bound types ---- */
 extern PyType_Spec runtime_spec;

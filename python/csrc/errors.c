@@ -25,6 +25,13 @@ const char *detail_for(int code, const char *detail)
     return detail;
 }
 
+/* A message of libasteria's (a detail, a last-error text) as str. Decoded with "replace": a
+ * message cut to its buffer may end inside a UTF-8 sequence (a path). */
+PyObject *error_text(const char *text)
+{
+    return PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "replace");
+}
+
 /* The one mapping from an AST_E* code to a Python exception, as a new exception object. The
  * message is "<detail> (<AST_ENAME>: <strerror>)"; every exception carries .code and .name.
  * type NULL: the table below; else that class (a subclass of the table's, e.g. BusyError). */
@@ -33,7 +40,7 @@ PyObject *new_ast_error(mod_state *st, PyObject *type, int code, const char *det
     const char *name = ast_err_name(code), *what = ast_strerror(code);
     PyObject *msg;
     if (detail && detail[0]) {
-        PyObject *d = PyUnicode_DecodeUTF8(detail, (Py_ssize_t)strlen(detail), "replace");
+        PyObject *d = error_text(detail);
         if (!d)
             return NULL;
         msg = PyUnicode_FromFormat("%U (%s: %s)", d, name, what);

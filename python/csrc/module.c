@@ -132,10 +132,6 @@ static PyMethodDef mod_methods[] = {
      PyDoc_STR("validate_config(config)\n--\n\nCheck a dict of the keys in config_keys() with "
                "libasteria's validator (ValueError naming the key and the allowed values); return "
                "it as a Config, which Runtime() takes without checking it again.")},
-    {"_test_set_job_delay", mod_test_set_job_delay, METH_VARARGS,
-     PyDoc_STR("_test_set_job_delay(runtime, delay_ms)\n--\n\nTEST ONLY, not API: every job "
-               "submitted to runtime afterwards sleeps delay_ms (0..600000) on its worker before "
-               "computing (a slow rank, a job kept running across a fork or a signal).")},
     {"coherence_dim_cost", mod_coherence_dim_cost, METH_O,
      PyDoc_STR("coherence_dim_cost(n)\n--\n\nThe refresh cost of one n x n factor, n^3 "
                "(saturating at 2^64 - 1).")},
@@ -288,7 +284,7 @@ static PyModuleDef_Slot mod_slots[] = {
     {0, NULL},
 };
 
-static struct PyModuleDef asteria_module = {
+struct PyModuleDef asteria_module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "asteria._C",
     .m_doc = "Binding of libasteria: the REFRESH runtime (Runtime, Result) and its trace, the "
@@ -305,4 +301,4 @@ static struct PyModuleDef asteria_module = {
 
 PyMODINIT_FUNC PyInit__C(void);
 
-PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&asteria_module); }
+PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&asteria_module_def); }

@@ -1,188 +1,10 @@
 /*
- * runtime.c - asteria._C.Runtime (runtime.h: the worker pool, jobs, waits, trace events)
- * and its Result struct sequence; Config (a validated ast_config) and the dict <-> ast_config
- * conversion; the test-only _test_set_job_delay (src/testing.h).
- * May call: the public libasteria API and the Python C API, and common.h.
+ * runtime.c - asteria._C.Runtime (runtime.h: the worker pool, jobs, waits, trace events) and
+ * its Result struct sequence (the completion of one job).
+ * May call: the public libasteria API and the Python C API, and common.h (config.c's
+ * config_apply and config_to_dict for the config a Runtime takes and reports).
  */
 #include "common.h"
-
-/* ---- config -------------------------------------------------------------------------------------- */
-
-/* The string form ast_config_set takes: bools "true"/"false" (so a bool is refused where C wants
- * a number), anything else str(). */
-static PyObject *config_value_str(PyObject *v)
-{
-    if (PyBool_Check(v))
-        return PyUnicode_FromString(v == Py_True ? "true" : "false");
-    return PyObject_Str(v);
-}
-
-/* Applies a mapping of key -> value through ast_config_set, C's one validator of each key;
- * None values keep the default. */
-static int apply_config(mod_state *st, ast_config *cfg, PyObject *config)
-{
-    if (config == Py_None)
-        return 0;
-    if (!PyDict_Check(config) && !PyObject_HasAttrString(config, "items")) {
-        PyErr_Format(PyExc_TypeError, "config must be a dict, not %.100s",
-                     Py_TYPE(config)->tp_name);
-        return -1;
-    }
-    /* A copy of the items: str() of a value may run code that mutates the mapping. */
-    PyObject *items = PyMapping_Items(config);
-    if (!items)
-        return -1;
-    int ret = -1;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
-        PyObject *kv = PyList_GET_ITEM(items, i);
-        if (!PyTuple_Check(kv) || PyTuple_GET_SIZE(kv) != 2) {
-            PyErr_SetString(PyExc_TypeError, "config items must be (key, value) pairs");
-            goto done;
-        }
-        PyObject *k = PyTuple_GET_ITEM(kv, 0), *v = PyTuple_GET_ITEM(kv, 1);
-        if (!PyUnicode_Check(k)) {
-            PyErr_Format(PyExc_TypeError, "config keys must be str, got %R", k);
-            goto done;
-        }
-        if (v == Py_None)
-            continue;
-        PyObject *vs = config_value_str(v);
-        if (!vs)
-            goto done;
-        const char *key = utf8_no_nul(k, "config key");
-        const char *val = key ? utf8_no_nul(vs, "config value") : NULL;
-        if (!val) {
-            Py_DECREF(vs);
-            goto done;
-        }
-        char err[ERRBUF_LEN] = "";
-        int rc = ast_config_set(cfg, key, val, err, sizeof err);
-        Py_DECREF(vs);
-        if (rc < 0) {
-            raise_ast_error(st, rc, err);
-            goto done;
-        }
-    }
-    ret = 0;
-done:
-    Py_DECREF(items);
-    return ret;
-}
-
-/* A fixed-size C string field as str, or None when empty. */
-static PyObject *str_or_none(const char *s, size_t cap)
-{
-    size_t n = strnlen(s, cap);
-    if (!n)
-        Py_RETURN_NONE;
-    return PyUnicode_DecodeUTF8(s, (Py_ssize_t)n, "surrogateescape");
-}
-
-/* The dict form of a config; feeding it back to validate_config() gives the same config. */
-PyObject *config_to_dict(const ast_config *c)
-{
-    PyObject *d = PyDict_New();
-    if (!d)
-        return NULL;
-    if (dict_set_steal(d, "workers", c->workers > 0 ? PyLong_FromLong(c->workers) : Py_NewRef(Py_None)) ||
-        dict_set_steal(d, "cpuset", str_or_none(c->cpuset, sizeof c->cpuset)) ||
-        dict_set_steal(d, "pin", PyBool_FromLong(c->pin)) ||
-        dict_set_steal(d, "max_failures", PyLong_FromLong(c->max_failures)) ||
-        dict_set_steal(d, "trace", str_or_none(c->trace, sizeof c->trace))) {
-        Py_DECREF(d);
-        return NULL;
-    }
-    return d;
-}
-
-/* ---- Config: a validated ast_config, handed to Runtime() as it is -------------------------- */
-
-PyObject *config_validate(mod_state *st, PyObject *config)
-{
-    ast_config cfg;
-    ast_config_init(&cfg);
-    if (apply_config(st, &cfg, config) < 0)
-        return NULL;
-    ConfigObject *self = PyObject_New(ConfigObject, st->config_type);
-    if (!self)
-        return NULL;
-    self->cfg = cfg;
-    return (PyObject *)self;
-}
-
-static void config_dealloc(ConfigObject *self)
-{
-    PyTypeObject *tp = Py_TYPE(self);
-    PyObject_Free(self);
-    Py_DECREF(tp);
-}
-
-static PyObject *config_as_dict(ConfigObject *self, PyObject *unused)
-{
-    return config_to_dict(&self->cfg);
-}
-
-/* Pickled as validate_config(as_dict()): a config read back is validated where it enters. */
-static PyObject *config_reduce(ConfigObject *self, PyObject *unused)
-{
-    PyObject *m = PyType_GetModule(Py_TYPE(self));
-    PyObject *fn = m ? PyObject_GetAttrString(m, "validate_config") : NULL;
-    PyObject *d = fn ? config_to_dict(&self->cfg) : NULL;
-    PyObject *out = d ? Py_BuildValue("(O(O))", fn, d) : NULL;
-    Py_XDECREF(fn);
-    Py_XDECREF(d);
-    return out;
-}
-
-static PyObject *config_richcompare(PyObject *a, PyObject *b, int op)
-{
-    if ((op != Py_EQ && op != Py_NE) || !Py_IS_TYPE(b, Py_TYPE(a)))
-        Py_RETURN_NOTIMPLEMENTED;
-    PyObject *da = config_to_dict(&((ConfigObject *)a)->cfg);
-    PyObject *db = da ? config_to_dict(&((ConfigObject *)b)->cfg) : NULL;
-    PyObject *out = db ? PyObject_RichCompare(da, db, op) : NULL;
-    Py_XDECREF(da);
-    Py_XDECREF(db);
-    return out;
-}
-
-static PyObject *config_repr(ConfigObject *self)
-{
-    PyObject *d = config_to_dict(&self->cfg);
-    if (!d)
-        return NULL;
-    PyObject *out = PyUnicode_FromFormat("<%s %R>", Py_TYPE(self)->tp_name, d);
-    Py_DECREF(d);
-    return out;
-}
-
-static PyMethodDef config_methods[] = {
-    {"as_dict", (PyCFunction)config_as_dict, METH_NOARGS,
-     PyDoc_STR("as_dict()\n--\n\nThe config as a dict of config_keys() (None for a default).")},
-    {"__reduce__", (PyCFunction)config_reduce, METH_NOARGS, NULL},
-    {NULL, NULL, 0, NULL},
-};
-
-PyDoc_STRVAR(config_doc,
-             "The C part of a runtime config (the keys of config_keys()), validated by "
-             "libasteria's ast_config_set.\nMade by validate_config(); Runtime() takes it as it "
-             "is, with no second parse.");
-
-static PyType_Slot config_slots[] = {
-    {Py_tp_dealloc, config_dealloc},
-    {Py_tp_repr, config_repr},
-    {Py_tp_richcompare, config_richcompare},
-    {Py_tp_methods, config_methods},
-    {Py_tp_doc, (void *)config_doc},
-    {0, NULL},
-};
-
-PyType_Spec config_spec = {
-    .name = "asteria._C.Config",
-    .basicsize = sizeof(ConfigObject),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
-    .slots = config_slots,
-};
 
 /* ---- Result ------------------------------------------------------------------------------------- */
 
@@ -265,7 +87,7 @@ static PyObject *runtime_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     ast_config_init(&cfg);
     if (Py_IS_TYPE(config, st->config_type))
         cfg = ((ConfigObject *)config)->cfg;
-    else if (apply_config(st, &cfg, config) < 0)
+    else if (config_apply(st, &cfg, config) < 0)
         return NULL;
     char err[ERRBUF_LEN] = "";
     int rc;
@@ -276,7 +98,7 @@ static PyObject *runtime_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     guard_init(&self->g);
     ast_runtime *rt = NULL;
     Py_BEGIN_ALLOW_THREADS
-    rc = ast_runtime_create_msg(&cfg, &rt, err, sizeof err);
+    rc = ast_runtime_create(&cfg, &rt, err, sizeof err);
     Py_END_ALLOW_THREADS
     if (rc < 0) {
         Py_DECREF(self);
@@ -302,7 +124,7 @@ static int runtime_close_impl(RuntimeObject *self)
      * held. */
     Py_BEGIN_ALLOW_THREADS
     guard_drain(&self->g);
-    rc = ast_runtime_destroy_msg(rt, err, sizeof err);
+    rc = ast_runtime_destroy(rt, err, sizeof err);
     Py_END_ALLOW_THREADS
     self->rt = NULL;
     if (rc < 0) {
@@ -666,7 +488,7 @@ static PyObject *runtime_last_error(RuntimeObject *self, PyObject *unused)
         return NULL;
     char buf[ERRBUF_LEN] = "";
     ast_runtime_last_error(rt, buf, sizeof buf);
-    return PyUnicode_DecodeUTF8(buf, (Py_ssize_t)strlen(buf), "replace");
+    return error_text(buf);
 }
 
 /* ---- Runtime: trace -------------------------------------------------------------------------- */
@@ -924,24 +746,6 @@ static PyObject *runtime_get_tracing(RuntimeObject *self, void *closure)
     if (!rt)
         return NULL;
     return PyBool_FromLong(ast_runtime_tracing(rt));
-}
-
-/* Test-only (src/testing.h): _C._test_set_job_delay(runtime, delay_ms). */
-PyObject *mod_test_set_job_delay(PyObject *m, PyObject *args)
-{
-    mod_state *st = PyModule_GetState(m);
-    PyObject *obj;
-    int delay_ms;
-    if (!PyArg_ParseTuple(args, "O!i:_test_set_job_delay", st->runtime_type, &obj, &delay_ms))
-        return NULL;
-    RuntimeObject *self = (RuntimeObject *)obj;
-    ast_runtime *rt = rt_open(self, st);
-    if (!rt)
-        return NULL;
-    int rc = ast__runtime_set_job_delay(rt, delay_ms);
-    if (rc < 0)
-        return raise_ast_error(st, rc, "_test_set_job_delay: delay_ms allowed: 0..600000");
-    Py_RETURN_NONE;
 }
 
 static PyObject *runtime_repr(RuntimeObject *self)

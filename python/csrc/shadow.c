@@ -78,12 +78,6 @@ static int ticket_add(ShadowObject *self, const ast_shadow_ticket *t)
     return 0;
 }
 
-/* The shadow's last error for a call that failed (GIL released by the caller). */
-static void shadow_err(ast_shadow *sh, char *err, size_t len)
-{
-    ast_shadow_last_error(sh, err, len);
-}
-
 static int conv_opt_size(PyObject *o, void *out)
 {
     if (o == Py_None)
@@ -127,7 +121,7 @@ static PyObject *shadow_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     char err[ERRBUF_LEN] = "";
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = ast_shadow_create_msg(&o, &sh, err, sizeof err);
+    rc = ast_shadow_create(&o, &sh, err, sizeof err);
     Py_END_ALLOW_THREADS
     if (rc < 0) {
         Py_DECREF(self);
@@ -239,7 +233,7 @@ static PyObject *snapshot_issue(ShadowObject *self, mod_state *st, const ast_sha
     Py_BEGIN_ALLOW_THREADS
     rc = ast_shadow_snapshotv(sh, pc, npc, ev, &t);
     if (rc < 0)
-        shadow_err(sh, err, sizeof err);
+        ast_shadow_last_error(sh, err, sizeof err);
     Py_END_ALLOW_THREADS
     if (rc == 0 && ticket_add(self, &t) < 0) {
         /* No room to remember it: give the slot back rather than leak it. */
@@ -352,7 +346,7 @@ static PyObject *shadow_ticket_call(ShadowObject *self, PyObject *arg, int what)
         break;
     }
     if (rc < 0 && !(what == 0 && rc == AST_EBUSY))
-        shadow_err(sh, err, sizeof err);
+        ast_shadow_last_error(sh, err, sizeof err);
     Py_END_ALLOW_THREADS
     guard_leave(&self->g);
     if (what == 3 && (rc == 0 || rc == AST_ENOENT)) {
@@ -432,7 +426,7 @@ static PyObject *shadow_prefetch(ShadowObject *self, PyObject *args, PyObject *k
     Py_BEGIN_ALLOW_THREADS
     rc = ast_shadow_prefetch(sh, src, nbytes, key, &dev);
     if (rc < 0)
-        shadow_err(sh, err, sizeof err);
+        ast_shadow_last_error(sh, err, sizeof err);
     Py_END_ALLOW_THREADS
     guard_leave(&self->g);
     if (rc < 0)
@@ -471,7 +465,7 @@ static PyObject *shadow_key_call(ShadowObject *self, uint64_t key, int what, uin
         break;
     }
     if (rc < 0 && !(what == 0 && (rc == AST_EBUSY || rc == AST_ENOENT)))
-        shadow_err(sh, err, sizeof err);
+        ast_shadow_last_error(sh, err, sizeof err);
     Py_END_ALLOW_THREADS
     guard_leave(&self->g);
     if (what == 0) {
@@ -696,10 +690,10 @@ static PyObject *shadow_last_error(ShadowObject *self, PyObject *unused)
     ast_shadow *sh = self->sh;
     char buf[ERRBUF_LEN] = "";
     Py_BEGIN_ALLOW_THREADS
-    shadow_err(sh, buf, sizeof buf);
+    ast_shadow_last_error(sh, buf, sizeof buf);
     Py_END_ALLOW_THREADS
     guard_leave(&self->g);
-    return PyUnicode_DecodeUTF8(buf, (Py_ssize_t)strlen(buf), "replace");
+    return error_text(buf);
 }
 
 static PyObject *shadow_get_is_cuda(ShadowObject *self, void *closure)

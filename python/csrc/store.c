@@ -86,12 +86,6 @@ static int st_enter(StoreObject *self, mod_state *st)
     return guard_enter(&self->g, self->s != NULL, st, "store");
 }
 
-/* The store's last error for a call that failed with rc (GIL released by the caller). */
-static void store_err(ast_store *s, char *err, size_t len)
-{
-    ast_store_last_error(s, err, len);
-}
-
 static int parse_tier(PyObject *o, ast_tier *out)
 {
     const char *name = PyUnicode_Check(o) ? utf8_no_nul(o, "tier") : NULL;
@@ -210,7 +204,7 @@ static PyObject *store_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     char err[ERRBUF_LEN] = "";
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = ast_store_open_msg(&o, &s, err, sizeof err);
+    rc = ast_store_open(&o, &s, err, sizeof err);
     Py_END_ALLOW_THREADS
     PyMem_RawFree(dir);
     if (rc < 0) {
@@ -319,7 +313,7 @@ static PyObject *store_alloc(StoreObject *self, PyObject *args, PyObject *kwds)
     Py_BEGIN_ALLOW_THREADS
     rc = ast_store_alloc(s, tier, nbytes, &id);
     if (rc < 0)
-        store_err(s, err, sizeof err);
+        ast_store_last_error(s, err, sizeof err);
     Py_END_ALLOW_THREADS
     guard_leave(&self->g);
     if (rc < 0)
@@ -349,7 +343,7 @@ static PyObject *store_free(StoreObject *self, PyObject *arg)
     Py_BEGIN_ALLOW_THREADS
     rc = ast_store_free(s, id);
     if (rc < 0)
-        store_err(s, err, sizeof err);
+        ast_store_last_error(s, err, sizeof err);
     Py_END_ALLOW_THREADS
     guard_leave(&self->g);
     pins_unmark(self, &id, 1);
@@ -371,7 +365,7 @@ static int store_describe(StoreObject *self, uint64_t id, ast_tier *tier, size_t
     if (!rc)
         *ptr = ast_store_data(s, id);
     if (rc < 0)
-        store_err(s, err, len);
+        ast_store_last_error(s, err, len);
     Py_END_ALLOW_THREADS
     return rc;
 }
@@ -484,7 +478,7 @@ static PyObject *store_move(StoreObject *self, PyObject *args, PyObject *kwds)
     Py_BEGIN_ALLOW_THREADS
     rc = ast_store_move(s, ids, n, dst, &moved);
     if (rc < 0)
-        store_err(s, err, sizeof err);
+        ast_store_last_error(s, err, sizeof err);
     Py_END_ALLOW_THREADS
     guard_leave(&self->g);
     pins_unmark(self, ids, n);
@@ -571,7 +565,7 @@ static PyObject *store_record_path(StoreObject *self, PyObject *arg)
     Py_BEGIN_ALLOW_THREADS
     rc = ast_store_record_path(s, id, path, sizeof path);
     if (rc < 0)
-        store_err(s, err, sizeof err);
+        ast_store_last_error(s, err, sizeof err);
     Py_END_ALLOW_THREADS
     guard_leave(&self->g);
     if (rc < 0)
@@ -590,10 +584,10 @@ static PyObject *store_last_error(StoreObject *self, PyObject *unused)
     ast_store *s = self->s;
     char buf[ERRBUF_LEN] = "";
     Py_BEGIN_ALLOW_THREADS
-    store_err(s, buf, sizeof buf);
+    ast_store_last_error(s, buf, sizeof buf);
     Py_END_ALLOW_THREADS
     guard_leave(&self->g);
-    return PyUnicode_DecodeUTF8(buf, (Py_ssize_t)strlen(buf), "replace");
+    return error_text(buf);
 }
 
 /* A new BlockBuffer over block id, pinning it: the export behind buffer() and view(). Refuses

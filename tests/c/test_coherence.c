@@ -58,7 +58,7 @@ static ast_coherence *make_reg(int world, int rank, int rpn, int S, const int *g
     o.replica_group = groups;
     ast_coherence *reg = NULL;
     char err[256];
-    assert_int_equal(ast_coherence_create_msg(&o, &reg, err, sizeof err), 0);
+    assert_int_equal(ast_coherence_create(&o, &reg, err, sizeof err), 0);
     assert_non_null(reg);
     return reg;
 }
@@ -685,7 +685,7 @@ static void test_hier_plan(void **state)
         o.rank = r;
         o.ranks_per_node = 0;
         o.node_ids = nodes;
-        assert_int_equal(ast_coherence_create(&o, &u[r]), 0);
+        assert_int_equal(ast_coherence_create(&o, &u[r], NULL, 0), 0);
         assert_int_equal(ast_coherence_register_block(u[r], 42, 1000, rr, 4), 0);
         assert_int_equal(ast_coherence_register_block(u[r], 43, 1000, NULL, 0), 0);
         assert_int_equal(ast_coherence_plan(u[r]), 0);
@@ -734,22 +734,22 @@ static void test_bad_inputs(void **state)
     char err[256];
     ast_coherence_opts_init(&o);
     o.staleness = -1;
-    assert_int_equal(ast_coherence_create_msg(&o, &reg, err, sizeof err), AST_EINVAL);
+    assert_int_equal(ast_coherence_create(&o, &reg, err, sizeof err), AST_EINVAL);
     assert_null(reg);
     assert_non_null(strstr(err, "staleness -1"));
     ast_coherence_opts_init(&o);
     o.world_size = 4;
     o.rank = 4;
-    assert_int_equal(ast_coherence_create(&o, &reg), AST_EINVAL);
+    assert_int_equal(ast_coherence_create(&o, &reg, NULL, 0), AST_EINVAL);
     o.rank = 0;
     o.ranks_per_node = 0;
-    assert_int_equal(ast_coherence_create_msg(&o, &reg, err, sizeof err), AST_EINVAL);
+    assert_int_equal(ast_coherence_create(&o, &reg, err, sizeof err), AST_EINVAL);
     assert_non_null(strstr(err, "ranks_per_node"));
     const int bad_nodes[4] = {0, 0, -1, 1};
     o.node_ids = bad_nodes;
-    assert_int_equal(ast_coherence_create(&o, &reg), AST_EINVAL);
-    assert_int_equal(ast_coherence_create(NULL, &reg), AST_EINVAL);
-    assert_int_equal(ast_coherence_create(&o, NULL), AST_EINVAL);
+    assert_int_equal(ast_coherence_create(&o, &reg, NULL, 0), AST_EINVAL);
+    assert_int_equal(ast_coherence_create(NULL, &reg, NULL, 0), AST_EINVAL);
+    assert_int_equal(ast_coherence_create(&o, NULL, NULL, 0), AST_EINVAL);
 
     reg = make_reg(W, 1, RPN, 2, NULL);
     int o_;

@@ -115,7 +115,7 @@ static void test_store_tiers(void **state)
     size_t moved;
     (void)state;
 
-    assert_int_equal(ast_store_open(NULL, &s), 0);
+    assert_int_equal(ast_store_open(NULL, &s, NULL, 0), 0);
     assert_int_equal(ast_store_alloc(s, AST_TIER_HOST, n, &id), 0);
     fill_random(want, n, 7);
     memcpy(ast_store_data(s, id), want, n);
@@ -170,7 +170,7 @@ static void test_device_nvme(void **state)
     ast_store_opts_init(&o);
     o.nvme_dir = dir;
     o.direct = AST_DIRECT_FALLBACK;
-    if (ast_store_open_msg(&o, &s, err, sizeof err) != 0)
+    if (ast_store_open(&o, &s, err, sizeof err) != 0)
         fail_msg("%s", err);
     for (int i = 0; i < N; i++) {
         char e[256];
@@ -215,7 +215,7 @@ static void test_uvm_detection(void **state)
            c.device, c.concurrent_managed, c.pageable_host_tables, coherent);
     assert_int_equal(coherent, c.concurrent_managed || c.pageable_host_tables);
 
-    assert_int_equal(ast_store_open(NULL, &s), 0);
+    assert_int_equal(ast_store_open(NULL, &s, NULL, 0), 0);
     rc = ast_store_alloc(s, AST_TIER_UVM, 1 << 16, &id);
     SLOT_CLEAN("ast_store_alloc(uvm)");
     if (coherent) {

@@ -35,7 +35,7 @@ static ast_runtime *make_rt(int workers, int max_failures)
     c.pin = 0;
     ast_runtime *rt = NULL;
     char err[256];
-    assert_int_equal(ast_runtime_create_msg(&c, &rt, err, sizeof err), 0);
+    assert_int_equal(ast_runtime_create(&c, &rt, err, sizeof err), 0);
     assert_non_null(rt);
     return rt;
 }
@@ -65,9 +65,14 @@ static void test_create_rejects_bad_config(void **state)
     c.max_failures = -1;
     ast_runtime *rt = (ast_runtime *)0x1;
     char err[256] = "";
-    assert_int_equal(ast_runtime_create_msg(&c, &rt, err, sizeof err), AST_EINVAL);
+    assert_int_equal(ast_runtime_create(&c, &rt, err, sizeof err), AST_EINVAL);
     assert_null(rt);
     assert_non_null(strstr(err, "max_failures"));
+    /* errbuf may be NULL; a NULL out is refused, with a message when there is a buffer */
+    assert_int_equal(ast_runtime_create(&c, &rt, NULL, 0), AST_EINVAL);
+    assert_int_equal(ast_runtime_create(NULL, NULL, NULL, 0), AST_EINVAL);
+    assert_int_equal(ast_runtime_create(NULL, NULL, err, sizeof err), AST_EINVAL);
+    assert_non_null(strstr(err, "out is NULL"));
 }
 
 static void test_eigh_job_end_to_end(void **state)
@@ -120,7 +125,7 @@ static void test_eigh_job_end_to_end(void **state)
     assert_int_equal(st.jobs_done, 1);
     assert_int_equal(st.jobs_failed, 0);
     assert_int_equal(st.workers, 1);
-    ast_runtime_destroy(rt);
+    ast_runtime_destroy(rt, NULL, 0);
     free(f);
     free(q);
     free(w);
@@ -144,7 +149,7 @@ static void test_unregistered_pointer_is_erange(void **state)
     assert_int_equal(ast_runtime_submit(rt, &r, &t), AST_ERANGE);
     r.op = (ast_op)99;
     assert_int_equal(ast_runtime_submit(rt, &r, &t), AST_EINVAL);
-    ast_runtime_destroy(rt);
+    ast_runtime_destroy(rt, NULL, 0);
 }
 
 static void test_repeated_failure_surfaces(void **state)
@@ -185,7 +190,7 @@ static void test_repeated_failure_surfaces(void **state)
     ast_runtime_stats_get(rt, &st);
     assert_int_equal(st.jobs_failed, 2);
     assert_int_equal(st.jobs_done, 3);
-    ast_runtime_destroy(rt);
+    ast_runtime_destroy(rt, NULL, 0);
 }
 
 static void test_install_and_nonfinite_stats(void **state)
@@ -202,7 +207,7 @@ static void test_install_and_nonfinite_stats(void **state)
     assert_int_equal(st.max_install_lag, 5);
     assert_int_equal(st.last_installed_version_step, 31);
     assert_int_equal(st.nonfinite_skipped, 1);
-    ast_runtime_destroy(rt);
+    ast_runtime_destroy(rt, NULL, 0);
 }
 
 static void test_destroy_with_pending_jobs(void **state)
@@ -222,7 +227,7 @@ static void test_destroy_with_pending_jobs(void **state)
                          .deadline = i};
         assert_int_equal(ast_runtime_submit(rt, &r, &t), 0);
     }
-    ast_runtime_destroy(rt); /* must not leak job contexts (ASan build checks) nor hang */
+    ast_runtime_destroy(rt, NULL, 0); /* must not leak job contexts (ASan build checks) nor hang */
     free(f);
     free(q);
 }
@@ -296,7 +301,7 @@ static void test_soap_rotate_submit_validation(void **state)
     ast_stats st;
     assert_int_equal(ast_runtime_stats_get(rt, &st), 0);
     assert_int_equal(st.jobs_submitted, 0);
-    ast_runtime_destroy(rt);
+    ast_runtime_destroy(rt, NULL, 0);
 }
 
 /* ---- gram_ema -------------------------------------------------------------------------------- */
@@ -361,7 +366,7 @@ static void test_gram_ema_submit_validation(void **state)
     ast_stats st;
     assert_int_equal(ast_runtime_stats_get(rt, &st), 0);
     assert_int_equal(st.jobs_submitted, 0);
-    ast_runtime_destroy(rt);
+    ast_runtime_destroy(rt, NULL, 0);
 }
 
 /* Rectangular, batched, both factors, through the pool, in place; then L alone; then a NaN in
@@ -438,7 +443,7 @@ static void test_gram_ema_job(void **state)
     assert_int_equal(res.failed_index, 1);
     assert_memory_equal(l, l0, sizeof(double) * B * nl);
     assert_memory_equal(r, r0, sizeof(double) * B * nr);
-    ast_runtime_destroy(rt);
+    ast_runtime_destroy(rt, NULL, 0);
     free(g);
     free(l);
     free(r);
@@ -538,7 +543,7 @@ static void test_submit_messages_from_the_op_table(void **state)
     assert_int_equal(ast_runtime_wait(rt, t, -1, &res), 0);
     assert_int_equal(res.status, 0);
     assert_true(w[0] >= w[3]);
-    ast_runtime_destroy(rt);
+    ast_runtime_destroy(rt, NULL, 0);
 }
 
 /* Rectangular, batched, both pairs, through the pool; then the left pair alone. */
@@ -603,7 +608,7 @@ static void test_soap_rotate_job(void **state)
     assert_int_equal(res.status, AST_ENONFINITE);
     assert_int_equal(res.failed_index, 1);
     assert_memory_equal(ref, out + nx, sizeof ref);
-    ast_runtime_destroy(rt);
+    ast_runtime_destroy(rt, NULL, 0);
     free(x);
     free(ap);
     free(bp);
@@ -674,7 +679,7 @@ static ast_runtime *make_traced_rt(int workers, const char *path)
     snprintf(c.trace, sizeof c.trace, "%s", path);
     ast_runtime *rt = NULL;
     char err[256];
-    assert_int_equal(ast_runtime_create_msg(&c, &rt, err, sizeof err), 0);
+    assert_int_equal(ast_runtime_create(&c, &rt, err, sizeof err), 0);
     assert_true(ast_runtime_tracing(rt));
     return rt;
 }
@@ -726,7 +731,7 @@ static void test_trace_job_order_and_caller_events(void **state)
     assert_int_equal(ast_runtime_trace_event(rt, &sync), 0);
 
     char err[512] = "x";
-    assert_int_equal(ast_runtime_destroy_msg(rt, err, sizeof err), 0);
+    assert_int_equal(ast_runtime_destroy(rt, err, sizeof err), 0);
     assert_string_equal(err, "");
     free(f);
     free(q);
@@ -776,7 +781,7 @@ static void test_trace_uncollected_and_write_errors(void **state)
     snprintf(c.trace, sizeof c.trace, "%s", bad);
     ast_runtime *rt = NULL;
     char cerr[1400] = "";
-    assert_int_equal(ast_runtime_create_msg(&c, &rt, cerr, sizeof cerr), AST_EINVAL);
+    assert_int_equal(ast_runtime_create(&c, &rt, cerr, sizeof cerr), AST_EINVAL);
     assert_non_null(strstr(cerr, "'trace'"));
     rmdir(baddir);
     assert_int_equal(mkdir(baddir, 0700), 0);
@@ -806,7 +811,7 @@ static void test_trace_uncollected_and_write_errors(void **state)
         usleep(1000);
     }
     char err[1400] = "";
-    assert_int_equal(ast_runtime_destroy_msg(rt, err, sizeof err), AST_ENOENT);
+    assert_int_equal(ast_runtime_destroy(rt, err, sizeof err), AST_ENOENT);
     assert_non_null(strstr(err, bad));
     struct stat sb;
     assert_int_not_equal(stat(bad, &sb), 0);
@@ -822,7 +827,7 @@ static void test_trace_uncollected_and_write_errors(void **state)
             break;
         usleep(1000);
     }
-    ast_runtime_destroy(rt);
+    ast_runtime_destroy(rt, NULL, 0);
     char *doc = slurp(path);
     assert_non_null(doc);
     double tq = event_ts(doc, "job queued", "\"block\":5,", NULL);
@@ -837,7 +842,7 @@ static void test_trace_uncollected_and_write_errors(void **state)
     ast_trace_ev ev = {.kind = AST_TRACE_COPY_ISSUED, .lane = AST_TRACE_LANE_SHADOW};
     assert_int_equal(ast_runtime_trace_event(rt, &ev), 0);
     assert_int_equal(ast_runtime_trace_write(rt, path), AST_ESTATE);
-    assert_int_equal(ast_runtime_destroy_msg(rt, err, sizeof err), 0);
+    assert_int_equal(ast_runtime_destroy(rt, err, sizeof err), 0);
 }
 
 /* What the check callback of test_wait_check saw. */
@@ -876,7 +881,7 @@ static void test_wait_check(void **state)
     c.pin = 0;
     ast_runtime *rt = NULL;
     char err[256];
-    assert_int_equal(ast_runtime_create_msg(&c, &rt, err, sizeof err), 0);
+    assert_int_equal(ast_runtime_create(&c, &rt, err, sizeof err), 0);
     assert_int_equal(ast__runtime_set_job_delay(rt, 600), 0);
     const int n = 16;
     double *f = malloc(sizeof(double) * n * n), *q = calloc((size_t)n * n, sizeof(double));
@@ -927,7 +932,7 @@ static void test_wait_check(void **state)
     assert_int_equal(st.barrier_waits, 3);
     assert_int_equal(st.jobs_done, 1);
     assert_int_equal(st.bytes_registered, 0);
-    ast_runtime_destroy(rt);
+    ast_runtime_destroy(rt, NULL, 0);
     free(f);
     free(q);
 }

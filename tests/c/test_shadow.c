@@ -27,7 +27,7 @@ static ast_shadow *make(size_t snapshot_bytes, size_t ring_bytes, unsigned max_s
     o.max_slots = max_slots;
     ast_shadow *sh = NULL;
     char err[512];
-    assert_int_equal(ast_shadow_create_msg(&o, &sh, err, sizeof err), 0);
+    assert_int_equal(ast_shadow_create(&o, &sh, err, sizeof err), 0);
     assert_non_null(sh);
     assert_int_equal(ast_shadow_is_cuda(sh), 0);
     return sh;
@@ -339,10 +339,10 @@ static void test_bad_arguments(void **state)
     ast_shadow_opts_init(&o);
     o.ring_bytes = 0;
     ast_shadow *bad = (ast_shadow *)0x1;
-    assert_int_equal(ast_shadow_create_msg(&o, &bad, msg, sizeof msg), AST_EINVAL);
+    assert_int_equal(ast_shadow_create(&o, &bad, msg, sizeof msg), AST_EINVAL);
     assert_null(bad);
     assert_non_null(strstr(msg, "ring_bytes"));
-    assert_int_equal(ast_shadow_create(NULL, NULL), AST_EINVAL);
+    assert_int_equal(ast_shadow_create(NULL, NULL, NULL, 0), AST_EINVAL);
 
     ast_shadow *sh = make(1024, 2048, 4);
     unsigned char src[4096] = {0};
@@ -393,7 +393,7 @@ static void test_bad_arguments(void **state)
     ast_shadow_opts_init(&o);
     o.mode = AST_SHADOW_CUDA;
     o.snapshot_bytes = o.ring_bytes = 1 << 12;
-    int rc = ast_shadow_create_msg(&o, &sh, msg, sizeof msg);
+    int rc = ast_shadow_create(&o, &sh, msg, sizeof msg);
     if (rc == 0) {
         assert_int_equal(ast_shadow_is_cuda(sh), 1);
         ast_shadow_destroy(sh);
@@ -475,7 +475,7 @@ static void test_concurrent_use(void **state)
     o.max_slots = 3;
     o.trace = tr;
     ast_shadow *sh;
-    assert_int_equal(ast_shadow_create(&o, &sh), 0);
+    assert_int_equal(ast_shadow_create(&o, &sh, NULL, 0), 0);
     pthread_t th[THREADS];
     targ args[THREADS];
     for (int i = 0; i < THREADS; i++) {

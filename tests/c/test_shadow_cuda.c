@@ -37,7 +37,7 @@ static ast_shadow *make(size_t bytes)
     o.max_slots = 8;
     ast_shadow *sh = NULL;
     char err[512] = "";
-    int rc = ast_shadow_create_msg(&o, &sh, err, sizeof err);
+    int rc = ast_shadow_create(&o, &sh, err, sizeof err);
     if (rc)
         fail_msg("ast_shadow_create: %s: %s", ast_err_name(rc), err);
     assert_int_equal(ast_shadow_is_cuda(sh), 1);

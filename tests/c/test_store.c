@@ -1,7 +1,7 @@
 /*
  * test_store.c - the store: tiers, accounting, batched NVMe moves, and every NVMe fault case.
  *
- * Fault cases run for real wherever this machine allows and through nvme.h's injected faults
+ * Fault cases run for real wherever this machine allows and through testing.h's injected faults
  * always (so a machine without mount rights still covers every path):
  *   - missing directory: real.
  *   - read-only directory: chmod 0555 (real for non-root; root bypasses permissions, so it is
@@ -21,6 +21,7 @@
 #include "asteria/store.h"
 #include "cuda_mem.h"
 #include "nvme.h"
+#include "testing.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -135,7 +136,7 @@ static ast_store *open_store_f(const char *dir, ast_direct_policy direct, unsign
     o.queue_depth = qd;
     o.nvme_budget_bytes = budget;
     rc = faults ? ast__store_open_faults(&o, faults, &s, err, sizeof err)
-                : ast_store_open_msg(&o, &s, err, sizeof err);
+                : ast_store_open(&o, &s, err, sizeof err);
     if (rc)
         fail_msg("ast_store_open(%s): %s: %s", dir ? dir : "(none)", ast_err_name(rc), err);
     return s;

@@ -69,6 +69,24 @@ static void test_set_error(void **state)
     assert_int_equal(strlen(plain.text), AST__LAST_ERROR_BYTES - 1);
 }
 
+static void test_get_error(void **state)
+{
+    (void)state;
+    ast__last_error e = {0};
+    pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    char buf[8] = "junk";
+    assert_int_equal(ast__get_error(&e, &mu, buf, sizeof buf), 0);
+    assert_string_equal(buf, "");
+    ast__set_error(&e, NULL, AST_EIO, "record %d torn", 12);
+    assert_int_equal(ast__get_error(&e, NULL, buf, sizeof buf), 0);
+    assert_string_equal(buf, "record "); /* truncated to the buffer */
+    assert_int_equal(ast__get_error(&e, &mu, NULL, 8), AST_EINVAL);
+    assert_int_equal(ast__get_error(&e, &mu, buf, 0), AST_EINVAL);
+    /* the mutex was released */
+    assert_int_equal(pthread_mutex_trylock(&mu), 0);
+    pthread_mutex_unlock(&mu);
+}
+
 static void test_batch_fail(void **state)
 {
     (void)state;
@@ -174,6 +192,7 @@ int main(void)
         cmocka_unit_test(test_errorf),
         cmocka_unit_test(test_verrorf_named),
         cmocka_unit_test(test_set_error),
+        cmocka_unit_test(test_get_error),
         cmocka_unit_test(test_batch_fail),
         cmocka_unit_test(test_htable),
         cmocka_unit_test(test_mix64),

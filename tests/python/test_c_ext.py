@@ -8,7 +8,9 @@ import errno
 import gc
 import importlib
 import importlib.util
+import pathlib
 import pickle
+import re
 import sys
 import threading
 import time
@@ -222,6 +224,26 @@ def test_error_table_constants():
     assert _C.OPS == {"eigh": 1, "inv_root": 2, "newton_root": 3, "soap_qr": 4, "kl_qr": 5,
                       "soap_rotate": 6, "gram_ema": 7}
     assert (_C.AST_OP_EIGH, _C.AST_OP_KL_QR) == (1, 5)
+
+
+ERRORS_H = pathlib.Path(__file__).resolve().parents[2] / "include" / "asteria" / "errors.h"
+
+
+def test_every_error_code_is_exported_from_the_c_table():
+    """_C's AST_E* constants are exactly libasteria's error table: every entry of AST_ERRNO_MAP
+    in include/asteria/errors.h (a code added there and not exported fails here), with the name
+    and message ast_err_name / ast_strerror give it, and nothing else."""
+    header = {f"AST_{name}": (int(val), msg) for name, val, msg in re.findall(
+        r'X\((E\w+),\s*(-?\d+),\s*"([^"]*)"\)', ERRORS_H.read_text())}
+    assert len(header) >= 22, f"AST_ERRNO_MAP not found in {ERRORS_H}"
+    exported = {name: getattr(_C, name) for name in dir(_C) if name.startswith("AST_E")}
+    assert exported == {name: code for name, (code, _) in header.items()}
+    assert _C.errorcode == {code: name for name, (code, _) in header.items()}
+    for name, (code, msg) in header.items():
+        assert _C.err_name(code) == name and _C.strerror(code) == msg
+    # and C knows no code the header lacks
+    named = {_C.err_name(c) for c in range(-1, -1000, -1)} - {"AST_EUNKNOWN"}
+    assert named == set(header)
 
 
 OS_ERRNO = {"AST_ETIMEDOUT": errno.ETIMEDOUT, "AST_ENOSPC": errno.ENOSPC,

@@ -18,6 +18,7 @@ from asteria.optim import SOAP
 from asteria.refresh import cost as C
 from asteria.refresh.engine import JobTiming
 from asteria.refresh.inline_torch import TorchEngine, compute
+from job_delay import delay_jobs
 from models import loss_and_grad, make_model, params_of, require_c_extension
 
 
@@ -318,12 +319,12 @@ def test_auto_picks_s_keeps_it_through_a_checkpoint():
         opt.close()
 
 
-def test_auto_never_above_the_frequency(monkeypatch):
+def test_auto_never_above_the_frequency():
     # every job sleeps 150 ms, far more than a step of this model: S is capped at f
-    monkeypatch.setenv("ASTERIA_DEBUG_JOB_DELAY_MS", "150")
     model = make_model("mlp")
     opt = SOAP(model.parameters(), precondition_frequency=3, runtime=auto_rt())
     try:
+        delay_jobs(opt, 150)
         _train(model, opt, 9)
         assert opt.asteria_stats()["staleness_auto_chosen"] and opt._delay == 3
     finally:

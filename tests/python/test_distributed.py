@@ -51,7 +51,7 @@ def _child_env(**extra) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "")
                                                       .split(os.pathsep) if p])
     env["OMP_NUM_THREADS"] = "1"
-    for key in ("ASTERIA_RANKS_PER_NODE", "ASTERIA_COHERENCE", "ASTERIA_DEBUG_JOB_DELAY_MS"):
+    for key in ("ASTERIA_RANKS_PER_NODE", "ASTERIA_COHERENCE"):
         env.pop(key, None)
     env.update(extra)
     return env
@@ -272,31 +272,57 @@ def test_rank_death_fails_the_others_promptly(tmp_path):
 
 # ---- single-process pieces ---------------------------------------------------------------------
 
-def test_debug_job_delay_hook(monkeypatch):
-    """The slow-rank hook: the test-only _C._test_set_job_delay (not a config key) makes every
-    job sleep; ASTERIA_DEBUG_JOB_DELAY_MS sets it for the runtimes an optimizer creates."""
+def test_debug_job_delay_hook():
+    """The slow-rank hook: the test-only job delay (tests/python/job_delay.py over
+    asteria._C_testing; not a config key, not in asteria._C, never loaded by the package)
+    makes every job sleep, on a runtime and on the runtimes of an optimizer."""
     from asteria import _C
     from asteria.refresh.host_pool import CEngine
+    from job_delay import delay_jobs, set_job_delay
 
     assert "debug_job_delay_ms" not in _C.config_keys()
     with pytest.raises(ValueError, match="debug_job_delay_ms"):
         _C.validate_config({"debug_job_delay_ms": -1})
+    assert not [name for name in dir(_C) if "delay" in name or name.startswith("_test")]
+    # a fresh process that builds an async optimizer never loads the test module
+    code = ("import sys, torch, asteria\n"
+            "opt = asteria.SOAP([torch.nn.Parameter(torch.zeros(4, 4))],\n"
+            "                   runtime={'mode': 'async', 'workers': 1})\n"
+            "opt.close()\n"
+            "print(sorted(m for m in sys.modules if m.startswith('asteria._C')))\n")
+    loaded = subprocess.run([sys.executable, "-c", code], env=_child_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.strip() == "['asteria._C']", loaded.stdout
     with _C.Runtime({"workers": 1}) as rt:
         for bad in (-1, 600001):
             with pytest.raises(ValueError, match="delay_ms") as ei:
-                _C._test_set_job_delay(rt, bad)
+                set_job_delay(rt, bad)
             assert ei.value.code == _C.AST_EINVAL
+    with pytest.raises(TypeError, match="asteria._C.Runtime"):
+        set_job_delay(object(), 10)
+    closed = _C.Runtime({"workers": 1})
+    closed.close()
+    with pytest.raises(_C.AsteriaError) as ei:
+        set_job_delay(closed, 10)
+    assert ei.value.code == _C.AST_ESHUTDOWN
     f = torch.eye(4, dtype=torch.float64).unsqueeze(0)
-    monkeypatch.setenv("ASTERIA_DEBUG_JOB_DELAY_MS", "150")
     for cfg in ({"workers": 1}, asteria.RuntimeConfig(workers=1)):
         eng = CEngine(cfg)
         try:
+            assert delay_jobs(eng, 150) == 1
             t0 = time.monotonic()
             res = eng.wait(eng.submit("eigh", f, block=1, version=1, deadline=0,
                                       snapshot_step=0))
             assert res.status == 0 and time.monotonic() - t0 >= 0.15
         finally:
             eng.close()
+    sync = asteria.SOAP([torch.nn.Parameter(torch.zeros(4, 4))], runtime={"mode": "sync"})
+    try:
+        with pytest.raises(ValueError, match="mode='async'"):
+            delay_jobs(sync, 150)
+    finally:
+        sync.close()
 
 
 def test_replicas_without_a_process_group():

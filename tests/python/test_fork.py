@@ -7,9 +7,8 @@ and a child gets working state:
  (c) a child that ends through normal interpreter shutdown (``sys.exit``: atexit runs the
      optimizer's finalizer in the child) or is a multiprocessing "fork" Process, in a separate
      interpreter so that the shutdown is a real one;
- (d) a child forked while a REFRESH job is in flight (kept slow by the test hook
-     ASTERIA_DEBUG_JOB_DELAY_MS): the child runs the job again and follows the parent's
-     trajectory bitwise;
+ (d) a child forked while a REFRESH job is in flight (kept slow by the test-only job delay,
+     job_delay.py): the child runs the job again and follows the parent's trajectory bitwise;
  (e) a child forked while another thread waits in Runtime.wait closes the runtime without
      waiting for that thread (which it does not have).
 In every case the parent's parameters equal a run with no fork, bitwise, and after close no
@@ -28,7 +27,7 @@ import torch
 
 import asteria
 from asteria import SOAP, Shampoo
-from asteria.refresh.host_pool import DEBUG_DELAY_ENV
+from job_delay import delay_jobs, set_job_delay
 from models import loss_and_grad, make_model, params_of, require_c_extension
 
 STEPS = 10
@@ -266,18 +265,18 @@ def test_child_ends_by_interpreter_shutdown(tmp_path, name, nvme, how):
 
 @pytest.mark.parametrize("nvme", NVME)
 @pytest.mark.parametrize("name", list(MAKERS))
-def test_fork_with_a_refresh_in_flight(tmp_path, monkeypatch, name, nvme):
+def test_fork_with_a_refresh_in_flight(tmp_path, name, nvme):
     """(d) Forked right after the first step that leaves a refresh in flight (every job sleeps
     400 ms on its worker first, so it is certainly queued or running at the fork): the child
     runs it again and installs the same result at the same step, so the child's steps after
     the fork are the parent's bitwise (and the no-fork run's), and no job failed in either."""
     ref = reference(name)
-    monkeypatch.setenv(DEBUG_DELAY_ENV, "400")
     nvme_dir = tmp_path / "nvme" if nvme else None
     if nvme:
         nvme_dir.mkdir()
     model = make_model("mlp")
     opt = MAKERS[name](model.parameters(), runtime(nvme_dir))
+    delay_jobs(opt, 400)
     fork_at = 0
     for t in range(1, STEPS - 2):  # up to the first step that leaves a refresh in flight
         train(opt, model, t, t)
@@ -317,7 +316,7 @@ def test_child_closes_a_runtime_another_thread_was_waiting_on():
     from asteria import _C
 
     rt = _C.Runtime({"workers": 1})
-    _C._test_set_job_delay(rt, 1500)
+    set_job_delay(rt, 1500)
     n = 16
     g = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=g, dtype=torch.float64)

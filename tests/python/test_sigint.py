@@ -3,7 +3,7 @@
 Real SIGINT (os.kill from a timer thread), real worker pool. Runtime.wait wakes every 100 ms,
 takes the GIL and runs the signal handlers, so:
  - KeyboardInterrupt arrives within about 0.3 s of the signal, during a long eigendecomposition
-   (a real one, and one kept slow by the test-only job delay, _C._test_set_job_delay);
+   (a real one, and one kept slow by the test-only job delay, job_delay.py);
  - the interrupted wait leaves the job pending: waiting again returns its result, bitwise the
    result of an uninterrupted run, and afterwards no job, buffer registration or snapshot is
    left behind;
@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from asteria import SOAP
-from asteria.refresh.host_pool import DEBUG_DELAY_ENV, CEngine
+from asteria.refresh.host_pool import CEngine
+from job_delay import delay_jobs, set_job_delay
 from models import loss_and_grad, make_model, params_of, require_c_extension
 
 DELAY_MS = 1500
@@ -84,11 +85,9 @@ def interrupted_wait(eng, ticket, sent_at):
 
 def slow_engine(delay_ms: int) -> CEngine:
     """A one-worker engine whose jobs sleep delay_ms first (the test-only job delay)."""
-    from asteria import _C
-
     eng = CEngine({"workers": 1})
     if delay_ms:
-        _C._test_set_job_delay(eng.runtime, delay_ms)
+        set_job_delay(eng.runtime, delay_ms)
     return eng
 
 
@@ -180,7 +179,7 @@ def test_runtime_wait_interrupted_keeps_the_ticket(sigint):
     from asteria import _C
 
     rt = _C.Runtime({"workers": 1})
-    _C._test_set_job_delay(rt, 1000)
+    set_job_delay(rt, 1000)
     try:
         n = 16
         f = spd(n)[0].contiguous()
@@ -215,16 +214,18 @@ WAITING_STEPS = (5, 8)
 
 
 def soap(params):
-    return SOAP(params, precondition_frequency=3, runtime={
+    """SOAP whose every job sleeps 0.7 s (the test-only job delay)."""
+    opt = SOAP(params, precondition_frequency=3, runtime={
         "mode": "async", "staleness": 1, "install": "deterministic", "workers": 1})
+    delay_jobs(opt, 700)
+    return opt
 
 
-def test_optimizer_step_interrupted_at_the_barrier(sigint, monkeypatch):
+def test_optimizer_step_interrupted_at_the_barrier(sigint):
     """SOAP, async, every job slow: the steps that wait at the bounded barrier are interrupted
     by Ctrl-C, the KeyboardInterrupt is caught and training goes on with the next batch (a
     notebook's cell run again); the pending refresh is installed at the next step, so the
     parameters equal an uninterrupted run's, bitwise, and nothing leaks."""
-    monkeypatch.setenv(DEBUG_DELAY_ENV, "700")
     ref_model = make_model("mlp")
     ref = soap(ref_model.parameters())
     try:

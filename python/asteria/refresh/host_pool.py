@@ -36,7 +36,6 @@ the pool starts only once an event has passed, which libasteria's runtime does n
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from typing import Any, Mapping, Optional
 
@@ -48,10 +47,6 @@ from asteria.refresh.engine import Engine, JobTiming, Result
 from asteria.refresh.ops import WITH_BASIS, check_op, output_spec
 
 _C_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
-#: test hook, read at runtime creation: every job of the runtime sleeps this many milliseconds
-#: on its worker (a slow rank in a distributed test); set through the test-only
-#: ``_C._test_set_job_delay``
-DEBUG_DELAY_ENV = "ASTERIA_DEBUG_JOB_DELAY_MS"
 
 
 def c_config(cfg: Any) -> Any:
@@ -142,9 +137,6 @@ class CEngine(Engine):
         self._closed = True  # until the runtime exists, so __del__ has nothing to do
         self._shadow = None
         self._rt = _C.Runtime(c_config(cfg))
-        delay = os.environ.get(DEBUG_DELAY_ENV)
-        if delay:
-            _C._test_set_job_delay(self._rt, int(delay))
         self._tracing = bool(getattr(self._rt, "tracing", False))
         self._jobs: dict[int, _Job] = {}
         self._final_stats: Optional[dict[str, Any]] = None

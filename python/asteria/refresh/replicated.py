@@ -47,12 +47,13 @@ ENV_RANKS_PER_NODE = "ASTERIA_RANKS_PER_NODE"
 ENV_TIMEOUT = "ASTERIA_COHERENCE_TIMEOUT_S"
 ENV_TOPOLOGY = "ASTERIA_COHERENCE"
 
+from asteria import _C
 from asteria.distributed import (_ALIGN, ENV_TOPOLOGY, Topology, _dist, _initialized, _Link,
                                  make_topology, replicas)
 from asteria.refresh.engine import Engine, Result
 from asteria.refresh.ops import check_op, output_spec
 
-AST_EFAILED = -18
+AST_EFAILED = _C.AST_EFAILED
 _ID_BITS = 20           # coherence block id = (engine block key << _ID_BITS) | batch index
 _LEVELS = ("intra_node", "inter_node", "flat", "flat_inter_node")
 

@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common as C  # noqa: E402
+from job_delay import delay_jobs  # noqa: E402
 
 import asteria  # noqa: E402
 from asteria import distributed as AD  # noqa: E402
@@ -122,8 +124,10 @@ def check_fsdp_async_repro():
 
 # ---- DDP / HSDP --------------------------------------------------------------------------------
 
-def ddp_run(name, steps, runtime, f, sleep=0.0, step_times=None, hierarchical=None):
-    """DDP over the 4 ranks; returns (model, opt) after ``steps`` steps (opt not closed)."""
+def ddp_run(name, steps, runtime, f, sleep=0.0, step_times=None, hierarchical=None,
+            job_delay_ms=0):
+    """DDP over the 4 ranks; returns (model, opt) after ``steps`` steps (opt not closed).
+    ``job_delay_ms``: every REFRESH job of this rank sleeps that long first (job_delay.py)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = C.make_model()
@@ -134,6 +138,8 @@ def ddp_run(name, steps, runtime, f, sleep=0.0, step_times=None, hierarchical=No
         opt = make_opt(name, ddp.parameters(), runtime, block_size=8, precondition_frequency=f)
     finally:
         os.environ.pop(AD.ENV_TOPOLOGY, None)
+    if job_delay_ms:
+        delay_jobs(opt, job_delay_ms)
     for t in range(1, steps + 1):
         x, y = C.local_batch(t, rank(), world())
         t0 = time.perf_counter()
@@ -234,14 +240,9 @@ def check_slow_rank():
     """Rank 2's workers sleep 150 ms in every job. Everyone else is held only at the bounded
     barrier of install steps, nothing hangs, and replicas stay equal."""
     delay_ms, S, f, steps = 150, 2, 2, 10
-    if rank() == 2:
-        os.environ["ASTERIA_DEBUG_JOB_DELAY_MS"] = str(delay_ms)
     times: list = []
-    try:
-        model, opt = ddp_run("soap", steps, {"mode": "async", "staleness": S, "workers": 1}, f=f,
-                             step_times=times)
-    finally:
-        os.environ.pop("ASTERIA_DEBUG_JOB_DELAY_MS", None)
+    model, opt = ddp_run("soap", steps, {"mode": "async", "staleness": S, "workers": 1}, f=f,
+                         step_times=times, job_delay_ms=delay_ms if rank() == 2 else 0)
     vec = C.flat_state(model, opt)
     opt.close()
     res = summary(opt)

@@ -1,0 +1,72 @@
+"""The test-only job delay: every job submitted to a runtime afterwards sleeps that long on its
+worker before computing (a slow rank, a job kept in flight across a fork or a signal).
+
+libasteria's ``ast__runtime_set_job_delay`` (src/testing.h) is bound in ``asteria._C_testing``,
+a module whose init function lives in asteria._C's own shared object and which the package
+never imports. It is loaded here from that file, so the tests drive the one libasteria of the
+package under test (the installed wheel, or the source tree's build).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import sys
+from typing import Any
+
+from asteria import _C
+
+MODULE = "asteria._C_testing"
+
+
+def testing_module():
+    """asteria._C_testing, loaded once per process from asteria._C's file."""
+    mod = sys.modules.get(MODULE)
+    if mod is None:
+        loader = importlib.machinery.ExtensionFileLoader(MODULE, _C.__file__)
+        spec = importlib.util.spec_from_file_location(MODULE, _C.__file__, loader=loader)
+        mod = importlib.util.module_from_spec(spec)
+        loader.exec_module(mod)
+        sys.modules[MODULE] = mod
+    return mod
+
+
+def set_job_delay(runtime: Any, delay_ms: int) -> None:
+    """Every job submitted to ``runtime`` (an ``asteria._C.Runtime``) afterwards sleeps
+    ``delay_ms`` (0..600000) first; ValueError outside that range, TypeError for another
+    object."""
+    testing_module().set_job_delay(runtime, delay_ms)
+
+
+def runtimes_of(obj: Any) -> list:
+    """Every ``asteria._C.Runtime`` reachable from ``obj`` (an optimizer, an engine) through the
+    attributes of asteria's objects and the containers they hold: the optimizer's engine may be
+    wrapped (split, replicated), and the walk does not depend on how."""
+    found, seen, todo = [], set(), [obj]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, _C.Runtime):
+            found.append(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            todo.extend(x)
+        elif type(x).__module__.startswith("asteria.") and hasattr(x, "__dict__"):
+            todo.extend(vars(x).values())
+    return found
+
+
+def delay_jobs(obj: Any, delay_ms: int) -> int:
+    """Applies the job delay to every runtime of ``obj`` (an optimizer right after its
+    construction, an engine); returns how many. ValueError when it has none (a sync-mode
+    optimizer runs no job on a runtime)."""
+    runtimes = runtimes_of(obj)
+    if not runtimes:
+        raise ValueError(f"no asteria._C.Runtime reachable from {type(obj).__name__}: only "
+                         "mode='async' runs jobs on libasteria's runtime")
+    for rt in runtimes:
+        set_job_delay(rt, delay_ms)
+    return len(runtimes)
