@@ -51,8 +51,7 @@ def _child_env(**extra) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "")
                                                       .split(os.pathsep) if p])
     env["OMP_NUM_THREADS"] = "1"
-    for key in ("ASTERIA_RANKS_PER_NODE", "ASTERIA_COHERENCE", "ASTERIA_DEBUG_JOB_DELAY_MS"):
-        env.pop(key, None)
+    env.pop("ASTERIA_DEBUG_JOB_DELAY_MS", None)
     env.update(extra)
     return env
 
@@ -297,6 +296,24 @@ def test_debug_job_delay_hook(monkeypatch):
             assert res.status == 0 and time.monotonic() - t0 >= 0.15
         finally:
             eng.close()
+
+
+def test_node_and_timeout_from_the_runtime_keys(monkeypatch):
+    """ranks_per_node places a rank (rank // N) before the launcher's variables; without it the
+    launcher's GROUP_RANK, then LOCAL_WORLD_SIZE; coherence_timeout_s is the groups' timeout."""
+    import datetime
+
+    from asteria import distributed as AD
+
+    monkeypatch.delenv("GROUP_RANK", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert [AD.local_node_id(r, 2) for r in range(5)] == [0, 0, 1, 1, 2]
+    assert AD.local_node_id(5) == 0
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert AD.local_node_id(5) == 1
+    monkeypatch.setenv("GROUP_RANK", "3")
+    assert AD.local_node_id(5) == 3 and AD.local_node_id(5, 1) == 5
+    assert AD._world_timeout(7.5) == datetime.timedelta(seconds=7.5)
 
 
 def test_replicas_without_a_process_group():

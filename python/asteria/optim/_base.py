@@ -246,11 +246,6 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         planner; kind is one of "factors", "moments", "roots", "eigenbases"."""
         raise NotImplementedError
 
-    def _trace_event(self, kind: str, lane: Any, name: Optional[str] = None, **args) -> None:
-        tr = getattr(self._engine, "trace", None)
-        if tr is not None:
-            tr(kind, lane, name, **args)
-
     def _asteria_name_params(self, names: dict) -> None:
         """Parameter names (from the model) for messages."""
         for p, name in names.items():

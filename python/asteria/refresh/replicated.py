@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 import queue
 import threading
 import time
@@ -41,13 +40,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 
-#: environment overrides: ranks per simulated node (node = rank // N, for launches that cannot
-#: set GROUP_RANK), the collective timeout in seconds, and "flat" to turn the hierarchy off
-ENV_RANKS_PER_NODE = "ASTERIA_RANKS_PER_NODE"
-ENV_TIMEOUT = "ASTERIA_COHERENCE_TIMEOUT_S"
-ENV_TOPOLOGY = "ASTERIA_COHERENCE"
-
-from asteria.distributed import (_ALIGN, ENV_TOPOLOGY, Topology, _dist, _initialized, _Link,
+from asteria.distributed import (_ALIGN, Topology, _dist, _initialized, _Link,
                                  make_topology, replicas)
 from asteria.refresh.engine import Engine, Result
 from asteria.refresh.ops import check_op, output_spec
@@ -646,14 +639,17 @@ class DistributedEngine(Engine):
         return received
 
 
-def wrap_engine(engine: Engine, params: Iterable[torch.Tensor],
-                hierarchical: Optional[bool] = None) -> Engine:
+def wrap_engine(engine: Engine, params: Iterable[torch.Tensor], *, hierarchical: bool = True,
+                ranks_per_node: Optional[int] = None,
+                timeout_s: Optional[float] = None) -> Engine:
     """The engine an optimizer over ``params`` uses: ``engine`` itself unless torch.distributed
     is initialised with several ranks and some rank holds replicated parameters, else a
     DistributedEngine around it (an existing DistributedEngine learns the replica sets of
     ``params``, for add_param_group). Collective over the default group: every rank builds its
     optimizer, except one whose parameters were all declared rank-local
-    (``set_replicas(params, None)``). ``hierarchical`` None: on, unless ASTERIA_COHERENCE=flat."""
+    (``set_replicas(params, None)``). ``hierarchical``, ``ranks_per_node``, ``timeout_s``: the
+    runtime keys coherence_topology ("hier"), ranks_per_node and coherence_timeout_s, for a new
+    DistributedEngine (``asteria.distributed.make_topology``)."""
     params = list(params)
     if not _initialized() or _dist().get_world_size() == 1:
         return engine
@@ -669,6 +665,5 @@ def wrap_engine(engine: Engine, params: Iterable[torch.Tensor],
         return engine
     if not every:
         return engine
-    if hierarchical is None:
-        hierarchical = os.environ.get(ENV_TOPOLOGY, "hier") != "flat"
-    return DistributedEngine(engine, make_topology(), every, hierarchical=hierarchical)
+    return DistributedEngine(engine, make_topology(ranks_per_node, timeout_s), every,
+                             hierarchical=hierarchical)

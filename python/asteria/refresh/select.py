@@ -8,14 +8,14 @@ Which executor:
    size, dtype), each on one worker).
  - ``mode="async"``, parameters on a CUDA device: ``SplitEngine`` over the C pool and a
    ``DeviceEngine`` on that device (every round divided among the host workers and the device
-   by the cost model). ``ASTERIA_REFRESH_DEVICE=0`` in the environment leaves the device out
-   (the split among host workers stays): how a run measures host-only against hybrid.
- - wrapped by ``DistributedEngine`` when some parameters are replicated over ranks.
+   by the cost model). The runtime key ``refresh_device=False`` leaves the device out (the
+   split among host workers stays): how a run measures host-only against hybrid.
+ - wrapped by ``DistributedEngine`` when some parameters are replicated over ranks, with the
+   config's coherence_topology, ranks_per_node and coherence_timeout_s.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Iterable, Optional
 
 import torch
@@ -48,18 +48,15 @@ def make_engine(cfg: Any, plan: Optional[Any] = None,
             from asteria.refresh.split import SplitEngine
 
             device = None
-            if os.environ.get(DEVICE_ENV, "1") != "0":
+            if cfg.refresh_device:
                 from asteria.refresh.device import DeviceEngine
 
                 device = DeviceEngine(cuda)
             engine = SplitEngine(engine, device)
     from asteria.refresh.replicated import wrap_engine
 
-    return wrap_engine(engine, list(params))
-
-
-#: "0" leaves the device executor out of an async run on CUDA (host-only rounds, still split)
-DEVICE_ENV = "ASTERIA_REFRESH_DEVICE"
+    return wrap_engine(engine, list(params), hierarchical=cfg.coherence_topology == "hier",
+                       ranks_per_node=cfg.ranks_per_node, timeout_s=cfg.coherence_timeout_s)
 
 
 def device_for(params: Iterable[torch.Tensor]) -> Optional[torch.device]:

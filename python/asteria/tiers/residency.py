@@ -251,9 +251,6 @@ class Residency:
     def keys(self) -> list:
         return list(self._blocks)
 
-    def tier_of(self, key) -> str:
-        return self.store.tier(self._blocks[key].sid)
-
     def dtype_of(self, key) -> torch.dtype:
         """The block's own dtype (``borrow``'s views are in the stored one)."""
         return self._blocks[key].dtype

@@ -129,11 +129,8 @@ def ddp_run(name, steps, runtime, f, sleep=0.0, step_times=None, hierarchical=No
     model = C.make_model()
     ddp = DDP(model)
     if hierarchical is not None:
-        os.environ[AD.ENV_TOPOLOGY] = "hier" if hierarchical else "flat"
-    try:
-        opt = make_opt(name, ddp.parameters(), runtime, block_size=8, precondition_frequency=f)
-    finally:
-        os.environ.pop(AD.ENV_TOPOLOGY, None)
+        runtime = dict(runtime, coherence_topology="hier" if hierarchical else "flat")
+    opt = make_opt(name, ddp.parameters(), runtime, block_size=8, precondition_frequency=f)
     for t in range(1, steps + 1):
         x, y = C.local_batch(t, rank(), world())
         t0 = time.perf_counter()
