@@ -5,7 +5,7 @@ Owns: the job's ``Topology`` (the node of every rank, a run id, the collective t
 ``_Link`` per replica set (its process groups: ``ctrl`` for the version exchange, ``node`` for
 the node barriers, ``reps`` for the broadcast among node representatives) with its host staging
 buffers (a file in /dev/shm shared by the replicas of one node, else private memory). The
-executor that uses them, ``DistributedEngine``, is in ``asteria.refresh.replicated``
+executor that uses them, ``ReplicatedEngine``, is in ``asteria.refresh.replicated``
 (DESIGN.md "Distributed", docs/coherence.md for the protocol, docs/distributed.md for this
 layer). May call: torch, torch.distributed (gloo process groups only).
 Threads: the links are made on the training thread; their groups and staging buffers are then

@@ -17,7 +17,7 @@ from asteria import RuntimeConfig
 from asteria.optim import SOAP
 from asteria.refresh import cost as C
 from asteria.refresh.engine import JobTiming
-from asteria.refresh.inline_torch import TorchEngine, compute
+from asteria.refresh.inline_torch import InlineTorchEngine, compute
 from models import loss_and_grad, make_model, params_of, require_c_extension
 
 
@@ -151,10 +151,10 @@ def _check_split_results(eng, op="soap_qr", n=24, batch=10, rounds=3):
 
 
 def test_split_host_pool_and_inline_torch():
-    from asteria.refresh.host_pool import CEngine
+    from asteria.refresh.host_pool import HostPoolEngine
     from asteria.refresh.split import SplitEngine
 
-    eng = SplitEngine(CEngine({"workers": 2}), TorchEngine())
+    eng = SplitEngine(HostPoolEngine({"workers": 2}), InlineTorchEngine())
     seen = []
     eng.observer = seen.append
     try:
@@ -173,14 +173,14 @@ def test_split_host_pool_and_inline_torch():
 
 
 def test_split_follows_the_measured_rates():
-    from asteria.refresh.host_pool import CEngine
+    from asteria.refresh.host_pool import HostPoolEngine
     from asteria.refresh.split import SplitEngine
 
     spec = C.JobSpec("soap_qr", torch.float32, 64, 12)
     model = C.CostModel()
     model.add("host", "soap_qr", torch.float32, 64, 1.0)
     model.add("device", "soap_qr", torch.float32, 64, 0.25)
-    eng = SplitEngine(CEngine({"workers": 2}), TorchEngine(), model)
+    eng = SplitEngine(HostPoolEngine({"workers": 2}), InlineTorchEngine(), model)
     try:
         assert eng.plan(spec) == [("device", 8), ("host", 2), ("host", 2)]
         # what is queued counts: the next job of the same size goes mostly elsewhere
@@ -191,7 +191,7 @@ def test_split_follows_the_measured_rates():
     finally:
         eng.close()
     # host only: the batch is divided among the workers
-    eng = SplitEngine(CEngine({"workers": 2}), None, C.CostModel({"host": 1.0}))
+    eng = SplitEngine(HostPoolEngine({"workers": 2}), None, C.CostModel({"host": 1.0}))
     try:
         assert eng.plan(C.JobSpec("eigh", torch.float32, 32, 5)) == [("host", 3), ("host", 2)]
         _check_split_results(eng, op="kl_qr")
@@ -200,10 +200,11 @@ def test_split_follows_the_measured_rates():
 
 
 def test_split_failure_and_cancel():
-    from asteria.refresh.host_pool import CEngine
+    from asteria.refresh.host_pool import HostPoolEngine
     from asteria.refresh.split import SplitEngine
 
-    eng = SplitEngine(CEngine({"workers": 1}), TorchEngine(), C.CostModel({"host": 1.0}))
+    eng = SplitEngine(HostPoolEngine({"workers": 1}), InlineTorchEngine(),
+                      C.CostModel({"host": 1.0}))
     try:
         f = spd(4, 8)
         f[2, 0, 0] = float("nan")  # one bad entry: the job fails, no outputs
@@ -220,7 +221,7 @@ def test_split_failure_and_cancel():
 
 def test_device_executor_thread_on_cpu():
     from asteria.refresh.device import DeviceEngine
-    from asteria.refresh.host_pool import CEngine
+    from asteria.refresh.host_pool import HostPoolEngine
     from asteria.refresh.split import SplitEngine
 
     dev = DeviceEngine("cpu")
@@ -238,7 +239,7 @@ def test_device_executor_thread_on_cpu():
         assert out.status == 0 and out.outputs[0].device.type == "cpu"
     finally:
         dev.close()
-    eng = SplitEngine(CEngine({"workers": 2}), DeviceEngine("cpu"))
+    eng = SplitEngine(HostPoolEngine({"workers": 2}), DeviceEngine("cpu"))
     try:
         _check_split_results(eng)
     finally:

@@ -135,9 +135,9 @@ def test_c_gets_only_its_keys_once(monkeypatch):
     assert len(calls) == 1 and set(calls[0]) <= set(_C.config_keys())
     assert calls[0] == {"workers": 1, "pin": False, "max_failures": 3}
     assert RuntimeConfig.from_user(cfg) is cfg and len(calls) == 1
-    from asteria.refresh.host_pool import CEngine
+    from asteria.refresh.host_pool import HostPoolEngine
 
-    e = CEngine(cfg)
+    e = HostPoolEngine(cfg)
     try:
         assert len(calls) == 1 and e.runtime.config == cfg.c_config.as_dict()
     finally:

@@ -275,7 +275,7 @@ def test_debug_job_delay_hook(monkeypatch):
     """The slow-rank hook: the test-only _C._test_set_job_delay (not a config key) makes every
     job sleep; ASTERIA_DEBUG_JOB_DELAY_MS sets it for the runtimes an optimizer creates."""
     from asteria import _C
-    from asteria.refresh.host_pool import CEngine
+    from asteria.refresh.host_pool import HostPoolEngine
 
     assert "debug_job_delay_ms" not in _C.config_keys()
     with pytest.raises(ValueError, match="debug_job_delay_ms"):
@@ -288,7 +288,7 @@ def test_debug_job_delay_hook(monkeypatch):
     f = torch.eye(4, dtype=torch.float64).unsqueeze(0)
     monkeypatch.setenv("ASTERIA_DEBUG_JOB_DELAY_MS", "150")
     for cfg in ({"workers": 1}, asteria.RuntimeConfig(workers=1)):
-        eng = CEngine(cfg)
+        eng = HostPoolEngine(cfg)
         try:
             t0 = time.monotonic()
             res = eng.wait(eng.submit("eigh", f, block=1, version=1, deadline=0,
@@ -320,7 +320,7 @@ def test_replicas_without_a_process_group():
     """Outside an initialised multi-rank job nothing is replicated and engines are not wrapped;
     set_replicas declares a replica set by hand (sorted) or marks parameters rank-local."""
     from asteria import distributed as AD
-    from asteria.refresh.inline_torch import TorchEngine
+    from asteria.refresh.inline_torch import InlineTorchEngine
     from asteria.refresh.ops import output_spec
     from asteria.refresh.replicated import wrap_engine
 
@@ -330,7 +330,7 @@ def test_replicas_without_a_process_group():
     assert AD.replicas(p) == (1, 3)
     AD.set_replicas([p], None)
     assert AD.replicas(p) is None
-    eng = TorchEngine()
+    eng = InlineTorchEngine()
     assert wrap_engine(eng, [p]) is eng
     assert output_spec("soap_qr", 5, torch.float32) == [((5, 5), torch.float32),
                                                           ((5,), torch.int64)]

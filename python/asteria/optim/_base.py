@@ -25,7 +25,7 @@ the optimizer works on their local shards (``local``), blocked as usual; with th
 ``fsdp_blocking="global"`` they are blocked whole instead, one owner rank per block
 (``_global``: the hooks here gather the owned blocks before the kernels and scatter the new
 rows after them, and agree across ranks on what skips or restarts a parameter). When some parameters are
-replicated across ranks (DDP, HSDP), the engine is a ``DistributedEngine``
+replicated across ranks (DDP, HSDP), the engine is a ``ReplicatedEngine``
 (``asteria.refresh.replicated``) around the usual one:
 jobs are batched per replica set and carry it (``replicas=``), each block is computed by its
 owner only, and ``step_end`` hands finished results to the synchronisation every step.
@@ -256,8 +256,7 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         """Collect finished REFRESH jobs (never blocks). Returns how many were collected."""
         if self._closed:
             return 0
-        drain = getattr(self._engine, "drain", None)
-        return drain() if drain is not None else 0
+        return self._engine.drain()
 
     def add_param_group(self, param_group: dict) -> None:
         params = param_group["params"]

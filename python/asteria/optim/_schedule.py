@@ -256,9 +256,7 @@ class ScheduleMixin:
         return zero.expand(shape)
 
     def _step_end(self, due: list) -> None:
-        step_end = getattr(self._engine, "step_end", None)
-        if step_end is not None:  # DistributedEngine: hand finished owner results to the sync
-            step_end(self._t)
+        self._engine.step_end(self._t)  # ReplicatedEngine: finished owner results to the sync
         # what is left of this step end, should a wait in it be interrupted (Ctrl-C at the
         # bounded barrier): the next step(), state_dict() or close() finishes it first, so a
         # caught KeyboardInterrupt leaves the run on the trajectory of an uninterrupted one
@@ -443,4 +441,4 @@ class ScheduleMixin:
     def _local_c_engine(self) -> bool:
         """May jobs be given inputs made for them, and inputs as parts (an executor that reads
         them in place: libasteria's pool, not a distributed wrapper)?"""
-        return getattr(self._engine, "takes_parts", False)
+        return self._engine.takes_parts

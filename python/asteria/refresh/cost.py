@@ -57,7 +57,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from asteria.refresh.engine import JobTiming
+from asteria.refresh.engine import JobTiming, Lane
 from asteria.refresh.ops import NEWTON_NOMINAL_ITERS, OPS, WITH_BASIS  # noqa: F401
 
 SAMPLES = 9                  # per measured size: the last SAMPLES (see _typical)
@@ -215,7 +215,7 @@ class CostModel:
             return statistics.median(rates), "the lane's other ops"
         if lane in self.base_gflops:
             return self.base_gflops[lane] * 1e9, self.base_source or "base rate"
-        if lane == "device":
+        if lane == Lane.DEVICE:
             return DEVICE_PRIOR_GFLOPS * 1e9, "device prior (not measured yet)"
         return ASSUMED_GFLOPS * 1e9, "assumed (nothing measured)"
 
@@ -246,7 +246,7 @@ class CostModel:
 
 # ---- rounds on lanes ---------------------------------------------------------------------------
 
-def makespan(model: CostModel, jobs: Sequence[JobSpec], workers: int, lane: str = "host",
+def makespan(model: CostModel, jobs: Sequence[JobSpec], workers: int, lane: Lane = Lane.HOST,
              free_at: Optional[Sequence[float]] = None) -> float:
     """Seconds from a round's first submit until the last of ``jobs`` is done when each runs
     whole on one of ``workers`` (libasteria's pool: a batched job is one unit; jobs of one
@@ -299,11 +299,11 @@ def predict_round(model: CostModel, jobs: Sequence[JobSpec], lanes: dict,
                   splits: bool) -> float:
     """A round's seconds on an executor with these lanes: inline (serial, on the caller's
     thread), whole jobs on the host pool, or divided among host workers and a device."""
-    if "inline" in lanes:  # on the caller's thread: nothing to dispatch
-        return sum(model.job_seconds("inline", j) for j in jobs)
+    if Lane.INLINE in lanes:  # on the caller's thread: nothing to dispatch
+        return sum(model.job_seconds(Lane.INLINE, j) for j in jobs)
     if splits:
         return split_makespan(model, jobs, lanes)
-    return makespan(model, jobs, lanes.get("host", 1))
+    return makespan(model, jobs, lanes.get(Lane.HOST, 1))
 
 
 def smallest_workers(model: CostModel, jobs: Sequence[JobSpec], window_s: float,
@@ -316,7 +316,7 @@ def smallest_workers(model: CostModel, jobs: Sequence[JobSpec], window_s: float,
         return None
 
     def fits(w: int) -> bool:
-        lanes = {"host": w, **({"device": device} if device else {})}
+        lanes = {Lane.HOST: w, **({Lane.DEVICE: device} if device else {})}
         return predict_round(model, jobs, lanes, splits) <= window_s
 
     if not fits(limit):
@@ -374,7 +374,7 @@ class Capacity:
 
     def __init__(self, engine: Any, model: Optional[CostModel] = None) -> None:
         # an executor that divides jobs by a model of its own shares it (and feeds it)
-        shared = getattr(engine, "model", None)
+        shared = engine.model
         self._own_model = model is None and shared is None
         self.model = model or shared or CostModel()
         self._engine = engine
@@ -427,7 +427,7 @@ class Capacity:
             for k in rec.jobs:
                 self._by_ticket.pop(k, None)
             first = rec.jobs[min(rec.jobs)]
-            if rec.started_ns and t.lane != "inline":
+            if rec.started_ns and t.lane != Lane.INLINE:
                 self.model.observe_dispatch((rec.started_ns - rec.submit_ns) / 1e9
                                             - self.model.submit_seconds(first))
 
@@ -440,12 +440,11 @@ class Capacity:
 
     # ---- views --------------------------------------------------------------------------------
     def lanes(self) -> dict:
-        lanes = self._engine.lanes() if hasattr(self._engine, "lanes") else {}
-        return lanes or {"host": 1}
+        return self._engine.lanes() or {Lane.HOST: 1}
 
     @property
     def splits(self) -> bool:
-        return bool(getattr(self._engine, "splits_batches", False))
+        return bool(self._engine.splits_batches)
 
     def step_s(self) -> Optional[float]:
         return statistics.median(self._steps) if self._steps else None
@@ -501,7 +500,7 @@ class Capacity:
                      "step_s": step, "staleness": staleness,
                      "window_s": staleness * step if step else None,
                      "utilisation": self.utilisation(), "timing": self._timing}
-        if "device" in lanes:
+        if Lane.DEVICE in lanes:
             # process-wide: "high" / "medium" put the device lane's float32 matmuls in TF32
             out["float32_matmul_precision"] = torch.get_float32_matmul_precision()
         if rec is None:
@@ -518,7 +517,7 @@ class Capacity:
             out["smallest_s"] = smallest_s(need, step)
             jobs = list(rec.jobs.values())
             out["smallest_workers"] = smallest_workers(self.model, jobs, staleness * step,
-                                                       self.splits, lanes.get("device", 0))
+                                                       self.splits, lanes.get(Lane.DEVICE, 0))
         return out
 
 
@@ -528,7 +527,7 @@ def report_lines(s: dict) -> list[str]:
     lines = [f"capacity: REFRESH lanes {lanes}"
              + ("; each round divided among them" if s["splits_batches"] else
                 "; one job per (op, size, dtype), each on one worker")]
-    if "device" not in s["lanes"]:
+    if Lane.DEVICE not in s["lanes"]:
         lines.append("capacity: no device executor (no CUDA device for these parameters)")
     elif s.get("float32_matmul_precision", "highest") != "highest":
         lines.append(f"capacity: torch's float32 matmul precision is "
@@ -593,10 +592,10 @@ def prediction_check(workers: int, sizes: Sequence[tuple], calibration: Sequence
     predicted before it runs from every job seen so far (a calibration round at other sizes
     first, then the rounds before), as in a training run. Returns the lists and their medians
     and the relative error of the median prediction."""
-    from asteria.refresh.host_pool import CEngine
+    from asteria.refresh.host_pool import HostPoolEngine
 
     model = CostModel()
-    eng = CEngine({"workers": workers})
+    eng = HostPoolEngine({"workers": workers})
     eng.observer = model.observe
     jobs = [JobSpec("soap_qr", torch.float32, n, b) for n, b in sizes]
     predicted, measured = [], []
@@ -621,10 +620,10 @@ def calibrate(ops: Sequence[str] = ("soap_qr", "eigh"), sizes: Sequence[int] = (
               model: Optional[CostModel] = None) -> CostModel:
     """Measure ops on libasteria's pool with one worker (its own timings, the median of
     ``repeats``) and return the model (lane "host"): the per-core throughput of this machine."""
-    from asteria.refresh.host_pool import CEngine
+    from asteria.refresh.host_pool import HostPoolEngine
 
     model = model or CostModel()
-    eng = CEngine({"workers": 1})
+    eng = HostPoolEngine({"workers": 1})
     eng.observer = model.observe
     try:
         for n in sizes:

@@ -50,7 +50,7 @@ from typing import Any, Optional
 
 import torch
 
-from asteria.refresh.engine import Engine, JobTiming, Result
+from asteria.refresh.engine import Engine, JobTiming, Lane, Result
 from asteria.refresh.inline_torch import run
 from asteria.refresh.ops import RECTANGULAR, check_op
 
@@ -112,7 +112,7 @@ class DeviceEngine(Engine):
         return self._device
 
     def lanes(self) -> dict[str, int]:
-        return {"device": 1}
+        return {Lane.DEVICE: 1}
 
     # ---- the owner's side ------------------------------------------------------------------
     def submit(self, op, f, q=None, *, block, version, deadline, snapshot_step, p=0.0,
@@ -173,7 +173,7 @@ class DeviceEngine(Engine):
                 res.outputs = tuple(None if t is None else t.cpu() for t in res.outputs)
         if self.observer is not None and res.started_ns:
             batch, n, n1, sides = job.shape
-            self.observer(JobTiming(ticket, "device", job.op, job.dtype, n, n1, batch,
+            self.observer(JobTiming(ticket, Lane.DEVICE, job.op, job.dtype, n, n1, batch,
                                     res.started_ns, res.done_ns, res.timing, job.p, sides,
                                     res.status == 0))
         return res

@@ -3,11 +3,12 @@ REFRESH, the other replicas receive it, and every replica installs the same vers
 step (DESIGN.md "Distributed", docs/coherence.md for the protocol, docs/distributed.md for this
 layer).
 
-Owns: ``DistributedEngine``, the ``Engine`` the optimizers see in a distributed run, with its
-channels (one per replica set and staleness budget) over the links of ``asteria.distributed``. It wraps the
-ordinary engine (``CEngine`` or ``TorchEngine``): a replicated job's entries are split between
-their owners (the CoherenceRegistry's LPT rule, ``asteria._C.Coherence``), each rank submits only
-the entries it owns to the inner engine, and the job completes through the registry's protocol.
+Owns: ``ReplicatedEngine``, the ``Engine`` the optimizers see in a distributed run, with its
+channels (one per replica set and staleness budget) over the links of ``asteria.distributed``.
+It wraps the ordinary engine (``HostPoolEngine`` or ``InlineTorchEngine``): a replicated job's
+entries are split between their owners (the CoherenceRegistry's LPT rule,
+``asteria._C.Coherence``), each rank submits only the entries it owns to the inner engine, and
+the job completes through the registry's protocol.
 Sharded (FSDP2) or unreplicated blocks go straight to the inner engine.
 May call: torch, torch.distributed (gloo process groups only), asteria.distributed,
 asteria.refresh (engine, ops), asteria._C.
@@ -126,7 +127,7 @@ class CoherenceError(RuntimeError):
 
 # ---- the engine -------------------------------------------------------------------------------
 
-class DistributedEngine(Engine):
+class ReplicatedEngine(Engine):
     """An Engine whose replicated jobs are computed once, by their owners, and reach every
     replica through the CoherenceRegistry (see the module doc). ``submit`` takes one more keyword,
     ``replicas``: the global ranks holding the job's blocks (None: rank-local)."""
@@ -275,10 +276,7 @@ class DistributedEngine(Engine):
             raise CoherenceError(str(self._error)) from self._error
 
     def drain(self) -> int:
-        n = 0
-        drain = getattr(self._inner, "drain", None)
-        if drain is not None:
-            n = drain()
+        n = self._inner.drain()
         if not self._closed:
             self._flush()
             self._push(block=False)
@@ -367,12 +365,16 @@ class DistributedEngine(Engine):
                 for link in self._links.values():
                     link.staging.close()
 
-    def __getattr__(self, name: str) -> Any:
-        # trace, trace_write, runtime, ...: the inner engine's
-        inner = self.__dict__.get("_inner")
-        if inner is None or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(inner, name)
+    # the trace and the cost model are the inner engine's
+    def trace(self, kind: str, lane: Any, name: Optional[str] = None, **args: Any) -> None:
+        self._inner.trace(kind, lane, name, **args)
+
+    def trace_write(self, path: Optional[str] = None) -> None:
+        self._inner.trace_write(path)
+
+    @property
+    def model(self) -> Any:
+        return self._inner.model
 
     def __del__(self) -> None:
         try:
@@ -391,7 +393,7 @@ class DistributedEngine(Engine):
     # ---- training-thread internals ------------------------------------------------------------
     def _check(self) -> None:
         if self._closed:
-            raise RuntimeError("DistributedEngine is closed")
+            raise RuntimeError("ReplicatedEngine is closed")
         if self._error is not None:
             raise CoherenceError(str(self._error)) from self._error
 
@@ -644,12 +646,12 @@ def wrap_engine(engine: Engine, params: Iterable[torch.Tensor], *, hierarchical:
                 timeout_s: Optional[float] = None) -> Engine:
     """The engine an optimizer over ``params`` uses: ``engine`` itself unless torch.distributed
     is initialised with several ranks and some rank holds replicated parameters, else a
-    DistributedEngine around it (an existing DistributedEngine learns the replica sets of
+    ReplicatedEngine around it (an existing ReplicatedEngine learns the replica sets of
     ``params``, for add_param_group). Collective over the default group: every rank builds its
     optimizer, except one whose parameters were all declared rank-local
     (``set_replicas(params, None)``). ``hierarchical``, ``ranks_per_node``, ``timeout_s``: the
     runtime keys coherence_topology ("hier"), ranks_per_node and coherence_timeout_s, for a new
-    DistributedEngine (``asteria.distributed.make_topology``)."""
+    ReplicatedEngine (``asteria.distributed.make_topology``)."""
     params = list(params)
     if not _initialized() or _dist().get_world_size() == 1:
         return engine
@@ -660,10 +662,10 @@ def wrap_engine(engine: Engine, params: Iterable[torch.Tensor], *, hierarchical:
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, sets)
     every = sorted({tuple(s) for g in gathered for s in g})
-    if isinstance(engine, DistributedEngine):
+    if isinstance(engine, ReplicatedEngine):
         engine.declare(every)
         return engine
     if not every:
         return engine
-    return DistributedEngine(engine, make_topology(ranks_per_node, timeout_s), every,
+    return ReplicatedEngine(engine, make_topology(ranks_per_node, timeout_s), every,
                              hierarchical=hierarchical)

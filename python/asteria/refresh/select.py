@@ -3,14 +3,14 @@
 May call: the executors' modules. Holds nothing.
 
 Which executor:
- - ``mode="sync"``: ``TorchEngine`` (inline, the native reference).
- - ``mode="async"``, parameters in host memory: ``CEngine`` (the C pool; one job per (op,
+ - ``mode="sync"``: ``InlineTorchEngine`` (inline, the native reference).
+ - ``mode="async"``, parameters in host memory: ``HostPoolEngine`` (the C pool; one job per (op,
    size, dtype), each on one worker).
  - ``mode="async"``, parameters on a CUDA device: ``SplitEngine`` over the C pool and a
    ``DeviceEngine`` on that device (every round divided among the host workers and the device
    by the cost model). The runtime key ``refresh_device=False`` leaves the device out (the
    split among host workers stays): how a run measures host-only against hybrid.
- - wrapped by ``DistributedEngine`` when some parameters are replicated over ranks, with the
+ - wrapped by ``ReplicatedEngine`` when some parameters are replicated over ranks, with the
    config's coherence_topology, ranks_per_node and coherence_timeout_s.
 """
 
@@ -25,23 +25,23 @@ from asteria.refresh.engine import Engine
 
 def make_engine(cfg: Any, plan: Optional[Any] = None,
                 params: Iterable[torch.Tensor] = ()) -> Engine:
-    """The engine for a validated ``RuntimeConfig``: ``TorchEngine`` in sync mode, the C worker
-    pool (``CEngine``, with a shadow for its snapshots sized by the placement ``plan``) in
-    async mode; wrapped by a ``DistributedEngine`` when some of ``params`` are replicated over
-    ranks (DDP / HSDP: one owner per block)."""
+    """The engine for a validated ``RuntimeConfig``: ``InlineTorchEngine`` in sync mode, the C
+    worker pool (``HostPoolEngine``, with a shadow for its snapshots sized by the placement
+    ``plan``) in async mode; wrapped by a ``ReplicatedEngine`` when some of ``params`` are
+    replicated over ranks (DDP / HSDP: one owner per block)."""
     if cfg.mode == "sync":
-        from asteria.refresh.inline_torch import TorchEngine
+        from asteria.refresh.inline_torch import InlineTorchEngine
 
-        engine: Engine = TorchEngine()
+        engine: Engine = InlineTorchEngine()
     else:
-        from asteria.refresh.host_pool import CEngine
+        from asteria.refresh.host_pool import HostPoolEngine
 
         params = list(params)
         cuda = device_for(params)
         if plan is None:
-            engine = CEngine(cfg)
+            engine = HostPoolEngine(cfg)
         else:
-            engine = CEngine(cfg, shadow="cuda" if plan.cuda else "host",
+            engine = HostPoolEngine(cfg, shadow="cuda" if plan.cuda else "host",
                              snapshot_ring_bytes=plan.snapshot_ring_bytes,
                              device=-1 if cuda is None or cuda.index is None else cuda.index)
         if cuda is not None:

@@ -66,7 +66,7 @@ def check_fsdp_sync():
         model = fsdp_model()
         opt = make_opt(name, model.parameters(), {"mode": "sync"}, block_size=4,
                        precondition_frequency=2)
-        assert not isinstance(opt._engine, replicated.DistributedEngine)  # nothing is replicated
+        assert not isinstance(opt._engine, replicated.ReplicatedEngine)  # nothing is replicated
         losses = []
         for t in range(1, steps + 1):
             x, y = C.local_batch(t, rank(), world())
@@ -164,7 +164,7 @@ def check_ddp():
         opt.close()  # finishes the units in flight on every rank
         res = summary(opt)
         res.update(replicas_equal=C.all_true(C.gather_equal(vec)), moved=moved,
-                   engine="DistributedEngine")
+                   engine="ReplicatedEngine")
         out[name] = res
         dist.barrier()
     return out
