@@ -44,7 +44,7 @@ import torch
 
 from asteria import distributed as _dist
 from asteria.refresh import select as _select
-from asteria.refresh.cost import report_lines
+from asteria.refresh.capacity import report_lines
 from asteria.config import RuntimeConfig
 from asteria.optim import functional as F
 from asteria.optim._blocking import Layout, make_layout
@@ -619,7 +619,7 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         return stats
 
     def asteria_plan(self) -> list[str]:
-        """The planner's decisions, then the capacity report (asteria.refresh.cost): work per
+        """The planner's decisions, then the capacity report (asteria.refresh.capacity): work per
         round, predicted and measured round seconds, the window S x step time, the pool's
         utilisation and the smallest S (and worker count) that hides the refresh; whether a
         device executor runs part of it. The capacity lines come once a round was submitted."""

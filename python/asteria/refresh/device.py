@@ -26,7 +26,7 @@ a blocking event (its thread sleeps, it does not spin on a core the C workers wa
 Precision: torch's float32 matmul precision is process-wide; under "high" or "medium" the
 device lane's matmuls (soap_qr, inv_root, soap_rotate) run in TF32 while the host lane stays
 in full FP32. It is not changed here (changing it from the runner thread would change the
-training thread's matmuls too); the capacity report names it (``cost.report_lines``).
+training thread's matmuls too); the capacity report names it (``capacity.report_lines``).
 
 Failures: numerical ones (non-finite, non-convergence, torch.linalg's errors) are statuses of
 the job's Result, as with every executor. Anything else the job raises in the runner thread (a
