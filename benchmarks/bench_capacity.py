@@ -10,7 +10,7 @@ batches for every run:
 
 First (``--prediction``, on by default) the cost model's prediction error on the C pool: the
 rounds of two model sizes at 1 and 2 workers, each predicted before it runs from the jobs seen
-so far (``asteria.refresh.cost.prediction_check``, what tests/python/test_capacity.py checks
+so far (``cost_check.prediction_check``, what tests/python/test_capacity.py checks
 within 25%), written to bench_capacity_prediction.json (``--runs ""``: that alone).
 
 Per step the JSON keeps the train loss, the step's wall time, the S in force and the running
@@ -129,7 +129,7 @@ PRED_MODELS = {"small": [(320, 4), (384, 3)], "larger": [(448, 4), (512, 3), (32
 
 
 def prediction(log) -> list:
-    from asteria.refresh.cost import prediction_check
+    from cost_check import prediction_check
 
     rows = []
     with common.unpinned(common.allowed_cpus()):

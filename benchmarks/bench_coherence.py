@@ -73,12 +73,11 @@ def worker(args) -> int:
            "runs": []}
     for topo in TOPOLOGIES:
         for s in args.staleness:
-            os.environ["ASTERIA_COHERENCE"] = topo
             net = DDP(model())
             opt = asteria.SOAP(net.parameters(), lr=1e-3, block_size=args.block_size,
                                precondition_frequency=args.frequency,
-                               runtime={"mode": "async", "staleness": s, "workers": 1})
-            os.environ.pop("ASTERIA_COHERENCE")
+                               runtime={"mode": "async", "staleness": s, "workers": 1,
+                                        "coherence_topology": topo})
             times = []
             for t in range(1, args.steps + 1):
                 gen = torch.Generator().manual_seed(1000 * t + rank)

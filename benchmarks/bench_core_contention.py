@@ -41,7 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import common  # noqa: E402
 
-from asteria.refresh.host_pool import CEngine  # noqa: E402
+from asteria.refresh.host_pool import HostPoolEngine  # noqa: E402
 
 NAME = "bench_core_contention"
 FG_N = 256          # training-core gemm: 3 x 256 KiB operands stay in a 1-2 MiB L2
@@ -65,8 +65,8 @@ class Worker:
 
     def __init__(self, cpus: list[int], n: int):
         with common.unpinned(common.allowed_cpus()):
-            self.engine = CEngine({"mode": "async", "workers": 1, "cpuset": common.cpu_list(cpus),
-                                   "pin": True})
+            self.engine = HostPoolEngine({"mode": "async", "workers": 1,
+                                          "cpuset": common.cpu_list(cpus), "pin": True})
         self.f, self.q = worker_inputs(n, 0)
         self.pending: list[int] = []
         self.version = 0

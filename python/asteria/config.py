@@ -2,7 +2,9 @@
 
 ``RuntimeConfig.from_user`` accepts ``None``, a plain dict or a ``RuntimeConfig``. Each key has
 one validator. The optimizer's keys (mode, staleness, install, placement, the budgets, nvme_dir,
-on_failure, fsdp_blocking, tier_dtype, factor_emas) are checked here. The keys libasteria reads
+on_failure, fsdp_blocking, tier_dtype, factor_emas, refresh_device and the distributed keys
+ranks_per_node, coherence_timeout_s, coherence_topology) are checked here; no setting is read
+from the environment. The keys libasteria reads
 (``_C.config_keys()``: workers, cpuset, pin, max_failures, trace) are handed over once, at
 construction, to libasteria's validator (``ast_config_set``, via
 ``asteria._C.validate_config``), whose result (``c_config``, a ``_C.Config``) ``_C.Runtime``
@@ -13,6 +15,7 @@ config table in README.md / DESIGN.md.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Mapping, Optional, Union
 
@@ -20,6 +23,8 @@ PLACEMENT_KINDS = ("factors", "roots", "eigenbases", "moments")
 TIERS = ("device", "host_pinned", "host", "uvm", "nvme")
 #: storage dtypes of the tiers outside the device ("float32": every block in its state's dtype)
 TIER_DTYPES = ("float32", "bfloat16")
+#: how replicated blocks reach every replica (docs/distributed.md, "Who sends what")
+COHERENCE_TOPOLOGIES = ("hier", "flat")
 
 
 def _check_text(key: str, value: Any) -> None:
@@ -69,6 +74,21 @@ class RuntimeConfig:
     #: forward and backward it overlaps by more than it takes off the step
     #: (docs/departures.md); "workers" where the pool has cores of its own; Python only
     factor_emas: str = "thread"
+    #: mode "async" with CUDA parameters: True divides each REFRESH round among the host
+    #: workers and a device executor on the parameters' device; False among the host workers
+    #: alone (how a run measures host-only against hybrid); Python only
+    refresh_device: bool = True
+    #: distributed runs: ranks per node, node = rank // N (a simulation on one machine, or a
+    #: launch that cannot set GROUP_RANK); None: the launcher's GROUP_RANK, else
+    #: rank // LOCAL_WORLD_SIZE, else one node (asteria.distributed.local_node_id); Python only
+    ranks_per_node: Optional[int] = None
+    #: distributed runs: the collective timeout of the coherence process groups in seconds;
+    #: None: the default process group's timeout; Python only
+    coherence_timeout_s: Optional[float] = None
+    #: distributed runs: "hier" (replicated blocks move inside a node through host memory, then
+    #: among node representatives) or "flat" (one broadcast among all replicas: the baseline);
+    #: Python only
+    coherence_topology: str = "hier"
 
     def __post_init__(self) -> None:
         self._validate()
@@ -125,6 +145,17 @@ class RuntimeConfig:
         need("on_failure", self.on_failure in ("raise", "keep"), '"raise", "keep"')
         need("fsdp_blocking", self.fsdp_blocking in ("local", "global"), '"local", "global"')
         need("factor_emas", self.factor_emas in ("thread", "workers"), '"thread", "workers"')
+        need("refresh_device", isinstance(self.refresh_device, bool), "True, False")
+        need("ranks_per_node", self.ranks_per_node is None
+             or (is_int(self.ranks_per_node) and self.ranks_per_node >= 1),
+             "None or an integer >= 1")
+        t = self.coherence_timeout_s
+        need("coherence_timeout_s", t is None
+             or (isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
+                 and t > 0), "None or a finite number of seconds > 0")
+        need("coherence_topology", isinstance(self.coherence_topology, str)
+             and self.coherence_topology in COHERENCE_TOPOLOGIES,
+             ", ".join(f'"{v}"' for v in COHERENCE_TOPOLOGIES))
         need("tier_dtype", isinstance(self.tier_dtype, str) and self.tier_dtype in TIER_DTYPES,
              ", ".join(f'"{d}"' for d in TIER_DTYPES))
         # each rank would choose its own S from its own measurements: the owners of one
@@ -160,12 +191,6 @@ class RuntimeConfig:
         # the one validated value
         for key, value in c_config.as_dict().items():
             object.__setattr__(self, key, value)
-
-    def placement_for(self, kind: str) -> Optional[str]:
-        """The tier the user pinned for a state kind, or None under "auto"."""
-        if isinstance(self.placement, Mapping):
-            return self.placement.get(kind)
-        return None
 
     @property
     def c_config(self) -> Any:

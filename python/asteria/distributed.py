@@ -5,7 +5,7 @@ Owns: the job's ``Topology`` (the node of every rank, a run id, the collective t
 ``_Link`` per replica set (its process groups: ``ctrl`` for the version exchange, ``node`` for
 the node barriers, ``reps`` for the broadcast among node representatives) with its host staging
 buffers (a file in /dev/shm shared by the replicas of one node, else private memory). The
-executor that uses them, ``DistributedEngine``, is in ``asteria.refresh.replicated``
+executor that uses them, ``ReplicatedEngine``, is in ``asteria.refresh.replicated``
 (DESIGN.md "Distributed", docs/coherence.md for the protocol, docs/distributed.md for this
 layer). May call: torch, torch.distributed (gloo process groups only).
 Threads: the links are made on the training thread; their groups and staging buffers are then
@@ -25,12 +25,6 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-
-#: environment overrides: ranks per simulated node (node = rank // N, for launches that cannot
-#: set GROUP_RANK), the collective timeout in seconds, and "flat" to turn the hierarchy off
-ENV_RANKS_PER_NODE = "ASTERIA_RANKS_PER_NODE"
-ENV_TIMEOUT = "ASTERIA_COHERENCE_TIMEOUT_S"
-ENV_TOPOLOGY = "ASTERIA_COHERENCE"
 
 _ALIGN = 64             # payload offsets in a staging buffer
 _MIN_STAGING = 1 << 16  # smallest shared staging file
@@ -113,12 +107,13 @@ class Topology:
         return self.nodes.count(self.node)
 
 
-def local_node_id(rank: int) -> int:
-    """This rank's node: ASTERIA_RANKS_PER_NODE (a simulation: rank // N), else the launcher's
-    GROUP_RANK (torchrun's node rank), else rank // LOCAL_WORLD_SIZE, else 0."""
-    rpn = os.environ.get(ENV_RANKS_PER_NODE)
-    if rpn:
-        return rank // int(rpn)
+def local_node_id(rank: int, ranks_per_node: Optional[int] = None) -> int:
+    """This rank's node: rank // ``ranks_per_node`` (the runtime key; a simulation), else the
+    launcher's GROUP_RANK (torchrun's node rank), else rank // LOCAL_WORLD_SIZE, else 0. The
+    launcher's variables describe the job as the launcher started it, so they are read here,
+    where the topology is made; no Asteria setting comes from the environment."""
+    if ranks_per_node is not None:
+        return rank // ranks_per_node
     if os.environ.get("GROUP_RANK"):
         return int(os.environ["GROUP_RANK"])
     if os.environ.get("LOCAL_WORLD_SIZE"):
@@ -126,12 +121,12 @@ def local_node_id(rank: int) -> int:
     return 0
 
 
-def _world_timeout() -> datetime.timedelta:
-    """The collective timeout for our groups: ASTERIA_COHERENCE_TIMEOUT_S, else the default
-    group's (new_group would otherwise fall back to the 30-minute default, not the value given to
-    init_process_group)."""
-    if os.environ.get(ENV_TIMEOUT):
-        return datetime.timedelta(seconds=float(os.environ[ENV_TIMEOUT]))
+def _world_timeout(timeout_s: Optional[float] = None) -> datetime.timedelta:
+    """The collective timeout for our groups: ``timeout_s`` (the runtime key
+    coherence_timeout_s), else the default group's (new_group would otherwise fall back to the
+    30-minute default, not the value given to init_process_group)."""
+    if timeout_s is not None:
+        return datetime.timedelta(seconds=float(timeout_s))
     dist = _dist()
     try:
         pg = dist.distributed_c10d._get_default_group()
@@ -257,12 +252,15 @@ class _Link:
         return links
 
 
-def make_topology() -> Topology:
-    """Collective over the default group: every rank's node and one run id."""
+def make_topology(ranks_per_node: Optional[int] = None,
+                  timeout_s: Optional[float] = None) -> Topology:
+    """Collective over the default group: every rank's node and one run id. ``ranks_per_node``
+    and ``timeout_s``: the validated runtime keys ranks_per_node and coherence_timeout_s
+    (``local_node_id``, ``_world_timeout``)."""
     dist = _dist()
     world, rank = dist.get_world_size(), dist.get_rank()
-    mine = (local_node_id(rank), uuid.uuid4().hex[:12])
+    mine = (local_node_id(rank, ranks_per_node), uuid.uuid4().hex[:12])
     gathered: list = [None] * world
     dist.all_gather_object(gathered, mine)
     return Topology(world=world, rank=rank, nodes=tuple(int(g[0]) for g in gathered),
-                    run_id=gathered[0][1], timeout=_world_timeout())
+                    run_id=gathered[0][1], timeout=_world_timeout(timeout_s))

@@ -11,7 +11,8 @@ Owns: the presets (OLMo-2 1B and 7B, read from OLMo-core's model configs: built 
 device, no memory allocated, and their 2-D weights listed; embeddings and the output head take
 AdamW, as asteria.olmo routes them), the factor list of a set of shapes (the optimizers' own
 blocking, ``asteria.optim._blocking.make_layout``), the step time from tokens per step, the
-table. May call: ``asteria.refresh.cost``, ``asteria.optim._blocking``, olmo_core (presets
+table. May call: ``asteria.refresh.cost``, ``asteria.refresh.engine`` (lane names),
+``asteria.optim._blocking``, olmo_core (presets
 only), torch.
 
 Examples:
@@ -32,6 +33,7 @@ import torch
 
 from asteria.optim._blocking import make_layout
 from asteria.refresh import cost as C
+from asteria.refresh.engine import Lane
 
 PRESETS = {"olmo2-1b": "olmo2_1B", "olmo2-7b": "olmo2_7B"}
 #: the REFRESH op of each optimizer, and its root p
@@ -80,14 +82,14 @@ def round_jobs(sizes: Counter, optimizer: str) -> list:
 def row(model: C.CostModel, name: str, sizes: Counter, optimizer: str, cores: int,
         step_s: float, staleness: int, frequency: int, device: int, tokens: Optional[int]):
     jobs = round_jobs(sizes, optimizer)
-    lanes = {"host": cores, **({"device": 1} if device else {})}
+    lanes = {Lane.HOST: cores, **({Lane.DEVICE: 1} if device else {})}
     round_s = C.split_makespan(model, jobs, lanes)
     whole_s = C.makespan(model, jobs, cores)
     gflop = sum(j.flops for j in jobs) / 1e9
     window = staleness * step_s
     s_min = C.smallest_s(round_s, step_s)
     w_min = C.smallest_workers(model, jobs, window, True, device)
-    busy = sum(model.job_seconds("host", j) for j in jobs)
+    busy = sum(model.job_seconds(Lane.HOST, j) for j in jobs)
     return {"model": name, "tokens": tokens, "step_s": step_s,
             "factors": sum(sizes.values()), "sizes": dict(sorted(sizes.items())),
             "gflop": gflop, "round_s": round_s, "round_whole_jobs_s": whole_s,
@@ -169,10 +171,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rates = ", ".join(f"{r['gflops']:.1f} at n={r['n']}" for r in model.table())
         source = f"measured here for {op} (libasteria pool, 1 worker): {rates} GFLOP/s"
     else:
-        model = C.CostModel({"host": args.gflops_per_core}, "given")
+        model = C.CostModel({Lane.HOST: args.gflops_per_core}, "given")
         source = f"given: {args.gflops_per_core} GFLOP/s per core"
     if args.device_gflops:
-        model.base_gflops["device"] = args.device_gflops
+        model.base_gflops[Lane.DEVICE] = args.device_gflops
     models = [(p, preset(p, args.seq_len)) for p in args.preset]
     if args.shape:
         models.append(("shapes", {"shapes": args.shape, "flops_per_token": None}))

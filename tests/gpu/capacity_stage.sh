@@ -12,7 +12,7 @@
 # block_size 1024: every factor 1024 wide) for as many steps as its budget allows and records
 # per step: wall time (device synchronised), install waits, C barrier waits; at the end the
 # capacity report (asteria_plan()), asteria_stats()'s capacity_* figures and the split counts.
-#   host-only: ASTERIA_REFRESH_DEVICE=0 (rounds divided among the host workers only)
+#   host-only: runtime key refresh_device=False (rounds divided among the host workers only)
 #   hybrid:    the device executor takes the share the cost model gives it
 # Each run's JSON is rewritten after every step, and written again when the run ends however it
 # ends (its SIGTERM from timeout(1) becomes SystemExit, so the writes in `finally` run; a close()
@@ -37,8 +37,7 @@ HALF=$((BUDGET / 2 - 10))
 [ "$HALF" -lt 20 ] && HALF=20
 rc_all=0
 for mode in host hybrid; do
-  if [ "$mode" = host ]; then dev=0; else dev=1; fi
-  ASTERIA_REFRESH_DEVICE=$dev timeout -k 5 $((HALF + 20)) "$PY" - "$mode" "$HALF" "$SMOKE" \
+  timeout -k 5 $((HALF + 20)) "$PY" - "$mode" "$HALF" "$SMOKE" \
       "$RESULTS/capacity_stage.$mode.json" "$ROOT" <<'EOF'
 import json, os, signal, sys, time, traceback
 import torch
@@ -65,14 +64,15 @@ torch.manual_seed(0)
 model = TinyGPT(cfg).to(dev)
 opt = asteria.SOAP(model.parameters(), lr=3e-3, precondition_frequency=10,
                    max_precond_dim=dim, block_size=dim,
-                   runtime={"mode": "async", "staleness": 5, "install": "deterministic"})
+                   runtime={"mode": "async", "staleness": 5, "install": "deterministic",
+                            "refresh_device": mode != "host"})
 gen = torch.Generator().manual_seed(0)
 rec = {"mode": mode, "device": dev, "smoke": smoke,
        "gpu": torch.cuda.get_device_name(0) if dev == "cuda" else None,
        "model": {"d": d, "layers": layers, "context": ctx, "batch": batch,
                  "tokens_per_step": batch * ctx, "params": n_params(model),
                  "max_precond_dim": dim, "block_size": dim},
-       "ASTERIA_REFRESH_DEVICE": os.environ.get("ASTERIA_REFRESH_DEVICE"),
+       "refresh_device": mode != "host",
        "budget_s": budget, "steps": [], "ok": False}
 write(rec)
 t_start = time.perf_counter()

@@ -1,4 +1,5 @@
-"""The capacity model of the REFRESH work (asteria.refresh.cost), the split of a round between
+"""The capacity model of the REFRESH work (asteria.refresh.cost, asteria.refresh.capacity;
+the prediction check of benchmarks/cost_check.py), the split of a round between
 host workers and a device (asteria.refresh.split, through the Engine interface), the device
 executor's thread on CPU (asteria.refresh.device), staleness="auto" and the capacity report.
 
@@ -8,6 +9,8 @@ scaling and interpolation are exercised); calibration and rounds are interleaved
 medians compared.
 """
 
+import importlib.util
+import os
 import time
 
 import pytest
@@ -17,7 +20,7 @@ from asteria import RuntimeConfig
 from asteria.optim import SOAP
 from asteria.refresh import cost as C
 from asteria.refresh.engine import JobTiming
-from asteria.refresh.inline_torch import TorchEngine, compute
+from asteria.refresh.inline_torch import InlineTorchEngine, compute
 from job_delay import delay_jobs
 from models import loss_and_grad, make_model, params_of, require_c_extension
 
@@ -120,13 +123,22 @@ MODELS = {"small": [(320, 4), (384, 3)],
           "larger": [(448, 4), (512, 3), (320, 6)]}
 
 
+def _cost_check():
+    """benchmarks/cost_check.py, loaded from its file (nothing in the package calls it)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "cost_check.py")
+    spec = importlib.util.spec_from_file_location("cost_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_prediction_within_25_percent(name, workers):
     """Each round predicted before it runs, from every job the model has seen so far (a
     calibration at other sizes, then the rounds before: refined as jobs complete, as in a
     training run); the median of 7 predictions against the median of 7 rounds."""
-    r = C.prediction_check(workers, MODELS[name], CAL)
+    r = _cost_check().prediction_check(workers, MODELS[name], CAL)
     assert abs(r["relative_error"]) <= 0.25, (
         f"{name}, {workers} workers: predicted {r['median_predicted_s']:.4f} s, measured "
         f"{r['median_measured_s']:.4f} s; predicted {r['predicted_s']}, measured "
@@ -152,10 +164,10 @@ def _check_split_results(eng, op="soap_qr", n=24, batch=10, rounds=3):
 
 
 def test_split_host_pool_and_inline_torch():
-    from asteria.refresh.host_pool import CEngine
+    from asteria.refresh.host_pool import HostPoolEngine
     from asteria.refresh.split import SplitEngine
 
-    eng = SplitEngine(CEngine({"workers": 2}), TorchEngine())
+    eng = SplitEngine(HostPoolEngine({"workers": 2}), InlineTorchEngine())
     seen = []
     eng.observer = seen.append
     try:
@@ -174,14 +186,14 @@ def test_split_host_pool_and_inline_torch():
 
 
 def test_split_follows_the_measured_rates():
-    from asteria.refresh.host_pool import CEngine
+    from asteria.refresh.host_pool import HostPoolEngine
     from asteria.refresh.split import SplitEngine
 
     spec = C.JobSpec("soap_qr", torch.float32, 64, 12)
     model = C.CostModel()
     model.add("host", "soap_qr", torch.float32, 64, 1.0)
     model.add("device", "soap_qr", torch.float32, 64, 0.25)
-    eng = SplitEngine(CEngine({"workers": 2}), TorchEngine(), model)
+    eng = SplitEngine(HostPoolEngine({"workers": 2}), InlineTorchEngine(), model)
     try:
         assert eng.plan(spec) == [("device", 8), ("host", 2), ("host", 2)]
         # what is queued counts: the next job of the same size goes mostly elsewhere
@@ -192,7 +204,7 @@ def test_split_follows_the_measured_rates():
     finally:
         eng.close()
     # host only: the batch is divided among the workers
-    eng = SplitEngine(CEngine({"workers": 2}), None, C.CostModel({"host": 1.0}))
+    eng = SplitEngine(HostPoolEngine({"workers": 2}), None, C.CostModel({"host": 1.0}))
     try:
         assert eng.plan(C.JobSpec("eigh", torch.float32, 32, 5)) == [("host", 3), ("host", 2)]
         _check_split_results(eng, op="kl_qr")
@@ -201,10 +213,11 @@ def test_split_follows_the_measured_rates():
 
 
 def test_split_failure_and_cancel():
-    from asteria.refresh.host_pool import CEngine
+    from asteria.refresh.host_pool import HostPoolEngine
     from asteria.refresh.split import SplitEngine
 
-    eng = SplitEngine(CEngine({"workers": 1}), TorchEngine(), C.CostModel({"host": 1.0}))
+    eng = SplitEngine(HostPoolEngine({"workers": 1}), InlineTorchEngine(),
+                      C.CostModel({"host": 1.0}))
     try:
         f = spd(4, 8)
         f[2, 0, 0] = float("nan")  # one bad entry: the job fails, no outputs
@@ -221,7 +234,7 @@ def test_split_failure_and_cancel():
 
 def test_device_executor_thread_on_cpu():
     from asteria.refresh.device import DeviceEngine
-    from asteria.refresh.host_pool import CEngine
+    from asteria.refresh.host_pool import HostPoolEngine
     from asteria.refresh.split import SplitEngine
 
     dev = DeviceEngine("cpu")
@@ -239,7 +252,7 @@ def test_device_executor_thread_on_cpu():
         assert out.status == 0 and out.outputs[0].device.type == "cpu"
     finally:
         dev.close()
-    eng = SplitEngine(CEngine({"workers": 2}), DeviceEngine("cpu"))
+    eng = SplitEngine(HostPoolEngine({"workers": 2}), DeviceEngine("cpu"))
     try:
         _check_split_results(eng)
     finally:

@@ -178,7 +178,7 @@ def test_a_forwarding_proxy_dying_leaves_the_optimizer_open():
     gc.collect()
     for t in range(4):
         w.grad = torch.randn_like(w)
-        opt.step()  # was: RuntimeError: CEngine is closed
+        opt.step()  # was: RuntimeError: HostPoolEngine is closed
     # closing through a proxy closes the optimizer it stands for
     type("ProxySOAP", (Proxy, SOAP), {})(opt).close()
     assert opt._closed

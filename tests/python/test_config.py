@@ -34,7 +34,7 @@ def test_good_values_are_kept(tmp_path):
     assert c.factor_emas == "workers" and RuntimeConfig().factor_emas == "thread"
     assert c.mode == "sync" and c.staleness == 0 and c.install == "eager"
     assert c.placement == {"factors": "device", "roots": "host_pinned"}
-    assert c.placement_for("roots") == "host_pinned" and c.placement_for("moments") is None
+    assert c.placement.get("roots") == "host_pinned" and c.placement.get("moments") is None
     assert c.device_budget_bytes == 1048576 and c.nvme_dir == str(tmp_path)
     assert c.c_config.as_dict() == {"workers": 4, "cpuset": None, "pin": False,
                                     "max_failures": 4, "trace": str(tmp_path / "t.json")}
@@ -56,6 +56,18 @@ def test_good_values_are_kept(tmp_path):
     ("nvme_dir", "a" * 5000, ["an existing directory"]),
     ("on_failure", "ignore", ['"raise", "keep"']),
     ("factor_emas", "gpu", ['"thread", "workers"']),
+    ("refresh_device", "0", ["True, False"]),
+    ("refresh_device", 0, ["True, False"]),
+    ("ranks_per_node", 0, ["None or an integer >= 1"]),
+    ("ranks_per_node", "2", ["None or an integer >= 1"]),
+    ("ranks_per_node", True, ["None or an integer >= 1"]),
+    ("coherence_timeout_s", 0, ["None or a finite number of seconds > 0"]),
+    ("coherence_timeout_s", -1.5, ["seconds > 0"]),
+    ("coherence_timeout_s", float("inf"), ["finite"]),
+    ("coherence_timeout_s", float("nan"), ["finite"]),
+    ("coherence_timeout_s", "30", ["None or a finite number of seconds > 0"]),
+    ("coherence_topology", "hierarchical", ['"hier", "flat"']),
+    ("coherence_topology", None, ['"hier", "flat"']),
     # C's keys: the message is libasteria's, raised unchanged
     ("workers", 0, ["1..1024"]),
     ("pin", "maybe", ["true", "false"]),
@@ -68,6 +80,23 @@ def test_bad_value_names_key_and_allowed_values(key, value, allowed):
     assert f"runtime key '{key}'" in msg
     for a in allowed:
         assert a in msg, msg
+
+
+def test_distributed_and_device_keys(monkeypatch):
+    """The keys that were environment variables: defaults, good values kept as given, and no
+    environment variable read in their place."""
+    for name, value in (("ASTERIA_REFRESH_DEVICE", "0"), ("ASTERIA_RANKS_PER_NODE", "3"),
+                        ("ASTERIA_COHERENCE_TIMEOUT_S", "7"), ("ASTERIA_COHERENCE", "flat")):
+        monkeypatch.setenv(name, value)
+    d = RuntimeConfig()
+    assert (d.refresh_device, d.ranks_per_node, d.coherence_timeout_s,
+            d.coherence_topology) == (True, None, None, "hier")
+    c = RuntimeConfig.from_user({"refresh_device": False, "ranks_per_node": 2,
+                                 "coherence_timeout_s": 2.5, "coherence_topology": "flat"})
+    assert (c.refresh_device, c.ranks_per_node, c.coherence_timeout_s,
+            c.coherence_topology) == (False, 2, 2.5, "flat")
+    assert RuntimeConfig(coherence_timeout_s=30).coherence_timeout_s == 30
+    assert pickle.loads(pickle.dumps(c)) == c
 
 
 def test_unknown_key_lists_keys():
@@ -106,9 +135,9 @@ def test_c_gets_only_its_keys_once(monkeypatch):
     assert len(calls) == 1 and set(calls[0]) <= set(_C.config_keys())
     assert calls[0] == {"workers": 1, "pin": False, "max_failures": 3}
     assert RuntimeConfig.from_user(cfg) is cfg and len(calls) == 1
-    from asteria.refresh.host_pool import CEngine
+    from asteria.refresh.host_pool import HostPoolEngine
 
-    e = CEngine(cfg)
+    e = HostPoolEngine(cfg)
     try:
         assert len(calls) == 1 and e.runtime.config == cfg.c_config.as_dict()
     finally:

@@ -116,7 +116,7 @@ def test_close_returns_after_a_job_raised(monkeypatch):
 def test_capacity_report_names_tf32_when_a_device_lane_runs():
     """torch's float32 matmul precision is process-wide: under "high" / "medium" the device
     lane's matmuls run in TF32 while the host lane's stay FP32. The report says so."""
-    from asteria.refresh.cost import report_lines
+    from asteria.refresh.capacity import report_lines
 
     base = {"lanes": {"host": 2, "device": 1}, "splits_batches": True}
     for prec, named in (("highest", False), ("high", True), ("medium", True)):

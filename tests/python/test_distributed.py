@@ -51,8 +51,6 @@ def _child_env(**extra) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "")
                                                       .split(os.pathsep) if p])
     env["OMP_NUM_THREADS"] = "1"
-    for key in ("ASTERIA_RANKS_PER_NODE", "ASTERIA_COHERENCE"):
-        env.pop(key, None)
     env.update(extra)
     return env
 
@@ -277,7 +275,7 @@ def test_debug_job_delay_hook():
     asteria._C_testing; not a config key, not in asteria._C, never loaded by the package)
     makes every job sleep, on a runtime and on the runtimes of an optimizer."""
     from asteria import _C
-    from asteria.refresh.host_pool import CEngine
+    from asteria.refresh.host_pool import HostPoolEngine
     from job_delay import delay_jobs, set_job_delay
 
     assert "debug_job_delay_ms" not in _C.config_keys()
@@ -308,7 +306,7 @@ def test_debug_job_delay_hook():
     assert ei.value.code == _C.AST_ESHUTDOWN
     f = torch.eye(4, dtype=torch.float64).unsqueeze(0)
     for cfg in ({"workers": 1}, asteria.RuntimeConfig(workers=1)):
-        eng = CEngine(cfg)
+        eng = HostPoolEngine(cfg)
         try:
             assert delay_jobs(eng, 150) == 1
             t0 = time.monotonic()
@@ -325,11 +323,29 @@ def test_debug_job_delay_hook():
         sync.close()
 
 
+def test_node_and_timeout_from_the_runtime_keys(monkeypatch):
+    """ranks_per_node places a rank (rank // N) before the launcher's variables; without it the
+    launcher's GROUP_RANK, then LOCAL_WORLD_SIZE; coherence_timeout_s is the groups' timeout."""
+    import datetime
+
+    from asteria import distributed as AD
+
+    monkeypatch.delenv("GROUP_RANK", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert [AD.local_node_id(r, 2) for r in range(5)] == [0, 0, 1, 1, 2]
+    assert AD.local_node_id(5) == 0
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert AD.local_node_id(5) == 1
+    monkeypatch.setenv("GROUP_RANK", "3")
+    assert AD.local_node_id(5) == 3 and AD.local_node_id(5, 1) == 5
+    assert AD._world_timeout(7.5) == datetime.timedelta(seconds=7.5)
+
+
 def test_replicas_without_a_process_group():
     """Outside an initialised multi-rank job nothing is replicated and engines are not wrapped;
     set_replicas declares a replica set by hand (sorted) or marks parameters rank-local."""
     from asteria import distributed as AD
-    from asteria.refresh.inline_torch import TorchEngine
+    from asteria.refresh.inline_torch import InlineTorchEngine
     from asteria.refresh.ops import output_spec
     from asteria.refresh.replicated import wrap_engine
 
@@ -339,7 +355,7 @@ def test_replicas_without_a_process_group():
     assert AD.replicas(p) == (1, 3)
     AD.set_replicas([p], None)
     assert AD.replicas(p) is None
-    eng = TorchEngine()
+    eng = InlineTorchEngine()
     assert wrap_engine(eng, [p]) is eng
     assert output_spec("soap_qr", 5, torch.float32) == [((5, 5), torch.float32),
                                                           ((5,), torch.int64)]

@@ -1,5 +1,6 @@
-"""CEngine (asteria/refresh/host_pool.py): every REFRESH op against plain torch.linalg restatements of
-engine.py's table, batched and overlapping jobs, snapshots, dtypes, failures, cancel, stats."""
+"""HostPoolEngine (asteria/refresh/host_pool.py): every REFRESH op against plain torch.linalg
+restatements of engine.py's table, batched and overlapping jobs, snapshots, dtypes, failures,
+cancel, stats."""
 
 import time
 import types
@@ -9,21 +10,21 @@ import torch
 
 from asteria import _C
 from asteria.refresh.engine import Result
-from asteria.refresh.host_pool import CEngine, c_config
+from asteria.refresh.host_pool import HostPoolEngine, c_config
 
 TOL = {torch.float64: 1e-10, torch.float32: 2e-4}
 
 
 @pytest.fixture
 def eng():
-    e = CEngine({"workers": 2, "pin": False})
+    e = HostPoolEngine({"workers": 2, "pin": False})
     yield e
     e.close()
 
 
 @pytest.fixture
 def eng1():
-    e = CEngine({"workers": 1, "pin": False})
+    e = HostPoolEngine({"workers": 1, "pin": False})
     yield e
     e.close()
 
@@ -261,7 +262,7 @@ def test_stats_and_installs(eng):
 
 
 def test_close_idempotent_with_jobs_in_flight():
-    e = CEngine({"workers": 1, "pin": False})
+    e = HostPoolEngine({"workers": 1, "pin": False})
     big = sym(4, 384, torch.float64, seed=43)
     e.submit("eigh", big, **ids())
     e.submit("eigh", sym(1, 8), **ids())
@@ -282,7 +283,7 @@ def test_config_object_mapping():
     d = c_config(cfg).as_dict()  # C gets only the keys it reads
     assert d["workers"] is None and d["max_failures"] == 4 and d["pin"] is False
     assert set(d) == set(_C.config_keys()) and "staleness" not in d
-    e = CEngine(cfg)
+    e = HostPoolEngine(cfg)
     try:
         c = e.runtime.config
         assert c["max_failures"] == 4 and c["pin"] is False and c["workers"] is None
@@ -291,16 +292,16 @@ def test_config_object_mapping():
         e.close()
     # the object's other keys are validated as the optimizer's runtime= is
     with pytest.raises(ValueError, match="'install'"):
-        CEngine(types.SimpleNamespace(install="later"))
+        HostPoolEngine(types.SimpleNamespace(install="later"))
     with pytest.raises(ValueError, match="'workers'"):
-        CEngine(types.SimpleNamespace(workers=0))
+        HostPoolEngine(types.SimpleNamespace(workers=0))
 
 
 def test_runtime_config_dataclass():
     from asteria.config import RuntimeConfig
 
     cfg = RuntimeConfig(workers=2, staleness=4, pin=False)
-    e = CEngine(cfg)
+    e = HostPoolEngine(cfg)
     try:
         assert e.runtime.config["workers"] == 2 and e.runtime.config == cfg.c_config.as_dict()
         assert cfg.staleness == 4 and "staleness" not in e.runtime.config  # the schedule's key
@@ -372,11 +373,11 @@ def test_soap_rotate(eng, dtype, sides, shape):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("sides,shape", ROTATE_CASES)
 def test_soap_rotate_torch_engine(dtype, sides, shape):
-    from asteria.refresh.inline_torch import TorchEngine
+    from asteria.refresh.inline_torch import InlineTorchEngine
 
     n, n1 = shape
     x, a, b = rotate_inputs(3, n, n1, dtype, seed=70 + n1, sides=sides)
-    e = TorchEngine()
+    e = InlineTorchEngine()
     res = e.wait(e.submit("soap_rotate", x, a, b=b, **ids()))
     assert res.status == 0
     (out,) = res.outputs
@@ -384,7 +385,7 @@ def test_soap_rotate_torch_engine(dtype, sides, shape):
     tol = TOL[dtype] * 10
     torch.testing.assert_close(out.double(), ref_rotate(x, a, b), rtol=tol, atol=tol)
     # the C engine agrees with it
-    c = CEngine({"workers": 1, "pin": False})
+    c = HostPoolEngine({"workers": 1, "pin": False})
     try:
         cres = submit_wait(c, "soap_rotate", x, a, b=b)
         torch.testing.assert_close(cres.outputs[0], out, rtol=tol, atol=tol)
@@ -452,19 +453,19 @@ def test_soap_rotate_nonfinite_fails(eng):
     res = submit_wait(eng, "soap_rotate", x, a, b=b)
     assert res.status == _C.AST_ENONFINITE and res.outputs is None
     assert "block 1 of the batch" in res.error
-    from asteria.refresh.inline_torch import TorchEngine
+    from asteria.refresh.inline_torch import InlineTorchEngine
 
-    e = TorchEngine()
+    e = InlineTorchEngine()
     res = e.wait(e.submit("soap_rotate", x, a, b=b, **ids()))
     assert res.status == _C.AST_ENONFINITE and res.outputs is None
 
 
 def test_soap_rotate_check_op_errors(eng):
     from asteria.refresh.ops import check_op
-    from asteria.refresh.inline_torch import TorchEngine
+    from asteria.refresh.inline_torch import InlineTorchEngine
 
     x, a, b = rotate_inputs(2, 4, 6, torch.float64, seed=83, sides="ab")
-    for e in (eng, TorchEngine()):
+    for e in (eng, InlineTorchEngine()):
         with pytest.raises(ValueError, match="neither"):
             e.submit("soap_rotate", x, None, b=None, **ids())
         with pytest.raises(ValueError, match=r"\(batch, n, n1\)"):
@@ -521,7 +522,7 @@ def test_soap_rotate_runtime_submit_errors():
 def test_inputs_given_as_parts_equal_the_stacked_inputs(shadow):
     """f and q as lists of blocks: the job sees them stacked (through one shadow ring slot each,
     or one private buffer), with exactly the stacked inputs' result; no stack is made first."""
-    e = CEngine({"workers": 1, "pin": False}, shadow=shadow)
+    e = HostPoolEngine({"workers": 1, "pin": False}, shadow=shadow)
     try:
         f, q = sym(3, 24, torch.float32, seed=7), basis(3, 24, torch.float32, seed=8)
         whole = submit_wait(e, "soap_qr", f, q)
@@ -544,7 +545,7 @@ def test_inputs_given_as_parts_equal_the_stacked_inputs(shadow):
 
 
 def test_parts_fall_back_to_a_private_stack_when_the_ring_is_too_small():
-    e = CEngine({"workers": 1, "pin": False}, shadow="host", snapshot_ring_bytes=4096)
+    e = HostPoolEngine({"workers": 1, "pin": False}, shadow="host", snapshot_ring_bytes=4096)
     try:
         f, q = sym(2, 32, torch.float64, seed=3), basis(2, 32, torch.float64, seed=4)
         ref = submit_wait(e, "soap_qr", f.clone(), q.clone())

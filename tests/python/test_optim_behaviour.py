@@ -14,7 +14,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 
 import asteria.refresh.select
-from asteria.refresh.inline_torch import TorchEngine
+from asteria.refresh.inline_torch import InlineTorchEngine
 from asteria.optim import KLShampoo, SOAP, Shampoo
 from models import (assert_lockstep, assert_params_close, lockstep, loss_and_grad, make_model,
                     params_of, require_c_extension)
@@ -227,7 +227,7 @@ def test_nonfinite_gradient_skips_parameter_and_refresh(name):
     opt.close()
 
 
-class _FailingEngine(TorchEngine):
+class _FailingEngine(InlineTorchEngine):
     """Every refresh after the first-step eigendecompositions fails as non-finite."""
 
     def submit(self, op, f, q=None, **kw):

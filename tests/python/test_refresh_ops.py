@@ -104,7 +104,7 @@ def test_gram_ema_inline_executor():
     """The sync executor runs the reference at submit; an absent factor's output is None; a
     non-finite G is a failure with no outputs."""
     g, l, r = _gram_inputs(2, 4, 3, torch.float32, seed=6)
-    e = inline_torch.TorchEngine()
+    e = inline_torch.InlineTorchEngine()
     ids = dict(block=1, version=1, deadline=2, snapshot_step=1)
     res = e.wait(e.submit("gram_ema", g, l, b=r, p=0.9, eps=0.1, **ids))
     assert res.status == 0

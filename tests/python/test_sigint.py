@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from asteria import SOAP
-from asteria.refresh.host_pool import CEngine
+from asteria.refresh.host_pool import HostPoolEngine
 from job_delay import delay_jobs, set_job_delay
 from models import loss_and_grad, make_model, params_of, require_c_extension
 
@@ -83,9 +83,9 @@ def interrupted_wait(eng, ticket, sent_at):
     pytest.fail("the wait ended without KeyboardInterrupt")
 
 
-def slow_engine(delay_ms: int) -> CEngine:
+def slow_engine(delay_ms: int) -> HostPoolEngine:
     """A one-worker engine whose jobs sleep delay_ms first (the test-only job delay)."""
-    eng = CEngine({"workers": 1})
+    eng = HostPoolEngine({"workers": 1})
     if delay_ms:
         set_job_delay(eng.runtime, delay_ms)
     return eng
@@ -98,7 +98,7 @@ def test_sigint_interrupts_the_wait_and_the_result_survives(sigint, how):
     else:  # an eigendecomposition: 1.7 s for n = 1536 on a loaded 2-core VM, less on others
         delay, f = 0, spd(1536, seed=1)
     with torch.no_grad():
-        want = CEngine({"workers": 1})
+        want = HostPoolEngine({"workers": 1})
         try:
             t0 = time.monotonic()
             ref = want.wait(want.submit("eigh", f, block=1, version=1, deadline=1,

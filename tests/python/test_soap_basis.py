@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asteria.refresh import ops
-from asteria.refresh.host_pool import CEngine
+from asteria.refresh.host_pool import HostPoolEngine
 
 from reference import canonical_qr, eigvecs_descending
 
@@ -51,7 +51,7 @@ def orthogonal(batch, n, dtype=torch.float64, seed=1):
 
 @pytest.fixture(scope="module")
 def eng():
-    e = CEngine({"workers": 1, "pin": False})
+    e = HostPoolEngine({"workers": 1, "pin": False})
     yield e
     e.close()
 

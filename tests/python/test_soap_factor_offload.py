@@ -15,7 +15,7 @@ Checked here:
    bitwise the continuous run;
  - a job that fails on its worker (here: a non-finite G, AST_ENONFINITE) has written nothing,
    and the update is redone on the training thread, with a warning and a counter;
- - the executor's in-place contract (CEngine.submit("gram_ema")): outputs are L and R
+ - the executor's in-place contract (HostPoolEngine.submit("gram_ema")): outputs are L and R
    themselves, and what may not be updated in place is refused with a clear error.
 """
 
@@ -193,8 +193,8 @@ def test_an_interrupt_at_the_start_starts_the_job_once(lands, monkeypatch):
 # ---- the executor's in-place contract ---------------------------------------------------------
 
 def _engine():
-    from asteria.refresh.host_pool import CEngine
-    return CEngine({"workers": 1})
+    from asteria.refresh.host_pool import HostPoolEngine
+    return HostPoolEngine({"workers": 1})
 
 
 @pytest.mark.parametrize("sides", ["both", "left", "right"])

@@ -1,4 +1,4 @@
-"""Bounded staleness on the real C worker pool (asteria._C, CEngine), all three optimizers.
+"""Bounded staleness on the real C worker pool (asteria._C, HostPoolEngine), all three optimizers.
 
  - async + deterministic + S=0 equals sync;
  - async + deterministic + S=k equals the restatement with install_delay=k (a refresh

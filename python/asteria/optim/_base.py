@@ -25,7 +25,7 @@ the optimizer works on their local shards (``local``), blocked as usual; with th
 ``fsdp_blocking="global"`` they are blocked whole instead, one owner rank per block
 (``_global``: the hooks here gather the owned blocks before the kernels and scatter the new
 rows after them, and agree across ranks on what skips or restarts a parameter). When some parameters are
-replicated across ranks (DDP, HSDP), the engine is a ``DistributedEngine``
+replicated across ranks (DDP, HSDP), the engine is a ``ReplicatedEngine``
 (``asteria.refresh.replicated``) around the usual one:
 jobs are batched per replica set and carry it (``replicas=``), each block is computed by its
 owner only, and ``step_end`` hands finished results to the synchronisation every step.
@@ -44,7 +44,7 @@ import torch
 
 from asteria import distributed as _dist
 from asteria.refresh import select as _select
-from asteria.refresh.cost import report_lines
+from asteria.refresh.capacity import report_lines
 from asteria.config import RuntimeConfig
 from asteria.optim import functional as F
 from asteria.optim._blocking import Layout, make_layout
@@ -246,11 +246,6 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         planner; kind is one of "factors", "moments", "roots", "eigenbases"."""
         raise NotImplementedError
 
-    def _trace_event(self, kind: str, lane: Any, name: Optional[str] = None, **args) -> None:
-        tr = getattr(self._engine, "trace", None)
-        if tr is not None:
-            tr(kind, lane, name, **args)
-
     def _asteria_name_params(self, names: dict) -> None:
         """Parameter names (from the model) for messages."""
         for p, name in names.items():
@@ -261,8 +256,7 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         """Collect finished REFRESH jobs (never blocks). Returns how many were collected."""
         if self._closed:
             return 0
-        drain = getattr(self._engine, "drain", None)
-        return drain() if drain is not None else 0
+        return self._engine.drain()
 
     def add_param_group(self, param_group: dict) -> None:
         params = param_group["params"]
@@ -625,7 +619,7 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         return stats
 
     def asteria_plan(self) -> list[str]:
-        """The planner's decisions, then the capacity report (asteria.refresh.cost): work per
+        """The planner's decisions, then the capacity report (asteria.refresh.capacity): work per
         round, predicted and measured round seconds, the window S x step time, the pool's
         utilisation and the smallest S (and worker count) that hides the refresh; whether a
         device executor runs part of it. The capacity lines come once a round was submitted."""

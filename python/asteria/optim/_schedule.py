@@ -5,7 +5,7 @@ Owns: the rounds of REFRESH jobs in flight, the block keys and versions the engi
 counting sees, the consecutive-failure counts, and the step end (installs, then new
 snapshots). S is read from the runtime config here and nowhere else (``_delay``), and with
 ``staleness="auto"`` chosen here (``_choose_s``). May call: the engine (``submit`` / ``ready``
-/ ``wait``), the capacity record (``asteria.refresh.cost.Capacity``: every round's jobs, step
+/ ``wait``), the capacity record (``asteria.refresh.capacity.Capacity``: every round's jobs, step
 and stall times), the optimizer's subclass hooks (``_refresh_input``, ``_install``,
 ``_output_specs``). Single-threaded (the training thread);
 the engine's workers never see these objects.
@@ -65,7 +65,8 @@ import torch
 
 from asteria.optim._blocking import Layout
 from asteria.optim._state import _States, local
-from asteria.refresh.cost import Capacity, JobSpec
+from asteria.refresh.capacity import Capacity
+from asteria.refresh.cost import JobSpec
 
 
 INIT = "init"        # first-step eigendecomposition, installed in the step that submitted it
@@ -191,7 +192,7 @@ class ScheduleMixin:
 
     @property
     def capacity(self) -> Capacity:
-        """The capacity record of this optimizer's REFRESH work (asteria.refresh.cost)."""
+        """The capacity record of this optimizer's REFRESH work (asteria.refresh.capacity)."""
         if self._capacity is None or self._capacity._engine is not self._engine:
             self._capacity = Capacity(self._engine)
         return self._capacity
@@ -256,9 +257,7 @@ class ScheduleMixin:
         return zero.expand(shape)
 
     def _step_end(self, due: list) -> None:
-        step_end = getattr(self._engine, "step_end", None)
-        if step_end is not None:  # DistributedEngine: hand finished owner results to the sync
-            step_end(self._t)
+        self._engine.step_end(self._t)  # ReplicatedEngine: finished owner results to the sync
         # what is left of this step end, should a wait in it be interrupted (Ctrl-C at the
         # bounded barrier): the next step(), state_dict() or close() finishes it first, so a
         # caught KeyboardInterrupt leaves the run on the trajectory of an uninterrupted one
@@ -443,4 +442,4 @@ class ScheduleMixin:
     def _local_c_engine(self) -> bool:
         """May jobs be given inputs made for them, and inputs as parts (an executor that reads
         them in place: libasteria's pool, not a distributed wrapper)?"""
-        return getattr(self._engine, "takes_parts", False)
+        return self._engine.takes_parts

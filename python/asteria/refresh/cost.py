@@ -1,13 +1,15 @@
 """The cost model of the REFRESH work: how long a round takes on the lanes that run it.
 
 Owns: the FLOP count of a job (``flops``, from each op's count in ``asteria.refresh.ops``),
-the throughput measured per lane, op, dtype and
-size (``CostModel``), the prediction of a round's time on a number of workers (``makespan``,
-``assign``), and the capacity record of one optimizer (``Capacity``: rounds, their measured
-times, step times, the report and the smallest S that hides the refresh). May call: torch,
-``asteria.refresh.ops`` and,
-for ``calibrate`` only, ``asteria.refresh.host_pool``. Single-threaded (the training thread);
-executors hand it finished jobs through their ``observer`` on that thread.
+the throughput measured per lane, op, dtype and size (``CostModel``), the prediction of a
+round's time on a number of workers or lanes (``makespan``, ``assign``, ``split_makespan``,
+``predict_round``), the smallest S and worker count that cover a round (``smallest_s``,
+``smallest_workers``) and the measurement of a machine's per-core rate (``calibrate``). One
+optimizer's record of its rounds and the capacity report are ``asteria.refresh.capacity``'s;
+the check of the prediction against the pool is benchmarks/cost_check.py's. May call: torch,
+``asteria.refresh.ops``, ``asteria.refresh.engine`` (JobTiming, Lane) and, for ``calibrate``
+only, ``asteria.refresh.host_pool``. Single-threaded (the training thread); executors hand it
+finished jobs through their ``observer`` on that thread.
 
 FLOPs per batch entry (n: the factor's size; real arithmetic, one multiply-add = 2 FLOPs; each
 op's count is its ``flops`` entry in asteria/refresh/ops.py):
@@ -51,19 +53,17 @@ import dataclasses
 import heapq
 import math
 import statistics
-import time
 from collections import defaultdict, deque
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from asteria.refresh.engine import JobTiming
+from asteria.refresh.engine import JobTiming, Lane
 from asteria.refresh.ops import NEWTON_NOMINAL_ITERS, OPS, WITH_BASIS  # noqa: F401
 
 SAMPLES = 9                  # per measured size: the last SAMPLES (see _typical)
 ASSUMED_GFLOPS = 5.0         # a lane with nothing measured and no base rate (labelled so)
 DEVICE_PRIOR_GFLOPS = 200.0  # a device lane before its first job: the split explores it
-AUTO_MARGIN = 1.5            # staleness "auto": the window must be this much above a round
 
 
 def flops(op: str, n: int, n1: int = 0, p: float = 0.0, sides: int = 2) -> float:
@@ -215,7 +215,7 @@ class CostModel:
             return statistics.median(rates), "the lane's other ops"
         if lane in self.base_gflops:
             return self.base_gflops[lane] * 1e9, self.base_source or "base rate"
-        if lane == "device":
+        if lane == Lane.DEVICE:
             return DEVICE_PRIOR_GFLOPS * 1e9, "device prior (not measured yet)"
         return ASSUMED_GFLOPS * 1e9, "assumed (nothing measured)"
 
@@ -246,7 +246,7 @@ class CostModel:
 
 # ---- rounds on lanes ---------------------------------------------------------------------------
 
-def makespan(model: CostModel, jobs: Sequence[JobSpec], workers: int, lane: str = "host",
+def makespan(model: CostModel, jobs: Sequence[JobSpec], workers: int, lane: Lane = Lane.HOST,
              free_at: Optional[Sequence[float]] = None) -> float:
     """Seconds from a round's first submit until the last of ``jobs`` is done when each runs
     whole on one of ``workers`` (libasteria's pool: a batched job is one unit; jobs of one
@@ -299,11 +299,11 @@ def predict_round(model: CostModel, jobs: Sequence[JobSpec], lanes: dict,
                   splits: bool) -> float:
     """A round's seconds on an executor with these lanes: inline (serial, on the caller's
     thread), whole jobs on the host pool, or divided among host workers and a device."""
-    if "inline" in lanes:  # on the caller's thread: nothing to dispatch
-        return sum(model.job_seconds("inline", j) for j in jobs)
+    if Lane.INLINE in lanes:  # on the caller's thread: nothing to dispatch
+        return sum(model.job_seconds(Lane.INLINE, j) for j in jobs)
     if splits:
         return split_makespan(model, jobs, lanes)
-    return makespan(model, jobs, lanes.get("host", 1))
+    return makespan(model, jobs, lanes.get(Lane.HOST, 1))
 
 
 def smallest_workers(model: CostModel, jobs: Sequence[JobSpec], window_s: float,
@@ -316,7 +316,7 @@ def smallest_workers(model: CostModel, jobs: Sequence[JobSpec], window_s: float,
         return None
 
     def fits(w: int) -> bool:
-        lanes = {"host": w, **({"device": device} if device else {})}
+        lanes = {Lane.HOST: w, **({Lane.DEVICE: device} if device else {})}
         return predict_round(model, jobs, lanes, splits) <= window_s
 
     if not fits(limit):
@@ -338,282 +338,15 @@ def smallest_s(round_s: float, step_s: float, margin: float = 1.0) -> Optional[i
         return None
     return max(1, math.ceil(margin * round_s / step_s - 1e-9))
 
-
-# ---- one optimizer's capacity record -----------------------------------------------------------
-
-@dataclasses.dataclass
-class RoundRecord:
-    kind: str
-    snapshot_step: int
-    submit_ns: int
-    jobs: dict                    # ticket -> JobSpec
-    predicted_s: float
-    done_ns: int = 0
-    started_ns: int = 0
-    busy_s: float = 0.0
-    finished: set = dataclasses.field(default_factory=set)
-
-    @property
-    def complete(self) -> bool:
-        return len(self.finished) >= len(self.jobs)
-
-    @property
-    def measured_s(self) -> Optional[float]:
-        """Submit to the last job's end: the time the window must cover."""
-        return (self.done_ns - self.submit_ns) / 1e9 if self.complete and self.done_ns else None
-
-    @property
-    def gflop(self) -> float:
-        return sum(j.flops for j in self.jobs.values()) / 1e9
-
-
-class Capacity:
-    """What one optimizer's REFRESH work costs against its step time, measured as it runs."""
-
-    KEEP = 16  # rounds and rotations kept
-
-    def __init__(self, engine: Any, model: Optional[CostModel] = None) -> None:
-        # an executor that divides jobs by a model of its own shares it (and feeds it)
-        shared = getattr(engine, "model", None)
-        self._own_model = model is None and shared is None
-        self.model = model or shared or CostModel()
-        self._engine = engine
-        self.rounds: deque = deque(maxlen=self.KEEP)
-        self._by_ticket: dict = {}
-        self._steps: deque = deque(maxlen=64)  # step seconds, barrier stalls excluded
-        self._last_end_ns: Optional[int] = None
-        self._busy = defaultdict(float)   # lane -> busy seconds since the first job
-        self._first_ns: Optional[int] = None
-        self.rotation_s: deque = deque(maxlen=self.KEEP)
-        self._rot_pending: dict = {}      # ticket -> submit ns of a job outside the rounds
-        self._timing = ""
-        engine.observer = self.observe
-
-    # ---- feeds --------------------------------------------------------------------------------
-    def round_submitted(self, kind: str, snapshot_step: int, jobs: dict, start_ns: int,
-                        submit_s: Optional[dict] = None) -> RoundRecord:
-        """A round's jobs {ticket: JobSpec} were submitted from ``start_ns`` on (monotonic);
-        ``submit_s``: {ticket: seconds its submit took}."""
-        for t, s in (submit_s or {}).items():
-            self.model.observe_submit(jobs[t].input_bytes, s)
-        lanes = self.lanes()
-        rec = RoundRecord(kind, snapshot_step, start_ns, dict(jobs),
-                          predict_round(self.model, list(jobs.values()), lanes, self.splits))
-        for t in jobs:
-            self._by_ticket[t] = rec
-        self.rounds.append(rec)
-        if self._first_ns is None:
-            self._first_ns = rec.submit_ns
-        return rec
-
-    def observe(self, t: JobTiming) -> None:
-        if self._own_model:
-            self.model.observe(t)
-        self._timing = self._timing or t.timing
-        if t.started_ns and t.done_ns > t.started_ns:
-            self._busy[t.lane] += (t.done_ns - t.started_ns) / 1e9
-            if self._first_ns is None or t.started_ns < self._first_ns:
-                self._first_ns = t.started_ns
-        rec = self._by_ticket.get(t.ticket)
-        if rec is None:
-            return
-        if t.started_ns:
-            rec.started_ns = min(rec.started_ns or t.started_ns, t.started_ns)
-        rec.done_ns = max(rec.done_ns, t.done_ns)
-        rec.busy_s += max(0, t.done_ns - t.started_ns) / 1e9
-        if t.last:
-            rec.finished.add(t.ticket)
-        if rec.complete:
-            for k in rec.jobs:
-                self._by_ticket.pop(k, None)
-            first = rec.jobs[min(rec.jobs)]
-            if rec.started_ns and t.lane != "inline":
-                self.model.observe_dispatch((rec.started_ns - rec.submit_ns) / 1e9
-                                            - self.model.submit_seconds(first))
-
-    def step_end(self, stall_ns: int = 0) -> None:
-        """A step ended now; ``stall_ns`` of it went to waiting at the bounded barrier."""
-        now = time.monotonic_ns()
-        if self._last_end_ns is not None:
-            self._steps.append(max(0, now - self._last_end_ns - stall_ns) / 1e9)
-        self._last_end_ns = now
-
-    # ---- views --------------------------------------------------------------------------------
-    def lanes(self) -> dict:
-        lanes = self._engine.lanes() if hasattr(self._engine, "lanes") else {}
-        return lanes or {"host": 1}
-
-    @property
-    def splits(self) -> bool:
-        return bool(getattr(self._engine, "splits_batches", False))
-
-    def step_s(self) -> Optional[float]:
-        return statistics.median(self._steps) if self._steps else None
-
-    def last_refresh(self) -> Optional[RoundRecord]:
-        for rec in reversed(self.rounds):
-            if rec.kind == "refresh":
-                return rec
-        return None
-
-    def measured_refresh_s(self) -> list:
-        return [r.measured_s for r in self.rounds if r.kind == "refresh"
-                and r.measured_s is not None]
-
-    def predict(self, rec: RoundRecord, lanes: Optional[dict] = None) -> float:
-        return predict_round(self.model, list(rec.jobs.values()), lanes or self.lanes(),
-                             self.splits)
-
-    def utilisation(self) -> Optional[float]:
-        if self._first_ns is None:
-            return None
-        elapsed = (time.monotonic_ns() - self._first_ns) / 1e9
-        slots = sum(self.lanes().values())
-        busy = sum(self._busy.values())
-        return busy / (slots * elapsed) if elapsed > 0 and slots else None
-
-    def auto_s(self, f: int, jobs: Optional[Sequence[JobSpec]] = None) -> Optional[int]:
-        """S for ``staleness="auto"``: the fewest steps that cover AUTO_MARGIN x a REFRESH
-        round's time, at least 1, at most f; None while that cannot be known. ``jobs``: the
-        round about to be submitted, priced by the model if it has measured any job on these
-        lanes (the first-step eigendecompositions); without ``jobs``: the last REFRESH round,
-        once measured (the larger of its measured time and its prediction)."""
-        step = self.step_s()
-        if not step:
-            return None
-        if jobs is not None:
-            if not jobs or not self.model.observed:
-                return None
-            need = predict_round(self.model, list(jobs), self.lanes(), self.splits)
-        else:
-            rec = self.last_refresh()
-            if rec is None or rec.measured_s is None:
-                return None
-            need = max(rec.measured_s, self.predict(rec))
-        return min(f, smallest_s(need, step, AUTO_MARGIN))
-
-    def summary(self, staleness: int) -> dict:
-        """The capacity report as numbers (None where not measured yet)."""
-        rec = self.last_refresh()
-        step = self.step_s()
-        lanes = self.lanes()
-        out: dict = {"lanes": dict(lanes), "splits_batches": self.splits,
-                     "step_s": step, "staleness": staleness,
-                     "window_s": staleness * step if step else None,
-                     "utilisation": self.utilisation(), "timing": self._timing}
-        if "device" in lanes:
-            # process-wide: "high" / "medium" put the device lane's float32 matmuls in TF32
-            out["float32_matmul_precision"] = torch.get_float32_matmul_precision()
-        if rec is None:
-            return out
-        pred = self.predict(rec)
-        measured = self.measured_refresh_s()
-        out.update({"round_gflop": rec.gflop, "round_jobs": len(rec.jobs),
-                    "round_entries": sum(j.batch for j in rec.jobs.values()),
-                    "predicted_round_s": pred,
-                    "measured_round_s": measured[-1] if measured else None,
-                    "rate_sources": self.model.sources(next(iter(lanes)), rec.jobs.values())})
-        need = max([pred] + measured[-1:])
-        if step:
-            out["smallest_s"] = smallest_s(need, step)
-            jobs = list(rec.jobs.values())
-            out["smallest_workers"] = smallest_workers(self.model, jobs, staleness * step,
-                                                       self.splits, lanes.get("device", 0))
-        return out
-
-
-def report_lines(s: dict) -> list[str]:
-    """The capacity summary in plain words (``asteria_plan()``)."""
-    lanes = ", ".join(f"{k} x{v}" for k, v in s["lanes"].items())
-    lines = [f"capacity: REFRESH lanes {lanes}"
-             + ("; each round divided among them" if s["splits_batches"] else
-                "; one job per (op, size, dtype), each on one worker")]
-    if "device" not in s["lanes"]:
-        lines.append("capacity: no device executor (no CUDA device for these parameters)")
-    elif s.get("float32_matmul_precision", "highest") != "highest":
-        lines.append(f"capacity: torch's float32 matmul precision is "
-                     f"{s['float32_matmul_precision']!r}: the device lane's float32 matmuls "
-                     "(soap_qr, inv_root, soap_rotate) run in TF32, the host lane's in full "
-                     "FP32, so a round divided among them mixes precisions")
-    if "round_gflop" not in s:
-        lines.append("capacity: no REFRESH round yet")
-        return lines
-    def sec(x):
-        return "not measured yet" if x is None else f"{x:.3f} s"
-    lines.append(f"capacity: work per round {s['round_gflop']:.2f} GFLOP in "
-                 f"{s['round_jobs']} jobs ({s['round_entries']} factors); predicted "
-                 f"{sec(s['predicted_round_s'])} (rates: {', '.join(s['rate_sources'])}), "
-                 f"measured {sec(s['measured_round_s'])} (submit to last job's end, timed by "
-                 f"{s['timing'] or 'nobody'})")
-    if s["step_s"]:
-        lines.append(f"capacity: window S x step = {s['staleness']} x {s['step_s']:.3f} s = "
-                     f"{s['window_s']:.3f} s; pool utilisation "
-                     + ("n/a" if s["utilisation"] is None else f"{100 * s['utilisation']:.0f}%"))
-        w = s.get("smallest_workers")
-        lines.append(f"capacity: smallest S that hides the refresh: {s['smallest_s']}; "
-                     f"smallest worker count at S={s['staleness']}: "
-                     + ("more than 256" if w is None else str(w)))
-    return lines
-
-
 # ---- calibration -------------------------------------------------------------------------------
 
-def _spd_and_basis(batch: int, n: int, dtype: torch.dtype, seed: int) -> tuple:
+def spd_and_basis(batch: int, n: int, dtype: torch.dtype, seed: int) -> tuple:
+    """(F, Q) of a calibration job: ``batch`` well-conditioned SPD factors of size n and
+    orthogonal bases, reproducible from ``seed``."""
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(batch, n, n, generator=g, dtype=dtype)
     f = a @ a.transpose(-1, -2) / n + torch.eye(n, dtype=dtype)
     return f, torch.linalg.qr(torch.randn(batch, n, n, generator=g, dtype=dtype)).Q
-
-
-def pool_round(engine: Any, sizes: Sequence[tuple], model: Optional[CostModel] = None,
-               op: str = "soap_qr", dtype: torch.dtype = torch.float32) -> float:
-    """Run one round on ``engine``: one job per (n, batch) of ``sizes``, as the schedule
-    submits them; seconds from the first submit to the last job's end (the executor's own
-    timing). ``model``, if given, learns the round's dispatch latency (the engine's observer
-    feeds it the jobs)."""
-    ins = [_spd_and_basis(b, n, dtype, n) for n, b in sizes]
-    t0 = time.monotonic_ns()
-    tickets, ends = [], []
-    for i, ((n, b), (f, q)) in enumerate(zip(sizes, ins)):
-        t = time.monotonic_ns()
-        tickets.append(engine.submit(op, f, q if op in ("soap_qr", "kl_qr") else None,
-                                     block=i + 1, version=1, deadline=10, snapshot_step=0))
-        ends.append(time.monotonic_ns())
-        if model is not None:
-            model.observe_submit(JobSpec(op, dtype, n, b).input_bytes, (ends[-1] - t) / 1e9)
-    results = [engine.wait(t) for t in tickets]
-    if model is not None:
-        model.observe_dispatch((results[0].started_ns - ends[0]) / 1e9)
-    return (max(r.done_ns for r in results) - t0) / 1e9
-
-
-def prediction_check(workers: int, sizes: Sequence[tuple], calibration: Sequence[tuple],
-                     repeats: int = 7) -> dict:
-    """How well the model predicts a round on the C pool with ``workers``: each round is
-    predicted before it runs from every job seen so far (a calibration round at other sizes
-    first, then the rounds before), as in a training run. Returns the lists and their medians
-    and the relative error of the median prediction."""
-    from asteria.refresh.host_pool import CEngine
-
-    model = CostModel()
-    eng = CEngine({"workers": workers})
-    eng.observer = model.observe
-    jobs = [JobSpec("soap_qr", torch.float32, n, b) for n, b in sizes]
-    predicted, measured = [], []
-    try:
-        pool_round(eng, calibration)  # warm the pool and the allocator
-        for _ in range(repeats):
-            pool_round(eng, calibration, model)
-            predicted.append(makespan(model, jobs, workers))
-            measured.append(pool_round(eng, sizes, model))
-    finally:
-        eng.close()
-    p, m = statistics.median(predicted), statistics.median(measured)
-    return {"workers": workers, "sizes": [list(x) for x in sizes],
-            "calibration": [list(x) for x in calibration], "predicted_s": predicted,
-            "measured_s": measured, "median_predicted_s": p, "median_measured_s": m,
-            "relative_error": (p - m) / m, "rates": model.table(),
-            "dispatch_s": model.dispatch_s}
 
 
 def calibrate(ops: Sequence[str] = ("soap_qr", "eigh"), sizes: Sequence[int] = (256, 512),
@@ -621,14 +354,14 @@ def calibrate(ops: Sequence[str] = ("soap_qr", "eigh"), sizes: Sequence[int] = (
               model: Optional[CostModel] = None) -> CostModel:
     """Measure ops on libasteria's pool with one worker (its own timings, the median of
     ``repeats``) and return the model (lane "host"): the per-core throughput of this machine."""
-    from asteria.refresh.host_pool import CEngine
+    from asteria.refresh.host_pool import HostPoolEngine
 
     model = model or CostModel()
-    eng = CEngine({"workers": 1})
+    eng = HostPoolEngine({"workers": 1})
     eng.observer = model.observe
     try:
         for n in sizes:
-            f, q = _spd_and_basis(batch, n, dtype, 0)
+            f, q = spd_and_basis(batch, n, dtype, 0)
             for op in ops:
                 for r in range(repeats):
                     tk = eng.submit(op, f, q if op in ("soap_qr", "kl_qr") else None,

@@ -26,7 +26,7 @@ a blocking event (its thread sleeps, it does not spin on a core the C workers wa
 Precision: torch's float32 matmul precision is process-wide; under "high" or "medium" the
 device lane's matmuls (soap_qr, inv_root, soap_rotate) run in TF32 while the host lane stays
 in full FP32. It is not changed here (changing it from the runner thread would change the
-training thread's matmuls too); the capacity report names it (``cost.report_lines``).
+training thread's matmuls too); the capacity report names it (``capacity.report_lines``).
 
 Failures: numerical ones (non-finite, non-convergence, torch.linalg's errors) are statuses of
 the job's Result, as with every executor. Anything else the job raises in the runner thread (a
@@ -50,7 +50,7 @@ from typing import Any, Optional
 
 import torch
 
-from asteria.refresh.engine import Engine, JobTiming, Result
+from asteria.refresh.engine import Engine, JobTiming, Lane, Result
 from asteria.refresh.inline_torch import run
 from asteria.refresh.ops import RECTANGULAR, check_op
 
@@ -112,7 +112,7 @@ class DeviceEngine(Engine):
         return self._device
 
     def lanes(self) -> dict[str, int]:
-        return {"device": 1}
+        return {Lane.DEVICE: 1}
 
     # ---- the owner's side ------------------------------------------------------------------
     def submit(self, op, f, q=None, *, block, version, deadline, snapshot_step, p=0.0,
@@ -173,7 +173,7 @@ class DeviceEngine(Engine):
                 res.outputs = tuple(None if t is None else t.cpu() for t in res.outputs)
         if self.observer is not None and res.started_ns:
             batch, n, n1, sides = job.shape
-            self.observer(JobTiming(ticket, "device", job.op, job.dtype, n, n1, batch,
+            self.observer(JobTiming(ticket, Lane.DEVICE, job.op, job.dtype, n, n1, batch,
                                     res.started_ns, res.done_ns, res.timing, job.p, sides,
                                     res.status == 0))
         return res

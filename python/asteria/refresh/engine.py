@@ -5,16 +5,16 @@ refresh, SOAP's re-expression of m in a new basis; the ops of ``asteria.refresh.
 hands back its result later. The executors (``asteria.refresh.select`` is the only place that
 picks one):
 
-* ``TorchEngine`` (``inline_torch.py``): ``mode="sync"``. It computes inline with
+* ``InlineTorchEngine`` (``inline_torch.py``): ``mode="sync"``. It computes inline with
   ``torch.linalg`` on the tensors' own device at ``submit`` time. This is the native reference.
-* ``CEngine`` (``host_pool.py``): ``mode="async"``. Every job runs on libasteria's C worker
+* ``HostPoolEngine`` (``host_pool.py``): ``mode="async"``. Every job runs on libasteria's C worker
   pool (LAPACKE on host threads). The training thread only snapshots, submits, polls and
   waits.
 * ``DeviceEngine`` (``device.py``): torch.linalg on a lowest-priority CUDA stream, on a
   thread of its own.
 * ``SplitEngine`` (``split.py``): ``mode="async"`` with CUDA parameters; each job divided
   among the C pool's workers and a ``DeviceEngine`` by the cost model (``cost.py``).
-* ``DistributedEngine`` (``replicated.py``): around either, for blocks replicated over
+* ``ReplicatedEngine`` (``replicated.py``): around either, for blocks replicated over
   ranks (one owner computes, the others receive).
 
 All tensors passed to ``submit`` are *batched*: shape ``(batch, n, n)`` for same-shape blocks
@@ -24,19 +24,54 @@ the call.
 
 Capabilities an executor declares (class attributes) instead of callers testing its type:
 ``takes_parts`` (inputs may be given as a list of per-block tensors and donated, see
-``CEngine.submit``), ``replicated`` (blocks replicated over ranks: jobs take ``replicas=``),
-``splits_batches`` (a job's batch is divided among lanes), and ``lanes()`` (what runs jobs and
-how many at once). An executor hands each finished job's ``JobTiming`` to its ``observer``
-(the capacity model's feed), on the thread that waits for the job.
+``HostPoolEngine.submit``), ``replicated`` (blocks replicated over ranks: jobs take
+``replicas=``), ``splits_batches`` (a job's batch is divided among lanes), ``lanes()`` (what
+runs jobs and how many at once, keyed by ``Lane``) and ``model`` (a cost model the executor
+divides jobs by, shared with the capacity record). An executor hands each finished job's
+``JobTiming`` to its ``observer`` (the capacity model's feed), on the thread that waits for
+the job.
+
+Every method the optimizer layer calls on an engine is declared on ``Engine``; those an
+executor may have nothing to do for (``drain``, ``step_end``, ``trace``, ``trace_write``) are
+no-ops here, so callers call them plainly. Lane names are ``Lane`` (executor lanes: the cost
+model's and the capacity report's) and ``TraceLane`` (the runtime trace's tracks); both are
+``str`` enums whose values are what JSON, trace files and reports have always carried.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import enum
 from typing import Any, Callable, Optional
 
 import torch
+
+
+class _StrEnum(str, enum.Enum):
+    """A str whose str() and format() are its value (enum.StrEnum from Python 3.11 on)."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class Lane(_StrEnum):
+    """What runs REFRESH jobs: the unit of ``Engine.lanes()``, of ``JobTiming.lane`` and of
+    the cost model's throughput table."""
+
+    HOST = "host"      # libasteria's C worker pool (one slot per worker)
+    DEVICE = "device"  # torch.linalg on a CUDA stream (DeviceEngine)
+    INLINE = "inline"  # torch.linalg inline on the caller's thread (mode="sync")
+
+
+class TraceLane(_StrEnum):
+    """Named tracks of the runtime's Chrome trace that Python records on (``Engine.trace``;
+    libasteria's workers have tracks of their own, by index)."""
+
+    TRAIN = "train"
+    SHADOW = "shadow"
+    COHERENCE = "coherence"
+    NVME = "nvme"
 
 
 @dataclasses.dataclass
@@ -67,7 +102,7 @@ class JobTiming:
     (``asteria.refresh.cost``) learns from it. ``ticket`` is the ticket the caller holds."""
 
     ticket: int
-    lane: str         # "host" (the C pool), "device" (a CUDA stream), "inline" (torch inline)
+    lane: Lane
     op: str
     dtype: torch.dtype
     n: int
@@ -95,12 +130,33 @@ class Engine(abc.ABC):
     #: called with a ``JobTiming`` for each finished job whose result is handed out (the
     #: capacity model's feed); None: nobody listens
     observer: Optional[Callable[[JobTiming], None]] = None
+    #: the cost model (``asteria.refresh.cost.CostModel``) this executor divides jobs by
+    #: (``SplitEngine``); the capacity record shares it rather than keeping a second one.
+    #: None: the executor has none
+    model: Optional[Any] = None
 
-    def lanes(self) -> dict[str, int]:
+    def lanes(self) -> dict[Lane, int]:
         """The lanes this executor runs jobs on and how many run at once:
-        {"host": workers} for the C pool, {"inline": 1} for the torch executor, plus
-        {"device": 1} with a device executor."""
+        {Lane.HOST: workers} for the C pool, {Lane.INLINE: 1} for the torch executor, plus
+        {Lane.DEVICE: 1} with a device executor."""
         return {}
+
+    def drain(self) -> int:
+        """Collect finished jobs without blocking; returns how many were collected. An
+        executor that finishes its jobs at submit, or is only polled through ``ready``, has
+        nothing to collect."""
+        return 0
+
+    def step_end(self, step: int) -> None:
+        """The optimizer's step ``step`` ended (after its installs and submits). A replicated
+        executor hands finished owner results to its protocol here; others ignore it."""
+
+    def trace(self, kind: str, lane: Any, name: Optional[str] = None, **args: Any) -> None:
+        """Record one caller event (a copy, a prefetch) in the executor's runtime trace
+        (``asteria._C.Runtime.trace_event``'s arguments); a no-op without a trace."""
+
+    def trace_write(self, path: Optional[str] = None) -> None:
+        """Write the runtime trace so far (config ``trace``, or ``path``); a no-op without one."""
 
     @abc.abstractmethod
     def submit(

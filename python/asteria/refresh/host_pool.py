@@ -1,4 +1,4 @@
-"""``CEngine``: the ``mode="async"`` REFRESH engine, over libasteria's C worker pool.
+"""``HostPoolEngine``: the ``mode="async"`` REFRESH engine, over libasteria's C worker pool.
 
 Owns: one ``asteria._C.Runtime`` and, per job whose result has not been handed out yet, its host
 tensors (input snapshots, outputs) with their buffer registrations. Workers read and write those
@@ -43,7 +43,7 @@ import torch
 
 from asteria import _C
 from asteria.config import RuntimeConfig
-from asteria.refresh.engine import Engine, JobTiming, Result
+from asteria.refresh.engine import Engine, JobTiming, Lane, Result, TraceLane
 from asteria.refresh.ops import WITH_BASIS, check_op, output_spec
 
 _C_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
@@ -123,7 +123,7 @@ def _snapshot(parts: list, shape: tuple, dtype: torch.dtype, pin: bool) -> torch
     return out
 
 
-class CEngine(Engine):
+class HostPoolEngine(Engine):
     """REFRESH jobs on libasteria's worker pool (``mode="async"``)."""
 
     takes_parts = True
@@ -150,7 +150,7 @@ class CEngine(Engine):
                                      device=device if cuda else -1)
         self._closed = False
         if self._tracing:
-            self._rt.trace_name_lane("nvme", "nvme tier")
+            self._rt.trace_name_lane(TraceLane.NVME, "nvme tier")
 
     def trace(self, kind: str, lane: Any, name: Optional[str] = None, **args: Any) -> None:
         """Record one caller event (copies) in the runtime's trace; a no-op without one."""
@@ -190,11 +190,12 @@ class CEngine(Engine):
             return None
         self._shadow.snapshot_wait(ticket)  # the host path copied at issue
         t1 = time.monotonic_ns()
-        self.trace("copy_issued", "shadow", bytes=nbytes, direction="d2h", block=block,
+        self.trace("copy_issued", TraceLane.SHADOW, bytes=nbytes, direction="d2h", block=block,
                    ts_ns=t0)
-        self.trace("copy", "shadow", bytes=nbytes, direction="d2h", block=block, ts_ns=t0,
+        self.trace("copy", TraceLane.SHADOW, bytes=nbytes, direction="d2h", block=block, ts_ns=t0,
                    dur_ns=t1 - t0)
-        self.trace("copy_done", "shadow", bytes=nbytes, direction="d2h", block=block, ts_ns=t1)
+        self.trace("copy_done", TraceLane.SHADOW, bytes=nbytes, direction="d2h", block=block,
+                   ts_ns=t1)
         return torch.from_dlpack(self._shadow.snapshot_view(ticket, cdtype, shape)), ticket
 
     @property
@@ -268,10 +269,10 @@ class CEngine(Engine):
                 if self._shadow is not None:
                     self._copies["snapshots_fallback"] += 1
                     t1 = time.monotonic_ns()
-                    self.trace("copy", "shadow", "snapshot (private buffer)", bytes=nb,
+                    self.trace("copy", TraceLane.SHADOW, "snapshot (private buffer)", bytes=nb,
                                direction="d2h", block=block, ts_ns=t0, dur_ns=t1 - t0)
-                    self.trace("copy_done", "shadow", bytes=nb, direction="d2h", block=block,
-                               ts_ns=t1)
+                    self.trace("copy_done", TraceLane.SHADOW, bytes=nb, direction="d2h",
+                               block=block, ts_ns=t1)
             else:
                 inputs.append(staged[0])
                 tickets.append(staged[1])
@@ -385,13 +386,13 @@ class CEngine(Engine):
         out = self._result(job)
         if self.observer is not None and out.started_ns:
             batch, n, n1, p, sides = job.shape
-            self.observer(JobTiming(ticket, "host", job.op, job.dtype, n, n1, batch,
+            self.observer(JobTiming(ticket, Lane.HOST, job.op, job.dtype, n, n1, batch,
                                     out.started_ns, out.done_ns, out.timing, p, sides,
                                     out.status == 0))
         return out
 
     def lanes(self) -> dict[str, int]:
-        return {"host": int(self.stats().get("workers", 1))}
+        return {Lane.HOST: int(self.stats().get("workers", 1))}
 
     def cancel(self, ticket: int) -> bool:
         job = self._jobs.get(ticket)
@@ -464,7 +465,7 @@ class CEngine(Engine):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("CEngine is closed")
+            raise RuntimeError("HostPoolEngine is closed")
 
     def _job(self, ticket: int) -> _Job:
         try:

@@ -1,4 +1,4 @@
-"""``TorchEngine``: the ``mode="sync"`` REFRESH executor, the native reference.
+"""``InlineTorchEngine``: the ``mode="sync"`` REFRESH executor, the native reference.
 
 Owns: nothing but a table of finished results and its counters. Every job is computed inline
 with ``torch.linalg`` (``soap_rotate``, ``gram_ema``: plain matmuls) at ``submit`` time, on the
@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from asteria.refresh.engine import Engine, JobTiming, Result
+from asteria.refresh.engine import Engine, JobTiming, Lane, Result
 from asteria.refresh.ops import (AST_ENOCONV, AST_ENONFINITE, OPS, RECTANGULAR, _Failure,
                                  check_op)
 
@@ -79,7 +79,7 @@ def run(op: str, f: torch.Tensor, q: Optional[torch.Tensor], p: float, eps: floa
         return AST_ENOCONV, None, str(exc), False
 
 
-class TorchEngine(Engine):
+class InlineTorchEngine(Engine):
     """Inline torch.linalg engine for ``mode="sync"``."""
 
     def __init__(self) -> None:
@@ -96,7 +96,7 @@ class TorchEngine(Engine):
     def submit(self, op, f, q=None, *, block, version, deadline, snapshot_step, p=0.0,
                eps=0.0, b=None) -> int:
         if self._closed:
-            raise RuntimeError("TorchEngine is closed")
+            raise RuntimeError("InlineTorchEngine is closed")
         check_op(op, (f, q, b))
         ticket = self._next_ticket
         self._next_ticket += 1
@@ -131,12 +131,12 @@ class TorchEngine(Engine):
         shape = self._shapes.pop(ticket, None)
         if self.observer is not None and shape is not None:
             op, dtype, batch, n, n1, p, sides = shape
-            self.observer(JobTiming(ticket, "inline", op, dtype, n, n1, batch, res.started_ns,
+            self.observer(JobTiming(ticket, Lane.INLINE, op, dtype, n, n1, batch, res.started_ns,
                                     res.done_ns, res.timing, p, sides, res.status == 0))
         return res
 
     def lanes(self) -> dict[str, int]:
-        return {"inline": 1}
+        return {Lane.INLINE: 1}
 
     def cancel(self, ticket: int) -> bool:
         return False  # every job finished at submit time

@@ -1,140 +1,55 @@
-"""The replicated executor: preconditioner blocks replicated across ranks (DDP, HSDP): one owner computes each block's
-REFRESH, the other replicas receive it, and every replica installs the same version at the same
-step (DESIGN.md "Distributed", docs/coherence.md for the protocol, docs/distributed.md for this
-layer).
+"""The replicated executor: preconditioner blocks replicated across ranks (DDP, HSDP): one
+owner computes each block's REFRESH, the other replicas receive it, and every replica installs
+the same version at the same step (DESIGN.md "Distributed", docs/coherence.md for the
+protocol, docs/distributed.md for this layer).
 
-Owns: ``DistributedEngine``, the ``Engine`` the optimizers see in a distributed run, with its
-channels (one per replica set and staleness budget) over the links of ``asteria.distributed``. It wraps the
-ordinary engine (``CEngine`` or ``TorchEngine``): a replicated job's entries are split between
-their owners (the CoherenceRegistry's LPT rule, ``asteria._C.Coherence``), each rank submits only
-the entries it owns to the inner engine, and the job completes through the registry's protocol.
+Owns: ``ReplicatedEngine``, the ``Engine`` the optimizers see in a distributed run, with its
+channels (one per replica set and staleness budget) over the links of ``asteria.distributed``.
+It wraps the ordinary engine (``HostPoolEngine`` or ``InlineTorchEngine``): a replicated job's
+entries are split between their owners (the CoherenceRegistry's LPT rule,
+``asteria._C.Coherence``), each rank submits only the entries it owns to the inner engine, and
+the job completes through the coherence protocol (``asteria.refresh.coherence_protocol``: the
+units, the channels and the thread that runs them).
 Sharded (FSDP2) or unreplicated blocks go straight to the inner engine.
 May call: torch, torch.distributed (gloo process groups only), asteria.distributed,
-asteria.refresh (engine, ops), asteria._C.
+asteria.refresh (engine, ops, coherence_protocol), asteria._C.
 
 Threads. The training thread calls the Engine methods and is the only caller of the inner
-engine. One daemon thread per engine ("asteria-coherence") runs the protocol of each *unit* (the
-replicated jobs of one replica set snapshotted at one step, with one install step) in submission
-order, which is the same on every replica, so every process group sees its collectives in the
-same order everywhere. They share: the unit queue (``queue.Queue``); per unit two
-``threading.Event`` (``owner_ready``: the training thread handed over this rank's results;
-``done``: the protocol finished) and the fields each Event publishes; the registries
-(``_C.Coherence``, every call under the GIL; the training thread uses a second registry of each
-channel, the *planner*, for owner lookups at submit time, and brackets its barrier waits on the
-protocol registry). The training thread hands results over at every ``step_end``/``drain``
-(never blocking) and, blocking, when it needs a unit (``wait``): that wait is the bounded
-barrier. So traffic runs while the training thread computes, and a unit whose owners finished
-within the S steps of its window costs the install step nothing.
+engine. One daemon thread per engine (``CoherenceProtocol``, "asteria-coherence") runs the
+protocol of each *unit* (the replicated jobs of one replica set snapshotted at one step, with
+one install step) in submission order, which is the same on every replica, so every process
+group sees its collectives in the same order everywhere. They share: the unit queue
+(``queue.Queue``); per unit two ``threading.Event`` (``owner_ready``: the training thread handed
+over this rank's results; ``done``: the protocol finished) and the fields each Event publishes;
+the registries (``_C.Coherence``, every call under the GIL; the training thread uses a second
+registry of each channel, the *planner*, for owner lookups at submit time, and brackets its
+barrier waits on the protocol registry). The training thread hands results over at every
+``step_end``/``drain`` (never blocking) and, blocking, when it needs a unit (``wait``): that
+wait is the bounded barrier. So traffic runs while the training thread computes, and a unit
+whose owners finished within the S steps of its window costs the install step nothing.
 """
-
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
-import queue
-import threading
-import time
 import warnings
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-
-#: environment overrides: ranks per simulated node (node = rank // N, for launches that cannot
-#: set GROUP_RANK), the collective timeout in seconds, and "flat" to turn the hierarchy off
-ENV_RANKS_PER_NODE = "ASTERIA_RANKS_PER_NODE"
-ENV_TIMEOUT = "ASTERIA_COHERENCE_TIMEOUT_S"
-ENV_TOPOLOGY = "ASTERIA_COHERENCE"
-
-from asteria import _C
-from asteria.distributed import (_ALIGN, ENV_TOPOLOGY, Topology, _dist, _initialized, _Link,
-                                 make_topology, replicas)
+from asteria.distributed import Topology, _dist, _initialized, _Link, make_topology, replicas
+from asteria.refresh.coherence_protocol import (Channel, CoherenceError, CoherenceProtocol,
+                                                ReplicatedJob, Unit)
 from asteria.refresh.engine import Engine, Result
 from asteria.refresh.ops import check_op, output_spec
 
-AST_EFAILED = _C.AST_EFAILED
 _ID_BITS = 20           # coherence block id = (engine block key << _ID_BITS) | batch index
 _LEVELS = ("intra_node", "inter_node", "flat", "flat_inter_node")
 
 
-# ---- jobs, units, channels --------------------------------------------------------------------
-
-def _nbytes(spec) -> int:
-    return sum(int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
-               for shape, dt in spec)
-
-
-@dataclasses.dataclass
-class _DJob:
-    ticket: int
-    op: str
-    batch: int
-    spec: list
-    device: torch.device
-    host_outputs: bool
-    ids: list[int]
-    owned: list[int]                # batch indices this rank computes
-    inner: Optional[int]            # the inner engine's ticket for them
-    block: int
-    version: int
-    snapshot_step: int
-    unit: Any = None
-    inner_result: Optional[Result] = None
-    result: Optional[Result] = None
-
-    def __post_init__(self) -> None:
-        self.owned_pos = {i: k for k, i in enumerate(self.owned)}
-
-
-class _Unit:
-    """The replicated jobs of one channel snapshotted at one step: one exchange, one transfer."""
-
-    def __init__(self, channel: "_Channel", snapshot_step: int, deadline: int):
-        self.channel = channel
-        self.snapshot_step = snapshot_step
-        self.deadline = deadline
-        self.jobs: list[_DJob] = []
-        self.new_ids: list[int] = []
-        self.new_costs: list[int] = []
-        self.owner_ready = threading.Event()
-        self.done = threading.Event()
-        self.error: Optional[BaseException] = None
-        self.completed_step: Optional[int] = None
-
-
-class _Channel:
-    """One (replica set, staleness) pair: a registry for the protocol (comm thread) and a planner
-    registry with the same registrations for owner lookups at submit time (training thread)."""
-
-    def __init__(self, link: _Link, staleness: int, topo: Topology):
-        from asteria import _C
-
-        args = dict(ranks_per_node=1, node_ids=list(topo.nodes), staleness=staleness)
-        self.link = link
-        self.staleness = staleness
-        self.reg = _C.Coherence(topo.world, topo.rank, **args)
-        self.planner = _C.Coherence(topo.world, topo.rank, **args)
-        self.known: set[int] = set()
-        self.plans: dict[int, dict] = {}
-        self.units = 0
-        self.late_units = 0
-        self.min_slack: Optional[int] = None
-
-    def plan(self, block: int) -> dict:
-        p = self.plans.get(block)
-        if p is None:
-            p = self.plans[block] = self.reg.hier_plan(block)
-        return p
-
-
-class CoherenceError(RuntimeError):
-    """The coherence protocol failed on this rank (a peer died or timed out, a protocol check)."""
-
-
 # ---- the engine -------------------------------------------------------------------------------
 
-class DistributedEngine(Engine):
+class ReplicatedEngine(Engine):
     """An Engine whose replicated jobs are computed once, by their owners, and reach every
     replica through the CoherenceRegistry (see the module doc). ``submit`` takes one more keyword,
     ``replicas``: the global ranks holding the job's blocks (None: rank-local)."""
@@ -150,20 +65,12 @@ class DistributedEngine(Engine):
         self._hier = hierarchical
         self._all_sets = sorted({tuple(sorted(s)) for s in replica_sets if len(s) > 1})
         self._links = _Link.create_all(self._all_sets, topo, hierarchical)
-        self._channels: dict[tuple, _Channel] = {}
+        self._channels: dict[tuple, Channel] = {}
         self._jobs: dict[int, Any] = {}
         self._tickets = itertools.count(1)
-        self._open: dict[tuple, _Unit] = {}     # channel key -> unit still being submitted
-        self._to_push: list[_Unit] = []         # flushed units whose owner results are pending
-        self._step = 0
-        self._queue: "queue.Queue[Optional[_Unit]]" = queue.Queue()
-        self._error: Optional[BaseException] = None
-        self._counters = {"coherence_units": 0, "coherence_entries_computed": 0,
-                          "coherence_entries_received": 0, "coherence_transfer_ns": 0,
-                          "coherence_exchange_bytes": 0}
-        self._thread = threading.Thread(target=self._comm_loop, name="asteria-coherence",
-                                        daemon=True)
-        self._thread.start()
+        self._open: dict[tuple, Unit] = {}     # channel key -> unit still being submitted
+        self._to_push: list[Unit] = []         # flushed units whose owner results are pending
+        self._proto = CoherenceProtocol(topo, self)
 
     # ---- Engine -------------------------------------------------------------------------------
     def submit(self, op, f, q=None, *, block, version, deadline, snapshot_step, p=0.0, eps=0.0,
@@ -207,7 +114,7 @@ class DistributedEngine(Engine):
                                        deadline=deadline, snapshot_step=snapshot_step, p=p,
                                        eps=eps, **extra)
         host = bool(extra.get("host_outputs", False))
-        job = _DJob(ticket=ticket, op=op, batch=batch, spec=output_spec(op, n, f.dtype),
+        job = ReplicatedJob(ticket=ticket, op=op, batch=batch, spec=output_spec(op, n, f.dtype),
                     device=torch.device("cpu") if host else f.device, host_outputs=host,
                     ids=ids, owned=owned, inner=inner, block=int(block), version=int(version),
                     snapshot_step=int(snapshot_step))
@@ -217,7 +124,7 @@ class DistributedEngine(Engine):
             self._flush()
             unit = None
         if unit is None:
-            unit = self._open[key] = _Unit(channel, snapshot_step, deadline)
+            unit = self._open[key] = Unit(channel, snapshot_step, deadline)
         unit.jobs.append(job)
         unit.new_ids.extend(new)
         unit.new_costs.extend([cost] * len(new))
@@ -227,7 +134,7 @@ class DistributedEngine(Engine):
 
     def ready(self, ticket: int) -> bool:
         job = self._job(ticket)
-        if not isinstance(job, _DJob):
+        if not isinstance(job, ReplicatedJob):
             return self._inner.ready(job)
         # A replicated result is installed at its install step only (install="eager" has no
         # distributed counterpart: timing would pick the version and replicas would drift).
@@ -237,7 +144,7 @@ class DistributedEngine(Engine):
 
     def wait(self, ticket: int) -> Result:
         job = self._job(ticket)
-        if not isinstance(job, _DJob):
+        if not isinstance(job, ReplicatedJob):
             del self._jobs[ticket]
             return dataclasses.replace(self._inner.wait(job), ticket=ticket)
         unit = job.unit
@@ -260,7 +167,7 @@ class DistributedEngine(Engine):
         job = self._jobs.get(ticket)
         if job is None or self._closed:
             return False
-        if not isinstance(job, _DJob):
+        if not isinstance(job, ReplicatedJob):
             return self._inner.cancel(job)
         if job.inner is None or job.inner_result is not None:
             return False
@@ -276,17 +183,14 @@ class DistributedEngine(Engine):
     def step_end(self, step: int) -> None:
         """The optimizer's step ``step`` ends: hand finished owner results to the protocol
         (never blocks) and surface a failure of the protocol now, not at the install step."""
-        self._step = step
+        self._proto.step = step
         self._flush()
         self._push(block=False)
-        if self._error is not None:
-            raise CoherenceError(str(self._error)) from self._error
+        if self._proto.error is not None:
+            raise CoherenceError(str(self._proto.error)) from self._proto.error
 
     def drain(self) -> int:
-        n = 0
-        drain = getattr(self._inner, "drain", None)
-        if drain is not None:
-            n = drain()
+        n = self._inner.drain()
         if not self._closed:
             self._flush()
             self._push(block=False)
@@ -307,7 +211,7 @@ class DistributedEngine(Engine):
 
     def _stats_open(self) -> dict[str, Any]:
         out = dict(self._inner.stats())
-        out.update(self._counters)
+        out.update(self._proto.counters)
         agg = {f"bytes_{lv}": 0 for lv in _LEVELS}
         agg.update({"coherence_blocks": 0, "coherence_owned": 0, "coherence_load": 0,
                     "coherence_published": 0, "coherence_received": 0, "coherence_installs": 0,
@@ -352,9 +256,10 @@ class DistributedEngine(Engine):
         if self._closed:
             return
         self._closed = True
+        self._proto.closing = True
         try:
             self._flush()
-            if self._error is None and self._thread.is_alive():
+            if self._proto.error is None and self._proto.thread.is_alive():
                 self._push(block=True)
         except Exception as exc:  # the inner engine failed: the peers time out, we go on
             warnings.warn(f"asteria: coherence close could not finish the units in flight: "
@@ -362,25 +267,29 @@ class DistributedEngine(Engine):
         finally:
             for unit in self._to_push:
                 unit.owner_ready.set()
-            self._queue.put(None)
-            self._thread.join(self._topo.timeout.total_seconds() + 5.0)
+            self._proto.queue.put(None)
+            self._proto.thread.join(self._topo.timeout.total_seconds() + 5.0)
             self._final_stats = self._stats_open()
             try:
                 self._inner.close()
             finally:
-                if not self._thread.is_alive():
+                if not self._proto.thread.is_alive():
                     for ch in self._channels.values():
                         ch.reg.close()
                         ch.planner.close()
                 for link in self._links.values():
                     link.staging.close()
 
-    def __getattr__(self, name: str) -> Any:
-        # trace, trace_write, runtime, ...: the inner engine's
-        inner = self.__dict__.get("_inner")
-        if inner is None or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(inner, name)
+    # the trace and the cost model are the inner engine's
+    def trace(self, kind: str, lane: Any, name: Optional[str] = None, **args: Any) -> None:
+        self._inner.trace(kind, lane, name, **args)
+
+    def trace_write(self, path: Optional[str] = None) -> None:
+        self._inner.trace_write(path)
+
+    @property
+    def model(self) -> Any:
+        return self._inner.model
 
     def __del__(self) -> None:
         try:
@@ -399,9 +308,9 @@ class DistributedEngine(Engine):
     # ---- training-thread internals ------------------------------------------------------------
     def _check(self) -> None:
         if self._closed:
-            raise RuntimeError("DistributedEngine is closed")
-        if self._error is not None:
-            raise CoherenceError(str(self._error)) from self._error
+            raise RuntimeError("ReplicatedEngine is closed")
+        if self._proto.error is not None:
+            raise CoherenceError(str(self._proto.error)) from self._proto.error
 
     def _job(self, ticket: int):
         try:
@@ -409,11 +318,11 @@ class DistributedEngine(Engine):
         except KeyError:
             raise ValueError(f"unknown or already waited-for ticket {ticket}") from None
 
-    def _channel(self, link: _Link, staleness: int) -> _Channel:
+    def _channel(self, link: _Link, staleness: int) -> Channel:
         key = (link.ranks, staleness)
         ch = self._channels.get(key)
         if ch is None:
-            ch = self._channels[key] = _Channel(link, staleness, self._topo)
+            ch = self._channels[key] = Channel(link, staleness, self._topo)
         return ch
 
     def _flush(self) -> None:
@@ -423,9 +332,9 @@ class DistributedEngine(Engine):
         for key in [k for k in self._channels if k in self._open]:
             unit = self._open.pop(key)
             self._to_push.append(unit)
-            self._queue.put(unit)
+            self._proto.queue.put(unit)
 
-    def _push(self, block: bool, upto: Optional[_Unit] = None) -> None:
+    def _push(self, block: bool, upto: Optional[Unit] = None) -> None:
         """Hand this rank's owner results to the protocol: every unit whose results are ready
         (block=False), or every unit up to ``upto`` (or all), waiting for them (block=True)."""
         remaining = []
@@ -445,216 +354,24 @@ class DistributedEngine(Engine):
                 remaining.append(unit)
         self._to_push = remaining
 
-    def _wait_done(self, unit: _Unit) -> None:
+    def _wait_done(self, unit: Unit) -> None:
         while not unit.done.wait(0.05):
-            if not self._thread.is_alive():
+            if not self._proto.thread.is_alive():
                 raise CoherenceError(f"rank {self._topo.rank}: the coherence thread stopped "
-                                     f"({self._error})")
-
-    # ---- the protocol (comm thread) -----------------------------------------------------------
-    def _comm_loop(self) -> None:
-        while True:
-            unit = self._queue.get()
-            if unit is None:
-                return
-            unit.owner_ready.wait()
-            if self._closed and self._error is None and not all(
-                    j.inner is None or j.inner_result is not None for j in unit.jobs):
-                self._fail(unit, CoherenceError("closed with the unit in flight"))
-                return
-            try:
-                self._process(unit)
-            except BaseException as exc:
-                self._fail(unit, exc)
-                return
-            unit.completed_step = self._step
-            ch = unit.channel
-            ch.units += 1
-            slack = unit.deadline - unit.completed_step
-            ch.min_slack = slack if ch.min_slack is None else min(ch.min_slack, slack)
-            unit.done.set()
-
-    def _fail(self, unit: _Unit, exc: BaseException) -> None:
-        topo = self._topo
-        err = CoherenceError(
-            f"asteria coherence failed on rank {topo.rank} (node {topo.node}) in the unit "
-            f"snapshotted at step {unit.snapshot_step}, installed at step {unit.deadline}, "
-            f"replica set {list(unit.channel.link.ranks)}: {type(exc).__name__}: {exc}")
-        err.__cause__ = exc
-        self._error = err
-        pending = [unit]
-        while True:
-            try:
-                nxt = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if nxt is not None:
-                pending.append(nxt)
-        for u in pending:
-            u.error = err
-            u.done.set()
-
-    def _process(self, unit: _Unit) -> None:
-        dist = _dist()
-        ch, link = unit.channel, unit.channel.link
-        reg, s, t = ch.reg, unit.deadline, unit.snapshot_step
-        t0 = time.monotonic_ns()
-        if unit.new_ids:
-            reg.extend(unit.new_ids, unit.new_costs, replicas=list(link.ranks))
-        entries = [(job, i) for job in unit.jobs for i in range(job.batch)]
-        where: dict[int, tuple] = {}
-        for k, (job, i) in enumerate(entries):
-            where[job.ids[i]] = (job, i, k)
-        status = torch.zeros(len(entries), dtype=torch.int64)
-        for job in unit.jobs:
-            res = job.inner_result
-            for i in job.owned:
-                k = where[job.ids[i]][2]
-                if res is None:
-                    status[k] = -AST_EFAILED
-                elif res.status == 0:
-                    reg.publish(job.ids[i], job.version, t)
-                else:
-                    status[k] = -res.status
-        nb = reg.nblocks()
-        vec = torch.empty(3 * nb + len(entries), dtype=torch.int64)
-        reg.versions_export(s, vec[:3 * nb].numpy())
-        vec[3 * nb:] = status
-        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=link.ctrl)
-        self._counters["coherence_exchange_bytes"] += vec.numel() * 8
-        reg.versions_import(s, vec[:3 * nb].numpy())
-        status = vec[3 * nb:]
-        due = reg.due(s)
-        payload: dict[int, list] = {}
-        for b in due:
-            if b not in where:
-                raise CoherenceError(f"block {b} is due at step {s} but is no part of this "
-                                     "unit: the replicas submitted different jobs")
-            job, i, _ = where[b]
-            pos = job.owned_pos.get(i)
-            if pos is not None:
-                payload[b] = [o[pos] for o in job.inner_result.outputs]
-        if due:
-            received = self._transfer(ch, due, where, payload)
-            for b in due:
-                job, i, _ = where[b]
-                if b in received:
-                    payload[b] = received[b]
-                    reg.received(b, job.version, s)
-                    self._counters["coherence_entries_received"] += 1
-                reg.mark_synced(b, job.version, s)
-        for job in unit.jobs:
-            ok, code = True, 0
-            for i in range(job.batch):
-                b = job.ids[i]
-                if reg.install_version(b, s) != job.version:
-                    ok = False
-                    code = code or -int(status[where[b][2]]) or AST_EFAILED
-            job.result = self._result(job, ok, code, payload)
-        self._counters["coherence_units"] += 1
-        self._counters["coherence_entries_computed"] += sum(len(j.owned) for j in unit.jobs)
-        self._counters["coherence_transfer_ns"] += time.monotonic_ns() - t0
-
-    def _result(self, job: _DJob, ok: bool, code: int, payload: dict) -> Result:
-        if not ok:
-            res = job.inner_result
-            if res is not None and res.status:
-                error = res.error
-            else:
-                from asteria import _C
-
-                error = (f"{job.op}: refresh failed on its owner ({_C.err_name(code)}: "
-                         f"{_C.strerror(code)}); previous preconditioner kept")
-            return Result(ticket=job.ticket, block=job.block, version=job.version,
-                          snapshot_step=job.snapshot_step, status=code, outputs=None,
-                          error=error)
-        outputs = []
-        for k in range(len(job.spec)):
-            parts = [payload[job.ids[i]][k].to(job.device) for i in range(job.batch)]
-            outputs.append(torch.stack(parts))
-        retried = bool(job.inner_result.retried_f64) if job.inner_result is not None else False
-        return Result(ticket=job.ticket, block=job.block, version=job.version,
-                      snapshot_step=job.snapshot_step, status=0, outputs=tuple(outputs),
-                      retried_f64=retried)
-
-    def _transfer(self, ch: _Channel, due: Sequence[int], where: dict,
-                  payload: dict) -> dict[int, list]:
-        """Move the due blocks from their owners to every replica (hierarchically or flat) and
-        count the bytes; returns the blocks this rank received, as output tensors."""
-        dist = _dist()
-        link, reg, me = ch.link, ch.reg, self._topo.rank
-        plans = {b: ch.plan(b) for b in due}
-        sizes = {b: _nbytes(where[b][0].spec) for b in due}
-        if link.hierarchical:
-            order = sorted(due, key=lambda b: (plans[b]["inter_root"], b))
-            src_of = {b: plans[b]["inter_root"] for b in due}
-        else:
-            order = sorted(due, key=lambda b: (plans[b]["owner"], b))
-            src_of = {b: plans[b]["owner"] for b in due}
-        offsets, regions, pos = {}, {}, 0
-        for b in order:
-            offsets[b] = pos
-            lo, _ = regions.get(src_of[b], (pos, pos))
-            pos += sizes[b]
-            regions[src_of[b]] = (lo, pos)
-            pos = (pos + _ALIGN - 1) // _ALIGN * _ALIGN
-        parity = link.units % 2
-        link.units += 1
-        buf = link.staging.get(max(pos, 1), parity) if link.hierarchical else \
-            torch.empty(max(pos, 1), dtype=torch.uint8)
-        for b in order:
-            if plans[b]["owner"] == me:
-                off = offsets[b]
-                for tensor in payload[b]:
-                    raw = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
-                    buf[off:off + raw.numel()].copy_(raw)
-                    off += raw.numel()
-        if link.hierarchical:
-            if link.node_group is not None:
-                dist.barrier(group=link.node_group)
-                link.staging.mapped()
-            if link.reps_group is not None:
-                for root in sorted(regions):
-                    lo, hi = regions[root]
-                    dist.broadcast(buf[lo:hi], src=root, group=link.reps_group)
-            if link.node_group is not None and any(
-                    plans[b]["owner_node"] != self._topo.node for b in due):
-                dist.barrier(group=link.node_group)  # the representative wrote the rest
-        else:
-            for root in sorted(regions):
-                lo, hi = regions[root]
-                dist.broadcast(buf[lo:hi], src=root, group=link.ctrl)
-        received = {}
-        for b in due:
-            plan, nbytes = plans[b], sizes[b]
-            if plan["owner"] != me:
-                off, outs = offsets[b], []
-                for shape, dt in where[b][0].spec:
-                    n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
-                    outs.append(buf[off:off + n].clone().view(dt).reshape(shape))
-                    off += n
-                received[b] = outs
-            if link.hierarchical:
-                if plan["recv_level"] is not None:
-                    reg.count_bytes(plan["recv_level"], nbytes)
-            elif plan["flat_recv"]:
-                reg.count_bytes("inter_node" if plan["flat_recv_inter"] else "intra_node",
-                                nbytes)
-            if plan["flat_recv"]:
-                reg.count_bytes("flat", nbytes)
-            if plan["flat_recv_inter"]:
-                reg.count_bytes("flat_inter_node", nbytes)
-        return received
+                                     f"({self._proto.error})")
 
 
-def wrap_engine(engine: Engine, params: Iterable[torch.Tensor],
-                hierarchical: Optional[bool] = None) -> Engine:
+def wrap_engine(engine: Engine, params: Iterable[torch.Tensor], *, hierarchical: bool = True,
+                ranks_per_node: Optional[int] = None,
+                timeout_s: Optional[float] = None) -> Engine:
     """The engine an optimizer over ``params`` uses: ``engine`` itself unless torch.distributed
     is initialised with several ranks and some rank holds replicated parameters, else a
-    DistributedEngine around it (an existing DistributedEngine learns the replica sets of
+    ReplicatedEngine around it (an existing ReplicatedEngine learns the replica sets of
     ``params``, for add_param_group). Collective over the default group: every rank builds its
     optimizer, except one whose parameters were all declared rank-local
-    (``set_replicas(params, None)``). ``hierarchical`` None: on, unless ASTERIA_COHERENCE=flat."""
+    (``set_replicas(params, None)``). ``hierarchical``, ``ranks_per_node``, ``timeout_s``: the
+    runtime keys coherence_topology ("hier"), ranks_per_node and coherence_timeout_s, for a new
+    ReplicatedEngine (``asteria.distributed.make_topology``)."""
     params = list(params)
     if not _initialized() or _dist().get_world_size() == 1:
         return engine
@@ -665,11 +382,10 @@ def wrap_engine(engine: Engine, params: Iterable[torch.Tensor],
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, sets)
     every = sorted({tuple(s) for g in gathered for s in g})
-    if isinstance(engine, DistributedEngine):
+    if isinstance(engine, ReplicatedEngine):
         engine.declare(every)
         return engine
     if not every:
         return engine
-    if hierarchical is None:
-        hierarchical = os.environ.get(ENV_TOPOLOGY, "hier") != "flat"
-    return DistributedEngine(engine, make_topology(), every, hierarchical=hierarchical)
+    return ReplicatedEngine(engine, make_topology(ranks_per_node, timeout_s), every,
+                             hierarchical=hierarchical)

@@ -3,19 +3,19 @@
 May call: the executors' modules. Holds nothing.
 
 Which executor:
- - ``mode="sync"``: ``TorchEngine`` (inline, the native reference).
- - ``mode="async"``, parameters in host memory: ``CEngine`` (the C pool; one job per (op,
+ - ``mode="sync"``: ``InlineTorchEngine`` (inline, the native reference).
+ - ``mode="async"``, parameters in host memory: ``HostPoolEngine`` (the C pool; one job per (op,
    size, dtype), each on one worker).
  - ``mode="async"``, parameters on a CUDA device: ``SplitEngine`` over the C pool and a
    ``DeviceEngine`` on that device (every round divided among the host workers and the device
-   by the cost model). ``ASTERIA_REFRESH_DEVICE=0`` in the environment leaves the device out
-   (the split among host workers stays): how a run measures host-only against hybrid.
- - wrapped by ``DistributedEngine`` when some parameters are replicated over ranks.
+   by the cost model). The runtime key ``refresh_device=False`` leaves the device out (the
+   split among host workers stays): how a run measures host-only against hybrid.
+ - wrapped by ``ReplicatedEngine`` when some parameters are replicated over ranks, with the
+   config's coherence_topology, ranks_per_node and coherence_timeout_s.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Iterable, Optional
 
 import torch
@@ -25,41 +25,38 @@ from asteria.refresh.engine import Engine
 
 def make_engine(cfg: Any, plan: Optional[Any] = None,
                 params: Iterable[torch.Tensor] = ()) -> Engine:
-    """The engine for a validated ``RuntimeConfig``: ``TorchEngine`` in sync mode, the C worker
-    pool (``CEngine``, with a shadow for its snapshots sized by the placement ``plan``) in
-    async mode; wrapped by a ``DistributedEngine`` when some of ``params`` are replicated over
-    ranks (DDP / HSDP: one owner per block)."""
+    """The engine for a validated ``RuntimeConfig``: ``InlineTorchEngine`` in sync mode, the C
+    worker pool (``HostPoolEngine``, with a shadow for its snapshots sized by the placement
+    ``plan``) in async mode; wrapped by a ``ReplicatedEngine`` when some of ``params`` are
+    replicated over ranks (DDP / HSDP: one owner per block)."""
     if cfg.mode == "sync":
-        from asteria.refresh.inline_torch import TorchEngine
+        from asteria.refresh.inline_torch import InlineTorchEngine
 
-        engine: Engine = TorchEngine()
+        engine: Engine = InlineTorchEngine()
     else:
-        from asteria.refresh.host_pool import CEngine
+        from asteria.refresh.host_pool import HostPoolEngine
 
         params = list(params)
         cuda = device_for(params)
         if plan is None:
-            engine = CEngine(cfg)
+            engine = HostPoolEngine(cfg)
         else:
-            engine = CEngine(cfg, shadow="cuda" if plan.cuda else "host",
+            engine = HostPoolEngine(cfg, shadow="cuda" if plan.cuda else "host",
                              snapshot_ring_bytes=plan.snapshot_ring_bytes,
                              device=-1 if cuda is None or cuda.index is None else cuda.index)
         if cuda is not None:
             from asteria.refresh.split import SplitEngine
 
             device = None
-            if os.environ.get(DEVICE_ENV, "1") != "0":
+            if cfg.refresh_device:
                 from asteria.refresh.device import DeviceEngine
 
                 device = DeviceEngine(cuda)
             engine = SplitEngine(engine, device)
     from asteria.refresh.replicated import wrap_engine
 
-    return wrap_engine(engine, list(params))
-
-
-#: "0" leaves the device executor out of an async run on CUDA (host-only rounds, still split)
-DEVICE_ENV = "ASTERIA_REFRESH_DEVICE"
+    return wrap_engine(engine, list(params), hierarchical=cfg.coherence_topology == "hier",
+                       ranks_per_node=cfg.ranks_per_node, timeout_s=cfg.coherence_timeout_s)
 
 
 def device_for(params: Iterable[torch.Tensor]) -> Optional[torch.device]:

@@ -6,7 +6,7 @@ cost model's (``asteria.refresh.cost.assign``): every entry of the batch goes to
 (one of the W host workers, or the device) where it would finish first, given what is already
 queued there, so a round ends as early as the measured throughputs allow; the model learns
 from every part that finishes. A lane never measured for an op gets one entry of its first job
-of that op (so it is measured). May call: the child engines (``host_pool.CEngine``, an
+of that op (so it is measured). May call: the child engines (``host_pool.HostPoolEngine``, an
 ``Engine`` for the device lane: ``device.DeviceEngine`` on CUDA, any torch executor in tests),
 ``asteria.refresh.cost``, torch.
 
@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 
 from asteria.refresh.cost import CostModel, JobSpec, assign
-from asteria.refresh.engine import Engine, JobTiming, Result
+from asteria.refresh.engine import Engine, JobTiming, Lane, Result
 from asteria.refresh.ops import RECTANGULAR
 
 PART_KEYS = 1024  # derived block keys per job block
@@ -37,7 +37,7 @@ PART_KEYS = 1024  # derived block keys per job block
 
 @dataclasses.dataclass
 class _Part:
-    lane: str
+    lane: Lane
     engine: Engine
     ticket: int
     lo: int
@@ -70,38 +70,33 @@ class SplitEngine(Engine):
         self._host = host
         self._device = device
         self.model = model or CostModel()
-        self._workers = max(1, int(host.lanes().get("host", 1)))
-        self._free = {("host", i): 0.0 for i in range(self._workers)}
+        self._workers = max(1, int(host.lanes().get(Lane.HOST, 1)))
+        self._free = {(Lane.HOST, i): 0.0 for i in range(self._workers)}
         if device is not None:
-            self._free[("device", 0)] = 0.0
-        self._engines = {"host": host, "device": device}
+            self._free[(Lane.DEVICE, 0)] = 0.0
+        self._engines = {Lane.HOST: host, Lane.DEVICE: device}
         self._jobs: dict[int, _Split] = {}
         self._child: dict = {}      # (lane, child ticket) -> outer ticket
         self._next = 1
         self._closed = False
         self._counts = {"split_entries_host": 0, "split_entries_device": 0, "split_parts": 0}
         # a child reports under the lane it plays here (a torch executor in the device lane)
-        host.observer = lambda t: self._observed("host", t)
+        host.observer = lambda t: self._observed(Lane.HOST, t)
         if device is not None:
-            device.observer = lambda t: self._observed("device", t)
+            device.observer = lambda t: self._observed(Lane.DEVICE, t)
 
     def lanes(self) -> dict[str, int]:
-        return {"host": self._workers, **({"device": 1} if self._device is not None else {})}
+        return {Lane.HOST: self._workers, **({Lane.DEVICE: 1} if self._device is not None else {})}
 
-    # the host pool's extras the optimizer uses (trace, drain)
-    def trace(self, *args: Any, **kwargs: Any) -> None:
-        tr = getattr(self._host, "trace", None)
-        if tr is not None:
-            tr(*args, **kwargs)
+    # the trace is the host pool's runtime's
+    def trace(self, kind: str, lane: Any, name: Optional[str] = None, **args: Any) -> None:
+        self._host.trace(kind, lane, name, **args)
 
     def trace_write(self, path: Optional[str] = None) -> None:
-        tw = getattr(self._host, "trace_write", None)
-        if tw is not None:
-            tw(path)
+        self._host.trace_write(path)
 
     def drain(self) -> int:
-        return sum(e.drain() for e in (self._host, self._device)
-                   if e is not None and hasattr(e, "drain"))
+        return sum(e.drain() for e in (self._host, self._device) if e is not None)
 
     # ---- the division ----------------------------------------------------------------------
     def plan(self, spec: JobSpec) -> list:
@@ -124,8 +119,8 @@ class SplitEngine(Engine):
         for slot, t in free.items():
             self._free[slot] = now + t
         # device first, then the host workers in order: contiguous ranges of the batch
-        return [(s[0], c) for s, c in sorted(counts.items(), key=lambda kv: (kv[0][0] != "device",
-                                                                          kv[0][1])) if c]
+        order = sorted(counts.items(), key=lambda kv: (kv[0][0] != Lane.DEVICE, kv[0][1]))
+        return [(s[0], c) for s, c in order if c]
 
     def submit(self, op, f, q=None, *, block, version, deadline, snapshot_step, p=0.0,
                eps=0.0, b=None, **extra) -> int:

@@ -3,7 +3,8 @@
 
 Owns: one store, one shadow (prefetch ring; the snapshot ring is the engine's), the block table
 ``(param index, state name) -> _Blk``, the copy counters and the copy events written to the
-runtime's trace. May call: torch, ``asteria._C``, ``asteria.tiers.plan``.
+runtime's trace (on its ``TraceLane`` tracks). May call: torch, ``asteria._C``,
+``asteria.tiers.plan``, ``asteria.refresh.engine`` (the trace lane names).
 Single-threaded: the optimizer's training thread (and the hooks it runs on that thread).
 
 Data flow of one block (its plan gives a home tier: host, host_pinned, uvm or nvme)
@@ -89,6 +90,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from asteria import _C
+from asteria.refresh.engine import TraceLane
 from asteria.tiers.plan import PREPARE_CHUNK, Plan, align, stored_dtype
 
 log = logging.getLogger("asteria")
@@ -251,9 +253,6 @@ class Residency:
     def keys(self) -> list:
         return list(self._blocks)
 
-    def tier_of(self, key) -> str:
-        return self.store.tier(self._blocks[key].sid)
-
     def dtype_of(self, key) -> torch.dtype:
         """The block's own dtype (``borrow``'s views are in the stored one)."""
         return self._blocks[key].dtype
@@ -377,16 +376,18 @@ class Residency:
                 except Exception:
                     pass
         t0 = time.monotonic_ns()
-        self._trace("copy_issued", "nvme", name=f"nvme {what} issued", bytes=nbytes, ts_ns=t0)
+        self._trace("copy_issued", TraceLane.NVME, name=f"nvme {what} issued", bytes=nbytes,
+                    ts_ns=t0)
         try:
             self.store.move(ids, dst)
         except Exception as exc:
-            self._trace("copy_done", "nvme", name=f"nvme {what} failed", bytes=nbytes,
+            self._trace("copy_done", TraceLane.NVME, name=f"nvme {what} failed", bytes=nbytes,
                         status=getattr(exc, "code", None))
             raise self._error(exc, blks, what, files) from exc
         t1 = time.monotonic_ns()
-        self._trace("copy", "nvme", name=f"nvme {what}", bytes=nbytes, ts_ns=t0, dur_ns=t1 - t0)
-        self._trace("copy_done", "nvme", name=f"nvme {what} done", bytes=nbytes, ts_ns=t1)
+        self._trace("copy", TraceLane.NVME, name=f"nvme {what}", bytes=nbytes, ts_ns=t0,
+                    dur_ns=t1 - t0)
+        self._trace("copy_done", TraceLane.NVME, name=f"nvme {what} done", bytes=nbytes, ts_ns=t1)
 
     def _error(self, exc: BaseException, blks: list, what: str, files: dict):
         by_sid = {b.sid: b for b in blks}
@@ -534,13 +535,13 @@ class Residency:
         self._slots[key] = blk
         self.counters["bytes_h2d"] += blk.nbytes
         self.counters["prefetches"] += 1
-        self._trace("copy_issued", "shadow", "prefetch issued", bytes=blk.nbytes,
+        self._trace("copy_issued", TraceLane.SHADOW, "prefetch issued", bytes=blk.nbytes,
                     direction="h2d", ts_ns=t0)
         if not self.cuda:  # the host path copied at issue
             t1 = time.monotonic_ns()
-            self._trace("copy", "shadow", "prefetch", bytes=blk.nbytes, direction="h2d",
+            self._trace("copy", TraceLane.SHADOW, "prefetch", bytes=blk.nbytes, direction="h2d",
                         ts_ns=t0, dur_ns=t1 - t0)
-            self._trace("copy_done", "shadow", "prefetch done", bytes=blk.nbytes,
+            self._trace("copy_done", TraceLane.SHADOW, "prefetch done", bytes=blk.nbytes,
                         direction="h2d", ts_ns=t1)
         return True
 

@@ -68,7 +68,7 @@ def check_fsdp_sync():
         model = fsdp_model()
         opt = make_opt(name, model.parameters(), {"mode": "sync"}, block_size=4,
                        precondition_frequency=2)
-        assert not isinstance(opt._engine, replicated.DistributedEngine)  # nothing is replicated
+        assert not isinstance(opt._engine, replicated.ReplicatedEngine)  # nothing is replicated
         losses = []
         for t in range(1, steps + 1):
             x, y = C.local_batch(t, rank(), world())
@@ -133,11 +133,8 @@ def ddp_run(name, steps, runtime, f, sleep=0.0, step_times=None, hierarchical=No
     model = C.make_model()
     ddp = DDP(model)
     if hierarchical is not None:
-        os.environ[AD.ENV_TOPOLOGY] = "hier" if hierarchical else "flat"
-    try:
-        opt = make_opt(name, ddp.parameters(), runtime, block_size=8, precondition_frequency=f)
-    finally:
-        os.environ.pop(AD.ENV_TOPOLOGY, None)
+        runtime = dict(runtime, coherence_topology="hier" if hierarchical else "flat")
+    opt = make_opt(name, ddp.parameters(), runtime, block_size=8, precondition_frequency=f)
     if job_delay_ms:
         delay_jobs(opt, job_delay_ms)
     for t in range(1, steps + 1):
@@ -173,7 +170,7 @@ def check_ddp():
         opt.close()  # finishes the units in flight on every rank
         res = summary(opt)
         res.update(replicas_equal=C.all_true(C.gather_equal(vec)), moved=moved,
-                   engine="DistributedEngine")
+                   engine="ReplicatedEngine")
         out[name] = res
         dist.barrier()
     return out

@@ -1,0 +1,240 @@
+"""One optimizer's capacity record: its REFRESH rounds against its step time, and the report.
+
+Owns: ``Capacity`` (the rounds of one optimizer as submitted and as they finish, their
+predicted and measured times, step times net of barrier stalls, busy time per lane, the S that
+``staleness="auto"`` picks) with its ``RoundRecord`` per round, and ``report_lines`` (the
+capacity summary in plain words, for ``asteria_plan()``). The predictions are the cost model's
+(``asteria.refresh.cost``), fed by the executor's ``observer``; an executor with a model of its
+own (``Engine.model``: the split executor's) shares it. May call: torch,
+``asteria.refresh.cost``, ``asteria.refresh.engine``. Single-threaded (the training thread);
+executors hand it finished jobs on that thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections import defaultdict, deque
+from typing import Optional, Sequence
+
+import torch
+
+from asteria.refresh.cost import CostModel, JobSpec, predict_round, smallest_s, smallest_workers
+from asteria.refresh.engine import Engine, JobTiming, Lane
+
+AUTO_MARGIN = 1.5            # staleness "auto": the window must be this much above a round
+
+
+@dataclasses.dataclass
+class RoundRecord:
+    kind: str
+    snapshot_step: int
+    submit_ns: int
+    jobs: dict                    # ticket -> JobSpec
+    predicted_s: float
+    done_ns: int = 0
+    started_ns: int = 0
+    busy_s: float = 0.0
+    finished: set = dataclasses.field(default_factory=set)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.finished) >= len(self.jobs)
+
+    @property
+    def measured_s(self) -> Optional[float]:
+        """Submit to the last job's end: the time the window must cover."""
+        return (self.done_ns - self.submit_ns) / 1e9 if self.complete and self.done_ns else None
+
+    @property
+    def gflop(self) -> float:
+        return sum(j.flops for j in self.jobs.values()) / 1e9
+
+
+class Capacity:
+    """What one optimizer's REFRESH work costs against its step time, measured as it runs."""
+
+    KEEP = 16  # rounds and rotations kept
+
+    def __init__(self, engine: Engine, model: Optional[CostModel] = None) -> None:
+        # an executor that divides jobs by a model of its own shares it (and feeds it)
+        shared = engine.model
+        self._own_model = model is None and shared is None
+        self.model = model or shared or CostModel()
+        self._engine = engine
+        self.rounds: deque = deque(maxlen=self.KEEP)
+        self._by_ticket: dict = {}
+        self._steps: deque = deque(maxlen=64)  # step seconds, barrier stalls excluded
+        self._last_end_ns: Optional[int] = None
+        self._busy = defaultdict(float)   # lane -> busy seconds since the first job
+        self._first_ns: Optional[int] = None
+        self.rotation_s: deque = deque(maxlen=self.KEEP)
+        self._rot_pending: dict = {}      # ticket -> submit ns of a job outside the rounds
+        self._timing = ""
+        engine.observer = self.observe
+
+    # ---- feeds --------------------------------------------------------------------------------
+    def round_submitted(self, kind: str, snapshot_step: int, jobs: dict, start_ns: int,
+                        submit_s: Optional[dict] = None) -> RoundRecord:
+        """A round's jobs {ticket: JobSpec} were submitted from ``start_ns`` on (monotonic);
+        ``submit_s``: {ticket: seconds its submit took}."""
+        for t, s in (submit_s or {}).items():
+            self.model.observe_submit(jobs[t].input_bytes, s)
+        lanes = self.lanes()
+        rec = RoundRecord(kind, snapshot_step, start_ns, dict(jobs),
+                          predict_round(self.model, list(jobs.values()), lanes, self.splits))
+        for t in jobs:
+            self._by_ticket[t] = rec
+        self.rounds.append(rec)
+        if self._first_ns is None:
+            self._first_ns = rec.submit_ns
+        return rec
+
+    def observe(self, t: JobTiming) -> None:
+        if self._own_model:
+            self.model.observe(t)
+        self._timing = self._timing or t.timing
+        if t.started_ns and t.done_ns > t.started_ns:
+            self._busy[t.lane] += (t.done_ns - t.started_ns) / 1e9
+            if self._first_ns is None or t.started_ns < self._first_ns:
+                self._first_ns = t.started_ns
+        rec = self._by_ticket.get(t.ticket)
+        if rec is None:
+            return
+        if t.started_ns:
+            rec.started_ns = min(rec.started_ns or t.started_ns, t.started_ns)
+        rec.done_ns = max(rec.done_ns, t.done_ns)
+        rec.busy_s += max(0, t.done_ns - t.started_ns) / 1e9
+        if t.last:
+            rec.finished.add(t.ticket)
+        if rec.complete:
+            for k in rec.jobs:
+                self._by_ticket.pop(k, None)
+            first = rec.jobs[min(rec.jobs)]
+            if rec.started_ns and t.lane != Lane.INLINE:
+                self.model.observe_dispatch((rec.started_ns - rec.submit_ns) / 1e9
+                                            - self.model.submit_seconds(first))
+
+    def step_end(self, stall_ns: int = 0) -> None:
+        """A step ended now; ``stall_ns`` of it went to waiting at the bounded barrier."""
+        now = time.monotonic_ns()
+        if self._last_end_ns is not None:
+            self._steps.append(max(0, now - self._last_end_ns - stall_ns) / 1e9)
+        self._last_end_ns = now
+
+    # ---- views --------------------------------------------------------------------------------
+    def lanes(self) -> dict:
+        return self._engine.lanes() or {Lane.HOST: 1}
+
+    @property
+    def splits(self) -> bool:
+        return bool(self._engine.splits_batches)
+
+    def step_s(self) -> Optional[float]:
+        return statistics.median(self._steps) if self._steps else None
+
+    def last_refresh(self) -> Optional[RoundRecord]:
+        for rec in reversed(self.rounds):
+            if rec.kind == "refresh":
+                return rec
+        return None
+
+    def measured_refresh_s(self) -> list:
+        return [r.measured_s for r in self.rounds if r.kind == "refresh"
+                and r.measured_s is not None]
+
+    def predict(self, rec: RoundRecord, lanes: Optional[dict] = None) -> float:
+        return predict_round(self.model, list(rec.jobs.values()), lanes or self.lanes(),
+                             self.splits)
+
+    def utilisation(self) -> Optional[float]:
+        if self._first_ns is None:
+            return None
+        elapsed = (time.monotonic_ns() - self._first_ns) / 1e9
+        slots = sum(self.lanes().values())
+        busy = sum(self._busy.values())
+        return busy / (slots * elapsed) if elapsed > 0 and slots else None
+
+    def auto_s(self, f: int, jobs: Optional[Sequence[JobSpec]] = None) -> Optional[int]:
+        """S for ``staleness="auto"``: the fewest steps that cover AUTO_MARGIN x a REFRESH
+        round's time, at least 1, at most f; None while that cannot be known. ``jobs``: the
+        round about to be submitted, priced by the model if it has measured any job on these
+        lanes (the first-step eigendecompositions); without ``jobs``: the last REFRESH round,
+        once measured (the larger of its measured time and its prediction)."""
+        step = self.step_s()
+        if not step:
+            return None
+        if jobs is not None:
+            if not jobs or not self.model.observed:
+                return None
+            need = predict_round(self.model, list(jobs), self.lanes(), self.splits)
+        else:
+            rec = self.last_refresh()
+            if rec is None or rec.measured_s is None:
+                return None
+            need = max(rec.measured_s, self.predict(rec))
+        return min(f, smallest_s(need, step, AUTO_MARGIN))
+
+    def summary(self, staleness: int) -> dict:
+        """The capacity report as numbers (None where not measured yet)."""
+        rec = self.last_refresh()
+        step = self.step_s()
+        lanes = self.lanes()
+        out: dict = {"lanes": dict(lanes), "splits_batches": self.splits,
+                     "step_s": step, "staleness": staleness,
+                     "window_s": staleness * step if step else None,
+                     "utilisation": self.utilisation(), "timing": self._timing}
+        if Lane.DEVICE in lanes:
+            # process-wide: "high" / "medium" put the device lane's float32 matmuls in TF32
+            out["float32_matmul_precision"] = torch.get_float32_matmul_precision()
+        if rec is None:
+            return out
+        pred = self.predict(rec)
+        measured = self.measured_refresh_s()
+        out.update({"round_gflop": rec.gflop, "round_jobs": len(rec.jobs),
+                    "round_entries": sum(j.batch for j in rec.jobs.values()),
+                    "predicted_round_s": pred,
+                    "measured_round_s": measured[-1] if measured else None,
+                    "rate_sources": self.model.sources(next(iter(lanes)), rec.jobs.values())})
+        need = max([pred] + measured[-1:])
+        if step:
+            out["smallest_s"] = smallest_s(need, step)
+            jobs = list(rec.jobs.values())
+            out["smallest_workers"] = smallest_workers(self.model, jobs, staleness * step,
+                                                       self.splits, lanes.get(Lane.DEVICE, 0))
+        return out
+
+
+def report_lines(s: dict) -> list[str]:
+    """The capacity summary in plain words (``asteria_plan()``)."""
+    lanes = ", ".join(f"{k} x{v}" for k, v in s["lanes"].items())
+    lines = [f"capacity: REFRESH lanes {lanes}"
+             + ("; each round divided among them" if s["splits_batches"] else
+                "; one job per (op, size, dtype), each on one worker")]
+    if Lane.DEVICE not in s["lanes"]:
+        lines.append("capacity: no device executor (no CUDA device for these parameters)")
+    elif s.get("float32_matmul_precision", "highest") != "highest":
+        lines.append(f"capacity: torch's float32 matmul precision is "
+                     f"{s['float32_matmul_precision']!r}: the device lane's float32 matmuls "
+                     "(soap_qr, inv_root, soap_rotate) run in TF32, the host lane's in full "
+                     "FP32, so a round divided among them mixes precisions")
+    if "round_gflop" not in s:
+        lines.append("capacity: no REFRESH round yet")
+        return lines
+    def sec(x):
+        return "not measured yet" if x is None else f"{x:.3f} s"
+    lines.append(f"capacity: work per round {s['round_gflop']:.2f} GFLOP in "
+                 f"{s['round_jobs']} jobs ({s['round_entries']} factors); predicted "
+                 f"{sec(s['predicted_round_s'])} (rates: {', '.join(s['rate_sources'])}), "
+                 f"measured {sec(s['measured_round_s'])} (submit to last job's end, timed by "
+                 f"{s['timing'] or 'nobody'})")
+    if s["step_s"]:
+        lines.append(f"capacity: window S x step = {s['staleness']} x {s['step_s']:.3f} s = "
+                     f"{s['window_s']:.3f} s; pool utilisation "
+                     + ("n/a" if s["utilisation"] is None else f"{100 * s['utilisation']:.0f}%"))
+        w = s.get("smallest_workers")
+        lines.append(f"capacity: smallest S that hides the refresh: {s['smallest_s']}; "
+                     f"smallest worker count at S={s['staleness']}: "
+                     + ("more than 256" if w is None else str(w)))
+    return lines
