@@ -1016,26 +1016,74 @@ static int overlaps(const void *a, size_t alen, const void *b, size_t blen)
     return x < y + blen && y < x + alen;
 }
 
-/* in0, in1 and out0 span batch n x n blocks; ast__op_check has made sure that fits a size_t. */
-static void square_bytes(const ast_refresh *r, size_t bytes[AST__ARG_COUNT])
+/* Elements of one batch entry of a buffer of shape (ast_shape) for sizes n, n1. */
+static size_t shape_elems(int shape, size_t n, size_t n1)
 {
-    const size_t mat = (size_t)r->batch * (size_t)r->n * (size_t)r->n * ast_dtype_size(r->dtype);
-    bytes[AST__ARG_IN0] = bytes[AST__ARG_IN1] = bytes[AST__ARG_OUT0] = mat;
+    switch (shape) {
+    case AST_SHAPE_NN:
+        return n * n;
+    case AST_SHAPE_N:
+    case AST_SHAPE_PERM:
+        return n;
+    case AST_SHAPE_NN1:
+        return n * n1;
+    case AST_SHAPE_N1N1:
+        return n1 * n1;
+    case AST_SHAPE_PAIR_NN:
+        return 2 * n * n;
+    case AST_SHAPE_PAIR_N1N1:
+        return 2 * n1 * n1;
+    default:
+        return 0;
+    }
 }
 
-static int check_eigh(const ast_refresh *r, size_t bytes[AST__ARG_COUNT], char *msg, size_t len)
+/* Sets bytes[i] to the span of each pointer op takes, from its shape, for r's batch, n, n1 and
+ * dtype (0 for the others). Returns -1 if a span overflows a size_t. */
+static int op_spans(const ast__op *op, const ast_refresh *r, size_t bytes[AST__ARG_COUNT])
 {
-    (void)msg, (void)len;
-    square_bytes(r, bytes);
-    bytes[AST__ARG_OUT1] = (size_t)r->batch * (size_t)r->n * ast_dtype_size(r->dtype);
+    const size_t batch = (size_t)r->batch, n = (size_t)r->n;
+    const size_t n1 = r->n1 > 0 ? (size_t)r->n1 : 0;
+    for (int i = 0; i < AST__ARG_COUNT; i++) {
+        const int sh = op->shape[i];
+        const size_t es = sh == AST_SHAPE_PERM ? sizeof(int64_t) : ast_dtype_size(r->dtype);
+        /* the factors of each span, so bytes_of can see an overflow of the product */
+        size_t a = 1, b = 1;
+        switch (sh) {
+        case AST_SHAPE_NONE:
+            bytes[i] = 0;
+            continue;
+        case AST_SHAPE_NN:
+            a = n, b = n;
+            break;
+        case AST_SHAPE_N:
+        case AST_SHAPE_PERM:
+            a = n;
+            break;
+        case AST_SHAPE_NN1:
+            a = n, b = n1;
+            break;
+        case AST_SHAPE_N1N1:
+            a = n1, b = n1;
+            break;
+        case AST_SHAPE_PAIR_NN:
+            a = 2 * n, b = n;
+            break;
+        case AST_SHAPE_PAIR_N1N1:
+            a = 2 * n1, b = n1;
+            break;
+        }
+        if (bytes_of(&bytes[i], batch, a, b, es))
+            return -1;
+    }
     return 0;
 }
 
 static int check_root(const ast_refresh *r, size_t bytes[AST__ARG_COUNT], char *msg, size_t len)
 {
+    (void)bytes;
     if (!(r->p > 0))
         return ast__errorf(msg, len, AST_EINVAL, "root p=%g; allowed: p > 0", r->p);
-    square_bytes(r, bytes);
     return 0;
 }
 
@@ -1048,26 +1096,10 @@ static int check_newton(const ast_refresh *r, size_t bytes[AST__ARG_COUNT], char
     return rc;
 }
 
-static int check_soap_qr(const ast_refresh *r, size_t bytes[AST__ARG_COUNT], char *msg,
-                         size_t len)
-{
-    (void)msg, (void)len;
-    square_bytes(r, bytes);
-    bytes[AST__ARG_OUT1] = (size_t)r->batch * (size_t)r->n * sizeof(int64_t);
-    return 0;
-}
-
-static int check_kl_qr(const ast_refresh *r, size_t bytes[AST__ARG_COUNT], char *msg,
-                       size_t len)
-{
-    (void)msg, (void)len;
-    square_bytes(r, bytes);
-    return 0;
-}
-
 static int check_rotate(const ast_refresh *r, size_t bytes[AST__ARG_COUNT], char *msg,
                         size_t len)
 {
+    (void)bytes;
     if (r->n1 <= 0)
         return ast__errorf(msg, len, AST_EINVAL,
                            "soap_rotate n1=%d; allowed: n1 >= 1 (X is n x n1)", r->n1);
@@ -1075,17 +1107,6 @@ static int check_rotate(const ast_refresh *r, size_t bytes[AST__ARG_COUNT], char
         return ast__errorf(msg, len, AST_EINVAL,
                            "soap_rotate got neither in1 (A pair) nor in2 (B pair); allowed: "
                            "either or both (a NULL pair is the identity side)");
-    const size_t batch = (size_t)r->batch, n = (size_t)r->n, n1 = (size_t)r->n1;
-    const size_t es = ast_dtype_size(r->dtype);
-    size_t x, apair, bpair;
-    if (bytes_of(&x, batch, n, n1, es) || bytes_of(&apair, 2, batch, n * n, es) ||
-        bytes_of(&bpair, 2 * batch, n1, n1, es))
-        return ast__errorf(msg, len, AST_EINVAL,
-                           "soap_rotate n=%d n1=%d batch=%d; the buffer sizes overflow size_t",
-                           r->n, r->n1, r->batch);
-    bytes[AST__ARG_IN0] = bytes[AST__ARG_OUT0] = x;
-    bytes[AST__ARG_IN1] = apair;
-    bytes[AST__ARG_IN2] = bpair;
     return 0;
 }
 
@@ -1106,14 +1127,7 @@ static int check_gram_ema(const ast_refresh *r, size_t bytes[AST__ARG_COUNT], ch
                            "gram_ema p=%g eps=%g; allowed: finite values in the dtype's range "
                            "(p = beta, eps = alpha)",
                            r->p, r->eps);
-    const size_t batch = (size_t)r->batch, n = (size_t)r->n, n1 = (size_t)r->n1;
-    const size_t es = ast_dtype_size(r->dtype);
-    size_t g, lb, rb;
-    if (bytes_of(&g, batch, n, n1, es) || bytes_of(&lb, batch, n, n, es) ||
-        bytes_of(&rb, batch, n1, n1, es))
-        return ast__errorf(msg, len, AST_EINVAL,
-                           "gram_ema n=%d n1=%d batch=%d; the buffer sizes overflow size_t",
-                           r->n, r->n1, r->batch);
+    const size_t g = bytes[AST__ARG_IN0], lb = bytes[AST__ARG_OUT0], rb = bytes[AST__ARG_OUT1];
     const char *clash = NULL;
     if (r->out0 && r->in0 && overlaps(r->out0, lb, r->in0, g))
         clash = "out0 (L) overlaps in0 (G)";
@@ -1126,9 +1140,6 @@ static int check_gram_ema(const ast_refresh *r, size_t bytes[AST__ARG_COUNT], ch
                            "gram_ema %s; allowed: L, R and G in separate memory (L and R are "
                            "updated in place)",
                            clash);
-    bytes[AST__ARG_IN0] = g;
-    bytes[AST__ARG_OUT0] = lb;
-    bytes[AST__ARG_OUT1] = rb;
     return 0;
 }
 
@@ -1185,37 +1196,61 @@ static int run_gram_ema(const ast_refresh *r, int *failed_index)
 }
 
 typedef int (*kernel_fn)(const kern *K, const op_args *o);
+/* The direct API's (ast_linalg_*) checks of its own arguments of one op, after run()'s common
+ * ones. Returns 0 or AST_EINVAL. */
+typedef int (*validate_fn)(const op_args *o, int batch, const kern *K);
 
 typedef struct op_entry {
-    ast__op op;       /* what runtime.c reads */
-    kernel_fn kernel; /* one block, for run() and the float64 retry */
-    /* 1: the kernel updates its outputs in place (reads them too). run() then checks every
-     * block's inputs before running any block and never retries in float64 (see the file
-     * comment). */
-    unsigned char in_place;
+    ast__op op;           /* what runtime.c reads */
+    kernel_fn kernel;     /* one block, for run() and the float64 retry */
+    validate_fn validate; /* the direct API's argument checks */
 } op_entry;
 
-enum { NONE = AST__ARG_NONE, OPT = AST__ARG_OPTIONAL, REQ = AST__ARG_REQUIRED };
+static int validate_eigh(const op_args *o, int batch, const kern *K);
+static int validate_inv_root(const op_args *o, int batch, const kern *K);
+static int validate_newton(const op_args *o, int batch, const kern *K);
+static int validate_soap_qr(const op_args *o, int batch, const kern *K);
+static int validate_kl_qr(const op_args *o, int batch, const kern *K);
+static int validate_rotate(const op_args *o, int batch, const kern *K);
+static int validate_gram_ema(const op_args *o, int batch, const kern *K);
 
-/* args: in0, in1, in2, out0, out1. The eigen ops have always accepted an in1 of the factor's
- * size (range-checked, not read); it stays accepted so no caller breaks. */
+enum { NONE = AST__ARG_NONE, OPT = AST__ARG_OPTIONAL, REQ = AST__ARG_REQUIRED };
+enum {
+    S_NN = AST_SHAPE_NN,
+    S_N = AST_SHAPE_N,
+    S_PERM = AST_SHAPE_PERM,
+    S_NN1 = AST_SHAPE_NN1,
+    S_N1N1 = AST_SHAPE_N1N1,
+    S_PAIR_NN = AST_SHAPE_PAIR_NN,
+    S_PAIR_N1N1 = AST_SHAPE_PAIR_N1N1
+};
+
+/* args and shape: in0, in1, in2, out0, out1; then takes_basis, in_place. The eigen ops have
+ * always accepted an in1 of the factor's size (range-checked, not read); it stays accepted so no
+ * caller breaks. */
 static const op_entry op_table[] = {
-    [AST_OP_EIGH] = {{"eigh", {REQ, OPT, NONE, REQ, OPT}, check_eigh, run_eigh}, k_eigh},
-    [AST_OP_INV_ROOT] = {{"inv_root", {REQ, OPT, NONE, REQ, NONE}, check_root, run_inv_root},
-                         k_inv_root},
-    [AST_OP_NEWTON_ROOT] = {{"newton_root", {REQ, OPT, NONE, REQ, NONE}, check_newton,
-                             run_newton},
-                            k_newton},
-    [AST_OP_SOAP_QR] = {{"soap_qr", {REQ, REQ, NONE, REQ, REQ}, check_soap_qr, run_soap_qr},
-                        k_soap},
-    [AST_OP_KL_QR] = {{"kl_qr", {REQ, REQ, NONE, REQ, NONE}, check_kl_qr, run_kl_qr},
-                      k_qr_refresh},
-    [AST_OP_SOAP_ROTATE] = {{"soap_rotate", {REQ, OPT, OPT, REQ, NONE}, check_rotate,
+    [AST_OP_EIGH] = {{"eigh", {REQ, OPT, NONE, REQ, OPT}, {S_NN, S_NN, 0, S_NN, S_N}, 0, 0, NULL,
+                      run_eigh},
+                     k_eigh, validate_eigh},
+    [AST_OP_INV_ROOT] = {{"inv_root", {REQ, OPT, NONE, REQ, NONE}, {S_NN, S_NN, 0, S_NN, 0}, 0,
+                          0, check_root, run_inv_root},
+                         k_inv_root, validate_inv_root},
+    [AST_OP_NEWTON_ROOT] = {{"newton_root", {REQ, OPT, NONE, REQ, NONE},
+                             {S_NN, S_NN, 0, S_NN, 0}, 0, 0, check_newton, run_newton},
+                            k_newton, validate_newton},
+    [AST_OP_SOAP_QR] = {{"soap_qr", {REQ, REQ, NONE, REQ, REQ}, {S_NN, S_NN, 0, S_NN, S_PERM},
+                         1, 0, NULL, run_soap_qr},
+                        k_soap, validate_soap_qr},
+    [AST_OP_KL_QR] = {{"kl_qr", {REQ, REQ, NONE, REQ, NONE}, {S_NN, S_NN, 0, S_NN, 0}, 1, 0,
+                       NULL, run_kl_qr},
+                      k_qr_refresh, validate_kl_qr},
+    [AST_OP_SOAP_ROTATE] = {{"soap_rotate", {REQ, OPT, OPT, REQ, NONE},
+                             {S_NN1, S_PAIR_NN, S_PAIR_N1N1, S_NN1, 0}, 0, 0, check_rotate,
                              run_rotate},
-                            k_rotate},
-    [AST_OP_GRAM_EMA] = {{"gram_ema", {REQ, NONE, NONE, OPT, OPT}, check_gram_ema,
-                          run_gram_ema},
-                         k_gram_ema, 1},
+                            k_rotate, validate_rotate},
+    [AST_OP_GRAM_EMA] = {{"gram_ema", {REQ, NONE, NONE, OPT, OPT}, {S_NN1, 0, 0, S_NN, S_N1N1},
+                          0, 1, check_gram_ema, run_gram_ema},
+                         k_gram_ema, validate_gram_ema},
 };
 /* Codes run from 1; slot 0 is no op. */
 #define OP_SLOTS ((int)(sizeof op_table / sizeof op_table[0]))
@@ -1271,10 +1306,29 @@ int ast__op_check(const ast_refresh *req, const ast__op **op, size_t bytes[AST__
         ast__op_list(allowed, sizeof allowed, -1);
         return ast__errorf(msg, len, AST_EINVAL, "op %d; allowed: %s", (int)req->op, allowed);
     }
-    int rc = o->check(req, bytes, msg, len);
+    if (op_spans(o, req, bytes))
+        return ast__errorf(msg, len, AST_EINVAL,
+                           "%s n=%d n1=%d batch=%d; the buffer sizes overflow size_t", o->name,
+                           req->n, req->n1, req->batch);
+    int rc = o->check ? o->check(req, bytes, msg, len) : 0;
     if (rc == 0)
         *op = o;
     return rc;
+}
+
+int ast_op_info_get(int op, ast_op_info *out)
+{
+    const ast__op *o = ast__op_get(op);
+    if (!o || !out)
+        return AST_EINVAL;
+    out->name = o->name;
+    out->takes_basis = o->takes_basis;
+    out->in_place = o->in_place;
+    for (int i = 0; i < AST__ARG_COUNT; i++) {
+        out->need[i] = o->args[i];
+        out->shape[i] = o->shape[i];
+    }
+    return 0;
 }
 
 /* ---- dispatch: validation, input checks, float64 retry, batching ----------------------------- */
@@ -1284,22 +1338,19 @@ typedef struct op_counts {
     size_t in0, in1, in2, mat, mat1, vec, perm;
 } op_counts;
 
+/* From the entry's shapes; out1 is whichever of mat1, vec, perm the call has. */
 static op_counts counts_for(ast_op kind, const op_args *o)
 {
-    const size_t n = (size_t)o->n, nn = n * n;
-    op_counts c = {nn, o->in1 ? nn : 0, 0, o->mat ? nn : 0, 0, o->vec ? n : 0, o->perm ? n : 0};
-    if (kind == AST_OP_GRAM_EMA) {
-        const size_t n1 = (size_t)o->n1;
-        c.in0 = n * n1;
-        c.mat1 = o->mat1 ? n1 * n1 : 0;
-    }
-    if (kind == AST_OP_SOAP_ROTATE) {
-        const size_t n1 = (size_t)o->n1;
-        c.in0 = n * n1;
-        c.in1 = o->in1 ? 2 * nn : 0;
-        c.in2 = o->in2 ? 2 * n1 * n1 : 0;
-        c.mat = o->mat ? n * n1 : 0;
-    }
+    const unsigned char *sh = op_table[kind].op.shape;
+    const size_t n = (size_t)o->n, n1 = o->n1 > 0 ? (size_t)o->n1 : 0;
+    const size_t out1 = shape_elems(sh[AST__ARG_OUT1], n, n1);
+    op_counts c = {shape_elems(sh[AST__ARG_IN0], n, n1),
+                   o->in1 ? shape_elems(sh[AST__ARG_IN1], n, n1) : 0,
+                   o->in2 ? shape_elems(sh[AST__ARG_IN2], n, n1) : 0,
+                   o->mat ? shape_elems(sh[AST__ARG_OUT0], n, n1) : 0,
+                   o->mat1 ? out1 : 0,
+                   o->vec ? out1 : 0,
+                   o->perm ? out1 : 0};
     return c;
 }
 
@@ -1311,8 +1362,9 @@ static int span_fits(int batch, size_t count, size_t es)
 
 /* soap_rotate: no LAPACK workspace bounds n or n1 (see the file comment), but every span must
  * be addressable; the output may not overlap any input. */
-static int validate_rotate(const op_args *o, int batch, size_t es)
+static int validate_rotate(const op_args *o, int batch, const kern *K)
 {
+    const size_t es = K->es;
     if (o->n1 < 1 || !o->mat || (!o->in1 && !o->in2))
         return AST_EINVAL;
     const size_t n = (size_t)o->n, n1 = (size_t)o->n1;
@@ -1352,44 +1404,51 @@ static int validate_gram_ema(const op_args *o, int batch, const kern *K)
     return 0;
 }
 
+/* The square ops run LAPACK, whose 32-bit workspace sizes bound n. */
+static int validate_eigh(const op_args *o, int batch, const kern *K)
+{
+    (void)batch, (void)K;
+    return o->n <= LINALG_NMAX && (o->vec || o->mat) ? 0 : AST_EINVAL;
+}
+
+static int validate_inv_root(const op_args *o, int batch, const kern *K)
+{
+    (void)batch, (void)K;
+    return o->n <= LINALG_NMAX && o->mat && o->p > 0 && o->p <= DBL_MAX && o->eps >= 0 &&
+                   o->eps <= DBL_MAX
+               ? 0
+               : AST_EINVAL;
+}
+
+static int validate_newton(const op_args *o, int batch, const kern *K)
+{
+    (void)batch, (void)K;
+    return o->n <= LINALG_NMAX && o->mat && o->ip >= 1 && o->eps >= 0 && o->eps <= DBL_MAX &&
+                   o->max_iter >= 0 && o->tol > 0 && o->tol <= DBL_MAX
+               ? 0
+               : AST_EINVAL;
+}
+
+/* The refreshes write Q_new from F and Q: it may overlap neither. */
+static int validate_kl_qr(const op_args *o, int batch, const kern *K)
+{
+    const size_t span = (size_t)batch * o->n * o->n * K->es;
+    if (o->n > LINALG_NMAX || !o->in1 || !o->mat || overlaps(o->mat, span, o->in0, span) ||
+        overlaps(o->mat, span, o->in1, span))
+        return AST_EINVAL;
+    return 0;
+}
+
+static int validate_soap_qr(const op_args *o, int batch, const kern *K)
+{
+    return o->perm ? validate_kl_qr(o, batch, K) : AST_EINVAL;
+}
+
 static int validate(ast_op kind, const op_args *o, int batch, const kern *K)
 {
-    const size_t es = K->es;
     if (o->n < 1 || batch < 0 || !o->in0)
         return AST_EINVAL;
-    if (kind == AST_OP_SOAP_ROTATE)
-        return validate_rotate(o, batch, es);
-    if (kind == AST_OP_GRAM_EMA)
-        return validate_gram_ema(o, batch, K);
-    if (o->n > LINALG_NMAX)
-        return AST_EINVAL;
-    const size_t span = (size_t)batch * o->n * o->n * es;
-    switch (kind) {
-    case AST_OP_EIGH:
-        return o->vec || o->mat ? 0 : AST_EINVAL;
-    case AST_OP_INV_ROOT:
-        return o->mat && o->p > 0 && o->p <= DBL_MAX && o->eps >= 0 && o->eps <= DBL_MAX
-                   ? 0
-                   : AST_EINVAL;
-    case AST_OP_NEWTON_ROOT:
-        return o->mat && o->ip >= 1 && o->eps >= 0 && o->eps <= DBL_MAX && o->max_iter >= 0 &&
-                       o->tol > 0 && o->tol <= DBL_MAX
-                   ? 0
-                   : AST_EINVAL;
-    case AST_OP_SOAP_QR:
-        if (!o->perm)
-            return AST_EINVAL;
-        /* fall through */
-    case AST_OP_KL_QR:
-        if (!o->in1 || !o->mat || overlaps(o->mat, span, o->in0, span) ||
-            overlaps(o->mat, span, o->in1, span))
-            return AST_EINVAL;
-        return 0;
-    case AST_OP_SOAP_ROTATE:
-    case AST_OP_GRAM_EMA:
-        break; /* validate_rotate, validate_gram_ema */
-    }
-    return AST_EINVAL;
+    return op_table[kind].validate(o, batch, K);
 }
 
 static double *to_f64(size_t count, const void *src)
@@ -1473,7 +1532,7 @@ static int inputs_finite(const kern *K, ast_op kind, const op_args *o)
 static int run_block(const kern *K, ast_dtype dt, ast_op kind, const op_args *o)
 {
     const op_entry *e = &op_table[kind];
-    if (e->in_place)
+    if (e->op.in_place)
         return e->kernel(K, o);
     if (!inputs_finite(K, kind, o))
         return AST_ENONFINITE; /* bad input: a float64 retry could not help */
@@ -1521,7 +1580,7 @@ static int run(ast_dtype dt, ast_op kind, const op_args *o, int batch, int *fail
 
     const op_counts c = counts_for(kind, o);
     const size_t es = K->es;
-    for (int b = 0; op_table[kind].in_place && b < batch; b++) {
+    for (int b = 0; op_table[kind].op.in_place && b < batch; b++) {
         const op_args blk = block_of(o, &c, es, b);
         if (!inputs_finite(K, kind, &blk)) {
             if (failed_index)

@@ -1,11 +1,15 @@
 /*
- * op_table.h - the REFRESH op table: per ast_op its name, the checks of a request's arguments
- * and the function that runs it. Internal (the ast__ prefix; not installed, not in asteria.map).
+ * op_table.h - the REFRESH op table: per ast_op its name, its properties (does it take the
+ * previous basis, does it update its outputs in place, which pointers it takes and the shape
+ * each spans), the checks of a request's own arguments and the function that runs it.
+ * Internal (the ast__ prefix; not installed, not in asteria.map); ast_op_info_get (runtime.h)
+ * hands the properties out, so the extension and the Python executors read them from here.
  *
  * Owned by linalg.c, which keeps each op's entry next to its kernel. runtime.c reads it to
- * validate a request (ast_runtime_submit) and to run it (pool workers); ast_op_name and
- * ast_op_count (runtime.h) give its names to the extension. So a new op is its ast_op value in
- * include/asteria/runtime.h, its kernel and entry in src/linalg.c, and its Python entry in
+ * validate a request (ast_runtime_submit) and to run it (pool workers); every span is derived
+ * from the entry's shapes, and code that depends on a property reads the field,
+ * never the op's code. So a new op is its ast_op value in include/asteria/runtime.h, its kernel
+ * and entry in src/linalg.c, and its Python entry (reference, FLOPs) in
  * python/asteria/refresh/ops.py; runtime.c and the extension do not change.
  *
  * The table is constant: any thread may read it, with no lock.
@@ -17,19 +21,26 @@
 
 #include <stddef.h>
 
-/* A request's pointers, in the order ast_runtime_submit checks them. */
+/* A request's pointers, in the order ast_runtime_submit checks them (ast_op_info's order). */
 enum { AST__ARG_IN0, AST__ARG_IN1, AST__ARG_IN2, AST__ARG_OUT0, AST__ARG_OUT1, AST__ARG_COUNT };
+_Static_assert(AST__ARG_COUNT == AST_OP_ARGS, "ast_op_info's arrays are one per pointer");
 
-/* What an op lets one pointer of a request be. */
-enum { AST__ARG_NONE, AST__ARG_OPTIONAL, AST__ARG_REQUIRED };
+/* What an op lets one pointer of a request be (ast_arg_need). */
+enum { AST__ARG_NONE = AST_ARG_NONE, AST__ARG_OPTIONAL = AST_ARG_OPTIONAL,
+       AST__ARG_REQUIRED = AST_ARG_REQUIRED };
 
 typedef struct ast__op {
-    const char *name;                   /* ast_op_name's answer */
-    unsigned char args[AST__ARG_COUNT]; /* per pointer: AST__ARG_NONE (must be NULL), _OPTIONAL,
-                                         * _REQUIRED */
-    /* Checks the op's own arguments of req (p, n1, which pairs) and sets bytes[i] to the span of
-     * each pointer the op takes (the others stay 0). Called by ast__op_check only, after the
-     * request-wide checks. Returns 0; AST_EINVAL with the reason in msg (len bytes, truncated). */
+    const char *name;                    /* ast_op_name's answer */
+    unsigned char args[AST__ARG_COUNT];  /* per pointer: AST__ARG_NONE (must be NULL), _OPTIONAL,
+                                          * _REQUIRED */
+    unsigned char shape[AST__ARG_COUNT]; /* per pointer: ast_shape, what it spans per batch entry */
+    unsigned char takes_basis;           /* in1 is the previous basis, of F's shape */
+    unsigned char in_place;              /* out0 / out1 are read and updated in place: every
+                                          * block's inputs are checked before any block runs, and
+                                          * there is no float64 retry (linalg.c) */
+    /* Checks the op's own arguments of req (p, n1, which pairs); bytes[] holds each pointer's
+     * span, derived from shape[] (NULL: the op has no checks of its own). Called by ast__op_check only, after the request-wide checks. Returns 0;
+     * AST_EINVAL with the reason in msg (len bytes, truncated). */
     int (*check)(const ast_refresh *req, size_t bytes[AST__ARG_COUNT], char *msg, size_t len);
     /* Runs a checked request's batch on the calling thread. Returns 0 or the kernel's AST_E*
      * code; *failed_index is -1 on success, else the failing block. */

@@ -87,13 +87,50 @@ typedef enum ast_op {
     AST_OP_GRAM_EMA = 7
 } ast_op;
 
-/* The REFRESH ops are one table in src/linalg.c (name, argument checks, run function), which
- * ast_runtime_submit reads; a new op is its value above and its entry there. */
+/* The REFRESH ops are one table in src/linalg.c (name, properties, argument checks, run
+ * function), which ast_runtime_submit reads; a new op is its value above and its entry there. */
 /* Returns the name of op ("eigh", "inv_root", ...: a static string), or NULL for a code that
  * names no op. */
 const char *ast_op_name(int op);
 /* Returns the number of ops; their codes are 1 .. ast_op_count(), each with a name. */
 int ast_op_count(void);
+
+/* The buffer one pointer of a request spans per batch entry, n and n1 being the request's, in
+ * its dtype unless said otherwise. */
+typedef enum ast_shape {
+    AST_SHAPE_NONE = 0,     /* the op takes no such pointer */
+    AST_SHAPE_NN = 1,       /* n x n: a factor, a basis, a root, L */
+    AST_SHAPE_N = 2,        /* n: eigenvalues */
+    AST_SHAPE_PERM = 3,     /* n int64: a permutation */
+    AST_SHAPE_NN1 = 4,      /* n x n1: X of soap_rotate, G of gram_ema */
+    AST_SHAPE_N1N1 = 5,     /* n1 x n1: R */
+    AST_SHAPE_PAIR_NN = 6,  /* 2 x n x n: an (old, new) pair of bases */
+    AST_SHAPE_PAIR_N1N1 = 7 /* 2 x n1 x n1 */
+} ast_shape;
+
+/* How an op takes one pointer of a request. */
+typedef enum ast_arg_need {
+    AST_ARG_NONE = 0,     /* must be NULL */
+    AST_ARG_OPTIONAL = 1, /* may be NULL */
+    AST_ARG_REQUIRED = 2
+} ast_arg_need;
+
+/* A request's pointers, in this order in ast_op_info's arrays: in0, in1, in2, out0, out1. */
+#define AST_OP_ARGS 5
+
+/* The properties of one op, as the op table holds them (executors outside C read them here
+ * rather than naming ops). */
+typedef struct ast_op_info {
+    const char *name;       /* ast_op_name's answer */
+    int takes_basis;        /* 1: in1 is the previous basis, of F's shape, and is required */
+    int in_place;           /* 1: out0 / out1 are read and updated in place (never retried) */
+    int need[AST_OP_ARGS];  /* ast_arg_need per pointer */
+    int shape[AST_OP_ARGS]; /* ast_shape per pointer (its span: batch times that) */
+} ast_op_info;
+
+/* Fills *out with op's properties. Returns 0; AST_EINVAL for a code that names no op or a NULL
+ * out (out unchanged). */
+int ast_op_info_get(int op, ast_op_info *out);
 
 typedef struct ast_refresh {
     ast_op op;

@@ -217,10 +217,17 @@ class RuntimeConfig:
             out[key] = value
         return out
 
-    def check_frequency(self, precondition_frequency: int) -> None:
-        """S <= f: a refresh must be installed before the next one is snapshotted ("auto"
-        stays within it by construction)."""
-        if self.staleness != "auto" and self.staleness > precondition_frequency:
+    def check_frequency(self, precondition_frequency: int, where: str = "") -> None:
+        """The one check of S against a param group's ``precondition_frequency`` f (the
+        optimizer's construction, ``add_param_group`` and ``load_state_dict`` call it for every
+        group; ``where`` names the group in the error). S <= f: a refresh must be installed
+        before the next one is snapshotted. ``mode="sync"`` installs at once (S = 0 whatever the
+        key says) and "auto" stays within f by construction, so neither is checked. The key's
+        own range (an integer >= 0, or "auto") is checked at construction, with the others."""
+        if self.mode == "sync" or self.staleness == "auto":
+            return
+        if self.staleness > precondition_frequency:
             raise ValueError(
                 f"runtime key 'staleness': got {self.staleness}; allowed: 0 <= S <= "
-                f"precondition_frequency ({precondition_frequency})")
+                f"precondition_frequency ({precondition_frequency})"
+                f"{' of ' + where if where else ''}")

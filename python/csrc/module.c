@@ -119,7 +119,47 @@ static PyObject *mod_raise_error(PyObject *m, PyObject *args)
     return raise_ast_error(PyModule_GetState(m), code, detail);
 }
 
+static const char *const SHAPE_NAMES[] = {NULL,  "nn",   "n",       "perm",
+                                           "nn1", "n1n1", "pair_nn", "pair_n1n1"};
+static const char *const ARG_NAMES[AST_OP_ARGS] = {"in0", "in1", "in2", "out0", "out1"};
+static const char *const NEED_NAMES[] = {NULL, "optional", "required"};
+
+/* {name: {"code", "takes_basis", "in_place", "operands": {slot: (need, shape)}}} from
+ * libasteria's op table (ast_op_info_get): the one source of asteria.refresh.ops' fields. */
+static PyObject *mod_ops(PyObject *m, PyObject *unused)
+{
+    (void)m, (void)unused;
+    PyObject *out = PyDict_New();
+    for (int op = 1; out && op <= ast_op_count(); op++) {
+        ast_op_info info;
+        if (ast_op_info_get(op, &info))
+            continue;
+        PyObject *operands = PyDict_New();
+        for (int i = 0; operands && i < AST_OP_ARGS; i++) {
+            if (info.need[i] == AST_ARG_NONE)
+                continue;
+            PyObject *v = Py_BuildValue("(ss)", NEED_NAMES[info.need[i]],
+                                        SHAPE_NAMES[info.shape[i]]);
+            if (dict_set_steal(operands, ARG_NAMES[i], v) < 0)
+                Py_CLEAR(operands);
+        }
+        PyObject *entry = operands ? Py_BuildValue("{s:i,s:O,s:O,s:N}", "code", op, "takes_basis",
+                                                   info.takes_basis ? Py_True : Py_False,
+                                                   "in_place", info.in_place ? Py_True : Py_False,
+                                                   "operands", operands)
+                                   : NULL;
+        if (dict_set_steal(out, info.name, entry) < 0)
+            Py_CLEAR(out);
+    }
+    return out;
+}
+
 static PyMethodDef mod_methods[] = {
+    {"ops", mod_ops, METH_NOARGS,
+     PyDoc_STR("ops()\n--\n\nlibasteria's REFRESH op table: {name: {'code', 'takes_basis', "
+               "'in_place', 'operands': {slot: (need, shape)}}}, slot one of in0, in1, in2, "
+               "out0, out1 (the ones the op takes), need 'optional' or 'required', shape one of "
+               "nn, n, perm, nn1, n1n1, pair_nn, pair_n1n1 (per batch entry).")},
     {"strerror", mod_strerror, METH_O,
      PyDoc_STR("strerror(code)\n--\n\nThe message of an AST_E* code.")},
     {"err_name", mod_err_name, METH_O,

@@ -473,6 +473,32 @@ static void test_op_names(void **state)
         assert_null(ast_op_name(outside[i]));
 }
 
+/* ast_op_info_get hands out the table's properties: the basis takers, the one in-place op,
+ * every required pointer with a shape and every pointer it refuses without one. */
+static void test_op_info(void **state)
+{
+    (void)state;
+    ast_op_info info;
+    for (int op = 1; op <= ast_op_count(); op++) {
+        assert_int_equal(ast_op_info_get(op, &info), 0);
+        assert_string_equal(info.name, ast_op_name(op));
+        assert_int_equal(info.takes_basis, op == AST_OP_SOAP_QR || op == AST_OP_KL_QR);
+        assert_int_equal(info.in_place, op == AST_OP_GRAM_EMA);
+        assert_int_equal(info.need[0], AST_ARG_REQUIRED);
+        for (int i = 0; i < AST_OP_ARGS; i++)
+            assert_int_equal(info.need[i] == AST_ARG_NONE, info.shape[i] == AST_SHAPE_NONE);
+        if (info.takes_basis) {
+            assert_int_equal(info.need[1], AST_ARG_REQUIRED);
+            assert_int_equal(info.shape[1], info.shape[0]);
+        }
+    }
+    assert_int_equal(ast_op_info_get(AST_OP_EIGH, &info), 0);
+    assert_int_equal(info.shape[4], AST_SHAPE_N); /* the eigenvalues */
+    assert_int_equal(ast_op_info_get(0, &info), AST_EINVAL);
+    assert_int_equal(ast_op_info_get(ast_op_count() + 1, &info), AST_EINVAL);
+    assert_int_equal(ast_op_info_get(AST_OP_EIGH, NULL), AST_EINVAL);
+}
+
 static void expect_submit_message(ast_runtime *rt, const ast_refresh *r, int code,
                                   const char *want)
 {
@@ -948,6 +974,7 @@ int main(void)
         cmocka_unit_test(test_destroy_with_pending_jobs),
         cmocka_unit_test(test_soap_rotate_submit_validation),
         cmocka_unit_test(test_op_names),
+        cmocka_unit_test(test_op_info),
         cmocka_unit_test(test_submit_messages_from_the_op_table),
         cmocka_unit_test(test_soap_rotate_job),
         cmocka_unit_test(test_gram_ema_submit_validation),

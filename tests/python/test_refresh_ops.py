@@ -25,6 +25,47 @@ def test_op_table_matches_the_c_runtime():
     assert set(inline_torch.FUNCTIONS) == set(ops.OPS)
 
 
+def test_op_fields_are_the_c_tables():
+    """Every property an executor reads is libasteria's op table's, field by field."""
+    require_c_extension()
+    from asteria import _C
+
+    c_ops = _C.ops()
+    assert list(ops.OPS) == sorted(c_ops, key=lambda k: c_ops[k]["code"])
+    for name, op in ops.OPS.items():
+        c = c_ops[name]
+        assert (op.code, op.takes_basis, op.in_place, op.operands) == (
+            c["code"], c["takes_basis"], c["in_place"], c["operands"]), name
+    assert [n for n, op in ops.OPS.items() if op.takes_basis] == ["soap_qr", "kl_qr"]
+    assert [n for n, op in ops.OPS.items() if op.in_place] == ["gram_ema"]
+    assert [n for n, op in ops.OPS.items() if op.rectangular] == ["soap_rotate", "gram_ema"]
+
+
+def test_no_executor_names_an_op():
+    """The executors and the cost model read an op's fields (ops.Op), never its name: a new op
+    touches none of them."""
+    names = set(ops.OPS)
+    refresh = os.path.join(PKG, "refresh")
+    for fname in sorted(os.listdir(refresh)):
+        if not fname.endswith(".py") or fname in ("ops.py", "__init__.py"):
+            continue
+        with open(os.path.join(refresh, fname)) as fh:
+            tree = ast.parse(fh.read())
+        # docstrings may name ops; code may not (cost.calibrate's default list of ops to
+        # measure is a choice of ops, not a branch on one)
+        docs = {id(n.body[0].value) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+                and n.body and isinstance(n.body[0], ast.Expr)
+                and isinstance(n.body[0].value, ast.Constant)}
+        calib = {id(c) for n in ast.walk(tree)
+                 if isinstance(n, ast.FunctionDef) and n.name == "calibrate"
+                 for d in n.args.defaults for c in ast.walk(d)}
+        named = [n.value for n in ast.walk(tree)
+                 if isinstance(n, ast.Constant) and n.value in names
+                 and id(n) not in docs and id(n) not in calib]
+        assert not named, f"refresh/{fname} names ops {named}; read their ops.Op fields instead"
+
+
 def test_output_spec_matches_the_torch_executor():
     torch.manual_seed(0)
     n, n1 = 5, 3

@@ -246,3 +246,54 @@ def test_s0_deferred_refresh_runs_before_the_next_step():
     assert not opt._deferred
     assert opt.asteria_stats().get("install_waits", 0) == waits  # no barrier wait
     opt.close()
+
+
+# ---- S against precondition_frequency: one check, at each entry point ------------------------
+
+_S_RANGE = r"runtime key 'staleness': got 4; allowed: 0 <= S <= precondition_frequency \(3\)"
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_staleness_above_frequency_rejected_at_construction(name):
+    cls = {"soap": SOAP, "shampoo": Shampoo, "kl_shampoo": KLShampoo}[name]
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    with pytest.raises(ValueError, match=_S_RANGE + " of param group 0"):
+        cls([w], precondition_frequency=3, runtime={"mode": "async", "staleness": 4,
+                                                     "workers": 1})
+
+
+def test_staleness_above_frequency_rejected_by_add_param_group():
+    w, v = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(3, 3))
+    opt = SOAP([w], precondition_frequency=5, runtime={"mode": "async", "staleness": 4,
+                                                       "workers": 1})
+    with pytest.raises(ValueError, match=_S_RANGE + " of param group 1"):
+        opt.add_param_group({"params": [v], "precondition_frequency": 3})
+    assert len(opt.param_groups) == 1  # nothing was added
+    opt.add_param_group({"params": [v], "precondition_frequency": 4})  # S = f is allowed
+    opt.close()
+
+
+def test_staleness_above_frequency_rejected_by_load_state_dict():
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    src = SOAP([w], precondition_frequency=3, runtime={"mode": "sync"})
+    sd = src.state_dict()
+    src.close()
+    dst = SOAP([w], precondition_frequency=5, runtime={"mode": "async", "staleness": 4,
+                                                       "workers": 1})
+    with pytest.raises(ValueError, match=_S_RANGE + " of param group 0 of the state dict"):
+        dst.load_state_dict(sd)
+    dst.close()
+
+
+def test_sync_and_auto_take_any_frequency():
+    """sync installs at once and "auto" chooses S <= f: the key's value is not checked against f
+    there (it is still checked for its own range at construction)."""
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    for rt in ({"mode": "sync", "staleness": 9}, {"mode": "async", "staleness": "auto",
+                                                  "workers": 1}):
+        opt = SOAP([w], precondition_frequency=2, runtime=rt)
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3, 3))],
+                             "precondition_frequency": 1})
+        opt.close()
+    with pytest.raises(ValueError, match=r"runtime key 'staleness': got -1"):
+        SOAP([w], runtime={"mode": "sync", "staleness": -1})

@@ -281,8 +281,8 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         merged = dict(self.defaults)
         merged.update({k: v for k, v in param_group.items() if k != "params"})
         self._check_hyperparameters(merged)
-        if self._async:
-            self._cfg.check_frequency(merged["precondition_frequency"])
+        self._cfg.check_frequency(merged["precondition_frequency"],
+                                  f"param group {len(self.param_groups)}")
         super().add_param_group(param_group)
         for p in self.param_groups[-1]["params"]:
             self._pindex.setdefault(p, len(self._pindex))

@@ -303,8 +303,8 @@ class CheckpointMixin:
                                  f"optimizer (its keys: {sorted(k for k in saved if k != 'params')})")
             group = {k: v for k, v in saved.items() if k != "params"}
             self._check_hyperparameters(group)
-            if self._async:
-                self._cfg.check_frequency(group["precondition_frequency"])
+            self._cfg.check_frequency(group["precondition_frequency"],
+                                      f"param group {gi} of the state dict")
             for i, p in zip(ids, live["params"]):
                 seen.add(i)
                 st = state.get(i)

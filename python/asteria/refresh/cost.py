@@ -59,7 +59,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from asteria.refresh.engine import JobTiming, Lane
-from asteria.refresh.ops import NEWTON_NOMINAL_ITERS, OPS, WITH_BASIS  # noqa: F401
+from asteria.refresh.ops import NEWTON_NOMINAL_ITERS, OPS  # noqa: F401
 
 SAMPLES = 9                  # per measured size: the last SAMPLES (see _typical)
 ASSUMED_GFLOPS = 5.0         # a lane with nothing measured and no base rate (labelled so)
@@ -117,13 +117,7 @@ class JobSpec:
         the factors)."""
         size = 8 if _dtype_key(self.dtype) == "float64" else 4
         n, n1 = self.n, self.n1 or self.n
-        if self.op == "soap_rotate":
-            mats = n * n1 + 2 * n * n + (2 * n1 * n1 if self.sides >= 2 else 0)
-        elif self.op == "gram_ema":
-            mats = n * n1 + n * n + (n1 * n1 if self.sides >= 2 else 0)
-        else:
-            mats = n * n * (2 if self.op in WITH_BASIS else 1)
-        return self.batch * mats * size
+        return self.batch * OPS[self.op].read_elems(n, n1, self.sides) * size
 
 
 class CostModel:
@@ -364,7 +358,7 @@ def calibrate(ops: Sequence[str] = ("soap_qr", "eigh"), sizes: Sequence[int] = (
             f, q = spd_and_basis(batch, n, dtype, 0)
             for op in ops:
                 for r in range(repeats):
-                    tk = eng.submit(op, f, q if op in ("soap_qr", "kl_qr") else None,
+                    tk = eng.submit(op, f, q if OPS[op].takes_basis else None,
                                     block=r + 1, version=1, deadline=0, snapshot_step=0,
                                     p=2.0 if "root" in op else 0.0,
                                     eps=1e-6 if "root" in op else 0.0)

@@ -52,7 +52,7 @@ import torch
 
 from asteria.refresh.engine import Engine, JobTiming, Lane, Result
 from asteria.refresh.inline_torch import run
-from asteria.refresh.ops import RECTANGULAR, check_op
+from asteria.refresh.ops import OPS, check_op
 
 AST_ECANCELED = -5  # include/asteria/errors.h
 #: CUDA's least stream priority is 0 (cudaDeviceGetStreamPriorityRange: least 0, greatest
@@ -123,7 +123,7 @@ class DeviceEngine(Engine):
             raise RuntimeError("DeviceEngine is closed")
         f, q = _stacked(f), _stacked(q)
         check_op(op, (f, q, b))
-        rect = op in RECTANGULAR
+        rect = OPS[op].rectangular
         batch, n = int(f.shape[0]), int(f.shape[1])
         n1 = int(f.shape[2]) if rect else 0
         sides = (q is not None) + (b is not None) if rect else 2

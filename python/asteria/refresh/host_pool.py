@@ -44,7 +44,7 @@ import torch
 from asteria import _C
 from asteria.config import RuntimeConfig
 from asteria.refresh.engine import Engine, JobTiming, Lane, Result, TraceLane
-from asteria.refresh.ops import WITH_BASIS, check_op, output_spec
+from asteria.refresh.ops import OPS, check_op, output_spec
 
 _C_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
 
@@ -220,10 +220,11 @@ class HostPoolEngine(Engine):
         shadow's ring (or, without room there, into one private buffer), so the caller need
         not stack them into fresh memory first; parts are never donated.
 
-        ``gram_ema`` is the one op whose outputs are the caller's own tensors: L (``q``) and R
-        (``b``) are updated in place (``_submit_in_place``)."""
+        An in-place op's (``Op.in_place``: gram_ema) outputs are the caller's own tensors, ``q``
+        and ``b``, updated in place (``_submit_in_place``)."""
         self._check_open()
-        if op == "gram_ema":
+        entry = OPS.get(op)
+        if entry is not None and entry.in_place:
             return self._submit_in_place(op, f, q, b, block=block, version=version,
                                          deadline=deadline, snapshot_step=snapshot_step, p=p,
                                          eps=eps, donate=donate)
@@ -233,20 +234,20 @@ class HostPoolEngine(Engine):
         if not f.is_floating_point():
             raise ValueError(f"REFRESH input must be a real floating tensor, got {f.dtype}")
         given = _donated(donate)
-        rotate = op == "soap_rotate"
+        rect = entry.rectangular
         batch, n = int(f.shape[0]), int(f.shape[1])
-        n1 = int(f.shape[2]) if rotate else 0
-        if batch == 0 or n == 0 or (rotate and n1 == 0):
+        n1 = int(f.shape[2]) if rect else 0
+        if batch == 0 or n == 0 or (rect and n1 == 0):
             raise ValueError(f"REFRESH input must be non-empty, got shape {tuple(f.shape)}")
         self._poll()  # release the buffers of jobs that finished meanwhile
         cdtype = f.dtype if f.dtype in _C_DTYPES else torch.float32
         device = f_parts[0].device if f_parts else f.device
         pin = device.type == "cuda" and torch.cuda.is_available()
 
-        if rotate:  # X, then the pairs given: in1 = A pair, in2 = B pair (None: identity side)
-            slots = {"in0": f, "in1": q, "in2": b}
-        else:
-            slots = {"in0": f, "in1": q if op in WITH_BASIS else None, "in2": None}
+        # in0, then the inputs the op reads (a basis; a rectangular op's side operands, None
+        # being an identity side)
+        slots = {"in0": f, "in1": q if entry.reads("in1") else None,
+                 "in2": b if entry.reads("in2") else None}
         parts_of = {"in0": f_parts, "in1": q_parts}
         inputs, tickets = [], []
         for slot, src in slots.items():
@@ -308,27 +309,27 @@ class HostPoolEngine(Engine):
                                   buffers=buffers, outputs=tuple(outputs), handles=tuple(handles),
                                   snapshots=tuple(tickets), host_outputs=host_outputs,
                                   shape=(batch, n, n1, float(p),
-                                         (q is not None) + (b is not None) if rotate else 2))
+                                         (q is not None) + (b is not None) if rect else 2))
         return ticket
 
     def _submit_in_place(self, op, g, l, r, *, block, version, deadline, snapshot_step, p, eps,
                          donate) -> int:
-        """``gram_ema``: G (``f``) is snapshotted (or read in place if donated); L (``q``) and
-        R (``b``) are the job's outputs, updated in place by the worker (out0, out1), so they
+        """An in-place op (gram_ema): G (``f``) is snapshotted (or read in place if donated); L
+        (``q``) and R (``b``) are the job's outputs, updated in place by the worker (out0, out1), so they
         must be contiguous host tensors of G's dtype (float32 or float64) that the caller
         neither reads nor writes until it has waited for the result, whose outputs are L and R
         themselves (None for a side not given). A failed job has written neither."""
         check_op(op, (g, l, r))
         if g.dtype not in _C_DTYPES:
-            raise ValueError(f"gram_ema runs on float32 or float64 tensors, got G of {g.dtype}")
+            raise ValueError(f"{op} runs on float32 or float64 tensors, got G of {g.dtype}")
         for name, t in (("L (q)", l), ("R (b)", r)):
             if t is not None and (t.device.type != "cpu" or t.dtype != g.dtype
                                   or not t.is_contiguous()):
-                raise ValueError(f"gram_ema updates {name} in place: it must be a contiguous "
+                raise ValueError(f"{op} updates {name} in place: it must be a contiguous "
                                  f"host tensor of G's dtype {g.dtype}, got {t.dtype} on "
                                  f"{t.device}{'' if t.is_contiguous() else ', not contiguous'}")
         if g.device.type != "cpu":
-            raise ValueError(f"gram_ema takes G in host memory, got it on {g.device}")
+            raise ValueError(f"{op} takes G in host memory, got it on {g.device}")
         batch, n, n1 = (int(s) for s in g.shape)
         self._poll()
         if "in0" in _donated(donate) and g.is_contiguous():

@@ -19,8 +19,7 @@ from typing import Any, Optional
 import torch
 
 from asteria.refresh.engine import Engine, JobTiming, Lane, Result
-from asteria.refresh.ops import (AST_ENOCONV, AST_ENONFINITE, OPS, RECTANGULAR, _Failure,
-                                 check_op)
+from asteria.refresh.ops import AST_ENOCONV, AST_ENONFINITE, OPS, _Failure, check_op
 
 FUNCTIONS = {name: op.reference for name, op in OPS.items()}  # name -> (f, q, p, eps, b) -> outputs
 
@@ -114,7 +113,7 @@ class InlineTorchEngine(Engine):
                                     outputs=outputs, error=error, retried_f64=retried,
                                     started_ns=t0, done_ns=t1, timing="wall")
         if self.observer is not None:
-            rect = op in RECTANGULAR
+            rect = OPS[op].rectangular
             self._shapes[ticket] = (op, f.dtype, int(f.shape[0]), int(f.shape[1]),
                                     int(f.shape[2]) if rect else 0, float(p),
                                     (q is not None) + (b is not None) if rect else 2)

@@ -1,13 +1,17 @@
-"""The REFRESH ops: the one table of their names, C codes, inputs and outputs.
+"""The REFRESH ops: the one table of their names, C codes, properties, inputs and outputs.
 
-Owns: ``OPS`` (each op's name, its ``ast_op`` code in include/asteria/runtime.h, the shapes
-and dtypes of its outputs, its torch reference and its FLOP count) and the check of a job's inputs. Every
-executor reads the op table from here: the torch executors run the references, the C pool
-takes the code, the replicated executor sizes its transfers with ``output_spec``;
-tests/python/test_refresh_ops.py checks the table against ``asteria._C``'s (which the extension
-reads from libasteria's op table: ``ast_op_name``) and the references' shapes against
-``output_spec``. Adding an op: its entry here, its ``ast_op`` value in
-include/asteria/runtime.h, its kernel and op-table entry in src/linalg.c. May call: torch.
+Owns: ``OPS``, one ``Op`` per op. Its C fields (the ``ast_op`` code, ``takes_basis``,
+``in_place`` and the operands: which of a request's slots in0, in1, in2, out0, out1 it takes,
+whether each is required, the shape each spans) are read from libasteria's op table
+(``asteria._C.ops()``, src/linalg.c), so the two tables cannot disagree; this file adds what
+only Python has: the torch reference and the FLOP count. The check of a job's inputs is here
+too. Every executor and the cost model read an op's fields (``Op.takes_basis``,
+``Op.in_place``, ``Op.rectangular``, ``Op.outputs``, ``Op.operand_elems``) and never name an
+op: the torch executors run the references, the C pool takes the code and sizes its buffers
+from the operands, the replicated executor sizes its transfers with ``output_spec``.
+Adding an op: its ``ast_op`` value in include/asteria/runtime.h, its kernel and op-table entry
+in src/linalg.c, its reference and FLOP count here (docs/architecture.md, "A REFRESH op").
+May call: torch, ``asteria._C`` (the op table, at import).
 
 Operations (names mirror ``ast_op`` in include/asteria/runtime.h):
 
@@ -39,35 +43,82 @@ op                    inputs                      outputs (``Result.outputs``)
                                                   the reference returns new tensors
 ====================  ==========================  ===========================================
 
-``soap_rotate`` and ``gram_ema`` are ``RECTANGULAR``: their first input is (batch, n, n1) and
-``q``, ``b`` are optional operands of its two sides; executors report n1 and ``sides`` (how
-many of ``q``, ``b`` were given) for them.
+``soap_rotate`` and ``gram_ema`` are rectangular (``Op.rectangular``): their first input is
+(batch, n, n1) and ``q``, ``b`` are optional operands of its two sides; executors report n1 and
+``sides`` (how many of ``q``, ``b`` were given) for them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Optional, Sequence
 
 import torch
 
+from asteria import _C
 from asteria.refresh.basis import eigh_basis, qr_basis
+
+#: shape of an operand (one batch entry) -> its dims for sizes (n, n1); "perm" is int64
+_SHAPES = {"nn": lambda n, n1: (n, n), "n": lambda n, n1: (n,), "perm": lambda n, n1: (n,),
+           "nn1": lambda n, n1: (n, n1), "n1n1": lambda n, n1: (n1, n1),
+           "pair_nn": lambda n, n1: (2, n, n), "pair_n1n1": lambda n, n1: (2, n1, n1)}
+#: a job's slots, in libasteria's order (ast_op_info)
+SLOTS = ("in0", "in1", "in2", "out0", "out1")
+
 
 @dataclasses.dataclass(frozen=True)
 class Op:
     name: str
     code: int  # ast_op
-    #: (n, n1, dtype) -> [(shape, dtype)] of each output of one batch entry
-    outputs: Callable[[int, int, torch.dtype], list]
+    #: in1 is the previous basis Q of F's shape, and the op needs it
+    takes_basis: bool
+    #: out0 / out1 are the caller's tensors, read and updated in place
+    in_place: bool
+    #: slot -> (need, shape) for each slot the op takes: need "required" or "optional", shape
+    #: a key of ``_SHAPES`` (per batch entry, of the job's dtype but "perm": int64)
+    operands: dict
     #: the torch reference: (f, q, p, eps, b) -> outputs, on batched inputs in their dtype
     reference: Callable
     #: (n, n1, p, sides) -> FLOPs of one batch entry (the cost model's table,
     #: asteria/refresh/cost.py); n1 and sides matter to the rectangular ops only
     flops: Callable[[float, float, float, int], float]
-    #: the second input is a basis Q of F's shape
-    with_basis: bool = False
-    #: the first input is (batch, n, n1); q and b are optional operands of its two sides
-    rectangular: bool = False
+    #: (f, q, b) -> None, raising ValueError: the op's own input checks, in place of
+    #: ``check_op``'s checks of a square op (None: those apply)
+    check: Optional[Callable] = None
+
+    @property
+    def rectangular(self) -> bool:
+        """in0 is (batch, n, n1), and q and b are optional operands of its two sides (executors
+        report n1 and ``sides``, how many of q and b were given, for these ops)."""
+        return self.operands["in0"][1] == "nn1"
+
+    def reads(self, slot: str) -> bool:
+        """Does a job read its input in ``slot`` ("in1", "in2")? The basis of a basis-taking op
+        and the side operands of a rectangular one; the eigen ops accept an in1 they never read."""
+        return slot in self.operands and (self.takes_basis or self.rectangular)
+
+    def outputs(self, n: int, n1: int, dtype: torch.dtype) -> list:
+        """(shape, dtype) of each output (out0, then out1 if the op has one) of one batch
+        entry."""
+        return [(_SHAPES[shape](n, n1), torch.int64 if shape == "perm" else dtype)
+                for slot, (_, shape) in self.operands.items() if slot.startswith("out")]
+
+    def operand_elems(self, slot: str, n: int, n1: int) -> int:
+        """Elements of one batch entry of ``slot`` (0 for a slot the op does not take)."""
+        if slot not in self.operands:
+            return 0
+        return math.prod(_SHAPES[self.operands[slot][1]](n, n1))
+
+    def read_elems(self, n: int, n1: int, sides: int = 2) -> int:
+        """Elements of one batch entry that a job takes from its caller: in0, the inputs it
+        reads, and the operands an in-place op updates; of a rectangular op's second side (in2,
+        out1) only with ``sides`` >= 2, and its first side priced as given whichever it is."""
+        slots = ["in0"] + [s for s in ("in1", "in2") if self.reads(s)]
+        if self.in_place:
+            slots += ["out0", "out1"]
+        return sum(self.operand_elems(s, n, n1) for s in slots
+                   if sides >= 2 or s not in ("in2", "out1"))
 
 
 # ---- the torch references (include/asteria/linalg.h's numerics) ----------------------------
@@ -168,10 +219,6 @@ def gram_ema(g: torch.Tensor, l: Optional[torch.Tensor], r: Optional[torch.Tenso
             None if r is None else torch.baddbmm(r, gt, g, beta=beta, alpha=alpha))
 
 
-def _mat(n, n1, dt):
-    return [((n, n), dt)]
-
-
 NEWTON_NOMINAL_ITERS = 20  # the cost model prices this many coupled-Newton iterations
 
 
@@ -189,28 +236,6 @@ def _gram_flops(n, n1, p, sides):
     not which: one factor is priced as L."""
     n1 = n1 or n
     return n * n * n1 + (n * n1 * n1 if sides >= 2 else 0.0)
-
-
-OPS: dict[str, Op] = {op.name: op for op in (
-    Op("eigh", 1, lambda n, n1, dt: [((n, n), dt), ((n,), dt)],
-       lambda f, q, p, eps, b: _eigh(f), lambda n, n1, p, s: 9.0 * n ** 3),
-    Op("inv_root", 2, _mat, lambda f, q, p, eps, b: _inv_root(f, p, eps),
-       lambda n, n1, p, s: 11.0 * n ** 3),
-    Op("newton_root", 3, _mat, lambda f, q, p, eps, b: _newton_root(f, p, eps), _newton_flops),
-    Op("soap_qr", 4, lambda n, n1, dt: [((n, n), dt), ((n,), torch.int64)],
-       lambda f, q, p, eps, b: _soap_qr(f, q), lambda n, n1, p, s: 14.0 / 3.0 * n ** 3,
-       with_basis=True),
-    Op("kl_qr", 5, _mat, lambda f, q, p, eps, b: _kl_qr(f, q),
-       lambda n, n1, p, s: 14.0 / 3.0 * n ** 3, with_basis=True),
-    Op("soap_rotate", 6, lambda n, n1, dt: [((n, n1), dt)],
-       lambda f, q, p, eps, b: soap_rotate(f, q, b), _rotate_flops, rectangular=True),
-    Op("gram_ema", 7, lambda n, n1, dt: [((n, n), dt), ((n1, n1), dt)],
-       lambda f, q, p, eps, b: gram_ema(f, q, b, p, eps), _gram_flops, rectangular=True),
-)}
-#: ops whose second input is a basis Q of F's shape
-WITH_BASIS = tuple(op.name for op in OPS.values() if op.with_basis)
-#: ops whose first input is (batch, n, n1), with q and b optional operands of its two sides
-RECTANGULAR = tuple(op.name for op in OPS.values() if op.rectangular)
 
 
 def output_spec(op: str, n: int, dtype: torch.dtype, n1: int = 0) -> list:
@@ -254,24 +279,52 @@ def _check_gram_ema(g: torch.Tensor, l: Optional[torch.Tensor],
 
 def check_op(op: str, inputs: Sequence[Optional[torch.Tensor]]) -> None:
     """Validates an op name and its inputs ``(f, q)`` or ``(f, q, b)`` (``b`` defaults to None;
-    only the ``RECTANGULAR`` ops take it). Raises ValueError naming what is wrong."""
+    only the rectangular ops take it). Raises ValueError naming what is wrong."""
     if op not in OPS:
         raise ValueError(f"unknown REFRESH op {op!r}; allowed: {', '.join(OPS)}")
     f = inputs[0]
     q = inputs[1] if len(inputs) > 1 else None
     b = inputs[2] if len(inputs) > 2 else None
-    if op == "soap_rotate":
-        _check_rotate(f, q, b)
-        return
-    if op == "gram_ema":
-        _check_gram_ema(f, q, b)
+    entry = OPS[op]
+    if entry.check is not None:
+        entry.check(f, q, b)
         return
     if b is not None:
-        raise ValueError(f"op {op!r} takes no third input (b); only {', '.join(RECTANGULAR)} "
-                         "do")
+        raise ValueError(f"op {op!r} takes no third input (b); only "
+                         f"{', '.join(o.name for o in OPS.values() if o.rectangular)} do")
     if f.dim() != 3 or f.shape[1] != f.shape[2]:
         raise ValueError(f"REFRESH input must have shape (batch, n, n), got {tuple(f.shape)}")
-    if op in WITH_BASIS:
+    if entry.takes_basis:
         q = inputs[1]
         if q is None or q.shape != f.shape:
             raise ValueError(f"op {op!r} needs a basis Q with the shape of F {tuple(f.shape)}")
+
+
+#: what only Python has, per op: (torch reference, FLOPs of one batch entry, the check of its
+#: inputs beyond check_op's or None)
+_PYTHON = {
+    "eigh": (lambda f, q, p, eps, b: _eigh(f), lambda n, n1, p, s: 9.0 * n ** 3, None),
+    "inv_root": (lambda f, q, p, eps, b: _inv_root(f, p, eps), lambda n, n1, p, s: 11.0 * n ** 3,
+                 None),
+    "newton_root": (lambda f, q, p, eps, b: _newton_root(f, p, eps), _newton_flops, None),
+    "soap_qr": (lambda f, q, p, eps, b: _soap_qr(f, q), lambda n, n1, p, s: 14.0 / 3.0 * n ** 3,
+                None),
+    "kl_qr": (lambda f, q, p, eps, b: _kl_qr(f, q), lambda n, n1, p, s: 14.0 / 3.0 * n ** 3,
+              None),
+    "soap_rotate": (lambda f, q, p, eps, b: soap_rotate(f, q, b), _rotate_flops, _check_rotate),
+    "gram_ema": (lambda f, q, p, eps, b: gram_ema(f, q, b, p, eps), _gram_flops, _check_gram_ema),
+}
+
+
+def _table() -> dict:
+    c_ops = _C.ops()
+    if set(c_ops) != set(_PYTHON):
+        raise ImportError(f"asteria.refresh.ops and libasteria's op table disagree: C has "
+                          f"{sorted(c_ops)}, Python has references for {sorted(_PYTHON)}; an op "
+                          f"needs both (docs/architecture.md, 'A REFRESH op')")
+    return {name: Op(name, c["code"], c["takes_basis"], c["in_place"], dict(c["operands"]),
+                     *_PYTHON[name])
+            for name, c in sorted(c_ops.items(), key=lambda kv: kv[1]["code"])}
+
+
+OPS: dict[str, Op] = _table()

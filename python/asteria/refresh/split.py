@@ -30,7 +30,7 @@ import torch
 
 from asteria.refresh.cost import CostModel, JobSpec, assign
 from asteria.refresh.engine import Engine, JobTiming, Lane, Result
-from asteria.refresh.ops import RECTANGULAR
+from asteria.refresh.ops import OPS
 
 PART_KEYS = 1024  # derived block keys per job block
 
@@ -128,7 +128,7 @@ class SplitEngine(Engine):
             raise RuntimeError("SplitEngine is closed")
         first = f[0] if isinstance(f, (list, tuple)) else f[0]
         batch = len(f) if isinstance(f, (list, tuple)) else int(f.shape[0])
-        rect = op in RECTANGULAR
+        rect = op in OPS and OPS[op].rectangular  # an unknown op: the children say so
         spec = JobSpec(op, first.dtype, int(first.shape[0]), batch,
                        int(first.shape[1]) if rect else 0, float(p),
                        (q is not None) + (b is not None) if rect else 2)
