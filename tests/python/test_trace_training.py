@@ -15,6 +15,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 import asteria
 from asteria import SOAP, attach, detach
@@ -144,3 +145,25 @@ def test_trace_written_when_collected_and_at_exit(tmp_path):
     assert res.returncode == 0, res.stderr
     evs, _ = events(path)
     assert any(e["name"] == "install" for e in evs)
+
+
+def test_one_tracer_built_by_the_pool_and_handed_on(tmp_path):
+    """The C pool builds the optimizer's one tracer over its runtime; the wrapping executors
+    get that object (no forwarding), sync mode has none, and it records nothing once closed."""
+    from asteria.optim import SOAP
+    from asteria.refresh.engine import NO_TRACE
+    from asteria.refresh.split import SplitEngine
+
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    opt = SOAP([w], runtime={"mode": "async", "staleness": 1, "workers": 1,
+                             "trace": str(tmp_path / "t.json")})
+    tracer = opt._engine.tracer
+    assert tracer.active and tracer is not NO_TRACE
+    split = SplitEngine(opt._engine, None, tracer=tracer)
+    assert split.tracer is tracer
+    opt.close()
+    assert not tracer.active  # the runtime wrote its file; nothing is recorded after
+    tracer("copy", "shadow", bytes=1)  # a no-op, not an error
+    sync = SOAP([w], runtime={"mode": "sync"})
+    assert sync._engine.tracer is NO_TRACE
+    sync.close()

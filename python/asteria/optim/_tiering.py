@@ -180,7 +180,7 @@ class TieringMixin:
                 return opt._describe_key(key) if opt is not None else f"block {key!r}"
 
             self._tiered = _tiered_mod.Residency(
-                plan, self._cfg, tracer=self._engine.trace, describe=describe)
+                plan, self._cfg, tracer=self._engine.tracer, describe=describe)
             self.state = _States(self, self.state)
             if self._finalizer is not None:  # the finalizer must close the new residency too
                 self._finalizer.detach()

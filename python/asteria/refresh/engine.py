@@ -32,8 +32,15 @@ divides jobs by, shared with the capacity record). An executor hands each finish
 the job.
 
 Every method the optimizer layer calls on an engine is declared on ``Engine``; those an
-executor may have nothing to do for (``drain``, ``step_end``, ``trace``, ``trace_write``) are
-no-ops here, so callers call them plainly. Lane names are ``Lane`` (executor lanes: the cost
+executor may have nothing to do for (``drain``, ``step_end``) are no-ops here, so callers call
+them plainly.
+
+The trace: one ``Tracer`` per optimizer, over the trace recorder of libasteria's runtime (config
+``trace``). The executor that owns that runtime (``HostPoolEngine``) builds it, once;
+``asteria.refresh.select.make_engine`` hands it explicitly to the executors that wrap it
+(``SplitEngine``, ``ReplicatedEngine``), and the optimizer hands ``engine.tracer`` to the
+residency (``asteria.tiers.residency``). Every engine has one (``Engine.tracer``: ``NO_TRACE``,
+which records nothing, where there is no runtime trace). Lane names are ``Lane`` (executor lanes: the cost
 model's and the capacity report's) and ``TraceLane`` (the runtime trace's tracks); both are
 ``str`` enums whose values are what JSON, trace files and reports have always carried.
 """
@@ -65,13 +72,44 @@ class Lane(_StrEnum):
 
 
 class TraceLane(_StrEnum):
-    """Named tracks of the runtime's Chrome trace that Python records on (``Engine.trace``;
+    """Named tracks of the runtime's Chrome trace that Python records on (``Tracer``;
     libasteria's workers have tracks of their own, by index)."""
 
     TRAIN = "train"
     SHADOW = "shadow"
     COHERENCE = "coherence"
     NVME = "nvme"
+
+
+class Tracer:
+    """Records caller events (copies, prefetches: ``asteria._C.Runtime.trace_event``'s
+    arguments) in a runtime's trace, and writes it. A no-op without a trace: no runtime, its
+    config 'trace' unset, or the runtime closed (``close``, by the runtime's owner, before it
+    writes the file). Single-threaded use, like the engines."""
+
+    def __init__(self, runtime: Any = None) -> None:
+        self._rt = runtime if runtime is not None and getattr(runtime, "tracing", False) else None
+
+    @property
+    def active(self) -> bool:
+        return self._rt is not None
+
+    def __call__(self, kind: str, lane: Any, name: Optional[str] = None, **args: Any) -> None:
+        if self._rt is not None:
+            self._rt.trace_event(kind, lane, name, **args)
+
+    def write(self, path: Optional[str] = None) -> None:
+        """Write the trace so far (config ``trace``, or ``path``); recording goes on."""
+        if self._rt is not None:
+            self._rt.trace_write(path)
+
+    def close(self) -> None:
+        """The runtime is closing: record nothing more."""
+        self._rt = None
+
+
+#: the tracer of an engine without a runtime trace
+NO_TRACE = Tracer()
 
 
 @dataclasses.dataclass
@@ -134,6 +172,8 @@ class Engine(abc.ABC):
     #: (``SplitEngine``); the capacity record shares it rather than keeping a second one.
     #: None: the executor has none
     model: Optional[Any] = None
+    #: the optimizer's one runtime tracer (see the module docstring); NO_TRACE: none
+    tracer: Tracer = NO_TRACE
 
     def lanes(self) -> dict[Lane, int]:
         """The lanes this executor runs jobs on and how many run at once:
@@ -150,13 +190,6 @@ class Engine(abc.ABC):
     def step_end(self, step: int) -> None:
         """The optimizer's step ``step`` ended (after its installs and submits). A replicated
         executor hands finished owner results to its protocol here; others ignore it."""
-
-    def trace(self, kind: str, lane: Any, name: Optional[str] = None, **args: Any) -> None:
-        """Record one caller event (a copy, a prefetch) in the executor's runtime trace
-        (``asteria._C.Runtime.trace_event``'s arguments); a no-op without a trace."""
-
-    def trace_write(self, path: Optional[str] = None) -> None:
-        """Write the runtime trace so far (config ``trace``, or ``path``); a no-op without one."""
 
     @abc.abstractmethod
     def submit(

@@ -43,7 +43,7 @@ import torch
 
 from asteria import _C
 from asteria.config import RuntimeConfig
-from asteria.refresh.engine import Engine, JobTiming, Lane, Result, TraceLane
+from asteria.refresh.engine import Engine, JobTiming, Lane, Result, Tracer, TraceLane
 from asteria.refresh.ops import OPS, check_op, output_spec
 
 _C_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
@@ -137,7 +137,8 @@ class HostPoolEngine(Engine):
         self._closed = True  # until the runtime exists, so __del__ has nothing to do
         self._shadow = None
         self._rt = _C.Runtime(c_config(cfg))
-        self._tracing = bool(getattr(self._rt, "tracing", False))
+        # the optimizer's one tracer: built here, where its runtime is (engine.py, "The trace")
+        self.tracer = Tracer(self._rt)
         self._jobs: dict[int, _Job] = {}
         self._final_stats: Optional[dict[str, Any]] = None
         self._copies = {"bytes_d2h_snapshots": 0, "bytes_h2d_results": 0,
@@ -149,17 +150,8 @@ class HostPoolEngine(Engine):
                                      prefetch_ring_bytes=4096, slots=1024,
                                      device=device if cuda else -1)
         self._closed = False
-        if self._tracing:
+        if self.tracer.active:
             self._rt.trace_name_lane(TraceLane.NVME, "nvme tier")
-
-    def trace(self, kind: str, lane: Any, name: Optional[str] = None, **args: Any) -> None:
-        """Record one caller event (copies) in the runtime's trace; a no-op without one."""
-        if self._tracing and not self._closed:
-            self._rt.trace_event(kind, lane, name, **args)
-
-    def trace_write(self, path: Optional[str] = None) -> None:
-        if self._tracing and not self._closed:
-            self._rt.trace_write(path)
 
     def _snapshot_into_ring(self, parts: list, shape: tuple, cdtype: torch.dtype, block: int):
         """(host tensor of ``shape`` over a snapshot slot, ticket), or None when the ring has no
@@ -190,11 +182,11 @@ class HostPoolEngine(Engine):
             return None
         self._shadow.snapshot_wait(ticket)  # the host path copied at issue
         t1 = time.monotonic_ns()
-        self.trace("copy_issued", TraceLane.SHADOW, bytes=nbytes, direction="d2h", block=block,
+        self.tracer("copy_issued", TraceLane.SHADOW, bytes=nbytes, direction="d2h", block=block,
                    ts_ns=t0)
-        self.trace("copy", TraceLane.SHADOW, bytes=nbytes, direction="d2h", block=block, ts_ns=t0,
+        self.tracer("copy", TraceLane.SHADOW, bytes=nbytes, direction="d2h", block=block, ts_ns=t0,
                    dur_ns=t1 - t0)
-        self.trace("copy_done", TraceLane.SHADOW, bytes=nbytes, direction="d2h", block=block,
+        self.tracer("copy_done", TraceLane.SHADOW, bytes=nbytes, direction="d2h", block=block,
                    ts_ns=t1)
         return torch.from_dlpack(self._shadow.snapshot_view(ticket, cdtype, shape)), ticket
 
@@ -270,9 +262,9 @@ class HostPoolEngine(Engine):
                 if self._shadow is not None:
                     self._copies["snapshots_fallback"] += 1
                     t1 = time.monotonic_ns()
-                    self.trace("copy", TraceLane.SHADOW, "snapshot (private buffer)", bytes=nb,
+                    self.tracer("copy", TraceLane.SHADOW, "snapshot (private buffer)", bytes=nb,
                                direction="d2h", block=block, ts_ns=t0, dur_ns=t1 - t0)
-                    self.trace("copy_done", TraceLane.SHADOW, bytes=nb, direction="d2h",
+                    self.tracer("copy_done", TraceLane.SHADOW, bytes=nb, direction="d2h",
                                block=block, ts_ns=t1)
             else:
                 inputs.append(staged[0])
@@ -433,6 +425,7 @@ class HostPoolEngine(Engine):
             if job.result is None:
                 self._rt.cancel(ticket)
         self._final_stats = self.stats_open()
+        self.tracer.close()
         try:
             self._rt.close()  # writes the trace file when config 'trace' is set
         finally:

@@ -40,7 +40,7 @@ import torch
 from asteria.distributed import Topology, _dist, _initialized, _Link, make_topology, replicas
 from asteria.refresh.coherence_protocol import (Channel, CoherenceError, CoherenceProtocol,
                                                 ReplicatedJob, Unit)
-from asteria.refresh.engine import Engine, Result
+from asteria.refresh.engine import NO_TRACE, Engine, Result, Tracer
 from asteria.refresh.ops import check_op, output_spec
 
 _ID_BITS = 20           # coherence block id = (engine block key << _ID_BITS) | batch index
@@ -57,8 +57,9 @@ class ReplicatedEngine(Engine):
     replicated = True
 
     def __init__(self, inner: Engine, topo: Topology, replica_sets: Iterable[Sequence[int]],
-                 *, hierarchical: bool = True) -> None:
+                 *, hierarchical: bool = True, tracer: Tracer = NO_TRACE) -> None:
         self._inner = inner
+        self.tracer = tracer
         self._closed = False
         self._final_stats: Optional[dict] = None
         self._topo = topo
@@ -280,13 +281,7 @@ class ReplicatedEngine(Engine):
                 for link in self._links.values():
                     link.staging.close()
 
-    # the trace and the cost model are the inner engine's
-    def trace(self, kind: str, lane: Any, name: Optional[str] = None, **args: Any) -> None:
-        self._inner.trace(kind, lane, name, **args)
-
-    def trace_write(self, path: Optional[str] = None) -> None:
-        self._inner.trace_write(path)
-
+    # the cost model is the inner engine's
     @property
     def model(self) -> Any:
         return self._inner.model
@@ -362,8 +357,8 @@ class ReplicatedEngine(Engine):
 
 
 def wrap_engine(engine: Engine, params: Iterable[torch.Tensor], *, hierarchical: bool = True,
-                ranks_per_node: Optional[int] = None,
-                timeout_s: Optional[float] = None) -> Engine:
+                ranks_per_node: Optional[int] = None, timeout_s: Optional[float] = None,
+                tracer: Tracer = NO_TRACE) -> Engine:
     """The engine an optimizer over ``params`` uses: ``engine`` itself unless torch.distributed
     is initialised with several ranks and some rank holds replicated parameters, else a
     ReplicatedEngine around it (an existing ReplicatedEngine learns the replica sets of
@@ -371,7 +366,8 @@ def wrap_engine(engine: Engine, params: Iterable[torch.Tensor], *, hierarchical:
     optimizer, except one whose parameters were all declared rank-local
     (``set_replicas(params, None)``). ``hierarchical``, ``ranks_per_node``, ``timeout_s``: the
     runtime keys coherence_topology ("hier"), ranks_per_node and coherence_timeout_s, for a new
-    ReplicatedEngine (``asteria.distributed.make_topology``)."""
+    ReplicatedEngine (``asteria.distributed.make_topology``). ``tracer``: the optimizer's
+    tracer, for a new ReplicatedEngine."""
     params = list(params)
     if not _initialized() or _dist().get_world_size() == 1:
         return engine
@@ -388,4 +384,4 @@ def wrap_engine(engine: Engine, params: Iterable[torch.Tensor], *, hierarchical:
     if not every:
         return engine
     return ReplicatedEngine(engine, make_topology(ranks_per_node, timeout_s), every,
-                             hierarchical=hierarchical)
+                             hierarchical=hierarchical, tracer=tracer)

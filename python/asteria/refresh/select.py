@@ -52,11 +52,14 @@ def make_engine(cfg: Any, plan: Optional[Any] = None,
                 from asteria.refresh.device import DeviceEngine
 
                 device = DeviceEngine(cuda)
-            engine = SplitEngine(engine, device)
+            engine = SplitEngine(engine, device, tracer=engine.tracer)
     from asteria.refresh.replicated import wrap_engine
 
+    # the tracer the C pool built over its runtime (NO_TRACE in sync mode), handed to the
+    # executors that wrap it
     return wrap_engine(engine, list(params), hierarchical=cfg.coherence_topology == "hier",
-                       ranks_per_node=cfg.ranks_per_node, timeout_s=cfg.coherence_timeout_s)
+                       ranks_per_node=cfg.ranks_per_node, timeout_s=cfg.coherence_timeout_s,
+                       tracer=engine.tracer)
 
 
 def device_for(params: Iterable[torch.Tensor]) -> Optional[torch.device]:

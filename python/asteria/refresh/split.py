@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 
 from asteria.refresh.cost import CostModel, JobSpec, assign
-from asteria.refresh.engine import Engine, JobTiming, Lane, Result
+from asteria.refresh.engine import NO_TRACE, Engine, JobTiming, Lane, Result, Tracer
 from asteria.refresh.ops import OPS
 
 PART_KEYS = 1024  # derived block keys per job block
@@ -66,8 +66,9 @@ class SplitEngine(Engine):
     splits_batches = True
 
     def __init__(self, host: Engine, device: Optional[Engine] = None,
-                 model: Optional[CostModel] = None) -> None:
+                 model: Optional[CostModel] = None, *, tracer: Tracer = NO_TRACE) -> None:
         self._host = host
+        self.tracer = tracer
         self._device = device
         self.model = model or CostModel()
         self._workers = max(1, int(host.lanes().get(Lane.HOST, 1)))
@@ -87,13 +88,6 @@ class SplitEngine(Engine):
 
     def lanes(self) -> dict[str, int]:
         return {Lane.HOST: self._workers, **({Lane.DEVICE: 1} if self._device is not None else {})}
-
-    # the trace is the host pool's runtime's
-    def trace(self, kind: str, lane: Any, name: Optional[str] = None, **args: Any) -> None:
-        self._host.trace(kind, lane, name, **args)
-
-    def trace_write(self, path: Optional[str] = None) -> None:
-        self._host.trace_write(path)
 
     def drain(self) -> int:
         return sum(e.drain() for e in (self._host, self._device) if e is not None)

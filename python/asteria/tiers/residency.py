@@ -3,7 +3,8 @@
 
 Owns: one store, one shadow (prefetch ring; the snapshot ring is the engine's), the block table
 ``(param index, state name) -> _Blk``, the copy counters and the copy events written to the
-runtime's trace (on its ``TraceLane`` tracks). May call: torch, ``asteria._C``,
+runtime's trace (on its ``TraceLane`` tracks) through the optimizer's one ``Tracer``, which it is
+given (``tracer=``: the engine's, asteria.refresh.engine, "The trace"); it builds none. May call: torch, ``asteria._C``,
 ``asteria.tiers.plan``, ``asteria.refresh.engine`` (the trace lane names).
 Single-threaded: the optimizer's training thread (and the hooks it runs on that thread).
 
@@ -90,7 +91,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from asteria import _C
-from asteria.refresh.engine import TraceLane
+from asteria.refresh.engine import NO_TRACE, TraceLane
 from asteria.tiers.plan import PREPARE_CHUNK, Plan, align, stored_dtype
 
 log = logging.getLogger("asteria")
@@ -204,7 +205,7 @@ class Residency:
                  describe: Optional[Callable] = None) -> None:
         self.plan = plan
         self._cfg = cfg
-        self._trace = tracer or (lambda *a, **k: None)
+        self._trace = tracer or NO_TRACE
         self._describe = describe or (lambda key: f"param {key[0]} state {key[1]!r}")
         self.store = _C.Store(nvme_dir=cfg.nvme_dir, direct="fallback",
                               nvme_budget_bytes=int(self.nvme_budget_bytes)) \
