@@ -43,10 +43,11 @@ from tinygpt import SCHEDULE, CharData, GPTConfig, n_params, warmup_cosine  # no
 
 import asteria  # noqa: E402
 
-# Tuned peak lrs in this setting: benchmarks/results/bench_convergence.json ("users", seed-0
-# sweeps; AdamW 1e-3 / 3e-3 in an earlier run, then 6e-3 / 1e-2 / 2e-2 for AdamW and the SOAPs;
-# KL-Shampoo 3e-3 / 1e-2 / 3e-2, Shampoo 3e-3 / 6e-3 / 1e-2).
-LR = {"adamw": 6e-3, "soap-async": 1e-2, "soap-sync": 1e-2, "kl-shampoo-async": 3e-2,
+# Tuned peak lrs in this setting: the seed-0 sweeps of benchmarks/bench_convergence.py
+# ("users"): AdamW and the two SOAPs in benchmarks/results/amortisation/ (2026-12-05: AdamW
+# 3e-3 / 6e-3 / 1e-2; each SOAP 6e-3 / 1e-2 / 2e-2 / 4e-2, best 2e-2 by 3-5 steps over 1e-2),
+# KL-Shampoo (1e-2 / 3e-2 / 1e-1) and Shampoo (6e-3 / 1e-2 / 2e-2) in benchmarks/results/.
+LR = {"adamw": 6e-3, "soap-async": 2e-2, "soap-sync": 2e-2, "kl-shampoo-async": 3e-2,
       "shampoo-async": 1e-2}
 DEFAULT_RUNS = ("adamw", "soap-async", "soap-sync")
 STALENESS = 0
