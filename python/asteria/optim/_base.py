@@ -46,11 +46,12 @@ from asteria import distributed as _dist
 from asteria.refresh import select as _select
 from asteria.refresh.capacity import report_lines
 from asteria.config import RuntimeConfig
+from asteria.optim import _layout as K
 from asteria.optim import functional as F
 from asteria.optim._blocking import Layout, make_layout
 from asteria.optim._checkpoint import CheckpointMixin
 from asteria.optim._global import GlobalBlocking, sharded_dim0
-from asteria.optim._schedule import _PENDING, INIT, REFRESH, ScheduleMixin
+from asteria.optim._schedule import INIT, REFRESH, ScheduleMixin
 from asteria.optim._state import _count, local, real, shard_tag
 from asteria.optim._tiering import TieringMixin, _close_all
 
@@ -101,9 +102,9 @@ def eigh_input(f: torch.Tensor) -> torch.Tensor:
     return f + 1e-30 * torch.eye(f.shape[0], dtype=f.dtype, device=f.device)
 
 
-def init_bases(opt, members: list, factors: list, name: str) -> list:
-    """Store first-step factors with the identity as their basis; return [(p, j, dims)] of the
-    factors that are not c*I and so need a real eigendecomposition."""
+def init_bases(opt, members: list, factors: list, field: str) -> list:
+    """Store first-step factors (``b{j}.{field}{i}``) with the identity as their basis; return
+    [(p, j, dims)] of the factors that are not c*I and so need a real eigendecomposition."""
     state = opt.state
     need: dict = {}
     for i, f in enumerate(factors):
@@ -111,8 +112,8 @@ def init_bases(opt, members: list, factors: list, name: str) -> list:
             continue
         eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
         for (p, j), fi, trivial in zip(members, f.unbind(0), F.is_scaled_identity(f)):
-            state[p][f"b{j}.{name}{i}"] = fi.clone()
-            opt._root_set(p, f"b{j}.Q{i}", eye)
+            state[p][K.key(j, field, i)] = fi.clone()
+            opt._root_set(p, K.key(j, "Q", i), eye)
             if not trivial:
                 need.setdefault((p, j), []).append(i)
     return [(p, j, dims) for (p, j), dims in need.items()]
@@ -123,7 +124,7 @@ def install_bases(opt, outputs: dict) -> None:
     for p, outs in outputs.items():
         for (j, dim), out in outs.items():
             if out is not None:
-                opt._root_set(p, f"b{j}.Q{dim}", out[0])
+                opt._root_set(p, K.key(j, "Q", dim), out[0])
 
 
 class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim.Optimizer):
@@ -586,7 +587,7 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         for p, st in self._param_states():
             pidx = self._pindex.get(p)
             for name, v in dict.items(st):
-                if _PENDING in name:  # placeholders: views of one shared zero
+                if K.is_pending_output(name):  # placeholders: views of one shared zero
                     continue
                 if isinstance(v, torch.Tensor) and (plan is None or
                                                     plan.tier((pidx, name)) == "device"):

@@ -12,13 +12,14 @@ it belongs to (through a weak reference). Single-threaded (the training thread).
 
 from __future__ import annotations
 
-import re
 import sys
 import weakref
 from collections import defaultdict
 from typing import Any, Optional
 
 import torch
+
+from asteria.optim import _layout
 
 
 def local(t):
@@ -42,12 +43,6 @@ def real(t):
     return torch.view_as_real(t) if t.is_complex() else t
 
 
-_TAG_SEP = "@"
-
-
-_TAG_RE = re.compile(r"@shard\d+of\d+(?:_\d+of\d+)*")
-
-
 def shard_tag(p) -> Optional[str]:
     """The tag of a DTensor parameter sharded over more than one rank: ``shard{i}of{n}`` per
     mesh dimension that shards it (``shard0of2``, ``shard1of2_0of4``), else None. Replicas of
@@ -57,9 +52,9 @@ def shard_tag(p) -> Optional[str]:
         return None
     mesh = p.device_mesh
     coord = mesh.get_coordinate() or []
-    parts = [f"{coord[d]}of{mesh.size(d)}" for d, pl in enumerate(p.placements)
-             if isinstance(pl, mod.Shard) and mesh.size(d) > 1 and d < len(coord)]
-    return "shard" + "_".join(parts) if parts else None
+    return _layout.shard_tag([(coord[d], mesh.size(d)) for d, pl in enumerate(p.placements)
+                              if isinstance(pl, mod.Shard) and mesh.size(d) > 1
+                              and d < len(coord)])
 
 
 def external_key(tag, k):
@@ -68,7 +63,7 @@ def external_key(tag, k):
     numbers of ``fsdp_blocking="global"``, ``_global.KeyMap``)."""
     if tag is None:
         return k
-    return f"{k}{_TAG_SEP}{tag}" if isinstance(tag, str) else tag.external(k)
+    return _layout.tagged(k, tag) if isinstance(tag, str) else tag.external(k)
 
 
 def internal_key(tag, k):
@@ -76,8 +71,7 @@ def internal_key(tag, k):
     names are not taken (``b3.`` could be either numbering): lookups use the optimizer's."""
     if not isinstance(tag, str) or not isinstance(k, str):
         return k
-    suffix = _TAG_SEP + tag
-    return k[:-len(suffix)] if k.endswith(suffix) else k
+    return _layout.untagged(k, tag)
 
 
 class _ParamState(dict):

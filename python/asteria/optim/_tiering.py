@@ -52,6 +52,7 @@ import torch
 from asteria.tiers import plan as _placement
 from asteria.tiers import residency as _tiered_mod
 from asteria.refresh import select as _select
+from asteria.optim import _layout as K
 from asteria.optim._state import _ParamState, _States, local, real
 
 
@@ -146,8 +147,7 @@ class TieringMixin:
                 pidx = self._pindex[p]
                 itemsize = lp.element_size()
                 if lp.numel() == 0 or self._is_adamw(p, group):
-                    spec = [(n, "moments", tuple(lp.shape), lp.dtype)
-                            for n in ("exp_avg", "exp_avg_sq")]
+                    spec = [(n, "moments", tuple(lp.shape), lp.dtype) for n in K.ADAMW_MOMENTS]
                 else:
                     spec = self._state_spec(p, group, self._layout(p, group))
                 for name, kind, shape, dtype in spec:
@@ -257,8 +257,7 @@ class TieringMixin:
         return self.state[p][name]
 
     def _member_keys(self, p: torch.Tensor, j: int) -> list:
-        prefix = f"b{j}."
-        return [k for k in self._tkeys.get(self._pindex[p], ()) if k[1].startswith(prefix)]
+        return [k for k in self._tkeys.get(self._pindex[p], ()) if K.block_of(k[1]) == j]
 
     def _chunks(self, members: list) -> list:
         """Split a stack's members so that each chunk's staged blocks fit the ring."""
@@ -278,10 +277,11 @@ class TieringMixin:
         chunks.append(cur)
         return chunks
 
-    def _stack(self, members: list, name: str, out: Optional[torch.Tensor] = None,
-               view: bool = False) -> torch.Tensor:
-        """The members' ``b{j}.{name}`` stacked: a copy (into ``out`` when given), which the
-        caller may keep, donate to a job or write freely.
+    def _stack(self, members: list, field: str, dim: Optional[int] = None,
+               out: Optional[torch.Tensor] = None, view: bool = False) -> torch.Tensor:
+        """The members' ``b{j}.{field}`` (``b{j}.{field}{dim}`` for a per-dimension field)
+        stacked: a copy (into ``out`` when given), which the caller may keep, donate to a job or
+        write freely.
 
         ``view=True`` (the step's reads of the state it updates in place): where every member's
         tensor lives on the device (none owned by the residency), the packed buffer itself
@@ -290,16 +290,16 @@ class TieringMixin:
         member's entry is re-pointed at its slice of the new stack, so that the next step's
         read is zero-copy. Residency-owned blocks are always copied (borrowed from the ring);
         ``_unstack`` writes them back. See "Packed state" in the module docstring."""
-        if out is None and view and PACK and not self._any_owned(members, name):
-            return self._packed(members, name)
+        if out is None and view and PACK and not self._any_owned(members, field, dim):
+            return self._packed(members, field, dim)
         if self._tiered is not None:
-            keys = [(self._pindex[p], f"b{j}.{name}") for p, j in members]
+            keys = [(self._pindex[p], K.key(j, field, dim)) for p, j in members]
             owned = [self._tiered.owns(k) for k in keys]
             if any(owned):
                 mine = [k for k, o in zip(keys, owned) if o]
                 staged = iter(self._tiered.borrow(mine))
                 try:
-                    parts = [next(staged) if o else self.state[p][f"b{j}.{name}"]
+                    parts = [next(staged) if o else self.state[p][K.key(j, field, dim)]
                              for (p, j), o in zip(members, owned)]
                     wide = self._tiered.dtype_of(mine[0])
                     if out is None and any(x.dtype != wide for x in parts):
@@ -309,18 +309,23 @@ class TieringMixin:
                     return torch.stack(parts, out=out)
                 finally:
                     self._tiered.give_back(mine)
-        return torch.stack([self.state[p][f"b{j}.{name}"] for p, j in members], out=out)
+        return torch.stack([self.state[p][K.key(j, field, dim)] for p, j in members], out=out)
 
-    def _any_owned(self, members: list, name: str) -> bool:
+    def _any_owned(self, members: list, field: str, dim: Optional[int]) -> bool:
         if self._tiered is None:
             return False
-        return any(self._tiered.owns((self._pindex[p], f"b{j}.{name}")) for p, j in members)
+        return any(self._tiered.owns((self._pindex[p], K.key(j, field, dim)))
+                   for p, j in members)
 
-    def _packed(self, members: list, name: str) -> torch.Tensor:
-        """The device-resident members' ``b{j}.{name}`` as one packed stack that the state
-        entries are slices of (see ``_stack(view=True)``). The stack is recorded as handed out
-        (``_handed``): ``_unstack`` of it, with these members, has nothing to write."""
-        key = f"b{{}}.{name}".format
+    def _packed(self, members: list, field: str, dim: Optional[int]) -> torch.Tensor:
+        """The device-resident members' ``b{j}.{field}[{dim}]`` as one packed stack that the
+        state entries are slices of (see ``_stack(view=True)``). The stack is recorded as
+        handed out (``_handed``): ``_unstack`` of it, with these members, has nothing to
+        write."""
+
+        def key(j):
+            return K.key(j, field, dim)
+
         states = [self.state[p] for p, _ in members]
         if self._offloaded or self._deferred:  # reads through the proxy settle them first
             ts = [st[key(j)] for st, (_, j) in zip(states, members)]
@@ -331,7 +336,7 @@ class TieringMixin:
             x = _slices_of(ts)
         if x is None:
             x = self._repack(members, key, states, ts)
-        self._handed[id(x)] = (x, members, name)
+        self._handed[id(x)] = (x, members, field, dim)
         return x
 
     def _repack(self, members: list, key, states: list, ts: list) -> torch.Tensor:
@@ -354,24 +359,26 @@ class TieringMixin:
         packs[id(x)] = (weakref.ref(x), entries, slices)
         return x
 
-    def _stack_dims(self, members: list, name: str, has: Sequence[bool],
+    def _stack_dims(self, members: list, field: str, has: Sequence[bool],
                     view: bool = False) -> list:
-        return [self._stack(members, f"{name}{i}", view=view) if h else None
+        return [self._stack(members, field, i, view=view) if h else None
                 for i, h in enumerate(has)]
 
-    def _unstack(self, members: list, name: str, x: torch.Tensor) -> None:
-        """Write a stack back into the members' ``b{j}.{name}``; a member whose tensor is
-        already its slice of x (a packed stack from ``_stack(view=True)``) needs nothing, and
-        a stack handed out packed for these very members needs no look at them at all."""
+    def _unstack(self, members: list, field: str, x: torch.Tensor,
+                 dim: Optional[int] = None) -> None:
+        """Write a stack back into the members' ``b{j}.{field}[{dim}]``; a member whose tensor
+        is already its slice of x (a packed stack from ``_stack(view=True)``) needs nothing,
+        and a stack handed out packed for these very members needs no look at them at all."""
         handed = self._handed.pop(id(x), None)
-        if handed is not None and handed[0] is x and handed[1] is members and handed[2] == name:
+        if (handed is not None and handed[0] is x and handed[1] is members
+                and handed[2:] == (field, dim)):
             return
-        key = f"b{{}}.{name}".format
         for (p, j), xi in zip(members, x.unbind(0)):
-            if self._owned(p, key(j)):
-                self._tiered.write(self._key(p, key(j)), xi)
+            name = K.key(j, field, dim)
+            if self._owned(p, name):
+                self._tiered.write(self._key(p, name), xi)
             else:
-                t = self.state[p][key(j)]
+                t = self.state[p][name]
                 if not same_memory(t, xi):
                     t.copy_(xi)
 

@@ -21,19 +21,17 @@ of a refresh in flight (``pending.install_in``, ``pending.age``, ``b{j}.pending{
 from __future__ import annotations
 
 import dataclasses
-import re
 import warnings
 from typing import Optional
 
 import torch
 
+from asteria.optim import _layout as K
 from asteria.optim import functional as F
 from asteria.refresh.ops import soap_rotate
 from asteria.optim._tiering import same_memory
 from asteria.optim._base import (INIT, AsteriaOptimizer, check_common, eigh_input, init_bases,
                                  install_bases, is_int, local, real, require)
-
-_FACTOR = re.compile(r"b\d+\.GG\d+")
 
 
 @dataclasses.dataclass
@@ -114,7 +112,7 @@ class SOAP(AsteriaOptimizer):
 
     def _fake_step_tensors(self, p):
         st = self.state[p]  # a fake step's factors are zero (its bases the identity, from them)
-        keys = [k for k in dict.keys(st) if _FACTOR.fullmatch(k)]
+        keys = [k for k in dict.keys(st) if K.is_factor(k, "GG")]
         for k in keys:
             self._settle_offloaded(p, k)  # a factor EMA in flight writes it
         return [dict.__getitem__(st, k) for k in keys]
@@ -130,19 +128,19 @@ class SOAP(AsteriaOptimizer):
         st["step"] = 0
         rp = real(p)
         for j, shape in enumerate(layout.block_shapes):
-            st[f"b{j}.exp_avg"] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
-            st[f"b{j}.exp_avg_sq"] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
+            st[K.key(j, "exp_avg")] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
+            st[K.key(j, "exp_avg_sq")] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
 
     def _state_spec(self, p, group, layout):
         dt = real(p).dtype
         out = []
         for j, shape in enumerate(layout.block_shapes):
-            out += [(f"b{j}.exp_avg", "moments", shape, dt),
-                    (f"b{j}.exp_avg_sq", "moments", shape, dt)]
+            out += [(K.key(j, "exp_avg"), "moments", shape, dt),
+                    (K.key(j, "exp_avg_sq"), "moments", shape, dt)]
             for i, has in enumerate(self._has_factor(shape, group)):
                 if has:
-                    out += [(f"b{j}.GG{i}", "factors", (shape[i], shape[i]), dt),
-                            (f"b{j}.Q{i}", "eigenbases", (shape[i], shape[i]), dt)]
+                    out += [(K.key(j, "GG", i), "factors", (shape[i], shape[i]), dt),
+                            (K.key(j, "Q", i), "eigenbases", (shape[i], shape[i]), dt)]
         return out
 
     def _init_blocks(self, group, members, g):
@@ -171,14 +169,14 @@ class SOAP(AsteriaOptimizer):
         self._unstack(members, "exp_avg_sq", v)
         for i, f in enumerate(factors):
             if f is not None:
-                self._unstack(members, f"GG{i}", f)
+                self._unstack(members, "GG", f, dim=i)
 
     def _refresh_input(self, kind, p, j, dim):
         st = self.state[p]
-        f = st[f"b{j}.GG{dim}"]
+        f = st[K.key(j, "GG", dim)]
         if kind == INIT:
             return "eigh", eigh_input(f), None, 0.0, 0.0
-        return "soap_qr", f, self._root_for_job(p, f"b{j}.Q{dim}"), 0.0, 0.0
+        return "soap_qr", f, self._root_for_job(p, K.key(j, "Q", dim)), 0.0, 0.0
 
     def _install(self, kind, outputs):
         if kind == INIT:
@@ -195,7 +193,7 @@ class SOAP(AsteriaOptimizer):
         # pairs, which the worker reads in place (no stacks of their own, no snapshot)
         pairs = [torch.empty((len(members), 2, m.shape[i + 1], m.shape[i + 1]), dtype=m.dtype)
                  if offload and h else None for i, h in enumerate(has)]
-        old = [self._stack(members, f"Q{i}", out=None if pr is None else pr[:, 0]) if h
+        old = [self._stack(members, "Q", i, out=None if pr is None else pr[:, 0]) if h
                else None for i, (h, pr) in enumerate(zip(has, pairs))]
         new, perms = [], []
         for i, q_old in enumerate(old):
@@ -208,7 +206,7 @@ class SOAP(AsteriaOptimizer):
                 out = outputs[p].get((j, i))
                 # m is re-expressed in the basis as it will be stored (tier_dtype)
                 qs.append(q if out is None else
-                          self._as_stored(p, f"b{j}.Q{i}", out[0].to(q.device)))
+                          self._as_stored(p, K.key(j, "Q", i), out[0].to(q.device)))
                 ps.append(torch.arange(q.shape[0], device=q.device) if out is None
                           else out[1].to(q.device))
             new.append(torch.stack(qs, out=None if pairs[i] is None else pairs[i][:, 1]))
@@ -228,7 +226,7 @@ class SOAP(AsteriaOptimizer):
         self._unstack(members, "exp_avg_sq", v)
         for i, q in enumerate(new):
             if q is not None:
-                self._unstack(members, f"Q{i}", q)
+                self._unstack(members, "Q", q, dim=i)
 
     # ---- m's re-expression on the workers ------------------------------------------------------
     def _offloads_to_workers(self) -> bool:
@@ -270,7 +268,7 @@ class SOAP(AsteriaOptimizer):
         self._counters["rotations_submitted"] += 1
         rot = _Rotation(ticket, list(members), (x, pairs[0], pairs[1]), tuple(m.shape[1:]))
         for p, j in members:
-            self._offloaded[(p, f"b{j}.exp_avg")] = rot
+            self._offloaded[(p, K.key(j, "exp_avg"))] = rot
 
     def _settle_offloaded(self, p, name) -> None:
         if self.__dict__.get("_emas_due"):  # an interrupted step's, not started yet
@@ -296,7 +294,7 @@ class SOAP(AsteriaOptimizer):
         with torch (the result is the same math; the state must not keep the old basis' m)."""
         res = self._engine.wait(rot.ticket)  # an interrupted wait leaves the rotation pending
         for p, j in rot.members:
-            self._offloaded.pop((p, f"b{j}.exp_avg"), None)
+            self._offloaded.pop((p, K.key(j, "exp_avg")), None)
         if res.status == 0:
             out = res.outputs[0]
         else:
@@ -306,7 +304,7 @@ class SOAP(AsteriaOptimizer):
                           RuntimeWarning, stacklevel=3)
             out = soap_rotate(*rot.inputs)[0]
         for i, (p, j) in enumerate(rot.members):
-            dst = dict.__getitem__(self.state[p], f"b{j}.exp_avg")
+            dst = dict.__getitem__(self.state[p], K.key(j, "exp_avg"))
             dst.copy_(out[i].reshape(rot.shape))
 
     # ---- the factor EMAs on the workers ---------------------------------------------------------
@@ -318,7 +316,7 @@ class SOAP(AsteriaOptimizer):
         while due:
             members, g, factors, beta = due[0]
             i = next(i for i, f in enumerate(factors) if f is not None)
-            job = self._offloaded.get((members[0][0], f"b{members[0][1]}.GG{i}"))
+            job = self._offloaded.get((members[0][0], K.key(members[0][1], "GG", i)))
             if not (isinstance(job, _FactorEma) and job.g is g):
                 self._submit_factor_ema(members, g, factors, beta)
             due.pop(0)
@@ -349,7 +347,7 @@ class SOAP(AsteriaOptimizer):
                 continue
             # a stack packed in this very step (the first, or the first after a load) is not on
             # record as handed out: its slices are the entries all the same
-            if not all(same_memory(dict.__getitem__(self.state[p], f"b{j}.GG{i}"), fk)
+            if not all(same_memory(dict.__getitem__(self.state[p], K.key(j, "GG", i)), fk)
                        for (p, j), fk in zip(members, f.unbind(0))):
                 return False
         return True
@@ -367,7 +365,7 @@ class SOAP(AsteriaOptimizer):
                                      snapshot_step=self._t, p=beta, eps=1.0 - beta,
                                      host_outputs=True, donate=("f",))
         self._counters["factor_emas_submitted"] += 1
-        keys = [(p, f"b{j}.GG{i}") for p, j in members
+        keys = [(p, K.key(j, "GG", i)) for p, j in members
                 for i, f in enumerate(factors) if f is not None]
         job = _FactorEma(ticket, keys, g, list(factors), beta)
         for k in keys:
@@ -399,8 +397,8 @@ def _stacks_of(opt, outputs: dict):
     for p, outs in outputs.items():
         st = opt.state[p]
         for j in sorted({j for j, _ in outs}):
-            ref = st[f"b{j}.exp_avg"]
-            has = tuple(opt._root_has(p, f"b{j}.Q{i}") for i in range(ref.dim()))
+            ref = st[K.key(j, "exp_avg")]
+            has = tuple(opt._root_has(p, K.key(j, "Q", i)) for i in range(ref.dim()))
             stacks.setdefault((tuple(ref.shape), ref.dtype, ref.device, has), []).append((p, j))
     for (_, _, _, has), members in stacks.items():
         yield members, list(has)
