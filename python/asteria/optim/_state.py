@@ -2,12 +2,13 @@
 
 Owns: how a parameter's state looks from outside (``_ParamState``: plain device tensors plus
 "virtual" entries for roots / eigenbases that live in a Residency; keys tagged per shard for a
-DTensor sharded over several ranks), the shard tags themselves, and the tensor the optimizer
-works on for a parameter or gradient (``local``: a DTensor's shard; ``real``: a complex
-tensor's real view, the one home of that mapping). Holds its optimizer weakly:
-the state must never own the optimizer (with the cycle collector off, as OLMo-core trains, a
-cycle would keep the optimizer, its workers and buffers alive). May call: torch, the optimizer
-it belongs to (through a weak reference). Single-threaded (the training thread).
+DTensor sharded over several ranks), which shard a parameter's tag names (the spelling of
+keys and tags is ``_layout``'s), and the tensor the optimizer works on for a parameter or
+gradient (``local``: a DTensor's shard; ``real``: a complex tensor's real view, the one home of
+that mapping). Holds its optimizer weakly: the state must never own the optimizer (with the
+cycle collector off, as OLMo-core trains, a cycle would keep the optimizer, its workers and
+buffers alive). May call: torch, ``_layout``, the optimizer it belongs to (through a weak
+reference). Single-threaded (the training thread).
 """
 
 from __future__ import annotations
