@@ -4,8 +4,9 @@ form, checked loads, and copies (``copy.deepcopy``, pickle).
 Owns: the checkpoint form of the state (the optimizer's own key names; a refresh in flight
 stored as its results, not installed), the check of a loaded state dict against this
 optimizer, and the dtype each loaded tensor is kept in. May call: torch, the optimizer's
-placement (``_tiered``), schedule (``_rounds``) and subclass hooks (``_state_spec``,
-``_output_specs``, ``_flag_keys``). Single-threaded (the training thread).
+placement (``_tiered``), schedule (``_rounds``), the jobs that still write state (``_writes``:
+settled first), ``_layout`` (key names) and subclass hooks (``_state_spec``, ``_output_specs``,
+``_flag_keys``). Single-threaded (the training thread).
 
 Checkpoints through torch.distributed.checkpoint (DCP).
  - Fixed key set. A flattened load (``StateDictOptions(flatten_optimizer_state_dict=True)``)
@@ -103,7 +104,7 @@ class CheckpointMixin:
         state but one. Resuming needs the same mesh and sharding (``load_state_dict`` raises
         ValueError on another shard's keys)."""
         self._settle_step_end()
-        self._settle_all_offloaded()
+        self._writes.settle_all()
         lost = [r for r in self._rounds if r.outputs is None] if self._closed else []
         if lost:  # close() stopped the engine: the results of these rounds no longer exist
             r = lost[0]
@@ -213,7 +214,7 @@ class CheckpointMixin:
         # checked: from here on the optimizer changes
         self._unfinished_end = None
         self._deferred = []  # its rounds are dropped below with the others
-        self._settle_all_offloaded()
+        self._writes.settle_all()
         for rnd in self._rounds:
             rnd.drop(self._engine)
         self._rounds = []
@@ -228,8 +229,7 @@ class CheckpointMixin:
             self.state[k] = v
         if self._tiered is not None:
             self._tiered.clear()
-            self.state = _States(self, self.state)
-        elif self._tags or self._offloads_to_workers():
+        if self._wants_proxy():
             self.state = _States(self, self.state)
         rounds: dict = {}
         for p in loaded:

@@ -7,8 +7,10 @@ keys and tags is ``_layout``'s), and the tensor the optimizer works on for a par
 gradient (``local``: a DTensor's shard; ``real``: a complex tensor's real view, the one home of
 that mapping). Holds its optimizer weakly: the state must never own the optimizer (with the
 cycle collector off, as OLMo-core trains, a cycle would keep the optimizer, its workers and
-buffers alive). May call: torch, ``_layout``, the optimizer it belongs to (through a weak
-reference). Single-threaded (the training thread).
+buffers alive). Every read or write of an entry first settles what still changes it: an install
+deferred to the next use (``_schedule``) and the job that writes that key (``opt._writes``,
+``_writes.PendingWrites``). May call: torch, ``_layout``, the optimizer it belongs to (through
+a weak reference). Single-threaded (the training thread).
 """
 
 from __future__ import annotations
@@ -136,17 +138,17 @@ class _ParamState(dict):
 
     def _settle(self, opt, k) -> None:
         """Before a read or write of k: the work that still changes it is done (an install
-        deferred to the next use, a re-expression of m in flight)."""
+        deferred to the next use; a job that writes k, ``opt._writes``)."""
         if opt._deferred:
             opt._settle_deferred()
-        if opt._offloaded:
-            opt._settle_offloaded(self._p, k)
+        if opt._writes:
+            opt._writes.settle(self._p, k)
 
     def __getitem__(self, k):
         if self._tag is not None:
             k = internal_key(self._tag, k)
         opt = self._opt
-        if opt._offloaded or opt._deferred:
+        if opt._writes or opt._deferred:
             self._settle(opt, k)
         if opt._tiered is None:
             return dict.__getitem__(self, k)
@@ -190,7 +192,7 @@ class _ParamState(dict):
         opt = self._opt
         if self._tag is not None:
             k = internal_key(self._tag, k)
-        if opt._offloaded or opt._deferred:
+        if opt._writes or opt._deferred:
             self._settle(opt, k)
         if opt._tiered is not None and isinstance(v, torch.Tensor) and opt._owned(self._p, k):
             opt._tiered.write((opt._pindex[self._p], k), v)
@@ -200,7 +202,7 @@ class _ParamState(dict):
     def pop(self, k, *default):
         k = self._int(k)
         opt = self._opt
-        if opt._offloaded or opt._deferred:
+        if opt._writes or opt._deferred:
             self._settle(opt, k)
         key = self._vkey(k)
         if key is None:
@@ -212,7 +214,7 @@ class _ParamState(dict):
     def __delitem__(self, k):
         k = self._int(k)
         opt = self._opt
-        if opt._offloaded or opt._deferred:
+        if opt._writes or opt._deferred:
             self._settle(opt, k)
         key = self._vkey(k)
         if key is None:

@@ -5,7 +5,8 @@ the tensors of the all-device path.
 Owns: the plan, the residency, the map from a parameter to its tiered keys, the staging of
 stacks through the ring in chunks that fit it, and the packs of device state (``_packs``).
 May call: torch, ``asteria.tiers.plan``, ``asteria.tiers.residency``, the executor selection
-(``asteria.refresh.select``). Single-threaded (the training thread and the hooks it runs on
+(``asteria.refresh.select``), the jobs that still write state (``_writes``: settled before packs
+move or blocks migrate), ``_layout`` (key names). Single-threaded (the training thread and the hooks it runs on
 that thread).
 
 Placement (``asteria.tiers.plan``, ``asteria.tiers.residency``): at construction the planner assigns a
@@ -139,6 +140,16 @@ def _close_all(engine, tiered) -> None:
 class TieringMixin:
     """The placement part of ``AsteriaOptimizer``."""
 
+    def _init_tiering(self) -> None:
+        # id(stack) -> (stack, members, field, dim) of the packed stacks handed to the
+        # _step_blocks running now (``_packed``); emptied when it returns (``_handed_back``)
+        self._handed: dict = {}
+
+    def _handed_back(self) -> None:
+        """The ``_step_blocks`` that was handed packed stacks returned: they are the state's
+        again, and an ``_unstack`` of them writes as usual."""
+        self._handed.clear()
+
     def _entries(self) -> list:
         out = []
         for group in self.param_groups:
@@ -188,15 +199,19 @@ class TieringMixin:
                                                    self._tiered)
         elif self._tiered is not None:
             self._tiered.plan = plan
-        if (self._tags or self._async) and not isinstance(self.state, _States):
-            # per-shard key names; reads that must wait for a rotation in flight or an install
-            # deferred to the next use
+        if self._wants_proxy() and not isinstance(self.state, _States):
             self.state = _States(self, self.state)
         self._migrate()
 
+    def _wants_proxy(self) -> bool:
+        """Does ``optimizer.state`` need the proxy (``_state._States``)? With a residency
+        (virtual entries), per-shard key names, or ``mode="async"``: reads that must wait for
+        a job that writes the state (``_writes``) or an install deferred to the next use."""
+        return self._tiered is not None or bool(self._tags) or self._async
+
     def _migrate(self) -> None:
         """Put every existing root / eigenbasis where the plan says: self.state or residency."""
-        self._settle_all_offloaded()
+        self._writes.settle_all()
         if self._tiered is None:
             return
         params = {i: p for p, i in self._pindex.items()}
@@ -327,7 +342,7 @@ class TieringMixin:
             return K.key(j, field, dim)
 
         states = [self.state[p] for p, _ in members]
-        if self._offloaded or self._deferred:  # reads through the proxy settle them first
+        if self._writes or self._deferred:  # reads through the proxy settle them first
             ts = [st[key(j)] for st, (_, j) in zip(states, members)]
         else:  # nothing to settle, no entry in the residency: the proxy's read is the dict's
             ts = [dict.__getitem__(st, key(j)) for st, (_, j) in zip(states, members)]
@@ -341,8 +356,8 @@ class TieringMixin:
 
     def _repack(self, members: list, key, states: list, ts: list) -> torch.Tensor:
         """Stack ts into a new pack and re-point the members' entries at its slices."""
-        if self._offloaded:  # slices of packs are about to move: no worker may still write one
-            self._settle_all_offloaded()
+        if self._writes:  # slices of packs are about to move: no worker may still write one
+            self._writes.settle_all()
         x = torch.stack(ts)
         self._handed.clear()  # entries are re-pointed below: earlier records may not hold
         packs = self.__dict__.setdefault("_packs", {})
