@@ -3,11 +3,12 @@ eigenbases outside the device, and the accessors the step uses so that the kerne
 the tensors of the all-device path.
 
 Owns: the plan, the residency, the map from a parameter to its tiered keys, the staging of
-stacks through the ring in chunks that fit it, and the packs of device state (``_packs``).
-May call: torch, ``asteria.tiers.plan``, ``asteria.tiers.residency``, the executor selection
+stacks through the ring in chunks that fit it, the packs of device state (``_packs``) and the
+record of the packed stacks handed to the ``_step_blocks`` running now (``_handed``). May call:
+torch, ``asteria.tiers.plan``, ``asteria.tiers.residency``, the executor selection
 (``asteria.refresh.select``), the jobs that still write state (``_writes``: settled before packs
-move or blocks migrate), ``_layout`` (key names). Single-threaded (the training thread and the hooks it runs on
-that thread).
+move or blocks migrate), ``_layout`` (key names). Single-threaded (the training thread and the
+hooks it runs on that thread).
 
 Placement (``asteria.tiers.plan``, ``asteria.tiers.residency``): at construction the planner assigns a
 tier to every piece of state. Factors and moments always live in ``self.state`` on the
