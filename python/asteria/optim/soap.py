@@ -38,7 +38,7 @@ from asteria.optim._base import (INIT, AsteriaOptimizer, check_common, eigh_inpu
                                  install_bases, is_int, local, real, require)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # a job is itself: no field-wise (tensor) comparison
 class _Rotation(Write):
     """One soap_rotate job, started at once: it writes the members' m (``b{j}.exp_avg``);
     its inputs are kept for a fallback on failure, with the block shape of m."""
@@ -55,7 +55,7 @@ class _Rotation(Write):
         opt._finish_rotation(self, result)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # a job is itself: no field-wise (tensor) comparison
 class _FactorEma(Write):
     """One gram_ema job, due once the group's stacks have all run: it writes the members'
     factors (``b{j}.GG{i}``); the gradient stack and the factor stacks (the state's packed
