@@ -55,10 +55,10 @@ def test_factor_after_an_offloaded_step_is_the_ema():
                 before = [opt.state[w][f"b0.GG{i}"].clone() for i in (0, 1)]
                 g = w.grad.clone()
             opt.step()
-        assert (w, "b0.GG0") in opt._offloaded and (w, "b0.GG1") in opt._offloaded
+        assert (w, "b0.GG0") in opt._writes and (w, "b0.GG1") in opt._writes
         want = [0.9 * before[0] + 0.1 * g @ g.T, 0.9 * before[1] + 0.1 * g.T @ g]
         got = [opt.state[w]["b0.GG0"], opt.state[w]["b0.GG1"]]  # waits for the worker
-        assert (w, "b0.GG0") not in opt._offloaded
+        assert (w, "b0.GG0") not in opt._writes
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
             assert torch.equal(a, a.T)  # syrk's triangle, mirrored: exactly symmetric
@@ -67,9 +67,10 @@ def test_factor_after_an_offloaded_step_is_the_ema():
 
 
 class CountingSOAP(SOAP):
-    def _submit_factor_ema(self, members, *a):
+    def _submit_factor_ema(self, job):
+        members = job.members
         self.offloaded_at.append((len(members), [self.state[p]["step"] for p, _ in members]))
-        return super()._submit_factor_ema(members, *a)
+        return super()._submit_factor_ema(job)
 
 
 def test_offloaded_steps_are_those_no_refresh_reads():
@@ -89,7 +90,7 @@ def test_offloaded_steps_are_those_no_refresh_reads():
     assert opt.offloaded_at == [(n2d, [k] * n2d) for k in counts]
     assert st["factor_emas_submitted"] == len(counts)
     assert st["factor_ema_failures"] == 0
-    assert not opt._offloaded  # close() waited for the last ones
+    assert not opt._writes  # close() waited for the last ones
 
 
 @pytest.mark.parametrize("kind", ["mlp", "block"])
@@ -113,7 +114,7 @@ def test_factors_stay_on_the_training_thread_unless_asked(runtime):
 def test_checkpoint_after_an_offloaded_step_resumes_bitwise():
     # state_dict() waits for the factor EMAs in flight
     assert_resumes_bitwise("mlp", make(), 12, F + 2, in_flight=lambda opt: any(
-        k[1].startswith("b0.GG") for k in opt._offloaded))
+        k[1].startswith("b0.GG") for k in opt._writes))
 
 
 def test_failed_job_is_redone_on_the_training_thread():
@@ -141,9 +142,9 @@ def test_failed_job_is_redone_on_the_training_thread():
                 loss_and_grad(m, "mlp", t)
                 o.step()
         jobs = opt.asteria_stats()["factor_emas_submitted"] - submitted
-        assert jobs >= 1 and len(opt._offloaded) >= 2 * jobs
+        assert jobs >= 1 and len(opt._writes) >= 2 * jobs
         with pytest.warns(RuntimeWarning, match="done on the training thread"):
-            opt._settle_all_offloaded()
+            opt._writes.settle_all()
         assert opt.asteria_stats()["factor_ema_failures"] == jobs
         for (p, f0), q in zip(before.items(), [q for q in ref_model.parameters()
                                                if q.dim() == 2]):
@@ -180,7 +181,7 @@ def test_an_interrupt_at_the_start_starts_the_job_once(lands, monkeypatch):
                 monkeypatch.setattr(SOAP, "_submit_factor_ema", interrupted)
                 with pytest.raises(KeyboardInterrupt):
                     opt.step()
-                assert opt._emas_due  # left to start
+                assert opt._writes.due  # left to start
             else:
                 opt.step()
             assert all(torch.equal(a, b) for a, b in zip(params_of(model), full[t - 1])), t

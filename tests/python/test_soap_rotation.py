@@ -81,12 +81,12 @@ def test_state_after_install_is_the_reexpressed_moment():
             opt.step()
             if t == F + 2 + 1:
                 del opt._install_chunk
-                assert (w, "b0.exp_avg") in opt._offloaded, "no rotation left in flight"
+                assert (w, "b0.exp_avg") in opt._writes, "no rotation left in flight"
                 q0n, q1n = pending[(0, 0)][0], pending[(0, 1)][0]
                 m = m_after_update["m"]
                 want = q0n.T @ (before["b0.Q0"] @ m @ before["b0.Q1"].T) @ q1n
                 got = opt.state[w]["b0.exp_avg"]  # waits for the worker
-                assert (w, "b0.exp_avg") not in opt._offloaded
+                assert (w, "b0.exp_avg") not in opt._writes
                 torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
                 assert torch.equal(opt.state[w]["b0.Q0"], q0n)
     finally:
@@ -95,7 +95,7 @@ def test_state_after_install_is_the_reexpressed_moment():
 
 def test_checkpoint_at_an_install_step_resumes_bitwise():
     # state_dict() waits for the rotation in flight
-    assert_resumes_bitwise("mlp", make(), 14, F + 2 + 1, in_flight=lambda opt: opt._offloaded)
+    assert_resumes_bitwise("mlp", make(), 14, F + 2 + 1, in_flight=lambda opt: opt._writes)
 
 
 def test_sync_mode_rotates_on_the_training_thread():

@@ -5,7 +5,10 @@ Owns: the param groups and their checks, the parameter indices, the block layout
 the counters behind ``asteria_stats()``. The rest of ``AsteriaOptimizer`` lives in rooms of its
 own, joined here as mixins: ``_schedule`` (S, rounds, the bounded barrier), ``_tiering``
 (placement, residency, staging), ``_checkpoint`` (state dicts, copies), ``_state`` (the state
-proxy). May call: those, the functional kernels only through its subclasses, torch.
+proxy); and one ``_writes.PendingWrites`` (``self._writes``): the engine jobs that still write
+state entries, which a method registers (SOAP's) and every reader settles (the step takes them
+all at its start and starts the due ones after its last stack). State key names are
+``_layout``'s. May call: those, the functional kernels only through its subclasses, torch.
 
 A parameter with a non-finite gradient is skipped entirely (parameter, state, step count and
 refresh schedule untouched) and counted.
@@ -46,13 +49,15 @@ from asteria import distributed as _dist
 from asteria.refresh import select as _select
 from asteria.refresh.capacity import report_lines
 from asteria.config import RuntimeConfig
+from asteria.optim import _layout as K
 from asteria.optim import functional as F
 from asteria.optim._blocking import Layout, make_layout
 from asteria.optim._checkpoint import CheckpointMixin
 from asteria.optim._global import GlobalBlocking, sharded_dim0
-from asteria.optim._schedule import _PENDING, INIT, REFRESH, ScheduleMixin
+from asteria.optim._schedule import INIT, REFRESH, ScheduleMixin
 from asteria.optim._state import _count, local, real, shard_tag
 from asteria.optim._tiering import TieringMixin, _close_all
+from asteria.optim._writes import PendingWrites
 
 
 #: the keys asteria_stats() reports in every mode (zero where a mode has no such thing)
@@ -101,9 +106,9 @@ def eigh_input(f: torch.Tensor) -> torch.Tensor:
     return f + 1e-30 * torch.eye(f.shape[0], dtype=f.dtype, device=f.device)
 
 
-def init_bases(opt, members: list, factors: list, name: str) -> list:
-    """Store first-step factors with the identity as their basis; return [(p, j, dims)] of the
-    factors that are not c*I and so need a real eigendecomposition."""
+def init_bases(opt, members: list, factors: list, field: str) -> list:
+    """Store first-step factors (``b{j}.{field}{i}``) with the identity as their basis; return
+    [(p, j, dims)] of the factors that are not c*I and so need a real eigendecomposition."""
     state = opt.state
     need: dict = {}
     for i, f in enumerate(factors):
@@ -111,8 +116,8 @@ def init_bases(opt, members: list, factors: list, name: str) -> list:
             continue
         eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
         for (p, j), fi, trivial in zip(members, f.unbind(0), F.is_scaled_identity(f)):
-            state[p][f"b{j}.{name}{i}"] = fi.clone()
-            opt._root_set(p, f"b{j}.Q{i}", eye)
+            state[p][K.key(j, field, i)] = fi.clone()
+            opt._root_set(p, K.key(j, "Q", i), eye)
             if not trivial:
                 need.setdefault((p, j), []).append(i)
     return [(p, j, dims) for (p, j), dims in need.items()]
@@ -123,7 +128,7 @@ def install_bases(opt, outputs: dict) -> None:
     for p, outs in outputs.items():
         for (j, dim), out in outs.items():
             if out is not None:
-                opt._root_set(p, f"b{j}.Q{dim}", out[0])
+                opt._root_set(p, K.key(j, "Q", dim), out[0])
 
 
 class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim.Optimizer):
@@ -139,12 +144,10 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         self._closed = False
         self._engine = None
         self._tiered = None
-        # (param, state key) -> the worker job that still writes that entry (SOAP: m's
-        # re-expression at an install, the factor EMAs of a step); a read waits for it
-        self._offloaded: dict = {}
-        # id(stack) -> (stack, members, name) of the packed stacks handed to the _step_blocks
-        # running now (``_tiering._packed``); emptied when it returns
-        self._handed: dict = {}
+        # the engine jobs that still write state entries (a method registers its own); every
+        # reader of the state settles through it
+        self._writes = PendingWrites(self)
+        self._init_tiering()
         self._planning = False
         self._check_hyperparameters(defaults)
         self._cfg = RuntimeConfig.from_user(runtime)
@@ -228,11 +231,6 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
     def _step_blocks(self, group: dict, members: list, w: torch.Tensor, g: torch.Tensor,
                      steps: list[int]) -> None:
         raise NotImplementedError
-
-    def _blocks_done(self) -> None:
-        """Every stack of a group's step has run (``_step_blocks``): start the work they left
-        to start. Also called at the next step's start and before any wait for the workers,
-        for what a signal interrupted; starts nothing twice."""
 
     def _refresh_input(self, kind: str, p: torch.Tensor, j: int, dim: int):
         """(op, F, Q or None, p, eps) of one factor's REFRESH job."""
@@ -350,9 +348,9 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         if self._closed:
             raise RuntimeError("step() on a closed Asteria optimizer")
         self._settle_step_end()
-        self._blocks_done()  # what an interrupted step left to start
-        if self._offloaded:  # done during the forward and backward: taken in one go, so the
-            self._settle_all_offloaded()  # step's reads of the state take the direct path
+        self._writes.start_due()  # what an interrupted step left to start
+        if self._writes:  # done during the forward and backward: taken in one go, so the
+            self._writes.settle_all()  # step's reads of the state take the direct path
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -502,7 +500,7 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
                 try:
                     self._step_blocks(group, members, w, g, steps)
                 finally:
-                    self._handed.clear()  # its packed stacks were its own until it returned
+                    self._handed_back()  # its packed stacks were its own until it returned
                 for (p, j), wi in zip(members, () if w is ws else w.unbind(0)):
                     if p in glob_set:
                         weights[p][j].copy_(wi)
@@ -512,8 +510,8 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
                 if dims:
                     due.extend((REFRESH, p, j, dims) for (p, j), k in zip(members, steps)
                                if k % freq == 0)
-        finally:  # what the stacks that ran left to start (an interrupted step's too)
-            self._blocks_done()
+        finally:  # the jobs the stacks that ran made (an interrupted step's too): started after
+            self._writes.start_due()  # the last one, not competing with the step for memory
         if glob:
             self._global.scatter()  # the new rows back to the ranks holding them
         # jobs are batched in parameter order, whatever order the step ran in
@@ -586,7 +584,7 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         for p, st in self._param_states():
             pidx = self._pindex.get(p)
             for name, v in dict.items(st):
-                if _PENDING in name:  # placeholders: views of one shared zero
+                if K.is_pending_output(name):  # placeholders: views of one shared zero
                     continue
                 if isinstance(v, torch.Tensor) and (plan is None or
                                                     plan.tier((pidx, name)) == "device"):
@@ -664,8 +662,9 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
             return
         if detier:
             self._settle_step_end()  # a step end a signal interrupted: its installs are state
-        if detier and own.get("_offloaded"):
-            self._settle_all_offloaded()
+        writes = own.get("_writes")
+        if detier and writes:
+            writes.settle_all()
         self._closed = True
         if detier:
             self._detier()
@@ -684,16 +683,6 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
             self._close(detier=False)
         except Exception:  # interpreter shutdown: the engine module may already be gone
             pass
-
-    # ---- state a worker job still writes (soap.py offloads some; the others none) ------------
-    def _offloads_to_workers(self) -> bool:
-        return False
-
-    def _settle_offloaded(self, p, name) -> None:
-        """Wait for the worker job still writing p's ``name``, if any."""
-
-    def _settle_all_offloaded(self) -> None:
-        """Wait for every worker job still writing the state."""
 
     def _rebuild(self, groups: list, defaults: dict, runtime: Any) -> None:
         """Construct in place (``__setstate__`` of a copy)."""

@@ -4,8 +4,9 @@ form, checked loads, and copies (``copy.deepcopy``, pickle).
 Owns: the checkpoint form of the state (the optimizer's own key names; a refresh in flight
 stored as its results, not installed), the check of a loaded state dict against this
 optimizer, and the dtype each loaded tensor is kept in. May call: torch, the optimizer's
-placement (``_tiered``), schedule (``_rounds``) and subclass hooks (``_state_spec``,
-``_output_specs``, ``_flag_keys``). Single-threaded (the training thread).
+placement (``_tiered``), schedule (``_rounds``), the jobs that still write state (``_writes``:
+settled first), ``_layout`` (key names) and subclass hooks (``_state_spec``, ``_output_specs``,
+``_flag_keys``). Single-threaded (the training thread).
 
 Checkpoints through torch.distributed.checkpoint (DCP).
  - Fixed key set. A flattened load (``StateDictOptions(flatten_optimizer_state_dict=True)``)
@@ -47,10 +48,9 @@ from typing import Any, Mapping
 
 import torch
 
-from asteria.optim._schedule import (_PENDING, _PENDING_AGE, _PENDING_IN, _PENDING_OK,
-                                     _PENDING_OK_RE, _PENDING_OUT_RE, AUTO_S, NO_ROUND, REFRESH,
-                                     _Round)
-from asteria.optim._state import _TAG_RE, _TAG_SEP, _count, _ParamState, _States, real
+from asteria.optim import _layout as K
+from asteria.optim._schedule import NO_ROUND, REFRESH, _Round
+from asteria.optim._state import _count, _ParamState, _States, real
 
 
 #: group keys torch.optim itself puts into an optimizer's defaults or groups, none of them a
@@ -60,13 +60,6 @@ from asteria.optim._state import _TAG_RE, _TAG_SEP, _count, _ParamState, _States
 #: of every later state dict; torch's own optimizers store all five in their groups. A loaded
 #: state dict may have them or not.
 TORCH_GROUP_KEYS = frozenset({"differentiable", "foreach", "maximize", "capturable", "fused"})
-
-
-def _shard_words(tag) -> str:
-    """``shard1of2`` -> "shard 1 of 2 (fsdp_blocking='local')"; None -> an unsharded one."""
-    if tag is None:
-        return "an unsharded parameter (one rank, or no FSDP)"
-    return f"shard {tag[len('shard'):].replace('of', ' of ')} (fsdp_blocking='local')"
 
 
 def _layout_mismatch(key: str, who: str, saved: str, here: str) -> str:
@@ -111,7 +104,7 @@ class CheckpointMixin:
         state but one. Resuming needs the same mesh and sharding (``load_state_dict`` raises
         ValueError on another shard's keys)."""
         self._settle_step_end()
-        self._settle_all_offloaded()
+        self._writes.settle_all()
         lost = [r for r in self._rounds if r.outputs is None] if self._closed else []
         if lost:  # close() stopped the engine: the results of these rounds no longer exist
             r = lost[0]
@@ -141,30 +134,30 @@ class CheckpointMixin:
             for (pidx, name), value in values.items():
                 sd["state"][index[params[pidx]]][name] = value
         for i, st in list(sd["state"].items()):
-            if i in ids and isinstance(st, dict) and _PENDING_IN in st:
+            if i in ids and isinstance(st, dict) and K.PENDING_IN in st:
                 # real zeros for the placeholders (a checkpoint writes them)
                 st = sd["state"][i] = dict(st)
                 for k, v in st.items():
-                    if isinstance(v, torch.Tensor) and _PENDING_OUT_RE.fullmatch(k):
+                    if isinstance(v, torch.Tensor) and K.is_pending_output(k):
                         st[k] = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
         for rnd in self._rounds:
             for p, outs in rnd.outputs.items():
                 st = dict(sd["state"][index[p]])
-                st[_PENDING_IN] = rnd.install_step - self._t
-                st[_PENDING_AGE] = self._t - rnd.snapshot_step
+                st[K.PENDING_IN] = rnd.install_step - self._t
+                st[K.PENDING_AGE] = self._t - rnd.snapshot_step
                 for (j, dim), out in outs.items():
                     if out is None:  # the job failed: nothing to install
                         continue
                     for i, tensor in enumerate(out):
-                        st[f"b{j}{_PENDING}{dim}.{i}"] = tensor
-                    st[f"b{j}{_PENDING}{dim}{_PENDING_OK}"] = 1
+                        st[K.pending_output(j, dim, i)] = tensor
+                    st[K.pending_ok(j, dim)] = 1
                 sd["state"][index[p]] = st
         if self._global is not None and self._delay > 0:  # fsdp_blocking="global"
-            self._global.sync_pending(sd["state"], index, (_PENDING_IN, _PENDING_AGE))
+            self._global.sync_pending(sd["state"], index, (K.PENDING_IN, K.PENDING_AGE))
         for p, tag in self._tags.items():  # per-shard state: the shard's own key names
             st = sd["state"].get(index.get(p))
             if st is not None:
-                sd["state"][index[p]] = ({f"{k}{_TAG_SEP}{tag}": v for k, v in st.items()}
+                sd["state"][index[p]] = ({K.tagged(k, tag): v for k, v in st.items()}
                                          if isinstance(tag, str) else tag.export(st))
         for hook in post_hooks.values():
             out = hook(self, sd)
@@ -190,15 +183,15 @@ class CheckpointMixin:
             out = {}
             who = self._describe_param(self._pindex[p])
             for k, v in st.items():
-                m = _TAG_RE.search(k) if isinstance(k, str) else None
-                if m is not None and m.end() == len(k):
-                    if m.group(0) != _TAG_SEP + str(tag):
-                        raise ValueError(_layout_mismatch(k, who, _shard_words(m.group(0)[1:]),
-                                                          _shard_words(tag)))
-                    k = k[:m.start()]
+                name, saved = K.split_tag(k)
+                if saved is not None:
+                    if saved != str(tag):
+                        raise ValueError(_layout_mismatch(k, who, K.shard_words(saved),
+                                                          K.shard_words(tag)))
+                    k = name
                 elif tag is not None and isinstance(k, str):
-                    raise ValueError(_layout_mismatch(k, who, _shard_words(None),
-                                                      _shard_words(tag)))
+                    raise ValueError(_layout_mismatch(k, who, K.shard_words(None),
+                                                      K.shard_words(tag)))
                 out[k] = v
             state[i] = out
         return dict(state_dict, state=state)
@@ -221,7 +214,7 @@ class CheckpointMixin:
         # checked: from here on the optimizer changes
         self._unfinished_end = None
         self._deferred = []  # its rounds are dropped below with the others
-        self._settle_all_offloaded()
+        self._writes.settle_all()
         for rnd in self._rounds:
             rnd.drop(self._engine)
         self._rounds = []
@@ -236,8 +229,7 @@ class CheckpointMixin:
             self.state[k] = v
         if self._tiered is not None:
             self._tiered.clear()
-            self.state = _States(self, self.state)
-        elif self._tags or self._offloads_to_workers():
+        if self._wants_proxy():
             self.state = _States(self, self.state)
         rounds: dict = {}
         for p in loaded:
@@ -248,18 +240,17 @@ class CheckpointMixin:
             group = self._group_of(p)
             if p.numel() == 0 or self._is_adamw(p, group):
                 continue
-            install_in = _count(st.pop(_PENDING_IN, NO_ROUND))
-            age = _count(st.pop(_PENDING_AGE, 0))
+            install_in = _count(st.pop(K.PENDING_IN, NO_ROUND))
+            age = _count(st.pop(K.PENDING_AGE, 0))
             outs: dict = defaultdict(dict)
             oks: dict = {}
-            for k in [k for k in dict.keys(st) if _PENDING in k]:
-                m = _PENDING_OUT_RE.fullmatch(k)
-                if m:
-                    outs[(int(m.group(1)), int(m.group(2)))][int(m.group(3))] = st.pop(k)
-                    continue
-                m = _PENDING_OK_RE.fullmatch(k)
-                if m:
-                    oks[(int(m.group(1)), int(m.group(2)))] = _count(st.pop(k))
+            for k in list(dict.keys(st)):
+                if K.is_pending_output(k):
+                    key = K.Key.parse(k)
+                    outs[(key.block, key.dim)][key.output] = st.pop(k)
+                elif K.is_pending_ok(k):
+                    key = K.Key.parse(k)
+                    oks[(key.block, key.dim)] = _count(st.pop(k))
             if install_in != NO_ROUND:
                 rnd = rounds.get((install_in, age))
                 if rnd is None:
@@ -327,10 +318,10 @@ class CheckpointMixin:
         if not isinstance(st, Mapping):
             raise bad(f"expected a dict of state, found {type(st).__name__}")
         tensors: dict = {}   # key -> (shape, dtype) it must have
-        flags: set = {"step"}
+        flags: set = {K.STEP}
         if lp.numel() == 0 or self._is_adamw(p, group):
-            tensors = {n: (tuple(lp.shape), lp.dtype) for n in ("exp_avg", "exp_avg_sq")}
-            required = set(tensors) | {"step"}
+            tensors = {n: (tuple(lp.shape), lp.dtype) for n in K.ADAMW_MOMENTS}
+            required = set(tensors) | {K.STEP}
         else:
             layout = self._make_layout(p, group)
             here = self._layout(p, live)
@@ -340,16 +331,17 @@ class CheckpointMixin:
             spec = self._state_spec(p, group, layout)
             tensors = {n: (tuple(shape), dt) for n, _, shape, dt in spec}
             # Shampoo's roots may be absent (a state dict from before the fixed key set)
-            required = {n for n, kind, _, _ in spec if kind != "roots"} | {"step"}
+            required = {n for n, kind, _, _ in spec if kind != "roots"} | {K.STEP}
             # AUTO_S: the S a staleness="auto" run chose (kept by a resumed auto run)
-            flags |= {_PENDING_IN, _PENDING_AGE, AUTO_S} | set(self._flag_keys(p, group, layout))
+            flags |= {K.PENDING_IN, K.PENDING_AGE, K.AUTO_S}
+            flags |= set(self._flag_keys(p, group, layout))
             for j, bshape in enumerate(layout.block_shapes):
                 for dim, has in enumerate(self._has_factor(bshape, group)):
                     if has:
-                        flags.add(f"b{j}{_PENDING}{dim}{_PENDING_OK}")
+                        flags.add(K.pending_ok(j, dim))
                         for i, (oshape, dt) in enumerate(
                                 self._output_specs(p, group, bshape[dim])):
-                            tensors[f"b{j}{_PENDING}{dim}.{i}"] = (tuple(oshape), dt)
+                            tensors[K.pending_output(j, dim, i)] = (tuple(oshape), dt)
         missing = sorted(required - set(st))
         if missing:
             raise bad(f"key {missing[0]!r} is missing (keys found: {sorted(st)}); was it "

@@ -27,17 +27,15 @@ registry, for owners only), ``_blocking``. Single-threaded (the training thread)
 from __future__ import annotations
 
 import dataclasses
-import re
 import sys
 from collections import defaultdict
 from typing import Optional
 
 import torch
 
+from asteria.optim import _layout
 from asteria.optim._blocking import Layout, make_layout
-from asteria.optim._state import _TAG_RE, local
-
-_BLOCK_KEY = re.compile(r"b(\d+)\.")
+from asteria.optim._state import local
 
 
 def _dtensor():
@@ -83,16 +81,11 @@ class KeyMap:
         self._k = {j: k for k, j in enumerate(ids)}
 
     def external(self, key):
-        m = _BLOCK_KEY.match(key) if isinstance(key, str) else None
-        return key if m is None else f"b{self.ids[int(m.group(1))]}.{key[m.end():]}"
+        return _layout.renumber(key, self.ids.__getitem__)
 
     def internal(self, key):
         """The optimizer's name, or None for a block another rank owns."""
-        m = _BLOCK_KEY.match(key) if isinstance(key, str) else None
-        if m is None:
-            return key
-        k = self._k.get(int(m.group(1)))
-        return None if k is None else f"b{k}.{key[m.end():]}"
+        return _layout.renumber(key, self._k.get)
 
     def export(self, st: dict) -> dict:
         return {self.external(k): v for k, v in st.items()}
@@ -103,8 +96,7 @@ class KeyMap:
         ``fsdp_blocking="local"``) a ValueError."""
         out = {}
         for key, v in st.items():
-            m = _TAG_RE.search(key) if isinstance(key, str) else None
-            if m is not None and m.end() == len(key):
+            if _layout.split_tag(key)[1] is not None:
                 raise ValueError(
                     f"optimizer state key {key!r} of {who} is a shard's (saved with "
                     f"fsdp_blocking='local'); this optimizer blocks globally "

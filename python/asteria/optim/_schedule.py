@@ -55,7 +55,6 @@ Schedule (DESIGN.md, "Staleness"). Steps are counted per ``step()`` call (t = 1,
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 import warnings
 from collections import defaultdict
@@ -63,6 +62,7 @@ from typing import Optional
 
 import torch
 
+from asteria.optim import _layout as K
 from asteria.optim._blocking import Layout
 from asteria.optim._state import _States, local
 from asteria.refresh.capacity import Capacity
@@ -73,15 +73,10 @@ INIT = "init"        # first-step eigendecomposition, installed in the step that
 REFRESH = "refresh"  # periodic refresh, installed S steps later
 
 # The fixed state keys of a REFRESH in flight (present from a preconditioned parameter's state
-# creation on whenever S > 0; see "Checkpoints" in AsteriaOptimizer's docstring):
-_PENDING_IN = "pending.install_in"  # steps until the install; NO_ROUND: nothing in flight
-_PENDING_AGE = "pending.age"        # steps since the snapshot
-_PENDING = ".pending"               # b{j}.pending{dim}.{i}: output i of (block j, dim)
-_PENDING_OK = "_ok"                 # b{j}.pending{dim}_ok: 1 if those outputs are a result
+# creation on whenever S > 0; see "Checkpoints" in _checkpoint's docstring; names in _layout):
+# K.PENDING_IN (steps until the install; NO_ROUND: nothing in flight), K.PENDING_AGE, and per
+# (block, dim) its outputs (K.pending_output) and their flag (K.pending_ok)
 NO_ROUND = -1
-_PENDING_OUT_RE = re.compile(r"b(\d+)\.pending(\d+)\.(\d+)")
-_PENDING_OK_RE = re.compile(r"b(\d+)\.pending(\d+)_ok")
-AUTO_S = "staleness.auto"  # the S that staleness="auto" chose (-1: not yet), per parameter
 AUTO = "auto"
 
 
@@ -209,14 +204,14 @@ class ScheduleMixin:
             return
         self._auto_s = s
         for _, st in self._param_states():
-            if AUTO_S in st:
-                st[AUTO_S] = s
+            if K.AUTO_S in st:
+                st[K.AUTO_S] = s
 
     def _restore_auto_s(self) -> None:
         """After a load: the S a saved auto run chose, if it chose one."""
         if self._cfg.staleness != AUTO:
             return
-        chosen = [int(st[AUTO_S]) for _, st in self._param_states() if AUTO_S in st]
+        chosen = [int(st[K.AUTO_S]) for _, st in self._param_states() if K.AUTO_S in st]
         chosen = [c for c in chosen if c >= 0]
         self._auto_s = max(chosen) if chosen else None
 
@@ -231,19 +226,19 @@ class ScheduleMixin:
         if self._delay <= 0:
             return
         st = self.state[p]
-        if self._cfg.staleness == AUTO and AUTO_S not in st:
-            st[AUTO_S] = -1 if self._auto_s is None else self._auto_s
-        if _PENDING_IN not in st:
-            st[_PENDING_IN], st[_PENDING_AGE] = NO_ROUND, 0
+        if self._cfg.staleness == AUTO and K.AUTO_S not in st:
+            st[K.AUTO_S] = -1 if self._auto_s is None else self._auto_s
+        if K.PENDING_IN not in st:
+            st[K.PENDING_IN], st[K.PENDING_AGE] = NO_ROUND, 0
         for j, shape in enumerate(layout.block_shapes):
             for dim, has in enumerate(self._has_factor(shape, group)):
                 if not has:
                     continue
-                ok = f"b{j}{_PENDING}{dim}{_PENDING_OK}"
+                ok = K.pending_ok(j, dim)
                 if ok not in st:
                     st[ok] = 0
                 for i, (oshape, dtype) in enumerate(self._output_specs(p, group, shape[dim])):
-                    key = f"b{j}{_PENDING}{dim}.{i}"
+                    key = K.pending_output(j, dim, i)
                     if key not in st:
                         st[key] = self._placeholder(oshape, dtype, local(p).device)
 
@@ -369,7 +364,7 @@ class ScheduleMixin:
 
     def _output_name(self, p: torch.Tensor, j: int, dim: int) -> str:
         """The state name a REFRESH output 0 of (block j, dim) is installed into."""
-        return f"b{j}.Q{dim}"
+        return K.key(j, "Q", dim)
 
     def _install_round(self, rnd: _Round) -> None:
         if rnd.outputs is None and not rnd.ready(self._engine):

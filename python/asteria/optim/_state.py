@@ -2,23 +2,27 @@
 
 Owns: how a parameter's state looks from outside (``_ParamState``: plain device tensors plus
 "virtual" entries for roots / eigenbases that live in a Residency; keys tagged per shard for a
-DTensor sharded over several ranks), the shard tags themselves, and the tensor the optimizer
-works on for a parameter or gradient (``local``: a DTensor's shard; ``real``: a complex
-tensor's real view, the one home of that mapping). Holds its optimizer weakly:
-the state must never own the optimizer (with the cycle collector off, as OLMo-core trains, a
-cycle would keep the optimizer, its workers and buffers alive). May call: torch, the optimizer
-it belongs to (through a weak reference). Single-threaded (the training thread).
+DTensor sharded over several ranks), which shard a parameter's tag names (the spelling of
+keys and tags is ``_layout``'s), and the tensor the optimizer works on for a parameter or
+gradient (``local``: a DTensor's shard; ``real``: a complex tensor's real view, the one home of
+that mapping). Holds its optimizer weakly: the state must never own the optimizer (with the
+cycle collector off, as OLMo-core trains, a cycle would keep the optimizer, its workers and
+buffers alive). Every read or write of an entry first settles what still changes it: an install
+deferred to the next use (``_schedule``) and the job that writes that key (``opt._writes``,
+``_writes.PendingWrites``). May call: torch, ``_layout``, the optimizer it belongs to (through
+a weak reference). Single-threaded (the training thread).
 """
 
 from __future__ import annotations
 
-import re
 import sys
 import weakref
 from collections import defaultdict
 from typing import Any, Optional
 
 import torch
+
+from asteria.optim import _layout
 
 
 def local(t):
@@ -42,12 +46,6 @@ def real(t):
     return torch.view_as_real(t) if t.is_complex() else t
 
 
-_TAG_SEP = "@"
-
-
-_TAG_RE = re.compile(r"@shard\d+of\d+(?:_\d+of\d+)*")
-
-
 def shard_tag(p) -> Optional[str]:
     """The tag of a DTensor parameter sharded over more than one rank: ``shard{i}of{n}`` per
     mesh dimension that shards it (``shard0of2``, ``shard1of2_0of4``), else None. Replicas of
@@ -57,9 +55,9 @@ def shard_tag(p) -> Optional[str]:
         return None
     mesh = p.device_mesh
     coord = mesh.get_coordinate() or []
-    parts = [f"{coord[d]}of{mesh.size(d)}" for d, pl in enumerate(p.placements)
-             if isinstance(pl, mod.Shard) and mesh.size(d) > 1 and d < len(coord)]
-    return "shard" + "_".join(parts) if parts else None
+    return _layout.shard_tag([(coord[d], mesh.size(d)) for d, pl in enumerate(p.placements)
+                              if isinstance(pl, mod.Shard) and mesh.size(d) > 1
+                              and d < len(coord)])
 
 
 def external_key(tag, k):
@@ -68,7 +66,7 @@ def external_key(tag, k):
     numbers of ``fsdp_blocking="global"``, ``_global.KeyMap``)."""
     if tag is None:
         return k
-    return f"{k}{_TAG_SEP}{tag}" if isinstance(tag, str) else tag.external(k)
+    return _layout.tagged(k, tag) if isinstance(tag, str) else tag.external(k)
 
 
 def internal_key(tag, k):
@@ -76,8 +74,7 @@ def internal_key(tag, k):
     names are not taken (``b3.`` could be either numbering): lookups use the optimizer's."""
     if not isinstance(tag, str) or not isinstance(k, str):
         return k
-    suffix = _TAG_SEP + tag
-    return k[:-len(suffix)] if k.endswith(suffix) else k
+    return _layout.untagged(k, tag)
 
 
 class _ParamState(dict):
@@ -141,17 +138,17 @@ class _ParamState(dict):
 
     def _settle(self, opt, k) -> None:
         """Before a read or write of k: the work that still changes it is done (an install
-        deferred to the next use, a re-expression of m in flight)."""
+        deferred to the next use; a job that writes k, ``opt._writes``)."""
         if opt._deferred:
             opt._settle_deferred()
-        if opt._offloaded:
-            opt._settle_offloaded(self._p, k)
+        if opt._writes:
+            opt._writes.settle(self._p, k)
 
     def __getitem__(self, k):
         if self._tag is not None:
             k = internal_key(self._tag, k)
         opt = self._opt
-        if opt._offloaded or opt._deferred:
+        if opt._writes or opt._deferred:
             self._settle(opt, k)
         if opt._tiered is None:
             return dict.__getitem__(self, k)
@@ -195,7 +192,7 @@ class _ParamState(dict):
         opt = self._opt
         if self._tag is not None:
             k = internal_key(self._tag, k)
-        if opt._offloaded or opt._deferred:
+        if opt._writes or opt._deferred:
             self._settle(opt, k)
         if opt._tiered is not None and isinstance(v, torch.Tensor) and opt._owned(self._p, k):
             opt._tiered.write((opt._pindex[self._p], k), v)
@@ -205,7 +202,7 @@ class _ParamState(dict):
     def pop(self, k, *default):
         k = self._int(k)
         opt = self._opt
-        if opt._offloaded or opt._deferred:
+        if opt._writes or opt._deferred:
             self._settle(opt, k)
         key = self._vkey(k)
         if key is None:
@@ -217,7 +214,7 @@ class _ParamState(dict):
     def __delitem__(self, k):
         k = self._int(k)
         opt = self._opt
-        if opt._offloaded or opt._deferred:
+        if opt._writes or opt._deferred:
             self._settle(opt, k)
         key = self._vkey(k)
         if key is None:

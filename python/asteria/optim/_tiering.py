@@ -3,10 +3,12 @@ eigenbases outside the device, and the accessors the step uses so that the kerne
 the tensors of the all-device path.
 
 Owns: the plan, the residency, the map from a parameter to its tiered keys, the staging of
-stacks through the ring in chunks that fit it, and the packs of device state (``_packs``).
-May call: torch, ``asteria.tiers.plan``, ``asteria.tiers.residency``, the executor selection
-(``asteria.refresh.select``). Single-threaded (the training thread and the hooks it runs on
-that thread).
+stacks through the ring in chunks that fit it, the packs of device state (``_packs``) and the
+record of the packed stacks handed to the ``_step_blocks`` running now (``_handed``). May call:
+torch, ``asteria.tiers.plan``, ``asteria.tiers.residency``, the executor selection
+(``asteria.refresh.select``), the jobs that still write state (``_writes``: settled before packs
+move or blocks migrate), ``_layout`` (key names). Single-threaded (the training thread and the
+hooks it runs on that thread).
 
 Placement (``asteria.tiers.plan``, ``asteria.tiers.residency``): at construction the planner assigns a
 tier to every piece of state. Factors and moments always live in ``self.state`` on the
@@ -52,6 +54,7 @@ import torch
 from asteria.tiers import plan as _placement
 from asteria.tiers import residency as _tiered_mod
 from asteria.refresh import select as _select
+from asteria.optim import _layout as K
 from asteria.optim._state import _ParamState, _States, local, real
 
 
@@ -138,6 +141,16 @@ def _close_all(engine, tiered) -> None:
 class TieringMixin:
     """The placement part of ``AsteriaOptimizer``."""
 
+    def _init_tiering(self) -> None:
+        # id(stack) -> (stack, members, field, dim) of the packed stacks handed to the
+        # _step_blocks running now (``_packed``); emptied when it returns (``_handed_back``)
+        self._handed: dict = {}
+
+    def _handed_back(self) -> None:
+        """The ``_step_blocks`` that was handed packed stacks returned: they are the state's
+        again, and an ``_unstack`` of them writes as usual."""
+        self._handed.clear()
+
     def _entries(self) -> list:
         out = []
         for group in self.param_groups:
@@ -146,8 +159,7 @@ class TieringMixin:
                 pidx = self._pindex[p]
                 itemsize = lp.element_size()
                 if lp.numel() == 0 or self._is_adamw(p, group):
-                    spec = [(n, "moments", tuple(lp.shape), lp.dtype)
-                            for n in ("exp_avg", "exp_avg_sq")]
+                    spec = [(n, "moments", tuple(lp.shape), lp.dtype) for n in K.ADAMW_MOMENTS]
                 else:
                     spec = self._state_spec(p, group, self._layout(p, group))
                 for name, kind, shape, dtype in spec:
@@ -188,15 +200,19 @@ class TieringMixin:
                                                    self._tiered)
         elif self._tiered is not None:
             self._tiered.plan = plan
-        if (self._tags or self._async) and not isinstance(self.state, _States):
-            # per-shard key names; reads that must wait for a rotation in flight or an install
-            # deferred to the next use
+        if self._wants_proxy() and not isinstance(self.state, _States):
             self.state = _States(self, self.state)
         self._migrate()
 
+    def _wants_proxy(self) -> bool:
+        """Does ``optimizer.state`` need the proxy (``_state._States``)? With a residency
+        (virtual entries), per-shard key names, or ``mode="async"``: reads that must wait for
+        a job that writes the state (``_writes``) or an install deferred to the next use."""
+        return self._tiered is not None or bool(self._tags) or self._async
+
     def _migrate(self) -> None:
         """Put every existing root / eigenbasis where the plan says: self.state or residency."""
-        self._settle_all_offloaded()
+        self._writes.settle_all()
         if self._tiered is None:
             return
         params = {i: p for p, i in self._pindex.items()}
@@ -257,8 +273,7 @@ class TieringMixin:
         return self.state[p][name]
 
     def _member_keys(self, p: torch.Tensor, j: int) -> list:
-        prefix = f"b{j}."
-        return [k for k in self._tkeys.get(self._pindex[p], ()) if k[1].startswith(prefix)]
+        return [k for k in self._tkeys.get(self._pindex[p], ()) if K.block_of(k[1]) == j]
 
     def _chunks(self, members: list) -> list:
         """Split a stack's members so that each chunk's staged blocks fit the ring."""
@@ -278,10 +293,11 @@ class TieringMixin:
         chunks.append(cur)
         return chunks
 
-    def _stack(self, members: list, name: str, out: Optional[torch.Tensor] = None,
-               view: bool = False) -> torch.Tensor:
-        """The members' ``b{j}.{name}`` stacked: a copy (into ``out`` when given), which the
-        caller may keep, donate to a job or write freely.
+    def _stack(self, members: list, field: str, dim: Optional[int] = None,
+               out: Optional[torch.Tensor] = None, view: bool = False) -> torch.Tensor:
+        """The members' ``b{j}.{field}`` (``b{j}.{field}{dim}`` for a per-dimension field)
+        stacked: a copy (into ``out`` when given), which the caller may keep, donate to a job or
+        write freely.
 
         ``view=True`` (the step's reads of the state it updates in place): where every member's
         tensor lives on the device (none owned by the residency), the packed buffer itself
@@ -290,16 +306,16 @@ class TieringMixin:
         member's entry is re-pointed at its slice of the new stack, so that the next step's
         read is zero-copy. Residency-owned blocks are always copied (borrowed from the ring);
         ``_unstack`` writes them back. See "Packed state" in the module docstring."""
-        if out is None and view and PACK and not self._any_owned(members, name):
-            return self._packed(members, name)
+        if out is None and view and PACK and not self._any_owned(members, field, dim):
+            return self._packed(members, field, dim)
         if self._tiered is not None:
-            keys = [(self._pindex[p], f"b{j}.{name}") for p, j in members]
+            keys = [(self._pindex[p], K.key(j, field, dim)) for p, j in members]
             owned = [self._tiered.owns(k) for k in keys]
             if any(owned):
                 mine = [k for k, o in zip(keys, owned) if o]
                 staged = iter(self._tiered.borrow(mine))
                 try:
-                    parts = [next(staged) if o else self.state[p][f"b{j}.{name}"]
+                    parts = [next(staged) if o else self.state[p][K.key(j, field, dim)]
                              for (p, j), o in zip(members, owned)]
                     wide = self._tiered.dtype_of(mine[0])
                     if out is None and any(x.dtype != wide for x in parts):
@@ -309,20 +325,25 @@ class TieringMixin:
                     return torch.stack(parts, out=out)
                 finally:
                     self._tiered.give_back(mine)
-        return torch.stack([self.state[p][f"b{j}.{name}"] for p, j in members], out=out)
+        return torch.stack([self.state[p][K.key(j, field, dim)] for p, j in members], out=out)
 
-    def _any_owned(self, members: list, name: str) -> bool:
+    def _any_owned(self, members: list, field: str, dim: Optional[int]) -> bool:
         if self._tiered is None:
             return False
-        return any(self._tiered.owns((self._pindex[p], f"b{j}.{name}")) for p, j in members)
+        return any(self._tiered.owns((self._pindex[p], K.key(j, field, dim)))
+                   for p, j in members)
 
-    def _packed(self, members: list, name: str) -> torch.Tensor:
-        """The device-resident members' ``b{j}.{name}`` as one packed stack that the state
-        entries are slices of (see ``_stack(view=True)``). The stack is recorded as handed out
-        (``_handed``): ``_unstack`` of it, with these members, has nothing to write."""
-        key = f"b{{}}.{name}".format
+    def _packed(self, members: list, field: str, dim: Optional[int]) -> torch.Tensor:
+        """The device-resident members' ``b{j}.{field}[{dim}]`` as one packed stack that the
+        state entries are slices of (see ``_stack(view=True)``). The stack is recorded as
+        handed out (``_handed``): ``_unstack`` of it, with these members, has nothing to
+        write."""
+
+        def key(j):
+            return K.key(j, field, dim)
+
         states = [self.state[p] for p, _ in members]
-        if self._offloaded or self._deferred:  # reads through the proxy settle them first
+        if self._writes or self._deferred:  # reads through the proxy settle them first
             ts = [st[key(j)] for st, (_, j) in zip(states, members)]
         else:  # nothing to settle, no entry in the residency: the proxy's read is the dict's
             ts = [dict.__getitem__(st, key(j)) for st, (_, j) in zip(states, members)]
@@ -331,13 +352,13 @@ class TieringMixin:
             x = _slices_of(ts)
         if x is None:
             x = self._repack(members, key, states, ts)
-        self._handed[id(x)] = (x, members, name)
+        self._handed[id(x)] = (x, members, field, dim)
         return x
 
     def _repack(self, members: list, key, states: list, ts: list) -> torch.Tensor:
         """Stack ts into a new pack and re-point the members' entries at its slices."""
-        if self._offloaded:  # slices of packs are about to move: no worker may still write one
-            self._settle_all_offloaded()
+        if self._writes:  # slices of packs are about to move: no worker may still write one
+            self._writes.settle_all()
         x = torch.stack(ts)
         self._handed.clear()  # entries are re-pointed below: earlier records may not hold
         packs = self.__dict__.setdefault("_packs", {})
@@ -354,24 +375,26 @@ class TieringMixin:
         packs[id(x)] = (weakref.ref(x), entries, slices)
         return x
 
-    def _stack_dims(self, members: list, name: str, has: Sequence[bool],
+    def _stack_dims(self, members: list, field: str, has: Sequence[bool],
                     view: bool = False) -> list:
-        return [self._stack(members, f"{name}{i}", view=view) if h else None
+        return [self._stack(members, field, i, view=view) if h else None
                 for i, h in enumerate(has)]
 
-    def _unstack(self, members: list, name: str, x: torch.Tensor) -> None:
-        """Write a stack back into the members' ``b{j}.{name}``; a member whose tensor is
-        already its slice of x (a packed stack from ``_stack(view=True)``) needs nothing, and
-        a stack handed out packed for these very members needs no look at them at all."""
+    def _unstack(self, members: list, field: str, x: torch.Tensor,
+                 dim: Optional[int] = None) -> None:
+        """Write a stack back into the members' ``b{j}.{field}[{dim}]``; a member whose tensor
+        is already its slice of x (a packed stack from ``_stack(view=True)``) needs nothing,
+        and a stack handed out packed for these very members needs no look at them at all."""
         handed = self._handed.pop(id(x), None)
-        if handed is not None and handed[0] is x and handed[1] is members and handed[2] == name:
+        if (handed is not None and handed[0] is x and handed[1] is members
+                and handed[2:] == (field, dim)):
             return
-        key = f"b{{}}.{name}".format
         for (p, j), xi in zip(members, x.unbind(0)):
-            if self._owned(p, key(j)):
-                self._tiered.write(self._key(p, key(j)), xi)
+            name = K.key(j, field, dim)
+            if self._owned(p, name):
+                self._tiered.write(self._key(p, name), xi)
             else:
-                t = self.state[p][key(j)]
+                t = self.state[p][name]
                 if not same_memory(t, xi):
                     t.copy_(xi)
 

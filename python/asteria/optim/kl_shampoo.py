@@ -17,16 +17,14 @@ checkpoint's state-dict helpers handle no torch.dtype values (``cpu_offload=True
 
 from __future__ import annotations
 
-import re
 from typing import Optional, Union
 
 import torch
 
+from asteria.optim import _layout as K
 from asteria.optim import functional as F
 from asteria.optim._base import (INIT, AsteriaOptimizer, check_common, eigh_input, init_bases,
                                  install_bases, is_int, real, require)
-
-_FACTOR = re.compile(r"b\d+\.S\d+")
 
 
 def _as_dtype(v) -> Optional[torch.dtype]:
@@ -118,7 +116,7 @@ class KLShampoo(AsteriaOptimizer):
 
     def _fake_step_tensors(self, p):
         st = self.state[p]  # a fake step's factors are zero (its bases the identity, from them)
-        return [v for k, v in dict.items(st) if _FACTOR.fullmatch(k)]
+        return [v for k, v in dict.items(st) if K.is_factor(k, "S")]
 
     def _max_dim(self, group):
         return group["max_precond_dim"]
@@ -127,19 +125,19 @@ class KLShampoo(AsteriaOptimizer):
         st = self.state[p]
         st["step"] = 0
         for j, shape in enumerate(layout.block_shapes):
-            st[f"b{j}.exp_avg"] = torch.zeros(shape, dtype=_cdtype(group), device=p.device)
+            st[K.key(j, "exp_avg")] = torch.zeros(shape, dtype=_cdtype(group), device=p.device)
 
     def _state_spec(self, p, group, layout):
         dt = _cdtype(group)
         out = []
         for j, shape in enumerate(layout.block_shapes):
-            out.append((f"b{j}.exp_avg", "moments", shape, dt))
+            out.append((K.key(j, "exp_avg"), "moments", shape, dt))
             for i, has in enumerate(self._has_factor(shape, group)):
                 if has:
                     d = shape[i]
-                    out += [(f"b{j}.S{i}", "factors", (d, d), dt),
-                            (f"b{j}.s{i}", "factors", (d,), dt),
-                            (f"b{j}.Q{i}", "eigenbases", (d, d), dt)]
+                    out += [(K.key(j, "S", i), "factors", (d, d), dt),
+                            (K.key(j, "s", i), "factors", (d,), dt),
+                            (K.key(j, "Q", i), "eigenbases", (d, d), dt)]
         return out
 
     def _init_blocks(self, group, members, g):
@@ -152,7 +150,7 @@ class KLShampoo(AsteriaOptimizer):
             s = 1.0 / torch.sqrt(torch.full((f.shape[-1],), group["init_factor"],
                                             dtype=f.dtype, device=f.device))
             for p, j in members:
-                self.state[p][f"b{j}.s{i}"] = s.clone()
+                self.state[p][K.key(j, "s", i)] = s.clone()
         return init_bases(self, members, factors, "S")
 
     def _step_blocks(self, group, members, w, g, steps):
@@ -173,15 +171,15 @@ class KLShampoo(AsteriaOptimizer):
         self._unstack(members, "exp_avg", m)
         for i, h in enumerate(has):
             if h:
-                self._unstack(members, f"S{i}", factors[i])
-                self._unstack(members, f"s{i}", scales[i])
+                self._unstack(members, "S", factors[i], dim=i)
+                self._unstack(members, "s", scales[i], dim=i)
 
     def _refresh_input(self, kind, p, j, dim):
         st = self.state[p]
-        f = st[f"b{j}.S{dim}"]
+        f = st[K.key(j, "S", dim)]
         if kind == INIT:
             return "eigh", eigh_input(f), None, 0.0, 0.0
-        return "kl_qr", f, self._root_for_job(p, f"b{j}.Q{dim}"), 0.0, 0.0
+        return "kl_qr", f, self._root_for_job(p, K.key(j, "Q", dim)), 0.0, 0.0
 
     def _install(self, kind, outputs):
         install_bases(self, outputs)  # lam (s) is kept: the QR refresh only rotates Q

@@ -18,15 +18,13 @@ grafting_epsilon: Shampoo's betas[1] and epsilon belong to the factors.
 
 from __future__ import annotations
 
-import re
 from typing import Optional, Union
 
 import torch
 
+from asteria.optim import _layout as K
 from asteria.optim import functional as F
 from asteria.optim._base import AsteriaOptimizer, check_common, is_int, real, require
-
-_ZERO_AFTER_FAKE = re.compile(r"b\d+\.(?:L\d+|momentum|grafting_v)")
 
 
 def _flag(v) -> bool:
@@ -93,53 +91,54 @@ class Shampoo(AsteriaOptimizer):
         st["step"] = 0
         rp = real(p)
         for j, shape in enumerate(layout.block_shapes):
-            st[f"b{j}.momentum"] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
-            st[f"b{j}.grafting_v"] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
+            st[K.key(j, "momentum")] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
+            st[K.key(j, "grafting_v")] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
             for i, has in enumerate(self._has_factor(shape, group)):
                 if has:
-                    st[f"b{j}.L{i}"] = torch.zeros(shape[i], shape[i], dtype=rp.dtype,
-                                                   device=rp.device)
+                    st[K.key(j, "L", i)] = torch.zeros(shape[i], shape[i], dtype=rp.dtype,
+                                                       device=rp.device)
 
     def _flag_keys(self, p, group, layout):
-        return [f"b{j}.Linv{i}_set" for j, shape in enumerate(layout.block_shapes)
+        return [K.set_flag(j, "Linv", i) for j, shape in enumerate(layout.block_shapes)
                 for i, has in enumerate(self._has_factor(shape, group)) if has]
 
     def _fixed_state(self, p, group, layout):
         st = self.state[p]  # the roots from the start: zero, not set, until the first install
         for j, shape in enumerate(layout.block_shapes):
             for i, has in enumerate(self._has_factor(shape, group)):
-                flag = f"b{j}.Linv{i}_set"
+                flag = K.set_flag(j, "Linv", i)
                 if has and flag not in st:
-                    st[flag] = int(self._root_has(p, f"b{j}.Linv{i}"))
+                    st[flag] = int(self._root_has(p, K.key(j, "Linv", i)))
                     if not st[flag]:
                         rp = real(p)
-                        self._root_set(p, f"b{j}.Linv{i}", torch.zeros(
+                        self._root_set(p, K.key(j, "Linv", i), torch.zeros(
                             shape[i], shape[i], dtype=rp.dtype, device=rp.device))
         super()._fixed_state(p, group, layout)
 
     def _fake_step_tensors(self, p):
         st = self.state[p]  # step 1 of a zero gradient: zero factors, momentum and grafting_v
-        return [v for k, v in dict.items(st) if _ZERO_AFTER_FAKE.fullmatch(k)]
+        return [v for k, v in dict.items(st) if K.is_factor(k, "L")
+                or K.is_moment(k, "momentum") or K.is_moment(k, "grafting_v")]
 
     def _state_spec(self, p, group, layout):
         dt = real(p).dtype
         out = []
         for j, shape in enumerate(layout.block_shapes):
-            out += [(f"b{j}.momentum", "moments", shape, dt),
-                    (f"b{j}.grafting_v", "moments", shape, dt)]
+            out += [(K.key(j, "momentum"), "moments", shape, dt),
+                    (K.key(j, "grafting_v"), "moments", shape, dt)]
             for i, has in enumerate(self._has_factor(shape, group)):
                 if has:
-                    out += [(f"b{j}.L{i}", "factors", (shape[i], shape[i]), dt),
-                            (f"b{j}.Linv{i}", "roots", (shape[i], shape[i]), dt)]
+                    out += [(K.key(j, "L", i), "factors", (shape[i], shape[i]), dt),
+                            (K.key(j, "Linv", i), "roots", (shape[i], shape[i]), dt)]
         return out
 
     def _output_name(self, p, j, dim):
-        return f"b{j}.Linv{dim}"
+        return K.key(j, "Linv", dim)
 
     def _batch_tag(self, p, j):
         st = self.state[p]  # True once every factor of the block has an installed root
-        dims = [i for i in range(st[f"b{j}.momentum"].dim()) if f"b{j}.L{i}" in st]
-        return bool(dims) and all(_flag(st.get(f"b{j}.Linv{i}_set", 0)) for i in dims)
+        dims = [i for i in range(st[K.key(j, "momentum")].dim()) if K.key(j, "L", i) in st]
+        return bool(dims) and all(_flag(st.get(K.set_flag(j, "Linv", i), 0)) for i in dims)
 
     def _step_blocks(self, group, members, w, g, steps):
         has = self._has_factor(g.shape[1:], group)
@@ -162,22 +161,22 @@ class Shampoo(AsteriaOptimizer):
         self._unstack(members, "grafting_v", vg)
         for i, f in enumerate(factors):
             if f is not None:
-                self._unstack(members, f"L{i}", f)
+                self._unstack(members, "L", f, dim=i)
 
     def _refresh_input(self, kind, p, j, dim):
         group = self._group_of(p)
         st = self.state[p]
-        order = st[f"b{j}.momentum"].dim()
+        order = st[K.key(j, "momentum")].dim()
         ov = group["inverse_exponent_override"]
         if isinstance(ov, dict):
             ov = ov.get(order)
         root = float(2 * order if ov is None else ov)
-        f = F.shampoo_root_input(st[f"b{j}.L{dim}"], st["step"], group["betas"][1])
+        f = F.shampoo_root_input(st[K.key(j, "L", dim)], st["step"], group["betas"][1])
         return "inv_root", f, None, root, float(group["epsilon"])
 
     def _install(self, kind, outputs):
         for p, outs in outputs.items():
             for (j, dim), out in outs.items():
                 if out is not None:
-                    self._root_set(p, f"b{j}.Linv{dim}", out[0])
-                    self.state[p][f"b{j}.Linv{dim}_set"] = 1
+                    self._root_set(p, K.key(j, "Linv", dim), out[0])
+                    self.state[p][K.set_flag(j, "Linv", dim)] = 1

@@ -6,8 +6,11 @@ math is in ``functional`` (soap_init / soap_step / soap_install), the scheduling
 backward run (docs/departures.md), with libasteria's pool on host parameters: at an install,
 m's re-expression in the new basis (``soap_rotate`` jobs); with runtime
 ``factor_emas="workers"``, on a step whose factors no REFRESH reads at its end, the factor EMAs
-L, R (``gram_ema`` jobs, in place). A read of what such a job
-writes waits for it (``_settle_offloaded``); the next step takes them all first.
+L, R (``gram_ema`` jobs, in place). Each job is registered in the optimizer's
+``PendingWrites`` (``_writes``: ``_Rotation`` / ``_FactorEma``, with the state keys it writes
+and how its result is applied), so a read of what it writes waits for it; the next step takes
+them all first. A factor EMA is made due in its stack's ``_step_blocks`` and started once the
+group's stacks have all run (``_writes.start_due``).
 
 State of a preconditioned parameter: ``step`` (k) and per block j ``b{j}.exp_avg`` (m),
 ``b{j}.exp_avg_sq`` (v), both in the rotated basis, and for every dimension i with a factor
@@ -21,43 +24,59 @@ of a refresh in flight (``pending.install_in``, ``pending.age``, ``b{j}.pending{
 from __future__ import annotations
 
 import dataclasses
-import re
 import warnings
 from typing import Optional
 
 import torch
 
+from asteria.optim import _layout as K
 from asteria.optim import functional as F
 from asteria.refresh.ops import soap_rotate
 from asteria.optim._tiering import same_memory
+from asteria.optim._writes import Write
 from asteria.optim._base import (INIT, AsteriaOptimizer, check_common, eigh_input, init_bases,
                                  install_bases, is_int, local, real, require)
 
-_FACTOR = re.compile(r"b\d+\.GG\d+")
 
-
-@dataclasses.dataclass
-class _Rotation:
-    """One soap_rotate job: the members whose m it re-expresses, its inputs (kept for a
-    fallback on failure) and the block shape of m."""
+@dataclasses.dataclass(eq=False)  # a job is itself: no field-wise (tensor) comparison
+class _Rotation(Write):
+    """One soap_rotate job, started at once: it writes the members' m (``b{j}.exp_avg``);
+    its inputs are kept for a fallback on failure, with the block shape of m."""
 
     ticket: int
     members: list
     inputs: tuple
     shape: tuple
 
+    def __post_init__(self):
+        self.keys = [(p, K.key(j, "exp_avg")) for p, j in self.members]
 
-@dataclasses.dataclass
-class _FactorEma:
-    """One gram_ema job: the state keys it writes, the gradient stack and the factor stacks
-    (the state's packed memory, updated in place; None: no factor) and beta, kept to redo
-    the update here should the job fail."""
+    def apply(self, opt, result):
+        opt._finish_rotation(self, result)
 
-    ticket: int
-    keys: list
+
+@dataclasses.dataclass(eq=False)  # a job is itself: no field-wise (tensor) comparison
+class _FactorEma(Write):
+    """One gram_ema job, due once the group's stacks have all run: it writes the members'
+    factors (``b{j}.GG{i}``); the gradient stack and the factor stacks (the state's packed
+    memory, updated in place; None: no factor) and beta are kept to redo the update here
+    should the job fail."""
+
+    members: list
     g: torch.Tensor
     factors: list
     beta: float
+    ticket: Optional[int] = None
+
+    def __post_init__(self):
+        self.keys = [(p, K.key(j, "GG", i)) for p, j in self.members
+                     for i, f in enumerate(self.factors) if f is not None]
+
+    def start(self, opt):
+        opt._submit_factor_ema(self)
+
+    def apply(self, opt, result):
+        opt._finish_factor_ema(self, result)
 
 
 class SOAP(AsteriaOptimizer):
@@ -114,9 +133,9 @@ class SOAP(AsteriaOptimizer):
 
     def _fake_step_tensors(self, p):
         st = self.state[p]  # a fake step's factors are zero (its bases the identity, from them)
-        keys = [k for k in dict.keys(st) if _FACTOR.fullmatch(k)]
+        keys = [k for k in dict.keys(st) if K.is_factor(k, "GG")]
         for k in keys:
-            self._settle_offloaded(p, k)  # a factor EMA in flight writes it
+            self._writes.settle(p, k)  # a factor EMA in flight writes it
         return [dict.__getitem__(st, k) for k in keys]
 
     def _max_dim(self, group):
@@ -130,19 +149,19 @@ class SOAP(AsteriaOptimizer):
         st["step"] = 0
         rp = real(p)
         for j, shape in enumerate(layout.block_shapes):
-            st[f"b{j}.exp_avg"] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
-            st[f"b{j}.exp_avg_sq"] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
+            st[K.key(j, "exp_avg")] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
+            st[K.key(j, "exp_avg_sq")] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
 
     def _state_spec(self, p, group, layout):
         dt = real(p).dtype
         out = []
         for j, shape in enumerate(layout.block_shapes):
-            out += [(f"b{j}.exp_avg", "moments", shape, dt),
-                    (f"b{j}.exp_avg_sq", "moments", shape, dt)]
+            out += [(K.key(j, "exp_avg"), "moments", shape, dt),
+                    (K.key(j, "exp_avg_sq"), "moments", shape, dt)]
             for i, has in enumerate(self._has_factor(shape, group)):
                 if has:
-                    out += [(f"b{j}.GG{i}", "factors", (shape[i], shape[i]), dt),
-                            (f"b{j}.Q{i}", "eigenbases", (shape[i], shape[i]), dt)]
+                    out += [(K.key(j, "GG", i), "factors", (shape[i], shape[i]), dt),
+                            (K.key(j, "Q", i), "eigenbases", (shape[i], shape[i]), dt)]
         return out
 
     def _init_blocks(self, group, members, g):
@@ -164,21 +183,21 @@ class SOAP(AsteriaOptimizer):
                     shampoo_beta=self._shampoo_beta(group), eps=group["eps"],
                     weight_decay=group["weight_decay"], correct_bias=group["correct_bias"],
                     normalize_grads=group["normalize_grads"])
-        if offload:  # started once the group's stacks have all run (_blocks_done)
-            self.__dict__.setdefault("_emas_due", []).append(
-                (members, g, factors, self._shampoo_beta(group)))
         self._unstack(members, "exp_avg", m)
         self._unstack(members, "exp_avg_sq", v)
         for i, f in enumerate(factors):
             if f is not None:
-                self._unstack(members, f"GG{i}", f)
+                self._unstack(members, "GG", f, dim=i)
+        if offload:  # started once the group's stacks have all run (_writes.start_due)
+            self._writes.defer(_FactorEma(list(members), g, list(factors),
+                                          self._shampoo_beta(group)))
 
     def _refresh_input(self, kind, p, j, dim):
         st = self.state[p]
-        f = st[f"b{j}.GG{dim}"]
+        f = st[K.key(j, "GG", dim)]
         if kind == INIT:
             return "eigh", eigh_input(f), None, 0.0, 0.0
-        return "soap_qr", f, self._root_for_job(p, f"b{j}.Q{dim}"), 0.0, 0.0
+        return "soap_qr", f, self._root_for_job(p, K.key(j, "Q", dim)), 0.0, 0.0
 
     def _install(self, kind, outputs):
         if kind == INIT:
@@ -195,7 +214,7 @@ class SOAP(AsteriaOptimizer):
         # pairs, which the worker reads in place (no stacks of their own, no snapshot)
         pairs = [torch.empty((len(members), 2, m.shape[i + 1], m.shape[i + 1]), dtype=m.dtype)
                  if offload and h else None for i, h in enumerate(has)]
-        old = [self._stack(members, f"Q{i}", out=None if pr is None else pr[:, 0]) if h
+        old = [self._stack(members, "Q", i, out=None if pr is None else pr[:, 0]) if h
                else None for i, (h, pr) in enumerate(zip(has, pairs))]
         new, perms = [], []
         for i, q_old in enumerate(old):
@@ -208,7 +227,7 @@ class SOAP(AsteriaOptimizer):
                 out = outputs[p].get((j, i))
                 # m is re-expressed in the basis as it will be stored (tier_dtype)
                 qs.append(q if out is None else
-                          self._as_stored(p, f"b{j}.Q{i}", out[0].to(q.device)))
+                          self._as_stored(p, K.key(j, "Q", i), out[0].to(q.device)))
                 ps.append(torch.arange(q.shape[0], device=q.device) if out is None
                           else out[1].to(q.device))
             new.append(torch.stack(qs, out=None if pairs[i] is None else pairs[i][:, 1]))
@@ -220,7 +239,7 @@ class SOAP(AsteriaOptimizer):
             if self._bases_on_nvme(members):
                 # one rotation in flight: the previous chunk's m, pairs and result are let go
                 # before this chunk's are made (memory for one chunk, not one round)
-                self._settle_all_offloaded()
+                self._writes.settle_all()
             self._submit_rotation(members, m, pairs)
         else:
             F.soap_install(m, v, old, new, perms)
@@ -228,7 +247,7 @@ class SOAP(AsteriaOptimizer):
         self._unstack(members, "exp_avg_sq", v)
         for i, q in enumerate(new):
             if q is not None:
-                self._unstack(members, f"Q{i}", q)
+                self._unstack(members, "Q", q, dim=i)
 
     # ---- m's re-expression on the workers ------------------------------------------------------
     def _offloads_to_workers(self) -> bool:
@@ -255,7 +274,7 @@ class SOAP(AsteriaOptimizer):
 
     def _submit_rotation(self, members: list, m: torch.Tensor, pairs: list) -> None:
         """Start m_new = Q_new^T (Q_old m Q_old^T) Q_new (per side) on a worker; m stays as it
-        is until a read of it waits for the result (``_settle_offloaded``). ``m`` (a stack made
+        is until a read of it waits for the result (``_writes``). ``m`` (a stack made
         for this) and ``pairs`` ((B, 2, n, n): old, new basis per block; None: identity side)
         are given to the job: the worker reads them in place, nothing here writes them."""
         x = m.reshape(m.shape[0], m.shape[1], -1)
@@ -268,35 +287,12 @@ class SOAP(AsteriaOptimizer):
                                      snapshot_step=self._t, host_outputs=True,
                                      donate=("f", "q", "b"))
         self._counters["rotations_submitted"] += 1
-        rot = _Rotation(ticket, list(members), (x, pairs[0], pairs[1]), tuple(m.shape[1:]))
-        for p, j in members:
-            self._offloaded[(p, f"b{j}.exp_avg")] = rot
+        self._writes.add(_Rotation(ticket, list(members), (x, pairs[0], pairs[1]),
+                                   tuple(m.shape[1:])))
 
-    def _settle_offloaded(self, p, name) -> None:
-        if self.__dict__.get("_emas_due"):  # an interrupted step's, not started yet
-            self._blocks_done()
-        job = self._offloaded.get((p, name))
-        if job is not None:
-            self._finish(job)
-
-    def _settle_all_offloaded(self) -> None:
-        if self.__dict__.get("_emas_due"):
-            self._blocks_done()
-        for job in list({id(j): j for j in self._offloaded.values()}.values()):
-            self._finish(job)
-
-    def _finish(self, job) -> None:
-        if isinstance(job, _FactorEma):
-            self._finish_factor_ema(job)
-        else:
-            self._finish_rotation(job)
-
-    def _finish_rotation(self, rot: "_Rotation") -> None:
-        """Wait for a rotation job and write its result into m; a failed job is redone here
-        with torch (the result is the same math; the state must not keep the old basis' m)."""
-        res = self._engine.wait(rot.ticket)  # an interrupted wait leaves the rotation pending
-        for p, j in rot.members:
-            self._offloaded.pop((p, f"b{j}.exp_avg"), None)
+    def _finish_rotation(self, rot: _Rotation, res) -> None:
+        """Write a rotation job's result into m; a failed job is redone here with torch (the
+        result is the same math; the state must not keep the old basis' m)."""
         if res.status == 0:
             out = res.outputs[0]
         else:
@@ -306,23 +302,10 @@ class SOAP(AsteriaOptimizer):
                           RuntimeWarning, stacklevel=3)
             out = soap_rotate(*rot.inputs)[0]
         for i, (p, j) in enumerate(rot.members):
-            dst = dict.__getitem__(self.state[p], f"b{j}.exp_avg")
+            dst = dict.__getitem__(self.state[p], K.key(j, "exp_avg"))
             dst.copy_(out[i].reshape(rot.shape))
 
     # ---- the factor EMAs on the workers ---------------------------------------------------------
-    def _blocks_done(self) -> None:
-        """Start the factor EMAs of the group's step: after its last stack, so a worker's job
-        does not compete with the training thread's step for the memory bus. One at a time,
-        each let go of only once started (or found started: a signal may land between)."""
-        due = self.__dict__.get("_emas_due")
-        while due:
-            members, g, factors, beta = due[0]
-            i = next(i for i, f in enumerate(factors) if f is not None)
-            job = self._offloaded.get((members[0][0], f"b{members[0][1]}.GG{i}"))
-            if not (isinstance(job, _FactorEma) and job.g is g):
-                self._submit_factor_ema(members, g, factors, beta)
-            due.pop(0)
-
     def _factor_offload(self, group: dict, members: list, g: torch.Tensor, factors: list,
                         steps: list) -> bool:
         """Hand this step's L, R update to a worker? With runtime ``factor_emas="workers"``,
@@ -349,36 +332,31 @@ class SOAP(AsteriaOptimizer):
                 continue
             # a stack packed in this very step (the first, or the first after a load) is not on
             # record as handed out: its slices are the entries all the same
-            if not all(same_memory(dict.__getitem__(self.state[p], f"b{j}.GG{i}"), fk)
+            if not all(same_memory(dict.__getitem__(self.state[p], K.key(j, "GG", i)), fk)
                        for (p, j), fk in zip(members, f.unbind(0))):
                 return False
         return True
 
-    def _submit_factor_ema(self, members: list, g: torch.Tensor, factors: list,
-                           beta: float) -> None:
-        """Start L = beta L + (1 - beta) G G^T, R = beta R + (1 - beta) G^T G on a worker, in
-        the state's own factor memory. ``g`` (a stack made for this step) is given to the job;
-        a read of a factor waits for it (``_settle_offloaded``)."""
+    def _submit_factor_ema(self, job: _FactorEma) -> None:
+        """Start a due factor EMA, L = beta L + (1 - beta) G G^T, R = beta R + (1 - beta) G^T G,
+        on a worker, in the state's own factor memory: after the group's last stack
+        (``_writes.start_due``), so that it does not compete with the training thread's step
+        for the memory bus. ``g`` (a stack made for this step) is given to the job; a read of
+        a factor waits for it (``_writes``)."""
+        members, factors, beta = job.members, job.factors, job.beta
         key = ("gram_ema", tuple((self._pindex[p], j) for p, j in members))
         block = self._block_keys.setdefault(key, len(self._block_keys) + 1)
         version = self._versions[block] = self._versions.get(block, 0) + 1
-        ticket = self._engine.submit("gram_ema", g, factors[0], b=factors[1], block=block,
-                                     version=version, deadline=self._t + 1,
-                                     snapshot_step=self._t, p=beta, eps=1.0 - beta,
-                                     host_outputs=True, donate=("f",))
+        job.ticket = self._engine.submit("gram_ema", job.g, factors[0], b=factors[1],
+                                         block=block, version=version, deadline=self._t + 1,
+                                         snapshot_step=self._t, p=beta, eps=1.0 - beta,
+                                         host_outputs=True, donate=("f",))
         self._counters["factor_emas_submitted"] += 1
-        keys = [(p, f"b{j}.GG{i}") for p, j in members
-                for i, f in enumerate(factors) if f is not None]
-        job = _FactorEma(ticket, keys, g, list(factors), beta)
-        for k in keys:
-            self._offloaded[k] = job
+        self._writes.add(job)
 
-    def _finish_factor_ema(self, job: _FactorEma) -> None:
-        """Wait for a gram_ema job. Its factors are updated where they are; a failed job has
-        written nothing, and its update is done here with torch instead."""
-        res = self._engine.wait(job.ticket)  # an interrupted wait leaves the job pending
-        for k in job.keys:
-            self._offloaded.pop(k, None)
+    def _finish_factor_ema(self, job: _FactorEma, res) -> None:
+        """Apply a gram_ema job's result. Its factors are updated where they are; a failed job
+        has written nothing, and its update is done here with torch instead."""
         if res.status == 0:
             for f, out in zip(job.factors, res.outputs):
                 if f is not None and out is not None and out.data_ptr() != f.data_ptr():
@@ -399,8 +377,8 @@ def _stacks_of(opt, outputs: dict):
     for p, outs in outputs.items():
         st = opt.state[p]
         for j in sorted({j for j, _ in outs}):
-            ref = st[f"b{j}.exp_avg"]
-            has = tuple(opt._root_has(p, f"b{j}.Q{i}") for i in range(ref.dim()))
+            ref = st[K.key(j, "exp_avg")]
+            has = tuple(opt._root_has(p, K.key(j, "Q", i)) for i in range(ref.dim()))
             stacks.setdefault((tuple(ref.shape), ref.dtype, ref.device, has), []).append((p, j))
     for (_, _, _, has), members in stacks.items():
         yield members, list(has)

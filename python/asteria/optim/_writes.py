@@ -1,0 +1,117 @@
+"""State that an engine job still writes: "job J writes state (p, K); a read of K waits for it".
+
+Owns: the record of the jobs that write optimizer state in the background (``Write``: the
+(parameter, state key) pairs it writes, its engine ticket, how its result is applied), the jobs
+due to start but not started yet, and the waits. An optimizer holds one ``PendingWrites``;
+every reader of the state calls it before it reads: the state proxy (``_state``, per key), the
+step (everything, at its start), tiering (before packs move or blocks migrate), checkpoints
+(``state_dict`` / ``load_state_dict``) and ``close``. A method registers its own jobs with how
+to apply their results (SOAP: m's re-expression at an install, the factor EMAs of a step,
+soap.py); the optimizer layer knows no job kind.
+
+A job may be *due* (``defer``): made, but started only once the step's stacks have all run
+(``start_due``, which the step calls then, and again at the next step's start and before any
+wait, for what a signal interrupted). Starting is the job's own (``Write.start``): it submits
+and registers itself (``add``); one found started already is not started again.
+
+A wait that a signal (Ctrl-C) interrupts leaves its job registered: the next settle waits for it
+again. Holds its optimizer weakly (the state proxy's rule, ``_state``: no cycle through it).
+May call: the optimizer's engine (``wait``), the jobs' ``start`` / ``apply``.
+Single-threaded (the training thread); the engine's workers never see these objects.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterator, Optional
+
+
+class Write:
+    """One job that writes optimizer state. ``keys``: the [(param, state key)] it writes;
+    ``ticket``: the engine's, None while the job is only due. Subclasses say how it starts (a
+    due job: submit, set ``ticket``, ``opt._writes.add(self)``) and how its result is applied
+    to the state (``apply``: the job's result, or its failure to redo on the training thread)."""
+
+    keys: list
+    ticket: Optional[int]
+
+    def start(self, opt) -> None:
+        raise NotImplementedError
+
+    def apply(self, opt, result: Any) -> None:
+        raise NotImplementedError
+
+
+class PendingWrites:
+    """The jobs in flight that write optimizer state, by the (param, state key) they write, and
+    the ones due to start. True while a started job is registered."""
+
+    def __init__(self, owner) -> None:
+        self._owner = weakref.ref(owner)
+        self._jobs: dict = {}   # (param, state key) -> the started Write that writes it
+        self._due: list = []    # Writes made but not started, in the order they start
+
+    def __bool__(self) -> bool:
+        return bool(self._jobs)
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __contains__(self, key) -> bool:
+        return key in self._jobs
+
+    def __iter__(self) -> Iterator:
+        return iter(self._jobs)
+
+    @property
+    def due(self) -> list:
+        """The jobs made but not started yet (what a signal interrupted included)."""
+        return list(self._due)
+
+    def add(self, job: Write) -> None:
+        """A started job writes ``job.keys``: a read of one of them waits for it."""
+        for k in job.keys:
+            self._jobs[k] = job
+
+    def defer(self, job: Write) -> None:
+        """A job to start at the next ``start_due`` (once the step's stacks have all run)."""
+        self._due.append(job)
+
+    def start_due(self) -> None:
+        """Start the due jobs, in order, each let go of only once started (or found started:
+        a signal may land between its start and its removal here)."""
+        while self._due:
+            job = self._due[0]
+            if job.ticket is None:
+                job.start(self._opt())
+            self._due.pop(0)
+
+    def settle(self, p, key) -> None:
+        """Before a read or write of p's ``key``: the job that writes it is done and applied
+        (the due jobs are started first)."""
+        if self._due:
+            self.start_due()
+        job = self._jobs.get((p, key))
+        if job is not None:
+            self._finish(job)
+
+    def settle_all(self) -> None:
+        """Every job that writes state: started if due, waited for, applied."""
+        if self._due:
+            self.start_due()
+        for job in list({id(j): j for j in self._jobs.values()}.values()):
+            self._finish(job)
+
+    def _finish(self, job: Write) -> None:
+        opt = self._opt()
+        result = opt._engine.wait(job.ticket)  # an interrupted wait leaves the job registered
+        for k in job.keys:
+            if self._jobs.get(k) is job:
+                del self._jobs[k]
+        job.apply(opt, result)
+
+    def _opt(self):
+        opt = self._owner()
+        if opt is None:
+            raise RuntimeError("the Asteria optimizer these writes belonged to is gone")
+        return opt
