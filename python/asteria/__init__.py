@@ -7,8 +7,8 @@ staleness budget through ``runtime={"staleness": 5, ...}``.
 
 from asteria.config import RuntimeConfig
 from asteria.hooks import attach, detach
-from asteria.optim import KLShampoo, SOAP, Shampoo
+from asteria.optim import KLShampoo, OneSidedSOAP, SOAP, Shampoo
 
 __version__ = "0.1.0"
 
-__all__ = ["SOAP", "Shampoo", "KLShampoo", "RuntimeConfig", "attach", "detach", "__version__"]
+__all__ = ["SOAP", "OneSidedSOAP", "Shampoo", "KLShampoo", "RuntimeConfig", "attach", "detach", "__version__"]

@@ -3,7 +3,8 @@ inverse roots) runs on the Asteria engine under a bounded staleness budget. The 
 ``asteria.optim.functional``; the scheduling in ``asteria.optim._base``."""
 
 from asteria.optim.kl_shampoo import KLShampoo
+from asteria.optim.one_sided_soap import OneSidedSOAP
 from asteria.optim.shampoo import Shampoo
 from asteria.optim.soap import SOAP
 
-__all__ = ["SOAP", "Shampoo", "KLShampoo"]
+__all__ = ["SOAP", "OneSidedSOAP", "Shampoo", "KLShampoo"]
