@@ -72,7 +72,7 @@ def attach(model: nn.Module, optimizer: Any) -> AttachHandle:
     """Register the forward and full-backward-pre hooks of ``optimizer`` (an Asteria
     optimizer over parameters of ``model``) on ``model``'s submodules. Returns a handle;
     ``detach(handle)`` or ``detach(model)`` removes the hooks."""
-    from asteria.optim._base import AsteriaOptimizer
+    from asteria.optim.optimizer import AsteriaOptimizer
 
     if not isinstance(optimizer, AsteriaOptimizer):
         raise TypeError(f"asteria.attach needs an Asteria optimizer, got "

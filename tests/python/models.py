@@ -42,11 +42,14 @@ def require_c_extension() -> None:
 def on_thread_soap():
     """SOAP with every worker offload off (m's re-expression and the factor EMAs on the
     training thread: the sync path's code), whatever the runtime config asks."""
-    from asteria.optim import SOAP
+    from asteria.optim.soap import SOAP, SOAPMethod
+
+    class OnThreadMethod(SOAPMethod):
+        def offloads_to_workers(self):
+            return False
 
     class OnThreadSOAP(SOAP):
-        def _offloads_to_workers(self):
-            return False
+        METHOD = OnThreadMethod
 
     return OnThreadSOAP
 

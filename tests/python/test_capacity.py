@@ -264,7 +264,7 @@ def test_no_cuda_no_device_executor_and_the_report_says_so():
     opt = SOAP(model.parameters(), precondition_frequency=3,
                runtime={"mode": "async", "staleness": 2, "workers": 2})
     try:
-        assert opt.asteria_plan() == list(opt._plan.decisions)  # nothing measured yet
+        assert opt.asteria_plan() == list(opt.placement.plan.decisions)  # nothing measured yet
         for t in range(1, 12):
             loss_and_grad(model, "mlp", t)
             opt.step()
@@ -307,7 +307,7 @@ def test_auto_picks_s_keeps_it_through_a_checkpoint():
     model = make_model("mlp")
     opt = SOAP(model.parameters(), precondition_frequency=4, runtime=auto_rt())
     try:
-        assert opt._delay == 4  # the frequency until a round is measured
+        assert opt.schedule.delay == 4  # the frequency until a round is measured
         _train(model, opt, 12)
         st = opt.asteria_stats()
         assert st["staleness_auto"] and st["staleness_auto_chosen"]
@@ -322,7 +322,7 @@ def test_auto_picks_s_keeps_it_through_a_checkpoint():
         twin.load_state_dict(model.state_dict())
         opt2 = SOAP(twin.parameters(), precondition_frequency=4, runtime=auto_rt())
         opt2.load_state_dict(sd)
-        assert opt2._delay == s and opt2.asteria_stats()["staleness_auto_chosen"]
+        assert opt2.schedule.delay == s and opt2.asteria_stats()["staleness_auto_chosen"]
         _train(model, opt, 9, start=13)
         _train(twin, opt2, 9, start=13)
         for a, b in zip(params_of(model), params_of(twin)):
@@ -339,7 +339,7 @@ def test_auto_never_above_the_frequency():
     try:
         delay_jobs(opt, 150)
         _train(model, opt, 9)
-        assert opt.asteria_stats()["staleness_auto_chosen"] and opt._delay == 3
+        assert opt.asteria_stats()["staleness_auto_chosen"] and opt.schedule.delay == 3
     finally:
         opt.close()
 

@@ -119,9 +119,9 @@ def test_hook_order_forward_then_reverse_prefetch(monkeypatch):
         assert st["prefetches_ahead"] >= 2
         assert st["prefetch_hits"] >= st["prefetches_ahead"]
         assert st["ring_evictions"] == 0
-        log = spy_prefetch(monkeypatch, opt._tiered)
+        log = spy_prefetch(monkeypatch, opt.placement.tiered)
         loss_and_grad(model, "mlp", 3)
-        names = [opt._describe_key(keys[0]) for reason, keys in log]
+        names = [opt.placement.describe_key(keys[0]) for reason, keys in log]
         assert [r for r, _ in log] == ["layers.2", "layers.1", "layers.0"]
         assert "(layers.2.weight)" in names[0] and "(layers.0.weight)" in names[-1]
     finally:

@@ -85,7 +85,7 @@ def test_nvme_run_is_the_all_host_run(tmp_path, name, attached):
     def within_budget(opt):
         st = opt.asteria_stats()
         assert st["bytes_host"] <= HOST_BUDGET
-        assert st["bytes_host"] + st["bytes_nvme"] == BLOCK * len(opt._tiered.keys())
+        assert st["bytes_host"] + st["bytes_nvme"] == BLOCK * len(opt.placement.tiered.keys())
 
     nv, st, opt = train(name, rt(nvme_dir=str(tmp_path), host_budget_bytes=HOST_BUDGET),
                         attached=attached, check=within_budget)
@@ -143,8 +143,8 @@ def finish(model, opt, first, steps=STEPS):
 def test_checksum_mismatch_raises_and_changes_nothing(tmp_path):
     ref, _, _ = train("soap", rt())
     model, opt, before = setup_faulty(tmp_path)
-    key = sorted(opt._tiered.on_nvme())[0]
-    path = opt._tiered.record_path(key)
+    key = sorted(opt.placement.tiered.on_nvme())[0]
+    path = opt.placement.tiered.record_path(key)
     with open(path, "r+b") as f:
         f.seek(HEADER + 100)
         orig = f.read(1)
@@ -171,8 +171,8 @@ def test_checksum_mismatch_raises_and_changes_nothing(tmp_path):
 def test_missing_record_file_raises_and_changes_nothing(tmp_path):
     ref, _, _ = train("soap", rt())
     model, opt, before = setup_faulty(tmp_path)
-    key = sorted(opt._tiered.on_nvme())[-1]
-    path = opt._tiered.record_path(key)
+    key = sorted(opt.placement.tiered.on_nvme())[-1]
+    path = opt.placement.tiered.record_path(key)
     saved = tmp_path.parent / "saved.rec"
     shutil.move(path, saved)
     with pytest.raises(TieredStateError) as ei:

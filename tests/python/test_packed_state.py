@@ -1,4 +1,4 @@
-"""Packed state (``asteria.optim._tiering``, "Packed state"): the device state of a stack of
+"""Packed state (``asteria.optim.placement``, "Packed state"): the device state of a stack of
 same-shape blocks lives in one buffer per name, the members' entries its slices, so the step
 updates it in place with no stack copied in or out.
 
@@ -6,7 +6,7 @@ updates it in place with no stack copied in or out.
    the step stacks none of them (torch.stack is watched during ``_step_blocks``);
  - a parameter skipped (non-finite gradient), one without a gradient, a group added and a
    load_state_dict in between leave the run bitwise that of an optimizer that never packs
-   (``_tiering.PACK = False``), in mode "sync" and "async";
+   (``placement.PACK = False``), in mode "sync" and "async";
  - a saved state dict is no larger than one of the same state unpacked (torch.save writes a
    view's whole storage: a pack must not outlive its members' use of it);
  - the steady state looks at no member's layout: a pack is recognised by its slice objects
@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from asteria import KLShampoo, SOAP, Shampoo
-from asteria.optim import _tiering
+from asteria.optim import placement as _tiering
+from asteria.optim.soap import SOAPMethod
 from asteria.optim._blocking import make_layout
 from models import loss_and_grad, make_model, require_c_extension
 
@@ -71,8 +72,8 @@ def train(opt, model, steps):
 
 
 def _mark_inside_step_blocks(monkeypatch, opt, inside: list) -> None:
-    """``inside`` is non-empty while ``opt._step_blocks`` runs."""
-    real_blocks = opt._step_blocks
+    """``inside`` is non-empty while ``opt.method.step_blocks`` runs."""
+    real_blocks = opt.method.step_blocks
 
     def watched_blocks(*args, **kwargs):
         inside.append(1)
@@ -81,7 +82,7 @@ def _mark_inside_step_blocks(monkeypatch, opt, inside: list) -> None:
         finally:
             inside.pop()
 
-    monkeypatch.setattr(opt, "_step_blocks", watched_blocks)
+    monkeypatch.setattr(opt.method, "step_blocks", watched_blocks)
 
 
 @pytest.mark.parametrize("mode", list(RUNTIMES))
@@ -96,7 +97,7 @@ def test_stack_state_is_packed_and_not_copied(name, mode, monkeypatch):
         before = {(i, k): v.data_ptr() for i, p in enumerate(ws)
                   for k, v in step_state(opt, p).items()}
         assert before
-        one_chunk = opt._tiered is None  # with a residency the ring may split a stack
+        one_chunk = opt.placement.tiered is None  # with a residency the ring may split a stack
         if one_chunk:
             keys = set(step_state(opt, ws[0]))
             for k in keys:  # the three weights' blocks: one stack, one storage per name
@@ -244,7 +245,7 @@ def test_steady_state_walks_no_member(name, monkeypatch):
         train(opt, model, range(10, 14))  # a refresh comes due and is installed in here
         monkeypatch.undo()
         assert calls == {"_slices_of": 0, "same_memory": 0}
-        assert not opt._handed  # nothing handed out outlives its _step_blocks
+        assert not opt.placement.handed  # nothing handed out outlives its _step_blocks
     finally:
         opt.close()
 
@@ -289,8 +290,8 @@ def test_offloaded_factor_emas_follow_the_packs(run, monkeypatch):
     follow the on-thread ones to rounding: a job never writes a pack its entries have left."""
     want = run("soap", "async", True, monkeypatch)
     jobs = []
-    real = SOAP._submit_factor_ema
-    monkeypatch.setattr(SOAP, "_submit_factor_ema",
+    real = SOAPMethod.submit_factor_ema
+    monkeypatch.setattr(SOAPMethod, "submit_factor_ema",
                         lambda self, *a: jobs.append(1) or real(self, *a))
     got = run("soap", "async-workers", True, monkeypatch)
     assert len(jobs) >= 5  # not vacuous

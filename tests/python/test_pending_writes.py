@@ -3,6 +3,7 @@ on a stand-in engine: settle one key, settle all, due jobs started once (also wh
 in the start), an interrupted wait that leaves the job registered, no reference to the owner."""
 
 import dataclasses
+import types
 import gc
 import weakref
 
@@ -32,7 +33,7 @@ class Engine:
 class Owner:
     def __init__(self):
         self._engine = Engine()
-        self._writes = PendingWrites(self)
+        self.schedule = types.SimpleNamespace(writes=PendingWrites(self))
         self.applied = []
         self.started = 0
 
@@ -46,7 +47,7 @@ class Job(Write):
     def start(self, opt):
         opt.started += 1
         self.ticket = opt._engine.submit()
-        opt._writes.add(self)
+        opt.schedule.writes.add(self)
         if self.fail_after_submit:
             self.fail_after_submit = False
             raise KeyboardInterrupt
@@ -57,7 +58,7 @@ class Job(Write):
 
 def test_settle_waits_for_the_job_of_that_key_only():
     o = Owner()
-    w = o._writes
+    w = o.schedule.writes
     a, b = Job([("p", "b0.exp_avg"), ("q", "b0.exp_avg")], 1), Job([("p", "b0.GG0")], 2)
     w.add(a)
     w.add(b)
@@ -73,7 +74,7 @@ def test_settle_waits_for_the_job_of_that_key_only():
 
 def test_an_interrupted_wait_leaves_the_job_registered():
     o = Owner()
-    w = o._writes
+    w = o.schedule.writes
     w.add(Job([("p", "b0.exp_avg")], 7))
     o._engine.interrupt = True
     with pytest.raises(KeyboardInterrupt):
@@ -86,7 +87,7 @@ def test_an_interrupted_wait_leaves_the_job_registered():
 @pytest.mark.parametrize("lands", ["none", "after_submit"])
 def test_due_jobs_start_once_in_order_before_any_settle(lands):
     o = Owner()
-    w = o._writes
+    w = o.schedule.writes
     first = Job([("p", "b0.GG0")], fail_after_submit=lands == "after_submit")
     second = Job([("q", "b0.GG0")])
     w.defer(first)
@@ -105,7 +106,7 @@ def test_due_jobs_start_once_in_order_before_any_settle(lands):
 
 def test_holds_its_owner_weakly():
     o = Owner()
-    o._writes.add(Job([("p", "b0.exp_avg")], 1))
+    o.schedule.writes.add(Job([("p", "b0.exp_avg")], 1))
     ref = weakref.ref(o)
     was = gc.isenabled()
     gc.disable()

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from asteria import SOAP, KLShampoo, Shampoo, attach, detach
-from asteria.optim._base import STATS_KEYS
+from asteria.optim.optimizer import STATS_KEYS
 from models import loss_and_grad, make_model, params_of, require_c_extension, run
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
@@ -76,8 +76,8 @@ def test_auto_plan_async_and_logged_once(caplog):
         logged = [r.getMessage() for r in caplog.records if r.name == "asteria"]
         assert logged == [f"asteria plan: {d}" for d in plan]  # each decision once
         w = model.layers[0].weight
-        assert opt._plan.tier((opt._pindex[w], "b0.Q0")) == "host"
-        assert opt._plan.tier((opt._pindex[w], "b0.GG0")) == "device"
+        assert opt.placement.plan.tier((opt._pindex[w], "b0.Q0")) == "host"
+        assert opt.placement.plan.tier((opt._pindex[w], "b0.GG0")) == "device"
     finally:
         opt.close()
 
@@ -116,9 +116,9 @@ def test_auto_keeps_cpu_bases_in_place(name, caplog):
     auto, opt = train_open(name, rt())
     try:
         assert_bitwise(auto, dev)
-        assert opt._tiered is None
-        assert set(opt._plan.block_tier.values()) == {"device"} and not opt._plan.tiered
-        assert opt._plan.tiers[kind] == "auto"
+        assert opt.placement.tiered is None
+        assert set(opt.placement.plan.block_tier.values()) == {"device"} and not opt.placement.plan.tiered
+        assert opt.placement.plan.tiers[kind] == "auto"
         plan = opt.asteria_plan()
         assert f"{kind} ({CPU_BYTES / 1024:.1f} KiB, {CPU_BLOCKS} blocks) on the parameters' " \
                "device (CPU: host memory already; no staging)" in plan
@@ -156,15 +156,15 @@ def test_cpu_bases_still_tier_when_asked(name, ask, tmp_path):
     host, opt = train_open(name, rt(**kw))
     try:
         assert_bitwise(host, dev)
-        assert opt._tiered is not None and opt._plan.tiered
-        assert set(opt._plan.block_tier.values()) == {"host"}
+        assert opt.placement.tiered is not None and opt.placement.plan.tiered
+        assert set(opt.placement.plan.block_tier.values()) == {"host"}
         plan = opt.asteria_plan()
         assert any("staging ring" in d for d in plan)
         assert not any("no staging" in d for d in plan)
         mp = opt.asteria_memory_plan()
         assert mp["planned_bytes"]["host"] == CPU_BYTES and mp["ring_bytes"] > 0
         assert mp["peak_total"] == sum(mp["peak_parts"].values())
-        assert sum(opt._tiered.owns((i, key)) for i in opt._pindex.values()) == 3
+        assert sum(opt.placement.tiered.owns((i, key)) for i in opt._pindex.values()) == 3
         assert not any(key in dict.keys(st) for st in opt.state.values())
         st = opt.asteria_stats()
         assert st["bytes_host"] == CPU_BYTES and st["prefetches"] > 0
@@ -252,7 +252,7 @@ def test_sync_refuses_tiers_and_budgets_that_cannot_hold():
 def budgets(name):
     """(device bytes of factors + moments, the ring's minimum) of the mlp for an optimizer."""
     opt = MAKERS[name](make_model("mlp").parameters(), rt(placement=HOST))
-    plan = opt._plan
+    plan = opt.placement.plan
     opt.close()
     return plan.planned_bytes["device"] - plan.ring_bytes, plan.ring_min
 
@@ -286,7 +286,7 @@ def test_device_budget_spills_roots_to_host_first():
 
     spilled, opt = run("mlp", make, STEPS)
     assert_bitwise(spilled, dev)
-    tiers = sorted(opt._plan.block_tier.values())
+    tiers = sorted(opt.placement.plan.block_tier.values())
     assert tiers == ["device"] * 2 + ["host"] * 4
     assert any("spilled from device to host memory" in d for d in opt.asteria_plan())
     st = opt.asteria_stats()
@@ -398,7 +398,7 @@ def test_cpu_bases_tier_when_narrowing_is_asked(name):
     kind, key = AUTO_KINDS[name]
     _, opt = train_open(name, rt(tier_dtype="bfloat16"))
     try:
-        assert opt._tiered is not None and set(opt._plan.block_tier.values()) == {"host"}
+        assert opt.placement.tiered is not None and set(opt.placement.plan.block_tier.values()) == {"host"}
         plan = opt.asteria_plan()
         assert any("tier_dtype 'bfloat16' set" in d for d in plan), plan
         assert 0 < opt.asteria_memory_plan()["planned_bytes"]["host"] < CPU_BYTES

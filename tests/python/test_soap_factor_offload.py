@@ -1,4 +1,4 @@
-"""SOAP's factor EMAs on the C workers (SOAP._submit_factor_ema).
+"""SOAP's factor EMAs on the C workers (SOAPMethod.submit_factor_ema).
 
 L = b L + (1 - b) G G^T and R = b R + (1 - b) G^T G (DESIGN.md, b = shampoo_beta). In mode
 "async" with runtime ``factor_emas="workers"`` (the default is "thread") on CPU parameters, a
@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from asteria.optim import SOAP
+from asteria.optim.soap import SOAPMethod
 from models import assert_params_close, assert_resumes_bitwise, loss_and_grad, make_model, \
     on_thread_soap, params_of, require_c_extension, run
 
@@ -55,10 +56,10 @@ def test_factor_after_an_offloaded_step_is_the_ema():
                 before = [opt.state[w][f"b0.GG{i}"].clone() for i in (0, 1)]
                 g = w.grad.clone()
             opt.step()
-        assert (w, "b0.GG0") in opt._writes and (w, "b0.GG1") in opt._writes
+        assert (w, "b0.GG0") in opt.schedule.writes and (w, "b0.GG1") in opt.schedule.writes
         want = [0.9 * before[0] + 0.1 * g @ g.T, 0.9 * before[1] + 0.1 * g.T @ g]
         got = [opt.state[w]["b0.GG0"], opt.state[w]["b0.GG1"]]  # waits for the worker
-        assert (w, "b0.GG0") not in opt._writes
+        assert (w, "b0.GG0") not in opt.schedule.writes
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
             assert torch.equal(a, a.T)  # syrk's triangle, mirrored: exactly symmetric
@@ -90,7 +91,7 @@ def test_offloaded_steps_are_those_no_refresh_reads():
     assert opt.offloaded_at == [(n2d, [k] * n2d) for k in counts]
     assert st["factor_emas_submitted"] == len(counts)
     assert st["factor_ema_failures"] == 0
-    assert not opt._writes  # close() waited for the last ones
+    assert not opt.schedule.writes  # close() waited for the last ones
 
 
 @pytest.mark.parametrize("kind", ["mlp", "block"])
@@ -114,7 +115,7 @@ def test_factors_stay_on_the_training_thread_unless_asked(runtime):
 def test_checkpoint_after_an_offloaded_step_resumes_bitwise():
     # state_dict() waits for the factor EMAs in flight
     assert_resumes_bitwise("mlp", make(), 12, F + 2, in_flight=lambda opt: any(
-        k[1].startswith("b0.GG") for k in opt._writes))
+        k[1].startswith("b0.GG") for k in opt.schedule.writes))
 
 
 def test_failed_job_is_redone_on_the_training_thread():
@@ -142,9 +143,9 @@ def test_failed_job_is_redone_on_the_training_thread():
                 loss_and_grad(m, "mlp", t)
                 o.step()
         jobs = opt.asteria_stats()["factor_emas_submitted"] - submitted
-        assert jobs >= 1 and len(opt._writes) >= 2 * jobs
+        assert jobs >= 1 and len(opt.schedule.writes) >= 2 * jobs
         with pytest.warns(RuntimeWarning, match="done on the training thread"):
-            opt._writes.settle_all()
+            opt.schedule.writes.settle_all()
         assert opt.asteria_stats()["factor_ema_failures"] == jobs
         for (p, f0), q in zip(before.items(), [q for q in ref_model.parameters()
                                                if q.dim() == 2]):
@@ -166,22 +167,22 @@ def test_an_interrupt_at_the_start_starts_the_job_once(lands, monkeypatch):
     full, _ = run("mlp", make(), steps)
     model = make_model("mlp")
     opt = make()(model.parameters())
-    real = SOAP._submit_factor_ema
+    real = SOAPMethod.submit_factor_ema
 
     def interrupted(self, *a):
         if lands == "after":
             real(self, *a)
-        monkeypatch.setattr(SOAP, "_submit_factor_ema", real)  # once
+        monkeypatch.setattr(SOAPMethod, "submit_factor_ema", real)  # once
         raise KeyboardInterrupt
 
     try:
         for t in range(1, steps + 1):
             loss_and_grad(model, "mlp", t)
             if t == cut:
-                monkeypatch.setattr(SOAP, "_submit_factor_ema", interrupted)
+                monkeypatch.setattr(SOAPMethod, "submit_factor_ema", interrupted)
                 with pytest.raises(KeyboardInterrupt):
                     opt.step()
-                assert opt._writes.due  # left to start
+                assert opt.schedule.writes.due  # left to start
             else:
                 opt.step()
             assert all(torch.equal(a, b) for a, b in zip(params_of(model), full[t - 1])), t

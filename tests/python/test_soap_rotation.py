@@ -1,4 +1,4 @@
-"""SOAP's m re-expression at install on the C workers (AsteriaOptimizer._submit_rotation).
+"""SOAP's m re-expression at install on the C workers (SOAPMethod.submit_rotation).
 
 At an install, m_new = Q_L,new^T (Q_L,old m Q_R,old^T) Q_R,new (DESIGN.md). In mode "async" on
 CPU parameters the training thread only permutes v and installs Q; a ``soap_rotate`` job
@@ -67,26 +67,26 @@ def test_state_after_install_is_the_reexpressed_moment():
             loss_and_grad(model, "mlp", t)
             if t == F + 2 + 1:  # the step whose end installs the refresh snapshotted at F + 1
                 before = {k: opt.state[w][k].clone() for k in ("b0.Q0", "b0.Q1")}
-                pending = opt._rounds[0].resolve(opt._engine)[w]
+                pending = opt.schedule.rounds[0].resolve(opt._engine)[w]
                 m_after_update = {}
 
-                real = opt._install_chunk
+                real = opt.method.install_chunk
 
                 def spy(members, has, outputs, _real=real):  # m as the install sees it
                     if any(p is w for p, _ in members):
                         m_after_update["m"] = opt.state[w]["b0.exp_avg"].clone()
                     return _real(members, has, outputs)
 
-                opt._install_chunk = spy
+                opt.method.install_chunk = spy
             opt.step()
             if t == F + 2 + 1:
-                del opt._install_chunk
-                assert (w, "b0.exp_avg") in opt._writes, "no rotation left in flight"
+                del opt.method.install_chunk
+                assert (w, "b0.exp_avg") in opt.schedule.writes, "no rotation left in flight"
                 q0n, q1n = pending[(0, 0)][0], pending[(0, 1)][0]
                 m = m_after_update["m"]
                 want = q0n.T @ (before["b0.Q0"] @ m @ before["b0.Q1"].T) @ q1n
                 got = opt.state[w]["b0.exp_avg"]  # waits for the worker
-                assert (w, "b0.exp_avg") not in opt._writes
+                assert (w, "b0.exp_avg") not in opt.schedule.writes
                 torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
                 assert torch.equal(opt.state[w]["b0.Q0"], q0n)
     finally:
@@ -95,7 +95,7 @@ def test_state_after_install_is_the_reexpressed_moment():
 
 def test_checkpoint_at_an_install_step_resumes_bitwise():
     # state_dict() waits for the rotation in flight
-    assert_resumes_bitwise("mlp", make(), 14, F + 2 + 1, in_flight=lambda opt: opt._writes)
+    assert_resumes_bitwise("mlp", make(), 14, F + 2 + 1, in_flight=lambda opt: opt.schedule.writes)
 
 
 def test_sync_mode_rotates_on_the_training_thread():

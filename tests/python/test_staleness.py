@@ -153,8 +153,8 @@ def test_first_step_eigh_is_waited_for_at_once(name):
 
 
 def _no_deferral(monkeypatch):
-    from asteria.optim import _schedule
-    monkeypatch.setattr(_schedule.ScheduleMixin, "_defers", lambda self: False)
+    from asteria.optim import schedule as _schedule
+    monkeypatch.setattr(_schedule.Schedule, "defers", lambda self: False)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -168,18 +168,18 @@ def test_s0_install_waits_for_the_next_use(name):
         loss_and_grad(model, "mlp", t)
         opt.step()
     before = opt.asteria_stats()["installs"]
-    assert opt._deferred, "the round of the refresh step waits for the next use"
+    assert opt.schedule.deferred, "the round of the refresh step waits for the next use"
     seen = opt.state[w][key].clone()  # the read installs it
-    assert not opt._deferred and opt.asteria_stats()["installs"] > before
+    assert not opt.schedule.deferred and opt.asteria_stats()["installs"] > before
     opt.close()
     ref_model = make_model("mlp")
     ref = make_opt(ref_model.parameters(), runtime=deterministic(0))
     for t in range(1, refresh + 1):
         loss_and_grad(ref_model, "mlp", t)
         ref.step()
-        assert not (ref._deferred and t < refresh)
+        assert not (ref.schedule.deferred and t < refresh)
     ref.state_dict()  # settles too
-    assert not ref._deferred
+    assert not ref.schedule.deferred
     assert torch.equal(seen, ref.state[ref_model.layers[0].weight][key])
     ref.close()
 
@@ -234,8 +234,8 @@ def test_s0_deferred_refresh_runs_before_the_next_step():
     for t in range(1, 7):
         loss_and_grad(model, "mlp", t)
         opt.step()
-    assert opt._deferred
-    rnd = opt._deferred[0]
+    assert opt.schedule.deferred
+    rnd = opt.schedule.deferred[0]
     deadline = time.monotonic() + 30
     while not rnd.ready(opt._engine) and time.monotonic() < deadline:
         time.sleep(0.01)  # the "forward and backward"
@@ -243,7 +243,7 @@ def test_s0_deferred_refresh_runs_before_the_next_step():
     waits = opt.asteria_stats().get("install_waits", 0)
     loss_and_grad(model, "mlp", 7)
     opt.step()
-    assert not opt._deferred
+    assert not opt.schedule.deferred
     assert opt.asteria_stats().get("install_waits", 0) == waits  # no barrier wait
     opt.close()
 

@@ -8,7 +8,7 @@ no state.
 torch.distributed.checkpoint loads a flattened optimizer state dict into the live state of the
 freshly built optimizer after its "fake step" (zero gradients, lr 0), keeping only the keys it
 has. The Asteria optimizers now keep one fixed key set per parameter from its state's creation
-on (``asteria.optim._base``, "Checkpoints through torch.distributed.checkpoint"): a REFRESH in
+on (``asteria.optim.checkpoint``, "Checkpoints through torch.distributed.checkpoint"): a REFRESH in
 flight is ``pending.install_in`` (-1: none), ``pending.age``, ``b{j}.pending{dim}.{i}`` (zero
 placeholders) with ``b{j}.pending{dim}_ok``, and Shampoo's roots exist from the start with
 ``b{j}.Linv{i}_set``. So the optimizer's own form is the checkpoint form, stored as it is.

@@ -247,7 +247,7 @@ class GlobalBlocking:
         its rows per rank, its owners. Deterministic: every rank computes the same plans."""
         _check_placement(p, pidx)
         mesh = p.device_mesh
-        hparams = (group["block_size"], opt._merge_dims(group), opt._max_dim(group))
+        hparams = (group["block_size"], opt.method.merge_dims(group), opt.method.max_dim(group))
         full = make_layout(p.shape, *hparams)
         size, me = mesh.size(), mesh.get_local_rank()
         m = p.shape[0]
@@ -271,7 +271,7 @@ class GlobalBlocking:
                                                        node_ids=[0] * size, staleness=0), 1]
         ids = list(range(reg[1], reg[1] + len(full.slices)))
         reg[1] += len(ids)
-        costs = [_block_cost(s, opt._has_factor(s, group)) for s in full.block_shapes]
+        costs = [_block_cost(s, opt.method.has_factor(s, group)) for s in full.block_shapes]
         if ids:
             reg[0].extend(ids, costs, replicas=list(range(size)))
         owners = tuple(int(reg[0].owner(b)) for b in ids)

@@ -8,7 +8,7 @@ gradient (``local``: a DTensor's shard; ``real``: a complex tensor's real view, 
 that mapping). Holds its optimizer weakly: the state must never own the optimizer (with the
 cycle collector off, as OLMo-core trains, a cycle would keep the optimizer, its workers and
 buffers alive). Every read or write of an entry first settles what still changes it: an install
-deferred to the next use (``_schedule``) and the job that writes that key (``opt._writes``,
+deferred to the next use (``_schedule``) and the job that writes that key (``opt.schedule.writes``,
 ``_writes.PendingWrites``). May call: torch, ``_layout``, the optimizer it belongs to (through
 a weak reference). Single-threaded (the training thread).
 """
@@ -123,39 +123,39 @@ class _ParamState(dict):
     def _vkey(self, k, opt=None):
         if opt is None:
             opt = self._opt
-        if opt._tiered is None or not isinstance(k, str) or dict.__contains__(self, k):
+        if opt.placement.tiered is None or not isinstance(k, str) or dict.__contains__(self, k):
             return None
         key = (opt._pindex[self._p], k)
-        return key if opt._tiered.has(key) else None
+        return key if opt.placement.tiered.has(key) else None
 
     def _virtual(self, opt=None) -> list:
         if opt is None:
             opt = self._opt
-        if opt._tiered is None:
+        if opt.placement.tiered is None:
             return []
         pidx = opt._pindex[self._p]
-        return [k[1] for k in opt._tkeys.get(pidx, ()) if opt._tiered.has(k)]
+        return [k[1] for k in opt.placement.tkeys.get(pidx, ()) if opt.placement.tiered.has(k)]
 
     def _settle(self, opt, k) -> None:
         """Before a read or write of k: the work that still changes it is done (an install
-        deferred to the next use; a job that writes k, ``opt._writes``)."""
-        if opt._deferred:
-            opt._settle_deferred()
-        if opt._writes:
-            opt._writes.settle(self._p, k)
+        deferred to the next use; a job that writes k, ``opt.schedule.writes``)."""
+        if opt.schedule.deferred:
+            opt.schedule.settle_deferred()
+        if opt.schedule.writes:
+            opt.schedule.writes.settle(self._p, k)
 
     def __getitem__(self, k):
         if self._tag is not None:
             k = internal_key(self._tag, k)
         opt = self._opt
-        if opt._writes or opt._deferred:
+        if opt.schedule.writes or opt.schedule.deferred:
             self._settle(opt, k)
-        if opt._tiered is None:
+        if opt.placement.tiered is None:
             return dict.__getitem__(self, k)
         key = self._vkey(k, opt)
         if key is None:
             return dict.__getitem__(self, k)
-        return opt._tiered.materialize([key])[key]
+        return opt.placement.tiered.materialize([key])[key]
 
     def get(self, k, default=None):
         return self[k] if k in self else default
@@ -175,7 +175,7 @@ class _ParamState(dict):
 
     def __len__(self):
         opt = self._opt
-        if opt._tiered is None:
+        if opt.placement.tiered is None:
             return dict.__len__(self)
         return dict.__len__(self) + len(self._virtual(opt))
 
@@ -192,35 +192,35 @@ class _ParamState(dict):
         opt = self._opt
         if self._tag is not None:
             k = internal_key(self._tag, k)
-        if opt._writes or opt._deferred:
+        if opt.schedule.writes or opt.schedule.deferred:
             self._settle(opt, k)
-        if opt._tiered is not None and isinstance(v, torch.Tensor) and opt._owned(self._p, k):
-            opt._tiered.write((opt._pindex[self._p], k), v)
+        if opt.placement.tiered is not None and isinstance(v, torch.Tensor) and opt.placement.owned(self._p, k):
+            opt.placement.tiered.write((opt._pindex[self._p], k), v)
         else:
             dict.__setitem__(self, k, v)
 
     def pop(self, k, *default):
         k = self._int(k)
         opt = self._opt
-        if opt._writes or opt._deferred:
+        if opt.schedule.writes or opt.schedule.deferred:
             self._settle(opt, k)
         key = self._vkey(k)
         if key is None:
             return dict.pop(self, k, *default)
         v = self[k]
-        self._opt._tiered.drop(key)
+        self._opt.placement.tiered.drop(key)
         return v
 
     def __delitem__(self, k):
         k = self._int(k)
         opt = self._opt
-        if opt._writes or opt._deferred:
+        if opt.schedule.writes or opt.schedule.deferred:
             self._settle(opt, k)
         key = self._vkey(k)
         if key is None:
             dict.__delitem__(self, k)
         else:
-            self._opt._tiered.drop(key)
+            self._opt.placement.tiered.drop(key)
 
     def raw(self) -> dict:
         """The device entries only, under the optimizer's names."""

@@ -23,8 +23,10 @@ import torch
 
 from asteria.optim import _layout as K
 from asteria.optim import functional as F
-from asteria.optim._base import (INIT, AsteriaOptimizer, check_common, eigh_input, init_bases,
-                                 install_bases, is_int, real, require)
+from asteria.optim._state import real
+from asteria.optim.method import (INIT, Method, check_common, eigh_input, is_int, register,
+                                  require)
+from asteria.optim.optimizer import AsteriaOptimizer
 
 
 def _as_dtype(v) -> Optional[torch.dtype]:
@@ -47,32 +49,14 @@ def _cdtype(group: dict) -> torch.dtype:
     return _as_dtype(group["compute_dtype"])
 
 
-class KLShampoo(AsteriaOptimizer):
-    """KL-Shampoo. Keyword names and defaults are the reference's KL-Shampoo mode, plus
-    ``compute_dtype`` (the reference casts to bf16; here float32 by default; a floating-point
-    torch.dtype or its name, stored by name), ``max_precond_dim`` (a dimension larger than it
-    gets no factor; not in the reference), ``block_size`` and ``runtime``.
+class KLShampooMethod(Method):
+    """kl_shampoo's math."""
 
-    Param group key ``"algorithm"``: ``"adamw"`` sends every parameter of the group, 2-D ones
-    too (embeddings, an output head), to AdamW with the group's lr, betas, eps and
-    weight_decay, exactly as 1-D parameters go (OLMo-core's convention)."""
+    NAME = "kl_shampoo"
+    REFRESH_OP = ("kl_qr", 0.0)
+    FACTOR = "S"
 
-    def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.98), shampoo_beta: float = -1,
-                 eps: float = 1e-8, weight_decay: float = 0.01, precondition_frequency: int = 10,
-                 normalize_grads: bool = False, init_factor: float = 0.1,
-                 using_clamping: bool = True, max_clamp_value: int = 4000,
-                 compute_dtype: Union[torch.dtype, str] = torch.float32, *,
-                 max_precond_dim: int = 10000, block_size: Optional[int] = None, runtime=None):
-        compute_dtype = dtype_name(compute_dtype)
-        defaults = dict(lr=lr, betas=betas, shampoo_beta=shampoo_beta, eps=eps,
-                        weight_decay=weight_decay, precondition_frequency=precondition_frequency,
-                        normalize_grads=normalize_grads, init_factor=init_factor,
-                        using_clamping=using_clamping, max_clamp_value=max_clamp_value,
-                        compute_dtype=compute_dtype, max_precond_dim=max_precond_dim,
-                        block_size=block_size)
-        super().__init__(params, defaults, runtime)
-
-    def _check_hyperparameters(self, group: dict) -> None:
+    def check(self, group: dict) -> None:
         check_common(group)
         sb = group["shampoo_beta"]
         require("shampoo_beta", isinstance(sb, (int, float)) and (sb == -1 or 0.0 <= sb < 1.0),
@@ -91,48 +75,32 @@ class KLShampoo(AsteriaOptimizer):
         require("max_precond_dim", is_int(md) and md >= 1, md, "an integer >= 1")
 
     @staticmethod
-    def _shampoo_beta(group: dict) -> float:
+    def shampoo_beta(group: dict) -> float:
         sb = group["shampoo_beta"]
         return sb if sb >= 0 else group["betas"][1]
 
-    def _uses_adamw(self, p, group):
-        return real(p).dim() <= 1
-
-    def _adamw_hparams(self, group):
-        return group["betas"][0], group["betas"][1], group["eps"]
-
-    def add_param_group(self, param_group):
-        if "compute_dtype" in param_group:  # by name in the group (torch keeps this dict)
-            param_group["compute_dtype"] = dtype_name(param_group["compute_dtype"])
-        super().add_param_group(param_group)
-
-    def load_state_dict(self, state_dict):
-        super().load_state_dict(state_dict)
-        for group in self.param_groups:  # a state dict from before the dtype went by name
+    def normalize_group(self, group):
+        if "compute_dtype" in group:  # by name in the group (torch keeps this dict)
             group["compute_dtype"] = dtype_name(group["compute_dtype"])
 
-    def _output_specs(self, p, group, d):
+    def output_specs(self, p, group, d):
         return [((d, d), _cdtype(group))]  # kl_qr: (Q,)
 
-    def _fake_step_tensors(self, p):
-        st = self.state[p]  # a fake step's factors are zero (its bases the identity, from them)
-        return [v for k, v in dict.items(st) if K.is_factor(k, "S")]
+    def fake_step_tensors(self, p):
+        return self.fake_factors(p)  # zero after a fake step (its bases the identity, from them)
 
-    def _max_dim(self, group):
-        return group["max_precond_dim"]
-
-    def _create_state(self, p, group, layout):
+    def create_state(self, p, group, layout):
         st = self.state[p]
         st["step"] = 0
         for j, shape in enumerate(layout.block_shapes):
             st[K.key(j, "exp_avg")] = torch.zeros(shape, dtype=_cdtype(group), device=p.device)
 
-    def _state_spec(self, p, group, layout):
+    def state_spec(self, p, group, layout):
         dt = _cdtype(group)
         out = []
         for j, shape in enumerate(layout.block_shapes):
             out.append((K.key(j, "exp_avg"), "moments", shape, dt))
-            for i, has in enumerate(self._has_factor(shape, group)):
+            for i, has in enumerate(self.has_factor(shape, group)):
                 if has:
                     d = shape[i]
                     out += [(K.key(j, "S", i), "factors", (d, d), dt),
@@ -140,10 +108,10 @@ class KLShampoo(AsteriaOptimizer):
                             (K.key(j, "Q", i), "eigenbases", (d, d), dt)]
         return out
 
-    def _init_blocks(self, group, members, g):
+    def init_blocks(self, group, members, g):
         g = g.to(_cdtype(group))
-        has = self._has_factor(g.shape[1:], group)
-        factors = F.kl_init(g, has, shampoo_beta=self._shampoo_beta(group))
+        has = self.has_factor(g.shape[1:], group)
+        factors = F.kl_init(g, has, shampoo_beta=self.shampoo_beta(group))
         for i, f in enumerate(factors):
             if f is None:
                 continue
@@ -151,36 +119,64 @@ class KLShampoo(AsteriaOptimizer):
                                             dtype=f.dtype, device=f.device))
             for p, j in members:
                 self.state[p][K.key(j, "s", i)] = s.clone()
-        return init_bases(self, members, factors, "S")
+        return self.init_bases(members, factors)
 
-    def _step_blocks(self, group, members, w, g, steps):
+    def step_blocks(self, group, members, w, g, steps):
         g = g.to(_cdtype(group))
-        has = self._has_factor(g.shape[1:], group)
+        has = self.has_factor(g.shape[1:], group)
         # the state's packed stacks, updated in place (copies only for tiered blocks)
-        m = self._stack(members, "exp_avg", view=True)
-        factors = self._stack_dims(members, "S", has, view=True)
-        bases = self._stack_dims(members, "Q", has, view=True)
-        scales = self._stack_dims(members, "s", has, view=True)
+        m = self.blocks.stack(members, "exp_avg", view=True)
+        factors = self.blocks.stack_dims(members, "S", has, view=True)
+        bases = self.blocks.stack_dims(members, "Q", has, view=True)
+        scales = self.blocks.stack_dims(members, "s", has, view=True)
         clamp = [F.kl_clamp_max(d, group["max_clamp_value"]) if h and group["using_clamping"]
                  else None for d, h in zip(g.shape[1:], has)]
         ok = F.kl_step(w, g, m, factors, bases, scales, lr=float(group["lr"]),
-                  beta1=group["betas"][0], shampoo_beta=self._shampoo_beta(group),
+                  beta1=group["betas"][0], shampoo_beta=self.shampoo_beta(group),
                   eps=group["eps"], weight_decay=group["weight_decay"],
                   normalize_grads=group["normalize_grads"], clamp=clamp)
-        self._count_lazy("overflow_skipped", (~ok).sum())
-        self._unstack(members, "exp_avg", m)
+        self.opt.schedule.count_lazy("overflow_skipped", (~ok).sum())
+        self.blocks.unstack(members, "exp_avg", m)
         for i, h in enumerate(has):
             if h:
-                self._unstack(members, "S", factors[i], dim=i)
-                self._unstack(members, "s", scales[i], dim=i)
+                self.blocks.unstack(members, "S", factors[i], dim=i)
+                self.blocks.unstack(members, "s", scales[i], dim=i)
 
-    def _refresh_input(self, kind, p, j, dim):
+    def refresh_input(self, kind, p, j, dim):
         st = self.state[p]
         f = st[K.key(j, "S", dim)]
         if kind == INIT:
             return "eigh", eigh_input(f), None, 0.0, 0.0
-        return "kl_qr", f, self._root_for_job(p, K.key(j, "Q", dim)), 0.0, 0.0
+        return "kl_qr", f, self.blocks.root_for_job(p, K.key(j, "Q", dim)), 0.0, 0.0
 
-    def _install(self, kind, outputs):
-        install_bases(self, outputs)  # lam (s) is kept: the QR refresh only rotates Q
+    def install(self, kind, outputs):
+        self.install_bases(outputs)  # lam (s) is kept: the QR refresh only rotates Q
 
+
+@register
+class KLShampoo(AsteriaOptimizer):
+    """KL-Shampoo. Keyword names and defaults are the reference's KL-Shampoo mode, plus
+    ``compute_dtype`` (the reference casts to bf16; here float32 by default; a floating-point
+    torch.dtype or its name, stored by name), ``max_precond_dim`` (a dimension larger than it
+    gets no factor; not in the reference), ``block_size`` and ``runtime``.
+
+    Param group key ``"algorithm"``: ``"adamw"`` sends every parameter of the group, 2-D ones
+    too (embeddings, an output head), to AdamW with the group's lr, betas, eps and
+    weight_decay, exactly as 1-D parameters go (OLMo-core's convention)."""
+
+    METHOD = KLShampooMethod
+
+    def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.98), shampoo_beta: float = -1,
+                 eps: float = 1e-8, weight_decay: float = 0.01, precondition_frequency: int = 10,
+                 normalize_grads: bool = False, init_factor: float = 0.1,
+                 using_clamping: bool = True, max_clamp_value: int = 4000,
+                 compute_dtype: Union[torch.dtype, str] = torch.float32, *,
+                 max_precond_dim: int = 10000, block_size: Optional[int] = None, runtime=None):
+        compute_dtype = dtype_name(compute_dtype)
+        defaults = dict(lr=lr, betas=betas, shampoo_beta=shampoo_beta, eps=eps,
+                        weight_decay=weight_decay, precondition_frequency=precondition_frequency,
+                        normalize_grads=normalize_grads, init_factor=init_factor,
+                        using_clamping=using_clamping, max_clamp_value=max_clamp_value,
+                        compute_dtype=compute_dtype, max_precond_dim=max_precond_dim,
+                        block_size=block_size)
+        super().__init__(params, defaults, runtime)

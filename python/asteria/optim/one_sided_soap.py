@@ -13,15 +13,25 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from asteria.optim.soap import SOAP
+from asteria.optim.method import register
+from asteria.optim.soap import SOAP, SOAPMethod
 
 
-class OneSidedSOAP(SOAP):
-    """SOAP preconditioning the smallest dimension of each block only; keywords as ``SOAP``."""
+class OneSidedSOAPMethod(SOAPMethod):
+    """SOAP's math with a factor on each block's smallest dimension only."""
 
-    def _has_factor(self, block_shape: Sequence[int], group: dict) -> list[bool]:
+    NAME = "one_sided_soap"
+
+    def has_factor(self, block_shape: Sequence[int], group: dict) -> list[bool]:
         shape = list(block_shape)
         if not shape:
             return []
         side = shape.index(min(shape))
-        return [i == side and d <= group["max_precond_dim"] for i, d in enumerate(shape)]
+        return [i == side and d <= self.max_dim(group) for i, d in enumerate(shape)]
+
+
+@register
+class OneSidedSOAP(SOAP):
+    """SOAP preconditioning the smallest dimension of each block only; keywords as ``SOAP``."""
+
+    METHOD = OneSidedSOAPMethod

@@ -24,41 +24,24 @@ import torch
 
 from asteria.optim import _layout as K
 from asteria.optim import functional as F
-from asteria.optim._base import AsteriaOptimizer, check_common, is_int, real, require
+from asteria.optim._state import real
+from asteria.optim.method import Method, check_common, is_int, register, require
+from asteria.optim.optimizer import AsteriaOptimizer
 
 
 def _flag(v) -> bool:
     return bool(v.item()) if isinstance(v, torch.Tensor) else bool(v)
 
 
-class Shampoo(AsteriaOptimizer):
-    """Shampoo with Adam grafting. ``start_preconditioning_step=-1`` means
-    ``precondition_frequency`` (Distributed Shampoo's convention). ``inverse_exponent_override``:
-    None (root 2*order), a number p (every factor uses the root p), or a dict {order: p}.
+class ShampooMethod(Method):
+    """shampoo's math."""
 
-    Param group key ``"algorithm"``: ``"adamw"`` sends every parameter of the group, 2-D ones
-    too (embeddings, an output head), to AdamW exactly as 1-D parameters go (betas
-    (betas[0], grafting_beta2), eps grafting_epsilon, the group's lr and weight_decay;
-    OLMo-core's convention)."""
+    NAME = "shampoo"
+    REFRESH_OP = ("inv_root", 4.0)
+    init_step = False
+    FACTOR = "L"
 
-    _init_step = False
-
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), epsilon: float = 1e-12,
-                 grafting_beta2: float = 0.999, grafting_epsilon: float = 1e-8,
-                 weight_decay: float = 0.0, precondition_frequency: int = 10,
-                 start_preconditioning_step: int = -1, max_preconditioner_dim: int = 1024,
-                 inverse_exponent_override: Union[None, float, dict] = None, *,
-                 block_size: Optional[int] = None, runtime=None):
-        defaults = dict(lr=lr, betas=betas, epsilon=epsilon, grafting_beta2=grafting_beta2,
-                        grafting_epsilon=grafting_epsilon, weight_decay=weight_decay,
-                        precondition_frequency=precondition_frequency,
-                        start_preconditioning_step=start_preconditioning_step,
-                        max_preconditioner_dim=max_preconditioner_dim,
-                        inverse_exponent_override=inverse_exponent_override,
-                        block_size=block_size)
-        super().__init__(params, defaults, runtime)
-
-    def _check_hyperparameters(self, group: dict) -> None:
+    def check(self, group: dict) -> None:
         check_common(group, beta_max=(False, True))
         for key in ("epsilon", "grafting_epsilon"):
             v = group[key]
@@ -77,94 +60,90 @@ class Shampoo(AsteriaOptimizer):
                 ov is None or all(isinstance(v, (int, float)) and v > 0 for v in values), ov,
                 "None, a root p > 0, or a dict {order: p}")
 
-    def _uses_adamw(self, p, group):
-        return real(p).dim() <= 1
-
-    def _adamw_hparams(self, group):
+    def adamw_hparams(self, group):
         return group["betas"][0], group["grafting_beta2"], group["grafting_epsilon"]
 
-    def _max_dim(self, group):
+    def max_dim(self, group):
         return group["max_preconditioner_dim"]
 
-    def _create_state(self, p, group, layout):
+    def create_state(self, p, group, layout):
         st = self.state[p]
         st["step"] = 0
         rp = real(p)
         for j, shape in enumerate(layout.block_shapes):
             st[K.key(j, "momentum")] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
             st[K.key(j, "grafting_v")] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
-            for i, has in enumerate(self._has_factor(shape, group)):
+            for i, has in enumerate(self.has_factor(shape, group)):
                 if has:
                     st[K.key(j, "L", i)] = torch.zeros(shape[i], shape[i], dtype=rp.dtype,
                                                        device=rp.device)
 
-    def _flag_keys(self, p, group, layout):
+    def flag_keys(self, p, group, layout):
         return [K.set_flag(j, "Linv", i) for j, shape in enumerate(layout.block_shapes)
-                for i, has in enumerate(self._has_factor(shape, group)) if has]
+                for i, has in enumerate(self.has_factor(shape, group)) if has]
 
-    def _fixed_state(self, p, group, layout):
+    def fixed_state(self, p, group, layout):
         st = self.state[p]  # the roots from the start: zero, not set, until the first install
         for j, shape in enumerate(layout.block_shapes):
-            for i, has in enumerate(self._has_factor(shape, group)):
+            for i, has in enumerate(self.has_factor(shape, group)):
                 flag = K.set_flag(j, "Linv", i)
                 if has and flag not in st:
-                    st[flag] = int(self._root_has(p, K.key(j, "Linv", i)))
+                    st[flag] = int(self.blocks.root_has(p, K.key(j, "Linv", i)))
                     if not st[flag]:
                         rp = real(p)
-                        self._root_set(p, K.key(j, "Linv", i), torch.zeros(
+                        self.blocks.root_set(p, K.key(j, "Linv", i), torch.zeros(
                             shape[i], shape[i], dtype=rp.dtype, device=rp.device))
-        super()._fixed_state(p, group, layout)
 
-    def _fake_step_tensors(self, p):
+    def fake_step_tensors(self, p):
         st = self.state[p]  # step 1 of a zero gradient: zero factors, momentum and grafting_v
         return [v for k, v in dict.items(st) if K.is_factor(k, "L")
                 or K.is_moment(k, "momentum") or K.is_moment(k, "grafting_v")]
 
-    def _state_spec(self, p, group, layout):
+    def state_spec(self, p, group, layout):
         dt = real(p).dtype
         out = []
         for j, shape in enumerate(layout.block_shapes):
             out += [(K.key(j, "momentum"), "moments", shape, dt),
                     (K.key(j, "grafting_v"), "moments", shape, dt)]
-            for i, has in enumerate(self._has_factor(shape, group)):
+            for i, has in enumerate(self.has_factor(shape, group)):
                 if has:
                     out += [(K.key(j, "L", i), "factors", (shape[i], shape[i]), dt),
                             (K.key(j, "Linv", i), "roots", (shape[i], shape[i]), dt)]
         return out
 
-    def _output_name(self, p, j, dim):
+    def output_name(self, p, j, dim):
         return K.key(j, "Linv", dim)
 
-    def _batch_tag(self, p, j):
+    def batch_tag(self, p, j):
         st = self.state[p]  # True once every factor of the block has an installed root
         dims = [i for i in range(st[K.key(j, "momentum")].dim()) if K.key(j, "L", i) in st]
         return bool(dims) and all(_flag(st.get(K.set_flag(j, "Linv", i), 0)) for i in dims)
 
-    def _step_blocks(self, group, members, w, g, steps):
-        has = self._has_factor(g.shape[1:], group)
+    def step_blocks(self, group, members, w, g, steps):
+        has = self.has_factor(g.shape[1:], group)
         # the state's packed stacks, updated in place (copies only for tiered blocks)
-        factors = self._stack_dims(members, "L", has, view=True)
+        factors = self.blocks.stack_dims(members, "L", has, view=True)
         p0, j0 = members[0]
-        roots = (self._stack_dims(members, "Linv", has, view=True) if self._batch_tag(p0, j0)
+        roots = (self.blocks.stack_dims(members, "Linv", has, view=True) if self.batch_tag(p0, j0)
                  else None)
         start = group["start_preconditioning_step"]
         if start == -1:
             start = group["precondition_frequency"]
-        m1 = self._stack(members, "momentum", view=True)
-        vg = self._stack(members, "grafting_v", view=True)
+        m1 = self.blocks.stack(members, "momentum", view=True)
+        vg = self.blocks.stack(members, "grafting_v", view=True)
         F.shampoo_step(w, g, factors, roots, m1, vg, steps, [k >= start for k in steps],
                        lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
                        grafting_beta2=group["grafting_beta2"],
                        grafting_epsilon=group["grafting_epsilon"],
                        weight_decay=group["weight_decay"])
-        self._unstack(members, "momentum", m1)
-        self._unstack(members, "grafting_v", vg)
+        self.blocks.unstack(members, "momentum", m1)
+        self.blocks.unstack(members, "grafting_v", vg)
         for i, f in enumerate(factors):
             if f is not None:
-                self._unstack(members, "L", f, dim=i)
+                self.blocks.unstack(members, "L", f, dim=i)
 
-    def _refresh_input(self, kind, p, j, dim):
-        group = self._group_of(p)
+    def refresh_input(self, kind, p, j, dim):
+        group = self.opt._group_of(p)
         st = self.state[p]
         order = st[K.key(j, "momentum")].dim()
         ov = group["inverse_exponent_override"]
@@ -174,9 +153,39 @@ class Shampoo(AsteriaOptimizer):
         f = F.shampoo_root_input(st[K.key(j, "L", dim)], st["step"], group["betas"][1])
         return "inv_root", f, None, root, float(group["epsilon"])
 
-    def _install(self, kind, outputs):
+    def install(self, kind, outputs):
         for p, outs in outputs.items():
             for (j, dim), out in outs.items():
                 if out is not None:
-                    self._root_set(p, K.key(j, "Linv", dim), out[0])
+                    self.blocks.root_set(p, K.key(j, "Linv", dim), out[0])
                     self.state[p][K.set_flag(j, "Linv", dim)] = 1
+
+
+@register
+class Shampoo(AsteriaOptimizer):
+    """Shampoo with Adam grafting. ``start_preconditioning_step=-1`` means
+    ``precondition_frequency`` (Distributed Shampoo's convention). ``inverse_exponent_override``:
+    None (root 2*order), a number p (every factor uses the root p), or a dict {order: p}.
+
+    Param group key ``"algorithm"``: ``"adamw"`` sends every parameter of the group, 2-D ones
+    too (embeddings, an output head), to AdamW exactly as 1-D parameters go (betas
+    (betas[0], grafting_beta2), eps grafting_epsilon, the group's lr and weight_decay;
+    OLMo-core's convention)."""
+
+
+    METHOD = ShampooMethod
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), epsilon: float = 1e-12,
+                 grafting_beta2: float = 0.999, grafting_epsilon: float = 1e-8,
+                 weight_decay: float = 0.0, precondition_frequency: int = 10,
+                 start_preconditioning_step: int = -1, max_preconditioner_dim: int = 1024,
+                 inverse_exponent_override: Union[None, float, dict] = None, *,
+                 block_size: Optional[int] = None, runtime=None):
+        defaults = dict(lr=lr, betas=betas, epsilon=epsilon, grafting_beta2=grafting_beta2,
+                        grafting_epsilon=grafting_epsilon, weight_decay=weight_decay,
+                        precondition_frequency=precondition_frequency,
+                        start_preconditioning_step=start_preconditioning_step,
+                        max_preconditioner_dim=max_preconditioner_dim,
+                        inverse_exponent_override=inverse_exponent_override,
+                        block_size=block_size)
+        super().__init__(params, defaults, runtime)

@@ -32,10 +32,12 @@ import torch
 from asteria.optim import _layout as K
 from asteria.optim import functional as F
 from asteria.refresh.ops import soap_rotate
-from asteria.optim._tiering import same_memory
+from asteria.optim.placement import same_memory
 from asteria.optim._writes import Write
-from asteria.optim._base import (INIT, AsteriaOptimizer, check_common, eigh_input, init_bases,
-                                 install_bases, is_int, local, real, require)
+from asteria.optim._state import local, real
+from asteria.optim.method import (INIT, Method, check_common, eigh_input, is_int, register,
+                                  require)
+from asteria.optim.optimizer import AsteriaOptimizer
 
 
 @dataclasses.dataclass(eq=False)  # a job is itself: no field-wise (tensor) comparison
@@ -52,7 +54,7 @@ class _Rotation(Write):
         self.keys = [(p, K.key(j, "exp_avg")) for p, j in self.members]
 
     def apply(self, opt, result):
-        opt._finish_rotation(self, result)
+        opt.method.finish_rotation(self, result)
 
 
 @dataclasses.dataclass(eq=False)  # a job is itself: no field-wise (tensor) comparison
@@ -73,40 +75,20 @@ class _FactorEma(Write):
                      for i, f in enumerate(self.factors) if f is not None]
 
     def start(self, opt):
-        opt._submit_factor_ema(self)
+        opt.method.submit_factor_ema(self)
 
     def apply(self, opt, result):
-        opt._finish_factor_ema(self, result)
+        opt.method.finish_factor_ema(self, result)
 
 
-class SOAP(AsteriaOptimizer):
-    """SOAP with its REFRESH (QR power iteration of the eigenbasis) on the Asteria engine.
+class SOAPMethod(Method):
+    """SOAP's math (``functional.soap_*``) and its two kinds of worker jobs."""
 
-    Keyword names and defaults are those of nikhilvyas/SOAP. Asteria's own: ``block_size``
-    (split matrices into blocks of at most this size per dimension) and ``runtime`` (the
-    runtime config dict, see ``asteria.RuntimeConfig``).
+    NAME = "soap"
+    REFRESH_OP = ("soap_qr", 0.0)
+    weights_in_place = True  # soap_step updates a list of whole parameters where they are
 
-    Param group key ``"algorithm"``: ``"adamw"`` sends every parameter of the group, 2-D ones
-    too (embeddings, an output head), to AdamW with the group's lr, betas, eps and
-    weight_decay, exactly as 1-D parameters go (OLMo-core's convention); any other value, or
-    none, preconditions the group as usual.
-    """
-
-    _weights_in_place = True  # soap_step updates a list of whole parameters where they are
-
-    def __init__(self, params, lr: float = 3e-3, betas=(0.95, 0.95), shampoo_beta: float = -1,
-                 eps: float = 1e-8, weight_decay: float = 0.01, precondition_frequency: int = 10,
-                 max_precond_dim: int = 10000, merge_dims: bool = False,
-                 precondition_1d: bool = False, normalize_grads: bool = False,
-                 correct_bias: bool = True, *, block_size: Optional[int] = None, runtime=None):
-        defaults = dict(lr=lr, betas=betas, shampoo_beta=shampoo_beta, eps=eps,
-                        weight_decay=weight_decay, precondition_frequency=precondition_frequency,
-                        max_precond_dim=max_precond_dim, merge_dims=merge_dims,
-                        precondition_1d=precondition_1d, normalize_grads=normalize_grads,
-                        correct_bias=correct_bias, block_size=block_size)
-        super().__init__(params, defaults, runtime)
-
-    def _check_hyperparameters(self, group: dict) -> None:
+    def check(self, group: dict) -> None:
         check_common(group)
         sb = group["shampoo_beta"]
         require("shampoo_beta", isinstance(sb, (int, float)) and (sb == -1 or 0.0 <= sb < 1.0),
@@ -117,34 +99,28 @@ class SOAP(AsteriaOptimizer):
         require("max_precond_dim", is_int(md) and md >= 1, md, "an integer >= 1")
 
     @staticmethod
-    def _shampoo_beta(group: dict) -> float:
+    def shampoo_beta(group: dict) -> float:
         sb = group["shampoo_beta"]
         return sb if sb >= 0 else group["betas"][1]
 
-    def _uses_adamw(self, p, group):
+    def uses_adamw(self, p, group):
         d = real(p).dim()
         return d == 0 or (d == 1 and not group["precondition_1d"])
 
-    def _adamw_hparams(self, group):
-        return group["betas"][0], group["betas"][1], group["eps"]
-
-    def _output_specs(self, p, group, d):
+    def output_specs(self, p, group, d):
         return [((d, d), real(p).dtype), ((d,), torch.int64)]  # soap_qr: (Q, sort order)
 
-    def _fake_step_tensors(self, p):
+    def fake_step_tensors(self, p):
         st = self.state[p]  # a fake step's factors are zero (its bases the identity, from them)
         keys = [k for k in dict.keys(st) if K.is_factor(k, "GG")]
         for k in keys:
-            self._writes.settle(p, k)  # a factor EMA in flight writes it
+            self.opt.schedule.writes.settle(p, k)  # a factor EMA in flight writes it
         return [dict.__getitem__(st, k) for k in keys]
 
-    def _max_dim(self, group):
-        return group["max_precond_dim"]
-
-    def _merge_dims(self, group):
+    def merge_dims(self, group):
         return group["merge_dims"]
 
-    def _create_state(self, p, group, layout):
+    def create_state(self, p, group, layout):
         st = self.state[p]
         st["step"] = 0
         rp = real(p)
@@ -152,69 +128,69 @@ class SOAP(AsteriaOptimizer):
             st[K.key(j, "exp_avg")] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
             st[K.key(j, "exp_avg_sq")] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
 
-    def _state_spec(self, p, group, layout):
+    def state_spec(self, p, group, layout):
         dt = real(p).dtype
         out = []
         for j, shape in enumerate(layout.block_shapes):
             out += [(K.key(j, "exp_avg"), "moments", shape, dt),
                     (K.key(j, "exp_avg_sq"), "moments", shape, dt)]
-            for i, has in enumerate(self._has_factor(shape, group)):
+            for i, has in enumerate(self.has_factor(shape, group)):
                 if has:
                     out += [(K.key(j, "GG", i), "factors", (shape[i], shape[i]), dt),
                             (K.key(j, "Q", i), "eigenbases", (shape[i], shape[i]), dt)]
         return out
 
-    def _init_blocks(self, group, members, g):
-        has = self._has_factor(g.shape[1:], group)
-        factors = F.soap_init(g, has, shampoo_beta=self._shampoo_beta(group))
-        return init_bases(self, members, factors, "GG")
+    def init_blocks(self, group, members, g):
+        has = self.has_factor(g.shape[1:], group)
+        factors = F.soap_init(g, has, shampoo_beta=self.shampoo_beta(group))
+        return self.init_bases(members, factors)
 
-    def _step_blocks(self, group, members, w, g, steps):
-        has = self._has_factor(g.shape[1:], group)
+    def step_blocks(self, group, members, w, g, steps):
+        has = self.has_factor(g.shape[1:], group)
         # the state's packed stacks, updated in place (copies only for tiered blocks)
-        m = self._stack(members, "exp_avg", view=True)
-        v = self._stack(members, "exp_avg_sq", view=True)
-        factors = self._stack_dims(members, "GG", has, view=True)
-        bases = self._stack_dims(members, "Q", has, view=True)
-        offload = self._factor_offload(group, members, g, factors, steps)
+        m = self.blocks.stack(members, "exp_avg", view=True)
+        v = self.blocks.stack(members, "exp_avg_sq", view=True)
+        factors = self.blocks.stack_dims(members, "GG", has, view=True)
+        bases = self.blocks.stack_dims(members, "Q", has, view=True)
+        offload = self.factor_offload(group, members, g, factors, steps)
         F.soap_step(w, g, m, v, [None] * len(factors) if offload else factors, bases, steps,
                     lr=float(group["lr"]),
                     beta1=group["betas"][0], beta2=group["betas"][1],
-                    shampoo_beta=self._shampoo_beta(group), eps=group["eps"],
+                    shampoo_beta=self.shampoo_beta(group), eps=group["eps"],
                     weight_decay=group["weight_decay"], correct_bias=group["correct_bias"],
                     normalize_grads=group["normalize_grads"])
-        self._unstack(members, "exp_avg", m)
-        self._unstack(members, "exp_avg_sq", v)
+        self.blocks.unstack(members, "exp_avg", m)
+        self.blocks.unstack(members, "exp_avg_sq", v)
         for i, f in enumerate(factors):
             if f is not None:
-                self._unstack(members, "GG", f, dim=i)
+                self.blocks.unstack(members, "GG", f, dim=i)
         if offload:  # started once the group's stacks have all run (_writes.start_due)
-            self._writes.defer(_FactorEma(list(members), g, list(factors),
-                                          self._shampoo_beta(group)))
+            self.opt.schedule.writes.defer(_FactorEma(list(members), g, list(factors),
+                                          self.shampoo_beta(group)))
 
-    def _refresh_input(self, kind, p, j, dim):
+    def refresh_input(self, kind, p, j, dim):
         st = self.state[p]
         f = st[K.key(j, "GG", dim)]
         if kind == INIT:
             return "eigh", eigh_input(f), None, 0.0, 0.0
-        return "soap_qr", f, self._root_for_job(p, K.key(j, "Q", dim)), 0.0, 0.0
+        return "soap_qr", f, self.blocks.root_for_job(p, K.key(j, "Q", dim)), 0.0, 0.0
 
-    def _install(self, kind, outputs):
+    def install(self, kind, outputs):
         if kind == INIT:
-            install_bases(self, outputs)
+            self.install_bases(outputs)
             return
-        for all_members, has in _stacks_of(self, outputs):
-            for members in self._chunks(all_members):
-                self._install_chunk(members, has, outputs)
+        for all_members, has in _stacks_of(self.opt, outputs):
+            for members in self.blocks.chunks(all_members):
+                self.install_chunk(members, has, outputs)
 
-    def _install_chunk(self, members, has, outputs):
-        m, v = self._stack(members, "exp_avg"), self._stack(members, "exp_avg_sq")
-        offload = self._rotation_offload(members, len(has))
+    def install_chunk(self, members, has, outputs):
+        m, v = self.blocks.stack(members, "exp_avg"), self.blocks.stack(members, "exp_avg_sq")
+        offload = self.rotation_offload(members, len(has))
         # offloaded: the old and new bases go straight into the rotation job's (B, 2, n, n)
         # pairs, which the worker reads in place (no stacks of their own, no snapshot)
         pairs = [torch.empty((len(members), 2, m.shape[i + 1], m.shape[i + 1]), dtype=m.dtype)
                  if offload and h else None for i, h in enumerate(has)]
-        old = [self._stack(members, "Q", i, out=None if pr is None else pr[:, 0]) if h
+        old = [self.blocks.stack(members, "Q", i, out=None if pr is None else pr[:, 0]) if h
                else None for i, (h, pr) in enumerate(zip(has, pairs))]
         new, perms = [], []
         for i, q_old in enumerate(old):
@@ -227,7 +203,7 @@ class SOAP(AsteriaOptimizer):
                 out = outputs[p].get((j, i))
                 # m is re-expressed in the basis as it will be stored (tier_dtype)
                 qs.append(q if out is None else
-                          self._as_stored(p, K.key(j, "Q", i), out[0].to(q.device)))
+                          self.blocks.as_stored(p, K.key(j, "Q", i), out[0].to(q.device)))
                 ps.append(torch.arange(q.shape[0], device=q.device) if out is None
                           else out[1].to(q.device))
             new.append(torch.stack(qs, out=None if pairs[i] is None else pairs[i][:, 1]))
@@ -236,67 +212,64 @@ class SOAP(AsteriaOptimizer):
             # v permuted here (cheap), m re-expressed by a worker while the next forward and
             # backward run; the next read of m waits for it (_submit_rotation)
             F.soap_permute(v, perms)
-            if self._bases_on_nvme(members):
+            if self.bases_on_nvme(members):
                 # one rotation in flight: the previous chunk's m, pairs and result are let go
                 # before this chunk's are made (memory for one chunk, not one round)
-                self._writes.settle_all()
-            self._submit_rotation(members, m, pairs)
+                self.opt.schedule.writes.settle_all()
+            self.submit_rotation(members, m, pairs)
         else:
             F.soap_install(m, v, old, new, perms)
-            self._unstack(members, "exp_avg", m)
-        self._unstack(members, "exp_avg_sq", v)
+            self.blocks.unstack(members, "exp_avg", m)
+        self.blocks.unstack(members, "exp_avg_sq", v)
         for i, q in enumerate(new):
             if q is not None:
-                self._unstack(members, "Q", q, dim=i)
+                self.blocks.unstack(members, "Q", q, dim=i)
 
     # ---- m's re-expression on the workers ------------------------------------------------------
-    def _offloads_to_workers(self) -> bool:
+    def offloads_to_workers(self) -> bool:
         """Are m's re-expression at an install and the factor EMAs handed to the workers
         (where ``_rotation_offload`` / ``_factor_offload`` allow)? Only with an executor
         that takes inputs made for it (libasteria's pool, ``mode="async"``), rank-local (a
         replicated block's m is re-expressed by every replica itself, on its own thread)."""
-        return self._local_c_engine()
+        return self.opt.schedule.takes_parts()
 
-    def _rotation_offload(self, members: list, ndim: int) -> bool:
+    def rotation_offload(self, members: list, ndim: int) -> bool:
         """Offload the re-expression of these members' m: CPU parameters (on a GPU it is two
         device matmuls per side, cheaper than the round trip) with blocks of at most 2 dims
         (the op's layout), unless m is read next (an install deferred to the next step's
         start, ``_settle_deferred``: the step would wait for the worker at once)."""
-        return (self._offloads_to_workers() and ndim <= 2 and not self._settling
+        return (self.offloads_to_workers() and ndim <= 2 and not self.opt.schedule.settling
                 and all(local(p).device.type == "cpu" for p, _ in members))
 
-    def _bases_on_nvme(self, members: list) -> bool:
+    def bases_on_nvme(self, members: list) -> bool:
         """Are some of these members' bases NVMe-homed (a configuration that trades the
         overlap of the rotations of one install for memory)?"""
-        return self._tiered is not None and any(
-            self._tiered.plan.tier(k) == "nvme" for p, j in members
-            for k in self._member_keys(p, j))
+        tiered = self.blocks.tiered
+        return tiered is not None and any(
+            tiered.plan.tier(k) == "nvme" for p, j in members
+            for k in self.blocks.member_keys(p, j))
 
-    def _submit_rotation(self, members: list, m: torch.Tensor, pairs: list) -> None:
+    def submit_rotation(self, members: list, m: torch.Tensor, pairs: list) -> None:
         """Start m_new = Q_new^T (Q_old m Q_old^T) Q_new (per side) on a worker; m stays as it
         is until a read of it waits for the result (``_writes``). ``m`` (a stack made
         for this) and ``pairs`` ((B, 2, n, n): old, new basis per block; None: identity side)
         are given to the job: the worker reads them in place, nothing here writes them."""
         x = m.reshape(m.shape[0], m.shape[1], -1)
         pairs = list(pairs) + [None] * (2 - len(pairs))
-        key = ("soap_rotate", tuple((self._pindex[p], j) for p, j in members))
-        block = self._block_keys.setdefault(key, len(self._block_keys) + 1)
-        version = self._versions[block] = self._versions.get(block, 0) + 1
-        ticket = self._engine.submit("soap_rotate", x, pairs[0], b=pairs[1], block=block,
-                                     version=version, deadline=self._t + 1,
-                                     snapshot_step=self._t, host_outputs=True,
-                                     donate=("f", "q", "b"))
-        self._counters["rotations_submitted"] += 1
-        self._writes.add(_Rotation(ticket, list(members), (x, pairs[0], pairs[1]),
+        ticket = self.opt.schedule.submit_write("soap_rotate", members, x, pairs[0],
+                                                b=pairs[1], host_outputs=True,
+                                                donate=("f", "q", "b"))
+        self.opt._counters["rotations_submitted"] += 1
+        self.opt.schedule.writes.add(_Rotation(ticket, list(members), (x, pairs[0], pairs[1]),
                                    tuple(m.shape[1:])))
 
-    def _finish_rotation(self, rot: _Rotation, res) -> None:
+    def finish_rotation(self, rot: _Rotation, res) -> None:
         """Write a rotation job's result into m; a failed job is redone here with torch (the
         result is the same math; the state must not keep the old basis' m)."""
         if res.status == 0:
             out = res.outputs[0]
         else:
-            self._counters["rotation_failures"] += 1
+            self.opt._counters["rotation_failures"] += 1
             warnings.warn(f"Asteria: re-expressing SOAP's first moment on a worker failed "
                           f"({res.error}); done on the training thread instead",
                           RuntimeWarning, stacklevel=3)
@@ -306,14 +279,14 @@ class SOAP(AsteriaOptimizer):
             dst.copy_(out[i].reshape(rot.shape))
 
     # ---- the factor EMAs on the workers ---------------------------------------------------------
-    def _factor_offload(self, group: dict, members: list, g: torch.Tensor, factors: list,
+    def factor_offload(self, group: dict, members: list, g: torch.Tensor, factors: list,
                         steps: list) -> bool:
         """Hand this step's L, R update to a worker? With runtime ``factor_emas="workers"``,
         libasteria's pool, host parameters, matrix blocks of float32 / float64, factor stacks
         whose slices are the state's entries (the packed state: the worker writes the state
         itself), and no REFRESH due at this step's end (it reads the factors at once: the
         update stays here)."""
-        if (self._cfg.factor_emas != "workers" or not self._offloads_to_workers()
+        if (self.opt._cfg.factor_emas != "workers" or not self.offloads_to_workers()
                 or g.dim() != 3 or g.dtype not in (torch.float32, torch.float64)
                 or all(f is None for f in factors)):
             return False
@@ -327,7 +300,7 @@ class SOAP(AsteriaOptimizer):
                 continue
             if f.dtype != g.dtype or not f.is_contiguous():
                 return False
-            handed = self._handed.get(id(f))
+            handed = self.blocks.handed.get(id(f))
             if handed is not None and handed[0] is f:  # the steady state: no member looked at
                 continue
             # a stack packed in this very step (the first, or the first after a load) is not on
@@ -337,24 +310,20 @@ class SOAP(AsteriaOptimizer):
                 return False
         return True
 
-    def _submit_factor_ema(self, job: _FactorEma) -> None:
+    def submit_factor_ema(self, job: _FactorEma) -> None:
         """Start a due factor EMA, L = beta L + (1 - beta) G G^T, R = beta R + (1 - beta) G^T G,
         on a worker, in the state's own factor memory: after the group's last stack
         (``_writes.start_due``), so that it does not compete with the training thread's step
         for the memory bus. ``g`` (a stack made for this step) is given to the job; a read of
         a factor waits for it (``_writes``)."""
         members, factors, beta = job.members, job.factors, job.beta
-        key = ("gram_ema", tuple((self._pindex[p], j) for p, j in members))
-        block = self._block_keys.setdefault(key, len(self._block_keys) + 1)
-        version = self._versions[block] = self._versions.get(block, 0) + 1
-        job.ticket = self._engine.submit("gram_ema", job.g, factors[0], b=factors[1],
-                                         block=block, version=version, deadline=self._t + 1,
-                                         snapshot_step=self._t, p=beta, eps=1.0 - beta,
-                                         host_outputs=True, donate=("f",))
-        self._counters["factor_emas_submitted"] += 1
-        self._writes.add(job)
+        job.ticket = self.opt.schedule.submit_write("gram_ema", members, job.g, factors[0],
+                                                    b=factors[1], p=beta, eps=1.0 - beta,
+                                                    host_outputs=True, donate=("f",))
+        self.opt._counters["factor_emas_submitted"] += 1
+        self.opt.schedule.writes.add(job)
 
-    def _finish_factor_ema(self, job: _FactorEma, res) -> None:
+    def finish_factor_ema(self, job: _FactorEma, res) -> None:
         """Apply a gram_ema job's result. Its factors are updated where they are; a failed job
         has written nothing, and its update is done here with torch instead."""
         if res.status == 0:
@@ -362,7 +331,7 @@ class SOAP(AsteriaOptimizer):
                 if f is not None and out is not None and out.data_ptr() != f.data_ptr():
                     f.copy_(out)
             return
-        self._counters["factor_ema_failures"] += 1
+        self.opt._counters["factor_ema_failures"] += 1
         warnings.warn(f"Asteria: updating SOAP's factors on a worker failed ({res.error}); "
                       f"done on the training thread instead", RuntimeWarning, stacklevel=3)
         for i, f in enumerate(job.factors):
@@ -378,7 +347,36 @@ def _stacks_of(opt, outputs: dict):
         st = opt.state[p]
         for j in sorted({j for j, _ in outs}):
             ref = st[K.key(j, "exp_avg")]
-            has = tuple(opt._root_has(p, K.key(j, "Q", i)) for i in range(ref.dim()))
+            has = tuple(opt.placement.root_has(p, K.key(j, "Q", i)) for i in range(ref.dim()))
             stacks.setdefault((tuple(ref.shape), ref.dtype, ref.device, has), []).append((p, j))
     for (_, _, _, has), members in stacks.items():
         yield members, list(has)
+
+
+@register
+class SOAP(AsteriaOptimizer):
+    """SOAP with its REFRESH (QR power iteration of the eigenbasis) on the Asteria engine.
+
+    Keyword names and defaults are those of nikhilvyas/SOAP. Asteria's own: ``block_size``
+    (split matrices into blocks of at most this size per dimension) and ``runtime`` (the
+    runtime config dict, see ``asteria.RuntimeConfig``).
+
+    Param group key ``"algorithm"``: ``"adamw"`` sends every parameter of the group, 2-D ones
+    too (embeddings, an output head), to AdamW with the group's lr, betas, eps and
+    weight_decay, exactly as 1-D parameters go (OLMo-core's convention); any other value, or
+    none, preconditions the group as usual.
+    """
+
+    METHOD = SOAPMethod
+
+    def __init__(self, params, lr: float = 3e-3, betas=(0.95, 0.95), shampoo_beta: float = -1,
+                 eps: float = 1e-8, weight_decay: float = 0.01, precondition_frequency: int = 10,
+                 max_precond_dim: int = 10000, merge_dims: bool = False,
+                 precondition_1d: bool = False, normalize_grads: bool = False,
+                 correct_bias: bool = True, *, block_size: Optional[int] = None, runtime=None):
+        defaults = dict(lr=lr, betas=betas, shampoo_beta=shampoo_beta, eps=eps,
+                        weight_decay=weight_decay, precondition_frequency=precondition_frequency,
+                        max_precond_dim=max_precond_dim, merge_dims=merge_dims,
+                        precondition_1d=precondition_1d, normalize_grads=normalize_grads,
+                        correct_bias=correct_bias, block_size=block_size)
+        super().__init__(params, defaults, runtime)

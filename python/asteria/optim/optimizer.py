@@ -5,7 +5,7 @@ Owns: the param groups and their checks, the parameter indices, the block layout
 the counters behind ``asteria_stats()``. The rest of ``AsteriaOptimizer`` lives in rooms of its
 own, joined here as mixins: ``_schedule`` (S, rounds, the bounded barrier), ``_tiering``
 (placement, residency, staging), ``_checkpoint`` (state dicts, copies), ``_state`` (the state
-proxy); and one ``_writes.PendingWrites`` (``self._writes``): the engine jobs that still write
+proxy); and one ``_writes.PendingWrites`` (``self.schedule.writes``): the engine jobs that still write
 state entries, which a method registers (SOAP's) and every reader settles (the step takes them
 all at its start and starts the due ones after its last stack). State key names are
 ``_layout``'s. May call: those, the functional kernels only through its subclasses, torch.
@@ -52,12 +52,12 @@ from asteria.config import RuntimeConfig
 from asteria.optim import _layout as K
 from asteria.optim import functional as F
 from asteria.optim._blocking import Layout, make_layout
-from asteria.optim._checkpoint import CheckpointMixin
 from asteria.optim._global import GlobalBlocking, sharded_dim0
-from asteria.optim._schedule import INIT, REFRESH, ScheduleMixin
-from asteria.optim._state import _count, local, real, shard_tag
-from asteria.optim._tiering import TieringMixin, _close_all
-from asteria.optim._writes import PendingWrites
+from asteria.optim._state import _States, _count, local, real, shard_tag
+from asteria.optim.checkpoint import Checkpoint
+from asteria.optim.method import INIT, REFRESH
+from asteria.optim.placement import Placement, _close_all
+from asteria.optim.schedule import Schedule
 
 
 #: the keys asteria_stats() reports in every mode (zero where a mode has no such thing)
@@ -68,88 +68,22 @@ STATS_KEYS = ("bytes_device", "bytes_host", "bytes_host_pinned", "bytes_uvm", "b
 ADAMW = "adamw"  # a param group's "algorithm" that sends all its parameters to AdamW
 
 
-def require(key: str, ok: bool, value: Any, allowed: str) -> None:
-    """Raise ValueError naming a bad hyperparameter and what it may be."""
-    if not ok:
-        raise ValueError(f"invalid {key}: {value!r}; allowed: {allowed}")
+class AsteriaOptimizer(torch.optim.Optimizer):
+    """Base of the Asteria optimizers: a subclass names its method (``METHOD``, a
+    ``method.Method``) and its keywords; the parts below do the rest."""
 
-
-def is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def check_common(group: dict, beta_max: Sequence[bool] = (False, False)) -> None:
-    """Checks every optimizer shares: lr, betas, weight decay, frequency, block size.
-    ``beta_max[i]`` allows betas[i] == 1."""
-    lr = group["lr"]
-    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError("Tensor lr must be 1-element")  # torch.optim's wording
-    lr_value = float(lr) if isinstance(lr, torch.Tensor) and lr.numel() == 1 else lr
-    require("lr", isinstance(lr_value, (int, float)) and lr_value >= 0.0, lr, "a float >= 0")
-    betas = group["betas"]
-    require("betas", isinstance(betas, (tuple, list)) and len(betas) == 2, betas,
-            "a pair (beta1, beta2)")
-    for i, b in enumerate(betas):
-        hi = "1]" if beta_max[i] else "1)"
-        ok = isinstance(b, (int, float)) and 0.0 <= b and (b <= 1.0 if beta_max[i] else b < 1.0)
-        require(f"betas[{i}]", ok, b, f"a float in [0, {hi}")
-    wd = group["weight_decay"]
-    require("weight_decay", isinstance(wd, (int, float)) and wd >= 0.0, wd, "a float >= 0")
-    f = group["precondition_frequency"]
-    require("precondition_frequency", is_int(f) and f >= 1, f, "an integer >= 1")
-    bs = group["block_size"]
-    require("block_size", bs is None or (is_int(bs) and bs >= 1), bs, "None or an integer >= 1")
-
-
-def eigh_input(f: torch.Tensor) -> torch.Tensor:
-    """The references decompose F + 1e-30 I."""
-    return f + 1e-30 * torch.eye(f.shape[0], dtype=f.dtype, device=f.device)
-
-
-def init_bases(opt, members: list, factors: list, field: str) -> list:
-    """Store first-step factors (``b{j}.{field}{i}``) with the identity as their basis; return
-    [(p, j, dims)] of the factors that are not c*I and so need a real eigendecomposition."""
-    state = opt.state
-    need: dict = {}
-    for i, f in enumerate(factors):
-        if f is None:
-            continue
-        eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
-        for (p, j), fi, trivial in zip(members, f.unbind(0), F.is_scaled_identity(f)):
-            state[p][K.key(j, field, i)] = fi.clone()
-            opt._root_set(p, K.key(j, "Q", i), eye)
-            if not trivial:
-                need.setdefault((p, j), []).append(i)
-    return [(p, j, dims) for (p, j), dims in need.items()]
-
-
-def install_bases(opt, outputs: dict) -> None:
-    """Install eigenbases (first-step eigh, KL-Shampoo's QR): Q_i = output 0; failures keep Q."""
-    for p, outs in outputs.items():
-        for (j, dim), out in outs.items():
-            if out is not None:
-                opt._root_set(p, K.key(j, "Q", dim), out[0])
-
-
-class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim.Optimizer):
-    """Base of the Asteria optimizers. Subclasses supply the math through the hooks below."""
-
-    #: SOAP and KL-Shampoo spend their first step on the initial eigenbasis (no update).
-    _init_step = True
-    #: ``_step_blocks`` takes whole parameters as the list of them (``w``), which it updates
-    #: in place, instead of a stack that is copied back
-    _weights_in_place = False
+    METHOD: type
 
     def __init__(self, params: Iterable, defaults: dict, runtime: Any) -> None:
         self._closed = False
         self._engine = None
-        self._tiered = None
-        # the engine jobs that still write state entries (a method registers its own); every
-        # reader of the state settles through it
-        self._writes = PendingWrites(self)
-        self._init_tiering()
-        self._planning = False
-        self._check_hyperparameters(defaults)
+        self._finalizer = None
+        # the parts; each holds this optimizer weakly (no cycle through it)
+        self.method = self.METHOD(self)
+        self.schedule = Schedule(self)
+        self.placement = Placement(self)
+        self.codec = Checkpoint(self)
+        self.method.check(defaults)
         self._cfg = RuntimeConfig.from_user(runtime)
         self._async = self._cfg.mode == "async"
         self._pindex: dict[torch.Tensor, int] = {}  # stable ids for the engine's block keys
@@ -160,89 +94,54 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         self._global = GlobalBlocking() if self._cfg.fsdp_blocking == "global" else None
         super().__init__(params, defaults)
         self._t = 0
-        self._init_schedule()
         self._counters = {"nonfinite_skipped": 0, "refreshes_submitted": 0,
                           "refresh_failures": 0, "installs": 0, "max_install_lag": 0,
                           "rotations_submitted": 0, "rotation_failures": 0,
                           "factor_emas_submitted": 0, "factor_ema_failures": 0}
         self._pnames: dict[int, str] = {}  # param index -> name (asteria.attach fills it)
-        self._plan = None  # the placement plan (_tiering)
-        self._tkeys: dict[int, list] = {}  # param index -> its tiered state keys
-        self._finalizer = None
         try:
             self._replan()
         except BaseException:
             if self._engine is not None:
                 self._engine.close()
             raise
-        self._finalizer = weakref.finalize(self, _close_all, self._engine, self._tiered)
+        self._finalizer = weakref.finalize(self, _close_all, self._engine,
+                                           self.placement.tiered)
 
-    def _check_hyperparameters(self, group: dict) -> None:
-        raise NotImplementedError
+    def _replan(self) -> None:
+        """Plan (or re-plan after add_param_group) the placement of every state tensor (the
+        engine is made with the first plan), and move existing tensors where it wants them."""
+        plan = self.placement.make_plan()
+        if self._engine is None:
+            self._engine = _select.make_engine(self._cfg, plan, self._all_params())
+        if self.placement.apply(plan, self._engine.tracer):  # a residency was made now
+            if self._finalizer is not None:  # the finalizer must close it too
+                self._finalizer.detach()
+                self._finalizer = weakref.finalize(self, _close_all, self._engine,
+                                                   self.placement.tiered)
+        if self._wants_proxy() and not isinstance(self.state, _States):
+            self.state = _States(self, self.state)
+        self.placement.migrate()
 
-    def _uses_adamw(self, p: torch.Tensor, group: dict) -> bool:
-        """The method's own rule (1-D / 0-D parameters, by the dimensions of ``real(p)``: a
-        complex 1-D parameter's real view is 2-D); see ``_is_adamw``."""
-        raise NotImplementedError
+    def _wants_proxy(self) -> bool:
+        """Does ``optimizer.state`` need the proxy (``_state._States``)? With a residency
+        (virtual entries), per-shard key names, or ``mode="async"``: reads that must wait for
+        a job that writes the state (``schedule.writes``) or an install deferred to the next
+        use."""
+        return self.placement.tiered is not None or bool(self._tags) or self._async
 
     def _is_adamw(self, p: torch.Tensor, group: dict) -> bool:
         """Does p take the AdamW path? A group with ``"algorithm": "adamw"`` (OLMo-core's
         convention) sends every parameter of it there, 2-D ones too (embeddings, output heads);
         otherwise the method's rule decides."""
-        return group.get("algorithm") == ADAMW or self._uses_adamw(p, group)
+        return group.get("algorithm") == ADAMW or self.method.uses_adamw(p, group)
 
-    def _fake_step_tensors(self, p: torch.Tensor) -> list:
-        """The state tensors of a preconditioned parameter that DCP's fake step (zero gradients)
-        leaves at zero, and that only an all-zero gradient history leaves at zero ([] if none
-        such exists: the state is then never taken for a fake step's)."""
-        raise NotImplementedError
-
-    def _output_specs(self, p: torch.Tensor, group: dict, d: int) -> list:
-        """[(shape, dtype)] of the outputs of a REFRESH job of a factor of size d (the
-        ``b{j}.pending{dim}.{i}`` placeholders)."""
-        return [((d, d), real(p).dtype)]
-
-    def _flag_keys(self, p: torch.Tensor, group: dict, layout: Layout) -> list:
-        """Names of the number-valued state keys of a preconditioned parameter besides the
-        step and the refresh-in-flight keys (Shampoo's ``b{j}.Linv{i}_set``)."""
-        return []
-
-    def _adamw_hparams(self, group: dict) -> tuple[float, float, float]:
-        """(beta1, beta2, eps) of the AdamW update of 1-D parameters."""
-        raise NotImplementedError
-
-    def _max_dim(self, group: dict) -> int:
-        raise NotImplementedError
-
-    def _merge_dims(self, group: dict) -> bool:
-        return False
-
-    def _create_state(self, p: torch.Tensor, group: dict, layout: Layout) -> None:
-        raise NotImplementedError
-
-    def _batch_tag(self, p: torch.Tensor, j: int) -> Any:
-        """Extra key that separates blocks of one shape into different stacks."""
-        return None
-
-    def _init_blocks(self, group: dict, members: list, g: torch.Tensor) -> list:
-        """First step of fresh blocks; returns [(p, j, dims)] needing an eigendecomposition."""
-        raise NotImplementedError
-
-    def _step_blocks(self, group: dict, members: list, w: torch.Tensor, g: torch.Tensor,
-                     steps: list[int]) -> None:
-        raise NotImplementedError
-
-    def _refresh_input(self, kind: str, p: torch.Tensor, j: int, dim: int):
-        """(op, F, Q or None, p, eps) of one factor's REFRESH job."""
-        raise NotImplementedError
-
-    def _install(self, kind: str, outputs: dict) -> None:
-        raise NotImplementedError
-
-    def _state_spec(self, p: torch.Tensor, group: dict, layout: Layout) -> list:
-        """[(state name, kind, shape, dtype)] of a preconditioned parameter's state, for the
-        planner; kind is one of "factors", "moments", "roots", "eigenbases"."""
-        raise NotImplementedError
+    def _fixed_state(self, p: torch.Tensor, group: dict, layout: Layout) -> None:
+        """Add the keys of the fixed key set that p's state lacks (at creation, after a load):
+        the method's (Shampoo's roots before their first install), then the schedule's (with
+        S > 0 the placeholders of a refresh in flight)."""
+        self.method.fixed_state(p, group, layout)
+        self.schedule.fixed_state(p, group, layout)
 
     def _asteria_name_params(self, names: dict) -> None:
         """Parameter names (from the model) for messages."""
@@ -262,6 +161,7 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
             params = [params]
         elif not isinstance(params, set):  # torch rejects sets itself
             params = list(params)
+        self.method.normalize_group(param_group)  # in the caller's dict too, as torch keeps it
         param_group = dict(param_group, params=params)
         for i, p in enumerate(params):
             # a complex parameter is optimised as its real view (``real``); a DTensor's is not
@@ -278,7 +178,7 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
                     f"torch.view_as_complex")
         merged = dict(self.defaults)
         merged.update({k: v for k, v in param_group.items() if k != "params"})
-        self._check_hyperparameters(merged)
+        self.method.check(merged)
         self._cfg.check_frequency(merged["precondition_frequency"],
                                   f"param group {len(self.param_groups)}")
         super().add_param_group(param_group)
@@ -293,8 +193,8 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
                                  else self._global.add(self, p, self._pindex[p], merged))
             elif tag is not None:
                 self._tags[p] = tag
-        if getattr(self, "_plan", None) is not None:  # a group added after construction
-            self._settle_step_end()  # installs deferred to the next use are state to re-plan
+        if self.placement.plan is not None:  # a group added after construction
+            self.schedule.settle()  # installs deferred to the next use are state to re-plan
             self._replan()
             _select.add_params(self._engine, self.param_groups[-1]["params"])
 
@@ -319,11 +219,6 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
     def _group_of(self, p: torch.Tensor) -> dict:
         return self.param_groups[self._gindex[p]]
 
-    def _has_factor(self, block_shape: Sequence[int], group: dict) -> list[bool]:
-        """Which dimensions of a block get a factor (the others are identity)."""
-        limit = self._max_dim(group)
-        return [d <= limit for d in block_shape]
-
     def _layout(self, p: torch.Tensor, group: dict) -> Layout:
         lay = self._layouts.get(p)
         if lay is None:
@@ -333,7 +228,7 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
     def _make_layout(self, p: torch.Tensor, group: dict) -> Layout:
         """p's blocks with group's hyperparameters: of its local tensor, or (globally blocked
         FSDP2 parameters) the blocks of the full parameter this rank owns."""
-        args = (group["block_size"], self._merge_dims(group), self._max_dim(group))
+        args = (group["block_size"], self.method.merge_dims(group), self.method.max_dim(group))
         if self._global is not None and self._global.has(p):
             return self._global.layout(p, *args)
         return make_layout(real(p).shape, *args)
@@ -347,10 +242,10 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
     def step(self, closure=None):
         if self._closed:
             raise RuntimeError("step() on a closed Asteria optimizer")
-        self._settle_step_end()
-        self._writes.start_due()  # what an interrupted step left to start
-        if self._writes:  # done during the forward and backward: taken in one go, so the
-            self._writes.settle_all()  # step's reads of the state take the direct path
+        self.schedule.settle()
+        self.schedule.writes.start_due()  # what an interrupted step left to start
+        if self.schedule.writes:  # done during the forward and backward: taken in one go, so the
+            self.schedule.writes.settle_all()  # step's reads of the state take the direct path
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -363,8 +258,8 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
             finite = self._finite(params)
             skipped += len(params) - sum(finite)
             work.append((group, [p for p, ok in zip(params, finite) if ok]))
-        if self._tiered is not None:
-            self._prepare(work)  # may raise: nothing has been changed yet
+        if self.placement.tiered is not None:
+            self.placement.prepare(work)  # may raise: nothing has been changed yet
         try:
             self._t += 1
             for _ in range(skipped):
@@ -377,10 +272,10 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
                 pre = [p for p, a in zip(params, adam) if not a]
                 if pre:
                     due.extend(self._precond_step(group, pre))
-            self._step_end(due)
+            self.schedule.step_end(due)
         finally:
-            if self._tiered is not None:
-                self._tiered.end_step()
+            if self.placement.tiered is not None:
+                self.placement.tiered.end_step()
         return loss
 
     def _finite(self, params: list) -> list:
@@ -427,7 +322,7 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
                 st["exp_avg"] = torch.zeros_like(real(p), memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(real(p), memory_format=torch.preserve_format)
             st["step"] += 1
-        beta1, beta2, eps = self._adamw_hparams(group)
+        beta1, beta2, eps = self.method.adamw_hparams(group)
         data = [real(p) for p in params]
         F.adamw_step(data, [real(p.grad).to(w.dtype) for p, w in zip(params, data)],
                      [st["exp_avg"] for st in sts], [st["exp_avg_sq"] for st in sts],
@@ -447,13 +342,13 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
             lay = self._layout(p, group)
             phase = "step"
             if not st:
-                self._create_state(p, group, lay)
+                self.method.create_state(p, group, lay)
                 self._fixed_state(p, group, lay)
-                if self._init_step:
+                if self.method.init_step:
                     phase = INIT
             elif p in fake:  # what DCP's fake step left: this step is the first one again
                 st["step"] = 0
-                if self._init_step:
+                if self.method.init_step:
                     phase = INIT
             if phase == "step":
                 st["step"] += 1
@@ -461,7 +356,7 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
             rp = real(p)
             dtype, device = rp.dtype, rp.device
             for j, bshape in enumerate(lay.block_shapes):
-                key = (phase, bshape, dtype, device, self._batch_tag(p, j))
+                key = (phase, bshape, dtype, device, self.method.batch_tag(p, j))
                 stacks[key].append((p, j))
         due: list = []
         freq = group["precondition_frequency"]
@@ -477,41 +372,41 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
             if phase == INIT:
                 members = all_members
                 g = torch.stack([grads[p][j] for p, j in members]).to(dtype)
-                fresh = self._init_blocks(group, members, g)
+                fresh = self.method.init_blocks(group, members, g)
                 due.extend((INIT, p, j, dims) for p, j, dims in fresh)
                 continue
             # one chunk without a residency
-            work.extend((bshape, dtype, m) for m in self._chunks(all_members))
+            work.extend((bshape, dtype, m) for m in self.placement.chunks(all_members))
         try:
             for i, (bshape, dtype, members) in enumerate(work):
-                if self._tiered is not None and i + 1 < len(work):
+                if self.placement.tiered is not None and i + 1 < len(work):
                     # this chunk, then the next one, so its copy overlaps this one's compute (as
                     # far as the ring has room)
-                    self._tiered.prefetch([k for c in (members, work[i + 1][2]) for m in c
-                                           for k in self._member_keys(*m)], reason="step")
+                    self.placement.tiered.prefetch([k for c in (members, work[i + 1][2]) for m in c
+                                           for k in self.placement.member_keys(*m)], reason="step")
                 g = torch.stack([grads[p][j] for p, j in members]).to(dtype)
                 ws = [weights[p][j] for p, j in members]
                 # whole parameters to an optimizer that updates them where they are: no stack of
                 # them to make and copy back
-                in_place = self._weights_in_place and all(
+                in_place = self.method.weights_in_place and all(
                     p not in glob_set and self._layouts[p].whole for p, _ in members)
                 w = ws if in_place else torch.stack(ws)
                 steps = [counts[p] for p, _ in members]
                 try:
-                    self._step_blocks(group, members, w, g, steps)
+                    self.method.step_blocks(group, members, w, g, steps)
                 finally:
-                    self._handed_back()  # its packed stacks were its own until it returned
+                    self.placement.handed_back()  # its packed stacks were its own until it returned
                 for (p, j), wi in zip(members, () if w is ws else w.unbind(0)):
                     if p in glob_set:
                         weights[p][j].copy_(wi)
                     else:
                         self._layouts[p].write(real(p), j, wi)
-                dims = [i for i, h in enumerate(self._has_factor(bshape, group)) if h]
+                dims = [i for i, h in enumerate(self.method.has_factor(bshape, group)) if h]
                 if dims:
                     due.extend((REFRESH, p, j, dims) for (p, j), k in zip(members, steps)
                                if k % freq == 0)
         finally:  # the jobs the stacks that ran made (an interrupted step's too): started after
-            self._writes.start_due()  # the last one, not competing with the step for memory
+            self.schedule.writes.start_due()  # the last one, not competing with the step for memory
         if glob:
             self._global.scatter()  # the new rows back to the ranks holding them
         # jobs are batched in parameter order, whatever order the step ran in
@@ -527,12 +422,12 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         """The parameters among params whose state is exactly what DCP's fake step leaves:
         the step count of one step (SOAP / KL-Shampoo: 0, their first step initialises the
         bases; Shampoo: 1) with the ``_fake_step_tensors`` all zero. One device sync."""
-        count = 0 if self._init_step else 1
+        count = 0 if self.method.init_step else 1
         cand = {}
         for p in params:
             st = self.state[p]
             if "step" in st and _count(st["step"]) == count:
-                ts = self._fake_step_tensors(p)
+                ts = self.method.fake_step_tensors(p)
                 if self._global is not None and self._global.has(p):
                     cand[p] = ts or [torch.zeros(())]  # no block here: the owners decide
                 elif ts:
@@ -578,9 +473,9 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         if self._global is not None:
             stats.update(self._global.stats())
         stats["overflow_skipped"] = 0
-        stats.update({k: int(v) for k, v in self._lazy_counts.items()})
+        stats.update({k: int(v) for k, v in self.schedule.lazy_counts.items()})
         dev = 0
-        plan = self._plan
+        plan = self.placement.plan
         for p, st in self._param_states():
             pidx = self._pindex.get(p)
             for name, v in dict.items(st):
@@ -593,24 +488,24 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         stats["bytes_h2d"] = stats.get("bytes_h2d_results", 0)
         stats["bytes_d2h"] = stats.get("bytes_d2h_snapshots", 0)
         ts = None
-        if self._tiered is not None:
-            ts = self._tiered.stats()
-        elif getattr(self, "_tiered_final", None) is not None:
-            ts = dict(self._tiered_final)
+        if self.placement.tiered is not None:
+            ts = self.placement.tiered.stats()
+        elif self.placement.tiered_final is not None:
+            ts = dict(self.placement.tiered_final)
         if ts is not None:
             h2d, d2h = ts.pop("bytes_h2d"), ts.pop("bytes_d2h")
             stats.update(ts)
             stats["bytes_h2d"] += h2d
             stats["bytes_d2h"] += d2h
-            dev += self._plan.ring_bytes
+            dev += self.placement.plan.ring_bytes
         stats["bytes_device"] = dev
         stats.setdefault("install_waits", 0)
         stats.setdefault("install_wait_ns", 0)
         # S as the schedule applies it now; with staleness="auto", whether it was chosen yet
-        stats["staleness"] = self._delay
+        stats["staleness"] = self.schedule.delay
         stats["staleness_auto"] = self._cfg.staleness == "auto"
-        stats["staleness_auto_chosen"] = self._auto_s is not None
-        cap = self.capacity.summary(self._delay)
+        stats["staleness_auto_chosen"] = self.schedule.auto_s is not None
+        cap = self.schedule.capacity.summary(self.schedule.delay)
         for key in ("round_gflop", "predicted_round_s", "measured_round_s", "step_s",
                     "window_s", "utilisation", "smallest_s", "smallest_workers"):
             stats[f"capacity_{key}"] = cap.get(key)
@@ -621,17 +516,18 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         round, predicted and measured round seconds, the window S x step time, the pool's
         utilisation and the smallest S (and worker count) that hides the refresh; whether a
         device executor runs part of it. The capacity lines come once a round was submitted."""
-        lines = super().asteria_plan()
+        lines = self.placement.decisions()
         # before the first round there is nothing measured to report: the planner's decisions
         # alone (as logged at construction)
-        if self._async and self._capacity is not None and self._capacity.rounds:
-            s = self._delay
+        sched = self.schedule
+        if self._async and sched._capacity is not None and sched._capacity.rounds:
+            s = self.schedule.delay
             auto = self._cfg.staleness == "auto"
             if auto:
                 lines.append(f"staleness 'auto': S = {s} " + (
-                    "(chosen from the measured round time)" if self._auto_s is not None
+                    "(chosen from the measured round time)" if self.schedule.auto_s is not None
                     else "(the frequency, until a REFRESH round has been measured)"))
-            lines.extend(report_lines(self.capacity.summary(s)))
+            lines.extend(report_lines(sched.capacity.summary(s)))
         return lines
 
     def close(self) -> None:
@@ -661,13 +557,14 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         if own.get("_closed", True):
             return
         if detier:
-            self._settle_step_end()  # a step end a signal interrupted: its installs are state
-        writes = own.get("_writes")
+            self.schedule.settle()  # a step end a signal interrupted: its installs are state
+        sched = own.get("schedule")
+        writes = sched.writes if sched is not None else None
         if detier and writes:
             writes.settle_all()
         self._closed = True
         if detier:
-            self._detier()
+            self.placement.detier()
         fin = own.get("_finalizer")
         if fin is not None:
             fin()
@@ -684,6 +581,57 @@ class AsteriaOptimizer(CheckpointMixin, TieringMixin, ScheduleMixin, torch.optim
         except Exception:  # interpreter shutdown: the engine module may already be gone
             pass
 
-    def _rebuild(self, groups: list, defaults: dict, runtime: Any) -> None:
-        """Construct in place (``__setstate__`` of a copy)."""
-        AsteriaOptimizer.__init__(self, groups, defaults, runtime)
+    # ---- checkpoints: the codec's (asteria.optim.checkpoint) ----------------------------------
+    def state_dict(self) -> dict:
+        return self.codec.state_dict()
+
+    state_dict.__doc__ = Checkpoint.state_dict.__doc__
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.codec.load_state_dict(state_dict)
+        for group in self.param_groups:  # a state dict from before a value went by name
+            self.method.normalize_group(group)
+
+    load_state_dict.__doc__ = Checkpoint.load_state_dict.__doc__
+
+    def __getstate__(self) -> dict:
+        """What ``copy.deepcopy`` and pickle keep: the param groups (their parameters, which a
+        deepcopy copies along with the model when both are copied together), the runtime config
+        and ``state_dict()`` (refreshes in flight waited for and kept, not installed). The copy
+        is a working optimizer with its own runtime: it continues bitwise like the original
+        would. The workers, buffers and tiered blocks are the original's and are not copied."""
+        if getattr(self, "_closed", True):
+            raise RuntimeError(f"cannot copy or pickle a closed {type(self).__name__}: copy it "
+                               f"before close(), or build a new one and load_state_dict() "
+                               f"its state_dict()")
+        return {"param_groups": self.param_groups, "defaults": self.defaults,
+                "runtime": self._cfg, "state_dict": self.state_dict(),
+                "names": dict(self._pnames)}
+
+    def __setstate__(self, state: dict) -> None:
+        if "runtime" not in state:  # torch.optim's load_state_dict sets state this way
+            super().__setstate__(state)
+            return
+        groups = [dict(g) for g in state["param_groups"]]
+        AsteriaOptimizer.__init__(self, groups, state["defaults"], state["runtime"])
+        self._pnames.update(state.get("names", {}))
+        self.load_state_dict(state["state_dict"])
+
+    # ---- placement: the part's (asteria.optim.placement) --------------------------------------
+    def asteria_memory_plan(self) -> dict:
+        return self.placement.memory_plan()
+
+    asteria_memory_plan.__doc__ = Placement.memory_plan.__doc__
+
+    @property
+    def capacity(self):
+        """The capacity record of this optimizer's REFRESH work (asteria.refresh.capacity)."""
+        return self.schedule.capacity
+
+    def _asteria_prefetch(self, params: Iterable, reason: str = "") -> int:
+        """Stage the roots / eigenbases of params into the ring (the hooks' call)."""
+        return self.placement.prefetch(params, reason=reason)
+
+    def _asteria_fetch_early(self, params: Iterable) -> None:
+        """Read params' NVMe-resident blocks back into host memory (the hooks' call)."""
+        self.placement.fetch_early(params)

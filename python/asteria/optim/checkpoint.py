@@ -43,13 +43,15 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from collections import defaultdict
 from typing import Any, Mapping
 
 import torch
 
 from asteria.optim import _layout as K
-from asteria.optim._schedule import NO_ROUND, REFRESH, _Round
+from asteria.optim.method import REFRESH
+from asteria.optim.schedule import NO_ROUND, _Round
 from asteria.optim._state import _count, _ParamState, _States, real
 
 
@@ -85,8 +87,16 @@ def _hooks_off(opt, attr: str):
         setattr(opt, attr, hooks)
 
 
-class CheckpointMixin:
-    """The checkpoint part of ``AsteriaOptimizer``."""
+class Checkpoint:
+    """The checkpoint codec of an ``AsteriaOptimizer`` (``opt.codec``): the optimizer's
+    ``state_dict`` / ``load_state_dict`` are its."""
+
+    def __init__(self, opt) -> None:
+        self._opt = weakref.ref(opt)
+
+    @property
+    def opt(self):
+        return self._opt()
 
     def state_dict(self) -> dict:
         """torch.optim's state dict, with the same keys as the live state (the fixed key set):
@@ -103,24 +113,25 @@ class CheckpointMixin:
         value saved under one name by several ranks, so untagged keys would lose all ranks'
         state but one. Resuming needs the same mesh and sharding (``load_state_dict`` raises
         ValueError on another shard's keys)."""
-        self._settle_step_end()
-        self._writes.settle_all()
-        lost = [r for r in self._rounds if r.outputs is None] if self._closed else []
+        opt = self.opt
+        opt.schedule.settle()
+        opt.schedule.writes.settle_all()
+        lost = [r for r in opt.schedule.rounds if r.outputs is None] if opt._closed else []
         if lost:  # close() stopped the engine: the results of these rounds no longer exist
             r = lost[0]
             raise RuntimeError(
                 f"state_dict() after close(): close() stopped the engine with a REFRESH in "
                 f"flight (snapshotted at step {r.snapshot_step}, to be installed at step "
-                f"{r.install_step}; this run is at step {self._t}), and its results went with "
+                f"{r.install_step}; this run is at step {opt._t}), and its results went with "
                 f"it, so this state would not resume the run's trajectory. Call state_dict() "
                 f"before close(): it waits for the refresh and stores its results")
-        for rnd in self._rounds:
-            rnd.resolve(self._engine)
+        for rnd in opt.schedule.rounds:
+            rnd.resolve(opt._engine)
         # torch's post hooks must see the state dict as returned: they run after ours is built
-        with _hooks_off(self, "_optimizer_state_dict_post_hooks") as post_hooks:
-            sd = super().state_dict()
+        with _hooks_off(opt, "_optimizer_state_dict_post_hooks") as post_hooks:
+            sd = torch.optim.Optimizer.state_dict(opt)
         index = {}
-        for p in itertools.chain.from_iterable(g["params"] for g in self.param_groups):
+        for p in itertools.chain.from_iterable(g["params"] for g in opt.param_groups):
             index.setdefault(p, len(index))
         ids = set(index.values())
         # the optimizer's names, copies; entries that are not a parameter's state stay as torch
@@ -128,9 +139,9 @@ class CheckpointMixin:
         sd["state"] = {i: ((st.raw() if isinstance(st, _ParamState) else dict(st))
                            if i in ids and isinstance(st, dict) else st)
                        for i, st in sd["state"].items()}
-        if self._tiered is not None:  # roots / eigenbases as the all-device path stores them
-            params = {i: p for p, i in self._pindex.items()}
-            values = self._tiered.materialize(self._tiered.keys())
+        if opt.placement.tiered is not None:  # roots / eigenbases as the all-device path stores them
+            params = {i: p for p, i in opt._pindex.items()}
+            values = opt.placement.tiered.materialize(opt.placement.tiered.keys())
             for (pidx, name), value in values.items():
                 sd["state"][index[params[pidx]]][name] = value
         for i, st in list(sd["state"].items()):
@@ -140,11 +151,11 @@ class CheckpointMixin:
                 for k, v in st.items():
                     if isinstance(v, torch.Tensor) and K.is_pending_output(k):
                         st[k] = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
-        for rnd in self._rounds:
+        for rnd in opt.schedule.rounds:
             for p, outs in rnd.outputs.items():
                 st = dict(sd["state"][index[p]])
-                st[K.PENDING_IN] = rnd.install_step - self._t
-                st[K.PENDING_AGE] = self._t - rnd.snapshot_step
+                st[K.PENDING_IN] = rnd.install_step - opt._t
+                st[K.PENDING_AGE] = opt._t - rnd.snapshot_step
                 for (j, dim), out in outs.items():
                     if out is None:  # the job failed: nothing to install
                         continue
@@ -152,36 +163,37 @@ class CheckpointMixin:
                         st[K.pending_output(j, dim, i)] = tensor
                     st[K.pending_ok(j, dim)] = 1
                 sd["state"][index[p]] = st
-        if self._global is not None and self._delay > 0:  # fsdp_blocking="global"
-            self._global.sync_pending(sd["state"], index, (K.PENDING_IN, K.PENDING_AGE))
-        for p, tag in self._tags.items():  # per-shard state: the shard's own key names
+        if opt._global is not None and opt.schedule.delay > 0:  # fsdp_blocking="global"
+            opt._global.sync_pending(sd["state"], index, (K.PENDING_IN, K.PENDING_AGE))
+        for p, tag in opt._tags.items():  # per-shard state: the shard's own key names
             st = sd["state"].get(index.get(p))
             if st is not None:
                 sd["state"][index[p]] = ({K.tagged(k, tag): v for k, v in st.items()}
                                          if isinstance(tag, str) else tag.export(st))
         for hook in post_hooks.values():
-            out = hook(self, sd)
+            out = hook(opt, sd)
             if out is not None:
                 sd = out
         return sd
 
-    def _untag(self, state_dict: dict) -> dict:
+    def untag(self, state_dict: dict) -> dict:
         """A loaded state dict under the optimizer's key names: a sharded parameter's own tag
         stripped; another shard's tag (another mesh, rank or world size), or an untagged key
         of a parameter sharded here, is a ValueError naming the cause and the remedy."""
+        opt = self.opt
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
+        params = [p for g in opt.param_groups for p in g["params"]]
         state = dict(state_dict["state"])
         for i, p in zip(saved_ids, params):
             st = state.get(i)
             if not st:
                 continue
-            tag = self._tags.get(p)
+            tag = opt._tags.get(p)
             if tag is not None and not isinstance(tag, str):  # fsdp_blocking="global"
-                state[i] = tag.internal_state(st, self._describe_param(self._pindex[p]))
+                state[i] = tag.internal_state(st, opt._describe_param(opt._pindex[p]))
                 continue
             out = {}
-            who = self._describe_param(self._pindex[p])
+            who = opt._describe_param(opt._pindex[p])
             for k, v in st.items():
                 name, saved = K.split_tag(k)
                 if saved is not None:
@@ -205,40 +217,42 @@ class CheckpointMixin:
         as a copy. Entries of ``state`` that are not a parameter's state are kept as torch
         keeps them. The load hooks run as torch runs them: pre hooks first, post hooks on the
         loaded optimizer."""
-        for hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
-            out = hook(self, state_dict)
+        opt = self.opt
+        for hook in list(opt._optimizer_load_state_dict_pre_hooks.values()):
+            out = hook(opt, state_dict)
             if out is not None:
                 state_dict = out
-        state_dict = self._untag(state_dict)
-        loaded, others = self._loaded_states(state_dict)
+        state_dict = self.untag(state_dict)
+        loaded, others = self.loaded_states(state_dict)
         # checked: from here on the optimizer changes
-        self._unfinished_end = None
-        self._deferred = []  # its rounds are dropped below with the others
-        self._writes.settle_all()
-        for rnd in self._rounds:
-            rnd.drop(self._engine)
-        self._rounds = []
-        self._fail_streak, self._failed = {}, []
-        self._auto_s = None  # the loaded state says which S an auto run chose
-        with _hooks_off(self, "_optimizer_load_state_dict_pre_hooks"), \
-                _hooks_off(self, "_optimizer_load_state_dict_post_hooks") as post_hooks:
-            super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        opt.schedule.unfinished_end = None
+        opt.schedule.deferred = []  # its rounds are dropped below with the others
+        opt.schedule.writes.settle_all()
+        for rnd in opt.schedule.rounds:
+            rnd.drop(opt._engine)
+        opt.schedule.rounds = []
+        opt.schedule.fail_streak, opt.schedule.failed = {}, []
+        opt.schedule.auto_s = None  # the loaded state says which S an auto run chose
+        with _hooks_off(opt, "_optimizer_load_state_dict_pre_hooks"), \
+                _hooks_off(opt, "_optimizer_load_state_dict_post_hooks") as post_hooks:
+            torch.optim.Optimizer.load_state_dict(
+                opt, {"state": {}, "param_groups": state_dict["param_groups"]})
         for p, st in loaded.items():
-            self.state[p] = st
+            opt.state[p] = st
         for k, v in others.items():
-            self.state[k] = v
-        if self._tiered is not None:
-            self._tiered.clear()
-        if self._wants_proxy():
-            self.state = _States(self, self.state)
+            opt.state[k] = v
+        if opt.placement.tiered is not None:
+            opt.placement.tiered.clear()
+        if opt._wants_proxy():
+            opt.state = _States(opt, opt.state)
         rounds: dict = {}
         for p in loaded:
-            st = self.state[p]
-            if self._tiered is not None:
-                for name in [n for n in dict.keys(st) if self._owned(p, n)]:
-                    self._tiered.write(self._key(p, name), dict.pop(st, name))
-            group = self._group_of(p)
-            if p.numel() == 0 or self._is_adamw(p, group):
+            st = opt.state[p]
+            if opt.placement.tiered is not None:
+                for name in [n for n in dict.keys(st) if opt.placement.owned(p, n)]:
+                    opt.placement.tiered.write(opt.placement.key(p, name), dict.pop(st, name))
+            group = opt._group_of(p)
+            if p.numel() == 0 or opt._is_adamw(p, group):
                 continue
             install_in = _count(st.pop(K.PENDING_IN, NO_ROUND))
             age = _count(st.pop(K.PENDING_AGE, 0))
@@ -255,92 +269,94 @@ class CheckpointMixin:
                 rnd = rounds.get((install_in, age))
                 if rnd is None:
                     rnd = rounds[(install_in, age)] = _Round(
-                        REFRESH, self._t - age, self._t + install_in, [], outputs={})
+                        REFRESH, opt._t - age, opt._t + install_in, [], outputs={})
                 # without a flag (a state dict from before the fixed key set): present = a result
                 rnd.outputs[p] = {key: tuple(v[n] for n in sorted(v))
                                   for key, v in outs.items() if oks.get(key, 1)}
-            self._fixed_state(p, group, self._layout(p, group))
-        self._rounds = list(rounds.values())
-        self._restore_auto_s()  # staleness="auto": the S the saved run chose stays
-        if self._tiered is not None:
-            self._tiered.end_step()  # NVMe-homed blocks go back to NVMe (best effort)
+            opt._fixed_state(p, group, opt._layout(p, group))
+        opt.schedule.rounds = list(rounds.values())
+        opt.schedule.restore_auto_s()  # staleness="auto": the S the saved run chose stays
+        if opt.placement.tiered is not None:
+            opt.placement.tiered.end_step()  # NVMe-homed blocks go back to NVMe (best effort)
         for hook in post_hooks.values():
-            hook(self)
+            hook(opt)
 
-    def _loaded_states(self, state_dict: dict) -> tuple[dict, dict]:
+    def loaded_states(self, state_dict: dict) -> tuple[dict, dict]:
         """Check a state dict against this optimizer without changing anything. Returns
         ({param: its state as it will be stored}, {key: value} of the entries that are not a
         parameter's state)."""
+        opt = self.opt
         groups, state = state_dict.get("param_groups"), state_dict.get("state")
         if not isinstance(groups, (list, tuple)) or not isinstance(state, Mapping):
             raise ValueError("load_state_dict: a state dict has 'state' (a dict) and "
                              "'param_groups' (a list), as optimizer.state_dict() returns")
-        name = type(self).__name__
-        if len(groups) != len(self.param_groups):
+        name = type(opt).__name__
+        if len(groups) != len(opt.param_groups):
             raise ValueError(f"load_state_dict: the state dict has {len(groups)} param groups, "
-                             f"this {name} has {len(self.param_groups)}")
+                             f"this {name} has {len(opt.param_groups)}")
         loaded: dict = {}
         seen: set = set()
-        for gi, (saved, live) in enumerate(zip(groups, self.param_groups)):
+        for gi, (saved, live) in enumerate(zip(groups, opt.param_groups)):
             ids = list(saved.get("params", ()))
             if len(ids) != len(live["params"]):
                 raise ValueError(f"load_state_dict: param group {gi} of the state dict has "
                                  f"{len(ids)} parameters, this {name}'s has "
                                  f"{len(live['params'])}")
-            missing = [k for k in self.defaults if k not in saved and k not in TORCH_GROUP_KEYS]
+            missing = [k for k in opt.defaults if k not in saved and k not in TORCH_GROUP_KEYS]
             if missing:
                 raise ValueError(f"load_state_dict: param group {gi} of the state dict lacks "
                                  f"{name}'s hyperparameter(s) {missing}: it was saved by another "
                                  f"optimizer (its keys: {sorted(k for k in saved if k != 'params')})")
             group = {k: v for k, v in saved.items() if k != "params"}
-            self._check_hyperparameters(group)
-            self._cfg.check_frequency(group["precondition_frequency"],
+            opt.method.check(group)
+            opt._cfg.check_frequency(group["precondition_frequency"],
                                       f"param group {gi} of the state dict")
             for i, p in zip(ids, live["params"]):
                 seen.add(i)
                 st = state.get(i)
                 if st:
-                    loaded[p] = self._loaded_state(p, group, live, st)
+                    loaded[p] = self.loaded_state(p, group, live, st)
         others = {k: v for k, v in state.items() if k not in seen}
         return loaded, others
 
-    def _loaded_state(self, p: torch.Tensor, group: dict, live: dict, st: Any) -> dict:
+    def loaded_state(self, p: torch.Tensor, group: dict, live: dict, st: Any) -> dict:
         """One parameter's saved state, checked against what this optimizer keeps for it
         (keys, shapes, kinds) and converted: tensors copied to the parameter's device in the
         dtype this optimizer keeps them in."""
-        who = self._describe_param(self._pindex[p])
+        opt = self.opt
+        who = opt._describe_param(opt._pindex[p])
         lp = real(p)
 
         def bad(msg):
             return ValueError(f"load_state_dict: the state of {who} {tuple(lp.shape)} does not "
-                              f"fit this {type(self).__name__}: {msg}")
+                              f"fit this {type(opt).__name__}: {msg}")
 
         if not isinstance(st, Mapping):
             raise bad(f"expected a dict of state, found {type(st).__name__}")
         tensors: dict = {}   # key -> (shape, dtype) it must have
         flags: set = {K.STEP}
-        if lp.numel() == 0 or self._is_adamw(p, group):
+        if lp.numel() == 0 or opt._is_adamw(p, group):
             tensors = {n: (tuple(lp.shape), lp.dtype) for n in K.ADAMW_MOMENTS}
             required = set(tensors) | {K.STEP}
         else:
-            layout = self._make_layout(p, group)
-            here = self._layout(p, live)
+            layout = opt._make_layout(p, group)
+            here = opt._layout(p, live)
             if layout.block_shapes != here.block_shapes:
                 raise bad(f"it was saved with blocks {layout.block_shapes}, this optimizer "
                           f"cuts {here.block_shapes}")
-            spec = self._state_spec(p, group, layout)
+            spec = opt.method.state_spec(p, group, layout)
             tensors = {n: (tuple(shape), dt) for n, _, shape, dt in spec}
             # Shampoo's roots may be absent (a state dict from before the fixed key set)
             required = {n for n, kind, _, _ in spec if kind != "roots"} | {K.STEP}
             # AUTO_S: the S a staleness="auto" run chose (kept by a resumed auto run)
             flags |= {K.PENDING_IN, K.PENDING_AGE, K.AUTO_S}
-            flags |= set(self._flag_keys(p, group, layout))
+            flags |= set(opt.method.flag_keys(p, group, layout))
             for j, bshape in enumerate(layout.block_shapes):
-                for dim, has in enumerate(self._has_factor(bshape, group)):
+                for dim, has in enumerate(opt.method.has_factor(bshape, group)):
                     if has:
                         flags.add(K.pending_ok(j, dim))
                         for i, (oshape, dt) in enumerate(
-                                self._output_specs(p, group, bshape[dim])):
+                                opt.method.output_specs(p, group, bshape[dim])):
                             tensors[K.pending_output(j, dim, i)] = (tuple(oshape), dt)
         missing = sorted(required - set(st))
         if missing:
@@ -371,26 +387,3 @@ class CheckpointMixin:
                 raise bad(f"unexpected key {k!r}; it keeps {sorted(required)} and the flags "
                           f"and results of a refresh in flight")
         return out
-
-    def __getstate__(self) -> dict:
-        """What ``copy.deepcopy`` and pickle keep: the param groups (their parameters, which a
-        deepcopy copies along with the model when both are copied together), the runtime config
-        and ``state_dict()`` (refreshes in flight waited for and kept, not installed). The copy
-        is a working optimizer with its own runtime: it continues bitwise like the original
-        would. The workers, buffers and tiered blocks are the original's and are not copied."""
-        if getattr(self, "_closed", True):
-            raise RuntimeError(f"cannot copy or pickle a closed {type(self).__name__}: copy it "
-                               f"before close(), or build a new one and load_state_dict() "
-                               f"its state_dict()")
-        return {"param_groups": self.param_groups, "defaults": self.defaults,
-                "runtime": self._cfg, "state_dict": self.state_dict(),
-                "names": dict(self._pnames)}
-
-    def __setstate__(self, state: dict) -> None:
-        if "runtime" not in state:  # torch.optim's load_state_dict sets state this way
-            super().__setstate__(state)
-            return
-        groups = [dict(g) for g in state["param_groups"]]
-        self._rebuild(groups, state["defaults"], state["runtime"])
-        self._pnames.update(state.get("names", {}))
-        self.load_state_dict(state["state_dict"])

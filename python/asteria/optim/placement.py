@@ -138,30 +138,44 @@ def _close_all(engine, tiered) -> None:
             tiered.close()
 
 
-class TieringMixin:
-    """The placement part of ``AsteriaOptimizer``."""
+class Placement:
+    """The placement part of an ``AsteriaOptimizer`` (``opt.placement``)."""
 
-    def _init_tiering(self) -> None:
+    def __init__(self, opt) -> None:
+        self._opt = weakref.ref(opt)
+        self.plan = None     # the placement plan (asteria.tiers.plan)
+        self.tiered = None   # the Residency of the blocks outside the device, if any
+        self.tiered_final: Optional[dict] = None  # its last stats, once closed
+        self.tkeys: dict = {}  # param index -> its tiered state keys
+        self.kinds: dict = {}  # (param index, name) -> the kind of state it is
         # id(stack) -> (stack, members, field, dim) of the packed stacks handed to the
-        # _step_blocks running now (``_packed``); emptied when it returns (``_handed_back``)
-        self._handed: dict = {}
+        # step_blocks running now (``packed``); emptied when it returns (``handed_back``)
+        self.handed: dict = {}
+        # id(pack) -> (weakref to it, [(param, name)] of its members, [(weakref, ptr)] of
+        # their slices): the packs of device state (``repack``)
+        self.packs: dict = {}
 
-    def _handed_back(self) -> None:
+    @property
+    def opt(self):
+        return self._opt()
+
+    def handed_back(self) -> None:
         """The ``_step_blocks`` that was handed packed stacks returned: they are the state's
         again, and an ``_unstack`` of them writes as usual."""
-        self._handed.clear()
+        self.handed.clear()
 
-    def _entries(self) -> list:
+    def entries(self) -> list:
+        opt = self.opt
         out = []
-        for group in self.param_groups:
+        for group in opt.param_groups:
             for p in group["params"]:
                 lp = real(p)
-                pidx = self._pindex[p]
+                pidx = opt._pindex[p]
                 itemsize = lp.element_size()
-                if lp.numel() == 0 or self._is_adamw(p, group):
+                if lp.numel() == 0 or opt._is_adamw(p, group):
                     spec = [(n, "moments", tuple(lp.shape), lp.dtype) for n in K.ADAMW_MOMENTS]
                 else:
-                    spec = self._state_spec(p, group, self._layout(p, group))
+                    spec = opt.method.state_spec(p, group, opt._layout(p, group))
                 for name, kind, shape, dtype in spec:
                     itemsize = torch.empty((), dtype=dtype).element_size()
                     out.append(_placement.StateEntry(pidx, name, kind,
@@ -169,122 +183,124 @@ class TieringMixin:
                                                      lp.device, dtype))
         return out
 
-    def _replan(self) -> None:
-        """Plan (or re-plan after add_param_group) the placement of every state tensor, and move
-        existing tensors where the plan wants them."""
-        entries = self._entries()
-        self._kinds = {e.key: e.kind for e in entries}
-        plan = _placement.make_plan(self._cfg, entries)
+    def make_plan(self):
+        """Plan the placement of every state tensor (construction, ``add_param_group``)."""
+        opt = self.opt
+        entries = self.entries()
+        self.kinds = {e.key: e.kind for e in entries}
+        plan = _placement.make_plan(opt._cfg, entries)
         plan.log()
-        if self._engine is None:
-            self._engine = _select.make_engine(self._cfg, plan, self._all_params())
-        self._plan = plan
-        self._tkeys = defaultdict(list)
+        return plan
+
+    def apply(self, plan, tracer) -> bool:
+        """Take a plan: the tiered keys per parameter, and a residency when the plan first
+        puts blocks outside the device (True then: the optimizer's finalizer must close it).
+        ``migrate`` moves existing tensors where the plan wants them."""
+        opt = self.opt
+        self.plan = plan
+        self.tkeys = defaultdict(list)
         for key, tier in plan.block_tier.items():
             if tier != "device":
-                self._tkeys[key[0]].append(key)
-        if plan.tiered and self._tiered is None:
-            # no strong reference back to self: the finalizer holds the residency
+                self.tkeys[key[0]].append(key)
+        if plan.tiered and self.tiered is None:
+            # no strong reference back: the optimizer's finalizer holds the residency
             me = weakref.ref(self)
 
             def describe(key, _me=me):
-                opt = _me()
-                return opt._describe_key(key) if opt is not None else f"block {key!r}"
+                place = _me()
+                return place.describe_key(key) if place is not None else f"block {key!r}"
 
-            self._tiered = _tiered_mod.Residency(
-                plan, self._cfg, tracer=self._engine.tracer, describe=describe)
-            self.state = _States(self, self.state)
-            if self._finalizer is not None:  # the finalizer must close the new residency too
-                self._finalizer.detach()
-                self._finalizer = weakref.finalize(self, _close_all, self._engine,
-                                                   self._tiered)
-        elif self._tiered is not None:
-            self._tiered.plan = plan
-        if self._wants_proxy() and not isinstance(self.state, _States):
-            self.state = _States(self, self.state)
-        self._migrate()
+            self.tiered = _tiered_mod.Residency(plan, opt._cfg, tracer=tracer,
+                                                describe=describe)
+            return True
+        if self.tiered is not None:
+            self.tiered.plan = plan
+        return False
 
-    def _wants_proxy(self) -> bool:
-        """Does ``optimizer.state`` need the proxy (``_state._States``)? With a residency
-        (virtual entries), per-shard key names, or ``mode="async"``: reads that must wait for
-        a job that writes the state (``_writes``) or an install deferred to the next use."""
-        return self._tiered is not None or bool(self._tags) or self._async
-
-    def _migrate(self) -> None:
-        """Put every existing root / eigenbasis where the plan says: self.state or residency."""
-        self._writes.settle_all()
-        if self._tiered is None:
+    def migrate(self) -> None:
+        """Put every existing root / eigenbasis where the plan says: opt.state or residency."""
+        opt = self.opt
+        opt.schedule.writes.settle_all()
+        if self.tiered is None:
             return
-        params = {i: p for p, i in self._pindex.items()}
-        for p, st in list(self._param_states()):
-            pidx = self._pindex.get(p)
+        params = {i: p for p, i in opt._pindex.items()}
+        for p, st in list(opt._param_states()):
+            pidx = opt._pindex.get(p)
             for name in [n for n in dict.keys(st) if isinstance(dict.__getitem__(st, n),
                                                                  torch.Tensor)]:
-                if self._tiered.owns((pidx, name)):
-                    self._tiered.write((pidx, name), dict.pop(st, name))
-        for key in self._tiered.keys():
-            if not self._tiered.owns(key):
+                if self.tiered.owns((pidx, name)):
+                    self.tiered.write((pidx, name), dict.pop(st, name))
+        for key in self.tiered.keys():
+            if not self.tiered.owns(key):
                 p = params[key[0]]
-                value = self._tiered.materialize([key])[key]
-                self._tiered.drop(key)
-                dict.__setitem__(self.state[p], key[1], value)
-        self._tiered.end_step()
+                value = self.tiered.materialize([key])[key]
+                self.tiered.drop(key)
+                dict.__setitem__(opt.state[p], key[1], value)
+        self.tiered.end_step()
 
-    def _describe_key(self, key) -> str:
+    def describe_key(self, key) -> str:
+        opt = self.opt
         pidx, name = key
-        kind = {"roots": "root", "eigenbases": "eigenbasis"}.get(self._kinds.get(key), "state")
-        return f"{kind} block {name!r} of {self._describe_param(pidx)}"
+        kind = {"roots": "root", "eigenbases": "eigenbasis"}.get(self.kinds.get(key), "state")
+        return f"{kind} block {name!r} of {opt._describe_param(pidx)}"
 
-    def _key(self, p: torch.Tensor, name: str) -> tuple:
-        return (self._pindex[p], name)
+    def key(self, p: torch.Tensor, name: str) -> tuple:
+        opt = self.opt
+        return (opt._pindex[p], name)
 
-    def _owned(self, p: torch.Tensor, name: str) -> bool:
-        return self._tiered is not None and self._tiered.owns((self._pindex[p], name))
+    def owned(self, p: torch.Tensor, name: str) -> bool:
+        opt = self.opt
+        return self.tiered is not None and self.tiered.owns((opt._pindex[p], name))
 
-    def _root_has(self, p: torch.Tensor, name: str) -> bool:
-        if self._owned(p, name):
-            return self._tiered.has(self._key(p, name))
-        return name in self.state[p]
+    def root_has(self, p: torch.Tensor, name: str) -> bool:
+        opt = self.opt
+        if self.owned(p, name):
+            return self.tiered.has(self.key(p, name))
+        return name in opt.state[p]
 
-    def _root_set(self, p: torch.Tensor, name: str, value: torch.Tensor) -> None:
+    def root_set(self, p: torch.Tensor, name: str, value: torch.Tensor) -> None:
         """Set a root / eigenbasis (creating it on first set)."""
-        if self._owned(p, name):
-            self._tiered.write(self._key(p, name), value)
+        opt = self.opt
+        if self.owned(p, name):
+            self.tiered.write(self.key(p, name), value)
             return
-        st = self.state[p]
+        st = opt.state[p]
         if name in st:
             st[name].copy_(value)
         else:
             st[name] = value.to(device=local(p).device, copy=True)
 
-    def _as_stored(self, p: torch.Tensor, name: str, value: torch.Tensor) -> torch.Tensor:
+    def as_stored(self, p: torch.Tensor, name: str, value: torch.Tensor) -> torch.Tensor:
         """``value`` as the block ``name`` of p will hold it once written: rounded through the
         tier dtype when the block lives outside the device narrowed (else value itself)."""
-        if not self._owned(p, name):
+        opt = self.opt
+        if not self.owned(p, name):
             return value
-        narrow = _placement.stored_dtype(self._cfg.tier_dtype, value.dtype)
+        narrow = _placement.stored_dtype(opt._cfg.tier_dtype, value.dtype)
         return value if narrow == value.dtype else value.to(narrow).to(value.dtype)
 
-    def _root_for_job(self, p: torch.Tensor, name: str):
+    def root_for_job(self, p: torch.Tensor, name: str):
         """A root / eigenbasis as a REFRESH job input (the engine copies it at submit): a
         tensor, or a ``residency.OnNvme`` read when the job's stack is made."""
-        if self._owned(p, name):
-            return self._tiered.job_input(self._key(p, name))
-        return self.state[p][name]
+        opt = self.opt
+        if self.owned(p, name):
+            return self.tiered.job_input(self.key(p, name))
+        return opt.state[p][name]
 
-    def _member_keys(self, p: torch.Tensor, j: int) -> list:
-        return [k for k in self._tkeys.get(self._pindex[p], ()) if K.block_of(k[1]) == j]
+    def member_keys(self, p: torch.Tensor, j: int) -> list:
+        opt = self.opt
+        return [k for k in self.tkeys.get(opt._pindex[p], ()) if K.block_of(k[1]) == j]
 
-    def _chunks(self, members: list) -> list:
+    def chunks(self, members: list) -> list:
         """Split a stack's members so that each chunk's staged blocks fit the ring."""
-        if self._tiered is None or not members:
+        if self.tiered is None or not members:
             return [members]
-        cap = self._plan.ring_bytes
-        if cap >= 2 * self._plan.ring_min:
+        cap = self.plan.ring_bytes
+        if cap >= 2 * self.plan.ring_min:
             cap //= 2  # two chunks fit: the next one is copied in while this one is used
         chunks, cur, used = [], [], 0
         for m in members:
-            cost = self._tiered.chunk_cost(self._member_keys(*m))
+            cost = self.tiered.chunk_cost(self.member_keys(*m))
             if cur and used + cost > cap:
                 chunks.append(cur)
                 cur, used = [], 0
@@ -293,7 +309,7 @@ class TieringMixin:
         chunks.append(cur)
         return chunks
 
-    def _stack(self, members: list, field: str, dim: Optional[int] = None,
+    def stack(self, members: list, field: str, dim: Optional[int] = None,
                out: Optional[torch.Tensor] = None, view: bool = False) -> torch.Tensor:
         """The members' ``b{j}.{field}`` (``b{j}.{field}{dim}`` for a per-dimension field)
         stacked: a copy (into ``out`` when given), which the caller may keep, donate to a job or
@@ -306,65 +322,69 @@ class TieringMixin:
         member's entry is re-pointed at its slice of the new stack, so that the next step's
         read is zero-copy. Residency-owned blocks are always copied (borrowed from the ring);
         ``_unstack`` writes them back. See "Packed state" in the module docstring."""
-        if out is None and view and PACK and not self._any_owned(members, field, dim):
-            return self._packed(members, field, dim)
-        if self._tiered is not None:
-            keys = [(self._pindex[p], K.key(j, field, dim)) for p, j in members]
-            owned = [self._tiered.owns(k) for k in keys]
+        opt = self.opt
+        if out is None and view and PACK and not self.any_owned(members, field, dim):
+            return self.packed(members, field, dim)
+        if self.tiered is not None:
+            keys = [(opt._pindex[p], K.key(j, field, dim)) for p, j in members]
+            owned = [self.tiered.owns(k) for k in keys]
             if any(owned):
                 mine = [k for k, o in zip(keys, owned) if o]
-                staged = iter(self._tiered.borrow(mine))
+                staged = iter(self.tiered.borrow(mine))
                 try:
-                    parts = [next(staged) if o else self.state[p][K.key(j, field, dim)]
+                    parts = [next(staged) if o else opt.state[p][K.key(j, field, dim)]
                              for (p, j), o in zip(members, owned)]
-                    wide = self._tiered.dtype_of(mine[0])
+                    wide = self.tiered.dtype_of(mine[0])
                     if out is None and any(x.dtype != wide for x in parts):
                         # narrowed blocks: widened as they are stacked (one pass)
                         out = torch.empty((len(parts),) + tuple(parts[0].shape), dtype=wide,
                                           device=parts[0].device)
                     return torch.stack(parts, out=out)
                 finally:
-                    self._tiered.give_back(mine)
-        return torch.stack([self.state[p][K.key(j, field, dim)] for p, j in members], out=out)
+                    self.tiered.give_back(mine)
+        return torch.stack([opt.state[p][K.key(j, field, dim)] for p, j in members], out=out)
 
-    def _any_owned(self, members: list, field: str, dim: Optional[int]) -> bool:
-        if self._tiered is None:
+    def any_owned(self, members: list, field: str, dim: Optional[int]) -> bool:
+        opt = self.opt
+        if self.tiered is None:
             return False
-        return any(self._tiered.owns((self._pindex[p], K.key(j, field, dim)))
+        return any(self.tiered.owns((opt._pindex[p], K.key(j, field, dim)))
                    for p, j in members)
 
-    def _packed(self, members: list, field: str, dim: Optional[int]) -> torch.Tensor:
+    def packed(self, members: list, field: str, dim: Optional[int]) -> torch.Tensor:
         """The device-resident members' ``b{j}.{field}[{dim}]`` as one packed stack that the
         state entries are slices of (see ``_stack(view=True)``). The stack is recorded as
         handed out (``_handed``): ``_unstack`` of it, with these members, has nothing to
         write."""
+        opt = self.opt
 
         def key(j):
             return K.key(j, field, dim)
 
-        states = [self.state[p] for p, _ in members]
-        if self._writes or self._deferred:  # reads through the proxy settle them first
+        states = [opt.state[p] for p, _ in members]
+        if opt.schedule.writes or opt.schedule.deferred:  # reads through the proxy settle them first
             ts = [st[key(j)] for st, (_, j) in zip(states, members)]
         else:  # nothing to settle, no entry in the residency: the proxy's read is the dict's
             ts = [dict.__getitem__(st, key(j)) for st, (_, j) in zip(states, members)]
-        x = _whole_pack(self.__dict__.get("_packs", {}), ts)
+        x = _whole_pack(self.packs, ts)
         if x is None:
             x = _slices_of(ts)
         if x is None:
-            x = self._repack(members, key, states, ts)
-        self._handed[id(x)] = (x, members, field, dim)
+            x = self.repack(members, key, states, ts)
+        self.handed[id(x)] = (x, members, field, dim)
         return x
 
-    def _repack(self, members: list, key, states: list, ts: list) -> torch.Tensor:
+    def repack(self, members: list, key, states: list, ts: list) -> torch.Tensor:
         """Stack ts into a new pack and re-point the members' entries at its slices."""
-        if self._writes:  # slices of packs are about to move: no worker may still write one
-            self._writes.settle_all()
+        opt = self.opt
+        if opt.schedule.writes:  # slices of packs are about to move: no worker may still write one
+            opt.schedule.writes.settle_all()
         x = torch.stack(ts)
-        self._handed.clear()  # entries are re-pointed below: earlier records may not hold
-        packs = self.__dict__.setdefault("_packs", {})
+        self.handed.clear()  # entries are re-pointed below: earlier records may not hold
+        packs = self.packs
         mine = {(id(p), key(j)) for p, j in members}
         for t in ts:  # a former pack's other members keep private copies (no stale buffer)
-            _release(packs, t._base, mine, self.state)
+            _release(packs, t._base, mine, opt.state)
         entries, slices = [], []
         for st, (p, j), xi in zip(states, members, x.unbind(0)):
             dict.__setitem__(st, key(j), xi)  # not through the proxy: no tier, no settle
@@ -375,63 +395,66 @@ class TieringMixin:
         packs[id(x)] = (weakref.ref(x), entries, slices)
         return x
 
-    def _stack_dims(self, members: list, field: str, has: Sequence[bool],
+    def stack_dims(self, members: list, field: str, has: Sequence[bool],
                     view: bool = False) -> list:
-        return [self._stack(members, field, i, view=view) if h else None
+        return [self.stack(members, field, i, view=view) if h else None
                 for i, h in enumerate(has)]
 
-    def _unstack(self, members: list, field: str, x: torch.Tensor,
+    def unstack(self, members: list, field: str, x: torch.Tensor,
                  dim: Optional[int] = None) -> None:
         """Write a stack back into the members' ``b{j}.{field}[{dim}]``; a member whose tensor
         is already its slice of x (a packed stack from ``_stack(view=True)``) needs nothing,
         and a stack handed out packed for these very members needs no look at them at all."""
-        handed = self._handed.pop(id(x), None)
+        opt = self.opt
+        handed = self.handed.pop(id(x), None)
         if (handed is not None and handed[0] is x and handed[1] is members
                 and handed[2:] == (field, dim)):
             return
         for (p, j), xi in zip(members, x.unbind(0)):
             name = K.key(j, field, dim)
-            if self._owned(p, name):
-                self._tiered.write(self._key(p, name), xi)
+            if self.owned(p, name):
+                self.tiered.write(self.key(p, name), xi)
             else:
-                t = self.state[p][name]
+                t = opt.state[p][name]
                 if not same_memory(t, xi):
                     t.copy_(xi)
 
-    def _prepare(self, work: list) -> None:
+    def prepare(self, work: list) -> None:
         """Phase A of a step with a residency: NVMe blocks read back (verified) and written out
         again, host blocks prefetched into the ring in the order the step uses them."""
+        opt = self.opt
         order: list = []
         seen: set = set()
         for group, params in work:
             for p in params:
-                if self.state[p]:
-                    pidx = self._pindex[p]
+                if opt.state[p]:
+                    pidx = opt._pindex[p]
                     if pidx not in seen:
                         seen.add(pidx)
                         order.append(pidx)
         nstep = len(order)
-        for rnd in self._rounds:
+        for rnd in opt.schedule.rounds:
             ps = [t[0] for job in rnd.jobs for t in job.targets] + list(rnd.outputs or ())
             for p in ps:
-                pidx = self._pindex[p]
+                pidx = opt._pindex[p]
                 if pidx not in seen:
                     seen.add(pidx)
                     order.append(pidx)
-        keys = [k for pidx in order for k in self._tkeys.get(pidx, ())]
-        self._tiered.prepare(keys)
+        keys = [k for pidx in order for k in self.tkeys.get(pidx, ())]
+        self.tiered.prepare(keys)
         # the step consumes the last parameters first (see _precond_step)
-        self._tiered.prefetch([k for pidx in reversed(order[:nstep])
-                               for k in self._tkeys.get(pidx, ())], reason="step")
+        self.tiered.prefetch([k for pidx in reversed(order[:nstep])
+                               for k in self.tkeys.get(pidx, ())], reason="step")
 
-    def _detier(self) -> None:
-        """At close: the tiered roots / eigenbases become plain tensors of ``self.state`` on
+    def detier(self) -> None:
+        """At close: the tiered roots / eigenbases become plain tensors of ``opt.state`` on
         their parameters' devices, so the state stays inspectable (and checkpointable) after
         the residency is gone. A block that cannot be read back is left out, with a warning."""
-        tiered = self._tiered
+        opt = self.opt
+        tiered = self.tiered
         if tiered is None:
             return
-        params = {i: p for p, i in self._pindex.items()}
+        params = {i: p for p, i in opt._pindex.items()}
         values: dict = {}
         try:
             values = tiered.materialize(tiered.keys())
@@ -443,37 +466,40 @@ class TieringMixin:
                     values.update(tiered.materialize([key]))
                 except Exception:
                     pass
-        self._tiered_final = tiered.stats_final()
-        self._tiered = None
+        self.tiered_final = tiered.stats_final()
+        self.tiered = None
         plain: defaultdict = defaultdict(dict)
-        for p, st in self.state.items():
+        for p, st in opt.state.items():
             plain[p] = st.raw() if isinstance(st, _ParamState) else st
         for (pidx, name), v in values.items():
             plain[params[pidx]][name] = v
-        self.state = plain
+        opt.state = plain
 
-    def _asteria_keys(self, params: Iterable) -> list:
-        if self._tiered is None:
+    def keys_of(self, params: Iterable) -> list:
+        opt = self.opt
+        if self.tiered is None:
             return []
-        return [k for p in params if p in self._pindex
-                for k in self._tkeys.get(self._pindex[p], ()) if self._tiered.has(k)]
+        return [k for p in params if p in opt._pindex
+                for k in self.tkeys.get(opt._pindex[p], ()) if self.tiered.has(k)]
 
-    def _asteria_prefetch(self, params: Iterable, reason: str = "") -> int:
+    def prefetch(self, params: Iterable, reason: str = "") -> int:
         """Stage the roots / eigenbases of params into the ring (as far as it has room)."""
-        if self._closed or self._tiered is None:
+        opt = self.opt
+        if opt._closed or self.tiered is None:
             return 0
-        return self._tiered.prefetch(self._asteria_keys(params), reason=reason)
+        return self.tiered.prefetch(self.keys_of(params), reason=reason)
 
-    def _asteria_fetch_early(self, params: Iterable) -> None:
+    def fetch_early(self, params: Iterable) -> None:
         """Read params' NVMe-resident blocks back into host memory (never raises)."""
-        if not self._closed and self._tiered is not None:
-            self._tiered.fetch_early(self._asteria_keys(params))
+        opt = self.opt
+        if not opt._closed and self.tiered is not None:
+            self.tiered.fetch_early(self.keys_of(params))
 
-    def asteria_plan(self) -> list[str]:
+    def decisions(self) -> list[str]:
         """The planner's decisions, in plain words."""
-        return list(self._plan.decisions) if self._plan is not None else []
+        return list(self.plan.decisions) if self.plan is not None else []
 
-    def asteria_memory_plan(self) -> dict:
+    def memory_plan(self) -> dict:
         """The planner's memory figures, from construction on (nothing measured): bytes of
         optimizer state per tier in the steady state (``planned_bytes``) and at the planned
         peak (``peak_bytes``, ``peak_total``), the peak's parts by owner (``peak_parts``: the
@@ -481,8 +507,9 @@ class TieringMixin:
         the device staging ring (``ring_bytes``, included in device bytes) and the snapshot
         ring (``snapshot_ring_bytes``), and ``tier_dtype``. Blocks outside the device count in
         their stored dtype."""
-        plan = self._plan
-        return {"mode": plan.mode, "tier_dtype": self._cfg.tier_dtype,
+        opt = self.opt
+        plan = self.plan
+        return {"mode": plan.mode, "tier_dtype": opt._cfg.tier_dtype,
                 "planned_bytes": dict(plan.planned_bytes), "peak_bytes": dict(plan.peak_bytes),
                 "peak_total": sum(plan.peak_bytes.values()), "peak_parts": dict(plan.peak_parts),
                 "ring_bytes": plan.ring_bytes, "snapshot_ring_bytes": plan.snapshot_ring_bytes}

@@ -57,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
+import weakref
 from collections import defaultdict
 from typing import Optional
 
@@ -65,12 +66,11 @@ import torch
 from asteria.optim import _layout as K
 from asteria.optim._blocking import Layout
 from asteria.optim._state import _States, local
+from asteria.optim._writes import PendingWrites
+from asteria.optim.method import INIT, REFRESH
 from asteria.refresh.capacity import Capacity
 from asteria.refresh.cost import JobSpec
 
-
-INIT = "init"        # first-step eigendecomposition, installed in the step that submitted it
-REFRESH = "refresh"  # periodic refresh, installed S steps later
 
 # The fixed state keys of a REFRESH in flight (present from a preconditioned parameter's state
 # creation on whenever S > 0; see "Checkpoints" in _checkpoint's docstring; names in _layout):
@@ -153,143 +153,160 @@ def _stack_inputs(qs: list) -> torch.Tensor:
     return q
 
 
-class ScheduleMixin:
-    """The schedule's part of ``AsteriaOptimizer``."""
+class Schedule:
+    """The schedule part of an ``AsteriaOptimizer`` (``opt.schedule``)."""
 
-    def _init_schedule(self) -> None:
-        self._rounds: list[_Round] = []
-        self._block_keys: dict[tuple, int] = {}
-        self._versions: dict[int, int] = {}
-        self._zeros: dict = {}  # (dtype, device) -> the zero behind the placeholders
-        self._unfinished_end: Optional[list] = None  # see _step_end
-        self._deferred: list = []  # S = 0 rounds installed at the next use (see _defers)
-        self._settling = False     # a deferred install is running (its reads must not recurse)
-        self._fail_streak: dict = {}  # (param index, block, dim) -> consecutive failures
-        self._failed: list = []       # failures to raise at the end of this step
-        self._lazy_counts: dict = {}  # name -> device tensor (see _count_lazy)
-        self._auto_s: Optional[int] = None  # staleness="auto": the S chosen, once chosen
+    def __init__(self, opt) -> None:
+        self._opt = weakref.ref(opt)
+        # the engine jobs that still write state entries (a method registers its own); every
+        # reader of the state settles through it
+        self.writes = PendingWrites(opt)
+        self.rounds: list[_Round] = []
+        self.block_keys: dict[tuple, int] = {}
+        self.versions: dict[int, int] = {}
+        self.zeros: dict = {}  # (dtype, device) -> the zero behind the placeholders
+        self.unfinished_end: Optional[list] = None  # see step_end
+        self.deferred: list = []  # S = 0 rounds installed at the next use (see defers)
+        self.settling = False     # a deferred install is running (its reads must not recurse)
+        self.fail_streak: dict = {}  # (param index, block, dim) -> consecutive failures
+        self.failed: list = []       # failures to raise at the end of this step
+        self.lazy_counts: dict = {}  # name -> device tensor (see count_lazy)
+        self.auto_s: Optional[int] = None  # staleness="auto": the S chosen, once chosen
         self._capacity: Optional[Capacity] = None
-        self._stall_ns = 0  # this step end's time at the bounded barrier
+        self.stall_ns = 0  # this step end's time at the bounded barrier
 
     @property
-    def _delay(self) -> int:
-        """S: steps between a snapshot and its install (0 in sync mode)."""
-        if not self._async:
-            return 0
-        if self._cfg.staleness == AUTO:
-            cap = self._auto_ceiling()  # a group added later may lower it
-            return cap if self._auto_s is None else min(self._auto_s, cap)
-        return self._cfg.staleness
+    def opt(self):
+        return self._opt()
 
-    def _auto_ceiling(self) -> int:
+    @property
+    def delay(self) -> int:
+        """S: steps between a snapshot and its install (0 in sync mode)."""
+        opt = self.opt
+        if not opt._async:
+            return 0
+        if opt._cfg.staleness == AUTO:
+            cap = self.auto_ceiling()  # a group added later may lower it
+            return cap if self.auto_s is None else min(self.auto_s, cap)
+        return opt._cfg.staleness
+
+    def auto_ceiling(self) -> int:
         """The largest S allowed: the smallest precondition_frequency of the groups."""
-        return min((g["precondition_frequency"] for g in self.param_groups), default=1)
+        opt = self.opt
+        return min((g["precondition_frequency"] for g in opt.param_groups), default=1)
 
     @property
     def capacity(self) -> Capacity:
         """The capacity record of this optimizer's REFRESH work (asteria.refresh.capacity)."""
-        if self._capacity is None or self._capacity._engine is not self._engine:
-            self._capacity = Capacity(self._engine)
+        opt = self.opt
+        if self._capacity is None or self._capacity._engine is not opt._engine:
+            self._capacity = Capacity(opt._engine)
         return self._capacity
 
-    def _choose_s(self, jobs: Optional[list] = None) -> None:
+    def choose_s(self, jobs: Optional[list] = None) -> None:
         """staleness="auto": fix S, once. Before the first REFRESH round is submitted
         (``jobs``: its jobs), from the cost model's prediction of it if the model has measured
         jobs already (SOAP's and KL-Shampoo's first-step eigendecompositions); else at the
         install of the first REFRESH round, from its measured time."""
-        if self._cfg.staleness != AUTO or not self._async or self._auto_s is not None:
+        opt = self.opt
+        if opt._cfg.staleness != AUTO or not opt._async or self.auto_s is not None:
             return
-        s = self.capacity.auto_s(self._auto_ceiling(), jobs)
+        s = self.capacity.auto_s(self.auto_ceiling(), jobs)
         if s is None:
             return
-        self._auto_s = s
-        for _, st in self._param_states():
+        self.auto_s = s
+        for _, st in opt._param_states():
             if K.AUTO_S in st:
                 st[K.AUTO_S] = s
 
-    def _restore_auto_s(self) -> None:
+    def restore_auto_s(self) -> None:
         """After a load: the S a saved auto run chose, if it chose one."""
-        if self._cfg.staleness != AUTO:
+        opt = self.opt
+        if opt._cfg.staleness != AUTO:
             return
-        chosen = [int(st[K.AUTO_S]) for _, st in self._param_states() if K.AUTO_S in st]
+        chosen = [int(st[K.AUTO_S]) for _, st in opt._param_states() if K.AUTO_S in st]
         chosen = [c for c in chosen if c >= 0]
-        self._auto_s = max(chosen) if chosen else None
+        self.auto_s = max(chosen) if chosen else None
 
     @property
-    def _eager(self) -> bool:
-        return self._async and self._cfg.install == "eager"
+    def eager(self) -> bool:
+        opt = self.opt
+        return opt._async and opt._cfg.install == "eager"
 
-    def _fixed_state(self, p: torch.Tensor, group: dict, layout: Layout) -> None:
-        """Add the keys of the fixed key set that p's state lacks (at creation, after a load):
-        with S > 0 the placeholders of a REFRESH in flight. Subclasses add theirs (Shampoo's
-        roots before their first install) and call this."""
-        if self._delay <= 0:
+    def fixed_state(self, p: torch.Tensor, group: dict, layout: Layout) -> None:
+        """Add the schedule's keys of the fixed key set that p's state lacks (at creation,
+        after a load): with S > 0 the placeholders of a REFRESH in flight."""
+        opt = self.opt
+        if self.delay <= 0:
             return
-        st = self.state[p]
-        if self._cfg.staleness == AUTO and K.AUTO_S not in st:
-            st[K.AUTO_S] = -1 if self._auto_s is None else self._auto_s
+        st = opt.state[p]
+        if opt._cfg.staleness == AUTO and K.AUTO_S not in st:
+            st[K.AUTO_S] = -1 if self.auto_s is None else self.auto_s
         if K.PENDING_IN not in st:
             st[K.PENDING_IN], st[K.PENDING_AGE] = NO_ROUND, 0
         for j, shape in enumerate(layout.block_shapes):
-            for dim, has in enumerate(self._has_factor(shape, group)):
+            for dim, has in enumerate(opt.method.has_factor(shape, group)):
                 if not has:
                     continue
                 ok = K.pending_ok(j, dim)
                 if ok not in st:
                     st[ok] = 0
-                for i, (oshape, dtype) in enumerate(self._output_specs(p, group, shape[dim])):
+                specs = opt.method.output_specs(p, group, shape[dim])
+                for i, (oshape, dtype) in enumerate(specs):
                     key = K.pending_output(j, dim, i)
                     if key not in st:
-                        st[key] = self._placeholder(oshape, dtype, local(p).device)
+                        st[key] = self.placeholder(oshape, dtype, local(p).device)
 
-    def _placeholder(self, shape, dtype, device) -> torch.Tensor:
+    def placeholder(self, shape, dtype, device) -> torch.Tensor:
         """A zero tensor of this shape that costs one element: a stride-0 view of a shared
         zero. ``state_dict()`` hands out real zeros in its place."""
         key = (dtype, device)
-        zero = self._zeros.get(key)
+        zero = self.zeros.get(key)
         if zero is None:
-            zero = self._zeros[key] = torch.zeros((), dtype=dtype, device=device)
+            zero = self.zeros[key] = torch.zeros((), dtype=dtype, device=device)
         return zero.expand(shape)
 
-    def _step_end(self, due: list) -> None:
-        self._engine.step_end(self._t)  # ReplicatedEngine: finished owner results to the sync
+    def step_end(self, due: list) -> None:
+        opt = self.opt
+        opt._engine.step_end(opt._t)  # ReplicatedEngine: finished owner results to the sync
         # what is left of this step end, should a wait in it be interrupted (Ctrl-C at the
         # bounded barrier): the next step(), state_dict() or close() finishes it first, so a
         # caught KeyboardInterrupt leaves the run on the trajectory of an uninterrupted one
-        self._unfinished_end = list(due)
-        self._finish_step_end()
+        self.unfinished_end = list(due)
+        self.finish_step_end()
 
-    def _finish_step_end(self) -> None:
-        t = self._t
-        for rnd in list(self._rounds):
-            if rnd.install_step <= t or (self._eager and rnd.ready(self._engine)):
-                self._install_round(rnd)
-        self._choose_s()
+    def finish_step_end(self) -> None:
+        opt = self.opt
+        t = opt._t
+        for rnd in list(self.rounds):
+            if rnd.install_step <= t or (self.eager and rnd.ready(opt._engine)):
+                self.install_round(rnd)
+        self.choose_s()
         for kind in (INIT, REFRESH):
-            items = [d for d in self._unfinished_end if d[0] == kind]
+            items = [d for d in self.unfinished_end if d[0] == kind]
             if not items:
                 continue
             # a REFRESH round's install step is t + S, S known once its jobs are (auto)
-            rnd = self._submit(kind, items, t if kind == INIT else None)
-            self._rounds.append(rnd)
-            self._unfinished_end = [d for d in self._unfinished_end if d[0] != kind]
-            if rnd.install_step == t and kind == REFRESH and self._defers():
-                self._deferred.append(rnd)
-            elif rnd.install_step == t or (self._eager and rnd.ready(self._engine)):
-                self._install_round(rnd)
-        self._unfinished_end = None
-        self.capacity.step_end(self._stall_ns)
-        self._stall_ns = 0
-        self._raise_failures()
+            rnd = self.submit(kind, items, t if kind == INIT else None)
+            self.rounds.append(rnd)
+            self.unfinished_end = [d for d in self.unfinished_end if d[0] != kind]
+            if rnd.install_step == t and kind == REFRESH and self.defers():
+                self.deferred.append(rnd)
+            elif rnd.install_step == t or (self.eager and rnd.ready(opt._engine)):
+                self.install_round(rnd)
+        self.unfinished_end = None
+        self.capacity.step_end(self.stall_ns)
+        self.stall_ns = 0
+        self.raise_failures()
 
-    def _settle_step_end(self) -> None:
+    def settle(self) -> None:
         """Finish a step end that a signal interrupted (see ``_step_end``), then carry out the
         installs deferred from it (``_settle_deferred``)."""
-        if getattr(self, "_unfinished_end", None) is not None:
-            self._finish_step_end()
-        self._settle_deferred()
+        if self.unfinished_end is not None:
+            self.finish_step_end()
+        self.settle_deferred()
 
-    def _defers(self) -> bool:
+    def defers(self) -> bool:
         """May an S = 0 round's install wait for the next use of the state? Its install step is
         the step that submitted it, and nothing changes the state between that step's end and
         the next step's start: installing it then, or at the first read of ``optimizer.state``
@@ -297,43 +314,45 @@ class ScheduleMixin:
         runs during the next forward and backward instead of at a barrier. Only with a
         rank-local background executor (a replicated engine's waits are collective: every
         rank must wait at the same point) and the state proxy that settles reads."""
-        return (self._async and not self._engine.replicated
-                and isinstance(self.state, _States))
+        opt = self.opt
+        return (opt._async and not opt._engine.replicated
+                and isinstance(opt.state, _States))
 
-    def _settle_deferred(self) -> None:
+    def settle_deferred(self) -> None:
         """Install the rounds deferred from the last step end (waiting for them if need be).
         A wait a signal interrupts keeps what was waited for; the next settle finishes it."""
-        if not getattr(self, "_deferred", None) or self._settling:
+        if not self.deferred or self.settling:
             return
-        self._settling = True
+        self.settling = True
         try:
-            while self._deferred:
-                if self._deferred[0] in self._rounds:  # else a step end installed it already
-                    self._install_round(self._deferred[0])
-                self._deferred.pop(0)
+            while self.deferred:
+                if self.deferred[0] in self.rounds:  # else a step end installed it already
+                    self.install_round(self.deferred[0])
+                self.deferred.pop(0)
         finally:
-            self._settling = False
+            self.settling = False
         # its barrier time counts in the next step end's stall; failures it records are raised
         # at the end of the next step, which completes first
 
-    def _submit(self, kind: str, items: list, install_step: Optional[int]) -> _Round:
+    def submit(self, kind: str, items: list, install_step: Optional[int]) -> _Round:
         """Submit a round; ``install_step`` None: t + S, with S chosen first if auto."""
+        opt = self.opt
         groups: dict = defaultdict(list)
         for _, p, j, dims in items:
             for dim in dims:
-                op, f, q, pw, eps = self._refresh_input(kind, p, j, dim)
-                key = (op, f.shape[-1], f.dtype, f.device, pw, eps, self._replicas(p))
+                op, f, q, pw, eps = opt.method.refresh_input(kind, p, j, dim)
+                key = (op, f.shape[-1], f.dtype, f.device, pw, eps, opt._replicas(p))
                 groups[key].append((p, j, dim, f, q))
         if install_step is None:
-            self._choose_s([JobSpec(k[0], k[2], int(k[1]), len(v), p=k[4])
+            self.choose_s([JobSpec(k[0], k[2], int(k[1]), len(v), p=k[4])
                             for k, v in groups.items()])
-            install_step = self._t + self._delay
+            install_step = opt._t + self.delay
         jobs, specs, submit_s = [], {}, {}
         start_ns = time.monotonic_ns()
         # libasteria's pool takes the factors as parts: its shadow snapshots them straight into
         # one ring slot, with no stack in fresh memory first (whose page faults were half of a
         # refresh step's extra time on the host)
-        local = self._local_c_engine()
+        local = self.takes_parts()
         for (op, _, _, _, pw, eps, replicas), entries in groups.items():
             fs = [e[3] for e in entries]
             f = fs if local else torch.stack(fs)
@@ -341,100 +360,112 @@ class ScheduleMixin:
             if entries[0][4] is not None:
                 q = _stack_inputs([e[4] for e in entries])
             targets = [(p, j, dim) for p, j, dim, _, _ in entries]
-            key = (kind, op, tuple((self._pindex[p], j, dim) for p, j, dim in targets))
-            block = self._block_keys.setdefault(key, len(self._block_keys) + 1)
-            version = self._versions[block] = self._versions.get(block, 0) + 1
+            key = (kind, op, tuple((opt._pindex[p], j, dim) for p, j, dim in targets))
+            block = self.block_keys.setdefault(key, len(self.block_keys) + 1)
+            version = self.versions[block] = self.versions.get(block, 0) + 1
             extra = {} if replicas is None else {"replicas": replicas}
             if q is not None and local:
                 # the basis stack was made here for the job: the worker reads it in place
                 extra["donate"] = ("q",)
-            if self._tiered is not None and all(
-                    self._owned(p, self._output_name(p, j, dim)) for p, j, dim in targets):
+            if opt.placement.tiered is not None and all(
+                    opt.placement.owned(p, opt.method.output_name(p, j, dim))
+                    for p, j, dim in targets):
                 extra["host_outputs"] = True  # the results go to host memory: no round trip
             t_sub = time.monotonic_ns()
-            ticket = self._engine.submit(op, f, q, block=block, version=version,
-                                         deadline=install_step, snapshot_step=self._t,
+            ticket = opt._engine.submit(op, f, q, block=block, version=version,
+                                         deadline=install_step, snapshot_step=opt._t,
                                          p=pw, eps=eps, **extra)
             submit_s[ticket] = (time.monotonic_ns() - t_sub) / 1e9
-            self._counters["refreshes_submitted"] += 1
+            opt._counters["refreshes_submitted"] += 1
             jobs.append(_Job(ticket, targets))
             specs[ticket] = JobSpec(op, fs[0].dtype, int(fs[0].shape[-1]), len(fs), p=pw)
-        self.capacity.round_submitted(kind, self._t, specs, start_ns, submit_s)
-        return _Round(kind, self._t, install_step, jobs)
+        self.capacity.round_submitted(kind, opt._t, specs, start_ns, submit_s)
+        return _Round(kind, opt._t, install_step, jobs)
 
-    def _output_name(self, p: torch.Tensor, j: int, dim: int) -> str:
-        """The state name a REFRESH output 0 of (block j, dim) is installed into."""
-        return K.key(j, "Q", dim)
-
-    def _install_round(self, rnd: _Round) -> None:
-        if rnd.outputs is None and not rnd.ready(self._engine):
+    def install_round(self, rnd: _Round) -> None:
+        opt = self.opt
+        if rnd.outputs is None and not rnd.ready(opt._engine):
             # the bounded barrier: a job is late (the first round of a run excepted, the
             # capacity report says how far the refresh falls behind)
             t0 = time.monotonic_ns()
-            outputs = rnd.resolve(self._engine)
+            outputs = rnd.resolve(opt._engine)
             waited = time.monotonic_ns() - t0
-            self._stall_ns += waited
-            self._counters["install_waits"] = self._counters.get("install_waits", 0) + 1
-            self._counters["install_wait_ns"] = self._counters.get("install_wait_ns", 0) + waited
-        outputs = rnd.resolve(self._engine)
-        self._install(rnd.kind, outputs)
-        self._counters["refresh_failures"] += rnd.failed
-        self._count_failures(rnd)
-        lag = self._t - rnd.snapshot_step
+            self.stall_ns += waited
+            opt._counters["install_waits"] = opt._counters.get("install_waits", 0) + 1
+            opt._counters["install_wait_ns"] = opt._counters.get("install_wait_ns", 0) + waited
+        outputs = rnd.resolve(opt._engine)
+        opt.method.install(rnd.kind, outputs)
+        opt._counters["refresh_failures"] += rnd.failed
+        self.count_failures(rnd)
+        lag = opt._t - rnd.snapshot_step
         # one install per job; a round restored from a checkpoint has one per parameter
         for _ in range(len(rnd.jobs) if rnd.jobs else len(outputs)):
-            self._engine.note_install(rnd.snapshot_step, self._t)
-            self._counters["installs"] += 1
-        self._counters["max_install_lag"] = max(self._counters["max_install_lag"], lag)
-        if rnd in self._rounds:
-            self._rounds.remove(rnd)
+            opt._engine.note_install(rnd.snapshot_step, opt._t)
+            opt._counters["installs"] += 1
+        opt._counters["max_install_lag"] = max(opt._counters["max_install_lag"], lag)
+        if rnd in self.rounds:
+            self.rounds.remove(rnd)
 
-    def _count_failures(self, rnd: _Round) -> None:
+    def count_failures(self, rnd: _Round) -> None:
         """Consecutive failed refreshes per (parameter, block, dimension), the same count in
         every mode. At ``max_failures`` in a row the failure is recorded for
         ``_raise_failures`` (``on_failure="raise"``) or warned about once (``"keep"``)."""
+        opt = self.opt
         failed = {}
         for targets, error in rnd.failures:
             for p, j, dim in targets:
-                failed[(self._pindex[p], j, dim)] = error
+                failed[(opt._pindex[p], j, dim)] = error
         for p, outs in rnd.outputs.items():
             for (j, dim), out in outs.items():
-                key = (self._pindex[p], j, dim)
+                key = (opt._pindex[p], j, dim)
                 if key not in failed:
-                    self._fail_streak.pop(key, None)
-        limit = self._cfg.max_failures
-        params = {i: p for p, i in self._pindex.items()}
+                    self.fail_streak.pop(key, None)
+        limit = opt._cfg.max_failures
+        params = {i: p for p, i in opt._pindex.items()}
         for key, error in failed.items():
-            n = self._fail_streak[key] = self._fail_streak.get(key, 0) + 1
+            n = self.fail_streak[key] = self.fail_streak.get(key, 0) + 1
             if n != limit:
                 continue
-            factor = self._refresh_input(REFRESH, params[key[0]], key[1], key[2])[1]
+            factor = opt.method.refresh_input(REFRESH, params[key[0]], key[1], key[2])[1]
             if not bool(torch.isfinite(factor).all()):
                 error = "its Kronecker factor is not finite: it overflowed; last error: " + error
-            what = (f"the REFRESH of {self._describe_param(key[0])}, block {key[1]}, "
+            what = (f"the REFRESH of {opt._describe_param(key[0])}, block {key[1]}, "
                     f"dimension {key[2]} failed {n} times in a row ({error})")
-            if self._cfg.on_failure == "raise":
-                self._failed.append(what)
+            if opt._cfg.on_failure == "raise":
+                self.failed.append(what)
             else:
                 warnings.warn(f"Asteria: {what}; the previous preconditioner is kept "
                               f"(runtime on_failure='keep')", RuntimeWarning, stacklevel=5)
 
-    def _count_lazy(self, name: str, n: torch.Tensor) -> None:
+    def count_lazy(self, name: str, n: torch.Tensor) -> None:
         """Add a count that lives on the device (no sync in the step); read by
         ``asteria_stats()``."""
-        prev = self._lazy_counts.get(name)
-        self._lazy_counts[name] = n if prev is None else prev + n.to(prev.device)
+        prev = self.lazy_counts.get(name)
+        self.lazy_counts[name] = n if prev is None else prev + n.to(prev.device)
 
-    def _raise_failures(self) -> None:
-        if not self._failed:
+    def raise_failures(self) -> None:
+        if not self.failed:
             return
-        whats, self._failed = self._failed, []
+        whats, self.failed = self.failed, []
         raise RuntimeError(
             "Asteria: " + "; ".join(whats) + ". This step is complete and the state is "
             "consistent; runtime {'on_failure': 'keep'} keeps training with the previous "
             "preconditioner instead of raising")
 
-    def _local_c_engine(self) -> bool:
+    def submit_write(self, op: str, members: list, *args, **kwargs) -> int:
+        """Start a job that writes state in the background (a method's: SOAP's rotations and
+        factor EMAs) for the blocks ``members`` [(param, j)], due by the next step: its block
+        key is stable for its op and members, its version counts its submissions. Returns the
+        engine's ticket; the caller registers the job with ``writes``."""
+        opt = self.opt
+        key = (op, tuple((opt._pindex[p], j) for p, j in members))
+        block = self.block_keys.setdefault(key, len(self.block_keys) + 1)
+        version = self.versions[block] = self.versions.get(block, 0) + 1
+        return opt._engine.submit(op, *args, block=block, version=version,
+                                  deadline=opt._t + 1, snapshot_step=opt._t, **kwargs)
+
+    def takes_parts(self) -> bool:
         """May jobs be given inputs made for them, and inputs as parts (an executor that reads
         them in place: libasteria's pool, not a distributed wrapper)?"""
-        return self._engine.takes_parts
+        opt = self.opt
+        return opt._engine.takes_parts

@@ -1,0 +1,252 @@
+"""A method's part of an Asteria optimizer: its math, and nothing of where state lives or when
+jobs run.
+
+Owns: the ``Method`` interface that SOAP, one-sided SOAP, Shampoo and KL-Shampoo fill (the
+hyperparameter check, which dimensions of a block get a factor, the state of a preconditioned
+parameter and its spec for the planner, the first step of fresh blocks, the step on a stack of
+same-shape blocks, a REFRESH job's input, the install of its results), the checks every method
+shares (``check_common``), and the registry of the optimizers by method name (``METHODS``: the
+OLMo-core configs and the capacity planner are made from it, so a new method is its own file
+and an export).
+
+A method is held by its optimizer (``opt.method``) and reaches the rest only through it, weakly
+(no cycle): the state (``opt.state``), the placement's block accessors (``opt.placement``:
+``stack`` / ``unstack`` / ``root_*``, so the kernels see the tensors of the all-device path
+wherever a block lives) and the schedule (``opt.schedule``: a job that writes state in the
+background, device-side counts). The step math itself is in ``functional``. Single-threaded
+(the training thread).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, ClassVar, Optional, Sequence
+
+import torch
+
+from asteria.optim import _layout as K
+from asteria.optim import functional as F
+from asteria.optim._blocking import Layout
+from asteria.optim._state import real
+
+INIT = "init"        # first-step eigendecomposition, installed in the step that submitted it
+REFRESH = "refresh"  # periodic refresh, installed S steps later
+
+#: optimizer class by method name ("soap", "shampoo", ...): filled by each optimizer class
+METHODS: dict = {}
+
+
+def require(key: str, ok: bool, value: Any, allowed: str) -> None:
+    """Raise ValueError naming a bad hyperparameter and what it may be."""
+    if not ok:
+        raise ValueError(f"invalid {key}: {value!r}; allowed: {allowed}")
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_common(group: dict, beta_max: Sequence[bool] = (False, False)) -> None:
+    """Checks every optimizer shares: lr, betas, weight decay, frequency, block size.
+    ``beta_max[i]`` allows betas[i] == 1."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")  # torch.optim's wording
+    lr_value = float(lr) if isinstance(lr, torch.Tensor) and lr.numel() == 1 else lr
+    require("lr", isinstance(lr_value, (int, float)) and lr_value >= 0.0, lr, "a float >= 0")
+    betas = group["betas"]
+    require("betas", isinstance(betas, (tuple, list)) and len(betas) == 2, betas,
+            "a pair (beta1, beta2)")
+    for i, b in enumerate(betas):
+        hi = "1]" if beta_max[i] else "1)"
+        ok = isinstance(b, (int, float)) and 0.0 <= b and (b <= 1.0 if beta_max[i] else b < 1.0)
+        require(f"betas[{i}]", ok, b, f"a float in [0, {hi}")
+    wd = group["weight_decay"]
+    require("weight_decay", isinstance(wd, (int, float)) and wd >= 0.0, wd, "a float >= 0")
+    f = group["precondition_frequency"]
+    require("precondition_frequency", is_int(f) and f >= 1, f, "an integer >= 1")
+    bs = group["block_size"]
+    require("block_size", bs is None or (is_int(bs) and bs >= 1), bs, "None or an integer >= 1")
+
+
+def eigh_input(f: torch.Tensor) -> torch.Tensor:
+    """The references decompose F + 1e-30 I."""
+    return f + 1e-30 * torch.eye(f.shape[0], dtype=f.dtype, device=f.device)
+
+
+class Method:
+    """The math of one second-order method. Subclasses set ``NAME`` and fill the hooks."""
+
+    #: the method's name: its param groups' "algorithm", the OLMo-core config type
+    #: ``asteria_<NAME>``, the planner's ``--optimizer``
+    NAME: ClassVar[str]
+    #: the REFRESH op (``asteria.refresh.ops``) and its root p, for the capacity planner
+    REFRESH_OP: ClassVar[tuple] = ("soap_qr", 0.0)
+    #: the first step computes the initial eigenbasis (no update); SOAP and KL-Shampoo
+    init_step: ClassVar[bool] = True
+    #: ``step_blocks`` takes whole parameters as the list of them (``w``), which it updates in
+    #: place, instead of a stack that is copied back
+    weights_in_place: ClassVar[bool] = False
+    #: the factor field whose dimensions a refresh decomposes (``b{j}.<field>{i}``)
+    FACTOR: ClassVar[str] = "GG"
+
+    def __init__(self, opt) -> None:
+        self._opt = weakref.ref(opt)
+
+    @property
+    def opt(self):
+        return self._opt()
+
+    @property
+    def state(self):
+        return self._opt().state
+
+    @property
+    def blocks(self):
+        """The placement's block accessors (``asteria.optim.placement.Placement``)."""
+        return self._opt().placement
+
+    # ---- hyperparameters ----------------------------------------------------------------------
+    def check(self, group: dict) -> None:
+        """Raise ValueError naming a bad hyperparameter of a param group."""
+        raise NotImplementedError
+
+    def normalize_group(self, group: dict) -> None:
+        """Bring a param group's values into the form kept in it (KL-Shampoo: dtypes by name)."""
+
+    def uses_adamw(self, p: torch.Tensor, group: dict) -> bool:
+        """The method's own rule for the AdamW path (1-D / 0-D parameters, by the dimensions of
+        ``real(p)``: a complex 1-D parameter's real view is 2-D)."""
+        return real(p).dim() <= 1
+
+    def adamw_hparams(self, group: dict) -> tuple[float, float, float]:
+        """(beta1, beta2, eps) of the AdamW update of 1-D parameters."""
+        return group["betas"][0], group["betas"][1], group["eps"]
+
+    def max_dim(self, group: dict) -> int:
+        return group["max_precond_dim"]
+
+    def merge_dims(self, group: dict) -> bool:
+        return False
+
+    def has_factor(self, block_shape: Sequence[int], group: dict) -> list[bool]:
+        """Which dimensions of a block get a factor (the others keep their coordinates)."""
+        limit = self.max_dim(group)
+        return [d <= limit for d in block_shape]
+
+    # ---- state --------------------------------------------------------------------------------
+    def state_spec(self, p: torch.Tensor, group: dict, layout: Layout) -> list:
+        """[(state name, kind, shape, dtype)] of a preconditioned parameter's state, for the
+        planner; kind is one of "factors", "moments", "roots", "eigenbases"."""
+        raise NotImplementedError
+
+    def create_state(self, p: torch.Tensor, group: dict, layout: Layout) -> None:
+        raise NotImplementedError
+
+    def fixed_state(self, p: torch.Tensor, group: dict, layout: Layout) -> None:
+        """Add the method's keys of the fixed key set that p's state lacks (at creation, after
+        a load; Shampoo's roots before their first install)."""
+
+    def flag_keys(self, p: torch.Tensor, group: dict, layout: Layout) -> list:
+        """Names of the number-valued state keys of a preconditioned parameter besides the
+        step and the refresh-in-flight keys (Shampoo's ``b{j}.Linv{i}_set``)."""
+        return []
+
+    def output_specs(self, p: torch.Tensor, group: dict, d: int) -> list:
+        """[(shape, dtype)] of the outputs of a REFRESH job of a factor of size d."""
+        return [((d, d), real(p).dtype)]
+
+    def output_name(self, p: torch.Tensor, j: int, dim: int) -> str:
+        """The state name a REFRESH output 0 of (block j, dim) is installed into."""
+        return K.key(j, "Q", dim)
+
+    def fake_step_tensors(self, p: torch.Tensor) -> list:
+        """The state tensors of a preconditioned parameter that DCP's fake step (zero gradients)
+        leaves at zero, and that only an all-zero gradient history leaves at zero."""
+        raise NotImplementedError
+
+    def batch_tag(self, p: torch.Tensor, j: int) -> Any:
+        """Extra key that separates blocks of one shape into different stacks."""
+        return None
+
+    # ---- the step -----------------------------------------------------------------------------
+    def init_blocks(self, group: dict, members: list, g: torch.Tensor) -> list:
+        """First step of fresh blocks; returns [(p, j, dims)] needing an eigendecomposition."""
+        raise NotImplementedError
+
+    def step_blocks(self, group: dict, members: list, w, g: torch.Tensor,
+                    steps: list[int]) -> None:
+        """One step of a stack of same-shape blocks: ``w`` their weights (a stack, or with
+        ``weights_in_place`` the list of whole parameters), ``g`` their gradients, ``steps``
+        each member's step count."""
+        raise NotImplementedError
+
+    # ---- the refresh --------------------------------------------------------------------------
+    def refresh_input(self, kind: str, p: torch.Tensor, j: int, dim: int):
+        """(op, F, Q or None, p, eps) of one factor's job."""
+        raise NotImplementedError
+
+    def install(self, kind: str, outputs: dict) -> None:
+        raise NotImplementedError
+
+    # ---- shared by the eigenbasis methods -----------------------------------------------------
+    def init_bases(self, members: list, factors: list) -> list:
+        """Store first-step factors (``b{j}.{FACTOR}{i}``) with the identity as their basis;
+        return [(p, j, dims)] of the factors that are not c*I and so need a real
+        eigendecomposition."""
+        state, blocks = self.state, self.blocks
+        need: dict = {}
+        for i, f in enumerate(factors):
+            if f is None:
+                continue
+            eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
+            for (p, j), fi, trivial in zip(members, f.unbind(0), F.is_scaled_identity(f)):
+                state[p][K.key(j, self.FACTOR, i)] = fi.clone()
+                blocks.root_set(p, K.key(j, "Q", i), eye)
+                if not trivial:
+                    need.setdefault((p, j), []).append(i)
+        return [(p, j, dims) for (p, j), dims in need.items()]
+
+    def install_bases(self, outputs: dict) -> None:
+        """Install eigenbases (first-step eigh, KL-Shampoo's QR): Q_i = output 0; failures keep
+        Q."""
+        blocks = self.blocks
+        for p, outs in outputs.items():
+            for (j, dim), out in outs.items():
+                if out is not None:
+                    blocks.root_set(p, K.key(j, "Q", dim), out[0])
+
+    def fake_factors(self, p: torch.Tensor) -> list:
+        """The factors of p (``b{j}.{FACTOR}{i}``): what a fake step leaves at zero."""
+        st = self.state[p]
+        return [v for k, v in dict.items(st) if K.is_factor(k, self.FACTOR)]
+
+
+def register(cls: type) -> type:
+    """Class decorator of an optimizer: its method's name finds it (``METHODS``)."""
+    name = cls.METHOD.NAME
+    if METHODS.get(name, cls) is not cls:
+        raise ValueError(f"two optimizers for the method name {name!r}")
+    METHODS[name] = cls
+    return cls
+
+
+def method_defaults(cls: type) -> dict:
+    """An optimizer class's keyword defaults (its signature's), ``params`` and ``runtime``
+    left out: a param group as the class builds it by default."""
+    import inspect
+
+    out = {}
+    for name, prm in inspect.signature(cls).parameters.items():
+        if name in ("params", "runtime") or prm.default is inspect.Parameter.empty:
+            continue
+        out[name] = prm.default
+    return out
+
+
+def method_of(name: Optional[str]) -> type:
+    """The optimizer class of a method name; ValueError naming the names allowed."""
+    cls = METHODS.get(name)
+    if cls is None:
+        raise ValueError(f"unknown method {name!r}; allowed: {sorted(METHODS)}")
+    return cls
