@@ -31,13 +31,13 @@ from typing import Optional, Sequence
 
 import torch
 
+from asteria.optim import METHODS
 from asteria.optim._blocking import make_layout
+from asteria.optim.method import method_of
 from asteria.refresh import cost as C
 from asteria.refresh.engine import Lane
 
 PRESETS = {"olmo2-1b": "olmo2_1B", "olmo2-7b": "olmo2_7B"}
-#: the REFRESH op of each optimizer, and its root p
-OPS = {"soap": ("soap_qr", 0.0), "kl_shampoo": ("kl_qr", 0.0), "shampoo": ("inv_root", 4.0)}
 H200_BF16_TFLOPS = 989.0  # dense bf16 peak
 VOCAB = 100352            # OLMo-2's padded dolma2 vocabulary
 
@@ -63,19 +63,24 @@ def preset(name: str, seq_len: int = 4096) -> dict:
     return {"shapes": shapes, "flops_per_token": fpt, "params": cfg.num_params}
 
 
-def factors(shapes: Sequence[tuple], max_dim: int, block_size: Optional[int]) -> Counter:
-    """{factor size: count} of these weights under the optimizers' blocking."""
+def factors(shapes: Sequence[tuple], max_dim: int, block_size: Optional[int],
+            optimizer: str = "soap") -> Counter:
+    """{factor size: count} of these weights under the optimizer's blocking and its rule of
+    which dimensions of a block get a factor (``Method.has_factor``)."""
+    method = method_of(optimizer).METHOD(None)
+    group = {"block_size": block_size, "max_precond_dim": max_dim,
+             "max_preconditioner_dim": max_dim, "merge_dims": False}
     out: Counter = Counter()
     for shape in shapes:
         for block in make_layout(torch.Size(shape), block_size, False, max_dim).block_shapes:
-            for d in block:
-                if d <= max_dim:
+            for d, has in zip(block, method.has_factor(block, group)):
+                if has:
                     out[d] += 1
     return out
 
 
 def round_jobs(sizes: Counter, optimizer: str) -> list:
-    op, p = OPS[optimizer]
+    op, p = method_of(optimizer).METHOD.REFRESH_OP
     return [C.JobSpec(op, torch.float32, n, k, p=p) for n, k in sorted(sizes.items())]
 
 
@@ -140,7 +145,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--preset", action="append", choices=sorted(PRESETS), default=[])
     ap.add_argument("--shape", action="append", type=parse_shape, default=[],
                     help="a weight shape (e.g. 2048x8192); repeat for each weight")
-    ap.add_argument("--optimizer", choices=sorted(OPS), default="soap")
+    ap.add_argument("--optimizer", choices=sorted(METHODS), default="soap")
     ap.add_argument("--cores", type=int, default=14, help="host cores (workers) per GPU")
     ap.add_argument("--gflops-per-core", type=float, default=None,
                     help="per-core REFRESH throughput; default: measured here (libasteria's "
@@ -165,7 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error("give --preset and/or --shape")
     if args.shape and args.tokens:
         ap.error("--tokens needs a preset (its FLOPs per token); give --step-time for --shape")
-    op = OPS[args.optimizer][0]
+    op = method_of(args.optimizer).METHOD.REFRESH_OP[0]
     if args.gflops_per_core is None:
         model = C.calibrate(ops=(op,), sizes=(256, 512, 1024))
         rates = ", ".join(f"{r['gflops']:.1f} at n={r['n']}" for r in model.table())
@@ -180,7 +185,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         models.append(("shapes", {"shapes": args.shape, "flops_per_token": None}))
     rows = []
     for name, m in models:
-        sizes = factors(m["shapes"], args.max_precond_dim, args.block_size)
+        sizes = factors(m["shapes"], args.max_precond_dim, args.block_size, args.optimizer)
         if args.step_time is not None:
             steps = [(None, args.step_time)]
         else:

@@ -67,11 +67,16 @@ def test_factor_after_an_offloaded_step_is_the_ema():
         opt.close()
 
 
-class CountingSOAP(SOAP):
-    def _submit_factor_ema(self, job):
+class CountingMethod(SOAPMethod):
+    def submit_factor_ema(self, job):
         members = job.members
-        self.offloaded_at.append((len(members), [self.state[p]["step"] for p, _ in members]))
-        return super()._submit_factor_ema(job)
+        self.opt.offloaded_at.append((len(members),
+                                      [self.state[p]["step"] for p, _ in members]))
+        return super().submit_factor_ema(job)
+
+
+class CountingSOAP(SOAP):
+    METHOD = CountingMethod
 
 
 def test_offloaded_steps_are_those_no_refresh_reads():

@@ -16,9 +16,9 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("asteria.olmo needs OLMo-core: pip install 'asteria[olmo]' "
                       "(ai2-olmo-core)") from e
 
-from asteria.olmo.config import (AsteriaKLShampooConfig, AsteriaOptimConfig, AsteriaSOAPConfig,
-                                 AsteriaShampooConfig, categorize_generic)
+from asteria.olmo.config import CONFIG_CLASSES, AsteriaOptimConfig, categorize_generic
 from asteria.olmo.optimizer import MatrixAwareAsteria
 
-__all__ = ["AsteriaSOAPConfig", "AsteriaShampooConfig", "AsteriaKLShampooConfig",
-           "AsteriaOptimConfig", "MatrixAwareAsteria", "categorize_generic"]
+globals().update(CONFIG_CLASSES)  # AsteriaSOAPConfig, AsteriaShampooConfig, ...
+
+__all__ = [*CONFIG_CLASSES, "AsteriaOptimConfig", "MatrixAwareAsteria", "categorize_generic"]

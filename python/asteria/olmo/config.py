@@ -1,9 +1,10 @@
-"""OLMo-core optimizer configs for the Asteria methods: ``AsteriaSOAPConfig``,
-``AsteriaShampooConfig``, ``AsteriaKLShampooConfig``.
+"""OLMo-core optimizer configs for the Asteria methods: one per optimizer of
+``asteria.optim.METHODS``, made from its signature (``AsteriaSOAPConfig``,
+``AsteriaOneSidedSOAPConfig``, ``AsteriaShampooConfig``, ``AsteriaKLShampooConfig``).
 
 Owns: the config fields (each method's keyword names and defaults, plus ``runtime``, the Asteria
-runtime dict), their registration with OLMo-core's ``OptimConfig`` registry, and the parameter
-categorisation. Calls olmo_core (``MatrixAwareOptimConfig``), ``asteria.RuntimeConfig`` and
+runtime dict), their registration with OLMo-core's ``OptimConfig`` registry
+(``asteria_<method name>``), and the parameter categorisation. Calls olmo_core (``MatrixAwareOptimConfig``), ``asteria.RuntimeConfig`` and
 ``asteria.olmo.optimizer``.
 
 An OLMo-core script swaps its optimizer config and nothing else::
@@ -35,7 +36,7 @@ from olmo_core.optim import MatrixAwareOptimConfig, OptimConfig
 
 from asteria.config import RuntimeConfig
 from asteria.olmo.optimizer import ADAMW, MatrixAwareAsteria
-from asteria.optim import KLShampoo, SOAP, Shampoo
+from asteria.optim.method import METHODS, method_defaults
 
 #: categories in group order (that of OLMo-core's Muon and Dion configs)
 CATEGORIES = ("matrix", "vector", "embed", "lm_head")
@@ -92,8 +93,9 @@ class AsteriaOptimConfig(MatrixAwareOptimConfig):
     def adamw_hparams(self) -> Dict[str, Any]:
         """lr, betas, eps, weight_decay of the AdamW groups: those the method gives its own
         1-D parameters."""
-        return dict(lr=self.lr, betas=tuple(self.betas), eps=self.eps,
-                    weight_decay=self.weight_decay)
+        group = self.method_hparams()
+        beta1, beta2, eps = self.METHOD.METHOD(None).adamw_hparams(group)
+        return dict(lr=self.lr, betas=(beta1, beta2), eps=eps, weight_decay=self.weight_decay)
 
     def categorize(self, model: torch.nn.Module) -> Dict[str, List[str]]:
         """{"matrix": [...], "vector": [...], "embed": [...], "lm_head": [...]} of parameter
@@ -127,83 +129,42 @@ class AsteriaOptimConfig(MatrixAwareOptimConfig):
                                   method_name=self.NAME, runtime=self.runtime)
 
 
-@OptimConfig.register("asteria_soap")
-@dataclass
-class AsteriaSOAPConfig(AsteriaOptimConfig):
-    """SOAP (``asteria.SOAP``) on the matrices, AdamW (betas, eps, weight_decay) on the rest."""
-
-    METHOD: ClassVar[type] = SOAP
-    NAME: ClassVar[str] = "soap"
-
-    lr: float = 3e-3
-    betas: Tuple[float, float] = (0.95, 0.95)
-    shampoo_beta: float = -1
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    precondition_frequency: int = 10
-    max_precond_dim: int = 10000
-    merge_dims: bool = False
-    normalize_grads: bool = False
-    correct_bias: bool = True
-    block_size: Optional[int] = None
+def _field_type(name: str, default: Any, annotation: Any) -> Any:
+    """The config field type of a keyword: its annotation where that is a plain type name,
+    else from its default (OLMo-core's configs go through OmegaConf, which takes no Union)."""
+    ann = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    if isinstance(default, torch.dtype):
+        return str  # dtypes by name (torch.distributed.checkpoint saves no torch.dtype)
+    if ann in ("bool", "int", "float", "str"):
+        return {"bool": bool, "int": int, "float": float, "str": str}[ann]
+    if isinstance(default, tuple):
+        return Tuple[tuple(type(v) for v in default)]
+    if default is None:
+        return Optional[int] if "int" in ann else Optional[float] if "float" in ann else Optional[Any]
+    return type(default)
 
 
-@OptimConfig.register("asteria_shampoo")
-@dataclass
-class AsteriaShampooConfig(AsteriaOptimConfig):
-    """Shampoo with Adam grafting (``asteria.Shampoo``) on the matrices; AdamW on the rest with
-    betas (betas[0], grafting_beta2) and eps grafting_epsilon, as Shampoo treats 1-D
-    parameters."""
-
-    METHOD: ClassVar[type] = Shampoo
-    NAME: ClassVar[str] = "shampoo"
-
-    lr: float = 1e-3
-    betas: Tuple[float, float] = (0.9, 0.999)
-    epsilon: float = 1e-12
-    grafting_beta2: float = 0.999
-    grafting_epsilon: float = 1e-8
-    weight_decay: float = 0.0
-    precondition_frequency: int = 10
-    start_preconditioning_step: int = -1
-    max_preconditioner_dim: int = 1024
-    inverse_exponent_override: Optional[float] = None
-    block_size: Optional[int] = None
-
-    def adamw_hparams(self) -> Dict[str, Any]:
-        return dict(lr=self.lr, betas=(self.betas[0], self.grafting_beta2),
-                    eps=self.grafting_epsilon, weight_decay=self.weight_decay)
+def config_class(method: type) -> type:
+    """The OLMo-core config of an Asteria optimizer class: one field per keyword, with its name
+    and default (a torch.dtype by name), registered as ``asteria_<method name>``."""
+    name = method.METHOD.NAME
+    sig = inspect.signature(method).parameters
+    fields = []
+    for key, default in method_defaults(method).items():
+        typ = _field_type(key, default, sig[key].annotation)
+        if isinstance(default, torch.dtype):
+            default = str(default).removeprefix("torch.")
+        fields.append((key, typ, field(default=default)))
+    doc = (f"``asteria.{method.__name__}`` on the matrices; AdamW on the rest, with the lr, "
+           f"weight_decay and the first-moment / second-moment / epsilon settings "
+           f"{method.__name__} gives its own 1-D parameters.")
+    cls = dataclasses.make_dataclass(
+        f"Asteria{method.__name__}Config", fields, bases=(AsteriaOptimConfig,),
+        namespace={"METHOD": method, "NAME": name, "__doc__": doc})
+    cls.__module__ = __name__  # found as asteria.olmo.config.<name> (OLMo-core's _CLASS_)
+    return OptimConfig.register(f"asteria_{name}")(cls)
 
 
-@OptimConfig.register("asteria_kl_shampoo")
-@dataclass
-class AsteriaKLShampooConfig(AsteriaOptimConfig):
-    """KL-Shampoo (``asteria.KLShampoo``) on the matrices, AdamW (betas, eps, weight_decay) on
-    the rest."""
-
-    METHOD: ClassVar[type] = KLShampoo
-    NAME: ClassVar[str] = "kl_shampoo"
-
-    lr: float = 1e-4
-    betas: Tuple[float, float] = (0.9, 0.98)
-    shampoo_beta: float = -1
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    precondition_frequency: int = 10
-    normalize_grads: bool = False
-    init_factor: float = 0.1
-    using_clamping: bool = True
-    max_clamp_value: int = 4000
-    compute_dtype: str = "float32"
-    """A torch floating-point dtype by name: "float32", "float64", "bfloat16", ..."""
-    max_precond_dim: int = 10000
-    block_size: Optional[int] = None
-
-    def method_hparams(self) -> Dict[str, Any]:
-        out = super().method_hparams()
-        dtype = getattr(torch, str(self.compute_dtype), None)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"invalid compute_dtype: {self.compute_dtype!r}; allowed: the name "
-                             f"of a floating-point torch dtype, e.g. 'float32', 'float64'")
-        out["compute_dtype"] = dtype
-        return out
+#: config class name -> config class, one per Asteria optimizer (``asteria.optim.METHODS``)
+CONFIG_CLASSES = {c.__name__: c for c in map(config_class, METHODS.values())}
+globals().update(CONFIG_CLASSES)

@@ -1,8 +1,11 @@
 """The Asteria optimizers: torch.optim.Optimizer subclasses whose REFRESH work (eigh, QR,
-inverse roots) runs on the Asteria engine under a bounded staleness budget. The step math is in
-``asteria.optim.functional``; the scheduling in ``asteria.optim._base``."""
+inverse roots) runs on the Asteria engine under a bounded staleness budget. Each is a thin class
+over a ``method.Method`` (its math); ``optimizer.AsteriaOptimizer`` composes it with the
+schedule, the placement and the checkpoint codec (docs/architecture.md). ``METHODS``: every
+optimizer by method name; importing a method's module registers it."""
 
 from asteria.optim.kl_shampoo import KLShampoo
+from asteria.optim.method import METHODS
 from asteria.optim.one_sided_soap import OneSidedSOAP
 from asteria.optim.shampoo import Shampoo
 from asteria.optim.soap import SOAP

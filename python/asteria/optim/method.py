@@ -91,7 +91,9 @@ class Method:
     FACTOR: ClassVar[str] = "GG"
 
     def __init__(self, opt) -> None:
-        self._opt = weakref.ref(opt)
+        """``opt``: the optimizer it works for, or None: a detached method, whose rules of a
+        param group alone are used (the OLMo-core configs, the capacity planner)."""
+        self._opt = weakref.ref(opt) if opt is not None else (lambda: None)
 
     @property
     def opt(self):

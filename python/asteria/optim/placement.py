@@ -291,6 +291,12 @@ class Placement:
         opt = self.opt
         return [k for k in self.tkeys.get(opt._pindex[p], ()) if K.block_of(k[1]) == j]
 
+    def on_nvme(self, members: list) -> bool:
+        """Are some of these members' [(param, j)] blocks NVMe-homed?"""
+        return self.tiered is not None and any(
+            self.tiered.plan.tier(k) == "nvme" for p, j in members
+            for k in self.member_keys(p, j))
+
     def chunks(self, members: list) -> list:
         """Split a stack's members so that each chunk's staged blocks fit the ring."""
         if self.tiered is None or not members:

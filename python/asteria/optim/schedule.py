@@ -343,10 +343,12 @@ class Schedule:
                 op, f, q, pw, eps = opt.method.refresh_input(kind, p, j, dim)
                 key = (op, f.shape[-1], f.dtype, f.device, pw, eps, opt._replicas(p))
                 groups[key].append((p, j, dim, f, q))
+        s = 0  # the S of this round: its results are installed at t + s
         if install_step is None:
             self.choose_s([JobSpec(k[0], k[2], int(k[1]), len(v), p=k[4])
-                            for k, v in groups.items()])
-            install_step = opt._t + self.delay
+                           for k, v in groups.items()])
+            s = self.delay
+            install_step = opt._t + s
         jobs, specs, submit_s = [], {}, {}
         start_ns = time.monotonic_ns()
         # libasteria's pool takes the factors as parts: its shadow snapshots them straight into
@@ -363,7 +365,7 @@ class Schedule:
             key = (kind, op, tuple((opt._pindex[p], j, dim) for p, j, dim in targets))
             block = self.block_keys.setdefault(key, len(self.block_keys) + 1)
             version = self.versions[block] = self.versions.get(block, 0) + 1
-            extra = {} if replicas is None else {"replicas": replicas}
+            extra = {} if replicas is None else {"replicas": replicas, "staleness": s}
             if q is not None and local:
                 # the basis stack was made here for the job: the worker reads it in place
                 extra["donate"] = ("q",)

@@ -244,10 +244,7 @@ class SOAPMethod(Method):
     def bases_on_nvme(self, members: list) -> bool:
         """Are some of these members' bases NVMe-homed (a configuration that trades the
         overlap of the rotations of one install for memory)?"""
-        tiered = self.blocks.tiered
-        return tiered is not None and any(
-            tiered.plan.tier(k) == "nvme" for p, j in members
-            for k in self.blocks.member_keys(p, j))
+        return self.blocks.on_nvme(members)
 
     def submit_rotation(self, members: list, m: torch.Tensor, pairs: list) -> None:
         """Start m_new = Q_new^T (Q_old m Q_old^T) Q_new (per side) on a worker; m stays as it

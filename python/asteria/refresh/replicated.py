@@ -75,7 +75,10 @@ class ReplicatedEngine(Engine):
 
     # ---- Engine -------------------------------------------------------------------------------
     def submit(self, op, f, q=None, *, block, version, deadline, snapshot_step, p=0.0, eps=0.0,
-               replicas=None, **extra) -> int:
+               replicas=None, staleness=None, **extra) -> int:
+        """``replicas``: the ranks holding the blocks (None or one rank: a rank-local job);
+        ``staleness``: the S the optimizer's schedule applies to this job (its channel's
+        budget), required with replicas."""
         self._check()
         ticket = next(self._tickets)
         ranks = tuple(sorted(replicas)) if replicas is not None else None
@@ -91,8 +94,9 @@ class ReplicatedEngine(Engine):
             raise ValueError(f"replica set {ranks} was not declared when the engine was built "
                              f"(known: {sorted(self._links)}); build the optimizer after the "
                              "model is wrapped, on every rank")
-        staleness = deadline - snapshot_step
-        channel = self._channel(link, staleness)
+        if staleness is None:
+            raise ValueError("a replicated REFRESH job needs its staleness budget (staleness=S)")
+        channel = self._channel(link, int(staleness))
         batch, n = int(f.shape[0]), int(f.shape[-1])
         if batch >= 1 << _ID_BITS:
             raise ValueError(f"a REFRESH batch of {batch} entries is too large to replicate")
