@@ -40,8 +40,8 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import asteria  # noqa: E402
-from asteria.olmo import (AsteriaKLShampooConfig, AsteriaSOAPConfig,  # noqa: E402
-                          AsteriaShampooConfig, MatrixAwareAsteria)
+from asteria.olmo import (AsteriaKLShampooConfig, AsteriaOneSidedSOAPConfig,  # noqa: E402
+                          AsteriaSOAPConfig, AsteriaShampooConfig, MatrixAwareAsteria)
 from asteria.olmo import checkpoint as olmo_checkpoint  # noqa: E402
 from models import require_c_extension  # noqa: E402
 from olmo_core.nn.transformer import TransformerConfig  # noqa: E402
@@ -57,6 +57,7 @@ FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 RUNTIME = {"mode": "async", "staleness": 2, "install": "deterministic", "workers": 1}
 CONFIGS = {
     "soap": (AsteriaSOAPConfig, asteria.SOAP, "asteria_soap"),
+    "one_sided_soap": (AsteriaOneSidedSOAPConfig, asteria.OneSidedSOAP, "asteria_one_sided_soap"),
     "shampoo": (AsteriaShampooConfig, asteria.Shampoo, "asteria_shampoo"),
     "kl_shampoo": (AsteriaKLShampooConfig, asteria.KLShampoo, "asteria_kl_shampoo"),
 }
@@ -122,6 +123,17 @@ def params_of(model) -> list[torch.Tensor]:
 
 
 # ---- configs ----------------------------------------------------------------------------------
+def test_every_method_has_a_config_made_from_the_registry():
+    """The configs are made from asteria.optim.METHODS: one per optimizer, registered by its
+    method's name, and these tests cover each of them."""
+    from asteria.optim import METHODS
+
+    assert set(METHODS) == set(NAMES)
+    for name, (cls, method, registered) in CONFIGS.items():
+        assert cls.METHOD is METHODS[name] is method and cls.NAME == name
+        assert registered == f"asteria_{name}"
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_class_entry_resolves_through_olmo_core(name):
     cls, _, registered = CONFIGS[name]

@@ -4,7 +4,8 @@
 
 Owns: the config fields (each method's keyword names and defaults, plus ``runtime``, the Asteria
 runtime dict), their registration with OLMo-core's ``OptimConfig`` registry
-(``asteria_<method name>``), and the parameter categorisation. Calls olmo_core (``MatrixAwareOptimConfig``), ``asteria.RuntimeConfig`` and
+(``asteria_<method name>``), and the parameter categorisation. Calls olmo_core
+(``MatrixAwareOptimConfig``), ``asteria.RuntimeConfig`` and
 ``asteria.olmo.optimizer``.
 
 An OLMo-core script swaps its optimizer config and nothing else::
@@ -140,7 +141,8 @@ def _field_type(name: str, default: Any, annotation: Any) -> Any:
     if isinstance(default, tuple):
         return Tuple[tuple(type(v) for v in default)]
     if default is None:
-        return Optional[int] if "int" in ann else Optional[float] if "float" in ann else Optional[Any]
+        return (Optional[int] if "int" in ann else Optional[float] if "float" in ann
+                else Optional[Any])
     return type(default)
 
 

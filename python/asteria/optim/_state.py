@@ -8,7 +8,7 @@ gradient (``local``: a DTensor's shard; ``real``: a complex tensor's real view, 
 that mapping). Holds its optimizer weakly: the state must never own the optimizer (with the
 cycle collector off, as OLMo-core trains, a cycle would keep the optimizer, its workers and
 buffers alive). Every read or write of an entry first settles what still changes it: an install
-deferred to the next use (``_schedule``) and the job that writes that key (``opt.schedule.writes``,
+deferred to the next use (``schedule``) and the job that writes that key (``opt.schedule.writes``,
 ``_writes.PendingWrites``). May call: torch, ``_layout``, the optimizer it belongs to (through
 a weak reference). Single-threaded (the training thread).
 """
@@ -194,7 +194,8 @@ class _ParamState(dict):
             k = internal_key(self._tag, k)
         if opt.schedule.writes or opt.schedule.deferred:
             self._settle(opt, k)
-        if opt.placement.tiered is not None and isinstance(v, torch.Tensor) and opt.placement.owned(self._p, k):
+        place = opt.placement
+        if place.tiered is not None and isinstance(v, torch.Tensor) and place.owned(self._p, k):
             opt.placement.tiered.write((opt._pindex[self._p], k), v)
         else:
             dict.__setitem__(self, k, v)

@@ -1,12 +1,13 @@
-"""Checkpoints of an Asteria optimizer: ``state_dict`` / ``load_state_dict`` in torch.optim's
-form, checked loads, and copies (``copy.deepcopy``, pickle).
+"""Checkpoints of an Asteria optimizer (``opt.codec``): ``state_dict`` / ``load_state_dict`` in
+torch.optim's form and checked loads.
 
 Owns: the checkpoint form of the state (the optimizer's own key names; a refresh in flight
 stored as its results, not installed), the check of a loaded state dict against this
-optimizer, and the dtype each loaded tensor is kept in. May call: torch, the optimizer's
-placement (``_tiered``), schedule (``_rounds``), the jobs that still write state (``_writes``:
-settled first), ``_layout`` (key names) and subclass hooks (``_state_spec``, ``_output_specs``,
-``_flag_keys``). Single-threaded (the training thread).
+optimizer, and the dtype each loaded tensor is kept in. May call, through its optimizer (held
+weakly): torch.optim's own state-dict code, the placement (``tiered``), the schedule
+(``rounds``, ``writes``: settled first), the method (``check``, ``state_spec``,
+``output_specs``, ``flag_keys``, ``has_factor``), ``_layout`` (key names). Single-threaded
+(the training thread).
 
 Checkpoints through torch.distributed.checkpoint (DCP).
  - Fixed key set. A flattened load (``StateDictOptions(flatten_optimizer_state_dict=True)``)
@@ -19,7 +20,7 @@ Checkpoints through torch.distributed.checkpoint (DCP).
    ``b{j}.Linv{i}_set`` = 0 before the first install). Live, a placeholder is a stride-0 view of
    one shared zero (no memory); ``state_dict()`` hands out real zeros or the results. With
    S = 0 (and ``mode="sync"``) the pending keys do not exist: ``state_dict()`` first carries
-   out an install deferred to the next use (``_schedule``), so nothing is in flight there.
+   out an install deferred to the next use (``schedule``), so nothing is in flight there.
  - The fake step. DCP materialises the state of an optimizer without one by ``step()`` with
    zero gradients and lr 0. It launches no engine job (zero factors get the identity basis;
    a refresh due then is not submitted), and the next real step of a parameter whose state is
@@ -139,7 +140,7 @@ class Checkpoint:
         sd["state"] = {i: ((st.raw() if isinstance(st, _ParamState) else dict(st))
                            if i in ids and isinstance(st, dict) else st)
                        for i, st in sd["state"].items()}
-        if opt.placement.tiered is not None:  # roots / eigenbases as the all-device path stores them
+        if opt.placement.tiered is not None:  # roots / eigenbases as the all-device path has them
             params = {i: p for p, i in opt._pindex.items()}
             values = opt.placement.tiered.materialize(opt.placement.tiered.keys())
             for (pidx, name), value in values.items():

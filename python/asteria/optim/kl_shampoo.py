@@ -2,7 +2,7 @@
 mode) with its QR eigenbasis refresh on the Asteria engine.
 
 Owns KL-Shampoo's hyperparameters and per-block state; the math is in ``functional``
-(kl_init / kl_step), the scheduling in ``_base``.
+(kl_init / kl_step), the scheduling in ``schedule``.
 
 State of a preconditioned parameter, in ``compute_dtype``: ``step`` (k) and per block j
 ``b{j}.exp_avg`` (M), and for every dimension i with a factor ``b{j}.S{i}`` (S_a, S_b, ...),

@@ -1,14 +1,16 @@
-"""The torch.optim plumbing and the step loop shared by SOAP, Shampoo and KL-Shampoo.
+"""The torch.optim side of every Asteria optimizer, and the step loop.
 
 Owns: the param groups and their checks, the parameter indices, the block layouts, the step
-(AdamW path, stacks of same-shape blocks through the subclass kernels, the refresh due), and
-the counters behind ``asteria_stats()``. The rest of ``AsteriaOptimizer`` lives in rooms of its
-own, joined here as mixins: ``_schedule`` (S, rounds, the bounded barrier), ``_tiering``
-(placement, residency, staging), ``_checkpoint`` (state dicts, copies), ``_state`` (the state
-proxy); and one ``_writes.PendingWrites`` (``self.schedule.writes``): the engine jobs that still write
-state entries, which a method registers (SOAP's) and every reader settles (the step takes them
-all at its start and starts the due ones after its last stack). State key names are
-``_layout``'s. May call: those, the functional kernels only through its subclasses, torch.
+(AdamW path, stacks of same-shape blocks through the method, the refreshes due), the counters
+behind ``asteria_stats()``, close and copies. The rest lives in parts it holds, each in a room
+of its own (docs/architecture.md): ``method`` (``method.Method``: the math, one subclass per
+method), ``schedule`` (``schedule.Schedule``: S, rounds, the bounded barrier, the jobs that
+still write state), ``placement`` (``placement.Placement``: plan, residency, block accessors)
+and ``codec`` (``checkpoint.Checkpoint``: state dicts). A step flows one way: the optimizer asks
+the method for each stack's step (the method reads and writes state through the placement),
+then hands the refreshes due to the schedule, which asks the method for their inputs and,
+S steps later, installs their results through it. State key names are ``_layout``'s. May call:
+those parts, ``_global``, ``_state``, the executor selection, torch.
 
 A parameter with a non-finite gradient is skipped entirely (parameter, state, step count and
 refresh schedule untouched) and counted.

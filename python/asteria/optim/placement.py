@@ -1,20 +1,20 @@
-"""Where an Asteria optimizer's state lives: the placement plan, the Residency of roots and
-eigenbases outside the device, and the accessors the step uses so that the kernels see exactly
-the tensors of the all-device path.
+"""Where an Asteria optimizer's state lives (``opt.placement``): the placement plan, the Residency
+of roots and eigenbases outside the device, and the block accessors a method uses so that the
+kernels see exactly the tensors of the all-device path.
 
 Owns: the plan, the residency, the map from a parameter to its tiered keys, the staging of
-stacks through the ring in chunks that fit it, the packs of device state (``_packs``) and the
-record of the packed stacks handed to the ``_step_blocks`` running now (``_handed``). May call:
-torch, ``asteria.tiers.plan``, ``asteria.tiers.residency``, the executor selection
-(``asteria.refresh.select``), the jobs that still write state (``_writes``: settled before packs
-move or blocks migrate), ``_layout`` (key names). Single-threaded (the training thread and the
+stacks through the ring in chunks that fit it, the packs of device state (``packs``) and the
+record of the packed stacks handed to the ``step_blocks`` running now (``handed``). May call:
+torch, ``asteria.tiers.plan``, ``asteria.tiers.residency``, the method's ``state_spec`` and
+the schedule's ``writes`` (settled before packs move or blocks migrate), through its
+optimizer (held weakly); ``_layout`` (key names). Single-threaded (the training thread and the
 hooks it runs on that thread).
 
 Placement (``asteria.tiers.plan``, ``asteria.tiers.residency``): at construction the planner assigns a
 tier to every piece of state. Factors and moments always live in ``self.state`` on the
 parameter's device. In ``mode="async"`` roots / eigenbases normally live in a ``Residency``
 (host, pinned, UVM or NVMe blocks) instead of ``self.state``; every access goes through
-``_stack`` / ``_unstack`` / ``_root_*`` so the kernels see exactly the tensors they would see
+``stack`` / ``unstack`` / ``root_*`` so the kernels see exactly the tensors they would see
 with everything on the device (the same values, stacked the same way: results are bitwise
 those of the all-device path). A step with a residency runs in two phases: ``prepare`` (NVMe
 reads and writes, ring prefetches) before anything is mutated, so an I/O failure raises with
@@ -22,24 +22,24 @@ the parameters, the state and the step counter untouched; then the usual step, s
 preconditioned stacks through the staging ring in chunks that fit it.
 
 Reduced-precision tiers (``tier_dtype="bfloat16"``): the residency keeps the blocks narrowed;
-``_stack`` widens the borrowed ones as it stacks them, so the kernels see the stored value,
+``stack`` widens the borrowed ones as it stacks them, so the kernels see the stored value,
 rounded, in the state's dtype. A value used before it is stored (SOAP's new basis, which m
-is re-expressed in at install) is rounded the same way first (``_as_stored``): the step
+is re-expressed in at install) is rounded the same way first (``as_stored``): the step
 always uses the basis the state holds.
 
 Packed state: the device-resident state of a stack of same-shape blocks (the moments, factors
 and device roots / bases that a step reads and updates) is kept in one buffer per name, each
 member's entry a slice of it, so that the step's kernels work on the state in place: no
-stack copied in, nothing copied back (``_stack(view=True)``, used by the subclasses'
-``_step_blocks`` only). When the members' tensors are not such slices (the first step, a
+stack copied in, nothing copied back (``stack(view=True)``, used by the subclasses'
+``step_blocks`` only). When the members' tensors are not such slices (the first step, a
 parameter skipped or without a gradient, a load, an added group, a tensor replaced), the
 stack is copied as before and the entries are re-pointed at its slices; a former pack's other
 members get private copies then, so no stale buffer stays alive (torch.save writes a view's
 whole storage). Everything else that takes a stack (installs, jobs, ``out=``) gets a copy, as
 before. Values are those of the copying path, bit for bit. The steady state costs no walk over
 the members' layouts: entries that are still the very slice objects a pack was made of (at the
-same memory) are that pack (``_whole_pack``), and the ``_unstack`` of a stack handed out
-packed to the ``_step_blocks`` running now writes nothing (``_handed``).
+same memory) are that pack (``_whole_pack``), and the ``unstack`` of a stack handed out
+packed to the ``step_blocks`` running now writes nothing (``handed``).
 """
 
 from __future__ import annotations
@@ -53,13 +53,12 @@ import torch
 
 from asteria.tiers import plan as _placement
 from asteria.tiers import residency as _tiered_mod
-from asteria.refresh import select as _select
 from asteria.optim import _layout as K
 from asteria.optim._state import _ParamState, _States, local, real
 
 
 #: Keep the device-resident state of a stack of same-shape blocks packed in one buffer, so
-#: that the step reads and updates it in place (``TieringMixin._stack(view=True)``). Tests
+#: that the step reads and updates it in place (``Placement.stack(view=True)``). Tests
 #: flip it off to compare against a run whose every step copies.
 PACK = True
 
@@ -97,7 +96,7 @@ def _slices_of(ts: list) -> Optional[torch.Tensor]:
 
 def _whole_pack(packs: dict, ts: list) -> Optional[torch.Tensor]:
     """The pack that ts are, in order, all the slices of, recognised without looking at their
-    layout: the same tensor objects ``TieringMixin._repack`` made, at the same memory (the
+    layout: the same tensor objects ``Placement.repack`` made, at the same memory (the
     steady state: nothing re-pointed or replaced them since), else None."""
     base = ts[0]._base
     got = packs.get(id(base)) if base is not None else None
@@ -160,8 +159,8 @@ class Placement:
         return self._opt()
 
     def handed_back(self) -> None:
-        """The ``_step_blocks`` that was handed packed stacks returned: they are the state's
-        again, and an ``_unstack`` of them writes as usual."""
+        """The ``step_blocks`` that was handed packed stacks returned: they are the state's
+        again, and an ``unstack`` of them writes as usual."""
         self.handed.clear()
 
     def entries(self) -> list:
@@ -327,7 +326,7 @@ class Placement:
         to it are writes to the state); otherwise the members are stacked as above and each
         member's entry is re-pointed at its slice of the new stack, so that the next step's
         read is zero-copy. Residency-owned blocks are always copied (borrowed from the ring);
-        ``_unstack`` writes them back. See "Packed state" in the module docstring."""
+        ``unstack`` writes them back. See "Packed state" in the module docstring."""
         opt = self.opt
         if out is None and view and PACK and not self.any_owned(members, field, dim):
             return self.packed(members, field, dim)
@@ -359,8 +358,8 @@ class Placement:
 
     def packed(self, members: list, field: str, dim: Optional[int]) -> torch.Tensor:
         """The device-resident members' ``b{j}.{field}[{dim}]`` as one packed stack that the
-        state entries are slices of (see ``_stack(view=True)``). The stack is recorded as
-        handed out (``_handed``): ``_unstack`` of it, with these members, has nothing to
+        state entries are slices of (see ``stack(view=True)``). The stack is recorded as
+        handed out (``handed``): ``unstack`` of it, with these members, has nothing to
         write."""
         opt = self.opt
 
@@ -368,7 +367,7 @@ class Placement:
             return K.key(j, field, dim)
 
         states = [opt.state[p] for p, _ in members]
-        if opt.schedule.writes or opt.schedule.deferred:  # reads through the proxy settle them first
+        if opt.schedule.writes or opt.schedule.deferred:  # reads through the proxy settle them
             ts = [st[key(j)] for st, (_, j) in zip(states, members)]
         else:  # nothing to settle, no entry in the residency: the proxy's read is the dict's
             ts = [dict.__getitem__(st, key(j)) for st, (_, j) in zip(states, members)]
@@ -409,7 +408,7 @@ class Placement:
     def unstack(self, members: list, field: str, x: torch.Tensor,
                  dim: Optional[int] = None) -> None:
         """Write a stack back into the members' ``b{j}.{field}[{dim}]``; a member whose tensor
-        is already its slice of x (a packed stack from ``_stack(view=True)``) needs nothing,
+        is already its slice of x (a packed stack from ``stack(view=True)``) needs nothing,
         and a stack handed out packed for these very members needs no look at them at all."""
         opt = self.opt
         handed = self.handed.pop(id(x), None)

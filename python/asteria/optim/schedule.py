@@ -1,14 +1,18 @@
-"""The staleness schedule of an Asteria optimizer: snapshot at t, install at t + S, the
-bounded barrier, and what a failed REFRESH does.
+"""The staleness schedule of an Asteria optimizer (``opt.schedule``): snapshot at t, install at
+t + S, the bounded barrier, what a failed REFRESH does, and the jobs that write state in the
+background.
 
-Owns: the rounds of REFRESH jobs in flight, the block keys and versions the engine's failure
-counting sees, the consecutive-failure counts, and the step end (installs, then new
-snapshots). S is read from the runtime config here and nowhere else (``_delay``), and with
-``staleness="auto"`` chosen here (``_choose_s``). May call: the engine (``submit`` / ``ready``
-/ ``wait``), the capacity record (``asteria.refresh.capacity.Capacity``: every round's jobs, step
-and stall times), the optimizer's subclass hooks (``_refresh_input``, ``_install``,
-``_output_specs``). Single-threaded (the training thread);
-the engine's workers never see these objects.
+Owns: the rounds of REFRESH jobs in flight, the block keys and versions of the jobs it submits
+(a method's background jobs too, ``submit_write``), the one consecutive-failure count per
+factor, installs deferred to the next use, the ``PendingWrites`` of the jobs that still write
+state (``writes``), device-side counts (``count_lazy``) and the step end (installs, then new
+snapshots). S is read from the runtime config here and nowhere else (``delay``), chosen here
+with ``staleness="auto"`` (``choose_s``), and passed to a replicated engine with each job.
+May call: the engine (``submit`` / ``ready`` / ``wait`` / ``step_end``), the capacity record
+(``asteria.refresh.capacity.Capacity``: every round's jobs, step and stall times), the method
+(``refresh_input``, ``install``, ``output_specs``, ``has_factor``) and the placement's
+``owned``, through its optimizer (held weakly). Single-threaded (the training thread); the
+engine's workers never see these objects.
 
 Schedule (DESIGN.md, "Staleness"). Steps are counted per ``step()`` call (t = 1, 2, ...).
  - At the end of step t, first every round whose time has come is installed: its install step
@@ -73,7 +77,7 @@ from asteria.refresh.cost import JobSpec
 
 
 # The fixed state keys of a REFRESH in flight (present from a preconditioned parameter's state
-# creation on whenever S > 0; see "Checkpoints" in _checkpoint's docstring; names in _layout):
+# creation on whenever S > 0; see "Checkpoints" in checkpoint.py's docstring; names in _layout):
 # K.PENDING_IN (steps until the install; NO_ROUND: nothing in flight), K.PENDING_AGE, and per
 # (block, dim) its outputs (K.pending_output) and their flag (K.pending_ok)
 NO_ROUND = -1
@@ -300,8 +304,8 @@ class Schedule:
         self.raise_failures()
 
     def settle(self) -> None:
-        """Finish a step end that a signal interrupted (see ``_step_end``), then carry out the
-        installs deferred from it (``_settle_deferred``)."""
+        """Finish a step end that a signal interrupted (see ``step_end``), then carry out the
+        installs deferred from it (``settle_deferred``)."""
         if self.unfinished_end is not None:
             self.finish_step_end()
         self.settle_deferred()

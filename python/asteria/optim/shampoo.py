@@ -2,7 +2,7 @@
 practises it, with its inverse roots computed on the Asteria engine.
 
 Owns Shampoo's hyperparameters and per-block state; the math is in ``functional``
-(shampoo_step / shampoo_root_input), the scheduling in ``_base``.
+(shampoo_step / shampoo_root_input), the scheduling in ``schedule``.
 
 State of a preconditioned parameter: ``step`` (k) and per block j ``b{j}.momentum`` (m1),
 ``b{j}.grafting_v`` (vg), and for every dimension i with a factor ``b{j}.L{i}``,

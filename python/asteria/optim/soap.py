@@ -2,15 +2,15 @@
 
 Owns SOAP's hyperparameters, per-block state layout and the install of a refreshed basis; the
 math is in ``functional`` (soap_init / soap_step / soap_install), the scheduling in
-``_schedule``. Two pieces of a step's work run on the pool's workers while the next forward and
+``schedule``. Two pieces of a step's work run on the pool's workers while the next forward and
 backward run (docs/departures.md), with libasteria's pool on host parameters: at an install,
 m's re-expression in the new basis (``soap_rotate`` jobs); with runtime
 ``factor_emas="workers"``, on a step whose factors no REFRESH reads at its end, the factor EMAs
 L, R (``gram_ema`` jobs, in place). Each job is registered in the optimizer's
-``PendingWrites`` (``_writes``: ``_Rotation`` / ``_FactorEma``, with the state keys it writes
-and how its result is applied), so a read of what it writes waits for it; the next step takes
-them all first. A factor EMA is made due in its stack's ``_step_blocks`` and started once the
-group's stacks have all run (``_writes.start_due``).
+``PendingWrites`` (``schedule.writes``: ``_Rotation`` / ``_FactorEma``, with the state keys it
+writes and how its result is applied), so a read of what it writes waits for it; the next step takes
+them all first. A factor EMA is made due in its stack's ``step_blocks`` and started once the
+group's stacks have all run (``schedule.writes.start_due``).
 
 State of a preconditioned parameter: ``step`` (k) and per block j ``b{j}.exp_avg`` (m),
 ``b{j}.exp_avg_sq`` (v), both in the rotated basis, and for every dimension i with a factor
@@ -164,7 +164,7 @@ class SOAPMethod(Method):
         for i, f in enumerate(factors):
             if f is not None:
                 self.blocks.unstack(members, "GG", f, dim=i)
-        if offload:  # started once the group's stacks have all run (_writes.start_due)
+        if offload:  # started once the group's stacks have all run (schedule.writes.start_due)
             self.opt.schedule.writes.defer(_FactorEma(list(members), g, list(factors),
                                           self.shampoo_beta(group)))
 
@@ -210,7 +210,7 @@ class SOAPMethod(Method):
             perms.append(torch.stack(ps))
         if offload:
             # v permuted here (cheap), m re-expressed by a worker while the next forward and
-            # backward run; the next read of m waits for it (_submit_rotation)
+            # backward run; the next read of m waits for it (submit_rotation)
             F.soap_permute(v, perms)
             if self.bases_on_nvme(members):
                 # one rotation in flight: the previous chunk's m, pairs and result are let go
@@ -228,7 +228,7 @@ class SOAPMethod(Method):
     # ---- m's re-expression on the workers ------------------------------------------------------
     def offloads_to_workers(self) -> bool:
         """Are m's re-expression at an install and the factor EMAs handed to the workers
-        (where ``_rotation_offload`` / ``_factor_offload`` allow)? Only with an executor
+        (where ``rotation_offload`` / ``factor_offload`` allow)? Only with an executor
         that takes inputs made for it (libasteria's pool, ``mode="async"``), rank-local (a
         replicated block's m is re-expressed by every replica itself, on its own thread)."""
         return self.opt.schedule.takes_parts()
@@ -237,7 +237,7 @@ class SOAPMethod(Method):
         """Offload the re-expression of these members' m: CPU parameters (on a GPU it is two
         device matmuls per side, cheaper than the round trip) with blocks of at most 2 dims
         (the op's layout), unless m is read next (an install deferred to the next step's
-        start, ``_settle_deferred``: the step would wait for the worker at once)."""
+        start, ``settle_deferred``: the step would wait for the worker at once)."""
         return (self.offloads_to_workers() and ndim <= 2 and not self.opt.schedule.settling
                 and all(local(p).device.type == "cpu" for p, _ in members))
 
@@ -248,7 +248,7 @@ class SOAPMethod(Method):
 
     def submit_rotation(self, members: list, m: torch.Tensor, pairs: list) -> None:
         """Start m_new = Q_new^T (Q_old m Q_old^T) Q_new (per side) on a worker; m stays as it
-        is until a read of it waits for the result (``_writes``). ``m`` (a stack made
+        is until a read of it waits for the result (``schedule.writes``). ``m`` (a stack made
         for this) and ``pairs`` ((B, 2, n, n): old, new basis per block; None: identity side)
         are given to the job: the worker reads them in place, nothing here writes them."""
         x = m.reshape(m.shape[0], m.shape[1], -1)
@@ -310,9 +310,9 @@ class SOAPMethod(Method):
     def submit_factor_ema(self, job: _FactorEma) -> None:
         """Start a due factor EMA, L = beta L + (1 - beta) G G^T, R = beta R + (1 - beta) G^T G,
         on a worker, in the state's own factor memory: after the group's last stack
-        (``_writes.start_due``), so that it does not compete with the training thread's step
+        (``schedule.writes.start_due``), so that it does not compete with the training thread's step
         for the memory bus. ``g`` (a stack made for this step) is given to the job; a read of
-        a factor waits for it (``_writes``)."""
+        a factor waits for it (``schedule.writes``)."""
         members, factors, beta = job.members, job.factors, job.beta
         job.ticket = self.opt.schedule.submit_write("gram_ema", members, job.g, factors[0],
                                                     b=factors[1], p=beta, eps=1.0 - beta,
