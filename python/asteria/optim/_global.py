@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from asteria.optim import _layout
-from asteria.optim._blocking import Layout, make_layout
+from asteria.optim._blocking import Layout, experts_of, make_layout
 from asteria.optim._state import local
 
 
@@ -165,7 +165,7 @@ class _Plan:
     owners: tuple[int, ...]       # per global block: its owner's index in the group
     rows: tuple[tuple[int, int], ...]  # per rank: its rows [lo, hi) of the full view
     mine: tuple[int, ...]         # the global blocks this rank owns, ascending
-    hparams: tuple                # (block_size, merge_dims, max_dim) the layout was cut with
+    hparams: tuple                # (block_size, merge_dims, max_dim, num_experts) of the layout
 
     def overlap(self, r: int, j: int) -> Optional[tuple[int, int]]:
         """Rows [r0, r1) of the full view that rank r holds of block j, or None."""
@@ -192,6 +192,13 @@ class _Plan:
     def local_piece(self, view: torch.Tensor, j: int, r0: int, r1: int) -> torch.Tensor:
         lo = self.rows[self.me][0]
         return view[(slice(r0 - lo, r1 - lo),) + self.full.slices[j][1:]]
+
+
+def _full_layout(shape, block_size, merge_dims: bool, max_dim: int,
+                 num_experts: Optional[int]) -> Layout:
+    """The layout of the full parameter, cut as one process cuts it."""
+    experts = experts_of(shape, num_experts) if num_experts is not None else None
+    return make_layout(shape, block_size, merge_dims, max_dim, experts=experts)
 
 
 def _check_placement(p, pidx: int) -> None:
@@ -247,8 +254,9 @@ class GlobalBlocking:
         its rows per rank, its owners. Deterministic: every rank computes the same plans."""
         _check_placement(p, pidx)
         mesh = p.device_mesh
-        hparams = (group["block_size"], opt.method.merge_dims(group), opt.method.max_dim(group))
-        full = make_layout(p.shape, *hparams)
+        hparams = (group["block_size"], opt.method.merge_dims(group), opt.method.max_dim(group),
+                    group.get("num_experts"))
+        full = _full_layout(p.shape, *hparams)
         size, me = mesh.size(), mesh.get_local_rank()
         m = p.shape[0]
         chunk = -(-m // size) if m else 0  # torch.chunk's rows, as DTensor's Shard(0) cuts
@@ -281,13 +289,15 @@ class GlobalBlocking:
         self._stats["fsdp_global_blocks"] += len(ids)
         return KeyMap(mine)
 
-    def layout(self, p, block_size, merge_dims: bool, max_dim: int):
+    def layout(self, p, block_size, merge_dims: bool, max_dim: int,
+               num_experts: Optional[int] = None):
         """The optimizer's layout of p: the owned blocks when cut as planned, else the full
         layout of these hyperparameters (a state saved with other ones does not fit)."""
         plan = self._plans[p]
-        if (block_size, merge_dims, max_dim) == plan.hparams:
+        hparams = (block_size, merge_dims, max_dim, num_experts)
+        if hparams == plan.hparams:
             return OwnedLayout(plan.full, plan.mine)
-        return make_layout(p.shape, block_size, merge_dims, max_dim)
+        return _full_layout(p.shape, *hparams)
 
     # ---- agreements --------------------------------------------------------------------------
     def _min_over_ranks(self, params: list, flags: list) -> list:

@@ -46,6 +46,20 @@ def real(t):
     return torch.view_as_real(t) if t.is_complex() else t
 
 
+def shard_rows(p) -> Optional[tuple[int, int]]:
+    """The [lo, hi) range of dim 0 of the full parameter that a DTensor's local shard holds
+    (FSDP2 shards dim 0), else None (a plain tensor, or a DTensor whole on this rank)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    if mod is None or not isinstance(p, mod.DTensor):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    if not shape:
+        return None
+    return int(offset[0]), int(offset[0]) + int(shape[0])
+
+
 def shard_tag(p) -> Optional[str]:
     """The tag of a DTensor parameter sharded over more than one rank: ``shard{i}of{n}`` per
     mesh dimension that shards it (``shard0of2``, ``shard1of2_0of4``), else None. Replicas of

@@ -67,6 +67,9 @@ def check_common(group: dict, beta_max: Sequence[bool] = (False, False)) -> None
     require("precondition_frequency", is_int(f) and f >= 1, f, "an integer >= 1")
     bs = group["block_size"]
     require("block_size", bs is None or (is_int(bs) and bs >= 1), bs, "None or an integer >= 1")
+    ne = group.get("num_experts")
+    require("num_experts", ne is None or (is_int(ne) and ne >= 1), ne,
+            "None or an integer >= 1 (the experts stacked in dim 0 of each parameter)")
 
 
 def eigh_input(f: torch.Tensor) -> torch.Tensor:

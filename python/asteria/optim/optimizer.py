@@ -53,9 +53,9 @@ from asteria.refresh.capacity import report_lines
 from asteria.config import RuntimeConfig
 from asteria.optim import _layout as K
 from asteria.optim import functional as F
-from asteria.optim._blocking import Layout, make_layout
+from asteria.optim._blocking import Layout, experts_of, make_layout
 from asteria.optim._global import GlobalBlocking, sharded_dim0
-from asteria.optim._state import _States, _count, local, real, shard_tag
+from asteria.optim._state import _States, _count, local, real, shard_rows, shard_tag
 from asteria.optim.checkpoint import Checkpoint
 from asteria.optim.method import INIT, REFRESH
 from asteria.optim.placement import Placement, _close_all
@@ -183,6 +183,14 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self.method.check(merged)
         self._cfg.check_frequency(merged["precondition_frequency"],
                                   f"param group {len(self.param_groups)}")
+        if merged.get("num_experts") is not None:
+            for i, p in enumerate(params):
+                if not (p.numel() == 0 or self._is_adamw(p, merged)):
+                    try:
+                        experts_of(p.shape, merged["num_experts"])
+                    except ValueError as exc:
+                        raise ValueError(f"parameter {i} of param group "
+                                         f"{len(self.param_groups)}: {exc}") from None
         super().add_param_group(param_group)
         for p in self.param_groups[-1]["params"]:
             self._pindex.setdefault(p, len(self._pindex))
@@ -230,10 +238,14 @@ class AsteriaOptimizer(torch.optim.Optimizer):
     def _make_layout(self, p: torch.Tensor, group: dict) -> Layout:
         """p's blocks with group's hyperparameters: of its local tensor, or (globally blocked
         FSDP2 parameters) the blocks of the full parameter this rank owns."""
-        args = (group["block_size"], self.method.merge_dims(group), self.method.max_dim(group))
+        args = (group["block_size"], self.method.merge_dims(group), self.method.max_dim(group),
+                group.get("num_experts"))
         if self._global is not None and self._global.has(p):
             return self._global.layout(p, *args)
-        return make_layout(real(p).shape, *args)
+        experts = None
+        if args[3] is not None:  # a shard's rows are cut where its experts end
+            experts = experts_of(p.shape, args[3], shard_rows(p))
+        return make_layout(real(p).shape, *args[:3], experts=experts)
 
     # torch.compile: a compiled function that calls step() runs it eagerly (a graph break).
     # Dynamo cannot trace it (the engine, the residency and the schedule are Python objects it
@@ -390,8 +402,11 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                 ws = [weights[p][j] for p, j in members]
                 # whole parameters to an optimizer that updates them where they are: no stack of
                 # them to make and copy back
+                # (an expert's rows of a contiguous parameter are such a block too)
                 in_place = self.method.weights_in_place and all(
-                    p not in glob_set and self._layouts[p].whole for p, _ in members)
+                    p not in glob_set and (self._layouts[p].whole or (
+                        self._layouts[p].row_blocks and real(p).is_contiguous()))
+                    for p, _ in members)
                 w = ws if in_place else torch.stack(ws)
                 steps = [counts[p] for p, _ in members]
                 try:
