@@ -17,7 +17,9 @@ and in a config dict ``{"_CLASS_": "asteria.olmo.AsteriaSOAPConfig", ...}`` or
 
 Categorisation follows OLMo-core's matrix-aware configs (Muon, Dion): ``categorize_parameters``
 splits a Transformer into "matrix" (the 2-D weights of the blocks), "vector" (norms, biases),
-"embed" and "lm_head"; the matrices get the Asteria method, the rest AdamW with the config's
+"embed" and "lm_head"; the matrices get the Asteria method (the expert weights of an MoE layer
+in a group of their own with its ``num_experts``, so each expert is preconditioned on its own),
+the rest AdamW with the config's
 lr and the method's first-moment / second-moment / epsilon settings, embeddings without weight
 decay. Any other model: embeddings (``nn.Embedding``) and parameters of fewer than 2 dimensions
 go to AdamW, the rest to the method.
@@ -43,6 +45,22 @@ from asteria.optim.method import METHODS, method_defaults
 CATEGORIES = ("matrix", "vector", "embed", "lm_head")
 #: OptimConfig fields that are not hyperparameters of the method
 _NOT_HPARAMS = ("group_overrides", "compile", "fixed_fields", "runtime")
+
+
+def expert_weights(model: torch.nn.Module) -> Dict[str, int]:
+    """{parameter name: num_experts} of the expert weights of OLMo-core's MoE layers
+    (``olmo_core.nn.moe.mlp.MoEMLPBase``: w1, w2, w3 of shape (num_experts * rows, cols), every
+    ``rows`` rows one expert): a param group with ``num_experts`` gives each expert its own
+    preconditioner (``asteria.optim._blocking``)."""
+    from olmo_core.nn.moe.mlp import MoEMLPBase
+
+    out: Dict[str, int] = {}
+    for mn, m in model.named_modules():
+        if isinstance(m, MoEMLPBase):
+            for pn, p in m.named_parameters(recurse=False):
+                if p.dim() >= 2:
+                    out[f"{mn}.{pn}" if mn else pn] = int(m.num_experts)
+    return out
 
 
 def categorize_generic(model: torch.nn.Module) -> Dict[str, List[str]]:
@@ -118,8 +136,18 @@ class AsteriaOptimConfig(MatrixAwareOptimConfig):
         opts = {"matrix": method, "vector": adamw, "embed": dict(adamw, weight_decay=0.0),
                 "lm_head": adamw}
         cats = self.categorize(model)
-        groups = [dict(opts[c], params=[params[n] for n in cats.get(c, ()) if n in params])
-                  for c in CATEGORIES]
+        experts = expert_weights(model)  # name -> num_experts of an MoE layer's expert weight
+        groups = []
+        for c in CATEGORIES:
+            names = [n for n in cats.get(c, ()) if n in params]
+            if c == "matrix":  # each MoE layer's experts preconditioned on their own
+                for e in sorted({experts[n] for n in names if n in experts}):
+                    groups.append(dict(method, num_experts=e, params=[
+                        params[n] for n in names if experts.get(n) == e]))
+                names = [n for n in names if n not in experts]
+                groups.insert(0, dict(opts[c], params=[params[n] for n in names]))
+                continue
+            groups.append(dict(opts[c], params=[params[n] for n in names]))
         return [g for g in groups if g["params"]]
 
     def create_optimizer(self, model: torch.nn.Module, strict: bool = True,
