@@ -1,8 +1,8 @@
 /*
  * config.c - ast_config defaults, the key/value setter and validation.
  *
- * Owns: the rule of each key that libasteria reads (workers, cpuset, pin, max_failures, trace)
- * and every message that explains a rejected key or value. A message names the key and the
+ * Owns: the rule of each key that libasteria reads (workers, cpuset, pin, trace) and every
+ * message that explains a rejected key or value. A message names the key and the
  * allowed values in the words of asteria.RuntimeConfig ("runtime key 'workers': got ...;
  * allowed: ..."), so the Python layer raises it unchanged. Each key has one check function,
  * used by both ast_config_set (string form) and ast_config_validate (struct form), so the two
@@ -23,19 +23,16 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define KEYS "workers, cpuset, pin, max_failures, trace"
+#define KEYS "workers, cpuset, pin, trace"
 #define WORKERS_MAX 1024
-#define MAX_FAILURES_MAX 1000000
 #define WORKERS_ALLOWED \
     "an integer 1..1024 (or None for the cores the training thread does not use)"
-#define MAX_FAILURES_ALLOWED "an integer >= 1 (at most 1000000)"
 
 void ast_config_init(ast_config *cfg)
 {
     memset(cfg, 0, sizeof *cfg);
     cfg->workers = 0;
     cfg->pin = 1;
-    cfg->max_failures = 3;
 }
 
 const char *ast_config_keys(void) { return KEYS; }
@@ -122,19 +119,6 @@ static int check_workers(int64_t v, const char *value, char *errbuf, size_t len)
                        ", or 0 in the struct for that default", v);
 }
 
-static int check_max_failures(int64_t v, const char *value, char *errbuf, size_t len)
-{
-    if (v >= 1 && v <= MAX_FAILURES_MAX)
-        return 0;
-    if (value)
-        return ast__errorf(errbuf, len, AST_EINVAL,
-                           "runtime key 'max_failures': got '%s'; allowed: " MAX_FAILURES_ALLOWED,
-                           value);
-    return ast__errorf(errbuf, len, AST_EINVAL,
-                       "runtime key 'max_failures': got %" PRId64 "; allowed: "
-                       MAX_FAILURES_ALLOWED, v);
-}
-
 static int check_pin(int v, char *errbuf, size_t len)
 {
     if (v != 0 && v != 1)
@@ -159,14 +143,6 @@ int ast_config_set(ast_config *cfg, const char *key, const char *value, char *er
         if ((rc = check_workers(v, value, errbuf, len)))
             return rc;
         cfg->workers = (int)v;
-        return 0;
-    }
-    if (!strcmp(key, "max_failures")) {
-        if (parse_i64(value, &v))
-            v = 0;
-        if ((rc = check_max_failures(v, value, errbuf, len)))
-            return rc;
-        cfg->max_failures = (int)v;
         return 0;
     }
     if (!strcmp(key, "pin")) {
@@ -199,7 +175,6 @@ int ast_config_validate(const ast_config *cfg, char *errbuf, size_t len)
         return ast__errorf(errbuf, len, AST_EINVAL, "ast_config_validate: NULL config");
     int rc;
     if ((rc = check_workers(cfg->workers, NULL, errbuf, len)) ||
-        (rc = check_max_failures(cfg->max_failures, NULL, errbuf, len)) ||
         (rc = check_pin(cfg->pin, errbuf, len)) ||
         (rc = check_string("cpuset", cfg->cpuset, sizeof cfg->cpuset, errbuf, len)))
         return rc;

@@ -2,9 +2,11 @@
  * runtime.c - the Asteria runtime: REFRESH job submission over the worker pool.
  *
  * Owns: the validated config, the pool, the registered host-buffer table (with a reference
- * count per buffer held by every job that reads or writes it), per-block consecutive-failure
- * counters, the stats counters, the last-error message and, when config.trace is set, the trace
- * recorder (trace.h) and the writing of its file at destroy.
+ * count per buffer held by every job that reads or writes it), the stats counters, the
+ * last-error message and, when config.trace is set, the trace recorder (trace.h) and the writing
+ * of its file at destroy. It keeps no failure streak: a result carries its job's own status, and
+ * the consecutive-failure rule is the optimizer's (python/asteria/optim/_schedule.py), the one
+ * count every executor reaches (docs/departures.md).
  *
  * Ops: the runtime knows none by name. ast_runtime_submit checks a request with the op table
  * (op_table.h, owned by linalg.c: ast__op_check, then each pointer against the entry's args and
@@ -20,12 +22,12 @@
  * pool's started_ns / done_ns, on the worker's lane; barrier spans in wait; installs in
  * note_install. Completions never collected are drained at destroy so they are traced too.
  *
- * Locking: rt->mu guards buffers[], fails[], the live-job list and err. It is never held
- * while calling into the pool's blocking functions, while a job computes, or while calling into
- * the trace recorder (which has its own mutex and never calls back), so there is no lock order
- * to keep. Jobs run on pool workers and touch only their own rjob and the buffers whose
- * references they hold, so they take no runtime lock. Stats counters that jobs or callers bump
- * concurrently are C11 atomics. rt->trace is set at creation and freed at destroy only.
+ * Locking: rt->mu guards buffers[], the live-job list and err. It is never held while calling
+ * into the pool's blocking functions, while a job computes, or while calling into the trace
+ * recorder (which has its own mutex and never calls back), so there is no lock order to keep.
+ * Jobs run on pool workers and touch only their own rjob and the buffers whose references they
+ * hold, so they take no runtime lock. Stats counters that jobs or callers bump concurrently are
+ * C11 atomics. rt->trace is set at creation and freed at destroy only.
  */
 #include "asteria/runtime.h"
 
@@ -53,11 +55,6 @@ typedef struct rbuf {
     unsigned refs;   /* jobs that still use it */
 } rbuf;
 
-typedef struct rfail {
-    uint64_t block;
-    int count;
-} rfail;
-
 typedef struct rjob {
     struct rjob *prev, *next; /* rt->live list: jobs whose completion is not yet drained */
     ast_refresh req;
@@ -76,8 +73,6 @@ struct ast_runtime {
     rbuf *buffers;
     size_t nbuffers, capbuffers;
     uint64_t next_handle;
-    rfail *fails;
-    size_t nfails, capfails;
     rjob *live;
     ast_trace *trace; /* NULL unless cfg.trace is set */
     ast__last_error err; /* named: "AST_EXXX: ..." */
@@ -176,7 +171,6 @@ int ast_runtime_destroy(ast_runtime *rt, char *errbuf, size_t len)
         free(j);
     }
     free(rt->buffers);
-    free(rt->fails);
     pthread_mutex_destroy(&rt->mu);
     free(rt);
     return rc;
@@ -406,24 +400,6 @@ int ast_runtime_cancel(ast_runtime *rt, uint64_t ticket)
     return rc;
 }
 
-static int *fail_slot_locked(ast_runtime *rt, uint64_t block)
-{
-    for (size_t i = 0; i < rt->nfails; i++)
-        if (rt->fails[i].block == block)
-            return &rt->fails[i].count;
-    if (rt->nfails == rt->capfails) {
-        size_t cap = rt->capfails ? rt->capfails * 2 : 64;
-        rfail *nf = realloc(rt->fails, cap * sizeof *nf);
-        if (!nf)
-            return NULL;
-        rt->fails = nf;
-        rt->capfails = cap;
-    }
-    rt->fails[rt->nfails].block = block;
-    rt->fails[rt->nfails].count = 0;
-    return &rt->fails[rt->nfails++].count;
-}
-
 /* The trace events of one collected completion: for a job that ran, "job started", the
  * "refresh" span and "job done" on the worker's lane; for one that never ran (cancelled,
  * superseded, dropped at shutdown), "job done" on the train lane. Recording failures (a full
@@ -455,7 +431,7 @@ static void trace_completion(ast_runtime *rt, const ast_completion *c, const ast
 }
 
 /* Turns a pool completion into a result on the owner's thread: drops the job's buffer
- * references, applies the consecutive-failure rule, counts, frees the job. */
+ * references, counts, frees the job. The result's status is the job's own. */
 static void finish(ast_runtime *rt, const ast_completion *c, ast_result *r)
 {
     rjob *j = c->ctx;
@@ -483,26 +459,12 @@ static void finish(ast_runtime *rt, const ast_completion *c, ast_result *r)
         }
         unlink_locked(rt, j);
     }
-    int computed = c->status != AST_ECANCELED && c->status != AST_ESUPERSEDED &&
-                   c->status != AST_ESHUTDOWN;
-    if (computed) {
-        int *cnt = fail_slot_locked(rt, c->block);
-        if (c->status == 0) {
-            if (cnt)
-                *cnt = 0;
-        } else if (cnt && ++*cnt >= rt->cfg.max_failures) {
-            ast__set_error(&rt->err, NULL, AST_EFAILED,
-                           "block %" PRIu64 " failed %d consecutive refreshes (last: %s)",
-                           c->block, *cnt, ast_err_name(c->status));
-            r->status = AST_EFAILED;
-        }
-    }
     pthread_mutex_unlock(&rt->mu);
     if (c->status == AST_ESUPERSEDED)
         atomic_fetch_add(&rt->jobs_superseded, 1);
     else if (c->status == AST_ECANCELED)
         atomic_fetch_add(&rt->jobs_cancelled, 1);
-    else if (computed) {
+    else if (c->status != AST_ESHUTDOWN) { /* the job ran */
         atomic_fetch_add(&rt->jobs_done, 1);
         if (c->status)
             atomic_fetch_add(&rt->jobs_failed, 1);

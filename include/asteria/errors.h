@@ -32,7 +32,7 @@ extern "C" {
     X(ETIMEDOUT, -15, "timed out")                                                        \
     X(ESHUTDOWN, -16, "runtime or pool is shutting down")                                 \
     X(ENODEV, -17, "no CUDA device present")                                              \
-    X(EFAILED, -18, "block failed repeatedly; its previous result is kept")               \
+    X(EFAILED, -18, "block refresh failed; its previous result is kept")                  \
     X(ESTATE, -19, "operation not valid in the current state")                            \
     X(ECUDA, -20, "CUDA runtime error")                                                   \
     X(ERANGE, -21, "buffer range outside every registered host buffer")                   \

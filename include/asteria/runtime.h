@@ -2,15 +2,16 @@
  * asteria/runtime.h - the Asteria runtime: configuration, REFRESH job submission, stats.
  *
  * Owns: the validated ast_config, one worker pool, the table of registered host buffers, the
- * per-block failure counters, the stats counters, the last-error message and, when
- * config.trace is set, a trace recorder (trace.h) whose file is written at destroy.
+ * stats counters, the last-error message and, when config.trace is set, a trace recorder
+ * (trace.h) whose file is written at destroy.
  *
  * A REFRESH request names an operation (ast_op; src/linalg.c keeps one table of them: name,
  * argument checks, run function) and host pointers (in0..in2, out0, out1) that must lie inside
  * buffers registered with ast_runtime_register (AST_ERANGE otherwise), so a job never touches
- * memory its owner has not declared. Outputs are written only when the job
- * succeeds. After config.max_failures consecutive failures of one block its completion reports
- * AST_EFAILED.
+ * memory its owner has not declared. Outputs are written only when the job succeeds. A
+ * completion reports its job's own status, however often that block failed before: the runtime
+ * keeps no failure streak. Consecutive failures are counted by the caller (the Python optimizer's
+ * schedule, runtime key max_failures, which is not a libasteria key; docs/departures.md).
  *
  * Trace (config.trace non-empty): the runtime records, on lane "train" (AST_TRACE_LANE_TRAIN),
  * "job queued" at submit, "barrier wait" spans in ast_runtime_wait (only when it blocked) and
@@ -21,10 +22,10 @@
  * which drains completions not yet collected). Jobs still running or queued at destroy get no
  * done event. Callers add their own events (copies, syncs) with ast_runtime_trace_event.
  *
- * Thread safety: all functions are thread-safe. The runtime mutex guards the buffer table,
- * failure counters and last-error text; stats counters are atomics; the trace recorder has its
- * own mutex, never taken with the runtime mutex held. Jobs run on pool workers with no runtime
- * lock held. ast_runtime_destroy must not race with other calls.
+ * Thread safety: all functions are thread-safe. The runtime mutex guards the buffer table and
+ * the last-error text; stats counters are atomics; the trace recorder has its own mutex, never
+ * taken with the runtime mutex held. Jobs run on pool workers with no runtime lock held.
+ * ast_runtime_destroy must not race with other calls.
  * No global mutable state: everything hangs off the ast_runtime handle.
  */
 #ifndef ASTERIA_RUNTIME_H
@@ -44,18 +45,17 @@ extern "C" {
 #define AST_PATH_MAX 4096
 
 /* The runtime's configuration: only what libasteria itself reads. The optimizer's own keys
- * (mode, staleness, install, placement, budgets, nvme_dir) live in the Python layer
- * (asteria.RuntimeConfig), which validates them and hands C only these. */
+ * (mode, staleness, install, placement, budgets, nvme_dir, max_failures, on_failure, ...) live
+ * in the Python layer (asteria.RuntimeConfig), which validates them and hands C only these. */
 typedef struct ast_config {
     int workers;                   /* "workers": 1..1024, or 0 = the cores the caller does not use */
     char cpuset[256];              /* "cpuset": hwloc list, or "" = near the accelerator */
     int pin;                       /* "pin": 1/0 bind workers to cores (default 1) */
-    int max_failures;              /* "max_failures": K >= 1 consecutive failures of a block (default 3) */
     char trace[AST_PATH_MAX];      /* "trace": "" = no trace; else a file path, not a directory, in
                                     * an existing directory this process can write */
 } ast_config;
 
-/* Sets the defaults: workers 0, cpuset "", pin 1, max_failures 3, trace "". No return value. */
+/* Sets the defaults: workers 0, cpuset "", pin 1, trace "". No return value. */
 void ast_config_init(ast_config *cfg);
 /* Sets one key from its string form (a Python dict passes straight through): the one validator
  * of each key. Returns 0 on success; AST_EINVAL for an unknown key, a bad value or a NULL
@@ -141,7 +141,7 @@ typedef struct ast_refresh {
     void *out0, *out1;
     double p;               /* root exponent denominator (inverse p-th root); gram_ema: beta */
     double eps;             /* the roots' eps; gram_ema: alpha */
-    uint64_t block;         /* caller's block key (supersede, failure counting) */
+    uint64_t block;         /* caller's block key (supersede) */
     uint64_t version;
     int64_t deadline;       /* step by which it must be installed */
     int64_t snapshot_step;  /* step whose end state the inputs are (for version stats) */
@@ -153,7 +153,7 @@ typedef struct ast_refresh {
 typedef struct ast_result {
     uint64_t ticket, block, version;
     int64_t snapshot_step;
-    int status;             /* 0, a linalg AST_E*, AST_EFAILED, AST_ECANCELED, AST_ESUPERSEDED, AST_ESHUTDOWN */
+    int status;             /* 0, a linalg AST_E*, AST_ECANCELED, AST_ESUPERSEDED, AST_ESHUTDOWN */
     int retried_f64;
     int failed_index;       /* first failing block of a batch, -1 if none */
     uint64_t queued_ns, started_ns, done_ns;

@@ -2,10 +2,10 @@
 
 ``RuntimeConfig.from_user`` accepts ``None``, a plain dict or a ``RuntimeConfig``. Each key has
 one validator. The optimizer's keys (mode, staleness, install, placement, the budgets, nvme_dir,
-on_failure, fsdp_blocking, tier_dtype, factor_emas, refresh_device and the distributed keys
-ranks_per_node, coherence_timeout_s, coherence_topology) are checked here; no setting is read
-from the environment. The keys libasteria reads
-(``_C.config_keys()``: workers, cpuset, pin, max_failures, trace) are handed over once, at
+max_failures, on_failure, fsdp_blocking, tier_dtype, factor_emas, refresh_device and the
+distributed keys ranks_per_node, coherence_timeout_s, coherence_topology) are checked here; no
+setting is read from the environment. The keys libasteria reads
+(``_C.config_keys()``: workers, cpuset, pin, trace) are handed over once, at
 construction, to libasteria's validator (``ast_config_set``, via
 ``asteria._C.validate_config``), whose result (``c_config``, a ``_C.Config``) ``_C.Runtime``
 takes as it is. Every rejection is a ValueError naming the key and the allowed values. See the
@@ -59,6 +59,9 @@ class RuntimeConfig:
     trace: Optional[str] = None
     cpuset: Optional[str] = None
     pin: bool = True
+    #: consecutive failed refreshes of one factor (parameter, block, dimension) at which the
+    #: step raises or warns (on_failure); counted by the schedule (optim/_schedule.py), the one
+    #: count every executor reaches: libasteria keeps none (docs/departures.md); Python only
     max_failures: int = 3
     on_failure: str = "raise"
     #: FSDP2 parameters: blocks cut from each rank's shard ("local"), or from the full
@@ -142,6 +145,8 @@ class RuntimeConfig:
         for key in ("device_budget_bytes", "host_budget_bytes"):
             v = getattr(self, key)
             need(key, v is None or (is_int(v) and v >= 0), "None or a byte count >= 0")
+        need("max_failures", is_int(self.max_failures) and self.max_failures >= 1,
+             "an integer >= 1")
         need("on_failure", self.on_failure in ("raise", "keep"), '"raise", "keep"')
         need("fsdp_blocking", self.fsdp_blocking in ("local", "global"), '"local", "global"')
         need("factor_emas", self.factor_emas in ("thread", "workers"), '"thread", "workers"')
@@ -187,7 +192,7 @@ class RuntimeConfig:
 
         c_config = _C.validate_config(self.c_items())
         object.__setattr__(self, "_c_config", c_config)
-        # the C keys as libasteria took them (max_failures "3" -> 3): the Python readers see
+        # the C keys as libasteria took them (workers "3" -> 3): the Python readers see
         # the one validated value
         for key, value in c_config.as_dict().items():
             object.__setattr__(self, key, value)

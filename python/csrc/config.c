@@ -85,7 +85,6 @@ PyObject *config_to_dict(const ast_config *c)
     if (dict_set_steal(d, "workers", c->workers > 0 ? PyLong_FromLong(c->workers) : Py_NewRef(Py_None)) ||
         dict_set_steal(d, "cpuset", str_or_none(c->cpuset, sizeof c->cpuset)) ||
         dict_set_steal(d, "pin", PyBool_FromLong(c->pin)) ||
-        dict_set_steal(d, "max_failures", PyLong_FromLong(c->max_failures)) ||
         dict_set_steal(d, "trace", str_or_none(c->trace, sizeof c->trace))) {
         Py_DECREF(d);
         return NULL;

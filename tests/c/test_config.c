@@ -1,6 +1,6 @@
 /* test_config.c - defaults, the key/value setter and its messages, whole-config validation.
- * The optimizer's keys (mode, staleness, install, placement, budgets, nvme_dir) are not C's:
- * their checks are in tests/python/test_config.py. */
+ * The optimizer's keys (mode, staleness, install, placement, budgets, nvme_dir, max_failures)
+ * are not C's: their checks are in tests/python/test_config.py. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -24,7 +24,6 @@ static void test_defaults_match_design(void **state)
     assert_int_equal(c.workers, 0);
     assert_string_equal(c.cpuset, "");
     assert_int_equal(c.pin, 1);
-    assert_int_equal(c.max_failures, 3);
     assert_string_equal(c.trace, "");
     assert_int_equal(ast_config_validate(&c, NULL, 0), 0);
 }
@@ -43,8 +42,6 @@ static void test_set_good_values(void **state)
     assert_int_equal(c.pin, 0);
     assert_int_equal(ast_config_set(&c, "pin", "1", err, sizeof err), 0);
     assert_int_equal(c.pin, 1);
-    assert_int_equal(ast_config_set(&c, "max_failures", "7", err, sizeof err), 0);
-    assert_int_equal(c.max_failures, 7);
     assert_int_equal(ast_config_set(&c, "trace", "/tmp/asteria-test-trace.json", err, sizeof err),
                      0);
     assert_string_equal(c.trace, "/tmp/asteria-test-trace.json");
@@ -76,20 +73,20 @@ static void test_bad_values_name_key_and_allowed(void **state)
     expect_reject("workers", "", "1..1024");
     expect_reject("workers", "1025", "1..1024");
     expect_reject("pin", "maybe", "true, false");
-    expect_reject("max_failures", "0", ">= 1");
-    expect_reject("max_failures", "x", ">= 1");
     expect_reject("trace", "/", "a file path (this is a directory)");
     expect_reject("trace", "/nonexistent-asteria/dir/trace.json",
                   "in an existing directory this process can write");
     expect_reject("maxfailures", "5", "allowed keys");
 }
 
-/* Keys that are not C's are unknown to C: the Python layer keeps them. */
+/* Keys that are not C's are unknown to C: the Python layer keeps them (max_failures too: the
+ * optimizer's schedule counts consecutive failures, the runtime does not). */
 static void test_optimizer_keys_are_not_c_keys(void **state)
 {
     (void)state;
     const char *keys[] = {"mode", "staleness", "install", "placement", "device_budget_bytes",
-                          "host_budget_bytes", "nvme_dir", "debug_job_delay_ms"};
+                          "host_budget_bytes", "nvme_dir", "debug_job_delay_ms", "max_failures",
+                          "on_failure"};
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
         expect_reject(keys[i], "1", "unknown runtime key");
         assert_null(strstr(ast_config_keys(), keys[i]));
@@ -105,7 +102,7 @@ static void test_unknown_key_lists_keys(void **state)
     assert_int_equal(ast_config_set(&c, "colour", "red", err, sizeof err), AST_EINVAL);
     assert_non_null(strstr(err, "'colour'"));
     assert_non_null(strstr(err, ast_config_keys()));
-    assert_string_equal(ast_config_keys(), "workers, cpuset, pin, max_failures, trace");
+    assert_string_equal(ast_config_keys(), "workers, cpuset, pin, trace");
 }
 
 static void test_long_values_rejected(void **state)
@@ -137,10 +134,6 @@ static void test_validate_catches_struct_edits(void **state)
     c.workers = -3;
     assert_int_equal(ast_config_validate(&c, err, sizeof err), AST_EINVAL);
     assert_non_null(strstr(err, "workers"));
-    ast_config_init(&c);
-    c.max_failures = 0;
-    assert_int_equal(ast_config_validate(&c, err, sizeof err), AST_EINVAL);
-    assert_non_null(strstr(err, "max_failures"));
     ast_config_init(&c);
     c.pin = 7;
     assert_int_equal(ast_config_validate(&c, err, sizeof err), AST_EINVAL);

@@ -1,8 +1,8 @@
 """asteria.RuntimeConfig: one validator per key, C handed only its keys, once.
 
-The optimizer's keys (mode, staleness, install, placement, budgets, nvme_dir, on_failure) are
-checked in Python; these are the checks tests/c/test_config.c made while C kept them. The keys
-libasteria reads (workers, cpuset, pin, max_failures, trace) are checked by C's ast_config_set
+The optimizer's keys (mode, staleness, install, placement, budgets, nvme_dir, max_failures,
+on_failure) are checked in Python; these are the checks tests/c/test_config.c made while C kept
+them. The keys libasteria reads (workers, cpuset, pin, trace) are checked by C's ast_config_set
 (tests/c/test_config.c, tests/python/test_c_ext.py); here only that they reach it, once.
 """
 
@@ -36,8 +36,9 @@ def test_good_values_are_kept(tmp_path):
     assert c.placement == {"factors": "device", "roots": "host_pinned"}
     assert c.placement.get("roots") == "host_pinned" and c.placement.get("moments") is None
     assert c.device_budget_bytes == 1048576 and c.nvme_dir == str(tmp_path)
+    assert c.max_failures == 4
     assert c.c_config.as_dict() == {"workers": 4, "cpuset": None, "pin": False,
-                                    "max_failures": 4, "trace": str(tmp_path / "t.json")}
+                                    "trace": str(tmp_path / "t.json")}
 
 
 @pytest.mark.parametrize("key,value,allowed", [
@@ -54,6 +55,12 @@ def test_good_values_are_kept(tmp_path):
     ("placement", {"weights": "host"}, ["factors", "roots"]),
     ("placement", "nonsense", ['"auto"', "kind: tier"]),
     ("nvme_dir", "a" * 5000, ["an existing directory"]),
+    ("max_failures", 0, ["an integer >= 1"]),
+    ("max_failures", -2, ["an integer >= 1"]),
+    ("max_failures", 1.5, ["an integer >= 1"]),
+    ("max_failures", "4", ["an integer >= 1"]),
+    ("max_failures", True, ["an integer >= 1"]),
+    ("max_failures", None, ["an integer >= 1"]),
     ("on_failure", "ignore", ['"raise", "keep"']),
     ("factor_emas", "gpu", ['"thread", "workers"']),
     ("refresh_device", "0", ["True, False"]),
@@ -71,7 +78,6 @@ def test_good_values_are_kept(tmp_path):
     # C's keys: the message is libasteria's, raised unchanged
     ("workers", 0, ["1..1024"]),
     ("pin", "maybe", ["true", "false"]),
-    ("max_failures", 0, [">= 1"]),
 ])
 def test_bad_value_names_key_and_allowed_values(key, value, allowed):
     with pytest.raises(ValueError) as ei:
@@ -133,7 +139,7 @@ def test_c_gets_only_its_keys_once(monkeypatch):
     monkeypatch.setattr(_C, "validate_config", counting)
     cfg = RuntimeConfig.from_user({"mode": "async", "staleness": 2, "workers": 1, "pin": False})
     assert len(calls) == 1 and set(calls[0]) <= set(_C.config_keys())
-    assert calls[0] == {"workers": 1, "pin": False, "max_failures": 3}
+    assert calls[0] == {"workers": 1, "pin": False}
     assert RuntimeConfig.from_user(cfg) is cfg and len(calls) == 1
     from asteria.refresh.host_pool import HostPoolEngine
 
@@ -146,8 +152,22 @@ def test_c_gets_only_its_keys_once(monkeypatch):
 
 def test_c_keys_take_libasteria_value():
     """The value stored is the one libasteria validated (one home)."""
-    c = RuntimeConfig(max_failures="4")
-    assert c.max_failures == 4 and c.c_config.as_dict()["max_failures"] == 4
+    c = RuntimeConfig(workers="4")
+    assert c.workers == 4 and c.c_config.as_dict()["workers"] == 4
+
+
+def test_max_failures_is_a_python_key():
+    """max_failures is the optimizer's schedule's (the one consecutive-failure count, for every
+    executor): validated and stored once in RuntimeConfig, never handed to libasteria."""
+    assert "max_failures" not in _C.config_keys()
+    assert "max_failures" not in _C.default_config()
+    c = RuntimeConfig.from_user({"max_failures": 7})
+    assert c.max_failures == 7 and "max_failures" not in c.c_config.as_dict()
+    assert "max_failures" not in c.c_items()
+    assert pickle.loads(pickle.dumps(c)).max_failures == 7
+    with pytest.raises(ValueError, match=r"runtime key 'max_failures': got 0; allowed: an "
+                                         r"integer >= 1"):
+        dataclasses.replace(c, max_failures=0)
 
 
 def test_copies_are_validated_where_they_enter(tmp_path):
