@@ -28,7 +28,8 @@ Schedule (DESIGN.md, "Staleness"). Steps are counted per ``step()`` call (t = 1,
    the next forward and backward rather than at a barrier in this step's end.
    So a refresh always starts from the newest installed basis, and with 0 <= S <= f a parameter
    never has two refreshes in flight. Each job carries a block key that is stable for its set of
-   (parameter, block, dimension) targets, so the C pool's failure counting sees one block.
+   (parameter, block, dimension) targets (the engine's traces and a replicated engine's owners
+   see one block across rounds).
  - The first-step eigendecomposition of SOAP and KL-Shampoo goes through the engine too, but is
    waited for at once whatever S is: before it no basis exists to precondition with. A factor
    that is c*I (the all-zero "fake step" of torch.distributed.checkpoint) gets the identity as
