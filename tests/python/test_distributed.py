@@ -235,16 +235,21 @@ def test_slow_rank_holds_others_only_at_the_barrier(results):
 
 
 def test_rank_death_fails_the_others_promptly(tmp_path):
-    """Rank 3 exits abruptly; ranks 0-2 each fail with a CoherenceError naming the unit, well
-    within the collective timeout (20 s), instead of hanging."""
+    """Rank 3 exits abruptly; ranks 0-2 each fail with a CoherenceError naming the unit and the
+    lost peer (rank 3: no heartbeat, no failure of its own), well within the collective
+    timeout (20 s), instead of hanging. The store is hosted apart (dist/store.py), as under
+    torchrun."""
     port = _free_port()
-    procs = []
     t0 = time.monotonic()
+    store = subprocess.Popen([sys.executable, os.path.join(DIST, "store.py"), "127.0.0.1",
+                              str(port)], env=_child_env(), stdout=subprocess.DEVNULL,
+                             start_new_session=True)
+    procs = []
     for r in range(WORLD):
         env = _child_env(RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r % PER_NODE),
                          LOCAL_WORLD_SIZE=str(PER_NODE), GROUP_RANK=str(r // PER_NODE),
                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DIE_RANK="3",
-                         DIE_STEP="4", DIE_TIMEOUT_S="20")
+                         DIE_STEP="4", DIE_TIMEOUT_S="20", TORCHELASTIC_USE_AGENT_STORE="True")
         procs.append(subprocess.Popen([sys.executable, os.path.join(DIST, "die.py")], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True, start_new_session=True))
@@ -257,7 +262,7 @@ def test_rank_death_fails_the_others_promptly(tmp_path):
         _kill(procs)
         pytest.fail("a rank hung after its peer died")
     finally:
-        _kill(procs)
+        _kill(procs + [store])
     assert procs[3].returncode == 17, outputs[3][-2000:]
     for r in range(3):
         lines = [ln for ln in outputs[r].splitlines() if ln.startswith(f"SURVIVOR {r} ")]
@@ -266,6 +271,7 @@ def test_rank_death_fails_the_others_promptly(tmp_path):
         _, _, _, waited, msg = lines[0].split(" ", 4)
         assert float(waited) < 20.0, lines[0]
         assert "CoherenceError" in msg and "asteria coherence failed on rank" in msg, msg
+        assert "lost peers [3] (node 1: " in msg, msg
 
 
 # ---- single-process pieces ---------------------------------------------------------------------

@@ -8,16 +8,22 @@ and the channels they run on (``Channel``: one per replica set and staleness bud
 registries), and ``CoherenceProtocol``: the daemon thread ("asteria-coherence") that runs each
 unit's protocol in submission order (version exchange on ``ctrl``, the transfer of the due
 blocks, hierarchical through host memory or flat; the results every replica installs), with
-its counters and the error that stopped it. ``asteria.refresh.replicated.ReplicatedEngine``
-makes the units and hands them over. May call: torch, torch.distributed (gloo process groups
-only), ``asteria.distributed``, ``asteria.refresh.engine``, ``asteria._C``.
+its counters and the error that stopped it, which names the lost peers (``_Liveness``: each
+rank's heartbeat in the job's store). ``asteria.refresh.replicated.ReplicatedEngine`` makes the
+units and hands them over. May call: torch, torch.distributed (gloo process groups only, and the
+default group's store for the heartbeats), ``asteria.distributed``, ``asteria.refresh.engine``,
+``asteria._C``.
 
 Threads. The protocol thread runs ``CoherenceProtocol._loop`` and everything it calls; the
 training thread (the engine) only puts units on ``queue``, sets each unit's ``owner_ready``
 once this rank's owner results are in its jobs, waits on its ``done``, writes ``step`` (read
 here for the window slack) and ``closing`` (set once, at close), and reads ``error`` and
 ``counters``. Per unit the two ``threading.Event`` order the fields they publish; the
-registries (``_C.Coherence``) are called under the GIL.
+registries (``_C.Coherence``) are called under the GIL. A second daemon thread per engine
+("asteria-coherence-beat") only adds to this rank's heartbeat counter in the store. After a
+failure the protocol thread writes this rank's failure report and reads its peers' counters and
+reports through a third, short-lived one ("asteria-coherence-peers"), so that a store that does
+not answer holds it for a bounded wait only.
 """
 
 from __future__ import annotations
@@ -35,6 +41,12 @@ from asteria.distributed import _ALIGN, Topology, _dist, _Link
 from asteria.refresh.engine import Result
 
 AST_EFAILED = _C.AST_EFAILED
+# Heartbeats: every rank of an engine adds 1 to its counter in the store every _BEAT_S (one
+# small request a second: torchelastic's keep-alive, at its scale); after a failed collective a
+# rank names as lost the peers whose counters did not move in _BEATS_MISSED periods and that
+# reported no failure of their own.
+_BEAT_S = 1.0
+_BEATS_MISSED = 3
 
 
 # ---- jobs, units, channels --------------------------------------------------------------------
@@ -111,6 +123,77 @@ class CoherenceError(RuntimeError):
     """The coherence protocol failed on this rank (a peer died or timed out, a protocol check)."""
 
 
+class _Liveness:
+    """This rank's heartbeat and failure report, and a reading of its peers', in the job's store
+    (which torchrun's agent hosts: it outlives the ranks). A failed collective does not say which
+    peer is gone (gloo names an address, which a node's ranks share), and the peers cannot be
+    asked: a live one may be blocked in a collective with another survivor until that survivor's
+    process exits. Its heartbeat, on a thread of its own, goes on meanwhile; a survivor that
+    failed and exited has reported its failure first; a dead or hung process does neither."""
+
+    def __init__(self, topo: Topology) -> None:
+        self._key = f"asteria-coherence/{topo.run_id}/"
+        self._rank = topo.rank
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="asteria-coherence-beat",
+                                        daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _store():
+        return _dist().distributed_c10d._get_default_store()
+
+    def _beat(self) -> None:
+        try:
+            store = self._store()
+            while True:
+                store.add(f"{self._key}beat/{self._rank}", 1)
+                if self._stop.wait(_BEAT_S):
+                    return
+        except Exception:
+            return  # no store, or it is gone: nobody can read the beats either
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def failed(self, peers: Sequence[int], nodes: Sequence[int], name_lost: bool) -> str:
+        """Report this rank's failure; with ``name_lost``, also say which of ``peers`` neither
+        beat for _BEATS_MISSED periods nor reported a failure (words for an error message).
+        Returns within about that many periods even when the store does not answer."""
+        wait = _BEATS_MISSED * _BEAT_S if name_lost else 0.0
+        found: dict = {}
+
+        def ask() -> None:
+            try:
+                store = self._store()
+                store.set(f"{self._key}failed/{self._rank}", "1")
+                if not name_lost:
+                    return
+                beats = [f"{self._key}beat/{r}" for r in peers]
+                before = [store.add(k, 0) for k in beats]
+                time.sleep(wait)
+                after = [store.add(k, 0) for k in beats]
+                found["silent"] = [r for r, a, b in zip(peers, before, after) if a == b and
+                                   not store.check([f"{self._key}failed/{r}"])]
+            except Exception as exc:
+                found["error"] = f"{type(exc).__name__}: {exc}"
+
+        asker = threading.Thread(target=ask, name="asteria-coherence-peers", daemon=True)
+        asker.start()
+        asker.join(wait + 2.0)
+        if not name_lost:
+            return ""
+        if "silent" not in found:
+            return f", lost peers unknown (the store: {found.get('error', 'no answer')})"
+        silent = found["silent"]
+        if not silent:
+            return ", lost peers none (every peer beats or failed too)"
+        where = sorted({nodes[r] for r in silent})
+        return (f", lost peers {silent} (node{'s' if len(where) > 1 else ''} "
+                f"{', '.join(map(str, where))}: no heartbeat for {wait:g} s, no failure "
+                "reported)")
+
+
 class CoherenceProtocol:
     """The protocol thread of one ``ReplicatedEngine``: takes units from ``queue`` (None
     stops it) in submission order, waits for each one's ``owner_ready`` and runs its protocol;
@@ -128,6 +211,7 @@ class CoherenceProtocol:
         self.counters = {"coherence_units": 0, "coherence_entries_computed": 0,
                          "coherence_entries_received": 0, "coherence_transfer_ns": 0,
                          "coherence_exchange_bytes": 0}
+        self.liveness = _Liveness(topo)
         self.thread = threading.Thread(target=self._loop, name="asteria-coherence", daemon=True)
         self.thread.start()
 
@@ -155,10 +239,14 @@ class CoherenceProtocol:
 
     def _fail(self, unit: Unit, exc: BaseException) -> None:
         topo = self.topo
+        ranks = unit.channel.link.ranks
+        lost = self.liveness.failed([r for r in ranks if r != topo.rank], topo.nodes,
+                                    name_lost=not isinstance(exc, (CoherenceError,
+                                                                   _C.AsteriaError)))
         err = CoherenceError(
             f"asteria coherence failed on rank {topo.rank} (node {topo.node}) in the unit "
             f"snapshotted at step {unit.snapshot_step}, installed at step {unit.deadline}, "
-            f"replica set {list(unit.channel.link.ranks)}: {type(exc).__name__}: {exc}")
+            f"replica set {list(ranks)}{lost}: {type(exc).__name__}: {exc}")
         err.__cause__ = exc
         self.error = err
         pending = [unit]

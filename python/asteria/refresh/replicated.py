@@ -274,6 +274,7 @@ class ReplicatedEngine(Engine):
                 unit.owner_ready.set()
             self._proto.queue.put(None)
             self._proto.thread.join(self._topo.timeout.total_seconds() + 5.0)
+            self._proto.liveness.stop()
             self._final_stats = self._stats_open()
             try:
                 self._inner.close()

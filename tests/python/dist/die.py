@@ -2,9 +2,11 @@
 
 Every rank trains the same replicated model on the same data with no DDP wrapper, so the
 coherence protocol's collectives are the only ones linking the ranks. Rank DIE_RANK exits
-abruptly after step DIE_STEP. Each survivor must fail on its own, with a CoherenceError naming
-the unit, within the collective timeout: it prints one line "SURVIVOR <rank> FAILED <seconds>
-<message>" and exits 1. A survivor that finishes its steps prints "SURVIVOR <rank> FINISHED".
+abruptly after step DIE_STEP (os._exit, or SIGKILL with DIE_SIGKILL set). Each survivor must
+fail on its own, with a CoherenceError naming the unit, within the collective timeout
+(DIE_TIMEOUT_S: the default group's and the runtime key coherence_timeout_s): it prints one line
+"SURVIVOR <rank> FAILED <seconds> <message>" and exits 1. A survivor that finishes its steps
+prints "SURVIVOR <rank> FINISHED".
 
 Launched without torchrun (the driver sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 GROUP_RANK, MASTER_ADDR and MASTER_PORT itself): torchrun's agent would kill the survivors as
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import sys
 import time
 
@@ -34,7 +37,8 @@ def main() -> int:
     rank = dist.get_rank()
     model = C.make_model(layers=1)
     opt = asteria.SOAP(model.parameters(), lr=1e-2, block_size=8, precondition_frequency=1,
-                       runtime={"mode": "async", "staleness": 1, "workers": 1})
+                       runtime={"mode": "async", "staleness": 1, "workers": 1,
+                                "coherence_timeout_s": timeout})
     died_at = None
     try:
         for t in range(1, 200):
@@ -43,6 +47,8 @@ def main() -> int:
             if t == die_step:
                 if rank == die_rank:
                     print(f"RANK {rank} DIES after step {t}", flush=True)
+                    if os.environ.get("DIE_SIGKILL"):
+                        os.kill(os.getpid(), signal.SIGKILL)
                     os._exit(17)
                 died_at = time.monotonic()
             time.sleep(0.01)
