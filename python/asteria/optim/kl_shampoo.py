@@ -135,7 +135,7 @@ class KLShampooMethod(Method):
                   beta1=group["betas"][0], shampoo_beta=self.shampoo_beta(group),
                   eps=group["eps"], weight_decay=group["weight_decay"],
                   normalize_grads=group["normalize_grads"], clamp=clamp)
-        self.opt.schedule.count_lazy("overflow_skipped", (~ok).sum())
+        self.schedule.count_lazy("overflow_skipped", (~ok).sum())
         self.blocks.unstack(members, "exp_avg", m)
         for i, h in enumerate(has):
             if h:

@@ -10,11 +10,12 @@ OLMo-core configs and the capacity planner are made from it, so a new method is 
 and an export).
 
 A method is held by its optimizer (``opt.method``) and reaches the rest only through it, weakly
-(no cycle): the state (``opt.state``), the placement's block accessors (``opt.placement``:
-``stack`` / ``unstack`` / ``root_*``, so the kernels see the tensors of the all-device path
-wherever a block lives) and the schedule (``opt.schedule``: a job that writes state in the
-background, device-side counts). The step math itself is in ``functional``. Single-threaded
-(the training thread).
+(no cycle), by these names: ``state`` (``opt.state``), ``blocks`` (the placement's block
+accessors: ``stack`` / ``unstack`` / ``root_*``, so the kernels see the tensors of the
+all-device path wherever a block lives), ``schedule`` (a job that writes state in the
+background, device-side counts), ``config`` (the runtime config), ``group_of`` and ``count``
+(the optimizer's counters). The step math itself is in ``functional``. Single-threaded (the
+training thread).
 """
 
 from __future__ import annotations
@@ -110,6 +111,25 @@ class Method:
     def blocks(self):
         """The placement's block accessors (``asteria.optim.placement.Placement``)."""
         return self._opt().placement
+
+    @property
+    def schedule(self):
+        """The schedule (``asteria.optim.schedule.Schedule``): background jobs that write state
+        (``submit_write``, ``writes``), device-side counts (``count_lazy``)."""
+        return self._opt().schedule
+
+    @property
+    def config(self):
+        """The runtime config (``asteria.RuntimeConfig``) of the optimizer."""
+        return self._opt()._cfg
+
+    def group_of(self, p: torch.Tensor) -> dict:
+        """The param group of p."""
+        return self._opt()._group_of(p)
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add to one of the optimizer's counters (``asteria_stats()``)."""
+        self._opt()._counters[name] += n
 
     # ---- hyperparameters ----------------------------------------------------------------------
     def check(self, group: dict) -> None:

@@ -537,7 +537,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         # before the first round there is nothing measured to report: the planner's decisions
         # alone (as logged at construction)
         sched = self.schedule
-        if self._async and sched._capacity is not None and sched._capacity.rounds:
+        if self._async and sched.measured:
             s = self.schedule.delay
             auto = self._cfg.staleness == "auto"
             if auto:

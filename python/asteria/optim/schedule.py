@@ -201,6 +201,11 @@ class Schedule:
         return min((g["precondition_frequency"] for g in opt.param_groups), default=1)
 
     @property
+    def measured(self) -> bool:
+        """Has the capacity record measured a round yet?"""
+        return self._capacity is not None and bool(self._capacity.rounds)
+
+    @property
     def capacity(self) -> Capacity:
         """The capacity record of this optimizer's REFRESH work (asteria.refresh.capacity)."""
         opt = self.opt

@@ -143,7 +143,7 @@ class ShampooMethod(Method):
                 self.blocks.unstack(members, "L", f, dim=i)
 
     def refresh_input(self, kind, p, j, dim):
-        group = self.opt._group_of(p)
+        group = self.group_of(p)
         st = self.state[p]
         order = st[K.key(j, "momentum")].dim()
         ov = group["inverse_exponent_override"]

@@ -114,7 +114,7 @@ class SOAPMethod(Method):
         st = self.state[p]  # a fake step's factors are zero (its bases the identity, from them)
         keys = [k for k in dict.keys(st) if K.is_factor(k, "GG")]
         for k in keys:
-            self.opt.schedule.writes.settle(p, k)  # a factor EMA in flight writes it
+            self.schedule.writes.settle(p, k)  # a factor EMA in flight writes it
         return [dict.__getitem__(st, k) for k in keys]
 
     def merge_dims(self, group):
@@ -165,7 +165,7 @@ class SOAPMethod(Method):
             if f is not None:
                 self.blocks.unstack(members, "GG", f, dim=i)
         if offload:  # started once the group's stacks have all run (schedule.writes.start_due)
-            self.opt.schedule.writes.defer(_FactorEma(list(members), g, list(factors),
+            self.schedule.writes.defer(_FactorEma(list(members), g, list(factors),
                                           self.shampoo_beta(group)))
 
     def refresh_input(self, kind, p, j, dim):
@@ -179,7 +179,7 @@ class SOAPMethod(Method):
         if kind == INIT:
             self.install_bases(outputs)
             return
-        for all_members, has in _stacks_of(self.opt, outputs):
+        for all_members, has in _stacks_of(self.state, self.blocks, outputs):
             for members in self.blocks.chunks(all_members):
                 self.install_chunk(members, has, outputs)
 
@@ -215,7 +215,7 @@ class SOAPMethod(Method):
             if self.bases_on_nvme(members):
                 # one rotation in flight: the previous chunk's m, pairs and result are let go
                 # before this chunk's are made (memory for one chunk, not one round)
-                self.opt.schedule.writes.settle_all()
+                self.schedule.writes.settle_all()
             self.submit_rotation(members, m, pairs)
         else:
             F.soap_install(m, v, old, new, perms)
@@ -231,14 +231,14 @@ class SOAPMethod(Method):
         (where ``rotation_offload`` / ``factor_offload`` allow)? Only with an executor
         that takes inputs made for it (libasteria's pool, ``mode="async"``), rank-local (a
         replicated block's m is re-expressed by every replica itself, on its own thread)."""
-        return self.opt.schedule.takes_parts()
+        return self.schedule.takes_parts()
 
     def rotation_offload(self, members: list, ndim: int) -> bool:
         """Offload the re-expression of these members' m: CPU parameters (on a GPU it is two
         device matmuls per side, cheaper than the round trip) with blocks of at most 2 dims
         (the op's layout), unless m is read next (an install deferred to the next step's
         start, ``settle_deferred``: the step would wait for the worker at once)."""
-        return (self.offloads_to_workers() and ndim <= 2 and not self.opt.schedule.settling
+        return (self.offloads_to_workers() and ndim <= 2 and not self.schedule.settling
                 and all(local(p).device.type == "cpu" for p, _ in members))
 
     def bases_on_nvme(self, members: list) -> bool:
@@ -253,11 +253,11 @@ class SOAPMethod(Method):
         are given to the job: the worker reads them in place, nothing here writes them."""
         x = m.reshape(m.shape[0], m.shape[1], -1)
         pairs = list(pairs) + [None] * (2 - len(pairs))
-        ticket = self.opt.schedule.submit_write("soap_rotate", members, x, pairs[0],
+        ticket = self.schedule.submit_write("soap_rotate", members, x, pairs[0],
                                                 b=pairs[1], host_outputs=True,
                                                 donate=("f", "q", "b"))
-        self.opt._counters["rotations_submitted"] += 1
-        self.opt.schedule.writes.add(_Rotation(ticket, list(members), (x, pairs[0], pairs[1]),
+        self.count("rotations_submitted")
+        self.schedule.writes.add(_Rotation(ticket, list(members), (x, pairs[0], pairs[1]),
                                    tuple(m.shape[1:])))
 
     def finish_rotation(self, rot: _Rotation, res) -> None:
@@ -266,7 +266,7 @@ class SOAPMethod(Method):
         if res.status == 0:
             out = res.outputs[0]
         else:
-            self.opt._counters["rotation_failures"] += 1
+            self.count("rotation_failures")
             warnings.warn(f"Asteria: re-expressing SOAP's first moment on a worker failed "
                           f"({res.error}); done on the training thread instead",
                           RuntimeWarning, stacklevel=3)
@@ -283,7 +283,7 @@ class SOAPMethod(Method):
         whose slices are the state's entries (the packed state: the worker writes the state
         itself), and no REFRESH due at this step's end (it reads the factors at once: the
         update stays here)."""
-        if (self.opt._cfg.factor_emas != "workers" or not self.offloads_to_workers()
+        if (self.config.factor_emas != "workers" or not self.offloads_to_workers()
                 or g.dim() != 3 or g.dtype not in (torch.float32, torch.float64)
                 or all(f is None for f in factors)):
             return False
@@ -314,11 +314,11 @@ class SOAPMethod(Method):
         for the memory bus. ``g`` (a stack made for this step) is given to the job; a read of
         a factor waits for it (``schedule.writes``)."""
         members, factors, beta = job.members, job.factors, job.beta
-        job.ticket = self.opt.schedule.submit_write("gram_ema", members, job.g, factors[0],
+        job.ticket = self.schedule.submit_write("gram_ema", members, job.g, factors[0],
                                                     b=factors[1], p=beta, eps=1.0 - beta,
                                                     host_outputs=True, donate=("f",))
-        self.opt._counters["factor_emas_submitted"] += 1
-        self.opt.schedule.writes.add(job)
+        self.count("factor_emas_submitted")
+        self.schedule.writes.add(job)
 
     def finish_factor_ema(self, job: _FactorEma, res) -> None:
         """Apply a gram_ema job's result. Its factors are updated where they are; a failed job
@@ -328,7 +328,7 @@ class SOAPMethod(Method):
                 if f is not None and out is not None and out.data_ptr() != f.data_ptr():
                     f.copy_(out)
             return
-        self.opt._counters["factor_ema_failures"] += 1
+        self.count("factor_ema_failures")
         warnings.warn(f"Asteria: updating SOAP's factors on a worker failed ({res.error}); "
                       f"done on the training thread instead", RuntimeWarning, stacklevel=3)
         for i, f in enumerate(job.factors):
@@ -336,15 +336,15 @@ class SOAPMethod(Method):
                 F.ema_gram(f, job.g, i, job.beta, 1.0 - job.beta)
 
 
-def _stacks_of(opt, outputs: dict):
+def _stacks_of(state, blocks, outputs: dict):
     """Group the blocks of a round's outputs into stacks of one shape, dtype and factor dims:
     yields (members, has_factor)."""
     stacks: dict = {}
     for p, outs in outputs.items():
-        st = opt.state[p]
+        st = state[p]
         for j in sorted({j for j, _ in outs}):
             ref = st[K.key(j, "exp_avg")]
-            has = tuple(opt.placement.root_has(p, K.key(j, "Q", i)) for i in range(ref.dim()))
+            has = tuple(blocks.root_has(p, K.key(j, "Q", i)) for i in range(ref.dim()))
             stacks.setdefault((tuple(ref.shape), ref.dtype, ref.device, has), []).append((p, j))
     for (_, _, _, has), members in stacks.items():
         yield members, list(has)
