@@ -39,7 +39,7 @@ Training: one torch thread pinned to the first core; Asteria's worker pool on th
 
 Writes benchmarks/results/moe/bench_moe.{json,png}.
 
-    python3 benchmarks/bench_moe.py                       # about half an hour on 2 cores
+    python3 benchmarks/bench_moe.py            # about half an hour on 2 idle cores (estimated)
     python3 benchmarks/bench_moe.py --layout 3d --seeds 0
     python3 benchmarks/bench_moe.py --quick --out-dir /tmp/x   # seconds
 """
