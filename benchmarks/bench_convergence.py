@@ -139,7 +139,8 @@ MIN_BUDGET_S = 10.0     # a run may always take this long, however fast AdamW wa
 
 @dataclasses.dataclass
 class Problem:
-    """One model configuration, its initial weights and the batches every run sees."""
+    """One model configuration, its initial weights and the batches every run sees.
+    ``model_cls``: the model, built from ``cfg`` (TinyGPT; bench_moe.py's has experts)."""
 
     preset: str
     cfg: GPTConfig
@@ -148,10 +149,11 @@ class Problem:
     seed: int
     batch: int
     data: Optional[CharData] = None
+    model_cls: Callable = TinyGPT
 
     def model(self) -> TinyGPT:
         torch.manual_seed(self.seed)
-        m = TinyGPT(self.cfg)
+        m = self.model_cls(self.cfg)
         m.load_state_dict(self.init_state)
         return m
 
@@ -180,14 +182,14 @@ def build_problem(preset: str, steps: int, seed: int, batch: Optional[int] = Non
 
 
 def make_problem(name: str, cfg: GPTConfig, data: CharData, steps: int, seed: int,
-                 batch: int) -> Problem:
-    """A Problem of model ``cfg``: initial weights from ``seed``, ``steps`` training batches of
-    ``batch`` sequences from a generator seeded with it."""
+                 batch: int, model_cls: Callable = TinyGPT) -> Problem:
+    """A Problem of model ``cfg`` (a ``model_cls``): initial weights from ``seed``, ``steps``
+    training batches of ``batch`` sequences from a generator seeded with it."""
     torch.manual_seed(seed)
-    init_state = {k: v.clone() for k, v in TinyGPT(cfg).state_dict().items()}
+    init_state = {k: v.clone() for k, v in model_cls(cfg).state_dict().items()}
     gen = torch.Generator().manual_seed(seed)
     batches = [data.batch("train", batch, gen) for _ in range(steps)]
-    return Problem(name, cfg, init_state, batches, seed, batch, data)
+    return Problem(name, cfg, init_state, batches, seed, batch, data, model_cls)
 
 
 def placement(train_cpu: Optional[int] = None) -> dict[str, Any]:
@@ -410,13 +412,19 @@ def _round(xs: Sequence[Optional[float]], nd: int = 5) -> list:
     return [None if x is None else round(x, nd) for x in xs]
 
 
+def model_optimizer(name: str, model, lr: float, args, worker_cpus: Optional[str]):
+    """make_optimizer over all of ``model``'s parameters, one param group."""
+    return make_optimizer(name, model.parameters(), lr, args, worker_cpus)
+
+
 def make_curve(name: str, lr: float, problem: Problem, args, pin: dict, log: common.Progress,
-               *, stop_below: Optional[float], budget_s: Optional[float]):
+               *, stop_below: Optional[float], budget_s: Optional[float],
+               build: Callable = model_optimizer):
     """(Curve, the optimizer's keyword arguments): ``name`` at peak lr ``lr`` under the warm-up
-    + cosine schedule, on a fresh model of ``problem``."""
+    + cosine schedule, on a fresh model of ``problem``; ``build``: the optimizer factory
+    (model_optimizer's arguments and result)."""
     model = problem.model()
-    opt, kw = make_with_wide_mask(lambda: make_optimizer(name, model.parameters(), lr, args,
-                                                         pin["worker_cpus"]))
+    opt, kw = make_with_wide_mask(lambda: build(name, model, lr, args, pin["worker_cpus"]))
     log(f"run {name} lr {lr:g} seed {problem.seed}"
         + (f" (stops at loss {stop_below:.4f}" if stop_below is not None else "")
         + (f", or after {budget_s:.0f} s)" if budget_s else ")" if stop_below is not None else ""))
@@ -442,10 +450,11 @@ def finish_run(name: str, lr: float, problem: Problem, c: Curve, kw: dict,
 
 
 def train_one(name: str, lr: float, problem: Problem, args, pin: dict, log: common.Progress,
-              *, stop_below: Optional[float], budget_s: Optional[float]) -> dict[str, Any]:
-    """One run of ``name`` at peak lr ``lr``, alone."""
-    c, kw = make_curve(name, lr, problem, args, pin, log, stop_below=stop_below,
-                       budget_s=budget_s)
+              *, stop_below: Optional[float], budget_s: Optional[float],
+              make: Callable = make_curve) -> dict[str, Any]:
+    """One run of ``name`` at peak lr ``lr``, alone; ``make``: the factory of its Curve
+    (make_curve's arguments and result)."""
+    c, kw = make(name, lr, problem, args, pin, log, stop_below=stop_below, budget_s=budget_s)
     r = finish_run(name, lr, problem, c, kw, run_curves([c])[0])
     del c
     gc.collect()
@@ -453,7 +462,7 @@ def train_one(name: str, lr: float, problem: Problem, args, pin: dict, log: comm
 
 
 def train_lockstep(names: list, lrs: dict, problem: Problem, args, pin: dict,
-                   log: common.Progress) -> list[dict[str, Any]]:
+                   log: common.Progress, make: Callable = make_curve) -> list[dict[str, Any]]:
     """Every optimizer of ``names`` at its lr, each on its own copy of the model (same initial
     weights and batches), taking turns of common.TURN_STEPS steps for all steps: every
     optimizer's step i runs within seconds of the others', so the machine's drift over
@@ -461,8 +470,8 @@ def train_lockstep(names: list, lrs: dict, problem: Problem, args, pin: dict,
     made = []
     for name in names:
         try:
-            made.append((name,) + make_curve(name, lrs[name], problem, args, pin, log,
-                                             stop_below=None, budget_s=None))
+            made.append((name,) + make(name, lrs[name], problem, args, pin, log,
+                                       stop_below=None, budget_s=None))
         except Exception as e:  # a missing library: the others still run
             log(f"run {name}: FAILED: {type(e).__name__}: {e}")
     log(f"seed {problem.seed}: {', '.join(n for n, _, _ in made)} in lockstep, "
@@ -507,12 +516,12 @@ def extend_grid(name: str, entries: list[dict]) -> Optional[float]:
     return best * EXTEND_FACTOR if best == lrs[-1] else best / EXTEND_FACTOR
 
 
-def sweep(names: list, problem: Problem, args, pin: dict,
-          log: common.Progress) -> tuple[dict[str, list], dict[str, float]]:
+def sweep(names: list, problem: Problem, args, pin: dict, log: common.Progress,
+          make: Callable = make_curve) -> tuple[dict[str, list], dict[str, float]]:
     """Every optimizer at each lr of its grid, one run after another: (the sweep's entries per
     optimizer, the tuned lr per optimizer). AdamW first, for all steps; the others stop at its
     tuned final loss or at --budget x its time. A grid whose best lr sits at its edge is
-    extended (extend_grid) up to --extend times."""
+    extended (extend_grid) up to --extend times. ``make``: the Curve factory (make_curve)."""
     entries: dict[str, list] = {}
     tuned: dict[str, float] = {}
     target = adamw_ref = None
@@ -526,7 +535,7 @@ def sweep(names: list, problem: Problem, args, pin: dict,
                                                       MIN_BUDGET_S)
             try:
                 r = train_one(name, lr, problem, args, pin, log, stop_below=stop,
-                              budget_s=budget)
+                              budget_s=budget, make=make)
             except Exception as e:  # a missing library or a failing step: record, go on
                 log(f"run {name} lr {lr:g}: FAILED: {type(e).__name__}: {e}")
                 entries.setdefault(name, []).append(
@@ -571,12 +580,21 @@ def run_setting(setting: str, args, pin: dict, log: common.Progress) -> dict[str
         f" tokens a step = {info['tokens_over_widest']:.0f}x the widest layer "
         f"({info['widest_layer_dim']}); {args.steps} steps; optimizers {', '.join(names)}; "
         f"seeds {seeds}; load {common.loadavg()}")
-    entries, tuned = sweep(names, problems[seeds[0]], args, pin, log)
+    return compare(setting, preset, info, names, problems, args, pin, log)
+
+
+def compare(setting: str, preset: str, info: dict, names: list, problems: dict, args,
+            pin: dict, log: common.Progress, make: Callable = make_curve) -> dict[str, Any]:
+    """The procedure of the module's docstring on ``problems`` ({seed: Problem}, the first
+    seed sweeps): the lr sweep, the timed lockstep runs per seed, each optimizer's time to
+    tuned AdamW's final loss. ``make``: the Curve factory (make_curve)."""
+    seeds = list(problems)
+    entries, tuned = sweep(names, problems[seeds[0]], args, pin, log, make)
     runs: list[dict] = []         # the timed runs at the tuned lrs, every seed
     per_seed: dict[int, dict] = {}
     timed = [n for n in names if n in tuned]
     for seed in seeds if "adamw" in tuned else []:
-        rs = train_lockstep(timed, tuned, problems[seed], args, pin, log)
+        rs = train_lockstep(timed, tuned, problems[seed], args, pin, log, make)
         runs += rs
         adamw = next((r for r in rs if r["optimizer"] == "adamw"), None)
         if adamw is None:

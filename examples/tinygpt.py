@@ -62,22 +62,31 @@ class Block(nn.Module):
         self.heads = c.heads
 
     def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        x = x + self.attend(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+    def attend(self, h):
+        b, t, d = h.shape
+        q, k, v = self.qkv(h).split(d, dim=2)
         shape = (b, t, self.heads, d // self.heads)
         q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+    def mlp(self, h):
+        """The feed-forward part (a subclass may put experts here: benchmarks/bench_moe.py)."""
+        return self.out(F.gelu(self.fc(h)))
 
 
 class TinyGPT(nn.Module):
+    block_type = Block  # what a subclass changes to build other blocks (bench_moe.py: experts)
+
     def __init__(self, c: GPTConfig):
         super().__init__()
         self.c = c
         self.tok = nn.Embedding(c.vocab, c.d)
         self.pos = nn.Embedding(c.block, c.d)
-        self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
+        self.blocks = nn.ModuleList(self.block_type(c) for _ in range(c.layers))
         self.ln = nn.LayerNorm(c.d)
         self.head = nn.Linear(c.d, c.vocab, bias=False)
         self.apply(self._init)

@@ -299,6 +299,79 @@ def test_bench_step_lockstep_quick(tmp_path):
     assert f["step_over_limit"] > 0 and f["step_over_limit_equal_fwd_bwd"] > 0
 
 
+@pytest.mark.timeout(120)
+def test_bench_moe_quick(tmp_path):
+    """bench_moe.py on its quick model (d=16, 8 experts, top-2) in OLMo-core's flat layout:
+    the MoE model's loss is the cross-entropy (the balancing term adds a gradient only) and
+    does not depend on the layout; soap-experts keeps per-expert factors (num_experts), soap-plain
+    the whole tensors'; bench_convergence's procedure (sweep, lockstep runs, time ratios)."""
+    bm = load_bench("bench_moe")
+    _restores(lambda: bm.main(
+        ["--quick", "--no-plot", "--out-dir", str(tmp_path), "--layout", "flat", "--extend", "1",
+         "--lrs", "adamw=3e-3,6e-3", "--lrs", "soap-experts=1e-2,2e-2",
+         "--lrs", "soap-plain=1e-2,2e-2"]))
+    data = json.loads((tmp_path / "bench_moe.json").read_text())
+    assert "--quick" in data["command"] and data["versions"]["asteria"]
+    assert data["machine"]["uptime_start"] and data["machine"]["uptime_end"]
+    m = data["model"]
+    d, h = m["d"], 4 * m["d"]
+    assert (m["experts"], m["top_k"], m["layout"]) == (8, 2, "flat")
+    assert m["expert_weight_shapes"] == [[8 * d, h], [8 * h, d]]
+    res = data["results"]
+    assert res["seeds"] == [0, 1] and res["optimizers"] == ["adamw", "soap-experts", "soap-plain"]
+    for name, lr in res["tuned_lr"].items():
+        assert lr in res["lrs_tried"][name]
+    kw = {r["optimizer"]: r["kwargs"] for r in res["runs"] if r["seed"] == 0}
+    assert kw["soap-experts"]["expert_weights_num_experts"] == 8
+    assert kw["soap-plain"]["expert_weights_num_experts"] is None
+    for name in ("soap-experts", "soap-plain"):
+        assert kw[name]["runtime"]["mode"] == "async" and kw[name]["runtime"]["staleness"] == 0
+    steps = data["settings"]["steps"]
+    for r in res["runs"]:
+        assert r["steps_run"] == steps and all(math.isfinite(x) for x in r["losses"])
+        assert res["final_loss_at_equal_steps"][r["optimizer"]][str(r["seed"])] == \
+            r["smoothed"][-1]
+    for seed, t in res["time_to_adamw_final"].items():
+        adamw = next(r for r in res["runs"] if r["optimizer"] == "adamw" and
+                     r["seed"] == int(seed))
+        assert t["target"] == adamw["smoothed"][-1]
+        for name, q in t["runs"].items():
+            run = next(r for r in res["runs"] if r["optimizer"] == name and
+                       r["seed"] == int(seed))
+            if q["reached"]:
+                assert run["smoothed"][q["step"] - 1] <= t["target"]
+                assert q["time_ratio"] == pytest.approx(q["time_s"] / t["adamw_wall_s"])
+            else:
+                assert min(run["smoothed"]) > t["target"]
+    # the expert weights' state (one layer): per-expert d^2 + h^2 factors and eigenbases
+    # against the whole tensors' (8 d)^2 + h^2 and (8 h)^2 + d^2; the same Adam moments
+    mem = res["memory"]
+    kinds = {n: mem[n]["by_kind"] for n in ("adamw", "soap-experts", "soap-plain")}
+    assert kinds["soap-experts"]["factors"] == 4 * 2 * 8 * (d * d + h * h)
+    assert kinds["soap-plain"]["factors"] == 4 * ((8 * d) ** 2 + h * h + (8 * h) ** 2 + d * d)
+    for n in ("soap-experts", "soap-plain"):
+        assert kinds[n]["eigenbases"] == kinds[n]["factors"] and kinds[n]["expert_other"] == 0
+        assert mem[n]["tiers"]["source"] == "asteria_stats"
+        assert mem[n]["memory_plan"]["peak_total"] >= mem[n]["tiers"]["total"] > 0
+    assert {k["moments"] for k in kinds.values()} == {4 * 2 * 2 * 8 * d * h}
+
+    problem = bm.make_problems(bm.parse_args(["--quick", "--seeds", "0", "--layout", "flat"]))[0]
+    model = problem.model()
+    x, y = problem.batches[0]
+    loss = model(x, y)
+    assert float(loss.detach()) == float(torch.nn.functional.cross_entropy(
+        model(x).view(-1, model.c.vocab), y.view(-1)).detach())
+    loss.backward()
+    grads = [b.moe.router.weight.grad.clone() for b in model.blocks]
+    model.zero_grad()
+    model.c.balance = 0.0  # without the balancing term the router's gradient changes
+    model(x, y).backward()
+    assert not all(torch.equal(g, b.moe.router.weight.grad) for g, b in zip(grads, model.blocks))
+    three = bm.make_problems(bm.parse_args(["--quick", "--seeds", "0"]))[0]
+    assert three.cfg.layout == "3d"
+    assert float(three.model()(x, y).detach()) == float(loss.detach())
+
+
 def load_example(name):
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "examples",
                                                                      f"{name}.py"))

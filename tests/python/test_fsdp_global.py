@@ -35,8 +35,10 @@ pytestmark = pytest.mark.skipif(
     reason="torch.distributed with gloo is needed")
 
 
-def launch(out: str, checks: str, nodes: int, per_node: int, ckpt: str) -> dict:
-    """One job of nodes x per_node ranks (one torchrun per node); {rank: its JSON}."""
+def launch(out: str, checks: str, nodes: int, per_node: int, ckpt: str,
+           script: str = SCRIPT) -> dict:
+    """One job of nodes x per_node ranks (one torchrun per node) running the per-rank
+    ``script`` (its checkpoint directory in $FSDP_GLOBAL_CKPT); {rank: its JSON}."""
     os.makedirs(out, exist_ok=True)
     port = _free_port()
     procs, logs = [], []
@@ -46,7 +48,7 @@ def launch(out: str, checks: str, nodes: int, per_node: int, ckpt: str) -> dict:
         logs.append(log)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(per_node),
                "--nnodes", str(nodes), "--node-rank", str(node), "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0", SCRIPT,
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0", script,
                "--out", out, "--checks", checks]
         with open(log, "w") as fh:
             procs.append(subprocess.Popen(cmd, env=_child_env(FSDP_GLOBAL_CKPT=ckpt),
