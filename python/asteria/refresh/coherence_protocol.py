@@ -184,7 +184,7 @@ class _Liveness:
         if not name_lost:
             return ""
         if "silent" not in found:
-            return f", lost peers unknown (the store: {found.get('error', 'no answer')})"
+            return self._unreachable(peers, nodes, found.get("error"), wait + 2.0)
         silent = found["silent"]
         if not silent:
             return ", lost peers none (every peer beats or failed too)"
@@ -192,6 +192,28 @@ class _Liveness:
         return (f", lost peers {silent} (node{'s' if len(where) > 1 else ''} "
                 f"{', '.join(map(str, where))}: no heartbeat for {wait:g} s, no failure "
                 "reported)")
+
+    def _unreachable(self, peers: Sequence[int], nodes: Sequence[int], error: Optional[str],
+                     waited: float) -> str:
+        """Words for a store that did not answer: where it is, and the peers on other nodes
+        (with the store unreachable too, a failed collective most often means that this
+        rank's node was cut off from the others, or the store's was)."""
+        try:
+            store = self._store()
+            while hasattr(store, "underlying_store"):   # PrefixStores around the TCPStore
+                store = store.underlying_store
+            at = f" at {store.host}:{store.port}"
+        except Exception:
+            at = ""
+        words = f"the store{at}: {error}" if error else \
+            f"the store{at} did not answer in {waited:g} s"
+        away = [r for r in peers if nodes[r] != nodes[self._rank]]
+        if away:
+            where = sorted({nodes[r] for r in away})
+            words += (f"; this rank's node may be cut off from the others, or the store's "
+                      f"host be gone: the peers on other nodes are {away} "
+                      f"(node{'s' if len(where) > 1 else ''} {', '.join(map(str, where))})")
+        return f", lost peers unknown ({words})"
 
 
 class CoherenceProtocol:
