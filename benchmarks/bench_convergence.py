@@ -12,7 +12,9 @@ first 10% of the steps, then cosine decay to 10% of the peak lr at the last step
 AdamW, Asteria SOAP / KL-Shampoo / Shampoo async (S=0, deterministic install, one worker on the
 other core: sync's trajectory, each refresh installed at the start of the next step, so it runs
 during that step's forward and backward; at this size a REFRESH round ends well inside them;
-bench_staleness.py measures S up to 10), native sync SOAP (asteria.SOAP,
+bench_staleness.py measures S up to 10), Asteria one-sided SOAP async
+("asteria-one-sided-soap-async": asteria.OneSidedSOAP, a factor and eigenbasis on each weight's
+smaller side only; Asteria SOAP's runtime), native sync SOAP (asteria.SOAP,
 runtime {"mode": "sync"}), and the third-party SOAPs of pytorch-optimizer and heavyball (eager;
 see bench_third_party.py), all SOAPs with the same hyperparameters (SOAP_HP). The amortisation
 question (AMORTISATION): native SOAP refreshing its eigenbasis every step
@@ -37,7 +39,7 @@ Procedure, per setting:
      clock counts its own steps only. The seed's target is AdamW's final loss there.
   time_ratio = own time to reach the seed's target / AdamW's own time for all steps, per seed;
   the JSON keeps the whole sweep (its times are those of separate runs), every timed run's
-  losses, times and step kinds.
+  losses, times, step kinds and optimizer-state bytes per tier at its end ("memory").
 
 Also (users setting): Asteria-SOAP's step against its limit, AdamW's step plus the FLOPs SOAP
 adds to each step (6 m n (m + n) per m x n preconditioned matrix: two rotations of the gradient
@@ -104,7 +106,8 @@ SOAP_HP = {"lr": 3e-3, "betas": (0.95, 0.95), "shampoo_beta": 0.95, "eps": 1e-8,
 ADAMW_BETAS = (0.9, 0.95)
 WEIGHT_DECAY = 0.01
 PIP = {"pytorch-optimizer": "pytorch-optimizer", "heavyball": "heavyball"}
-RUNS = ("adamw", "asteria-soap-async", "asteria-kl-shampoo-async", "asteria-shampoo-async",
+RUNS = ("adamw", "asteria-soap-async", "asteria-one-sided-soap-async",
+        "asteria-kl-shampoo-async", "asteria-shampoo-async",
         "asteria-soap-sync", "asteria-soap-sync-f1", "asteria-soap-async-s5",
         "pytorch-optimizer", "heavyball")
 # The amortisation question: native SOAP refreshing its eigenbasis every step (f=1, as
@@ -117,10 +120,12 @@ EXTEND_FACTOR = 2.0
 # Grids from two earlier runs (2026-12-03): AdamW's final loss was 2.276 / 1.961 / 1.870 / 1.924
 # / 2.502 at 1e-3 / 3e-3 / 6e-3 / 1e-2 / 2e-2, so its grid brackets 6e-3; SOAPs were best at
 # 1e-2 inside 6e-3..2e-2; KL-Shampoo and Shampoo were best at the top of 3e-3..3e-2 and
-# 3e-3..1e-2, so their grids go up from there.
+# 3e-3..1e-2, so their grids go up from there. One-sided SOAP (no earlier run) starts from SOAP's
+# grid; the sweep extends it where its best lr sits at an edge.
 GRIDS = {
     "adamw": (3e-3, 6e-3, 1e-2),
     "asteria-soap-async": (6e-3, 1e-2, 2e-2),
+    "asteria-one-sided-soap-async": (6e-3, 1e-2, 2e-2),
     "asteria-kl-shampoo-async": (1e-2, 3e-2, 1e-1),
     "asteria-shampoo-async": (6e-3, 1e-2, 2e-2),
     "asteria-soap-sync": (6e-3, 1e-2, 2e-2),
@@ -237,11 +242,12 @@ def make_optimizer(name: str, params, lr: float, args, worker_cpus: Optional[str
     if name.startswith("asteria"):
         rt = runtime or ({"mode": "sync"} if name.endswith("-sync")
                          else async_runtime(args, worker_cpus))
-        if name in ("asteria-soap-sync", "asteria-soap-async"):
+        if name in ("asteria-soap-sync", "asteria-soap-async", "asteria-one-sided-soap-async"):
             kw = dict(SOAP_HP, lr=lr, precondition_frequency=f, max_precond_dim=10000,
                       merge_dims=False, precondition_1d=False, correct_bias=True,
                       normalize_grads=False, runtime=rt)
-            return asteria.SOAP(params, **kw), kw
+            cls = asteria.OneSidedSOAP if name == "asteria-one-sided-soap-async" else asteria.SOAP
+            return cls(params, **kw), kw
         if name == "asteria-kl-shampoo-async":
             kw = dict(lr=lr, weight_decay=WEIGHT_DECAY, precondition_frequency=f, runtime=rt)
             return asteria.KLShampoo(params, **kw), kw
@@ -436,8 +442,10 @@ def make_curve(name: str, lr: float, problem: Problem, args, pin: dict, log: com
 
 def finish_run(name: str, lr: float, problem: Problem, c: Curve, kw: dict,
                r: dict) -> dict[str, Any]:
-    """A trained curve's result with its optimizer's name, lr, seed, keyword arguments and
-    runtime counters; the optimizer is closed."""
+    """A trained curve's result with its optimizer's name, lr, seed, keyword arguments, runtime
+    counters and state bytes per tier at the end (common.tier_bytes); the optimizer is
+    closed."""
+    r["memory"] = common.tier_bytes(c.opt, "cpu")
     stats = close(c.opt)
     r.update(optimizer=name, lr=lr, seed=problem.seed,
              kwargs={k: (v if not isinstance(v, tuple) else list(v)) for k, v in kw.items()},
@@ -977,6 +985,7 @@ def run(args, argv) -> dict[str, Any]:
 
 
 COLORS = {"adamw": "tab:gray", "asteria-soap-async": "tab:blue",
+          "asteria-one-sided-soap-async": "tab:brown",
           "asteria-kl-shampoo-async": "tab:purple", "asteria-shampoo-async": "tab:olive",
           "asteria-soap-sync": "tab:red", "asteria-soap-sync-f1": "tab:pink",
           "asteria-soap-async-s5": "tab:cyan", "pytorch-optimizer": "tab:orange",
@@ -1049,6 +1058,9 @@ def plot(data: dict, path: str) -> None:
                        data["machine"], legend=False)
 
 
+NAME_W = max(len(n) for n in RUNS) + 2  # the table's optimizer column
+
+
 def _f(v, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -1058,7 +1070,7 @@ def print_table(data: dict) -> None:
         m = s["model"]
         print(f"{sname}: {m['tokens_per_step']} tokens/step, {m['tokens_over_widest']:.1f}x the "
               f"widest layer; seeds {s['seeds']}")
-        hdr = (f"{'optimizer':<26}{'lr':>8}{'median ms':>11}{'steps to target':>18}"
+        hdr = (f"{'optimizer':<{NAME_W}}{'lr':>8}{'median ms':>11}{'steps to target':>18}"
                f"{'time ratio (per seed)':>26}{'mean':>7}{'cpu ratio':>11}"
                f"{'final loss (per seed)':>24}")
         print(hdr)
@@ -1068,7 +1080,7 @@ def print_table(data: dict) -> None:
             meds.setdefault(r["optimizer"], []).append(r["summary"]["median_ms"])
         for name in s["optimizers"]:
             if name not in s["tuned_lr"]:
-                print(f"{name:<26}  FAILED: " + "; ".join(
+                print(f"{name:<{NAME_W}}  FAILED: " + "; ".join(
                     e.get("error", "") for e in s["sweep"].get(name, []))[:90])
                 continue
             med = common.percentile(meds[name], 50) if name in meds else None
@@ -1077,18 +1089,26 @@ def print_table(data: dict) -> None:
             if name == "adamw":
                 steps = "/".join(str(v["adamw_steps"])
                                  for v in s["time_to_adamw_final"].values())
-                print(f"{name:<26}{s['tuned_lr'][name]:>8g}{_f(med, '.1f'):>11}{steps:>18}"
+                print(f"{name:<{NAME_W}}{s['tuned_lr'][name]:>8g}{_f(med, '.1f'):>11}{steps:>18}"
                       f"{'1 (target: final loss)':>26}{'':>18}{finals:>24}")
                 continue
             q = s["ratios"][name]
             steps = "/".join(_f(v["runs"].get(name, {}).get("step"), "d")
                              for v in s["time_to_adamw_final"].values())
             per = "/".join(_f(x, ".2f") for x in q["time_ratio_per_seed"])
-            print(f"{name:<26}{s['tuned_lr'][name]:>8g}{_f(med, '.1f'):>11}{steps:>18}"
+            print(f"{name:<{NAME_W}}{s['tuned_lr'][name]:>8g}{_f(med, '.1f'):>11}{steps:>18}"
                   f"{per:>26}{_f(q['time_ratio_mean'], '.2f'):>7}"
                   f"{_f(q['cpu_time_ratio_mean'], '.2f'):>11}{finals:>24}")
         print("(time ratio: own time in lockstep; cpu ratio: the training thread's CPU time plus barrier "
               "waits, which other processes' load stretches far less)")
+        mem = {r["optimizer"]: r["memory"] for r in s["runs"] if r["seed"] == s["seeds"][0]
+               and "memory" in r}
+        if mem:
+            print("optimizer state at the end (bytes per tier, seed "
+                  f"{s['seeds'][0]}): " + "; ".join(
+                      f"{n} " + (", ".join(f"{t} {b}" for t, b in m["tiers"].items() if b)
+                                 or "none found") + f" ({m['source']})"
+                      for n, m in mem.items()))
         print()
     lim = data.get("step_limit")
     if lim:

@@ -9,6 +9,10 @@ Each class takes a list of tensors (updated in place; they may be views of a mod
 parameters, e.g. the blocks of a blocked matrix) and ``step(grads)`` applies one step. 1-D and
 0-D tensors follow AdamW (decoupled weight decay first, as ``torch.optim.AdamW``).
 
+``SOAPRef(one_sided=True)``: one-sided SOAP (``asteria.OneSidedSOAP``), a factor and eigenbasis
+on the smallest dimension of each tensor only (the first of them on a tie, and only if it is at
+most max_precond_dim); the other dimensions keep their coordinates.
+
 ``install_delay=k``: a REFRESH snapshotted at the end of step t (its inputs taken after that
 step's factor update) is installed at the end of step t + k; at a step end, installs due come
 before new snapshots. k = 0 is the synchronous reference. Steps are counted per ``step`` call.
@@ -172,8 +176,9 @@ class SOAPRef(_Reference):
     def __init__(self, params, lr=3e-3, betas=(0.95, 0.95), shampoo_beta=-1, eps=1e-8,
                  weight_decay=0.01, precondition_frequency=10, max_precond_dim=10000,
                  precondition_1d=False, normalize_grads=False, correct_bias=True,
-                 install_delay=0):
+                 install_delay=0, one_sided=False):
         super().__init__(params, lr, install_delay)
+        self.one_sided = one_sided
         self.b1, self.b2 = betas
         self.bs = shampoo_beta if shampoo_beta >= 0 else betas[1]
         self.eps, self.wd, self.f = eps, weight_decay, precondition_frequency
@@ -184,10 +189,19 @@ class SOAPRef(_Reference):
     def precondition(self, w):
         return w.dim() == 1 and self.pre1d
 
+    def has_factor(self, shape):
+        """Which dimensions carry a factor: every one up to max_precond_dim; one-sided SOAP
+        only the smallest (the first of them on a tie), if it is up to max_precond_dim."""
+        if not self.one_sided:
+            return [n <= self.max_dim for n in shape]
+        side = list(shape).index(min(shape))
+        return [d == side and n <= self.max_dim for d, n in enumerate(shape)]
+
     def update(self, w, g, st):
         if not st:  # first step: factors, eigenbases, no parameter update
             st["L"] = [torch.lerp(torch.zeros(n, n, dtype=g.dtype), outer(g, d), 1 - self.bs)
-                       if n <= self.max_dim else None for d, n in enumerate(g.shape)]
+                       if has else None
+                       for d, (n, has) in enumerate(zip(g.shape, self.has_factor(g.shape)))]
             st["Q"] = [None if f is None else
                        eigvecs_descending(f + 1e-30 * torch.eye(f.shape[0], dtype=f.dtype))
                        for f in st["L"]]
