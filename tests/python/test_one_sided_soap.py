@@ -16,7 +16,7 @@ reference.SOAPRef(one_sided=True), the plain-torch restatement, float64.
  - asteria_memory_plan(): a 64 x 256 weight plans exactly the 256 x 256 factor and basis less
    than under SOAP;
  - OLMo-core: the config asteria.olmo.AsteriaOneSidedSOAPConfig ("asteria_one_sided_soap"),
-   a strict xfail while asteria.olmo has no such class.
+   made from the optimizer registry like the others.
 
 Unlike models.py's square-only models, rectangular weights are fine here: the one factor is
 the small side's, full rank with distinct eigenvalues when a batch has more tokens than that
@@ -527,8 +527,6 @@ def _olmo_config():
     return getattr(ao, "AsteriaOneSidedSOAPConfig", None)
 
 
-@pytest.mark.xfail(strict=True, reason="OLMo config for OneSidedSOAP lands with the "
-                                      "optimizer refactor")
 def test_olmo_config_resolves_and_builds():
     """As test_olmo.py's configs: "type": "asteria_one_sided_soap" resolves to the config, its
     fields are OneSidedSOAP's keywords with their defaults, and the optimizer it builds
