@@ -157,13 +157,16 @@ def train_mlp(model: nn.Module, opt, steps) -> list[list[torch.Tensor]]:
     return out
 
 
-def lockstep(kind: str, make_opt, make_ref, steps: int, ref_views=None, before_step=None):
+def lockstep(kind: str, make_opt, make_ref, steps: int, ref_views=None, before_step=None,
+             models=None):
     """Train ``kind`` with ``make_opt(params)`` and a copy with ``make_ref(tensors)``. Returns
     ([(step, package params, reference params)] after every step, the optimizer (closed)).
     ``ref_views(model)`` maps the reference's model to (the tensors the reference updates, a
     function returning their gradients); default: its parameters. ``before_step(t, opt, ref)``
-    runs before step t (LR schedules)."""
-    model = make_model(kind)
+    runs before step t (LR schedules). ``models``: (make_model, loss_and_grad) of another set
+    of models (default: this file's)."""
+    make, grad_of = models or (make_model, loss_and_grad)
+    model = make(kind)
     twin = copy.deepcopy(model)
     opt = make_opt(model.parameters())
     views = ref_views or (lambda m: ([p.data for p in m.parameters()],
@@ -175,8 +178,8 @@ def lockstep(kind: str, make_opt, make_ref, steps: int, ref_views=None, before_s
         for t in range(1, steps + 1):
             if before_step is not None:
                 before_step(t, opt, ref)
-            loss_and_grad(model, kind, t)
-            loss_and_grad(twin, kind, t)
+            grad_of(model, kind, t)
+            grad_of(twin, kind, t)
             opt.step()
             ref.step(grads())
             history.append((t, params_of(model), params_of(twin)))

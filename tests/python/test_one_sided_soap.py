@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 import asteria
+import models
 from asteria.optim import OneSidedSOAP, SOAP
 from models import assert_lockstep, assert_params_close, assert_same_state, require_c_extension
 from reference import SOAPRef
@@ -134,24 +135,8 @@ def run(kind, make_opt, steps, dtype=F64):
 def lockstep(kind, make_opt, make_ref, steps, ref_views=None):
     """models.lockstep on this file's models: [(step, package params, reference params)] and
     the optimizer (closed)."""
-    model = make_model(kind)
-    twin = copy.deepcopy(model)
-    opt = make_opt(model.parameters())
-    views = ref_views or (lambda m: ([p.data for p in m.parameters()],
-                                     lambda: [p.grad for p in m.parameters()]))
-    tensors, grads = views(twin)
-    ref = make_ref(tensors)
-    history = []
-    try:
-        for t in range(1, steps + 1):
-            loss_and_grad(model, kind, t)
-            loss_and_grad(twin, kind, t)
-            opt.step()
-            ref.step(grads())
-            history.append((t, params_of(model), params_of(twin)))
-    finally:
-        opt.close()
-    return history, opt
+    return models.lockstep(kind, make_opt, make_ref, steps, ref_views,
+                           models=(make_model, loss_and_grad))
 
 
 def max_diff(a, b) -> float:
