@@ -16,6 +16,9 @@ import torch
 
 pytest.importorskip("asteria._C")
 
+# the benchmark scripts: checked once, in the main environment (scripts/run_tests.sh)
+pytestmark = pytest.mark.main_env_only
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

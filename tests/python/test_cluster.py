@@ -18,6 +18,7 @@ four five times, then two) and the faults' own seconds (sleeps, cuts, timeouts).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -39,9 +40,12 @@ WORLD = NODES * PER_NODE
 RATE = "50mbit"              # the inter-node links: slow, yet no wait in a test this small
 LAUNCH_TIMEOUT = 240
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-    reason="torch.distributed with gloo is needed")
+    reason="torch.distributed with gloo is needed"),
+    # the harness and the protocol's faults: checked once, in the main environment
+    # (scripts/run_tests.sh); the protocol under each torch is test_distributed.py's
+    pytest.mark.main_env_only]
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +226,35 @@ def test_hierarchy_sends_fewer_bytes_between_nodes(results):
     extra, payload = wire["flat"] - wire["hier"], inter["flat"] - inter["hier"]
     assert wire["hier"] < wire["flat"], wire
     assert payload <= extra <= 2.2 * payload, (wire, inter)
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT)
+def test_bench_cluster_quick(can_cluster, tmp_path):
+    """benchmarks/bench_cluster.py as a person runs it (--quick, DDP only, one rate): the JSON
+    holds a result per (topology, S) with the link's bytes, the comm wait and the loss; hier and
+    flat follow one trajectory (equal final losses) and hier's coherence payload between the
+    nodes is 1/ranks-per-node of flat's."""
+    script = os.path.join(os.path.dirname(os.path.dirname(HERE)), "benchmarks",
+                          "bench_cluster.py")
+    proc = subprocess.run([sys.executable, script, "--quick", "--layouts", "ddp", "--rates",
+                           "1gbit", "--no-plot", "--out-dir", str(tmp_path)], env=_child_env(),
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "bench_cluster.json") as fh:
+        data = json.load(fh)
+    assert "--quick" in data["command"] and data["machine"]["loadavg1"] is not None
+    runs = {(r["topology"], r["staleness"]): r for r in data["results"]}
+    assert set(runs) == {(t, s) for t in ("hier", "flat") for s in (1, 5)}
+    for (t, s), r in runs.items():
+        assert r["nodes"] == NODES and r["layout"] == "ddp" and r["units"] >= 2, r
+        assert r["link_bytes"]["inter_node"] > 0 and 0 <= r["comm_wait_share"] < 1, r
+        assert math.isfinite(r["final_loss"]) and r["step"]["median_ms"] > 0, r
+        assert r["final_loss"] == runs[("flat", s)]["final_loss"], (t, s)
+        assert (r["coherence_bytes"]["inter_node"] * (PER_NODE if t == "hier" else 1)
+                == runs[("flat", s)]["coherence_bytes"]["inter_node"]), (t, s)
+    left = [ns for ns in netns._namespaces() if ns.startswith(netns.PREFIX)
+            and not netns._alive(int(ns[len(netns.PREFIX):].split("-")[0]))]
+    assert not left, left  # the benchmark removed its cluster
 
 
 def test_rank_sigkill_names_the_lost_peer_and_step(can_cluster, tmp_path):

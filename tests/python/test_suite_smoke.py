@@ -17,6 +17,9 @@ import asteria
 
 pytest.importorskip("asteria._C")
 
+# the benchmark scripts: checked once, in the main environment (scripts/run_tests.sh)
+pytestmark = pytest.mark.main_env_only
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH = os.path.join(ROOT, "benchmarks")
 TIERS = {"device", "host_pinned", "host", "uvm", "nvme"}
