@@ -7,19 +7,54 @@ among them, as the split executor does on a CUDA machine), the window S x step t
 utilisation (its busy share of the f steps between rounds), the smallest S that hides a round
 and the fewest cores that hide it at the given S.
 
+Replicas (``--nodes``, ``--gpus-per-node``, ``--parallel``). In a distributed run each
+replicated factor has one owner, who computes it on its own host workers (docs/distributed.md
+"DDP and HSDP: one owner per block"), so a round of a replica set is divided among its ranks.
+The planner asks the coherence registry itself (``asteria._C.Coherence``) for the owners, fed
+as ``ReplicatedEngine`` feeds it: per replica set one registry, one ``extend`` per batch of a
+round (the factors of one size, in the optimizer's order: parameters, blocks, dimensions;
+entry ids ``(batch key << 20) | index``, cost n^3 each). Each owner's jobs are priced on its
+``--cores`` as above; a replica set's round is its slowest owner's. Layouts: ``ddp``: every
+weight on all nodes x GPUs ranks, one replica set; ``hsdp``: dim 0 sharded over the GPUs of a
+node (FSDP2's Shard(0), torch.chunk rows: ceil(rows / G) per rank, the last ranks get fewer or
+none), each rank's shard blocked alone (``fsdp_blocking="local"``), the shard replicated on the
+same local rank of every node; ``fsdp``: dim 0 sharded over all ranks, no replicas. Assumed: the
+steady-state REFRESH rounds in a registry of their own (a channel per replica set and S > 0),
+every rank's cores its own; the transfer of the results (network, shared memory) is not
+modelled.
+
+For other code (benchmarks/bench_cluster.py)::
+
+    replica_round(shapes, optimizer="soap", nodes=1, gpus_per_node=1, parallel="hsdp",
+                  cores=14, cost_model=None, max_dim=2048, block_size=2048, *, device=0)
+        -> dict
+
+``shapes``: the 2-D (or more) weight shapes of the full model; ``cost_model``: an
+``asteria.refresh.cost.CostModel`` (None: calibrated here as the CLI does); ``device``: 1 adds
+each rank's device lane. Returns: ``ranks`` (nodes x gpus_per_node), ``replica_sets`` (tuples
+of global ranks, rank = node x gpus_per_node + local rank), ``replica_set_size``; per rank
+(lists indexed by rank): ``owner_factors`` ({factor size: entries it owns}), ``owner_seconds``
+(its round on ``cores``), ``owner_gflop``, ``busy_seconds`` (its owned jobs' seconds on one
+core, at the model's rate); ``round_s`` (the slowest owner's seconds), ``slowest_rank``,
+``gflop`` (all ranks), ``single_rank_s`` and ``single_rank_gflop`` (the whole model on one rank,
+the table's "round s"), ``speedup`` (single_rank_s / round_s). ValueError for a bad argument,
+naming it and the allowed values.
+
 Owns: the presets (OLMo-2 1B and 7B, read from OLMo-core's model configs: built on the meta
 device, no memory allocated, and their 2-D weights listed; embeddings and the output head take
 AdamW, as asteria.olmo routes them), the factor list of a set of shapes (the optimizers' own
 blocking, ``asteria.optim._blocking.make_layout``), the step time from tokens per step, the
-table. May call: ``asteria.refresh.cost``, ``asteria.refresh.engine`` (lane names),
-``asteria.optim._blocking``, olmo_core (presets
-only), torch.
+table, and the round of each replica set (``replica_round``). May call:
+``asteria.refresh.cost``, ``asteria.refresh.engine`` (lane names), ``asteria.optim._blocking``,
+``asteria._C`` (the coherence registry, for owners only; ``asteria.refresh.replicated`` for its
+entry ids), olmo_core (presets only), torch.
 
 Examples:
     python3 -m asteria.plan --preset olmo2-1b                        # calibrates here first
     python3 -m asteria.plan --preset olmo2-1b --preset olmo2-7b --cores 14 \\
         --tokens 65536 --tokens 524288 --gflops-per-core 20 --markdown
     python3 -m asteria.plan --shape 4096x4096 --shape 11008x4096 --step-time 1.5
+    python3 -m asteria.plan --preset olmo2-7b --nodes 4 --gpus-per-node 8 --parallel hsdp
 """
 
 from __future__ import annotations
@@ -36,6 +71,7 @@ from asteria.optim._blocking import make_layout
 from asteria.optim.method import method_of
 from asteria.refresh import cost as C
 from asteria.refresh.engine import Lane
+from asteria.refresh.replicated import _ID_BITS
 
 PRESETS = {"olmo2-1b": "olmo2_1B", "olmo2-7b": "olmo2_7B"}
 H200_BF16_TFLOPS = 989.0  # dense bf16 peak
@@ -84,6 +120,116 @@ def round_jobs(sizes: Counter, optimizer: str) -> list:
     return [C.JobSpec(op, torch.float32, n, k, p=p) for n, k in sorted(sizes.items())]
 
 
+# ---- replicas --------------------------------------------------------------------------------
+
+PARALLEL = ("ddp", "hsdp", "fsdp")
+
+
+def shard_shape(shape: Sequence[int], parts: int, index: int) -> tuple:
+    """The local shape of shard ``index`` of ``parts`` of a weight cut along dim 0 as FSDP2's
+    Shard(0) cuts it (torch.chunk: ceil(rows / parts) rows each, the last shards shorter or
+    empty)."""
+    rows = int(shape[0])
+    step = -(-rows // parts)
+    return (max(0, min(rows, (index + 1) * step) - index * step),) + tuple(shape[1:])
+
+
+def layout_of(nodes: int, gpus_per_node: int, parallel: str) -> tuple[list, list]:
+    """(replica sets, [(shard index, shard count)] per rank) of a job whose rank is
+    node x gpus_per_node + local rank."""
+    world = nodes * gpus_per_node
+    if parallel == "ddp":
+        return [tuple(range(world))], [(0, 1)] * world
+    if parallel == "hsdp":
+        return ([tuple(g + k * gpus_per_node for k in range(nodes))
+                 for g in range(gpus_per_node)],
+                [(r % gpus_per_node, gpus_per_node) for r in range(world)])
+    return [(r,) for r in range(world)], [(r, world) for r in range(world)]
+
+
+def owners(batches: Sequence[tuple], ranks: Sequence[int], world: int) -> list:
+    """The owner of every entry of a round's ``batches`` [(factor size, entries)] on the
+    replica set ``ranks``: [[rank per entry] per batch], from the coherence registry, fed as
+    ``ReplicatedEngine.submit`` feeds it (one ``extend`` per batch, in order; cost n^3)."""
+    ranks = sorted(int(r) for r in ranks)
+    if len(ranks) == 1:  # a rank-local job: the engine does not ask the registry
+        return [[ranks[0]] * k for _, k in batches]
+    from asteria import _C
+
+    out = []
+    with _C.Coherence(world, ranks[0]) as reg:
+        for key, (n, k) in enumerate(batches, 1):
+            if k >= 1 << _ID_BITS:
+                raise ValueError(f"a batch of {k} factors of size {n} is too large to "
+                                 "replicate (ReplicatedEngine refuses it too)")
+            ids = [(key << _ID_BITS) | i for i in range(k)]
+            reg.extend(ids, [_C.coherence_dim_cost(n)] * k, replicas=ranks)
+            out.append([reg.owner(b) for b in ids])
+    return out
+
+
+def _count(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r}: allowed: an integer >= 1")
+    return value
+
+
+def replica_round(shapes: Sequence[tuple], optimizer: str = "soap", nodes: int = 1,
+                  gpus_per_node: int = 1, parallel: str = "hsdp", cores: int = 14,
+                  cost_model: Optional[C.CostModel] = None, max_dim: int = 2048,
+                  block_size: Optional[int] = 2048, *, device: int = 0) -> dict:
+    """The REFRESH round of the weights ``shapes`` on nodes x gpus_per_node ranks, each
+    replicated factor computed by its owner only: per rank its owned factors, their seconds on
+    ``cores`` and on one core, their GFLOP; the slowest owner; the whole model on one rank for
+    comparison (the module doc lists the keys)."""
+    _count("nodes", nodes)
+    _count("gpus_per_node", gpus_per_node)
+    _count("cores", cores)
+    if parallel not in PARALLEL:
+        raise ValueError(f"parallel={parallel!r}: allowed: {', '.join(PARALLEL)}")
+    if optimizer not in METHODS:
+        raise ValueError(f"optimizer={optimizer!r}: allowed: {', '.join(sorted(METHODS))}")
+    model = cost_model if cost_model is not None else calibrated(optimizer)[0]
+    lanes = {Lane.HOST: cores, **({Lane.DEVICE: 1} if device else {})}
+    op, p = method_of(optimizer).METHOD.REFRESH_OP
+    sets, shards = layout_of(nodes, gpus_per_node, parallel)
+    world = nodes * gpus_per_node
+    owned: list = [Counter() for _ in range(world)]
+    for ranks in sets:
+        index, parts = shards[ranks[0]]
+        local = [shard_shape(s, parts, index) for s in shapes]
+        batches = list(factors([s for s in local if s[0] > 0], max_dim, block_size,
+                               optimizer).items())
+        for (n, _), who in zip(batches, owners(batches, ranks, world)):
+            for r in who:
+                owned[r][n] += 1
+    # a rank's jobs in its batches' order, as its engine receives its sub-batches
+    jobs = [[C.JobSpec(op, torch.float32, n, k, p=p) for n, k in o.items()] for o in owned]
+    secs = [C.split_makespan(model, j, lanes) for j in jobs]
+    whole = round_jobs(factors(shapes, max_dim, block_size, optimizer), optimizer)
+    single = C.split_makespan(model, whole, lanes)
+    slowest = max(range(world), key=secs.__getitem__)
+    return {"parallel": parallel, "nodes": nodes, "gpus_per_node": gpus_per_node,
+            "ranks": world, "cores": cores, "replica_sets": sets,
+            "replica_set_size": len(sets[0]),
+            "owner_factors": [dict(o) for o in owned],
+            "owner_seconds": secs,
+            "owner_gflop": [sum(x.flops for x in j) / 1e9 for j in jobs],
+            "busy_seconds": [sum(model.job_seconds(Lane.HOST, x) for x in j) for j in jobs],
+            "round_s": secs[slowest], "slowest_rank": slowest,
+            "gflop": sum(x.flops for j in jobs for x in j) / 1e9,
+            "single_rank_s": single, "single_rank_gflop": sum(x.flops for x in whole) / 1e9,
+            "speedup": single / secs[slowest] if secs[slowest] > 0 else 1.0}
+
+
+def calibrated(optimizer: str) -> tuple[C.CostModel, str]:
+    """(this machine's per-core model for the optimizer's REFRESH op, where it comes from)."""
+    op = method_of(optimizer).METHOD.REFRESH_OP[0]
+    model = C.calibrate(ops=(op,), sizes=(256, 512, 1024))
+    rates = ", ".join(f"{r['gflops']:.1f} at n={r['n']}" for r in model.table())
+    return model, f"measured here for {op} (libasteria pool, 1 worker): {rates} GFLOP/s"
+
+
 def row(model: C.CostModel, name: str, sizes: Counter, optimizer: str, cores: int,
         step_s: float, staleness: int, frequency: int, device: int, tokens: Optional[int]):
     jobs = round_jobs(sizes, optimizer)
@@ -108,6 +254,9 @@ def fmt_table(rows: list, cores: int, staleness: int, frequency: int, markdown: 
             f"round s ({cores} cores)", f"window S={staleness} (s)",
             f"pool busy (f={frequency})", "smallest S", f"cores for S={staleness}",
             f"hidden at S={staleness}"]
+    reps = "replicas" in rows[0]
+    if reps:
+        head += ["ranks", "replica set", "round s/set", "speed-up", "smallest S/set"]
     lines = []
     for r in rows:
         s_min = r["smallest_s"]
@@ -118,6 +267,11 @@ def fmt_table(rows: list, cores: int, staleness: int, frequency: int, markdown: 
                       str(s_min) + ("" if s_min <= frequency else f" (> f={frequency})"),
                       "> 256" if r["smallest_cores"] is None else str(r["smallest_cores"]),
                       "yes" if r["fits"] else "no"])
+        if reps:
+            rep = r["replicas"]
+            lines[-1] += [str(rep["ranks"]), str(rep["replica_set_size"]),
+                          f"{rep['round_s']:.2f}", f"{rep['speedup']:.2f}x",
+                          str(r["smallest_s_set"])]
     if markdown:
         out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         out += ["| " + " | ".join(x) + " |" for x in lines]
@@ -126,6 +280,31 @@ def fmt_table(rows: list, cores: int, staleness: int, frequency: int, markdown: 
     out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
     out += ["  ".join(c.ljust(w) for c, w in zip(x, widths)) for x in lines]
     return "\n".join(out)
+
+
+def replicas_note(args, rows: list) -> str:
+    r0 = rows[0]["replicas"]
+    lines = [f"{args.parallel} on {args.nodes} node(s) x {args.gpus_per_node} GPU(s): "
+             f"{len(r0['replica_sets'])} replica set(s) of {r0['replica_set_size']} rank(s); "
+             "each replicated factor computed by one owner (the coherence registry's LPT, n^3 "
+             f"per factor) on its {args.cores} cores; round s/set = the slowest owner's; the "
+             "transfer of the results is not modelled"]
+    for name, rep in {r["model"]: r["replicas"] for r in rows}.items():
+        g = rep["owner_gflop"]
+        lines.append(f"{name}: GFLOP per rank {min(g):.0f} to {max(g):.0f} (all ranks "
+                     f"{rep['gflop']:.0f}, one rank alone {rep['single_rank_gflop']:.0f}); "
+                     f"slowest rank {rep['slowest_rank']}")
+    return "\n".join(lines)
+
+
+def positive(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{s!r}: allowed: an integer >= 1")
+    return v
 
 
 def parse_shape(s: str) -> tuple:
@@ -146,7 +325,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--shape", action="append", type=parse_shape, default=[],
                     help="a weight shape (e.g. 2048x8192); repeat for each weight")
     ap.add_argument("--optimizer", choices=sorted(METHODS), default="soap")
-    ap.add_argument("--cores", type=int, default=14, help="host cores (workers) per GPU")
+    ap.add_argument("--cores", type=positive, default=14, help="host cores (workers) per GPU")
+    ap.add_argument("--nodes", type=positive, default=1, help="nodes of the job (default 1)")
+    ap.add_argument("--gpus-per-node", type=positive, default=1,
+                    help="ranks (GPUs) per node (default 1)")
+    ap.add_argument("--parallel", choices=PARALLEL, default="hsdp",
+                    help="how the weights are laid out over the ranks: ddp (replicated on "
+                         "every rank), hsdp (dim 0 sharded over a node's GPUs, replicated "
+                         "across nodes), fsdp (sharded over all ranks); default hsdp")
     ap.add_argument("--gflops-per-core", type=float, default=None,
                     help="per-core REFRESH throughput; default: measured here (libasteria's "
                          "pool, one worker, the optimizer's op at 256, 512, 1024)")
@@ -172,9 +358,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error("--tokens needs a preset (its FLOPs per token); give --step-time for --shape")
     op = method_of(args.optimizer).METHOD.REFRESH_OP[0]
     if args.gflops_per_core is None:
-        model = C.calibrate(ops=(op,), sizes=(256, 512, 1024))
-        rates = ", ".join(f"{r['gflops']:.1f} at n={r['n']}" for r in model.table())
-        source = f"measured here for {op} (libasteria pool, 1 worker): {rates} GFLOP/s"
+        model, source = calibrated(args.optimizer)
     else:
         model = C.CostModel({Lane.HOST: args.gflops_per_core}, "given")
         source = f"given: {args.gflops_per_core} GFLOP/s per core"
@@ -184,8 +368,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.shape:
         models.append(("shapes", {"shapes": args.shape, "flops_per_token": None}))
     rows = []
+    world = args.nodes * args.gpus_per_node
     for name, m in models:
         sizes = factors(m["shapes"], args.max_precond_dim, args.block_size, args.optimizer)
+        rep = None if world == 1 else replica_round(
+            m["shapes"], args.optimizer, args.nodes, args.gpus_per_node, args.parallel,
+            args.cores, model, args.max_precond_dim, args.block_size,
+            device=1 if args.device_gflops else 0)
         if args.step_time is not None:
             steps = [(None, args.step_time)]
         else:
@@ -196,6 +385,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             rows.append(row(model, name, sizes, args.optimizer, args.cores, step_s,
                             args.staleness, args.frequency,
                             1 if args.device_gflops else 0, tokens))
+            if rep is not None:
+                rows[-1]["replicas"] = rep
+                rows[-1]["smallest_s_set"] = C.smallest_s(rep["round_s"], step_s)
     print(fmt_table(rows, args.cores, args.staleness, args.frequency, args.markdown))
     print()
     print(f"per-core throughput: {source}; beyond the largest measured size the rate is held "
@@ -211,6 +403,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"(the CPU-only executor) would take {r['round_whole_jobs_s']:.1f} s")
     if args.device_gflops:
         print(f"with a device lane of {args.device_gflops} GFLOP/s (hybrid rounds)")
+    if world > 1:
+        print(replicas_note(args, rows))
     return 0
 
 
