@@ -221,6 +221,31 @@ def save_checkpoint(model, opt, name: str) -> dict:
             "keys": len(flat)}
 
 
+def save_each(names, make, batch, split: int) -> dict:
+    """Per optimizer name: ``make(name)`` -> (model, optimizer) trained on ``batch(t)`` for
+    t = 1..split, then save_checkpoint; {name: what it returned}."""
+    out = {}
+    for name in names:
+        model, opt = make(name)
+        train(model, opt, batch, 1, split)
+        out[name] = save_checkpoint(model, opt, name)
+        opt.close()
+    return out
+
+
+def resume_each(names, make, batch, split: int, steps: int) -> dict:
+    """Per optimizer name: ``make(name)`` -> (model, optimizer), load_checkpoint, trained on
+    ``batch(t)`` for t = split+1..steps; {name: its full parameters after}."""
+    out = {}
+    for name in names:
+        model, opt = make(name)
+        load_checkpoint(model, opt, name)
+        train(model, opt, batch, split + 1, steps)
+        opt.close()
+        out[name] = full_params(model)
+    return out
+
+
 def load_checkpoint(model, opt, name: str) -> None:
     """Load $FSDP_GLOBAL_CKPT/<name> (save_checkpoint's, from any world size) into the model
     and the optimizer."""

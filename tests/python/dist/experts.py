@@ -183,35 +183,26 @@ def check_local() -> dict:
 SPLIT = 9  # a refresh is in flight after step 9 (SOAP: snapshot 9, install 11; Shampoo: 8, 10)
 
 
+def _async_global(name: str, seed: int = 0) -> tuple:
+    model = fsdp_net(seed)
+    return model, make_opt(name, model, dict(ASYNC, fsdp_blocking="global"))
+
+
 def check_save() -> dict:
     """Steps 1..SPLIT (async, global blocks), then a DCP checkpoint (model and flattened
     optimizer state) in $FSDP_GLOBAL_CKPT/<name>."""
-    out = {}
-    for name in OPTS:
-        model = fsdp_net()
-        opt = make_opt(name, model, dict(ASYNC, fsdp_blocking="global"))
-        C.train(model, opt, local_batch, 1, SPLIT)
-        out[name] = C.save_checkpoint(model, opt, name)
-        opt.close()
-    return out
+    return C.save_each(OPTS, _async_global, local_batch, SPLIT)
 
 
 def check_resume() -> dict:
     """Load $FSDP_GLOBAL_CKPT/<name> (saved on another world size) into a fresh model and
     optimizer, train steps SPLIT+1..STEPS; rank 0 compares with the uninterrupted
     single-process run."""
-    out = {}
-    for name in OPTS:
-        model = fsdp_net(seed=123)
-        opt = make_opt(name, model, dict(ASYNC, fsdp_blocking="global"))
-        C.load_checkpoint(model, opt, name)
-        C.train(model, opt, local_batch, SPLIT + 1, STEPS)
-        opt.close()
-        full = C.full_params(model)
-        out[name] = {}
-        if dist.get_rank() == 0:
-            out[name] = C.compare(full, reference(name, ASYNC), start())
-    return out
+    fulls = C.resume_each(OPTS, lambda n: _async_global(n, seed=123), local_batch, SPLIT,
+                          STEPS)
+    if dist.get_rank() != 0:
+        return {name: {} for name in fulls}
+    return {name: C.compare(full, reference(name, ASYNC), start()) for name, full in fulls.items()}
 
 
 CHECKS = {n[len("check_"):]: f for n, f in globals().items() if n.startswith("check_")}

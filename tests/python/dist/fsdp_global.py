@@ -163,37 +163,28 @@ ASYNC = {"mode": "async", "staleness": 3, "install": "deterministic", "workers":
          "fsdp_blocking": "global"}
 
 
+def _async_net(name: str, seed: int = 0) -> tuple:
+    model = fsdp_net(seed)
+    return model, make_opt(name, model, ASYNC)
+
+
 def check_save() -> dict:
     """Steps 1..SPLIT, then a DCP checkpoint (model and flattened optimizer state) in
     $FSDP_GLOBAL_CKPT/<name>."""
-    out = {}
-    for name in OPTS:
-        model = fsdp_net()
-        opt = make_opt(name, model, ASYNC)
-        C.train(model, opt, local_batch, 1, SPLIT)
-        out[name] = C.save_checkpoint(model, opt, name)
-        opt.close()
-    return out
+    return C.save_each(OPTS, _async_net, local_batch, SPLIT)
 
 
 def check_resume() -> dict:
     """Load $FSDP_GLOBAL_CKPT/<name> (saved on any world size) into a fresh model and
     optimizer, train steps SPLIT+1..STEPS; rank 0 compares with the uninterrupted
     single-process run."""
-    out = {}
-    for name in OPTS:
+    fulls = C.resume_each(OPTS, lambda n: _async_net(n, seed=123), local_batch, SPLIT, STEPS)
+    out = {name: {"digest": C.digest(full)} for name, full in fulls.items()}
+    if dist.get_rank() == 0:
         start = [p.detach().clone() for p in make_net().parameters()]
-        model = fsdp_net(seed=123)
-        opt = make_opt(name, model, ASYNC)
-        C.load_checkpoint(model, opt, name)
-        C.train(model, opt, local_batch, SPLIT + 1, STEPS)
-        opt.close()
-        full = C.full_params(model)
-        res = {"digest": C.digest(full)}
-        if dist.get_rank() == 0:
-            rt = {k: v for k, v in ASYNC.items() if k != "fsdp_blocking"}
-            res.update(C.compare(full, reference(name, rt, STEPS), start))
-        out[name] = res
+        rt = {k: v for k, v in ASYNC.items() if k != "fsdp_blocking"}
+        for name, full in fulls.items():
+            out[name].update(C.compare(full, reference(name, rt, STEPS), start))
     return out
 
 
