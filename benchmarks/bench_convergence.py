@@ -72,7 +72,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -992,25 +992,32 @@ COLORS = {"adamw": "tab:gray", "asteria-soap-async": "tab:blue",
           "heavyball": "tab:green"}
 
 
+def plot_timed_runs(ax, s: dict, smoothing: str, colors: dict, title: str = "") -> int:
+    """On ``ax``: the timed runs of compare() result ``s``' first seed, loss against time,
+    and tuned AdamW's final loss; ``title`` goes before the panel's own. Returns the seed."""
+    seed = s["seeds"][0]
+    tt = s["time_to_adamw_final"].get(str(seed)) or s["time_to_adamw_final"].get(seed)
+    for r in s["runs"]:
+        if r["seed"] == seed:
+            ax.plot(r["time_s"], r["smoothed"], color=colors.get(r["optimizer"]), lw=1.3,
+                    label=f"{r['optimizer']} (lr {r['lr']:g})")
+    if tt:
+        ax.axhline(tt["target"], color="k", ls=":", lw=1, label="tuned AdamW's final loss")
+    ax.set(xlabel="time (s): the run's own steps, in lockstep with the others",
+           ylabel=f"train loss ({smoothing})",
+           title=f"{title}timed runs at the tuned lrs, seed {seed}")
+    ax.set_ylim(top=min(3.5, ax.get_ylim()[1]))
+    ax.legend(fontsize=7)
+    return seed
+
+
 def plot(data: dict, path: str) -> None:
     plt = common.pyplot()
     sets = data["setting_results"]
     first = sets.get("users") or next(iter(sets.values()))
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(18, 5.2))
-    seed = first["seeds"][0]
-    tt = first["time_to_adamw_final"].get(str(seed)) or first["time_to_adamw_final"].get(seed)
-    for r in first["runs"]:
-        if r["seed"] != seed:
-            continue
-        a.plot(r["time_s"], r["smoothed"], color=COLORS.get(r["optimizer"]), lw=1.3,
-               label=f"{r['optimizer']} (lr {r['lr']:g})")
-    if tt:
-        a.axhline(tt["target"], color="k", ls=":", lw=1, label="tuned AdamW's final loss")
-    a.set(xlabel="time (s): the run's own steps, in lockstep with the others",
-          ylabel=f"train loss ({data['settings']['smoothing']})",
-          title=f"{first['setting']}: timed runs at the tuned lrs, seed {seed}")
-    a.set_ylim(top=min(3.5, a.get_ylim()[1]))
-    a.legend(fontsize=7)
+    seed = plot_timed_runs(a, first, data["settings"]["smoothing"], COLORS,
+                           f"{first['setting']}: ")
     kinds = [(sname, s, key) for sname, s in sets.items() for key in ("time", "cpu_time")]
     width = 0.8 / len(kinds)
     names = [n for n in first["optimizers"] if n != "adamw"]
@@ -1061,8 +1068,34 @@ def plot(data: dict, path: str) -> None:
 NAME_W = max(len(n) for n in RUNS) + 2  # the table's optimizer column
 
 
-def _f(v, spec: str = ".3f") -> str:
-    return "-" if v is None else format(v, spec)
+def table_rows(s: dict) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(optimizer, its table cells) of a compare() result ``s``, in its optimizers' order.
+    Cells: "failed" (the sweep's errors) where no lr was tuned; otherwise "lr", "median_ms"
+    (median over the timed runs), "steps" (to tuned AdamW's final loss per seed; AdamW's own
+    count), "finals" (final loss per seed), and beside AdamW "ratios" (s["ratios"]' entry) and
+    "per" (time ratio per seed)."""
+    meds: dict[str, list] = {}
+    for r in s["runs"]:
+        meds.setdefault(r["optimizer"], []).append(r["summary"]["median_ms"])
+    for name in s["optimizers"]:
+        if name not in s["tuned_lr"]:
+            yield name, {"failed": "; ".join(e.get("error", "")
+                                             for e in s["sweep"].get(name, []))[:90]}
+            continue
+        med = common.percentile(meds[name], 50) if name in meds else None
+        cells = {"lr": s["tuned_lr"][name], "median_ms": common.fmt(med, ".1f"),
+                 "finals": "/".join(common.fmt(v, ".4f") for v in
+                                    s.get("final_loss_at_equal_steps", {}).get(name, {})
+                                    .values())}
+        if name == "adamw":
+            cells["steps"] = "/".join(str(v["adamw_steps"])
+                                      for v in s["time_to_adamw_final"].values())
+        else:
+            q = cells["ratios"] = s["ratios"][name]
+            cells["steps"] = "/".join(common.fmt(v["runs"].get(name, {}).get("step"), "d")
+                                      for v in s["time_to_adamw_final"].values())
+            cells["per"] = "/".join(common.fmt(x, ".2f") for x in q["time_ratio_per_seed"])
+        yield name, cells
 
 
 def print_table(data: dict) -> None:
@@ -1070,35 +1103,21 @@ def print_table(data: dict) -> None:
         m = s["model"]
         print(f"{sname}: {m['tokens_per_step']} tokens/step, {m['tokens_over_widest']:.1f}x the "
               f"widest layer; seeds {s['seeds']}")
-        hdr = (f"{'optimizer':<{NAME_W}}{'lr':>8}{'median ms':>11}{'steps to target':>18}"
-               f"{'time ratio (per seed)':>26}{'mean':>7}{'cpu ratio':>11}"
-               f"{'final loss (per seed)':>24}")
-        print(hdr)
-        print("-" * len(hdr))
-        meds: dict[str, list] = {}
-        for r in s["runs"]:
-            meds.setdefault(r["optimizer"], []).append(r["summary"]["median_ms"])
-        for name in s["optimizers"]:
-            if name not in s["tuned_lr"]:
-                print(f"{name:<{NAME_W}}  FAILED: " + "; ".join(
-                    e.get("error", "") for e in s["sweep"].get(name, []))[:90])
+        common.print_header(
+            f"{'optimizer':<{NAME_W}}{'lr':>8}{'median ms':>11}{'steps to target':>18}"
+            f"{'time ratio (per seed)':>26}{'mean':>7}{'cpu ratio':>11}"
+            f"{'final loss (per seed)':>24}")
+        for name, c in table_rows(s):
+            if "failed" in c:
+                print(f"{name:<{NAME_W}}  FAILED: " + c["failed"])
                 continue
-            med = common.percentile(meds[name], 50) if name in meds else None
-            finals = "/".join(_f(v, ".4f") for v in
-                              s.get("final_loss_at_equal_steps", {}).get(name, {}).values())
+            head = f"{name:<{NAME_W}}{c['lr']:>8g}{c['median_ms']:>11}{c['steps']:>18}"
             if name == "adamw":
-                steps = "/".join(str(v["adamw_steps"])
-                                 for v in s["time_to_adamw_final"].values())
-                print(f"{name:<{NAME_W}}{s['tuned_lr'][name]:>8g}{_f(med, '.1f'):>11}{steps:>18}"
-                      f"{'1 (target: final loss)':>26}{'':>18}{finals:>24}")
+                print(f"{head}{'1 (target: final loss)':>26}{'':>18}{c['finals']:>24}")
                 continue
-            q = s["ratios"][name]
-            steps = "/".join(_f(v["runs"].get(name, {}).get("step"), "d")
-                             for v in s["time_to_adamw_final"].values())
-            per = "/".join(_f(x, ".2f") for x in q["time_ratio_per_seed"])
-            print(f"{name:<{NAME_W}}{s['tuned_lr'][name]:>8g}{_f(med, '.1f'):>11}{steps:>18}"
-                  f"{per:>26}{_f(q['time_ratio_mean'], '.2f'):>7}"
-                  f"{_f(q['cpu_time_ratio_mean'], '.2f'):>11}{finals:>24}")
+            q = c["ratios"]
+            print(f"{head}{c['per']:>26}{common.fmt(q['time_ratio_mean'], '.2f'):>7}"
+                  f"{common.fmt(q['cpu_time_ratio_mean'], '.2f'):>11}{c['finals']:>24}")
         print("(time ratio: own time in lockstep; cpu ratio: the training thread's CPU time plus barrier "
               "waits, which other processes' load stretches far less)")
         mem = {r["optimizer"]: r["memory"] for r in s["runs"] if r["seed"] == s["seeds"][0]
@@ -1129,7 +1148,7 @@ def print_table(data: dict) -> None:
             if pr:
                 print(f"  profiled plain steps: matrix products "
                       f"{pr['matmul_over_flop_time_ms']:+.1f} ms over the FLOP time (they ran at "
-                      f"{_f(pr['matmul_gflops_in_step'], '.0f')} GFLOP/s), other ops "
+                      f"{common.fmt(pr['matmul_gflops_in_step'], '.0f')} GFLOP/s), other ops "
                       f"{pr['other_ops_over_adamw_ms']:+.1f} ms and the interpreter "
                       f"{pr['interpreter_over_adamw_ms']:+.1f} ms over AdamW's")
             if lim.get("limit_ms_at_in_step_rate"):
@@ -1142,7 +1161,7 @@ def print_table(data: dict) -> None:
                   f"x{lim['nonrefresh_mean_over_sync_median']:.3f}")
     for key, t in data["targets"].items():
         met = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
-        print(f"target {key}: {_f(t['value'])} {t['op']} {t['threshold']}: {met}")
+        print(f"target {key}: {common.fmt(t['value'])} {t['op']} {t['threshold']}: {met}")
     noisy = sorted({f"{r['optimizer']}@{r['lr']:g}/s{r['seed']}"
                     for s in data["setting_results"].values() for r in s["runs"]
                     if r["disturbed"]})
@@ -1151,12 +1170,43 @@ def print_table(data: dict) -> None:
               f"{', '.join(noisy)}: wall times are the machine's as much as the optimizer's")
 
 
-def _runs(text: str, ap) -> list[str]:
+def add_procedure_args(ap) -> None:
+    """compare()'s arguments that every benchmark running it takes alike: --window, --extend,
+    --budget, --workers, --threads."""
+    ap.add_argument("--window", type=int, default=None,
+                    help="steps of the trailing mean that smooths the loss (20; --quick 4)")
+    ap.add_argument("--extend", type=int, default=2,
+                    help="times a sweep whose best lr sits at its grid's edge is extended "
+                         f"by x{EXTEND_FACTOR:g} (or /{EXTEND_FACTOR:g}) beyond it")
+    ap.add_argument("--budget", type=float, default=3.0,
+                    help="a run stops once its wall time passes this many times AdamW's")
+    ap.add_argument("--workers", type=int, default=1, help="Asteria worker threads")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for training")
+
+
+def parse_runs(text: str, ap, runs: Sequence[str] = RUNS) -> list[str]:
+    """A comma-separated list of optimizers: those of ``runs`` it names, in that order, AdamW
+    first whether named or not (``ap``'s error otherwise)."""
     names = [r.strip() for r in text.split(",") if r.strip()]
     for r in names:
-        if r not in RUNS:
-            ap.error(f"unknown optimizer {r!r}; allowed: {', '.join(RUNS)}")
-    return ["adamw"] + [r for r in RUNS if r in names and r != "adamw"]
+        if r not in runs:
+            ap.error(f"unknown optimizer {r!r}; allowed: {', '.join(runs)}")
+    return ["adamw"] + [r for r in runs if r in names and r != "adamw"]
+
+
+def check_procedure_args(ap, args, grids: dict, runs: Sequence[str] = RUNS) -> None:
+    """args.grids: ``grids`` with each --lrs NAME=LR,LR,... in place of its NAME's; then S and
+    the step counts checked (``ap``'s error)."""
+    args.grids = dict(grids)
+    for spec in args.lrs:
+        name, _, lrs = spec.partition("=")
+        if name not in runs or not lrs:
+            ap.error(f"--lrs {spec!r}: want NAME=LR,LR,... with NAME one of {', '.join(runs)}")
+        args.grids[name] = tuple(float(x) for x in lrs.split(","))
+    if not 0 <= args.staleness <= args.frequency:
+        ap.error("need 0 <= --staleness <= --frequency")
+    if args.steps < 2 or args.window < 1:
+        ap.error("need --steps >= 2 and --window >= 1")
 
 
 def parse_args(argv: Optional[Sequence[str]]):
@@ -1171,15 +1221,7 @@ def parse_args(argv: Optional[Sequence[str]]):
     ap.add_argument("--staleness", type=int, default=None,
                     help="Asteria's staleness budget S (0: sync's trajectory, the refresh "
                          "overlapping the next forward and backward)")
-    ap.add_argument("--window", type=int, default=None,
-                    help="steps of the trailing mean that smooths the loss (20; --quick 4)")
-    ap.add_argument("--extend", type=int, default=2,
-                    help="times a sweep whose best lr sits at its grid's edge is extended "
-                         f"by x{EXTEND_FACTOR:g} (or /{EXTEND_FACTOR:g}) beyond it")
-    ap.add_argument("--budget", type=float, default=3.0,
-                    help="a run stops once its wall time passes this many times AdamW's")
-    ap.add_argument("--workers", type=int, default=1, help="Asteria worker threads")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads for training")
+    add_procedure_args(ap)
     ap.add_argument("--runs", default=",".join(RUNS),
                     help="optimizers of the users setting (adamw always runs first)")
     ap.add_argument("--bound-runs", default="adamw,asteria-soap-async",
@@ -1195,12 +1237,7 @@ def parse_args(argv: Optional[Sequence[str]]):
                     help="profile this many steps of AdamW and Asteria SOAP (16; --quick 0)")
     ap.add_argument("--heavyball-compile", action="store_true",
                     help="keep heavyball's torch.compile (minutes of CPU autotuning)")
-    ap.add_argument("--log-every", type=int, default=None)
-    ap.add_argument("--quick", action="store_true", help="smoke run: tiny model, a few steps")
-    common.add_output_args(ap)
-    args = ap.parse_args(argv)
-    q = args.quick
-    common.fill_defaults(args, dict(
+    args = common.parse_quick(ap, argv, lambda q: dict(
         steps=24 if q else 300, warmup=4 if q else 10, frequency=4 if q else 10,
         staleness=0, window=4 if q else 20, log_every=12 if q else 50,
         gemm_reps=3 if q else 30, profile_steps=0 if q else 16,
@@ -1209,29 +1246,17 @@ def parse_args(argv: Optional[Sequence[str]]):
     for s in args.settings:
         if s not in SETTINGS:
             ap.error(f"unknown setting {s!r}; allowed: {', '.join(SETTINGS)}")
-    args.runs = _runs(args.runs, ap)
-    args.bound_runs = _runs(args.bound_runs, ap)
+    args.runs = parse_runs(args.runs, ap)
+    args.bound_runs = parse_runs(args.bound_runs, ap)
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     args.bound_seeds = [int(s) for s in args.bound_seeds.split(",") if s.strip()]
     if not args.seeds or not args.bound_seeds:
         ap.error("need at least one seed")
-    args.grids = dict(GRIDS)
-    for spec in args.lrs:
-        name, _, lrs = spec.partition("=")
-        if name not in RUNS or not lrs:
-            ap.error(f"--lrs {spec!r}: want NAME=LR,LR,... with NAME one of {', '.join(RUNS)}")
-        args.grids[name] = tuple(float(x) for x in lrs.split(","))
-    if not 0 <= args.staleness <= args.frequency:
-        ap.error("need 0 <= --staleness <= --frequency")
-    if args.steps < 2 or args.window < 1:
-        ap.error("need --steps >= 2 and --window >= 1")
+    check_procedure_args(ap, args, GRIDS)
     return args
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    """Run the benchmark; returns what it wrote. Restores the caller's torch thread count and
-    CPU affinity."""
-    return common.run_restoring(run, parse_args(argv), argv)
+main = common.make_main(run, parse_args)
 
 
 if __name__ == "__main__":

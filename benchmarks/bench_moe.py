@@ -310,19 +310,7 @@ def plot(data: dict, path: str) -> None:
     plt = common.pyplot()
     res = data["results"]
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(18, 5.2))
-    seed = res["seeds"][0]
-    tt = res["time_to_adamw_final"].get(str(seed)) or res["time_to_adamw_final"].get(seed)
-    for r in res["runs"]:
-        if r["seed"] == seed:
-            a.plot(r["time_s"], r["smoothed"], color=COLORS.get(r["optimizer"]), lw=1.3,
-                   label=f"{r['optimizer']} (lr {r['lr']:g})")
-    if tt:
-        a.axhline(tt["target"], color="k", ls=":", lw=1, label="tuned AdamW's final loss")
-    a.set(xlabel="time (s): the run's own steps, in lockstep with the others",
-          ylabel=f"train loss ({data['settings']['smoothing']})",
-          title=f"timed runs at the tuned lrs, seed {seed}")
-    a.set_ylim(top=min(3.5, a.get_ylim()[1]))
-    a.legend(fontsize=7)
+    bc.plot_timed_runs(a, res, data["settings"]["smoothing"], COLORS)
     names = [n for n in res["optimizers"] if n != "adamw" and n in res["ratios"]]
     for i, n in enumerate(names):
         per = [x for x in res["ratios"][n]["time_ratio_per_seed"] if x is not None]
@@ -353,46 +341,29 @@ def plot(data: dict, path: str) -> None:
                        data["machine"], legend=False)
 
 
-def _f(v, spec: str = ".3f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
 def print_table(data: dict) -> None:
     res, m = data["results"], data["model"]
     print(f"MoE TinyGPT, {m['experts']} experts top-{m['top_k']}, {m['layout']} layout, "
           f"{m['tokens_per_step']} tokens/step; seeds {res['seeds']}")
-    hdr = (f"{'optimizer':<14}{'lr':>8}{'median ms':>11}{'steps to target':>17}"
-           f"{'time ratio (per seed)':>24}{'mean':>7}{'final loss (per seed)':>24}"
-           f"{'state MiB (tiers)':>20}{'planned peak MiB':>18}")
-    print(hdr)
-    print("-" * len(hdr))
-    meds: dict[str, list] = {}
-    for r in res["runs"]:
-        meds.setdefault(r["optimizer"], []).append(r["summary"]["median_ms"])
-    for name in res["optimizers"]:
-        if name not in res["tuned_lr"]:
-            print(f"{name:<14}  FAILED: " + "; ".join(
-                e.get("error", "") for e in res["sweep"].get(name, []))[:90])
+    common.print_header(
+        f"{'optimizer':<14}{'lr':>8}{'median ms':>11}{'steps to target':>17}"
+        f"{'time ratio (per seed)':>24}{'mean':>7}{'final loss (per seed)':>24}"
+        f"{'state MiB (tiers)':>20}{'planned peak MiB':>18}")
+    for name, c in bc.table_rows(res):
+        if "failed" in c:
+            print(f"{name:<14}  FAILED: " + c["failed"])
             continue
-        med = common.percentile(meds[name], 50) if name in meds else None
-        finals = "/".join(_f(v, ".4f") for v in res["final_loss_at_equal_steps"]
-                          .get(name, {}).values())
         mem = res.get("memory", {}).get(name)
         tiers = "-" if mem is None else ", ".join(
             f"{t} {b / 2**20:.2f}" for t, b in mem["tiers"]["tiers"].items() if b)
         peak = "-" if not mem or "memory_plan" not in mem else \
             f"{mem['memory_plan']['peak_total'] / 2**20:.2f}"
         if name == "adamw":
-            steps = "/".join(str(v["adamw_steps"]) for v in res["time_to_adamw_final"].values())
             per, mean = "1 (target)", ""
         else:
-            q = res["ratios"][name]
-            steps = "/".join(_f(v["runs"].get(name, {}).get("step"), "d")
-                             for v in res["time_to_adamw_final"].values())
-            per = "/".join(_f(x, ".2f") for x in q["time_ratio_per_seed"])
-            mean = _f(q["time_ratio_mean"], ".2f")
-        print(f"{name:<14}{res['tuned_lr'][name]:>8g}{_f(med, '.1f'):>11}{steps:>17}"
-              f"{per:>24}{mean:>7}{finals:>24}{tiers:>20}{peak:>18}")
+            per, mean = c["per"], common.fmt(c["ratios"]["time_ratio_mean"], ".2f")
+        print(f"{name:<14}{c['lr']:>8g}{c['median_ms']:>11}{c['steps']:>17}"
+              f"{per:>24}{mean:>7}{c['finals']:>24}{tiers:>20}{peak:>18}")
     print("(time ratio: own time to tuned AdamW's final loss in lockstep / AdamW's time; state: "
           "asteria_stats' bytes per tier, AdamW's its state tensors; peak: the memory plan's)")
     for name, mem in res.get("memory", {}).items():
@@ -410,15 +381,7 @@ def parse_args(argv: Optional[Sequence[str]]):
     ap.add_argument("--frequency", type=int, default=None,
                     help="precondition_frequency f (10; --quick 4)")
     ap.add_argument("--staleness", type=int, default=0, help="Asteria's staleness budget S")
-    ap.add_argument("--window", type=int, default=None,
-                    help="steps of the trailing mean that smooths the loss (20; --quick 4)")
-    ap.add_argument("--extend", type=int, default=2,
-                    help="times a sweep whose best lr sits at its grid's edge is extended by "
-                         f"x{bc.EXTEND_FACTOR:g} (or /{bc.EXTEND_FACTOR:g}) beyond it")
-    ap.add_argument("--budget", type=float, default=3.0,
-                    help="a sweep run stops once its wall time passes this many times AdamW's")
-    ap.add_argument("--workers", type=int, default=1, help="Asteria worker threads")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads for training")
+    bc.add_procedure_args(ap)
     ap.add_argument("--runs", default=",".join(RUNS), help="optimizers (adamw always first)")
     ap.add_argument("--seeds", default="0,1", help="seeds (the first one sweeps the lr)")
     ap.add_argument("--lrs", action="append", default=[], metavar="NAME=LR,LR,...",
@@ -429,43 +392,22 @@ def parse_args(argv: Optional[Sequence[str]]):
                          "(OLMo-core); only soap-plain's factors differ")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
-    ap.add_argument("--log-every", type=int, default=None)
-    ap.add_argument("--quick", action="store_true", help="smoke run: tiny model, a few steps")
-    common.add_output_args(ap)
-    args = ap.parse_args(argv)
-    q = args.quick
-    common.fill_defaults(args, dict(
+    args = common.parse_quick(ap, argv, lambda q: dict(
         steps=24 if q else 300, warmup=4 if q else 10, frequency=4 if q else 10,
         window=4 if q else 20, log_every=12 if q else 50,
         out_dir=os.path.join(common.RESULTS_DIR, "tmp" if q else "moe")))
-    names = [r.strip() for r in args.runs.split(",") if r.strip()]
-    for r in names:
-        if r not in RUNS:
-            ap.error(f"unknown optimizer {r!r}; allowed: {', '.join(RUNS)}")
-    args.runs = ["adamw"] + [r for r in RUNS if r in names and r != "adamw"]
+    args.runs = bc.parse_runs(args.runs, ap, RUNS)
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     if not args.seeds:
         ap.error("need at least one seed")
-    args.grids = dict(GRIDS)
-    for spec in args.lrs:
-        name, _, lrs = spec.partition("=")
-        if name not in RUNS or not lrs:
-            ap.error(f"--lrs {spec!r}: want NAME=LR,LR,... with NAME one of {', '.join(RUNS)}")
-        args.grids[name] = tuple(float(x) for x in lrs.split(","))
-    if not 0 <= args.staleness <= args.frequency:
-        ap.error("need 0 <= --staleness <= --frequency")
-    if args.steps < 2 or args.window < 1:
-        ap.error("need --steps >= 2 and --window >= 1")
+    bc.check_procedure_args(ap, args, GRIDS, RUNS)
     if not 1 <= args.top_k <= args.experts:
         ap.error("need 1 <= --top-k <= --experts")
     args.heavyball_compile = False  # bench_convergence's factory reads it
     return args
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    """Run the benchmark; returns what it wrote. Restores the caller's torch thread count and
-    CPU affinity."""
-    return common.run_restoring(run, parse_args(argv), argv)
+main = common.make_main(run, parse_args)
 
 
 if __name__ == "__main__":

@@ -203,8 +203,7 @@ def plot(data: dict, path: str) -> None:
 def print_table(data: dict) -> None:
     hdr = (f"{'run':<12}{'train':>8}{'- sync':>9}{'val':>8}{'- sync':>9}{'mean ms':>9}"
            f"{'p99 ms':>9}{'waits':>7}{'wait ms':>9}{'foreign':>9}")
-    print(hdr)
-    print("-" * len(hdr))
+    common.print_header(hdr)
     for r in data["results"]:
         print(f"{r['label']:<12}{r['final_train_loss']:>8.4f}{r['train_minus_sync']:>+9.4f}"
               f"{r['val_loss']:>8.4f}{r['val_minus_sync']:>+9.4f}{r['step_mean_ms']:>9.1f}"
@@ -212,8 +211,7 @@ def print_table(data: dict) -> None:
               f"{r['cpu'].get('foreign_cores_avg') or 0.0:>9.2f}")
     for key, t in data["targets"].items():
         met = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
-        v = "-" if t["value"] is None else f"{t['value']:.4f}"
-        print(f"target {key}: {v} <= {t['threshold']}: {met}")
+        print(f"target {key}: {common.fmt(t['value'], '.4f')} <= {t['threshold']}: {met}")
 
 
 def parse_args(argv: Optional[Sequence[str]]):
@@ -239,12 +237,7 @@ def parse_args(argv: Optional[Sequence[str]]):
                     help="the training thread's core (default: the first allowed one; the "
                          "worker pool gets the others)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--log-every", type=int, default=None)
-    ap.add_argument("--quick", action="store_true", help="smoke run: tiny model, a few steps")
-    common.add_output_args(ap)
-    args = ap.parse_args(argv)
-    q = args.quick
-    common.fill_defaults(args, dict(
+    args = common.parse_quick(ap, argv, lambda q: dict(
         steps=24 if q else 600, warmup=4 if q else 10, model_size="tiny" if q else "users",
         window=4 if q else 20, val_batches=2 if q else 8, log_every=12 if q else 100,
         out_dir=os.path.join(common.RESULTS_DIR, "tmp") if q else common.RESULTS_DIR))
@@ -262,10 +255,7 @@ def parse_args(argv: Optional[Sequence[str]]):
     return args
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    """Run the benchmark; returns what it wrote. Restores the caller's torch thread count and
-    CPU affinity."""
-    return common.run_restoring(run, parse_args(argv), argv)
+main = common.make_main(run, parse_args)
 
 
 if __name__ == "__main__":

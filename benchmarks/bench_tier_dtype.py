@@ -235,8 +235,7 @@ def plot(data: dict, path: str) -> None:
 def print_table(data: dict) -> None:
     hdr = (f"{'run':<18}{'train':>9}{'last':>9}{'val':>9}{'device B':>11}{'host B':>10}"
            f"{'ring B':>9}{'peak B':>11}{'load':>7}")
-    print(hdr)
-    print("-" * len(hdr))
+    common.print_header(hdr)
     for r in data["results"]:
         print(f"{r['label']:<18}{r['final_train_loss']:>9.4f}{r['last_loss']:>9.4f}"
               f"{r['val_loss']:>9.4f}{r['bytes']['device']:>11d}{r['bytes']['host']:>10d}"
@@ -280,12 +279,7 @@ def parse_args(argv: Optional[Sequence[str]]):
     ap.add_argument("--threads", type=int, default=1, help="torch threads for training")
     ap.add_argument("--train-cpu", type=int, default=None,
                     help="the training thread's core (default: the first allowed one)")
-    ap.add_argument("--log-every", type=int, default=None)
-    ap.add_argument("--quick", action="store_true", help="smoke run: tiny model, a few steps")
-    common.add_output_args(ap)
-    args = ap.parse_args(argv)
-    q = args.quick
-    common.fill_defaults(args, dict(
+    args = common.parse_quick(ap, argv, lambda q: dict(
         steps=12 if q else 200, warmup=2 if q else 10, model_size="tiny" if q else "users",
         window=4 if q else 20, val_batches=2 if q else 8, log_every=6 if q else 50,
         nvme_steps=4 if q else 20,
@@ -299,10 +293,7 @@ def parse_args(argv: Optional[Sequence[str]]):
     return args
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    """Run the benchmark; returns what it wrote. Restores the caller's torch thread count and
-    CPU affinity."""
-    return common.run_restoring(run, parse_args(argv), argv)
+main = common.make_main(run, parse_args)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,11 @@
 
 Owns: the run metadata every result file carries (machine, versions, the exact command, date),
 the step-time statistics (percentile, summary), writing JSON (by default to benchmarks/results/),
-PNG plotting through matplotlib's Agg backend, progress lines, CPU pinning of the training thread,
-the optimizer-state bytes per memory tier, and the torchrun launcher of the multi-process
-benchmarks (``launch_torchrun``).
+the printed tables' cells and header (``fmt``, ``print_header``), PNG plotting through
+matplotlib's Agg backend, progress lines, CPU pinning of the training thread, the
+optimizer-state bytes per memory tier, a benchmark's command line end and ``main``
+(``parse_quick``, ``make_main``), and the torchrun launcher of the multi-process benchmarks
+(``launch_torchrun``).
 May call: the standard library, torch, and (lazily, where present) asteria and matplotlib. Nothing
 here needs numpy or matplotlib at import time: the GPU machine may lack them.
 
@@ -283,6 +285,29 @@ def fill_defaults(args, defaults: dict) -> None:
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+
+
+def fmt(v: Any, spec: str = ".3f") -> str:
+    """A table cell: ``v`` in ``format`` spec ``spec``, "-" where it is None (not measured,
+    not reached)."""
+    return "-" if v is None else format(v, spec)
+
+
+def print_header(hdr: str) -> None:
+    """A table's header line and a rule of its width under it."""
+    print(hdr)
+    print("-" * len(hdr))
+
+
+def parse_quick(ap, argv: Optional[Sequence[str]], defaults: Callable[[bool], dict]):
+    """--log-every, --quick and the output arguments added last to ``ap``; ``argv`` parsed,
+    then ``defaults(quick)`` filled in where the command line left None (fill_defaults)."""
+    ap.add_argument("--log-every", type=int, default=None)
+    ap.add_argument("--quick", action="store_true", help="smoke run: tiny model, a few steps")
+    add_output_args(ap)
+    args = ap.parse_args(argv)
+    fill_defaults(args, defaults(args.quick))
+    return args
 
 
 def write_json(data: dict, name: str, out_dir: Optional[str] = None) -> str:
@@ -811,6 +836,17 @@ def run_restoring(run: Callable[..., Any], args: Any, argv: Any) -> Any:
         torch.set_num_threads(threads)
         pin_thread(cpus)
 
+
+def make_main(run: Callable[..., Any],
+              parse_args: Callable[[Optional[Sequence[str]]], Any]) -> Callable[..., Any]:
+    """A benchmark's ``main(argv=None)``: ``run(parse_args(argv), argv)`` through
+    run_restoring."""
+    def main(argv: Optional[Sequence[str]] = None) -> Any:
+        """Run the benchmark; returns what it wrote. Restores the caller's torch thread count
+        and CPU affinity."""
+        return run_restoring(run, parse_args(argv), argv)
+
+    return main
 
 # ---- multi-process benchmarks ----------------------------------------------------------------
 

@@ -157,11 +157,11 @@ def print_time(answer: dict, details: dict) -> None:
           f"{details['steps']} steps; target: AdamW's final loss {details['adamw_final_loss']})")
     hdr = (f"{'optimizer':<14}{'lr':>8}{'final loss':>12}{'val loss':>10}{'time to target s':>18}"
            f"{'x AdamW':>9}{'median ms':>11}{'p99 ms':>9}")
-    print(hdr)
-    print("-" * len(hdr))
+    common.print_header(hdr)
     for name, a in answer.items():
         print(f"{LABELS[name]:<14}{a['lr']:>8g}{a['final_loss']:>12.4f}{a['val_loss']:>10.4f}"
-              f"{_f(a['time_to_adamw_final_s'], '.1f'):>18}{_f(a['time_ratio'], '.2f'):>9}"
+              f"{common.fmt(a['time_to_adamw_final_s'], '.1f'):>18}"
+              f"{common.fmt(a['time_ratio'], '.2f'):>9}"
               f"{a['median_ms']:>11.1f}{a['p99_ms']:>9.1f}")
 
 
@@ -317,18 +317,17 @@ def print_spikes(answer: dict, details: dict) -> None:
     hdr = (f"{'optimizer':<14}{'median ms':>11}{'p99 ms':>9}{'max ms':>9}{'max/med':>9}"
            f"{'refresh-step ms':>17}{'final loss':>12}{'to native final s':>19}"
            f"{'to common s':>13}")
-    print(hdr)
-    print("-" * len(hdr))
+    common.print_header(hdr)
     for n in ("native_soap", "asteria_soap"):
         a = answer[n]
         print(f"{LABELS[n]:<14}{a['median_ms']:>11.1f}{a['p99_ms']:>9.1f}{a['max_ms']:>9.1f}"
-              f"{a['max_over_median']:>9.2f}{_f(a['refresh_step_median_ms'], '.1f'):>17}"
-              f"{a['final_loss']:>12.4f}{_f(a['time_to_target_s'], '.1f'):>19}"
-              f"{_f(a['time_to_common_loss_s'], '.1f'):>13}")
-    ratio = _f(answer["asteria_time_over_native_common_loss"], ".3f")
+              f"{a['max_over_median']:>9.2f}{common.fmt(a['refresh_step_median_ms'], '.1f'):>17}"
+              f"{a['final_loss']:>12.4f}{common.fmt(a['time_to_target_s'], '.1f'):>19}"
+              f"{common.fmt(a['time_to_common_loss_s'], '.1f'):>13}")
+    ratio = common.fmt(answer["asteria_time_over_native_common_loss"], ".3f")
     print(f"Asteria's time / native's: to native's final loss "
-          f"{_f(answer['asteria_time_over_native'], '.3f')} (- : not reached), to the loss both "
-          f"reach ({answer['common_loss']}) {ratio}")
+          f"{common.fmt(answer['asteria_time_over_native'], '.3f')} (- : not reached), to the "
+          f"loss both reach ({answer['common_loss']}) {ratio}")
 
 
 # ---- part 3: memory budget ---------------------------------------------------------------------
@@ -450,12 +449,12 @@ def print_memory(answer: dict, details: dict) -> None:
     p = answer["peak_mib"]
     hdr = (f"{'optimizer':<14}{'uncapped peak MiB':>19}{'capped at MiB':>15}{'capped peak MiB':>17}"
            f"  {'under the cap':<16}{'params = uncapped':>18}")
-    print(hdr)
-    print("-" * len(hdr))
+    common.print_header(hdr)
     for n, key in (("native_soap", "native"), ("asteria_soap", "asteria")):
         eq = answer["asteria_equal_uncapped"] if key == "asteria" else None
-        print(f"{LABELS[n]:<14}{_f(p[key + '_uncapped'], '.1f'):>19}"
-              f"{_f(answer['cap_mib'], '.1f'):>15}{_f(p[key + '_capped'], '.1f'):>17}"
+        print(f"{LABELS[n]:<14}{common.fmt(p[key + '_uncapped'], '.1f'):>19}"
+              f"{common.fmt(answer['cap_mib'], '.1f'):>15}"
+              f"{common.fmt(p[key + '_capped'], '.1f'):>17}"
               f"  {answer[key] or '-':<16}{'-' if eq is None else str(eq):>18}")
     print(f"(peaks: the group's anonymous memory uncapped, the group's own peak capped; cap: "
           f"{answer.get('cap_rule')})")
@@ -529,7 +528,7 @@ def plot(out: dict, path: str) -> None:
                    color=COLORS[name], lw=0.9,
                    label=f"{LABELS[name]}: median {r['median_ms']:.0f} ms, max "
                          f"x{r['max_over_median']:.2f}; loss {sp['common_loss']:.3f} in "
-                         f"{_f(r['time_to_common_loss_s'], '.1f')} s")
+                         f"{common.fmt(r['time_to_common_loss_s'], '.1f')} s")
         b.set_yscale("log")
         b.legend(fontsize=7)
         b.set_title(f"2. Refresh spikes (d={m['d']}, {m['tokens_per_step']} tokens/step, "
@@ -569,10 +568,6 @@ def plot(out: dict, path: str) -> None:
                        f"Asteria main job, {out['date']}, commit "
                        f"{(out['versions'].get('git_commit') or '?')[:10]}", out["machine"],
                        legend=False)
-
-
-def _f(v, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
 
 
 def parse_args(argv=None):
@@ -649,7 +644,7 @@ def main(argv=None) -> dict[str, Any]:
           f"{out['load']['start']} at the start, {out['load']['end']} at the end")
     for k, t in out["targets"].items():
         met = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
-        val = t["value"] if isinstance(t["value"], str) else _f(t["value"], ".3f")
+        val = t["value"] if isinstance(t["value"], str) else common.fmt(t["value"], ".3f")
         print(f"target {k}: {val}" + (f" {t['op']} {t['threshold']}" if "op" in t else "")
               + f": {met}")
     os.makedirs(args.out_dir, exist_ok=True)

@@ -55,9 +55,12 @@ def on_thread_soap():
 
 
 class MLP(nn.Module):
-    def __init__(self):
+    """Linear layers between ``widths`` (default: three WIDTH x WIDTH) with tanh between
+    them."""
+
+    def __init__(self, widths=(WIDTH,) * 4):
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(3))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
 
     def forward(self, x):
         for i, layer in enumerate(self.layers):
@@ -187,6 +190,36 @@ def lockstep(kind: str, make_opt, make_ref, steps: int, ref_views=None, before_s
         opt.close()
     return history, opt
 
+
+
+def grid_blocks(shape, size):
+    """(row range, column range) of each block of a 2-D shape, row-major (make_layout's
+    order), the last block of a dimension shorter where size does not divide it."""
+    edges = [[(a, min(a + size, n)) for a in range(0, n, size)] for n in shape]
+    return [(r, c) for r in edges[0] for c in edges[1]]
+
+
+def blocks_view(size):
+    """lockstep's ref_views for block_size ``size``: every block of every weight as its own
+    tensor (each block an independent problem), 1-D parameters whole."""
+    def views(model):
+        tensors, sources = [], []
+        for p in model.parameters():
+            if p.dim() == 1:
+                tensors.append(p.data)
+                sources.append((p, None))
+                continue
+            for r, c in grid_blocks(p.shape, size):
+                tensors.append(p.data[r[0]:r[1], c[0]:c[1]])
+                sources.append((p, (r, c)))
+
+        def grads():
+            return [p.grad if rc is None else p.grad[rc[0][0]:rc[0][1], rc[1][0]:rc[1][1]]
+                    for p, rc in sources]
+
+        return tensors, grads
+
+    return views
 
 def assert_lockstep(history, rtol=1e-7, atol=1e-10):
     """Every step's parameters agree, and training moved them (the comparison is not vacuous)."""

@@ -36,14 +36,15 @@ from torch import nn
 import asteria
 import models
 from asteria.optim import OneSidedSOAP, SOAP
-from models import assert_lockstep, assert_params_close, assert_same_state, require_c_extension
+from models import (assert_lockstep, assert_params_close, assert_same_state, blocks_view,
+                    grid_blocks, require_c_extension)
 from reference import SOAPRef
 from test_tier_dtype import SOAPRefBF16
 
 F64 = torch.float64
 TOKENS = 64
 WIDTHS = (8, 32, 8, 16, 16)  # weights 32x8 (tall), 8x32 (wide), 16x8 (tall), 16x16 (square)
-#: the one factor of each Chain weight under the defaults: (state key, its size)
+#: the one factor of each chain weight under the defaults: (state key, its size)
 CHAIN_FACTORS = [("b0.GG1", 8), ("b0.GG0", 8), ("b0.GG1", 8), ("b0.GG0", 16)]
 SYNC = {"mode": "sync"}
 ALL_DEVICE = {"roots": "device", "eigenbases": "device"}
@@ -57,19 +58,9 @@ def _c_extension():
     require_c_extension()
 
 
-class Chain(nn.Module):
+def chain() -> nn.Module:
     """Linear layers 8 -> 32 -> 8 -> 16 -> 16 with tanh between them."""
-
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(WIDTHS, WIDTHS[1:]))
-
-    def forward(self, x):
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < len(self.layers) - 1:
-                x = torch.tanh(x)
-        return x
+    return models.MLP(WIDTHS)
 
 
 class Tensor3(nn.Module):
@@ -85,7 +76,7 @@ class Tensor3(nn.Module):
 
 def make_model(kind: str, dtype=F64, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return {"chain": Chain, "tensor3": Tensor3}[kind]().to(dtype)
+    return {"chain": chain, "tensor3": Tensor3}[kind]().to(dtype)
 
 
 def batch(kind: str, step: int):
@@ -160,35 +151,6 @@ def one_side(shape, max_dim=10000) -> list:
     """The restated rule for the state checks: the dimensions of a block with a factor."""
     side = list(shape).index(min(shape))
     return [side] if shape[side] <= max_dim else []
-
-
-def grid_blocks(shape, size):
-    """(row range, column range) of each block of a 2-D shape, row-major (make_layout's
-    order), the last block of a dimension shorter where size does not divide it."""
-    edges = [[(a, min(a + size, n)) for a in range(0, n, size)] for n in shape]
-    return [(r, c) for r in edges[0] for c in edges[1]]
-
-
-def blocks_view(size):
-    """ref_views for block_size ``size``: every block of every weight as its own tensor."""
-    def views(model):
-        tensors, sources = [], []
-        for p in model.parameters():
-            if p.dim() == 1:
-                tensors.append(p.data)
-                sources.append((p, None))
-                continue
-            for r, c in grid_blocks(p.shape, size):
-                tensors.append(p.data[r[0]:r[1], c[0]:c[1]])
-                sources.append((p, (r, c)))
-
-        def grads():
-            return [p.grad if rc is None else p.grad[rc[0][0]:rc[0][1], rc[1][0]:rc[1][1]]
-                    for p, rc in sources]
-
-        return tensors, grads
-
-    return views
 
 
 def merged_view(model):
@@ -427,7 +389,7 @@ def test_soap_checkpoint_is_refused_by_name():
 
 # ---- tiers ----------------------------------------------------------------------------------
 
-Q_BYTES = (3 * 8 * 8 + 16 * 16) * 8  # the Chain's four bases, float64
+Q_BYTES = (3 * 8 * 8 + 16 * 16) * 8  # the chain's four bases, float64
 
 
 @pytest.mark.parametrize("tier", ["host", "nvme"])

@@ -12,7 +12,7 @@ import torch
 
 from asteria.optim import SOAP
 from asteria.optim import functional as F
-from models import assert_lockstep, lockstep, make_model
+from models import assert_lockstep, blocks_view, grid_blocks, lockstep, make_model
 from reference import SOAPRef
 
 SYNC = {"mode": "sync"}
@@ -78,33 +78,14 @@ def test_merge_dims_equals_reference_on_merged_view():
 @pytest.mark.parametrize("block_size", [4, 3])
 def test_block_size_equals_blocks_as_separate_params(block_size):
     """Each block is an independent SOAP problem; block_size 3 on 8 x 8 leaves 2-wide edges."""
-    edges = [(a, min(a + block_size, 8)) for a in range(0, 8, block_size)]
-
-    def blocks(model):
-        tensors, sources = [], []
-        for p in model.parameters():
-            if p.dim() == 1:
-                tensors.append(p.data)
-                sources.append((p, None))
-                continue
-            for r in edges:
-                for c in edges:
-                    tensors.append(p.data[r[0]:r[1], c[0]:c[1]])
-                    sources.append((p, (r, c)))
-
-        def grads():
-            return [p.grad if rc is None else p.grad[rc[0][0]:rc[0][1], rc[1][0]:rc[1][1]]
-                    for p, rc in sources]
-
-        return tensors, grads
-
     history, opt = lockstep(
         "mlp",
         lambda p: SOAP(p, precondition_frequency=5, block_size=block_size, runtime=SYNC),
-        lambda p: SOAPRef(p, precondition_frequency=5), steps=25, ref_views=blocks)
+        lambda p: SOAPRef(p, precondition_frequency=5), steps=25,
+        ref_views=blocks_view(block_size))
     assert_lockstep(history)
     weight = next(st for st in opt.state.values() if "b0.GG0" in st)
-    assert sum(k.endswith(".exp_avg") for k in weight) == len(edges) ** 2
+    assert sum(k.endswith(".exp_avg") for k in weight) == len(grid_blocks((8, 8), block_size))
 
 
 def test_precondition_1d():

@@ -1,6 +1,8 @@
 """Support of the per-rank scripts of tests/python/test_distributed.py: a tiny float64
 transformer whose every weight is square, deterministic global batches cut per rank, and
-collective comparisons, and the main of a per-rank script (``run_checks``).
+collective comparisons, and the main of a per-rank script (``run_checks``). For the FSDP2
+scripts (fsdp_global.py, experts.py): a rank's rows of a global batch, the single-process
+reference run, the full parameters and their comparison, and DCP checkpoints.
 
 Numerics (see tests/python/models.py): every factor must be full rank with distinct eigenvalues,
 or eigenvectors of a degenerate eigenvalue are arbitrary and SOAP / KL-Shampoo trajectories move
@@ -145,6 +147,119 @@ def all_true(flag: bool) -> bool:
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
 
+
+
+# ---- FSDP2 against one process (fsdp_global.py, experts.py) --------------------------------------
+
+def rank_rows(x, y):
+    """This rank's equal share of the rows of a global batch (x, y)."""
+    n = x.shape[0] // dist.get_world_size()
+    sl = slice(dist.get_rank() * n, (dist.get_rank() + 1) * n)
+    return x[sl], y[sl]
+
+
+def train(model, opt, batch, first: int, last: int) -> None:
+    """train_step on ``batch(t)`` for t = first..last."""
+    for t in range(first, last + 1):
+        train_step(model, opt, *batch(t))
+
+
+def single_process(model, make_opt, batch, steps: int) -> list:
+    """The unsharded run of one process on the global batches ``batch(1..steps)``, declared
+    rank-local (no collectives) with ``make_opt(model)``: its parameters after."""
+    from asteria import distributed as AD
+
+    AD.set_replicas(model.parameters(), None)
+    opt = make_opt(model)
+    train(model, opt, batch, 1, steps)
+    opt.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def full_params(model) -> list:
+    """The full tensors of an FSDP2 model's parameters (collective)."""
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def digest(full: list) -> str:
+    """The bits of the full parameters."""
+    import hashlib
+
+    flat = torch.cat([p.detach().reshape(-1).to(DTYPE) for p in full])
+    return hashlib.sha256(flat.view(torch.int64).numpy().tobytes()).hexdigest()
+
+
+def compare(full: list, ref: list, start: list) -> dict:
+    diff = max(float((a - b).abs().max()) for a, b in zip(full, ref))
+    scale = max(float(b.abs().max()) for b in ref)
+    moved = max(float((b - s).abs().max()) for b, s in zip(ref, start))
+    return {"max_abs_diff": diff, "max_rel_diff": diff / scale, "max_moved": moved}
+
+
+def _flat():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _ckpt(name: str) -> str:
+    return os.path.join(os.environ["FSDP_GLOBAL_CKPT"], name)
+
+
+def save_checkpoint(model, opt, name: str) -> dict:
+    """A DCP checkpoint of the model and the flattened optimizer state in
+    $FSDP_GLOBAL_CKPT/<name>: {"in_flight": the install steps of the refreshes in flight,
+    "keys": how many keys the optimizer state has}."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    flat = get_optimizer_state_dict(model, opt, options=_flat())
+    dcp.save({"model": get_model_state_dict(model), "optim": flat}, checkpoint_id=_ckpt(name))
+    return {"in_flight": sorted(int(v) for k, v in flat.items()
+                                if k.endswith("pending.install_in")),
+            "keys": len(flat)}
+
+
+def save_each(names, make, batch, split: int) -> dict:
+    """Per optimizer name: ``make(name)`` -> (model, optimizer) trained on ``batch(t)`` for
+    t = 1..split, then save_checkpoint; {name: what it returned}."""
+    out = {}
+    for name in names:
+        model, opt = make(name)
+        train(model, opt, batch, 1, split)
+        out[name] = save_checkpoint(model, opt, name)
+        opt.close()
+    return out
+
+
+def resume_each(names, make, batch, split: int, steps: int) -> dict:
+    """Per optimizer name: ``make(name)`` -> (model, optimizer), load_checkpoint, trained on
+    ``batch(t)`` for t = split+1..steps; {name: its full parameters after}."""
+    out = {}
+    for name in names:
+        model, opt = make(name)
+        load_checkpoint(model, opt, name)
+        train(model, opt, batch, split + 1, steps)
+        opt.close()
+        out[name] = full_params(model)
+    return out
+
+
+def load_checkpoint(model, opt, name: str) -> None:
+    """Load $FSDP_GLOBAL_CKPT/<name> (save_checkpoint's, from any world size) into the model
+    and the optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    template = {"model": get_model_state_dict(model),
+                "optim": get_optimizer_state_dict(model, opt, options=_flat())}
+    dcp.load(template, checkpoint_id=_ckpt(name))
+    set_model_state_dict(model, template["model"])
+    set_optimizer_state_dict(model, opt, template["optim"], options=_flat())
 
 def jsonable(stats: dict) -> dict:
     out = {}

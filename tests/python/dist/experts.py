@@ -29,10 +29,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
-from fsdp_global import _flat, compare, digest  # noqa: E402
 
 import asteria  # noqa: E402
-from asteria import distributed as AD  # noqa: E402
 
 OPTS = {"soap": asteria.SOAP, "shampoo": asteria.Shampoo}
 LR = {"soap": 1e-2, "shampoo": 1e-2}
@@ -84,10 +82,7 @@ def batch(step: int):
 
 
 def local_batch(step: int):
-    x, y = batch(step)
-    n = BATCH // dist.get_world_size()
-    sl = slice(dist.get_rank() * n, (dist.get_rank() + 1) * n)
-    return x[sl], y[sl]
+    return C.rank_rows(*batch(step))
 
 
 def groups(model: Net, experts: bool = True) -> list:
@@ -114,23 +109,11 @@ def fsdp_net(seed: int = 0) -> Net:
     return model
 
 
-def step(model, opt, x, y) -> float:
-    opt.zero_grad(set_to_none=True)
-    loss = ((model(x) - y) ** 2).mean()
-    loss.backward()
-    opt.step()
-    return float(loss.detach())
-
-
 @functools.lru_cache(maxsize=None)
 def _reference(name: str, runtime: tuple, experts: bool) -> tuple:
-    ref = make_net()
-    AD.set_replicas(ref.parameters(), None)
-    opt = make_opt(name, ref, dict(runtime), experts)
-    for t in range(1, STEPS + 1):
-        step(ref, opt, *batch(t))
-    opt.close()
-    return tuple(p.detach().clone() for p in ref.parameters())
+    return tuple(C.single_process(make_net(),
+                                  lambda m: make_opt(name, m, dict(runtime), experts),
+                                  batch, STEPS))
 
 
 def reference(name: str, runtime: dict, experts: bool = True) -> list:
@@ -141,10 +124,6 @@ def reference(name: str, runtime: dict, experts: bool = True) -> list:
 
 def start() -> list:
     return [p.detach().clone() for p in make_net().parameters()]
-
-
-def full_params(model) -> list:
-    return [p.full_tensor().detach().clone() for p in model.parameters()]
 
 
 def factor_shapes(opt, p, name: str) -> dict:
@@ -164,8 +143,7 @@ def run(name: str, runtime: dict) -> dict:
     """STEPS steps on this world size; rank 0 compares with the single-process run."""
     model = fsdp_net()
     opt = make_opt(name, model, runtime)
-    for t in range(1, STEPS + 1):
-        step(model, opt, *local_batch(t))
+    C.train(model, opt, local_batch, 1, STEPS)
     stats = opt.asteria_stats()
     ex = model.experts
     res = {"finite": all(bool(torch.isfinite(C.local(p)).all()) for p in model.parameters()),
@@ -175,13 +153,13 @@ def run(name: str, runtime: dict) -> dict:
            "blocks": stats.get("fsdp_global_blocks"),
            "owned": stats.get("fsdp_global_blocks_owned")}
     opt.close()
-    full = full_params(model)
-    res["digest"] = digest(full)
+    full = C.full_params(model)
+    res["digest"] = C.digest(full)
     if dist.get_rank() == 0:
         rt = {k: v for k, v in runtime.items() if k != "fsdp_blocking"}
-        res.update(compare(full, reference(name, rt), start()))
+        res.update(C.compare(full, reference(name, rt), start()))
         if name == "soap" and runtime["mode"] == "sync":  # the control: plain expert weights
-            res["plain_control"] = compare(full, reference(name, rt, experts=False), start())
+            res["plain_control"] = C.compare(full, reference(name, rt, experts=False), start())
     return res
 
 
@@ -205,55 +183,26 @@ def check_local() -> dict:
 SPLIT = 9  # a refresh is in flight after step 9 (SOAP: snapshot 9, install 11; Shampoo: 8, 10)
 
 
+def _async_global(name: str, seed: int = 0) -> tuple:
+    model = fsdp_net(seed)
+    return model, make_opt(name, model, dict(ASYNC, fsdp_blocking="global"))
+
+
 def check_save() -> dict:
     """Steps 1..SPLIT (async, global blocks), then a DCP checkpoint (model and flattened
     optimizer state) in $FSDP_GLOBAL_CKPT/<name>."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         get_optimizer_state_dict)
-
-    out = {}
-    for name in OPTS:
-        model = fsdp_net()
-        opt = make_opt(name, model, dict(ASYNC, fsdp_blocking="global"))
-        for t in range(1, SPLIT + 1):
-            step(model, opt, *local_batch(t))
-        flat = get_optimizer_state_dict(model, opt, options=_flat())
-        dcp.save({"model": get_model_state_dict(model), "optim": flat},
-                 checkpoint_id=os.path.join(os.environ["FSDP_GLOBAL_CKPT"], name))
-        opt.close()
-        out[name] = {"in_flight": sorted(int(v) for k, v in flat.items()
-                                         if k.endswith("pending.install_in"))}
-    return out
+    return C.save_each(OPTS, _async_global, local_batch, SPLIT)
 
 
 def check_resume() -> dict:
     """Load $FSDP_GLOBAL_CKPT/<name> (saved on another world size) into a fresh model and
     optimizer, train steps SPLIT+1..STEPS; rank 0 compares with the uninterrupted
     single-process run."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         get_optimizer_state_dict,
-                                                         set_model_state_dict,
-                                                         set_optimizer_state_dict)
-
-    out = {}
-    for name in OPTS:
-        model = fsdp_net(seed=123)
-        opt = make_opt(name, model, dict(ASYNC, fsdp_blocking="global"))
-        template = {"model": get_model_state_dict(model),
-                    "optim": get_optimizer_state_dict(model, opt, options=_flat())}
-        dcp.load(template, checkpoint_id=os.path.join(os.environ["FSDP_GLOBAL_CKPT"], name))
-        set_model_state_dict(model, template["model"])
-        set_optimizer_state_dict(model, opt, template["optim"], options=_flat())
-        for t in range(SPLIT + 1, STEPS + 1):
-            step(model, opt, *local_batch(t))
-        opt.close()
-        full = full_params(model)
-        out[name] = {}
-        if dist.get_rank() == 0:
-            out[name] = compare(full, reference(name, ASYNC), start())
-    return out
+    fulls = C.resume_each(OPTS, lambda n: _async_global(n, seed=123), local_batch, SPLIT,
+                          STEPS)
+    if dist.get_rank() != 0:
+        return {name: {} for name in fulls}
+    return {name: C.compare(full, reference(name, ASYNC), start()) for name, full in fulls.items()}
 
 
 CHECKS = {n[len("check_"):]: f for n, f in globals().items() if n.startswith("check_")}

@@ -62,10 +62,7 @@ def batch(step: int):
 
 
 def local_batch(step: int):
-    x, y = batch(step)
-    n = BATCH // dist.get_world_size()
-    sl = slice(dist.get_rank() * n, (dist.get_rank() + 1) * n)
-    return x[sl], y[sl]
+    return C.rank_rows(*batch(step))
 
 
 def groups(model: Net) -> list:
@@ -89,56 +86,26 @@ def fsdp_net(seed: int = 0) -> Net:
     return model
 
 
-def step(model, opt, x, y) -> float:
-    opt.zero_grad(set_to_none=True)
-    loss = ((model(x) - y) ** 2).mean()
-    loss.backward()
-    opt.step()
-    return float(loss.detach())
-
-
 def reference(name: str, runtime: dict, steps: int) -> list:
     """The unsharded run of one process on the global batch (rank-local: no collectives)."""
-    ref = make_net()
-    AD.set_replicas(ref.parameters(), None)
-    opt = make_opt(name, ref, runtime)
-    for t in range(1, steps + 1):
-        step(ref, opt, *batch(t))
-    opt.close()
-    return [p.detach().clone() for p in ref.parameters()]
-
-
-def digest(full: list) -> str:
-    """The bits of the full parameters."""
-    import hashlib
-
-    flat = torch.cat([p.detach().reshape(-1).to(DTYPE) for p in full])
-    return hashlib.sha256(flat.view(torch.int64).numpy().tobytes()).hexdigest()
-
-
-def compare(full: list, ref: list, start: list) -> dict:
-    diff = max(float((a - b).abs().max()) for a, b in zip(full, ref))
-    scale = max(float(b.abs().max()) for b in ref)
-    moved = max(float((b - s).abs().max()) for b, s in zip(ref, start))
-    return {"max_abs_diff": diff, "max_rel_diff": diff / scale, "max_moved": moved}
+    return C.single_process(make_net(), lambda m: make_opt(name, m, runtime), batch, steps)
 
 
 def run_global(name: str, runtime: dict) -> dict:
     model = fsdp_net()
-    start = [p.full_tensor().detach().clone() for p in model.parameters()]
+    start = C.full_params(model)
     opt = make_opt(name, model, dict(runtime, fsdp_blocking="global"))
     t0 = time.perf_counter()
-    for t in range(1, STEPS + 1):
-        step(model, opt, *local_batch(t))
+    C.train(model, opt, local_batch, 1, STEPS)
     elapsed = time.perf_counter() - t0
     stats = opt.asteria_stats()
     opt.close()
-    full = [p.full_tensor().detach().clone() for p in model.parameters()]
+    full = C.full_params(model)
     res = {"owned": stats["fsdp_global_blocks_owned"], "blocks": stats["fsdp_global_blocks"],
-           "digest": digest(full),
+           "digest": C.digest(full),
            "bytes_sent": stats["fsdp_global_bytes_sent"], "seconds": elapsed}
     if dist.get_rank() == 0:
-        res.update(compare(full, reference(name, runtime, STEPS), start))
+        res.update(C.compare(full, reference(name, runtime, STEPS), start))
     return res
 
 
@@ -151,14 +118,13 @@ def check_sync() -> dict:
     # mode does not take today: a (0, 9) block reaches soap_init)
     model = fsdp_net()
     opt = make_opt("soap", model, {"mode": "sync"})
-    for t in range(1, STEPS + 1):
-        step(model, opt, *local_batch(t))
+    C.train(model, opt, local_batch, 1, STEPS)
     opt.close()
-    full = [p.full_tensor().detach().clone() for p in model.parameters()]
+    full = C.full_params(model)
     if dist.get_rank() == 0:
         start = [p.detach().clone() for p in make_net().parameters()]
-        out["soap_local_control"] = compare(full, reference("soap", {"mode": "sync"}, STEPS),
-                                            start)
+        out["soap_local_control"] = C.compare(full, reference("soap", {"mode": "sync"}, STEPS),
+                                              start)
     return out
 
 
@@ -197,64 +163,28 @@ ASYNC = {"mode": "async", "staleness": 3, "install": "deterministic", "workers":
          "fsdp_blocking": "global"}
 
 
-def _flat():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(flatten_optimizer_state_dict=True)
+def _async_net(name: str, seed: int = 0) -> tuple:
+    model = fsdp_net(seed)
+    return model, make_opt(name, model, ASYNC)
 
 
 def check_save() -> dict:
     """Steps 1..SPLIT, then a DCP checkpoint (model and flattened optimizer state) in
     $FSDP_GLOBAL_CKPT/<name>."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         get_optimizer_state_dict)
-
-    out = {}
-    for name in OPTS:
-        model = fsdp_net()
-        opt = make_opt(name, model, ASYNC)
-        for t in range(1, SPLIT + 1):
-            step(model, opt, *local_batch(t))
-        flat = get_optimizer_state_dict(model, opt, options=_flat())
-        dcp.save({"model": get_model_state_dict(model), "optim": flat},
-                 checkpoint_id=os.path.join(os.environ["FSDP_GLOBAL_CKPT"], name))
-        opt.close()
-        out[name] = {"in_flight": sorted(int(v) for k, v in flat.items()
-                                         if k.endswith("pending.install_in")),
-                     "keys": len(flat)}
-    return out
+    return C.save_each(OPTS, _async_net, local_batch, SPLIT)
 
 
 def check_resume() -> dict:
     """Load $FSDP_GLOBAL_CKPT/<name> (saved on any world size) into a fresh model and
     optimizer, train steps SPLIT+1..STEPS; rank 0 compares with the uninterrupted
     single-process run."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         get_optimizer_state_dict,
-                                                         set_model_state_dict,
-                                                         set_optimizer_state_dict)
-
-    out = {}
-    for name in OPTS:
+    fulls = C.resume_each(OPTS, lambda n: _async_net(n, seed=123), local_batch, SPLIT, STEPS)
+    out = {name: {"digest": C.digest(full)} for name, full in fulls.items()}
+    if dist.get_rank() == 0:
         start = [p.detach().clone() for p in make_net().parameters()]
-        model = fsdp_net(seed=123)
-        opt = make_opt(name, model, ASYNC)
-        template = {"model": get_model_state_dict(model),
-                    "optim": get_optimizer_state_dict(model, opt, options=_flat())}
-        dcp.load(template, checkpoint_id=os.path.join(os.environ["FSDP_GLOBAL_CKPT"], name))
-        set_model_state_dict(model, template["model"])
-        set_optimizer_state_dict(model, opt, template["optim"], options=_flat())
-        for t in range(SPLIT + 1, STEPS + 1):
-            step(model, opt, *local_batch(t))
-        opt.close()
-        full = [p.full_tensor().detach().clone() for p in model.parameters()]
-        res = {"digest": digest(full)}
-        if dist.get_rank() == 0:
-            rt = {k: v for k, v in ASYNC.items() if k != "fsdp_blocking"}
-            res.update(compare(full, reference(name, rt, STEPS), start))
-        out[name] = res
+        rt = {k: v for k, v in ASYNC.items() if k != "fsdp_blocking"}
+        for name, full in fulls.items():
+            out[name].update(C.compare(full, reference(name, rt, STEPS), start))
     return out
 
 
@@ -270,8 +200,7 @@ def check_load_single() -> dict:
         ref = make_net()
         AD.set_replicas(ref.parameters(), None)
         ropt = make_opt(name, ref, rt)
-        for t in range(1, SPLIT + 1):
-            step(ref, ropt, *batch(t))
+        C.train(ref, ropt, batch, 1, SPLIT)
         sd = ropt.state_dict()
         ropt.close()
         model = fsdp_net(seed=123)
@@ -281,14 +210,13 @@ def check_load_single() -> dict:
                                                      p.placements).to_local())
         opt = make_opt(name, model, ASYNC)
         opt.load_state_dict(sd)
-        for t in range(SPLIT + 1, STEPS + 1):
-            step(model, opt, *local_batch(t))
+        C.train(model, opt, local_batch, SPLIT + 1, STEPS)
         opt.close()
-        full = [p.full_tensor().detach().clone() for p in model.parameters()]
+        full = C.full_params(model)
         res = {}
         if dist.get_rank() == 0:
             start = [p.detach().clone() for p in make_net().parameters()]
-            res = compare(full, reference(name, rt, STEPS), start)
+            res = C.compare(full, reference(name, rt, STEPS), start)
         out[name] = res
     return out
 
