@@ -386,7 +386,7 @@ def parse_args(argv):
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 nodes, few steps")
     ap.add_argument("--nodes", default="2,4", help="node counts (2 ranks each)")
-    ap.add_argument("--rates", default="8mbit,1gbit",
+    ap.add_argument("--rates", default="16mbit,1gbit",
                     help="inter-node link rates (tc syntax), slow first")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--topologies", default=",".join(TOPOLOGIES))
