@@ -336,7 +336,9 @@ class Checkpoint:
             raise bad(f"expected a dict of state, found {type(st).__name__}")
         tensors: dict = {}   # key -> (shape, dtype) it must have
         flags: set = {K.STEP}
-        if lp.numel() == 0 or opt._is_adamw(p, group):
+        # the path step() takes: p's own size, so an empty FSDP2 shard of a matrix (a rank past
+        # its rows) keeps the preconditioned keys it was given
+        if p.numel() == 0 or opt._is_adamw(p, group):
             tensors = {n: (tuple(lp.shape), lp.dtype) for n in K.ADAMW_MOMENTS}
             required = set(tensors) | {K.STEP}
         else:
