@@ -517,14 +517,13 @@ def test_fsdp_local_checkpoint_is_refused_on_fewer_nodes(resumed):
         assert f"@shard{r}of2" in got["error"], got
 
 
-@pytest.mark.xfail(strict=True, reason="DCP's load planner refuses the keys before the "
-                   "optimizer sees the checkpoint, with torch's message; naming the mode needs a "
-                   "change in python/asteria/optim (the optimizer's state dict), not done here")
 def test_fsdp_local_refusal_names_the_mode_that_resumes(resumed):
-    """The refusal should say that the checkpoint is tied to its world size and name
-    fsdp_blocking="global", as the optimizer's own refusal (checkpoint.py) does."""
+    """The refusal says that the checkpoint is tied to its world size and names
+    fsdp_blocking="global", as the optimizer's own refusal (checkpoint.py) does: the key DCP's
+    planner names is the marker heading each per-shard state (``_layout.LOCAL_ONLY``)."""
     for r in range(PER_NODE):
-        assert "fsdp_blocking" in resumed[r]["fsdp_local"]["error"]
+        error = resumed[r]["fsdp_local"]["error"]
+        assert "fsdp_blocking" in error and "global" in error, error
 
 
 def test_nothing_left(results):

@@ -11,6 +11,9 @@
    launches no engine job and leaves the trajectory alone: the next real step starts afresh.
  - A param group with ``"algorithm": "adamw"`` sends its 2-D parameters to AdamW.
  - KL-Shampoo's ``compute_dtype`` is kept by name, so ``cpu_offload=True`` works.
+ - FSDP2 with fsdp_blocking="local" (2 and 4 ranks, spawned): per-shard keys, and the refusals
+   at another world size, DCP's naming the marker that heads each per-shard state
+   (``_layout.LOCAL_ONLY``: the cause and fsdp_blocking=global).
 """
 
 from __future__ import annotations
@@ -364,10 +367,17 @@ LOCAL_REFUSAL = (r"was saved for {saved}, this rank has {here}\. With fsdp_block
                  r"runtime=\{{'fsdp_blocking': 'global'\}}")
 
 
+#: what DCP's load planner names at another world size: the marker heading a per-shard state
+DCP_REFUSAL = ("fsdp_blocking=local(resumes_only_at_the_saved_world_size;"
+               "use_fsdp_blocking=global_to_resume_at_another)")
+
+
 def _other_world_worker(rank: int, port: int, folder: str, out: str) -> None:
-    """Save on 2 ranks (fsdp_blocking="local"), and load the state dict of one unsharded
-    process: the refusal's message goes to out.{rank}."""
+    """Save on 2 ranks (fsdp_blocking="local"), and load the checkpoints of one unsharded
+    process: the refusals' messages go to out.{rank} (the optimizer's) and out.{rank}.dcp
+    (torch.distributed.checkpoint's)."""
     import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     torch.set_num_threads(1)
@@ -394,6 +404,17 @@ def _other_world_worker(rank: int, port: int, folder: str, out: str) -> None:
         opt.close()
         with open(f"{out}.{rank}", "w") as f:
             f.write(message)
+        model = _fsdp_model()
+        opt = OPTIMIZERS["soap"](model.parameters(), runtime=ASYNC)
+        try:
+            dcp.load({"optim": get_optimizer_state_dict(model, opt, options=FLAT)},
+                     storage_reader=FileSystemReader(f"{folder}/single_ck"))
+            message = "loaded"
+        except CheckpointException as exc:
+            message = str(exc)
+        opt.close()
+        with open(f"{out}.{rank}.dcp", "w") as f:
+            f.write(message)
     finally:
         dist.destroy_process_group()
 
@@ -401,8 +422,10 @@ def _other_world_worker(rank: int, port: int, folder: str, out: str) -> None:
 def test_local_blocking_refuses_another_world_size_naming_the_remedy(tmp_path):
     """A checkpoint of fsdp_blocking="local" is tied to the shard layout: saved on 2 ranks it
     does not load into 1, nor one of 1 into 2. torch.distributed.checkpoint's planner refuses
-    first, on the keys (a rank's keys carry its shard, ``@shard0of2``); where the state dict
-    reaches the optimizer, its refusal names the cause and the remedy, fsdp_blocking="global"
+    first, on the keys (a rank's keys carry its shard, ``@shard0of2``): into 2 it names the
+    marker heading the loading rank's state, the cause and fsdp_blocking=global; into 1, a
+    plain key (one rank has no marker). Where the state dict reaches the optimizer, its
+    refusal names the cause and the remedy, fsdp_blocking="global"
     (before: "belongs to shard shard0of2, ...: a sharded checkpoint resumes on the same mesh
     and sharding only")."""
     import socket
@@ -415,6 +438,8 @@ def test_local_blocking_refuses_another_world_size_naming_the_remedy(tmp_path):
     single = OPTIMIZERS["soap"](model.parameters(), runtime=ASYNC)
     train_steps(model, single, 3)
     torch.save(single.state_dict(), tmp_path / "single.pt")
+    dcp.save({"optim": get_optimizer_state_dict(model, single, options=FLAT)},
+             storage_writer=FileSystemWriter(str(tmp_path / "single_ck")))
     single.close()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -427,6 +452,11 @@ def test_local_blocking_refuses_another_world_size_naming_the_remedy(tmp_path):
         assert re.search(LOCAL_REFUSAL.format(
             saved=r"an unsharded parameter \(one rank, or no FSDP\)",
             here=rf"shard {rank} of 2 \(fsdp_blocking='local'\)"), message), message
+        with open(f"{out}.{rank}.dcp") as f:  # through DCP: its planner names the marker
+            message = f.read()
+        assert re.search(r"Missing key in checkpoint state_dict: optim\.state\.[\w.]+\."
+                         + re.escape(f"{DCP_REFUSAL}@shard{rank}of2."), message), message
+        assert "fsdp_blocking=global" in message, message
     # 2 ranks' state into 1: DCP's planner refuses on the keys, before the optimizer sees them
     model = _plain_model()
     opt = OPTIMIZERS["soap"](model.parameters(), runtime=ASYNC)
@@ -439,6 +469,104 @@ def test_local_blocking_refuses_another_world_size_naming_the_remedy(tmp_path):
             here=r"an unsharded parameter \(one rank, or no FSDP\)")):
         opt.load_state_dict(torch.load(tmp_path / "rank0.pt"))
     opt.close()
+
+
+def _spawn(worker, nprocs: int, *args) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(port, nprocs, *args), nprocs=nprocs)
+
+
+def _marker_worker(rank: int, port: int, world: int, folder: str, out: str) -> None:
+    """On 4 ranks: a step of SOAP with fsdp_blocking="local", the marker checked, a DCP
+    checkpoint. On 2: that checkpoint loaded. What each rank saw goes to out.{world}.{rank}."""
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from asteria.optim import _layout as K
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        model = _fsdp_model()
+        opt = OPTIMIZERS["soap"](model.parameters(), runtime=SYNC)
+        res = {}
+        if world == 4:
+            x = torch.randn(32, 8, generator=torch.Generator().manual_seed(rank),
+                            dtype=torch.float64)
+            model(x).square().mean().backward()
+            opt.step()
+            mark = K.tagged(K.LOCAL_ONLY, f"shard{rank}of4")
+            sd = opt.state_dict()
+            stored = sum(v.numel() * v.element_size() for st in opt.state.values()
+                         for v in dict.values(st) if isinstance(v, torch.Tensor))
+            res = {"live_heads": [next(iter(st)) for st in opt.state.values()],
+                   "saved_heads": [next(iter(st)) for st in sd["state"].values()],
+                   "values": [int(st[mark]) for st in opt.state.values()],
+                   "stored": [mark in dict.keys(st) for st in opt.state.values()],
+                   "bytes": opt.asteria_stats()["bytes_state_device"] == stored}
+            bad = copy.deepcopy(sd)
+            bad["state"][0][mark] = torch.tensor(2)
+            try:
+                opt.load_state_dict(bad)
+                res["bad_value"] = "loaded"
+            except ValueError as exc:
+                res["bad_value"] = str(exc)
+            opt.load_state_dict(sd)
+            res["reloaded_heads"] = [next(iter(st)) for st in opt.state.values()]
+            dcp.save({"optim": get_optimizer_state_dict(model, opt, options=FLAT)},
+                     storage_writer=FileSystemWriter(folder))
+        else:
+            try:
+                dcp.load({"optim": get_optimizer_state_dict(model, opt, options=FLAT)},
+                         storage_reader=FileSystemReader(folder))
+                res["error"] = "loaded"
+            except CheckpointException as exc:
+                res["error"] = str(exc)
+        opt.close()
+        with open(f"{out}.{world}.{rank}", "w") as f:
+            json.dump(res, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_local_blocking_dcp_refusal_at_fewer_ranks_names_global(tmp_path):
+    """A checkpoint of fsdp_blocking="local" saved on 4 ranks, loaded through DCP on 2: the
+    planner refuses before the optimizer sees anything, naming the first key of the loading
+    state the checkpoint lacks. That is the marker heading every per-shard state, so the
+    message says that the state resumes at the saved world size only and names
+    fsdp_blocking=global. The marker is shown and saved first, is the shard count (another
+    value is refused), and is no stored state (nor counted in the state's bytes)."""
+    import json
+
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "res")
+    _spawn(_marker_worker, 4, ck, out)
+    _spawn(_marker_worker, 2, ck, out)
+    for rank in range(4):
+        with open(f"{out}.4.{rank}") as f:
+            res = json.load(f)
+        mark = f"{DCP_REFUSAL}@shard{rank}of4"
+        assert len(res["live_heads"]) == 6, res  # every parameter is sharded over 4 ranks
+        for what in ("live_heads", "saved_heads", "reloaded_heads"):
+            assert res[what] == [mark] * 6, (what, res)
+        assert res["values"] == [4] * 6 and not any(res["stored"]) and res["bytes"], res
+        assert re.search(LOCAL_REFUSAL.format(
+            saved="a layout of 2 shards", here=rf"shard {rank} of 4 \(fsdp_blocking='local'\)"),
+            res["bad_value"]), res
+    for rank in range(2):
+        with open(f"{out}.2.{rank}") as f:
+            error = json.load(f)["error"]
+        assert re.search(r"Missing key in checkpoint state_dict: optim\.state\.[\w.]+\."
+                         + re.escape(f"{DCP_REFUSAL}@shard{rank}of2."), error), error
+        assert "fsdp_blocking" in error and "global" in error, error
 
 
 def _plain_model():

@@ -72,6 +72,16 @@ def test_renumber_and_shard_tags():
     assert K.split_tag("step@shard1of2_0of4") == ("step", "shard1of2_0of4")
     assert K.split_tag("b0.exp_avg") == ("b0.exp_avg", None)
     assert K.untagged("b0.Q1@shard0of2", "shard0of2") == "b0.Q1"
+    assert K.shard_count("shard1of2") == 2 and K.shard_count("shard1of2_0of4") == 8
+
+
+def test_local_only_marker_is_no_block_entry_and_no_nesting():
+    """The marker heading a per-shard state: its name names the mode that resumes elsewhere,
+    is no block entry (nothing that iterates blocks takes it), has no "." (DCP's unflattening
+    would nest it) and takes a shard tag like every key."""
+    assert "fsdp_blocking=global" in K.LOCAL_ONLY and "." not in K.LOCAL_ONLY
+    assert K.Key.parse(K.LOCAL_ONLY) is None and K.block_of(K.LOCAL_ONLY) is None
+    assert K.split_tag(K.tagged(K.LOCAL_ONLY, "shard1of2")) == (K.LOCAL_ONLY, "shard1of2")
 
 
 def test_no_other_module_builds_or_parses_state_keys():

@@ -14,7 +14,9 @@ The names (the serialized form; checkpoints hold exactly these strings):
    ``b0.Linv1``), ``b{j}.pending{i}.{n}`` (output n of the refresh in flight of dimension i),
    and flags: ``b{j}.pending{i}_ok`` (those outputs are a result), ``b{j}.Linv{i}_set`` (a root
    was installed);
- - a DTensor shard's copy of any key: ``{key}@shard{i}of{n}[_{i}of{n}...]`` (``tagged``).
+ - a DTensor shard's copy of any key: ``{key}@shard{i}of{n}[_{i}of{n}...]`` (``tagged``);
+ - the first key of a state under a shard's tag, ``LOCAL_ONLY`` tagged (below): a marker whose
+   name states what a checkpoint of per-shard state can resume on, and the remedy.
 Which fields a method has is the method's (soap.py, shampoo.py, kl_shampoo.py): this module
 knows only how names are put together.
 """
@@ -31,6 +33,14 @@ ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")  # the AdamW path's state besides the 
 PENDING_IN = "pending.install_in"  # steps until the install of the refresh in flight
 PENDING_AGE = "pending.age"        # steps since its snapshot
 AUTO_S = "staleness.auto"          # the S that staleness="auto" chose (-1: not yet)
+#: The marker that heads the state of a parameter sharded over several ranks with
+#: fsdp_blocking="local" (value: the shard count). Its name is a sentence because a resume at
+#: another world size shows it and nothing else: torch.distributed.checkpoint's load planner
+#: names the first key of the loading state that the checkpoint lacks, and that is this
+#: marker, tagged with the loading rank's shard. No "." in it: a dotted name is nested by DCP's
+#: unflattening.
+LOCAL_ONLY = ("fsdp_blocking=local(resumes_only_at_the_saved_world_size;"
+              "use_fsdp_blocking=global_to_resume_at_another)")
 
 PENDING = "pending"  # the field of a refresh in flight's outputs and their flag
 OK = "_ok"           # flag: the pending outputs of (block, dimension) are a result
@@ -161,6 +171,14 @@ def shard_tag(parts) -> Optional[str]:
     """The tag of a shard from its (index, count) per sharding mesh dimension: ``shard0of2``,
     ``shard1of2_0of4``; None for no part."""
     return _SHARD + "_".join(f"{i}of{n}" for i, n in parts) if parts else None
+
+
+def shard_count(tag: str) -> int:
+    """How many shards a tag's layout has: ``shard1of2_0of4`` -> 8."""
+    count = 1
+    for part in tag[len(_SHARD):].split("_"):
+        count *= int(part.partition("of")[2])
+    return count
 
 
 def tagged(name: str, tag: str) -> str:

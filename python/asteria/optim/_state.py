@@ -2,15 +2,16 @@
 
 Owns: how a parameter's state looks from outside (``_ParamState``: plain device tensors plus
 "virtual" entries for roots / eigenbases that live in a Residency; keys tagged per shard for a
-DTensor sharded over several ranks), which shard a parameter's tag names (the spelling of
-keys and tags is ``_layout``'s), and the tensor the optimizer works on for a parameter or
-gradient (``local``: a DTensor's shard; ``real``: a complex tensor's real view, the one home of
-that mapping). Holds its optimizer weakly: the state must never own the optimizer (with the
-cycle collector off, as OLMo-core trains, a cycle would keep the optimizer, its workers and
-buffers alive). Every read or write of an entry first settles what still changes it: an install
-deferred to the next use (``schedule``) and the job that writes that key (``opt.schedule.writes``,
-``_writes.PendingWrites``). May call: torch, ``_layout``, the optimizer it belongs to (through
-a weak reference). Single-threaded (the training thread).
+DTensor sharded over several ranks, headed by the marker ``_layout.LOCAL_ONLY``), which shard
+a parameter's tag names (the spelling of keys and tags is ``_layout``'s), and the tensor the
+optimizer works on for a parameter or gradient (``local``: a DTensor's shard; ``real``: a
+complex tensor's real view, the one home of that mapping). Holds its optimizer weakly: the
+state must never own the optimizer (with the cycle collector off, as OLMo-core trains, a cycle
+would keep the optimizer, its workers and buffers alive). Every read or write of an entry
+first settles what still changes it: an install deferred to the next use (``schedule``) and the
+job that writes that key (``opt.schedule.writes``, ``_writes.PendingWrites``). May call: torch,
+``_layout``, the optimizer it belongs to (through a weak reference). Single-threaded (the
+training thread).
 """
 
 from __future__ import annotations
@@ -74,6 +75,24 @@ def shard_tag(p) -> Optional[str]:
                               and d < len(coord)])
 
 
+def marker(tag: str) -> torch.Tensor:
+    """The value of the marker that heads a per-shard state (``_layout.LOCAL_ONLY``): the
+    shard count of the tag's layout, a 0-d int64 tensor."""
+    return torch.tensor(_layout.shard_count(tag), dtype=torch.int64)
+
+
+def shown_state(tag: str, st: dict) -> dict:
+    """A per-shard state (st under the optimizer's names) as ``optimizer.state`` and
+    ``state_dict()`` show it: the marker first, then every key, all tagged with the shard.
+    First, because at another world size torch.distributed.checkpoint names the first key the
+    checkpoint lacks, and the marker's name says why and what resumes there."""
+    if not st:
+        return {}
+    out = {_layout.tagged(_layout.LOCAL_ONLY, tag): marker(tag)}
+    out.update((_layout.tagged(k, tag), v) for k, v in st.items())
+    return out
+
+
 def external_key(tag, k):
     """The name of the optimizer's state key k as ``optimizer.state`` and ``state_dict()``
     show it: tagged with the shard (``shard_tag``), or renamed by a key map (the global block
@@ -103,6 +122,9 @@ class _ParamState(dict):
     A sharded parameter's state is per shard: its keys, as iteration (and so DCP) sees them,
     carry the shard's tag (``b0.exp_avg@shard1of2``), so that a checkpoint keeps every rank's
     copy instead of one for all; lookups take either name, the optimizer uses the plain one.
+    Such a state, once it has entries, is headed by the marker ``_layout.LOCAL_ONLY``
+    (``shown_state``): shown, read and checkpointed like an entry, never stored (the optimizer's
+    own iterations, ``dict.keys(st)``, do not see it) and never set.
     A globally blocked FSDP2 parameter (``fsdp_blocking="global"``) shows its blocks under their
     global numbers (``_global.KeyMap``); lookups take the optimizer's own (owned block k)."""
 
@@ -126,6 +148,10 @@ class _ParamState(dict):
 
     # The accessors below are on the step's path (every read of a moment or a step count goes
     # through one), so each resolves its optimizer once and strips a tag only where one exists.
+
+    def _marked(self) -> bool:
+        """Is the marker shown (a per-shard state with entries)?"""
+        return isinstance(self._tag, str) and dict.__len__(self) > 0
 
     def _int(self, k):
         """The optimizer's name of a key (the tag stripped)."""
@@ -161,6 +187,8 @@ class _ParamState(dict):
     def __getitem__(self, k):
         if self._tag is not None:
             k = internal_key(self._tag, k)
+            if k == _layout.LOCAL_ONLY and self._marked():
+                return marker(self._tag)
         opt = self._opt
         if opt.schedule.writes or opt.schedule.deferred:
             self._settle(opt, k)
@@ -177,11 +205,14 @@ class _ParamState(dict):
     def __contains__(self, k):
         if self._tag is not None:
             k = internal_key(self._tag, k)
+            if k == _layout.LOCAL_ONLY:
+                return self._marked()
         return dict.__contains__(self, k) or self._vkey(k) is not None
 
     def _names(self) -> list:
-        """The optimizer's names of every entry, device and virtual."""
-        return list(dict.__iter__(self)) + self._virtual()
+        """The optimizer's names of every entry, device and virtual, after the marker."""
+        head = [_layout.LOCAL_ONLY] if self._marked() else []
+        return head + list(dict.__iter__(self)) + self._virtual()
 
     def __iter__(self):
         for k in self._names():
@@ -189,9 +220,10 @@ class _ParamState(dict):
 
     def __len__(self):
         opt = self._opt
+        n = dict.__len__(self) + self._marked()
         if opt.placement.tiered is None:
-            return dict.__len__(self)
-        return dict.__len__(self) + len(self._virtual(opt))
+            return n
+        return n + len(self._virtual(opt))
 
     def keys(self):
         return list(iter(self))
@@ -206,6 +238,9 @@ class _ParamState(dict):
         opt = self._opt
         if self._tag is not None:
             k = internal_key(self._tag, k)
+            if k == _layout.LOCAL_ONLY:
+                raise KeyError(f"{self._ext(k)!r} is not set: it marks the state of a shard and "
+                               f"follows from the shard layout")
         if opt.schedule.writes or opt.schedule.deferred:
             self._settle(opt, k)
         place = opt.placement

@@ -35,6 +35,21 @@ Checkpoints through torch.distributed.checkpoint (DCP).
    a different key set per rank included). Resuming needs the same mesh and sharding: the
    state of another layout is refused (by DCP's planner on the keys, or by ``load_state_dict``
    naming the cause and the remedy, ``fsdp_blocking="global"``).
+   The marker. DCP's planner refuses with torch's words, ``Missing key in checkpoint
+   state_dict: <key>.``, naming the first key of the loading state that the checkpoint lacks.
+   So every such state (live and in ``state_dict()``) begins with a marker whose name is the
+   cause and the remedy, ``K.LOCAL_ONLY`` tagged like every key, one name:
+   ``fsdp_blocking=local(resumes_only_at_the_saved_world_size;``
+   ``use_fsdp_blocking=global_to_resume_at_another)@shard0of2``; its value is the shard count
+   (a 0-d int64 tensor). At another world size every key of a sharded parameter changes its
+   tag, so the key DCP names is a marker, on 2 ranks or more (one rank has no shards, so no
+   marker: there DCP names a key of the plain state, torch's words only). The marker follows
+   from the tag and is never stored (``_state.shown_state``): nothing that iterates the
+   state's entries for the math, the bytes or the tiers sees it; ``load_state_dict`` checks
+   its value and drops it. Compatibility: a DCP checkpoint of ``fsdp_blocking="local"`` on
+   several ranks written before the marker lacks it and does not load, even on its own world
+   size (DCP names the marker as missing); a rank's ``state_dict()`` without it (saved with
+   ``torch.save``) still loads.
    With ``fsdp_blocking="global"`` (``_global``) the keys name the global blocks instead, each
    on its owner, and the AdamW state is saved as DTensors: a checkpoint resumes on another
    world size.
@@ -53,7 +68,7 @@ import torch
 from asteria.optim import _layout as K
 from asteria.optim.method import REFRESH
 from asteria.optim.schedule import NO_ROUND, _Round
-from asteria.optim._state import _count, _ParamState, _States, real
+from asteria.optim._state import _count, _ParamState, _States, marker, real, shown_state
 
 
 #: group keys torch.optim itself puts into an optimizer's defaults or groups, none of them a
@@ -112,8 +127,9 @@ class Checkpoint:
         shard's, under keys tagged with the shard (``b0.exp_avg@shard1of2``, ``step@...``, as
         the live state shows them): torch.distributed.checkpoint keeps one copy of a plain
         value saved under one name by several ranks, so untagged keys would lose all ranks'
-        state but one. Resuming needs the same mesh and sharding (``load_state_dict`` raises
-        ValueError on another shard's keys)."""
+        state but one. Such a state begins with the marker ``K.LOCAL_ONLY`` (module docstring).
+        Resuming needs the same mesh and sharding (``load_state_dict`` raises ValueError on
+        another shard's keys)."""
         opt = self.opt
         opt.schedule.settle()
         opt.schedule.writes.settle_all()
@@ -169,8 +185,8 @@ class Checkpoint:
         for p, tag in opt._tags.items():  # per-shard state: the shard's own key names
             st = sd["state"].get(index.get(p))
             if st is not None:
-                sd["state"][index[p]] = ({K.tagged(k, tag): v for k, v in st.items()}
-                                         if isinstance(tag, str) else tag.export(st))
+                sd["state"][index[p]] = (shown_state(tag, st) if isinstance(tag, str)
+                                         else tag.export(st))
         for hook in post_hooks.values():
             out = hook(opt, sd)
             if out is not None:
@@ -201,6 +217,11 @@ class Checkpoint:
                     if saved != str(tag):
                         raise ValueError(_layout_mismatch(k, who, K.shard_words(saved),
                                                           K.shard_words(tag)))
+                    if name == K.LOCAL_ONLY:  # the marker: checked, not state
+                        if _count(v) != _count(marker(tag)):
+                            raise ValueError(_layout_mismatch(
+                                k, who, f"a layout of {_count(v)} shards", K.shard_words(tag)))
+                        continue
                     k = name
                 elif tag is not None and isinstance(k, str):
                     raise ValueError(_layout_mismatch(k, who, K.shard_words(None),
@@ -336,7 +357,9 @@ class Checkpoint:
             raise bad(f"expected a dict of state, found {type(st).__name__}")
         tensors: dict = {}   # key -> (shape, dtype) it must have
         flags: set = {K.STEP}
-        if lp.numel() == 0 or opt._is_adamw(p, group):
+        # the path step() takes: p's own size, so an empty FSDP2 shard of a matrix (a rank past
+        # its rows) keeps the preconditioned keys it was given
+        if p.numel() == 0 or opt._is_adamw(p, group):
             tensors = {n: (tuple(lp.shape), lp.dtype) for n in K.ADAMW_MOMENTS}
             required = set(tensors) | {K.STEP}
         else:
