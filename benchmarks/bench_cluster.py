@@ -30,7 +30,7 @@ and what S hides of it, is the result.
 
 Writes benchmarks/results/cluster/bench_cluster.{json,png}.
 
-    python3 benchmarks/bench_cluster.py                 # about 25 minutes on 2 cores
+    python3 benchmarks/bench_cluster.py                 # about 13 minutes on 2 cores
     python3 benchmarks/bench_cluster.py --quick --out-dir /tmp/x
 """
 
@@ -52,6 +52,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "python", "cluster"))
 import common  # noqa: E402
+from bench_coherence import install_steps  # noqa: E402
 
 NAME = "bench_cluster"
 LAYOUTS = ("hsdp", "ddp")
@@ -59,6 +60,7 @@ TOPOLOGIES = ("hier", "flat")
 STALENESS = (1, 2, 5)
 PER_NODE = 2
 FINAL_WINDOW = 10
+PROGRESS = "[bench_cluster rank 0]"  # a worker's progress line, echoed by the driver
 
 
 # ---- the per-rank worker -------------------------------------------------------------------------
@@ -153,6 +155,11 @@ def worker(args) -> int:
                 keep["measured_wait_ns"] = keep.get("coherence_barrier_wait_ns", 0) - waited0
                 keep["coherence_by_staleness"] = {
                     str(k): v for k, v in keep.get("coherence_by_staleness", {}).items()}
+                if rank == 0:
+                    print(f"{PROGRESS} {layout} {topo} S={s}: median step "
+                          f"{1e3 * sorted(times)[len(times) // 2]:.0f} ms (rank 0), loss "
+                          f"{sum(losses[-FINAL_WINDOW:]) / len(losses[-FINAL_WINDOW:]):.5f}",
+                          flush=True)
                 out["runs"].append({"layout": layout, "topology": topo, "staleness": s,
                                     "step_s": times, "loss": losses, "stats": keep,
                                     "link": {k: after[k] - before[k] for k in after}})
@@ -166,8 +173,22 @@ def worker(args) -> int:
 
 # ---- one launch: a cluster at one rate ----------------------------------------------------------
 
-def launch(cluster, args, out: str) -> list[dict]:
-    """torchrun on every node of ``cluster`` running this file's worker; the per-rank results."""
+def _echo(path: str, seen: int, progress) -> int:
+    """Pass on the progress lines of ``path`` after its first ``seen`` lines; lines read."""
+    try:
+        with open(path, errors="replace") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return seen
+    for line in lines[seen:]:
+        if line.startswith(PROGRESS):
+            progress("    " + line[len(PROGRESS):].strip())
+    return len(lines)
+
+
+def launch(cluster, args, out: str, progress) -> list[dict]:
+    """torchrun on every node of ``cluster`` running this file's worker, its progress passed
+    on; the per-rank results."""
     import asteria
 
     wargs = ["--worker", "--out", out, "--steps", str(args.steps), "--width", str(args.width),
@@ -186,13 +207,12 @@ def launch(cluster, args, out: str) -> list[dict]:
         logs.append(log)
         procs.append(cluster.torchrun(node, [os.path.abspath(__file__), *wargs], PER_NODE, env,
                                       stdout=log, stderr=subprocess.STDOUT))
-    t0, failed = time.monotonic(), False
-    try:
-        for p in procs:
-            left = max(1.0, args.timeout * len(args.staleness) * 4 - (time.monotonic() - t0))
-            failed |= p.wait(timeout=left) != 0
-    except subprocess.TimeoutExpired:
-        failed = True
+    t0, limit, seen = time.monotonic(), args.timeout * len(args.staleness) * 4, 0
+    while any(p.poll() is None for p in procs) and time.monotonic() - t0 < limit:
+        time.sleep(1.0)
+        seen = _echo(os.path.join(out, "node0.log"), seen, progress)
+    _echo(os.path.join(out, "node0.log"), seen, progress)
+    failed = any(p.poll() != 0 for p in procs)  # None: still running past the limit
     for log in logs:
         log.close()
     if failed:
@@ -208,12 +228,6 @@ def launch(cluster, args, out: str) -> list[dict]:
 
 
 # ---- aggregation --------------------------------------------------------------------------------
-
-def install_steps(steps: int, f: int, s: int) -> list[int]:
-    """SOAP: step 1 computes the first basis; refreshes are snapshotted at 1 + k f and installed
-    S steps later."""
-    return [1 + k * f + s for k in range(1, steps) if 1 + k * f + s <= steps]
-
 
 def aggregate(per_rank: list[dict], args, nodes: int, rate: str) -> list[dict]:
     results = []
@@ -280,6 +294,11 @@ def summarize(results: list[dict], slow: str) -> dict:
              "flat_S1_wait_per_round_over_step": (flat1["wait_per_round_over_step"]
                                                   if flat1 else None),
              "loss_minus_S1": r["final_loss"] - base["final_loss"] if base else None,
+             # mean, not median: the steps that wait are what S and the hierarchy remove
+             "mean_step_ms": r["step"]["mean_ms"],
+             "S1_mean_step_ms": base["step"]["mean_ms"] if base else None,
+             "flat_mean_step_ms": flat["step"]["mean_ms"] if flat else None,
+             "flat_S1_mean_step_ms": flat1["step"]["mean_ms"] if flat1 else None,
              "inter_bytes_hier_over_flat": (r["link_bytes"]["inter_node"]
                                             / flat["link_bytes"]["inter_node"]
                                             if flat and flat["link_bytes"]["inter_node"] else None),
@@ -385,12 +404,12 @@ def parse_args(argv):
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 nodes, few steps")
-    ap.add_argument("--nodes", default="2,4", help="node counts (2 ranks each)")
+    ap.add_argument("--nodes", default=None, help="node counts, 2 ranks each (2,4; --quick 2)")
     ap.add_argument("--rates", default="16mbit,1gbit",
                     help="inter-node link rates (tc syntax), slow first")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--topologies", default=",".join(TOPOLOGIES))
-    ap.add_argument("--staleness", default=",".join(map(str, STALENESS)))
+    ap.add_argument("--staleness", default=None, help="S values (1,2,5; --quick 1,5)")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (60; --quick 12)")
     ap.add_argument("--warmup", type=int, default=None,
                     help="leading steps left out of the step-time statistics (5; --quick 2)")
@@ -408,10 +427,9 @@ def parse_args(argv):
     q = args.quick
     common.fill_defaults(args, dict(
         steps=12 if q else 60, warmup=2 if q else 5, width=32 if q else 128,
-        tokens=64 if q else 2048, block_size=16 if q else 64,
+        tokens=64 if q else 2048, block_size=16 if q else 64, nodes="2" if q else "2,4",
+        staleness="1,5" if q else ",".join(map(str, STALENESS)),
         out_dir=os.path.join(common.RESULTS_DIR, "tmp" if q else "cluster")))
-    if q:
-        args.nodes, args.staleness = "2", "1,5"
     args.nodes = [int(x) for x in str(args.nodes).split(",") if x.strip()]
     args.rates = [x.strip() for x in args.rates.split(",") if x.strip()]
     args.layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
@@ -455,7 +473,7 @@ def run(args, argv) -> dict[str, Any]:
                 try:
                     progress(f"{nodes} nodes at {rate}: launching")
                     cpu0 = common.cpu_snapshot()
-                    per_rank = launch(cluster, args, tmp)
+                    per_rank = launch(cluster, args, tmp, progress)
                     cpu[f"{nodes}n {rate}"] = common.cpu_delta(cpu0, common.cpu_snapshot())
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
