@@ -355,13 +355,14 @@ def plot(data: dict, path: str) -> None:
                 if not rs:
                     continue
                 ss = [r["staleness"] for r in rs]
-                a.plot(ss, [r["step"]["median_ms"] for r in rs], style, color=color,
-                       label=f"{rate} {topo} median")
+                a.plot(ss, [r["step"]["mean_ms"] for r in rs], style, color=color,
+                       label=f"{rate} {topo} mean")
                 a.plot(ss, [r["step"]["p99_ms"] for r in rs], style, color=color, alpha=0.35,
                        label=f"{rate} {topo} p99")
                 b.plot(ss, [100 * r["comm_wait_share"] for r in rs], style, color=color,
                        label=f"{rate} {topo}")
-        a.set(title=f"{lay}, {n} nodes x {PER_NODE}", xlabel="S", ylabel="job step (ms)")
+        a.set(title=f"{lay}, {n} nodes x {PER_NODE}", xlabel="S",
+              ylabel="job step (ms): mean, and p99 (light)")
         b.axhline(5, color="k", lw=0.8, ls=":")
         b.set(xlabel="S", ylabel="comm wait (% of step time)",
               title="training thread waiting on the coherence units")
