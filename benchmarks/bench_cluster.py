@@ -30,7 +30,7 @@ and what S hides of it, is the result.
 
 Writes benchmarks/results/cluster/bench_cluster.{json,png}.
 
-    python3 benchmarks/bench_cluster.py                 # about 13 minutes on 2 cores
+    python3 benchmarks/bench_cluster.py                 # about 11 minutes on 2 cores
     python3 benchmarks/bench_cluster.py --quick --out-dir /tmp/x
 """
 

@@ -9,10 +9,11 @@ and flat; per-rank results in JSON); the rank-death test launches its four proce
 tests/python/cluster/faults.py, launched the same way: a straggler and a short link cut, each
 beside its baseline (one launch); a long link cut; a rank SIGKILLed inside a version exchange
 while checkpointing, then the resume from its last checkpoint on 1 node x 2 ranks. Every
-namespace is gone after each launch (checked last).
+namespace is gone after each launch (checked last). benchmarks/bench_cluster.py --quick runs
+once, as a child process, on a cluster of its own.
 
-Budget: about 3 minutes on 2 loaded cores, most of it processes importing torch (six, then
-four five times, then two) and the faults' own seconds (sleeps, cuts, timeouts).
+Budget: about 4 minutes on 2 loaded cores, most of it processes importing torch (six, then
+four six times, then two) and the faults' own seconds (sleeps, cuts, timeouts).
 """
 
 from __future__ import annotations
