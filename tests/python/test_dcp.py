@@ -372,6 +372,15 @@ DCP_REFUSAL = ("fsdp_blocking=local(resumes_only_at_the_saved_world_size;"
                "use_fsdp_blocking=global_to_resume_at_another)")
 
 
+def _try_load(load, errors) -> str:
+    """"loaded", or the message of the refusal ``load()`` raised as one of ``errors``."""
+    try:
+        load()
+        return "loaded"
+    except errors as exc:
+        return str(exc)
+
+
 def _other_world_worker(rank: int, port: int, folder: str, out: str) -> None:
     """Save on 2 ranks (fsdp_blocking="local"), and load the checkpoints of one unsharded
     process: the refusals' messages go to out.{rank} (the optimizer's) and out.{rank}.dcp
@@ -396,22 +405,16 @@ def _other_world_worker(rank: int, port: int, folder: str, out: str) -> None:
                   "optim": get_optimizer_state_dict(model, opt, options=FLAT)},
                  storage_writer=FileSystemWriter(f"{folder}/ck"))
         torch.save(opt.state_dict(), f"{folder}/rank{rank}.pt")
-        try:
-            opt.load_state_dict(torch.load(f"{folder}/single.pt"))
-            message = "loaded"
-        except ValueError as exc:
-            message = str(exc)
+        message = _try_load(lambda: opt.load_state_dict(torch.load(f"{folder}/single.pt")),
+                            ValueError)
         opt.close()
         with open(f"{out}.{rank}", "w") as f:
             f.write(message)
         model = _fsdp_model()
         opt = OPTIMIZERS["soap"](model.parameters(), runtime=ASYNC)
-        try:
-            dcp.load({"optim": get_optimizer_state_dict(model, opt, options=FLAT)},
-                     storage_reader=FileSystemReader(f"{folder}/single_ck"))
-            message = "loaded"
-        except CheckpointException as exc:
-            message = str(exc)
+        message = _try_load(lambda: dcp.load(
+            {"optim": get_optimizer_state_dict(model, opt, options=FLAT)},
+            storage_reader=FileSystemReader(f"{folder}/single_ck")), CheckpointException)
         opt.close()
         with open(f"{out}.{rank}.dcp", "w") as f:
             f.write(message)
@@ -515,22 +518,15 @@ def _marker_worker(rank: int, port: int, world: int, folder: str, out: str) -> N
                    "bytes": opt.asteria_stats()["bytes_state_device"] == stored}
             bad = copy.deepcopy(sd)
             bad["state"][0][mark] = torch.tensor(2)
-            try:
-                opt.load_state_dict(bad)
-                res["bad_value"] = "loaded"
-            except ValueError as exc:
-                res["bad_value"] = str(exc)
+            res["bad_value"] = _try_load(lambda: opt.load_state_dict(bad), ValueError)
             opt.load_state_dict(sd)
             res["reloaded_heads"] = [next(iter(st)) for st in opt.state.values()]
             dcp.save({"optim": get_optimizer_state_dict(model, opt, options=FLAT)},
                      storage_writer=FileSystemWriter(folder))
         else:
-            try:
-                dcp.load({"optim": get_optimizer_state_dict(model, opt, options=FLAT)},
-                         storage_reader=FileSystemReader(folder))
-                res["error"] = "loaded"
-            except CheckpointException as exc:
-                res["error"] = str(exc)
+            res["error"] = _try_load(lambda: dcp.load(
+                {"optim": get_optimizer_state_dict(model, opt, options=FLAT)},
+                storage_reader=FileSystemReader(folder)), CheckpointException)
         opt.close()
         with open(f"{out}.{world}.{rank}", "w") as f:
             json.dump(res, f)
