@@ -3,7 +3,7 @@
 # ASan+UBSan build and a TSan build, then the Python suite (pytest, real torch) against the
 # installed package: once in the main environment (its torch: 2.11.0 by default) and once in
 # .venv-torch-oldest against the oldest supported torch (pyproject.toml's lower bound), less the
-# tests marked main_env_only (the benchmark scripts, the emulated cluster). GPU tests
+# tests marked main_env_only (the benchmark and GPU-check scripts, the emulated cluster). GPU tests
 # report "skip" (exit 77) on machines without a GPU. Ends with the wall time of each part.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,8 +47,8 @@ timed "Python tests (torch $("$PY" scripts/torch_range.py installed), main envir
 
 OLDEST=$("$PY" scripts/torch_range.py oldest)
 timed "setup ($OLDEST_VENV, torch $OLDEST)" bash scripts/setup_torch_oldest.sh
-# The benchmark scripts and the emulated cluster (marked main_env_only) run once, above: they
-# test our scripts and harness, not what differs between torch versions.
+# The benchmark scripts, the GPU check's scripts and the emulated cluster (marked main_env_only)
+# run once, above: they test our scripts and harness, not what differs between torch versions.
 timed "Python tests (torch $OLDEST, $OLDEST_VENV)" \
   run_py_suite "$(cd "$OLDEST_VENV" && pwd)/bin/python" -m "not main_env_only"
 

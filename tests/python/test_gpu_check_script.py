@@ -22,6 +22,9 @@ import time
 
 import pytest
 
+# the GPU check's scripts: tested once, in the main environment (scripts/run_tests.sh)
+pytestmark = pytest.mark.main_env_only
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FAKE_CMAKE = """#!/bin/sh
