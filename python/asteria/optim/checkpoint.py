@@ -68,7 +68,7 @@ import torch
 from asteria.optim import _layout as K
 from asteria.optim.method import REFRESH
 from asteria.optim.schedule import NO_ROUND, _Round
-from asteria.optim._state import _count, _ParamState, _States, marker, real, shown_state
+from asteria.optim._state import _count, _ParamState, _States, real, shown_state
 
 
 #: group keys torch.optim itself puts into an optimizer's defaults or groups, none of them a
@@ -218,7 +218,7 @@ class Checkpoint:
                         raise ValueError(_layout_mismatch(k, who, K.shard_words(saved),
                                                           K.shard_words(tag)))
                     if name == K.LOCAL_ONLY:  # the marker: checked, not state
-                        if _count(v) != _count(marker(tag)):
+                        if _count(v) != K.shard_count(tag):
                             raise ValueError(_layout_mismatch(
                                 k, who, f"a layout of {_count(v)} shards", K.shard_words(tag)))
                         continue
