@@ -63,7 +63,7 @@ import os
 import shutil
 import sys
 import tempfile
-from typing import Any, Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -169,7 +169,7 @@ def compare(got: list, ref: list, start: list) -> dict:
 
 # ---- (a) the ranks -----------------------------------------------------------------------------
 
-def worker(args) -> int:
+def worker(args) -> NoReturn:
     """One rank: every method x mode under FSDP2 global blocking; rank 0 saves the full
     parameters."""
     import torch
@@ -177,6 +177,7 @@ def worker(args) -> int:
     from torch.distributed.fsdp import fully_shard
 
     import asteria
+    from asteria.rank_exit import exit_rank
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
@@ -210,8 +211,7 @@ def worker(args) -> int:
     with open(os.path.join(args.worker_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(info, fh)
     dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    exit_rank(0)
 
 
 def rank_counts(args, refs: dict, progress) -> dict:
@@ -368,7 +368,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         LR[k] = float(v)
     args.methods = tuple(m for m in args.methods.split(",") if m)
     if args.worker:
-        sys.exit(worker(args))
+        worker(args)
     args.worlds = [int(w) for w in args.worlds.split(",")]
     args.short_steps = tuple(int(s) for s in args.short_steps.split(",") if s)
     progress = common.Progress(NAME)

@@ -46,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -76,12 +76,13 @@ def _schedule(steps: int):
     return factor
 
 
-def worker(args) -> int:
+def worker(args) -> NoReturn:
     import torch
     import torch.distributed as dist
     from torch import nn
 
     import asteria
+    from asteria.rank_exit import exit_rank
     from netns import read_counters
 
     torch.set_num_threads(1)
@@ -167,8 +168,7 @@ def worker(args) -> int:
                 dist.barrier()
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
         json.dump(out, fh)
-    dist.destroy_process_group()
-    return 0
+    exit_rank(0)
 
 
 # ---- one launch: a cluster at one rate ----------------------------------------------------------
@@ -516,7 +516,7 @@ def run(args, argv) -> dict[str, Any]:
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.worker:
-        sys.exit(worker(args))
+        worker(args)
     return run(args, argv)
 
 

@@ -33,7 +33,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -47,13 +47,14 @@ NODES, PER_NODE = 2, 2
 
 # ---- the per-rank worker -------------------------------------------------------------------------
 
-def worker(args) -> int:
+def worker(args) -> NoReturn:
     import torch
     import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import asteria
+    from asteria.rank_exit import exit_rank
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
@@ -101,8 +102,7 @@ def worker(args) -> int:
             dist.barrier()
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
         json.dump(out, fh)
-    dist.destroy_process_group()
-    return 0
+    exit_rank(0)
 
 
 # ---- the launcher ----------------------------------------------------------------------------
@@ -219,7 +219,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     args.staleness = [int(s) for s in str(args.staleness).split(",")]
     if args.worker:
-        sys.exit(worker(args))
+        worker(args)
     if args.quick:
         args.steps, args.width, args.tokens, args.block_size = 14, 32, 64, 16
     progress = common.Progress(NAME)

@@ -32,7 +32,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -43,13 +43,14 @@ MODES = ("local", "global")
 NODES, PER_NODE = 2, 2
 
 
-def worker(args) -> int:
+def worker(args) -> NoReturn:
     import torch
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
     import asteria
+    from asteria.rank_exit import exit_rank
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
@@ -95,8 +96,7 @@ def worker(args) -> int:
         dist.barrier()
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
         json.dump(out, fh)
-    dist.destroy_process_group()
-    return 0
+    exit_rank(0)
 
 
 def launch(args, out: str) -> None:
@@ -143,7 +143,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
     if args.worker:
-        sys.exit(worker(args))
+        worker(args)
     if args.quick:
         args.steps, args.width, args.tokens, args.block_size = 12, 64, 64, 16
     progress = common.Progress(NAME)

@@ -19,9 +19,7 @@
 from __future__ import annotations
 
 import copy
-import os
 import re
-import sys
 
 import pytest
 import torch
@@ -32,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, _init_opt
                                                      set_optimizer_state_dict)
 
 from asteria.optim import KLShampoo, SOAP, Shampoo
+from asteria.rank_exit import exit_rank
 from models import (assert_params_close, loss_and_grad, make_model, params_of,
                     require_c_extension, train_mlp)
 
@@ -334,8 +333,10 @@ def _two_rank_worker(rank: int, port: int, folder: str, out: str) -> None:
                                              and (k.endswith(".step") or ".step@" in k))}
         with open(f"{out}.{rank}", "w") as f:
             json.dump(results, f)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    exit_rank(0)
 
 
 def test_fsdp2_two_ranks_flattened_resume(tmp_path):
@@ -383,16 +384,6 @@ def _try_load(load, errors) -> str:
         return str(exc)
 
 
-def _exit_past_finalization() -> None:
-    """End a worker that finished (its results written, its groups destroyed) without the
-    interpreter's finalization: after a DCP load that every rank refused, gloo's threads abort
-    there about one run in four ("terminate called without an active exception",
-    pytorch/pytorch#190489), which says nothing about what the worker checked."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def _other_world_worker(rank: int, port: int, folder: str, out: str) -> None:
     """Save on 2 ranks (fsdp_blocking="local"), and load the checkpoints of one unsharded
     process: the refusals' messages go to out.{rank} (the optimizer's) and out.{rank}.dcp
@@ -430,9 +421,10 @@ def _other_world_worker(rank: int, port: int, folder: str, out: str) -> None:
         opt.close()
         with open(f"{out}.{rank}.dcp", "w") as f:
             f.write(message)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
-    _exit_past_finalization()
+        raise
+    exit_rank(0)
 
 
 def test_local_blocking_refuses_another_world_size_naming_the_remedy(tmp_path):
@@ -543,9 +535,10 @@ def _marker_worker(rank: int, port: int, world: int, folder: str, out: str) -> N
         opt.close()
         with open(f"{out}.{world}.{rank}", "w") as f:
             json.dump(res, f)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
-    _exit_past_finalization()
+        raise
+    exit_rank(0)
 
 
 def test_local_blocking_dcp_refusal_at_fewer_ranks_names_global(tmp_path):

@@ -40,6 +40,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import asteria  # noqa: E402
+from asteria.rank_exit import exit_rank  # noqa: E402
 from asteria.olmo import (AsteriaKLShampooConfig, AsteriaOneSidedSOAPConfig,  # noqa: E402
                           AsteriaSOAPConfig, AsteriaShampooConfig, MatrixAwareAsteria)
 from asteria.olmo import checkpoint as olmo_checkpoint  # noqa: E402
@@ -437,8 +438,10 @@ def _two_rank_worker(rank: int, port: int, folder: str, name: str, out: str) -> 
         opt.close()
         with open(f"{out}.{rank}", "w") as f:
             json.dump({"want": want, "got": got, "keys": keys}, f)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    exit_rank(0)
 
 
 @pytest.mark.skipif(not os.environ.get("ASTERIA_OLMO_MULTIRANK"),

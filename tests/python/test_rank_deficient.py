@@ -43,10 +43,13 @@ import os
 import subprocess
 import sys
 import time
+from typing import NoReturn
 
 import pytest
 import torch
 from torch import nn
+
+from asteria.rank_exit import exit_rank
 
 WIDTHS = (24, 29, 17, 7)
 BATCHES = (8, 4)    # rows of the global batch; per rank: rows / world
@@ -112,7 +115,7 @@ def rel_diff(got: list, ref: list) -> float:
 
 # ---- per-rank script -------------------------------------------------------------------------
 
-def rank_worker(out: str) -> int:
+def rank_worker(out: str) -> NoReturn:
     """Every batch x method x mode under FSDP2 global blocking; rank 0 saves the full
     parameters."""
     import torch.distributed as dist
@@ -138,8 +141,7 @@ def rank_worker(out: str) -> int:
     if rank == 0:
         torch.save(res, os.path.join(out, f"world{world}.pt"))
     dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    exit_rank(0)
 
 
 # ---- the tests -----------------------------------------------------------------------------
@@ -249,4 +251,4 @@ def test_soap_sync_matches_async_staleness_0(refs, rows):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank-worker", required=True, metavar="OUT_DIR")
-    sys.exit(rank_worker(ap.parse_args().rank_worker))
+    rank_worker(ap.parse_args().rank_worker)

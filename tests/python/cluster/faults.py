@@ -43,6 +43,7 @@ import signal
 import sys
 import threading
 import time
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,7 @@ import checks  # noqa: E402
 import common as C  # noqa: E402
 
 import asteria  # noqa: E402
+from asteria.rank_exit import exit_rank  # noqa: E402
 
 STEPS = 12
 STRAGGLER, STRAGGLE_STEPS, STRAGGLE_S = 3, (3, 7), 2.0
@@ -258,7 +260,7 @@ def fsdp_load(path: str) -> dict:
 CASES = {"recover": case_recover, "cut": case_cut, "kill": case_kill, "resume": case_resume}
 
 
-def main() -> int:
+def main() -> NoReturn:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--case", required=True, choices=sorted(CASES))
@@ -279,19 +281,12 @@ def main() -> int:
         with open(path, "w") as fh:
             json.dump(res, fh, indent=1)
         print(f"RANK {rank} FAILED {res['failed']['error']}", flush=True)
-        os._exit(1)  # a peer is gone: skip the collective teardown
+        exit_rank(1, teardown=False)  # a peer is gone: no collective teardown
     res["ended"] = time.monotonic()
     with open(path, "w") as fh:
         json.dump(res, fh, indent=1)
-    dist.destroy_process_group()
-    # The results are written and the groups torn down; skip the interpreter's finalization,
-    # where gloo's threads can still abort the process ("terminate called without an active
-    # exception", pytorch/pytorch#190489): seen once in the resume case, after a DCP load that
-    # every rank refused. What this file tests ends above.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_rank(0)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

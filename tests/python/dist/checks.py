@@ -252,9 +252,9 @@ CHECKS = {name[len("check_"):]: fn for name, fn in globals().items()
           if name.startswith("check_")}
 
 
-def main() -> int:
-    return C.run_checks(CHECKS, timeout=60.0)
+def main() -> None:
+    C.run_checks(CHECKS, timeout=60.0)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -20,10 +20,14 @@ import json
 import math
 import os
 import time
+import traceback
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from asteria.rank_exit import exit_rank
 
 D = 16          # width: every weight is D x D
 SEQ = 8         # tokens per sequence
@@ -277,10 +281,12 @@ def env_rank_info() -> dict:
                                            "LOCAL_WORLD_SIZE", "WORLD_SIZE")}
 
 
-def run_checks(checks: dict, timeout: float) -> int:
+def run_checks(checks: dict, timeout: float) -> NoReturn:
     """A per-rank script's main: ``--checks`` (comma-separated names of ``checks``, all by
     default) run in order over a gloo process group with a barrier after each; each one's
-    result and time go to ``--out``/rank{r}.json, written even when a check raises."""
+    result and time go to ``--out``/rank{r}.json, written even when a check raises. The rank
+    ends through ``asteria.rank_exit.exit_rank``: 0 once every check passed, 1 after one raised
+    (its traceback printed; no collective teardown, a peer may be gone)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--checks", default=",".join(checks))
@@ -288,14 +294,17 @@ def run_checks(checks: dict, timeout: float) -> int:
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     results = {"env": env_rank_info(), "world": dist.get_world_size(), "timings": {}}
+    failed = False
     try:
         for name in args.checks.split(","):
             t0 = time.perf_counter()
             results[name] = checks[name]()
             results["timings"][name] = time.perf_counter() - t0
             dist.barrier()
+    except Exception:  # reported by the driver from this rank's output and missing results
+        traceback.print_exc()
+        failed = True
     finally:
         with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as fh:
             json.dump(results, fh, indent=1)
-    dist.destroy_process_group()
-    return 0
+    exit_rank(1 if failed else 0, teardown=not failed)

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as C  # noqa: E402
 
 import asteria  # noqa: E402
+from asteria.rank_exit import exit_rank  # noqa: E402
 
 
 def main() -> int:
@@ -56,9 +57,9 @@ def main() -> int:
         waited = time.monotonic() - (died_at or time.monotonic())
         msg = " ".join(f"{type(exc).__name__}: {exc}".split())
         print(f"SURVIVOR {rank} FAILED {waited:.2f} {msg}", flush=True)
-        os._exit(1)  # the process group has a dead peer: skip the collective teardown
+        exit_rank(1, teardown=False)  # the group has a dead peer: no collective teardown
     print(f"SURVIVOR {rank} FINISHED", flush=True)
-    os._exit(0)
+    exit_rank(0)
 
 
 if __name__ == "__main__":

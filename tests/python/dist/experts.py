@@ -208,9 +208,9 @@ def check_resume() -> dict:
 CHECKS = {n[len("check_"):]: f for n, f in globals().items() if n.startswith("check_")}
 
 
-def main() -> int:
-    return C.run_checks(CHECKS, timeout=120.0)
+def main() -> None:
+    C.run_checks(CHECKS, timeout=120.0)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -224,9 +224,9 @@ def check_load_single() -> dict:
 CHECKS = {n[len("check_"):]: f for n, f in globals().items() if n.startswith("check_")}
 
 
-def main() -> int:
-    return C.run_checks(CHECKS, timeout=120.0)
+def main() -> None:
+    C.run_checks(CHECKS, timeout=120.0)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
