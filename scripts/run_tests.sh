@@ -4,27 +4,22 @@
 # installed package: once in the main environment (its torch: 2.11.0 by default) and once in
 # .venv-torch-oldest against the oldest supported torch (pyproject.toml's lower bound), less the
 # tests marked main_env_only (the benchmark and GPU-check scripts, the emulated cluster). GPU tests
-# report "skip" (exit 77) on machines without a GPU. Ends with the wall time of each part.
-set -euo pipefail
+# report "skip" (exit 77) on machines without a GPU. Every part runs even when an earlier one
+# failed (a part whose setup failed is reported as not run); the end lists each part's result and
+# wall time, and the exit status is non-zero if any part failed.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OLDEST_VENV=${ASTERIA_OLDEST_VENV:-.venv-torch-oldest}
 JOBS=$(nproc)
 
-TIMES=()
-timed() {  # label, command...: runs it and keeps its wall time for the summary at the end
-  local label=$1 t0=$SECONDS
-  shift
-  echo "== $label =="
-  "$@"
-  TIMES+=("$(printf '%-52s %5d s' "$label" $((SECONDS - t0)))")
-}
+source scripts/parts.sh  # timed / skipped / summary: each part's result and wall time
 
 run_c_suite() {  # name, extra cmake args...
   local dir=build/ci-$1; shift
-  cmake -S . -B "$dir" -DASTERIA_WERROR=ON "$@" >/dev/null
-  cmake --build "$dir" -j"$JOBS" >/dev/null
-  (cd "$dir" && ctest --output-on-failure -j"$JOBS")
+  cmake -S . -B "$dir" -DASTERIA_WERROR=ON "$@" >/dev/null &&
+    cmake --build "$dir" -j"$JOBS" >/dev/null &&
+    (cd "$dir" && ctest --output-on-failure -j"$JOBS")
 }
 
 run_py_suite() {  # python, pytest args...: the suite against the asteria installed there
@@ -33,7 +28,8 @@ run_py_suite() {  # python, pytest args...: the suite against the asteria instal
   (cd tests && "$py" -m pytest python -q -p no:cacheprovider -rs --durations=15 "$@")
 }
 
-timed "setup (main environment)" bash scripts/setup.sh
+MAIN_OK=1
+timed "setup (main environment)" bash scripts/setup.sh || MAIN_OK=0
 timed "C tests (release)" run_c_suite release -DCMAKE_BUILD_TYPE=RelWithDebInfo
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   timed "C tests (ASan+UBSan)" run_c_suite asan -DCMAKE_BUILD_TYPE=Debug \
@@ -42,15 +38,22 @@ TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/tests/c/
   timed "C tests (TSan)" run_c_suite tsan -DCMAKE_BUILD_TYPE=Debug -DASTERIA_SANITIZE=thread
 
 PY_ABS=$(command -v "$PY")
-timed "Python tests (torch $("$PY" scripts/torch_range.py installed), main environment)" \
-  run_py_suite "$PY_ABS"
+if ((MAIN_OK)); then
+  timed "Python tests (torch $("$PY" scripts/torch_range.py installed), main environment)" \
+    run_py_suite "$PY_ABS"
+else
+  skipped "Python tests (main environment)" "its setup failed"
+fi
 
-OLDEST=$("$PY" scripts/torch_range.py oldest)
-timed "setup ($OLDEST_VENV, torch $OLDEST)" bash scripts/setup_torch_oldest.sh
-# The benchmark scripts, the GPU check's scripts and the emulated cluster (marked main_env_only)
-# run once, above: they test our scripts and harness, not what differs between torch versions.
-timed "Python tests (torch $OLDEST, $OLDEST_VENV)" \
-  run_py_suite "$(cd "$OLDEST_VENV" && pwd)/bin/python" -m "not main_env_only"
+OLDEST=$("$PY" scripts/torch_range.py oldest) || OLDEST="(unknown)"
+if timed "setup ($OLDEST_VENV, torch $OLDEST)" bash scripts/setup_torch_oldest.sh; then
+  # The benchmark scripts, the GPU check's scripts and the emulated cluster (marked
+  # main_env_only) run once, above: they test our scripts and harness, not what differs between
+  # torch versions.
+  timed "Python tests (torch $OLDEST, $OLDEST_VENV)" \
+    run_py_suite "$(cd "$OLDEST_VENV" && pwd)/bin/python" -m "not main_env_only"
+else
+  skipped "Python tests (torch $OLDEST, $OLDEST_VENV)" "its setup failed"
+fi
 
-echo "== wall time per part =="
-printf '%s\n' "${TIMES[@]}"
+summary
