@@ -77,3 +77,27 @@ def test_runs_the_optimizers_finalizers(tmp_path):
 def test_a_bad_code_is_refused_naming_what_is_allowed(code):
     with pytest.raises(ValueError, match=r"exit_rank: code must be an int in \[0, 255\]"):
         exit_rank(code)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: files that start a process group but are not a rank's script: the pytest process's own
+#: one-rank group (a fixture), and the benchmark that measures how a user's script ends
+NOT_RANKS = {"tests/python/conftest.py": "the pytest process's own group (a fixture)",
+             "benchmarks/bench_exit.py": "its ranks are a user's script: no epilogue of ours"}
+
+
+def test_every_rank_script_of_ours_ends_through_exit_rank():
+    """Each file of ours that starts a process group (a rank's script, or a test that spawns
+    ranks) ends them through exit_rank, so no result depends on gloo's finalization race."""
+    missing = []
+    for top in ("tests", "benchmarks", "examples"):
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in files:
+                path = os.path.join(folder, name)
+                rel = os.path.relpath(path, ROOT)
+                if not name.endswith(".py") or rel in NOT_RANKS:
+                    continue
+                text = open(path).read()
+                if "init_process_group(" in text and "exit_rank(" not in text:
+                    missing.append(rel)
+    assert not missing, f"start a process group but never end a rank through exit_rank: {missing}"
