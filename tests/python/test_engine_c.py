@@ -11,8 +11,7 @@ import torch
 from asteria import _C
 from asteria.refresh.engine import Result
 from asteria.refresh.host_pool import HostPoolEngine, c_config
-
-TOL = {torch.float64: 1e-10, torch.float32: 2e-4}
+from tolerance import rounding_tol
 
 
 @pytest.fixture
@@ -70,8 +69,10 @@ def ref_eigh(f):
 
 
 def ref_inv_root(f, p, eps):
+    """With the op's floor on the eigenvalues: n eps_m max(w) of f's dtype (src/linalg.c)."""
     w, q = torch.linalg.eigh(f.double())
-    return (q * (w.clamp(min=0) + eps).pow(-1.0 / p).unsqueeze(-2)) @ q.transpose(-1, -2)
+    floor = f.shape[-1] * torch.finfo(f.dtype).eps * w.amax(-1, keepdim=True)
+    return (q * (torch.maximum(w, floor) + eps).pow(-1.0 / p).unsqueeze(-2)) @ q.transpose(-1, -2)
 
 
 def ref_soap_qr(f, q):
@@ -91,7 +92,7 @@ def test_eigh(eng, dtype):
     assert q.shape == (4, 24, 24) and w.shape == (4, 24)
     assert q.dtype == dtype and w.dtype == dtype and q.device == f.device
     qr, wr = ref_eigh(f)
-    tol = TOL[dtype] * 10
+    tol = rounding_tol(dtype, n=24, cond=24)  # eigh in dtype: n eps ||F|| / gap, eigenvalues 24..1
     torch.testing.assert_close(w.double(), wr, rtol=tol, atol=tol)
     torch.testing.assert_close(sign_align(q.double(), qr), qr, rtol=tol, atol=tol)
 
@@ -106,7 +107,8 @@ def test_inv_root(eng, dtype, p):
     (x,) = res.outputs
     assert x.dtype == dtype
     ref = ref_inv_root(f, p, 1e-3)
-    tol = TOL[dtype] * 100
+    # eigenvectors off by n eps ||F|| / gap (4 / 0.25), scaled by the largest root (1e-3)^(-1/p)
+    tol = rounding_tol(dtype, n=16, cond=16 * 1e-3 ** (-1 / p))
     torch.testing.assert_close(x.double(), ref, rtol=tol, atol=tol)
 
 
@@ -114,6 +116,7 @@ def test_newton_root(eng):
     f = sym(2, 12, torch.float64, seed=4, eigs=torch.linspace(2.0, 1.0, 12))
     res = submit_wait(eng, "newton_root", f, p=2, eps=1e-8)
     assert res.status == 0
+    # not rounding: the iteration stops at NEWTON_TOL = 1e-6 (src/linalg.c), times cond 2
     torch.testing.assert_close(res.outputs[0], ref_inv_root(f, 2, 1e-8), rtol=1e-5, atol=1e-5)
 
 
@@ -126,7 +129,7 @@ def test_soap_qr(eng, dtype):
     assert qn.dtype == dtype and perm.dtype == torch.int64 and perm.shape == (3, 20)
     qref, pref = ref_soap_qr(f, q0)
     assert torch.equal(perm, pref)
-    tol = TOL[dtype] * 20
+    tol = rounding_tol(dtype, n=20, cond=20)  # QR of F Q in dtype: n eps cond(F), eigenvalues 20..1
     torch.testing.assert_close(sign_align(qn.double(), qref), qref, rtol=tol, atol=tol)
 
 
@@ -136,7 +139,7 @@ def test_kl_qr(eng, dtype):
     res = submit_wait(eng, "kl_qr", f, q0)
     assert res.status == 0
     qref = torch.linalg.qr(f.double() @ q0.double()).Q
-    tol = TOL[dtype] * 20
+    tol = rounding_tol(dtype, n=18, cond=18)  # QR of F Q in dtype: n eps cond(F), eigenvalues 18..1
     torch.testing.assert_close(sign_align(res.outputs[0].double(), qref), qref, rtol=tol,
                                atol=tol)
 
@@ -149,7 +152,9 @@ def test_low_precision_computed_in_float32(eng, dtype):
     q, w = res.outputs
     assert q.dtype == dtype and w.dtype == dtype
     _, wr = ref_eigh(f.float())
-    torch.testing.assert_close(w.double(), wr, rtol=2e-2, atol=5e-2)
+    # the outputs rounded to dtype (eps |w|) after float32's eigh (n eps ||F||, n = ||F|| = 8)
+    torch.testing.assert_close(w.double(), wr, rtol=rounding_tol(dtype),
+                               atol=rounding_tol(torch.float32, n=8, cond=8))
 
 
 def test_rejects_bad_inputs(eng):
@@ -177,7 +182,8 @@ def test_snapshot_and_strided_input(eng1):
     f.fill_(float("nan"))  # the job computes on its snapshot
     res = eng1.wait(t)
     assert res.status == 0
-    torch.testing.assert_close(res.outputs[0], expected, rtol=1e-10, atol=1e-10)
+    tol = rounding_tol(torch.float64, n=16, cond=16)  # eigh: n eps ||F|| / gap; roots <= 1
+    torch.testing.assert_close(res.outputs[0], expected, rtol=tol, atol=tol)
 
 
 def test_batched_overlapping_jobs(eng):
@@ -191,7 +197,8 @@ def test_batched_overlapping_jobs(eng):
     for m, t in reversed(list(zip(mats, tickets))):
         res = eng.wait(t)
         assert res.status == 0
-        torch.testing.assert_close(res.outputs[1], ref_eigh(m)[1], rtol=1e-10, atol=1e-10)
+        tol = rounding_tol(torch.float64, n=32, cond=32)  # eigenvalues 32..1 to n eps ||F||
+        torch.testing.assert_close(res.outputs[1], ref_eigh(m)[1], rtol=tol, atol=tol)
     s = eng.stats()
     assert s["jobs_submitted"] == 6 and s["jobs_done"] == 6
     assert s["bytes_registered"] == 0  # every buffer unregistered once collected
@@ -235,7 +242,8 @@ def test_cancel_queued_job(eng1):
     assert res.status == _C.AST_ECANCELED and res.outputs is None and "AST_ECANCELED" in res.error
     res = eng1.wait(t_long)
     assert res.status == 0
-    torch.testing.assert_close(res.outputs[1], ref_eigh(big)[1], rtol=1e-9, atol=1e-9)
+    tol = rounding_tol(torch.float64, n=384, cond=384)  # eigenvalues 384..1 to n eps ||F||
+    torch.testing.assert_close(res.outputs[1], ref_eigh(big)[1], rtol=tol, atol=tol)
     s = eng1.stats()
     assert s["jobs_cancelled"] == 1 and s["jobs_done"] == 1 and s["bytes_registered"] == 0
 
@@ -344,6 +352,13 @@ def ref_rotate(x, a, b):
     return x
 
 
+def rotate_tol(dtype, x):
+    """soap_rotate's rounding in dtype: four products of m-term sums (m the larger side), whose
+    terms add up to at most m max|X| (orthogonal factors)."""
+    m = max(x.shape[-2:])
+    return rounding_tol(dtype, n=m, steps=4, cond=m) * float(x.abs().max())
+
+
 def rotate_inputs(batch, n, n1, dtype, seed, sides):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, n, n1, generator=g, dtype=torch.float64).to(dtype)
@@ -368,8 +383,8 @@ def test_soap_rotate(eng, dtype, sides, shape):
     (out,) = res.outputs
     assert out.shape == (3, n, n1) and out.dtype == dtype and out.device == x.device
     assert torch.equal(x, x0)  # the input is not modified
-    tol = TOL[dtype] * 10
-    torch.testing.assert_close(out.double(), ref_rotate(x, a, b), rtol=tol, atol=tol)
+    tol = rotate_tol(dtype, x)
+    torch.testing.assert_close(out.double(), ref_rotate(x, a, b), rtol=0, atol=tol)
     assert eng.stats()["bytes_registered"] == 0
 
 
@@ -385,13 +400,13 @@ def test_soap_rotate_torch_engine(dtype, sides, shape):
     assert res.status == 0
     (out,) = res.outputs
     assert out.shape == (3, n, n1) and out.dtype == dtype
-    tol = TOL[dtype] * 10
-    torch.testing.assert_close(out.double(), ref_rotate(x, a, b), rtol=tol, atol=tol)
+    tol = rotate_tol(dtype, x)
+    torch.testing.assert_close(out.double(), ref_rotate(x, a, b), rtol=0, atol=tol)
     # the C engine agrees with it
     c = HostPoolEngine({"workers": 1, "pin": False})
     try:
         cres = submit_wait(c, "soap_rotate", x, a, b=b)
-        torch.testing.assert_close(cres.outputs[0], out, rtol=tol, atol=tol)
+        torch.testing.assert_close(cres.outputs[0], out, rtol=0, atol=2 * tol)  # both round
     finally:
         c.close()
 
@@ -406,13 +421,16 @@ def test_soap_rotate_snapshot_strided_and_low_precision(eng1):
         tensor.fill_(float("nan"))  # the job computes on its snapshots
     res = eng1.wait(t)
     assert res.status == 0
-    torch.testing.assert_close(res.outputs[0], expected, rtol=1e-10, atol=1e-10)
+    tol = rotate_tol(torch.float64, x)
+    torch.testing.assert_close(res.outputs[0], expected, rtol=0, atol=tol)
     x, a, b = rotate_inputs(2, 5, 7, torch.float32, seed=81, sides="ab")
     res = submit_wait(eng1, "soap_rotate", x.to(torch.bfloat16), a.to(torch.bfloat16),
                       b=b.to(torch.bfloat16))
     assert res.status == 0 and res.outputs[0].dtype == torch.bfloat16
     ref = ref_rotate(x.to(torch.bfloat16), a.to(torch.bfloat16), b.to(torch.bfloat16))
-    torch.testing.assert_close(res.outputs[0].double(), ref, rtol=3e-2, atol=3e-2)
+    # computed in float32, the output rounded to bfloat16 (eps |Y|)
+    torch.testing.assert_close(res.outputs[0].double(), ref, rtol=rounding_tol(torch.bfloat16),
+                               atol=rotate_tol(torch.float32, x))
 
 
 def test_soap_rotate_donated_inputs_are_read_in_place(eng1):
@@ -421,10 +439,11 @@ def test_soap_rotate_donated_inputs_are_read_in_place(eng1):
     are."""
     x, a, b = rotate_inputs(2, 6, 5, torch.float64, seed=85, sides="ab")
     expected = ref_rotate(x, a, b)
+    tol = rotate_tol(torch.float64, 2.0 * x)
     before = eng1.stats()
     res = submit_wait(eng1, "soap_rotate", x, a, b=b, donate=("f", "q", "b"))
     assert res.status == 0
-    torch.testing.assert_close(res.outputs[0], expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(res.outputs[0], expected, rtol=0, atol=tol)
     after = eng1.stats()
     assert after["inputs_donated"] - before["inputs_donated"] == 3
     assert after["bytes_d2h_snapshots"] == before["bytes_d2h_snapshots"]
@@ -437,14 +456,14 @@ def test_soap_rotate_donated_inputs_are_read_in_place(eng1):
     x2.mul_(2.0)
     assert eng1.wait(slow).status == 0
     res = eng1.wait(t)
-    torch.testing.assert_close(res.outputs[0], 2.0 * expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(res.outputs[0], 2.0 * expected, rtol=0, atol=tol)
     # a strided X is not the job's layout: snapshotted, the pairs still donated
     xt = x.transpose(-1, -2).contiguous().transpose(-1, -2)
     mid = eng1.stats()
     t = eng1.submit("soap_rotate", xt, a, b=b, donate=("f", "q", "b"), **ids())
     xt.fill_(float("nan"))
     res = eng1.wait(t)
-    torch.testing.assert_close(res.outputs[0], expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(res.outputs[0], expected, rtol=0, atol=tol)
     assert eng1.stats()["inputs_donated"] - mid["inputs_donated"] == 2
     with pytest.raises(ValueError, match="unknown input"):
         eng1.submit("soap_rotate", x, a, b=b, donate=("x",), **ids())
