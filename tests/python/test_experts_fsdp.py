@@ -5,7 +5,8 @@ each expert blocked whole, beside an ordinary weight; SOAP and Shampoo, 12 steps
 sync and async (S = 2, deterministic installs):
 
 - ``fsdp_blocking="global"`` on 1, 2 and 4 ranks (4 = 2 nodes x 2, two torchrun invocations
-  that rendezvous): the parameters agree with the single-process run to 1e-10 relative; every
+  that rendezvous): the parameters agree with the single-process run to rounding (float64 eps
+  x 12 steps x cond 2e4 x the distance moved: tests/python/tolerance.py); every
   expert is one block, owned by one rank, also where a shard boundary splits it (4 ranks);
 - ``fsdp_blocking="local"`` (the default) on 2 ranks, each rank holding one expert of each
   weight: the single-process optimizer again; on 4 ranks each rank holds half an expert of the
@@ -25,10 +26,12 @@ import pytest
 import torch
 
 from test_fsdp_global import launch
+from tolerance import rounding_tol
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "dist", "experts.py")
-TOL = 1e-10
+STEPS = 12  # dist/experts.py's, in float64
+COND = 2e4  # its factors: ||F|| / gap <= 1.7e4 (measured over the 12 steps)
 NAMES = ("soap", "shampoo")
 D = 8  # dist/experts.py's width: an expert is D x D
 
@@ -50,7 +53,9 @@ def runs(tmp_path_factory):
 
 def _agree(res: dict, what) -> None:
     assert res["max_moved"] > 1e-2, (what, res)
-    assert res["max_rel_diff"] < TOL, (what, res)
+    # rounding of each update in float64, over STEPS steps, times cond
+    tol = rounding_tol(torch.float64, steps=STEPS, cond=COND) * res["max_moved"]
+    assert res["max_abs_diff"] < tol, (what, tol, res)
 
 
 def test_launch_layout(runs):
