@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from asteria import _C
+from tolerance import rounding_tol
 
 NP = {"float32": np.float32, "float64": np.float64}
-TOL = {"float32": 2e-4, "float64": 1e-10}
 
 
 @pytest.fixture
@@ -76,6 +76,11 @@ def sign_align(q, ref):
     s = np.sign(np.einsum("...ij,...ij->...j", q, ref))
     s[s == 0] = 1
     return q * s[..., None, :]
+
+
+def eig_tol(f):
+    """Eigenvalues of f (float64) from two LAPACKs: each within n eps ||F|| (absolute)."""
+    return rounding_tol("float64", n=f.shape[-1]) * float(np.abs(np.linalg.eigvalsh(f[0])).max())
 
 
 def long_job(rt, block=1000, batch=8, n=512):
@@ -360,12 +365,13 @@ def test_eigh_descending(rt, dtype):
     wr, qr = np.linalg.eigh(f.astype(np.float64))
     wr, qr = wr[:, ::-1], qr[:, :, ::-1]
     assert np.all(np.diff(w, axis=1) < 0)
-    np.testing.assert_allclose(w, wr, rtol=TOL[dtype] * 10, atol=TOL[dtype] * 10)
-    np.testing.assert_allclose(sign_align(q, qr), qr, atol=TOL[dtype] * 10)
+    tol = rounding_tol(dtype, n=n, cond=n)  # eigh in dtype: n eps ||F|| / gap, eigenvalues n..1
+    np.testing.assert_allclose(w, wr, rtol=tol, atol=tol)
+    np.testing.assert_allclose(sign_align(q, qr), qr, atol=tol)
     # Eigenvalues only (out1 alone is not allowed: Q is required, w optional).
     q2 = np.zeros_like(f)
     assert run(rt, "eigh", dtype, f, out0=q2, block=6).status == 0
-    np.testing.assert_allclose(sign_align(q2, qr), qr, atol=TOL[dtype] * 10)
+    np.testing.assert_allclose(sign_align(q2, qr), qr, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -379,8 +385,11 @@ def test_inv_root(rt, dtype, p):
     x = np.zeros_like(f)
     assert run(rt, "inv_root", dtype, f, out0=x, p=p, eps=eps).status == 0
     wl, v = np.linalg.eigh(f.astype(np.float64))
-    ref = (v * (np.maximum(wl, 0) + eps)[:, None, :] ** (-1.0 / p)) @ v.transpose(0, 2, 1)
-    np.testing.assert_allclose(x, ref, rtol=TOL[dtype] * 50, atol=TOL[dtype] * 50)
+    floor = n * np.finfo(NP[dtype]).eps * wl.max(axis=1, keepdims=True)  # the op's (linalg.c)
+    ref = (v * (np.maximum(wl, floor) + eps)[:, None, :] ** (-1.0 / p)) @ v.transpose(0, 2, 1)
+    # eigenvectors off by n eps ||F|| / gap (5 / 0.45), scaled by the largest root eps^(-1/p)
+    tol = rounding_tol(dtype, n=n, cond=11 * eps ** (-1 / p))
+    np.testing.assert_allclose(x, ref, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -392,6 +401,7 @@ def test_newton_root(rt, dtype):
     assert run(rt, "newton_root", dtype, f, out0=x, p=p, eps=eps).status == 0
     wl, v = np.linalg.eigh(f.astype(np.float64))
     ref = (v * (wl + eps)[:, None, :] ** (-1.0 / p)) @ v.transpose(0, 2, 1)
+    # not rounding: the iteration stops at NEWTON_TOL = 1e-6 (src/linalg.c), times cond 3
     np.testing.assert_allclose(x, ref, rtol=1e-4, atol=1e-4)
 
 
@@ -414,10 +424,12 @@ def test_soap_qr(rt, dtype):
     assert run(rt, "soap_qr", dtype, f, q=q0, out0=qn, out1=perm).status == 0
     qref, pref = ref_soap_qr(f.astype(np.float64), q0.astype(np.float64))
     np.testing.assert_array_equal(perm, pref)
-    np.testing.assert_allclose(sign_align(qn, qref), qref, atol=TOL[dtype] * 20)
-    # Q_new is orthonormal.
+    tol = rounding_tol(dtype, n=n, cond=n)  # QR of F Q in dtype: n eps cond(F), eigenvalues n..1
+    np.testing.assert_allclose(sign_align(qn, qref), qref, atol=tol)
+    # Q_new is orthonormal: n eps from the QR, n eps more from the product Q^T Q
     eye = np.broadcast_to(np.eye(n), (batch, n, n))
-    np.testing.assert_allclose(qn.transpose(0, 2, 1) @ qn, eye, atol=TOL[dtype] * 20)
+    np.testing.assert_allclose(qn.transpose(0, 2, 1) @ qn, eye,
+                               atol=rounding_tol(dtype, n=n, steps=2))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -431,7 +443,8 @@ def test_kl_qr(rt, dtype):
     qn = np.zeros_like(f)
     assert run(rt, "kl_qr", dtype, f, q=q0, out0=qn).status == 0
     qref = np.linalg.qr(f.astype(np.float64) @ q0.astype(np.float64))[0]
-    np.testing.assert_allclose(sign_align(qn, qref), qref, atol=TOL[dtype] * 20)
+    tol = rounding_tol(dtype, n=n, cond=n)  # QR of F Q in dtype: n eps cond(F), eigenvalues n..1
+    np.testing.assert_allclose(sign_align(qn, qref), qref, atol=tol)
 
 
 def test_nonfinite_input_keeps_outputs(rt):
@@ -489,7 +502,8 @@ def test_poll_collects_all(rt):
         assert r.status == 0 and r.block == jobs[t] and r.snapshot_step == 100 + jobs[t]
         assert r[0] == t
     for f, q, w, _ in keep:
-        np.testing.assert_allclose(w[0], np.linalg.eigvalsh(f[0])[::-1], atol=1e-10)
+        tol = rounding_tol("float64", n=8, cond=8)  # eigenvalues 8..1 to n eps ||F||
+        np.testing.assert_allclose(w[0], np.linalg.eigvalsh(f[0])[::-1], atol=tol)
     # A collected ticket cannot be waited for again.
     with pytest.raises(FileNotFoundError) as ei:
         rt.wait(next(iter(jobs)))
@@ -504,7 +518,7 @@ def test_wait_timeout_then_result(rt1):
     res = rt1.wait(t, timeout=60.0)
     assert res.status == 0
     f, q, w, _ = keep
-    np.testing.assert_allclose(w[0], np.linalg.eigvalsh(f[0])[::-1], rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(w[0], np.linalg.eigvalsh(f[0])[::-1], rtol=0, atol=eig_tol(f))
     with pytest.raises(ValueError):
         rt1.wait(t, timeout=-1.0)
 
@@ -627,7 +641,7 @@ def test_close_waits_for_running_job():
     wait_running(r)
     r.close()
     # The running job finished before close returned; the queued one was dropped unrun.
-    np.testing.assert_allclose(w[0], np.linalg.eigvalsh(f[0])[::-1], rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(w[0], np.linalg.eigvalsh(f[0])[::-1], rtol=0, atol=eig_tol(f))
     assert np.all(x == 5.0)
 
 
@@ -656,7 +670,7 @@ def test_dealloc_without_close():
     del r
     gc.collect()
     f, q, w, _ = keep
-    np.testing.assert_allclose(w[0], np.linalg.eigvalsh(f[0])[::-1], rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(w[0], np.linalg.eigvalsh(f[0])[::-1], rtol=0, atol=eig_tol(f))
 
 
 # ---- module ------------------------------------------------------------------------------------
