@@ -278,6 +278,19 @@ def test_bench_tier_dtype_quick(tmp_path):
         data["results"][0]["bytes"]["host"], data["results"][1]["bytes"]["host"]]
 
 
+def test_bench_exit_counts_each_launch(tmp_path):
+    """bench_exit launches the user's 2-rank script (no epilogue of ours) and records each
+    launch's exit code: one launch of one case, its JSON and summary."""
+    be = load_bench("bench_exit")
+    _restores(lambda: be.main(["--runs", "1", "--optimizers", "soap-async", "--endings", "none",
+                               "--steps", "4", "--out-dir", str(tmp_path)]))
+    data = json.loads((tmp_path / "bench_exit.json").read_text())
+    assert "--runs 1" in data["command"] and data["machine"]
+    (run,) = data["runs"]["soap-async/none"]
+    assert run["code"] == 0 and run["abort"] is False, run
+    assert data["summary"] == {"soap-async/none": {"runs": 1, "nonzero": 0, "aborts": 0}}
+
+
 @pytest.mark.timeout(120)
 def test_bench_step_lockstep_quick(tmp_path):
     bl = load_bench("bench_step_lockstep")
