@@ -5,12 +5,14 @@
  * Internal (the ast__ prefix; not installed, not in asteria.map); ast_op_info_get (runtime.h)
  * hands the properties out, so the extension and the Python executors read them from here.
  *
- * Owned by linalg.c, which keeps each op's entry next to its kernel. runtime.c reads it to
- * validate a request (ast_runtime_submit) and to run it (pool workers); every span is derived
- * from the entry's shapes, and code that depends on a property reads the field,
- * never the op's code. So a new op is its ast_op value in include/asteria/runtime.h, its kernel
- * and entry in src/linalg.c, and its Python entry (reference, FLOPs) in
- * python/asteria/refresh/ops.py; runtime.c and the extension do not change.
+ * Implemented by op_table.c. runtime.c reads it to validate a request (ast_runtime_submit) and
+ * to run it (pool workers); linalg.c reads each op's shapes and in_place to split a batched call
+ * into blocks. Every span is derived from the entry's shapes, and code that depends on a
+ * property reads the field, never the op's code. A new op: its ast_op value in
+ * include/asteria/runtime.h; its kernel, argument checks and direct entry points in src/linalg.c
+ * (declared in include/asteria/linalg.h, listed in src/asteria.map); its entry in src/op_table.c;
+ * its Python entry (reference, FLOPs) in python/asteria/refresh/ops.py. runtime.c and the
+ * extension do not change.
  *
  * The table is constant: any thread may read it, with no lock.
  */
@@ -39,8 +41,9 @@ typedef struct ast__op {
                                           * block's inputs are checked before any block runs, and
                                           * there is no float64 retry (linalg.c) */
     /* Checks the op's own arguments of req (p, n1, which pairs); bytes[] holds each pointer's
-     * span, derived from shape[] (NULL: the op has no checks of its own). Called by ast__op_check only, after the request-wide checks. Returns 0;
-     * AST_EINVAL with the reason in msg (len bytes, truncated). */
+     * span, derived from shape[] (NULL: the op has no checks of its own). Called by
+     * ast__op_check only, after the request-wide checks. Returns 0; AST_EINVAL with the reason
+     * in msg (len bytes, truncated). */
     int (*check)(const ast_refresh *req, size_t bytes[AST__ARG_COUNT], char *msg, size_t len);
     /* Runs a checked request's batch on the calling thread. Returns 0 or the kernel's AST_E*
      * code; *failed_index is -1 on success, else the failing block. */
@@ -60,5 +63,12 @@ int ast__op_check(const ast_refresh *req, const ast__op **op, size_t bytes[AST__
 /* Writes "name (code), ..." into buf (len bytes, truncated) for every op (arg < 0) or for the ops
  * that take pointer arg (AST__ARG_*). Returns how many ops were listed. */
 int ast__op_list(char *buf, size_t len, int arg);
+
+/* Returns the elements of one batch entry of a buffer of shape (ast_shape) for sizes n, n1;
+ * 0 for AST_SHAPE_NONE. */
+size_t ast__shape_elems(int shape, size_t n, size_t n1);
+
+/* Returns 1 if the byte spans [a, a + alen) and [b, b + blen) share a byte, else 0. */
+int ast__overlaps(const void *a, size_t alen, const void *b, size_t blen);
 
 #endif

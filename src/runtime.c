@@ -5,11 +5,11 @@
  * count per buffer held by every job that reads or writes it), the stats counters, the
  * last-error message and, when config.trace is set, the trace recorder (trace.h) and the writing
  * of its file at destroy. It keeps no failure streak: a result carries its job's own status, and
- * the consecutive-failure rule is the optimizer's (python/asteria/optim/_schedule.py), the one
+ * the consecutive-failure rule is the optimizer's (python/asteria/optim/schedule.py), the one
  * count every executor reaches (docs/departures.md).
  *
  * Ops: the runtime knows none by name. ast_runtime_submit checks a request with the op table
- * (op_table.h, owned by linalg.c: ast__op_check, then each pointer against the entry's args and
+ * (op_table.h, op_table.c: ast__op_check, then each pointer against the entry's args and
  * the registered buffers) and a worker runs it with the entry's run function. A new op changes
  * nothing here.
  *

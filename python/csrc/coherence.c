@@ -256,97 +256,292 @@ done:
     return ret;
 }
 
-static PyObject *coherence_plan(CoherenceObject *self, PyObject *unused)
-{
-    mod_state *st = type_state(Py_TYPE(self));
-    ast_coherence *reg = coh_open(self, st);
-    if (!reg)
-        return NULL;
-    int rc = ast_coherence_plan(reg);
-    if (rc < 0)
-        return coh_raise(st, reg, rc);
-    Py_RETURN_NONE;
-}
+/* ---- the plain calls --------------------------------------------------------------------------
+ *
+ * Most registry calls read one argument (a block id, a rank, a step; or a block, version and
+ * step given by keyword), make one libasteria call and return one value. Each is a row of
+ * COH_PLAIN_CALLS below: how its argument is read, the call, how its result becomes a Python
+ * object; coh_run does the rest for all of them (parse, coh_open, call, coh_raise), so they
+ * fail alike.
+ */
 
-static PyObject *coherence_owner(CoherenceObject *self, PyObject *arg)
-{
-    mod_state *st = type_state(Py_TYPE(self));
-    uint64_t block;
-    int owner;
-    if (!conv_u64(arg, &block))
-        return NULL;
-    ast_coherence *reg = coh_open(self, st);
-    if (!reg)
-        return NULL;
-    int rc = ast_coherence_owner(reg, block, &owner);
-    if (rc < 0)
-        return coh_raise(st, reg, rc);
-    return PyLong_FromLong(owner);
-}
+/* How a call's argument is read: none (METH_NOARGS); a block id, a rank or a step (METH_O); or
+ * by keyword (block, version, step) / (block, step). */
+typedef enum { IN_NONE, IN_BLOCK, IN_RANK, IN_STEP, IN_BVS, IN_BS } coh_in_kind;
 
-static PyObject *coherence_is_owner(CoherenceObject *self, PyObject *arg)
-{
-    mod_state *st = type_state(Py_TYPE(self));
-    uint64_t block;
-    if (!conv_u64(arg, &block))
-        return NULL;
-    ast_coherence *reg = coh_open(self, st);
-    if (!reg)
-        return NULL;
-    int rc = ast_coherence_is_owner(reg, block);
-    if (rc < 0)
-        return coh_raise(st, reg, rc);
-    return PyBool_FromLong(rc);
-}
-
-static PyObject *coherence_load(CoherenceObject *self, PyObject *arg)
-{
-    mod_state *st = type_state(Py_TYPE(self));
+typedef struct {
+    uint64_t block, version;
+    long long step;
     int rank;
-    if (as_int(arg, &rank, "rank") < 0)
-        return NULL;
-    ast_coherence *reg = coh_open(self, st);
+} coh_in;
+
+/* What a call writes: one of these, per its row. */
+typedef union {
+    int rank;
+    uint64_t u64;
+    size_t size;
+    ast_coherence_block block;
+    ast_coherence_hier hier;
+    ast_coherence_stats stats;
+} coh_out;
+
+typedef struct {
+    coh_in_kind in;
+    const char *format; /* IN_BVS / IN_BS: PyArg_ParseTupleAndKeywords's format */
+    int (*call)(ast_coherence *reg, const coh_in *a, coh_out *v);
+    PyObject *(*result)(int rc, const coh_out *v); /* rc: the call's return value, >= 0 */
+} coh_call;
+
+/* Reads args / kwds as in says and opens the registry: the registry, or NULL with an
+ * exception set. format: PyArg's format for the keyword kinds. */
+static ast_coherence *coh_enter(CoherenceObject *self, mod_state *st, coh_in_kind in,
+                                const char *format, PyObject *args, PyObject *kwds, coh_in *a)
+{
+    static char *kw_bvs[] = {"block", "version", "step", NULL};
+    static char *kw_bs[] = {"block", "step", NULL};
+    int ok = 1;
+    switch (in) {
+    case IN_NONE:
+        break;
+    case IN_BLOCK:
+        ok = conv_u64(args, &a->block);
+        break;
+    case IN_RANK:
+        ok = as_int(args, &a->rank, "rank") == 0;
+        break;
+    case IN_STEP:
+        a->step = PyLong_AsLongLong(args);
+        ok = !(a->step == -1 && PyErr_Occurred());
+        break;
+    case IN_BVS:
+        ok = PyArg_ParseTupleAndKeywords(args, kwds, format, kw_bvs, conv_u64, &a->block,
+                                         conv_u64, &a->version, &a->step);
+        break;
+    case IN_BS:
+        ok = PyArg_ParseTupleAndKeywords(args, kwds, format, kw_bs, conv_u64, &a->block,
+                                         &a->step);
+        break;
+    }
+    return ok ? coh_open(self, st) : NULL;
+}
+
+static PyObject *coh_run(CoherenceObject *self, PyObject *args, PyObject *kwds, const coh_call *c)
+{
+    mod_state *st = type_state(Py_TYPE(self));
+    coh_in a = {0};
+    ast_coherence *reg = coh_enter(self, st, c->in, c->format, args, kwds, &a);
     if (!reg)
         return NULL;
-    uint64_t cost;
-    int rc = ast_coherence_load(reg, rank, &cost);
+    coh_out v;
+    memset(&v, 0, sizeof v);
+    int rc = c->call(reg, &a, &v);
     if (rc < 0)
         return coh_raise(st, reg, rc);
-    return PyLong_FromUnsignedLongLong(cost);
+    return c->result(rc, &v);
+}
+
+static PyObject *ret_none(int rc, const coh_out *v) { Py_RETURN_NONE; }
+static PyObject *ret_bool(int rc, const coh_out *v) { return PyBool_FromLong(rc); }
+static PyObject *ret_rank(int rc, const coh_out *v) { return PyLong_FromLong(v->rank); }
+static PyObject *ret_u64(int rc, const coh_out *v) { return PyLong_FromUnsignedLongLong(v->u64); }
+static PyObject *ret_size(int rc, const coh_out *v) { return PyLong_FromSize_t(v->size); }
+
+/* The dict a struct result becomes: fill sets its keys (nonzero on failure); NULL with an
+ * exception set. */
+static PyObject *dict_of(int (*fill)(PyObject *d, const coh_out *v), const coh_out *v)
+{
+    PyObject *d = PyDict_New();
+    if (d && fill(d, v)) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    return d;
+}
+
+static int fill_block(PyObject *d, const coh_out *v)
+{
+    const ast_coherence_block *b = &v->block;
+#define U64(f) dict_set_steal(d, #f, PyLong_FromUnsignedLongLong(b->f))
+#define I64(f) dict_set_steal(d, #f, PyLong_FromLongLong(b->f))
+    int bad = U64(cost) || I64(owner) || I64(nreplicas) ||
+              dict_set_steal(d, "is_replica", PyBool_FromLong(b->is_replica)) || U64(version) ||
+              I64(snapshot_step) || U64(held_version) || I64(last_recv_step) ||
+              U64(synced_version) || I64(last_sync_step) || U64(due_version) ||
+              U64(installed_version);
+#undef U64
+#undef I64
+    return bad;
+}
+
+static int fill_hier(PyObject *d, const coh_out *v)
+{
+    static const char *const inter[3] = {"none", "send", "recv"};
+    const ast_coherence_hier *h = &v->hier;
+#define I(f) dict_set_steal(d, #f, PyLong_FromLong(h->f))
+#define B(f) dict_set_steal(d, #f, PyBool_FromLong(h->f))
+    int bad =
+        I(owner) || I(owner_node) || I(node) || I(nodes) || I(node_replicas) || B(is_replica) ||
+        B(is_representative) || I(representative) || I(inter_root) || B(write_shm) ||
+        B(read_shm) || dict_set_steal(d, "inter", PyUnicode_FromString(inter[h->inter])) ||
+        dict_set_steal(d, "recv_level", h->recv_level >= 0 && h->recv_level < AST_COH_LEVEL_COUNT
+                                            ? PyUnicode_FromString(coh_level_names[h->recv_level])
+                                            : Py_NewRef(Py_None)) ||
+        B(flat_recv) || B(flat_recv_inter);
+#undef I
+#undef B
+    return bad;
+}
+
+static int fill_stats(PyObject *d, const coh_out *v)
+{
+    const ast_coherence_stats *s = &v->stats;
+#define U64(f) dict_set_steal(d, #f, PyLong_FromUnsignedLongLong(s->f))
+#define I64(f) dict_set_steal(d, #f, PyLong_FromLongLong(s->f))
+    int bad = U64(blocks) || U64(owned) || U64(load) || U64(published) || U64(imported) ||
+              U64(received) || U64(synced) || U64(installs) || U64(due_listed) ||
+              U64(barrier_waits) || U64(barrier_wait_ns) || U64(barrier_max_wait_ns) ||
+              I64(max_lag_steps) || I64(evaluated_step) || I64(world_size) || I64(rank) ||
+              I64(node) || I64(nodes) || I64(staleness);
+#undef U64
+#undef I64
+    for (int i = 0; !bad && i < AST_COH_LEVEL_COUNT; i++) {
+        char key[32];
+        snprintf(key, sizeof key, "bytes_%s", coh_level_names[i]);
+        bad = dict_set_steal(d, key, PyLong_FromUnsignedLongLong(s->bytes[i])) < 0;
+    }
+    return bad;
+}
+
+static PyObject *ret_block(int rc, const coh_out *v) { return dict_of(fill_block, v); }
+static PyObject *ret_hier(int rc, const coh_out *v) { return dict_of(fill_hier, v); }
+static PyObject *ret_stats(int rc, const coh_out *v) { return dict_of(fill_stats, v); }
+
+/* Each plain call: its method name, how it is bound (NOARGS, O or KEYWORDS), how its argument
+ * is read, the call (reg, a: the coh_in read, v: the coh_out it fills) and its result. The
+ * docstring is coherence_<name>_doc. */
+#define COH_PLAIN_CALLS(X)                                                                        \
+    X(plan, NOARGS, IN_NONE, ast_coherence_plan(reg), ret_none)                                   \
+    X(nblocks, NOARGS, IN_NONE, ast_coherence_nblocks(reg, &v->size), ret_size)                   \
+    X(stats, NOARGS, IN_NONE, ast_coherence_stats_get(reg, &v->stats), ret_stats)                 \
+    X(owner, O, IN_BLOCK, ast_coherence_owner(reg, a->block, &v->rank), ret_rank)                 \
+    X(is_owner, O, IN_BLOCK, ast_coherence_is_owner(reg, a->block), ret_bool)                     \
+    X(block_info, O, IN_BLOCK, ast_coherence_block_info(reg, a->block, &v->block), ret_block)     \
+    X(hier_plan, O, IN_BLOCK, ast_coherence_hier_plan(reg, a->block, &v->hier), ret_hier)         \
+    X(load, O, IN_RANK, ast_coherence_load(reg, a->rank, &v->u64), ret_u64)                       \
+    X(barrier_begin, O, IN_STEP, ast_coherence_barrier_begin(reg, a->step), ret_none)             \
+    X(barrier_end, O, IN_STEP, ast_coherence_barrier_end(reg, a->step), ret_none)                 \
+    X(publish, KEYWORDS, IN_BVS, ast_coherence_publish(reg, a->block, a->version, a->step),       \
+      ret_none)                                                                                   \
+    X(received, KEYWORDS, IN_BVS, ast_coherence_received(reg, a->block, a->version, a->step),     \
+      ret_none)                                                                                   \
+    X(mark_synced, KEYWORDS, IN_BVS,                                                              \
+      ast_coherence_mark_synced(reg, a->block, a->version, a->step), ret_none)                    \
+    X(install_version, KEYWORDS, IN_BS,                                                           \
+      ast_coherence_install_version(reg, a->block, a->step, &v->u64), ret_u64)
+
+/* The Python-side shape of each binding: C parameters, what coh_run gets, the METH_ flags. */
+#define COH_PARAMS_NOARGS PyObject *args
+#define COH_PARAMS_O PyObject *args
+#define COH_PARAMS_KEYWORDS PyObject *args, PyObject *kwds
+#define COH_KWDS_NOARGS NULL
+#define COH_KWDS_O NULL
+#define COH_KWDS_KEYWORDS kwds
+#define COH_FLAGS_NOARGS METH_NOARGS
+#define COH_FLAGS_O METH_O
+#define COH_FLAGS_KEYWORDS (METH_VARARGS | METH_KEYWORDS)
+/* PyArg format of the keyword kinds; the name after ':' names the method in its errors. */
+#define COH_FORMAT_IN_NONE ""
+#define COH_FORMAT_IN_BLOCK ""
+#define COH_FORMAT_IN_RANK ""
+#define COH_FORMAT_IN_STEP ""
+#define COH_FORMAT_IN_BVS "O&O&L"
+#define COH_FORMAT_IN_BS "O&L"
+
+#define COH_DEFINE(name, bind, in, expr, result)                                                  \
+    static int coh_call_##name(ast_coherence *reg, const coh_in *a, coh_out *v) { return expr; }  \
+    static PyObject *coherence_##name(CoherenceObject *self, COH_PARAMS_##bind)                   \
+    {                                                                                             \
+        static const coh_call c = {in, COH_FORMAT_##in ":" #name, coh_call_##name, result};       \
+        return coh_run(self, args, COH_KWDS_##bind, &c);                                          \
+    }
+#define COH_METHOD_DEF(name, bind, in, expr, result)                                              \
+    {#name, (PyCFunction)(void (*)(void))coherence_##name, COH_FLAGS_##bind,                      \
+     coherence_##name##_doc},
+
+PyDoc_STRVAR(coherence_plan_doc,
+             "plan()\n--\n\nFix every owner (LPT); a second call does nothing.");
+PyDoc_STRVAR(coherence_nblocks_doc,
+             "nblocks()\n--\n\nRegistered blocks (the exchange vector has 3 int64 per block).");
+PyDoc_STRVAR(coherence_stats_doc,
+             "stats()\n--\n\nblocks, owned, load, published, imported, received, synced, "
+             "installs, due_listed, bytes_<level> for each level, barrier_waits, barrier_wait_ns, "
+             "barrier_max_wait_ns, max_lag_steps, evaluated_step, world_size, rank, node, nodes, "
+             "staleness.");
+PyDoc_STRVAR(coherence_owner_doc,
+             "owner(block)\n--\n\nThe rank that computes the block's refresh.");
+PyDoc_STRVAR(coherence_is_owner_doc, "is_owner(block)\n--\n\nTrue if this rank owns the block.");
+PyDoc_STRVAR(coherence_block_info_doc,
+             "block_info(block)\n--\n\nThe block's cost, owner, versions and steps (a dict).");
+PyDoc_STRVAR(coherence_hier_plan_doc,
+             "hier_plan(block)\n--\n\nThis rank's part in moving the block (a dict: write_shm, "
+             "read_shm, inter 'none'/'send'/'recv', inter_root, recv_level, flat_recv, ...).");
+PyDoc_STRVAR(coherence_load_doc, "load(rank)\n--\n\nTotal cost of the blocks a rank owns.");
+PyDoc_STRVAR(coherence_barrier_begin_doc,
+             "barrier_begin(step)\n--\n\nOpen the bracket of a wait at the bounded barrier.");
+PyDoc_STRVAR(coherence_barrier_end_doc, "barrier_end(step)\n--\n\nClose it and count the wait.");
+PyDoc_STRVAR(coherence_publish_doc,
+             "publish(block, version, step)\n--\n\nOwner: the refresh snapshotted at step is "
+             "ready as version.");
+PyDoc_STRVAR(coherence_received_doc,
+             "received(block, version, step)\n--\n\nNon-owner replica: the data of version "
+             "landed here.");
+PyDoc_STRVAR(coherence_mark_synced_doc,
+             "mark_synced(block, version, step)\n--\n\nEvery replica, after the transfer of "
+             "version completed.");
+PyDoc_STRVAR(coherence_install_version_doc,
+             "install_version(block, step)\n--\n\nThe version every replica installs at step (0: "
+             "none yet). BusyError when this rank replicates the block but does not hold that "
+             "version (sync first).");
+
+COH_PLAIN_CALLS(COH_DEFINE)
+
+/* ---- the calls that return a list ---------------------------------------------------------- */
+
+/* A tuple of the n values at a (C ints, or uint64_t when u64 is set); NULL with an exception
+ * set. */
+static PyObject *tuple_of(const void *a, size_t n, int u64)
+{
+    PyObject *out = PyTuple_New((Py_ssize_t)n);
+    for (size_t i = 0; out && i < n; i++) {
+        PyObject *v = u64 ? PyLong_FromUnsignedLongLong(((const uint64_t *)a)[i])
+                          : PyLong_FromLong(((const int *)a)[i]);
+        if (!v)
+            Py_CLEAR(out);
+        else
+            PyTuple_SET_ITEM(out, (Py_ssize_t)i, v);
+    }
+    return out;
 }
 
 /* replicas() (reps 0) and representatives() (reps 1) as a tuple of ints. */
 static PyObject *coherence_rank_list(CoherenceObject *self, PyObject *arg, int reps)
 {
     mod_state *st = type_state(Py_TYPE(self));
-    uint64_t block;
-    if (!conv_u64(arg, &block))
-        return NULL;
-    ast_coherence *reg = coh_open(self, st);
+    coh_in a = {0};
+    ast_coherence *reg = coh_enter(self, st, IN_BLOCK, NULL, arg, NULL, &a);
     if (!reg)
         return NULL;
     int (*fn)(ast_coherence *, uint64_t, int *, size_t, size_t *) =
         reps ? ast_coherence_representatives : ast_coherence_replicas;
     size_t n = 0;
-    int rc = fn(reg, block, NULL, 0, &n);
+    int rc = fn(reg, a.block, NULL, 0, &n);
     if (rc < 0)
         return coh_raise(st, reg, rc);
     int *ranks = PyMem_Malloc((n ? n : 1) * sizeof *ranks);
     if (!ranks)
         return PyErr_NoMemory();
-    rc = fn(reg, block, ranks, n, &n);
-    PyObject *out = NULL;
-    if (rc < 0)
-        coh_raise(st, reg, rc);
-    else
-        out = PyTuple_New((Py_ssize_t)n);
-    for (size_t i = 0; out && i < n; i++) {
-        PyObject *v = PyLong_FromLong(ranks[i]);
-        if (!v)
-            Py_CLEAR(out);
-        else
-            PyTuple_SET_ITEM(out, (Py_ssize_t)i, v);
-    }
+    rc = fn(reg, a.block, ranks, n, &n);
+    PyObject *out = rc < 0 ? coh_raise(st, reg, rc) : tuple_of(ranks, n, 0);
     PyMem_Free(ranks);
     return out;
 }
@@ -361,84 +556,26 @@ static PyObject *coherence_representatives(CoherenceObject *self, PyObject *arg)
     return coherence_rank_list(self, arg, 1);
 }
 
-static PyObject *coherence_block_info(CoherenceObject *self, PyObject *arg)
+PyDoc_STRVAR(coherence_due_doc,
+             "due(step)\n--\n\nThe blocks this rank replicates that must sync at step, ascending "
+             "(a tuple of ints). Evaluates step.");
+
+static PyObject *coherence_due(CoherenceObject *self, PyObject *arg)
 {
     mod_state *st = type_state(Py_TYPE(self));
-    uint64_t block;
-    if (!conv_u64(arg, &block))
-        return NULL;
-    ast_coherence *reg = coh_open(self, st);
+    coh_in a = {0};
+    ast_coherence *reg = coh_enter(self, st, IN_STEP, NULL, arg, NULL, &a);
     if (!reg)
         return NULL;
-    ast_coherence_block b;
-    int rc = ast_coherence_block_info(reg, block, &b);
-    if (rc < 0)
-        return coh_raise(st, reg, rc);
-    PyObject *d = PyDict_New();
-    if (!d)
-        return NULL;
-#define U64(f) dict_set_steal(d, #f, PyLong_FromUnsignedLongLong(b.f))
-#define I64(f) dict_set_steal(d, #f, PyLong_FromLongLong(b.f))
-    if (U64(cost) || I64(owner) || I64(nreplicas) ||
-        dict_set_steal(d, "is_replica", PyBool_FromLong(b.is_replica)) || U64(version) ||
-        I64(snapshot_step) || U64(held_version) || I64(last_recv_step) || U64(synced_version) ||
-        I64(last_sync_step) || U64(due_version) || U64(installed_version)) {
-        Py_DECREF(d);
-        return NULL;
-    }
-#undef U64
-#undef I64
-    return d;
-}
-
-/* Calls taking (block, version, step): 0 publish, 1 received, 2 mark_synced. */
-static PyObject *coherence_bvs(CoherenceObject *self, PyObject *args, PyObject *kwds, int what)
-{
-    static char *kwlist[] = {"block", "version", "step", NULL};
-    static const char *const fmt[3] = {"O&O&L:publish", "O&O&L:received", "O&O&L:mark_synced"};
-    mod_state *st = type_state(Py_TYPE(self));
-    uint64_t block, version;
-    long long step;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, fmt[what], kwlist, conv_u64, &block, conv_u64,
-                                     &version, &step))
-        return NULL;
-    ast_coherence *reg = coh_open(self, st);
-    if (!reg)
-        return NULL;
-    int rc = what == 0   ? ast_coherence_publish(reg, block, version, step)
-             : what == 1 ? ast_coherence_received(reg, block, version, step)
-                         : ast_coherence_mark_synced(reg, block, version, step);
-    if (rc < 0)
-        return coh_raise(st, reg, rc);
-    Py_RETURN_NONE;
-}
-
-static PyObject *coherence_publish(CoherenceObject *self, PyObject *args, PyObject *kwds)
-{
-    return coherence_bvs(self, args, kwds, 0);
-}
-
-static PyObject *coherence_received(CoherenceObject *self, PyObject *args, PyObject *kwds)
-{
-    return coherence_bvs(self, args, kwds, 1);
-}
-
-static PyObject *coherence_mark_synced(CoherenceObject *self, PyObject *args, PyObject *kwds)
-{
-    return coherence_bvs(self, args, kwds, 2);
-}
-
-static PyObject *coherence_nblocks(CoherenceObject *self, PyObject *unused)
-{
-    mod_state *st = type_state(Py_TYPE(self));
-    ast_coherence *reg = coh_open(self, st);
-    if (!reg)
-        return NULL;
-    size_t n;
-    int rc = ast_coherence_nblocks(reg, &n);
-    if (rc < 0)
-        return coh_raise(st, reg, rc);
-    return PyLong_FromSize_t(n);
+    size_t cap = 0, n = 0;
+    ast_coherence_nblocks(reg, &cap);
+    uint64_t *ids = PyMem_Malloc((cap ? cap : 1) * sizeof *ids);
+    if (!ids)
+        return PyErr_NoMemory();
+    int rc = ast_coherence_due(reg, a.step, ids, cap, &n);
+    PyObject *out = rc < 0 ? coh_raise(st, reg, rc) : tuple_of(ids, n, 1);
+    PyMem_Free(ids);
+    return out;
 }
 
 /* The exchange vector's length check shared by export and import; -1 with ValueError set. */
@@ -456,6 +593,29 @@ static int xchg_len(ast_coherence *reg, Py_ssize_t nbytes, const char *what, siz
     }
     *n = want;
     return 0;
+}
+
+/* versions_export (export 1) / versions_import (export 0) of the n int64 at buf through an
+ * aligned copy, for a buffer that may not be aligned. Returns the call's rc, or 1 with
+ * MemoryError set. */
+static int xchg_copy(ast_coherence *reg, long long step, void *buf, size_t n, int export)
+{
+    int64_t *tmp = PyMem_Malloc((n ? n : 1) * sizeof *tmp);
+    if (!tmp) {
+        PyErr_NoMemory();
+        return 1;
+    }
+    int rc;
+    if (export) {
+        rc = ast_coherence_versions_export(reg, step, tmp, n);
+        if (rc == 0)
+            memcpy(buf, tmp, n * sizeof *tmp);
+    } else {
+        memcpy(tmp, buf, n * sizeof *tmp);
+        rc = ast_coherence_versions_import(reg, step, tmp, n);
+    }
+    PyMem_Free(tmp);
+    return rc;
 }
 
 PyDoc_STRVAR(coherence_versions_export_doc,
@@ -494,21 +654,11 @@ static PyObject *coherence_versions_export(CoherenceObject *self, PyObject *args
     int rc = 0;
     if (xchg_len(reg, view.len, "versions_export", &n) < 0)
         rc = 1;
-    else if (((uintptr_t)view.buf % sizeof(int64_t)) != 0) {
-        /* bytearray storage is malloc'd; a foreign buffer may not be aligned: go through a copy */
-        int64_t *tmp = PyMem_Malloc((n ? n : 1) * sizeof *tmp);
-        if (!tmp) {
-            PyErr_NoMemory();
-            rc = 1;
-        } else {
-            rc = ast_coherence_versions_export(reg, step, tmp, n);
-            if (rc == 0)
-                memcpy(view.buf, tmp, n * sizeof *tmp);
-            PyMem_Free(tmp);
-        }
-    } else {
+    else if (((uintptr_t)view.buf % sizeof(int64_t)) != 0)
+        /* bytearray storage is malloc'd; a foreign buffer may not be aligned */
+        rc = xchg_copy(reg, step, view.buf, n, 1);
+    else
         rc = ast_coherence_versions_export(reg, step, view.buf, n);
-    }
     PyBuffer_Release(&view);
     if (rc) {
         Py_DECREF(out);
@@ -542,113 +692,12 @@ static PyObject *coherence_versions_import(CoherenceObject *self, PyObject *args
     } else if (xchg_len(reg, view.len, "versions_import", &n) < 0) {
         rc = 1;
     } else {
-        int64_t *tmp = PyMem_Malloc((n ? n : 1) * sizeof *tmp);
-        if (!tmp) {
-            PyErr_NoMemory();
-            rc = 1;
-        } else {
-            memcpy(tmp, view.buf, n * sizeof *tmp);
-            rc = ast_coherence_versions_import(reg, step, tmp, n);
-            PyMem_Free(tmp);
-        }
+        rc = xchg_copy(reg, step, view.buf, n, 0);
     }
     PyBuffer_Release(&view);
     if (rc)
         return rc < 0 ? coh_raise(st, reg, rc) : NULL;
     Py_RETURN_NONE;
-}
-
-PyDoc_STRVAR(coherence_due_doc,
-             "due(step)\n--\n\nThe blocks this rank replicates that must sync at step, ascending "
-             "(a tuple of ints). Evaluates step.");
-
-static PyObject *coherence_due(CoherenceObject *self, PyObject *arg)
-{
-    mod_state *st = type_state(Py_TYPE(self));
-    long long step = PyLong_AsLongLong(arg);
-    if (step == -1 && PyErr_Occurred())
-        return NULL;
-    ast_coherence *reg = coh_open(self, st);
-    if (!reg)
-        return NULL;
-    size_t cap = 0, n = 0;
-    ast_coherence_nblocks(reg, &cap);
-    uint64_t *ids = PyMem_Malloc((cap ? cap : 1) * sizeof *ids);
-    if (!ids)
-        return PyErr_NoMemory();
-    int rc = ast_coherence_due(reg, step, ids, cap, &n);
-    PyObject *out = NULL;
-    if (rc < 0)
-        coh_raise(st, reg, rc);
-    else
-        out = PyTuple_New((Py_ssize_t)n);
-    for (size_t i = 0; out && i < n; i++) {
-        PyObject *v = PyLong_FromUnsignedLongLong(ids[i]);
-        if (!v)
-            Py_CLEAR(out);
-        else
-            PyTuple_SET_ITEM(out, (Py_ssize_t)i, v);
-    }
-    PyMem_Free(ids);
-    return out;
-}
-
-PyDoc_STRVAR(coherence_install_version_doc,
-             "install_version(block, step)\n--\n\nThe version every replica installs at step (0: "
-             "none yet). BusyError when this rank replicates the block but does not hold that "
-             "version (sync first).");
-
-static PyObject *coherence_install_version(CoherenceObject *self, PyObject *args, PyObject *kwds)
-{
-    static char *kwlist[] = {"block", "step", NULL};
-    mod_state *st = type_state(Py_TYPE(self));
-    uint64_t block, version = 0;
-    long long step;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&L:install_version", kwlist, conv_u64, &block,
-                                     &step))
-        return NULL;
-    ast_coherence *reg = coh_open(self, st);
-    if (!reg)
-        return NULL;
-    int rc = ast_coherence_install_version(reg, block, step, &version);
-    if (rc < 0)
-        return coh_raise(st, reg, rc);
-    return PyLong_FromUnsignedLongLong(version);
-}
-
-static PyObject *coherence_hier_plan(CoherenceObject *self, PyObject *arg)
-{
-    mod_state *st = type_state(Py_TYPE(self));
-    uint64_t block;
-    if (!conv_u64(arg, &block))
-        return NULL;
-    ast_coherence *reg = coh_open(self, st);
-    if (!reg)
-        return NULL;
-    ast_coherence_hier h;
-    int rc = ast_coherence_hier_plan(reg, block, &h);
-    if (rc < 0)
-        return coh_raise(st, reg, rc);
-    static const char *const inter[3] = {"none", "send", "recv"};
-    PyObject *d = PyDict_New();
-    if (!d)
-        return NULL;
-#define I(f) dict_set_steal(d, #f, PyLong_FromLong(h.f))
-#define B(f) dict_set_steal(d, #f, PyBool_FromLong(h.f))
-    if (I(owner) || I(owner_node) || I(node) || I(nodes) || I(node_replicas) || B(is_replica) ||
-        B(is_representative) || I(representative) || I(inter_root) || B(write_shm) ||
-        B(read_shm) ||
-        dict_set_steal(d, "inter", PyUnicode_FromString(inter[h.inter])) ||
-        dict_set_steal(d, "recv_level", h.recv_level >= 0 && h.recv_level < AST_COH_LEVEL_COUNT
-                                            ? PyUnicode_FromString(coh_level_names[h.recv_level])
-                                            : Py_NewRef(Py_None)) ||
-        B(flat_recv) || B(flat_recv_inter)) {
-        Py_DECREF(d);
-        return NULL;
-    }
-#undef I
-#undef B
-    return d;
 }
 
 PyDoc_STRVAR(coherence_count_bytes_doc,
@@ -681,74 +730,6 @@ static PyObject *coherence_count_bytes(CoherenceObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* barrier_begin (end 0) / barrier_end (end 1). */
-static PyObject *coherence_barrier(CoherenceObject *self, PyObject *arg, int end)
-{
-    mod_state *st = type_state(Py_TYPE(self));
-    long long step = PyLong_AsLongLong(arg);
-    if (step == -1 && PyErr_Occurred())
-        return NULL;
-    ast_coherence *reg = coh_open(self, st);
-    if (!reg)
-        return NULL;
-    int rc = end ? ast_coherence_barrier_end(reg, step) : ast_coherence_barrier_begin(reg, step);
-    if (rc < 0)
-        return coh_raise(st, reg, rc);
-    Py_RETURN_NONE;
-}
-
-static PyObject *coherence_barrier_begin(CoherenceObject *self, PyObject *arg)
-{
-    return coherence_barrier(self, arg, 0);
-}
-
-static PyObject *coherence_barrier_end(CoherenceObject *self, PyObject *arg)
-{
-    return coherence_barrier(self, arg, 1);
-}
-
-PyDoc_STRVAR(coherence_stats_doc,
-             "stats()\n--\n\nblocks, owned, load, published, imported, received, synced, "
-             "installs, due_listed, bytes_<level> for each level, barrier_waits, barrier_wait_ns, "
-             "barrier_max_wait_ns, max_lag_steps, evaluated_step, world_size, rank, node, nodes, "
-             "staleness.");
-
-static PyObject *coherence_stats(CoherenceObject *self, PyObject *unused)
-{
-    mod_state *st = type_state(Py_TYPE(self));
-    ast_coherence *reg = coh_open(self, st);
-    if (!reg)
-        return NULL;
-    ast_coherence_stats s;
-    int rc = ast_coherence_stats_get(reg, &s);
-    if (rc < 0)
-        return coh_raise(st, reg, rc);
-    PyObject *d = PyDict_New();
-    if (!d)
-        return NULL;
-#define U64(f) dict_set_steal(d, #f, PyLong_FromUnsignedLongLong(s.f))
-#define I64(f) dict_set_steal(d, #f, PyLong_FromLongLong(s.f))
-    if (U64(blocks) || U64(owned) || U64(load) || U64(published) || U64(imported) ||
-        U64(received) || U64(synced) || U64(installs) || U64(due_listed) || U64(barrier_waits) ||
-        U64(barrier_wait_ns) || U64(barrier_max_wait_ns) || I64(max_lag_steps) ||
-        I64(evaluated_step) || I64(world_size) || I64(rank) || I64(node) || I64(nodes) ||
-        I64(staleness)) {
-        Py_DECREF(d);
-        return NULL;
-    }
-#undef U64
-#undef I64
-    for (int i = 0; i < AST_COH_LEVEL_COUNT; i++) {
-        char key[32];
-        snprintf(key, sizeof key, "bytes_%s", coh_level_names[i]);
-        if (dict_set_steal(d, key, PyLong_FromUnsignedLongLong(s.bytes[i])) < 0) {
-            Py_DECREF(d);
-            return NULL;
-        }
-    }
-    return d;
-}
-
 static PyObject *coherence_last_error(CoherenceObject *self, PyObject *unused)
 {
     mod_state *st = type_state(Py_TYPE(self));
@@ -766,53 +747,22 @@ static PyObject *coherence_get_closed(CoherenceObject *self, void *closure)
 }
 
 static PyMethodDef coherence_methods[] = {
+    COH_PLAIN_CALLS(COH_METHOD_DEF)
     {"register_block", (PyCFunction)(void (*)(void))coherence_register_block,
      METH_VARARGS | METH_KEYWORDS, coherence_register_block_doc},
     {"extend", (PyCFunction)(void (*)(void))coherence_extend, METH_VARARGS | METH_KEYWORDS,
      coherence_extend_doc},
-    {"plan", (PyCFunction)coherence_plan, METH_NOARGS,
-     PyDoc_STR("plan()\n--\n\nFix every owner (LPT); a second call does nothing.")},
-    {"owner", (PyCFunction)coherence_owner, METH_O,
-     PyDoc_STR("owner(block)\n--\n\nThe rank that computes the block's refresh.")},
-    {"is_owner", (PyCFunction)coherence_is_owner, METH_O,
-     PyDoc_STR("is_owner(block)\n--\n\nTrue if this rank owns the block.")},
-    {"load", (PyCFunction)coherence_load, METH_O,
-     PyDoc_STR("load(rank)\n--\n\nTotal cost of the blocks a rank owns.")},
     {"replicas", (PyCFunction)coherence_replicas, METH_O,
      PyDoc_STR("replicas(block)\n--\n\nThe ranks holding a replica, ascending.")},
     {"representatives", (PyCFunction)coherence_representatives, METH_O,
      PyDoc_STR("representatives(block)\n--\n\nOne rank per node holding a replica (its lowest "
                "replica rank), ascending.")},
-    {"block_info", (PyCFunction)coherence_block_info, METH_O,
-     PyDoc_STR("block_info(block)\n--\n\nThe block's cost, owner, versions and steps (a dict).")},
-    {"publish", (PyCFunction)(void (*)(void))coherence_publish, METH_VARARGS | METH_KEYWORDS,
-     PyDoc_STR("publish(block, version, step)\n--\n\nOwner: the refresh snapshotted at step is "
-               "ready as version.")},
-    {"nblocks", (PyCFunction)coherence_nblocks, METH_NOARGS,
-     PyDoc_STR("nblocks()\n--\n\nRegistered blocks (the exchange vector has 3 int64 per block).")},
     {"versions_export", (PyCFunction)(void (*)(void))coherence_versions_export,
      METH_VARARGS | METH_KEYWORDS, coherence_versions_export_doc},
     {"versions_import", (PyCFunction)(void (*)(void))coherence_versions_import,
      METH_VARARGS | METH_KEYWORDS, coherence_versions_import_doc},
-    {"received", (PyCFunction)(void (*)(void))coherence_received, METH_VARARGS | METH_KEYWORDS,
-     PyDoc_STR("received(block, version, step)\n--\n\nNon-owner replica: the data of version "
-               "landed here.")},
     {"due", (PyCFunction)coherence_due, METH_O, coherence_due_doc},
-    {"mark_synced", (PyCFunction)(void (*)(void))coherence_mark_synced,
-     METH_VARARGS | METH_KEYWORDS,
-     PyDoc_STR("mark_synced(block, version, step)\n--\n\nEvery replica, after the transfer of "
-               "version completed.")},
-    {"install_version", (PyCFunction)(void (*)(void))coherence_install_version,
-     METH_VARARGS | METH_KEYWORDS, coherence_install_version_doc},
-    {"hier_plan", (PyCFunction)coherence_hier_plan, METH_O,
-     PyDoc_STR("hier_plan(block)\n--\n\nThis rank's part in moving the block (a dict: write_shm, "
-               "read_shm, inter 'none'/'send'/'recv', inter_root, recv_level, flat_recv, ...).")},
     {"count_bytes", (PyCFunction)coherence_count_bytes, METH_VARARGS, coherence_count_bytes_doc},
-    {"barrier_begin", (PyCFunction)coherence_barrier_begin, METH_O,
-     PyDoc_STR("barrier_begin(step)\n--\n\nOpen the bracket of a wait at the bounded barrier.")},
-    {"barrier_end", (PyCFunction)coherence_barrier_end, METH_O,
-     PyDoc_STR("barrier_end(step)\n--\n\nClose it and count the wait.")},
-    {"stats", (PyCFunction)coherence_stats, METH_NOARGS, coherence_stats_doc},
     {"last_error", (PyCFunction)coherence_last_error, METH_NOARGS,
      PyDoc_STR("last_error()\n--\n\nThe registry's last error message ('' if none).")},
     {"close", (PyCFunction)coherence_close, METH_NOARGS,

@@ -118,6 +118,9 @@ int config_apply(mod_state *st, ast_config *cfg, PyObject *config);
 PyObject *config_validate(mod_state *st, PyObject *config);
 /* The dict form of a config; validate_config() of it gives the same config. */
 PyObject *config_to_dict(const ast_config *c);
+/* ---- result.c ---- */
+/* A new Result (st->result_type) holding r; NULL with an exception set. */
+PyObject *make_result(mod_state *st, const ast_result *r);
 /* ---- module.c ---- */
 /* asteria._C's definition: how testing.c recognises this module's objects. */
 extern struct PyModuleDef asteria_module_def;

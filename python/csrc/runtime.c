@@ -1,62 +1,10 @@
 /*
- * runtime.c - asteria._C.Runtime (runtime.h: the worker pool, jobs, waits, trace events) and
- * its Result struct sequence (the completion of one job).
+ * runtime.c - asteria._C.Runtime (runtime.h: the worker pool, jobs, waits, trace events); the
+ * completions it returns are Results (result.c).
  * May call: the public libasteria API and the Python C API, and common.h (config.c's
  * config_apply and config_to_dict for the config a Runtime takes and reports).
  */
 #include "common.h"
-
-/* ---- Result ------------------------------------------------------------------------------------- */
-
-static PyStructSequence_Field result_fields[] = {
-    {"ticket", "job ticket"},
-    {"block", "caller's block key"},
-    {"version", "block version"},
-    {"snapshot_step", "step whose end state the inputs are"},
-    {"status", "0 or a negative AST_E* code"},
-    {"retried_f64", "the float32 job was retried in float64"},
-    {"failed_index", "first failing block of the batch, -1 if none"},
-    {"queued_ns", "CLOCK_MONOTONIC time the job was queued"},
-    {"started_ns", "time it started (0 if it never ran)"},
-    {"done_ns", "time it completed"},
-    {"worker", "index of the worker that ran it, -1 if none"},
-    {NULL, NULL},
-};
-
-PyStructSequence_Desc result_desc = {
-    "asteria._C.Result",
-    "Result(ticket, block, version, snapshot_step, status, retried_f64, failed_index, queued_ns,\n"
-    "started_ns, done_ns, worker): the completion of one REFRESH job.",
-    result_fields,
-    11,
-};
-
-static PyObject *make_result(mod_state *st, const ast_result *r)
-{
-    PyObject *t = PyStructSequence_New(st->result_type);
-    if (!t)
-        return NULL;
-    PyObject *v[11] = {
-        PyLong_FromUnsignedLongLong(r->ticket),  PyLong_FromUnsignedLongLong(r->block),
-        PyLong_FromUnsignedLongLong(r->version), PyLong_FromLongLong(r->snapshot_step),
-        PyLong_FromLong(r->status),              PyBool_FromLong(r->retried_f64),
-        PyLong_FromLong(r->failed_index),        PyLong_FromUnsignedLongLong(r->queued_ns),
-        PyLong_FromUnsignedLongLong(r->started_ns), PyLong_FromUnsignedLongLong(r->done_ns),
-        PyLong_FromLong(r->worker),
-    };
-    int ok = 1;
-    for (int i = 0; i < 11; i++) {
-        if (!v[i])
-            ok = 0;
-        else
-            PyStructSequence_SET_ITEM(t, i, v[i]);
-    }
-    if (!ok) {
-        Py_DECREF(t);
-        return NULL;
-    }
-    return t;
-}
 
 /* ---- Runtime ------------------------------------------------------------------------------------ */
 
@@ -73,6 +21,38 @@ static ast_runtime *rt_open(RuntimeObject *self, mod_state *st)
     if (guard_open(&self->g, self->rt != NULL, st, "runtime") < 0)
         return NULL;
     return self->rt;
+}
+
+/* Raises the failure rc of a call just made on rt, with the GIL held, and its message. */
+static PyObject *rt_raise(mod_state *st, ast_runtime *rt, int rc)
+{
+    char err[ERRBUF_LEN] = "";
+    ast_runtime_last_error(rt, err, sizeof err);
+    return raise_ast_error(st, rc, detail_for(rc, err));
+}
+
+/* A call that may block or compute: fn(rt, arg) inside the handle guard with the GIL released,
+ * the message of a failure read before the GIL is taken back (another thread's call may set a
+ * newer one). Returns 0, or -1 with the exception raised. */
+static int rt_call(RuntimeObject *self, mod_state *st, int (*fn)(ast_runtime *rt, void *arg),
+                   void *arg)
+{
+    if (rt_enter(self, st) < 0)
+        return -1;
+    ast_runtime *rt = self->rt;
+    char err[ERRBUF_LEN] = "";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = fn(rt, arg);
+    if (rc < 0)
+        ast_runtime_last_error(rt, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    rt_leave(self);
+    if (rc < 0) {
+        raise_ast_error(st, rc, detail_for(rc, err));
+        return -1;
+    }
+    return 0;
 }
 
 static PyObject *runtime_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
@@ -183,54 +163,44 @@ PyDoc_STRVAR(runtime_register_doc,
              "register(ptr, nbytes)\n--\n\nDeclare host memory [ptr, ptr+nbytes) that jobs may "
              "read or write. Returns a handle for unregister().");
 
+typedef struct {
+    void *ptr;
+    size_t nbytes;
+    uint64_t handle;
+} register_call;
+
+static int do_register(ast_runtime *rt, void *arg)
+{
+    register_call *c = arg;
+    return ast_runtime_register(rt, c->ptr, c->nbytes, &c->handle);
+}
+
 static PyObject *runtime_register(RuntimeObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"ptr", "nbytes", NULL};
-    mod_state *st = type_state(Py_TYPE(self));
-    void *ptr;
-    size_t nbytes;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&O&:register", kwlist, conv_ptr, &ptr,
-                                     conv_size, &nbytes))
+    register_call c = {NULL, 0, 0};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&O&:register", kwlist, conv_ptr, &c.ptr,
+                                     conv_size, &c.nbytes))
         return NULL;
-    if (rt_enter(self, st) < 0)
+    if (rt_call(self, type_state(Py_TYPE(self)), do_register, &c) < 0)
         return NULL;
-    ast_runtime *rt = self->rt;
-    uint64_t handle = 0;
-    char err[ERRBUF_LEN] = "";
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ast_runtime_register(rt, ptr, nbytes, &handle);
-    if (rc < 0)
-        ast_runtime_last_error(rt, err, sizeof err);
-    Py_END_ALLOW_THREADS
-    rt_leave(self);
-    if (rc < 0)
-        return raise_ast_error(st, rc, detail_for(rc, err));
-    return PyLong_FromUnsignedLongLong(handle);
+    return PyLong_FromUnsignedLongLong(c.handle);
 }
 
 PyDoc_STRVAR(runtime_unregister_doc,
              "unregister(handle)\n--\n\nForget a registered buffer (AST_EBUSY while a job uses it).");
 
+static int do_unregister(ast_runtime *rt, void *arg)
+{
+    return ast_runtime_unregister(rt, *(const uint64_t *)arg);
+}
+
 static PyObject *runtime_unregister(RuntimeObject *self, PyObject *arg)
 {
-    mod_state *st = type_state(Py_TYPE(self));
     uint64_t handle;
-    if (!conv_u64(arg, &handle))
+    if (!conv_u64(arg, &handle) ||
+        rt_call(self, type_state(Py_TYPE(self)), do_unregister, &handle) < 0)
         return NULL;
-    if (rt_enter(self, st) < 0)
-        return NULL;
-    ast_runtime *rt = self->rt;
-    char err[ERRBUF_LEN] = "";
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ast_runtime_unregister(rt, handle);
-    if (rc < 0)
-        ast_runtime_last_error(rt, err, sizeof err);
-    Py_END_ALLOW_THREADS
-    rt_leave(self);
-    if (rc < 0)
-        return raise_ast_error(st, rc, detail_for(rc, err));
     Py_RETURN_NONE;
 }
 
@@ -248,6 +218,17 @@ PyDoc_STRVAR(runtime_submit_doc,
              "B_old^T B_new. n1 >= 1 is read by soap_rotate and gram_ema only; in2 must be\n"
              "None for the other ops. Returns the ticket.");
 
+typedef struct {
+    ast_refresh req;
+    uint64_t ticket;
+} submit_call;
+
+static int do_submit(ast_runtime *rt, void *arg)
+{
+    submit_call *c = arg;
+    return ast_runtime_submit(rt, &c->req, &c->ticket);
+}
+
 static PyObject *runtime_submit(RuntimeObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"op",  "dtype", "n",     "batch",   "in0",      "in1",
@@ -255,35 +236,24 @@ static PyObject *runtime_submit(RuntimeObject *self, PyObject *args, PyObject *k
                              "deadline", "snapshot_step", "n1", "in2", NULL};
     mod_state *st = type_state(Py_TYPE(self));
     PyObject *op_o, *dtype_o;
-    ast_refresh req;
-    memset(&req, 0, sizeof req);
+    submit_call c;
+    memset(&c, 0, sizeof c);
+    ast_refresh *req = &c.req;
     long long deadline = 0, snapshot_step = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOiiO&O&O&O&|ddO&O&LLiO&:submit", kwlist,
-                                     &op_o, &dtype_o, &req.n, &req.batch, conv_ptr, &req.in0,
-                                     conv_optptr, &req.in1, conv_optptr, &req.out0, conv_optptr,
-                                     &req.out1, &req.p, &req.eps, conv_u64, &req.block, conv_u64,
-                                     &req.version, &deadline, &snapshot_step, &req.n1,
-                                     conv_optptr, &req.in2))
+                                     &op_o, &dtype_o, &req->n, &req->batch, conv_ptr, &req->in0,
+                                     conv_optptr, &req->in1, conv_optptr, &req->out0,
+                                     conv_optptr, &req->out1, &req->p, &req->eps, conv_u64,
+                                     &req->block, conv_u64, &req->version, &deadline,
+                                     &snapshot_step, &req->n1, conv_optptr, &req->in2))
         return NULL;
-    if (parse_op(st, op_o, &req.op) < 0 || parse_dtype(dtype_o, &req.dtype) < 0)
+    if (parse_op(st, op_o, &req->op) < 0 || parse_dtype(dtype_o, &req->dtype) < 0)
         return NULL;
-    req.deadline = deadline;
-    req.snapshot_step = snapshot_step;
-    if (rt_enter(self, st) < 0)
+    req->deadline = deadline;
+    req->snapshot_step = snapshot_step;
+    if (rt_call(self, st, do_submit, &c) < 0)
         return NULL;
-    ast_runtime *rt = self->rt;
-    uint64_t ticket = 0;
-    char err[ERRBUF_LEN] = "";
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ast_runtime_submit(rt, &req, &ticket);
-    if (rc < 0)
-        ast_runtime_last_error(rt, err, sizeof err);
-    Py_END_ALLOW_THREADS
-    rt_leave(self);
-    if (rc < 0)
-        return raise_ast_error(st, rc, detail_for(rc, err));
-    return PyLong_FromUnsignedLongLong(ticket);
+    return PyLong_FromUnsignedLongLong(c.ticket);
 }
 
 PyDoc_STRVAR(runtime_cancel_doc,
@@ -315,40 +285,37 @@ static PyObject *runtime_cancel(RuntimeObject *self, PyObject *arg)
 PyDoc_STRVAR(runtime_poll_doc,
              "poll()\n--\n\nCollect every completed job without blocking: a list of Result.");
 
+typedef struct {
+    ast_result buf[POLL_CHUNK];
+    size_t n;
+} poll_call;
+
+static int do_poll(ast_runtime *rt, void *arg)
+{
+    poll_call *c = arg;
+    return ast_runtime_poll(rt, c->buf, POLL_CHUNK, &c->n);
+}
+
 static PyObject *runtime_poll(RuntimeObject *self, PyObject *unused)
 {
     mod_state *st = type_state(Py_TYPE(self));
     PyObject *list = PyList_New(0);
     if (!list)
         return NULL;
-    ast_result buf[POLL_CHUNK];
-    size_t n;
+    poll_call c;
     do {
-        if (rt_enter(self, st) < 0)
+        c.n = 0;
+        if (rt_call(self, st, do_poll, &c) < 0)
             goto fail;
-        ast_runtime *rt = self->rt;
-        char err[ERRBUF_LEN] = "";
-        int rc;
-        n = 0;
-        Py_BEGIN_ALLOW_THREADS
-        rc = ast_runtime_poll(rt, buf, POLL_CHUNK, &n);
-        if (rc < 0)
-            ast_runtime_last_error(rt, err, sizeof err);
-        Py_END_ALLOW_THREADS
-        rt_leave(self);
-        if (rc < 0) {
-            raise_ast_error(st, rc, detail_for(rc, err));
-            goto fail;
-        }
-        for (size_t i = 0; i < n; i++) {
-            PyObject *r = make_result(st, &buf[i]);
+        for (size_t i = 0; i < c.n; i++) {
+            PyObject *r = make_result(st, &c.buf[i]);
             if (!r || PyList_Append(list, r) < 0) {
                 Py_XDECREF(r);
                 goto fail;
             }
             Py_DECREF(r);
         }
-    } while (n == POLL_CHUNK);
+    } while (c.n == POLL_CHUNK);
     return list;
 fail:
     Py_DECREF(list);
@@ -650,11 +617,8 @@ static PyObject *runtime_trace_event(RuntimeObject *self, PyObject *args, PyObje
     /* Kept with the GIL: a short critical section of the recorder; name and cat point into
      * Python strings, which the recorder copies. */
     int rc = ast_runtime_trace_event(rt, &ev);
-    if (rc < 0) {
-        char err[ERRBUF_LEN] = "";
-        ast_runtime_last_error(rt, err, sizeof err);
-        return raise_ast_error(st, rc, detail_for(rc, err));
-    }
+    if (rc < 0)
+        return rt_raise(st, rt, rc);
     Py_RETURN_NONE;
 }
 
@@ -677,11 +641,8 @@ static PyObject *runtime_trace_name_lane(RuntimeObject *self, PyObject *args, Py
     if (!rt)
         return NULL;
     int rc = ast_runtime_trace_name_lane(rt, lane, name);
-    if (rc < 0) {
-        char err[ERRBUF_LEN] = "";
-        ast_runtime_last_error(rt, err, sizeof err);
-        return raise_ast_error(st, rc, detail_for(rc, err));
-    }
+    if (rc < 0)
+        return rt_raise(st, rt, rc);
     Py_RETURN_NONE;
 }
 
@@ -690,6 +651,8 @@ PyDoc_STRVAR(runtime_trace_write_doc,
              "to path (None: config 'trace'), atomically, GIL released; recording goes on. "
              "AsteriaError (AST_ESTATE) without a trace; the mapped OSError (naming the path) if "
              "the file cannot be written.");
+
+static int do_trace_write(ast_runtime *rt, void *arg) { return ast_runtime_trace_write(rt, arg); }
 
 static PyObject *runtime_trace_write(RuntimeObject *self, PyObject *args, PyObject *kwds)
 {
@@ -708,22 +671,10 @@ static PyObject *runtime_trace_write(RuntimeObject *self, PyObject *args, PyObje
             return NULL;
         }
     }
-    if (rt_enter(self, st) < 0) {
-        PyMem_RawFree(path);
-        return NULL;
-    }
-    ast_runtime *rt = self->rt;
-    char err[ERRBUF_LEN] = "";
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ast_runtime_trace_write(rt, path);
-    if (rc < 0)
-        ast_runtime_last_error(rt, err, sizeof err);
-    Py_END_ALLOW_THREADS
-    rt_leave(self);
+    int rc = rt_call(self, st, do_trace_write, path);
     PyMem_RawFree(path);
     if (rc < 0)
-        return raise_ast_error(st, rc, detail_for(rc, err));
+        return NULL;
     Py_RETURN_NONE;
 }
 
