@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, _init_opt
 
 from asteria.optim import KLShampoo, SOAP, Shampoo
 from asteria.rank_exit import exit_rank
+from tolerance import adamw_tol
 from models import (assert_params_close, loss_and_grad, make_model, params_of,
                     require_c_extension, train_mlp)
 
@@ -219,7 +220,8 @@ def test_adamw_group_takes_a_matrix_to_adamw(name, runtime):
         twin.grad = w.grad.detach().clone()
         opt.step()
         adamw.step()
-        torch.testing.assert_close(w.detach(), twin.detach(), rtol=1e-12, atol=1e-14)
+        tol = adamw_tol(torch.float64, t)
+        torch.testing.assert_close(w.detach(), twin.detach(), rtol=tol, atol=tol)
     assert set(opt.state[w]) == {"step", "exp_avg", "exp_avg_sq"}
     assert opt.state[model.layers[1].weight]["step"] > 0
     assert any(k.startswith("b0.") for k in opt.state[model.layers[1].weight])

@@ -21,3 +21,9 @@ def rounding_tol(dtype, n: int = 1, steps: int = 1, cond: float = 1.0) -> float:
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."))
     return torch.finfo(dtype).eps * n * steps * cond
+
+
+def adamw_tol(dtype, steps: int) -> float:
+    """Two elementwise AdamW updates of O(1) parameters written differently (another order of
+    the same operations): about 10 roundings an element a step, over ``steps`` steps."""
+    return rounding_tol(dtype, n=10, steps=steps)
