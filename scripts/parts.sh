@@ -14,7 +14,7 @@ timed() {  # label, command...: runs it, keeps its result and wall time for the 
   "$@" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   # the counts of a test part: pytest's last summary line, or ctest's
-  counts=$(grep -aE '^=+ .*(passed|failed|error).* in [0-9.]+s|tests passed, [0-9]+ tests failed' \
+  counts=$(grep -aE '^(=+ )?[0-9]+ (passed|failed|errors?|skipped)\b.* in [0-9.]+s|tests passed, [0-9]+ tests failed' \
            "$log" | tail -1 | tr -d '=' | sed 's/^ *//; s/ *$//')
   rm -f "$log"
   local verdict=passed

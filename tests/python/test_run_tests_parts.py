@@ -20,19 +20,21 @@ def run(body: str) -> subprocess.CompletedProcess:
 
 
 PASSING = "ok() { echo '===== 3 passed, 1 skipped in 2.10s ====='; }"
+QUIET = "quiet() { echo '2 failed, 1242 passed, 15 skipped in 2174.43s (0:36:14)'; return 1; }"
 FAILING = "bad() { echo '50% tests passed, 1 tests failed out of 2'; return 8; }"
 
 
 def test_a_failed_part_does_not_stop_the_rest_and_fails_the_command():
-    r = run(f"{FAILING}\n{PASSING}\ntimed first bad\ntimed second ok\n"
-            "skipped third 'its setup failed'\nsummary")
+    r = run(f"{FAILING}\n{PASSING}\n{QUIET}\ntimed first bad\ntimed second ok\n"
+            "skipped third 'its setup failed'\ntimed fourth quiet\nsummary")
     assert r.returncode == 1, r.stdout + r.stderr
     table = r.stdout.split("== result and wall time per part ==")[1].splitlines()
-    first, second, third = (next(line for line in table if line.startswith(name))
-                            for name in ("first", "second", "third"))
+    first, second, third, fourth = (next(line for line in table if line.startswith(name))
+                                    for name in ("first", "second", "third", "fourth"))
     assert "FAILED (exit 8): 50% tests passed, 1 tests failed out of 2" in first
     assert "passed: 3 passed, 1 skipped in 2.10s" in second
     assert "NOT RUN (its setup failed)" in third
+    assert "FAILED (exit 1): 2 failed, 1242 passed, 15 skipped in 2174.43s (0:36:14)" in fourth
     assert "== FAILED" in r.stdout
 
 
