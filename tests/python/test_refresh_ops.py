@@ -13,6 +13,7 @@ import torch
 
 from asteria.refresh import inline_torch, ops
 from models import require_c_extension
+from tolerance import rounding_tol
 
 PKG = os.path.dirname(os.path.abspath(ops.__file__)).rsplit(os.sep, 1)[0]  # .../asteria
 
@@ -85,6 +86,14 @@ def test_output_spec_matches_the_torch_executor():
 # ---- gram_ema -------------------------------------------------------------------------------
 
 
+def gram_tol(g, f, beta, alpha):
+    """beta F + alpha G G^T (either side) in G's dtype: a sum of k + 1 terms (k <= the larger
+    side), off by (k + 1) eps times the terms' size, |beta| max|F| + |alpha| k max|G|^2."""
+    k = max(g.shape[-2:])
+    mag = abs(beta) * float(f.abs().max()) + abs(alpha) * k * float(g.abs().max()) ** 2
+    return rounding_tol(g.dtype, n=k + 1) * mag
+
+
 def _gram_inputs(batch, n, n1, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     g = torch.randn(batch, n, n1, dtype=dtype, generator=gen)
@@ -98,15 +107,15 @@ def _gram_inputs(batch, n, n1, dtype, seed):
 def test_gram_ema_reference_restatement(dtype, n, n1):
     g, l, r = _gram_inputs(3, n, n1, dtype, seed=n * 10 + n1)
     l0, r0 = l.clone(), r.clone()
-    tol = 1e-12 if dtype == torch.float64 else 1e-5
     for beta, alpha in ((0.95, 0.05), (-0.5, 2.0), (0.0, 1.0)):
         lw, rw = ops.gram_ema(g, l, r, beta, alpha)
+        tol_l, tol_r = gram_tol(g, l, beta, alpha), gram_tol(g, r, beta, alpha)
         for i in range(3):
             gi = g[i].double()
             want_l = beta * l[i].double() + alpha * (gi @ gi.T)
             want_r = beta * r[i].double() + alpha * (gi.T @ gi)
-            torch.testing.assert_close(lw[i].double(), want_l, rtol=tol, atol=tol)
-            torch.testing.assert_close(rw[i].double(), want_r, rtol=tol, atol=tol)
+            torch.testing.assert_close(lw[i].double(), want_l, rtol=0, atol=tol_l)
+            torch.testing.assert_close(rw[i].double(), want_r, rtol=0, atol=tol_r)
         assert lw.dtype == rw.dtype == dtype
         only_l = ops.gram_ema(g, l, None, beta, alpha)
         only_r = ops.gram_ema(g, None, r, beta, alpha)
@@ -173,19 +182,20 @@ def test_gram_ema_c_op_in_place(dtype):
     try:
         hs = [rt.register(t.data_ptr(), t.numel() * t.element_size()) for t in (g, l, r)]
         want_l, want_r = ops.gram_ema(g, l, r, 0.95, 0.05)
+        tol = 2 * max(gram_tol(g, l, 0.95, 0.05), gram_tol(g, r, 0.95, 0.05))  # both round
         t = rt.submit("gram_ema", name, n, batch, g.data_ptr(), None, l.data_ptr(),
                       r.data_ptr(), p=0.95, eps=0.05, n1=n1)
         assert rt.wait(t, None).status == 0
-        tol = 1e-12 if dtype == torch.float64 else 1e-5
-        torch.testing.assert_close(l, want_l, rtol=tol, atol=tol)
-        torch.testing.assert_close(r, want_r, rtol=tol, atol=tol)
+        torch.testing.assert_close(l, want_l, rtol=0, atol=tol)
+        torch.testing.assert_close(r, want_r, rtol=0, atol=tol)
         assert torch.equal(l, l.transpose(1, 2)) and torch.equal(r, r.transpose(1, 2))
         r0 = r.clone()
         want_l, _ = ops.gram_ema(g, l, None, 0.5, 1.0)
+        tol = 2 * gram_tol(g, l, 0.5, 1.0)  # both round
         t = rt.submit(7, name, n, batch, g.data_ptr(), None, l.data_ptr(), None, p=0.5,
                       eps=1.0, n1=n1, version=2)
         assert rt.wait(t, None).status == 0
-        torch.testing.assert_close(l, want_l, rtol=tol, atol=tol)
+        torch.testing.assert_close(l, want_l, rtol=0, atol=tol)
         assert torch.equal(r, r0)
         l0 = l.clone()
         g[2, 1, 1] = float("inf")
