@@ -13,7 +13,7 @@ import torch
 
 from asteria.refresh import inline_torch, ops
 from models import require_c_extension
-from tolerance import rounding_tol
+from tolerance import gram_tol
 
 PKG = os.path.dirname(os.path.abspath(ops.__file__)).rsplit(os.sep, 1)[0]  # .../asteria
 
@@ -84,14 +84,6 @@ def test_output_spec_matches_the_torch_executor():
 
 
 # ---- gram_ema -------------------------------------------------------------------------------
-
-
-def gram_tol(g, f, beta, alpha):
-    """beta F + alpha G G^T (either side) in G's dtype: a sum of k + 1 terms (k <= the larger
-    side), off by (k + 1) eps times the terms' size, |beta| max|F| + |alpha| k max|G|^2."""
-    k = max(g.shape[-2:])
-    mag = abs(beta) * float(f.abs().max()) + abs(alpha) * k * float(g.abs().max()) ** 2
-    return rounding_tol(g.dtype, n=k + 1) * mag
 
 
 def _gram_inputs(batch, n, n1, dtype, seed):

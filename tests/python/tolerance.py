@@ -27,3 +27,11 @@ def adamw_tol(dtype, steps: int) -> float:
     """Two elementwise AdamW updates of O(1) parameters written differently (another order of
     the same operations): about 10 roundings an element a step, over ``steps`` steps."""
     return rounding_tol(dtype, n=10, steps=steps)
+
+
+def gram_tol(g, f, beta: float, alpha: float) -> float:
+    """beta F + alpha G G^T (either side) in G's dtype: a sum of k + 1 terms (k <= the larger
+    side), off by (k + 1) eps times the terms' size, |beta| max|F| + |alpha| k max|G|^2."""
+    k = max(g.shape[-2:])
+    mag = abs(beta) * float(f.abs().max()) + abs(alpha) * k * float(g.abs().max()) ** 2
+    return rounding_tol(g.dtype, n=k + 1) * mag
