@@ -106,6 +106,7 @@ def test_trajectory_equals_on_thread_update(kind):
     worker, opt_w = run(kind, make(), 14)
     thread, opt_t = run(kind, make(OnThreadSOAP), 14)
     for t, (a, b) in enumerate(zip(worker, thread), 1):
+        # worker (OpenBLAS) against training thread (MKL): float64 rounding, models.lockstep_tol
         assert_params_close(a, b, rtol=lockstep_tol(t), atol=lockstep_tol(t), what=f"step {t}")
     assert opt_w.asteria_stats()["factor_emas_submitted"] > 0
     assert opt_t.asteria_stats()["factor_emas_submitted"] == 0

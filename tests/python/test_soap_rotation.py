@@ -47,6 +47,7 @@ def test_trajectory_equals_on_thread_rotation(kind, kw):
     worker, opt_w = run(kind, make(**kw), 14)
     thread, opt_t = run(kind, make(OnThreadSOAP, **kw), 14)
     for t, (a, b) in enumerate(zip(worker, thread), 1):
+        # worker (OpenBLAS) against training thread (MKL): float64 rounding, models.lockstep_tol
         assert_params_close(a, b, rtol=lockstep_tol(t), atol=lockstep_tol(t), what=f"step {t}")
     sw, st = opt_w.asteria_stats(), opt_t.asteria_stats()
     assert st["rotations_submitted"] == 0

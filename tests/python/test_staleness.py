@@ -217,6 +217,7 @@ def test_s0_deferred_install_is_the_same_trajectory(name, kind, monkeypatch):
         at_end, _ = train(17)
     for t, (a, b) in enumerate(zip(deferred, at_end), 1):
         if name == "soap":
+            # m re-expressed by torch here, by the pool's kernel there: models.lockstep_tol
             assert_params_close(a, b, rtol=lockstep_tol(t), atol=lockstep_tol(t), what=f"step {t}")
         else:
             for x, y in zip(a, b):
