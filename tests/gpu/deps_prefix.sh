@@ -1,4 +1,4 @@
-# Sourced, not run. Two functions for a machine with no apt and no package index:
+# Sourced, not run. Three functions for a machine with no apt and no package index:
 #
 # asteria_deps_prefix DEBS PREFIX unpacks the .deb files that tests/gpu/fetch_debs.sh fetched
 # (DEBS/*.deb, DEBS/fallback/*.deb) into PREFIX and exports what makes the build and the tests
@@ -22,6 +22,14 @@
 # ASTERIA_GPU_TOOLS="cmake ninja scikit-build-core" installs those whatever the machine has.
 # Returns 1 with nothing changed when nothing is lacking or WHEELS holds no wheel; 2 when pip
 # failed (the message on stderr).
+#
+# asteria_nvml_prefix WHEELS PREFIX gives the machine's python pynvml (package nvidia-ml-py, the
+# train-f1 stage's NVML energy readings) from the wheel fetch_wheels.sh fetched, when it lacks
+# it: a pure-Python wheel is a zip of site-packages' layout, so python3's zipfile unpacks its
+# pynvml.py and dist-info into PREFIX, no pip needed. PREFIX holds that one module and goes on
+# PYTHONPATH (exported as ASTERIA_NVML_PYTHONPATH) without shadowing any of the machine's own.
+# Prints the wheel's name. Returns 1 with nothing changed when the machine has pynvml or WHEELS
+# holds no nvidia_ml_py wheel; 2 when the wheel could not be unpacked (the message on stderr).
 #
 # What `dpkg -x` does not do, done here: the packages' files name /usr (the .pc files'
 # prefix, libdir and include paths), rewritten to PREFIX/usr, and PREFIX/usr/include added to
@@ -159,4 +167,25 @@ asteria_tools_prefix() {
   [ -x "$prefix/bin/ninja" ] && { mkdir -p "$prefix/ninja-bin"; ln -sf ../bin/ninja "$prefix/ninja-bin/ninja"; export PATH=$prefix/ninja-bin:$PATH; }
   export ASTERIA_TOOLS_PYTHONPATH=$prefix
   echo "${want[*]}"
+}
+
+asteria_nvml_prefix() {
+  local wheels=$1 prefix=$2 py=${PYTHON:-python3} whl
+  "$py" -c "import pynvml" >/dev/null 2>&1 && return 1
+  whl=$(ls "$wheels"/nvidia_ml_py-*.whl 2>/dev/null | sort -V | tail -n1)
+  [ -n "$whl" ] || return 1
+  rm -rf "$prefix"
+  mkdir -p "$prefix"
+  "$py" - "$whl" "$prefix" <<'PYEOF' || return 2
+import sys, zipfile
+whl, dest = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(whl) as z:
+    names = [n for n in z.namelist()
+             if n == "pynvml.py" or n.split("/")[0].endswith(".dist-info")]
+    if "pynvml.py" not in names:
+        sys.exit(f"{whl}: no pynvml.py in the wheel")
+    z.extractall(dest, names)
+PYEOF
+  export ASTERIA_NVML_PYTHONPATH=$prefix
+  echo "${whl##*/}"
 }

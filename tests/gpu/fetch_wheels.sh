@@ -5,6 +5,8 @@
 # (pyproject.toml: >= 3.10), since the machine's python is not known here. tests/gpu/run.sh
 # installs the ones the machine lacks from them, offline (deps_prefix.sh:
 # asteria_tools_prefix: pip install --no-index --find-links DIR --target build/gpu-tools).
+# Also nvidia-ml-py (pure Python, module pynvml) for the train-f1 stage's GPU energy readings
+# (deps_prefix.sh: asteria_nvml_prefix, into build/gpu-nvml).
 #
 #   bash tests/gpu/fetch_wheels.sh [DIR]     # default DIR: .wheels in the repository root
 #
@@ -29,5 +31,7 @@ for v in 3.10 3.11 3.12 3.13 3.14; do
     --python-version "$v" --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     "${TOOLS[@]}" "${extra[@]}"
 done
+# one py3-none-any wheel serves every python
+"$PY" -m pip download --quiet --dest "$DIR" --only-binary=:all: --no-deps nvidia-ml-py
 echo "fetched $(ls "$DIR"/*.whl | wc -l) wheels into $DIR ($(du -sh "$DIR" | cut -f1)):"
 ls "$DIR" | sed 's/^/    /'

@@ -10,7 +10,9 @@
 #      into build/gpu-deps (dpkg -x, else ar + tar, else python3: tests/gpu/deps_prefix.sh),
 #      pkg-config, CMake and the loader pointed there; the build tools the machine lacks
 #      (cmake >= 3.25, ninja, scikit-build-core) from the wheels tests/gpu/fetch_wheels.sh
-#      fetched into .wheels (or $ASTERIA_GPU_WHEELS), installed offline into build/gpu-tools.
+#      fetched into .wheels (or $ASTERIA_GPU_WHEELS), installed offline into build/gpu-tools;
+#      pynvml (nvidia-ml-py, stage 7's energy readings) from its wheel there, unpacked into
+#      build/gpu-nvml when the machine's python lacks it.
 #      From the device tool: carry [".debs", ".wheels"], command `bash tests/gpu/run.sh`.
 #   2. dependencies: liburing, hwloc, CMocka, OpenBLAS, LAPACKE (pkg-config + header), nvcc;
 #      a missing optional one turns its feature off (-DASTERIA_WITH_URING=OFF, ...) or skips what
@@ -30,15 +32,21 @@
 #   6. ctest -L gpu (the CUDA C tests); a skipped or not-run test is a failure here.
 #      ASTERIA_GPU_STAGES=first stops after this stage: a first call that answers "does it
 #      build, and does it train" in about 4 minutes, so a second call can be planned from it.
-#   7. benchmarks/gpu_bench.py: sync SOAP vs Asteria SOAP (S=5) vs AdamW on a ~150M GPT (step
+#   7. train-f1 (tests/gpu/train_f1.py, at most 90 s): SOAP refreshing every step (f=1) in mode
+#      async with S=0, rounds on the host workers and the device executor, against native SOAP
+#      (mode sync) at f=1 and f=10 on a small model, 60 steps each: step times, process CPU time
+#      and the GPU's energy per step from NVML (energy counter, else sampled power; null with
+#      the reason without pynvml); async S=0 checked against sync f=1's trajectory. JSON:
+#      train_f1.json.
+#   8. benchmarks/gpu_bench.py: sync SOAP vs Asteria SOAP (S=5) vs AdamW on a ~150M GPT (step
 #      time, memory); JSON gpu_bench.json.
-#   8. benchmarks/gpu_bench.py --convergence: the users'-regime comparison on the same GPT
+#   9. benchmarks/gpu_bench.py --convergence: the users'-regime comparison on the same GPT
 #      (65,536 tokens a step) until AdamW's final loss; JSON gpu_convergence.json.
-#   9. tests/gpu/capacity_stage.sh: REFRESH round time host-only vs host + device executor and
+#  10. tests/gpu/capacity_stage.sh: REFRESH round time host-only vs host + device executor and
 #      install waits on the ~150M model.
 # Everything runs under one global timeout (ASTERIA_GPU_TOTAL_S, default 470 s < 8 min, build
-# included); each stage has its own, and the benchmarks share what is left. Logs go to
-# $OUT/gpu_logs (or build/gpu-logs). The summary, $OUT/gpu_check.json (or build/gpu-logs/), is
+# included); each stage has its own, and the benchmarks share what is left after stage 7. Logs
+# go to $OUT/gpu_logs (or build/gpu-logs). The summary, $OUT/gpu_check.json (or build/gpu-logs/), is
 # written when the check starts and again after every stage: a stage that fails or times out
 # leaves the record of those before it and its own error (its log's tail), and the global
 # timeout leaves the stages that finished, the one it interrupted, and itself.
@@ -278,7 +286,9 @@ else
 fi
 TOOLS_PYTHONPATH=""
 ASTERIA_TOOLS_PYTHONPATH=""
-if TOOLS=$(asteria_tools_prefix "$WHEELS" "$ROOT/build/gpu-tools" 2>"$LOGS/tools.log"); then
+# called directly, not in $(...): its exports (PATH, ASTERIA_TOOLS_PYTHONPATH) must reach here
+if asteria_tools_prefix "$WHEELS" "$ROOT/build/gpu-tools" >"$LOGS/tools.out" 2>"$LOGS/tools.log"; then
+  TOOLS=$(cat "$LOGS/tools.out")
   TOOLS_PYTHONPATH=$ASTERIA_TOOLS_PYTHONPATH
   say "build tools from $WHEELS: $TOOLS (cmake $(cmake --version | head -n1 | awk '{print $3}'))"
   note tools ok "installed from $WHEELS: $TOOLS" "" "$LOGS/tools.log"
@@ -287,6 +297,18 @@ else
     2) say "build tools: installing from $WHEELS FAILED (see $LOGS/tools.log)"
        note tools failed "pip install from $WHEELS" "" "$LOGS/tools.log" ;;
     *) note tools skipped "nothing lacking, or no wheels in $WHEELS" ;;
+  esac
+fi
+NVML_PYTHONPATH=""
+ASTERIA_NVML_PYTHONPATH=""
+if asteria_nvml_prefix "$WHEELS" "$ROOT/build/gpu-nvml" >"$LOGS/nvml.out" 2>"$LOGS/nvml.log"; then
+  NVML_PYTHONPATH=$ASTERIA_NVML_PYTHONPATH
+  note nvml-py ok "pynvml from $(cat "$LOGS/nvml.out") -> build/gpu-nvml" "" "$LOGS/nvml.log"
+else
+  case $? in
+    2) note nvml-py failed "could not unpack the nvidia-ml-py wheel in $WHEELS" "" "$LOGS/nvml.log" ;;
+    *) if "$PY" -c "import pynvml" >/dev/null 2>&1; then note nvml-py found "the machine's pynvml"
+       else note nvml-py skipped "no pynvml and no nvidia_ml_py wheel in $WHEELS: train-f1 records no energy"; fi ;;
   esac
 fi
 
@@ -508,10 +530,30 @@ if [ "$STAGES" = first ]; then
   finish $FAILED
 fi
 
-# ---- 7. step-time benchmark --------------------------------------------------------------------
-# What is left (less 45 s for the summary and teardown) is shared: the convergence stage (8)
+# ---- 7. every-step refresh (f=1) at S=0 against native f=1 and f=10, with energy ----------------
+# a fixed limit: three timed runs of at most F1_RUN_S each, two short check runs, set-up
+F1_S=90
+F1_RUN_S=20
+if [ -z "$PYPATH" ]; then
+  say "skipped: train-f1 (Asteria not built)"
+  note train-f1 failed "Asteria not built"
+  FAILED=1
+elif [ "$(left)" -lt $((F1_S + 45)) ]; then
+  say "skipped: train-f1 ($(left)s left of the global ${TOTAL_S}s)"
+  note train-f1 skipped "out of time ($(left)s left)"
+  FAILED=1
+else
+  stage train-f1 "$F1_S" env ${NVML_PYTHONPATH:+PYTHONPATH=$PYTHONPATH:$NVML_PYTHONPATH} \
+    "$PY" "$ROOT/tests/gpu/train_f1.py" --out "$RESULTS/train_f1.json" --run-budget-s "$F1_RUN_S" \
+    || FAILED=1
+  note train-f1 "$STAGE_STATUS" "$RESULTS/train_f1.json" "$STAGE_S" "$LOGS/train-f1.log"
+  sed -n 's/^\[train-f1\] /    /p' "$LOGS/train-f1.log"
+fi
+
+# ---- 8. step-time benchmark --------------------------------------------------------------------
+# What is left (less 45 s for the summary and teardown) is shared: the convergence stage (9)
 # gets 60%, at most 200 s; the step-time benchmark the rest, at most 210 s.
-# (the capacity stage (9) keeps CAP_SHARE seconds of its own)
+# (the capacity stage (10) keeps CAP_SHARE seconds of its own)
 CAP_SHARE=100
 AVAIL=$(($(left) - 45 - CAP_SHARE))
 CONV_SHARE=$((AVAIL * 6 / 10))
@@ -543,7 +585,7 @@ else
     --out "$RESULTS/gpu_bench.json" "${BENCH_ARGS_COMMON[@]}"
 fi
 
-# ---- 8. convergence in the users' regime ---------------------------------------------------------
+# ---- 9. convergence in the users' regime ---------------------------------------------------------
 CONV_TOTAL=$(($(left) - 40 - CAP_SHARE))
 [ "$CONV_TOTAL" -gt 200 ] && CONV_TOTAL=200
 if [ "$CONV_TOTAL" -lt 90 ]; then
@@ -556,7 +598,7 @@ else
     --total-budget-s "$CONV_TOTAL" --out "$RESULTS/gpu_convergence.json" "${BENCH_ARGS_COMMON[@]}"
 fi
 
-# ---- 9. capacity: REFRESH rounds host-only vs host + device executor ---------------------------
+# ---- 10. capacity: REFRESH rounds host-only vs host + device executor ---------------------------
 CAP_TOTAL=$(($(left) - 25))
 [ "$CAP_TOTAL" -gt 150 ] && CAP_TOTAL=150
 if [ -z "$PYPATH" ] || [ "$CAP_TOTAL" -lt 60 ]; then

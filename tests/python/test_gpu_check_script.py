@@ -7,7 +7,11 @@ the CPU with a stage forced to fail or to hang:
    that hangs leaves the stages before it, that stage marked timed out with its log, and the
    timeout itself, and ends the hanging stage's processes;
  - train_smoke.py (stage 5) runs its logic on the CPU, and a SIGTERM (its stage's timeout)
-   leaves its JSON with the checks done so far and the state "timed out".
+   leaves its JSON with the checks done so far and the state "timed out";
+ - train_f1.py (stage 7) runs its logic on the CPU: f=1 S=0 on the host workers against native
+   f=1 and f=10, its trajectory checks, energy null with the reason; without --device cpu and
+   no GPU it exits 77; its NVML meter reads the energy counter, else integrates power samples,
+   else says why not (a stand-in NVML).
 
 The stage is forced with a stand-in `cmake` first on PATH (it answers --version, then fails or
 hangs), in a copy of tests/gpu: nothing of this checkout's build is touched."""
@@ -176,3 +180,167 @@ def test_train_smoke_terminated_leaves_its_json(tmp_path):
     assert rec["state"] == "timed out" and "signal 15" in rec["error"]
     assert rec["checks"]["libasteria"]["ok"] and rec["checks"]["sync"]["ok"]
     assert "ring-used" not in rec["checks"]
+
+
+def _f1(tmp_path, *args):
+    out = tmp_path / "f1.json"
+    import asteria
+
+    pkg_root = os.path.dirname(os.path.dirname(asteria.__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (pkg_root, os.environ.get("PYTHONPATH")) if p))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "gpu", "train_f1.py"),
+                        "--out", str(out), *args], env=env, capture_output=True, text=True,
+                       timeout=560)
+    return r, out
+
+
+@pytest.mark.timeout(600)
+def test_train_f1_logic_on_the_cpu(tmp_path):
+    pytest.importorskip("asteria._C")
+    sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
+    try:
+        import train_f1
+        from train_smoke import STEPS as CHECK_STEPS, TOL, TOL_F32_LOSS
+    finally:
+        sys.path.pop(0)
+    # a budget per run no loaded 2-core machine spends: every run makes its 60 steps
+    r, out = _f1(tmp_path, "--device", "cpu", "--run-budget-s", "400")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    assert rec["state"] == "passed" and rec["device"] == "cpu"
+    for name in ("native-f10", "native-f1", "asteria-f1-s0", "native-f1-f64",
+                 "asteria-f1-s0-f64", "asteria-f1-s0-f64=native-f1-f64",
+                 "asteria-f1-s0=native-f1"):
+        assert rec["checks"][name]["ok"], (name, rec["checks"][name])
+    runs = rec["runs"]
+    assert runs["native-f10"]["precondition_frequency"] == 10
+    assert runs["native-f1"]["runtime"] == {"mode": "sync"}
+    assert runs["asteria-f1-s0"]["precondition_frequency"] == 1
+    assert runs["asteria-f1-s0"]["runtime"]["mode"] == "async"
+    assert runs["asteria-f1-s0"]["runtime"]["staleness"] == 0
+    for name in ("native-f10", "native-f1", "asteria-f1-s0"):
+        steps = runs[name]["steps"]
+        assert [s["step"] for s in steps] == list(range(1, train_f1.STEPS + 1)), name
+        assert all(s["s"] > 0 and s["cpu_s"] >= 0 for s in steps), name
+        assert runs[name]["median_step_s"] > 0
+        # no GPU: no energy, and why
+        assert runs[name]["energy"]["per_step_j"] is None
+        assert "no GPU" in runs[name]["energy"]["reason"]
+    for name in ("native-f1-f64", "asteria-f1-s0-f64"):
+        assert len(runs[name]["steps"]) == CHECK_STEPS
+    # the host workers ran asteria's refreshes, one round a step
+    assert runs["asteria-f1-s0"]["stats"]["jobs_done"] > 0
+    # the trajectory, from the recorded losses and parameters, to train_smoke's tolerances
+    a, n = runs["asteria-f1-s0"]["steps"], runs["native-f1"]["steps"]
+    rel = [abs(p["loss"] - q["loss"]) / abs(q["loss"]) for p, q in zip(a, n)]
+    assert max(rel[:CHECK_STEPS]) <= TOL_F32_LOSS
+    assert rel == runs["asteria-f1-s0"]["loss_rel_diff_to_native_f1"]
+    assert runs["asteria-f1-s0-f64"]["rel_diff_to_native_f1"] <= TOL
+    a64, n64 = runs["asteria-f1-s0-f64"]["steps"], runs["native-f1-f64"]["steps"]
+    assert max(abs(p["loss"] - q["loss"]) / abs(q["loss"]) for p, q in zip(a64, n64)) <= TOL
+    summary = rec["summary"]
+    assert set(summary["median_step_s"]) == {"native-f10", "native-f1", "asteria-f1-s0"}
+    assert set(summary["step_time_ratio"]) == {"asteria-f1-s0/native-f1",
+                                               "asteria-f1-s0/native-f10"}
+    assert summary["step_time_ratio"]["asteria-f1-s0/native-f1"] == pytest.approx(
+        summary["median_step_s"]["asteria-f1-s0"] / summary["median_step_s"]["native-f1"],
+        rel=1e-3)
+    assert summary["energy_method"] is None and "no GPU" in summary["energy_reason"]
+    assert set(summary["energy_per_step_j"].values()) == {None}
+    assert rec["energy"]["method"] is None and rec["energy"]["reason"]
+
+
+def test_train_f1_without_a_gpu_exits_77(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    r, out = _f1(tmp_path)
+    assert r.returncode == 77, r.stdout + r.stderr
+    assert "[train-f1] no GPU: skipped" in r.stdout
+
+
+class _FakeNVML:
+    """pynvml's calls the meter makes; power in W, the counter in mJ from the clock."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, watts, counter=True, init=True):
+        self.watts, self.counter, self.init = watts, counter, init
+        self.bus = None
+        self.shut = False
+
+    def nvmlInit(self):
+        if not self.init:
+            raise self.NVMLError("Driver Not Loaded")
+
+    def nvmlShutdown(self):
+        self.shut = True
+
+    def nvmlDeviceGetHandleByPciBusId(self, bus):
+        self.bus = bus
+        return "handle"
+
+    def nvmlDeviceGetName(self, handle):
+        return b"Stand-in GPU"
+
+    def nvmlSystemGetDriverVersion(self):
+        return "999.1"
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+        if not self.counter:
+            raise self.NVMLError("Not Supported")
+        return int(time.perf_counter() * self.watts * 1e3)
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return int(self.watts * 1e3)
+
+
+@pytest.mark.parametrize("counter", [True, False])
+def test_train_f1_energy_meter(monkeypatch, counter):
+    import types
+
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
+    try:
+        import train_f1
+    finally:
+        sys.path.pop(0)
+    props = types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0x3B, pci_device_id=0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    nvml = _FakeNVML(250.0, counter=counter)
+    meter = train_f1.EnergyMeter("cuda", nvml=nvml)
+    assert nvml.bus == b"00000000:3B:00.0"
+    assert meter.method == ("total_energy_counter" if counter else "power_samples")
+    assert meter.reason is None and meter.info["nvml_device"] == "Stand-in GPU"
+    assert ("counter_unsupported" in meter.info) != counter
+    meter.start()
+    time.sleep(0.3)
+    e = meter.stop(10)
+    meter.close()
+    assert nvml.shut
+    assert e["method"] == meter.method and e["steps"] == 10
+    # 250 W over the window, counted or integrated
+    assert e["energy_j"] == pytest.approx(250.0 * e["window_s"], rel=0.05)
+    assert e["per_step_j"] == pytest.approx(e["energy_j"] / 10, rel=1e-3)
+    assert e["mean_power_w"] == pytest.approx(250.0, rel=0.05)
+    if not counter:
+        assert e["samples"] >= 2
+
+
+def test_train_f1_energy_meter_says_why_not(monkeypatch):
+    sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
+    try:
+        import train_f1
+    finally:
+        sys.path.pop(0)
+    meter = train_f1.EnergyMeter("cuda", nvml=_FakeNVML(100.0, init=False))
+    assert meter.method is None and "Driver Not Loaded" in meter.reason
+    meter.start()
+    assert meter.stop(5) == {"method": None, "per_step_j": None, "reason": meter.reason}
+    cpu = train_f1.EnergyMeter("cpu")
+    assert cpu.method is None and "no GPU" in cpu.reason

@@ -8,7 +8,8 @@ against it and reaches its no-GPU exit (77).
 Without dpkg the packages are unpacked with ar and tar, or by python3 alone: each gives the
 files, links and modes dpkg -x gives. The build tools a machine may lack (cmake >= 3.25, ninja,
 scikit-build-core) come as wheels (tests/gpu/fetch_wheels.sh) and install offline into a prefix
-whose cmake and ninja run without it on PYTHONPATH.
+whose cmake and ninja run without it on PYTHONPATH. pynvml (nvidia-ml-py, the train-f1 stage's
+energy readings) comes as a wheel too and unpacks, without pip, into a prefix that holds it alone.
 
 The packages come from $ASTERIA_GPU_DEBS or .debs in the checkout when they are there, else
 fetch_debs.sh fetches them (about 14 MB from the Debian registry); the wheels from
@@ -235,3 +236,41 @@ PYTHONPATH=$ASTERIA_TOOLS_PYTHONPATH python3 -c 'import scikit_build_core as s; 
     assert out["NINJA"][0].startswith(str(prefix))
     assert out["SKB"][0].startswith(str(prefix))
     assert "PYTHONPATH=" in r.stdout and f"PYTHONPATH={prefix}" not in r.stdout
+
+
+@pytest.mark.timeout(120)
+def test_nvml_from_its_wheel_offline(wheels, tmp_path):
+    """The carried nvidia-ml-py wheel gives a python without pynvml the module from a prefix
+    that holds nothing else, so it goes on PYTHONPATH without shadowing the machine's packages."""
+    assert any(f.startswith("nvidia_ml_py-") and f.endswith(".whl") for f in os.listdir(wheels)), \
+        f"no nvidia-ml-py wheel in {wheels}: fetch them again with tests/gpu/fetch_wheels.sh"
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    if subprocess.run(["python3", "-c", "import pynvml"], env=env,
+                      capture_output=True).returncode == 0:
+        pytest.skip("this python has pynvml: asteria_nvml_prefix leaves it alone")
+    prefix = tmp_path / "nvml"
+    script = f"""set -euo pipefail
+. {GPU}/deps_prefix.sh
+asteria_nvml_prefix {wheels} {prefix} >{tmp_path}/wheel
+echo "WHEEL $(cat {tmp_path}/wheel)"
+PYTHONPATH=$ASTERIA_NVML_PYTHONPATH python3 -c 'import pynvml; print("MODULE", pynvml.__file__); print("FN", callable(pynvml.nvmlDeviceGetTotalEnergyConsumption))'
+"""
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=100,
+                       env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    out = {ln.split()[0]: ln.split()[1:] for ln in r.stdout.splitlines() if ln.strip()}
+    assert out["WHEEL"][0].startswith("nvidia_ml_py-")
+    assert out["MODULE"][0] == str(prefix / "pynvml.py")
+    assert out["FN"] == ["True"]
+    top = sorted(p.name for p in prefix.iterdir())
+    assert len(top) == 2 and top[1] == "pynvml.py" and top[0].endswith(".dist-info"), top
+    # a machine that has pynvml is left alone: nothing unpacked, status 1
+    fake = tmp_path / "has" / "pynvml.py"
+    fake.parent.mkdir()
+    fake.write_text("")
+    r = subprocess.run(["bash", "-c", f". {GPU}/deps_prefix.sh; "
+                        f"asteria_nvml_prefix {wheels} {tmp_path}/again"],
+                       capture_output=True, text=True, timeout=60,
+                       env=dict(env, PYTHONPATH=str(fake.parent)))
+    assert r.returncode == 1 and not (tmp_path / "again").exists()
