@@ -49,7 +49,7 @@ static PyObject *make_result(mod_state *st, const ast_result *r)
         if (!v[i])
             ok = 0;
         else
-            PyStructSequence_SET_ITEM(t, i, v[i]);
+            PyStructSequence_SetItem(t, i, v[i]);
     }
     if (!ok) {
         Py_DECREF(t);
@@ -92,7 +92,7 @@ static PyObject *runtime_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     char err[ERRBUF_LEN] = "";
     int rc;
 
-    RuntimeObject *self = (RuntimeObject *)type->tp_alloc(type, 0);
+    RuntimeObject *self = (RuntimeObject *)type_alloc(type);
     if (!self)
         return NULL;
     guard_init(&self->g);
@@ -149,7 +149,7 @@ static void runtime_dealloc(RuntimeObject *self)
     PyObject_GC_UnTrack(self);
     close_in_dealloc(runtime_close_obj, (PyObject *)self);
     guard_fini(&self->g);
-    tp->tp_free((PyObject *)self);
+    type_free(tp, self);
     Py_DECREF(tp);
 }
 
@@ -169,7 +169,7 @@ static PyObject *runtime_close(RuntimeObject *self, PyObject *unused)
 
 static PyObject *runtime_enter(RuntimeObject *self, PyObject *unused)
 {
-    return Py_NewRef(self);
+    return Py_NewRef((PyObject *)self);
 }
 
 static PyObject *runtime_exit(RuntimeObject *self, PyObject *args)
@@ -700,16 +700,16 @@ static PyObject *runtime_trace_write(RuntimeObject *self, PyObject *args, PyObje
         return NULL;
     char *path = NULL;
     if (path_o != Py_None) {
-        path = PyMem_RawMalloc(AST_PATH_MAX);
+        path = malloc(AST_PATH_MAX);
         if (!path)
             return PyErr_NoMemory();
         if (copy_path(path_o, path, AST_PATH_MAX, "path") < 0) {
-            PyMem_RawFree(path);
+            free(path);
             return NULL;
         }
     }
     if (rt_enter(self, st) < 0) {
-        PyMem_RawFree(path);
+        free(path);
         return NULL;
     }
     ast_runtime *rt = self->rt;
@@ -721,7 +721,7 @@ static PyObject *runtime_trace_write(RuntimeObject *self, PyObject *args, PyObje
         ast_runtime_last_error(rt, err, sizeof err);
     Py_END_ALLOW_THREADS
     rt_leave(self);
-    PyMem_RawFree(path);
+    free(path);
     if (rc < 0)
         return raise_ast_error(st, rc, detail_for(rc, err));
     Py_RETURN_NONE;
@@ -751,11 +751,11 @@ static PyObject *runtime_get_tracing(RuntimeObject *self, void *closure)
 static PyObject *runtime_repr(RuntimeObject *self)
 {
     if (self->g.closed || !self->rt)
-        return PyUnicode_FromFormat("<%s closed>", Py_TYPE(self)->tp_name);
+        return PyUnicode_FromFormat("<%s closed>", runtime_spec.name);
     ast_stats s;
     if (ast_runtime_stats_get(self->rt, &s) < 0)
         s.workers = -1;
-    return PyUnicode_FromFormat("<%s workers=%d>", Py_TYPE(self)->tp_name, s.workers);
+    return PyUnicode_FromFormat("<%s workers=%d>", runtime_spec.name, s.workers);
 }
 
 static PyMethodDef runtime_methods[] = {
