@@ -6,10 +6,14 @@
 # scripts/wheel_smoke.py as that user: SOAP async (refresh on the C pool), the NVMe tier in a
 # temporary directory, a state-dict round trip, every library of asteria._C from the wheel.
 #
-#   sudo bash scripts/test_wheel_bare.sh [WHEEL]     (default: the newest CPU wheel in dist/)
+#   sudo bash scripts/test_wheel_bare.sh [--fresh] [WHEEL]
+#
+# WHEEL: default the newest CPU abi3 wheel in dist/; a +cuN wheel runs there too (no driver in
+# the root: it must import and take the CPU path).
 #
 # Root is needed for debootstrap, chroot and the mounts. The root and the downloads are kept in
-# BARE_CACHE (default .bare/, git-ignored): a rerun only reinstalls asteria (--fresh: all).
+# BARE_CACHE (default .bare/, git-ignored): a rerun only reinstalls asteria (--fresh: a new
+# root and venv, the downloads checked again).
 # Not part of scripts/run_tests.sh: the first run downloads torch's wheels (~2.6 GB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,12 +24,12 @@ whl=""
 for a in "$@"; do
   case $a in
     --fresh) fresh=1;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0;;
     *) whl=$a;;
   esac
 done
 if [ -z "$whl" ]; then
-  whl=$(ls -t dist/asteria-*-manylinux*.whl 2>/dev/null | grep -v '+cu' | head -1 || true)
+  whl=$(ls -t dist/asteria-*-abi3-manylinux*.whl 2>/dev/null | grep -v '+cu' | head -1 || true)
 fi
 [ -f "$whl" ] || { echo "no CPU wheel given or in dist/: run bash scripts/build_wheel.sh" >&2; exit 1; }
 whl=$(readlink -f "$whl")
