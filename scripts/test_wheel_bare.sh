@@ -44,8 +44,22 @@ log() { echo "[bare] $*"; }
 t_start=$(date +%s)
 mkdir -p "$CACHE/wheels"
 
+# A run killed before its cleanup leaves /dev, /proc, /sys and the wheelhouse mounted in the
+# root: removing the root then would go through them. Unmount first, and refuse if that fails.
+clear_root() {
+  local m
+  for m in $(awk -v r="$BR/" 'index($2, r) == 1 {print $2}' /proc/self/mounts | sort -r); do
+    umount -l "$m"
+  done
+  if awk -v r="$BR/" 'index($2, r) == 1 {found = 1} END {exit !found}' /proc/self/mounts; then
+    echo "mounts left under $BR: not removing it" >&2; exit 1
+  fi
+  rm -rf --one-file-system "$BR"
+}
+
 if ((fresh)); then
-  rm -rf "$BR" "$CACHE/wheels.ok"
+  clear_root
+  rm -f "$CACHE/wheels.ok"
 fi
 
 # ---- the root ---------------------------------------------------------------------------------
@@ -61,7 +75,7 @@ if [ ! -f "$BR/.asteria-bare-ok" ]; then
            tr ' ' '\n' | grep -m1 -E '/debian/?$' || true)
   [ -n "$mirror" ] || { echo "no Debian mirror in /etc/apt/sources.list*" >&2; exit 1; }
   log "debootstrap --variant=minbase $SUITE from $mirror (python3, python3-venv)"
-  rm -rf "$BR"
+  clear_root
   nice -n 19 debootstrap --variant=minbase --include=python3,python3-venv "$SUITE" "$BR" "$mirror" \
     > "$CACHE/debootstrap.log" 2>&1 || { tail -20 "$CACHE/debootstrap.log"; exit 1; }
   chroot "$BR" useradd --create-home --shell /bin/bash "$USER_NAME"
