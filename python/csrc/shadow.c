@@ -197,7 +197,10 @@ static PyObject *shadow_close(ShadowObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-static PyObject *shadow_enter(ShadowObject *self, PyObject *unused) { return Py_NewRef((PyObject *)self); }
+static PyObject *shadow_enter(ShadowObject *self, PyObject *unused)
+{
+    return Py_NewRef((PyObject *)self);
+}
 
 static PyObject *shadow_exit(ShadowObject *self, PyObject *args)
 {
@@ -554,8 +557,8 @@ static PyObject *shadow_view(ShadowObject *self, void *ptr, size_t n, int cuda,
                              const view_spec *v, const char *what)
 {
     self->views++;
-    return view_export(v, Py_NewRef((PyObject *)self), shadow_view_release, ptr, n, cuda ? self->device : -1,
-                       what);
+    return view_export(v, Py_NewRef((PyObject *)self), shadow_view_release, ptr, n,
+                       cuda ? self->device : -1, what);
 }
 
 PyDoc_STRVAR(shadow_slot_view_doc,

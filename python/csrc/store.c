@@ -279,7 +279,10 @@ static PyObject *store_close(StoreObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-static PyObject *store_enter(StoreObject *self, PyObject *unused) { return Py_NewRef((PyObject *)self); }
+static PyObject *store_enter(StoreObject *self, PyObject *unused)
+{
+    return Py_NewRef((PyObject *)self);
+}
 
 static PyObject *store_exit(StoreObject *self, PyObject *args)
 {
