@@ -295,8 +295,9 @@ static uint32_t crc_sw(uint32_t c, const unsigned char *p, size_t n)
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-__attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t c, const unsigned char *p,
-                                                          size_t n)
+/* clang names crc32 apart from sse4.2 */
+__attribute__((target("sse4.2,crc32"))) static uint32_t crc_hw(uint32_t c,
+                                                                const unsigned char *p, size_t n)
 {
     uint64_t c64 = c;
     /* Three independent lanes hide the instruction's 3-cycle latency; the lanes' registers are

@@ -45,7 +45,7 @@ static int int_array(PyObject *o, const char *what, int **out, int *n)
     PyObject *seq = PySequence_Fast(o, what);
     if (!seq)
         return -1;
-    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t len = fast_len(seq);
     if (len > INT32_MAX) {
         Py_DECREF(seq);
         PyErr_Format(PyExc_OverflowError, "%s is too long", what);
@@ -58,7 +58,7 @@ static int int_array(PyObject *o, const char *what, int **out, int *n)
         return -1;
     }
     for (Py_ssize_t i = 0; i < len; i++)
-        if (as_int(PySequence_Fast_GET_ITEM(seq, i), &a[i], what) < 0) {
+        if (as_int(fast_item(seq, i), &a[i], what) < 0) {
             PyMem_Free(a);
             Py_DECREF(seq);
             return -1;
@@ -75,7 +75,7 @@ static int u64_array(PyObject *o, const char *what, uint64_t **out, size_t *n)
     PyObject *seq = PySequence_Fast(o, what);
     if (!seq)
         return -1;
-    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t len = fast_len(seq);
     uint64_t *a = PyMem_Malloc((size_t)(len ? len : 1) * sizeof *a);
     if (!a) {
         Py_DECREF(seq);
@@ -83,7 +83,7 @@ static int u64_array(PyObject *o, const char *what, uint64_t **out, size_t *n)
         return -1;
     }
     for (Py_ssize_t i = 0; i < len; i++)
-        if (!conv_u64(PySequence_Fast_GET_ITEM(seq, i), &a[i])) {
+        if (!conv_u64(fast_item(seq, i), &a[i])) {
             PyMem_Free(a);
             Py_DECREF(seq);
             return -1;
@@ -141,7 +141,7 @@ static PyObject *coherence_new(PyTypeObject *type, PyObject *args, PyObject *kwd
     PyMem_Free(groups);
     if (rc < 0)
         return raise_ast_error(st, rc, err);
-    CoherenceObject *self = (CoherenceObject *)type->tp_alloc(type, 0);
+    CoherenceObject *self = (CoherenceObject *)type_alloc(type);
     if (!self) {
         ast_coherence_destroy(reg);
         return NULL;
@@ -167,7 +167,7 @@ static void coherence_dealloc(CoherenceObject *self)
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
     coherence_close_impl(self);
-    tp->tp_free((PyObject *)self);
+    type_free(tp, self);
     Py_DECREF(tp);
 }
 
@@ -179,7 +179,7 @@ static PyObject *coherence_close(CoherenceObject *self, PyObject *unused)
 
 static PyObject *coherence_enter(CoherenceObject *self, PyObject *unused)
 {
-    return Py_NewRef(self);
+    return Py_NewRef((PyObject *)self);
 }
 
 static PyObject *coherence_exit(CoherenceObject *self, PyObject *args)
@@ -518,7 +518,7 @@ static PyObject *tuple_of(const void *a, size_t n, int u64)
         if (!v)
             Py_CLEAR(out);
         else
-            PyTuple_SET_ITEM(out, (Py_ssize_t)i, v);
+            PyTuple_SetItem(out, (Py_ssize_t)i, v);
     }
     return out;
 }

@@ -27,7 +27,23 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+
+/*
+ * The module builds on the limited API (Py_LIMITED_API 3.11, one abi3 wheel for every CPython
+ * >= 3.11: python/CMakeLists.txt) and on the full one (3.10). 3.11 is the floor because the
+ * buffer protocol (Py_buffer, Py_bf_getbuffer: BlockBuffer's export, Coherence's inputs) entered
+ * the limited API then. So: PyTypeObject is opaque (slots through PyType_GetSlot, the bound
+ * types' names from their specs), no PyMem_Raw* (malloc where the GIL is released), no
+ * unchecked item macros.
+ */
+#if defined(Py_LIMITED_API) && !defined(Py_TYPE)
+/* The full API's Py_TYPE casts its argument; the limited one (3.11+) takes PyObject * only, and
+ * the bound types' methods pass their own object pointers. */
+#define Py_TYPE(ob) Py_TYPE((PyObject *)(ob))
+#endif
 
 #define ERRBUF_LEN 1024
 #define POLL_CHUNK 64
@@ -68,6 +84,23 @@ typedef struct {
 
 
 static inline mod_state *type_state(PyTypeObject *tp) { return PyType_GetModuleState(tp); }
+static inline PyObject *type_alloc(PyTypeObject *tp)
+{
+    return ((allocfunc)PyType_GetSlot(tp, Py_tp_alloc))(tp, 0);
+}
+static inline void type_free(PyTypeObject *tp, void *self)
+{
+    ((freefunc)PyType_GetSlot(tp, Py_tp_free))(self);
+}
+/* Length and (borrowed) items of PySequence_Fast's result, a list or a tuple. */
+static inline Py_ssize_t fast_len(PyObject *seq)
+{
+    return PyList_Check(seq) ? PyList_Size(seq) : PyTuple_Size(seq);
+}
+static inline PyObject *fast_item(PyObject *seq, Py_ssize_t i)
+{
+    return PyList_Check(seq) ? PyList_GetItem(seq, i) : PyTuple_GetItem(seq, i);
+}
 
 /* ---- errors.c ---- */
 PyObject *raise_ast_error(mod_state *st, int code, const char *detail);
@@ -92,6 +125,8 @@ int copy_path(PyObject *o, char *buf, size_t len, const char *what);
 PyObject *raise_busy_aware(mod_state *st, int code, const char *detail);
 PyObject *new_ast_error(mod_state *st, PyObject *type, int code, const char *detail);
 PyObject *raise_exc(PyObject *exc);
+/* TypeError "<expected>, not <type name of o>"; NULL. */
+PyObject *raise_wrong_type(const char *expected, PyObject *o);
 int dict_set_steal(PyObject *d, const char *key, PyObject *v);
 void close_in_dealloc(int (*close)(PyObject *), PyObject *self);
 /* ---- dlpack.c: tensor views as DLPack capsules ---- */

@@ -22,8 +22,7 @@ int config_apply(mod_state *st, ast_config *cfg, PyObject *config)
     if (config == Py_None)
         return 0;
     if (!PyDict_Check(config) && !PyObject_HasAttrString(config, "items")) {
-        PyErr_Format(PyExc_TypeError, "config must be a dict, not %.100s",
-                     Py_TYPE(config)->tp_name);
+        raise_wrong_type("config must be a dict", config);
         return -1;
     }
     /* A copy of the items: str() of a value may run code that mutates the mapping. */
@@ -31,13 +30,13 @@ int config_apply(mod_state *st, ast_config *cfg, PyObject *config)
     if (!items)
         return -1;
     int ret = -1;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
-        PyObject *kv = PyList_GET_ITEM(items, i);
-        if (!PyTuple_Check(kv) || PyTuple_GET_SIZE(kv) != 2) {
+    for (Py_ssize_t i = 0; i < PyList_Size(items); i++) {
+        PyObject *kv = PyList_GetItem(items, i);
+        if (!PyTuple_Check(kv) || PyTuple_Size(kv) != 2) {
             PyErr_SetString(PyExc_TypeError, "config items must be (key, value) pairs");
             goto done;
         }
-        PyObject *k = PyTuple_GET_ITEM(kv, 0), *v = PyTuple_GET_ITEM(kv, 1);
+        PyObject *k = PyTuple_GetItem(kv, 0), *v = PyTuple_GetItem(kv, 1);
         if (!PyUnicode_Check(k)) {
             PyErr_Format(PyExc_TypeError, "config keys must be str, got %R", k);
             goto done;
@@ -148,7 +147,7 @@ static PyObject *config_repr(ConfigObject *self)
     PyObject *d = config_to_dict(&self->cfg);
     if (!d)
         return NULL;
-    PyObject *out = PyUnicode_FromFormat("<%s %R>", Py_TYPE(self)->tp_name, d);
+    PyObject *out = PyUnicode_FromFormat("<%s %R>", config_spec.name, d);
     Py_DECREF(d);
     return out;
 }

@@ -39,7 +39,7 @@ static int spec_dtype(PyObject *dtype, view_spec *v)
     PyObject *s = PyObject_Str(dtype);
     if (!s)
         return -1;
-    const char *name = PyUnicode_AsUTF8(s);
+    const char *name = PyUnicode_AsUTF8AndSize(s, NULL);
     if (!name) {
         Py_DECREF(s);
         return -1;
@@ -65,7 +65,7 @@ int view_spec_parse(PyObject *dtype, PyObject *shape, view_spec *v)
     PyObject *seq = PySequence_Fast(shape, "view: shape must be a sequence of ints");
     if (!seq)
         return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n = fast_len(seq);
     if (n > VIEW_MAX_DIMS) {
         PyErr_Format(PyExc_ValueError, "view: shape %R has %zd dimensions; at most %d", shape, n,
                      VIEW_MAX_DIMS);
@@ -74,7 +74,7 @@ int view_spec_parse(PyObject *dtype, PyObject *shape, view_spec *v)
     }
     uint64_t numel = 1;
     for (Py_ssize_t i = 0; i < n; i++) {
-        long long d = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+        long long d = PyLong_AsLongLong(fast_item(seq, i));
         if (d == -1 && PyErr_Occurred()) {
             Py_DECREF(seq);
             return -1;
@@ -103,7 +103,7 @@ static void view_deleter(DLManagedTensor *mt)
         c->release(c->owner);
     Py_DECREF(c->owner);
     PyGILState_Release(g);
-    PyMem_RawFree(c);
+    free(c);
 }
 
 /* A capsule torch never consumed (it renames the ones it takes to "used_dltensor"). */
@@ -124,7 +124,7 @@ PyObject *view_export(const view_spec *v, PyObject *owner, void (*release)(PyObj
                      (int)v->bits, (unsigned long long)v->nbytes);
         goto fail;
     }
-    view_ctx *c = PyMem_RawCalloc(1, sizeof *c);
+    view_ctx *c = calloc(1, sizeof *c);
     if (!c) {
         PyErr_NoMemory();
         goto fail;
@@ -147,7 +147,7 @@ PyObject *view_export(const view_spec *v, PyObject *owner, void (*release)(PyObj
     c->mt.deleter = view_deleter;
     PyObject *cap = PyCapsule_New(&c->mt, "dltensor", capsule_destructor);
     if (!cap) {
-        PyMem_RawFree(c);
+        free(c);
         goto fail;
     }
     return cap;

@@ -84,7 +84,7 @@ PyObject *new_ast_error(mod_state *st, PyObject *type, int code, const char *det
     if (os_errno)
         exc = PyObject_CallFunction(PyExc_OSError, "iO", os_errno, msg);
     else
-        exc = PyObject_CallOneArg(type, msg);
+        exc = PyObject_CallFunctionObjArgs(type, msg, NULL);
     Py_DECREF(msg);
     if (!exc)
         return NULL;
@@ -100,6 +100,16 @@ PyObject *new_ast_error(mod_state *st, PyObject *type, int code, const char *det
     Py_DECREF(c);
     Py_DECREF(nm);
     return exc;
+}
+
+PyObject *raise_wrong_type(const char *expected, PyObject *o)
+{
+    PyObject *name = PyObject_GetAttrString((PyObject *)Py_TYPE(o), "__name__");
+    if (name) {
+        PyErr_Format(PyExc_TypeError, "%s, not %U", expected, name);
+        Py_DECREF(name);
+    }
+    return NULL;
 }
 
 PyObject *raise_exc(PyObject *exc)
@@ -214,8 +224,7 @@ int parse_op(mod_state *st, PyObject *o, ast_op *out)
             }
         }
     } else {
-        PyErr_Format(PyExc_TypeError, "op must be an int or a str, not %.100s",
-                     Py_TYPE(o)->tp_name);
+        raise_wrong_type("op must be an int or a str", o);
         return -1;
     }
     char allowed[512] = "";
@@ -378,8 +387,8 @@ int copy_path(PyObject *o, char *buf, size_t len, const char *what)
     PyObject *b = NULL;
     if (!PyUnicode_FSConverter(o, &b))
         return -1;
-    const char *p = PyBytes_AS_STRING(b);
-    size_t n = (size_t)PyBytes_GET_SIZE(b);
+    const char *p = PyBytes_AsString(b);
+    size_t n = (size_t)PyBytes_Size(b);
     if (n >= len) {
         PyErr_Format(PyExc_ValueError, "%s is longer than %zu bytes", what, len - 1);
         Py_DECREF(b);

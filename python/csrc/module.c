@@ -15,7 +15,7 @@
  *    poll, wait, cancel, register, unregister, trace_write, destroy; for Store and Shadow every
  *    call that takes the store's or the shadow's mutex (a store move holds it across its whole
  *    batched I/O). Inside those regions only C locals are touched; their memory is on the stack
- *    or from PyMem_Raw*; strings are copied out of Python objects first. Coherence calls keep
+ *    or from malloc; strings are copied out of Python objects first. Coherence calls keep
  *    the GIL: the registry's lock is held only for a short, non-blocking table update.
  *  - A handle's destroy must not race with other calls on it. Each object has a `guard`: a
  *    call that runs with the GIL released is counted in guard.inflight (pthread mutex `lock`,
@@ -77,13 +77,13 @@ static PyObject *mod_config_keys(PyObject *m, PyObject *unused)
     Py_DECREF(s);
     if (!parts)
         return NULL;
-    PyObject *out = PyTuple_New(PyList_GET_SIZE(parts));
-    for (Py_ssize_t i = 0; out && i < PyList_GET_SIZE(parts); i++) {
-        PyObject *k = PyObject_CallMethod(PyList_GET_ITEM(parts, i), "rstrip", "s", ",");
+    PyObject *out = PyTuple_New(PyList_Size(parts));
+    for (Py_ssize_t i = 0; out && i < PyList_Size(parts); i++) {
+        PyObject *k = PyObject_CallMethod(PyList_GetItem(parts, i), "rstrip", "s", ",");
         if (!k)
             Py_CLEAR(out);
         else
-            PyTuple_SET_ITEM(out, i, k);
+            PyTuple_SetItem(out, i, k);
     }
     Py_DECREF(parts);
     return out;

@@ -46,7 +46,7 @@ PyObject *make_result(mod_state *st, const ast_result *r)
         if (!v[i])
             ok = 0;
         else
-            PyStructSequence_SET_ITEM(t, i, v[i]);
+            PyStructSequence_SetItem(t, i, v[i]);
     }
     if (!ok) {
         Py_DECREF(t);

@@ -72,7 +72,7 @@ static PyObject *runtime_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     char err[ERRBUF_LEN] = "";
     int rc;
 
-    RuntimeObject *self = (RuntimeObject *)type->tp_alloc(type, 0);
+    RuntimeObject *self = (RuntimeObject *)type_alloc(type);
     if (!self)
         return NULL;
     guard_init(&self->g);
@@ -129,7 +129,7 @@ static void runtime_dealloc(RuntimeObject *self)
     PyObject_GC_UnTrack(self);
     close_in_dealloc(runtime_close_obj, (PyObject *)self);
     guard_fini(&self->g);
-    tp->tp_free((PyObject *)self);
+    type_free(tp, self);
     Py_DECREF(tp);
 }
 
@@ -149,7 +149,7 @@ static PyObject *runtime_close(RuntimeObject *self, PyObject *unused)
 
 static PyObject *runtime_enter(RuntimeObject *self, PyObject *unused)
 {
-    return Py_NewRef(self);
+    return Py_NewRef((PyObject *)self);
 }
 
 static PyObject *runtime_exit(RuntimeObject *self, PyObject *args)
@@ -663,16 +663,16 @@ static PyObject *runtime_trace_write(RuntimeObject *self, PyObject *args, PyObje
         return NULL;
     char *path = NULL;
     if (path_o != Py_None) {
-        path = PyMem_RawMalloc(AST_PATH_MAX);
+        path = malloc(AST_PATH_MAX);
         if (!path)
             return PyErr_NoMemory();
         if (copy_path(path_o, path, AST_PATH_MAX, "path") < 0) {
-            PyMem_RawFree(path);
+            free(path);
             return NULL;
         }
     }
     int rc = rt_call(self, st, do_trace_write, path);
-    PyMem_RawFree(path);
+    free(path);
     if (rc < 0)
         return NULL;
     Py_RETURN_NONE;
@@ -702,11 +702,11 @@ static PyObject *runtime_get_tracing(RuntimeObject *self, void *closure)
 static PyObject *runtime_repr(RuntimeObject *self)
 {
     if (self->g.closed || !self->rt)
-        return PyUnicode_FromFormat("<%s closed>", Py_TYPE(self)->tp_name);
+        return PyUnicode_FromFormat("<%s closed>", runtime_spec.name);
     ast_stats s;
     if (ast_runtime_stats_get(self->rt, &s) < 0)
         s.workers = -1;
-    return PyUnicode_FromFormat("<%s workers=%d>", Py_TYPE(self)->tp_name, s.workers);
+    return PyUnicode_FromFormat("<%s workers=%d>", runtime_spec.name, s.workers);
 }
 
 static PyMethodDef runtime_methods[] = {

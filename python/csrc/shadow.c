@@ -113,7 +113,7 @@ static PyObject *shadow_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return NULL;
     }
     o.max_slots = (unsigned)slots;
-    ShadowObject *self = (ShadowObject *)type->tp_alloc(type, 0);
+    ShadowObject *self = (ShadowObject *)type_alloc(type);
     if (!self)
         return NULL;
     guard_init(&self->g);
@@ -181,7 +181,7 @@ static void shadow_dealloc(ShadowObject *self)
     close_in_dealloc(shadow_close_obj, (PyObject *)self);
     guard_fini(&self->g);
     PyMem_Free(self->tickets);
-    tp->tp_free((PyObject *)self);
+    type_free(tp, self);
     Py_DECREF(tp);
 }
 
@@ -197,7 +197,10 @@ static PyObject *shadow_close(ShadowObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-static PyObject *shadow_enter(ShadowObject *self, PyObject *unused) { return Py_NewRef(self); }
+static PyObject *shadow_enter(ShadowObject *self, PyObject *unused)
+{
+    return Py_NewRef((PyObject *)self);
+}
 
 static PyObject *shadow_exit(ShadowObject *self, PyObject *args)
 {
@@ -282,7 +285,7 @@ static PyObject *shadow_snapshot_gather(ShadowObject *self, PyObject *args, PyOb
     PyObject *seq = PySequence_Fast(seq_in, "pieces must be a sequence of (src_ptr, nbytes)");
     if (!seq)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n = fast_len(seq);
     if (n < 1 || n > GATHER_MAX_PIECES) {
         Py_DECREF(seq);
         return PyErr_Format(PyExc_ValueError, "snapshot_gather: %zd pieces; allowed 1 to %d", n,
@@ -295,14 +298,14 @@ static PyObject *shadow_snapshot_gather(ShadowObject *self, PyObject *args, PyOb
     }
     PyObject *out = NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
-        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+        PyObject *item = fast_item(seq, i);
+        if (!PyTuple_Check(item) || PyTuple_Size(item) != 2) {
             PyErr_Format(PyExc_TypeError, "snapshot_gather: piece %zd must be a (src_ptr, "
                          "nbytes) tuple", i);
             goto done;
         }
-        if (!conv_ptr(PyTuple_GET_ITEM(item, 0), &pc[i].src) ||
-            !conv_size(PyTuple_GET_ITEM(item, 1), &pc[i].nbytes))
+        if (!conv_ptr(PyTuple_GetItem(item, 0), &pc[i].src) ||
+            !conv_size(PyTuple_GetItem(item, 1), &pc[i].nbytes))
             goto done;
     }
     if (sh_enter(self, st) < 0)
@@ -554,8 +557,8 @@ static PyObject *shadow_view(ShadowObject *self, void *ptr, size_t n, int cuda,
                              const view_spec *v, const char *what)
 {
     self->views++;
-    return view_export(v, Py_NewRef(self), shadow_view_release, ptr, n, cuda ? self->device : -1,
-                       what);
+    return view_export(v, Py_NewRef((PyObject *)self), shadow_view_release, ptr, n,
+                       cuda ? self->device : -1, what);
 }
 
 PyDoc_STRVAR(shadow_slot_view_doc,

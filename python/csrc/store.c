@@ -185,18 +185,18 @@ static PyObject *store_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     o.nvme_budget_bytes = budget;
     char *dir = NULL;
     if (dir_o != Py_None) {
-        dir = PyMem_RawMalloc(AST_PATH_MAX);
+        dir = malloc(AST_PATH_MAX);
         if (!dir)
             return PyErr_NoMemory();
         if (copy_path(dir_o, dir, AST_PATH_MAX, "nvme_dir") < 0) {
-            PyMem_RawFree(dir);
+            free(dir);
             return NULL;
         }
         o.nvme_dir = dir;
     }
-    StoreObject *self = (StoreObject *)type->tp_alloc(type, 0);
+    StoreObject *self = (StoreObject *)type_alloc(type);
     if (!self) {
-        PyMem_RawFree(dir);
+        free(dir);
         return NULL;
     }
     guard_init(&self->g);
@@ -206,7 +206,7 @@ static PyObject *store_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     Py_BEGIN_ALLOW_THREADS
     rc = ast_store_open(&o, &s, err, sizeof err);
     Py_END_ALLOW_THREADS
-    PyMem_RawFree(dir);
+    free(dir);
     if (rc < 0) {
         Py_DECREF(self);
         return raise_busy_aware(st, rc, err);
@@ -263,7 +263,7 @@ static void store_dealloc(StoreObject *self)
         PyMem_Free(AST__CONTAINER_OF(x, pin, node));
     }
     ast__htable_free(&self->pins);
-    tp->tp_free((PyObject *)self);
+    type_free(tp, self);
     Py_DECREF(tp);
 }
 
@@ -279,7 +279,10 @@ static PyObject *store_close(StoreObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-static PyObject *store_enter(StoreObject *self, PyObject *unused) { return Py_NewRef(self); }
+static PyObject *store_enter(StoreObject *self, PyObject *unused)
+{
+    return Py_NewRef((PyObject *)self);
+}
 
 static PyObject *store_exit(StoreObject *self, PyObject *args)
 {
@@ -449,26 +452,26 @@ static PyObject *store_move(StoreObject *self, PyObject *args, PyObject *kwds)
     PyObject *seq = PySequence_Fast(ids_o, "ids must be an iterable of block ids");
     if (!seq)
         return NULL;
-    size_t n = (size_t)PySequence_Fast_GET_SIZE(seq);
-    uint64_t *ids = PyMem_RawMalloc((n ? n : 1) * sizeof *ids);
+    size_t n = (size_t)fast_len(seq);
+    uint64_t *ids = malloc((n ? n : 1) * sizeof *ids);
     if (!ids) {
         Py_DECREF(seq);
         return PyErr_NoMemory();
     }
     for (size_t i = 0; i < n; i++)
-        if (!conv_u64(PySequence_Fast_GET_ITEM(seq, (Py_ssize_t)i), &ids[i])) {
+        if (!conv_u64(fast_item(seq, (Py_ssize_t)i), &ids[i])) {
             Py_DECREF(seq);
-            PyMem_RawFree(ids);
+            free(ids);
             return NULL;
         }
     Py_DECREF(seq);
     if (st_enter(self, st) < 0) {
-        PyMem_RawFree(ids);
+        free(ids);
         return NULL;
     }
     if (pins_mark(self, st, ids, n, "move") < 0) {
         guard_leave(&self->g);
-        PyMem_RawFree(ids);
+        free(ids);
         return NULL;
     }
     ast_store *s = self->s;
@@ -482,7 +485,7 @@ static PyObject *store_move(StoreObject *self, PyObject *args, PyObject *kwds)
     Py_END_ALLOW_THREADS
     guard_leave(&self->g);
     pins_unmark(self, ids, n);
-    PyMem_RawFree(ids);
+    free(ids);
     if (rc == 0)
         return PyLong_FromSize_t(moved);
     char detail[ERRBUF_LEN + 64];
@@ -637,7 +640,7 @@ static BlockBufferObject *store_export(StoreObject *self, mod_state *st, uint64_
             raise_busy_aware(st, rc, err);
         return NULL;
     }
-    b->store = (StoreObject *)Py_NewRef(self);
+    b->store = (StoreObject *)Py_NewRef((PyObject *)self);
     b->id = id;
     b->ptr = ptr;
     b->nbytes = n;
@@ -789,7 +792,7 @@ static void blockbuf_dealloc(BlockBufferObject *self)
     }
     s->exports--;
     Py_DECREF(s);
-    tp->tp_free((PyObject *)self);
+    type_free(tp, self);
     Py_DECREF(tp);
 }
 
@@ -823,7 +826,7 @@ static Py_ssize_t blockbuf_len(BlockBufferObject *self) { return (Py_ssize_t)sel
 
 static PyObject *blockbuf_repr(BlockBufferObject *self)
 {
-    return PyUnicode_FromFormat("<%s block=%llu tier=%s nbytes=%zu>", Py_TYPE(self)->tp_name,
+    return PyUnicode_FromFormat("<%s block=%llu tier=%s nbytes=%zu>", blockbuf_spec.name,
                                 (unsigned long long)self->id, ast_tier_name(self->tier),
                                 self->nbytes);
 }

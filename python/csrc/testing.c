@@ -25,8 +25,7 @@ static ast_runtime *runtime_of(PyObject *obj, mod_state **st)
     *st = owner && PyModule_GetDef(owner) == &asteria_module_def ? PyModule_GetState(owner)
                                                                   : NULL;
     if (!*st || (*st)->runtime_type != tp) {
-        PyErr_Format(PyExc_TypeError, "runtime must be an asteria._C.Runtime, not %.100s",
-                     tp->tp_name);
+        raise_wrong_type("runtime must be an asteria._C.Runtime", obj);
         return NULL;
     }
     RuntimeObject *self = (RuntimeObject *)obj;
