@@ -60,32 +60,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef BLAS_SYMBOL_PREFIX
-/* An OpenBLAS whose symbols carry a prefix (scipy-openblas32 from PyPI, which the glibc 2.28
- * wheel links: docs/install.md; its pkg-config Cflags define BLAS_SYMBOL_PREFIX and its headers
- * declare the prefixed names). Every BLAS / LAPACKE name this file calls: */
-#define AST__BLAS_CAT(p, n) p##n
-#define AST__BLAS_PASTE(p, n) AST__BLAS_CAT(p, n)
-#define AST__BLAS_NAME(n) AST__BLAS_PASTE(BLAS_SYMBOL_PREFIX, n)
-#define LAPACKE_ssyevd_work AST__BLAS_NAME(LAPACKE_ssyevd_work)
-#define LAPACKE_dsyevd_work AST__BLAS_NAME(LAPACKE_dsyevd_work)
-#define LAPACKE_sgeqrf_work AST__BLAS_NAME(LAPACKE_sgeqrf_work)
-#define LAPACKE_dgeqrf_work AST__BLAS_NAME(LAPACKE_dgeqrf_work)
-#define LAPACKE_sorgqr_work AST__BLAS_NAME(LAPACKE_sorgqr_work)
-#define LAPACKE_dorgqr_work AST__BLAS_NAME(LAPACKE_dorgqr_work)
-#define LAPACKE_slange_work AST__BLAS_NAME(LAPACKE_slange_work)
-#define LAPACKE_dlange_work AST__BLAS_NAME(LAPACKE_dlange_work)
-#define cblas_sgemm AST__BLAS_NAME(cblas_sgemm)
-#define cblas_dgemm AST__BLAS_NAME(cblas_dgemm)
-#define cblas_ssyrk AST__BLAS_NAME(cblas_ssyrk)
-#define cblas_dsyrk AST__BLAS_NAME(cblas_dsyrk)
-#define cblas_sscal AST__BLAS_NAME(cblas_sscal)
-#define cblas_dscal AST__BLAS_NAME(cblas_dscal)
-#define cblas_dsdot AST__BLAS_NAME(cblas_dsdot)
-#define cblas_ddot AST__BLAS_NAME(cblas_ddot)
-#define openblas_set_num_threads AST__BLAS_NAME(openblas_set_num_threads)
-#endif
-
 /* Largest n whose ?syevd workspace (1 + 6n + 2n^2) fits a 32-bit lapack_int. */
 #define LINALG_NMAX 32766
 #define NEWTON_STALL 5
