@@ -320,20 +320,7 @@ def main(argv=None) -> int:
            "tolerance": {"float64_params": TOL, "float32_loss": TOL_F32_LOSS,
                          "float32_loss_steps": CHECK_STEPS},
            "state": "running", "checks": {}, "runs": {}}
-    t_start = time.perf_counter()
-
-    def write() -> None:
-        rec["wall_s"] = round(time.perf_counter() - t_start, 3)
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(rec, f, indent=1, default=str)
-        os.replace(tmp, args.out)
-
-    def check(name: str, ok: bool, detail: str) -> None:
-        rec["checks"][name] = {"ok": bool(ok), "detail": detail}
-        print(f"[train-f1] {name}: {'ok' if ok else 'FAILED'} ({detail})", flush=True)
-        write()
-
+    write, check = train_smoke.stage_record(rec, args.out, "train-f1")
     write()
     failed = False
     meter = None

@@ -160,6 +160,27 @@ def fork_pinned() -> dict:
             else f"child exit {code}: wrong values"}
 
 
+
+def stage_record(rec: dict, out: str, tag: str):
+    """(write, check) over a stage's JSON record ``rec``: write() replaces ``out`` atomically
+    (a stage killed at any point leaves its last whole record) with the wall time so far;
+    check(name, ok, detail) records and prints one check, then writes."""
+    t_start = time.perf_counter()
+
+    def write() -> None:
+        rec["wall_s"] = round(time.perf_counter() - t_start, 3)
+        tmp = out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(rec, f, indent=1, default=str)
+        os.replace(tmp, out)
+
+    def check(name: str, ok: bool, detail: str) -> None:
+        rec["checks"][name] = {"ok": bool(ok), "detail": detail}
+        print(f"[{tag}] {name}: {'ok' if ok else 'FAILED'} ({detail})", flush=True)
+        write()
+
+    return write, check
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -176,20 +197,7 @@ def main(argv=None) -> int:
            "tolerance": {"float64_params": TOL, "float32_loss": TOL_F32_LOSS},
            "steps_each": STEPS,
            "state": "running", "checks": {}}
-    t_start = time.perf_counter()
-
-    def write() -> None:
-        rec["wall_s"] = round(time.perf_counter() - t_start, 3)
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(rec, f, indent=1, default=str)
-        os.replace(tmp, args.out)
-
-    def check(name: str, ok: bool, detail: str) -> None:
-        rec["checks"][name] = {"ok": bool(ok), "detail": detail}
-        print(f"[train-smoke] {name}: {'ok' if ok else 'FAILED'} ({detail})", flush=True)
-        write()
-
+    write, check = stage_record(rec, args.out, "train-smoke")
     write()
     failed = False
     host_tier = "host_pinned" if args.device == "cuda" else "host"
