@@ -384,15 +384,8 @@ def main(argv=None) -> int:
             "energy_method": meter.method, "energy_reason": meter.reason}
         print(f"[train-f1] summary: {json.dumps(rec['summary'])}", flush=True)
         rec["state"] = "failed" if failed else "passed"
-    except Terminated as exc:
-        rec["state"] = "timed out"
-        rec["error"] = str(exc)
-        failed = True
     except BaseException as exc:
-        rec["state"] = "timed out" if train_smoke._TERMINATED else "failed"
-        rec["error"] = (train_smoke._TERMINATED[0] + "\n" if train_smoke._TERMINATED else "") + \
-            traceback.format_exc(limit=8)
-        print(f"[train-f1] FAILED: {type(exc).__name__}: {exc}", flush=True)
+        train_smoke.record_failure(rec, exc, "train-f1")
         failed = True
     finally:
         if meter is not None:

@@ -181,6 +181,18 @@ def stage_record(rec: dict, out: str, tag: str):
 
     return write, check
 
+
+def record_failure(rec: dict, exc: BaseException, tag: str) -> None:
+    """A stage's record after ``exc`` ended it: "timed out" when the stage's SIGTERM did it
+    (Terminated, or whatever the handler's exception turned into on its way up), else
+    "failed", with the traceback."""
+    if isinstance(exc, Terminated):
+        rec["state"], rec["error"] = "timed out", str(exc)
+        return
+    rec["state"] = "timed out" if _TERMINATED else "failed"
+    rec["error"] = (_TERMINATED[0] + "\n" if _TERMINATED else "") + traceback.format_exc(limit=8)
+    print(f"[{tag}] FAILED: {type(exc).__name__}: {exc}", flush=True)
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -251,15 +263,8 @@ def main(argv=None) -> int:
             print(f"[train-smoke] fork-pinned: {'ok' if fk['ok'] else 'PROBLEM'} "
                   f"({fk['detail']}; reported only)", flush=True)
         rec["state"] = "failed" if failed else "passed"
-    except Terminated as exc:
-        rec["state"] = "timed out"
-        rec["error"] = str(exc)
-        failed = True
     except BaseException as exc:
-        rec["state"] = "timed out" if _TERMINATED else "failed"
-        rec["error"] = (_TERMINATED[0] + "\n" if _TERMINATED else "") + \
-            traceback.format_exc(limit=8)
-        print(f"[train-smoke] FAILED: {type(exc).__name__}: {exc}", flush=True)
+        record_failure(rec, exc, "train-smoke")
         failed = True
     finally:
         if _TERMINATED and rec["state"] != "timed out":  # the exception was swallowed on the way
