@@ -70,7 +70,7 @@ def test_factor_after_an_offloaded_step_is_the_ema():
 class CountingMethod(SOAPMethod):
     def submit_factor_ema(self, job):
         members = job.members
-        self.opt.offloaded_at.append((len(members),
+        self.run.optimizer.offloaded_at.append((len(members),
                                       [self.state[p]["step"] for p, _ in members]))
         return super().submit_factor_ema(job)
 
@@ -92,7 +92,7 @@ def test_offloaded_steps_are_those_no_refresh_reads():
     st = opt.asteria_stats()
     # step counts 1 .. steps - 1 after the init step; k % F == 0 keeps the update here
     counts = [k for k in range(1, steps) if k % F]
-    n2d = sum(1 for p in opt._all_params() if p.dim() == 2)  # one shape: one job per step
+    n2d = sum(1 for p in opt.run.params() if p.dim() == 2)  # one shape: one job per step
     assert opt.offloaded_at == [(n2d, [k] * n2d) for k in counts]
     assert st["factor_emas_submitted"] == len(counts)
     assert st["factor_ema_failures"] == 0
@@ -128,7 +128,7 @@ def test_failed_job_is_redone_on_the_training_thread():
     opt = SOAP(model.parameters(), precondition_frequency=F, runtime=RT)
     ref_model = make_model("mlp")
     ref = OnThreadSOAP(ref_model.parameters(), precondition_frequency=F, runtime=RT)
-    real = opt._engine.submit
+    real = opt.run.engine.submit
 
     def poisoned(op, f, *a, **kw):  # the worker sees a non-finite G; the step kept its own
         if op == "gram_ema":
@@ -140,10 +140,10 @@ def test_failed_job_is_redone_on_the_training_thread():
     try:
         for t in range(1, F + 3):
             if t == F + 2:
-                before = {p: opt.state[p]["b0.GG0"].clone() for p in opt._all_params()
+                before = {p: opt.state[p]["b0.GG0"].clone() for p in opt.run.params()
                           if p.dim() == 2}
                 submitted = opt.asteria_stats()["factor_emas_submitted"]
-                opt._engine.submit = poisoned
+                opt.run.engine.submit = poisoned
             for m, o in ((model, opt), (ref_model, ref)):
                 loss_and_grad(m, "mlp", t)
                 o.step()
@@ -158,7 +158,7 @@ def test_failed_job_is_redone_on_the_training_thread():
             assert not torch.equal(got, f0)
             torch.testing.assert_close(got, ref.state[q]["b0.GG0"], rtol=1e-12, atol=1e-14)
     finally:
-        opt._engine.submit = real
+        opt.run.engine.submit = real
         opt.close()
         ref.close()
 

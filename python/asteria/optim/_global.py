@@ -249,13 +249,13 @@ class GlobalBlocking:
         plan = self._plans.get(p)
         return plan.group if plan is not None else self._elementwise[p]
 
-    def add(self, opt, p, pidx: int, group: dict) -> KeyMap:
+    def add(self, method, p, pidx: int, group: dict) -> KeyMap:
         """Plan p (a DTensor parameter sharded along dim 0 over a 1-D mesh): its full layout,
         its rows per rank, its owners. Deterministic: every rank computes the same plans."""
         _check_placement(p, pidx)
         mesh = p.device_mesh
-        hparams = (group["block_size"], opt.method.merge_dims(group), opt.method.max_dim(group),
-                    group.get("num_experts"))
+        hparams = (group["block_size"], method.merge_dims(group), method.max_dim(group),
+               group.get("num_experts"))
         full = _full_layout(p.shape, *hparams)
         size, me = mesh.size(), mesh.get_local_rank()
         m = p.shape[0]
@@ -279,7 +279,7 @@ class GlobalBlocking:
                                                        node_ids=[0] * size, staleness=0), 1]
         ids = list(range(reg[1], reg[1] + len(full.slices)))
         reg[1] += len(ids)
-        costs = [_block_cost(s, opt.method.has_factor(s, group)) for s in full.block_shapes]
+        costs = [_block_cost(s, method.has_factor(s, group)) for s in full.block_shapes]
         if ids:
             reg[0].extend(ids, costs, replicas=list(range(size)))
         owners = tuple(int(reg[0].owner(b)) for b in ids)

@@ -9,13 +9,14 @@ shares (``check_common``), and the registry of the optimizers by method name (``
 OLMo-core configs and the capacity planner are made from it, so a new method is its own file
 and an export).
 
-A method is held by its optimizer (``opt.method``) and reaches the rest only through it, weakly
-(no cycle), by these names: ``state`` (``opt.state``), ``blocks`` (the placement's block
-accessors: ``stack`` / ``unstack`` / ``root_*``, so the kernels see the tensors of the
-all-device path wherever a block lives), ``schedule`` (a job that writes state in the
-background, device-side counts), ``config`` (the runtime config), ``group_of`` and ``count``
-(the optimizer's counters). The step math itself is in ``functional``. Single-threaded (the
-training thread).
+A method is held by its optimizer (``opt.method``) and by the parts that call it; the
+optimizer binds it (``bind``) to what it reaches, weakly (it is the leaf of the parts: no cycle),
+by these names: ``state`` (``optimizer.state``), ``blocks`` (the placement's block accessors:
+``stack`` / ``unstack`` / ``root_*``, so the kernels see the tensors of the all-device path
+wherever a block lives), ``schedule`` (a job that writes state in the background, device-side
+counts), ``config`` (the runtime config), ``group_of`` and ``count`` (the run's counters), all
+from the optimizer's ``Run`` record (``run.py``) but the two parts. The step math itself is in
+``functional``. Single-threaded (the training thread).
 """
 
 from __future__ import annotations
@@ -94,42 +95,50 @@ class Method:
     #: the factor field whose dimensions a refresh decomposes (``b{j}.<field>{i}``)
     FACTOR: ClassVar[str] = "GG"
 
-    def __init__(self, opt) -> None:
-        """``opt``: the optimizer it works for, or None: a detached method, whose rules of a
-        param group alone are used (the OLMo-core configs, the capacity planner)."""
-        self._opt = weakref.ref(opt) if opt is not None else (lambda: None)
+    def __init__(self) -> None:
+        """Detached: its rules of a param group alone are used (the OLMo-core configs, the
+        capacity planner) until an optimizer binds it (``bind``)."""
+        self._run = self._blocks = self._schedule = lambda: None
+
+    def bind(self, run, blocks, schedule) -> None:
+        """Work for the optimizer of ``run``, through its placement (``blocks``) and schedule,
+        each held weakly (they hold this method)."""
+        self._run = weakref.ref(run)
+        self._blocks = weakref.ref(blocks)
+        self._schedule = weakref.ref(schedule)
 
     @property
-    def opt(self):
-        return self._opt()
+    def run(self):
+        """The optimizer's ``Run`` record (``asteria.optim.run``)."""
+        return self._run()
 
     @property
     def state(self):
-        return self._opt().state
+        return self._run().state
 
     @property
     def blocks(self):
         """The placement's block accessors (``asteria.optim.placement.Placement``)."""
-        return self._opt().placement
+        return self._blocks()
 
     @property
     def schedule(self):
         """The schedule (``asteria.optim.schedule.Schedule``): background jobs that write state
         (``submit_write``, ``writes``), device-side counts (``count_lazy``)."""
-        return self._opt().schedule
+        return self._schedule()
 
     @property
     def config(self):
         """The runtime config (``asteria.RuntimeConfig``) of the optimizer."""
-        return self._opt()._cfg
+        return self._run().cfg
 
     def group_of(self, p: torch.Tensor) -> dict:
         """The param group of p."""
-        return self._opt()._group_of(p)
+        return self._run().group_of(p)
 
     def count(self, name: str, n: int = 1) -> None:
         """Add to one of the optimizer's counters (``asteria_stats()``)."""
-        self._opt()._counters[name] += n
+        self._run().counters[name] += n
 
     # ---- hyperparameters ----------------------------------------------------------------------
     def check(self, group: dict) -> None:

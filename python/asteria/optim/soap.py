@@ -45,6 +45,7 @@ class _Rotation(Write):
     """One soap_rotate job, started at once: it writes the members' m (``b{j}.exp_avg``);
     its inputs are kept for a fallback on failure, with the block shape of m."""
 
+    method: "SOAPMethod"  # applies the result
     ticket: int
     members: list
     inputs: tuple
@@ -53,8 +54,8 @@ class _Rotation(Write):
     def __post_init__(self):
         self.keys = [(p, K.key(j, "exp_avg")) for p, j in self.members]
 
-    def apply(self, opt, result):
-        opt.method.finish_rotation(self, result)
+    def apply(self, result):
+        self.method.finish_rotation(self, result)
 
 
 @dataclasses.dataclass(eq=False)  # a job is itself: no field-wise (tensor) comparison
@@ -64,6 +65,7 @@ class _FactorEma(Write):
     memory, updated in place; None: no factor) and beta are kept to redo the update here
     should the job fail."""
 
+    method: "SOAPMethod"  # starts the job and applies its result
     members: list
     g: torch.Tensor
     factors: list
@@ -74,11 +76,11 @@ class _FactorEma(Write):
         self.keys = [(p, K.key(j, "GG", i)) for p, j in self.members
                      for i, f in enumerate(self.factors) if f is not None]
 
-    def start(self, opt):
-        opt.method.submit_factor_ema(self)
+    def start(self):
+        self.method.submit_factor_ema(self)
 
-    def apply(self, opt, result):
-        opt.method.finish_factor_ema(self, result)
+    def apply(self, result):
+        self.method.finish_factor_ema(self, result)
 
 
 class SOAPMethod(Method):
@@ -165,8 +167,8 @@ class SOAPMethod(Method):
             if f is not None:
                 self.blocks.unstack(members, "GG", f, dim=i)
         if offload:  # started once the group's stacks have all run (schedule.writes.start_due)
-            self.schedule.writes.defer(_FactorEma(list(members), g, list(factors),
-                                          self.shampoo_beta(group)))
+            self.schedule.writes.defer(_FactorEma(self, list(members), g, list(factors),
+                                                  self.shampoo_beta(group)))
 
     def refresh_input(self, kind, p, j, dim):
         st = self.state[p]
@@ -257,8 +259,8 @@ class SOAPMethod(Method):
                                                 b=pairs[1], host_outputs=True,
                                                 donate=("f", "q", "b"))
         self.count("rotations_submitted")
-        self.schedule.writes.add(_Rotation(ticket, list(members), (x, pairs[0], pairs[1]),
-                                   tuple(m.shape[1:])))
+        self.schedule.writes.add(_Rotation(self, ticket, list(members),
+                                           (x, pairs[0], pairs[1]), tuple(m.shape[1:])))
 
     def finish_rotation(self, rot: _Rotation, res) -> None:
         """Write a rotation job's result into m; a failed job is redone here with torch (the

@@ -1,0 +1,70 @@
+"""The optimizer's parts are composed (docs/architecture.md, "The parts"): each gets what it uses
+at construction (the ``Run`` record and its collaborators), none reads the optimizer's private
+fields, and the Residency is the placement's own. Checked on the source, as
+test_state_layout.py checks the one home of the state key grammar."""
+
+import re
+from pathlib import Path
+
+import asteria
+
+PKG = Path(asteria.__file__).parent
+
+# An optimizer's private attribute read through any name that holds the optimizer: ``opt._t``,
+# ``self._opt()._engine``, ``optimizer._cfg``, ``owner()._tags``. Not matched: torch.optim's own
+# hook registries (``_optimizer_state_dict_post_hooks`` ...), which only torch's state-dict code
+# and the codec that runs it around torch's read, and the optimizer's hook protocol for
+# ``asteria.attach`` (``_asteria_drain``, ``_asteria_prefetch`` ...: methods hooks.py calls).
+PRIVATE = re.compile(r"\b(?:opt|optimizer|owner|_opt|_owner)(?:\(\))?\._(?!optimizer_|asteria_)"
+                     r"[A-Za-z]")
+
+
+def sources(skip=()):
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).as_posix()
+        if rel not in skip:
+            yield rel, path.read_text()
+
+
+def test_the_pattern_finds_what_it_is_for():
+    hits = ["opt._t", "self._opt()._engine", "optimizer._cfg", "owner()._tags", "opt._layout(p)"]
+    misses = ["opt.run.t", "opt._optimizer_load_state_dict_pre_hooks", "opt._asteria_drain()",
+              "self._opt = weakref.ref(opt)", "adopt._x"]
+    assert all(PRIVATE.search(s) for s in hits)
+    assert not any(PRIVATE.search(s) for s in misses)
+
+
+def test_no_part_reads_the_optimizers_private_fields():
+    offenders = [f"{rel}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)}"
+                 for rel, text in sources(skip={"optim/optimizer.py"})
+                 for m in PRIVATE.finditer(text)]
+    assert not offenders
+
+
+def test_the_residency_is_the_placements_own():
+    """Only the placement (and the tiers package that defines it) names the Residency or the
+    placement's handle on it; the others use the placement's calls."""
+    pattern = re.compile(r"(?m)^\s*(?:from asteria\.tiers\.residency |from asteria\.tiers import"
+                         r" .*\bresidency\b|import asteria\.tiers\.residency)|\bResidency\("
+                         r"|\._residency\b|\bplacement\.tiered\b")
+    offenders = [rel for rel, text in sources(skip={"optim/placement.py"})
+                 if not rel.startswith("tiers/") and pattern.search(text)]
+    assert not offenders
+
+
+def test_parts_are_built_from_the_record_not_the_optimizer():
+    """Each part's constructor takes the run record and its collaborators; none keeps a
+    reference to the optimizer."""
+    import inspect
+
+    from asteria.optim.checkpoint import Checkpoint
+    from asteria.optim.placement import Placement
+    from asteria.optim.schedule import Schedule
+
+    assert list(inspect.signature(Schedule).parameters) == ["run", "method", "placement",
+                                                            "writes"]
+    assert list(inspect.signature(Placement).parameters) == ["run", "method", "writes"]
+    assert list(inspect.signature(Checkpoint).parameters) == ["run", "method", "schedule",
+                                                              "placement"]
+    for name in ("schedule.py", "placement.py", "checkpoint.py", "method.py", "_writes.py"):
+        assert "weakref.ref(opt)" not in (PKG / "optim" / name).read_text(), name
