@@ -68,3 +68,27 @@ def test_parts_are_built_from_the_record_not_the_optimizer():
                                                               "placement"]
     for name in ("schedule.py", "placement.py", "checkpoint.py", "method.py", "_writes.py"):
         assert "weakref.ref(opt)" not in (PKG / "optim" / name).read_text(), name
+
+
+def test_every_engine_declares_submit_in_full():
+    """``Engine.submit`` is the whole seam: every executor takes the same keywords, ends with
+    the one options argument (``SubmitOptions``, defaults accepted everywhere) and takes no
+    ``**extra``; the staleness budget is not passed again beside the deadline."""
+    import inspect
+
+    from asteria.refresh.device import DeviceEngine
+    from asteria.refresh.engine import NO_OPTIONS, Engine, SubmitOptions
+    from asteria.refresh.host_pool import HostPoolEngine
+    from asteria.refresh.inline_torch import InlineTorchEngine
+    from asteria.refresh.replicated import ReplicatedEngine
+    from asteria.refresh.split import SplitEngine
+
+    declared = list(inspect.signature(Engine.submit).parameters)
+    assert declared[-1] == "opts" and "staleness" not in declared
+    for cls in (InlineTorchEngine, HostPoolEngine, DeviceEngine, SplitEngine, ReplicatedEngine):
+        params = inspect.signature(cls.submit).parameters
+        assert list(params) == declared, cls.__name__
+        assert params["opts"].default is NO_OPTIONS, cls.__name__
+        assert all(p.kind != p.VAR_KEYWORD for p in params.values()), cls.__name__
+    assert SubmitOptions() == NO_OPTIONS and SubmitOptions(donate="q").donate == ("q",)
+    assert SubmitOptions(replicas=[3, 1]).replicas == (1, 3)

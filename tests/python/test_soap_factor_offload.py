@@ -20,11 +20,14 @@ Checked here:
 """
 
 
+import dataclasses
+
 import pytest
 import torch
 
 from asteria.optim import SOAP
 from asteria.optim.soap import SOAPMethod
+from asteria.refresh.engine import SubmitOptions
 from models import assert_params_close, assert_resumes_bitwise, loss_and_grad, make_model, \
     on_thread_soap, params_of, require_c_extension, run
 
@@ -134,7 +137,7 @@ def test_failed_job_is_redone_on_the_training_thread():
         if op == "gram_ema":
             f = f.clone()
             f.view(-1)[0] = float("nan")
-            kw["donate"] = ()
+            kw["opts"] = dataclasses.replace(kw["opts"], donate=())
         return real(op, f, *a, **kw)
 
     try:
@@ -215,7 +218,7 @@ def test_engine_updates_l_and_r_in_place(sides):
     eng = _engine()
     try:
         t = eng.submit("gram_ema", g, l, b=r, block=1, version=1, deadline=1, snapshot_step=0,
-                       p=0.8, eps=0.2, host_outputs=True)
+                       p=0.8, eps=0.2, opts=SubmitOptions(host_outputs=True))
         res = eng.wait(t)
         assert res.status == 0, res.error
         for out, mine, start, prod in ((res.outputs[0], l, l0, g @ g.transpose(1, 2)),

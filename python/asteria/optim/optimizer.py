@@ -34,7 +34,7 @@ the optimizer works on their local shards (``local``), blocked as usual; with th
 rows after them, and agree across ranks on what skips or restarts a parameter). When some parameters are
 replicated across ranks (DDP, HSDP), the engine is a ``ReplicatedEngine``
 (``asteria.refresh.replicated``) around the usual one:
-jobs are batched per replica set and carry it (``replicas=``), each block is computed by its
+jobs are batched per replica set and carry it (``SubmitOptions.replicas``), each block is computed by its
 owner only, and ``step_end`` hands finished results to the synchronisation every step.
 
 Single-threaded: everything runs on the caller's thread; the engine's workers never see this

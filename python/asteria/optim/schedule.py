@@ -9,7 +9,8 @@ state (``writes``), device-side counts (``count_lazy``), the step end (installs,
 snapshots) and the wire form of the refreshes in flight (``wait_pending``, ``export_pending``,
 ``reset``, ``restore_pending``: the checkpoint codec calls them and never sees a round). S is
 read from the runtime config here and nowhere else (``delay``), chosen here with
-``staleness="auto"`` (``choose_s``), and passed to a replicated engine with each job.
+``staleness="auto"`` (``choose_s``), and given to the engine as each job's deadline t + S (a
+replicated engine's budget is ``deadline - snapshot_step``).
 Built with what it uses (``Schedule(run, method, placement, writes)``): the run record
 (``run.py``: engine, config, step counter, parameter index, counters, replicas). May call: the
 engine (``submit`` / ``ready`` / ``wait`` / ``step_end``), the capacity record
@@ -78,6 +79,7 @@ from asteria.optim._writes import PendingWrites
 from asteria.optim.method import INIT, REFRESH
 from asteria.refresh.capacity import Capacity
 from asteria.refresh.cost import JobSpec
+from asteria.refresh.engine import SubmitOptions
 
 
 # The fixed state keys of a REFRESH in flight (present from a preconditioned parameter's state
@@ -453,17 +455,17 @@ class Schedule:
             key = (kind, op, tuple((self.run.pindex[p], j, dim) for p, j, dim in targets))
             block = self.block_keys.setdefault(key, len(self.block_keys) + 1)
             version = self.versions[block] = self.versions.get(block, 0) + 1
-            extra = {} if replicas is None else {"replicas": replicas, "staleness": s}
-            if q is not None and local:
-                # the basis stack was made here for the job: the worker reads it in place
-                extra["donate"] = ("q",)
-            if all(self.placement.owned(p, self.method.output_name(p, j, dim))
-                   for p, j, dim in targets):
-                extra["host_outputs"] = True  # the results go to host memory: no round trip
+            opts = SubmitOptions(
+                # the basis stack was made here for the job: the worker may read it in place
+                donate=("q",) if q is not None and local else (),
+                # the results go to host memory: no round trip
+                host_outputs=all(self.placement.owned(p, self.method.output_name(p, j, dim))
+                                 for p, j, dim in targets),
+                replicas=replicas)  # synchronised within S = install_step - t
             t_sub = time.monotonic_ns()
             ticket = self.run.engine.submit(op, f, q, block=block, version=version,
-                                         deadline=install_step, snapshot_step=self.run.t,
-                                         p=pw, eps=eps, **extra)
+                                            deadline=install_step, snapshot_step=self.run.t,
+                                            p=pw, eps=eps, opts=opts)
             submit_s[ticket] = (time.monotonic_ns() - t_sub) / 1e9
             self.run.counters["refreshes_submitted"] += 1
             jobs.append(_Job(ticket, targets))
@@ -542,13 +544,15 @@ class Schedule:
     def submit_write(self, op: str, members: list, *args, **kwargs) -> int:
         """Start a job that writes state in the background (a method's: SOAP's rotations and
         factor EMAs) for the blocks ``members`` [(param, j)], due by the next step: its block
-        key is stable for its op and members, its version counts its submissions. Returns the
-        engine's ticket; the caller registers the job with ``writes``."""
+        key is stable for its op and members, its version counts its submissions; ``args`` and
+        ``kwargs`` are the job's inputs and ``opts`` (``Engine.submit``). Returns the engine's
+        ticket; the caller registers the job with ``writes``."""
         key = (op, tuple((self.run.pindex[p], j) for p, j in members))
         block = self.block_keys.setdefault(key, len(self.block_keys) + 1)
         version = self.versions[block] = self.versions.get(block, 0) + 1
         return self.run.engine.submit(op, *args, block=block, version=version,
-                                  deadline=self.run.t + 1, snapshot_step=self.run.t, **kwargs)
+                                      deadline=self.run.t + 1, snapshot_step=self.run.t,
+                                      **kwargs)
 
     def takes_parts(self) -> bool:
         """May jobs be given inputs made for them, and inputs as parts (an executor that reads

@@ -31,6 +31,7 @@ import torch
 
 from asteria.optim import _layout as K
 from asteria.optim import functional as F
+from asteria.refresh.engine import SubmitOptions
 from asteria.refresh.ops import soap_rotate
 from asteria.optim.placement import same_memory
 from asteria.optim._writes import Write
@@ -38,6 +39,12 @@ from asteria.optim._state import local, real
 from asteria.optim.method import (INIT, Method, check_common, eigh_input, is_int, register,
                                   require)
 from asteria.optim.optimizer import AsteriaOptimizer
+
+
+# SOAP's worker jobs hand their results back in host memory (they write host state) and give
+# the worker the inputs made for them: a rotation all three, a factor EMA its gradient stack
+_GIVEN_TO_WORKER = SubmitOptions(host_outputs=True, donate=("f", "q", "b"))
+_G_TO_WORKER = SubmitOptions(host_outputs=True, donate=("f",))
 
 
 @dataclasses.dataclass(eq=False)  # a job is itself: no field-wise (tensor) comparison
@@ -255,9 +262,8 @@ class SOAPMethod(Method):
         are given to the job: the worker reads them in place, nothing here writes them."""
         x = m.reshape(m.shape[0], m.shape[1], -1)
         pairs = list(pairs) + [None] * (2 - len(pairs))
-        ticket = self.schedule.submit_write("soap_rotate", members, x, pairs[0],
-                                                b=pairs[1], host_outputs=True,
-                                                donate=("f", "q", "b"))
+        ticket = self.schedule.submit_write("soap_rotate", members, x, pairs[0], b=pairs[1],
+                                            opts=_GIVEN_TO_WORKER)
         self.count("rotations_submitted")
         self.schedule.writes.add(_Rotation(self, ticket, list(members),
                                            (x, pairs[0], pairs[1]), tuple(m.shape[1:])))
@@ -317,8 +323,8 @@ class SOAPMethod(Method):
         a factor waits for it (``schedule.writes``)."""
         members, factors, beta = job.members, job.factors, job.beta
         job.ticket = self.schedule.submit_write("gram_ema", members, job.g, factors[0],
-                                                    b=factors[1], p=beta, eps=1.0 - beta,
-                                                    host_outputs=True, donate=("f",))
+                                                b=factors[1], p=beta, eps=1.0 - beta,
+                                                opts=_G_TO_WORKER)
         self.count("factor_emas_submitted")
         self.schedule.writes.add(job)
 
