@@ -12,9 +12,10 @@ PKG = Path(asteria.__file__).parent
 
 # An optimizer's private attribute read through any name that holds the optimizer: ``opt._t``,
 # ``self._opt()._engine``, ``optimizer._cfg``, ``owner()._tags``. Not matched: torch.optim's own
-# hook registries (``_optimizer_state_dict_post_hooks`` ...), which only torch's state-dict code
-# and the codec that runs it around torch's read, and the optimizer's hook protocol for
-# ``asteria.attach`` (``_asteria_drain``, ``_asteria_prefetch`` ...: methods hooks.py calls).
+# hook registries (``_optimizer_state_dict_post_hooks`` ...: torch's state-dict code runs them,
+# and the checkpoint part sets them aside to run them where they belong), and the optimizer's
+# hook protocol for ``asteria.attach`` (``_asteria_drain``, ``_asteria_prefetch`` ...: methods
+# hooks.py calls).
 PRIVATE = re.compile(r"\b(?:opt|optimizer|owner|_opt|_owner)(?:\(\))?\._(?!optimizer_|asteria_)"
                      r"[A-Za-z]")
 
@@ -92,3 +93,18 @@ def test_every_engine_declares_submit_in_full():
         assert all(p.kind != p.VAR_KEYWORD for p in params.values()), cls.__name__
     assert SubmitOptions() == NO_OPTIONS and SubmitOptions(donate="q").donate == ("q",)
     assert SubmitOptions(replicas=[3, 1]).replicas == (1, 3)
+
+
+def test_the_package_exports_every_optimizer_by_name():
+    """``asteria`` imports its optimizers explicitly (IDEs and type checkers resolve
+    ``asteria.SOAP``): every one of ``asteria.optim.__all__``, each the same class."""
+    import ast
+
+    from asteria import optim
+
+    tree = ast.parse((PKG / "__init__.py").read_text())
+    imported = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                for a in node.names}
+    assert set(optim.__all__) <= imported and set(optim.__all__) <= set(asteria.__all__)
+    assert all(getattr(asteria, n) is getattr(optim, n) for n in optim.__all__)
+    assert "globals()" not in (PKG / "__init__.py").read_text()

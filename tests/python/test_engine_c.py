@@ -416,9 +416,9 @@ def test_soap_rotate_snapshot_strided_and_low_precision(eng1):
 
 
 def test_soap_rotate_donated_inputs_are_read_in_place(eng1):
-    """SubmitOptions(donate=("f", "q", "b")): contiguous host inputs of the job's dtype are not snapshotted
-    (the worker reads the caller's tensors, so a write after submit is seen); others still
-    are."""
+    """SubmitOptions(donate=("f", "q", "b")): contiguous host inputs of the job's dtype are not
+    snapshotted (the worker reads the caller's tensors, so a write after submit is seen);
+    others still are."""
     x, a, b = rotate_inputs(2, 6, 5, torch.float64, seed=85, sides="ab")
     expected = ref_rotate(x, a, b)
     before = eng1.stats()

@@ -74,7 +74,7 @@ class CountingMethod(SOAPMethod):
     def submit_factor_ema(self, job):
         members = job.members
         self.run.optimizer.offloaded_at.append((len(members),
-                                      [self.state[p]["step"] for p, _ in members]))
+                                                [self.state[p]["step"] for p, _ in members]))
         return super().submit_factor_ema(job)
 
 

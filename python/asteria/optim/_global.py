@@ -220,6 +220,31 @@ def _block_cost(shape: tuple, has_factor: list) -> int:
     return n + sum(_C.coherence_dim_cost(d) for d, h in zip(shape, has_factor) if h)
 
 
+class LocalBlocking:
+    """``fsdp_blocking="local"`` (the default): every parameter is blocked as its local tensor.
+    The null object of ``GlobalBlocking`` (as Distributed Shampoo's default distributor is of
+    its distributed ones), so the optimizer asks one object either way: it takes no parameter,
+    so nothing is agreed across ranks and nothing is exchanged."""
+
+    def takes(self, p) -> bool:
+        return False
+
+    def has(self, p) -> bool:
+        return False
+
+    def agrees(self, p) -> bool:
+        return False
+
+    def agree(self, params: list, flags: list) -> list:
+        return flags
+
+    def sync_pending(self, state: dict, index: dict, keys: tuple) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+
 class GlobalBlocking:
     """The global blocks of an optimizer's FSDP2 parameters and their exchanges."""
 
@@ -230,6 +255,10 @@ class GlobalBlocking:
         self._exchange: Optional[list] = None  # the buckets of the step's gather
         self._stats = {"fsdp_global_bytes_sent": 0, "fsdp_global_exchanges": 0,
                        "fsdp_global_blocks_owned": 0, "fsdp_global_blocks": 0}
+
+    def takes(self, p) -> bool:
+        """Is p blocked globally once added (an FSDP2 parameter sharded along dim 0)?"""
+        return sharded_dim0(p)
 
     def has(self, p) -> bool:
         """Is p blocked globally (preconditioned)?"""

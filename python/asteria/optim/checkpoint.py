@@ -1,11 +1,11 @@
-"""Checkpoints of an Asteria optimizer (``opt.codec``): ``state_dict`` / ``load_state_dict`` in
-torch.optim's form and checked loads.
+"""Checkpoints of an Asteria optimizer (``opt.checkpoint``): ``state_dict`` / ``load_state_dict``
+in torch.optim's form and checked loads.
 
 Owns: the checkpoint form of the state (the optimizer's own key names; a refresh in flight
 stored as its results, not installed), the check of a loaded state dict against this
 optimizer, and the dtype each loaded tensor is kept in. Built with what it uses
 (``Checkpoint(run, method, schedule, placement)``); each part owns its own wire form and the
-codec calls it: the schedule's refreshes in flight (``wait_pending``, ``export_pending``,
+checkpoint calls it: the schedule's refreshes in flight (``wait_pending``, ``export_pending``,
 ``reset``, ``restore_pending``), the placement's tiered state (``export_tiered``,
 ``clear_tiered``, ``restore_tiered``). May call: torch.optim's own state-dict code on the
 run's ``optimizer``, those calls, the method (``check``, ``state_spec``, ``output_specs``,
@@ -103,7 +103,7 @@ def _hooks_off(opt, attr: str):
 
 
 class Checkpoint:
-    """The checkpoint codec of an ``AsteriaOptimizer`` (``opt.codec``): the optimizer's
+    """The checkpoint part of an ``AsteriaOptimizer`` (``opt.checkpoint``): the optimizer's
     ``state_dict`` / ``load_state_dict`` are its."""
 
     def __init__(self, run, method, schedule, placement) -> None:
@@ -146,7 +146,7 @@ class Checkpoint:
         for p, tiered in self.placement.export_tiered().items():
             sd["state"][index[p]].update(tiered)
         self.schedule.export_pending(sd["state"], index)
-        if self.run.blocking is not None and self.schedule.delay > 0:  # fsdp_blocking="global"
+        if self.schedule.delay > 0:  # fsdp_blocking="global": as every owner has it
             self.run.blocking.sync_pending(sd["state"], index, (K.PENDING_IN, K.PENDING_AGE))
         for p, tag in self.run.tags.items():  # per-shard state: the shard's own key names
             st = sd["state"].get(index.get(p))
@@ -258,7 +258,8 @@ class Checkpoint:
                 raise ValueError(f"load_state_dict: param group {gi} of the state dict has "
                                  f"{len(ids)} parameters, this {name}'s has "
                                  f"{len(live['params'])}")
-            missing = [k for k in self.run.optimizer.defaults if k not in saved and k not in TORCH_GROUP_KEYS]
+            missing = [k for k in self.run.optimizer.defaults
+                       if k not in saved and k not in TORCH_GROUP_KEYS]
             if missing:
                 raise ValueError(f"load_state_dict: param group {gi} of the state dict lacks "
                                  f"{name}'s hyperparameter(s) {missing}: it was saved by another "
@@ -266,7 +267,7 @@ class Checkpoint:
             group = {k: v for k, v in saved.items() if k != "params"}
             self.method.check(group)
             self.run.cfg.check_frequency(group["precondition_frequency"],
-                                      f"param group {gi} of the state dict")
+                                         f"param group {gi} of the state dict")
             for i, p in zip(ids, live["params"]):
                 seen.add(i)
                 st = state.get(i)

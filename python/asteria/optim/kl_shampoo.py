@@ -125,10 +125,10 @@ class KLShampooMethod(Method):
         g = g.to(_cdtype(group))
         has = self.has_factor(g.shape[1:], group)
         # the state's packed stacks, updated in place (copies only for tiered blocks)
-        m = self.blocks.stack(members, "exp_avg", view=True)
-        factors = self.blocks.stack_dims(members, "S", has, view=True)
-        bases = self.blocks.stack_dims(members, "Q", has, view=True)
-        scales = self.blocks.stack_dims(members, "s", has, view=True)
+        m = self.placement.stack(members, "exp_avg", view=True)
+        factors = self.placement.stack_dims(members, "S", has, view=True)
+        bases = self.placement.stack_dims(members, "Q", has, view=True)
+        scales = self.placement.stack_dims(members, "s", has, view=True)
         clamp = [F.kl_clamp_max(d, group["max_clamp_value"]) if h and group["using_clamping"]
                  else None for d, h in zip(g.shape[1:], has)]
         ok = F.kl_step(w, g, m, factors, bases, scales, lr=float(group["lr"]),
@@ -136,18 +136,18 @@ class KLShampooMethod(Method):
                   eps=group["eps"], weight_decay=group["weight_decay"],
                   normalize_grads=group["normalize_grads"], clamp=clamp)
         self.schedule.count_lazy("overflow_skipped", (~ok).sum())
-        self.blocks.unstack(members, "exp_avg", m)
+        self.placement.unstack(members, "exp_avg", m)
         for i, h in enumerate(has):
             if h:
-                self.blocks.unstack(members, "S", factors[i], dim=i)
-                self.blocks.unstack(members, "s", scales[i], dim=i)
+                self.placement.unstack(members, "S", factors[i], dim=i)
+                self.placement.unstack(members, "s", scales[i], dim=i)
 
     def refresh_input(self, kind, p, j, dim):
         st = self.state[p]
         f = st[K.key(j, "S", dim)]
         if kind == INIT:
             return "eigh", eigh_input(f), None, 0.0, 0.0
-        return "kl_qr", f, self.blocks.root_for_job(p, K.key(j, "Q", dim)), 0.0, 0.0
+        return "kl_qr", f, self.placement.root_for_job(p, K.key(j, "Q", dim)), 0.0, 0.0
 
     def install(self, kind, outputs):
         self.install_bases(outputs)  # lam (s) is kept: the QR refresh only rotates Q

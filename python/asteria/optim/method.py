@@ -11,7 +11,7 @@ and an export).
 
 A method is held by its optimizer (``opt.method``) and by the parts that call it; the
 optimizer binds it (``bind``) to what it reaches, weakly (it is the leaf of the parts: no cycle),
-by these names: ``state`` (``optimizer.state``), ``blocks`` (the placement's block accessors:
+by these names: ``state`` (``optimizer.state``), ``placement`` (its block accessors:
 ``stack`` / ``unstack`` / ``root_*``, so the kernels see the tensors of the all-device path
 wherever a block lives), ``schedule`` (a job that writes state in the background, device-side
 counts), ``config`` (the runtime config), ``group_of`` and ``count`` (the run's counters), all
@@ -98,13 +98,13 @@ class Method:
     def __init__(self) -> None:
         """Detached: its rules of a param group alone are used (the OLMo-core configs, the
         capacity planner) until an optimizer binds it (``bind``)."""
-        self._run = self._blocks = self._schedule = lambda: None
+        self._run = self._placement = self._schedule = lambda: None
 
-    def bind(self, run, blocks, schedule) -> None:
-        """Work for the optimizer of ``run``, through its placement (``blocks``) and schedule,
-        each held weakly (they hold this method)."""
+    def bind(self, run, placement, schedule) -> None:
+        """Work for the optimizer of ``run``, through its placement and schedule, each held
+        weakly (they hold this method)."""
         self._run = weakref.ref(run)
-        self._blocks = weakref.ref(blocks)
+        self._placement = weakref.ref(placement)
         self._schedule = weakref.ref(schedule)
 
     @property
@@ -117,9 +117,9 @@ class Method:
         return self._run().state
 
     @property
-    def blocks(self):
+    def placement(self):
         """The placement's block accessors (``asteria.optim.placement.Placement``)."""
-        return self._blocks()
+        return self._placement()
 
     @property
     def schedule(self):
@@ -228,7 +228,7 @@ class Method:
         """Store first-step factors (``b{j}.{FACTOR}{i}``) with the identity as their basis;
         return [(p, j, dims)] of the factors that are not c*I and so need a real
         eigendecomposition."""
-        state, blocks = self.state, self.blocks
+        state, placement = self.state, self.placement
         need: dict = {}
         for i, f in enumerate(factors):
             if f is None:
@@ -236,7 +236,7 @@ class Method:
             eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
             for (p, j), fi, trivial in zip(members, f.unbind(0), F.is_scaled_identity(f)):
                 state[p][K.key(j, self.FACTOR, i)] = fi.clone()
-                blocks.root_set(p, K.key(j, "Q", i), eye)
+                placement.root_set(p, K.key(j, "Q", i), eye)
                 if not trivial:
                     need.setdefault((p, j), []).append(i)
         return [(p, j, dims) for (p, j), dims in need.items()]
@@ -244,11 +244,11 @@ class Method:
     def install_bases(self, outputs: dict) -> None:
         """Install eigenbases (first-step eigh, KL-Shampoo's QR): Q_i = output 0; failures keep
         Q."""
-        blocks = self.blocks
+        placement = self.placement
         for p, outs in outputs.items():
             for (j, dim), out in outs.items():
                 if out is not None:
-                    blocks.root_set(p, K.key(j, "Q", dim), out[0])
+                    placement.root_set(p, K.key(j, "Q", dim), out[0])
 
     def fake_factors(self, p: torch.Tensor) -> list:
         """The factors of p (``b{j}.{FACTOR}{i}``): what a fake step leaves at zero."""

@@ -7,7 +7,7 @@ parameter index and names, layouts, shard tags, counters, replicas); the parts a
 it and their exact collaborators, each in a room of its own (docs/architecture.md): ``method``
 (``method.Method``: the math, one subclass per method), ``schedule`` (``schedule.Schedule``: S,
 rounds, the bounded barrier, the jobs that still write state), ``placement``
-(``placement.Placement``: plan, residency, block accessors) and ``codec``
+(``placement.Placement``: plan, residency, block accessors) and ``checkpoint``
 (``checkpoint.Checkpoint``: state dicts). A step flows one way: the optimizer asks the method
 for each stack's step (the method reads and writes state through the placement), then hands
 the refreshes due to the schedule, which asks the method for their inputs and, S steps later,
@@ -34,8 +34,9 @@ the optimizer works on their local shards (``local``), blocked as usual; with th
 rows after them, and agree across ranks on what skips or restarts a parameter). When some parameters are
 replicated across ranks (DDP, HSDP), the engine is a ``ReplicatedEngine``
 (``asteria.refresh.replicated``) around the usual one:
-jobs are batched per replica set and carry it (``SubmitOptions.replicas``), each block is computed by its
-owner only, and ``step_end`` hands finished results to the synchronisation every step.
+jobs are batched per replica set and carry it (``SubmitOptions.replicas``), each block is
+computed by its owner only, and ``step_end`` hands finished results to the synchronisation
+every step.
 
 Single-threaded: everything runs on the caller's thread; the engine's workers never see this
 module's objects.
@@ -55,7 +56,6 @@ from asteria.config import RuntimeConfig
 from asteria.optim import _layout as K
 from asteria.optim import functional as F
 from asteria.optim._blocking import experts_of
-from asteria.optim._global import sharded_dim0
 from asteria.optim._state import _count, ensure_proxy, local, real, shard_tag
 from asteria.optim._writes import PendingWrites
 from asteria.optim.checkpoint import Checkpoint
@@ -90,7 +90,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self.placement = Placement(run, method, writes)
         self.schedule = Schedule(run, method, self.placement, writes)
         method.bind(run, self.placement, self.schedule)
-        self.codec = Checkpoint(run, method, self.schedule, self.placement)
+        self.checkpoint = Checkpoint(run, method, self.schedule, self.placement)
         super().__init__(params, defaults)
         try:
             self._replan()
@@ -152,7 +152,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         merged.update({k: v for k, v in param_group.items() if k != "params"})
         self.method.check(merged)
         self.run.cfg.check_frequency(merged["precondition_frequency"],
-                                  f"param group {len(self.param_groups)}")
+                                     f"param group {len(self.param_groups)}")
         if merged.get("num_experts") is not None:
             for i, p in enumerate(params):
                 if not (p.numel() == 0 or self.run.is_adamw(p, merged)):
@@ -166,11 +166,11 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             self.run.pindex.setdefault(p, len(self.run.pindex))
             self.run.gindex[p] = len(self.param_groups) - 1
             tag = shard_tag(p)
-            if self.run.blocking is not None and sharded_dim0(p):
-                self.run.tags[p] = (self.run.blocking.add_elementwise(p, self.run.pindex[p])
-                                 if p.numel() == 0
-                                 or self.run.is_adamw(p, merged)
-                                 else self.run.blocking.add(self.method, p, self.run.pindex[p], merged))
+            run = self.run
+            if run.blocking.takes(p):
+                run.tags[p] = (run.blocking.add_elementwise(p, run.pindex[p])
+                               if p.numel() == 0 or run.is_adamw(p, merged)
+                               else run.blocking.add(self.method, p, run.pindex[p], merged))
             elif tag is not None:
                 self.run.tags[p] = tag
         if self.placement.plan is not None:  # a group added after construction
@@ -247,9 +247,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                 flags = flags.tolist()
             for i, ok in zip(idx, flags):
                 finite[i] = ok
-        if self.run.blocking is not None:  # a globally blocked parameter is skipped on every rank
-            finite = self.run.blocking.agree(params, finite)
-        return finite
+        # a globally blocked parameter is skipped on every rank
+        return self.run.blocking.agree(params, finite)
 
     def _adamw(self, group: dict, params: list) -> None:
         if not params:
@@ -305,7 +304,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                 stacks[key].append((p, j))
         due: list = []
         freq = group["precondition_frequency"]
-        glob = [p for p in params if self.run.is_global(p)]
+        glob = [p for p in params if self.run.blocking.has(p)]
         glob_set = set(glob)
         grads, weights = self.run.blocking.gather(glob) if glob else ({}, {})  # the owned blocks
         for p in params:
@@ -375,7 +374,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             st = self.state[p]
             if "step" in st and _count(st["step"]) == count:
                 ts = self.method.fake_step_tensors(p)
-                if self.run.is_global(p):
+                if self.run.blocking.has(p):
                     cand[p] = ts or [torch.zeros(())]  # no block here: the owners decide
                 elif ts:
                     cand[p] = ts
@@ -385,7 +384,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         """``_all_zero``, decided by all ranks together for the FSDP2 parameters of
         ``fsdp_blocking="global"`` (their state is spread over the ranks, its step count one)."""
         out = self._all_zero(cand)
-        glob = sorted((p for p in cand if self.run.blocking is not None and self.run.blocking.agrees(p)),
+        glob = sorted((p for p in cand if self.run.blocking.agrees(p)),
                       key=lambda p: self.run.pindex[p])
         if glob:
             agreed = self.run.blocking.agree(glob, [p in out for p in glob])
@@ -413,8 +412,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         stats["bytes_device_ring"] = 0
         stats.update(self.run.engine.stats())
         stats.update(self.run.counters)
-        if self.run.blocking is not None:
-            stats.update(self.run.blocking.stats())
+        stats.update(self.run.blocking.stats())
         stats["overflow_skipped"] = 0
         stats.update({k: int(v) for k, v in self.schedule.lazy_counts.items()})
         dev = 0
@@ -522,14 +520,14 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         except Exception:  # interpreter shutdown: the engine module may already be gone
             pass
 
-    # ---- checkpoints: the codec's (asteria.optim.checkpoint) ----------------------------------
+    # ---- checkpoints: the checkpoint part's (asteria.optim.checkpoint) ------------------------
     def state_dict(self) -> dict:
-        return self.codec.state_dict()
+        return self.checkpoint.state_dict()
 
     state_dict.__doc__ = Checkpoint.state_dict.__doc__
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.codec.load_state_dict(state_dict)
+        self.checkpoint.load_state_dict(state_dict)
         for group in self.param_groups:  # a state dict from before a value went by name
             self.method.normalize_group(group)
 

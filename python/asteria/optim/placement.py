@@ -7,7 +7,7 @@ stacks through the ring in chunks that fit it, the packs of device state (``pack
 record of the packed stacks handed to the ``step_blocks`` running now (``handed``). The
 Residency is its own: the others use the calls it offers for tiered state (``off_device``,
 ``held`` / ``held_names`` / ``read`` / ``write`` / ``drop`` for the state proxy;
-``export_tiered`` / ``clear_tiered`` / ``restore_tiered`` for the checkpoint codec;
+``export_tiered`` / ``clear_tiered`` / ``restore_tiered`` for the checkpoint part;
 ``prepare``, ``stage``, ``end_step``, ``stats``, ``closer`` for the optimizer). Built with what
 it uses (``Placement(run, method, writes)``). May call: torch, ``asteria.tiers.plan``,
 ``asteria.tiers.residency``, the run record (config, parameter index, layouts, the state), the

@@ -13,7 +13,7 @@ torch.optim owns ``state``, ``param_groups`` and ``defaults`` and replaces them 
 assigns new ones), so the record reads them from the optimizer each time, through a weak
 reference: the record must not own its optimizer (with the cycle collector off, as OLMo-core
 trains, a cycle would keep the optimizer, its workers and buffers alive). ``optimizer`` is that
-object for torch's own state-dict code (the checkpoint codec). May call: ``_blocking``,
+object for torch's own state-dict code (the checkpoint part). May call: ``_blocking``,
 ``_global``, ``asteria.distributed``, the method's rules for blocks (``merge_dims``,
 ``max_dim``, ``uses_adamw``). Single-threaded (the training thread).
 """
@@ -28,7 +28,7 @@ import torch
 from asteria import distributed as _dist
 from asteria.config import RuntimeConfig
 from asteria.optim._blocking import Layout, experts_of, make_layout
-from asteria.optim._global import GlobalBlocking
+from asteria.optim._global import GlobalBlocking, LocalBlocking
 from asteria.optim._state import real, shard_rows
 
 ADAMW = "adamw"  # a param group's "algorithm" that sends all its parameters to AdamW
@@ -55,7 +55,7 @@ class Run:
         self.layouts: dict[torch.Tensor, Layout] = {}
         self.tags: dict = {}  # sharded DTensor param -> its shard's tag (or _global.KeyMap)
         # fsdp_blocking="global": FSDP2 parameters blocked whole, one owner per block
-        self.blocking = GlobalBlocking() if cfg.fsdp_blocking == "global" else None
+        self.blocking = GlobalBlocking() if cfg.fsdp_blocking == "global" else LocalBlocking()
         self.counters = {k: 0 for k in COUNTERS}
         self._replicas: dict[int, Optional[tuple]] = {}
 
@@ -114,10 +114,6 @@ class Run:
         otherwise the method's rule decides."""
         return group.get("algorithm") == ADAMW or self._method.uses_adamw(p, group)
 
-    def is_global(self, p: torch.Tensor) -> bool:
-        """Is p blocked globally (``fsdp_blocking="global"``)?"""
-        return self.blocking is not None and self.blocking.has(p)
-
     def layout(self, p: torch.Tensor, group: dict) -> Layout:
         """p's layout, cut once with its group's hyperparameters."""
         lay = self.layouts.get(p)
@@ -131,7 +127,7 @@ class Run:
         method = self._method
         args = (group["block_size"], method.merge_dims(group), method.max_dim(group),
                 group.get("num_experts"))
-        if self.is_global(p):
+        if self.blocking.has(p):
             return self.blocking.layout(p, *args)
         experts = None
         if args[3] is not None:  # a shard's rows are cut where its experts end

@@ -7,7 +7,7 @@ Owns: the rounds of REFRESH jobs in flight, the block keys and versions of the j
 factor, installs deferred to the next use, the ``PendingWrites`` of the jobs that still write
 state (``writes``), device-side counts (``count_lazy``), the step end (installs, then new
 snapshots) and the wire form of the refreshes in flight (``wait_pending``, ``export_pending``,
-``reset``, ``restore_pending``: the checkpoint codec calls them and never sees a round). S is
+``reset``, ``restore_pending``: the checkpoint part calls them and never sees a round). S is
 read from the runtime config here and nowhere else (``delay``), chosen here with
 ``staleness="auto"`` (``choose_s``), and given to the engine as each job's deadline t + S (a
 replicated engine's budget is ``deadline - snapshot_step``).
@@ -263,7 +263,7 @@ class Schedule:
                     if key not in st:
                         st[key] = self.placeholder(oshape, dtype, local(p).device)
 
-    # ---- the wire form of the refreshes in flight (the checkpoint codec calls these) ----------
+    # ---- the wire form of the refreshes in flight (the checkpoint part calls these) ----------
     def wait_pending(self) -> None:
         """Before a state dict is made: finish what a signal interrupted and the jobs that write
         state, then wait for every refresh in flight (its results are stored, not installed).
@@ -481,8 +481,9 @@ class Schedule:
             outputs = rnd.resolve(self.run.engine)
             waited = time.monotonic_ns() - t0
             self.stall_ns += waited
-            self.run.counters["install_waits"] = self.run.counters.get("install_waits", 0) + 1
-            self.run.counters["install_wait_ns"] = self.run.counters.get("install_wait_ns", 0) + waited
+            counters = self.run.counters
+            counters["install_waits"] = counters.get("install_waits", 0) + 1
+            counters["install_wait_ns"] = counters.get("install_wait_ns", 0) + waited
         outputs = rnd.resolve(self.run.engine)
         self.method.install(rnd.kind, outputs)
         self.run.counters["refresh_failures"] += rnd.failed

@@ -88,10 +88,10 @@ class ShampooMethod(Method):
             for i, has in enumerate(self.has_factor(shape, group)):
                 flag = K.set_flag(j, "Linv", i)
                 if has and flag not in st:
-                    st[flag] = int(self.blocks.root_has(p, K.key(j, "Linv", i)))
+                    st[flag] = int(self.placement.root_has(p, K.key(j, "Linv", i)))
                     if not st[flag]:
                         rp = real(p)
-                        self.blocks.root_set(p, K.key(j, "Linv", i), torch.zeros(
+                        self.placement.root_set(p, K.key(j, "Linv", i), torch.zeros(
                             shape[i], shape[i], dtype=rp.dtype, device=rp.device))
 
     def fake_step_tensors(self, p):
@@ -122,25 +122,25 @@ class ShampooMethod(Method):
     def step_blocks(self, group, members, w, g, steps):
         has = self.has_factor(g.shape[1:], group)
         # the state's packed stacks, updated in place (copies only for tiered blocks)
-        factors = self.blocks.stack_dims(members, "L", has, view=True)
+        factors = self.placement.stack_dims(members, "L", has, view=True)
         p0, j0 = members[0]
-        roots = (self.blocks.stack_dims(members, "Linv", has, view=True) if self.batch_tag(p0, j0)
+        roots = (self.placement.stack_dims(members, "Linv", has, view=True) if self.batch_tag(p0, j0)
                  else None)
         start = group["start_preconditioning_step"]
         if start == -1:
             start = group["precondition_frequency"]
-        m1 = self.blocks.stack(members, "momentum", view=True)
-        vg = self.blocks.stack(members, "grafting_v", view=True)
+        m1 = self.placement.stack(members, "momentum", view=True)
+        vg = self.placement.stack(members, "grafting_v", view=True)
         F.shampoo_step(w, g, factors, roots, m1, vg, steps, [k >= start for k in steps],
                        lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
                        grafting_beta2=group["grafting_beta2"],
                        grafting_epsilon=group["grafting_epsilon"],
                        weight_decay=group["weight_decay"])
-        self.blocks.unstack(members, "momentum", m1)
-        self.blocks.unstack(members, "grafting_v", vg)
+        self.placement.unstack(members, "momentum", m1)
+        self.placement.unstack(members, "grafting_v", vg)
         for i, f in enumerate(factors):
             if f is not None:
-                self.blocks.unstack(members, "L", f, dim=i)
+                self.placement.unstack(members, "L", f, dim=i)
 
     def refresh_input(self, kind, p, j, dim):
         group = self.group_of(p)
@@ -157,7 +157,7 @@ class ShampooMethod(Method):
         for p, outs in outputs.items():
             for (j, dim), out in outs.items():
                 if out is not None:
-                    self.blocks.root_set(p, K.key(j, "Linv", dim), out[0])
+                    self.placement.root_set(p, K.key(j, "Linv", dim), out[0])
                     self.state[p][K.set_flag(j, "Linv", dim)] = 1
 
 

@@ -157,10 +157,10 @@ class SOAPMethod(Method):
     def step_blocks(self, group, members, w, g, steps):
         has = self.has_factor(g.shape[1:], group)
         # the state's packed stacks, updated in place (copies only for tiered blocks)
-        m = self.blocks.stack(members, "exp_avg", view=True)
-        v = self.blocks.stack(members, "exp_avg_sq", view=True)
-        factors = self.blocks.stack_dims(members, "GG", has, view=True)
-        bases = self.blocks.stack_dims(members, "Q", has, view=True)
+        m = self.placement.stack(members, "exp_avg", view=True)
+        v = self.placement.stack(members, "exp_avg_sq", view=True)
+        factors = self.placement.stack_dims(members, "GG", has, view=True)
+        bases = self.placement.stack_dims(members, "Q", has, view=True)
         offload = self.factor_offload(group, members, g, factors, steps)
         F.soap_step(w, g, m, v, [None] * len(factors) if offload else factors, bases, steps,
                     lr=float(group["lr"]),
@@ -168,11 +168,11 @@ class SOAPMethod(Method):
                     shampoo_beta=self.shampoo_beta(group), eps=group["eps"],
                     weight_decay=group["weight_decay"], correct_bias=group["correct_bias"],
                     normalize_grads=group["normalize_grads"])
-        self.blocks.unstack(members, "exp_avg", m)
-        self.blocks.unstack(members, "exp_avg_sq", v)
+        self.placement.unstack(members, "exp_avg", m)
+        self.placement.unstack(members, "exp_avg_sq", v)
         for i, f in enumerate(factors):
             if f is not None:
-                self.blocks.unstack(members, "GG", f, dim=i)
+                self.placement.unstack(members, "GG", f, dim=i)
         if offload:  # started once the group's stacks have all run (schedule.writes.start_due)
             self.schedule.writes.defer(_FactorEma(self, list(members), g, list(factors),
                                                   self.shampoo_beta(group)))
@@ -182,24 +182,24 @@ class SOAPMethod(Method):
         f = st[K.key(j, "GG", dim)]
         if kind == INIT:
             return "eigh", eigh_input(f), None, 0.0, 0.0
-        return "soap_qr", f, self.blocks.root_for_job(p, K.key(j, "Q", dim)), 0.0, 0.0
+        return "soap_qr", f, self.placement.root_for_job(p, K.key(j, "Q", dim)), 0.0, 0.0
 
     def install(self, kind, outputs):
         if kind == INIT:
             self.install_bases(outputs)
             return
-        for all_members, has in _stacks_of(self.state, self.blocks, outputs):
-            for members in self.blocks.chunks(all_members):
+        for all_members, has in _stacks_of(self.state, self.placement, outputs):
+            for members in self.placement.chunks(all_members):
                 self.install_chunk(members, has, outputs)
 
     def install_chunk(self, members, has, outputs):
-        m, v = self.blocks.stack(members, "exp_avg"), self.blocks.stack(members, "exp_avg_sq")
+        m, v = self.placement.stack(members, "exp_avg"), self.placement.stack(members, "exp_avg_sq")
         offload = self.rotation_offload(members, len(has))
         # offloaded: the old and new bases go straight into the rotation job's (B, 2, n, n)
         # pairs, which the worker reads in place (no stacks of their own, no snapshot)
         pairs = [torch.empty((len(members), 2, m.shape[i + 1], m.shape[i + 1]), dtype=m.dtype)
                  if offload and h else None for i, h in enumerate(has)]
-        old = [self.blocks.stack(members, "Q", i, out=None if pr is None else pr[:, 0]) if h
+        old = [self.placement.stack(members, "Q", i, out=None if pr is None else pr[:, 0]) if h
                else None for i, (h, pr) in enumerate(zip(has, pairs))]
         new, perms = [], []
         for i, q_old in enumerate(old):
@@ -212,7 +212,7 @@ class SOAPMethod(Method):
                 out = outputs[p].get((j, i))
                 # m is re-expressed in the basis as it will be stored (tier_dtype)
                 qs.append(q if out is None else
-                          self.blocks.as_stored(p, K.key(j, "Q", i), out[0].to(q.device)))
+                          self.placement.as_stored(p, K.key(j, "Q", i), out[0].to(q.device)))
                 ps.append(torch.arange(q.shape[0], device=q.device) if out is None
                           else out[1].to(q.device))
             new.append(torch.stack(qs, out=None if pairs[i] is None else pairs[i][:, 1]))
@@ -228,11 +228,11 @@ class SOAPMethod(Method):
             self.submit_rotation(members, m, pairs)
         else:
             F.soap_install(m, v, old, new, perms)
-            self.blocks.unstack(members, "exp_avg", m)
-        self.blocks.unstack(members, "exp_avg_sq", v)
+            self.placement.unstack(members, "exp_avg", m)
+        self.placement.unstack(members, "exp_avg_sq", v)
         for i, q in enumerate(new):
             if q is not None:
-                self.blocks.unstack(members, "Q", q, dim=i)
+                self.placement.unstack(members, "Q", q, dim=i)
 
     # ---- m's re-expression on the workers ------------------------------------------------------
     def offloads_to_workers(self) -> bool:
@@ -253,7 +253,7 @@ class SOAPMethod(Method):
     def bases_on_nvme(self, members: list) -> bool:
         """Are some of these members' bases NVMe-homed (a configuration that trades the
         overlap of the rotations of one install for memory)?"""
-        return self.blocks.on_nvme(members)
+        return self.placement.on_nvme(members)
 
     def submit_rotation(self, members: list, m: torch.Tensor, pairs: list) -> None:
         """Start m_new = Q_new^T (Q_old m Q_old^T) Q_new (per side) on a worker; m stays as it
@@ -305,7 +305,7 @@ class SOAPMethod(Method):
                 continue
             if f.dtype != g.dtype or not f.is_contiguous():
                 return False
-            handed = self.blocks.handed.get(id(f))
+            handed = self.placement.handed.get(id(f))
             if handed is not None and handed[0] is f:  # the steady state: no member looked at
                 continue
             # a stack packed in this very step (the first, or the first after a load) is not on
@@ -344,7 +344,7 @@ class SOAPMethod(Method):
                 F.ema_gram(f, job.g, i, job.beta, 1.0 - job.beta)
 
 
-def _stacks_of(state, blocks, outputs: dict):
+def _stacks_of(state, placement, outputs: dict):
     """Group the blocks of a round's outputs into stacks of one shape, dtype and factor dims:
     yields (members, has_factor)."""
     stacks: dict = {}
@@ -352,7 +352,7 @@ def _stacks_of(state, blocks, outputs: dict):
         st = state[p]
         for j in sorted({j for j, _ in outs}):
             ref = st[K.key(j, "exp_avg")]
-            has = tuple(blocks.root_has(p, K.key(j, "Q", i)) for i in range(ref.dim()))
+            has = tuple(placement.root_has(p, K.key(j, "Q", i)) for i in range(ref.dim()))
             stacks.setdefault((tuple(ref.shape), ref.dtype, ref.device, has), []).append((p, j))
     for (_, _, _, has), members in stacks.items():
         yield members, list(has)

@@ -42,7 +42,7 @@ The trace: one ``Tracer`` per optimizer, over the trace recorder of libasteria's
 ``trace``). The executor that owns that runtime (``HostPoolEngine``) builds it, once;
 ``asteria.refresh.select.make_engine`` hands it explicitly to the executors that wrap it
 (``SplitEngine``, ``ReplicatedEngine``), and the optimizer hands ``engine.tracer`` to the
-residency (``asteria.tiers.residency``). Every engine has one (``Engine.tracer``: ``NO_TRACE``,
+placement for its residency (``asteria.tiers.residency``). Every engine has one (``Engine.tracer``: ``NO_TRACE``,
 which records nothing, where there is no runtime trace). Lane names are ``Lane`` (executor lanes: the cost
 model's and the capacity report's) and ``TraceLane`` (the runtime trace's tracks); both are
 ``str`` enums whose values are what JSON, trace files and reports have always carried.
