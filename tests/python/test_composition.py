@@ -108,3 +108,37 @@ def test_the_package_exports_every_optimizer_by_name():
     assert set(optim.__all__) <= imported and set(optim.__all__) <= set(asteria.__all__)
     assert all(getattr(asteria, n) is getattr(optim, n) for n in optim.__all__)
     assert "globals()" not in (PKG / "__init__.py").read_text()
+
+
+def test_state_hooks_follow_from_each_methods_state():
+    """A method declares its state once (``Method.STATE``); the hooks that restate it are the
+    base's, derived from it, in the order the state has always had."""
+    import torch
+
+    from asteria.optim._blocking import make_layout
+    from asteria.optim.method import METHODS, Method
+
+    derived = ("state_spec", "create_state", "fixed_state", "flag_keys", "output_specs",
+               "output_name", "fake_step_tensors")
+    for cls in METHODS.values():
+        for klass in cls.METHOD.__mro__:
+            if klass is Method:
+                break
+            assert not set(derived) & set(vars(klass)), klass.__name__
+    p = torch.zeros(4, 6)
+    layout = make_layout((4, 6), None, False, 100)
+    want = {"soap": ["b0.exp_avg", "b0.exp_avg_sq", "b0.GG0", "b0.Q0", "b0.GG1", "b0.Q1"],
+            "shampoo": ["b0.momentum", "b0.grafting_v", "b0.L0", "b0.Linv0", "b0.L1",
+                        "b0.Linv1"],
+            "kl_shampoo": ["b0.exp_avg", "b0.S0", "b0.s0", "b0.Q0", "b0.S1", "b0.s1", "b0.Q1"]}
+    for name, keys in want.items():
+        cls = METHODS[name]
+        method = cls.METHOD()
+        group = dict(cls([torch.nn.Parameter(p.clone())], runtime={"mode": "sync"}).defaults)
+        assert [e[0] for e in method.state_spec(p, group, layout)] == keys, name
+    shampoo = METHODS["shampoo"].METHOD()
+    assert shampoo.flag_keys(p, {"max_preconditioner_dim": 100}, layout) == ["b0.Linv0_set",
+                                                                             "b0.Linv1_set"]
+    assert shampoo.output_name(p, 0, 1) == "b0.Linv1" and shampoo.factor_field == "L"
+    soap = METHODS["soap"].METHOD()
+    assert soap.output_specs(p, {}, 4) == [((4, 4), torch.float32), ((4,), torch.int64)]

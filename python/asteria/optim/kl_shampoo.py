@@ -23,9 +23,8 @@ import torch
 
 from asteria.optim import _layout as K
 from asteria.optim import functional as F
-from asteria.optim._state import real
-from asteria.optim.method import (INIT, Method, check_common, eigh_input, is_int, register,
-                                  require)
+from asteria.optim.method import (INIT, Field, Method, check_common, eigh_input, is_int,
+                                  register, require)
 from asteria.optim.optimizer import AsteriaOptimizer
 
 
@@ -54,7 +53,12 @@ class KLShampooMethod(Method):
 
     NAME = "kl_shampoo"
     REFRESH_OP = ("kl_qr", 0.0)
-    FACTOR = "S"
+    # M; per dimension S, s = lam^(-1/2) and the basis (a fake step's S are zero, its bases
+    # the identity, from them); all in the compute dtype
+    STATE = (Field("exp_avg", "moments", zeros=True),
+             Field("S", "factors", per_dim=True, fake_zero=True),
+             Field("s", "factors", per_dim=True, vector=True),
+             Field("Q", "eigenbases", per_dim=True))
 
     def check(self, group: dict) -> None:
         check_common(group)
@@ -83,30 +87,8 @@ class KLShampooMethod(Method):
         if "compute_dtype" in group:  # by name in the group (torch keeps this dict)
             group["compute_dtype"] = dtype_name(group["compute_dtype"])
 
-    def output_specs(self, p, group, d):
-        return [((d, d), _cdtype(group))]  # kl_qr: (Q,)
-
-    def fake_step_tensors(self, p):
-        return self.fake_factors(p)  # zero after a fake step (its bases the identity, from them)
-
-    def create_state(self, p, group, layout):
-        st = self.state[p]
-        st["step"] = 0
-        for j, shape in enumerate(layout.block_shapes):
-            st[K.key(j, "exp_avg")] = torch.zeros(shape, dtype=_cdtype(group), device=p.device)
-
-    def state_spec(self, p, group, layout):
-        dt = _cdtype(group)
-        out = []
-        for j, shape in enumerate(layout.block_shapes):
-            out.append((K.key(j, "exp_avg"), "moments", shape, dt))
-            for i, has in enumerate(self.has_factor(shape, group)):
-                if has:
-                    d = shape[i]
-                    out += [(K.key(j, "S", i), "factors", (d, d), dt),
-                            (K.key(j, "s", i), "factors", (d,), dt),
-                            (K.key(j, "Q", i), "eigenbases", (d, d), dt)]
-        return out
+    def state_dtype(self, p, group):
+        return _cdtype(group)
 
     def init_blocks(self, group, members, g):
         g = g.to(_cdtype(group))

@@ -24,8 +24,7 @@ import torch
 
 from asteria.optim import _layout as K
 from asteria.optim import functional as F
-from asteria.optim._state import real
-from asteria.optim.method import Method, check_common, is_int, register, require
+from asteria.optim.method import Field, Method, check_common, is_int, register, require
 from asteria.optim.optimizer import AsteriaOptimizer
 
 
@@ -39,7 +38,12 @@ class ShampooMethod(Method):
     NAME = "shampoo"
     REFRESH_OP = ("inv_root", 4.0)
     init_step = False
-    FACTOR = "L"
+    # step 1 of a zero gradient leaves zero factors, momentum and grafting_v; the roots exist
+    # from the start, zero and not set until the first install
+    STATE = (Field("momentum", "moments", zeros=True, fake_zero=True),
+             Field("grafting_v", "moments", zeros=True, fake_zero=True),
+             Field("L", "factors", per_dim=True, zeros=True, fake_zero=True),
+             Field("Linv", "roots", per_dim=True, flagged=True))
 
     def check(self, group: dict) -> None:
         check_common(group, beta_max=(False, True))
@@ -65,54 +69,6 @@ class ShampooMethod(Method):
 
     def max_dim(self, group):
         return group["max_preconditioner_dim"]
-
-    def create_state(self, p, group, layout):
-        st = self.state[p]
-        st["step"] = 0
-        rp = real(p)
-        for j, shape in enumerate(layout.block_shapes):
-            st[K.key(j, "momentum")] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
-            st[K.key(j, "grafting_v")] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
-            for i, has in enumerate(self.has_factor(shape, group)):
-                if has:
-                    st[K.key(j, "L", i)] = torch.zeros(shape[i], shape[i], dtype=rp.dtype,
-                                                       device=rp.device)
-
-    def flag_keys(self, p, group, layout):
-        return [K.set_flag(j, "Linv", i) for j, shape in enumerate(layout.block_shapes)
-                for i, has in enumerate(self.has_factor(shape, group)) if has]
-
-    def fixed_state(self, p, group, layout):
-        st = self.state[p]  # the roots from the start: zero, not set, until the first install
-        for j, shape in enumerate(layout.block_shapes):
-            for i, has in enumerate(self.has_factor(shape, group)):
-                flag = K.set_flag(j, "Linv", i)
-                if has and flag not in st:
-                    st[flag] = int(self.placement.root_has(p, K.key(j, "Linv", i)))
-                    if not st[flag]:
-                        rp = real(p)
-                        self.placement.root_set(p, K.key(j, "Linv", i), torch.zeros(
-                            shape[i], shape[i], dtype=rp.dtype, device=rp.device))
-
-    def fake_step_tensors(self, p):
-        st = self.state[p]  # step 1 of a zero gradient: zero factors, momentum and grafting_v
-        return [v for k, v in dict.items(st) if K.is_factor(k, "L")
-                or K.is_moment(k, "momentum") or K.is_moment(k, "grafting_v")]
-
-    def state_spec(self, p, group, layout):
-        dt = real(p).dtype
-        out = []
-        for j, shape in enumerate(layout.block_shapes):
-            out += [(K.key(j, "momentum"), "moments", shape, dt),
-                    (K.key(j, "grafting_v"), "moments", shape, dt)]
-            for i, has in enumerate(self.has_factor(shape, group)):
-                if has:
-                    out += [(K.key(j, "L", i), "factors", (shape[i], shape[i]), dt),
-                            (K.key(j, "Linv", i), "roots", (shape[i], shape[i]), dt)]
-        return out
-
-    def output_name(self, p, j, dim):
-        return K.key(j, "Linv", dim)
 
     def batch_tag(self, p, j):
         st = self.state[p]  # True once every factor of the block has an installed root

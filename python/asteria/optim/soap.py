@@ -36,8 +36,8 @@ from asteria.refresh.ops import soap_rotate
 from asteria.optim.placement import same_memory
 from asteria.optim._writes import Write
 from asteria.optim._state import local, real
-from asteria.optim.method import (INIT, Method, check_common, eigh_input, is_int, register,
-                                  require)
+from asteria.optim.method import (INIT, Field, Method, check_common, eigh_input, is_int,
+                                  register, require)
 from asteria.optim.optimizer import AsteriaOptimizer
 
 
@@ -96,6 +96,13 @@ class SOAPMethod(Method):
     NAME = "soap"
     REFRESH_OP = ("soap_qr", 0.0)
     weights_in_place = True  # soap_step updates a list of whole parameters where they are
+    # m and v in the rotated basis; L, R, ... and their eigenbases (a fake step's factors are
+    # zero, its bases the identity, from them)
+    STATE = (Field("exp_avg", "moments", zeros=True),
+             Field("exp_avg_sq", "moments", zeros=True),
+             Field("GG", "factors", per_dim=True, fake_zero=True),
+             Field("Q", "eigenbases", per_dim=True))
+    EXTRA_OUTPUTS = (torch.int64,)  # soap_qr: (Q, sort order)
 
     def check(self, group: dict) -> None:
         check_common(group)
@@ -116,38 +123,8 @@ class SOAPMethod(Method):
         d = real(p).dim()
         return d == 0 or (d == 1 and not group["precondition_1d"])
 
-    def output_specs(self, p, group, d):
-        return [((d, d), real(p).dtype), ((d,), torch.int64)]  # soap_qr: (Q, sort order)
-
-    def fake_step_tensors(self, p):
-        st = self.state[p]  # a fake step's factors are zero (its bases the identity, from them)
-        keys = [k for k in dict.keys(st) if K.is_factor(k, "GG")]
-        for k in keys:
-            self.schedule.writes.settle(p, k)  # a factor EMA in flight writes it
-        return [dict.__getitem__(st, k) for k in keys]
-
     def merge_dims(self, group):
         return group["merge_dims"]
-
-    def create_state(self, p, group, layout):
-        st = self.state[p]
-        st["step"] = 0
-        rp = real(p)
-        for j, shape in enumerate(layout.block_shapes):
-            st[K.key(j, "exp_avg")] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
-            st[K.key(j, "exp_avg_sq")] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
-
-    def state_spec(self, p, group, layout):
-        dt = real(p).dtype
-        out = []
-        for j, shape in enumerate(layout.block_shapes):
-            out += [(K.key(j, "exp_avg"), "moments", shape, dt),
-                    (K.key(j, "exp_avg_sq"), "moments", shape, dt)]
-            for i, has in enumerate(self.has_factor(shape, group)):
-                if has:
-                    out += [(K.key(j, "GG", i), "factors", (shape[i], shape[i]), dt),
-                            (K.key(j, "Q", i), "eigenbases", (shape[i], shape[i]), dt)]
-        return out
 
     def init_blocks(self, group, members, g):
         has = self.has_factor(g.shape[1:], group)
