@@ -6,8 +6,8 @@ hyperparameter check, which dimensions of a block get a factor, the state of a p
 parameter declared once as ``STATE`` (``Field``s), from which the base derives its spec for
 the planner, its creation, its fixed keys, flags, REFRESH outputs and what a fake step leaves
 zero; the first step of fresh blocks, the step on a stack of same-shape blocks, a REFRESH
-job's input, the install of its results), the checks every method
-shares (``check_common``), and the registry of the optimizers by method name (``METHODS``: the
+job's input, the install of its results), the checks every method shares
+(``check_common``), and the registry of the optimizers by method name (``METHODS``: the
 OLMo-core configs and the capacity planner are made from it, so a new method is its own file
 and an export).
 

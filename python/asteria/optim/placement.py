@@ -398,6 +398,18 @@ class Placement:
         packs[id(x)] = (weakref.ref(x), entries, slices)
         return x
 
+    def is_state(self, members: list, field: str, dim: Optional[int], x: torch.Tensor) -> bool:
+        """Is the stack x the members' ``b{j}.{field}[{dim}]`` itself (a packed stack from
+        ``stack(view=True)``: writing x writes the state)?"""
+        handed = self.handed.get(id(x))
+        if handed is not None and handed[0] is x:  # the steady state: no member looked at
+            return True
+        # a stack packed in this very step (the first, or the first after a load) is not on
+        # record as handed out: its slices are the entries all the same
+        state = self.run.state
+        return all(same_memory(dict.__getitem__(state[p], K.key(j, field, dim)), xi)
+                   for (p, j), xi in zip(members, x.unbind(0)))
+
     def stack_dims(self, members: list, field: str, has: Sequence[bool],
                     view: bool = False) -> list:
         return [self.stack(members, field, i, view=view) if h else None

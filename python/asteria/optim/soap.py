@@ -2,11 +2,12 @@
 
 Owns SOAP's hyperparameters, per-block state layout and the install of a refreshed basis; the
 math is in ``functional`` (soap_init / soap_step / soap_install), the scheduling in
-``schedule``. Two pieces of a step's work run on the pool's workers while the next forward and
-backward run (docs/departures.md), with libasteria's pool on host parameters: at an install,
-m's re-expression in the new basis (``soap_rotate`` jobs); with runtime
+``schedule``. Two pieces of a step's work may run on the pool's workers while the next forward
+and backward run (docs/departures.md), where the schedule puts a job that writes state on a
+worker (``Schedule.on_worker``: libasteria's pool, host parameters) and the job fits its op: at
+an install, m's re-expression in the new basis (``soap_rotate`` jobs); with runtime
 ``factor_emas="workers"``, on a step whose factors no REFRESH reads at its end, the factor EMAs
-L, R (``gram_ema`` jobs, in place). Each job is registered in the optimizer's
+L, R (``gram_ema`` jobs, in place in the packed state, ``Placement.is_state``). Each job is registered in the optimizer's
 ``PendingWrites`` (``schedule.writes``: ``_Rotation`` / ``_FactorEma``, with the state keys it
 writes and how its result is applied), so a read of what it writes waits for it; the next step takes
 them all first. A factor EMA is made due in its stack's ``step_blocks`` and started once the
@@ -33,9 +34,8 @@ from asteria.optim import _layout as K
 from asteria.optim import functional as F
 from asteria.refresh.engine import SubmitOptions
 from asteria.refresh.ops import soap_rotate
-from asteria.optim.placement import same_memory
 from asteria.optim._writes import Write
-from asteria.optim._state import local, real
+from asteria.optim._state import real
 from asteria.optim.method import (INIT, Field, Method, check_common, eigh_input, is_int,
                                   register, require)
 from asteria.optim.optimizer import AsteriaOptimizer
@@ -198,8 +198,9 @@ class SOAPMethod(Method):
             # v permuted here (cheap), m re-expressed by a worker while the next forward and
             # backward run; the next read of m waits for it (submit_rotation)
             F.soap_permute(v, perms)
-            if self.bases_on_nvme(members):
-                # one rotation in flight: the previous chunk's m, pairs and result are let go
+            if self.placement.on_nvme(members):
+                # bases on NVMe trade the overlap of one install's rotations for memory: one
+                # rotation in flight: the previous chunk's m, pairs and result are let go
                 # before this chunk's are made (memory for one chunk, not one round)
                 self.schedule.writes.settle_all()
             self.submit_rotation(members, m, pairs)
@@ -212,25 +213,10 @@ class SOAPMethod(Method):
                 self.placement.unstack(members, "Q", q, dim=i)
 
     # ---- m's re-expression on the workers ------------------------------------------------------
-    def offloads_to_workers(self) -> bool:
-        """Are m's re-expression at an install and the factor EMAs handed to the workers
-        (where ``rotation_offload`` / ``factor_offload`` allow)? Only with an executor
-        that takes inputs made for it (libasteria's pool, ``mode="async"``), rank-local (a
-        replicated block's m is re-expressed by every replica itself, on its own thread)."""
-        return self.schedule.takes_parts()
-
     def rotation_offload(self, members: list, ndim: int) -> bool:
-        """Offload the re-expression of these members' m: CPU parameters (on a GPU it is two
-        device matmuls per side, cheaper than the round trip) with blocks of at most 2 dims
-        (the op's layout), unless m is read next (an install deferred to the next step's
-        start, ``settle_deferred``: the step would wait for the worker at once)."""
-        return (self.offloads_to_workers() and ndim <= 2 and not self.schedule.settling
-                and all(local(p).device.type == "cpu" for p, _ in members))
-
-    def bases_on_nvme(self, members: list) -> bool:
-        """Are some of these members' bases NVMe-homed (a configuration that trades the
-        overlap of the rotations of one install for memory)?"""
-        return self.placement.on_nvme(members)
+        """Offload the re-expression of these members' m? Blocks of at most 2 dims (the op's
+        layout), where the schedule puts such a job on a worker (``Schedule.on_worker``)."""
+        return ndim <= 2 and self.schedule.on_worker(members)
 
     def submit_rotation(self, members: list, m: torch.Tensor, pairs: list) -> None:
         """Start m_new = Q_new^T (Q_old m Q_old^T) Q_new (per side) on a worker; m stays as it
@@ -264,33 +250,20 @@ class SOAPMethod(Method):
     def factor_offload(self, group: dict, members: list, g: torch.Tensor, factors: list,
                         steps: list) -> bool:
         """Hand this step's L, R update to a worker? With runtime ``factor_emas="workers"``,
-        libasteria's pool, host parameters, matrix blocks of float32 / float64, factor stacks
-        whose slices are the state's entries (the packed state: the worker writes the state
-        itself), and no REFRESH due at this step's end (it reads the factors at once: the
-        update stays here)."""
-        if (self.config.factor_emas != "workers" or not self.offloads_to_workers()
+        matrix blocks of float32 / float64, factor stacks that are the state itself (the
+        packed state: the worker writes the state), no REFRESH due at this step's end (it
+        reads the factors at once: the update stays here), where the schedule puts such a
+        job on a worker (``Schedule.on_worker``)."""
+        if (self.config.factor_emas != "workers"
                 or g.dim() != 3 or g.dtype not in (torch.float32, torch.float64)
                 or all(f is None for f in factors)):
             return False
         freq = group["precondition_frequency"]
-        if any(k % freq == 0 for k in steps):
+        if any(k % freq == 0 for k in steps) or not self.schedule.on_worker(members):
             return False
-        if not all(local(p).device.type == "cpu" for p, _ in members):
-            return False
-        for i, f in enumerate(factors):
-            if f is None:
-                continue
-            if f.dtype != g.dtype or not f.is_contiguous():
-                return False
-            handed = self.placement.handed.get(id(f))
-            if handed is not None and handed[0] is f:  # the steady state: no member looked at
-                continue
-            # a stack packed in this very step (the first, or the first after a load) is not on
-            # record as handed out: its slices are the entries all the same
-            if not all(same_memory(dict.__getitem__(self.state[p], K.key(j, "GG", i)), fk)
-                       for (p, j), fk in zip(members, f.unbind(0))):
-                return False
-        return True
+        return all(f is None or (f.dtype == g.dtype and f.is_contiguous()
+                                 and self.placement.is_state(members, "GG", i, f))
+                   for i, f in enumerate(factors))
 
     def submit_factor_ema(self, job: _FactorEma) -> None:
         """Start a due factor EMA, L = beta L + (1 - beta) G G^T, R = beta R + (1 - beta) G^T G,
