@@ -60,7 +60,7 @@ class RuntimeConfig:
     cpuset: Optional[str] = None
     pin: bool = True
     #: consecutive failed refreshes of one factor (parameter, block, dimension) at which the
-    #: step raises or warns (on_failure); counted by the schedule (optim/_schedule.py), the one
+    #: step raises or warns (on_failure); counted by the schedule (optim/schedule.py), the one
     #: count every executor reaches: libasteria keeps none (docs/departures.md); Python only
     max_failures: int = 3
     on_failure: str = "raise"

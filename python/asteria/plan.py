@@ -103,7 +103,7 @@ def factors(shapes: Sequence[tuple], max_dim: int, block_size: Optional[int],
             optimizer: str = "soap") -> Counter:
     """{factor size: count} of these weights under the optimizer's blocking and its rule of
     which dimensions of a block get a factor (``Method.has_factor``)."""
-    method = method_of(optimizer).METHOD(None)
+    method = method_of(optimizer).METHOD()
     group = {"block_size": block_size, "max_precond_dim": max_dim,
              "max_preconditioner_dim": max_dim, "merge_dims": False}
     out: Counter = Counter()

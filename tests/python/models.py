@@ -50,7 +50,10 @@ def on_thread_soap():
     from asteria.optim.soap import SOAP, SOAPMethod
 
     class OnThreadMethod(SOAPMethod):
-        def offloads_to_workers(self):
+        def rotation_offload(self, members, ndim):
+            return False
+
+        def factor_offload(self, group, members, g, factors, steps):
             return False
 
     class OnThreadSOAP(SOAP):

@@ -20,7 +20,7 @@ import torch
 from asteria import RuntimeConfig
 from asteria.optim import SOAP
 from asteria.refresh import cost as C
-from asteria.refresh.engine import JobTiming
+from asteria.refresh.engine import JobTiming, SubmitOptions
 from asteria.refresh.inline_torch import InlineTorchEngine, compute
 from job_delay import delay_jobs
 from models import loss_and_grad, make_model, params_of, require_c_extension
@@ -167,7 +167,7 @@ def _check_split_results(eng, op="soap_qr", n=24, batch=10, rounds=3):
     tol = rounding_tol(f.dtype, n=n, cond=float(torch.linalg.cond(f).max()))  # n eps cond(F)
     for r in range(rounds):
         tk = eng.submit(op, list(f.unbind(0)), q.clone(), block=7, version=r + 1, deadline=3,
-                        snapshot_step=0, donate=("q",))
+                        snapshot_step=0, opts=SubmitOptions(donate=("q",)))
         res = eng.wait(tk)
         assert res.status == 0 and res.outputs[0].shape == (batch, n, n)
         # LAPACK (pool) and torch agree to rounding; the permutation exactly
@@ -262,7 +262,8 @@ def test_device_executor_thread_on_cpu():
         torch.testing.assert_close(res.outputs[1], ref[1])
         assert res.timing == "wall" and dev.lanes() == {"device": 1}
         out = dev.wait(dev.submit("inv_root", src, block=2, version=1, deadline=1,
-                                  snapshot_step=0, p=2.0, eps=1e-6, host_outputs=True))
+                                  snapshot_step=0, p=2.0, eps=1e-6,
+                                  opts=SubmitOptions(host_outputs=True)))
         assert out.status == 0 and out.outputs[0].device.type == "cpu"
     finally:
         dev.close()

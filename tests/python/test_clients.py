@@ -154,7 +154,7 @@ def test_lightning_fit_trains_like_the_plain_loop(name):
     trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, loader)
-    assert not module.opt._closed  # the wrappers Lightning dropped left it open
+    assert not module.opt.run.closed  # the wrappers Lightning dropped left it open
     assert_same(params(module.net), plain_loop(name, 6))
     module.opt.close()
 
@@ -181,7 +181,7 @@ def test_a_forwarding_proxy_dying_leaves_the_optimizer_open():
         opt.step()  # was: RuntimeError: HostPoolEngine is closed
     # closing through a proxy closes the optimizer it stands for
     type("ProxySOAP", (Proxy, SOAP), {})(opt).close()
-    assert opt._closed
+    assert opt.run.closed
     with pytest.raises(RuntimeError, match="closed"):
         opt.step()
 

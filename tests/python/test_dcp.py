@@ -225,7 +225,7 @@ def test_adamw_group_takes_a_matrix_to_adamw(name, runtime):
     assert set(opt.state[w]) == {"step", "exp_avg", "exp_avg_sq"}
     assert opt.state[model.layers[1].weight]["step"] > 0
     assert any(k.startswith("b0.") for k in opt.state[model.layers[1].weight])
-    pidx = opt._pindex[w]
+    pidx = opt.run.pindex[w]
     assert not opt.placement.tkeys.get(pidx)
     assert opt.asteria_stats()["jobs_submitted"] > 0  # the others were preconditioned
     opt.close()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from asteria import _C
-from asteria.refresh.engine import Result
+from asteria.refresh.engine import Result, SubmitOptions
 from asteria.refresh.host_pool import HostPoolEngine, c_config
 from tolerance import rounding_tol
 
@@ -434,14 +434,15 @@ def test_soap_rotate_snapshot_strided_and_low_precision(eng1):
 
 
 def test_soap_rotate_donated_inputs_are_read_in_place(eng1):
-    """donate=("f", "q", "b"): contiguous host inputs of the job's dtype are not snapshotted
-    (the worker reads the caller's tensors, so a write after submit is seen); others still
-    are."""
+    """SubmitOptions(donate=("f", "q", "b")): contiguous host inputs of the job's dtype are not
+    snapshotted (the worker reads the caller's tensors, so a write after submit is seen);
+    others still are."""
     x, a, b = rotate_inputs(2, 6, 5, torch.float64, seed=85, sides="ab")
     expected = ref_rotate(x, a, b)
     tol = rotate_tol(torch.float64, 2.0 * x)
     before = eng1.stats()
-    res = submit_wait(eng1, "soap_rotate", x, a, b=b, donate=("f", "q", "b"))
+    given = SubmitOptions(donate=("f", "q", "b"))
+    res = submit_wait(eng1, "soap_rotate", x, a, b=b, opts=given)
     assert res.status == 0
     torch.testing.assert_close(res.outputs[0], expected, rtol=0, atol=tol)
     after = eng1.stats()
@@ -452,7 +453,7 @@ def test_soap_rotate_donated_inputs_are_read_in_place(eng1):
     big = torch.randn(4, 256, 256, dtype=torch.float64)
     slow = eng1.submit("eigh", big @ big.transpose(1, 2), **ids())
     x2 = x.clone()
-    t = eng1.submit("soap_rotate", x2, a, b=b, donate=("f", "q", "b"), **ids())
+    t = eng1.submit("soap_rotate", x2, a, b=b, opts=given, **ids())
     x2.mul_(2.0)
     assert eng1.wait(slow).status == 0
     res = eng1.wait(t)
@@ -460,13 +461,13 @@ def test_soap_rotate_donated_inputs_are_read_in_place(eng1):
     # a strided X is not the job's layout: snapshotted, the pairs still donated
     xt = x.transpose(-1, -2).contiguous().transpose(-1, -2)
     mid = eng1.stats()
-    t = eng1.submit("soap_rotate", xt, a, b=b, donate=("f", "q", "b"), **ids())
+    t = eng1.submit("soap_rotate", xt, a, b=b, opts=given, **ids())
     xt.fill_(float("nan"))
     res = eng1.wait(t)
     torch.testing.assert_close(res.outputs[0], expected, rtol=0, atol=tol)
     assert eng1.stats()["inputs_donated"] - mid["inputs_donated"] == 2
     with pytest.raises(ValueError, match="unknown input"):
-        eng1.submit("soap_rotate", x, a, b=b, donate=("x",), **ids())
+        eng1.submit("soap_rotate", x, a, b=b, opts=SubmitOptions(donate=("x",)), **ids())
 
 
 def test_soap_rotate_nonfinite_fails(eng):

@@ -125,7 +125,7 @@ def test_overflowed_factor_raises_after_max_failures(name, mode, max_failures):
     if mode == "async":
         from asteria.refresh.host_pool import HostPoolEngine
 
-        assert isinstance(opt._engine, HostPoolEngine)
+        assert isinstance(opt.run.engine, HostPoolEngine)
     opt._asteria_name_params({w: "layer.weight"})
     with pytest.raises(RuntimeError, match=rf"parameter 0 \(layer.weight\), block 0, "
                                            rf"dimension \d failed {max_failures} times in a "

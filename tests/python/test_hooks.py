@@ -119,7 +119,7 @@ def test_hook_order_forward_then_reverse_prefetch(monkeypatch):
         assert st["prefetches_ahead"] >= 2
         assert st["prefetch_hits"] >= st["prefetches_ahead"]
         assert st["ring_evictions"] == 0
-        log = spy_prefetch(monkeypatch, opt.placement.tiered)
+        log = spy_prefetch(monkeypatch, opt.placement._residency)
         loss_and_grad(model, "mlp", 3)
         names = [opt.placement.describe_key(keys[0]) for reason, keys in log]
         assert [r for r, _ in log] == ["layers.2", "layers.1", "layers.0"]

@@ -85,7 +85,7 @@ def test_nvme_run_is_the_all_host_run(tmp_path, name, attached):
     def within_budget(opt):
         st = opt.asteria_stats()
         assert st["bytes_host"] <= HOST_BUDGET
-        assert st["bytes_host"] + st["bytes_nvme"] == BLOCK * len(opt.placement.tiered.keys())
+        assert st["bytes_host"] + st["bytes_nvme"] == BLOCK * len(opt.placement._residency.keys())
 
     nv, st, opt = train(name, rt(nvme_dir=str(tmp_path), host_budget_bytes=HOST_BUDGET),
                         attached=attached, check=within_budget)
@@ -112,14 +112,14 @@ def setup_faulty(tmp_path, name="soap", steps=5):
         loss_and_grad(model, "mlp", t)
         opt.step()
     loss_and_grad(model, "mlp", steps + 1)
-    before = {"params": params_of(model), "t": opt._t, "sd": opt.state_dict(),
-              "counters": dict(opt._counters)}
+    before = {"params": params_of(model), "t": opt.run.t, "sd": opt.state_dict(),
+              "counters": dict(opt.run.counters)}
     return model, opt, before
 
 
 def assert_unchanged(model, opt, before, with_state=True):
     assert same(params_of(model), before["params"])
-    assert opt._t == before["t"] and opt._counters == before["counters"]
+    assert opt.run.t == before["t"] and opt.run.counters == before["counters"]
     if with_state:
         sd = opt.state_dict()
         assert sd["state"].keys() == before["sd"]["state"].keys()
@@ -143,8 +143,8 @@ def finish(model, opt, first, steps=STEPS):
 def test_checksum_mismatch_raises_and_changes_nothing(tmp_path):
     ref, _, _ = train("soap", rt())
     model, opt, before = setup_faulty(tmp_path)
-    key = sorted(opt.placement.tiered.on_nvme())[0]
-    path = opt.placement.tiered.record_path(key)
+    key = sorted(opt.placement._residency.on_nvme())[0]
+    path = opt.placement._residency.record_path(key)
     with open(path, "r+b") as f:
         f.seek(HEADER + 100)
         orig = f.read(1)
@@ -171,8 +171,8 @@ def test_checksum_mismatch_raises_and_changes_nothing(tmp_path):
 def test_missing_record_file_raises_and_changes_nothing(tmp_path):
     ref, _, _ = train("soap", rt())
     model, opt, before = setup_faulty(tmp_path)
-    key = sorted(opt.placement.tiered.on_nvme())[-1]
-    path = opt.placement.tiered.record_path(key)
+    key = sorted(opt.placement._residency.on_nvme())[-1]
+    path = opt.placement._residency.record_path(key)
     saved = tmp_path.parent / "saved.rec"
     shutil.move(path, saved)
     with pytest.raises(TieredStateError) as ei:
@@ -200,8 +200,8 @@ def test_enospc_under_the_nvme_byte_cap(tmp_path, monkeypatch):
     opt.step()  # installs the first eigenbases; their spill is deferred (logged)
     assert opt.asteria_stats()["nvme_spill_deferred"] == 1
     loss_and_grad(model, "mlp", 2)
-    before = {"params": params_of(model), "t": opt._t, "sd": opt.state_dict(),
-              "counters": dict(opt._counters)}
+    before = {"params": params_of(model), "t": opt.run.t, "sd": opt.state_dict(),
+              "counters": dict(opt.run.counters)}
     with pytest.raises(TieredStateError) as ei:
         opt.step()
     msg = str(ei.value)
@@ -245,13 +245,13 @@ TMPFS_SCRIPT = textwrap.dedent('''
     os.close(fd)
     loss_and_grad(m, "mlp", 1); o.step()  # the eigenbases' first spill fails: deferred
     loss_and_grad(m, "mlp", 2)
-    before = params_of(m); t0 = o._t
+    before = params_of(m); t0 = o.run.t
     try:
         o.step()
         raise SystemExit("step 2 did not raise")
     except TieredStateError as e:
         assert e.cause.errno == errno.ENOSPC and "No space left" in str(e), str(e)
-    assert all(torch.equal(a, b) for a, b in zip(params_of(m), before)) and o._t == t0
+    assert all(torch.equal(a, b) for a, b in zip(params_of(m), before)) and o.run.t == t0
     os.unlink(filler)  # space again: the same step now succeeds
     o.step()
     for t in range(3, 7):

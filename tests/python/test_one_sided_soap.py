@@ -358,7 +358,7 @@ def test_deepcopy_gives_a_working_optimizer(mode):
     opt = one_sided(model.parameters(), precondition_frequency=4, runtime=MODES[mode])
     train(model, opt, "chain", range(1, 6))
     model2, opt2 = copy.deepcopy((model, opt))
-    assert type(opt2) is OneSidedSOAP and opt2._engine is not opt._engine
+    assert type(opt2) is OneSidedSOAP and opt2.run.engine is not opt.run.engine
     assert opt2.param_groups[0]["params"][0] is model2.layers[0].weight
     assert factor_keys(opt2.state[model2.layers[0].weight]) == {"b0.GG1": (8, 8),
                                                                 "b0.Q1": (8, 8)}

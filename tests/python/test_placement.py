@@ -76,8 +76,8 @@ def test_auto_plan_async_and_logged_once(caplog):
         logged = [r.getMessage() for r in caplog.records if r.name == "asteria"]
         assert logged == [f"asteria plan: {d}" for d in plan]  # each decision once
         w = model.layers[0].weight
-        assert opt.placement.plan.tier((opt._pindex[w], "b0.Q0")) == "host"
-        assert opt.placement.plan.tier((opt._pindex[w], "b0.GG0")) == "device"
+        assert opt.placement.plan.tier((opt.run.pindex[w], "b0.Q0")) == "host"
+        assert opt.placement.plan.tier((opt.run.pindex[w], "b0.GG0")) == "device"
     finally:
         opt.close()
 
@@ -116,7 +116,7 @@ def test_auto_keeps_cpu_bases_in_place(name, caplog):
     auto, opt = train_open(name, rt())
     try:
         assert_bitwise(auto, dev)
-        assert opt.placement.tiered is None
+        assert not opt.placement.off_device
         assert set(opt.placement.plan.block_tier.values()) == {"device"} and not opt.placement.plan.tiered
         assert opt.placement.plan.tiers[kind] == "auto"
         plan = opt.asteria_plan()
@@ -156,7 +156,7 @@ def test_cpu_bases_still_tier_when_asked(name, ask, tmp_path):
     host, opt = train_open(name, rt(**kw))
     try:
         assert_bitwise(host, dev)
-        assert opt.placement.tiered is not None and opt.placement.plan.tiered
+        assert opt.placement.off_device and opt.placement.plan.tiered
         assert set(opt.placement.plan.block_tier.values()) == {"host"}
         plan = opt.asteria_plan()
         assert any("staging ring" in d for d in plan)
@@ -164,7 +164,7 @@ def test_cpu_bases_still_tier_when_asked(name, ask, tmp_path):
         mp = opt.asteria_memory_plan()
         assert mp["planned_bytes"]["host"] == CPU_BYTES and mp["ring_bytes"] > 0
         assert mp["peak_total"] == sum(mp["peak_parts"].values())
-        assert sum(opt.placement.tiered.owns((i, key)) for i in opt._pindex.values()) == 3
+        assert sum(opt.placement._residency.owns((i, key)) for i in opt.run.pindex.values()) == 3
         assert not any(key in dict.keys(st) for st in opt.state.values())
         st = opt.asteria_stats()
         assert st["bytes_host"] == CPU_BYTES and st["prefetches"] > 0
@@ -398,7 +398,7 @@ def test_cpu_bases_tier_when_narrowing_is_asked(name):
     kind, key = AUTO_KINDS[name]
     _, opt = train_open(name, rt(tier_dtype="bfloat16"))
     try:
-        assert opt.placement.tiered is not None and set(opt.placement.plan.block_tier.values()) == {"host"}
+        assert opt.placement.off_device and set(opt.placement.plan.block_tier.values()) == {"host"}
         plan = opt.asteria_plan()
         assert any("tier_dtype 'bfloat16' set" in d for d in plan), plan
         assert 0 < opt.asteria_memory_plan()["planned_bytes"]["host"] < CPU_BYTES

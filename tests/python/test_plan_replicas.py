@@ -47,8 +47,9 @@ def test_owners_follow_the_registrys_lpt():
 
 
 class Recording(InlineTorchEngine):
-    """The inline engine, declared replicated so the optimizer passes ``replicas=`` and
-    ``staleness=``: it records every submit as ``ReplicatedEngine.submit`` would see it."""
+    """The inline engine, declared replicated so the optimizer passes ``opts.replicas``: it
+    records every submit as ``ReplicatedEngine.submit`` would see it (S: the job's deadline -
+    snapshot step)."""
 
     replicated = True
     takes_parts = False
@@ -57,9 +58,9 @@ class Recording(InlineTorchEngine):
         super().__init__()
         self.submits = []
 
-    def submit(self, op, f, q=None, *, replicas=None, staleness=None, **kw):
+    def submit(self, op, f, q=None, **kw):
         self.submits.append((kw["block"], int(f.shape[0]), int(f.shape[-1]),
-                             tuple(replicas), staleness))
+                             tuple(kw["opts"].replicas), kw["deadline"] - kw["snapshot_step"]))
         return super().submit(op, f, q, **kw)
 
 

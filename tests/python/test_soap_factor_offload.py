@@ -20,11 +20,14 @@ Checked here:
 """
 
 
+import dataclasses
+
 import pytest
 import torch
 
 from asteria.optim import SOAP
 from asteria.optim.soap import SOAPMethod
+from asteria.refresh.engine import SubmitOptions
 from models import assert_params_close, assert_resumes_bitwise, lockstep_tol, loss_and_grad, \
     make_model, on_thread_soap, params_of, require_c_extension, run
 from tolerance import gram_tol
@@ -72,8 +75,8 @@ def test_factor_after_an_offloaded_step_is_the_ema():
 class CountingMethod(SOAPMethod):
     def submit_factor_ema(self, job):
         members = job.members
-        self.opt.offloaded_at.append((len(members),
-                                      [self.state[p]["step"] for p, _ in members]))
+        self.run.optimizer.offloaded_at.append((len(members),
+                                                [self.state[p]["step"] for p, _ in members]))
         return super().submit_factor_ema(job)
 
 
@@ -94,7 +97,7 @@ def test_offloaded_steps_are_those_no_refresh_reads():
     st = opt.asteria_stats()
     # step counts 1 .. steps - 1 after the init step; k % F == 0 keeps the update here
     counts = [k for k in range(1, steps) if k % F]
-    n2d = sum(1 for p in opt._all_params() if p.dim() == 2)  # one shape: one job per step
+    n2d = sum(1 for p in opt.run.params() if p.dim() == 2)  # one shape: one job per step
     assert opt.offloaded_at == [(n2d, [k] * n2d) for k in counts]
     assert st["factor_emas_submitted"] == len(counts)
     assert st["factor_ema_failures"] == 0
@@ -131,22 +134,22 @@ def test_failed_job_is_redone_on_the_training_thread():
     opt = SOAP(model.parameters(), precondition_frequency=F, runtime=RT)
     ref_model = make_model("mlp")
     ref = OnThreadSOAP(ref_model.parameters(), precondition_frequency=F, runtime=RT)
-    real = opt._engine.submit
+    real = opt.run.engine.submit
 
     def poisoned(op, f, *a, **kw):  # the worker sees a non-finite G; the step kept its own
         if op == "gram_ema":
             f = f.clone()
             f.view(-1)[0] = float("nan")
-            kw["donate"] = ()
+            kw["opts"] = dataclasses.replace(kw["opts"], donate=())
         return real(op, f, *a, **kw)
 
     try:
         for t in range(1, F + 3):
             if t == F + 2:
-                before = {p: opt.state[p]["b0.GG0"].clone() for p in opt._all_params()
+                before = {p: opt.state[p]["b0.GG0"].clone() for p in opt.run.params()
                           if p.dim() == 2}
                 submitted = opt.asteria_stats()["factor_emas_submitted"]
-                opt._engine.submit = poisoned
+                opt.run.engine.submit = poisoned
             for m, o in ((model, opt), (ref_model, ref)):
                 loss_and_grad(m, "mlp", t)
                 o.step()
@@ -161,7 +164,7 @@ def test_failed_job_is_redone_on_the_training_thread():
             assert not torch.equal(got, f0)
             torch.testing.assert_close(got, ref.state[q]["b0.GG0"], rtol=1e-12, atol=1e-14)
     finally:
-        opt._engine.submit = real
+        opt.run.engine.submit = real
         opt.close()
         ref.close()
 
@@ -218,7 +221,7 @@ def test_engine_updates_l_and_r_in_place(sides):
     eng = _engine()
     try:
         t = eng.submit("gram_ema", g, l, b=r, block=1, version=1, deadline=1, snapshot_step=0,
-                       p=0.8, eps=0.2, host_outputs=True)
+                       p=0.8, eps=0.2, opts=SubmitOptions(host_outputs=True))
         res = eng.wait(t)
         assert res.status == 0, res.error
         for out, mine, start, prod in ((res.outputs[0], l, l0, g @ g.transpose(1, 2)),

@@ -68,7 +68,7 @@ def test_state_after_install_is_the_reexpressed_moment():
             loss_and_grad(model, "mlp", t)
             if t == F + 2 + 1:  # the step whose end installs the refresh snapshotted at F + 1
                 before = {k: opt.state[w][k].clone() for k in ("b0.Q0", "b0.Q1")}
-                pending = opt.schedule.rounds[0].resolve(opt._engine)[w]
+                pending = opt.schedule.rounds[0].resolve(opt.run.engine)[w]
                 m_after_update = {}
 
                 real = opt.method.install_chunk

@@ -238,9 +238,9 @@ def test_s0_deferred_refresh_runs_before_the_next_step():
     assert opt.schedule.deferred
     rnd = opt.schedule.deferred[0]
     deadline = time.monotonic() + 30
-    while not rnd.ready(opt._engine) and time.monotonic() < deadline:
+    while not rnd.ready(opt.run.engine) and time.monotonic() < deadline:
         time.sleep(0.01)  # the "forward and backward"
-    assert rnd.ready(opt._engine)
+    assert rnd.ready(opt.run.engine)
     waits = opt.asteria_stats().get("install_waits", 0)
     loss_and_grad(model, "mlp", 7)
     opt.step()

@@ -108,7 +108,7 @@ def test_deepcopy_and_pickle_give_working_optimizers(name, mode):
     train(model, opt, range(1, 6))
     model2, opt2 = copy.deepcopy((model, opt))
     model3, opt3 = pickle.loads(pickle.dumps((model, opt)))
-    assert opt2._engine is not opt._engine and opt3._engine is not opt._engine
+    assert opt2.run.engine is not opt.run.engine and opt3.run.engine is not opt.run.engine
     assert opt2.param_groups[0]["params"][0] is model2[0].weight  # the copy's own parameters
     for m, o in ((model, opt), (model2, opt2), (model3, opt3)):
         train(m, o, range(6, 14))

@@ -157,13 +157,13 @@ def test_one_tracer_built_by_the_pool_and_handed_on(tmp_path):
     w = torch.nn.Parameter(torch.randn(4, 4))
     opt = SOAP([w], runtime={"mode": "async", "staleness": 1, "workers": 1,
                              "trace": str(tmp_path / "t.json")})
-    tracer = opt._engine.tracer
+    tracer = opt.run.engine.tracer
     assert tracer.active and tracer is not NO_TRACE
-    split = SplitEngine(opt._engine, None, tracer=tracer)
+    split = SplitEngine(opt.run.engine, None, tracer=tracer)
     assert split.tracer is tracer
     opt.close()
     assert not tracer.active  # the runtime wrote its file; nothing is recorded after
     tracer("copy", "shadow", bytes=1)  # a no-op, not an error
     sync = SOAP([w], runtime={"mode": "sync"})
-    assert sync._engine.tracer is NO_TRACE
+    assert sync.run.engine.tracer is NO_TRACE
     sync.close()

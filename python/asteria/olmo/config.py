@@ -113,7 +113,7 @@ class AsteriaOptimConfig(MatrixAwareOptimConfig):
         """lr, betas, eps, weight_decay of the AdamW groups: those the method gives its own
         1-D parameters."""
         group = self.method_hparams()
-        beta1, beta2, eps = self.METHOD.METHOD(None).adamw_hparams(group)
+        beta1, beta2, eps = self.METHOD.METHOD().adamw_hparams(group)
         return dict(lr=self.lr, betas=(beta1, beta2), eps=eps, weight_decay=self.weight_decay)
 
     def categorize(self, model: torch.nn.Module) -> Dict[str, List[str]]:

@@ -1,7 +1,7 @@
 """The Asteria optimizers: torch.optim.Optimizer subclasses whose REFRESH work (eigh, QR,
 inverse roots) runs on the Asteria engine under a bounded staleness budget. Each is a thin class
 over a ``method.Method`` (its math); ``optimizer.AsteriaOptimizer`` composes it with the
-schedule, the placement and the checkpoint codec (docs/architecture.md). ``METHODS``: every
+schedule, the placement and the checkpoint part (docs/architecture.md). ``METHODS``: every
 optimizer by method name; importing a method's module registers it."""
 
 from asteria.optim.kl_shampoo import KLShampoo

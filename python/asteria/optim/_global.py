@@ -220,6 +220,31 @@ def _block_cost(shape: tuple, has_factor: list) -> int:
     return n + sum(_C.coherence_dim_cost(d) for d, h in zip(shape, has_factor) if h)
 
 
+class LocalBlocking:
+    """``fsdp_blocking="local"`` (the default): every parameter is blocked as its local tensor.
+    The null object of ``GlobalBlocking`` (as Distributed Shampoo's default distributor is of
+    its distributed ones), so the optimizer asks one object either way: it takes no parameter,
+    so nothing is agreed across ranks and nothing is exchanged."""
+
+    def takes(self, p) -> bool:
+        return False
+
+    def has(self, p) -> bool:
+        return False
+
+    def agrees(self, p) -> bool:
+        return False
+
+    def agree(self, params: list, flags: list) -> list:
+        return flags
+
+    def sync_pending(self, state: dict, index: dict, keys: tuple) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+
 class GlobalBlocking:
     """The global blocks of an optimizer's FSDP2 parameters and their exchanges."""
 
@@ -230,6 +255,10 @@ class GlobalBlocking:
         self._exchange: Optional[list] = None  # the buckets of the step's gather
         self._stats = {"fsdp_global_bytes_sent": 0, "fsdp_global_exchanges": 0,
                        "fsdp_global_blocks_owned": 0, "fsdp_global_blocks": 0}
+
+    def takes(self, p) -> bool:
+        """Is p blocked globally once added (an FSDP2 parameter sharded along dim 0)?"""
+        return sharded_dim0(p)
 
     def has(self, p) -> bool:
         """Is p blocked globally (preconditioned)?"""
@@ -249,13 +278,13 @@ class GlobalBlocking:
         plan = self._plans.get(p)
         return plan.group if plan is not None else self._elementwise[p]
 
-    def add(self, opt, p, pidx: int, group: dict) -> KeyMap:
+    def add(self, method, p, pidx: int, group: dict) -> KeyMap:
         """Plan p (a DTensor parameter sharded along dim 0 over a 1-D mesh): its full layout,
         its rows per rank, its owners. Deterministic: every rank computes the same plans."""
         _check_placement(p, pidx)
         mesh = p.device_mesh
-        hparams = (group["block_size"], opt.method.merge_dims(group), opt.method.max_dim(group),
-                    group.get("num_experts"))
+        hparams = (group["block_size"], method.merge_dims(group), method.max_dim(group),
+               group.get("num_experts"))
         full = _full_layout(p.shape, *hparams)
         size, me = mesh.size(), mesh.get_local_rank()
         m = p.shape[0]
@@ -279,7 +308,7 @@ class GlobalBlocking:
                                                        node_ids=[0] * size, staleness=0), 1]
         ids = list(range(reg[1], reg[1] + len(full.slices)))
         reg[1] += len(ids)
-        costs = [_block_cost(s, opt.method.has_factor(s, group)) for s in full.block_shapes]
+        costs = [_block_cost(s, method.has_factor(s, group)) for s in full.block_shapes]
         if ids:
             reg[0].extend(ids, costs, replicas=list(range(size)))
         owners = tuple(int(reg[0].owner(b)) for b in ids)

@@ -9,9 +9,12 @@ complex tensor's real view, the one home of that mapping). Holds its optimizer w
 state must never own the optimizer (with the cycle collector off, as OLMo-core trains, a cycle
 would keep the optimizer, its workers and buffers alive). Every read or write of an entry
 first settles what still changes it: an install deferred to the next use (``schedule``) and the
-job that writes that key (``opt.schedule.writes``, ``_writes.PendingWrites``). May call: torch,
-``_layout``, the optimizer it belongs to (through a weak reference). Single-threaded (the
-training thread).
+job that writes that key (``opt.schedule.writes``, ``_writes.PendingWrites``); ``ensure_proxy``
+says when ``optimizer.state`` needs the proxy. May call: torch, ``_layout``, the public parts of
+the optimizer it belongs to (through a weak reference): ``run`` (shard tags), ``schedule``
+(``writes``, ``deferred``, ``settle_deferred``) and the placement's calls for tiered state
+(``off_device``, ``owned``, ``held``, ``held_names``, ``read``, ``write``, ``drop``).
+Single-threaded (the training thread).
 """
 
 from __future__ import annotations
@@ -137,7 +140,7 @@ class _ParamState(dict):
         # neither the optimizer nor its workers and buffers
         self._owner = weakref.ref(opt)
         self._p = p
-        self._tag = opt._tags.get(p)
+        self._tag = opt.run.tags.get(p)
 
     @property
     def _opt(self):
@@ -160,21 +163,18 @@ class _ParamState(dict):
     def _ext(self, k):
         return external_key(self._tag, k)
 
-    def _vkey(self, k, opt=None):
+    def _held(self, k, opt=None) -> bool:
+        """Is k a virtual entry (a block the placement's residency holds)?"""
         if opt is None:
             opt = self._opt
-        if opt.placement.tiered is None or not isinstance(k, str) or dict.__contains__(self, k):
-            return None
-        key = (opt._pindex[self._p], k)
-        return key if opt.placement.tiered.has(key) else None
+        if not opt.placement.off_device or not isinstance(k, str) or dict.__contains__(self, k):
+            return False
+        return opt.placement.held(self._p, k)
 
     def _virtual(self, opt=None) -> list:
         if opt is None:
             opt = self._opt
-        if opt.placement.tiered is None:
-            return []
-        pidx = opt._pindex[self._p]
-        return [k[1] for k in opt.placement.tkeys.get(pidx, ()) if opt.placement.tiered.has(k)]
+        return opt.placement.held_names(self._p)
 
     def _settle(self, opt, k) -> None:
         """Before a read or write of k: the work that still changes it is done (an install
@@ -192,12 +192,9 @@ class _ParamState(dict):
         opt = self._opt
         if opt.schedule.writes or opt.schedule.deferred:
             self._settle(opt, k)
-        if opt.placement.tiered is None:
+        if not self._held(k, opt):
             return dict.__getitem__(self, k)
-        key = self._vkey(k, opt)
-        if key is None:
-            return dict.__getitem__(self, k)
-        return opt.placement.tiered.materialize([key])[key]
+        return opt.placement.read(self._p, k)
 
     def get(self, k, default=None):
         return self[k] if k in self else default
@@ -207,7 +204,7 @@ class _ParamState(dict):
             k = internal_key(self._tag, k)
             if k == _layout.LOCAL_ONLY:
                 return self._marked()
-        return dict.__contains__(self, k) or self._vkey(k) is not None
+        return dict.__contains__(self, k) or self._held(k)
 
     def _names(self) -> list:
         """The optimizer's names of every entry, device and virtual, after the marker."""
@@ -220,10 +217,7 @@ class _ParamState(dict):
 
     def __len__(self):
         opt = self._opt
-        n = dict.__len__(self) + self._marked()
-        if opt.placement.tiered is None:
-            return n
-        return n + len(self._virtual(opt))
+        return dict.__len__(self) + self._marked() + len(self._virtual(opt))
 
     def keys(self):
         return list(iter(self))
@@ -244,8 +238,8 @@ class _ParamState(dict):
         if opt.schedule.writes or opt.schedule.deferred:
             self._settle(opt, k)
         place = opt.placement
-        if place.tiered is not None and isinstance(v, torch.Tensor) and place.owned(self._p, k):
-            opt.placement.tiered.write((opt._pindex[self._p], k), v)
+        if place.off_device and isinstance(v, torch.Tensor) and place.owned(self._p, k):
+            place.write(self._p, k, v)
         else:
             dict.__setitem__(self, k, v)
 
@@ -254,11 +248,10 @@ class _ParamState(dict):
         opt = self._opt
         if opt.schedule.writes or opt.schedule.deferred:
             self._settle(opt, k)
-        key = self._vkey(k)
-        if key is None:
+        if not self._held(k, opt):
             return dict.pop(self, k, *default)
         v = self[k]
-        self._opt.placement.tiered.drop(key)
+        opt.placement.drop(self._p, k)
         return v
 
     def __delitem__(self, k):
@@ -266,11 +259,10 @@ class _ParamState(dict):
         opt = self._opt
         if opt.schedule.writes or opt.schedule.deferred:
             self._settle(opt, k)
-        key = self._vkey(k)
-        if key is None:
+        if not self._held(k, opt):
             dict.__delitem__(self, k)
         else:
-            self._opt.placement.tiered.drop(key)
+            opt.placement.drop(self._p, k)
 
     def raw(self) -> dict:
         """The device entries only, under the optimizer's names."""
@@ -306,8 +298,24 @@ class _States(defaultdict):
         st = self[p] = _ParamState(opt, p)
         return st
 
+    def unsettled(self) -> bool:
+        """Is there work that a read of some entry must settle first (a job that writes state,
+        an install deferred to the next use)?"""
+        opt = self._owner()
+        return opt is not None and bool(opt.schedule.writes or opt.schedule.deferred)
+
     def __reduce__(self):
         return (dict, (dict(self.items()),))
+
+
+def ensure_proxy(opt) -> None:
+    """Give ``opt.state`` the proxy where it needs one: with a residency (virtual entries),
+    per-shard key names, or ``mode="async"`` (reads that must wait for a job that writes the
+    state, ``schedule.writes``, or an install deferred to the next use)."""
+    run = opt.run
+    if ((opt.placement.off_device or run.tags or run.is_async)
+            and not isinstance(opt.state, _States)):
+        opt.state = _States(opt, opt.state)
 
 
 def _count(v: Any) -> int:

@@ -15,30 +15,30 @@ wait, for what a signal interrupted). Starting is the job's own (``Write.start``
 and registers itself (``add``); one found started already is not started again.
 
 A wait that a signal (Ctrl-C) interrupts leaves its job registered: the next settle waits for it
-again. Holds its optimizer weakly (the state proxy's rule, ``_state``: no cycle through it).
-May call: the optimizer's engine (``wait``), the jobs' ``start`` / ``apply``.
+again. Holds the optimizer's ``Run`` record (``run.py``), never the optimizer (the state proxy's
+rule, ``_state``: no cycle through it). May call: the run's engine (``wait``), the jobs'
+``start`` / ``apply``.
 Single-threaded (the training thread); the engine's workers never see these objects.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Iterator, Optional
 
 
 class Write:
     """One job that writes optimizer state. ``keys``: the [(param, state key)] it writes;
     ``ticket``: the engine's, None while the job is only due. Subclasses say how it starts (a
-    due job: submit, set ``ticket``, ``opt._writes.add(self)``) and how its result is applied
-    to the state (``apply``: the job's result, or its failure to redo on the training thread)."""
+    due job: submit, set ``ticket``, ``writes.add(self)``) and how its result is applied to the
+    state (``apply``: the job's result, or its failure to redo on the training thread)."""
 
     keys: list
     ticket: Optional[int]
 
-    def start(self, opt) -> None:
+    def start(self) -> None:
         raise NotImplementedError
 
-    def apply(self, opt, result: Any) -> None:
+    def apply(self, result: Any) -> None:
         raise NotImplementedError
 
 
@@ -46,8 +46,8 @@ class PendingWrites:
     """The jobs in flight that write optimizer state, by the (param, state key) they write, and
     the ones due to start. True while a started job is registered."""
 
-    def __init__(self, owner) -> None:
-        self._owner = weakref.ref(owner)
+    def __init__(self, run) -> None:
+        self._run = run  # its engine waits for the jobs
         self._jobs: dict = {}   # (param, state key) -> the started Write that writes it
         self._due: list = []    # Writes made but not started, in the order they start
 
@@ -83,7 +83,7 @@ class PendingWrites:
         while self._due:
             job = self._due[0]
             if job.ticket is None:
-                job.start(self._opt())
+                job.start()
             self._due.pop(0)
 
     def settle(self, p, key) -> None:
@@ -103,15 +103,8 @@ class PendingWrites:
             self._finish(job)
 
     def _finish(self, job: Write) -> None:
-        opt = self._opt()
-        result = opt._engine.wait(job.ticket)  # an interrupted wait leaves the job registered
+        result = self._run.engine.wait(job.ticket)  # an interrupted wait leaves it registered
         for k in job.keys:
             if self._jobs.get(k) is job:
                 del self._jobs[k]
-        job.apply(opt, result)
-
-    def _opt(self):
-        opt = self._owner()
-        if opt is None:
-            raise RuntimeError("the Asteria optimizer these writes belonged to is gone")
-        return opt
+        job.apply(result)

@@ -1,13 +1,16 @@
-"""Checkpoints of an Asteria optimizer (``opt.codec``): ``state_dict`` / ``load_state_dict`` in
-torch.optim's form and checked loads.
+"""Checkpoints of an Asteria optimizer (``opt.checkpoint``): ``state_dict`` / ``load_state_dict``
+in torch.optim's form and checked loads.
 
 Owns: the checkpoint form of the state (the optimizer's own key names; a refresh in flight
 stored as its results, not installed), the check of a loaded state dict against this
-optimizer, and the dtype each loaded tensor is kept in. May call, through its optimizer (held
-weakly): torch.optim's own state-dict code, the placement (``tiered``), the schedule
-(``rounds``, ``writes``: settled first), the method (``check``, ``state_spec``,
-``output_specs``, ``flag_keys``, ``has_factor``), ``_layout`` (key names). Single-threaded
-(the training thread).
+optimizer, and the dtype each loaded tensor is kept in. Built with what it uses
+(``Checkpoint(run, method, schedule, placement)``); each part owns its own wire form and the
+checkpoint calls it: the schedule's refreshes in flight (``wait_pending``, ``export_pending``,
+``reset``, ``restore_pending``), the placement's tiered state (``export_tiered``,
+``clear_tiered``, ``restore_tiered``). May call: torch.optim's own state-dict code on the
+run's ``optimizer``, those calls, the method (``check``, ``state_spec``, ``output_specs``,
+``flag_keys``, ``has_factor``, ``fixed_state``), ``_layout`` (key names). Single-threaded (the
+training thread).
 
 Checkpoints through torch.distributed.checkpoint (DCP).
  - Fixed key set. A flattened load (``StateDictOptions(flatten_optimizer_state_dict=True)``)
@@ -59,16 +62,12 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import weakref
-from collections import defaultdict
 from typing import Any, Mapping
 
 import torch
 
 from asteria.optim import _layout as K
-from asteria.optim.method import REFRESH
-from asteria.optim.schedule import NO_ROUND, _Round
-from asteria.optim._state import _count, _ParamState, _States, real, shown_state
+from asteria.optim._state import _count, _ParamState, ensure_proxy, real, shown_state
 
 
 #: group keys torch.optim itself puts into an optimizer's defaults or groups, none of them a
@@ -104,15 +103,14 @@ def _hooks_off(opt, attr: str):
 
 
 class Checkpoint:
-    """The checkpoint codec of an ``AsteriaOptimizer`` (``opt.codec``): the optimizer's
+    """The checkpoint part of an ``AsteriaOptimizer`` (``opt.checkpoint``): the optimizer's
     ``state_dict`` / ``load_state_dict`` are its."""
 
-    def __init__(self, opt) -> None:
-        self._opt = weakref.ref(opt)
-
-    @property
-    def opt(self):
-        return self._opt()
+    def __init__(self, run, method, schedule, placement) -> None:
+        self.run = run
+        self.method = method
+        self.schedule = schedule
+        self.placement = placement
 
     def state_dict(self) -> dict:
         """torch.optim's state dict, with the same keys as the live state (the fixed key set):
@@ -130,20 +128,8 @@ class Checkpoint:
         state but one. Such a state begins with the marker ``K.LOCAL_ONLY`` (module docstring).
         Resuming needs the same mesh and sharding (``load_state_dict`` raises ValueError on
         another shard's keys)."""
-        opt = self.opt
-        opt.schedule.settle()
-        opt.schedule.writes.settle_all()
-        lost = [r for r in opt.schedule.rounds if r.outputs is None] if opt._closed else []
-        if lost:  # close() stopped the engine: the results of these rounds no longer exist
-            r = lost[0]
-            raise RuntimeError(
-                f"state_dict() after close(): close() stopped the engine with a REFRESH in "
-                f"flight (snapshotted at step {r.snapshot_step}, to be installed at step "
-                f"{r.install_step}; this run is at step {opt._t}), and its results went with "
-                f"it, so this state would not resume the run's trajectory. Call state_dict() "
-                f"before close(): it waits for the refresh and stores its results")
-        for rnd in opt.schedule.rounds:
-            rnd.resolve(opt._engine)
+        opt = self.run.optimizer
+        self.schedule.wait_pending()
         # torch's post hooks must see the state dict as returned: they run after ours is built
         with _hooks_off(opt, "_optimizer_state_dict_post_hooks") as post_hooks:
             sd = torch.optim.Optimizer.state_dict(opt)
@@ -156,33 +142,13 @@ class Checkpoint:
         sd["state"] = {i: ((st.raw() if isinstance(st, _ParamState) else dict(st))
                            if i in ids and isinstance(st, dict) else st)
                        for i, st in sd["state"].items()}
-        if opt.placement.tiered is not None:  # roots / eigenbases as the all-device path has them
-            params = {i: p for p, i in opt._pindex.items()}
-            values = opt.placement.tiered.materialize(opt.placement.tiered.keys())
-            for (pidx, name), value in values.items():
-                sd["state"][index[params[pidx]]][name] = value
-        for i, st in list(sd["state"].items()):
-            if i in ids and isinstance(st, dict) and K.PENDING_IN in st:
-                # real zeros for the placeholders (a checkpoint writes them)
-                st = sd["state"][i] = dict(st)
-                for k, v in st.items():
-                    if isinstance(v, torch.Tensor) and K.is_pending_output(k):
-                        st[k] = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
-        for rnd in opt.schedule.rounds:
-            for p, outs in rnd.outputs.items():
-                st = dict(sd["state"][index[p]])
-                st[K.PENDING_IN] = rnd.install_step - opt._t
-                st[K.PENDING_AGE] = opt._t - rnd.snapshot_step
-                for (j, dim), out in outs.items():
-                    if out is None:  # the job failed: nothing to install
-                        continue
-                    for i, tensor in enumerate(out):
-                        st[K.pending_output(j, dim, i)] = tensor
-                    st[K.pending_ok(j, dim)] = 1
-                sd["state"][index[p]] = st
-        if opt._global is not None and opt.schedule.delay > 0:  # fsdp_blocking="global"
-            opt._global.sync_pending(sd["state"], index, (K.PENDING_IN, K.PENDING_AGE))
-        for p, tag in opt._tags.items():  # per-shard state: the shard's own key names
+        # roots / eigenbases as the all-device path has them
+        for p, tiered in self.placement.export_tiered().items():
+            sd["state"][index[p]].update(tiered)
+        self.schedule.export_pending(sd["state"], index)
+        if self.schedule.delay > 0:  # fsdp_blocking="global": as every owner has it
+            self.run.blocking.sync_pending(sd["state"], index, (K.PENDING_IN, K.PENDING_AGE))
+        for p, tag in self.run.tags.items():  # per-shard state: the shard's own key names
             st = sd["state"].get(index.get(p))
             if st is not None:
                 sd["state"][index[p]] = (shown_state(tag, st) if isinstance(tag, str)
@@ -197,20 +163,19 @@ class Checkpoint:
         """A loaded state dict under the optimizer's key names: a sharded parameter's own tag
         stripped; another shard's tag (another mesh, rank or world size), or an untagged key
         of a parameter sharded here, is a ValueError naming the cause and the remedy."""
-        opt = self.opt
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in opt.param_groups for p in g["params"]]
+        params = [p for g in self.run.param_groups for p in g["params"]]
         state = dict(state_dict["state"])
         for i, p in zip(saved_ids, params):
             st = state.get(i)
             if not st:
                 continue
-            tag = opt._tags.get(p)
+            tag = self.run.tags.get(p)
             if tag is not None and not isinstance(tag, str):  # fsdp_blocking="global"
-                state[i] = tag.internal_state(st, opt._describe_param(opt._pindex[p]))
+                state[i] = tag.internal_state(st, self.run.describe(self.run.pindex[p]))
                 continue
             out = {}
-            who = opt._describe_param(opt._pindex[p])
+            who = self.run.describe(self.run.pindex[p])
             for k, v in st.items():
                 name, saved = K.split_tag(k)
                 if saved is not None:
@@ -239,7 +204,7 @@ class Checkpoint:
         as a copy. Entries of ``state`` that are not a parameter's state are kept as torch
         keeps them. The load hooks run as torch runs them: pre hooks first, post hooks on the
         loaded optimizer."""
-        opt = self.opt
+        opt = self.run.optimizer
         for hook in list(opt._optimizer_load_state_dict_pre_hooks.values()):
             out = hook(opt, state_dict)
             if out is not None:
@@ -247,14 +212,7 @@ class Checkpoint:
         state_dict = self.untag(state_dict)
         loaded, others = self.loaded_states(state_dict)
         # checked: from here on the optimizer changes
-        opt.schedule.unfinished_end = None
-        opt.schedule.deferred = []  # its rounds are dropped below with the others
-        opt.schedule.writes.settle_all()
-        for rnd in opt.schedule.rounds:
-            rnd.drop(opt._engine)
-        opt.schedule.rounds = []
-        opt.schedule.fail_streak, opt.schedule.failed = {}, []
-        opt.schedule.auto_s = None  # the loaded state says which S an auto run chose
+        self.schedule.reset()
         with _hooks_off(opt, "_optimizer_load_state_dict_pre_hooks"), \
                 _hooks_off(opt, "_optimizer_load_state_dict_post_hooks") as post_hooks:
             torch.optim.Optimizer.load_state_dict(
@@ -263,43 +221,20 @@ class Checkpoint:
             opt.state[p] = st
         for k, v in others.items():
             opt.state[k] = v
-        if opt.placement.tiered is not None:
-            opt.placement.tiered.clear()
-        if opt._wants_proxy():
-            opt.state = _States(opt, opt.state)
-        rounds: dict = {}
+        self.placement.clear_tiered()
+        ensure_proxy(opt)
         for p in loaded:
             st = opt.state[p]
-            if opt.placement.tiered is not None:
-                for name in [n for n in dict.keys(st) if opt.placement.owned(p, n)]:
-                    opt.placement.tiered.write(opt.placement.key(p, name), dict.pop(st, name))
-            group = opt._group_of(p)
-            if p.numel() == 0 or opt._is_adamw(p, group):
+            self.placement.restore_tiered(p, st)
+            group = self.run.group_of(p)
+            if p.numel() == 0 or self.run.is_adamw(p, group):
                 continue
-            install_in = _count(st.pop(K.PENDING_IN, NO_ROUND))
-            age = _count(st.pop(K.PENDING_AGE, 0))
-            outs: dict = defaultdict(dict)
-            oks: dict = {}
-            for k in list(dict.keys(st)):
-                if K.is_pending_output(k):
-                    key = K.Key.parse(k)
-                    outs[(key.block, key.dim)][key.output] = st.pop(k)
-                elif K.is_pending_ok(k):
-                    key = K.Key.parse(k)
-                    oks[(key.block, key.dim)] = _count(st.pop(k))
-            if install_in != NO_ROUND:
-                rnd = rounds.get((install_in, age))
-                if rnd is None:
-                    rnd = rounds[(install_in, age)] = _Round(
-                        REFRESH, opt._t - age, opt._t + install_in, [], outputs={})
-                # without a flag (a state dict from before the fixed key set): present = a result
-                rnd.outputs[p] = {key: tuple(v[n] for n in sorted(v))
-                                  for key, v in outs.items() if oks.get(key, 1)}
-            opt._fixed_state(p, group, opt._layout(p, group))
-        opt.schedule.rounds = list(rounds.values())
-        opt.schedule.restore_auto_s()  # staleness="auto": the S the saved run chose stays
-        if opt.placement.tiered is not None:
-            opt.placement.tiered.end_step()  # NVMe-homed blocks go back to NVMe (best effort)
+            self.schedule.restore_pending(p, st)
+            layout = self.run.layout(p, group)
+            self.method.fixed_state(p, group, layout)
+            self.schedule.fixed_state(p, group, layout)
+        self.schedule.restore_auto_s()  # staleness="auto": the S the saved run chose stays
+        self.placement.end_step()  # NVMe-homed blocks go back to NVMe (best effort)
         for hook in post_hooks.values():
             hook(opt)
 
@@ -307,32 +242,32 @@ class Checkpoint:
         """Check a state dict against this optimizer without changing anything. Returns
         ({param: its state as it will be stored}, {key: value} of the entries that are not a
         parameter's state)."""
-        opt = self.opt
         groups, state = state_dict.get("param_groups"), state_dict.get("state")
         if not isinstance(groups, (list, tuple)) or not isinstance(state, Mapping):
             raise ValueError("load_state_dict: a state dict has 'state' (a dict) and "
                              "'param_groups' (a list), as optimizer.state_dict() returns")
-        name = type(opt).__name__
-        if len(groups) != len(opt.param_groups):
+        name = type(self.run.optimizer).__name__
+        if len(groups) != len(self.run.param_groups):
             raise ValueError(f"load_state_dict: the state dict has {len(groups)} param groups, "
-                             f"this {name} has {len(opt.param_groups)}")
+                             f"this {name} has {len(self.run.param_groups)}")
         loaded: dict = {}
         seen: set = set()
-        for gi, (saved, live) in enumerate(zip(groups, opt.param_groups)):
+        for gi, (saved, live) in enumerate(zip(groups, self.run.param_groups)):
             ids = list(saved.get("params", ()))
             if len(ids) != len(live["params"]):
                 raise ValueError(f"load_state_dict: param group {gi} of the state dict has "
                                  f"{len(ids)} parameters, this {name}'s has "
                                  f"{len(live['params'])}")
-            missing = [k for k in opt.defaults if k not in saved and k not in TORCH_GROUP_KEYS]
+            missing = [k for k in self.run.optimizer.defaults
+                       if k not in saved and k not in TORCH_GROUP_KEYS]
             if missing:
                 raise ValueError(f"load_state_dict: param group {gi} of the state dict lacks "
                                  f"{name}'s hyperparameter(s) {missing}: it was saved by another "
                                  f"optimizer (its keys: {sorted(k for k in saved if k != 'params')})")
             group = {k: v for k, v in saved.items() if k != "params"}
-            opt.method.check(group)
-            opt._cfg.check_frequency(group["precondition_frequency"],
-                                      f"param group {gi} of the state dict")
+            self.method.check(group)
+            self.run.cfg.check_frequency(group["precondition_frequency"],
+                                         f"param group {gi} of the state dict")
             for i, p in zip(ids, live["params"]):
                 seen.add(i)
                 st = state.get(i)
@@ -345,13 +280,12 @@ class Checkpoint:
         """One parameter's saved state, checked against what this optimizer keeps for it
         (keys, shapes, kinds) and converted: tensors copied to the parameter's device in the
         dtype this optimizer keeps them in."""
-        opt = self.opt
-        who = opt._describe_param(opt._pindex[p])
+        who = self.run.describe(self.run.pindex[p])
         lp = real(p)
 
         def bad(msg):
             return ValueError(f"load_state_dict: the state of {who} {tuple(lp.shape)} does not "
-                              f"fit this {type(opt).__name__}: {msg}")
+                              f"fit this {type(self.run.optimizer).__name__}: {msg}")
 
         if not isinstance(st, Mapping):
             raise bad(f"expected a dict of state, found {type(st).__name__}")
@@ -359,28 +293,28 @@ class Checkpoint:
         flags: set = {K.STEP}
         # the path step() takes: p's own size, so an empty FSDP2 shard of a matrix (a rank past
         # its rows) keeps the preconditioned keys it was given
-        if p.numel() == 0 or opt._is_adamw(p, group):
+        if p.numel() == 0 or self.run.is_adamw(p, group):
             tensors = {n: (tuple(lp.shape), lp.dtype) for n in K.ADAMW_MOMENTS}
             required = set(tensors) | {K.STEP}
         else:
-            layout = opt._make_layout(p, group)
-            here = opt._layout(p, live)
+            layout = self.run.make_layout(p, group)
+            here = self.run.layout(p, live)
             if layout.block_shapes != here.block_shapes:
                 raise bad(f"it was saved with blocks {layout.block_shapes}, this optimizer "
                           f"cuts {here.block_shapes}")
-            spec = opt.method.state_spec(p, group, layout)
+            spec = self.method.state_spec(p, group, layout)
             tensors = {n: (tuple(shape), dt) for n, _, shape, dt in spec}
             # Shampoo's roots may be absent (a state dict from before the fixed key set)
             required = {n for n, kind, _, _ in spec if kind != "roots"} | {K.STEP}
             # AUTO_S: the S a staleness="auto" run chose (kept by a resumed auto run)
             flags |= {K.PENDING_IN, K.PENDING_AGE, K.AUTO_S}
-            flags |= set(opt.method.flag_keys(p, group, layout))
+            flags |= set(self.method.flag_keys(p, group, layout))
             for j, bshape in enumerate(layout.block_shapes):
-                for dim, has in enumerate(opt.method.has_factor(bshape, group)):
+                for dim, has in enumerate(self.method.has_factor(bshape, group)):
                     if has:
                         flags.add(K.pending_ok(j, dim))
                         for i, (oshape, dt) in enumerate(
-                                opt.method.output_specs(p, group, bshape[dim])):
+                                self.method.output_specs(p, group, bshape[dim])):
                             tensors[K.pending_output(j, dim, i)] = (tuple(oshape), dt)
         missing = sorted(required - set(st))
         if missing:

@@ -23,9 +23,8 @@ import torch
 
 from asteria.optim import _layout as K
 from asteria.optim import functional as F
-from asteria.optim._state import real
-from asteria.optim.method import (INIT, Method, check_common, eigh_input, is_int, register,
-                                  require)
+from asteria.optim.method import (INIT, Field, Method, check_common, eigh_input, is_int,
+                                  register, require)
 from asteria.optim.optimizer import AsteriaOptimizer
 
 
@@ -54,7 +53,12 @@ class KLShampooMethod(Method):
 
     NAME = "kl_shampoo"
     REFRESH_OP = ("kl_qr", 0.0)
-    FACTOR = "S"
+    # M; per dimension S, s = lam^(-1/2) and the basis (a fake step's S are zero, its bases
+    # the identity, from them); all in the compute dtype
+    STATE = (Field("exp_avg", "moments", zeros=True),
+             Field("S", "factors", per_dim=True, fake_zero=True),
+             Field("s", "factors", per_dim=True, vector=True),
+             Field("Q", "eigenbases", per_dim=True))
 
     def check(self, group: dict) -> None:
         check_common(group)
@@ -83,30 +87,8 @@ class KLShampooMethod(Method):
         if "compute_dtype" in group:  # by name in the group (torch keeps this dict)
             group["compute_dtype"] = dtype_name(group["compute_dtype"])
 
-    def output_specs(self, p, group, d):
-        return [((d, d), _cdtype(group))]  # kl_qr: (Q,)
-
-    def fake_step_tensors(self, p):
-        return self.fake_factors(p)  # zero after a fake step (its bases the identity, from them)
-
-    def create_state(self, p, group, layout):
-        st = self.state[p]
-        st["step"] = 0
-        for j, shape in enumerate(layout.block_shapes):
-            st[K.key(j, "exp_avg")] = torch.zeros(shape, dtype=_cdtype(group), device=p.device)
-
-    def state_spec(self, p, group, layout):
-        dt = _cdtype(group)
-        out = []
-        for j, shape in enumerate(layout.block_shapes):
-            out.append((K.key(j, "exp_avg"), "moments", shape, dt))
-            for i, has in enumerate(self.has_factor(shape, group)):
-                if has:
-                    d = shape[i]
-                    out += [(K.key(j, "S", i), "factors", (d, d), dt),
-                            (K.key(j, "s", i), "factors", (d,), dt),
-                            (K.key(j, "Q", i), "eigenbases", (d, d), dt)]
-        return out
+    def state_dtype(self, p, group):
+        return _cdtype(group)
 
     def init_blocks(self, group, members, g):
         g = g.to(_cdtype(group))
@@ -125,10 +107,10 @@ class KLShampooMethod(Method):
         g = g.to(_cdtype(group))
         has = self.has_factor(g.shape[1:], group)
         # the state's packed stacks, updated in place (copies only for tiered blocks)
-        m = self.blocks.stack(members, "exp_avg", view=True)
-        factors = self.blocks.stack_dims(members, "S", has, view=True)
-        bases = self.blocks.stack_dims(members, "Q", has, view=True)
-        scales = self.blocks.stack_dims(members, "s", has, view=True)
+        m = self.placement.stack(members, "exp_avg", view=True)
+        factors = self.placement.stack_dims(members, "S", has, view=True)
+        bases = self.placement.stack_dims(members, "Q", has, view=True)
+        scales = self.placement.stack_dims(members, "s", has, view=True)
         clamp = [F.kl_clamp_max(d, group["max_clamp_value"]) if h and group["using_clamping"]
                  else None for d, h in zip(g.shape[1:], has)]
         ok = F.kl_step(w, g, m, factors, bases, scales, lr=float(group["lr"]),
@@ -136,18 +118,18 @@ class KLShampooMethod(Method):
                   eps=group["eps"], weight_decay=group["weight_decay"],
                   normalize_grads=group["normalize_grads"], clamp=clamp)
         self.schedule.count_lazy("overflow_skipped", (~ok).sum())
-        self.blocks.unstack(members, "exp_avg", m)
+        self.placement.unstack(members, "exp_avg", m)
         for i, h in enumerate(has):
             if h:
-                self.blocks.unstack(members, "S", factors[i], dim=i)
-                self.blocks.unstack(members, "s", scales[i], dim=i)
+                self.placement.unstack(members, "S", factors[i], dim=i)
+                self.placement.unstack(members, "s", scales[i], dim=i)
 
     def refresh_input(self, kind, p, j, dim):
         st = self.state[p]
         f = st[K.key(j, "S", dim)]
         if kind == INIT:
             return "eigh", eigh_input(f), None, 0.0, 0.0
-        return "kl_qr", f, self.blocks.root_for_job(p, K.key(j, "Q", dim)), 0.0, 0.0
+        return "kl_qr", f, self.placement.root_for_job(p, K.key(j, "Q", dim)), 0.0, 0.0
 
     def install(self, kind, outputs):
         self.install_bases(outputs)  # lam (s) is kept: the QR refresh only rotates Q

@@ -3,23 +3,27 @@ jobs run.
 
 Owns: the ``Method`` interface that SOAP, one-sided SOAP, Shampoo and KL-Shampoo fill (the
 hyperparameter check, which dimensions of a block get a factor, the state of a preconditioned
-parameter and its spec for the planner, the first step of fresh blocks, the step on a stack of
-same-shape blocks, a REFRESH job's input, the install of its results), the checks every method
-shares (``check_common``), and the registry of the optimizers by method name (``METHODS``: the
+parameter declared once as ``STATE`` (``Field``s), from which the base derives its spec for
+the planner, its creation, its fixed keys, flags, REFRESH outputs and what a fake step leaves
+zero; the first step of fresh blocks, the step on a stack of same-shape blocks, a REFRESH
+job's input, the install of its results), the checks every method shares
+(``check_common``), and the registry of the optimizers by method name (``METHODS``: the
 OLMo-core configs and the capacity planner are made from it, so a new method is its own file
 and an export).
 
-A method is held by its optimizer (``opt.method``) and reaches the rest only through it, weakly
-(no cycle), by these names: ``state`` (``opt.state``), ``blocks`` (the placement's block
-accessors: ``stack`` / ``unstack`` / ``root_*``, so the kernels see the tensors of the
-all-device path wherever a block lives), ``schedule`` (a job that writes state in the
-background, device-side counts), ``config`` (the runtime config), ``group_of`` and ``count``
-(the optimizer's counters). The step math itself is in ``functional``. Single-threaded (the
-training thread).
+A method is held by its optimizer (``opt.method``) and by the parts that call it; the
+optimizer binds it (``bind``) to what it reaches, weakly (it is the leaf of the parts: no cycle),
+by these names: ``state`` (``optimizer.state``), ``placement`` (its block accessors:
+``stack`` / ``unstack`` / ``root_*``, so the kernels see the tensors of the all-device path
+wherever a block lives), ``schedule`` (a job that writes state in the background, device-side
+counts), ``config`` (the runtime config), ``group_of`` and ``count`` (the run's counters), all
+from the optimizer's ``Run`` record (``run.py``) but the two parts. The step math itself is in
+``functional``. Single-threaded (the training thread).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any, ClassVar, Optional, Sequence
 
@@ -73,13 +77,35 @@ def check_common(group: dict, beta_max: Sequence[bool] = (False, False)) -> None
             "None or an integer >= 1 (the experts stacked in dim 0 of each parameter)")
 
 
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One entry of a preconditioned block's state: ``b{j}.{name}``, or with ``per_dim`` one per
+    dimension i that has a factor, ``b{j}.{name}{i}`` (d x d, or (d,) with ``vector``)."""
+
+    name: str
+    #: the planner's kind: "moments", "factors", "roots" or "eigenbases"
+    kind: str
+    per_dim: bool = False
+    vector: bool = False
+    #: made zero with the state (else the first step or an install sets it)
+    zeros: bool = False
+    #: zero after DCP's fake step, and only after an all-zero gradient history
+    fake_zero: bool = False
+    #: there from the state's creation on, zero with its flag ``b{j}.{name}{i}_set`` = 0 until
+    #: the first install (a root in the fixed key set)
+    flagged: bool = False
+
+
 def eigh_input(f: torch.Tensor) -> torch.Tensor:
     """The references decompose F + 1e-30 I."""
     return f + 1e-30 * torch.eye(f.shape[0], dtype=f.dtype, device=f.device)
 
 
 class Method:
-    """The math of one second-order method. Subclasses set ``NAME`` and fill the hooks."""
+    """The math of one second-order method. Subclasses set ``NAME`` and ``STATE`` and fill the
+    hooks of their math; the state hooks (``state_spec``, ``create_state``, ``fixed_state``,
+    ``flag_keys``, ``output_specs``, ``output_name``, ``fake_step_tensors``) follow from
+    ``STATE``."""
 
     #: the method's name: its param groups' "algorithm", the OLMo-core config type
     #: ``asteria_<NAME>``, the planner's ``--optimizer``
@@ -91,45 +117,59 @@ class Method:
     #: ``step_blocks`` takes whole parameters as the list of them (``w``), which it updates in
     #: place, instead of a stack that is copied back
     weights_in_place: ClassVar[bool] = False
-    #: the factor field whose dimensions a refresh decomposes (``b{j}.<field>{i}``)
-    FACTOR: ClassVar[str] = "GG"
+    #: a preconditioned block's state, in its order: per block the fields without a dimension,
+    #: then per dimension with a factor the per-dimension ones. One per-dimension d x d field
+    #: is its factor (the first of kind "factors"), one its REFRESH output (kind "roots" or
+    #: "eigenbases")
+    STATE: ClassVar[tuple[Field, ...]]
+    #: a REFRESH job's outputs after the first (d x d in the state's dtype): one (d,) vector
+    #: per dtype here (SOAP's sort order)
+    EXTRA_OUTPUTS: ClassVar[tuple[torch.dtype, ...]] = ()
 
-    def __init__(self, opt) -> None:
-        """``opt``: the optimizer it works for, or None: a detached method, whose rules of a
-        param group alone are used (the OLMo-core configs, the capacity planner)."""
-        self._opt = weakref.ref(opt) if opt is not None else (lambda: None)
+    def __init__(self) -> None:
+        """Detached: its rules of a param group alone are used (the OLMo-core configs, the
+        capacity planner) until an optimizer binds it (``bind``)."""
+        self._run = self._placement = self._schedule = lambda: None
+
+    def bind(self, run, placement, schedule) -> None:
+        """Work for the optimizer of ``run``, through its placement and schedule, each held
+        weakly (they hold this method)."""
+        self._run = weakref.ref(run)
+        self._placement = weakref.ref(placement)
+        self._schedule = weakref.ref(schedule)
 
     @property
-    def opt(self):
-        return self._opt()
+    def run(self):
+        """The optimizer's ``Run`` record (``asteria.optim.run``)."""
+        return self._run()
 
     @property
     def state(self):
-        return self._opt().state
+        return self._run().state
 
     @property
-    def blocks(self):
+    def placement(self):
         """The placement's block accessors (``asteria.optim.placement.Placement``)."""
-        return self._opt().placement
+        return self._placement()
 
     @property
     def schedule(self):
         """The schedule (``asteria.optim.schedule.Schedule``): background jobs that write state
         (``submit_write``, ``writes``), device-side counts (``count_lazy``)."""
-        return self._opt().schedule
+        return self._schedule()
 
     @property
     def config(self):
         """The runtime config (``asteria.RuntimeConfig``) of the optimizer."""
-        return self._opt()._cfg
+        return self._run().cfg
 
     def group_of(self, p: torch.Tensor) -> dict:
         """The param group of p."""
-        return self._opt()._group_of(p)
+        return self._run().group_of(p)
 
     def count(self, name: str, n: int = 1) -> None:
         """Add to one of the optimizer's counters (``asteria_stats()``)."""
-        self._opt()._counters[name] += n
+        self._run().counters[name] += n
 
     # ---- hyperparameters ----------------------------------------------------------------------
     def check(self, group: dict) -> None:
@@ -159,36 +199,90 @@ class Method:
         limit = self.max_dim(group)
         return [d <= limit for d in block_shape]
 
-    # ---- state --------------------------------------------------------------------------------
+    # ---- state: all of it from ``STATE`` --------------------------------------------------------
+    def state_dtype(self, p: torch.Tensor, group: dict) -> torch.dtype:
+        """The dtype of a preconditioned parameter's state (and of its REFRESH outputs)."""
+        return real(p).dtype
+
+    @property
+    def factor_field(self) -> str:
+        """The factor a refresh decomposes (``b{j}.<field>{i}``)."""
+        return next(f.name for f in self.STATE
+                    if f.kind == "factors" and f.per_dim and not f.vector)
+
+    @property
+    def output_field(self) -> str:
+        """Where a REFRESH job's output 0 is installed (``b{j}.<field>{i}``)."""
+        return next(f.name for f in self.STATE if f.kind in ("roots", "eigenbases"))
+
+    def entries(self, group: dict, layout: Layout):
+        """(block j, dimension or None, Field, shape) of every entry of ``STATE``, in order."""
+        for j, shape in enumerate(layout.block_shapes):
+            for f in self.STATE:
+                if not f.per_dim:
+                    yield j, None, f, tuple(shape)
+            for i, has in enumerate(self.has_factor(shape, group)):
+                if has:
+                    d = shape[i]
+                    for f in self.STATE:
+                        if f.per_dim:
+                            yield j, i, f, ((d,) if f.vector else (d, d))
+
     def state_spec(self, p: torch.Tensor, group: dict, layout: Layout) -> list:
         """[(state name, kind, shape, dtype)] of a preconditioned parameter's state, for the
-        planner; kind is one of "factors", "moments", "roots", "eigenbases"."""
-        raise NotImplementedError
+        planner and the checks of a load."""
+        dt = self.state_dtype(p, group)
+        return [(K.key(j, f.name, i), f.kind, shape, dt)
+                for j, i, f, shape in self.entries(group, layout)]
 
     def create_state(self, p: torch.Tensor, group: dict, layout: Layout) -> None:
-        raise NotImplementedError
+        """A fresh state: the step count and the fields made zero."""
+        st = self.state[p]
+        st["step"] = 0
+        dt, device = self.state_dtype(p, group), real(p).device
+        for j, i, f, shape in self.entries(group, layout):
+            if f.zeros:
+                st[K.key(j, f.name, i)] = torch.zeros(shape, dtype=dt, device=device)
 
     def fixed_state(self, p: torch.Tensor, group: dict, layout: Layout) -> None:
         """Add the method's keys of the fixed key set that p's state lacks (at creation, after
-        a load; Shampoo's roots before their first install)."""
+        a load): a flagged field and its flag, zero and 0 until the first install."""
+        st = self.state[p]
+        for j, i, f, shape in self.entries(group, layout):
+            flag = K.set_flag(j, f.name, i) if f.flagged else None
+            if flag is not None and flag not in st:
+                name = K.key(j, f.name, i)
+                st[flag] = int(self.placement.root_has(p, name))
+                if not st[flag]:
+                    self.placement.root_set(p, name, torch.zeros(
+                        shape, dtype=self.state_dtype(p, group), device=real(p).device))
 
     def flag_keys(self, p: torch.Tensor, group: dict, layout: Layout) -> list:
         """Names of the number-valued state keys of a preconditioned parameter besides the
-        step and the refresh-in-flight keys (Shampoo's ``b{j}.Linv{i}_set``)."""
-        return []
+        step and the refresh-in-flight keys (the flags of the flagged fields)."""
+        return [K.set_flag(j, f.name, i) for j, i, f, _ in self.entries(group, layout)
+                if f.flagged]
 
     def output_specs(self, p: torch.Tensor, group: dict, d: int) -> list:
         """[(shape, dtype)] of the outputs of a REFRESH job of a factor of size d."""
-        return [((d, d), real(p).dtype)]
+        dt = self.state_dtype(p, group)
+        return [((d, d), dt)] + [((d,), x) for x in self.EXTRA_OUTPUTS]
 
     def output_name(self, p: torch.Tensor, j: int, dim: int) -> str:
         """The state name a REFRESH output 0 of (block j, dim) is installed into."""
-        return K.key(j, "Q", dim)
+        return K.key(j, self.output_field, dim)
 
     def fake_step_tensors(self, p: torch.Tensor) -> list:
         """The state tensors of a preconditioned parameter that DCP's fake step (zero gradients)
-        leaves at zero, and that only an all-zero gradient history leaves at zero."""
-        raise NotImplementedError
+        leaves at zero, and that only an all-zero gradient history leaves at zero (a job in
+        flight that writes one is waited for first)."""
+        st = self.state[p]
+        zero = [f for f in self.STATE if f.fake_zero]
+        keys = [k for k in dict.keys(st)
+                if any((K.is_factor if f.per_dim else K.is_moment)(k, f.name) for f in zero)]
+        for k in keys:
+            self.schedule.writes.settle(p, k)
+        return [dict.__getitem__(st, k) for k in keys]
 
     def batch_tag(self, p: torch.Tensor, j: int) -> Any:
         """Extra key that separates blocks of one shape into different stacks."""
@@ -216,18 +310,18 @@ class Method:
 
     # ---- shared by the eigenbasis methods -----------------------------------------------------
     def init_bases(self, members: list, factors: list) -> list:
-        """Store first-step factors (``b{j}.{FACTOR}{i}``) with the identity as their basis;
+        """Store first-step factors (``b{j}.{factor_field}{i}``) with the identity as their basis;
         return [(p, j, dims)] of the factors that are not c*I and so need a real
         eigendecomposition."""
-        state, blocks = self.state, self.blocks
+        state, placement = self.state, self.placement
         need: dict = {}
         for i, f in enumerate(factors):
             if f is None:
                 continue
             eye = torch.eye(f.shape[-1], dtype=f.dtype, device=f.device)
             for (p, j), fi, trivial in zip(members, f.unbind(0), F.is_scaled_identity(f)):
-                state[p][K.key(j, self.FACTOR, i)] = fi.clone()
-                blocks.root_set(p, K.key(j, "Q", i), eye)
+                state[p][K.key(j, self.factor_field, i)] = fi.clone()
+                placement.root_set(p, K.key(j, self.output_field, i), eye)
                 if not trivial:
                     need.setdefault((p, j), []).append(i)
         return [(p, j, dims) for (p, j), dims in need.items()]
@@ -235,16 +329,12 @@ class Method:
     def install_bases(self, outputs: dict) -> None:
         """Install eigenbases (first-step eigh, KL-Shampoo's QR): Q_i = output 0; failures keep
         Q."""
-        blocks = self.blocks
+        placement = self.placement
         for p, outs in outputs.items():
             for (j, dim), out in outs.items():
                 if out is not None:
-                    blocks.root_set(p, K.key(j, "Q", dim), out[0])
+                    placement.root_set(p, K.key(j, self.output_field, dim), out[0])
 
-    def fake_factors(self, p: torch.Tensor) -> list:
-        """The factors of p (``b{j}.{FACTOR}{i}``): what a fake step leaves at zero."""
-        st = self.state[p]
-        return [v for k, v in dict.items(st) if K.is_factor(k, self.FACTOR)]
 
 
 def register(cls: type) -> type:

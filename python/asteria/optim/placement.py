@@ -4,11 +4,16 @@ kernels see exactly the tensors of the all-device path.
 
 Owns: the plan, the residency, the map from a parameter to its tiered keys, the staging of
 stacks through the ring in chunks that fit it, the packs of device state (``packs``) and the
-record of the packed stacks handed to the ``step_blocks`` running now (``handed``). May call:
-torch, ``asteria.tiers.plan``, ``asteria.tiers.residency``, the method's ``state_spec`` and
-the schedule's ``writes`` (settled before packs move or blocks migrate), through its
-optimizer (held weakly); ``_layout`` (key names). Single-threaded (the training thread and the
-hooks it runs on that thread).
+record of the packed stacks handed to the ``step_blocks`` running now (``handed``). The
+Residency is its own: the others use the calls it offers for tiered state (``off_device``,
+``held`` / ``held_names`` / ``read`` / ``write`` / ``drop`` for the state proxy;
+``export_tiered`` / ``clear_tiered`` / ``restore_tiered`` for the checkpoint part;
+``prepare``, ``stage``, ``end_step``, ``stats``, ``closer`` for the optimizer). Built with what
+it uses (``Placement(run, method, writes)``). May call: torch, ``asteria.tiers.plan``,
+``asteria.tiers.residency``, the run record (config, parameter index, layouts, the state), the
+method's ``state_spec``, the ``PendingWrites`` (settled before packs move or blocks migrate);
+``_layout`` (key names). Single-threaded (the training thread and the hooks it runs on that
+thread).
 
 Placement (``asteria.tiers.plan``, ``asteria.tiers.residency``): at construction the planner assigns a
 tier to every piece of state. Factors and moments always live in ``self.state`` on the
@@ -126,25 +131,27 @@ def _release(packs: dict, base, keep: set, state) -> None:
             dict.__setitem__(st, name, cur.clone())
 
 
-def _close_all(engine, tiered) -> None:
+def close_all(engine, close_residency) -> None:
     """Finalizer of an optimizer (also at interpreter exit): the engine first (it writes the
-    trace file and stops the workers), then the residency."""
+    trace file and stops the workers), then the residency (``Placement.closer``)."""
     try:
         if engine is not None:
             engine.close()
     finally:
-        if tiered is not None:
-            tiered.close()
+        if close_residency is not None:
+            close_residency()
 
 
 class Placement:
     """The placement part of an ``AsteriaOptimizer`` (``opt.placement``)."""
 
-    def __init__(self, opt) -> None:
-        self._opt = weakref.ref(opt)
+    def __init__(self, run, method, writes) -> None:
+        self.run = run
+        self.method = method
+        self.writes = writes  # settled before packs move or blocks migrate
         self.plan = None     # the placement plan (asteria.tiers.plan)
-        self.tiered = None   # the Residency of the blocks outside the device, if any
-        self.tiered_final: Optional[dict] = None  # its last stats, once closed
+        self._residency = None   # the Residency of the blocks outside the device, if any
+        self._final_stats: Optional[dict] = None  # its last stats, once closed
         self.tkeys: dict = {}  # param index -> its tiered state keys
         self.kinds: dict = {}  # (param index, name) -> the kind of state it is
         # id(stack) -> (stack, members, field, dim) of the packed stacks handed to the
@@ -155,8 +162,14 @@ class Placement:
         self.packs: dict = {}
 
     @property
-    def opt(self):
-        return self._opt()
+    def off_device(self) -> bool:
+        """Does some state live outside the device (a residency holds it)?"""
+        return self._residency is not None
+
+    def closer(self):
+        """What the optimizer's finalizer calls to close the residency (``close_all``); None
+        while there is none. It holds the residency, not this placement."""
+        return None if self._residency is None else self._residency.close
 
     def handed_back(self) -> None:
         """The ``step_blocks`` that was handed packed stacks returned: they are the state's
@@ -164,17 +177,16 @@ class Placement:
         self.handed.clear()
 
     def entries(self) -> list:
-        opt = self.opt
         out = []
-        for group in opt.param_groups:
+        for group in self.run.param_groups:
             for p in group["params"]:
                 lp = real(p)
-                pidx = opt._pindex[p]
+                pidx = self.run.pindex[p]
                 itemsize = lp.element_size()
-                if lp.numel() == 0 or opt._is_adamw(p, group):
+                if lp.numel() == 0 or self.run.is_adamw(p, group):
                     spec = [(n, "moments", tuple(lp.shape), lp.dtype) for n in K.ADAMW_MOMENTS]
                 else:
-                    spec = opt.method.state_spec(p, group, opt._layout(p, group))
+                    spec = self.method.state_spec(p, group, self.run.layout(p, group))
                 for name, kind, shape, dtype in spec:
                     itemsize = torch.empty((), dtype=dtype).element_size()
                     out.append(_placement.StateEntry(pidx, name, kind,
@@ -184,10 +196,9 @@ class Placement:
 
     def make_plan(self):
         """Plan the placement of every state tensor (construction, ``add_param_group``)."""
-        opt = self.opt
         entries = self.entries()
         self.kinds = {e.key: e.kind for e in entries}
-        plan = _placement.make_plan(opt._cfg, entries)
+        plan = _placement.make_plan(self.run.cfg, entries)
         plan.log()
         return plan
 
@@ -195,13 +206,12 @@ class Placement:
         """Take a plan: the tiered keys per parameter, and a residency when the plan first
         puts blocks outside the device (True then: the optimizer's finalizer must close it).
         ``migrate`` moves existing tensors where the plan wants them."""
-        opt = self.opt
         self.plan = plan
         self.tkeys = defaultdict(list)
         for key, tier in plan.block_tier.items():
             if tier != "device":
                 self.tkeys[key[0]].append(key)
-        if plan.tiered and self.tiered is None:
+        if plan.tiered and self._residency is None:
             # no strong reference back: the optimizer's finalizer holds the residency
             me = weakref.ref(self)
 
@@ -209,61 +219,55 @@ class Placement:
                 place = _me()
                 return place.describe_key(key) if place is not None else f"block {key!r}"
 
-            self.tiered = _tiered_mod.Residency(plan, opt._cfg, tracer=tracer,
+            self._residency = _tiered_mod.Residency(plan, self.run.cfg, tracer=tracer,
                                                 describe=describe)
             return True
-        if self.tiered is not None:
-            self.tiered.plan = plan
+        if self._residency is not None:
+            self._residency.plan = plan
         return False
 
     def migrate(self) -> None:
-        """Put every existing root / eigenbasis where the plan says: opt.state or residency."""
-        opt = self.opt
-        opt.schedule.writes.settle_all()
-        if self.tiered is None:
+        """Put every existing root / eigenbasis where the plan says: self.run.state or residency."""
+        self.writes.settle_all()
+        if self._residency is None:
             return
-        params = {i: p for p, i in opt._pindex.items()}
-        for p, st in list(opt._param_states()):
-            pidx = opt._pindex.get(p)
+        params = {i: p for p, i in self.run.pindex.items()}
+        for p, st in list(self.run.param_states()):
+            pidx = self.run.pindex.get(p)
             for name in [n for n in dict.keys(st) if isinstance(dict.__getitem__(st, n),
                                                                  torch.Tensor)]:
-                if self.tiered.owns((pidx, name)):
-                    self.tiered.write((pidx, name), dict.pop(st, name))
-        for key in self.tiered.keys():
-            if not self.tiered.owns(key):
+                if self._residency.owns((pidx, name)):
+                    self._residency.write((pidx, name), dict.pop(st, name))
+        for key in self._residency.keys():
+            if not self._residency.owns(key):
                 p = params[key[0]]
-                value = self.tiered.materialize([key])[key]
-                self.tiered.drop(key)
-                dict.__setitem__(opt.state[p], key[1], value)
-        self.tiered.end_step()
+                value = self._residency.materialize([key])[key]
+                self._residency.drop(key)
+                dict.__setitem__(self.run.state[p], key[1], value)
+        self._residency.end_step()
 
     def describe_key(self, key) -> str:
-        opt = self.opt
         pidx, name = key
         kind = {"roots": "root", "eigenbases": "eigenbasis"}.get(self.kinds.get(key), "state")
-        return f"{kind} block {name!r} of {opt._describe_param(pidx)}"
+        return f"{kind} block {name!r} of {self.run.describe(pidx)}"
 
     def key(self, p: torch.Tensor, name: str) -> tuple:
-        opt = self.opt
-        return (opt._pindex[p], name)
+        return (self.run.pindex[p], name)
 
     def owned(self, p: torch.Tensor, name: str) -> bool:
-        opt = self.opt
-        return self.tiered is not None and self.tiered.owns((opt._pindex[p], name))
+        return self._residency is not None and self._residency.owns((self.run.pindex[p], name))
 
     def root_has(self, p: torch.Tensor, name: str) -> bool:
-        opt = self.opt
         if self.owned(p, name):
-            return self.tiered.has(self.key(p, name))
-        return name in opt.state[p]
+            return self._residency.has(self.key(p, name))
+        return name in self.run.state[p]
 
     def root_set(self, p: torch.Tensor, name: str, value: torch.Tensor) -> None:
         """Set a root / eigenbasis (creating it on first set)."""
-        opt = self.opt
         if self.owned(p, name):
-            self.tiered.write(self.key(p, name), value)
+            self._residency.write(self.key(p, name), value)
             return
-        st = opt.state[p]
+        st = self.run.state[p]
         if name in st:
             st[name].copy_(value)
         else:
@@ -272,40 +276,37 @@ class Placement:
     def as_stored(self, p: torch.Tensor, name: str, value: torch.Tensor) -> torch.Tensor:
         """``value`` as the block ``name`` of p will hold it once written: rounded through the
         tier dtype when the block lives outside the device narrowed (else value itself)."""
-        opt = self.opt
         if not self.owned(p, name):
             return value
-        narrow = _placement.stored_dtype(opt._cfg.tier_dtype, value.dtype)
+        narrow = _placement.stored_dtype(self.run.cfg.tier_dtype, value.dtype)
         return value if narrow == value.dtype else value.to(narrow).to(value.dtype)
 
     def root_for_job(self, p: torch.Tensor, name: str):
         """A root / eigenbasis as a REFRESH job input (the engine copies it at submit): a
         tensor, or a ``residency.OnNvme`` read when the job's stack is made."""
-        opt = self.opt
         if self.owned(p, name):
-            return self.tiered.job_input(self.key(p, name))
-        return opt.state[p][name]
+            return self._residency.job_input(self.key(p, name))
+        return self.run.state[p][name]
 
     def member_keys(self, p: torch.Tensor, j: int) -> list:
-        opt = self.opt
-        return [k for k in self.tkeys.get(opt._pindex[p], ()) if K.block_of(k[1]) == j]
+        return [k for k in self.tkeys.get(self.run.pindex[p], ()) if K.block_of(k[1]) == j]
 
     def on_nvme(self, members: list) -> bool:
         """Are some of these members' [(param, j)] blocks NVMe-homed?"""
-        return self.tiered is not None and any(
-            self.tiered.plan.tier(k) == "nvme" for p, j in members
+        return self._residency is not None and any(
+            self._residency.plan.tier(k) == "nvme" for p, j in members
             for k in self.member_keys(p, j))
 
     def chunks(self, members: list) -> list:
         """Split a stack's members so that each chunk's staged blocks fit the ring."""
-        if self.tiered is None or not members:
+        if self._residency is None or not members:
             return [members]
         cap = self.plan.ring_bytes
         if cap >= 2 * self.plan.ring_min:
             cap //= 2  # two chunks fit: the next one is copied in while this one is used
         chunks, cur, used = [], [], 0
         for m in members:
-            cost = self.tiered.chunk_cost(self.member_keys(*m))
+            cost = self._residency.chunk_cost(self.member_keys(*m))
             if cur and used + cost > cap:
                 chunks.append(cur)
                 cur, used = [], 0
@@ -327,33 +328,31 @@ class Placement:
         member's entry is re-pointed at its slice of the new stack, so that the next step's
         read is zero-copy. Residency-owned blocks are always copied (borrowed from the ring);
         ``unstack`` writes them back. See "Packed state" in the module docstring."""
-        opt = self.opt
         if out is None and view and PACK and not self.any_owned(members, field, dim):
             return self.packed(members, field, dim)
-        if self.tiered is not None:
-            keys = [(opt._pindex[p], K.key(j, field, dim)) for p, j in members]
-            owned = [self.tiered.owns(k) for k in keys]
+        if self._residency is not None:
+            keys = [(self.run.pindex[p], K.key(j, field, dim)) for p, j in members]
+            owned = [self._residency.owns(k) for k in keys]
             if any(owned):
                 mine = [k for k, o in zip(keys, owned) if o]
-                staged = iter(self.tiered.borrow(mine))
+                staged = iter(self._residency.borrow(mine))
                 try:
-                    parts = [next(staged) if o else opt.state[p][K.key(j, field, dim)]
+                    parts = [next(staged) if o else self.run.state[p][K.key(j, field, dim)]
                              for (p, j), o in zip(members, owned)]
-                    wide = self.tiered.dtype_of(mine[0])
+                    wide = self._residency.dtype_of(mine[0])
                     if out is None and any(x.dtype != wide for x in parts):
                         # narrowed blocks: widened as they are stacked (one pass)
                         out = torch.empty((len(parts),) + tuple(parts[0].shape), dtype=wide,
                                           device=parts[0].device)
                     return torch.stack(parts, out=out)
                 finally:
-                    self.tiered.give_back(mine)
-        return torch.stack([opt.state[p][K.key(j, field, dim)] for p, j in members], out=out)
+                    self._residency.give_back(mine)
+        return torch.stack([self.run.state[p][K.key(j, field, dim)] for p, j in members], out=out)
 
     def any_owned(self, members: list, field: str, dim: Optional[int]) -> bool:
-        opt = self.opt
-        if self.tiered is None:
+        if self._residency is None:
             return False
-        return any(self.tiered.owns((opt._pindex[p], K.key(j, field, dim)))
+        return any(self._residency.owns((self.run.pindex[p], K.key(j, field, dim)))
                    for p, j in members)
 
     def packed(self, members: list, field: str, dim: Optional[int]) -> torch.Tensor:
@@ -361,13 +360,13 @@ class Placement:
         state entries are slices of (see ``stack(view=True)``). The stack is recorded as
         handed out (``handed``): ``unstack`` of it, with these members, has nothing to
         write."""
-        opt = self.opt
 
         def key(j):
             return K.key(j, field, dim)
 
-        states = [opt.state[p] for p, _ in members]
-        if opt.schedule.writes or opt.schedule.deferred:  # reads through the proxy settle them
+        state = self.run.state
+        states = [state[p] for p, _ in members]
+        if isinstance(state, _States) and state.unsettled():  # its reads settle them
             ts = [st[key(j)] for st, (_, j) in zip(states, members)]
         else:  # nothing to settle, no entry in the residency: the proxy's read is the dict's
             ts = [dict.__getitem__(st, key(j)) for st, (_, j) in zip(states, members)]
@@ -381,15 +380,14 @@ class Placement:
 
     def repack(self, members: list, key, states: list, ts: list) -> torch.Tensor:
         """Stack ts into a new pack and re-point the members' entries at its slices."""
-        opt = self.opt
-        if opt.schedule.writes:  # slices of packs are about to move: no worker may still write one
-            opt.schedule.writes.settle_all()
+        if self.writes:  # slices of packs are about to move: no worker may still write one
+            self.writes.settle_all()
         x = torch.stack(ts)
         self.handed.clear()  # entries are re-pointed below: earlier records may not hold
         packs = self.packs
         mine = {(id(p), key(j)) for p, j in members}
         for t in ts:  # a former pack's other members keep private copies (no stale buffer)
-            _release(packs, t._base, mine, opt.state)
+            _release(packs, t._base, mine, self.run.state)
         entries, slices = [], []
         for st, (p, j), xi in zip(states, members, x.unbind(0)):
             dict.__setitem__(st, key(j), xi)  # not through the proxy: no tier, no settle
@@ -399,6 +397,18 @@ class Placement:
             del packs[ident]  # packs nothing holds any more (no callback: no cycle)
         packs[id(x)] = (weakref.ref(x), entries, slices)
         return x
+
+    def is_state(self, members: list, field: str, dim: Optional[int], x: torch.Tensor) -> bool:
+        """Is the stack x the members' ``b{j}.{field}[{dim}]`` itself (a packed stack from
+        ``stack(view=True)``: writing x writes the state)?"""
+        handed = self.handed.get(id(x))
+        if handed is not None and handed[0] is x:  # the steady state: no member looked at
+            return True
+        # a stack packed in this very step (the first, or the first after a load) is not on
+        # record as handed out: its slices are the entries all the same
+        state = self.run.state
+        return all(same_memory(dict.__getitem__(state[p], K.key(j, field, dim)), xi)
+                   for (p, j), xi in zip(members, x.unbind(0)))
 
     def stack_dims(self, members: list, field: str, has: Sequence[bool],
                     view: bool = False) -> list:
@@ -410,7 +420,6 @@ class Placement:
         """Write a stack back into the members' ``b{j}.{field}[{dim}]``; a member whose tensor
         is already its slice of x (a packed stack from ``stack(view=True)``) needs nothing,
         and a stack handed out packed for these very members needs no look at them at all."""
-        opt = self.opt
         handed = self.handed.pop(id(x), None)
         if (handed is not None and handed[0] is x and handed[1] is members
                 and handed[2:] == (field, dim)):
@@ -418,48 +427,48 @@ class Placement:
         for (p, j), xi in zip(members, x.unbind(0)):
             name = K.key(j, field, dim)
             if self.owned(p, name):
-                self.tiered.write(self.key(p, name), xi)
+                self._residency.write(self.key(p, name), xi)
             else:
-                t = opt.state[p][name]
+                t = self.run.state[p][name]
                 if not same_memory(t, xi):
                     t.copy_(xi)
 
-    def prepare(self, work: list) -> None:
+    def prepare(self, work: list, in_flight: list) -> None:
         """Phase A of a step with a residency: NVMe blocks read back (verified) and written out
-        again, host blocks prefetched into the ring in the order the step uses them."""
-        opt = self.opt
+        again, host blocks prefetched into the ring in the order the step uses them; then the
+        blocks of ``in_flight`` (the parameters of the refreshes in flight, which an install
+        at this step's end writes)."""
         order: list = []
         seen: set = set()
+        state = self.run.state
         for group, params in work:
             for p in params:
-                if opt.state[p]:
-                    pidx = opt._pindex[p]
+                if state[p]:
+                    pidx = self.run.pindex[p]
                     if pidx not in seen:
                         seen.add(pidx)
                         order.append(pidx)
         nstep = len(order)
-        for rnd in opt.schedule.rounds:
-            ps = [t[0] for job in rnd.jobs for t in job.targets] + list(rnd.outputs or ())
-            for p in ps:
-                pidx = opt._pindex[p]
-                if pidx not in seen:
-                    seen.add(pidx)
-                    order.append(pidx)
+        for p in in_flight:
+            pidx = self.run.pindex[p]
+            if pidx not in seen:
+                seen.add(pidx)
+                order.append(pidx)
         keys = [k for pidx in order for k in self.tkeys.get(pidx, ())]
-        self.tiered.prepare(keys)
+        self._residency.prepare(keys)
         # the step consumes the last parameters first (see _precond_step)
-        self.tiered.prefetch([k for pidx in reversed(order[:nstep])
-                               for k in self.tkeys.get(pidx, ())], reason="step")
+        self._residency.prefetch([k for pidx in reversed(order[:nstep])
+                                  for k in self.tkeys.get(pidx, ())], reason="step")
 
-    def detier(self) -> None:
-        """At close: the tiered roots / eigenbases become plain tensors of ``opt.state`` on
-        their parameters' devices, so the state stays inspectable (and checkpointable) after
-        the residency is gone. A block that cannot be read back is left out, with a warning."""
-        opt = self.opt
-        tiered = self.tiered
+    def detier(self) -> Optional[dict]:
+        """At close: the optimizer's state with the tiered roots / eigenbases as plain tensors
+        on their parameters' devices, so the state stays inspectable (and checkpointable) after
+        the residency is gone (None: nothing was tiered). A block that cannot be read back is
+        left out, with a warning."""
+        tiered = self._residency
         if tiered is None:
-            return
-        params = {i: p for p, i in opt._pindex.items()}
+            return None
+        params = {i: p for p, i in self.run.pindex.items()}
         values: dict = {}
         try:
             values = tiered.materialize(tiered.keys())
@@ -471,34 +480,95 @@ class Placement:
                     values.update(tiered.materialize([key]))
                 except Exception:
                     pass
-        self.tiered_final = tiered.stats_final()
-        self.tiered = None
+        self._final_stats = tiered.stats_final()
+        self._residency = None
         plain: defaultdict = defaultdict(dict)
-        for p, st in opt.state.items():
+        for p, st in self.run.state.items():
             plain[p] = st.raw() if isinstance(st, _ParamState) else st
         for (pidx, name), v in values.items():
             plain[params[pidx]][name] = v
-        opt.state = plain
+        return plain
+
+    # ---- the tiered state as the state proxy, the step and the checkpoint use it ------------
+    def held(self, p: torch.Tensor, name: str) -> bool:
+        """Does the residency hold p's block ``name`` (a virtual entry of ``optimizer.state``)?"""
+        return self._residency is not None and self._residency.has((self.run.pindex[p], name))
+
+    def held_names(self, p: torch.Tensor) -> list:
+        """The names of p's blocks the residency holds."""
+        if self._residency is None:
+            return []
+        return [k[1] for k in self.tkeys.get(self.run.pindex[p], ()) if self._residency.has(k)]
+
+    def read(self, p: torch.Tensor, name: str) -> torch.Tensor:
+        """A held block as a fresh tensor on p's device (never a live view)."""
+        key = self.key(p, name)
+        return self._residency.materialize([key])[key]
+
+    def write(self, p: torch.Tensor, name: str, value: torch.Tensor) -> None:
+        """Write an owned block (``owned``) into the residency."""
+        self._residency.write(self.key(p, name), value)
+
+    def drop(self, p: torch.Tensor, name: str) -> None:
+        """Free a held block."""
+        self._residency.drop(self.key(p, name))
+
+    def export_tiered(self) -> dict:
+        """{param: {name: tensor}} of every held block, as the all-device path has them (the
+        checkpoint's form)."""
+        params = self.run.by_index()
+        out: dict = defaultdict(dict)
+        if self._residency is not None:
+            for (pidx, name), v in self._residency.materialize(self._residency.keys()).items():
+                out[params[pidx]][name] = v
+        return out
+
+    def clear_tiered(self) -> None:
+        """Drop every held block (a load replaces them)."""
+        if self._residency is not None:
+            self._residency.clear()
+
+    def restore_tiered(self, p: torch.Tensor, st: dict) -> None:
+        """Move the blocks of a loaded state ``st`` (a plain dict of p's state, changed in
+        place) that the residency owns into it."""
+        if self._residency is not None:
+            for name in [n for n in dict.keys(st) if self.owned(p, n)]:
+                self.write(p, name, dict.pop(st, name))
+
+    def end_step(self) -> None:
+        """After a step (or a load): NVMe-homed blocks go back to NVMe (best effort)."""
+        if self._residency is not None:
+            self._residency.end_step()
+
+    def stage(self, member_lists: list, reason: str) -> None:
+        """Stage the blocks of these lists of members [(param, j)] into the ring, in order
+        (as far as it has room)."""
+        self._residency.prefetch([k for c in member_lists for m in c
+                                  for k in self.member_keys(*m)], reason=reason)
+
+    def stats(self) -> Optional[dict]:
+        """The residency's counters (bytes per tier, copies, NVMe traffic; its last ones once
+        closed), or None: nothing was ever tiered."""
+        if self._residency is not None:
+            return self._residency.stats()
+        return None if self._final_stats is None else dict(self._final_stats)
 
     def keys_of(self, params: Iterable) -> list:
-        opt = self.opt
-        if self.tiered is None:
+        if self._residency is None:
             return []
-        return [k for p in params if p in opt._pindex
-                for k in self.tkeys.get(opt._pindex[p], ()) if self.tiered.has(k)]
+        return [k for p in params if p in self.run.pindex
+                for k in self.tkeys.get(self.run.pindex[p], ()) if self._residency.has(k)]
 
     def prefetch(self, params: Iterable, reason: str = "") -> int:
         """Stage the roots / eigenbases of params into the ring (as far as it has room)."""
-        opt = self.opt
-        if opt._closed or self.tiered is None:
+        if self.run.closed or self._residency is None:
             return 0
-        return self.tiered.prefetch(self.keys_of(params), reason=reason)
+        return self._residency.prefetch(self.keys_of(params), reason=reason)
 
     def fetch_early(self, params: Iterable) -> None:
         """Read params' NVMe-resident blocks back into host memory (never raises)."""
-        opt = self.opt
-        if not opt._closed and self.tiered is not None:
-            self.tiered.fetch_early(self.keys_of(params))
+        if not self.run.closed and self._residency is not None:
+            self._residency.fetch_early(self.keys_of(params))
 
     def decisions(self) -> list[str]:
         """The planner's decisions, in plain words."""
@@ -512,9 +582,8 @@ class Placement:
         the device staging ring (``ring_bytes``, included in device bytes) and the snapshot
         ring (``snapshot_ring_bytes``), and ``tier_dtype``. Blocks outside the device count in
         their stored dtype."""
-        opt = self.opt
         plan = self.plan
-        return {"mode": plan.mode, "tier_dtype": opt._cfg.tier_dtype,
+        return {"mode": plan.mode, "tier_dtype": self.run.cfg.tier_dtype,
                 "planned_bytes": dict(plan.planned_bytes), "peak_bytes": dict(plan.peak_bytes),
                 "peak_total": sum(plan.peak_bytes.values()), "peak_parts": dict(plan.peak_parts),
                 "ring_bytes": plan.ring_bytes, "snapshot_ring_bytes": plan.snapshot_ring_bytes}

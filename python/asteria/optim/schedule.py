@@ -5,14 +5,19 @@ background.
 Owns: the rounds of REFRESH jobs in flight, the block keys and versions of the jobs it submits
 (a method's background jobs too, ``submit_write``), the one consecutive-failure count per
 factor, installs deferred to the next use, the ``PendingWrites`` of the jobs that still write
-state (``writes``), device-side counts (``count_lazy``) and the step end (installs, then new
-snapshots). S is read from the runtime config here and nowhere else (``delay``), chosen here
-with ``staleness="auto"`` (``choose_s``), and passed to a replicated engine with each job.
-May call: the engine (``submit`` / ``ready`` / ``wait`` / ``step_end``), the capacity record
+state (``writes``), device-side counts (``count_lazy``), the step end (installs, then new
+snapshots) and the wire form of the refreshes in flight (``wait_pending``, ``export_pending``,
+``reset``, ``restore_pending``: the checkpoint part calls them and never sees a round). S is
+read from the runtime config here and nowhere else (``delay``), chosen here with
+``staleness="auto"`` (``choose_s``), and given to the engine as each job's deadline t + S (a
+replicated engine's budget is ``deadline - snapshot_step``).
+Built with what it uses (``Schedule(run, method, placement, writes)``): the run record
+(``run.py``: engine, config, step counter, parameter index, counters, replicas). May call: the
+engine (``submit`` / ``ready`` / ``wait`` / ``step_end``), the capacity record
 (``asteria.refresh.capacity.Capacity``: every round's jobs, step and stall times), the method
-(``refresh_input``, ``install``, ``output_specs``, ``has_factor``) and the placement's
-``owned``, through its optimizer (held weakly). Single-threaded (the training thread); the
-engine's workers never see these objects.
+(``refresh_input``, ``install``, ``output_specs``, ``has_factor``, ``output_name``,
+``fixed_state``'s counterpart) and the placement's ``owned``. Single-threaded (the training
+thread); the engine's workers never see these objects.
 
 Schedule (DESIGN.md, "Staleness"). Steps are counted per ``step()`` call (t = 1, 2, ...).
  - At the end of step t, first every round whose time has come is installed: its install step
@@ -62,7 +67,6 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-import weakref
 from collections import defaultdict
 from typing import Optional
 
@@ -70,11 +74,12 @@ import torch
 
 from asteria.optim import _layout as K
 from asteria.optim._blocking import Layout
-from asteria.optim._state import _States, local
+from asteria.optim._state import _count, _States, local
 from asteria.optim._writes import PendingWrites
 from asteria.optim.method import INIT, REFRESH
 from asteria.refresh.capacity import Capacity
 from asteria.refresh.cost import JobSpec
+from asteria.refresh.engine import SubmitOptions
 
 
 # The fixed state keys of a REFRESH in flight (present from a preconditioned parameter's state
@@ -161,11 +166,13 @@ def _stack_inputs(qs: list) -> torch.Tensor:
 class Schedule:
     """The schedule part of an ``AsteriaOptimizer`` (``opt.schedule``)."""
 
-    def __init__(self, opt) -> None:
-        self._opt = weakref.ref(opt)
+    def __init__(self, run, method, placement, writes: PendingWrites) -> None:
+        self.run = run
+        self.method = method
+        self.placement = placement
         # the engine jobs that still write state entries (a method registers its own); every
         # reader of the state settles through it
-        self.writes = PendingWrites(opt)
+        self.writes = writes
         self.rounds: list[_Round] = []
         self.block_keys: dict[tuple, int] = {}
         self.versions: dict[int, int] = {}
@@ -181,24 +188,18 @@ class Schedule:
         self.stall_ns = 0  # this step end's time at the bounded barrier
 
     @property
-    def opt(self):
-        return self._opt()
-
-    @property
     def delay(self) -> int:
         """S: steps between a snapshot and its install (0 in sync mode)."""
-        opt = self.opt
-        if not opt._async:
+        if not self.run.is_async:
             return 0
-        if opt._cfg.staleness == AUTO:
+        if self.run.cfg.staleness == AUTO:
             cap = self.auto_ceiling()  # a group added later may lower it
             return cap if self.auto_s is None else min(self.auto_s, cap)
-        return opt._cfg.staleness
+        return self.run.cfg.staleness
 
     def auto_ceiling(self) -> int:
         """The largest S allowed: the smallest precondition_frequency of the groups."""
-        opt = self.opt
-        return min((g["precondition_frequency"] for g in opt.param_groups), default=1)
+        return min((g["precondition_frequency"] for g in self.run.param_groups), default=1)
 
     @property
     def measured(self) -> bool:
@@ -208,9 +209,8 @@ class Schedule:
     @property
     def capacity(self) -> Capacity:
         """The capacity record of this optimizer's REFRESH work (asteria.refresh.capacity)."""
-        opt = self.opt
-        if self._capacity is None or self._capacity._engine is not opt._engine:
-            self._capacity = Capacity(opt._engine)
+        if self._capacity is None or self._capacity._engine is not self.run.engine:
+            self._capacity = Capacity(self.run.engine)
         return self._capacity
 
     def choose_s(self, jobs: Optional[list] = None) -> None:
@@ -218,54 +218,138 @@ class Schedule:
         (``jobs``: its jobs), from the cost model's prediction of it if the model has measured
         jobs already (SOAP's and KL-Shampoo's first-step eigendecompositions); else at the
         install of the first REFRESH round, from its measured time."""
-        opt = self.opt
-        if opt._cfg.staleness != AUTO or not opt._async or self.auto_s is not None:
+        if self.run.cfg.staleness != AUTO or not self.run.is_async or self.auto_s is not None:
             return
         s = self.capacity.auto_s(self.auto_ceiling(), jobs)
         if s is None:
             return
         self.auto_s = s
-        for _, st in opt._param_states():
+        for _, st in self.run.param_states():
             if K.AUTO_S in st:
                 st[K.AUTO_S] = s
 
     def restore_auto_s(self) -> None:
         """After a load: the S a saved auto run chose, if it chose one."""
-        opt = self.opt
-        if opt._cfg.staleness != AUTO:
+        if self.run.cfg.staleness != AUTO:
             return
-        chosen = [int(st[K.AUTO_S]) for _, st in opt._param_states() if K.AUTO_S in st]
+        chosen = [int(st[K.AUTO_S]) for _, st in self.run.param_states() if K.AUTO_S in st]
         chosen = [c for c in chosen if c >= 0]
         self.auto_s = max(chosen) if chosen else None
 
     @property
     def eager(self) -> bool:
-        opt = self.opt
-        return opt._async and opt._cfg.install == "eager"
+        return self.run.is_async and self.run.cfg.install == "eager"
 
     def fixed_state(self, p: torch.Tensor, group: dict, layout: Layout) -> None:
         """Add the schedule's keys of the fixed key set that p's state lacks (at creation,
         after a load): with S > 0 the placeholders of a REFRESH in flight."""
-        opt = self.opt
         if self.delay <= 0:
             return
-        st = opt.state[p]
-        if opt._cfg.staleness == AUTO and K.AUTO_S not in st:
+        st = self.run.state[p]
+        if self.run.cfg.staleness == AUTO and K.AUTO_S not in st:
             st[K.AUTO_S] = -1 if self.auto_s is None else self.auto_s
         if K.PENDING_IN not in st:
             st[K.PENDING_IN], st[K.PENDING_AGE] = NO_ROUND, 0
         for j, shape in enumerate(layout.block_shapes):
-            for dim, has in enumerate(opt.method.has_factor(shape, group)):
+            for dim, has in enumerate(self.method.has_factor(shape, group)):
                 if not has:
                     continue
                 ok = K.pending_ok(j, dim)
                 if ok not in st:
                     st[ok] = 0
-                specs = opt.method.output_specs(p, group, shape[dim])
+                specs = self.method.output_specs(p, group, shape[dim])
                 for i, (oshape, dtype) in enumerate(specs):
                     key = K.pending_output(j, dim, i)
                     if key not in st:
                         st[key] = self.placeholder(oshape, dtype, local(p).device)
+
+    # ---- the wire form of the refreshes in flight (the checkpoint part calls these) ----------
+    def wait_pending(self) -> None:
+        """Before a state dict is made: finish what a signal interrupted and the jobs that write
+        state, then wait for every refresh in flight (its results are stored, not installed).
+        After ``close()`` a refresh that was in flight is gone with the engine: RuntimeError."""
+        self.settle()
+        self.writes.settle_all()
+        lost = [r for r in self.rounds if r.outputs is None] if self.run.closed else []
+        if lost:  # close() stopped the engine: the results of these rounds no longer exist
+            r = lost[0]
+            raise RuntimeError(
+                f"state_dict() after close(): close() stopped the engine with a REFRESH in "
+                f"flight (snapshotted at step {r.snapshot_step}, to be installed at step "
+                f"{r.install_step}; this run is at step {self.run.t}), and its results went "
+                f"with it, so this state would not resume the run's trajectory. Call "
+                f"state_dict() before close(): it waits for the refresh and stores its results")
+        for rnd in self.rounds:
+            rnd.resolve(self.run.engine)
+
+    def export_pending(self, states: dict, index: dict) -> None:
+        """Write the refreshes in flight (``wait_pending`` first) into a state dict's
+        ``states`` ({index[param]: its state, a copy}): real zeros for the placeholders, then
+        each round's results with ``pending.install_in`` / ``pending.age`` and their flags."""
+        for i, st in list(states.items()):
+            if isinstance(st, dict) and K.PENDING_IN in st:
+                # real zeros for the placeholders (a checkpoint writes them)
+                st = states[i] = dict(st)
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor) and K.is_pending_output(k):
+                        st[k] = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+        t = self.run.t
+        for rnd in self.rounds:
+            for p, outs in rnd.outputs.items():
+                st = dict(states[index[p]])
+                st[K.PENDING_IN] = rnd.install_step - t
+                st[K.PENDING_AGE] = t - rnd.snapshot_step
+                for (j, dim), out in outs.items():
+                    if out is None:  # the job failed: nothing to install
+                        continue
+                    for i, tensor in enumerate(out):
+                        st[K.pending_output(j, dim, i)] = tensor
+                    st[K.pending_ok(j, dim)] = 1
+                states[index[p]] = st
+
+    def reset(self) -> None:
+        """Before a load replaces the state: nothing in flight, pending or failing is kept (the
+        jobs that write state are applied first; the refreshes in flight are dropped)."""
+        self.unfinished_end = None
+        self.deferred = []  # its rounds are dropped below with the others
+        self.writes.settle_all()
+        for rnd in self.rounds:
+            rnd.drop(self.run.engine)
+        self.rounds = []
+        self.fail_streak, self.failed = {}, []
+        self.auto_s = None  # the loaded state says which S an auto run chose
+
+    def restore_pending(self, p: torch.Tensor, st: dict) -> None:
+        """Take the refresh in flight out of p's loaded state ``st`` (a plain dict, changed in
+        place; after ``reset``) and make it a round again: rounds are per (install step,
+        snapshot step). ``restore_auto_s`` once every parameter's state is back."""
+        install_in = _count(st.pop(K.PENDING_IN, NO_ROUND))
+        age = _count(st.pop(K.PENDING_AGE, 0))
+        outs: dict = defaultdict(dict)
+        oks: dict = {}
+        for k in list(dict.keys(st)):
+            if K.is_pending_output(k):
+                key = K.Key.parse(k)
+                outs[(key.block, key.dim)][key.output] = st.pop(k)
+            elif K.is_pending_ok(k):
+                key = K.Key.parse(k)
+                oks[(key.block, key.dim)] = _count(st.pop(k))
+        if install_in == NO_ROUND:
+            return
+        t = self.run.t
+        rnd = next((r for r in self.rounds if r.install_step == t + install_in
+                    and r.snapshot_step == t - age), None)
+        if rnd is None:
+            rnd = _Round(REFRESH, t - age, t + install_in, [], outputs={})
+            self.rounds.append(rnd)
+        # without a flag (a state dict from before the fixed key set): present = a result
+        rnd.outputs[p] = {key: tuple(v[n] for n in sorted(v))
+                          for key, v in outs.items() if oks.get(key, 1)}
+
+    def in_flight(self) -> list:
+        """The parameters of the refreshes in flight (an install at a step end writes them)."""
+        return [p for rnd in self.rounds
+                for p in [t[0] for job in rnd.jobs for t in job.targets] + list(rnd.outputs or ())]
 
     def placeholder(self, shape, dtype, device) -> torch.Tensor:
         """A zero tensor of this shape that costs one element: a stride-0 view of a shared
@@ -277,8 +361,7 @@ class Schedule:
         return zero.expand(shape)
 
     def step_end(self, due: list) -> None:
-        opt = self.opt
-        opt._engine.step_end(opt._t)  # ReplicatedEngine: finished owner results to the sync
+        self.run.engine.step_end(self.run.t)  # ReplicatedEngine: finished owner results to the sync
         # what is left of this step end, should a wait in it be interrupted (Ctrl-C at the
         # bounded barrier): the next step(), state_dict() or close() finishes it first, so a
         # caught KeyboardInterrupt leaves the run on the trajectory of an uninterrupted one
@@ -286,10 +369,9 @@ class Schedule:
         self.finish_step_end()
 
     def finish_step_end(self) -> None:
-        opt = self.opt
-        t = opt._t
+        t = self.run.t
         for rnd in list(self.rounds):
-            if rnd.install_step <= t or (self.eager and rnd.ready(opt._engine)):
+            if rnd.install_step <= t or (self.eager and rnd.ready(self.run.engine)):
                 self.install_round(rnd)
         self.choose_s()
         for kind in (INIT, REFRESH):
@@ -302,7 +384,7 @@ class Schedule:
             self.unfinished_end = [d for d in self.unfinished_end if d[0] != kind]
             if rnd.install_step == t and kind == REFRESH and self.defers():
                 self.deferred.append(rnd)
-            elif rnd.install_step == t or (self.eager and rnd.ready(opt._engine)):
+            elif rnd.install_step == t or (self.eager and rnd.ready(self.run.engine)):
                 self.install_round(rnd)
         self.unfinished_end = None
         self.capacity.step_end(self.stall_ns)
@@ -324,9 +406,8 @@ class Schedule:
         runs during the next forward and backward instead of at a barrier. Only with a
         rank-local background executor (a replicated engine's waits are collective: every
         rank must wait at the same point) and the state proxy that settles reads."""
-        opt = self.opt
-        return (opt._async and not opt._engine.replicated
-                and isinstance(opt.state, _States))
+        return (self.run.is_async and not self.run.engine.replicated
+                and isinstance(self.run.state, _States))
 
     def settle_deferred(self) -> None:
         """Install the rounds deferred from the last step end (waiting for them if need be).
@@ -346,19 +427,18 @@ class Schedule:
 
     def submit(self, kind: str, items: list, install_step: Optional[int]) -> _Round:
         """Submit a round; ``install_step`` None: t + S, with S chosen first if auto."""
-        opt = self.opt
         groups: dict = defaultdict(list)
         for _, p, j, dims in items:
             for dim in dims:
-                op, f, q, pw, eps = opt.method.refresh_input(kind, p, j, dim)
-                key = (op, f.shape[-1], f.dtype, f.device, pw, eps, opt._replicas(p))
+                op, f, q, pw, eps = self.method.refresh_input(kind, p, j, dim)
+                key = (op, f.shape[-1], f.dtype, f.device, pw, eps, self.run.replicas(p))
                 groups[key].append((p, j, dim, f, q))
         s = 0  # the S of this round: its results are installed at t + s
         if install_step is None:
             self.choose_s([JobSpec(k[0], k[2], int(k[1]), len(v), p=k[4])
                            for k, v in groups.items()])
             s = self.delay
-            install_step = opt._t + s
+            install_step = self.run.t + s
         jobs, specs, submit_s = [], {}, {}
         start_ns = time.monotonic_ns()
         # libasteria's pool takes the factors as parts: its shadow snapshots them straight into
@@ -372,49 +452,48 @@ class Schedule:
             if entries[0][4] is not None:
                 q = _stack_inputs([e[4] for e in entries])
             targets = [(p, j, dim) for p, j, dim, _, _ in entries]
-            key = (kind, op, tuple((opt._pindex[p], j, dim) for p, j, dim in targets))
+            key = (kind, op, tuple((self.run.pindex[p], j, dim) for p, j, dim in targets))
             block = self.block_keys.setdefault(key, len(self.block_keys) + 1)
             version = self.versions[block] = self.versions.get(block, 0) + 1
-            extra = {} if replicas is None else {"replicas": replicas, "staleness": s}
-            if q is not None and local:
-                # the basis stack was made here for the job: the worker reads it in place
-                extra["donate"] = ("q",)
-            if opt.placement.tiered is not None and all(
-                    opt.placement.owned(p, opt.method.output_name(p, j, dim))
-                    for p, j, dim in targets):
-                extra["host_outputs"] = True  # the results go to host memory: no round trip
+            opts = SubmitOptions(
+                # the basis stack was made here for the job: the worker may read it in place
+                donate=("q",) if q is not None and local else (),
+                # the results go to host memory: no round trip
+                host_outputs=all(self.placement.owned(p, self.method.output_name(p, j, dim))
+                                 for p, j, dim in targets),
+                replicas=replicas)  # synchronised within S = install_step - t
             t_sub = time.monotonic_ns()
-            ticket = opt._engine.submit(op, f, q, block=block, version=version,
-                                         deadline=install_step, snapshot_step=opt._t,
-                                         p=pw, eps=eps, **extra)
+            ticket = self.run.engine.submit(op, f, q, block=block, version=version,
+                                            deadline=install_step, snapshot_step=self.run.t,
+                                            p=pw, eps=eps, opts=opts)
             submit_s[ticket] = (time.monotonic_ns() - t_sub) / 1e9
-            opt._counters["refreshes_submitted"] += 1
+            self.run.counters["refreshes_submitted"] += 1
             jobs.append(_Job(ticket, targets))
             specs[ticket] = JobSpec(op, fs[0].dtype, int(fs[0].shape[-1]), len(fs), p=pw)
-        self.capacity.round_submitted(kind, opt._t, specs, start_ns, submit_s)
-        return _Round(kind, opt._t, install_step, jobs)
+        self.capacity.round_submitted(kind, self.run.t, specs, start_ns, submit_s)
+        return _Round(kind, self.run.t, install_step, jobs)
 
     def install_round(self, rnd: _Round) -> None:
-        opt = self.opt
-        if rnd.outputs is None and not rnd.ready(opt._engine):
+        if rnd.outputs is None and not rnd.ready(self.run.engine):
             # the bounded barrier: a job is late (the first round of a run excepted, the
             # capacity report says how far the refresh falls behind)
             t0 = time.monotonic_ns()
-            outputs = rnd.resolve(opt._engine)
+            outputs = rnd.resolve(self.run.engine)
             waited = time.monotonic_ns() - t0
             self.stall_ns += waited
-            opt._counters["install_waits"] = opt._counters.get("install_waits", 0) + 1
-            opt._counters["install_wait_ns"] = opt._counters.get("install_wait_ns", 0) + waited
-        outputs = rnd.resolve(opt._engine)
-        opt.method.install(rnd.kind, outputs)
-        opt._counters["refresh_failures"] += rnd.failed
+            counters = self.run.counters
+            counters["install_waits"] = counters.get("install_waits", 0) + 1
+            counters["install_wait_ns"] = counters.get("install_wait_ns", 0) + waited
+        outputs = rnd.resolve(self.run.engine)
+        self.method.install(rnd.kind, outputs)
+        self.run.counters["refresh_failures"] += rnd.failed
         self.count_failures(rnd)
-        lag = opt._t - rnd.snapshot_step
+        lag = self.run.t - rnd.snapshot_step
         # one install per job; a round restored from a checkpoint has one per parameter
         for _ in range(len(rnd.jobs) if rnd.jobs else len(outputs)):
-            opt._engine.note_install(rnd.snapshot_step, opt._t)
-            opt._counters["installs"] += 1
-        opt._counters["max_install_lag"] = max(opt._counters["max_install_lag"], lag)
+            self.run.engine.note_install(rnd.snapshot_step, self.run.t)
+            self.run.counters["installs"] += 1
+        self.run.counters["max_install_lag"] = max(self.run.counters["max_install_lag"], lag)
         if rnd in self.rounds:
             self.rounds.remove(rnd)
 
@@ -422,28 +501,27 @@ class Schedule:
         """Consecutive failed refreshes per (parameter, block, dimension), the same count in
         every mode. At ``max_failures`` in a row the failure is recorded for
         ``_raise_failures`` (``on_failure="raise"``) or warned about once (``"keep"``)."""
-        opt = self.opt
         failed = {}
         for targets, error in rnd.failures:
             for p, j, dim in targets:
-                failed[(opt._pindex[p], j, dim)] = error
+                failed[(self.run.pindex[p], j, dim)] = error
         for p, outs in rnd.outputs.items():
             for (j, dim), out in outs.items():
-                key = (opt._pindex[p], j, dim)
+                key = (self.run.pindex[p], j, dim)
                 if key not in failed:
                     self.fail_streak.pop(key, None)
-        limit = opt._cfg.max_failures
-        params = {i: p for p, i in opt._pindex.items()}
+        limit = self.run.cfg.max_failures
+        params = {i: p for p, i in self.run.pindex.items()}
         for key, error in failed.items():
             n = self.fail_streak[key] = self.fail_streak.get(key, 0) + 1
             if n != limit:
                 continue
-            factor = opt.method.refresh_input(REFRESH, params[key[0]], key[1], key[2])[1]
+            factor = self.method.refresh_input(REFRESH, params[key[0]], key[1], key[2])[1]
             if not bool(torch.isfinite(factor).all()):
                 error = "its Kronecker factor is not finite: it overflowed; last error: " + error
-            what = (f"the REFRESH of {opt._describe_param(key[0])}, block {key[1]}, "
+            what = (f"the REFRESH of {self.run.describe(key[0])}, block {key[1]}, "
                     f"dimension {key[2]} failed {n} times in a row ({error})")
-            if opt._cfg.on_failure == "raise":
+            if self.run.cfg.on_failure == "raise":
                 self.failed.append(what)
             else:
                 warnings.warn(f"Asteria: {what}; the previous preconditioner is kept "
@@ -467,17 +545,28 @@ class Schedule:
     def submit_write(self, op: str, members: list, *args, **kwargs) -> int:
         """Start a job that writes state in the background (a method's: SOAP's rotations and
         factor EMAs) for the blocks ``members`` [(param, j)], due by the next step: its block
-        key is stable for its op and members, its version counts its submissions. Returns the
-        engine's ticket; the caller registers the job with ``writes``."""
-        opt = self.opt
-        key = (op, tuple((opt._pindex[p], j) for p, j in members))
+        key is stable for its op and members, its version counts its submissions; ``args`` and
+        ``kwargs`` are the job's inputs and ``opts`` (``Engine.submit``). Returns the engine's
+        ticket; the caller registers the job with ``writes``."""
+        key = (op, tuple((self.run.pindex[p], j) for p, j in members))
         block = self.block_keys.setdefault(key, len(self.block_keys) + 1)
         version = self.versions[block] = self.versions.get(block, 0) + 1
-        return opt._engine.submit(op, *args, block=block, version=version,
-                                  deadline=opt._t + 1, snapshot_step=opt._t, **kwargs)
+        return self.run.engine.submit(op, *args, block=block, version=version,
+                                      deadline=self.run.t + 1, snapshot_step=self.run.t,
+                                      **kwargs)
+
+    def on_worker(self, members: list) -> bool:
+        """May a job that writes these members' [(param, j)] state in the background (a
+        method's ``submit_write``) run on a worker? The one rule: an executor that takes inputs
+        made for it (libasteria's pool, ``mode="async"``), rank-local (a replicated block's
+        state is updated by every replica itself, on its own thread); host parameters (on a
+        GPU the work is a few device matmuls, cheaper than the round trip); and not while a
+        deferred install runs (``settle_deferred``: the step reads the state next and would
+        wait for the worker at once)."""
+        return (self.takes_parts() and not self.settling
+                and all(local(p).device.type == "cpu" for p, _ in members))
 
     def takes_parts(self) -> bool:
         """May jobs be given inputs made for them, and inputs as parts (an executor that reads
         them in place: libasteria's pool, not a distributed wrapper)?"""
-        opt = self.opt
-        return opt._engine.takes_parts
+        return self.run.engine.takes_parts

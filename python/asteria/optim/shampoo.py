@@ -24,8 +24,7 @@ import torch
 
 from asteria.optim import _layout as K
 from asteria.optim import functional as F
-from asteria.optim._state import real
-from asteria.optim.method import Method, check_common, is_int, register, require
+from asteria.optim.method import Field, Method, check_common, is_int, register, require
 from asteria.optim.optimizer import AsteriaOptimizer
 
 
@@ -39,7 +38,12 @@ class ShampooMethod(Method):
     NAME = "shampoo"
     REFRESH_OP = ("inv_root", 4.0)
     init_step = False
-    FACTOR = "L"
+    # step 1 of a zero gradient leaves zero factors, momentum and grafting_v; the roots exist
+    # from the start, zero and not set until the first install
+    STATE = (Field("momentum", "moments", zeros=True, fake_zero=True),
+             Field("grafting_v", "moments", zeros=True, fake_zero=True),
+             Field("L", "factors", per_dim=True, zeros=True, fake_zero=True),
+             Field("Linv", "roots", per_dim=True, flagged=True))
 
     def check(self, group: dict) -> None:
         check_common(group, beta_max=(False, True))
@@ -66,54 +70,6 @@ class ShampooMethod(Method):
     def max_dim(self, group):
         return group["max_preconditioner_dim"]
 
-    def create_state(self, p, group, layout):
-        st = self.state[p]
-        st["step"] = 0
-        rp = real(p)
-        for j, shape in enumerate(layout.block_shapes):
-            st[K.key(j, "momentum")] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
-            st[K.key(j, "grafting_v")] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
-            for i, has in enumerate(self.has_factor(shape, group)):
-                if has:
-                    st[K.key(j, "L", i)] = torch.zeros(shape[i], shape[i], dtype=rp.dtype,
-                                                       device=rp.device)
-
-    def flag_keys(self, p, group, layout):
-        return [K.set_flag(j, "Linv", i) for j, shape in enumerate(layout.block_shapes)
-                for i, has in enumerate(self.has_factor(shape, group)) if has]
-
-    def fixed_state(self, p, group, layout):
-        st = self.state[p]  # the roots from the start: zero, not set, until the first install
-        for j, shape in enumerate(layout.block_shapes):
-            for i, has in enumerate(self.has_factor(shape, group)):
-                flag = K.set_flag(j, "Linv", i)
-                if has and flag not in st:
-                    st[flag] = int(self.blocks.root_has(p, K.key(j, "Linv", i)))
-                    if not st[flag]:
-                        rp = real(p)
-                        self.blocks.root_set(p, K.key(j, "Linv", i), torch.zeros(
-                            shape[i], shape[i], dtype=rp.dtype, device=rp.device))
-
-    def fake_step_tensors(self, p):
-        st = self.state[p]  # step 1 of a zero gradient: zero factors, momentum and grafting_v
-        return [v for k, v in dict.items(st) if K.is_factor(k, "L")
-                or K.is_moment(k, "momentum") or K.is_moment(k, "grafting_v")]
-
-    def state_spec(self, p, group, layout):
-        dt = real(p).dtype
-        out = []
-        for j, shape in enumerate(layout.block_shapes):
-            out += [(K.key(j, "momentum"), "moments", shape, dt),
-                    (K.key(j, "grafting_v"), "moments", shape, dt)]
-            for i, has in enumerate(self.has_factor(shape, group)):
-                if has:
-                    out += [(K.key(j, "L", i), "factors", (shape[i], shape[i]), dt),
-                            (K.key(j, "Linv", i), "roots", (shape[i], shape[i]), dt)]
-        return out
-
-    def output_name(self, p, j, dim):
-        return K.key(j, "Linv", dim)
-
     def batch_tag(self, p, j):
         st = self.state[p]  # True once every factor of the block has an installed root
         dims = [i for i in range(st[K.key(j, "momentum")].dim()) if K.key(j, "L", i) in st]
@@ -122,25 +78,25 @@ class ShampooMethod(Method):
     def step_blocks(self, group, members, w, g, steps):
         has = self.has_factor(g.shape[1:], group)
         # the state's packed stacks, updated in place (copies only for tiered blocks)
-        factors = self.blocks.stack_dims(members, "L", has, view=True)
+        factors = self.placement.stack_dims(members, "L", has, view=True)
         p0, j0 = members[0]
-        roots = (self.blocks.stack_dims(members, "Linv", has, view=True) if self.batch_tag(p0, j0)
+        roots = (self.placement.stack_dims(members, "Linv", has, view=True) if self.batch_tag(p0, j0)
                  else None)
         start = group["start_preconditioning_step"]
         if start == -1:
             start = group["precondition_frequency"]
-        m1 = self.blocks.stack(members, "momentum", view=True)
-        vg = self.blocks.stack(members, "grafting_v", view=True)
+        m1 = self.placement.stack(members, "momentum", view=True)
+        vg = self.placement.stack(members, "grafting_v", view=True)
         F.shampoo_step(w, g, factors, roots, m1, vg, steps, [k >= start for k in steps],
                        lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1],
                        grafting_beta2=group["grafting_beta2"],
                        grafting_epsilon=group["grafting_epsilon"],
                        weight_decay=group["weight_decay"])
-        self.blocks.unstack(members, "momentum", m1)
-        self.blocks.unstack(members, "grafting_v", vg)
+        self.placement.unstack(members, "momentum", m1)
+        self.placement.unstack(members, "grafting_v", vg)
         for i, f in enumerate(factors):
             if f is not None:
-                self.blocks.unstack(members, "L", f, dim=i)
+                self.placement.unstack(members, "L", f, dim=i)
 
     def refresh_input(self, kind, p, j, dim):
         group = self.group_of(p)
@@ -157,7 +113,7 @@ class ShampooMethod(Method):
         for p, outs in outputs.items():
             for (j, dim), out in outs.items():
                 if out is not None:
-                    self.blocks.root_set(p, K.key(j, "Linv", dim), out[0])
+                    self.placement.root_set(p, K.key(j, "Linv", dim), out[0])
                     self.state[p][K.set_flag(j, "Linv", dim)] = 1
 
 

@@ -2,11 +2,12 @@
 
 Owns SOAP's hyperparameters, per-block state layout and the install of a refreshed basis; the
 math is in ``functional`` (soap_init / soap_step / soap_install), the scheduling in
-``schedule``. Two pieces of a step's work run on the pool's workers while the next forward and
-backward run (docs/departures.md), with libasteria's pool on host parameters: at an install,
-m's re-expression in the new basis (``soap_rotate`` jobs); with runtime
+``schedule``. Two pieces of a step's work may run on the pool's workers while the next forward
+and backward run (docs/departures.md), where the schedule puts a job that writes state on a
+worker (``Schedule.on_worker``: libasteria's pool, host parameters) and the job fits its op: at
+an install, m's re-expression in the new basis (``soap_rotate`` jobs); with runtime
 ``factor_emas="workers"``, on a step whose factors no REFRESH reads at its end, the factor EMAs
-L, R (``gram_ema`` jobs, in place). Each job is registered in the optimizer's
+L, R (``gram_ema`` jobs, in place in the packed state, ``Placement.is_state``). Each job is registered in the optimizer's
 ``PendingWrites`` (``schedule.writes``: ``_Rotation`` / ``_FactorEma``, with the state keys it
 writes and how its result is applied), so a read of what it writes waits for it; the next step takes
 them all first. A factor EMA is made due in its stack's ``step_blocks`` and started once the
@@ -31,13 +32,19 @@ import torch
 
 from asteria.optim import _layout as K
 from asteria.optim import functional as F
+from asteria.refresh.engine import SubmitOptions
 from asteria.refresh.ops import soap_rotate
-from asteria.optim.placement import same_memory
 from asteria.optim._writes import Write
-from asteria.optim._state import local, real
-from asteria.optim.method import (INIT, Method, check_common, eigh_input, is_int, register,
-                                  require)
+from asteria.optim._state import real
+from asteria.optim.method import (INIT, Field, Method, check_common, eigh_input, is_int,
+                                  register, require)
 from asteria.optim.optimizer import AsteriaOptimizer
+
+
+# SOAP's worker jobs hand their results back in host memory (they write host state) and give
+# the worker the inputs made for them: a rotation all three, a factor EMA its gradient stack
+_GIVEN_TO_WORKER = SubmitOptions(host_outputs=True, donate=("f", "q", "b"))
+_G_TO_WORKER = SubmitOptions(host_outputs=True, donate=("f",))
 
 
 @dataclasses.dataclass(eq=False)  # a job is itself: no field-wise (tensor) comparison
@@ -45,6 +52,7 @@ class _Rotation(Write):
     """One soap_rotate job, started at once: it writes the members' m (``b{j}.exp_avg``);
     its inputs are kept for a fallback on failure, with the block shape of m."""
 
+    method: "SOAPMethod"  # applies the result
     ticket: int
     members: list
     inputs: tuple
@@ -53,8 +61,8 @@ class _Rotation(Write):
     def __post_init__(self):
         self.keys = [(p, K.key(j, "exp_avg")) for p, j in self.members]
 
-    def apply(self, opt, result):
-        opt.method.finish_rotation(self, result)
+    def apply(self, result):
+        self.method.finish_rotation(self, result)
 
 
 @dataclasses.dataclass(eq=False)  # a job is itself: no field-wise (tensor) comparison
@@ -64,6 +72,7 @@ class _FactorEma(Write):
     memory, updated in place; None: no factor) and beta are kept to redo the update here
     should the job fail."""
 
+    method: "SOAPMethod"  # starts the job and applies its result
     members: list
     g: torch.Tensor
     factors: list
@@ -74,11 +83,11 @@ class _FactorEma(Write):
         self.keys = [(p, K.key(j, "GG", i)) for p, j in self.members
                      for i, f in enumerate(self.factors) if f is not None]
 
-    def start(self, opt):
-        opt.method.submit_factor_ema(self)
+    def start(self):
+        self.method.submit_factor_ema(self)
 
-    def apply(self, opt, result):
-        opt.method.finish_factor_ema(self, result)
+    def apply(self, result):
+        self.method.finish_factor_ema(self, result)
 
 
 class SOAPMethod(Method):
@@ -87,6 +96,13 @@ class SOAPMethod(Method):
     NAME = "soap"
     REFRESH_OP = ("soap_qr", 0.0)
     weights_in_place = True  # soap_step updates a list of whole parameters where they are
+    # m and v in the rotated basis; L, R, ... and their eigenbases (a fake step's factors are
+    # zero, its bases the identity, from them)
+    STATE = (Field("exp_avg", "moments", zeros=True),
+             Field("exp_avg_sq", "moments", zeros=True),
+             Field("GG", "factors", per_dim=True, fake_zero=True),
+             Field("Q", "eigenbases", per_dim=True))
+    EXTRA_OUTPUTS = (torch.int64,)  # soap_qr: (Q, sort order)
 
     def check(self, group: dict) -> None:
         check_common(group)
@@ -107,38 +123,8 @@ class SOAPMethod(Method):
         d = real(p).dim()
         return d == 0 or (d == 1 and not group["precondition_1d"])
 
-    def output_specs(self, p, group, d):
-        return [((d, d), real(p).dtype), ((d,), torch.int64)]  # soap_qr: (Q, sort order)
-
-    def fake_step_tensors(self, p):
-        st = self.state[p]  # a fake step's factors are zero (its bases the identity, from them)
-        keys = [k for k in dict.keys(st) if K.is_factor(k, "GG")]
-        for k in keys:
-            self.schedule.writes.settle(p, k)  # a factor EMA in flight writes it
-        return [dict.__getitem__(st, k) for k in keys]
-
     def merge_dims(self, group):
         return group["merge_dims"]
-
-    def create_state(self, p, group, layout):
-        st = self.state[p]
-        st["step"] = 0
-        rp = real(p)
-        for j, shape in enumerate(layout.block_shapes):
-            st[K.key(j, "exp_avg")] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
-            st[K.key(j, "exp_avg_sq")] = torch.zeros(shape, dtype=rp.dtype, device=rp.device)
-
-    def state_spec(self, p, group, layout):
-        dt = real(p).dtype
-        out = []
-        for j, shape in enumerate(layout.block_shapes):
-            out += [(K.key(j, "exp_avg"), "moments", shape, dt),
-                    (K.key(j, "exp_avg_sq"), "moments", shape, dt)]
-            for i, has in enumerate(self.has_factor(shape, group)):
-                if has:
-                    out += [(K.key(j, "GG", i), "factors", (shape[i], shape[i]), dt),
-                            (K.key(j, "Q", i), "eigenbases", (shape[i], shape[i]), dt)]
-        return out
 
     def init_blocks(self, group, members, g):
         has = self.has_factor(g.shape[1:], group)
@@ -148,10 +134,10 @@ class SOAPMethod(Method):
     def step_blocks(self, group, members, w, g, steps):
         has = self.has_factor(g.shape[1:], group)
         # the state's packed stacks, updated in place (copies only for tiered blocks)
-        m = self.blocks.stack(members, "exp_avg", view=True)
-        v = self.blocks.stack(members, "exp_avg_sq", view=True)
-        factors = self.blocks.stack_dims(members, "GG", has, view=True)
-        bases = self.blocks.stack_dims(members, "Q", has, view=True)
+        m = self.placement.stack(members, "exp_avg", view=True)
+        v = self.placement.stack(members, "exp_avg_sq", view=True)
+        factors = self.placement.stack_dims(members, "GG", has, view=True)
+        bases = self.placement.stack_dims(members, "Q", has, view=True)
         offload = self.factor_offload(group, members, g, factors, steps)
         F.soap_step(w, g, m, v, [None] * len(factors) if offload else factors, bases, steps,
                     lr=float(group["lr"]),
@@ -159,38 +145,38 @@ class SOAPMethod(Method):
                     shampoo_beta=self.shampoo_beta(group), eps=group["eps"],
                     weight_decay=group["weight_decay"], correct_bias=group["correct_bias"],
                     normalize_grads=group["normalize_grads"])
-        self.blocks.unstack(members, "exp_avg", m)
-        self.blocks.unstack(members, "exp_avg_sq", v)
+        self.placement.unstack(members, "exp_avg", m)
+        self.placement.unstack(members, "exp_avg_sq", v)
         for i, f in enumerate(factors):
             if f is not None:
-                self.blocks.unstack(members, "GG", f, dim=i)
+                self.placement.unstack(members, "GG", f, dim=i)
         if offload:  # started once the group's stacks have all run (schedule.writes.start_due)
-            self.schedule.writes.defer(_FactorEma(list(members), g, list(factors),
-                                          self.shampoo_beta(group)))
+            self.schedule.writes.defer(_FactorEma(self, list(members), g, list(factors),
+                                                  self.shampoo_beta(group)))
 
     def refresh_input(self, kind, p, j, dim):
         st = self.state[p]
         f = st[K.key(j, "GG", dim)]
         if kind == INIT:
             return "eigh", eigh_input(f), None, 0.0, 0.0
-        return "soap_qr", f, self.blocks.root_for_job(p, K.key(j, "Q", dim)), 0.0, 0.0
+        return "soap_qr", f, self.placement.root_for_job(p, K.key(j, "Q", dim)), 0.0, 0.0
 
     def install(self, kind, outputs):
         if kind == INIT:
             self.install_bases(outputs)
             return
-        for all_members, has in _stacks_of(self.state, self.blocks, outputs):
-            for members in self.blocks.chunks(all_members):
+        for all_members, has in _stacks_of(self.state, self.placement, outputs):
+            for members in self.placement.chunks(all_members):
                 self.install_chunk(members, has, outputs)
 
     def install_chunk(self, members, has, outputs):
-        m, v = self.blocks.stack(members, "exp_avg"), self.blocks.stack(members, "exp_avg_sq")
+        m, v = self.placement.stack(members, "exp_avg"), self.placement.stack(members, "exp_avg_sq")
         offload = self.rotation_offload(members, len(has))
         # offloaded: the old and new bases go straight into the rotation job's (B, 2, n, n)
         # pairs, which the worker reads in place (no stacks of their own, no snapshot)
         pairs = [torch.empty((len(members), 2, m.shape[i + 1], m.shape[i + 1]), dtype=m.dtype)
                  if offload and h else None for i, h in enumerate(has)]
-        old = [self.blocks.stack(members, "Q", i, out=None if pr is None else pr[:, 0]) if h
+        old = [self.placement.stack(members, "Q", i, out=None if pr is None else pr[:, 0]) if h
                else None for i, (h, pr) in enumerate(zip(has, pairs))]
         new, perms = [], []
         for i, q_old in enumerate(old):
@@ -203,7 +189,7 @@ class SOAPMethod(Method):
                 out = outputs[p].get((j, i))
                 # m is re-expressed in the basis as it will be stored (tier_dtype)
                 qs.append(q if out is None else
-                          self.blocks.as_stored(p, K.key(j, "Q", i), out[0].to(q.device)))
+                          self.placement.as_stored(p, K.key(j, "Q", i), out[0].to(q.device)))
                 ps.append(torch.arange(q.shape[0], device=q.device) if out is None
                           else out[1].to(q.device))
             new.append(torch.stack(qs, out=None if pairs[i] is None else pairs[i][:, 1]))
@@ -212,39 +198,25 @@ class SOAPMethod(Method):
             # v permuted here (cheap), m re-expressed by a worker while the next forward and
             # backward run; the next read of m waits for it (submit_rotation)
             F.soap_permute(v, perms)
-            if self.bases_on_nvme(members):
-                # one rotation in flight: the previous chunk's m, pairs and result are let go
+            if self.placement.on_nvme(members):
+                # bases on NVMe trade the overlap of one install's rotations for memory: one
+                # rotation in flight: the previous chunk's m, pairs and result are let go
                 # before this chunk's are made (memory for one chunk, not one round)
                 self.schedule.writes.settle_all()
             self.submit_rotation(members, m, pairs)
         else:
             F.soap_install(m, v, old, new, perms)
-            self.blocks.unstack(members, "exp_avg", m)
-        self.blocks.unstack(members, "exp_avg_sq", v)
+            self.placement.unstack(members, "exp_avg", m)
+        self.placement.unstack(members, "exp_avg_sq", v)
         for i, q in enumerate(new):
             if q is not None:
-                self.blocks.unstack(members, "Q", q, dim=i)
+                self.placement.unstack(members, "Q", q, dim=i)
 
     # ---- m's re-expression on the workers ------------------------------------------------------
-    def offloads_to_workers(self) -> bool:
-        """Are m's re-expression at an install and the factor EMAs handed to the workers
-        (where ``rotation_offload`` / ``factor_offload`` allow)? Only with an executor
-        that takes inputs made for it (libasteria's pool, ``mode="async"``), rank-local (a
-        replicated block's m is re-expressed by every replica itself, on its own thread)."""
-        return self.schedule.takes_parts()
-
     def rotation_offload(self, members: list, ndim: int) -> bool:
-        """Offload the re-expression of these members' m: CPU parameters (on a GPU it is two
-        device matmuls per side, cheaper than the round trip) with blocks of at most 2 dims
-        (the op's layout), unless m is read next (an install deferred to the next step's
-        start, ``settle_deferred``: the step would wait for the worker at once)."""
-        return (self.offloads_to_workers() and ndim <= 2 and not self.schedule.settling
-                and all(local(p).device.type == "cpu" for p, _ in members))
-
-    def bases_on_nvme(self, members: list) -> bool:
-        """Are some of these members' bases NVMe-homed (a configuration that trades the
-        overlap of the rotations of one install for memory)?"""
-        return self.blocks.on_nvme(members)
+        """Offload the re-expression of these members' m? Blocks of at most 2 dims (the op's
+        layout), where the schedule puts such a job on a worker (``Schedule.on_worker``)."""
+        return ndim <= 2 and self.schedule.on_worker(members)
 
     def submit_rotation(self, members: list, m: torch.Tensor, pairs: list) -> None:
         """Start m_new = Q_new^T (Q_old m Q_old^T) Q_new (per side) on a worker; m stays as it
@@ -253,12 +225,11 @@ class SOAPMethod(Method):
         are given to the job: the worker reads them in place, nothing here writes them."""
         x = m.reshape(m.shape[0], m.shape[1], -1)
         pairs = list(pairs) + [None] * (2 - len(pairs))
-        ticket = self.schedule.submit_write("soap_rotate", members, x, pairs[0],
-                                                b=pairs[1], host_outputs=True,
-                                                donate=("f", "q", "b"))
+        ticket = self.schedule.submit_write("soap_rotate", members, x, pairs[0], b=pairs[1],
+                                            opts=_GIVEN_TO_WORKER)
         self.count("rotations_submitted")
-        self.schedule.writes.add(_Rotation(ticket, list(members), (x, pairs[0], pairs[1]),
-                                   tuple(m.shape[1:])))
+        self.schedule.writes.add(_Rotation(self, ticket, list(members),
+                                           (x, pairs[0], pairs[1]), tuple(m.shape[1:])))
 
     def finish_rotation(self, rot: _Rotation, res) -> None:
         """Write a rotation job's result into m; a failed job is redone here with torch (the
@@ -279,33 +250,20 @@ class SOAPMethod(Method):
     def factor_offload(self, group: dict, members: list, g: torch.Tensor, factors: list,
                         steps: list) -> bool:
         """Hand this step's L, R update to a worker? With runtime ``factor_emas="workers"``,
-        libasteria's pool, host parameters, matrix blocks of float32 / float64, factor stacks
-        whose slices are the state's entries (the packed state: the worker writes the state
-        itself), and no REFRESH due at this step's end (it reads the factors at once: the
-        update stays here)."""
-        if (self.config.factor_emas != "workers" or not self.offloads_to_workers()
+        matrix blocks of float32 / float64, factor stacks that are the state itself (the
+        packed state: the worker writes the state), no REFRESH due at this step's end (it
+        reads the factors at once: the update stays here), where the schedule puts such a
+        job on a worker (``Schedule.on_worker``)."""
+        if (self.config.factor_emas != "workers"
                 or g.dim() != 3 or g.dtype not in (torch.float32, torch.float64)
                 or all(f is None for f in factors)):
             return False
         freq = group["precondition_frequency"]
-        if any(k % freq == 0 for k in steps):
+        if any(k % freq == 0 for k in steps) or not self.schedule.on_worker(members):
             return False
-        if not all(local(p).device.type == "cpu" for p, _ in members):
-            return False
-        for i, f in enumerate(factors):
-            if f is None:
-                continue
-            if f.dtype != g.dtype or not f.is_contiguous():
-                return False
-            handed = self.blocks.handed.get(id(f))
-            if handed is not None and handed[0] is f:  # the steady state: no member looked at
-                continue
-            # a stack packed in this very step (the first, or the first after a load) is not on
-            # record as handed out: its slices are the entries all the same
-            if not all(same_memory(dict.__getitem__(self.state[p], K.key(j, "GG", i)), fk)
-                       for (p, j), fk in zip(members, f.unbind(0))):
-                return False
-        return True
+        return all(f is None or (f.dtype == g.dtype and f.is_contiguous()
+                                 and self.placement.is_state(members, "GG", i, f))
+                   for i, f in enumerate(factors))
 
     def submit_factor_ema(self, job: _FactorEma) -> None:
         """Start a due factor EMA, L = beta L + (1 - beta) G G^T, R = beta R + (1 - beta) G^T G,
@@ -315,8 +273,8 @@ class SOAPMethod(Method):
         a factor waits for it (``schedule.writes``)."""
         members, factors, beta = job.members, job.factors, job.beta
         job.ticket = self.schedule.submit_write("gram_ema", members, job.g, factors[0],
-                                                    b=factors[1], p=beta, eps=1.0 - beta,
-                                                    host_outputs=True, donate=("f",))
+                                                b=factors[1], p=beta, eps=1.0 - beta,
+                                                opts=_G_TO_WORKER)
         self.count("factor_emas_submitted")
         self.schedule.writes.add(job)
 
@@ -336,7 +294,7 @@ class SOAPMethod(Method):
                 F.ema_gram(f, job.g, i, job.beta, 1.0 - job.beta)
 
 
-def _stacks_of(state, blocks, outputs: dict):
+def _stacks_of(state, placement, outputs: dict):
     """Group the blocks of a round's outputs into stacks of one shape, dtype and factor dims:
     yields (members, has_factor)."""
     stacks: dict = {}
@@ -344,7 +302,7 @@ def _stacks_of(state, blocks, outputs: dict):
         st = state[p]
         for j in sorted({j for j, _ in outs}):
             ref = st[K.key(j, "exp_avg")]
-            has = tuple(blocks.root_has(p, K.key(j, "Q", i)) for i in range(ref.dim()))
+            has = tuple(placement.root_has(p, K.key(j, "Q", i)) for i in range(ref.dim()))
             stacks.setdefault((tuple(ref.shape), ref.dtype, ref.device, has), []).append((p, j))
     for (_, _, _, has), members in stacks.items():
         yield members, list(has)

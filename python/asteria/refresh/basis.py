@@ -1,5 +1,5 @@
 """Canonical bases for the null space of a rank-deficient factor: the torch side of
-src/linalg.c's ``canonical_*`` functions (docs/departures.md, "SOAP's basis on a rank-deficient
+src/linalg_basis.c's canonical bases (docs/departures.md, "SOAP's basis on a rank-deficient
 factor").
 
 Owns: the rule that makes SOAP's eigenbasis a function of its factor (and of the previous basis)
@@ -42,7 +42,7 @@ import torch
 #: a refresh's dependent columns are those within this many times ``null_tol``: a truly
 #: dependent column's residual carries the rounding of the factor's accumulation (its EMA over
 #: steps) as well as the QR's own, measured at up to 42 eps_m max|R| for n = 24 in float64
-#: (src/linalg.c's QR_TOL_SAFETY)
+#: (src/linalg_basis.c's QR_TOL_SAFETY)
 QR_TOL_SAFETY = 8
 
 def null_tol(scale: torch.Tensor, n: int) -> torch.Tensor:

@@ -50,7 +50,7 @@ from typing import Any, Optional
 
 import torch
 
-from asteria.refresh.engine import Engine, JobTiming, Lane, Result
+from asteria.refresh.engine import NO_OPTIONS, Engine, JobTiming, Lane, Result, SubmitOptions
 from asteria.refresh.inline_torch import run
 from asteria.refresh.ops import OPS, check_op
 
@@ -116,9 +116,10 @@ class DeviceEngine(Engine):
 
     # ---- the owner's side ------------------------------------------------------------------
     def submit(self, op, f, q=None, *, block, version, deadline, snapshot_step, p=0.0,
-               eps=0.0, b=None, host_outputs: bool = False, donate=()) -> int:
-        """As ``Engine.submit``; ``f`` and ``q`` may be parts (stacked here), ``donate`` is
-        accepted and ignored (the snapshot is a device copy either way)."""
+               eps=0.0, b=None, opts: SubmitOptions = NO_OPTIONS) -> int:
+        """As ``Engine.submit``; ``f`` and ``q`` may be parts (stacked here). Of ``opts`` it
+        honours ``host_outputs``; ``donate`` is ignored (the snapshot is a device copy either
+        way) and ``replicas`` too (rank-local)."""
         if self._closed:
             raise RuntimeError("DeviceEngine is closed")
         f, q = _stacked(f), _stacked(q)
@@ -143,7 +144,7 @@ class DeviceEngine(Engine):
         ticket = self._next
         self._next += 1
         job = _DJob(ticket, op, snap, float(p), float(eps), block, version, snapshot_step,
-                    host_outputs, (batch, n, n1, sides), f.dtype)
+                    opts.host_outputs, (batch, n, n1, sides), f.dtype)
         self._jobs[ticket] = job
         self._stats["jobs_submitted"] += 1
         self._queue.put(job)

@@ -22,10 +22,13 @@ All tensors passed to ``submit`` are *batched*: shape ``(batch, n, n)`` for same
 ``submit`` copies (snapshots) its inputs, so the caller may keep mutating its state right after
 the call.
 
-Capabilities an executor declares (class attributes) instead of callers testing its type:
-``takes_parts`` (inputs may be given as a list of per-block tensors and donated, see
-``HostPoolEngine.submit``), ``replicated`` (blocks replicated over ranks: jobs take
-``replicas=``), ``splits_batches`` (a job's batch is divided among lanes), ``lanes()`` (what
+``submit`` is declared in full here: the inputs and the job's identity, then one frozen
+``SubmitOptions`` (outputs in host memory, donated inputs, replica set) that every executor
+accepts, ignoring (documented per field) what it has no use for; callers need not check
+capabilities for correctness. Capabilities an executor declares (class attributes) instead of
+callers testing its type: ``takes_parts`` (inputs may be given as a list of per-block tensors,
+see ``HostPoolEngine.submit``), ``replicated`` (blocks replicated over ranks: a job's
+``replicas`` are synchronised), ``splits_batches`` (a job's batch is divided among lanes), ``lanes()`` (what
 runs jobs and how many at once, keyed by ``Lane``) and ``model`` (a cost model the executor
 divides jobs by, shared with the capacity record). An executor hands each finished job's
 ``JobTiming`` to its ``observer`` (the capacity model's feed), on the thread that waits for
@@ -39,7 +42,7 @@ The trace: one ``Tracer`` per optimizer, over the trace recorder of libasteria's
 ``trace``). The executor that owns that runtime (``HostPoolEngine``) builds it, once;
 ``asteria.refresh.select.make_engine`` hands it explicitly to the executors that wrap it
 (``SplitEngine``, ``ReplicatedEngine``), and the optimizer hands ``engine.tracer`` to the
-residency (``asteria.tiers.residency``). Every engine has one (``Engine.tracer``: ``NO_TRACE``,
+placement for its residency (``asteria.tiers.residency``). Every engine has one (``Engine.tracer``: ``NO_TRACE``,
 which records nothing, where there is no runtime trace). Lane names are ``Lane`` (executor lanes: the cost
 model's and the capacity report's) and ``TraceLane`` (the runtime trace's tracks); both are
 ``str`` enums whose values are what JSON, trace files and reports have always carried.
@@ -155,12 +158,53 @@ class JobTiming:
     last: bool = True  # the last part of the caller's job to finish (a split job has several)
 
 
+#: the inputs of a job that a caller may give away (``SubmitOptions.donate``)
+DONATABLE = ("f", "q", "b")
+
+
+@dataclasses.dataclass(frozen=True)
+class SubmitOptions:
+    """How a job is run and handed back, beyond its inputs: ``Engine.submit``'s ``opts``. Every
+    engine accepts every field; one that has no use for a field ignores it, as said per field.
+    The default asks for nothing (``NO_OPTIONS``)."""
+
+    #: hand the outputs back as host tensors (the caller keeps them in host memory: a
+    #: residency), not copied to the inputs' device. Honoured by the host pool and the device
+    #: executor (and so by the executors that wrap them); the inline executor computes on the
+    #: inputs' device and hands its outputs back there.
+    host_outputs: bool = False
+    #: names among ``DONATABLE`` of the inputs the caller gives away (tensors it made for this
+    #: job and neither reads nor writes again): an executor that can reads them in place
+    #: instead of snapshotting them (libasteria's pool: host tensors, contiguous, of the job's
+    #: dtype). The others copy them as usual; a split executor gives its parts nothing.
+    donate: tuple[str, ...] = ()
+    #: the global ranks holding the job's blocks (DDP / HSDP replicas), or None: rank-local. A
+    #: replicated executor (``Engine.replicated``) has one owner compute them and every replica
+    #: install the same result, synchronised within the job's staleness budget, which is its
+    #: ``deadline - snapshot_step`` (S is not passed again). Other executors run the job
+    #: rank-local.
+    replicas: Optional[tuple[int, ...]] = None
+
+    def __post_init__(self) -> None:
+        names = (self.donate,) if isinstance(self.donate, str) else tuple(self.donate)
+        bad = set(names) - set(DONATABLE)
+        if bad:
+            raise ValueError(f"donate: unknown input(s) {sorted(bad)}; allowed: names among "
+                             f"{sorted(DONATABLE)}")
+        object.__setattr__(self, "donate", names)
+        if self.replicas is not None:
+            object.__setattr__(self, "replicas", tuple(sorted(self.replicas)))
+
+
+NO_OPTIONS = SubmitOptions()
+
+
 class Engine(abc.ABC):
     """Abstract REFRESH engine. Tickets are positive ints, unique per engine."""
 
     #: inputs may be given as parts and donated (libasteria's pool)
     takes_parts = False
-    #: jobs carry ``replicas=`` and ``step_end`` / ``drain`` synchronise them across ranks
+    #: a job's ``opts.replicas`` are synchronised across ranks (``step_end`` / ``drain``)
     replicated = False
     #: one job's batch may be divided among lanes (host workers, a device): the capacity model
     #: predicts its rounds with divisible work (``asteria.refresh.split``)
@@ -205,10 +249,13 @@ class Engine(abc.ABC):
         p: float = 0.0,
         eps: float = 0.0,
         b: Optional[torch.Tensor] = None,
+        opts: SubmitOptions = NO_OPTIONS,
     ) -> int:
         """Snapshot the inputs and start the job. Returns its ticket. ``b``: the B pair of
         ``soap_rotate`` (``q`` is its A pair, ``f`` its X) or R of ``gram_ema`` (``q`` is its
-        L, ``f`` its G); only those two use it."""
+        L, ``f`` its G); only those two use it. ``deadline``: the step the result is installed
+        at (a background write's: the next step). ``opts``: how it runs and is handed back
+        (``SubmitOptions``; every engine takes every field)."""
 
     @abc.abstractmethod
     def ready(self, ticket: int) -> bool:

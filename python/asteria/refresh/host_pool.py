@@ -43,7 +43,8 @@ import torch
 
 from asteria import _C
 from asteria.config import RuntimeConfig
-from asteria.refresh.engine import Engine, JobTiming, Lane, Result, Tracer, TraceLane
+from asteria.refresh.engine import (NO_OPTIONS, Engine, JobTiming, Lane, Result, SubmitOptions,
+                                    Tracer, TraceLane)
 from asteria.refresh.ops import OPS, check_op, output_spec
 
 _C_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
@@ -78,18 +79,12 @@ class _Job:
     shape: tuple = (0, 0, 0, 0.0, 2)   # (batch, n, n1, p, sides) for the capacity model
 
 
-_DONATABLE = {"f": "in0", "q": "in1", "b": "in2"}
+_SLOTS = {"f": "in0", "q": "in1", "b": "in2"}  # SubmitOptions.DONATABLE -> the C job's slot
 
 
-def _donated(names) -> frozenset:
-    """submit's ``donate`` (names of inputs) as the set of input slots given away."""
-    if isinstance(names, str):
-        names = (names,)
-    bad = set(names) - set(_DONATABLE)
-    if bad:
-        raise ValueError(f"donate: unknown input(s) {sorted(bad)}; allowed: names among "
-                         f"{sorted(_DONATABLE)}")
-    return frozenset(_DONATABLE[k] for k in names)
+def _donated(opts: SubmitOptions) -> frozenset:
+    """The input slots ``opts.donate`` gives away."""
+    return frozenset(_SLOTS[k] for k in opts.donate)
 
 
 def _parts(x: Any) -> tuple[Optional[list], Any]:
@@ -197,15 +192,15 @@ class HostPoolEngine(Engine):
     # ---- jobs ---------------------------------------------------------------------------------
 
     def submit(self, op, f, q=None, *, block, version, deadline, snapshot_step, p=0.0,
-               eps=0.0, b=None, host_outputs: bool = False, donate=()) -> int:
+               eps=0.0, b=None, opts: SubmitOptions = NO_OPTIONS) -> int:
         """``b``: the B pair of ``soap_rotate`` (``f`` is its X, ``q`` its A pair; every pair
-        given is snapshotted like any input). ``host_outputs``: hand the outputs back as host
-        tensors (the caller stores them in host memory) instead of copying them to the inputs'
-        device. ``donate``: the names among "f", "q", "b" of the inputs the caller gives away
-        (tensors it made for this job and neither reads nor writes again): those already in
+        given is snapshotted like any input). ``opts.host_outputs``: hand the outputs back as
+        host tensors (the caller stores them in host memory) instead of copying them to the
+        inputs' device. ``opts.donate``: the inputs the caller gives away: those already in
         host memory, contiguous and of the job's dtype are read by the worker in place, with
         no snapshot; the job keeps them alive until its result is taken. Others are
-        snapshotted as usual.
+        snapshotted as usual. ``opts.replicas``: rank-local here (a ``ReplicatedEngine``
+        around this one synchronises replicas).
 
         ``f`` and ``q`` may also be given as parts: a list of same-shape tensors, one per batch
         entry, that the job sees stacked. They are snapshotted straight into one slot of the
@@ -219,13 +214,13 @@ class HostPoolEngine(Engine):
         if entry is not None and entry.in_place:
             return self._submit_in_place(op, f, q, b, block=block, version=version,
                                          deadline=deadline, snapshot_step=snapshot_step, p=p,
-                                         eps=eps, donate=donate)
+                                         eps=eps, opts=opts)
         f_parts, f = _parts(f)
         q_parts, q = _parts(q)
         check_op(op, (f, q, b))
         if not f.is_floating_point():
             raise ValueError(f"REFRESH input must be a real floating tensor, got {f.dtype}")
-        given = _donated(donate)
+        given = _donated(opts)
         rect = entry.rectangular
         batch, n = int(f.shape[0]), int(f.shape[1])
         n1 = int(f.shape[2]) if rect else 0
@@ -299,13 +294,13 @@ class HostPoolEngine(Engine):
             raise
         self._jobs[ticket] = _Job(op=op, device=device, dtype=f.dtype, pinned=pin,
                                   buffers=buffers, outputs=tuple(outputs), handles=tuple(handles),
-                                  snapshots=tuple(tickets), host_outputs=host_outputs,
+                                  snapshots=tuple(tickets), host_outputs=opts.host_outputs,
                                   shape=(batch, n, n1, float(p),
                                          (q is not None) + (b is not None) if rect else 2))
         return ticket
 
     def _submit_in_place(self, op, g, l, r, *, block, version, deadline, snapshot_step, p, eps,
-                         donate) -> int:
+                         opts: SubmitOptions) -> int:
         """An in-place op (gram_ema): G (``f``) is snapshotted (or read in place if donated); L
         (``q``) and R (``b``) are the job's outputs, updated in place by the worker (out0, out1), so they
         must be contiguous host tensors of G's dtype (float32 or float64) that the caller
@@ -324,7 +319,7 @@ class HostPoolEngine(Engine):
             raise ValueError(f"{op} takes G in host memory, got it on {g.device}")
         batch, n, n1 = (int(s) for s in g.shape)
         self._poll()
-        if "in0" in _donated(donate) and g.is_contiguous():
+        if "in0" in _donated(opts) and g.is_contiguous():
             x = g
             self._copies["inputs_donated"] += 1
         else:

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from asteria.refresh.engine import Engine, JobTiming, Lane, Result
+from asteria.refresh.engine import NO_OPTIONS, Engine, JobTiming, Lane, Result, SubmitOptions
 from asteria.refresh.ops import AST_ENOCONV, AST_ENONFINITE, OPS, _Failure, check_op
 
 FUNCTIONS = {name: op.reference for name, op in OPS.items()}  # name -> (f, q, p, eps, b) -> outputs
@@ -93,7 +93,9 @@ class InlineTorchEngine(Engine):
         }
 
     def submit(self, op, f, q=None, *, block, version, deadline, snapshot_step, p=0.0,
-               eps=0.0, b=None) -> int:
+               eps=0.0, b=None, opts: SubmitOptions = NO_OPTIONS) -> int:
+        """Computes now, on the inputs' device: ``opts`` asks for nothing this executor does
+        otherwise (no snapshot to spare, outputs where the inputs are, no replicas)."""
         if self._closed:
             raise RuntimeError("InlineTorchEngine is closed")
         check_op(op, (f, q, b))

@@ -3,14 +3,14 @@
 Owns: ``OPS``, one ``Op`` per op. Its C fields (the ``ast_op`` code, ``takes_basis``,
 ``in_place`` and the operands: which of a request's slots in0, in1, in2, out0, out1 it takes,
 whether each is required, the shape each spans) are read from libasteria's op table
-(``asteria._C.ops()``, src/linalg.c), so the two tables cannot disagree; this file adds what
+(``asteria._C.ops()``, src/op_table.c), so the two tables cannot disagree; this file adds what
 only Python has: the torch reference and the FLOP count. The check of a job's inputs is here
 too. Every executor and the cost model read an op's fields (``Op.takes_basis``,
 ``Op.in_place``, ``Op.rectangular``, ``Op.outputs``, ``Op.operand_elems``) and never name an
 op: the torch executors run the references, the C pool takes the code and sizes its buffers
 from the operands, the replicated executor sizes its transfers with ``output_spec``.
-Adding an op: its ``ast_op`` value in include/asteria/runtime.h, its kernel and op-table entry
-in src/linalg.c, its reference and FLOP count here (docs/architecture.md, "A REFRESH op").
+Adding an op: its ``ast_op`` value in include/asteria/runtime.h, its kernel in src/linalg.c, its
+op-table entry in src/op_table.c, its reference and FLOP count here (docs/architecture.md, "A REFRESH op").
 May call: torch, ``asteria._C`` (the op table, at import).
 
 Operations (names mirror ``ast_op`` in include/asteria/runtime.h):
@@ -126,7 +126,7 @@ class Op:
 AST_ENOCONV = -7
 AST_ENONFINITE = -8
 
-NEWTON_MAX_ITER = 100  # same limits as the C pool's coupled Newton (src/linalg.c)
+NEWTON_MAX_ITER = 100  # same limits as the C pool's coupled Newton (src/op_table.c)
 NEWTON_TOL = 1e-6
 
 

@@ -40,7 +40,7 @@ import torch
 from asteria.distributed import Topology, _dist, _initialized, _Link, make_topology, replicas
 from asteria.refresh.coherence_protocol import (Channel, CoherenceError, CoherenceProtocol,
                                                 ReplicatedJob, Unit)
-from asteria.refresh.engine import NO_TRACE, Engine, Result, Tracer
+from asteria.refresh.engine import NO_OPTIONS, NO_TRACE, Engine, Result, SubmitOptions, Tracer
 from asteria.refresh.ops import check_op, output_spec
 
 _ID_BITS = 20           # coherence block id = (engine block key << _ID_BITS) | batch index
@@ -75,28 +75,31 @@ class ReplicatedEngine(Engine):
 
     # ---- Engine -------------------------------------------------------------------------------
     def submit(self, op, f, q=None, *, block, version, deadline, snapshot_step, p=0.0, eps=0.0,
-               replicas=None, staleness=None, **extra) -> int:
-        """``replicas``: the ranks holding the blocks (None or one rank: a rank-local job);
-        ``staleness``: the S the optimizer's schedule applies to this job (its channel's
-        budget), required with replicas."""
+               b=None, opts: SubmitOptions = NO_OPTIONS) -> int:
+        """``opts.replicas``: the ranks holding the blocks (None or one rank: a rank-local job,
+        the inner executor's). A replicated job's channel budget is the S the schedule applies
+        to it, ``deadline - snapshot_step``; it takes no ``b`` (the ops with one write state
+        in the background, rank-local)."""
         self._check()
         ticket = next(self._tickets)
-        ranks = tuple(sorted(replicas)) if replicas is not None else None
+        ranks = opts.replicas
         if ranks is None or len(ranks) < 2:
             self._jobs[ticket] = self._inner.submit(op, f, q, block=block, version=version,
                                                     deadline=deadline,
                                                     snapshot_step=snapshot_step, p=p, eps=eps,
-                                                    **extra)
+                                                    b=b, opts=opts)
             return ticket
+        if b is not None:
+            raise ValueError(f"a replicated {op} job takes no b: the ops with one are "
+                             f"rank-local background writes")
         check_op(op, (f, q))
         link = self._links.get(ranks)
         if link is None:
             raise ValueError(f"replica set {ranks} was not declared when the engine was built "
                              f"(known: {sorted(self._links)}); build the optimizer after the "
                              "model is wrapped, on every rank")
-        if staleness is None:
-            raise ValueError("a replicated REFRESH job needs its staleness budget (staleness=S)")
-        channel = self._channel(link, int(staleness))
+        staleness = int(deadline) - int(snapshot_step)
+        channel = self._channel(link, staleness)
         batch, n = int(f.shape[0]), int(f.shape[-1])
         if batch >= 1 << _ID_BITS:
             raise ValueError(f"a REFRESH batch of {batch} entries is too large to replicate")
@@ -117,8 +120,8 @@ class ReplicatedEngine(Engine):
             qo = q if (q is None or sel is None) else q[sel]
             inner = self._inner.submit(op, fo, qo, block=block, version=version,
                                        deadline=deadline, snapshot_step=snapshot_step, p=p,
-                                       eps=eps, **extra)
-        host = bool(extra.get("host_outputs", False))
+                                       eps=eps, opts=opts)
+        host = opts.host_outputs
         job = ReplicatedJob(ticket=ticket, op=op, batch=batch, spec=output_spec(op, n, f.dtype),
                     device=torch.device("cpu") if host else f.device, host_outputs=host,
                     ids=ids, owned=owned, inner=inner, block=int(block), version=int(version),

@@ -29,7 +29,8 @@ from typing import Any, Optional
 import torch
 
 from asteria.refresh.cost import CostModel, JobSpec, assign
-from asteria.refresh.engine import NO_TRACE, Engine, JobTiming, Lane, Result, Tracer
+from asteria.refresh.engine import (NO_OPTIONS, NO_TRACE, Engine, JobTiming, Lane, Result,
+                                    SubmitOptions, Tracer)
 from asteria.refresh.ops import OPS
 
 PART_KEYS = 1024  # derived block keys per job block
@@ -117,7 +118,9 @@ class SplitEngine(Engine):
         return [(s[0], c) for s, c in order if c]
 
     def submit(self, op, f, q=None, *, block, version, deadline, snapshot_step, p=0.0,
-               eps=0.0, b=None, **extra) -> int:
+               eps=0.0, b=None, opts: SubmitOptions = NO_OPTIONS) -> int:
+        """As ``Engine.submit``. ``opts`` goes to the host pool's part; the device's part
+        gets none of it (its outputs come back on the device, its inputs are copied)."""
         if self._closed:
             raise RuntimeError("SplitEngine is closed")
         first = f[0] if isinstance(f, (list, tuple)) else f[0]
@@ -132,16 +135,13 @@ class SplitEngine(Engine):
         for i, (lane, count) in enumerate(self.plan(spec)):
             hi = lo + count
             eng = self._engines[lane]
-            kw = dict(extra)
-            if not eng.takes_parts:
-                kw.pop("donate", None)
-                kw.pop("host_outputs", None)
             fi = _slice(f, lo, hi)
             if not eng.takes_parts and isinstance(fi, list):
                 fi = torch.stack(fi)
             child = eng.submit(op, fi, _slice(q, lo, hi), block=block * PART_KEYS + i + 1,
                                version=version, deadline=deadline, snapshot_step=snapshot_step,
-                               p=p, eps=eps, b=_slice(b, lo, hi), **kw)
+                               p=p, eps=eps, b=_slice(b, lo, hi),
+                               opts=opts if eng.takes_parts else NO_OPTIONS)
             parts.append(_Part(lane, eng, child, lo, hi))
             self._child[(lane, child)] = ticket
             self._counts[f"split_entries_{lane}"] += count

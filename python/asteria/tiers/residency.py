@@ -13,7 +13,7 @@ Data flow of one block (its plan gives a home tier: host, host_pinned, uvm or nv
    ``plan.stored_dtype(cfg.tier_dtype, its dtype)`` (narrowed once, at the write); what leaves
    the residency for use (``read_host``, ``materialize``) is widened to the block's own dtype
    here, and ``borrow``'s ring views (stored dtype) are widened where they are stacked
-   (``optim/_tiering``, ``dtype_of`` says to what).
+   (``optim/placement.py``, ``stack``; ``dtype_of`` says to what).
  - write (first-step eigenbasis, install of a refresh, load_state_dict): into the block's
    host memory in place; a block whose home is NVMe is written to fresh host memory and
    written through to NVMe at once (one block of host memory at a time, not every install of

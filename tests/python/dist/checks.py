@@ -68,7 +68,7 @@ def check_fsdp_sync():
         model = fsdp_model()
         opt = make_opt(name, model.parameters(), {"mode": "sync"}, block_size=4,
                        precondition_frequency=2)
-        assert not isinstance(opt._engine, replicated.ReplicatedEngine)  # nothing is replicated
+        assert not isinstance(opt.run.engine, replicated.ReplicatedEngine)  # nothing is replicated
         losses = []
         for t in range(1, steps + 1):
             x, y = C.local_batch(t, rank(), world())
