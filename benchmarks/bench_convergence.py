@@ -37,6 +37,13 @@ Procedure, per setting:
      as much as the differences between the SOAPs' steps; in lockstep every optimizer's step i
      runs within seconds of the others', so the drift reaches all of them alike. Each run's
      clock counts its own steps only. The seed's target is AdamW's final loss there.
+  3. The held-out loss: every --val-every steps (and at the last) a timed run's weights are
+     copied; after training, each copy's mean loss on 8 batches of the corpus's held-out 10%
+     (CharData's "val" split: no training batch reads it; one set for every seed) is its
+     validation loss at that point of the run's own clock. The table gives each run's
+     validation loss at AdamW's own time for all steps (interpolated between copies): the
+     loss on text it never saw at equal time, the question a tuned target on training loss
+     over 2+ epochs of a 1 MB corpus answers only in part.
   time_ratio = own time to reach the seed's target / AdamW's own time for all steps, per seed;
   the JSON keeps the whole sweep (its times are those of separate runs), every timed run's
   losses, times, step kinds and optimizer-state bytes per tier at its end ("memory").
@@ -70,6 +77,7 @@ import gc
 import importlib.metadata
 import math
 import os
+import re
 import sys
 import time
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -134,9 +142,45 @@ GRIDS = {
     "pytorch-optimizer": (6e-3, 1e-2, 2e-2),
     "heavyball": (6e-3, 1e-2, 2e-2),
 }
+#: an Asteria run at its own f and S: "<base>-f<N>" or "<base>-f<N>-s<S>" (S <= f; without -s,
+#: --staleness, at most f), e.g. "asteria-soap-async-f1", "asteria-soap-async-f1-s1",
+#: "asteria-soap-sync-f10"; its lr grid is its base's
+VARIANT_BASES = ("asteria-soap-async", "asteria-soap-sync", "asteria-one-sided-soap-async",
+                 "asteria-kl-shampoo-async", "asteria-shampoo-async")
+_VARIANT = re.compile(r"^(?P<base>" + "|".join(map(re.escape, VARIANT_BASES))
+                      + r")-f(?P<f>[1-9][0-9]*)(?:-s(?P<s>[0-9]+))?$")
+
+
+def variant(name: str) -> Optional[tuple[str, int, Optional[int]]]:
+    """(base, f, S or None) of a run name "<base>-f<N>[-s<S>]", or None for any other name
+    (ValueError if S > f). "asteria-soap-sync-f1" of RUNS is one: native SOAP at f=1."""
+    m = _VARIANT.match(name)
+    if m is None:
+        return None
+    f, s = int(m["f"]), None if m["s"] is None else int(m["s"])
+    if s is not None and s > f:
+        raise ValueError(f"run {name!r}: staleness {s} > precondition_frequency {f}; "
+                         f"allowed: S <= f")
+    return m["base"], f, s
+
+
+def known_run(name: str, runs: Sequence[str] = RUNS) -> bool:
+    return name in runs or variant(name) is not None
+
+
+def grid_of(name: str, grids: dict) -> tuple:
+    """A run's lr grid: its own, else (a variant) its base's."""
+    if name in grids:
+        return grids[name]
+    v = variant(name)
+    return grids[v[0]] if v is not None else ()
+
+
 TARGETS = {"time_ratio_max": 0.60, "step_over_limit_max": 1.02,
            "nonrefresh_mean_over_sync_median_max": 1.03}
 DISTURBED_CORES = 0.25  # same threshold as bench_step_time.py
+VAL_BATCHES = 8    # held-out batches a validation loss averages (65,536 tokens in "users")
+VAL_SEED = 12345   # their generator's seed: one held-out set for every seed and run
 MIN_BUDGET_S = 10.0     # a run may always take this long, however fast AdamW was
 
 
@@ -155,6 +199,9 @@ class Problem:
     batch: int
     data: Optional[CharData] = None
     model_cls: Callable = TinyGPT
+    #: batches of the corpus's held-out 10% (CharData's "val" split, which no training batch
+    #: reads), the same for every seed: the validation loss of make_problem's docstring
+    val_batches: list = dataclasses.field(default_factory=list)
 
     def model(self) -> TinyGPT:
         torch.manual_seed(self.seed)
@@ -194,7 +241,28 @@ def make_problem(name: str, cfg: GPTConfig, data: CharData, steps: int, seed: in
     init_state = {k: v.clone() for k, v in model_cls(cfg).state_dict().items()}
     gen = torch.Generator().manual_seed(seed)
     batches = [data.batch("train", batch, gen) for _ in range(steps)]
-    return Problem(name, cfg, init_state, batches, seed, batch, data, model_cls)
+    vgen = torch.Generator().manual_seed(VAL_SEED)
+    val = [data.batch("val", batch, vgen) for _ in range(VAL_BATCHES)]
+    return Problem(name, cfg, init_state, batches, seed, batch, data, model_cls, val)
+
+
+def val_loss(problem: Problem, weights: dict) -> float:
+    """The mean loss of a model with ``weights`` on the problem's held-out batches."""
+    model = problem.model()
+    model.load_state_dict(weights)
+    with torch.no_grad():
+        return sum(float(model(x, y)) for x, y in problem.val_batches) / len(problem.val_batches)
+
+
+def at_time(times: Sequence[float], values: Sequence[float], t: float) -> float:
+    """``values`` (at the increasing ``times``) linearly interpolated at ``t``; clamped to the
+    first / last value outside them."""
+    if t <= times[0]:
+        return values[0]
+    for (t0, v0), (t1, v1) in zip(zip(times, values), zip(times[1:], values[1:])):
+        if t <= t1:
+            return v0 + (v1 - v0) * (t - t0) / (t1 - t0) if t1 > t0 else v1
+    return values[-1]
 
 
 def placement(train_cpu: Optional[int] = None) -> dict[str, Any]:
@@ -231,8 +299,12 @@ def make_optimizer(name: str, params, lr: float, args, worker_cpus: Optional[str
     workers and heavyball_compile. ``runtime`` overrides an Asteria run's. Third-party imports
     happen here, so a missing library fails only its own run."""
     f = args.frequency
-    if name == "asteria-soap-sync-f1":  # native SOAP, the eigenbasis refreshed every step
-        f, name = 1, "asteria-soap-sync"
+    v = variant(name)
+    if v is not None:  # its own f (and S): e.g. native SOAP refreshing every step
+        name, f, s = v
+        if name.endswith("-async"):
+            stale = min(args.staleness if s is None else s, f)
+            runtime = runtime or async_runtime(args, worker_cpus, staleness=stale)
     elif name == "asteria-soap-async-s5":  # Asteria at f with S=5 (at most f)
         runtime = runtime or async_runtime(args, worker_cpus, staleness=min(5, f))
         name = "asteria-soap-async"
@@ -308,8 +380,14 @@ class Curve:
     def __init__(self, model, opt, problem: Problem, steps: int, *, window: int, label: str,
                  log: common.Progress, log_every: int, budget_s: Optional[float] = None,
                  warmup: int = 0, lr_at: Optional[Callable[[int], float]] = None,
-                 stop_below: Optional[float] = None) -> None:
+                 stop_below: Optional[float] = None, val_every: int = 0) -> None:
         self.opt, self.steps, self.window, self.warmup = opt, steps, window, warmup
+        self.model, self.val_every = model, val_every
+        # (step, the loop's own time, weights) every val_every steps and at the last step
+        # (and step 0): the validation losses are computed from them after training, so no
+        # worker job of an optimizer overlaps them; a run's time holds only the copy (about
+        # a millisecond for the users' model)
+        self.snapshots: list = [(0, 0.0, self._weights())] if val_every else []
         self.lr_at, self.stop_below = lr_at, stop_below
         self.ends: list[float] = []
         self.cpu_ends: list[float] = []  # training-thread CPU time + barrier waits, cumulative
@@ -322,6 +400,19 @@ class Curve:
         self.loop = common.StepLoop(model, opt, lambda i: problem.batches[i], steps, "cpu",
                                     budget_s=budget_s, log=log, log_every=log_every,
                                     label=label, on_step=self._on_step)
+
+    def _weights(self) -> dict:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def val_curve(self, problem: Problem) -> Optional[dict[str, list]]:
+        """The held-out loss at each snapshot: {"step", "time_s", "loss"}; None without."""
+        if not self.snapshots:
+            return None
+        out = {"step": [k for k, _, _ in self.snapshots],
+               "time_s": [round(t, 5) for _, t, _ in self.snapshots],
+               "loss": [round(val_loss(problem, w), 5) for _, _, w in self.snapshots]}
+        self.snapshots = []
+        return out
 
     def _set_lr(self, i: int) -> None:
         for g in self.opt.param_groups:
@@ -343,8 +434,11 @@ class Curve:
             self._set_lr(i + 1)
         ls = self.loop.losses
         self.loss_sum += loss - (ls[-self.window - 1] if len(ls) > self.window else 0.0)
-        return (self.stop_below is not None
+        stop = (self.stop_below is not None
                 and self.loss_sum / min(len(ls), self.window) <= self.stop_below)
+        if self.val_every and ((i + 1) % self.val_every == 0 or i + 1 == self.steps or stop):
+            self.snapshots.append((i + 1, self.ends[-1], self._weights()))
+        return stop
 
     def result(self, cpu: dict) -> dict[str, Any]:
         res = self.loop.result()
@@ -428,7 +522,8 @@ def make_curve(name: str, lr: float, problem: Problem, args, pin: dict, log: com
                build: Callable = model_optimizer):
     """(Curve, the optimizer's keyword arguments): ``name`` at peak lr ``lr`` under the warm-up
     + cosine schedule, on a fresh model of ``problem``; ``build``: the optimizer factory
-    (model_optimizer's arguments and result)."""
+    (model_optimizer's arguments and result). A timed run (``stop_below`` None) keeps weight
+    copies every ``args.val_every`` steps for its held-out loss (Curve.val_curve)."""
     model = problem.model()
     opt, kw = make_with_wide_mask(lambda: build(name, model, lr, args, pin["worker_cpus"]))
     log(f"run {name} lr {lr:g} seed {problem.seed}"
@@ -436,7 +531,8 @@ def make_curve(name: str, lr: float, problem: Problem, args, pin: dict, log: com
         + (f", or after {budget_s:.0f} s)" if budget_s else ")" if stop_below is not None else ""))
     c = Curve(model, opt, problem, args.steps, window=args.window, label=name, log=log,
               log_every=args.log_every, budget_s=budget_s, warmup=args.warmup,
-              lr_at=warmup_cosine(lr, args.steps), stop_below=stop_below)
+              lr_at=warmup_cosine(lr, args.steps), stop_below=stop_below,
+              val_every=getattr(args, "val_every", 0) if stop_below is None else 0)
     return c, kw
 
 
@@ -447,6 +543,7 @@ def finish_run(name: str, lr: float, problem: Problem, c: Curve, kw: dict,
     closed."""
     r["memory"] = common.tier_bytes(c.opt, "cpu")
     stats = close(c.opt)
+    r["val"] = c.val_curve(problem)
     r.update(optimizer=name, lr=lr, seed=problem.seed,
              kwargs={k: (v if not isinstance(v, tuple) else list(v)) for k, v in kw.items()},
              runtime_counters=common.pick_runtime_counters(stats))
@@ -611,6 +708,13 @@ def compare(setting: str, preset: str, info: dict, names: list, problems: dict, 
         per_seed[seed] = {"target": target, "adamw_wall_s": adamw_wall,
                           "adamw_cpu_s": adamw["cpu_time_s"][-1],
                           "adamw_steps": adamw["steps_run"], "runs": {}}
+        # the held-out loss of every run at AdamW's own time for all its steps (each run's
+        # weights at that point of its own clock, interpolated between snapshots)
+        per_seed[seed]["val_at_adamw_time"] = {
+            r["optimizer"]: round(at_time(r["val"]["time_s"], r["val"]["loss"], adamw_wall), 5)
+            for r in rs if r.get("val")}
+        per_seed[seed]["val_final"] = {r["optimizer"]: r["val"]["loss"][-1]
+                                       for r in rs if r.get("val")}
         for r in rs:
             if r["optimizer"] == "adamw":
                 continue
@@ -642,6 +746,10 @@ def ratio_summary(per_seed: dict, names: list) -> dict[str, Any]:
     out = {}
     for name in names:
         if name == "adamw":
+            vs = [per_seed[s].get("val_at_adamw_time", {}).get(name) for s in per_seed]
+            gv = [x for x in vs if x is not None]
+            out[name] = {"val_at_adamw_time_per_seed": vs,
+                         "val_at_adamw_time_mean": sum(gv) / len(gv) if gv else None}
             continue
         tr = [per_seed[s]["runs"].get(name, {}).get("time_ratio") for s in per_seed]
         sr = [per_seed[s]["runs"].get(name, {}).get("steps_ratio") for s in per_seed]
@@ -649,7 +757,11 @@ def ratio_summary(per_seed: dict, names: list) -> dict[str, Any]:
         gs = [x for x in sr if x is not None]
         cr = [per_seed[s]["runs"].get(name, {}).get("cpu_time_ratio") for s in per_seed]
         gc_ = [x for x in cr if x is not None]
+        vs = [per_seed[s].get("val_at_adamw_time", {}).get(name) for s in per_seed]
+        gv = [x for x in vs if x is not None]
         out[name] = {"time_ratio_per_seed": tr, "steps_ratio_per_seed": sr,
+                     "val_at_adamw_time_per_seed": vs,
+                     "val_at_adamw_time_mean": sum(gv) / len(gv) if gv else None,
                      "cpu_time_ratio_per_seed": cr,
                      "cpu_time_ratio_mean": sum(gc_) / len(gc_) if gc_ else None,
                      "reached_all_seeds": bool(tr) and len(got) == len(tr),
@@ -955,7 +1067,8 @@ def run(args, argv) -> dict[str, Any]:
     meta["cpu"] = common.cpu_delta(cpu0, common.cpu_snapshot())
     data = {
         **meta,
-        "settings": {"steps": args.steps, "warmup": args.warmup, "frequency": args.frequency,
+        "settings": {"steps": args.steps, "warmup": args.warmup, "val_every": args.val_every,
+                     "frequency": args.frequency,
                      "staleness": args.staleness, "install": "deterministic",
                      "workers": args.workers, "torch_threads": args.threads,
                      "schedule": SCHEDULE,
@@ -1087,6 +1200,8 @@ def table_rows(s: dict) -> Iterator[tuple[str, dict[str, Any]]]:
                  "finals": "/".join(common.fmt(v, ".4f") for v in
                                     s.get("final_loss_at_equal_steps", {}).get(name, {})
                                     .values())}
+        val = s["ratios"].get(name, {}).get("val_at_adamw_time_per_seed") or []
+        cells["val"] = "/".join(common.fmt(v, ".4f") for v in val)
         if name == "adamw":
             cells["steps"] = "/".join(str(v["adamw_steps"])
                                       for v in s["time_to_adamw_final"].values())
@@ -1106,20 +1221,23 @@ def print_table(data: dict) -> None:
         common.print_header(
             f"{'optimizer':<{NAME_W}}{'lr':>8}{'median ms':>11}{'steps to target':>18}"
             f"{'time ratio (per seed)':>26}{'mean':>7}{'cpu ratio':>11}"
-            f"{'final loss (per seed)':>24}")
+            f"{'final loss (per seed)':>24}{'held-out at AdamW time':>25}")
         for name, c in table_rows(s):
             if "failed" in c:
                 print(f"{name:<{NAME_W}}  FAILED: " + c["failed"])
                 continue
             head = f"{name:<{NAME_W}}{c['lr']:>8g}{c['median_ms']:>11}{c['steps']:>18}"
             if name == "adamw":
-                print(f"{head}{'1 (target: final loss)':>26}{'':>18}{c['finals']:>24}")
+                print(f"{head}{'1 (target: final loss)':>26}{'':>18}{c['finals']:>24}"
+                      f"{c['val']:>25}")
                 continue
             q = c["ratios"]
             print(f"{head}{c['per']:>26}{common.fmt(q['time_ratio_mean'], '.2f'):>7}"
-                  f"{common.fmt(q['cpu_time_ratio_mean'], '.2f'):>11}{c['finals']:>24}")
+                  f"{common.fmt(q['cpu_time_ratio_mean'], '.2f'):>11}{c['finals']:>24}"
+                  f"{c['val']:>25}")
         print("(time ratio: own time in lockstep; cpu ratio: the training thread's CPU time plus barrier "
-              "waits, which other processes' load stretches far less)")
+              "waits, which other processes' load stretches far less; held-out: the loss on the "
+              "corpus's held-out 10% of each run's weights at AdamW's own time for all steps)")
         mem = {r["optimizer"]: r["memory"] for r in s["runs"] if r["seed"] == s["seeds"][0]
                and "memory" in r}
         if mem:
@@ -1173,6 +1291,8 @@ def print_table(data: dict) -> None:
 def add_procedure_args(ap) -> None:
     """compare()'s arguments that every benchmark running it takes alike: --window, --extend,
     --budget, --workers, --threads."""
+    ap.add_argument("--val-every", type=int, default=None,
+                    help="held-out loss of the timed runs every this many steps (20; --quick 6)")
     ap.add_argument("--window", type=int, default=None,
                     help="steps of the trailing mean that smooths the loss (20; --quick 4)")
     ap.add_argument("--extend", type=int, default=2,
@@ -1189,18 +1309,27 @@ def parse_runs(text: str, ap, runs: Sequence[str] = RUNS) -> list[str]:
     first whether named or not (``ap``'s error otherwise)."""
     names = [r.strip() for r in text.split(",") if r.strip()]
     for r in names:
-        if r not in runs:
-            ap.error(f"unknown optimizer {r!r}; allowed: {', '.join(runs)}")
-    return ["adamw"] + [r for r in runs if r in names and r != "adamw"]
+        try:
+            ok = known_run(r, runs)
+        except ValueError as e:
+            ap.error(str(e))
+        if not ok:
+            ap.error(f"unknown optimizer {r!r}; allowed: {', '.join(runs)}, or "
+                     f"<base>-f<N>[-s<S>] with base one of {', '.join(VARIANT_BASES)}")
+    extra = [r for r in names if r not in runs]
+    return ["adamw"] + [r for r in runs if r in names and r != "adamw"] + extra
 
 
 def check_procedure_args(ap, args, grids: dict, runs: Sequence[str] = RUNS) -> None:
     """args.grids: ``grids`` with each --lrs NAME=LR,LR,... in place of its NAME's; then S and
     the step counts checked (``ap``'s error)."""
     args.grids = dict(grids)
+    for name in list(getattr(args, "runs", ())) + list(getattr(args, "bound_runs", ())):
+        if name not in args.grids and variant(name) is not None:
+            args.grids[name] = grid_of(name, grids)
     for spec in args.lrs:
         name, _, lrs = spec.partition("=")
-        if name not in runs or not lrs:
+        if not known_run(name, runs) or not lrs:
             ap.error(f"--lrs {spec!r}: want NAME=LR,LR,... with NAME one of {', '.join(runs)}")
         args.grids[name] = tuple(float(x) for x in lrs.split(","))
     if not 0 <= args.staleness <= args.frequency:
@@ -1239,7 +1368,7 @@ def parse_args(argv: Optional[Sequence[str]]):
                     help="keep heavyball's torch.compile (minutes of CPU autotuning)")
     args = common.parse_quick(ap, argv, lambda q: dict(
         steps=24 if q else 300, warmup=4 if q else 10, frequency=4 if q else 10,
-        staleness=0, window=4 if q else 20, log_every=12 if q else 50,
+        staleness=0, window=4 if q else 20, log_every=12 if q else 50, val_every=6 if q else 20,
         gemm_reps=3 if q else 30, profile_steps=0 if q else 16,
         out_dir=os.path.join(common.RESULTS_DIR, "tmp") if q else common.RESULTS_DIR))
     args.settings = [s.strip() for s in args.settings.split(",") if s.strip()]

@@ -131,7 +131,8 @@ def test_bench_convergence_quick(tmp_path):
     bc = load_bench("bench_convergence")
     _restores(lambda: bc.main(
         ["--quick", "--no-plot", "--out-dir", str(tmp_path), "--runs",
-         "adamw,asteria-soap-async,asteria-soap-sync,asteria-soap-sync-f1,asteria-soap-async-s5",
+         "adamw,asteria-soap-async,asteria-soap-sync,asteria-soap-sync-f1,asteria-soap-async-s5,"
+         "asteria-soap-async-f1-s0,asteria-soap-async-f2-s1",
          "--bound-runs", "adamw,asteria-soap-async",
          "--bound-seeds", "0", "--lrs", "adamw=3e-3,6e-3", "--gemm-reps", "2",
          "--profile-steps", "2"]))
@@ -164,6 +165,31 @@ def test_bench_convergence_quick(tmp_path):
     assert kw["asteria-soap-async-s5"]["precondition_frequency"] == f
     assert kw["asteria-soap-async-s5"]["runtime"]["staleness"] == min(5, f)
     assert kw["asteria-soap-async"]["runtime"]["staleness"] == data["settings"]["staleness"]
+    # the runs at their own f and S: "<base>-f<N>-s<S>", their base's lr grid
+    assert kw["asteria-soap-async-f1-s0"]["precondition_frequency"] == 1
+    assert kw["asteria-soap-async-f1-s0"]["runtime"]["staleness"] == 0
+    assert kw["asteria-soap-async-f2-s1"]["precondition_frequency"] == 2
+    assert kw["asteria-soap-async-f2-s1"]["runtime"]["staleness"] == 1
+    assert users["grids"]["asteria-soap-async-f2-s1"] == users["grids"]["asteria-soap-async"]
+    # the held-out loss: every timed run's weights at step 0, every --val-every steps and the
+    # last, each evaluated on the same held-out batches (step 0: the same initial weights)
+    every = data["settings"]["val_every"]
+    for r in users["runs"]:
+        v = r["val"]
+        steps = data["settings"]["steps"]
+        assert v["step"] == [0] + list(range(every, steps, every)) + [steps], v["step"]
+        assert v["time_s"][0] == 0 and v["time_s"][-1] == r["time_s"][-1]
+        assert all(x > 0 for x in v["loss"])
+    zero = {r["val"]["loss"][0] for r in users["runs"] if r["seed"] == 0}
+    assert len(zero) == 1
+    for seed, t in users["time_to_adamw_final"].items():
+        adamw = next(x for x in users["runs"] if x["optimizer"] == "adamw"
+                     and x["seed"] == int(seed))
+        # AdamW's own held-out loss at its own end is its last one
+        # (times rounded to 10 us in the JSON)
+        assert t["val_at_adamw_time"]["adamw"] == pytest.approx(adamw["val"]["loss"][-1],
+                                                                abs=1e-4)
+        assert set(t["val_at_adamw_time"]) == set(users["tuned_lr"])
     for r in users["runs"]:
         assert users["final_loss_at_equal_steps"][r["optimizer"]][str(r["seed"])] == \
             r["smoothed"][-1]
@@ -200,6 +226,8 @@ def test_bench_convergence_quick(tmp_path):
         assert len(r["losses"]) == len(r["time_s"]) == len(r["step_kinds"]) == r["steps_run"]
         if r["optimizer"] == "asteria-soap-sync-f1":  # a refresh in every step
             assert set(r["step_kinds"]) == {"refresh+install"}, r["step_kinds"]
+        elif r["optimizer"] == "asteria-soap-async-f1-s0":  # the install in the next step
+            assert set(r["step_kinds"][2:]) == {"refresh+install"}, r["step_kinds"]
         elif r["optimizer"].startswith("asteria"):
             # f=4 in --quick: refreshes after the first step's (sync: installed at once)
             assert any(k.startswith("refresh") for k in r["step_kinds"][1:]), r["step_kinds"]
@@ -313,6 +341,39 @@ def test_bench_step_lockstep_quick(tmp_path):
     f = data["figures"]
     assert f["limit_ms"] > data["runs"]["adamw"]["step_ms"]["median"]
     assert f["step_over_limit"] > 0 and f["step_over_limit_equal_fwd_bwd"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_bench_step_lockstep_every_step_runs(tmp_path):
+    """--runs with each run's own f and S: the every-step refresh's step ratios."""
+    bl = load_bench("bench_step_lockstep")
+    bl.main(["--quick", "--no-plot", "--out-dir", str(tmp_path), "--runs",
+             ",".join(bl.EVERY_STEP)])
+    data = json.loads((tmp_path / "bench_step_lockstep.json").read_text())
+    assert list(data["runs"]) == ["adamw", *bl.EVERY_STEP]  # AdamW first, always
+    med = {n: r["step_ms"]["median"] for n, r in data["runs"].items()}
+    e = data["figures"]["every_step"]
+    f1, f10, native = (med[n] for n in bl.EVERY_STEP)
+    assert e["f1_over_f10"] == pytest.approx(f1 / f10)
+    assert e["f1_over_native_f1"] == pytest.approx(f1 / native)
+    assert data["figures"]["median_step_ratio"]["adamw"]["adamw"] == 1.0
+    assert "limit_ms" not in data["figures"]  # the default three are not all there
+    # f=1: the Asteria run refreshes and installs every step (S = 0: in the next one)
+    kinds = data["runs"]["asteria-soap-async-f1-s0"]["per_step"]["kinds"]
+    assert kinds[2:].count("refresh+install") >= len(kinds) - 4
+
+
+def test_bench_convergence_run_names():
+    bc = load_bench("bench_convergence")
+    assert bc.variant("asteria-soap-async-f1-s0") == ("asteria-soap-async", 1, 0)
+    assert bc.variant("asteria-soap-sync-f10") == ("asteria-soap-sync", 10, None)
+    assert bc.variant("asteria-soap-async") is None and bc.variant("adamw") is None
+    assert bc.variant("asteria-soap-async-f0") is None
+    with pytest.raises(ValueError, match="staleness 3 > precondition_frequency 2"):
+        bc.variant("asteria-soap-async-f2-s3")
+    assert bc.at_time([0.0, 1.0, 3.0], [4.0, 2.0, 1.0], 2.0) == pytest.approx(1.5)
+    assert bc.at_time([0.0, 1.0], [4.0, 2.0], 5.0) == 2.0
+    assert bc.at_time([0.0, 1.0], [4.0, 2.0], -1.0) == 4.0
 
 
 @pytest.mark.timeout(120)

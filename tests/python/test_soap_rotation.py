@@ -13,7 +13,10 @@ step, state_dict, optimizer.state) waits for it. Checked here:
    bitwise the continuous run;
  - a rotation job that fails on its worker (a non-finite m: AST_ENONFINITE) is redone on the
    training thread, with a warning and a counter;
- - sync mode never submits rotations.
+ - sync mode never submits rotations;
+ - with S = 0 the install deferred to the next step's start rotates m on a worker too, while
+   that step does what does not read m; a parameter the step skips has its rotation taken
+   before the step end.
 """
 
 
@@ -22,7 +25,7 @@ import torch
 
 from asteria.optim import SOAP
 from models import assert_params_close, assert_resumes_bitwise, lockstep_tol, loss_and_grad, \
-    make_model, on_thread_soap, require_c_extension, run
+    make_model, on_thread_soap, params_of, require_c_extension, run
 
 RT = {"mode": "async", "staleness": 2, "install": "deterministic", "workers": 2}
 F = 4  # precondition_frequency: installs at the ends of steps 2 (first eigh), 6, 10, ...
@@ -36,8 +39,8 @@ def _c_extension():
 OnThreadSOAP = on_thread_soap()
 
 
-def make(cls=SOAP, runtime=RT, **kw):
-    return lambda p: cls(p, precondition_frequency=F, runtime=runtime, **kw)
+def make(cls=SOAP, runtime=RT, precondition_frequency=F, **kw):
+    return lambda p: cls(p, precondition_frequency=precondition_frequency, runtime=runtime, **kw)
 
 
 @pytest.mark.parametrize("kind,kw", [("mlp", {}), ("block", {}),
@@ -129,3 +132,51 @@ def test_failed_rotation_is_redone_on_the_training_thread(placement):
         assert not torch.isfinite(m).all()  # the same math, done with torch
     finally:
         opt.close()
+
+
+# ---- S = 0: the install deferred to the next step, its m re-expressed during that step ----------
+
+S0 = {"mode": "async", "staleness": 0, "install": "deterministic", "workers": 1}
+
+
+def test_deferred_install_rotates_on_a_worker_during_the_step():
+    """S = 0, a refresh every step: each install is deferred to the next step's start, and m's
+    re-expression goes to a worker while that step updates the factors and projects the
+    gradient; the trajectory is the on-thread path's to rounding (the pool's BLAS)."""
+    worker, opt_w = run("mlp", make(runtime=S0, precondition_frequency=1), 12)
+    thread, opt_t = run("mlp", make(OnThreadSOAP, runtime=S0, precondition_frequency=1), 12)
+    for t, (a, b) in enumerate(zip(worker, thread), 1):
+        assert_params_close(a, b, rtol=lockstep_tol(t), atol=lockstep_tol(t), what=f"step {t}")
+    sw = opt_w.asteria_stats()
+    # every install but the first step's (the eigh, installed at once) rotates m: one job per
+    # install of this model's one stack of 2-D blocks
+    assert sw["rotations_submitted"] >= 9 and sw["rotation_failures"] == 0
+    assert opt_t.asteria_stats()["rotations_submitted"] == 0
+
+
+def test_deferred_rotation_of_a_parameter_the_step_skips_is_taken_before_the_step_end():
+    """A parameter without a gradient in the step that starts with the deferred install: the
+    step never reads its m, so its rotation is taken before the step end (which installs the
+    next refresh, reading m); the state equals the on-thread path's to rounding."""
+    def train(cls):
+        model = make_model("mlp")
+        opt = cls(model.parameters(), precondition_frequency=1, runtime=S0)
+        first = model.layers[0].weight
+        try:
+            for t in range(1, 8):
+                loss_and_grad(model, "mlp", t)
+                if t == 5:  # the install deferred from step 4 meets a step without this grad
+                    first.grad = None
+                opt.step()
+                if t == 5:
+                    assert not opt.schedule.writes, "a rotation left in flight past the step"
+            return params_of(model), {k: v.clone() for k, v in opt.state[first].items()
+                                      if isinstance(v, torch.Tensor)}
+        finally:
+            opt.close()
+
+    (pw, sw), (pt, st) = train(SOAP), train(OnThreadSOAP)
+    assert_params_close(pw, pt, rtol=lockstep_tol(7), atol=lockstep_tol(7), what="step 7")
+    for k in sw:
+        torch.testing.assert_close(sw[k], st[k], rtol=lockstep_tol(7), atol=lockstep_tol(7),
+                                   msg=lambda m, k=k: f"{k}: {m}")

@@ -16,7 +16,7 @@ Conventions
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
@@ -136,15 +136,26 @@ def soap_init(g: torch.Tensor, has_factor: Sequence[bool], *,
     return out
 
 
-def soap_step(w: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor,
+def soap_step(w: torch.Tensor, g: torch.Tensor,
+              exp_avg: Union[torch.Tensor, Callable[[], torch.Tensor]],
               exp_avg_sq: torch.Tensor, factors: Mats, bases: Mats, steps: Sequence[int], *,
               lr: float, beta1: float, beta2: float, shampoo_beta: float, eps: float,
-              weight_decay: float, correct_bias: bool, normalize_grads: bool) -> None:
-    """One later SOAP step: moments in the rotated basis, parameter update, then L/R update
-    with the current gradient. The REFRESH (k % f == 0) is the caller's business. ``w``: the
-    stack of weight blocks, or the list of the blocks themselves (each updated in place)."""
+              weight_decay: float, correct_bias: bool, normalize_grads: bool) -> torch.Tensor:
+    """One later SOAP step: L/R update with the current gradient, moments in the rotated
+    basis, parameter update. The REFRESH (k % f == 0) is the caller's business. ``w``: the
+    stack of weight blocks, or the list of the blocks themselves (each updated in place).
+    ``exp_avg``: m, or a function that returns it, called once, as late as the math allows
+    (after the factor updates and the gradient's projection, which do not read it: m may
+    still be in the making elsewhere, an install's re-expression on a worker). Returns m."""
     ws = w if isinstance(w, list) else None
+    # the factors' update reads only g (the bases are separate tensors): first, so that what
+    # makes m has until after the projection
+    for i, f in enumerate(factors):
+        if f is not None:
+            ema_gram(f, g, i, shampoo_beta, 1.0 - shampoo_beta)
     gp = project(g, bases)
+    if callable(exp_avg):
+        exp_avg = exp_avg()
     exp_avg.lerp_(gp, 1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(gp, gp, value=1.0 - beta2)
     del gp
@@ -189,9 +200,7 @@ def soap_step(w: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor,
         w_stack.add_(w_stack, alpha=-lr * weight_decay)
         for wi, new in zip(ws or (), w_stack.unbind(0)):
             wi.copy_(new)
-    for i, f in enumerate(factors):
-        if f is not None:
-            ema_gram(f, g, i, shampoo_beta, 1.0 - shampoo_beta)
+    return exp_avg
 
 
 def soap_install(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, old_bases: Mats,

@@ -187,10 +187,14 @@ class AsteriaOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if self.run.closed:
             raise RuntimeError("step() on a closed Asteria optimizer")
-        self.schedule.settle()
         self.schedule.writes.start_due()  # what an interrupted step left to start
         if self.schedule.writes:  # done during the forward and backward: taken in one go, so the
             self.schedule.writes.settle_all()  # step's reads of the state take the direct path
+        # then the installs deferred to this use: their jobs that write state (SOAP's m, on a
+        # worker) run while this step works on other state; the method's read of what they
+        # write waits for them (Method.step_blocks), and the rest is taken before the step end
+        self.schedule.settle()
+        carried = list(self.schedule.writes)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -217,6 +221,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                 pre = [p for p, a in zip(params, adam) if not a]
                 if pre:
                     due.extend(self._precond_step(group, pre))
+            for p, key in carried:  # a parameter this step did not reach, too
+                self.schedule.writes.settle(p, key)
             self.schedule.step_end(due)
         finally:
             self.placement.end_step()

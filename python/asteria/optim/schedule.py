@@ -559,12 +559,13 @@ class Schedule:
         """May a job that writes these members' [(param, j)] state in the background (a
         method's ``submit_write``) run on a worker? The one rule: an executor that takes inputs
         made for it (libasteria's pool, ``mode="async"``), rank-local (a replicated block's
-        state is updated by every replica itself, on its own thread); host parameters (on a
-        GPU the work is a few device matmuls, cheaper than the round trip); and not while a
-        deferred install runs (``settle_deferred``: the step reads the state next and would
-        wait for the worker at once)."""
-        return (self.takes_parts() and not self.settling
-                and all(local(p).device.type == "cpu" for p, _ in members))
+        state is updated by every replica itself, on its own thread), and host parameters (on
+        a GPU the work is a few device matmuls, cheaper than the round trip). A deferred
+        install's jobs too (``settle_deferred``): the next step starts them, works on the
+        state they do not write, and waits for one only where it reads what that one writes;
+        where an install happens does not change which kernel computes what (bitwise the same
+        trajectory)."""
+        return self.takes_parts() and all(local(p).device.type == "cpu" for p, _ in members)
 
     def takes_parts(self) -> bool:
         """May jobs be given inputs made for them, and inputs as parts (an executor that reads

@@ -5,7 +5,9 @@ math is in ``functional`` (soap_init / soap_step / soap_install), the scheduling
 ``schedule``. Two pieces of a step's work may run on the pool's workers while the next forward
 and backward run (docs/departures.md), where the schedule puts a job that writes state on a
 worker (``Schedule.on_worker``: libasteria's pool, host parameters) and the job fits its op: at
-an install, m's re-expression in the new basis (``soap_rotate`` jobs); with runtime
+an install, m's re-expression in the new basis (``soap_rotate`` jobs; an install deferred to
+the next step's start, S = 0, hands it to a worker too: that step updates the factors and
+projects the gradient first and reads m, waiting for the job, only then); with runtime
 ``factor_emas="workers"``, on a step whose factors no REFRESH reads at its end, the factor EMAs
 L, R (``gram_ema`` jobs, in place in the packed state, ``Placement.is_state``). Each job is registered in the optimizer's
 ``PendingWrites`` (``schedule.writes``: ``_Rotation`` / ``_FactorEma``, with the state keys it
@@ -134,17 +136,24 @@ class SOAPMethod(Method):
     def step_blocks(self, group, members, w, g, steps):
         has = self.has_factor(g.shape[1:], group)
         # the state's packed stacks, updated in place (copies only for tiered blocks)
-        m = self.placement.stack(members, "exp_avg", view=True)
         v = self.placement.stack(members, "exp_avg_sq", view=True)
         factors = self.placement.stack_dims(members, "GG", has, view=True)
         bases = self.placement.stack_dims(members, "Q", has, view=True)
         offload = self.factor_offload(group, members, g, factors, steps)
-        F.soap_step(w, g, m, v, [None] * len(factors) if offload else factors, bases, steps,
-                    lr=float(group["lr"]),
-                    beta1=group["betas"][0], beta2=group["betas"][1],
-                    shampoo_beta=self.shampoo_beta(group), eps=group["eps"],
-                    weight_decay=group["weight_decay"], correct_bias=group["correct_bias"],
-                    normalize_grads=group["normalize_grads"])
+
+        def moment():
+            # m may still be re-expressed on a worker (an install deferred to this step):
+            # read once soap_step has done what does not need it
+            for p, j in members:
+                self.schedule.writes.settle(p, K.key(j, "exp_avg"))
+            return self.placement.stack(members, "exp_avg", view=True)
+
+        m = F.soap_step(w, g, moment, v, [None] * len(factors) if offload else factors, bases,
+                        steps, lr=float(group["lr"]),
+                        beta1=group["betas"][0], beta2=group["betas"][1],
+                        shampoo_beta=self.shampoo_beta(group), eps=group["eps"],
+                        weight_decay=group["weight_decay"], correct_bias=group["correct_bias"],
+                        normalize_grads=group["normalize_grads"])
         self.placement.unstack(members, "exp_avg", m)
         self.placement.unstack(members, "exp_avg_sq", v)
         for i, f in enumerate(factors):
