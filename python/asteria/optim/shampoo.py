@@ -84,7 +84,7 @@ class ShampooMethod(Method):
                  else None)
         start = group["start_preconditioning_step"]
         if start == -1:
-            start = group["precondition_frequency"]
+            start = self.schedule.frequency(group, initial=True)
         m1 = self.placement.stack(members, "momentum", view=True)
         vg = self.placement.stack(members, "grafting_v", view=True)
         F.shampoo_step(w, g, factors, roots, m1, vg, steps, [k >= start for k in steps],
