@@ -27,14 +27,16 @@ specification), and packet headers and flow control leave about 80% of that to l
 it is not measured here. The device executor (``refresh_device``) computes on the device, with
 no transfer, at the device lane's rate of the cost model (``--device-gflops``, else the model's
 prior for an unmeasured device lane, labelled so); the table says where the round must run:
-"host" where the host round with its transfers fits the window, "device" where only the
-device's fits (``refresh_device=True`` must take it), "neither" where none does.
+"host" where the host workers' round with its transfers fits the window, "device" where only
+the device's fits (``refresh_device=True`` must take it), "host + device" where only the round
+divided among both (``--device-gflops``) fits, "neither" where none does.
 
 ``-f auto`` (``precondition_frequency="auto"``): the f the runtime would choose
 (``asteria.refresh.cost.choose_frequency``: 1.5x the round within the S = 0 window gives f = 1
 and S = 0; else the fewest steps that cover it, S as given or, with ``-S auto``, as small as
-hides it), from the host round with its transfers, or the device's where that gives a smaller
-f; the table's f, S and window columns are then the chosen ones.
+hides it), from the round on the lanes given (the host workers, with their transfers, and
+with ``--device-gflops`` the round divided with the device or the device's alone, whichever
+gives the smaller f); the table's f, S and window columns are then the chosen ones.
 
 Replicas (``--nodes``, ``--gpus-per-node``, ``--parallel``). In a distributed run each
 replicated factor has one owner, who computes it on its own host workers (docs/distributed.md
@@ -282,6 +284,7 @@ def row(model: C.CostModel, name: str, sizes: Counter, optimizer: str, cores: in
     d2h, h2d = transfer_bytes(sizes, optimizer)
     xfer_s = (d2h + h2d) / (pcie_gbps * 1e9) if pcie_gbps else 0.0
     round_s = C.split_makespan(model, jobs, lanes) + xfer_s
+    host_s = C.split_makespan(model, jobs, {Lane.HOST: cores}) + xfer_s
     device_s = C.makespan(model, jobs, 1, Lane.DEVICE)  # the device executor: no transfer
     whole_s = C.makespan(model, jobs, cores)
     gflop = sum(j.flops for j in jobs) / 1e9
@@ -289,21 +292,21 @@ def row(model: C.CostModel, name: str, sizes: Counter, optimizer: str, cores: in
     auto = frequency == "auto"
     if auto:
         fixed = None if staleness == "auto" else staleness
-        on_host = C.choose_frequency(round_s, step_s, fb_s, fixed)
-        on_device = C.choose_frequency(device_s, step_s, fb_s, fixed)
-        frequency, staleness = min(on_host, on_device)
+        frequency, staleness = min(C.choose_frequency(x, step_s, fb_s, fixed)
+                                   for x in ((round_s, device_s) if device else (round_s,)))
     window = C.window_s(staleness, step_s, fb_s)
     s_min = 0 if round_s <= fb_s else C.smallest_s(round_s, step_s)
     w_min = C.smallest_workers(model, jobs, window - xfer_s, True, device)
     busy = sum(model.job_seconds(Lane.HOST, j) for j in jobs)
-    where = ("host" if round_s <= window else "device" if device_s <= window else "neither")
+    where = ("host" if host_s <= window else "device" if device_s <= window
+             else "host + device" if round_s <= window else "neither")
     return {"model": name, "tokens": tokens, "step_s": step_s,
             "factors": sum(sizes.values()), "sizes": dict(sorted(sizes.items())),
             "gflop": gflop, "round_s": round_s, "round_whole_jobs_s": whole_s,
             "window_s": window, "utilisation": min(1.0, busy / (cores * frequency * step_s)),
             "smallest_s": s_min, "fits": s_min is not None and s_min <= staleness,
             "smallest_cores": w_min, "fb_s": fb_s, "bytes_d2h": d2h, "bytes_h2d": h2d,
-            "transfer_s": xfer_s, "device_round_s": device_s,
+            "transfer_s": xfer_s, "host_round_s": host_s, "device_round_s": device_s,
             "device_rate": model.sources(Lane.DEVICE, jobs), "refresh_on": where,
             "frequency": frequency, "staleness": staleness, "frequency_auto": auto}
 
@@ -542,12 +545,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"S={r['staleness']}")
         if r["refresh_on"] == "device":
             print(f"{r['model']}{tok}: the host workers' round with its transfers "
-                  f"({r['round_s']:.1f} s) does not fit the window ({r['window_s']:.1f} s) "
+                  f"({r['host_round_s']:.1f} s) does not fit the window ({r['window_s']:.1f} s) "
                   f"but the device executor's ({r['device_round_s']:.1f} s) does: it must "
                   f"take the round (runtime refresh_device=True)")
         elif r["refresh_on"] == "neither":
             print(f"{r['model']}{tok}: neither the host workers' round with its transfers "
-                  f"({r['round_s']:.1f} s) nor the device executor's "
+                  f"({r['host_round_s']:.1f} s) nor the device executor's "
                   f"({r['device_round_s']:.1f} s) fits the window ({r['window_s']:.1f} s)")
     if args.device_gflops:
         print(f"with a device lane of {args.device_gflops} GFLOP/s (hybrid rounds)")

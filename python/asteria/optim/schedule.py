@@ -296,10 +296,11 @@ class Schedule:
                  if st is not None and dict.__contains__(st, K.AUTO_F)}
         if max(steps.values(), default=0) < CHOOSE_F_AT:
             return
-        joint = self.run.cfg.staleness == AUTO
-        chosen = self.capacity.auto_f(self.full_round(),
-                                      None if joint else self.run.cfg.staleness,
-                                      self.stall_ns)
+        # both auto: S is chosen with f, unless it was chosen before (an "auto" group added
+        # after an auto S was chosen for the integer groups: S stays, once chosen)
+        joint = self.run.cfg.staleness == AUTO and self.auto_s is None
+        fixed = self.auto_s if self.run.cfg.staleness == AUTO else self.run.cfg.staleness
+        chosen = self.capacity.auto_f(self.full_round(), fixed, self.stall_ns)
         if chosen is None:
             return
         self.auto_f, s = chosen
