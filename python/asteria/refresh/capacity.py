@@ -4,8 +4,9 @@ Owns: ``Capacity`` (the rounds of one optimizer as submitted and as they finish,
 predicted and measured times, step times net of barrier stalls, the forward and backward
 between a step's end and the next step's start (the window of an S = 0 round in mode
 "async"), busy time per lane, the S that ``staleness="auto"`` picks and the f (with S) that
-``precondition_frequency="auto"`` picks, by ``asteria.refresh.cost.choose_frequency``) with its ``RoundRecord`` per round, and ``report_lines`` (the
-capacity summary in plain words, for ``asteria_plan()``). The predictions are the cost model's
+``precondition_frequency="auto"`` picks, by ``asteria.refresh.cost.choose_frequency``) with
+its ``RoundRecord`` per round, and ``report_lines`` (the capacity summary in plain words, for
+``asteria_plan()``). The predictions are the cost model's
 (``asteria.refresh.cost``), fed by the executor's ``observer``; an executor with a model of its
 own (``Engine.model``: the split executor's) shares it. May call: torch,
 ``asteria.refresh.cost``, ``asteria.refresh.engine``. Single-threaded (the training thread);
