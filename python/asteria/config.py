@@ -9,7 +9,9 @@ setting is read from the environment. The keys libasteria reads
 construction, to libasteria's validator (``ast_config_set``, via
 ``asteria._C.validate_config``), whose result (``c_config``, a ``_C.Config``) ``_C.Runtime``
 takes as it is. Every rejection is a ValueError naming the key and the allowed values. See the
-config table in README.md / DESIGN.md.
+config table in README.md / DESIGN.md. ``check_frequency`` is the one check of a param group's
+``precondition_frequency`` against these keys (S <= f; "auto" needs mode "async" and local
+blocking); the value's own range is the method's check.
 """
 
 from __future__ import annotations
