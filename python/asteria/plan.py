@@ -542,7 +542,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         tok = "" if r["tokens"] is None else f" at {r['tokens'] // 1024}k tokens"
         if r["frequency_auto"]:
             print(f"{r['model']}{tok}: -f auto chooses f={r['frequency']}, "
-                  f"S={r['staleness']}")
+                  f"S={r['staleness']}" + ("" if r["fits"] else
+                  f"; not hidden at S={r['staleness']}: each install waits about "
+                  f"{max(0.0, r['round_s'] - r['window_s']):.1f} s for the rest of its round, "
+                  f"once every {r['frequency']} steps"))
         if r["refresh_on"] == "device":
             print(f"{r['model']}{tok}: the host workers' round with its transfers "
                   f"({r['host_round_s']:.1f} s) does not fit the window ({r['window_s']:.1f} s) "
