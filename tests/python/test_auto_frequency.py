@@ -180,6 +180,27 @@ def test_slow_round_gives_a_larger_f_used_from_then_on(staleness):
         opt.close()
 
 
+def test_auto_group_beside_an_integer_group_keeps_s_within_both():
+    # both auto: S is chosen with f, and at most the integer group's f (S <= f for every group)
+    model = make_model("mlp")
+    first, *rest = [p for p in model.parameters() if p.dim() == 2]
+    others = [p for p in model.parameters() if p.dim() != 2]
+    opt = SOAP([{"params": [first], "precondition_frequency": 3},
+                {"params": rest + others, "precondition_frequency": "auto"}], runtime=rt())
+    try:
+        delay_jobs(opt, 60)
+        train(model, opt, 4, fb_sleep=0.005)
+        st = opt.asteria_stats()
+        assert st["frequency_auto_chosen"] and st["frequency_auto_f"] >= 3
+        assert st["staleness"] == 3  # the round wants more, the integer group allows 3
+        assert opt.schedule.frequency(opt.param_groups[0]) == 3
+        sd = opt.state_dict()
+        assert [g["precondition_frequency"] for g in sd["param_groups"]] == [3, "auto"]
+        assert "frequency.auto" not in sd["state"][0]
+    finally:
+        opt.close()
+
+
 def test_shampoo_chooses_at_its_second_step():
     model = make_model("mlp")
     opt = Shampoo(model.parameters(), precondition_frequency="auto", runtime=rt(0))
