@@ -7,6 +7,37 @@ among them, as the split executor does on a CUDA machine), the window S x step t
 utilisation (its busy share of the f steps between rounds), the smallest S that hides a round
 and the fewest cores that hide it at the given S.
 
+The window of a round (``asteria.refresh.cost.window_s``): S x step for S >= 1; at S = 0 in
+mode "async" the round runs during the next forward and backward (its install waits for the
+next step's start), so its window is the forward and backward's share of the step,
+``--fb-share`` x step. With ``--tokens`` the step time is the forward and backward's FLOPs at
+the given MFU (the optimizer's own step is not in it), so the share defaults to 1; with
+``--step-time`` a measured step also holds the optimizer's step and the data loading, and the
+share defaults to 0.9 (an assumption, printed with the table: give the share measured, e.g.
+``asteria_stats()``'s ``capacity_fb_s`` / ``capacity_step_s``).
+
+PCIe (``--pcie-gbps``, per direction; 0 leaves transfers out). A REFRESH on the host workers
+copies each factor it decomposes from the device (the snapshot, n x n float32) and each result
+back (the install: the n x n basis or root, and SOAP's sort order, n int64); the bases and
+roots themselves live in host memory (placement "auto"), so the snapshot does not copy them.
+Those bytes per round (``transfer_bytes``), at the given rate one direction after the other,
+are added to the host round. The default, 50 GB/s, is a planning figure for PCIe 5.0 x16: 32
+GT/s x 16 lanes with 128b/130b encoding is 63 GB/s per direction (the PCI-SIG PCIe 5.0 base
+specification), and packet headers and flow control leave about 80% of that to large copies;
+it is not measured here. The device executor (``refresh_device``) computes on the device, with
+no transfer, at the device lane's rate of the cost model (``--device-gflops``, else the model's
+prior for an unmeasured device lane, labelled so); the table says where the round must run:
+"host" where the host workers' round with its transfers fits the window, "device" where only
+the device's fits (``refresh_device=True`` must take it), "host + device" where only the round
+divided among both (``--device-gflops``) fits, "neither" where none does.
+
+``-f auto`` (``precondition_frequency="auto"``): the f the runtime would choose
+(``asteria.refresh.cost.choose_frequency``: 1.5x the round within the S = 0 window gives f = 1
+and S = 0; else the fewest steps that cover it, S as given or, with ``-S auto``, as small as
+hides it), from the round on the lanes given (the host workers, with their transfers, and
+with ``--device-gflops`` the round divided with the device or the device's alone, whichever
+gives the smaller f); the table's f, S and window columns are then the chosen ones.
+
 Replicas (``--nodes``, ``--gpus-per-node``, ``--parallel``). In a distributed run each
 replicated factor has one owner, who computes it on its own host workers (docs/distributed.md
 "DDP and HSDP: one owner per block"), so a round of a replica set is divided among its ranks.
@@ -120,6 +151,18 @@ def round_jobs(sizes: Counter, optimizer: str) -> list:
     return [C.JobSpec(op, torch.float32, n, k, p=p) for n, k in sorted(sizes.items())]
 
 
+def transfer_bytes(sizes: Counter, optimizer: str) -> tuple[int, int]:
+    """(device-to-host, host-to-device) bytes of a REFRESH round on the host workers of
+    float32 factors {size n: count}: each snapshot copies its factor (n x n), each install its
+    outputs (the n x n basis or root, and the method's extra outputs: SOAP's sort order, n
+    int64)."""
+    extra = sum(torch.empty((), dtype=d).element_size()
+                for d in method_of(optimizer).METHOD.EXTRA_OUTPUTS)
+    d2h = sum(k * n * n * 4 for n, k in sizes.items())
+    h2d = sum(k * (n * n * 4 + n * extra) for n, k in sizes.items())
+    return d2h, h2d
+
+
 # ---- replicas --------------------------------------------------------------------------------
 
 PARALLEL = ("ddp", "hsdp", "fsdp")
@@ -231,29 +274,52 @@ def calibrated(optimizer: str) -> tuple[C.CostModel, str]:
 
 
 def row(model: C.CostModel, name: str, sizes: Counter, optimizer: str, cores: int,
-        step_s: float, staleness: int, frequency: int, device: int, tokens: Optional[int]):
+        step_s: float, staleness, frequency, device: int, tokens: Optional[int],
+        fb_share: float = 0.0, pcie_gbps: float = 0.0):
+    """One line of the table. ``frequency``: f or "auto" (chosen here); ``staleness``: S, or
+    "auto" with f "auto"; ``fb_share``: the forward and backward's share of ``step_s`` (the
+    S = 0 window); ``pcie_gbps``: per direction (0: transfers left out)."""
     jobs = round_jobs(sizes, optimizer)
     lanes = {Lane.HOST: cores, **({Lane.DEVICE: 1} if device else {})}
-    round_s = C.split_makespan(model, jobs, lanes)
+    d2h, h2d = transfer_bytes(sizes, optimizer)
+    xfer_s = (d2h + h2d) / (pcie_gbps * 1e9) if pcie_gbps else 0.0
+    round_s = C.split_makespan(model, jobs, lanes) + xfer_s
+    host_s = C.split_makespan(model, jobs, {Lane.HOST: cores}) + xfer_s
+    device_s = C.makespan(model, jobs, 1, Lane.DEVICE)  # the device executor: no transfer
     whole_s = C.makespan(model, jobs, cores)
     gflop = sum(j.flops for j in jobs) / 1e9
-    window = staleness * step_s
-    s_min = C.smallest_s(round_s, step_s)
-    w_min = C.smallest_workers(model, jobs, window, True, device)
+    fb_s = fb_share * step_s
+    auto = frequency == "auto"
+    if auto:
+        fixed = None if staleness == "auto" else staleness
+        frequency, staleness = min(C.choose_frequency(x, step_s, fb_s, fixed)
+                                   for x in ((round_s, device_s) if device else (round_s,)))
+    window = C.window_s(staleness, step_s, fb_s)
+    s_min = 0 if round_s <= fb_s else C.smallest_s(round_s, step_s)
+    w_min = C.smallest_workers(model, jobs, window - xfer_s, True, device)
     busy = sum(model.job_seconds(Lane.HOST, j) for j in jobs)
+    where = ("host" if host_s <= window else "device" if device_s <= window
+             else "host + device" if round_s <= window else "neither")
     return {"model": name, "tokens": tokens, "step_s": step_s,
             "factors": sum(sizes.values()), "sizes": dict(sorted(sizes.items())),
             "gflop": gflop, "round_s": round_s, "round_whole_jobs_s": whole_s,
             "window_s": window, "utilisation": min(1.0, busy / (cores * frequency * step_s)),
             "smallest_s": s_min, "fits": s_min is not None and s_min <= staleness,
-            "smallest_cores": w_min}
+            "smallest_cores": w_min, "fb_s": fb_s, "bytes_d2h": d2h, "bytes_h2d": h2d,
+            "transfer_s": xfer_s, "host_round_s": host_s, "device_round_s": device_s,
+            "device_rate": model.sources(Lane.DEVICE, jobs), "refresh_on": where,
+            "frequency": frequency, "staleness": staleness, "frequency_auto": auto}
 
 
-def fmt_table(rows: list, cores: int, staleness: int, frequency: int, markdown: bool) -> str:
+def fmt_table(rows: list, cores: int, staleness, frequency, markdown: bool) -> str:
+    auto = frequency == "auto"
+    s_name = "S" if auto else f"S={staleness}"
     head = ["model", "tokens/GPU/step", "step s", "factors", "GFLOP/round",
-            f"round s ({cores} cores)", f"window S={staleness} (s)",
-            f"pool busy (f={frequency})", "smallest S", f"cores for S={staleness}",
-            f"hidden at S={staleness}"]
+            f"round s ({cores} cores)", f"window {s_name} (s)",
+            "pool busy (f)" if auto else f"pool busy (f={frequency})", "smallest S",
+            f"cores for {s_name}", f"hidden at {s_name}", "PCIe s", "REFRESH on"]
+    if auto:
+        head += ["f auto", "S"]
     reps = "replicas" in rows[0]
     if reps:
         head += ["ranks", "replica set", "round s/set", "speed-up", "smallest S/set"]
@@ -264,9 +330,13 @@ def fmt_table(rows: list, cores: int, staleness: int, frequency: int, markdown: 
                       f"{r['step_s']:.2f}", str(r["factors"]), f"{r['gflop']:.0f}",
                       f"{r['round_s']:.1f}", f"{r['window_s']:.1f}",
                       f"{100 * r['utilisation']:.0f}%",
-                      str(s_min) + ("" if s_min <= frequency else f" (> f={frequency})"),
+                      str(s_min) + ("" if s_min <= r["frequency"]
+                                    else f" (> f={r['frequency']})"),
                       "> 256" if r["smallest_cores"] is None else str(r["smallest_cores"]),
-                      "yes" if r["fits"] else "no"])
+                      "yes" if r["fits"] else "no", f"{r['transfer_s']:.2f}",
+                      r["refresh_on"]])
+        if auto:
+            lines[-1] += [str(r["frequency"]), str(r["staleness"])]
         if reps:
             rep = r["replicas"]
             lines[-1] += [str(rep["ranks"]), str(rep["replica_set_size"]),
@@ -295,6 +365,50 @@ def replicas_note(args, rows: list) -> str:
                      f"{rep['gflop']:.0f}, one rank alone {rep['single_rank_gflop']:.0f}); "
                      f"slowest rank {rep['slowest_rank']}")
     return "\n".join(lines)
+
+
+def frequency_arg(s: str):
+    if s == "auto":
+        return s
+    try:
+        return positive(s)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{s!r}: allowed: an integer >= 1, or auto") from None
+
+
+def staleness_arg(s: str):
+    if s == "auto":
+        return s
+    try:
+        v = int(s)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{s!r}: allowed: an integer >= 0, or auto")
+    return v
+
+
+def share_arg(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        v = -1.0
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"{s!r}: allowed: a fraction in [0, 1]")
+    return v
+
+
+def rate_arg(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        v = -1.0
+    if not v >= 0.0:
+        raise argparse.ArgumentTypeError(f"{s!r}: allowed: GB/s >= 0 (0: transfers left out)")
+    return v
+
+
+PCIE_GBPS = 50.0  # PCIe 5.0 x16 per direction, a planning figure (module doc)
 
 
 def positive(s: str) -> int:
@@ -346,8 +460,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--mfu", type=float, default=0.4)
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS)
     ap.add_argument("--seq-len", type=int, default=4096)
-    ap.add_argument("-f", "--frequency", type=int, default=10, help="precondition_frequency")
-    ap.add_argument("-S", "--staleness", type=int, default=5)
+    ap.add_argument("-f", "--frequency", type=frequency_arg, default=10,
+                    help="precondition_frequency: an integer >= 1, or auto (chosen here as "
+                         "the runtime would)")
+    ap.add_argument("-S", "--staleness", type=staleness_arg, default=5,
+                    help="an integer >= 0, or auto (with -f auto: chosen with f)")
+    ap.add_argument("--fb-share", type=share_arg, default=None,
+                    help="the forward and backward's share of the step time, the S=0 window "
+                         "(default: 1 with --tokens, whose step is the forward and backward's "
+                         "FLOPs; 0.9 with --step-time)")
+    ap.add_argument("--pcie-gbps", type=rate_arg, default=PCIE_GBPS,
+                    help=f"host<->device copy rate per direction, GB/s (default {PCIE_GBPS:g}: "
+                         "PCIe 5.0 x16's 63 GB/s less packet overhead; 0: transfers left out)")
     ap.add_argument("--max-precond-dim", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=2048)
     ap.add_argument("--markdown", action="store_true")
@@ -356,6 +480,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error("give --preset and/or --shape")
     if args.shape and args.tokens:
         ap.error("--tokens needs a preset (its FLOPs per token); give --step-time for --shape")
+    if args.staleness == "auto" and args.frequency != "auto":
+        ap.error("-S auto needs -f auto here (staleness 'auto' with an integer f is chosen "
+                 "from a run's measurements: optimizer.asteria_plan())")
+    if args.fb_share is None:
+        args.fb_share = 0.9 if args.step_time is not None else 1.0
     op = method_of(args.optimizer).METHOD.REFRESH_OP[0]
     if args.gflops_per_core is None:
         model, source = calibrated(args.optimizer)
@@ -384,7 +513,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for tokens, step_s in steps:
             rows.append(row(model, name, sizes, args.optimizer, args.cores, step_s,
                             args.staleness, args.frequency,
-                            1 if args.device_gflops else 0, tokens))
+                            1 if args.device_gflops else 0, tokens,
+                            fb_share=args.fb_share, pcie_gbps=args.pcie_gbps))
             if rep is not None:
                 rows[-1]["replicas"] = rep
                 rows[-1]["smallest_s_set"] = C.smallest_s(rep["round_s"], step_s)
@@ -397,10 +527,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           + ("" if args.step_time is not None else
              f"; step time = FLOPs/token x tokens / ({args.mfu:.0%} MFU x "
              f"{args.peak_tflops:.0f} TFLOP/s)"))
+    print(f"window at S=0: the next forward and backward, {args.fb_share:g} x the step "
+          f"time; at S >= 1: S x the step time")
     for r in {r["model"]: r for r in rows}.values():
         sizes = ", ".join(f"{k} x{n}" for n, k in r["sizes"].items())
         print(f"{r['model']}: factors {sizes}; a round as one job per size on one worker each "
               f"(the CPU-only executor) would take {r['round_whole_jobs_s']:.1f} s")
+        print(f"{r['model']}: PCIe per round on the host workers: {r['bytes_d2h'] / 1e9:.2f} GB "
+              f"device-to-host (the factors) + {r['bytes_h2d'] / 1e9:.2f} GB host-to-device "
+              f"(the new bases / roots) at {args.pcie_gbps:g} GB/s per direction = "
+              f"{r['transfer_s']:.2f} s, in the round; on the device executor the round "
+              f"takes {r['device_round_s']:.1f} s (device rate: {', '.join(r['device_rate'])})")
+    for r in rows:
+        tok = "" if r["tokens"] is None else f" at {r['tokens'] // 1024}k tokens"
+        if r["frequency_auto"]:
+            print(f"{r['model']}{tok}: -f auto chooses f={r['frequency']}, "
+                  f"S={r['staleness']}" + ("" if r["fits"] else
+                  f"; not hidden at S={r['staleness']}: each install waits about "
+                  f"{max(0.0, r['round_s'] - r['window_s']):.1f} s for the rest of its round, "
+                  f"once every {r['frequency']} steps"))
+        if r["refresh_on"] == "device":
+            print(f"{r['model']}{tok}: the host workers' round with its transfers "
+                  f"({r['host_round_s']:.1f} s) does not fit the window ({r['window_s']:.1f} s) "
+                  f"but the device executor's ({r['device_round_s']:.1f} s) does: it must "
+                  f"take the round (runtime refresh_device=True)")
+        elif r["refresh_on"] == "neither":
+            print(f"{r['model']}{tok}: neither the host workers' round with its transfers "
+                  f"({r['host_round_s']:.1f} s) nor the device executor's "
+                  f"({r['device_round_s']:.1f} s) fits the window ({r['window_s']:.1f} s)")
     if args.device_gflops:
         print(f"with a device lane of {args.device_gflops} GFLOP/s (hybrid rounds)")
     if world > 1:

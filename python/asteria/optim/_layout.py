@@ -8,7 +8,8 @@ the standard library. No state; safe from any thread.
 The names (the serialized form; checkpoints hold exactly these strings):
  - per parameter: ``step``; the AdamW path's ``exp_avg``, ``exp_avg_sq``; with S > 0 the refresh
    in flight ``pending.install_in``, ``pending.age``; with ``staleness="auto"``
-   ``staleness.auto`` (constants below);
+   ``staleness.auto``; in a group with ``precondition_frequency="auto"`` ``frequency.auto``
+   (constants below);
  - per block j (``Key``): ``b{j}.{field}`` (a block's moment: ``b0.exp_avg``, ``b0.momentum``),
    ``b{j}.{field}{i}`` (a per-dimension entry: factor ``b0.GG1``, basis ``b0.Q1``, root
    ``b0.Linv1``), ``b{j}.pending{i}.{n}`` (output n of the refresh in flight of dimension i),
@@ -33,6 +34,7 @@ ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")  # the AdamW path's state besides the 
 PENDING_IN = "pending.install_in"  # steps until the install of the refresh in flight
 PENDING_AGE = "pending.age"        # steps since its snapshot
 AUTO_S = "staleness.auto"          # the S that staleness="auto" chose (-1: not yet)
+AUTO_F = "frequency.auto"          # the f that precondition_frequency="auto" chose (-1: not yet)
 #: The marker that heads the state of a parameter sharded over several ranks with
 #: fsdp_blocking="local" (value: the shard count). Its name is a sentence because a resume at
 #: another world size shows it and nothing else: torch.distributed.checkpoint's load planner

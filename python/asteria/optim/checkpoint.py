@@ -234,6 +234,7 @@ class Checkpoint:
             self.method.fixed_state(p, group, layout)
             self.schedule.fixed_state(p, group, layout)
         self.schedule.restore_auto_s()  # staleness="auto": the S the saved run chose stays
+        self.schedule.restore_auto_f()  # precondition_frequency="auto": so does its f
         self.placement.end_step()  # NVMe-homed blocks go back to NVMe (best effort)
         for hook in post_hooks.values():
             hook(opt)
@@ -306,8 +307,8 @@ class Checkpoint:
             tensors = {n: (tuple(shape), dt) for n, _, shape, dt in spec}
             # Shampoo's roots may be absent (a state dict from before the fixed key set)
             required = {n for n, kind, _, _ in spec if kind != "roots"} | {K.STEP}
-            # AUTO_S: the S a staleness="auto" run chose (kept by a resumed auto run)
-            flags |= {K.PENDING_IN, K.PENDING_AGE, K.AUTO_S}
+            # AUTO_S / AUTO_F: the S / f an "auto" run chose (kept by a resumed auto run)
+            flags |= {K.PENDING_IN, K.PENDING_AGE, K.AUTO_S, K.AUTO_F}
             flags |= set(self.method.flag_keys(p, group, layout))
             for j, bshape in enumerate(layout.block_shapes):
                 for dim, has in enumerate(self.method.has_factor(bshape, group)):

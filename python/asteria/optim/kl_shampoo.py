@@ -149,7 +149,8 @@ class KLShampoo(AsteriaOptimizer):
     METHOD = KLShampooMethod
 
     def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.98), shampoo_beta: float = -1,
-                 eps: float = 1e-8, weight_decay: float = 0.01, precondition_frequency: int = 10,
+                 eps: float = 1e-8, weight_decay: float = 0.01,
+                 precondition_frequency: Union[int, str] = 10,
                  normalize_grads: bool = False, init_factor: float = 0.1,
                  using_clamping: bool = True, max_clamp_value: int = 4000,
                  compute_dtype: Union[torch.dtype, str] = torch.float32, *,

@@ -69,7 +69,9 @@ def check_common(group: dict, beta_max: Sequence[bool] = (False, False)) -> None
     wd = group["weight_decay"]
     require("weight_decay", isinstance(wd, (int, float)) and wd >= 0.0, wd, "a float >= 0")
     f = group["precondition_frequency"]
-    require("precondition_frequency", is_int(f) and f >= 1, f, "an integer >= 1")
+    require("precondition_frequency",
+            (is_int(f) and f >= 1) or (isinstance(f, str) and f == "auto"), f,
+            'an integer >= 1, or "auto" (chosen from measured times, runtime mode "async")')
     bs = group["block_size"]
     require("block_size", bs is None or (is_int(bs) and bs >= 1), bs, "None or an integer >= 1")
     ne = group.get("num_experts")

@@ -62,7 +62,7 @@ from asteria.optim.checkpoint import Checkpoint
 from asteria.optim.method import INIT, REFRESH
 from asteria.optim.placement import Placement, close_all
 from asteria.optim.run import Run
-from asteria.optim.schedule import Schedule
+from asteria.optim.schedule import CHOOSE_F_AT, Schedule
 
 
 #: the keys asteria_stats() reports in every mode (zero where a mode has no such thing)
@@ -107,6 +107,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         plan = self.placement.make_plan()
         if run.engine is None:
             run.engine = _select.make_engine(run.cfg, plan, run.params())
+        self.schedule.check_engine()
         if self.placement.apply(plan, run.engine.tracer):  # a residency was made now
             if self._finalizer is not None:  # the finalizer must close it too
                 self._finalizer.detach()
@@ -187,13 +188,9 @@ class AsteriaOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if self.run.closed:
             raise RuntimeError("step() on a closed Asteria optimizer")
-        self.schedule.writes.start_due()  # what an interrupted step left to start
-        if self.schedule.writes:  # done during the forward and backward: taken in one go, so the
-            self.schedule.writes.settle_all()  # step's reads of the state take the direct path
-        # then the installs deferred to this use: their jobs that write state (SOAP's m, on a
-        # worker) run while this step works on other state; the method's read of what they
-        # write waits for them (Method.step_blocks), and the rest is taken before the step end
-        self.schedule.settle()
+        # the jobs of the last step, then the installs deferred to this one (whose jobs run on
+        # while this step works on state they do not write: see Schedule.step_start)
+        self.schedule.step_start()
         carried = list(self.schedule.writes)
         loss = None
         if closure is not None:
@@ -309,7 +306,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                 key = (phase, bshape, dtype, device, self.method.batch_tag(p, j))
                 stacks[key].append((p, j))
         due: list = []
-        freq = group["precondition_frequency"]
+        freq = self.schedule.frequency(group)
         glob = [p for p in params if self.run.blocking.has(p)]
         glob_set = set(glob)
         grads, weights = self.run.blocking.gather(glob) if glob else ({}, {})  # the owned blocks
@@ -448,8 +445,13 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         stats["staleness"] = self.schedule.delay
         stats["staleness_auto"] = self.run.cfg.staleness == "auto"
         stats["staleness_auto_chosen"] = self.schedule.auto_s is not None
-        cap = self.schedule.capacity.summary(self.schedule.delay)
-        for key in ("round_gflop", "predicted_round_s", "measured_round_s", "step_s",
+        # precondition_frequency="auto": whether f was chosen yet, and the f its groups use now
+        stats["frequency_auto"] = self.schedule.auto_frequency
+        stats["frequency_auto_chosen"] = self.schedule.auto_f is not None
+        stats["frequency_auto_f"] = (self.schedule.auto_frequency_now()
+                                     if self.schedule.auto_frequency else None)
+        cap = self.schedule.capacity.summary(self.schedule.delay, self.schedule.defers())
+        for key in ("round_gflop", "predicted_round_s", "measured_round_s", "step_s", "fb_s",
                     "window_s", "utilisation", "smallest_s", "smallest_workers"):
             stats[f"capacity_{key}"] = cap.get(key)
         return stats
@@ -469,8 +471,15 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             if auto:
                 lines.append(f"staleness 'auto': S = {s} " + (
                     "(chosen from the measured round time)" if self.schedule.auto_s is not None
-                    else "(the frequency, until a REFRESH round has been measured)"))
-            lines.extend(report_lines(sched.capacity.summary(s)))
+                    else "(0, to be chosen with precondition_frequency 'auto')"
+                    if sched.auto_frequency else
+                    "(the frequency, until a REFRESH round has been measured)"))
+            if sched.auto_frequency:
+                how = ("chosen from the measured round and step times" if sched.auto_f
+                       else f"until the choice, at a parameter's step {CHOOSE_F_AT}")
+                lines.append(f"precondition_frequency 'auto': f = "
+                             f"{sched.auto_frequency_now()} ({how})")
+            lines.extend(report_lines(sched.capacity.summary(s, sched.defers())))
         return lines
 
     def close(self) -> None:

@@ -10,7 +10,10 @@ snapshots) and the wire form of the refreshes in flight (``wait_pending``, ``exp
 ``reset``, ``restore_pending``: the checkpoint part calls them and never sees a round). S is
 read from the runtime config here and nowhere else (``delay``), chosen here with
 ``staleness="auto"`` (``choose_s``), and given to the engine as each job's deadline t + S (a
-replicated engine's budget is ``deadline - snapshot_step``).
+replicated engine's budget is ``deadline - snapshot_step``). A param group's f likewise:
+``frequency`` is the one reader of ``precondition_frequency`` for scheduling (the step's
+"due" rule, SOAP's factor offload, Shampoo's start, the ceiling of auto S), and the f that
+``precondition_frequency="auto"`` chose lives here (``auto_f``, ``choose_f``).
 Built with what it uses (``Schedule(run, method, placement, writes)``): the run record
 (``run.py``: engine, config, step counter, parameter index, counters, replicas). May call: the
 engine (``submit`` / ``ready`` / ``wait`` / ``step_end``), the capacity record
@@ -60,6 +63,27 @@ Schedule (DESIGN.md, "Staleness"). Steps are counted per ``step()`` call (t = 1,
    and the prediction. From then on S is fixed. It is stored in every preconditioned parameter's state
    (``staleness.auto``, -1 before the choice), so a resumed run keeps it: the trajectory is a
    pure function of the inputs and that S (timing picks S once; it never moves S again).
+ - ``precondition_frequency="auto"`` (``mode="async"``; config.py refuses it in sync mode,
+   with ``fsdp_blocking="global"``, and ``check_engine`` with replicated parameters: each rank
+   would choose from its own timings). One f serves every group that asks for "auto". Before
+   the choice f is ``initial_frequency()``: max(1, S) for an integer S (S <= f), 1 with
+   ``staleness="auto"``, whose S is then 0 (sync's trajectory: every step's round runs during
+   the next forward and backward). f is chosen at the end of the step in which a
+   preconditioned parameter of such a group takes its second counted step (``step`` = 2: SOAP
+   and KL-Shampoo at the run's third step, after the first-step eigendecompositions and one
+   REFRESH round; Shampoo at its second), after that step end's installs and before its
+   snapshots, whose due factors are those of the new f. The rule is
+   ``asteria.refresh.cost.choose_frequency`` on the capacity record's numbers
+   (``Capacity.auto_f``): a round of every factor as the cost model prices it (measured rates:
+   the INIT round's, the first REFRESH rounds'), the step (median of the steps so far and the
+   one in progress), the forward and backward (a step's end to the next step's start). 1.5x
+   the round within the forward and backward: f = 1 with S = 0; else f = the fewest steps that
+   cover it, and with ``staleness="auto"`` S = f (never below an integer S; with an integer
+   S, S stays). Both auto: S is chosen here, at most the smallest integer f of the other
+   groups; ``choose_s`` leaves it alone. The choice step depends on step counts alone, and f
+   is stored in every preconditioned parameter's state of such a group (``frequency.auto``,
+   -1 before the choice), so the trajectory is a pure function of the inputs and that f, and a
+   resumed run keeps it (``restore_auto_f``).
 """
 
 from __future__ import annotations
@@ -67,7 +91,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Optional
 
 import torch
@@ -88,6 +112,8 @@ from asteria.refresh.engine import SubmitOptions
 # (block, dim) its outputs (K.pending_output) and their flag (K.pending_ok)
 NO_ROUND = -1
 AUTO = "auto"
+#: precondition_frequency="auto" is chosen when a parameter of such a group reaches this count
+CHOOSE_F_AT = 2
 
 
 @dataclasses.dataclass
@@ -184,6 +210,7 @@ class Schedule:
         self.failed: list = []       # failures to raise at the end of this step
         self.lazy_counts: dict = {}  # name -> device tensor (see count_lazy)
         self.auto_s: Optional[int] = None  # staleness="auto": the S chosen, once chosen
+        self.auto_f: Optional[int] = None  # precondition_frequency="auto": the f, once chosen
         self._capacity: Optional[Capacity] = None
         self.stall_ns = 0  # this step end's time at the bounded barrier
 
@@ -194,12 +221,120 @@ class Schedule:
             return 0
         if self.run.cfg.staleness == AUTO:
             cap = self.auto_ceiling()  # a group added later may lower it
-            return cap if self.auto_s is None else min(self.auto_s, cap)
+            if self.auto_s is None:  # both auto: S = 0 until f and S are chosen together
+                return 0 if self.auto_frequency else cap
+            return min(self.auto_s, cap)
         return self.run.cfg.staleness
 
     def auto_ceiling(self) -> int:
-        """The largest S allowed: the smallest precondition_frequency of the groups."""
-        return min((g["precondition_frequency"] for g in self.run.param_groups), default=1)
+        """The largest S allowed: the smallest precondition_frequency of the groups (as
+        ``frequency`` gives it)."""
+        return min((self.frequency(g) for g in self.run.param_groups), default=1)
+
+    # ---- precondition_frequency ----------------------------------------------------------------
+    @property
+    def auto_frequency(self) -> bool:
+        """Does a param group ask for ``precondition_frequency="auto"``?"""
+        return any(g["precondition_frequency"] == AUTO for g in self.run.param_groups)
+
+    def frequency(self, group: dict, initial: bool = False) -> int:
+        """The f a param group refreshes at: its integer, or for "auto" the f chosen
+        (``initial_frequency()`` before the choice, and always with ``initial``: the f the run
+        started with, Shampoo's start_preconditioning_step=-1)."""
+        f = group["precondition_frequency"]
+        if f != AUTO:
+            return f
+        return self.initial_frequency() if initial else self.auto_frequency_now()
+
+    def auto_frequency_now(self) -> int:
+        """The f of the groups with "auto": the one chosen, or ``initial_frequency()``."""
+        return self.initial_frequency() if self.auto_f is None else self.auto_f
+
+    def initial_frequency(self) -> int:
+        """f="auto" before its choice: max(1, S) for an integer S (S <= f), else 1."""
+        s = self.run.cfg.staleness
+        return 1 if s == AUTO else max(1, s)
+
+    def check_engine(self) -> None:
+        """Once the engine exists: ``precondition_frequency="auto"`` with replicated
+        parameters (DDP, HSDP) is refused, as each rank would choose f from its own timings
+        and the replicas of a block would refresh at different steps."""
+        if self.auto_frequency and self.run.engine.replicated:
+            raise ValueError(
+                "precondition_frequency='auto' with replicated parameters (DDP / HSDP): each "
+                "rank would choose f from its own timings; allowed: an integer >= 1 there")
+
+    def full_round(self) -> list:
+        """A REFRESH round of every factor of the preconditioned parameters, as the cost
+        model prices it: [JobSpec] per (factor size, dtype), the method's REFRESH op."""
+        op, pw = self.method.REFRESH_OP
+        sizes: Counter = Counter()
+        for group in self.run.param_groups:
+            for p in group["params"]:
+                if p.numel() == 0 or self.run.is_adamw(p, group):
+                    continue
+                dtype = self.method.state_dtype(p, group)
+                for shape in self.run.layout(p, group).block_shapes:
+                    for d, has in zip(shape, self.method.has_factor(shape, group)):
+                        if has:
+                            sizes[(int(d), dtype)] += 1
+        return [JobSpec(op, dt, n, k, p=pw) for (n, dt), k in sizes.items()]
+
+    def choose_f(self) -> None:
+        """precondition_frequency="auto": fix f (and with staleness="auto" S), once, at the
+        end of the step in which a parameter of such a group took its CHOOSE_F_AT-th step
+        (see the module doc), then drop the factors this step end would snapshot that the new
+        f does not make due."""
+        if self.auto_f is not None or not self.run.is_async or not self.auto_frequency:
+            return
+        auto = [p for g in self.run.param_groups if g["precondition_frequency"] == AUTO
+                for p in g["params"]]
+        states = self.run.state
+        # the preconditioned parameters' own entries (no settling read: nothing is due here)
+        steps = {p: _count(dict.__getitem__(st, K.STEP)) for p in auto
+                 for st in [dict.get(states, p)]
+                 if st is not None and dict.__contains__(st, K.AUTO_F)}
+        if max(steps.values(), default=0) < CHOOSE_F_AT:
+            return
+        # both auto: S is chosen with f, unless it was chosen before (an "auto" group added
+        # after an auto S was chosen for the integer groups: S stays, once chosen)
+        joint = self.run.cfg.staleness == AUTO and self.auto_s is None
+        fixed = self.auto_s if self.run.cfg.staleness == AUTO else self.run.cfg.staleness
+        chosen = self.capacity.auto_f(self.full_round(), fixed, self.stall_ns)
+        if chosen is None:
+            return
+        self.auto_f, s = chosen
+        if joint:
+            self.auto_s = min(s, self.auto_ceiling())
+        for p in steps:
+            states[p][K.AUTO_F] = self.auto_f
+        if joint:
+            for _, st in self.run.param_states():
+                if K.AUTO_S in st:
+                    st[K.AUTO_S] = self.auto_s
+        self.unfinished_end = [d for d in self.unfinished_end if d[0] != REFRESH
+                               or d[1] not in steps or steps[d[1]] % self.auto_f == 0]
+
+    def restore_auto_f(self) -> None:
+        """After a load: the f a saved auto run chose, if it chose one (and with
+        staleness="auto" too, its S: ``restore_auto_s``)."""
+        chosen = [int(st[K.AUTO_F]) for _, st in self.run.param_states() if K.AUTO_F in st]
+        chosen = [c for c in chosen if c >= 1]
+        self.auto_f = max(chosen) if chosen and self.auto_frequency else None
+
+    def step_start(self) -> None:
+        """A ``step()`` starts: the capacity record times the forward and backward before it;
+        the jobs that write state, done during that forward and backward, are taken in one go
+        (so the step's reads of the state take the direct path); then what an earlier step end
+        left is finished (``settle``): the installs deferred to this use. Their own jobs that
+        write state (SOAP's m, on a worker) run on while the step works on state they do not
+        write; the method's read of what they write waits for them (``SOAPMethod.step_blocks``)
+        and the step takes the rest before its end."""
+        self.capacity.step_start()
+        self.writes.start_due()  # what an interrupted step left to start
+        if self.writes:
+            self.writes.settle_all()
+        self.settle()
 
     @property
     def measured(self) -> bool:
@@ -219,6 +354,8 @@ class Schedule:
         jobs already (SOAP's and KL-Shampoo's first-step eigendecompositions); else at the
         install of the first REFRESH round, from its measured time."""
         if self.run.cfg.staleness != AUTO or not self.run.is_async or self.auto_s is not None:
+            return
+        if self.auto_frequency:  # S is chosen with f (choose_f)
             return
         s = self.capacity.auto_s(self.auto_ceiling(), jobs)
         if s is None:
@@ -242,10 +379,14 @@ class Schedule:
 
     def fixed_state(self, p: torch.Tensor, group: dict, layout: Layout) -> None:
         """Add the schedule's keys of the fixed key set that p's state lacks (at creation,
-        after a load): with S > 0 the placeholders of a REFRESH in flight."""
-        if self.delay <= 0:
-            return
+        after a load): with precondition_frequency="auto" the f chosen, with S > 0 (or
+        staleness="auto", whose S may be 0 only until it is chosen) the placeholders of a
+        REFRESH in flight."""
         st = self.run.state[p]
+        if group["precondition_frequency"] == AUTO and K.AUTO_F not in st:
+            st[K.AUTO_F] = -1 if self.auto_f is None else self.auto_f
+        if self.delay <= 0 and not (self.run.is_async and self.run.cfg.staleness == AUTO):
+            return
         if self.run.cfg.staleness == AUTO and K.AUTO_S not in st:
             st[K.AUTO_S] = -1 if self.auto_s is None else self.auto_s
         if K.PENDING_IN not in st:
@@ -318,6 +459,7 @@ class Schedule:
         self.rounds = []
         self.fail_streak, self.failed = {}, []
         self.auto_s = None  # the loaded state says which S an auto run chose
+        self.auto_f = None  # and which f
 
     def restore_pending(self, p: torch.Tensor, st: dict) -> None:
         """Take the refresh in flight out of p's loaded state ``st`` (a plain dict, changed in
@@ -374,6 +516,7 @@ class Schedule:
             if rnd.install_step <= t or (self.eager and rnd.ready(self.run.engine)):
                 self.install_round(rnd)
         self.choose_s()
+        self.choose_f()
         for kind in (INIT, REFRESH):
             items = [d for d in self.unfinished_end if d[0] == kind]
             if not items:

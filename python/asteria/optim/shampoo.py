@@ -84,7 +84,7 @@ class ShampooMethod(Method):
                  else None)
         start = group["start_preconditioning_step"]
         if start == -1:
-            start = group["precondition_frequency"]
+            start = self.schedule.frequency(group, initial=True)
         m1 = self.placement.stack(members, "momentum", view=True)
         vg = self.placement.stack(members, "grafting_v", view=True)
         F.shampoo_step(w, g, factors, roots, m1, vg, steps, [k >= start for k in steps],
@@ -120,7 +120,8 @@ class ShampooMethod(Method):
 @register
 class Shampoo(AsteriaOptimizer):
     """Shampoo with Adam grafting. ``start_preconditioning_step=-1`` means
-    ``precondition_frequency`` (Distributed Shampoo's convention). ``inverse_exponent_override``:
+    ``precondition_frequency`` (Distributed Shampoo's convention; with ``"auto"`` the f the run
+    starts with, before f is chosen: 1, or an integer S). ``inverse_exponent_override``:
     None (root 2*order), a number p (every factor uses the root p), or a dict {order: p}.
 
     Param group key ``"algorithm"``: ``"adamw"`` sends every parameter of the group, 2-D ones
@@ -133,7 +134,7 @@ class Shampoo(AsteriaOptimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), epsilon: float = 1e-12,
                  grafting_beta2: float = 0.999, grafting_epsilon: float = 1e-8,
-                 weight_decay: float = 0.0, precondition_frequency: int = 10,
+                 weight_decay: float = 0.0, precondition_frequency: Union[int, str] = 10,
                  start_preconditioning_step: int = -1, max_preconditioner_dim: int = 1024,
                  inverse_exponent_override: Union[None, float, dict] = None, *,
                  block_size: Optional[int] = None, runtime=None):

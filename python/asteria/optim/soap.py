@@ -267,7 +267,7 @@ class SOAPMethod(Method):
                 or g.dim() != 3 or g.dtype not in (torch.float32, torch.float64)
                 or all(f is None for f in factors)):
             return False
-        freq = group["precondition_frequency"]
+        freq = self.schedule.frequency(group)
         if any(k % freq == 0 for k in steps) or not self.schedule.on_worker(members):
             return False
         return all(f is None or (f.dtype == g.dtype and f.is_contiguous()

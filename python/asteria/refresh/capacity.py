@@ -1,9 +1,12 @@
 """One optimizer's capacity record: its REFRESH rounds against its step time, and the report.
 
 Owns: ``Capacity`` (the rounds of one optimizer as submitted and as they finish, their
-predicted and measured times, step times net of barrier stalls, busy time per lane, the S that
-``staleness="auto"`` picks) with its ``RoundRecord`` per round, and ``report_lines`` (the
-capacity summary in plain words, for ``asteria_plan()``). The predictions are the cost model's
+predicted and measured times, step times net of barrier stalls, the forward and backward
+between a step's end and the next step's start (the window of an S = 0 round in mode
+"async"), busy time per lane, the S that ``staleness="auto"`` picks and the f (with S) that
+``precondition_frequency="auto"`` picks, by ``asteria.refresh.cost.choose_frequency``) with
+its ``RoundRecord`` per round, and ``report_lines`` (the capacity summary in plain words, for
+``asteria_plan()``). The predictions are the cost model's
 (``asteria.refresh.cost``), fed by the executor's ``observer``; an executor with a model of its
 own (``Engine.model``: the split executor's) shares it. May call: torch,
 ``asteria.refresh.cost``, ``asteria.refresh.engine``. Single-threaded (the training thread);
@@ -20,10 +23,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from asteria.refresh.cost import CostModel, JobSpec, predict_round, smallest_s, smallest_workers
+from asteria.refresh.cost import (AUTO_MARGIN, CostModel, JobSpec, choose_frequency,
+                                  predict_round, smallest_s, smallest_workers, window_s)
 from asteria.refresh.engine import Engine, JobTiming, Lane
-
-AUTO_MARGIN = 1.5            # staleness "auto": the window must be this much above a round
 
 
 @dataclasses.dataclass
@@ -67,6 +69,9 @@ class Capacity:
         self._by_ticket: dict = {}
         self._steps: deque = deque(maxlen=64)  # step seconds, barrier stalls excluded
         self._last_end_ns: Optional[int] = None
+        self._start_ns: Optional[int] = None  # this step's start (``step_start``)
+        # seconds from a step's end to the next step's start: the forward and backward
+        self._fb: deque = deque(maxlen=64)
         self._busy = defaultdict(float)   # lane -> busy seconds since the first job
         self._first_ns: Optional[int] = None
         self.rotation_s: deque = deque(maxlen=self.KEEP)
@@ -116,6 +121,14 @@ class Capacity:
                 self.model.observe_dispatch((rec.started_ns - rec.submit_ns) / 1e9
                                             - self.model.submit_seconds(first))
 
+    def step_start(self) -> None:
+        """A step started now (``optimizer.step()``'s entry, before anything waits): the time
+        since the last step's end was the forward and backward."""
+        now = time.monotonic_ns()
+        self._start_ns = now
+        if self._last_end_ns is not None:
+            self._fb.append(max(0, now - self._last_end_ns) / 1e9)
+
     def step_end(self, stall_ns: int = 0) -> None:
         """A step ended now; ``stall_ns`` of it went to waiting at the bounded barrier."""
         now = time.monotonic_ns()
@@ -133,6 +146,10 @@ class Capacity:
 
     def step_s(self) -> Optional[float]:
         return statistics.median(self._steps) if self._steps else None
+
+    def fb_s(self) -> Optional[float]:
+        """The median forward and backward: a step's end to the next step's start."""
+        return statistics.median(self._fb) if self._fb else None
 
     def last_refresh(self) -> Optional[RoundRecord]:
         for rec in reversed(self.rounds):
@@ -161,7 +178,9 @@ class Capacity:
         round's time, at least 1, at most f; None while that cannot be known. ``jobs``: the
         round about to be submitted, priced by the model if it has measured any job on these
         lanes (the first-step eigendecompositions); without ``jobs``: the last REFRESH round,
-        once measured (the larger of its measured time and its prediction)."""
+        once measured (the larger of its measured time and its prediction). S is at least 1
+        here, as it always was for an integer ``precondition_frequency``: the S = 0 window
+        (the forward and backward) enters where f is chosen too (``auto_f``)."""
         step = self.step_s()
         if not step:
             return None
@@ -176,14 +195,41 @@ class Capacity:
             need = max(rec.measured_s, self.predict(rec))
         return min(f, smallest_s(need, step, AUTO_MARGIN))
 
-    def summary(self, staleness: int) -> dict:
-        """The capacity report as numbers (None where not measured yet)."""
+    def auto_f(self, jobs: Sequence[JobSpec], staleness: Optional[int],
+               stall_ns: int = 0) -> Optional[tuple]:
+        """(f, S) for ``precondition_frequency="auto"`` (``cost.choose_frequency``), or None
+        while no step has been timed or ``jobs`` is empty. ``jobs``: a round of every factor,
+        priced by the model (the larger of that and the last REFRESH round's measured time
+        where that round had as many factors); the step: the median of the steps measured
+        and of the one in progress (``stall_ns`` of it at the bounded barrier, excluded); the
+        forward and backward: the median measured (0 before any), at most the step.
+        ``staleness``: the S the run fixed, or None to choose it with f."""
+        steps = list(self._steps)
+        since = self._last_end_ns if self._last_end_ns is not None else self._start_ns
+        if since is not None:
+            steps.append(max(0, time.monotonic_ns() - since - stall_ns) / 1e9)
+        step = statistics.median(steps) if steps else 0.0
+        if not jobs or step <= 0:
+            return None
+        need = predict_round(self.model, list(jobs), self.lanes(), self.splits)
+        rec = self.last_refresh()
+        entries = sum(j.batch for j in jobs)
+        if (rec is not None and rec.measured_s is not None
+                and sum(j.batch for j in rec.jobs.values()) == entries):
+            need = max(need, rec.measured_s)
+        return choose_frequency(need, step, min(self.fb_s() or 0.0, step), staleness)
+
+    def summary(self, staleness: int, defers: bool = False) -> dict:
+        """The capacity report as numbers (None where not measured yet). ``defers``: an S = 0
+        round runs during the next forward and backward (mode "async", ``Schedule.defers``),
+        which is then its window; else S x step."""
         rec = self.last_refresh()
         step = self.step_s()
+        fb = self.fb_s() if defers else 0.0
         lanes = self.lanes()
         out: dict = {"lanes": dict(lanes), "splits_batches": self.splits,
-                     "step_s": step, "staleness": staleness,
-                     "window_s": staleness * step if step else None,
+                     "step_s": step, "staleness": staleness, "fb_s": self.fb_s(),
+                     "window_s": window_s(staleness, step, fb or 0.0) if step else None,
                      "utilisation": self.utilisation(), "timing": self._timing}
         if Lane.DEVICE in lanes:
             # process-wide: "high" / "medium" put the device lane's float32 matmuls in TF32
@@ -201,7 +247,7 @@ class Capacity:
         if step:
             out["smallest_s"] = smallest_s(need, step)
             jobs = list(rec.jobs.values())
-            out["smallest_workers"] = smallest_workers(self.model, jobs, staleness * step,
+            out["smallest_workers"] = smallest_workers(self.model, jobs, out["window_s"],
                                                        self.splits, lanes.get(Lane.DEVICE, 0))
         return out
 
@@ -230,9 +276,14 @@ def report_lines(s: dict) -> list[str]:
                  f"measured {sec(s['measured_round_s'])} (submit to last job's end, timed by "
                  f"{s['timing'] or 'nobody'})")
     if s["step_s"]:
-        lines.append(f"capacity: window S x step = {s['staleness']} x {s['step_s']:.3f} s = "
-                     f"{s['window_s']:.3f} s; pool utilisation "
-                     + ("n/a" if s["utilisation"] is None else f"{100 * s['utilisation']:.0f}%"))
+        busy = "n/a" if s["utilisation"] is None else f"{100 * s['utilisation']:.0f}%"
+        if s["staleness"] == 0 and s["window_s"]:
+            lines.append(f"capacity: window at S=0 = the next forward and backward (a step's "
+                         f"end to the next step's start) = {s['window_s']:.3f} s of a "
+                         f"{s['step_s']:.3f} s step; pool utilisation {busy}")
+        else:
+            lines.append(f"capacity: window S x step = {s['staleness']} x {s['step_s']:.3f} s "
+                         f"= {s['window_s']:.3f} s; pool utilisation {busy}")
         w = s.get("smallest_workers")
         lines.append(f"capacity: smallest S that hides the refresh: {s['smallest_s']}; "
                      f"smallest worker count at S={s['staleness']}: "

@@ -4,7 +4,9 @@ Owns: the FLOP count of a job (``flops``, from each op's count in ``asteria.refr
 the throughput measured per lane, op, dtype and size (``CostModel``), the prediction of a
 round's time on a number of workers or lanes (``makespan``, ``assign``, ``split_makespan``,
 ``predict_round``), the smallest S and worker count that cover a round (``smallest_s``,
-``smallest_workers``) and the measurement of a machine's per-core rate (``calibrate``). One
+``smallest_workers``), the window a round has at a given S (``window_s``), the choice of
+``precondition_frequency="auto"`` from a round's and a step's seconds (``choose_frequency``)
+and the measurement of a machine's per-core rate (``calibrate``). One
 optimizer's record of its rounds and the capacity report are ``asteria.refresh.capacity``'s;
 the check of the prediction against the pool is benchmarks/cost_check.py's. May call: torch,
 ``asteria.refresh.ops``, ``asteria.refresh.engine`` (JobTiming, Lane) and, for ``calibrate``
@@ -331,6 +333,43 @@ def smallest_s(round_s: float, step_s: float, margin: float = 1.0) -> Optional[i
     if step_s <= 0:
         return None
     return max(1, math.ceil(margin * round_s / step_s - 1e-9))
+
+AUTO_MARGIN = 1.5  # "auto" S and f: the window must be this much above a round
+
+
+def window_s(staleness: int, step_s: float, fb_s: float) -> float:
+    """Seconds a REFRESH round has before its install, in mode "async": S whole steps
+    (snapshot at the end of step t, install at the end of step t + S), or with S = 0 the
+    forward and backward in between (``fb_s``): the install is deferred to the next step's
+    start, so the round runs while the model computes its next gradients."""
+    return staleness * step_s if staleness > 0 else fb_s
+
+
+def choose_frequency(round_s: float, step_s: float, fb_s: float,
+                     staleness: Optional[int] = None,
+                     margin: float = AUTO_MARGIN) -> tuple[int, int]:
+    """(f, S) for ``precondition_frequency="auto"``: the smallest f whose REFRESH round keeps
+    up, S as small as hides it. ``round_s``: a round of every factor; ``step_s``: a step, end
+    to end; ``fb_s``: its forward and backward (the S = 0 window, ``window_s``);
+    ``staleness``: the S the run fixed (an integer), or None to choose it too.
+
+    The round needs ``margin`` x ``round_s``. S free: if that fits the forward and backward,
+    f = 1 with S = 0 (sync's trajectory, every step); else f = S = the fewest steps that cover
+    it (one round in flight at a time, the pool busy at most 1 / margin of the time). S fixed:
+    f = 1 where S = 0 and the round fits the forward and backward; else the fewest steps that
+    cover it, and never below S (S <= f). With S = 0 fixed and a round longer than the forward
+    and backward, each install waits for the rest of its round; f keeps those waits to one per
+    round that the pool can keep up with."""
+    if step_s <= 0:
+        raise ValueError(f"choose_frequency: step_s={step_s!r}: allowed: seconds > 0")
+    need = margin * round_s
+    steps = smallest_s(round_s, step_s, margin)  # >= 1
+    if staleness is None:
+        return (1, 0) if need <= fb_s else (steps, steps)
+    if staleness == 0 and need <= fb_s:
+        return 1, 0
+    return max(steps, staleness), staleness
+
 
 # ---- calibration -------------------------------------------------------------------------------
 
