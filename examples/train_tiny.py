@@ -47,17 +47,20 @@ import asteria  # noqa: E402
 # ("users"): AdamW and the two SOAPs in benchmarks/results/amortisation/ (2026-12-05: AdamW
 # 3e-3 / 6e-3 / 1e-2; each SOAP 6e-3 / 1e-2 / 2e-2 / 4e-2, best 2e-2 by 3-5 steps over 1e-2),
 # KL-Shampoo (1e-2 / 3e-2 / 1e-1) and Shampoo (6e-3 / 1e-2 / 2e-2) in benchmarks/results/.
-LR = {"adamw": 6e-3, "soap-async": 2e-2, "soap-sync": 2e-2, "kl-shampoo-async": 3e-2,
-      "shampoo-async": 1e-2}
-DEFAULT_RUNS = ("adamw", "soap-async", "soap-sync")
+LR = {"adamw": 6e-3, "soap-auto": 2e-2, "soap-async": 2e-2, "soap-sync": 2e-2,
+      "soap-sync-f1": 2e-2, "kl-shampoo-async": 3e-2, "shampoo-async": 1e-2}
+#: the main job's part 1: AdamW, Asteria SOAP at the precondition_frequency it chooses
+#: ("auto"), native SOAP at f=10 (SOAP's default) and at f=1 (a refresh every step)
+DEFAULT_RUNS = ("adamw", "soap-auto", "soap-sync", "soap-sync-f1")
 STALENESS = 0
 WINDOW = 20  # trailing mean of the train loss: the final loss and the time-to-target curve
 
 
 def make_runs(worker_cpus, staleness=STALENESS, install="deterministic"):
     """name -> factory(params, lr). AdamW betas (0.9, 0.95); SOAP betas (0.95, 0.95); weight
-    decay 0.01; f = 10; async: staleness S and install as given, one worker on
-    ``worker_cpus``."""
+    decay 0.01; f = 10 ("soap-auto": precondition_frequency "auto", chosen by the run from its
+    measured times; "soap-sync-f1": 1); async: staleness S and install as given, one worker
+    on ``worker_cpus``."""
     rt = {"mode": "async", "staleness": staleness, "install": install, "workers": 1}
     if worker_cpus:
         rt["cpuset"] = worker_cpus
@@ -65,7 +68,11 @@ def make_runs(worker_cpus, staleness=STALENESS, install="deterministic"):
         "adamw": lambda p, lr: torch.optim.AdamW(p, lr=lr, betas=(0.9, 0.95),
                                                  weight_decay=0.01),
         "soap-sync": lambda p, lr: asteria.SOAP(p, lr=lr, runtime={"mode": "sync"}),
+        "soap-sync-f1": lambda p, lr: asteria.SOAP(p, lr=lr, precondition_frequency=1,
+                                                   runtime={"mode": "sync"}),
         "soap-async": lambda p, lr: asteria.SOAP(p, lr=lr, runtime=rt),
+        "soap-auto": lambda p, lr: asteria.SOAP(p, lr=lr, precondition_frequency="auto",
+                                                runtime=rt),
         "kl-shampoo-async": lambda p, lr: asteria.KLShampoo(p, lr=lr, runtime=rt),
         "shampoo-async": lambda p, lr: asteria.Shampoo(p, lr=lr, weight_decay=0.01, runtime=rt),
     }
@@ -98,6 +105,9 @@ def finish_one(name, lr, curve, res, data, args):
     summary = res["summary"]  # the steps after the warm-up
     return {
         "optimizer": name, "lr": lr,
+        # the precondition_frequency the run used: "auto"'s choice, else the group's
+        "frequency": (stats.get("frequency_auto_f") if stats.get("frequency_auto")
+                      else opt.param_groups[0].get("precondition_frequency")),
         "final_train_loss": round(res["smoothed"][-1], 5),
         "val_loss": val,
         "step_ms_median": summary["median_ms"],
@@ -116,13 +126,15 @@ def finish_one(name, lr, curve, res, data, args):
     }
 
 
-COLORS = {"adamw": "tab:gray", "soap-async": "tab:blue", "soap-sync": "tab:red",
-          "kl-shampoo-async": "tab:purple", "shampoo-async": "tab:olive"}
+COLORS = {"adamw": "tab:gray", "soap-auto": "tab:blue", "soap-async": "tab:cyan",
+          "soap-sync": "tab:red", "soap-sync-f1": "tab:pink", "kl-shampoo-async": "tab:purple",
+          "shampoo-async": "tab:olive"}
 TIER_COLORS = {"device": "tab:blue", "host_pinned": "tab:cyan", "host": "tab:orange",
                "uvm": "tab:pink", "nvme": "tab:brown"}
 
 
-LABELS = {"adamw": "AdamW", "soap-async": "Asteria SOAP", "soap-sync": "native SOAP"}
+LABELS = {"adamw": "AdamW", "soap-auto": "Asteria SOAP (f auto)", "soap-async": "Asteria SOAP",
+          "soap-sync": "native SOAP", "soap-sync-f1": "native SOAP f=1"}
 
 
 def plot_loss_vs_time(a, out, labels=None):
@@ -171,7 +183,7 @@ def plot(out, path):
 def print_table(out):
     print(f"\nResults after {out['args']['steps']} steps (loss@N: trailing mean of the last "
           f"{WINDOW} train losses; reach: first step whose trailing mean <= AdamW's loss@N)")
-    hdr = (f"{'optimizer':<18}{'lr':>7}{'loss@N':>8}{'val':>8}{'reach s':>9}{'x AdamW':>9}"
+    hdr = (f"{'optimizer':<18}{'f':>5}{'lr':>7}{'loss@N':>8}{'val':>8}{'reach s':>9}{'x AdamW':>9}"
            f"{'median ms':>11}{'p99 ms':>9}{'wall s':>8}  {'MiB device/host/nvme':<22}")
     print(hdr)
     print("-" * len(hdr))
@@ -180,7 +192,8 @@ def print_table(out):
         tiers = r["bytes_per_tier"]["tiers"]
         host = tiers["host"] + tiers["host_pinned"] + tiers["uvm"]
         mib = f"{tiers['device'] / 2**20:.2f}/{host / 2**20:.2f}/{tiers['nvme'] / 2**20:.2f}"
-        print(f"{r['optimizer']:<18}{r['lr']:>7g}{r['final_train_loss']:>8.4f}"
+        print(f"{r['optimizer']:<18}{common.fmt(r['frequency'], 'd'):>5}{r['lr']:>7g}"
+              f"{r['final_train_loss']:>8.4f}"
               f"{r['val_loss']:>8.4f}"
               f"{'-' if t['time_s'] is None else format(t['time_s'], '.1f'):>9}"
               f"{'-' if t['time_ratio'] is None else format(t['time_ratio'], '.2f'):>9}"

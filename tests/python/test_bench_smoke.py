@@ -482,7 +482,24 @@ def test_main_job_tiny(tmp_path):
 
     # part 1: time to loss; AdamW's final loss is the target, reached at its last step
     tl = data["time_to_loss"]
-    assert set(tl) == {"adamw", "asteria_soap", "native_soap"}
+    runs = {"adamw", "asteria_soap", "native_soap", "native_soap_f1"}
+    assert set(tl) == runs | {"best_native", "asteria_time_over_best_native"}
+    # Asteria at the f it chose ("auto", chosen at its third step), native SOAP at 10 and 1
+    assert isinstance(tl["asteria_soap"]["frequency"], int) and tl["asteria_soap"]["frequency"] >= 1
+    assert tl["native_soap"]["frequency"] == 10 and tl["native_soap_f1"]["frequency"] == 1
+    assert tl["adamw"]["frequency"] is None
+    # the best native SOAP: the one that reaches AdamW's loss first; Asteria's time over its
+    reached = {n: tl[n]["time_to_adamw_final_s"] for n in ("native_soap", "native_soap_f1")
+               if tl[n]["time_to_adamw_final_s"] is not None}
+    if reached:
+        best = min(reached, key=reached.get)
+        assert tl["best_native"] == best
+        a = tl["asteria_soap"]["time_to_adamw_final_s"]
+        assert tl["asteria_time_over_best_native"] == (None if a is None else
+                                                        pytest.approx(a / reached[best]))
+    else:
+        assert tl["best_native"] is None and tl["asteria_time_over_best_native"] is None
+    tl = {n: tl[n] for n in runs}
     for name, r in tl.items():
         assert {"time_ratio", "final_loss", "lr"} <= set(r), name
         assert r["lr"] > 0 and math.isfinite(r["final_loss"])
@@ -558,6 +575,9 @@ def test_main_job_tiny(tmp_path):
 
     # the targets follow from the figures
     t = data["targets"]
+    ratio = data["time_to_loss"]["asteria_time_over_best_native"]
+    assert t["asteria_time_over_best_native"]["met"] == (
+        ratio is not None and ratio <= mj.TARGETS["asteria_time_over_best_native_max"])
     assert t["native_max_over_median"]["met"] == (
         sp["native_soap"]["max_over_median"] >= mj.TARGETS["native_max_over_median_min"])
     assert t["asteria_max_over_median"]["met"] == (

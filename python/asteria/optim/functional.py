@@ -214,18 +214,24 @@ def soap_install(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, old_bases: Mat
 def soap_permute(exp_avg_sq: torch.Tensor, perms: Sequence[Optional[torch.Tensor]]) -> None:
     """v permuted (in place) along each dimension i by the sort order s_i of its factor."""
     v = exp_avg_sq
-    for i, perm in enumerate(perms):
+    if v.device.type == "cpu":
+        # on the host a per-block index_select (whole rows / columns) is about twice as fast
+        # as the expanded-index gather, and each block permuted along all its dimensions and
+        # written back at once (no stack per dimension) a third faster again
+        for b, vb in enumerate(v.unbind(0)):
+            x = vb
+            for i, perm in enumerate(perms):
+                if perm is not None:
+                    x = x.index_select(i, perm[b])
+            if x is not vb:
+                vb.copy_(x)
+        return
+    for i, perm in enumerate(perms):  # on a device the gather is one kernel for the stack
         if perm is None:
             continue
-        if v.device.type == "cpu":
-            # on the host a per-block index_select (whole rows / columns) is about twice as fast
-            # as the expanded-index gather; on a device the gather is one kernel for the stack
-            v = torch.stack([vb.index_select(i, pb) for vb, pb in zip(v.unbind(0),
-                                                                        perm.unbind(0))])
-        else:
-            shape = [perm.shape[0]] + [1] * (v.dim() - 1)
-            shape[i + 1] = perm.shape[1]
-            v = torch.gather(v, i + 1, perm.view(shape).expand_as(v))
+        shape = [perm.shape[0]] + [1] * (v.dim() - 1)
+        shape[i + 1] = perm.shape[1]
+        v = torch.gather(v, i + 1, perm.view(shape).expand_as(v))
     exp_avg_sq.copy_(v)
 
 
