@@ -47,17 +47,13 @@ def require_c_extension() -> None:
 def on_thread_soap():
     """SOAP with every worker offload off (m's re-expression and the factor EMAs on the
     training thread: the sync path's code), whatever the runtime config asks."""
-    from asteria.optim.soap import SOAP, SOAPMethod
-
-    class OnThreadMethod(SOAPMethod):
-        def rotation_offload(self, members, ndim):
-            return False
-
-        def factor_offload(self, group, members, g, factors, steps):
-            return False
+    from asteria.optim.soap import SOAP
 
     class OnThreadSOAP(SOAP):
-        METHOD = OnThreadMethod
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # the schedule's one predicate says no to every job a method declares
+            self.schedule.on_worker = lambda *a, **kw: False
 
     return OnThreadSOAP
 

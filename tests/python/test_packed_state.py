@@ -27,7 +27,7 @@ import torch
 
 from asteria import KLShampoo, SOAP, Shampoo
 from asteria.optim import placement as _tiering
-from asteria.optim.soap import SOAPMethod
+from asteria.optim.schedule import Schedule
 from asteria.optim._blocking import make_layout
 from models import loss_and_grad, make_model, require_c_extension
 
@@ -290,9 +290,10 @@ def test_offloaded_factor_emas_follow_the_packs(run, monkeypatch):
     follow the on-thread ones to rounding: a job never writes a pack its entries have left."""
     want = run("soap", "async", True, monkeypatch)
     jobs = []
-    real = SOAPMethod.submit_factor_ema
-    monkeypatch.setattr(SOAPMethod, "submit_factor_ema",
-                        lambda self, *a: jobs.append(1) or real(self, *a))
+    real = Schedule.start_job
+    monkeypatch.setattr(Schedule, "start_job",
+                        lambda self, job: (job.op == "gram_ema" and jobs.append(1))
+                        or real(self, job))
     got = run("soap", "async-workers", True, monkeypatch)
     assert len(jobs) >= 5  # not vacuous
     for a, b in zip(got[0] + got[1], want[0] + want[1]):

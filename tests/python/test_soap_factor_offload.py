@@ -1,4 +1,4 @@
-"""SOAP's factor EMAs on the C workers (SOAPMethod.submit_factor_ema).
+"""SOAP's factor EMAs on the C workers (SOAPMethod.factor_ema_job, run by Schedule.offload).
 
 L = b L + (1 - b) G G^T and R = b R + (1 - b) G^T G (DESIGN.md, b = shampoo_beta). In mode
 "async" with runtime ``factor_emas="workers"`` (the default is "thread") on CPU parameters, a
@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from asteria.optim import SOAP
-from asteria.optim.soap import SOAPMethod
+from asteria.optim.schedule import Schedule
 from asteria.refresh.engine import SubmitOptions
 from models import assert_params_close, assert_resumes_bitwise, lockstep_tol, loss_and_grad, \
     make_model, on_thread_soap, params_of, require_c_extension, run
@@ -72,16 +72,21 @@ def test_factor_after_an_offloaded_step_is_the_ema():
         opt.close()
 
 
-class CountingMethod(SOAPMethod):
-    def submit_factor_ema(self, job):
-        members = job.members
-        self.run.optimizer.offloaded_at.append((len(members),
-                                                [self.state[p]["step"] for p, _ in members]))
-        return super().submit_factor_ema(job)
-
-
 class CountingSOAP(SOAP):
-    METHOD = CountingMethod
+    """Logs every factor-EMA job its schedule starts: (blocks, their step counts)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.offloaded_at = []
+        start = self.schedule.start_job
+
+        def logged(job):
+            if job.op == "gram_ema":
+                self.offloaded_at.append((len(job.members),
+                                          [self.state[p]["step"] for p, _ in job.members]))
+            start(job)
+
+        self.schedule.start_job = logged
 
 
 def test_offloaded_steps_are_those_no_refresh_reads():
@@ -178,19 +183,21 @@ def test_an_interrupt_at_the_start_starts_the_job_once(lands, monkeypatch):
     full, _ = run("mlp", make(), steps)
     model = make_model("mlp")
     opt = make()(model.parameters())
-    real = SOAPMethod.submit_factor_ema
+    real = Schedule.start_job
 
-    def interrupted(self, *a):
+    def interrupted(self, job):
+        if job.op != "gram_ema":
+            return real(self, job)
         if lands == "after":
-            real(self, *a)
-        monkeypatch.setattr(SOAPMethod, "submit_factor_ema", real)  # once
+            real(self, job)
+        monkeypatch.setattr(Schedule, "start_job", real)  # once
         raise KeyboardInterrupt
 
     try:
         for t in range(1, steps + 1):
             loss_and_grad(model, "mlp", t)
             if t == cut:
-                monkeypatch.setattr(SOAPMethod, "submit_factor_ema", interrupted)
+                monkeypatch.setattr(Schedule, "start_job", interrupted)
                 with pytest.raises(KeyboardInterrupt):
                     opt.step()
                 assert opt.schedule.writes.due  # left to start

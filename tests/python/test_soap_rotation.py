@@ -1,4 +1,5 @@
-"""SOAP's m re-expression at install on the C workers (SOAPMethod.submit_rotation).
+"""SOAP's m re-expression at install on the C workers (SOAPMethod.rotation_job, run by
+Schedule.offload).
 
 At an install, m_new = Q_L,new^T (Q_L,old m Q_R,old^T) Q_R,new (DESIGN.md). In mode "async" on
 CPU parameters the training thread only permutes v and installs Q; a ``soap_rotate`` job

@@ -6,8 +6,9 @@ due to start but not started yet, and the waits. An optimizer holds one ``Pendin
 every reader of the state calls it before it reads: the state proxy (``_state``, per key), the
 step (everything, at its start), tiering (before packs move or blocks migrate), checkpoints
 (``state_dict`` / ``load_state_dict``) and ``close``. A method registers its own jobs with how
-to apply their results (SOAP: m's re-expression at an install, the factor EMAs of a step,
-soap.py); the optimizer layer knows no job kind.
+to apply their results (``WorkerJob``: SOAP's m re-expression at an install, the factor EMAs
+of a step, declared in soap.py and started by the schedule); the optimizer layer knows no job
+kind.
 
 A job may be *due* (``defer``): made, but started only once the step's stacks have all run
 (``start_due``, which the step calls then, and again at the next step's start and before any
@@ -23,7 +24,8 @@ Single-threaded (the training thread); the engine's workers never see these obje
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+import dataclasses
+from typing import Any, Callable, Iterator, Optional
 
 
 class Write:
@@ -40,6 +42,39 @@ class Write:
 
     def apply(self, result: Any) -> None:
         raise NotImplementedError
+
+
+@dataclasses.dataclass(eq=False)  # a job is itself: no field-wise (tensor) comparison
+class WorkerJob(Write):
+    """A piece of a method's step that a worker may do, as the method declares it: the engine
+    ``op`` and its operands ``inputs`` (f, q, b), ``p`` / ``eps``, the blocks ``members``
+    [(param, j)] and the state ``keys`` [(param, state key)] it writes, which operands are
+    made for the job (``donate``), ``apply`` (the op's outputs -> written into the state) and
+    ``fallback`` (the same math with torch, for a job that fails: () -> the outputs).
+    ``counters``: the names of its submitted and failed counts (``asteria_stats()``), ``what``
+    it does (the failure's warning). The schedule decides whether it runs on a worker and
+    starts it (``Schedule.offload``, which sets ``runner``: its ``start_job`` and
+    ``finish_job`` start the job and apply its result)."""
+
+    op: str
+    members: list
+    keys: list
+    inputs: tuple
+    apply_outputs: Callable[[tuple], None]
+    fallback: Callable[[], tuple]
+    counters: tuple
+    what: str
+    donate: tuple = ()
+    p: float = 0.0
+    eps: float = 0.0
+    ticket: Optional[int] = None
+    runner: Any = None
+
+    def start(self) -> None:
+        self.runner.start_job(self)
+
+    def apply(self, result: Any) -> None:
+        self.runner.finish_job(self, result)
 
 
 class PendingWrites:

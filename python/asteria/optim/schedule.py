@@ -104,6 +104,7 @@ from asteria.optim.method import INIT, REFRESH
 from asteria.refresh.capacity import Capacity
 from asteria.refresh.cost import JobSpec
 from asteria.refresh.engine import SubmitOptions
+from asteria.refresh.ops import OPS
 
 
 # The fixed state keys of a REFRESH in flight (present from a preconditioned parameter's state
@@ -698,17 +699,66 @@ class Schedule:
                                       deadline=self.run.t + 1, snapshot_step=self.run.t,
                                       **kwargs)
 
-    def on_worker(self, members: list) -> bool:
-        """May a job that writes these members' [(param, j)] state in the background (a
-        method's ``submit_write``) run on a worker? The one rule: an executor that takes inputs
-        made for it (libasteria's pool, ``mode="async"``), rank-local (a replicated block's
-        state is updated by every replica itself, on its own thread), and host parameters (on
-        a GPU the work is a few device matmuls, cheaper than the round trip). A deferred
-        install's jobs too (``settle_deferred``): the next step starts them, works on the
-        state they do not write, and waits for one only where it reads what that one writes;
-        where an install happens does not change which kernel computes what (bitwise the same
-        trajectory)."""
-        return self.takes_parts() and all(local(p).device.type == "cpu" for p, _ in members)
+    def on_worker(self, op: str, members: list, block_dims: int,
+                  dtype: Optional[torch.dtype] = None, in_place: tuple = (),
+                  policy: Optional[str] = None) -> bool:
+        """May a method's job of ``op`` that writes these members' [(param, j)] state in the
+        background (a ``WorkerJob``) run on a worker? The one rule: an executor that takes
+        inputs made for it (libasteria's pool, ``mode="async"``), rank-local (a replicated
+        block's state is updated by every replica itself, on its own thread), host parameters
+        (on a GPU the work is a few device matmuls, cheaper than the round trip), blocks the
+        op's layout takes (a rectangular op: at most 2 dims), a dtype the pool computes in
+        (``dtype``: float32 / float64), outputs written in place into the state itself
+        (``in_place``: [(field, dim, tensor)] of the members, each the placement's own memory
+        in the job's dtype, or the step's later write-back would overwrite the job's result)
+        and, for work the
+        runtime config may keep on the training thread (``policy``: ``"factor_emas"``), that
+        key set to ``"workers"``. A deferred install's jobs too (``settle_deferred``): the
+        next step starts them, works on the state they do not write, and waits for one only
+        where it reads what that one writes; where an install happens does not change which
+        kernel computes what (bitwise the same trajectory)."""
+        if policy is not None and getattr(self.run.cfg, policy) != "workers":
+            return False
+        if OPS[op].rectangular and block_dims > 2:
+            return False
+        if dtype is not None and dtype not in (torch.float32, torch.float64):
+            return False
+        return (self.takes_parts() and all(local(p).device.type == "cpu" for p, _ in members)
+                and all(x.dtype == dtype and x.is_contiguous()
+                        and self.placement.is_state(members, field, dim, x)
+                        for field, dim, x in in_place))
+
+    def offload(self, job, due: bool = False) -> None:
+        """Run a method's declared job (``_writes.WorkerJob``, which ``on_worker`` allowed) on
+        a worker: started now, or (``due``) once the step's stacks have all run
+        (``writes.start_due``). Its blocks on NVMe: one such job in flight (the previous one's
+        inputs and result are let go before this one's are made: memory for one job)."""
+        job.runner = self
+        if due:
+            self.writes.defer(job)
+            return
+        if self.placement.on_nvme(job.members):
+            self.writes.settle_all()
+        self.start_job(job)
+
+    def start_job(self, job) -> None:
+        """Submit a declared job (``offload``) and register what it writes."""
+        f, q, b = job.inputs
+        job.ticket = self.submit_write(job.op, job.members, f, q, b=b, p=job.p, eps=job.eps,
+                                       opts=SubmitOptions(host_outputs=True, donate=job.donate))
+        self.run.counters[job.counters[0]] += 1
+        self.writes.add(job)
+
+    def finish_job(self, job, res) -> None:
+        """Apply a job's result; a failed one is redone here with torch (the same math: the
+        state must not keep what the job was to replace)."""
+        if res.status == 0:
+            job.apply_outputs(res.outputs)
+            return
+        self.run.counters[job.counters[1]] += 1
+        warnings.warn(f"Asteria: {job.what} on a worker failed ({res.error}); done on the "
+                      f"training thread instead", RuntimeWarning, stacklevel=4)
+        job.apply_outputs(job.fallback())
 
     def takes_parts(self) -> bool:
         """May jobs be given inputs made for them, and inputs as parts (an executor that reads

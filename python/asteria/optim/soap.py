@@ -2,18 +2,17 @@
 
 Owns SOAP's hyperparameters, per-block state layout and the install of a refreshed basis; the
 math is in ``functional`` (soap_init / soap_step / soap_install), the scheduling in
-``schedule``. Two pieces of a step's work may run on the pool's workers while the next forward
-and backward run (docs/departures.md), where the schedule puts a job that writes state on a
-worker (``Schedule.on_worker``: libasteria's pool, host parameters) and the job fits its op: at
-an install, m's re-expression in the new basis (``soap_rotate`` jobs; an install deferred to
-the next step's start, S = 0, hands it to a worker too: that step updates the factors and
+``schedule``. Two pieces of SOAP's math may run on the pool's workers while the next forward and
+backward run (docs/departures.md); SOAP declares each as a ``WorkerJob`` (op, operands, the
+state keys it writes, how its outputs are written, its torch fallback) and the schedule decides
+in one predicate whether it runs on a worker (``Schedule.on_worker``), starts it and applies it
+(``Schedule.offload``): at an install, m's re-expression in the new basis (``soap_rotate``; an
+install deferred to the next step's start, S = 0, too: that step updates the factors and
 projects the gradient first and reads m, waiting for the job, only then); with runtime
 ``factor_emas="workers"``, on a step whose factors no REFRESH reads at its end, the factor EMAs
-L, R (``gram_ema`` jobs, in place in the packed state, ``Placement.is_state``). Each job is registered in the optimizer's
-``PendingWrites`` (``schedule.writes``: ``_Rotation`` / ``_FactorEma``, with the state keys it
-writes and how its result is applied), so a read of what it writes waits for it; the next step takes
-them all first. A factor EMA is made due in its stack's ``step_blocks`` and started once the
-group's stacks have all run (``schedule.writes.start_due``).
+L, R (``gram_ema``, in place in the packed state), made due in the stack's ``step_blocks`` and
+started once the group's stacks have all run. A read of what a job writes waits for it
+(``schedule.writes``).
 
 State of a preconditioned parameter: ``step`` (k) and per block j ``b{j}.exp_avg`` (m),
 ``b{j}.exp_avg_sq`` (v), both in the rotated basis, and for every dimension i with a factor
@@ -26,74 +25,23 @@ of a refresh in flight (``pending.install_in``, ``pending.age``, ``b{j}.pending{
 
 from __future__ import annotations
 
-import dataclasses
-import warnings
 from typing import Optional
 
 import torch
 
 from asteria.optim import _layout as K
 from asteria.optim import functional as F
-from asteria.refresh.engine import SubmitOptions
 from asteria.refresh.ops import soap_rotate
-from asteria.optim._writes import Write
+from asteria.optim._writes import WorkerJob
 from asteria.optim._state import real
 from asteria.optim.method import (INIT, Field, Method, check_common, eigh_input, is_int,
                                   register, require)
 from asteria.optim.optimizer import AsteriaOptimizer
 
 
-# SOAP's worker jobs hand their results back in host memory (they write host state) and give
-# the worker the inputs made for them: a rotation all three, a factor EMA its gradient stack
-_GIVEN_TO_WORKER = SubmitOptions(host_outputs=True, donate=("f", "q", "b"))
-_G_TO_WORKER = SubmitOptions(host_outputs=True, donate=("f",))
-
-
-@dataclasses.dataclass(eq=False)  # a job is itself: no field-wise (tensor) comparison
-class _Rotation(Write):
-    """One soap_rotate job, started at once: it writes the members' m (``b{j}.exp_avg``);
-    its inputs are kept for a fallback on failure, with the block shape of m."""
-
-    method: "SOAPMethod"  # applies the result
-    ticket: int
-    members: list
-    inputs: tuple
-    shape: tuple
-
-    def __post_init__(self):
-        self.keys = [(p, K.key(j, "exp_avg")) for p, j in self.members]
-
-    def apply(self, result):
-        self.method.finish_rotation(self, result)
-
-
-@dataclasses.dataclass(eq=False)  # a job is itself: no field-wise (tensor) comparison
-class _FactorEma(Write):
-    """One gram_ema job, due once the group's stacks have all run: it writes the members'
-    factors (``b{j}.GG{i}``); the gradient stack and the factor stacks (the state's packed
-    memory, updated in place; None: no factor) and beta are kept to redo the update here
-    should the job fail."""
-
-    method: "SOAPMethod"  # starts the job and applies its result
-    members: list
-    g: torch.Tensor
-    factors: list
-    beta: float
-    ticket: Optional[int] = None
-
-    def __post_init__(self):
-        self.keys = [(p, K.key(j, "GG", i)) for p, j in self.members
-                     for i, f in enumerate(self.factors) if f is not None]
-
-    def start(self):
-        self.method.submit_factor_ema(self)
-
-    def apply(self, result):
-        self.method.finish_factor_ema(self, result)
-
-
 class SOAPMethod(Method):
-    """SOAP's math (``functional.soap_*``) and its two kinds of worker jobs."""
+    """SOAP's math (``functional.soap_*``) and the two pieces of it a worker may do, declared
+    as ``WorkerJob``s (the schedule decides and runs them)."""
 
     NAME = "soap"
     REFRESH_OP = ("soap_qr", 0.0)
@@ -139,7 +87,7 @@ class SOAPMethod(Method):
         v = self.placement.stack(members, "exp_avg_sq", view=True)
         factors = self.placement.stack_dims(members, "GG", has, view=True)
         bases = self.placement.stack_dims(members, "Q", has, view=True)
-        offload = self.factor_offload(group, members, g, factors, steps)
+        offload = self.factor_emas_offloaded(group, members, g, factors, steps)
 
         def moment():
             # m may still be re-expressed on a worker (an install deferred to this step):
@@ -160,8 +108,8 @@ class SOAPMethod(Method):
             if f is not None:
                 self.placement.unstack(members, "GG", f, dim=i)
         if offload:  # started once the group's stacks have all run (schedule.writes.start_due)
-            self.schedule.writes.defer(_FactorEma(self, list(members), g, list(factors),
-                                                  self.shampoo_beta(group)))
+            self.schedule.offload(self.factor_ema_job(list(members), g, list(factors),
+                                                      self.shampoo_beta(group)), due=True)
 
     def refresh_input(self, kind, p, j, dim):
         st = self.state[p]
@@ -180,7 +128,7 @@ class SOAPMethod(Method):
 
     def install_chunk(self, members, has, outputs):
         m, v = self.placement.stack(members, "exp_avg"), self.placement.stack(members, "exp_avg_sq")
-        offload = self.rotation_offload(members, len(has))
+        offload = self.schedule.on_worker("soap_rotate", members, len(has))
         # offloaded: the old and new bases go straight into the rotation job's (B, 2, n, n)
         # pairs, which the worker reads in place (no stacks of their own, no snapshot)
         pairs = [torch.empty((len(members), 2, m.shape[i + 1], m.shape[i + 1]), dtype=m.dtype)
@@ -205,14 +153,9 @@ class SOAPMethod(Method):
             perms.append(torch.stack(ps))
         if offload:
             # v permuted here (cheap), m re-expressed by a worker while the next forward and
-            # backward run; the next read of m waits for it (submit_rotation)
+            # backward run; the next read of m waits for it
             F.soap_permute(v, perms)
-            if self.placement.on_nvme(members):
-                # bases on NVMe trade the overlap of one install's rotations for memory: one
-                # rotation in flight: the previous chunk's m, pairs and result are let go
-                # before this chunk's are made (memory for one chunk, not one round)
-                self.schedule.writes.settle_all()
-            self.submit_rotation(members, m, pairs)
+            self.schedule.offload(self.rotation_job(members, m, pairs))
         else:
             F.soap_install(m, v, old, new, perms)
             self.placement.unstack(members, "exp_avg", m)
@@ -221,86 +164,68 @@ class SOAPMethod(Method):
             if q is not None:
                 self.placement.unstack(members, "Q", q, dim=i)
 
-    # ---- m's re-expression on the workers ------------------------------------------------------
-    def rotation_offload(self, members: list, ndim: int) -> bool:
-        """Offload the re-expression of these members' m? Blocks of at most 2 dims (the op's
-        layout), where the schedule puts such a job on a worker (``Schedule.on_worker``)."""
-        return ndim <= 2 and self.schedule.on_worker(members)
-
-    def submit_rotation(self, members: list, m: torch.Tensor, pairs: list) -> None:
-        """Start m_new = Q_new^T (Q_old m Q_old^T) Q_new (per side) on a worker; m stays as it
-        is until a read of it waits for the result (``schedule.writes``). ``m`` (a stack made
-        for this) and ``pairs`` ((B, 2, n, n): old, new basis per block; None: identity side)
-        are given to the job: the worker reads them in place, nothing here writes them."""
+    # ---- the pieces a worker may do, declared ---------------------------------------------------
+    def rotation_job(self, members: list, m: torch.Tensor, pairs: list) -> WorkerJob:
+        """m_new = Q_new^T (Q_old m Q_old^T) Q_new (per side) as a ``soap_rotate`` job: ``m``
+        (a stack made for this) and ``pairs`` ((B, 2, n, n): old, new basis per block; None:
+        identity side) are given to it; its output is written into the members' m."""
         x = m.reshape(m.shape[0], m.shape[1], -1)
-        pairs = list(pairs) + [None] * (2 - len(pairs))
-        ticket = self.schedule.submit_write("soap_rotate", members, x, pairs[0], b=pairs[1],
-                                            opts=_GIVEN_TO_WORKER)
-        self.count("rotations_submitted")
-        self.schedule.writes.add(_Rotation(self, ticket, list(members),
-                                           (x, pairs[0], pairs[1]), tuple(m.shape[1:])))
+        a, b = (list(pairs) + [None] * (2 - len(pairs)))[:2]
+        shape = tuple(m.shape[1:])
 
-    def finish_rotation(self, rot: _Rotation, res) -> None:
-        """Write a rotation job's result into m; a failed job is redone here with torch (the
-        result is the same math; the state must not keep the old basis' m)."""
-        if res.status == 0:
-            out = res.outputs[0]
-        else:
-            self.count("rotation_failures")
-            warnings.warn(f"Asteria: re-expressing SOAP's first moment on a worker failed "
-                          f"({res.error}); done on the training thread instead",
-                          RuntimeWarning, stacklevel=3)
-            out = soap_rotate(*rot.inputs)[0]
-        for i, (p, j) in enumerate(rot.members):
-            dst = dict.__getitem__(self.state[p], K.key(j, "exp_avg"))
-            dst.copy_(out[i].reshape(rot.shape))
+        def write_m(outputs):
+            for i, (p, j) in enumerate(members):
+                dst = dict.__getitem__(self.state[p], K.key(j, "exp_avg"))
+                dst.copy_(outputs[0][i].reshape(shape))
 
-    # ---- the factor EMAs on the workers ---------------------------------------------------------
-    def factor_offload(self, group: dict, members: list, g: torch.Tensor, factors: list,
-                        steps: list) -> bool:
-        """Hand this step's L, R update to a worker? With runtime ``factor_emas="workers"``,
-        matrix blocks of float32 / float64, factor stacks that are the state itself (the
-        packed state: the worker writes the state), no REFRESH due at this step's end (it
-        reads the factors at once: the update stays here), where the schedule puts such a
-        job on a worker (``Schedule.on_worker``)."""
-        if (self.config.factor_emas != "workers"
-                or g.dim() != 3 or g.dtype not in (torch.float32, torch.float64)
-                or all(f is None for f in factors)):
+        return WorkerJob(op="soap_rotate", members=list(members),
+                         keys=[(p, K.key(j, "exp_avg")) for p, j in members],
+                         inputs=(x, a, b), donate=("f", "q", "b"), apply_outputs=write_m,
+                         fallback=lambda: soap_rotate(x, a, b),
+                         counters=("rotations_submitted", "rotation_failures"),
+                         what="re-expressing SOAP's first moment")
+
+    def factor_emas_offloaded(self, group: dict, members: list, g: torch.Tensor,
+                              factors: list, steps: list) -> bool:
+        """Hand this step's L, R update to a worker (``factor_ema_job``)? On a step whose
+        factors no REFRESH reads at its end (k % f != 0: it reads them at once), matrix blocks
+        with a factor, the factor stacks updated in place as the state itself, where the
+        schedule allows (``Schedule.on_worker``, runtime ``factor_emas="workers"``)."""
+        if g.dim() != 3 or all(f is None for f in factors):
             return False
         freq = self.schedule.frequency(group)
-        if any(k % freq == 0 for k in steps) or not self.schedule.on_worker(members):
+        if any(k % freq == 0 for k in steps):
             return False
-        return all(f is None or (f.dtype == g.dtype and f.is_contiguous()
-                                 and self.placement.is_state(members, "GG", i, f))
-                   for i, f in enumerate(factors))
+        return self.schedule.on_worker(
+            "gram_ema", members, 2, dtype=g.dtype, policy="factor_emas",
+            in_place=tuple(("GG", i, f) for i, f in enumerate(factors) if f is not None))
 
-    def submit_factor_ema(self, job: _FactorEma) -> None:
-        """Start a due factor EMA, L = beta L + (1 - beta) G G^T, R = beta R + (1 - beta) G^T G,
-        on a worker, in the state's own factor memory: after the group's last stack
-        (``schedule.writes.start_due``), so that it does not compete with the training thread's step
-        for the memory bus. ``g`` (a stack made for this step) is given to the job; a read of
-        a factor waits for it (``schedule.writes``)."""
-        members, factors, beta = job.members, job.factors, job.beta
-        job.ticket = self.schedule.submit_write("gram_ema", members, job.g, factors[0],
-                                                b=factors[1], p=beta, eps=1.0 - beta,
-                                                opts=_G_TO_WORKER)
-        self.count("factor_emas_submitted")
-        self.schedule.writes.add(job)
+    def factor_ema_job(self, members: list, g: torch.Tensor, factors: list,
+                       beta: float) -> WorkerJob:
+        """L = beta L + (1 - beta) G G^T, R = beta R + (1 - beta) G^T G as a ``gram_ema`` job,
+        in the state's own factor memory (``factors``: the packed stacks; None: no factor);
+        ``g`` (a stack made for this step) is given to it. Started after the group's last
+        stack, so that it does not compete with the step for the memory bus."""
 
-    def finish_factor_ema(self, job: _FactorEma, res) -> None:
-        """Apply a gram_ema job's result. Its factors are updated where they are; a failed job
-        has written nothing, and its update is done here with torch instead."""
-        if res.status == 0:
-            for f, out in zip(job.factors, res.outputs):
+        def write_factors(outputs):  # the job wrote the factors where they are
+            for f, out in zip(factors, outputs):
                 if f is not None and out is not None and out.data_ptr() != f.data_ptr():
                     f.copy_(out)
-            return
-        self.count("factor_ema_failures")
-        warnings.warn(f"Asteria: updating SOAP's factors on a worker failed ({res.error}); "
-                      f"done on the training thread instead", RuntimeWarning, stacklevel=3)
-        for i, f in enumerate(job.factors):
-            if f is not None:
-                F.ema_gram(f, job.g, i, job.beta, 1.0 - job.beta)
+
+        def redo():  # a failed job has written nothing: the update here, in place
+            for i, f in enumerate(factors):
+                if f is not None:
+                    F.ema_gram(f, g, i, beta, 1.0 - beta)
+            return tuple(factors)
+
+        return WorkerJob(op="gram_ema", members=list(members),
+                         keys=[(p, K.key(j, "GG", i)) for p, j in members
+                               for i, f in enumerate(factors) if f is not None],
+                         inputs=(g, factors[0], factors[1]), p=beta, eps=1.0 - beta,
+                         donate=("f",), apply_outputs=write_factors,
+                         fallback=redo,
+                         counters=("factor_emas_submitted", "factor_ema_failures"),
+                         what="updating SOAP's factors")
 
 
 def _stacks_of(state, placement, outputs: dict):
