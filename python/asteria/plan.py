@@ -388,24 +388,21 @@ def staleness_arg(s: str):
     return v
 
 
-def share_arg(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        v = -1.0
-    if not 0.0 <= v <= 1.0:
-        raise argparse.ArgumentTypeError(f"{s!r}: allowed: a fraction in [0, 1]")
-    return v
+def bounded_float(low: float, high: float, allowed: str):
+    """An argparse type: a float in [low, high]; the error says what is ``allowed``."""
+    def parse(s: str) -> float:
+        try:
+            v = float(s)
+        except ValueError:
+            v = float("nan")
+        if not low <= v <= high:
+            raise argparse.ArgumentTypeError(f"{s!r}: allowed: {allowed}")
+        return v
+    return parse
 
 
-def rate_arg(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        v = -1.0
-    if not v >= 0.0:
-        raise argparse.ArgumentTypeError(f"{s!r}: allowed: GB/s >= 0 (0: transfers left out)")
-    return v
+share_arg = bounded_float(0.0, 1.0, "a fraction in [0, 1]")
+rate_arg = bounded_float(0.0, float("inf"), "GB/s >= 0 (0: transfers left out)")
 
 
 PCIE_GBPS = 50.0  # PCIe 5.0 x16 per direction, a planning figure (module doc)
