@@ -23,8 +23,8 @@ import torch
 
 from asteria.optim import _layout as K
 from asteria.optim import functional as F
-from asteria.optim.method import (INIT, Field, Method, check_common, eigh_input, is_int,
-                                  register, require)
+from asteria.optim.method import (INIT, Field, Method, check_eigenbasis, eigh_input, is_int,
+                                  register, require, shampoo_beta)
 from asteria.optim.optimizer import AsteriaOptimizer
 
 
@@ -61,12 +61,7 @@ class KLShampooMethod(Method):
              Field("Q", "eigenbases", per_dim=True))
 
     def check(self, group: dict) -> None:
-        check_common(group)
-        sb = group["shampoo_beta"]
-        require("shampoo_beta", isinstance(sb, (int, float)) and (sb == -1 or 0.0 <= sb < 1.0),
-                sb, "-1 (use betas[1]) or a float in [0, 1)")
-        require("eps", isinstance(group["eps"], (int, float)) and group["eps"] >= 0.0,
-                group["eps"], "a float >= 0")
+        check_eigenbasis(group)
         fi = group["init_factor"]
         require("init_factor", isinstance(fi, (int, float)) and fi > 0.0, fi, "a float > 0")
         mc = group["max_clamp_value"]
@@ -78,11 +73,6 @@ class KLShampooMethod(Method):
         md = group["max_precond_dim"]
         require("max_precond_dim", is_int(md) and md >= 1, md, "an integer >= 1")
 
-    @staticmethod
-    def shampoo_beta(group: dict) -> float:
-        sb = group["shampoo_beta"]
-        return sb if sb >= 0 else group["betas"][1]
-
     def normalize_group(self, group):
         if "compute_dtype" in group:  # by name in the group (torch keeps this dict)
             group["compute_dtype"] = dtype_name(group["compute_dtype"])
@@ -93,7 +83,7 @@ class KLShampooMethod(Method):
     def init_blocks(self, group, members, g):
         g = g.to(_cdtype(group))
         has = self.has_factor(g.shape[1:], group)
-        factors = F.kl_init(g, has, shampoo_beta=self.shampoo_beta(group))
+        factors = F.kl_init(g, has, shampoo_beta=shampoo_beta(group))
         for i, f in enumerate(factors):
             if f is None:
                 continue
@@ -114,7 +104,7 @@ class KLShampooMethod(Method):
         clamp = [F.kl_clamp_max(d, group["max_clamp_value"]) if h and group["using_clamping"]
                  else None for d, h in zip(g.shape[1:], has)]
         ok = F.kl_step(w, g, m, factors, bases, scales, lr=float(group["lr"]),
-                  beta1=group["betas"][0], shampoo_beta=self.shampoo_beta(group),
+                  beta1=group["betas"][0], shampoo_beta=shampoo_beta(group),
                   eps=group["eps"], weight_decay=group["weight_decay"],
                   normalize_grads=group["normalize_grads"], clamp=clamp)
         self.schedule.count_lazy("overflow_skipped", (~ok).sum())

@@ -79,6 +79,24 @@ def check_common(group: dict, beta_max: Sequence[bool] = (False, False)) -> None
             "None or an integer >= 1 (the experts stacked in dim 0 of each parameter)")
 
 
+def check_eigenbasis(group: dict) -> None:
+    """``check_common`` and the keys the eigenbasis methods (SOAP, KL-Shampoo) share:
+    shampoo_beta (the factors' EMA) and eps."""
+    check_common(group)
+    sb = group["shampoo_beta"]
+    require("shampoo_beta", isinstance(sb, (int, float)) and (sb == -1 or 0.0 <= sb < 1.0),
+            sb, "-1 (use betas[1]) or a float in [0, 1)")
+    require("eps", isinstance(group["eps"], (int, float)) and group["eps"] >= 0.0,
+            group["eps"], "a float >= 0")
+
+
+def shampoo_beta(group: dict) -> float:
+    """The factors' EMA coefficient of an eigenbasis method's group: shampoo_beta, or betas[1]
+    where it is -1."""
+    sb = group["shampoo_beta"]
+    return sb if sb >= 0 else group["betas"][1]
+
+
 @dataclasses.dataclass(frozen=True)
 class Field:
     """One entry of a preconditioned block's state: ``b{j}.{name}``, or with ``per_dim`` one per

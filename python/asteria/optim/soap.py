@@ -34,8 +34,8 @@ from asteria.optim import functional as F
 from asteria.refresh.ops import soap_rotate
 from asteria.optim._writes import WorkerJob
 from asteria.optim._state import real
-from asteria.optim.method import (INIT, Field, Method, check_common, eigh_input, is_int,
-                                  register, require)
+from asteria.optim.method import (INIT, Field, Method, check_eigenbasis, eigh_input, is_int,
+                                  register, require, shampoo_beta)
 from asteria.optim.optimizer import AsteriaOptimizer
 
 
@@ -55,19 +55,9 @@ class SOAPMethod(Method):
     EXTRA_OUTPUTS = (torch.int64,)  # soap_qr: (Q, sort order)
 
     def check(self, group: dict) -> None:
-        check_common(group)
-        sb = group["shampoo_beta"]
-        require("shampoo_beta", isinstance(sb, (int, float)) and (sb == -1 or 0.0 <= sb < 1.0),
-                sb, "-1 (use betas[1]) or a float in [0, 1)")
-        require("eps", isinstance(group["eps"], (int, float)) and group["eps"] >= 0.0,
-                group["eps"], "a float >= 0")
+        check_eigenbasis(group)
         md = group["max_precond_dim"]
         require("max_precond_dim", is_int(md) and md >= 1, md, "an integer >= 1")
-
-    @staticmethod
-    def shampoo_beta(group: dict) -> float:
-        sb = group["shampoo_beta"]
-        return sb if sb >= 0 else group["betas"][1]
 
     def uses_adamw(self, p, group):
         d = real(p).dim()
@@ -78,7 +68,7 @@ class SOAPMethod(Method):
 
     def init_blocks(self, group, members, g):
         has = self.has_factor(g.shape[1:], group)
-        factors = F.soap_init(g, has, shampoo_beta=self.shampoo_beta(group))
+        factors = F.soap_init(g, has, shampoo_beta=shampoo_beta(group))
         return self.init_bases(members, factors)
 
     def step_blocks(self, group, members, w, g, steps):
@@ -99,7 +89,7 @@ class SOAPMethod(Method):
         m = F.soap_step(w, g, moment, v, [None] * len(factors) if offload else factors, bases,
                         steps, lr=float(group["lr"]),
                         beta1=group["betas"][0], beta2=group["betas"][1],
-                        shampoo_beta=self.shampoo_beta(group), eps=group["eps"],
+                        shampoo_beta=shampoo_beta(group), eps=group["eps"],
                         weight_decay=group["weight_decay"], correct_bias=group["correct_bias"],
                         normalize_grads=group["normalize_grads"])
         self.placement.unstack(members, "exp_avg", m)
@@ -109,7 +99,7 @@ class SOAPMethod(Method):
                 self.placement.unstack(members, "GG", f, dim=i)
         if offload:  # started once the group's stacks have all run (schedule.writes.start_due)
             self.schedule.offload(self.factor_ema_job(list(members), g, list(factors),
-                                                      self.shampoo_beta(group)), due=True)
+                                                      shampoo_beta(group)), due=True)
 
     def refresh_input(self, kind, p, j, dim):
         st = self.state[p]
