@@ -39,7 +39,7 @@ Prints a table per part and writes examples/out/main.json (the three answers, th
 date, the commit, the machine and its load at the start and end of each part, and every step)
 and examples/out/main.png (one panel per part).
 
-    bash scripts/run_main.sh                       # setup, then this: about 7 min on 2 cores
+    bash scripts/run_main.sh                       # setup, then this: about 11 min on 2 cores
     python3 examples/main_job.py --parts spikes    # one part (time, spikes, memory)
     python3 examples/main_job.py --tiny --out-dir /tmp/x   # tiny settings: the test suite's
 """
