@@ -53,9 +53,10 @@ Schedule (DESIGN.md, "Staleness"). Steps are counted per ``step()`` call (t = 1,
    KeyboardInterrupt leaves the run on the trajectory of an uninterrupted one.
  - After ``max_failures`` failed refreshes in a row of one factor the step raises (or, with
    ``on_failure="keep"``, warns), naming the parameter and the cause, in every mode.
- - ``staleness="auto"`` (``mode="async"``): S is chosen once, as the fewest steps that cover
-   1.5x a REFRESH round's time, at least 1 and at most the smallest ``precondition_frequency``
-   of the groups. SOAP and KL-Shampoo choose it when their first REFRESH round is submitted,
+ - ``staleness="auto"`` (``mode="async"``): S is chosen once: 0 where 1.5x a REFRESH round's
+   time fits the measured forward and backward (an S = 0 round runs during the next forward
+   and backward, ``defers``), else the fewest steps that cover it, at least 1 and at most the
+   smallest ``precondition_frequency`` of the groups. SOAP and KL-Shampoo choose it when their first REFRESH round is submitted,
    from the cost model's prediction of that round: the model has measured the first-step
    eigendecompositions (the INIT round) and the steps since. Shampoo (no INIT round) runs its
    first REFRESH round at S = that frequency (the largest S allowed, so it does not stall) and
@@ -358,7 +359,7 @@ class Schedule:
             return
         if self.auto_frequency:  # S is chosen with f (choose_f)
             return
-        s = self.capacity.auto_s(self.auto_ceiling(), jobs)
+        s = self.capacity.auto_s(self.auto_ceiling(), jobs, defers=self.defers())
         if s is None:
             return
         self.auto_s = s

@@ -173,14 +173,16 @@ class Capacity:
         busy = sum(self._busy.values())
         return busy / (slots * elapsed) if elapsed > 0 and slots else None
 
-    def auto_s(self, f: int, jobs: Optional[Sequence[JobSpec]] = None) -> Optional[int]:
-        """S for ``staleness="auto"``: the fewest steps that cover AUTO_MARGIN x a REFRESH
-        round's time, at least 1, at most f; None while that cannot be known. ``jobs``: the
-        round about to be submitted, priced by the model if it has measured any job on these
-        lanes (the first-step eigendecompositions); without ``jobs``: the last REFRESH round,
-        once measured (the larger of its measured time and its prediction). S is at least 1
-        here, as it always was for an integer ``precondition_frequency``: the S = 0 window
-        (the forward and backward) enters where f is chosen too (``auto_f``)."""
+    def auto_s(self, f: int, jobs: Optional[Sequence[JobSpec]] = None,
+               defers: bool = False) -> Optional[int]:
+        """S for ``staleness="auto"``: 0 where an S = 0 round runs during the next forward and
+        backward (``defers``: mode "async", ``Schedule.defers``) and AUTO_MARGIN x a REFRESH
+        round's time fits the measured forward and backward (the rule of ``choose_frequency``);
+        else the fewest steps that cover it, at least 1, at most f; None while that cannot be
+        known. ``jobs``: the round about to be submitted, priced by the model if it has
+        measured any job on these lanes (the first-step eigendecompositions); without
+        ``jobs``: the last REFRESH round, once measured (the larger of its measured time and
+        its prediction)."""
         step = self.step_s()
         if not step:
             return None
@@ -193,6 +195,9 @@ class Capacity:
             if rec is None or rec.measured_s is None:
                 return None
             need = max(rec.measured_s, self.predict(rec))
+        fb = self.fb_s()
+        if defers and fb and AUTO_MARGIN * need <= min(fb, step):
+            return 0
         return min(f, smallest_s(need, step, AUTO_MARGIN))
 
     def auto_f(self, jobs: Sequence[JobSpec], staleness: Optional[int],
