@@ -29,6 +29,15 @@ import torch
 from asteria.optim import _layout
 
 
+def alive(ref, what: str):
+    """The object behind the weak reference ``ref`` (the parts hold their optimizer weakly, so
+    no cycle keeps it alive); RuntimeError naming ``what`` once it is gone."""
+    obj = ref()
+    if obj is None:
+        raise RuntimeError(f"{what} is gone")
+    return obj
+
+
 def local(t):
     """The local shard of a DTensor (FSDP2's parameters and gradients: a view sharing its
     storage), else t itself. No DTensor exists unless torch.distributed.tensor was imported."""
@@ -144,10 +153,7 @@ class _ParamState(dict):
 
     @property
     def _opt(self):
-        opt = self._owner()
-        if opt is None:
-            raise RuntimeError("the Asteria optimizer this state belonged to is gone")
-        return opt
+        return alive(self._owner, "the Asteria optimizer this state belonged to")
 
     # The accessors below are on the step's path (every read of a moment or a step count goes
     # through one), so each resolves its optimizer once and strips a tag only where one exists.

@@ -29,7 +29,7 @@ from asteria import distributed as _dist
 from asteria.config import RuntimeConfig
 from asteria.optim._blocking import Layout, experts_of, make_layout
 from asteria.optim._global import GlobalBlocking, LocalBlocking
-from asteria.optim._state import real, shard_rows
+from asteria.optim._state import alive, real, shard_rows
 
 ADAMW = "adamw"  # a param group's "algorithm" that sends all its parameters to AdamW
 
@@ -62,10 +62,7 @@ class Run:
     # ---- torch.optim's attributes, read live -------------------------------------------------
     @property
     def optimizer(self):
-        opt = self._owner()
-        if opt is None:
-            raise RuntimeError("the Asteria optimizer of this run is gone")
-        return opt
+        return alive(self._owner, "the Asteria optimizer of this run")
 
     @property
     def state(self):
