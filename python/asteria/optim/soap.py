@@ -81,9 +81,15 @@ class SOAPMethod(Method):
 
         def moment():
             # m may still be re-expressed on a worker (an install deferred to this step):
-            # read once soap_step has done what does not need it
-            for p, j in members:
-                self.schedule.writes.settle(p, K.key(j, "exp_avg"))
+            # read once soap_step has done what does not need it. Only a job that writes m is
+            # waited for: a settle of anything else would start the group's due factor EMAs
+            # before its last stack (PendingWrites.settle)
+            writes = self.schedule.writes
+            if writes:
+                for p, j in members:
+                    key = K.key(j, "exp_avg")
+                    if (p, key) in writes:
+                        writes.settle(p, key)
             return self.placement.stack(members, "exp_avg", view=True)
 
         m = F.soap_step(w, g, moment, v, [None] * len(factors) if offload else factors, bases,
