@@ -142,3 +142,118 @@ def test_state_hooks_follow_from_each_methods_state():
     assert shampoo.output_name(p, 0, 1) == "b0.Linv1" and shampoo.factor_field == "L"
     soap = METHODS["soap"].METHOD()
     assert soap.output_specs(p, {}, 4) == [((4, 4), torch.float32), ((4,), torch.int64)]
+
+
+# The parts of the interface table in docs/architecture.md: the names a part is reached through
+# from the package's other files, its class, and the files that are the part itself.
+DOCS = PKG.parents[1] / "docs" / "architecture.md"
+PARTS = {
+    "run": (r"_?run", "asteria.optim.run:Run", {"optim/run.py"}),
+    "method": (r"_?method", "asteria.optim.method:Method",
+               {"optim/method.py", "optim/soap.py", "optim/one_sided_soap.py",
+                "optim/shampoo.py", "optim/kl_shampoo.py"}),
+    "schedule": (r"_?schedule|sched|runner", "asteria.optim.schedule:Schedule",
+                 {"optim/schedule.py"}),
+    "placement": (r"_?placement|place", "asteria.optim.placement:Placement",
+                  {"optim/placement.py"}),
+    "checkpoint": (r"_?checkpoint|codec", "asteria.optim.checkpoint:Checkpoint",
+                   {"optim/checkpoint.py"}),
+}
+# What a method declares for the base to read (method.py derives the hooks from them): offered
+# by every method and read by the base, not by the other parts.
+DECLARED = {"STATE", "EXTRA_OUTPUTS"}
+
+
+def interface_table():
+    """{part: names} from the table's third column: every backticked identifier but class names
+    (``PendingWrites``, ``LocalBlocking``: what a name holds, not a name of the part)."""
+    rows = {}
+    for line in DOCS.read_text().splitlines():
+        m = re.match(r"\|\s*`opt\.(\w+)`[^|]*\|[^|]*\|(.*)\|\s*$", line)
+        if m:
+            names = set(re.findall(r"`([A-Za-z_]\w*)`", m.group(2)))
+            rows[m.group(1)] = {n for n in names if not n[0].isupper() or n.isupper()}
+    return rows
+
+
+def imported_names(text):
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def code_only(text):
+    """The source with its comments and strings blanked (line numbers kept): "run.py" in a
+    docstring is prose, not a use."""
+    import io
+    import tokenize
+
+    lines = text.splitlines(keepends=True)
+    for tok in reversed(list(tokenize.generate_tokens(io.StringIO(text).readline))):
+        if tok.type in (tokenize.COMMENT, tokenize.STRING):
+            (r0, c0), (r1, c1) = tok.start, tok.end
+            for r in range(r0, r1 + 1):
+                line = lines[r - 1]
+                a = c0 if r == r0 else 0
+                b = c1 if r == r1 else len(line.rstrip("\n"))
+                lines[r - 1] = line[:a] + " " * (b - a) + line[b:]
+    return "".join(lines)
+
+
+def used_from_outside(part):
+    """The names the package's other files reach the part through: ``<ref>.<name>`` where
+    <ref> is what they call the part (``self.schedule``, ``sched``, ``run``); a module of that
+    name imported there (``from asteria.optim import placement``) is not the part."""
+    ref, _, own = PARTS[part]
+    pattern = re.compile(rf"(?<![\w])(?:(?:self|opt|own|o)\.)?({ref})\.([A-Za-z_]\w*)")
+    used = {}
+    for rel, text in sources(skip=own):
+        modules, text = imported_names(text), code_only(text)
+        for m in pattern.finditer(text):
+            if m.group(1) not in modules:
+                used.setdefault(m.group(2), f"{rel}:{text.count(chr(10), 0, m.start()) + 1}")
+    return used
+
+
+def offered(part):
+    """Names the part's class has, or its own files assign as ``self.<name>``."""
+    import importlib
+
+    _, target, own = PARTS[part]
+    module, cls = target.split(":")
+    klass = getattr(importlib.import_module(module), cls)
+    names = {n for k in [klass, *klass.__subclasses__()] for n in dir(k)}
+    for rel in own:
+        names |= set(re.findall(r"\bself\.([A-Za-z_]\w*)\s*(?::[^=\n]*)?=(?!=)",
+                                (PKG / rel).read_text()))
+    return names
+
+
+def test_the_pattern_of_a_use_finds_what_it_is_for():
+    ref = re.compile(rf"(?<![\w])(?:(?:self|opt|own|o)\.)?({PARTS['schedule'][0]})\.(\w+)")
+    hits = ["self.schedule.settle()", "sched.capacity", "opt.schedule.delay", "schedule.offload("]
+    misses = ["self.reschedule.x", "schedule_x.y", "my_sched.y"]
+    assert [ref.search(s).group(2) for s in hits] == ["settle", "capacity", "delay", "offload"]
+    assert not any(ref.search(s) for s in misses)
+    assert imported_names("from asteria.optim import placement\nimport a.b as c") == {
+        "placement", "c"}
+
+
+def test_the_interface_table_lists_exactly_what_each_part_offers_and_is_used_through():
+    """docs/architecture.md's table of the parts is the interface: every name another file of
+    the package uses a part through is listed, every listed name exists on the part, and every
+    listed name is used by another file (a method's declarations are read by the base)."""
+    table = interface_table()
+    assert set(table) == set(PARTS), set(table) ^ set(PARTS)
+    for part, listed in table.items():
+        used = used_from_outside(part)
+        missing = {n: where for n, where in used.items() if n not in listed}
+        assert not missing, f"{part}: used but not in docs/architecture.md's table: {missing}"
+        absent = listed - offered(part)
+        assert not absent, f"{part}: listed in the table but not offered: {sorted(absent)}"
+        unused = listed - set(used) - DECLARED
+        assert not unused, f"{part}: listed but no other file uses it: {sorted(unused)}"

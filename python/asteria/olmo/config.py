@@ -174,23 +174,23 @@ def _field_type(name: str, default: Any, annotation: Any) -> Any:
     return type(default)
 
 
-def config_class(method: type) -> type:
+def config_class(optimizer: type) -> type:
     """The OLMo-core config of an Asteria optimizer class: one field per keyword, with its name
     and default (a torch.dtype by name), registered as ``asteria_<method name>``."""
-    name = method.METHOD.NAME
-    sig = inspect.signature(method).parameters
+    name = optimizer.METHOD.NAME
+    sig = inspect.signature(optimizer).parameters
     fields = []
-    for key, default in method_defaults(method).items():
+    for key, default in method_defaults(optimizer).items():
         typ = _field_type(key, default, sig[key].annotation)
         if isinstance(default, torch.dtype):
             default = str(default).removeprefix("torch.")
         fields.append((key, typ, field(default=default)))
-    doc = (f"``asteria.{method.__name__}`` on the matrices; AdamW on the rest, with the lr, "
+    doc = (f"``asteria.{optimizer.__name__}`` on the matrices; AdamW on the rest, with the lr, "
            f"weight_decay and the first-moment / second-moment / epsilon settings "
-           f"{method.__name__} gives its own 1-D parameters.")
+           f"{optimizer.__name__} gives its own 1-D parameters.")
     cls = dataclasses.make_dataclass(
-        f"Asteria{method.__name__}Config", fields, bases=(AsteriaOptimConfig,),
-        namespace={"METHOD": method, "NAME": name, "__doc__": doc})
+        f"Asteria{optimizer.__name__}Config", fields, bases=(AsteriaOptimConfig,),
+        namespace={"METHOD": optimizer, "NAME": name, "__doc__": doc})
     cls.__module__ = __name__  # found as asteria.olmo.config.<name> (OLMo-core's _CLASS_)
     return OptimConfig.register(f"asteria_{name}")(cls)
 

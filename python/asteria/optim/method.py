@@ -175,7 +175,7 @@ class Method:
     @property
     def schedule(self):
         """The schedule (``asteria.optim.schedule.Schedule``): background jobs that write state
-        (``submit_write``, ``writes``), device-side counts (``count_lazy``)."""
+        (``on_worker``, ``offload``, ``writes``), device-side counts (``count_lazy``)."""
         return self._schedule()
 
     @property

@@ -3,7 +3,7 @@ t + S, the bounded barrier, what a failed REFRESH does, and the jobs that write 
 background.
 
 Owns: the rounds of REFRESH jobs in flight, the block keys and versions of the jobs it submits
-(a method's background jobs too, ``submit_write``), the one consecutive-failure count per
+(a method's background jobs too: ``offload``), the one consecutive-failure count per
 factor, installs deferred to the next use, the ``PendingWrites`` of the jobs that still write
 state (``writes``), device-side counts (``count_lazy``), the step end (installs, then new
 snapshots) and the wire form of the refreshes in flight (``wait_pending``, ``export_pending``,
@@ -687,7 +687,7 @@ class Schedule:
             "consistent; runtime {'on_failure': 'keep'} keeps training with the previous "
             "preconditioner instead of raising")
 
-    def submit_write(self, op: str, members: list, *args, **kwargs) -> int:
+    def _submit_write(self, op: str, members: list, *args, **kwargs) -> int:
         """Start a job that writes state in the background (a method's: SOAP's rotations and
         factor EMAs) for the blocks ``members`` [(param, j)], due by the next step: its block
         key is stable for its op and members, its version counts its submissions; ``args`` and
@@ -745,7 +745,7 @@ class Schedule:
     def start_job(self, job) -> None:
         """Submit a declared job (``offload``) and register what it writes."""
         f, q, b = job.inputs
-        job.ticket = self.submit_write(job.op, job.members, f, q, b=b, p=job.p, eps=job.eps,
+        job.ticket = self._submit_write(job.op, job.members, f, q, b=b, p=job.p, eps=job.eps,
                                        opts=SubmitOptions(host_outputs=True, donate=job.donate))
         self.run.counters[job.counters[0]] += 1
         self.writes.add(job)
