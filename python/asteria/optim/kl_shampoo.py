@@ -23,7 +23,7 @@ import torch
 
 from asteria.optim import _layout as K
 from asteria.optim import functional as F
-from asteria.optim.method import (INIT, Field, Method, check_eigenbasis, eigh_input, is_int,
+from asteria.optim.method import (Field, Method, check_eigenbasis, is_int,
                                   register, require, shampoo_beta)
 from asteria.optim.optimizer import AsteriaOptimizer
 
@@ -109,17 +109,10 @@ class KLShampooMethod(Method):
                   normalize_grads=group["normalize_grads"], clamp=clamp)
         self.schedule.count_lazy("overflow_skipped", (~ok).sum())
         self.placement.unstack(members, "exp_avg", m)
-        for i, h in enumerate(has):
-            if h:
-                self.placement.unstack(members, "S", factors[i], dim=i)
-                self.placement.unstack(members, "s", scales[i], dim=i)
+        self.placement.unstack_dims(members, "S", factors)
+        self.placement.unstack_dims(members, "s", scales)
 
-    def refresh_input(self, kind, p, j, dim):
-        st = self.state[p]
-        f = st[K.key(j, "S", dim)]
-        if kind == INIT:
-            return "eigh", eigh_input(f), None, 0.0, 0.0
-        return "kl_qr", f, self.placement.root_for_job(p, K.key(j, "Q", dim)), 0.0, 0.0
+    refresh_input = Method.eigenbasis_refresh_input
 
     def install(self, kind, outputs):
         self.install_bases(outputs)  # lam (s) is kept: the QR refresh only rotates Q

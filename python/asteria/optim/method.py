@@ -346,6 +346,15 @@ class Method:
                     need.setdefault((p, j), []).append(i)
         return [(p, j, dims) for (p, j), dims in need.items()]
 
+    def eigenbasis_refresh_input(self, kind: str, p: torch.Tensor, j: int, dim: int):
+        """An eigenbasis method's job for one factor: the first step's eigendecomposition of
+        F, then its ``REFRESH_OP`` (one QR sweep of F against the current basis Q)."""
+        f = self.state[p][K.key(j, self.factor_field, dim)]
+        if kind == INIT:
+            return "eigh", eigh_input(f), None, 0.0, 0.0
+        q = self.placement.root_for_job(p, K.key(j, self.output_field, dim))
+        return self.REFRESH_OP[0], f, q, 0.0, 0.0
+
     def install_bases(self, outputs: dict) -> None:
         """Install eigenbases (first-step eigh, KL-Shampoo's QR): Q_i = output 0; failures keep
         Q."""

@@ -433,6 +433,12 @@ class Placement:
                 if not same_memory(t, xi):
                     t.copy_(xi)
 
+    def unstack_dims(self, members: list, field: str, stacks: Sequence) -> None:
+        """``unstack`` of each per-dimension stack ``stack_dims`` gave (None: no factor there)."""
+        for i, x in enumerate(stacks):
+            if x is not None:
+                self.unstack(members, field, x, dim=i)
+
     def prepare(self, work: list, in_flight: list) -> None:
         """Phase A of a step with a residency: NVMe blocks read back (verified) and written out
         again, host blocks prefetched into the ring in the order the step uses them; then the

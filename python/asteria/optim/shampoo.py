@@ -94,9 +94,7 @@ class ShampooMethod(Method):
                        weight_decay=group["weight_decay"])
         self.placement.unstack(members, "momentum", m1)
         self.placement.unstack(members, "grafting_v", vg)
-        for i, f in enumerate(factors):
-            if f is not None:
-                self.placement.unstack(members, "L", f, dim=i)
+        self.placement.unstack_dims(members, "L", factors)
 
     def refresh_input(self, kind, p, j, dim):
         group = self.group_of(p)

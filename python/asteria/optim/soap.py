@@ -34,7 +34,7 @@ from asteria.optim import functional as F
 from asteria.refresh.ops import soap_rotate
 from asteria.optim._writes import WorkerJob
 from asteria.optim._state import real
-from asteria.optim.method import (INIT, Field, Method, check_eigenbasis, eigh_input, is_int,
+from asteria.optim.method import (INIT, Field, Method, check_eigenbasis, is_int,
                                   register, require, shampoo_beta)
 from asteria.optim.optimizer import AsteriaOptimizer
 
@@ -100,19 +100,12 @@ class SOAPMethod(Method):
                         normalize_grads=group["normalize_grads"])
         self.placement.unstack(members, "exp_avg", m)
         self.placement.unstack(members, "exp_avg_sq", v)
-        for i, f in enumerate(factors):
-            if f is not None:
-                self.placement.unstack(members, "GG", f, dim=i)
+        self.placement.unstack_dims(members, "GG", factors)
         if offload:  # started once the group's stacks have all run (schedule.writes.start_due)
             self.schedule.offload(self.factor_ema_job(list(members), g, list(factors),
                                                       shampoo_beta(group)), due=True)
 
-    def refresh_input(self, kind, p, j, dim):
-        st = self.state[p]
-        f = st[K.key(j, "GG", dim)]
-        if kind == INIT:
-            return "eigh", eigh_input(f), None, 0.0, 0.0
-        return "soap_qr", f, self.placement.root_for_job(p, K.key(j, "Q", dim)), 0.0, 0.0
+    refresh_input = Method.eigenbasis_refresh_input
 
     def install(self, kind, outputs):
         if kind == INIT:
