@@ -212,11 +212,6 @@ class DeviceEngine(Engine):
         except Exception:
             pass
 
-    def _job(self, ticket: int) -> _DJob:
-        try:
-            return self._jobs[ticket]
-        except KeyError:
-            raise ValueError(f"unknown or already waited-for ticket {ticket}") from None
 
     # ---- the runner thread ------------------------------------------------------------------
     def _run(self) -> None:

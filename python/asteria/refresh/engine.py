@@ -219,6 +219,14 @@ class Engine(abc.ABC):
     #: the optimizer's one runtime tracer (see the module docstring); NO_TRACE: none
     tracer: Tracer = NO_TRACE
 
+    def _job(self, ticket: int) -> Any:
+        """The job of a ticket not yet waited for: an engine keeps its jobs in ``self._jobs``
+        (ticket -> job) and drops each once its result is handed out."""
+        try:
+            return self._jobs[ticket]
+        except KeyError:
+            raise ValueError(f"unknown or already waited-for ticket {ticket}") from None
+
     def lanes(self) -> dict[Lane, int]:
         """The lanes this executor runs jobs on and how many run at once:
         {Lane.HOST: workers} for the C pool, {Lane.INLINE: 1} for the torch executor, plus

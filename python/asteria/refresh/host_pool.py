@@ -456,11 +456,6 @@ class HostPoolEngine(Engine):
         if self._closed:
             raise RuntimeError("HostPoolEngine is closed")
 
-    def _job(self, ticket: int) -> _Job:
-        try:
-            return self._jobs[ticket]
-        except KeyError:
-            raise ValueError(f"unknown or already waited-for ticket {ticket}") from None
 
     def _poll(self) -> None:
         for res in self._rt.poll():

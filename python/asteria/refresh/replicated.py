@@ -315,11 +315,6 @@ class ReplicatedEngine(Engine):
         if self._proto.error is not None:
             raise CoherenceError(str(self._proto.error)) from self._proto.error
 
-    def _job(self, ticket: int):
-        try:
-            return self._jobs[ticket]
-        except KeyError:
-            raise ValueError(f"unknown or already waited-for ticket {ticket}") from None
 
     def _channel(self, link: _Link, staleness: int) -> Channel:
         key = (link.ranks, staleness)

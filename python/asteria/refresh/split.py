@@ -212,8 +212,3 @@ class SplitEngine(Engine):
             if eng is not None:
                 eng.close()
 
-    def _job(self, ticket: int) -> _Split:
-        try:
-            return self._jobs[ticket]
-        except KeyError:
-            raise ValueError(f"unknown or already waited-for ticket {ticket}") from None
