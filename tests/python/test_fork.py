@@ -114,11 +114,10 @@ def records(nvme_dir):
 NVME = [pytest.param(False, id="host"), pytest.param(True, id="nvme")]
 
 
-@pytest.mark.parametrize("nvme", NVME)
-@pytest.mark.parametrize("name", list(MAKERS))
-def test_child_checkpoint_then_os_exit(tmp_path, name, nvme):
-    """(a) A background checkpoint in a child: the child's state_dict() holds the state at the
-    fork (NVMe blocks read back from the parent's records); the parent trains on, unharmed."""
+def trained_to_5(tmp_path, name, nvme):
+    """``name``'s no-fork trajectory, and a run (its NVMe tier in tmp_path / "nvme" if
+    ``nvme``) trained through step 5: (that trajectory, the NVMe directory or None, the model,
+    the optimizer)."""
     ref = reference(name)
     nvme_dir = tmp_path / "nvme" if nvme else None
     if nvme:
@@ -126,6 +125,15 @@ def test_child_checkpoint_then_os_exit(tmp_path, name, nvme):
     model = make_model("mlp")
     opt = MAKERS[name](model.parameters(), runtime(nvme_dir))
     train(opt, model, 1, 5)
+    return ref, nvme_dir, model, opt
+
+
+@pytest.mark.parametrize("nvme", NVME)
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_child_checkpoint_then_os_exit(tmp_path, name, nvme):
+    """(a) A background checkpoint in a child: the child's state_dict() holds the state at the
+    fork (NVMe blocks read back from the parent's records); the parent trains on, unharmed."""
+    ref, nvme_dir, model, opt = trained_to_5(tmp_path, name, nvme)
     assert not nvme or opt.asteria_stats()["bytes_nvme"] > 0
     want = opt.state_dict()
     mine = records(nvme_dir)
@@ -153,13 +161,7 @@ def test_child_trains_on(tmp_path, name, nvme):
     """(b) The child steps the optimizer (NVMe reads and writes through its own ring and
     records) while the parent waits, then the parent trains on: both follow the no-fork
     trajectory bitwise."""
-    ref = reference(name)
-    nvme_dir = tmp_path / "nvme" if nvme else None
-    if nvme:
-        nvme_dir.mkdir()
-    model = make_model("mlp")
-    opt = MAKERS[name](model.parameters(), runtime(nvme_dir))
-    train(opt, model, 1, 5)
+    ref, nvme_dir, model, opt = trained_to_5(tmp_path, name, nvme)
 
     def steps():
         traj = []
