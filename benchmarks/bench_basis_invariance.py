@@ -57,12 +57,9 @@ number.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import shutil
 import sys
-import tempfile
 from typing import Any, NoReturn, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -179,9 +176,7 @@ def worker(args) -> NoReturn:
     import asteria
     from asteria.rank_exit import exit_rank
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = common.init_gloo(300)
     dtype = torch.float64
     n = args.rows // world
     full, info = {}, {"rank": rank, "asteria_path": os.path.dirname(asteria.__file__),
@@ -221,8 +216,7 @@ def rank_counts(args, refs: dict, progress) -> dict:
     for world in args.worlds:
         if args.rows % world:
             raise SystemExit(f"--rows {args.rows} is not a multiple of {world} ranks")
-        tmp = tempfile.mkdtemp(prefix=f"{NAME}-w{world}-")
-        try:
+        with common.scratch_dir(f"{NAME}-w{world}-") as tmp:
             progress(f"(a) {world} rank(s), torchrun: {len(args.methods)} methods x {MODES}, "
                      f"{args.steps} steps, {args.rows // world} rows per rank")
             wargs = ["--worker", "--worker-dir", tmp, "--steps", str(args.steps),
@@ -232,12 +226,7 @@ def rank_counts(args, refs: dict, progress) -> dict:
                      "--methods", ",".join(args.methods)]
             common.launch_torchrun(__file__, wargs, tmp, 1, world, args.timeout, NAME)
             full = torch.load(os.path.join(tmp, "params.pt"))
-            ranks = []
-            for r in range(world):
-                with open(os.path.join(tmp, f"rank{r}.json")) as fh:
-                    ranks.append(json.load(fh))
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            ranks = common.read_ranks(tmp, world)
         res = {"rows_per_rank": args.rows // world,
                "shard_rows": {str(w): shard_rows(w, world) for w in args.widths[1:]},
                "ranks_asteria_path": sorted({r["asteria_path"] for r in ranks}),

@@ -37,14 +37,10 @@ Writes benchmarks/results/cluster/bench_cluster.{json,png}.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any, NoReturn, Optional, Sequence
 
@@ -82,12 +78,9 @@ def worker(args) -> NoReturn:
     from torch import nn
 
     import asteria
-    from asteria.rank_exit import exit_rank
     from netns import read_counters
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = common.init_gloo(args.timeout)
     nodes = world // PER_NODE
     d = args.width
     target = torch.randn(d, d, generator=torch.Generator().manual_seed(7)) / d ** 0.5
@@ -166,9 +159,7 @@ def worker(args) -> NoReturn:
                                     "link": {k: after[k] - before[k] for k in after}})
                 del opt, net
                 dist.barrier()
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
-        json.dump(out, fh)
-    exit_rank(0)
+    common.finish_rank(args.out, rank, out)
 
 
 # ---- one launch: a cluster at one rate ----------------------------------------------------------
@@ -189,18 +180,13 @@ def _echo(path: str, seen: int, progress) -> int:
 def launch(cluster, args, out: str, progress) -> list[dict]:
     """torchrun on every node of ``cluster`` running this file's worker, its progress passed
     on; the per-rank results."""
-    import asteria
-
     wargs = ["--worker", "--out", out, "--steps", str(args.steps), "--width", str(args.width),
              "--layers", str(args.layers), "--tokens", str(args.tokens), "--lr", str(args.lr),
              "--block-size", str(args.block_size), "--frequency", str(args.frequency),
              "--staleness", ",".join(map(str, args.staleness)),
              "--layouts", ",".join(args.layouts), "--topologies", ",".join(args.topologies),
              "--timeout", str(args.timeout)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    pkg_root = os.path.dirname(os.path.dirname(asteria.__file__))
-    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "")
-                                                      .split(os.pathsep) if p])
+    env = common.ranks_env()
     procs, logs = [], []
     for node in range(cluster.nodes):
         log = open(os.path.join(out, f"node{node}.log"), "w")
@@ -220,11 +206,7 @@ def launch(cluster, args, out: str, progress) -> list[dict]:
             with open(os.path.join(out, f"node{node}.log"), errors="replace") as fh:
                 sys.stderr.write(fh.read()[-4000:])
         raise SystemExit(f"{NAME}: a rank failed ({cluster.nodes} nodes at {cluster.rate})")
-    per_rank = []
-    for r in range(cluster.nodes * PER_NODE):
-        with open(os.path.join(out, f"rank{r}.json")) as fh:
-            per_rank.append(json.load(fh))
-    return per_rank
+    return common.read_ranks(out, cluster.nodes * PER_NODE)
 
 
 # ---- aggregation --------------------------------------------------------------------------------
@@ -376,8 +358,7 @@ def print_table(data: dict) -> None:
     hdr = (f"{'nodes':>5} {'rate':>8} {'layout':>6} {'topo':>5} {'S':>2} {'median ms':>10} "
            f"{'p99 ms':>8} {'wait %':>7} {'wait/round':>11} {'inter MB':>9} {'intra MB':>9} "
            f"{'coh inter MB':>13} {'owner ms/round':>15} {'final loss':>11}")
-    print(hdr)
-    print("-" * len(hdr))
+    common.print_header(hdr)
     for r in data["results"]:
         own = max(r["owner_busy_ms_per_round"])
         print(f"{r['nodes']:>5} {r['rate']:>8} {r['layout']:>6} {r['topology']:>5} "
@@ -470,14 +451,11 @@ def run(args, argv) -> dict[str, Any]:
                 for i in range(nodes):
                     cluster.set_rate(i, rate)
                 cluster.rate = rate
-                tmp = tempfile.mkdtemp(prefix=f"{NAME}-")
-                try:
+                with common.scratch_dir(f"{NAME}-") as tmp:
                     progress(f"{nodes} nodes at {rate}: launching")
                     cpu0 = common.cpu_snapshot()
                     per_rank = launch(cluster, args, tmp, progress)
                     cpu[f"{nodes}n {rate}"] = common.cpu_delta(cpu0, common.cpu_snapshot())
-                finally:
-                    shutil.rmtree(tmp, ignore_errors=True)
                 got = aggregate(per_rank, args, nodes, rate)
                 for r in got:
                     progress(f"  {key(r)}: median {r['step']['median_ms']:.0f} ms, p99 "

@@ -26,12 +26,8 @@ time) and bench_coherence.png.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from typing import Any, NoReturn, Optional, Sequence
 
@@ -48,47 +44,21 @@ NODES, PER_NODE = 2, 2
 # ---- the per-rank worker -------------------------------------------------------------------------
 
 def worker(args) -> NoReturn:
-    import torch
     import torch.distributed as dist
-    from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import asteria
-    from asteria.rank_exit import exit_rank
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    d, tokens = args.width, args.tokens
-
-    def model():
-        torch.manual_seed(0)
-        layers = []
-        for _ in range(args.layers):
-            layers += [nn.Linear(d, d), nn.Tanh()]
-        return nn.Sequential(*layers)
-
-    target = torch.randn(d, d, generator=torch.Generator().manual_seed(7)) / d ** 0.5
-    out = {"rank": rank, "env": {k: os.environ.get(k) for k in ("GROUP_RANK", "LOCAL_RANK",
-                                                                   "LOCAL_WORLD_SIZE")},
-           "runs": []}
+    rank, world = common.init_gloo(120)
+    out = {"rank": rank, "env": common.launcher_env(), "runs": []}
     for topo in TOPOLOGIES:
         for s in args.staleness:
-            net = DDP(model())
+            net = DDP(common.mlp_job_net(args))
             opt = asteria.SOAP(net.parameters(), lr=1e-3, block_size=args.block_size,
                                precondition_frequency=args.frequency,
                                runtime={"mode": "async", "staleness": s, "workers": 1,
                                         "coherence_topology": topo})
-            times = []
-            for t in range(1, args.steps + 1):
-                gen = torch.Generator().manual_seed(1000 * t + rank)
-                x = torch.randn(tokens, d, generator=gen)
-                t0 = time.perf_counter()
-                opt.zero_grad(set_to_none=True)
-                loss = ((net(x) - torch.sin(x @ target)) ** 2).mean()
-                loss.backward()
-                opt.step()
-                times.append(time.perf_counter() - t0)
+            times, loss = common.mlp_job_steps(net, opt, rank, args)
             opt.close()  # finishes the refresh in flight on every rank: all of its traffic counts
             st = opt.asteria_stats()
             keep = {k: v for k, v in st.items()
@@ -98,20 +68,16 @@ def worker(args) -> NoReturn:
             keep["coherence_by_staleness"] = {str(k): v for k, v in
                                               keep.get("coherence_by_staleness", {}).items()}
             out["runs"].append({"topology": topo, "staleness": s, "step_s": times,
-                                "stats": keep, "final_loss": float(loss.detach())})
+                                "stats": keep, "final_loss": loss})
             dist.barrier()
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
-        json.dump(out, fh)
-    exit_rank(0)
+    common.finish_rank(args.out, rank, out)
 
 
 # ---- the launcher ----------------------------------------------------------------------------
 
 def launch(args, out: str) -> None:
-    wargs = ["--worker", "--out", out, "--steps", str(args.steps), "--width", str(args.width),
-             "--layers", str(args.layers), "--tokens", str(args.tokens),
-             "--block-size", str(args.block_size), "--frequency", str(args.frequency),
-             "--staleness", ",".join(str(s) for s in args.staleness)]
+    wargs = common.mlp_job_worker_args(args, out) + [
+        "--staleness", ",".join(str(s) for s in args.staleness)]
     common.launch_torchrun(__file__, wargs, out, NODES, PER_NODE, args.timeout, "bench_coherence")
 
 
@@ -195,23 +161,12 @@ def plot(data: dict, path: str) -> None:
     ax.set_ylabel("KiB per sync unit, summed over ranks (S = 1)")
     ax.set_title("coherence bytes per level")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.write_png(fig, path)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
-    ap.add_argument("--quick", action="store_true", help="few steps, a narrow model")
-    ap.add_argument("--steps", type=int, default=42)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--width", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=512, help="rows of the batch per rank")
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--frequency", type=int, default=10)
+    common.add_mlp_job_args(ap, steps=42, width=128, tokens=512)
     ap.add_argument("--staleness", default=",".join(str(s) for s in STALENESS))
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out-dir", default=None)
@@ -224,19 +179,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         args.steps, args.width, args.tokens, args.block_size = 14, 32, 64, 16
     progress = common.Progress(NAME)
     meta = common.run_metadata(NAME, __file__, argv)
-    tmp = tempfile.mkdtemp(prefix="bench_coherence-")
-    try:
+    with common.scratch_dir("bench_coherence-") as tmp:
         progress(f"launching 2 x torchrun --nproc-per-node {PER_NODE}: {len(TOPOLOGIES)} "
                  f"topologies x S in {args.staleness}, {args.steps} steps each")
         cpu0 = common.cpu_snapshot()
         launch(args, tmp)
         cpu = common.cpu_delta(cpu0, common.cpu_snapshot())
-        per_rank = []
-        for r in range(NODES * PER_NODE):
-            with open(os.path.join(tmp, f"rank{r}.json")) as fh:
-                per_rank.append(json.load(fh))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        per_rank = common.read_ranks(tmp, NODES * PER_NODE)
     data = dict(meta)
     data["settings"] = {k: getattr(args, k) for k in ("steps", "warmup", "width", "layers",
                                                       "tokens", "block_size", "frequency",

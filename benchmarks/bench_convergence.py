@@ -1041,9 +1041,7 @@ def targets(users: Optional[dict], limit: Optional[dict]) -> dict[str, Any]:
 
 
 def run(args, argv) -> dict[str, Any]:
-    log = common.Progress(NAME)
-    meta = common.run_metadata(NAME, __file__, argv)
-    meta["machine"]["loadavg"] = list(os.getloadavg())  # 1, 5, 15 minutes
+    log, meta = common.start_run(NAME, __file__, argv)
     for pkg in ("pytorch-optimizer", "heavyball"):
         meta["versions"][pkg] = dist_version(pkg)
     torch.set_num_threads(args.threads)

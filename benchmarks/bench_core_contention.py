@@ -234,9 +234,7 @@ def plot(data: dict, path: str) -> None:
                  f"{data['machine']['cpu_model']} x{data['machine']['nproc']}")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.write_png(fig, path)
 
 
 def parse_args(argv: Optional[Sequence[str]]):

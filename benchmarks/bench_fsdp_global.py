@@ -25,12 +25,9 @@ contention; the ratios are the result. Writes benchmarks/results/bench_fsdp_glob
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from typing import Any, NoReturn, Optional, Sequence
 
@@ -44,26 +41,16 @@ NODES, PER_NODE = 2, 2
 
 
 def worker(args) -> NoReturn:
-    import torch
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
     import asteria
-    from asteria.rank_exit import exit_rank
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    d = args.width
-    target = torch.randn(d, d, generator=torch.Generator().manual_seed(7)) / d ** 0.5
-    out = {"rank": rank, "env": {k: os.environ.get(k) for k in ("GROUP_RANK", "LOCAL_RANK",
-                                                                   "LOCAL_WORLD_SIZE")},
-           "runs": []}
+    rank, world = common.init_gloo(300)
+    out = {"rank": rank, "env": common.launcher_env(), "runs": []}
     for mode in MODES:
-        torch.manual_seed(0)
-        net = nn.Sequential(*[m for _ in range(args.layers) for m in (nn.Linear(d, d),
-                                                                      nn.Tanh())])
+        net = common.mlp_job_net(args)
         for m in net:
             if isinstance(m, nn.Linear):
                 fully_shard(m)
@@ -73,20 +60,10 @@ def worker(args) -> NoReturn:
                            precondition_frequency=args.frequency,
                            runtime={"mode": "async", "staleness": 3, "workers": 1,
                                     "fsdp_blocking": mode})
-        times = []
-        for t in range(1, args.steps + 1):
-            gen = torch.Generator().manual_seed(1000 * t + rank)
-            x = torch.randn(args.tokens, d, generator=gen)
-            dist.barrier()
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss = ((net(x) - torch.sin(x @ target)) ** 2).mean()
-            loss.backward()
-            opt.step()
-            times.append(time.perf_counter() - t0)
+        times, loss = common.mlp_job_steps(net, opt, rank, args, barrier=True)
         st = opt.asteria_stats()
         opt.close()
-        out["runs"].append({"mode": mode, "step_s": times, "final_loss": float(loss.detach()),
+        out["runs"].append({"mode": mode, "step_s": times, "final_loss": loss,
                             "grad_bytes_full": grad_bytes,
                             "reduce_scatter_bytes_per_step": grad_bytes * (world - 1) / world,
                             "global_bytes_sent": st.get("fsdp_global_bytes_sent", 0),
@@ -94,16 +71,12 @@ def worker(args) -> NoReturn:
                             "blocks_owned": st.get("fsdp_global_blocks_owned", 0),
                             "refreshes_submitted": st.get("refreshes_submitted", 0)})
         dist.barrier()
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
-        json.dump(out, fh)
-    exit_rank(0)
+    common.finish_rank(args.out, rank, out)
 
 
 def launch(args, out: str) -> None:
-    wargs = ["--worker", "--out", out, "--steps", str(args.steps), "--width", str(args.width),
-             "--layers", str(args.layers), "--tokens", str(args.tokens),
-             "--block-size", str(args.block_size), "--frequency", str(args.frequency)]
-    common.launch_torchrun(__file__, wargs, out, NODES, PER_NODE, args.timeout, NAME)
+    common.launch_torchrun(__file__, common.mlp_job_worker_args(args, out), out, NODES, PER_NODE,
+                           args.timeout, NAME)
 
 
 def aggregate(per_rank: list[dict], args) -> dict:
@@ -129,16 +102,7 @@ def aggregate(per_rank: list[dict], args) -> dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
-    ap.add_argument("--quick", action="store_true", help="few steps, a narrow model")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=256, help="rows of the batch per rank")
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--frequency", type=int, default=10)
+    common.add_mlp_job_args(ap, steps=30, width=256, tokens=256)
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
@@ -148,17 +112,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         args.steps, args.width, args.tokens, args.block_size = 12, 64, 64, 16
     progress = common.Progress(NAME)
     meta = common.run_metadata(NAME, __file__, argv)
-    tmp = tempfile.mkdtemp(prefix=f"{NAME}-")
-    try:
+    with common.scratch_dir(f"{NAME}-") as tmp:
         progress(f"launching 2 x torchrun --nproc-per-node {PER_NODE}: modes {MODES}, "
                  f"{args.steps} steps each")
         launch(args, tmp)
-        per_rank = []
-        for r in range(NODES * PER_NODE):
-            with open(os.path.join(tmp, f"rank{r}.json")) as fh:
-                per_rank.append(json.load(fh))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        per_rank = common.read_ranks(tmp, NODES * PER_NODE)
     data = dict(meta)
     data["settings"] = {k: getattr(args, k) for k in ("steps", "warmup", "width", "layers",
                                                       "tokens", "block_size", "frequency",

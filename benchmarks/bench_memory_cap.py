@@ -264,9 +264,7 @@ def run(args, argv) -> dict[str, Any]:
     import common
     import memcap
 
-    log = common.Progress(NAME)
-    meta = common.run_metadata(NAME, __file__, argv)
-    meta["machine"]["loadavg"] = list(os.getloadavg())
+    log, meta = common.start_run(NAME, __file__, argv)
     os.makedirs(args.dir_parent, exist_ok=True)
     work = tempfile.mkdtemp(prefix="asteria-memcap-", dir=args.dir_parent)
     eig_bytes = args.layers * 2 * args.width * args.width * 4
@@ -358,9 +356,7 @@ def plot(data: dict, path: str) -> None:
         axes[1].legend(fontsize=7)
     else:
         axes[1].text(0.5, 0.5, cap.get("skipped", "no capped run"), ha="center", wrap=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.write_png(fig, path)
 
 
 def print_table(data: dict) -> None:

@@ -259,9 +259,7 @@ def uptime() -> Optional[str]:
 
 
 def run(args, argv) -> dict[str, Any]:
-    log = common.Progress(NAME)
-    meta = common.run_metadata(NAME, __file__, argv)
-    meta["machine"]["loadavg"] = list(os.getloadavg())
+    log, meta = common.start_run(NAME, __file__, argv)
     meta["machine"]["uptime_start"] = uptime()
     log(f"start: {meta['machine']['uptime_start']}")
     torch.set_num_threads(args.threads)

@@ -261,9 +261,7 @@ def open_store(dirpath: str, queue_depth: int) -> tuple[Any, str]:
 
 
 def run(args, argv) -> dict[str, Any]:
-    log = common.Progress(NAME)
-    meta = common.run_metadata(NAME, __file__, argv)
-    meta["machine"]["loadavg"] = list(os.getloadavg())  # 1, 5, 15 minutes
+    log, meta = common.start_run(NAME, __file__, argv)
     os.makedirs(args.dir_parent, exist_ok=True)
     dirpath = tempfile.mkdtemp(prefix="asteria-nvme-bench-", dir=args.dir_parent)
     dev = block_device(dirpath)
@@ -334,16 +332,13 @@ def plot(data: dict, path: str) -> None:
                  f"O_DIRECT store: {data['store_nvme_direct']})")
     ax.legend(fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.write_png(fig, path)
 
 
 def print_table(data: dict) -> None:
     hdr = (f"{'block':>9}{'blocks':>8}{'st write':>10}{'od write':>10}{'w ratio':>9}"
            f"{'st read':>10}{'od read':>10}{'r ratio':>9}   (MB/s)")
-    print(hdr)
-    print("-" * len(hdr))
+    common.print_header(hdr)
     for r in data["results"]:
         print(f"{r['block_bytes'] >> 10:>6}KiB{r['blocks']:>8}{r['store_write_MBps']:>10.1f}"
               f"{r['direct_write_MBps']:>10.1f}{r['ratio_write_store_direct']:>9.2f}"

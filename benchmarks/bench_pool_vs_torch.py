@@ -227,9 +227,7 @@ def measure_op(op: str, n: int, args, runtimes: dict, log: common.Progress) -> d
 
 
 def run(args, argv) -> dict[str, Any]:
-    log = common.Progress(NAME)
-    meta = common.run_metadata(NAME, __file__, argv)
-    meta["machine"]["loadavg"] = list(os.getloadavg())  # 1, 5, 15 minutes
+    log, meta = common.start_run(NAME, __file__, argv)
     cpus = common.allowed_cpus()
     if len(cpus) < 2:
         log(f"only {len(cpus)} allowed CPU(s): the 2-worker / 2-thread ways share it")
@@ -296,16 +294,13 @@ def plot(data: dict, path: str) -> None:
     fig.suptitle(f"REFRESH throughput, Asteria pool vs torch.linalg (labels: pool / torch at "
                  f"equal threads), {m['cpu_model']} x{m['nproc']}, load {m['loadavg1']}",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.write_png(fig, path)
 
 
 def print_table(data: dict) -> None:
     hdr = (f"{'op':<10}{'n':>6}{'K':>5}{'torch1/s':>10}{'pool1/s':>10}{'torch2/s':>10}"
            f"{'pool2/s':>10}{'p1/t1':>8}{'p2/t2':>8}{'p2/tb':>8}{'p2/p1':>8}{'foreign':>9}")
-    print(hdr)
-    print("-" * len(hdr))
+    common.print_header(hdr)
     for r in data["results"]:
         print(f"{r['op']:<10}{r['n']:>6}{r['jobs_per_round']:>5}"
               + "".join(f"{r[m]['blocks_per_s']:>10.2f}" for m in MODES)

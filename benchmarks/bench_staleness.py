@@ -110,9 +110,7 @@ def run_one(label: str, runtime: dict, problem: Problem, args, log) -> dict[str,
 
 
 def run(args, argv) -> dict[str, Any]:
-    log = common.Progress(NAME)
-    meta = common.run_metadata(NAME, __file__, argv)
-    meta["machine"]["loadavg"] = list(os.getloadavg())
+    log, meta = common.start_run(NAME, __file__, argv)
     torch.set_num_threads(args.threads)
     pin = placement(args.train_cpu)
     problem = build_problem(args.model_size, args.steps, args.seed)

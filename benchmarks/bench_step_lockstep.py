@@ -61,9 +61,7 @@ def lr_of(name: str) -> float:
 
 
 def run(args, argv) -> dict[str, Any]:
-    log = common.Progress(NAME)
-    meta = common.run_metadata(NAME, __file__, argv)
-    meta["machine"]["loadavg"] = list(os.getloadavg())
+    log, meta = common.start_run(NAME, __file__, argv)
     torch.set_num_threads(1)
     pin = conv.placement()
     problem = conv.build_problem(args.preset, args.steps, args.seed)
@@ -217,8 +215,7 @@ def parse_args(argv: Optional[Sequence[str]]):
     return args
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    return common.run_restoring(run, parse_args(argv), argv)
+main = common.make_main(run, parse_args)
 
 
 if __name__ == "__main__":

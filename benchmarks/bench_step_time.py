@@ -248,9 +248,7 @@ def plot(data: dict, path: str) -> None:
                  f"(d={data['model']['d']}, {data['model']['layers']} layers) on "
                  f"{data['machine']['cpu_model']} x{data['machine']['nproc']}, "
                  f"device {data['settings']['device']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.write_png(fig, path)
 
 
 def _fmt(x: Optional[float]) -> str:
@@ -260,8 +258,7 @@ def _fmt(x: Optional[float]) -> str:
 def print_table(data: dict) -> None:
     hdr = (f"{'optimizer':<12}{'median ms':>11}{'p99 ms':>10}{'max ms':>10}{'p99/med':>9}"
            f"{'max/med':>9}{'device MiB':>12}{'host MiB':>10}{'loss':>8}{'foreign':>9}")
-    print(hdr)
-    print("-" * len(hdr))
+    common.print_header(hdr)
     for r in data["results"]:
         s, t = r["summary"], r["bytes_per_tier"]["tiers"]
         host = t["host"] + t["host_pinned"] + t["uvm"]
@@ -424,18 +421,7 @@ def run(args, argv: Optional[Sequence[str]], device: torch.device) -> dict[str, 
         "targets": targets(by_name),
         "results": results,
     }
-    path = common.write_json(data_out, f"{NAME}.json", args.out_dir)
-    print()
-    print_table(data_out)
-    if not args.no_plot:
-        png = os.path.join(args.out_dir, f"{NAME}.png")
-        try:
-            plot(data_out, png)
-            log(f"wrote {png}")
-        except ImportError as e:
-            log(f"no plot: {e}")
-    log(f"wrote {path}")
-    return data_out
+    return common.finish(data_out, NAME, args.out_dir, args.no_plot, print_table, plot, log)
 
 
 if __name__ == "__main__":

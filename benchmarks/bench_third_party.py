@@ -115,9 +115,7 @@ def compare(results: list[dict], checkpoints: Sequence[int]) -> dict[str, Any]:
 
 
 def run(args, argv) -> dict[str, Any]:
-    log = common.Progress(NAME)
-    meta = common.run_metadata(NAME, __file__, argv)
-    meta["machine"]["loadavg"] = list(os.getloadavg())  # 1, 5, 15 minutes
+    log, meta = common.start_run(NAME, __file__, argv)
     for pkg in ("pytorch-optimizer", "heavyball", "opt-einsum"):
         meta["versions"][pkg] = dist_version(pkg)
     torch.set_num_threads(args.threads)
@@ -171,17 +169,14 @@ def plot(data: dict, path: str) -> None:
     fig.suptitle(f"SOAP implementations on {m['params'] / 1e6:.2f}M-param TinyGPT, "
                  f"f={data['settings']['frequency']}, {data['machine']['cpu_model']} "
                  f"x{data['machine']['nproc']} (load {data['machine']['loadavg1']})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.write_png(fig, path)
 
 
 def print_table(data: dict) -> None:
     cmp = data["comparison"]["runs"]
     hdr = (f"{'optimizer':<20}{'version':>10}{'median ms':>11}{'p99 ms':>9}{'final':>8}"
            f"{'d final':>9}{'max |d|':>9}")
-    print(hdr)
-    print("-" * len(hdr))
+    common.print_header(hdr)
     for r in data["results"]:
         v = r.get("version") or str(data["versions"].get("asteria"))
         if not r.get("ok"):
@@ -234,8 +229,7 @@ def parse_args(argv: Optional[Sequence[str]]):
     return args
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    return common.run_restoring(run, parse_args(argv), argv)
+main = common.make_main(run, parse_args)
 
 
 if __name__ == "__main__":

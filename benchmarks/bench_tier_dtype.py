@@ -140,9 +140,7 @@ def compare(results: list, seeds: list) -> dict[str, Any]:
 
 
 def run(args, argv) -> dict[str, Any]:
-    log = common.Progress(NAME)
-    meta = common.run_metadata(NAME, __file__, argv)
-    meta["machine"]["loadavg"] = list(os.getloadavg())
+    log, meta = common.start_run(NAME, __file__, argv)
     torch.set_num_threads(args.threads)
     pin = placement(args.train_cpu)
     cpu0 = common.cpu_snapshot()

@@ -99,9 +99,7 @@ def measure(name: str, rt: dict, args, problem, steps: int, nvme_dir: str,
 
 
 def run(args, argv) -> dict[str, Any]:
-    log = common.Progress(NAME)
-    meta = common.run_metadata(NAME, __file__, argv)
-    meta["machine"]["loadavg"] = list(os.getloadavg())  # 1, 5, 15 minutes
+    log, meta = common.start_run(NAME, __file__, argv)
     torch.set_num_threads(args.threads)
     pin = placement()
     steps = args.frequency + args.staleness + 2
@@ -211,17 +209,14 @@ def plot(data: dict, path: str) -> None:
     m = data["model"]
     fig.suptitle(f"SOAP on {m['params'] / 1e6:.2f}M-param TinyGPT (d={m['d']}, "
                  f"{m['layers']} layers), device = training device memory", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.write_png(fig, path)
 
 
 def print_table(data: dict) -> None:
     for f in data["failures"]:
         print(f"config {f['config']} FAILED: {f['error']}")
     hdr = f"{'config':<18}" + "".join(f"{t + ' MiB':>16}" for t in common.TIERS) + f"{'dev/native':>12}"
-    print(hdr)
-    print("-" * len(hdr))
+    common.print_header(hdr)
     for r in data["results"]:
         t = r["bytes_per_tier"]["tiers"]
         frac = data["derived"].get(r["config"], {}).get("device_fraction_of_native")
@@ -273,8 +268,7 @@ def parse_args(argv: Optional[Sequence[str]]):
     return args
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    return common.run_restoring(run, parse_args(argv), argv)
+main = common.make_main(run, parse_args)
 
 
 if __name__ == "__main__":

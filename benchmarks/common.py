@@ -1,12 +1,15 @@
 """Helpers shared by the Python benchmarks (bench_step_time.py, gpu_bench.py).
 
-Owns: the run metadata every result file carries (machine, versions, the exact command, date),
-the step-time statistics (percentile, summary), writing JSON (by default to benchmarks/results/),
-the printed tables' cells and header (``fmt``, ``print_header``), PNG plotting through
-matplotlib's Agg backend, progress lines, CPU pinning of the training thread, the
-optimizer-state bytes per memory tier, a benchmark's command line end and ``main``
-(``parse_quick``, ``make_main``), and the torchrun launcher of the multi-process benchmarks
-(``launch_torchrun``).
+Owns: the run metadata every result file carries (machine, versions, the exact command, date;
+with the load, ``start_run``), the step-time statistics (percentile, summary), writing JSON (by
+default to benchmarks/results/), the printed tables' cells and header (``fmt``,
+``print_header``), PNG plotting through matplotlib's Agg backend (``write_png``, ``try_plot``),
+progress lines, CPU pinning of the training thread, the optimizer-state bytes per memory tier, a
+benchmark's command line end and ``main`` (``parse_quick``, ``make_main``), and the
+multi-process benchmarks: the torchrun launcher, its scratch directory and the per-rank results
+(``launch_torchrun``, ``scratch_dir``, ``read_ranks``), the options, model and timed steps of
+a job that trains an MLP (``add_mlp_job_args``, ``mlp_job_net``, ``mlp_job_steps``), and a
+rank's start and end (``init_gloo``, ``launcher_env``, ``finish_rank``).
 May call: the standard library, torch, and (lazily, where present) asteria and matplotlib. Nothing
 here needs numpy or matplotlib at import time: the GPU machine may lack them.
 
@@ -24,10 +27,12 @@ import math
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, NoReturn, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
@@ -186,6 +191,15 @@ def command_line(script: str, argv: Optional[Sequence[str]]) -> str:
     args = list(sys.argv[1:] if argv is None else argv)
     return shlex.join([os.path.basename(sys.executable) or "python3",
                        os.path.relpath(os.path.abspath(script), os.getcwd())] + args)
+
+
+def start_run(benchmark: str, script: str, argv: Optional[Sequence[str]]):
+    """A suite part's start: (its Progress, its run_metadata with the 1, 5 and 15 minute load
+    averages of now in machine["loadavg"])."""
+    log = Progress(benchmark)
+    meta = run_metadata(benchmark, script, argv)
+    meta["machine"]["loadavg"] = list(os.getloadavg())
+    return log, meta
 
 
 def run_metadata(benchmark: str, script: str, argv: Optional[Sequence[str]]) -> dict[str, Any]:
@@ -362,6 +376,11 @@ def save_figure(fig, axes, path: str, title: str, machine: dict, legend: bool = 
             ax.legend(fontsize=7)
     fig.suptitle(f"{title}, on {machine['cpu_model']} x{machine['nproc']} (load "
                  f"{machine['loadavg1']} -> {machine.get('loadavg1_end')})", fontsize=10)
+    write_png(fig, path)
+
+
+def write_png(fig, path: str) -> None:
+    """Lay ``fig`` out, save it as a PNG at ``path`` (110 dpi) and close it."""
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     pyplot().close(fig)
@@ -813,14 +832,19 @@ def finish(data: dict, name: str, out_dir: str, no_plot: bool, print_table, plot
     print()
     print_table(data)
     if not no_plot:
-        png = os.path.join(out_dir, f"{name}.png")
-        try:
-            plot(data, png)
-            log(f"wrote {png}")
-        except ImportError as e:
-            log(f"no plot: {e}")
+        try_plot(plot, data, os.path.join(out_dir, f"{name}.png"), log)
     log(f"wrote {path}")
     return data
+
+
+def try_plot(plot, data: dict, png: str, log) -> None:
+    """``plot(data, png)``, said through ``log``; a missing matplotlib is reported, not
+    fatal."""
+    try:
+        plot(data, png)
+        log(f"wrote {png}")
+    except ImportError as e:
+        log(f"no plot: {e}")
 
 
 def run_restoring(run: Callable[..., Any], args: Any, argv: Any) -> Any:
@@ -858,20 +882,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_torchrun(script: str, worker_args: Sequence[str], out: str, nodes: int,
-                    per_node: int, timeout: float, name: str) -> None:
-    """Run ``script worker_args`` as ``nodes`` x ``per_node`` ranks on this machine: one
-    torch.distributed.run launcher per simulated node, c10d rendezvous on a free local port,
-    one torch thread per rank, asteria importable from where this process imports it. Each
-    node's output goes to ``out/node{i}.log``; if any launcher fails, the tails of those logs
-    go to stderr and SystemExit names ``name``."""
+def ranks_env() -> dict[str, str]:
+    """The ranks' environment: this one, one OpenMP thread, and asteria importable from where
+    this process imports it."""
     import asteria
 
-    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     pkg_root = os.path.dirname(os.path.dirname(asteria.__file__))
     env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in env.get("PYTHONPATH", "")
                                                       .split(os.pathsep) if p])
+    return env
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str):
+    """A fresh temporary directory (``prefix``), removed with what is in it on the way out."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def launch_torchrun(script: str, worker_args: Sequence[str], out: str, nodes: int,
+                    per_node: int, timeout: float, name: str) -> None:
+    """Run ``script worker_args`` as ``nodes`` x ``per_node`` ranks on this machine: one
+    torch.distributed.run launcher per simulated node, c10d rendezvous on a free local port,
+    the environment of ``ranks_env``. Each node's output goes to ``out/node{i}.log``; if any
+    launcher fails, the tails of those logs go to stderr and SystemExit names ``name``."""
+    port = free_port()
+    env = ranks_env()
     procs = []
     for node in range(nodes):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(per_node),
@@ -890,3 +930,106 @@ def launch_torchrun(script: str, worker_args: Sequence[str], out: str, nodes: in
             with open(os.path.join(out, f"node{node}.log")) as fh:
                 sys.stderr.write(fh.read()[-4000:])
         raise SystemExit(f"{name}: a worker failed")
+
+
+# The shape of a torchrun job that trains an MLP of square layers (bench_coherence,
+# bench_fsdp_global): what its ranks are told.
+MLP_JOB = ("steps", "width", "layers", "tokens", "block_size", "frequency")
+
+
+def add_mlp_job_args(ap, steps: int, width: int, tokens: int) -> None:
+    """An MLP job's options (argparse parser ``ap``): the ranks' own --worker and --out,
+    --quick, --steps, --warmup, --width, --layers, --tokens, --block-size, --frequency."""
+    import argparse
+
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="few steps, a narrow model")
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--width", type=int, default=width)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=tokens, help="rows of the batch per rank")
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--frequency", type=int, default=10)
+
+
+def mlp_job_worker_args(args, out: str) -> list[str]:
+    """The command line of an MLP job's ranks (``add_mlp_job_args``), writing into ``out``."""
+    wargs = ["--worker", "--out", out]
+    for k in MLP_JOB:
+        wargs += ["--" + k.replace("_", "-"), str(getattr(args, k))]
+    return wargs
+
+
+def mlp_job_net(args):
+    """An MLP job's model, the same on every rank and in every run: ``args.layers`` x
+    (Linear(args.width, args.width), tanh), from torch seed 0."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    d = args.width
+    return nn.Sequential(*[m for _ in range(args.layers) for m in (nn.Linear(d, d), nn.Tanh())])
+
+
+def mlp_job_steps(net, opt, rank: int, args, barrier: bool = False) -> tuple[list[float], float]:
+    """``args.steps`` timed steps (zero_grad, forward, backward, step) of an MLP job on rank
+    ``rank``'s own batches (args.tokens x args.width, fitting sin(x @ W) for a fixed W); with
+    ``barrier`` the ranks start each step's clock together. Returns (seconds per step, the last
+    step's loss)."""
+    import torch
+    import torch.distributed as dist
+
+    d = args.width
+    target = torch.randn(d, d, generator=torch.Generator().manual_seed(7)) / d ** 0.5
+    times = []
+    for t in range(1, args.steps + 1):
+        gen = torch.Generator().manual_seed(1000 * t + rank)
+        x = torch.randn(args.tokens, d, generator=gen)
+        if barrier:
+            dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = ((net(x) - torch.sin(x @ target)) ** 2).mean()
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return times, float(loss.detach())
+
+
+def read_ranks(out: str, world: int) -> list[dict]:
+    """The ranks' results (``finish_rank``), in rank order."""
+    per_rank = []
+    for r in range(world):
+        with open(os.path.join(out, f"rank{r}.json")) as fh:
+            per_rank.append(json.load(fh))
+    return per_rank
+
+
+# ---- in a rank -------------------------------------------------------------------------------
+
+def init_gloo(timeout_s: float) -> tuple[int, int]:
+    """A rank's start: one torch thread, the gloo process group (collective timeout
+    ``timeout_s``); (rank, world size)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def launcher_env() -> dict[str, Optional[str]]:
+    """Where torchrun put this rank: GROUP_RANK (the node), LOCAL_RANK, LOCAL_WORLD_SIZE."""
+    return {k: os.environ.get(k) for k in ("GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+
+
+def finish_rank(out: str, rank: int, result: dict) -> NoReturn:
+    """A rank's end: ``result`` to out/rank{rank}.json (read_ranks), then its exit
+    (asteria.rank_exit)."""
+    from asteria.rank_exit import exit_rank
+
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump(result, fh)
+    exit_rank(0)

@@ -324,9 +324,7 @@ def plot(data: dict, path: str) -> None:
     b.legend(fontsize=8)
     fig.suptitle(f"{data['model']['params'] / 1e6:.0f}M-param GPT, {data['settings']['device']}",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.write_png(fig, path)
 
 
 def parse_args(argv: Optional[Sequence[str]]):
@@ -505,8 +503,7 @@ def run(args, argv: list, meta: dict, out_path: str, out_dir: str, tmpdir: str,
     print()
     hdr = (f"{'optimizer':<12}{'steps':>6}{'median ms':>11}{'p99 ms':>10}{'max ms':>10}"
            f"{'peak GiB':>10}{'dev state GiB':>15}{'host state GiB':>16}  note")
-    print(hdr)
-    print("-" * len(hdr))
+    common.print_header(hdr)
     for r in results:
         s = r.get("summary")
         if s is None:
@@ -528,12 +525,7 @@ def run(args, argv: list, meta: dict, out_path: str, out_dir: str, tmpdir: str,
                                       f"{t['time_ratio']:.3f}x AdamW's time"
                                       if t["step"] is not None else "does not reach it"))
     if not args.no_plot:
-        png = os.path.splitext(path)[0] + ".png"
-        try:
-            plot(data, png)
-            log(f"wrote {png}")
-        except ImportError as e:
-            log(f"no plot (matplotlib missing: {e})")
+        common.try_plot(plot, data, os.path.splitext(path)[0] + ".png", log)
     log(f"wrote {path}")
     ok = all("summary" in r or "skipped" in r for r in results)
     ran = any("summary" in r for r in results)

@@ -44,6 +44,39 @@ def require_c_extension() -> None:
                     "-DASTERIA_BUILD_PYTHON=ON && cmake --build build-py --target _C")
 
 
+def run_on_private_mount(tmp_path, fstype: str, script: str, options: str = "",
+                         then: str = "", **fields) -> None:
+    """Run the Python ``script`` (a format string given ``tests`` (this folder), ``python``
+    (the asteria package's root), ``dir`` (the mount point) and ``fields``) in a private mount
+    namespace (``unshare -m``) where a fresh ``fstype`` (mount ``options``) is mounted at
+    tmp_path / "mnt" and the shell commands ``then`` have run; it must exit 0 with OK last.
+    Skipped without ``unshare -m`` or the right to mount."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import asteria
+
+    if shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no private mount namespace here (unshare -m)")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    here = os.path.dirname(os.path.abspath(__file__))
+    python = os.path.dirname(os.path.dirname(asteria.__file__))  # the package under test
+    path = tmp_path / "script.py"
+    path.write_text(script.format(tests=here, python=python, dir=str(mnt), **fields))
+    opts = f"-o {options} " if options else ""
+    cmd = " && ".join(c for c in (f"mount -t {fstype} {opts}{fstype} {mnt}", then,
+                                  f"{sys.executable} {path}") if c)
+    res = subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True,
+                         timeout=120)
+    if res.returncode != 0 and "mount:" in res.stderr and "permission" in res.stderr.lower():
+        pytest.skip(f"{fstype} mount not permitted: {res.stderr.strip()}")
+    assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stdout + res.stderr
+
+
 def on_thread_soap():
     """SOAP with every worker offload off (m's re-expression and the factor EMAs on the
     training thread: the sync path's code), whatever the runtime config asks."""
@@ -79,9 +112,8 @@ class Block(nn.Module):
 
     heads = 2
 
-    def __init__(self):
+    def __init__(self, d: int = WIDTH):
         super().__init__()
-        d = WIDTH
         self.ln1 = nn.LayerNorm(d)
         self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
         self.ln2 = nn.LayerNorm(d)
@@ -112,6 +144,47 @@ class Tensor3(nn.Module):
 
     def forward(self, x):
         return torch.tanh(torch.einsum("abc,nbc->na", self.w, x))
+
+
+# ---- the three optimizers, as the tests make them ------------------------------------------
+
+F64 = dict(compute_dtype=torch.float64)  # KL-Shampoo computes in float64 on these models
+
+
+def optimizer_pairs(frequency: int, refs: dict = None) -> dict:
+    """{name: (make_opt, make_ref)} for "soap", "shampoo" and "kl_shampoo" at
+    ``precondition_frequency=frequency`` (Shampoo and KL-Shampoo at lr 3e-3, the package's
+    KL-Shampoo in float64): ``make_opt(params, **kw)`` the package's optimizer,
+    ``make_ref(params, **kw)`` its plain-torch restatement, the class ``refs[name]`` (default
+    reference.py's SOAPRef, ShampooRef, KLShampooRef)."""
+    from asteria.optim import KLShampoo, SOAP, Shampoo
+    import reference
+
+    refs = refs or {"soap": reference.SOAPRef, "shampoo": reference.ShampooRef,
+                    "kl_shampoo": reference.KLShampooRef}
+    soap = dict(precondition_frequency=frequency)
+    shampoo = dict(soap, lr=3e-3)
+
+    def pair(cls, ref, hyper, own):
+        return (lambda p, **kw: cls(p, **hyper, **own, **kw),
+                lambda p, **kw: ref(p, **hyper, **kw))
+
+    return {"soap": pair(SOAP, refs["soap"], soap, {}),
+            "shampoo": pair(Shampoo, refs["shampoo"], shampoo, {}),
+            "kl_shampoo": pair(KLShampoo, refs["kl_shampoo"], shampoo, F64)}
+
+
+def optimizer_makers(frequency: int) -> dict:
+    """{name: make(params, runtime)}: optimizer_pairs' package optimizers with the runtime
+    config as the second argument."""
+    return {name: (lambda p, rt, make=make: make(p, runtime=rt))
+            for name, (make, _) in optimizer_pairs(frequency).items()}
+
+
+def deterministic_runtime(**kw) -> dict:
+    """The C pool with deterministic installs: async, staleness 2, 2 workers; ``kw`` added or
+    replaced."""
+    return {"mode": "async", "staleness": 2, "install": "deterministic", "workers": 2, **kw}
 
 
 def make_model(kind: str, seed: int = 0) -> nn.Module:
@@ -241,6 +314,30 @@ def assert_lockstep(history, cond: float = COND):
         assert_params_close(got, want, rtol=tol, atol=tol, what=f"step {t}")
     first, last = history[0][2], history[-1][2]
     assert max(float((a - b).abs().max()) for a, b in zip(first, last)) > 1e-3
+
+
+def train_hooked(model: nn.Module, opt, steps: int, attached: bool = True, check=None):
+    """``opt.step()`` on the "mlp" batches of steps 1..``steps``, through asteria.attach's
+    hooks if ``attached`` (detached at the end), ``check(opt)`` after every step; ``opt`` closed
+    at the end. Returns (params after every step, asteria_stats() before the close, the attach
+    handle or None)."""
+    from asteria import attach, detach
+
+    handle = attach(model, opt) if attached else None
+    traj = []
+    try:
+        for t in range(1, steps + 1):
+            loss_and_grad(model, "mlp", t)
+            opt.step()
+            traj.append(params_of(model))
+            if check is not None:
+                check(opt)
+        stats = opt.asteria_stats()
+    finally:
+        if handle is not None:
+            detach(handle)
+        opt.close()
+    return traj, stats, handle
 
 
 def run(kind: str, make_opt, steps: int, model: nn.Module = None):

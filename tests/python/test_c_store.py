@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from asteria import _C
+from models import run_on_private_mount
 
 HEADER = 64  # record header bytes before the payload (src/nvme.h)
 
@@ -413,27 +414,7 @@ def test_nvme_tier_without_odirect_warns_once(tmp_path):
     """A filesystem that refuses O_DIRECT (ramfs: tmpfs takes it since Linux 6.6) makes the
     NVMe tier fall back to buffered I/O: one RuntimeWarning naming the directory, however many
     optimizers use it. Needs a private mount namespace (`unshare -m`); skipped without it."""
-    import shutil
-    import subprocess
-    import sys
-
-    import asteria
-
-    if shutil.which("unshare") is None or subprocess.run(
-            ["unshare", "-m", "true"], capture_output=True).returncode != 0:
-        pytest.skip("no private mount namespace here (unshare -m)")
-    mnt = tmp_path / "ramfs"
-    mnt.mkdir()
-    here = os.path.dirname(os.path.abspath(__file__))
-    python = os.path.dirname(os.path.dirname(asteria.__file__))  # the package under test
-    script = tmp_path / "buffered.py"
-    script.write_text(BUFFERED_SCRIPT.format(tests=here, python=python, dir=str(mnt)))
-    cmd = f"mount -t ramfs ramfs {mnt} && {sys.executable} {script}"
-    res = subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True,
-                         timeout=120)
-    if res.returncode != 0 and "mount:" in res.stderr and "permission" in res.stderr.lower():
-        pytest.skip(f"ramfs mount not permitted: {res.stderr.strip()}")
-    assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stdout + res.stderr
+    run_on_private_mount(tmp_path, "ramfs", BUFFERED_SCRIPT)
 
 
 def test_nvme_tier_with_odirect_does_not_warn(tmp_path, recwarn):

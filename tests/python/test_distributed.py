@@ -73,38 +73,59 @@ def _tail(path: str, n: int = 60) -> str:
         return ""
 
 
+def _torchrun(script: str, args: list, out: str, nodes: int, per_node: int,
+              env: dict) -> tuple[list, list]:
+    """``script args`` as nodes x per_node ranks, one torch.distributed.run per node (c10d
+    rendezvous on a free local port), each in its own session, node i's output in
+    ``out/node{i}.log``: (the launchers, their logs)."""
+    port = _free_port()
+    procs, logs = [], []
+    for node in range(nodes):
+        log = os.path.join(out, f"node{node}.log")
+        logs.append(log)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(per_node),
+               "--nnodes", str(nodes), "--node-rank", str(node), "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0", script] + args
+        with open(log, "w") as fh:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+    return procs, logs
+
+
+def _wait(procs, logs, t0: float, timeout: float, what: str) -> None:
+    """Wait for ``procs`` (started at monotonic ``t0``) at most ``timeout`` seconds in all;
+    every process group is killed in the end; a hang or a failure fails the test, naming
+    ``what`` and showing the tails of ``logs``."""
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
+    except subprocess.TimeoutExpired:
+        _kill(procs)
+        pytest.fail(f"{what} hung (> {timeout} s):\n" + "\n".join(_tail(log) for log in logs))
+    finally:
+        _kill(procs)
+    if any(p.returncode for p in procs):
+        pytest.fail(f"{what} failed:\n" + "\n".join(_tail(log) for log in logs))
+
+
+def _rank_results(out: str, world: int) -> dict:
+    """{rank: its JSON, out/rank{rank}.json}."""
+    res = {}
+    for r in range(world):
+        with open(os.path.join(out, f"rank{r}.json")) as fh:
+            res[r] = json.load(fh)
+    return res
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """Every check of dist/checks.py in one launch: {rank: {check: result}}."""
     out = str(tmp_path_factory.mktemp("dist"))
-    port = _free_port()
-    procs, logs = [], []
     t0 = time.monotonic()
-    for node in range(NODES):
-        log = os.path.join(out, f"node{node}.log")
-        logs.append(log)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(PER_NODE),
-               "--nnodes", str(NODES), "--node-rank", str(node), "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0",
-               os.path.join(DIST, "checks.py"), "--out", out]
-        with open(log, "w") as fh:
-            procs.append(subprocess.Popen(cmd, env=_child_env(), stdout=fh,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, LAUNCH_TIMEOUT - (time.monotonic() - t0)))
-    except subprocess.TimeoutExpired:
-        _kill(procs)
-        pytest.fail(f"the distributed checks hung (> {LAUNCH_TIMEOUT} s):\n" +
-                    "\n".join(_tail(log) for log in logs))
-    finally:
-        _kill(procs)
-    if any(p.returncode for p in procs):
-        pytest.fail("the distributed checks failed:\n" + "\n".join(_tail(log) for log in logs))
-    res = {}
-    for r in range(WORLD):
-        with open(os.path.join(out, f"rank{r}.json")) as fh:
-            res[r] = json.load(fh)
+    procs, logs = _torchrun(os.path.join(DIST, "checks.py"), ["--out", out], out, NODES, PER_NODE,
+                            _child_env())
+    _wait(procs, logs, t0, LAUNCH_TIMEOUT, "the distributed checks")
+    res = _rank_results(out, WORLD)
     res["elapsed_s"] = time.monotonic() - t0
     shutil.rmtree(out, ignore_errors=True)
     return res

@@ -114,17 +114,23 @@ def records(nvme_dir):
 NVME = [pytest.param(False, id="host"), pytest.param(True, id="nvme")]
 
 
-@pytest.mark.parametrize("nvme", NVME)
-@pytest.mark.parametrize("name", list(MAKERS))
-def test_child_checkpoint_then_os_exit(tmp_path, name, nvme):
-    """(a) A background checkpoint in a child: the child's state_dict() holds the state at the
-    fork (NVMe blocks read back from the parent's records); the parent trains on, unharmed."""
+def new_run(tmp_path, name, nvme):
+    """``name``'s no-fork trajectory, and a new run of it (its NVMe tier in tmp_path / "nvme"
+    if ``nvme``): (that trajectory, the NVMe directory or None, the model, the optimizer)."""
     ref = reference(name)
     nvme_dir = tmp_path / "nvme" if nvme else None
     if nvme:
         nvme_dir.mkdir()
     model = make_model("mlp")
-    opt = MAKERS[name](model.parameters(), runtime(nvme_dir))
+    return ref, nvme_dir, model, MAKERS[name](model.parameters(), runtime(nvme_dir))
+
+
+@pytest.mark.parametrize("nvme", NVME)
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_child_checkpoint_then_os_exit(tmp_path, name, nvme):
+    """(a) A background checkpoint in a child: the child's state_dict() holds the state at the
+    fork (NVMe blocks read back from the parent's records); the parent trains on, unharmed."""
+    ref, nvme_dir, model, opt = new_run(tmp_path, name, nvme)
     train(opt, model, 1, 5)
     assert not nvme or opt.asteria_stats()["bytes_nvme"] > 0
     want = opt.state_dict()
@@ -153,12 +159,7 @@ def test_child_trains_on(tmp_path, name, nvme):
     """(b) The child steps the optimizer (NVMe reads and writes through its own ring and
     records) while the parent waits, then the parent trains on: both follow the no-fork
     trajectory bitwise."""
-    ref = reference(name)
-    nvme_dir = tmp_path / "nvme" if nvme else None
-    if nvme:
-        nvme_dir.mkdir()
-    model = make_model("mlp")
-    opt = MAKERS[name](model.parameters(), runtime(nvme_dir))
+    ref, nvme_dir, model, opt = new_run(tmp_path, name, nvme)
     train(opt, model, 1, 5)
 
     def steps():
@@ -270,12 +271,7 @@ def test_fork_with_a_refresh_in_flight(tmp_path, name, nvme):
     400 ms on its worker first, so it is certainly queued or running at the fork): the child
     runs it again and installs the same result at the same step, so the child's steps after
     the fork are the parent's bitwise (and the no-fork run's), and no job failed in either."""
-    ref = reference(name)
-    nvme_dir = tmp_path / "nvme" if nvme else None
-    if nvme:
-        nvme_dir.mkdir()
-    model = make_model("mlp")
-    opt = MAKERS[name](model.parameters(), runtime(nvme_dir))
+    ref, nvme_dir, model, opt = new_run(tmp_path, name, nvme)
     delay_jobs(opt, 400)
     fork_at = 0
     for t in range(1, STEPS - 2):  # up to the first step that leaves a refresh in flight

@@ -14,16 +14,13 @@ Budget: about 100 s on 2 shared cores (four launches, six torchrun processes).
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from test_distributed import _child_env, _free_port, _kill, _tail
+from test_distributed import _child_env, _rank_results, _torchrun, _wait
 from tolerance import rounding_tol
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -44,37 +41,11 @@ def launch(out: str, checks: str, nodes: int, per_node: int, ckpt: str,
     """One job of nodes x per_node ranks (one torchrun per node) running the per-rank
     ``script`` (its checkpoint directory in $FSDP_GLOBAL_CKPT); {rank: its JSON}."""
     os.makedirs(out, exist_ok=True)
-    port = _free_port()
-    procs, logs = [], []
     t0 = time.monotonic()
-    for node in range(nodes):
-        log = os.path.join(out, f"node{node}.log")
-        logs.append(log)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(per_node),
-               "--nnodes", str(nodes), "--node-rank", str(node), "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0", script,
-               "--out", out, "--checks", checks]
-        with open(log, "w") as fh:
-            procs.append(subprocess.Popen(cmd, env=_child_env(FSDP_GLOBAL_CKPT=ckpt),
-                                          stdout=fh, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, TIMEOUT - (time.monotonic() - t0)))
-    except subprocess.TimeoutExpired:
-        _kill(procs)
-        pytest.fail(f"{checks} on {nodes} x {per_node} hung:\n" +
-                    "\n".join(_tail(log) for log in logs))
-    finally:
-        _kill(procs)
-    if any(p.returncode for p in procs):
-        pytest.fail(f"{checks} on {nodes} x {per_node} failed:\n" +
-                    "\n".join(_tail(log) for log in logs))
-    res = {}
-    for r in range(nodes * per_node):
-        with open(os.path.join(out, f"rank{r}.json")) as fh:
-            res[r] = json.load(fh)
-    return res
+    procs, logs = _torchrun(script, ["--out", out, "--checks", checks], out, nodes, per_node,
+                            _child_env(FSDP_GLOBAL_CKPT=ckpt))
+    _wait(procs, logs, t0, TIMEOUT, f"{checks} on {nodes} x {per_node}")
+    return _rank_results(out, nodes * per_node)
 
 
 @pytest.fixture(scope="module")

@@ -15,17 +15,12 @@ import gc
 import pytest
 import torch
 
-from asteria import SOAP, KLShampoo, Shampoo, attach, detach, hooks
-from models import loss_and_grad, make_model, require_c_extension
+from asteria import SOAP, attach, detach, hooks
+from models import loss_and_grad, make_model, optimizer_makers, require_c_extension
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 
-MAKERS = {
-    "soap": lambda p, rt: SOAP(p, precondition_frequency=3, runtime=rt),
-    "shampoo": lambda p, rt: Shampoo(p, lr=3e-3, precondition_frequency=3, runtime=rt),
-    "kl_shampoo": lambda p, rt: KLShampoo(p, lr=3e-3, precondition_frequency=3, runtime=rt,
-                                          compute_dtype=torch.float64),
-}
+MAKERS = optimizer_makers(3)
 RUNTIMES = {
     # the host tier explicitly: the residency and its staging ring are part of what is checked
     "async": {"mode": "async", "staleness": 2, "install": "deterministic", "workers": 1,

@@ -54,19 +54,31 @@ int main(void) {
 """
 
 
-@pytest.fixture(scope="module")
-def debs(tmp_path_factory):
-    for d in (os.environ.get("ASTERIA_GPU_DEBS"), os.path.join(ROOT, ".debs")):
-        if d and os.path.isdir(d) and any(f.endswith(".deb") for f in os.listdir(d)):
+def _local(kind: str, ext: str):
+    """$ASTERIA_GPU_<KIND> or ROOT/.<kind> where it holds ``ext`` files, else None."""
+    for d in (os.environ.get(f"ASTERIA_GPU_{kind.upper()}"), os.path.join(ROOT, f".{kind}")):
+        if d and os.path.isdir(d) and any(f.endswith(ext) for f in os.listdir(d)):
             return d
-    if shutil.which("apt-get") is None:
-        pytest.skip("no apt-get to fetch the .deb files")
-    d = str(tmp_path_factory.mktemp("debs"))
-    r = subprocess.run(["bash", os.path.join(GPU, "fetch_debs.sh"), d], capture_output=True,
+    return None
+
+
+def _fetched(tmp_path_factory, kind: str, what: str) -> str:
+    """A fresh directory filled by gpu/fetch_<kind>.sh; the test skipped, naming ``what``,
+    where that fails."""
+    d = str(tmp_path_factory.mktemp(kind))
+    r = subprocess.run(["bash", os.path.join(GPU, f"fetch_{kind}.sh"), d], capture_output=True,
                        text=True, timeout=300)
     if r.returncode != 0:
-        pytest.skip(f"fetch_debs.sh could not fetch the packages: {r.stderr[-500:]}")
+        pytest.skip(f"fetch_{kind}.sh could not fetch the {what}: {r.stderr[-500:]}")
     return d
+
+
+@pytest.fixture(scope="module")
+def debs(tmp_path_factory):
+    d = _local("debs", ".deb")
+    if d is None and shutil.which("apt-get") is None:
+        pytest.skip("no apt-get to fetch the .deb files")
+    return d or _fetched(tmp_path_factory, "debs", "packages")
 
 
 def _hidden_env(tmp_path):
@@ -199,15 +211,7 @@ def test_unpacker_is_the_first_the_machine_has():
 
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory):
-    for d in (os.environ.get("ASTERIA_GPU_WHEELS"), os.path.join(ROOT, ".wheels")):
-        if d and os.path.isdir(d) and any(f.endswith(".whl") for f in os.listdir(d)):
-            return d
-    d = str(tmp_path_factory.mktemp("wheels"))
-    r = subprocess.run(["bash", os.path.join(GPU, "fetch_wheels.sh"), d], capture_output=True,
-                       text=True, timeout=300)
-    if r.returncode != 0:
-        pytest.skip(f"fetch_wheels.sh could not fetch the wheels: {r.stderr[-500:]}")
-    return d
+    return _local("wheels", ".whl") or _fetched(tmp_path_factory, "wheels", "wheels")
 
 
 @pytest.mark.timeout(300)

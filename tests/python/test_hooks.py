@@ -14,18 +14,13 @@
 import pytest
 import torch
 
-from asteria import SOAP, KLShampoo, Shampoo, attach, detach
-from models import loss_and_grad, make_model, params_of, require_c_extension
+from asteria import SOAP, Shampoo, attach, detach
+from models import (loss_and_grad, make_model, optimizer_makers, require_c_extension,
+                    train_hooked)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 
-F64 = dict(compute_dtype=torch.float64)
-MAKERS = {
-    "soap": lambda p, rt: SOAP(p, precondition_frequency=4, runtime=rt),
-    "shampoo": lambda p, rt: Shampoo(p, lr=3e-3, precondition_frequency=4, runtime=rt),
-    "kl_shampoo": lambda p, rt: KLShampoo(p, lr=3e-3, precondition_frequency=4, runtime=rt,
-                                          **F64),
-}
+MAKERS = optimizer_makers(4)
 # the host tier explicitly: the hooks' prefetches stage into the residency's ring, which a CPU
 # parameter only has when asked for (placement "auto" keeps its blocks in optimizer.state)
 RT = {"mode": "async", "staleness": 2, "install": "deterministic", "workers": 2,
@@ -44,19 +39,7 @@ def hook_counts(model):
 
 
 def train(model, opt, steps=STEPS, attached=False):
-    handle = attach(model, opt) if attached else None
-    traj = []
-    try:
-        for t in range(1, steps + 1):
-            loss_and_grad(model, "mlp", t)
-            opt.step()
-            traj.append(params_of(model))
-        stats = opt.asteria_stats()
-    finally:
-        if handle is not None:
-            detach(handle)
-        opt.close()
-    return traj, stats, handle
+    return train_hooked(model, opt, steps, attached)
 
 
 def test_attach_registers_and_detach_removes_every_hook():

@@ -14,7 +14,6 @@
 
 import os
 import shutil
-import subprocess
 import sys
 import textwrap
 
@@ -23,19 +22,15 @@ import torch
 
 import asteria
 
-from asteria import SOAP, KLShampoo, Shampoo, attach, detach
+from asteria import SOAP, attach
 from asteria.tiers.residency import Residency, TieredStateError
-from models import loss_and_grad, make_model, params_of, require_c_extension
+from models import deterministic_runtime as rt
+from models import (loss_and_grad, make_model, optimizer_makers, params_of,
+                    require_c_extension, run_on_private_mount, train_hooked)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 
-F64 = dict(compute_dtype=torch.float64)
-MAKERS = {
-    "soap": lambda p, rt: SOAP(p, precondition_frequency=4, runtime=rt),
-    "shampoo": lambda p, rt: Shampoo(p, lr=3e-3, precondition_frequency=4, runtime=rt),
-    "kl_shampoo": lambda p, rt: KLShampoo(p, lr=3e-3, precondition_frequency=4, runtime=rt,
-                                          **F64),
-}
+MAKERS = optimizer_makers(4)
 STEPS = 10
 BLOCK = 8 * 8 * 8  # one 8x8 float64 eigenbasis / root
 HOST_BUDGET = 2 * BLOCK  # 2 of the mlp's 6 blocks in host memory, 4 on NVMe
@@ -47,29 +42,10 @@ def _c_extension():
     require_c_extension()
 
 
-def rt(**kw):
-    base = {"mode": "async", "staleness": 2, "install": "deterministic", "workers": 2}
-    base.update(kw)
-    return base
-
-
 def train(name, runtime, steps=STEPS, attached=False, check=None):
     model = make_model("mlp")
     opt = MAKERS[name](model.parameters(), runtime)
-    handle = attach(model, opt) if attached else None
-    traj = []
-    try:
-        for t in range(1, steps + 1):
-            loss_and_grad(model, "mlp", t)
-            opt.step()
-            traj.append(params_of(model))
-            if check is not None:
-                check(opt)
-        stats = opt.asteria_stats()
-    finally:
-        if handle is not None:
-            detach(handle)
-        opt.close()
+    traj, stats, _ = train_hooked(model, opt, steps, attached, check)
     return traj, stats, opt
 
 
@@ -266,20 +242,5 @@ TMPFS_SCRIPT = textwrap.dedent('''
 def test_enospc_on_a_full_tmpfs(tmp_path):
     """A real ENOSPC from the filesystem: a 256 KiB tmpfs mounted in a private mount namespace
     (needs `unshare -m` and mount rights; skipped without them)."""
-    if shutil.which("unshare") is None or subprocess.run(
-            ["unshare", "-m", "true"], capture_output=True).returncode != 0:
-        pytest.skip("no private mount namespace here (unshare -m)")
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    here = os.path.dirname(os.path.abspath(__file__))
-    python = os.path.dirname(os.path.dirname(asteria.__file__))  # the package under test
-    script = tmp_path / "enospc.py"
-    script.write_text(TMPFS_SCRIPT.format(tests=here, python=python, dir=str(mnt),
-                                          budget=HOST_BUDGET))
-    cmd = (f"mount -t tmpfs -o size=256k tmpfs {mnt} && mkdir {mnt}/nvme && "
-           f"{sys.executable} {script}")
-    res = subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True,
-                         timeout=120)
-    if res.returncode != 0 and "mount:" in res.stderr and "permission" in res.stderr.lower():
-        pytest.skip(f"tmpfs mount not permitted: {res.stderr.strip()}")
-    assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stdout + res.stderr
+    run_on_private_mount(tmp_path, "tmpfs", TMPFS_SCRIPT, options="size=256k",
+                         then=f"mkdir {tmp_path / 'mnt'}/nvme", budget=HOST_BUDGET)

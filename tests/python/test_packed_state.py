@@ -25,19 +25,13 @@ import re
 import pytest
 import torch
 
-from asteria import KLShampoo, SOAP, Shampoo
+from asteria import SOAP, Shampoo
 from asteria.optim import placement as _tiering
 from asteria.optim.schedule import Schedule
 from asteria.optim._blocking import make_layout
-from models import loss_and_grad, make_model, require_c_extension
+from models import loss_and_grad, make_model, optimizer_makers, require_c_extension
 
-F64 = {"compute_dtype": torch.float64}
-MAKERS = {
-    "soap": lambda p, rt: SOAP(p, precondition_frequency=3, runtime=rt),
-    "shampoo": lambda p, rt: Shampoo(p, lr=3e-3, precondition_frequency=3, runtime=rt),
-    "kl_shampoo": lambda p, rt: KLShampoo(p, lr=3e-3, precondition_frequency=3, runtime=rt,
-                                          **F64),
-}
+MAKERS = optimizer_makers(3)
 ASYNC = {"mode": "async", "staleness": 2, "install": "deterministic", "workers": 2}
 RUNTIMES = {
     "sync": {"mode": "sync"},

@@ -25,19 +25,15 @@ import logging
 import pytest
 import torch
 
-from asteria import SOAP, KLShampoo, Shampoo, attach, detach
+from asteria import SOAP
 from asteria.optim.optimizer import STATS_KEYS
-from models import loss_and_grad, make_model, params_of, require_c_extension, run
+from models import deterministic_runtime as rt
+from models import (loss_and_grad, make_model, optimizer_makers, params_of,
+                    require_c_extension, run, train_hooked)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 
-F64 = dict(compute_dtype=torch.float64)
-MAKERS = {
-    "soap": lambda p, rt: SOAP(p, precondition_frequency=4, runtime=rt),
-    "shampoo": lambda p, rt: Shampoo(p, lr=3e-3, precondition_frequency=4, runtime=rt),
-    "kl_shampoo": lambda p, rt: KLShampoo(p, lr=3e-3, precondition_frequency=4, runtime=rt,
-                                          **F64),
-}
+MAKERS = optimizer_makers(4)
 NAMES = list(MAKERS)
 ALL_DEVICE = {"roots": "device", "eigenbases": "device"}
 HOST = {"roots": "host", "eigenbases": "host"}  # the residency + staging ring on CPU
@@ -47,12 +43,6 @@ STEPS = 12
 @pytest.fixture(autouse=True)
 def _c_extension():
     require_c_extension()
-
-
-def rt(**kw):
-    base = {"mode": "async", "staleness": 2, "install": "deterministic", "workers": 2}
-    base.update(kw)
-    return base
 
 
 def assert_bitwise(a, b):
@@ -300,17 +290,8 @@ def test_small_ring_streams_chunks_and_wraps_around(name):
     dev, _ = run("mlp", lambda p: MAKERS[name](p, rt(placement=ALL_DEVICE)), STEPS)
     model = make_model("mlp")
     opt = MAKERS[name](model.parameters(), rt(device_budget_bytes=budget))
-    handle = attach(model, opt)  # backward prefetches in reverse order, as the step consumes
-    traj = []
-    try:
-        for t in range(1, STEPS + 1):
-            loss_and_grad(model, "mlp", t)
-            opt.step()
-            traj.append(params_of(model))
-        st = opt.asteria_stats()
-    finally:
-        detach(handle)
-        opt.close()
+    # attached: backward prefetches in reverse order, as the step consumes
+    traj, st, _ = train_hooked(model, opt, STEPS)
     assert_bitwise(traj, dev)
     assert st["ring_capacity"] == ring_min + ring_min // 2 < 6 * 512
     assert st["ring_wraps"] > 0 and st["ring_busy"] > 0

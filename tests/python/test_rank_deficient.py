@@ -177,7 +177,7 @@ def refs():
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """The FSDP2 runs on 1, 2 and 4 ranks, launched together: {world: {key: params}}."""
-    from test_distributed import _child_env, _free_port, _kill, _tail
+    from test_distributed import _child_env, _free_port, _wait
 
     out = str(tmp_path_factory.mktemp("rank_deficient"))
     procs, logs = [], []
@@ -194,16 +194,7 @@ def ranks(tmp_path_factory):
                 procs.append(subprocess.Popen([sys.executable, HERE, "--rank-worker", out],
                                               env=env, stdout=fh, stderr=subprocess.STDOUT,
                                               start_new_session=True))
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, TIMEOUT - (time.monotonic() - t0)))
-    except subprocess.TimeoutExpired:
-        _kill(procs)
-        pytest.fail("the FSDP2 runs hung:\n" + "\n".join(_tail(log) for log in logs))
-    finally:
-        _kill(procs)
-    if any(p.returncode for p in procs):
-        pytest.fail("an FSDP2 run failed:\n" + "\n".join(_tail(log) for log in logs))
+    _wait(procs, logs, t0, TIMEOUT, "the FSDP2 runs")
     return {w: torch.load(os.path.join(out, f"world{w}.pt")) for w in WORLDS}
 
 

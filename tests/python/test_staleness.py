@@ -18,18 +18,9 @@ import torch
 
 from asteria.optim import KLShampoo, SOAP, Shampoo
 from models import (assert_lockstep, assert_params_close, lockstep, lockstep_tol, loss_and_grad,
-                    make_model, require_c_extension, run)
-from reference import KLShampooRef, SOAPRef, ShampooRef
+                    make_model, optimizer_pairs, require_c_extension, run)
 
-F64 = dict(compute_dtype=torch.float64)
-OPTIMIZERS = {
-    "soap": (lambda p, **kw: SOAP(p, precondition_frequency=5, **kw),
-             lambda p, **kw: SOAPRef(p, precondition_frequency=5, **kw)),
-    "shampoo": (lambda p, **kw: Shampoo(p, lr=3e-3, precondition_frequency=5, **kw),
-                lambda p, **kw: ShampooRef(p, lr=3e-3, precondition_frequency=5, **kw)),
-    "kl_shampoo": (lambda p, **kw: KLShampoo(p, lr=3e-3, precondition_frequency=5, **F64, **kw),
-                   lambda p, **kw: KLShampooRef(p, lr=3e-3, precondition_frequency=5, **kw)),
-}
+OPTIMIZERS = optimizer_pairs(5)
 NAMES = list(OPTIMIZERS)
 
 

@@ -13,20 +13,11 @@ import io
 import pytest
 import torch
 
-from asteria.optim import KLShampoo, SOAP, Shampoo
-from models import (assert_params_close, lockstep_tol, loss_and_grad, make_model, params_of,
-                    require_c_extension)
-from reference import KLShampooRef, SOAPRef, ShampooRef
+from asteria.optim import SOAP, Shampoo
+from models import (assert_params_close, lockstep_tol, loss_and_grad, make_model,
+                    optimizer_pairs, params_of, require_c_extension)
 
-F64 = dict(compute_dtype=torch.float64)
-OPTIMIZERS = {
-    "soap": (lambda p, **kw: SOAP(p, precondition_frequency=5, **kw),
-             lambda p, **kw: SOAPRef(p, precondition_frequency=5, **kw)),
-    "shampoo": (lambda p, **kw: Shampoo(p, lr=3e-3, precondition_frequency=5, **kw),
-                lambda p, **kw: ShampooRef(p, lr=3e-3, precondition_frequency=5, **kw)),
-    "kl_shampoo": (lambda p, **kw: KLShampoo(p, lr=3e-3, precondition_frequency=5, **F64, **kw),
-                   lambda p, **kw: KLShampooRef(p, lr=3e-3, precondition_frequency=5, **kw)),
-}
+OPTIMIZERS = optimizer_pairs(5)
 NAMES = list(OPTIMIZERS)
 ASYNC = {"mode": "async", "staleness": 3, "install": "deterministic", "workers": 2}
 # the host tier explicitly (state_dict gathers the residency's blocks, load puts them back):

@@ -25,23 +25,12 @@ import pytest
 import torch
 
 from asteria import RuntimeConfig
-from asteria.optim import KLShampoo, SOAP, Shampoo
-from models import (assert_lockstep, batch, lockstep, make_model, params_of,
+from asteria.optim import SOAP
+from models import (assert_lockstep, batch, lockstep, make_model, optimizer_pairs, params_of,
                     require_c_extension, run, train_mlp)
 from reference import KLShampooRef, SOAPRef, ShampooRef
 
 BF16 = torch.bfloat16
-F64 = dict(compute_dtype=torch.float64)
-OPTIMIZERS = {
-    "soap": (lambda p, **kw: SOAP(p, precondition_frequency=4, **kw),
-             lambda p, **kw: SOAPRefBF16(p, precondition_frequency=4, **kw)),
-    "shampoo": (lambda p, **kw: Shampoo(p, lr=3e-3, precondition_frequency=4, **kw),
-                lambda p, **kw: ShampooRefBF16(p, lr=3e-3, precondition_frequency=4, **kw)),
-    "kl_shampoo": (lambda p, **kw: KLShampoo(p, lr=3e-3, precondition_frequency=4, **F64, **kw),
-                   lambda p, **kw: KLShampooRefBF16(p, lr=3e-3, precondition_frequency=4,
-                                                    **kw)),
-}
-NAMES = list(OPTIMIZERS)
 S = 2
 BLOCKS = 6  # the mlp's 3 square weights x 2 factors
 HOST_BUDGET = 2 * 8 * 8 * 2  # two 8 x 8 bfloat16 blocks on the host, the other 4 on NVMe
@@ -87,6 +76,11 @@ class KLShampooRefBF16(KLShampooRef):
 class ShampooRefBF16(ShampooRef):
     def install(self, st, result):
         super().install(st, {d: rounded(r) for d, r in result.items()})
+
+
+OPTIMIZERS = optimizer_pairs(4, {"soap": SOAPRefBF16, "shampoo": ShampooRefBF16,
+                                 "kl_shampoo": KLShampooRefBF16})
+NAMES = list(OPTIMIZERS)
 
 
 def rt(tier_dtype="bfloat16", **kw):

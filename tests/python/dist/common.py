@@ -1,5 +1,5 @@
 """Support of the per-rank scripts of tests/python/test_distributed.py: a tiny float64
-transformer whose every weight is square, deterministic global batches cut per rank, and
+transformer whose every weight is square (its blocks: models.py's Block), deterministic global batches cut per rank, and
 collective comparisons, and the main of a per-rank script (``run_checks``). For the FSDP2
 scripts (fsdp_global.py, experts.py): a rank's rows of a global batch, the single-process
 reference run, the full parameters and their comparison, and DCP checkpoints.
@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
+import sys
 import time
 import traceback
 from typing import NoReturn
@@ -29,6 +29,9 @@ from torch import nn
 
 from asteria.rank_exit import exit_rank
 
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from models import Block  # noqa: E402  (tests/python/models.py: the transformer block)
+
 D = 16          # width: every weight is D x D
 SEQ = 8         # tokens per sequence
 PER_RANK = 2    # sequences per rank and step (16 tokens > any block width)
@@ -37,39 +40,11 @@ DTYPE = torch.float64
 torch.set_num_threads(1)
 
 
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block: causal self-attention (2 heads) and a GELU MLP."""
-
-    heads = 2
-
-    def __init__(self):
-        super().__init__()
-        self.ln1 = nn.LayerNorm(D)
-        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
-        self.ln2 = nn.LayerNorm(D)
-        self.fc1 = nn.Linear(D, D)
-        self.fc2 = nn.Linear(D, D)
-
-    def forward(self, x):
-        b, s, d = x.shape
-        h = self.ln1(x)
-
-        def split(t):
-            return t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
-
-        q, k, v = split(self.q(h)), split(self.k(h)), split(self.v(h))
-        att = (q @ k.transpose(-1, -2)) / math.sqrt(d // self.heads)
-        att = att.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
-        y = (att.softmax(-1) @ v).transpose(1, 2).reshape(b, s, d)
-        x = x + self.o(y)
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
-
-
 class TinyTransformer(nn.Module):
     def __init__(self, layers: int = 2):
         super().__init__()
         self.inp = nn.Linear(D, D)
-        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(D) for _ in range(layers))
         self.ln_f = nn.LayerNorm(D)
         self.head = nn.Linear(D, D)
 
