@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from asteria import SOAP, Shampoo
-from asteria.optim import placement as _tiering
+from asteria.optim import placement as placement_mod
 from asteria.optim.schedule import Schedule
 from asteria.optim._blocking import make_layout
 from models import loss_and_grad, make_model, optimizer_makers, require_c_extension
@@ -127,7 +127,7 @@ def trajectory(name, mode, pack, monkeypatch):
     """Losses, parameters and final state of a run that changes its stacks' membership:
     a skipped parameter (step 4), one without a gradient (step 6), a group added (step 7),
     a load_state_dict of a saved state dict (step 9)."""
-    monkeypatch.setattr(_tiering, "PACK", pack)
+    monkeypatch.setattr(placement_mod, "PACK", pack)
     model = make_model("mlp")
     ws = weights(model)
     torch.manual_seed(5)
@@ -228,13 +228,13 @@ def test_steady_state_walks_no_member(name, monkeypatch):
         calls = {"_slices_of": 0, "same_memory": 0}  # made by the step's kernels' stacks
         inside = []
         for fn in calls:
-            real = getattr(_tiering, fn)
+            real = getattr(placement_mod, fn)
 
             def counted(*args, _fn=fn, _real=real):
                 calls[_fn] += bool(inside)
                 return _real(*args)
 
-            monkeypatch.setattr(_tiering, fn, counted)
+            monkeypatch.setattr(placement_mod, fn, counted)
         _mark_inside_step_blocks(monkeypatch, opt, inside)
         train(opt, model, range(10, 14))  # a refresh comes due and is installed in here
         monkeypatch.undo()
@@ -247,7 +247,7 @@ def test_steady_state_walks_no_member(name, monkeypatch):
 def replaced_entry_run(name, mode, pack, monkeypatch):
     """Losses and parameters of a run whose step state is replaced between steps: a member's
     entry set through the proxy (step 5), the state reloaded from its own state dict (step 8)."""
-    monkeypatch.setattr(_tiering, "PACK", pack)
+    monkeypatch.setattr(placement_mod, "PACK", pack)
     model = make_model("mlp")
     ws = weights(model)
     opt = MAKERS[name](model.parameters(), RUNTIMES[mode])
