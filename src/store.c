@@ -612,47 +612,44 @@ int ast_store_free(ast_store *s, uint64_t id)
     return rc;
 }
 
+/* Copies block id's memory, size and tier, under the lock, to those of ptr, nbytes and tier
+ * that are not NULL. what: the caller, for the error message. */
+static int blk_get(ast_store *s, uint64_t id, const char *what, void **ptr, size_t *nbytes,
+                   ast_tier *tier)
+{
+    pthread_mutex_lock(&s->mu);
+    struct blk *b = find(s, id, what);
+    if (b && ptr)
+        *ptr = b->ptr;
+    if (b && nbytes)
+        *nbytes = b->nbytes;
+    if (b && tier)
+        *tier = b->tier;
+    pthread_mutex_unlock(&s->mu);
+    return b ? 0 : AST_ENOENT;
+}
+
 void *ast_store_data(ast_store *s, uint64_t id)
 {
-    struct blk *b;
     void *p = NULL;
 
-    if (!s)
-        return NULL;
-    pthread_mutex_lock(&s->mu);
-    b = find(s, id, "data");
-    if (b)
-        p = b->ptr;
-    pthread_mutex_unlock(&s->mu);
+    if (s)
+        blk_get(s, id, "data", &p, NULL, NULL);
     return p;
 }
 
 int ast_store_size(ast_store *s, uint64_t id, size_t *nbytes)
 {
-    struct blk *b;
-
     if (!s || !nbytes)
         return AST_EINVAL;
-    pthread_mutex_lock(&s->mu);
-    b = find(s, id, "size");
-    if (b)
-        *nbytes = b->nbytes;
-    pthread_mutex_unlock(&s->mu);
-    return b ? 0 : AST_ENOENT;
+    return blk_get(s, id, "size", NULL, nbytes, NULL);
 }
 
 int ast_store_tier(ast_store *s, uint64_t id, ast_tier *tier)
 {
-    struct blk *b;
-
     if (!s || !tier)
         return AST_EINVAL;
-    pthread_mutex_lock(&s->mu);
-    b = find(s, id, "tier");
-    if (b)
-        *tier = b->tier;
-    pthread_mutex_unlock(&s->mu);
-    return b ? 0 : AST_ENOENT;
+    return blk_get(s, id, "tier", NULL, NULL, tier);
 }
 
 /* ---- moves --------------------------------------------------------------------------------- */
