@@ -21,6 +21,7 @@
 #include "asteria/store.h"
 #include "cuda_mem.h"
 #include "nvme.h"
+#include "test_helpers.h"
 #include "testing.h"
 
 #include <dirent.h>
@@ -51,11 +52,7 @@ static int g_can_mount; /* private mount namespace obtained */
 static void make_dir(char *out, size_t len, const char *what)
 {
     static unsigned counter;
-    const char *root = getenv("ASTERIA_TEST_TMPDIR");
-    if (!root || !root[0])
-        root = "/tmp";
-    mkdir(root, 0755);
-    snprintf(out, len, "%s/store-%ld-%u-%s", root, (long)getpid(), counter++, what);
+    snprintf(out, len, "%s/store-%ld-%u-%s", test_tmp_root(), (long)getpid(), counter++, what);
     assert_int_equal(mkdir(out, 0755), 0);
 }
 
