@@ -689,6 +689,20 @@ static int check_copy_args(ast_shadow *sh, const ring *r, const void *src, size_
     return 0;
 }
 
+/* Checks a copy of nbytes in total and issues it into r on sh's device (ring_issue's
+ * arguments); *seq and *off receive its slot. */
+static int issue_copy(ast_shadow *sh, ring *r, const ast_shadow_piece *pieces, int npieces,
+                      size_t nbytes, uint64_t key, void *wait_event, uint64_t *seq, size_t *off)
+{
+    int prev;
+    int rc = check_copy_args(sh, r, pieces[0].src, nbytes, wait_event);
+    if (!rc && (rc = dev_enter(sh, &prev)) == 0) {
+        rc = ring_issue(sh, r, pieces, npieces, nbytes, key, wait_event, seq, off);
+        dev_leave(sh, prev);
+    }
+    return rc;
+}
+
 int ast_shadow_snapshot(ast_shadow *sh, const void *src, size_t nbytes, void *wait_event,
                         ast_shadow_ticket *t)
 {
@@ -716,16 +730,9 @@ int ast_shadow_snapshotv(ast_shadow *sh, const ast_shadow_piece *pieces, int npi
                                   sh->snap.what);
         nbytes += pieces[i].nbytes;
     }
-    int rc = check_copy_args(sh, &sh->snap, pieces[0].src, nbytes, wait_event);
-    if (rc)
-        return rc;
-    int prev;
     uint64_t seq;
     size_t off;
-    if ((rc = dev_enter(sh, &prev)) != 0)
-        return rc;
-    rc = ring_issue(sh, &sh->snap, pieces, npieces, nbytes, 0, wait_event, &seq, &off);
-    dev_leave(sh, prev);
+    int rc = issue_copy(sh, &sh->snap, pieces, npieces, nbytes, 0, wait_event, &seq, &off);
     if (!rc) {
         t->id = seq + 1;
         t->host = sh->snap.base + off;
@@ -847,17 +854,10 @@ int ast_shadow_prefetch(ast_shadow *sh, const void *src, size_t nbytes, uint64_t
         return AST_EINVAL;
     if (dev)
         *dev = NULL;
-    int rc = check_copy_args(sh, &sh->pre, src, nbytes, NULL);
-    if (rc)
-        return rc;
-    int prev;
+    const ast_shadow_piece one = {src, nbytes};
     uint64_t seq;
     size_t off;
-    if ((rc = dev_enter(sh, &prev)) != 0)
-        return rc;
-    const ast_shadow_piece one = {src, nbytes};
-    rc = ring_issue(sh, &sh->pre, &one, 1, nbytes, key, NULL, &seq, &off);
-    dev_leave(sh, prev);
+    int rc = issue_copy(sh, &sh->pre, &one, 1, nbytes, key, NULL, &seq, &off);
     if (!rc && dev)
         *dev = sh->pre.base + off;
     return rc;
