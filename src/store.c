@@ -670,25 +670,38 @@ static int move_memory(struct blk *b, ast_tier dst, char *msg, size_t len)
     return 0;
 }
 
+/* The two arrays of an NVMe batch of n blocks. On failure both are NULL and every block has
+ * failed (AST_ENOMEM, in e). */
+static int batch_alloc(struct blk **bl, const size_t *pos, size_t n, ast__batch_err *e,
+                       ast__nvme_io **ios, size_t **at)
+{
+    *ios = calloc(n ? n : 1, sizeof **ios);
+    *at = calloc(n ? n : 1, sizeof **at);
+    if (*ios && *at)
+        return 0;
+    for (size_t i = 0; i < n; i++)
+        ast__batch_fail(e, pos[i], NULL, AST_ENOMEM,
+                        "block %" PRIu64 ": out of memory for the batch", bl[i]->id);
+    free(*ios);
+    free(*at);
+    *ios = NULL;
+    *at = NULL;
+    return AST_ENOMEM;
+}
+
 /* Writes the listed blocks (positions pos[0..n) in ids) to NVME in one batch. */
 static size_t move_to_nvme(ast_store *s, struct blk **bl, const size_t *pos, size_t n,
                            ast__batch_err *e)
 {
-    ast__nvme_io *ios = calloc(n ? n : 1, sizeof *ios);
-    size_t *at = calloc(n ? n : 1, sizeof *at);
+    ast__nvme_io *ios;
+    size_t *at;
     ast__nvme_xfer x = {0, 0, 0};
     char msg[MSG_BYTES] = "";
     uint64_t pending = 0;
     size_t m = 0, moved = 0, first = SIZE_MAX;
 
-    if (!ios || !at) {
-        for (size_t i = 0; i < n; i++)
-            ast__batch_fail(e, pos[i], NULL, AST_ENOMEM,
-                            "block %" PRIu64 ": out of memory for the batch", bl[i]->id);
-        free(ios);
-        free(at);
+    if (batch_alloc(bl, pos, n, e, &ios, &at))
         return 0;
-    }
     for (size_t i = 0; i < n; i++) {
         struct blk *b = bl[i];
         if (!within_budget(s, pending, b->nbytes)) {
@@ -738,20 +751,14 @@ static size_t move_to_nvme(ast_store *s, struct blk **bl, const size_t *pos, siz
 static size_t move_from_nvme(ast_store *s, struct blk **bl, const size_t *pos, size_t n,
                              ast_tier dst, ast__batch_err *e)
 {
-    ast__nvme_io *ios = calloc(n ? n : 1, sizeof *ios);
-    size_t *at = calloc(n ? n : 1, sizeof *at);
+    ast__nvme_io *ios;
+    size_t *at;
     ast__nvme_xfer x = {0, 0, 0};
     char msg[MSG_BYTES] = "";
     size_t m = 0, moved = 0, first = SIZE_MAX;
 
-    if (!ios || !at) {
-        for (size_t i = 0; i < n; i++)
-            ast__batch_fail(e, pos[i], NULL, AST_ENOMEM,
-                            "block %" PRIu64 ": out of memory for the batch", bl[i]->id);
-        free(ios);
-        free(at);
+    if (batch_alloc(bl, pos, n, e, &ios, &at))
         return 0;
-    }
     for (size_t i = 0; i < n; i++) {
         struct blk *b = bl[i];
         void *p = NULL;
