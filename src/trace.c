@@ -330,24 +330,23 @@ void ast_trace_set_max_events(ast_trace *tr, size_t max_events)
     pthread_mutex_unlock(&tr->mu);
 }
 
-size_t ast_trace_count(ast_trace *tr)
+/* A counter of tr (count or dropped) read under tr->mu. */
+static size_t counter_get(ast_trace *tr, const size_t *counter)
 {
-    if (!tr)
-        return 0;
     pthread_mutex_lock(&tr->mu);
-    size_t n = tr->count;
+    size_t n = *counter;
     pthread_mutex_unlock(&tr->mu);
     return n;
 }
 
+size_t ast_trace_count(ast_trace *tr)
+{
+    return tr ? counter_get(tr, &tr->count) : 0;
+}
+
 size_t ast_trace_dropped(ast_trace *tr)
 {
-    if (!tr)
-        return 0;
-    pthread_mutex_lock(&tr->mu);
-    size_t n = tr->dropped;
-    pthread_mutex_unlock(&tr->mu);
-    return n;
+    return tr ? counter_get(tr, &tr->dropped) : 0;
 }
 
 int ast_trace_last_error(ast_trace *tr, char *buf, size_t len)
