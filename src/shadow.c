@@ -786,8 +786,8 @@ enum slot_op { OP_POLL, OP_WAIT, OP_RELEASE, OP_RELEASE_AFTER };
 
 /* Runs op, on sh's device with sh->mu held, on the held snapshot slot of t when snap, else on
  * the staged prefetch slot of key (AST_ENOENT, error set, when there is none). When found,
- * *dev and *nbytes (either may be NULL) receive the slot's place and size, read under the
- * lock. stream: OP_RELEASE_AFTER's stream. */
+ * *dev and *nbytes (either may be NULL) receive the slot's place and size, read under the lock
+ * before op. stream: OP_RELEASE_AFTER's stream. */
 static int slot_call(ast_shadow *sh, int snap, const ast_shadow_ticket *t, uint64_t key,
                      enum slot_op op, uintptr_t stream, void **dev, size_t *nbytes)
 {
@@ -799,6 +799,10 @@ static int slot_call(ast_shadow *sh, int snap, const ast_shadow_ticket *t, uint6
         return rc;
     pthread_mutex_lock(&sh->mu);
     slot *s = snap ? find_ticket(sh, t) : find_key(sh, key);
+    if (s && dev) /* before op: a release may reclaim s */
+        *dev = r->base + s->off;
+    if (s && nbytes)
+        *nbytes = s->nbytes;
     if (!s)
         rc = AST_ENOENT;
     else if (op == OP_POLL)
@@ -807,10 +811,6 @@ static int slot_call(ast_shadow *sh, int snap, const ast_shadow_ticket *t, uint6
         rc = slot_wait(sh, r, s);
     else
         rc = slot_release(sh, r, s, op == OP_RELEASE_AFTER, stream);
-    if (s && dev)
-        *dev = r->base + s->off;
-    if (s && nbytes)
-        *nbytes = s->nbytes;
     pthread_mutex_unlock(&sh->mu);
     dev_leave(sh, prev);
     return rc;
