@@ -689,6 +689,16 @@ static int batch_alloc(struct blk **bl, const size_t *pos, size_t n, ast__batch_
     return AST_ENOMEM;
 }
 
+/* The position of the batch's first failed record, the one the engine's message is about;
+ * SIZE_MAX if none failed. */
+static size_t first_failed(const ast__nvme_io *ios, size_t m)
+{
+    for (size_t j = 0; j < m; j++)
+        if (ios[j].result)
+            return j;
+    return SIZE_MAX;
+}
+
 /* Writes the listed blocks (positions pos[0..n) in ids) to NVME in one batch. */
 static size_t move_to_nvme(ast_store *s, struct blk **bl, const size_t *pos, size_t n,
                            ast__batch_err *e)
@@ -717,14 +727,8 @@ static size_t move_to_nvme(ast_store *s, struct blk **bl, const size_t *pos, siz
                                 .in_place = b->named && !b->shared, .fd = -1};
         at[m++] = i;
     }
-    if (m && ast__nvme_write(s->nvme, ios, m, &x, msg, sizeof msg) != 0) {
-        for (size_t j = 0; j < m; j++) {
-            if (ios[j].result) {
-                first = j;
-                break;
-            }
-        }
-    }
+    if (m && ast__nvme_write(s->nvme, ios, m, &x, msg, sizeof msg) != 0)
+        first = first_failed(ios, m);
     count_io(s, 1, &x);
     for (size_t j = 0; j < m; j++) {
         struct blk *b = bl[at[j]];
@@ -773,14 +777,8 @@ static size_t move_from_nvme(ast_store *s, struct blk **bl, const size_t *pos, s
         at[m++] = i;
     }
     msg[0] = '\0';
-    if (m && ast__nvme_read(s->nvme, ios, m, &x, msg, sizeof msg) != 0) {
-        for (size_t j = 0; j < m; j++) {
-            if (ios[j].result) {
-                first = j;
-                break;
-            }
-        }
-    }
+    if (m && ast__nvme_read(s->nvme, ios, m, &x, msg, sizeof msg) != 0)
+        first = first_failed(ios, m);
     count_io(s, 0, &x);
     for (size_t j = 0; j < m; j++) {
         struct blk *b = bl[at[j]];
