@@ -161,45 +161,48 @@ typedef struct inputs {
     void *basis; /* an orthogonal matrix: qr(G).Q */
 } inputs;
 
+/* src (count float64 values) in dtype dt at dst (float32 values rounded). */
+static void store_as(ast_dtype dt, void *dst, const double *src, size_t count)
+{
+    for (size_t i = 0; i < count; i++) {
+        if (dt == AST_F32)
+            ((float *)dst)[i] = (float)src[i];
+        else
+            ((double *)dst)[i] = src[i];
+    }
+}
+
+/* Built in float64, then stored in dt: one path for both dtypes. */
 static void make_inputs(ast_dtype dt, int n, inputs *in)
 {
     const size_t nn = (size_t)n * n, es = ast_dtype_size(dt);
-    void *g = xmalloc(nn * es), *id = xmalloc(nn * es);
+    double *g = xmalloc(nn * sizeof *g), *a = xmalloc(nn * sizeof *a), *e = xmalloc(nn * sizeof *e);
+    void *gd = xmalloc(nn * es), *id = xmalloc(nn * es);
     in->spd = xmalloc(nn * es);
     in->basis = xmalloc(nn * es);
     uint64_t s = 0x2545F4914F6CDD1DULL;
     for (size_t i = 0; i < nn; i++) {
         s ^= s << 13, s ^= s >> 7, s ^= s << 17;
-        double v = (double)(s >> 11) * 0x1p-53 - 0.5;
-        if (dt == AST_F32)
-            ((float *)g)[i] = (float)v;
-        else
-            ((double *)g)[i] = v;
+        g[i] = (double)(s >> 11) * 0x1p-53 - 0.5;
     }
-    memset(id, 0, nn * es);
-    if (dt == AST_F32) {
-        float *a = in->spd, *e = id;
-        cblas_ssyrk(CblasRowMajor, CblasUpper, CblasNoTrans, n, n, 1.0f / n, g, n, 0, a, n);
-        for (int i = 0; i < n; i++) {
-            a[(size_t)i * n + i] += 1;
-            e[(size_t)i * n + i] = 1;
-            for (int j = 0; j < i; j++)
-                a[(size_t)i * n + j] = a[(size_t)j * n + i];
-        }
-    } else {
-        double *a = in->spd, *e = id;
-        cblas_dsyrk(CblasRowMajor, CblasUpper, CblasNoTrans, n, n, 1.0 / n, g, n, 0, a, n);
-        for (int i = 0; i < n; i++) {
-            a[(size_t)i * n + i] += 1;
-            e[(size_t)i * n + i] = 1;
-            for (int j = 0; j < i; j++)
-                a[(size_t)i * n + j] = a[(size_t)j * n + i];
-        }
+    memset(e, 0, nn * sizeof *e);
+    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasNoTrans, n, n, 1.0 / n, g, n, 0, a, n);
+    for (int i = 0; i < n; i++) {
+        a[(size_t)i * n + i] += 1;
+        e[(size_t)i * n + i] = 1;
+        for (int j = 0; j < i; j++)
+            a[(size_t)i * n + j] = a[(size_t)j * n + i];
     }
-    int rc = ast_linalg_qr_refresh(dt, n, id, g, in->basis);
+    store_as(dt, gd, g, nn);
+    store_as(dt, in->spd, a, nn);
+    store_as(dt, id, e, nn);
+    int rc = ast_linalg_qr_refresh(dt, n, id, gd, in->basis);
     if (rc)
         die("building the orthogonal basis", rc);
     free(g);
+    free(a);
+    free(e);
+    free(gd);
     free(id);
 }
 

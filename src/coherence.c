@@ -967,25 +967,44 @@ int ast_coherence_versions_import(ast_coherence *reg, int64_t step, const int64_
     return rc;
 }
 
+/* The block and step checks of received and mark_synced (reg->mu held); *b receives the block. */
+static int block_step_args(ast_coherence *reg, uint64_t block, int64_t step, const char *what,
+                           struct blk **b)
+{
+    int rc = planned_block(reg, block, what, b);
+    return rc ? rc : step_arg(reg, step, what);
+}
+
+/* The version check of received and mark_synced (reg->mu held): version was announced for
+ * block b and is not older than floor, the version this rank already has (floor_name: "held"
+ * or "synced"). */
+static int version_arg(ast_coherence *reg, const struct blk *b, uint64_t block, uint64_t version,
+                       const char *what, uint64_t floor, const char *floor_name)
+{
+    if (version > b->pub.v)
+        return ast__set_error(&reg->err, NULL, AST_ESTATE, "%s %" PRIu64 ": version %" PRIu64
+                              " was never announced (newest: %" PRIu64 ")", what, block, version,
+                              b->pub.v);
+    if (version < floor)
+        return ast__set_error(&reg->err, NULL, AST_EINVAL, "%s %" PRIu64 ": version %" PRIu64
+                              " is older than %s version %" PRIu64, what, block, version,
+                              floor_name, floor);
+    return 0;
+}
+
 int ast_coherence_received(ast_coherence *reg, uint64_t block, uint64_t version, int64_t step)
 {
     if (!reg)
         return AST_EINVAL;
     pthread_mutex_lock(&reg->mu);
     struct blk *b = NULL;
-    int rc = planned_block(reg, block, "received", &b);
-    if (rc == 0)
-        rc = step_arg(reg, step, "received");
+    int rc = block_step_args(reg, block, step, "received", &b);
     if (rc == 0 && (b->owner == reg->rank || !b->set->self_member))
         rc = ast__set_error(&reg->err, NULL, AST_EINVAL, "received %" PRIu64 ": rank %d is %s",
                             block, reg->rank,
                             b->owner == reg->rank ? "its owner" : "not a replica");
-    if (rc == 0 && version > b->pub.v)
-        rc = ast__set_error(&reg->err, NULL, AST_ESTATE, "received %" PRIu64 ": version %" PRIu64
-                            " was never announced (newest: %" PRIu64 ")", block, version, b->pub.v);
-    if (rc == 0 && version < b->held)
-        rc = ast__set_error(&reg->err, NULL, AST_EINVAL, "received %" PRIu64 ": version %" PRIu64
-                            " is older than held version %" PRIu64, block, version, b->held);
+    if (rc == 0)
+        rc = version_arg(reg, b, block, version, "received", b->held, "held");
     if (rc == 0 && version > b->held) {
         b->held = version;
         b->recv_step = step;
@@ -1032,15 +1051,9 @@ int ast_coherence_mark_synced(ast_coherence *reg, uint64_t block, uint64_t versi
         return AST_EINVAL;
     pthread_mutex_lock(&reg->mu);
     struct blk *b = NULL;
-    int rc = planned_block(reg, block, "mark_synced", &b);
+    int rc = block_step_args(reg, block, step, "mark_synced", &b);
     if (rc == 0)
-        rc = step_arg(reg, step, "mark_synced");
-    if (rc == 0 && version > b->pub.v)
-        rc = ast__set_error(&reg->err, NULL, AST_ESTATE, "mark_synced %" PRIu64 ": version %" PRIu64
-                            " was never announced (newest: %" PRIu64 ")", block, version, b->pub.v);
-    if (rc == 0 && version < b->synced)
-        rc = ast__set_error(&reg->err, NULL, AST_EINVAL, "mark_synced %" PRIu64 ": version %" PRIu64
-                            " is older than synced version %" PRIu64, block, version, b->synced);
+        rc = version_arg(reg, b, block, version, "mark_synced", b->synced, "synced");
     if (rc == 0 && b->set->self_member && version > b->held)
         rc = ast__set_error(&reg->err, NULL, AST_ESTATE, "mark_synced %" PRIu64
                             ": rank %d has not received version %" PRIu64 " (holds %" PRIu64 ")",

@@ -689,6 +689,20 @@ static int check_copy_args(ast_shadow *sh, const ring *r, const void *src, size_
     return 0;
 }
 
+/* Checks a copy of nbytes in total and issues it into r on sh's device (ring_issue's
+ * arguments); *seq and *off receive its slot. */
+static int issue_copy(ast_shadow *sh, ring *r, const ast_shadow_piece *pieces, int npieces,
+                      size_t nbytes, uint64_t key, void *wait_event, uint64_t *seq, size_t *off)
+{
+    int prev;
+    int rc = check_copy_args(sh, r, pieces[0].src, nbytes, wait_event);
+    if (!rc && (rc = dev_enter(sh, &prev)) == 0) {
+        rc = ring_issue(sh, r, pieces, npieces, nbytes, key, wait_event, seq, off);
+        dev_leave(sh, prev);
+    }
+    return rc;
+}
+
 int ast_shadow_snapshot(ast_shadow *sh, const void *src, size_t nbytes, void *wait_event,
                         ast_shadow_ticket *t)
 {
@@ -716,16 +730,9 @@ int ast_shadow_snapshotv(ast_shadow *sh, const ast_shadow_piece *pieces, int npi
                                   sh->snap.what);
         nbytes += pieces[i].nbytes;
     }
-    int rc = check_copy_args(sh, &sh->snap, pieces[0].src, nbytes, wait_event);
-    if (rc)
-        return rc;
-    int prev;
     uint64_t seq;
     size_t off;
-    if ((rc = dev_enter(sh, &prev)) != 0)
-        return rc;
-    rc = ring_issue(sh, &sh->snap, pieces, npieces, nbytes, 0, wait_event, &seq, &off);
-    dev_leave(sh, prev);
+    int rc = issue_copy(sh, &sh->snap, pieces, npieces, nbytes, 0, wait_event, &seq, &off);
     if (!rc) {
         t->id = seq + 1;
         t->host = sh->snap.base + off;
@@ -746,48 +753,14 @@ static slot *find_ticket(ast_shadow *sh, const ast_shadow_ticket *t)
     return s;
 }
 
-int ast_shadow_snapshot_query(ast_shadow *sh, const ast_shadow_ticket *t)
+/* The held prefetch slot of key (sh->mu held), or NULL with the error set. */
+static slot *find_key(ast_shadow *sh, uint64_t key)
 {
-    if (!sh)
-        return AST_EINVAL;
-    int prev, rc;
-    if ((rc = dev_enter(sh, &prev)) != 0)
-        return rc;
-    pthread_mutex_lock(&sh->mu);
-    slot *s = find_ticket(sh, t);
-    rc = s ? slot_poll(sh, &sh->snap, s) : AST_ENOENT;
-    pthread_mutex_unlock(&sh->mu);
-    dev_leave(sh, prev);
-    return rc;
-}
-
-int ast_shadow_snapshot_wait(ast_shadow *sh, const ast_shadow_ticket *t)
-{
-    if (!sh)
-        return AST_EINVAL;
-    int prev, rc;
-    if ((rc = dev_enter(sh, &prev)) != 0)
-        return rc;
-    pthread_mutex_lock(&sh->mu);
-    slot *s = find_ticket(sh, t);
-    rc = s ? slot_wait(sh, &sh->snap, s) : AST_ENOENT;
-    pthread_mutex_unlock(&sh->mu);
-    dev_leave(sh, prev);
-    return rc;
-}
-
-int ast_shadow_snapshot_event(ast_shadow *sh, const ast_shadow_ticket *t, void **event)
-{
-    if (!sh || !event)
-        return AST_EINVAL;
-    *event = NULL;
-    pthread_mutex_lock(&sh->mu);
-    slot *s = find_ticket(sh, t);
-    int rc = s ? 0 : AST_ENOENT;
-    if (s)
-        *event = s->done_ev;
-    pthread_mutex_unlock(&sh->mu);
-    return rc;
+    slot *s = ring_find_key(&sh->pre, key);
+    if (!s)
+        ast__set_error(&sh->err, NULL, AST_ENOENT, "prefetch ring: key %" PRIu64 " is not staged",
+                       key);
+    return s;
 }
 
 /* Marks s released (or pending on stream) and reclaims (sh->mu held). */
@@ -808,19 +781,68 @@ static int slot_release(ast_shadow *sh, ring *r, slot *s, int after, uintptr_t s
     return ring_reclaim(sh, r);
 }
 
-int ast_shadow_snapshot_release(ast_shadow *sh, const ast_shadow_ticket *t)
+/* What slot_call does to the slot it finds. */
+enum slot_op { OP_POLL, OP_WAIT, OP_RELEASE, OP_RELEASE_AFTER };
+
+/* Runs op, on sh's device with sh->mu held, on the held snapshot slot of t when snap, else on
+ * the staged prefetch slot of key (AST_ENOENT, error set, when there is none). When found,
+ * *dev and *nbytes (either may be NULL) receive the slot's place and size, read under the lock
+ * before op. stream: OP_RELEASE_AFTER's stream. */
+static int slot_call(ast_shadow *sh, int snap, const ast_shadow_ticket *t, uint64_t key,
+                     enum slot_op op, uintptr_t stream, void **dev, size_t *nbytes)
 {
     if (!sh)
         return AST_EINVAL;
+    ring *r = snap ? &sh->snap : &sh->pre;
     int prev, rc;
     if ((rc = dev_enter(sh, &prev)) != 0)
         return rc;
     pthread_mutex_lock(&sh->mu);
-    slot *s = find_ticket(sh, t);
-    rc = s ? slot_release(sh, &sh->snap, s, 0, 0) : AST_ENOENT;
+    slot *s = snap ? find_ticket(sh, t) : find_key(sh, key);
+    if (s && dev) /* before op: a release may reclaim s */
+        *dev = r->base + s->off;
+    if (s && nbytes)
+        *nbytes = s->nbytes;
+    if (!s)
+        rc = AST_ENOENT;
+    else if (op == OP_POLL)
+        rc = slot_poll(sh, r, s);
+    else if (op == OP_WAIT)
+        rc = slot_wait(sh, r, s);
+    else
+        rc = slot_release(sh, r, s, op == OP_RELEASE_AFTER, stream);
     pthread_mutex_unlock(&sh->mu);
     dev_leave(sh, prev);
     return rc;
+}
+
+int ast_shadow_snapshot_query(ast_shadow *sh, const ast_shadow_ticket *t)
+{
+    return slot_call(sh, 1, t, 0, OP_POLL, 0, NULL, NULL);
+}
+
+int ast_shadow_snapshot_wait(ast_shadow *sh, const ast_shadow_ticket *t)
+{
+    return slot_call(sh, 1, t, 0, OP_WAIT, 0, NULL, NULL);
+}
+
+int ast_shadow_snapshot_event(ast_shadow *sh, const ast_shadow_ticket *t, void **event)
+{
+    if (!sh || !event)
+        return AST_EINVAL;
+    *event = NULL;
+    pthread_mutex_lock(&sh->mu);
+    slot *s = find_ticket(sh, t);
+    int rc = s ? 0 : AST_ENOENT;
+    if (s)
+        *event = s->done_ev;
+    pthread_mutex_unlock(&sh->mu);
+    return rc;
+}
+
+int ast_shadow_snapshot_release(ast_shadow *sh, const ast_shadow_ticket *t)
+{
+    return slot_call(sh, 1, t, 0, OP_RELEASE, 0, NULL, NULL);
 }
 
 /* ---- prefetch ----------------------------------------------------------------------------- */
@@ -832,30 +854,13 @@ int ast_shadow_prefetch(ast_shadow *sh, const void *src, size_t nbytes, uint64_t
         return AST_EINVAL;
     if (dev)
         *dev = NULL;
-    int rc = check_copy_args(sh, &sh->pre, src, nbytes, NULL);
-    if (rc)
-        return rc;
-    int prev;
+    const ast_shadow_piece one = {src, nbytes};
     uint64_t seq;
     size_t off;
-    if ((rc = dev_enter(sh, &prev)) != 0)
-        return rc;
-    const ast_shadow_piece one = {src, nbytes};
-    rc = ring_issue(sh, &sh->pre, &one, 1, nbytes, key, NULL, &seq, &off);
-    dev_leave(sh, prev);
+    int rc = issue_copy(sh, &sh->pre, &one, 1, nbytes, key, NULL, &seq, &off);
     if (!rc && dev)
         *dev = sh->pre.base + off;
     return rc;
-}
-
-/* The held prefetch slot of key (sh->mu held), or NULL with the error set. */
-static slot *find_key(ast_shadow *sh, uint64_t key)
-{
-    slot *s = ring_find_key(&sh->pre, key);
-    if (!s)
-        ast__set_error(&sh->err, NULL, AST_ENOENT, "prefetch ring: key %" PRIu64 " is not staged",
-                       key);
-    return s;
 }
 
 int ast_shadow_ready_event(ast_shadow *sh, uint64_t key, void **event)
@@ -885,61 +890,22 @@ int ast_shadow_lookup(ast_shadow *sh, uint64_t key, void **dev, size_t *nbytes)
         *dev = NULL;
     if (nbytes)
         *nbytes = 0;
-    int prev, rc;
-    if ((rc = dev_enter(sh, &prev)) != 0)
-        return rc;
-    pthread_mutex_lock(&sh->mu);
-    slot *s = find_key(sh, key);
-    rc = s ? slot_poll(sh, &sh->pre, s) : AST_ENOENT;
-    if (s) {
-        if (dev)
-            *dev = sh->pre.base + s->off;
-        if (nbytes)
-            *nbytes = s->nbytes;
-    }
-    pthread_mutex_unlock(&sh->mu);
-    dev_leave(sh, prev);
-    return rc;
+    return slot_call(sh, 0, NULL, key, OP_POLL, 0, dev, nbytes);
 }
 
 int ast_shadow_prefetch_wait(ast_shadow *sh, uint64_t key)
 {
-    if (!sh)
-        return AST_EINVAL;
-    int prev, rc;
-    if ((rc = dev_enter(sh, &prev)) != 0)
-        return rc;
-    pthread_mutex_lock(&sh->mu);
-    slot *s = find_key(sh, key);
-    rc = s ? slot_wait(sh, &sh->pre, s) : AST_ENOENT;
-    pthread_mutex_unlock(&sh->mu);
-    dev_leave(sh, prev);
-    return rc;
-}
-
-static int release_key(ast_shadow *sh, uint64_t key, int after, uintptr_t stream)
-{
-    if (!sh)
-        return AST_EINVAL;
-    int prev, rc;
-    if ((rc = dev_enter(sh, &prev)) != 0)
-        return rc;
-    pthread_mutex_lock(&sh->mu);
-    slot *s = find_key(sh, key);
-    rc = s ? slot_release(sh, &sh->pre, s, after, stream) : AST_ENOENT;
-    pthread_mutex_unlock(&sh->mu);
-    dev_leave(sh, prev);
-    return rc;
+    return slot_call(sh, 0, NULL, key, OP_WAIT, 0, NULL, NULL);
 }
 
 int ast_shadow_release(ast_shadow *sh, uint64_t key)
 {
-    return release_key(sh, key, 0, 0);
+    return slot_call(sh, 0, NULL, key, OP_RELEASE, 0, NULL, NULL);
 }
 
 int ast_shadow_release_after(ast_shadow *sh, uint64_t key, uintptr_t stream)
 {
-    return release_key(sh, key, 1, stream);
+    return slot_call(sh, 0, NULL, key, OP_RELEASE_AFTER, stream, NULL, NULL);
 }
 
 /* ---- stats / errors ----------------------------------------------------------------------- */

@@ -612,47 +612,44 @@ int ast_store_free(ast_store *s, uint64_t id)
     return rc;
 }
 
+/* Copies block id's memory, size and tier, under the lock, to those of ptr, nbytes and tier
+ * that are not NULL. what: the caller, for the error message. */
+static int blk_get(ast_store *s, uint64_t id, const char *what, void **ptr, size_t *nbytes,
+                   ast_tier *tier)
+{
+    pthread_mutex_lock(&s->mu);
+    struct blk *b = find(s, id, what);
+    if (b && ptr)
+        *ptr = b->ptr;
+    if (b && nbytes)
+        *nbytes = b->nbytes;
+    if (b && tier)
+        *tier = b->tier;
+    pthread_mutex_unlock(&s->mu);
+    return b ? 0 : AST_ENOENT;
+}
+
 void *ast_store_data(ast_store *s, uint64_t id)
 {
-    struct blk *b;
     void *p = NULL;
 
-    if (!s)
-        return NULL;
-    pthread_mutex_lock(&s->mu);
-    b = find(s, id, "data");
-    if (b)
-        p = b->ptr;
-    pthread_mutex_unlock(&s->mu);
+    if (s)
+        blk_get(s, id, "data", &p, NULL, NULL);
     return p;
 }
 
 int ast_store_size(ast_store *s, uint64_t id, size_t *nbytes)
 {
-    struct blk *b;
-
     if (!s || !nbytes)
         return AST_EINVAL;
-    pthread_mutex_lock(&s->mu);
-    b = find(s, id, "size");
-    if (b)
-        *nbytes = b->nbytes;
-    pthread_mutex_unlock(&s->mu);
-    return b ? 0 : AST_ENOENT;
+    return blk_get(s, id, "size", NULL, nbytes, NULL);
 }
 
 int ast_store_tier(ast_store *s, uint64_t id, ast_tier *tier)
 {
-    struct blk *b;
-
     if (!s || !tier)
         return AST_EINVAL;
-    pthread_mutex_lock(&s->mu);
-    b = find(s, id, "tier");
-    if (b)
-        *tier = b->tier;
-    pthread_mutex_unlock(&s->mu);
-    return b ? 0 : AST_ENOENT;
+    return blk_get(s, id, "tier", NULL, NULL, tier);
 }
 
 /* ---- moves --------------------------------------------------------------------------------- */
@@ -673,25 +670,48 @@ static int move_memory(struct blk *b, ast_tier dst, char *msg, size_t len)
     return 0;
 }
 
+/* The two arrays of an NVMe batch of n blocks. On failure both are NULL and every block has
+ * failed (AST_ENOMEM, in e). */
+static int batch_alloc(struct blk **bl, const size_t *pos, size_t n, ast__batch_err *e,
+                       ast__nvme_io **ios, size_t **at)
+{
+    *ios = calloc(n ? n : 1, sizeof **ios);
+    *at = calloc(n ? n : 1, sizeof **at);
+    if (*ios && *at)
+        return 0;
+    for (size_t i = 0; i < n; i++)
+        ast__batch_fail(e, pos[i], NULL, AST_ENOMEM,
+                        "block %" PRIu64 ": out of memory for the batch", bl[i]->id);
+    free(*ios);
+    free(*at);
+    *ios = NULL;
+    *at = NULL;
+    return AST_ENOMEM;
+}
+
+/* The position of the batch's first failed record, the one the engine's message is about;
+ * SIZE_MAX if none failed. */
+static size_t first_failed(const ast__nvme_io *ios, size_t m)
+{
+    for (size_t j = 0; j < m; j++)
+        if (ios[j].result)
+            return j;
+    return SIZE_MAX;
+}
+
 /* Writes the listed blocks (positions pos[0..n) in ids) to NVME in one batch. */
 static size_t move_to_nvme(ast_store *s, struct blk **bl, const size_t *pos, size_t n,
                            ast__batch_err *e)
 {
-    ast__nvme_io *ios = calloc(n ? n : 1, sizeof *ios);
-    size_t *at = calloc(n ? n : 1, sizeof *at);
+    ast__nvme_io *ios;
+    size_t *at;
     ast__nvme_xfer x = {0, 0, 0};
     char msg[MSG_BYTES] = "";
     uint64_t pending = 0;
     size_t m = 0, moved = 0, first = SIZE_MAX;
 
-    if (!ios || !at) {
-        for (size_t i = 0; i < n; i++)
-            ast__batch_fail(e, pos[i], NULL, AST_ENOMEM,
-                            "block %" PRIu64 ": out of memory for the batch", bl[i]->id);
-        free(ios);
-        free(at);
+    if (batch_alloc(bl, pos, n, e, &ios, &at))
         return 0;
-    }
     for (size_t i = 0; i < n; i++) {
         struct blk *b = bl[i];
         if (!within_budget(s, pending, b->nbytes)) {
@@ -707,14 +727,8 @@ static size_t move_to_nvme(ast_store *s, struct blk **bl, const size_t *pos, siz
                                 .in_place = b->named && !b->shared, .fd = -1};
         at[m++] = i;
     }
-    if (m && ast__nvme_write(s->nvme, ios, m, &x, msg, sizeof msg) != 0) {
-        for (size_t j = 0; j < m; j++) {
-            if (ios[j].result) {
-                first = j;
-                break;
-            }
-        }
-    }
+    if (m && ast__nvme_write(s->nvme, ios, m, &x, msg, sizeof msg) != 0)
+        first = first_failed(ios, m);
     count_io(s, 1, &x);
     for (size_t j = 0; j < m; j++) {
         struct blk *b = bl[at[j]];
@@ -741,20 +755,14 @@ static size_t move_to_nvme(ast_store *s, struct blk **bl, const size_t *pos, siz
 static size_t move_from_nvme(ast_store *s, struct blk **bl, const size_t *pos, size_t n,
                              ast_tier dst, ast__batch_err *e)
 {
-    ast__nvme_io *ios = calloc(n ? n : 1, sizeof *ios);
-    size_t *at = calloc(n ? n : 1, sizeof *at);
+    ast__nvme_io *ios;
+    size_t *at;
     ast__nvme_xfer x = {0, 0, 0};
     char msg[MSG_BYTES] = "";
     size_t m = 0, moved = 0, first = SIZE_MAX;
 
-    if (!ios || !at) {
-        for (size_t i = 0; i < n; i++)
-            ast__batch_fail(e, pos[i], NULL, AST_ENOMEM,
-                            "block %" PRIu64 ": out of memory for the batch", bl[i]->id);
-        free(ios);
-        free(at);
+    if (batch_alloc(bl, pos, n, e, &ios, &at))
         return 0;
-    }
     for (size_t i = 0; i < n; i++) {
         struct blk *b = bl[i];
         void *p = NULL;
@@ -769,14 +777,8 @@ static size_t move_from_nvme(ast_store *s, struct blk **bl, const size_t *pos, s
         at[m++] = i;
     }
     msg[0] = '\0';
-    if (m && ast__nvme_read(s->nvme, ios, m, &x, msg, sizeof msg) != 0) {
-        for (size_t j = 0; j < m; j++) {
-            if (ios[j].result) {
-                first = j;
-                break;
-            }
-        }
-    }
+    if (m && ast__nvme_read(s->nvme, ios, m, &x, msg, sizeof msg) != 0)
+        first = first_failed(ios, m);
     count_io(s, 0, &x);
     for (size_t j = 0; j < m; j++) {
         struct blk *b = bl[at[j]];

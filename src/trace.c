@@ -28,6 +28,7 @@
 #include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -329,24 +330,23 @@ void ast_trace_set_max_events(ast_trace *tr, size_t max_events)
     pthread_mutex_unlock(&tr->mu);
 }
 
-size_t ast_trace_count(ast_trace *tr)
+/* A counter of tr (count or dropped) read under tr->mu. */
+static size_t counter_get(ast_trace *tr, const size_t *counter)
 {
-    if (!tr)
-        return 0;
     pthread_mutex_lock(&tr->mu);
-    size_t n = tr->count;
+    size_t n = *counter;
     pthread_mutex_unlock(&tr->mu);
     return n;
 }
 
+size_t ast_trace_count(ast_trace *tr)
+{
+    return tr ? counter_get(tr, &tr->count) : 0;
+}
+
 size_t ast_trace_dropped(ast_trace *tr)
 {
-    if (!tr)
-        return 0;
-    pthread_mutex_lock(&tr->mu);
-    size_t n = tr->dropped;
-    pthread_mutex_unlock(&tr->mu);
-    return n;
+    return tr ? counter_get(tr, &tr->dropped) : 0;
 }
 
 int ast_trace_last_error(ast_trace *tr, char *buf, size_t len)
@@ -463,6 +463,19 @@ static const char *dir_name(unsigned d)
     return d == AST_TRACE_DIR_D2H ? "d2h" : d == AST_TRACE_DIR_H2D ? "h2d" : NULL;
 }
 
+/* One member of an event's "args" object: *sep (then ","), the key, the value as fmt says. */
+static void put_arg(FILE *f, const char **sep, const char *key, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void put_arg(FILE *f, const char **sep, const char *key, const char *fmt, ...)
+{
+    va_list ap;
+    fprintf(f, "%s\"%s\":", *sep, key);
+    va_start(ap, fmt);
+    vfprintf(f, fmt, ap);
+    va_end(ap);
+    *sep = ",";
+}
+
 static void put_event(FILE *f, const rec *r, long pid)
 {
     fputs("{\"name\":", f);
@@ -477,32 +490,20 @@ static void put_event(FILE *f, const rec *r, long pid)
     }
     fprintf(f, ",\"pid\":%ld,\"tid\":%d,\"args\":{", pid, lane_tid(r->lane));
     const char *sep = "";
-    if (r->args & AST_TRACE_ARG_BLOCK) {
-        fprintf(f, "%s\"block\":%" PRIu64, sep, r->block);
-        sep = ",";
-    }
-    if (r->args & AST_TRACE_ARG_VERSION) {
-        fprintf(f, "%s\"version\":%" PRIu64, sep, r->version);
-        sep = ",";
-    }
-    if (r->args & AST_TRACE_ARG_BYTES) {
-        fprintf(f, "%s\"bytes\":%" PRIu64, sep, r->bytes);
-        sep = ",";
-    }
-    if (r->args & AST_TRACE_ARG_STEP) {
-        fprintf(f, "%s\"step\":%" PRId64, sep, r->step);
-        sep = ",";
-    }
-    if (r->args & AST_TRACE_ARG_WORKER) {
-        fprintf(f, "%s\"worker\":%d", sep, (int)r->worker);
-        sep = ",";
-    }
-    if (r->args & AST_TRACE_ARG_STATUS) {
-        fprintf(f, "%s\"status\":\"%s\"", sep, ast_err_name(r->status));
-        sep = ",";
-    }
+    if (r->args & AST_TRACE_ARG_BLOCK)
+        put_arg(f, &sep, "block", "%" PRIu64, r->block);
+    if (r->args & AST_TRACE_ARG_VERSION)
+        put_arg(f, &sep, "version", "%" PRIu64, r->version);
+    if (r->args & AST_TRACE_ARG_BYTES)
+        put_arg(f, &sep, "bytes", "%" PRIu64, r->bytes);
+    if (r->args & AST_TRACE_ARG_STEP)
+        put_arg(f, &sep, "step", "%" PRId64, r->step);
+    if (r->args & AST_TRACE_ARG_WORKER)
+        put_arg(f, &sep, "worker", "%d", (int)r->worker);
+    if (r->args & AST_TRACE_ARG_STATUS)
+        put_arg(f, &sep, "status", "\"%s\"", ast_err_name(r->status));
     if (dir_name(r->dir))
-        fprintf(f, "%s\"dir\":\"%s\"", sep, dir_name(r->dir));
+        put_arg(f, &sep, "dir", "\"%s\"", dir_name(r->dir));
     fputs("}}", f);
 }
 

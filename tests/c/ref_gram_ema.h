@@ -12,25 +12,27 @@
 
 #include <stddef.h>
 
+/* out = beta in + alpha V V^T for the dim x inner matrix V whose (i, k) is g[i * rs + k * cs]:
+ * V = G (rs = n1, cs = 1) gives L, V = G^T (rs = 1, cs = n1) gives R. */
+static void ref_ema_side(int dim, int inner, const double *g, size_t rs, size_t cs, double beta,
+                         double alpha, const double *in, double *out)
+{
+    for (int i = 0; i < dim; i++)
+        for (int j = 0; j < dim; j++) {
+            double s = 0;
+            for (int k = 0; k < inner; k++)
+                s += g[(size_t)i * rs + (size_t)k * cs] * g[(size_t)j * rs + (size_t)k * cs];
+            out[(size_t)i * dim + j] = beta * in[(size_t)i * dim + j] + alpha * s;
+        }
+}
+
 static void ref_gram_ema(int n, int n1, const double *g, double beta, double alpha,
                          const double *l, const double *r, double *l_new, double *r_new)
 {
     if (l_new)
-        for (int i = 0; i < n; i++)
-            for (int j = 0; j < n; j++) {
-                double s = 0;
-                for (int k = 0; k < n1; k++)
-                    s += g[(size_t)i * n1 + k] * g[(size_t)j * n1 + k];
-                l_new[(size_t)i * n + j] = beta * l[(size_t)i * n + j] + alpha * s;
-            }
+        ref_ema_side(n, n1, g, (size_t)n1, 1, beta, alpha, l, l_new);
     if (r_new)
-        for (int i = 0; i < n1; i++)
-            for (int j = 0; j < n1; j++) {
-                double s = 0;
-                for (int k = 0; k < n; k++)
-                    s += g[(size_t)k * n1 + i] * g[(size_t)k * n1 + j];
-                r_new[(size_t)i * n1 + j] = beta * r[(size_t)i * n1 + j] + alpha * s;
-            }
+        ref_ema_side(n1, n, g, 1, (size_t)n1, beta, alpha, r, r_new);
 }
 
 #endif

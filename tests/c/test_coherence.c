@@ -47,6 +47,13 @@ static void shuffle(uint64_t *a, size_t n, uint64_t *seed)
     }
 }
 
+static int owner_of(ast_coherence *reg, uint64_t id)
+{
+    int o = -1;
+    assert_int_equal(ast_coherence_owner(reg, id, &o), 0);
+    return o;
+}
+
 static ast_coherence *make_reg(int world, int rank, int rpn, int S, const int *groups)
 {
     ast_coherence_opts o;
@@ -170,11 +177,8 @@ static void test_owner_tiebreak(void **state)
     assert_int_equal(ast_coherence_plan(reg), 0);
     assert_int_equal(ast_coherence_plan(reg), 0); /* second call: nothing changes */
     const int want[5] = {-1, 1, 3, 3, 1};
-    for (uint64_t id = 1; id <= 4; id++) {
-        int o;
-        assert_int_equal(ast_coherence_owner(reg, id, &o), 0);
-        assert_int_equal(o, want[id]);
-    }
+    for (uint64_t id = 1; id <= 4; id++)
+        assert_int_equal(owner_of(reg, id), want[id]);
     uint64_t l;
     assert_int_equal(ast_coherence_load(reg, 1, &l), 0);
     assert_int_equal(l, 12);
@@ -256,13 +260,6 @@ static void exchange(ast_coherence **regs, int world, int64_t step)
         assert_int_equal(ast_coherence_versions_import(regs[r], step, sum, len), 0);
     free(sum);
     free(v);
-}
-
-static int owner_of(ast_coherence *reg, uint64_t id)
-{
-    int o = -1;
-    assert_int_equal(ast_coherence_owner(reg, id, &o), 0);
-    return o;
 }
 
 /* Moves one due block as a replica set would, checks its plan, and reports the bytes. */
@@ -1040,11 +1037,8 @@ static void test_extend(void **state)
     assert_int_equal(ast_coherence_extend(reg, a_ids, a_costs, 2, rr, 2), 0);
     assert_int_equal(ast_coherence_extend(reg, b_ids, b_costs, 2, rr, 2), 0);
     const int want[5] = {-1, 0, 1, 0, 1};
-    for (uint64_t id = 1; id <= 4; id++) {
-        int o;
-        assert_int_equal(ast_coherence_owner(reg, id, &o), 0);
-        assert_int_equal(o, want[id]);
-    }
+    for (uint64_t id = 1; id <= 4; id++)
+        assert_int_equal(owner_of(reg, id), want[id]);
     ast_coherence_stats st;
     assert_int_equal(ast_coherence_stats_get(reg, &st), 0);
     assert_int_equal(st.blocks, 4);

@@ -29,6 +29,8 @@
 
 #include <cmocka.h>
 
+#include "test_helpers.h"
+
 static void fill_random(unsigned char *c, size_t n, uint64_t seed)
 {
     uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
@@ -154,7 +156,7 @@ static void test_device_nvme(void **state)
 {
     enum { N = 6 };
     const size_t sizes[N] = {1, 4096, 70000, (1u << 20) + 5, (2u << 20) + 333, 12};
-    const char *root = getenv("ASTERIA_TEST_TMPDIR");
+    const char *root = test_tmp_root();
     unsigned char *want = malloc(3u << 20), *got = malloc(3u << 20);
     ast_store_opts o;
     ast_store *s = NULL;
@@ -164,8 +166,7 @@ static void test_device_nvme(void **state)
     char errs[512];
     (void)state;
 
-    snprintf(dir, sizeof dir, "%s/cuda-nvme-%ld", root && root[0] ? root : "/tmp", (long)getpid());
-    mkdir(root && root[0] ? root : "/tmp", 0755);
+    snprintf(dir, sizeof dir, "%s/cuda-nvme-%ld", root, (long)getpid());
     assert_int_equal(mkdir(dir, 0755), 0);
     ast_store_opts_init(&o);
     o.nvme_dir = dir;

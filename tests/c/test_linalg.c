@@ -85,6 +85,17 @@ static void *xalloc(size_t bytes)
 
 static double *dalloc(size_t count) { return xalloc(count * sizeof(double)); }
 
+/* Frees the buffers listed up to the terminating NULL (xalloc's are never NULL). */
+static void free_all(void *p, ...) __attribute__((sentinel));
+static void free_all(void *p, ...)
+{
+    va_list ap;
+    va_start(ap, p);
+    for (; p; p = va_arg(ap, void *))
+        free(p);
+    va_end(ap);
+}
+
 /* Save the element of dtype dt at p into saved (8 bytes) and overwrite it with v. */
 static void poison_elem(char *p, ast_dtype dt, double v, char saved[8])
 {
@@ -261,9 +272,7 @@ static void inv_root_ref(int n, const double *a, double p, double eps, double *x
         for (int j = 0; j < n; j++)
             b[(size_t)i * n + j] = z[(size_t)i * n + j] * pow(fmax(w[j], floor) + eps, -1 / p);
     cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1, b, n, z, n, 0, x, n);
-    free(z);
-    free(w);
-    free(b);
+    free_all(z, w, b, NULL);
 }
 
 /* ||X^p (A + eps I) - I||_F */
@@ -280,9 +289,7 @@ static double root_residual(int n, const double *x, int p, const double *a, doub
         memcpy(acc, t, nn * sizeof *acc);
     }
     double r = dist_eye(n, acc, 1);
-    free(acc);
-    free(t);
-    free(ap);
+    free_all(acc, t, ap, NULL);
     return r;
 }
 
@@ -308,10 +315,7 @@ static void soap_ref(int n, const double *f, const double *q, double *q_new, int
             qs[(size_t)i * n + j] = q[(size_t)i * n + perm[j]];
     mm(n, f, qs, q_new);
     qr_q_ref(n, q_new);
-    free(fq);
-    free(c);
-    free(e);
-    free(qs);
+    free_all(fq, c, e, qs, NULL);
 }
 
 static void kl_ref(int n, const double *f, const double *q, double *q_new)
@@ -334,10 +338,7 @@ static int call_eigh(ast_dtype dt, int n, const double *a, double *w, double *q)
         from_dt(dt, (size_t)n, wd, w);
     if (rc == 0 && q)
         from_dt(dt, nn, qd, q);
-    free(ad);
-    free(wd);
-    free(qd);
-    free(acopy);
+    free_all(ad, wd, qd, acopy, NULL);
     return rc;
 }
 
@@ -375,9 +376,7 @@ static int call_refresh(ast_dtype dt, int n, const double *f, const double *q, d
                   : ast_linalg_qr_refresh(dt, n, fd, qd, od);
     if (rc == 0)
         from_dt(dt, nn, od, q_new);
-    free(fd);
-    free(qd);
-    free(od);
+    free_all(fd, qd, od, NULL);
     return rc;
 }
 
@@ -433,9 +432,7 @@ static void test_eigh_identity(void **state)
             for (int j = 0; j < n; j++)
                 assert_le(fabs(w[j] - 1), tol_for(dtypes[d], n, 1));
             check_eigh(n, a, w, q, tol_for(dtypes[d], n, 1));
-            free(a);
-            free(w);
-            free(q);
+            free_all(a, w, q, NULL);
         }
 }
 
@@ -460,9 +457,7 @@ static void test_eigh_diagonal(void **state)
                 assert_le(fabs(fabs(q[i * n + j]) - (lam[i] == sorted[j])),
                           tol_for(dtypes[d], n, 1));
         }
-        free(a);
-        free(w);
-        free(q);
+        free_all(a, w, q, NULL);
     }
 }
 
@@ -500,10 +495,7 @@ static void test_rank_deficient_bases(void **state)
         from_spectrum(n, lam, u, f);
         assert_int_equal(call_eigh(dtypes[d], n, f, w, q), 0);
         check_eigh(n, f, w, q, tol);
-        free(u);
-        free(f);
-        free(q);
-        free(w);
+        free_all(u, f, q, w, NULL);
     }
 }
 
@@ -573,10 +565,7 @@ static void test_eigh_spectra(void **state)
                 sort_desc(n, lam);
                 for (int j = 0; j < n; j++)
                     assert_le(fabs(w[j] - lam[j]), tol_for(dt, n, 1) * max_abs(n, lam));
-                free(lam);
-                free(w);
-                free(q);
-                free(a);
+                free_all(lam, w, q, a, NULL);
             }
 }
 
@@ -636,10 +625,7 @@ static void test_nonfinite_input(void **state)
             assert_true(sentinel_intact(o1, nn * es));
             assert_true(sentinel_intact(o2, nn * es));
             assert_true(sentinel_intact(perm, sizeof perm));
-            free(a);
-            free(good);
-            free(o1);
-            free(o2);
+            free_all(a, good, o1, o2, NULL);
         }
 }
 
@@ -739,13 +725,7 @@ static void test_inv_root_restatement(void **state)
                 assert_le(rel_diff(nn, x, xe), tol);
                 if (p == floor(p))
                     assert_le(root_residual(n, x, (int)p, a, eps) / sqrt(n), tol * p);
-                free(lam);
-                free(u);
-                free(lr);
-                free(x);
-                free(xc);
-                free(xe);
-                free(a);
+                free_all(lam, u, lr, x, xc, xe, a, NULL);
             }
 }
 
@@ -776,13 +756,7 @@ static void test_inv_root_clamp(void **state)
             const double tol = tol_for(dt, n, 10 / eps);
             assert_le(rel_diff(nn, x, xc), tol);
             assert_le(rel_diff(nn, x, xe), tol);
-            free(lam);
-            free(u);
-            free(lr);
-            free(x);
-            free(xc);
-            free(xe);
-            free(a);
+            free_all(lam, u, lr, x, xc, xe, a, NULL);
         }
 }
 
@@ -811,11 +785,7 @@ static void test_inv_root_ill_conditioned(void **state)
     inv_root_ref(n, a, 2, 1e-3, xe);
     assert_le(rel_diff(nn, x, xe), tol_for(AST_F32, n, 1e3));
     assert_le(root_residual(n, x, 2, a, 1e-3) / sqrt(n), tol_for(AST_F32, n, 1e3));
-    free(a);
-    free(lam);
-    free(u);
-    free(x);
-    free(xe);
+    free_all(a, lam, u, x, xe, NULL);
 }
 
 static void test_inv_root_identity_and_singular(void **state)
@@ -875,10 +845,7 @@ static void test_newton_vs_eigen(void **state)
             assert_int_equal(ast_linalg_last_retried(), 0);
             inv_root_ref(n, a, ps[pi], eps, xe);
             assert_le(rel_diff(nn, x, xe), tol + tol_for(dt, n, 100));
-            free(lam);
-            free(x);
-            free(xe);
-            free(a);
+            free_all(lam, x, xe, a, NULL);
         }
 }
 
@@ -918,10 +885,7 @@ static void test_newton_failures(void **state)
     round_to(AST_F32, nn, a);
     inv_root_ref(n, a, 2, 0, xe);
     assert_le(rel_diff(nn, x, xe), 10 * U32);
-    free(a);
-    free(x);
-    free(xe);
-    free(xd);
+    free_all(a, x, xe, xd, NULL);
 }
 
 /* ---- SOAP and KL refreshes ----------------------------------------------------------------- */
@@ -961,12 +925,7 @@ static void test_soap_refresh_restatement(void **state)
         /* kappa: cond(F Q[:, s]) = cond(F) = 10. */
         assert_le(fro_diff(nn, qn, qr), tol_for(dt, n, 10) * sqrt(n));
         check_orthonormal(n, qn, tol_for(dt, n, 1));
-        free(lam);
-        free(u);
-        free(q);
-        free(qn);
-        free(qr);
-        free(f);
+        free_all(lam, u, q, qn, qr, f, NULL);
     }
 }
 
@@ -1039,11 +998,7 @@ static void test_qr_refresh_restatement(void **state)
         kl_ref(n, f, q, qr);
         assert_le(fro_diff(nn, qn, qr), tol_for(dt, n, 10) * sqrt(n));
         check_orthonormal(n, qn, tol_for(dt, n, 1));
-        free(lam);
-        free(q);
-        free(qn);
-        free(qr);
-        free(f);
+        free_all(lam, q, qn, qr, f, NULL);
     }
 }
 
@@ -1153,14 +1108,7 @@ static void test_batched(void **state)
             assert_int_equal(call_batched((bop)op, dt, 0, N, a, q, m, v, &fi), 0);
             assert_int_equal(fi, -1);
             assert_true(sentinel_intact(m, nn * es));
-            free(a64);
-            free(q64);
-            free(a);
-            free(q);
-            free(m);
-            free(v);
-            free(m1);
-            free(v1);
+            free_all(a64, q64, a, q, m, v, m1, v1, NULL);
         }
 }
 
@@ -1242,16 +1190,7 @@ static void test_soap_rotate_restatement(void **state)
                                          0);
                         assert_memory_equal(one, out + b * nx * es, nx * es);
                     }
-                    free(x);
-                    free(ap);
-                    free(bp);
-                    free(ref);
-                    free(got);
-                    free(xd);
-                    free(ad);
-                    free(bd);
-                    free(out);
-                    free(one);
+                    free_all(x, ap, bp, ref, got, xd, ad, bd, out, one, NULL);
                 }
 }
 
@@ -1363,13 +1302,7 @@ static void test_soap_rotate_failures(void **state)
         assert_int_equal(ast_linalg_soap_rotate_batched(dt, 0, N, N1, xd, ad, bd, out, &fi), 0);
         assert_int_equal(fi, -1);
         assert_true(sentinel_intact(out, B * nx * es));
-        free(xcopy);
-        free(acopy);
-        free(xd);
-        free(ad);
-        free(bd);
-        free(out);
-        free(one);
+        free_all(xcopy, acopy, xd, ad, bd, out, one, NULL);
     }
 }
 
@@ -1531,25 +1464,8 @@ static void test_gram_ema_restatement(void **state)
                             assert_memory_equal(one_r, rd + b * nr * es, nr * es);
                         }
                     }
-                    free(g);
-                    free(l);
-                    free(r);
-                    free(gd);
-                    free(ld);
-                    free(rd);
-                    free(l0);
-                    free(r0);
-                    free(got_l);
-                    free(got_r);
-                    free(ref_l);
-                    free(ref_r);
-                    free(bnd_l);
-                    free(bnd_r);
-                    free(ga);
-                    free(la);
-                    free(ra);
-                    free(one_l);
-                    free(one_r);
+                    free_all(g, l, r, gd, ld, rd, l0, r0, got_l, got_r, ref_l, ref_r, bnd_l, bnd_r,
+                             ga, la, ra, one_l, one_r, NULL);
                 }
 }
 
@@ -1708,12 +1624,7 @@ static void test_gram_ema_failures(void **state)
         assert_int_equal(fi, -1);
         assert_memory_equal(ld, l0, B * nl * es);
         assert_memory_equal(rd, r0, B * nr * es);
-        free(gd);
-        free(ld);
-        free(rd);
-        free(g0);
-        free(l0);
-        free(r0);
+        free_all(gd, ld, rd, g0, l0, r0, NULL);
     }
 }
 
@@ -1867,15 +1778,7 @@ static void test_concurrent(void **state)
         assert_int_equal(cs[t].retried_at_start, 0);
     }
     assert_int_equal(ast_linalg_last_retried(), 1);
-    free(a64);
-    free(q64);
-    free(a32);
-    free(w32);
-    free(x32);
-    free(q32);
-    free(rq);
-    free(rx);
-    free(rs);
+    free_all(a64, q64, a32, w32, x32, q32, rq, rx, rs, NULL);
 }
 
 int main(void)

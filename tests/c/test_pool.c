@@ -150,6 +150,17 @@ static uint64_t submit(ast_pool *p, tjob *j, uint64_t block, uint64_t version, i
     return t;
 }
 
+/* Initialises gate g (closed) and parks a worker of p in gj (its gate set to g), submitted with
+ * block and deadline; returns gj's ticket once the worker has entered the gate. */
+static uint64_t hold_worker(ast_pool *p, gate *g, tjob *gj, uint64_t block, int64_t deadline)
+{
+    gate_init(g);
+    gj->gate = g;
+    uint64_t t = submit(p, gj, block, 1, deadline);
+    gate_wait_entered(g, 1);
+    return t;
+}
+
 static ast_pool *make_pool(int workers, const char *cpuset)
 {
     ast_pool_opts o;
@@ -385,14 +396,12 @@ static void test_deadline_order(void **state)
     (void)state;
     enum { N = 64 };
     ast_pool *p = make_pool(1, NULL);
-    gate g;
-    gate_init(&g);
     static order_log log;
     memset(&log, 0, sizeof log);
     pthread_mutex_init(&log.m, NULL);
-    tjob gj = {.id = -1, .gate = &g};
-    submit(p, &gj, 100000, 1, -1000);
-    gate_wait_entered(&g, 1);
+    gate g;
+    tjob gj = {.id = -1};
+    hold_worker(p, &g, &gj, 100000, -1000);
 
     /* Shuffled deadlines with ties (pairs share one), a fixed seed so a failure reproduces. */
     int64_t dl[N];
@@ -443,10 +452,8 @@ static void test_supersede(void **state)
     (void)state;
     ast_pool *p = make_pool(1, NULL);
     gate g;
-    gate_init(&g);
-    tjob gj = {.id = 0, .gate = &g};
-    uint64_t tg = submit(p, &gj, 9, 1, 0);
-    gate_wait_entered(&g, 1);
+    tjob gj = {.id = 0};
+    uint64_t tg = hold_worker(p, &g, &gj, 9, 0);
 
     tjob v1 = {.id = 1}, v2 = {.id = 2}, g2 = {.id = 3};
     uint64_t t1 = submit(p, &v1, 7, 1, 5);
@@ -508,10 +515,8 @@ static void test_cancel(void **state)
     (void)state;
     ast_pool *p = make_pool(1, NULL);
     gate g;
-    gate_init(&g);
-    tjob gj = {.id = 0, .gate = &g}, q = {.id = 1}, r = {.id = 2};
-    uint64_t tg = submit(p, &gj, 1, 1, 0);
-    gate_wait_entered(&g, 1);
+    tjob gj = {.id = 0}, q = {.id = 1}, r = {.id = 2};
+    uint64_t tg = hold_worker(p, &g, &gj, 1, 0);
     uint64_t tq = submit(p, &q, 2, 1, 0);
     uint64_t tr = submit(p, &r, 3, 1, 1);
 
@@ -574,11 +579,9 @@ static void test_wait_specific(void **state)
     (void)state;
     ast_pool *p = make_pool(1, NULL);
     gate g;
-    gate_init(&g);
-    tjob gj = {.id = 0, .gate = &g}, a = {.id = 1}, b = {.id = 2}, c3 = {.id = 3}, t = {.id = 4},
+    tjob gj = {.id = 0}, a = {.id = 1}, b = {.id = 2}, c3 = {.id = 3}, t = {.id = 4},
          d = {.id = 5, .sleep_us = 1000};
-    submit(p, &gj, 0, 1, 0);
-    gate_wait_entered(&g, 1);
+    hold_worker(p, &g, &gj, 0, 0);
     uint64_t ta = submit(p, &a, 1, 1, 1);
     submit(p, &b, 2, 1, 1);
     submit(p, &c3, 3, 1, 1);
@@ -657,10 +660,8 @@ static void test_wait_timeout(void **state)
     (void)state;
     ast_pool *p = make_pool(1, NULL);
     gate g;
-    gate_init(&g);
-    tjob gj = {.id = 0, .gate = &g};
-    uint64_t tg = submit(p, &gj, 0, 1, 0);
-    gate_wait_entered(&g, 1);
+    tjob gj = {.id = 0};
+    uint64_t tg = hold_worker(p, &g, &gj, 0, 0);
 
     ast_completion c;
     int64_t t0 = mono_ns();
@@ -1022,10 +1023,8 @@ static void test_stats(void **state)
     enum { N = 40 };
     ast_pool *p = make_pool(2, NULL);
     gate g;
-    gate_init(&g);
-    tjob gj = {.id = -1, .gate = &g};
-    submit(p, &gj, 1000, 1, 0);
-    gate_wait_entered(&g, 1);
+    tjob gj = {.id = -1};
+    hold_worker(p, &g, &gj, 1000, 0);
     ast_pool_stats st;
     assert_int_equal(ast_pool_stats_get(p, &st), 0);
     assert_int_equal(st.running, 1);

@@ -23,6 +23,7 @@
 
 #include "ref_gram_ema.h"
 #include "ref_rotate.h"
+#include "test_helpers.h"
 #include "testing.h"
 
 static ast_runtime *make_rt(int workers)
@@ -648,26 +649,7 @@ static void test_soap_rotate_job(void **state)
 
 static void trace_path(char *buf, size_t len, const char *name)
 {
-    const char *base = getenv("ASTERIA_TEST_TMPDIR");
-    if (!base || !*base)
-        base = "/tmp";
-    mkdir(base, 0777);
-    snprintf(buf, len, "%s/%s.%ld.json", base, name, (long)getpid());
-}
-
-static char *slurp(const char *path)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *s = malloc((size_t)n + 1);
-    size_t got = fread(s, 1, (size_t)n, f);
-    s[got] = '\0';
-    fclose(f);
-    return s;
+    snprintf(buf, len, "%s/%s.%ld.json", test_tmp_root(), name, (long)getpid());
 }
 
 /* The "ts" (microseconds) of the first event line naming `name` whose args contain `arg`

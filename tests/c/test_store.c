@@ -21,6 +21,7 @@
 #include "asteria/store.h"
 #include "cuda_mem.h"
 #include "nvme.h"
+#include "test_helpers.h"
 #include "testing.h"
 
 #include <dirent.h>
@@ -51,11 +52,7 @@ static int g_can_mount; /* private mount namespace obtained */
 static void make_dir(char *out, size_t len, const char *what)
 {
     static unsigned counter;
-    const char *root = getenv("ASTERIA_TEST_TMPDIR");
-    if (!root || !root[0])
-        root = "/tmp";
-    mkdir(root, 0755);
-    snprintf(out, len, "%s/store-%ld-%u-%s", root, (long)getpid(), counter++, what);
+    snprintf(out, len, "%s/store-%ld-%u-%s", test_tmp_root(), (long)getpid(), counter++, what);
     assert_int_equal(mkdir(out, 0755), 0);
 }
 
@@ -805,6 +802,20 @@ static void expect_load_fails(ast_store *s, uint64_t id, int code, const char *p
     expect_error_mentions(s, cause, NULL);
 }
 
+/* A store in a new directory dir (named for what) holding one block of n random bytes (seed)
+ * moved to NVME (direct I/O required); *id receives the block, path its record's path. */
+static ast_store *store_with_record(char *dir, size_t dlen, const char *what, size_t n,
+                                    uint64_t seed, uint64_t *id, char *path, size_t plen)
+{
+    size_t moved;
+    make_dir(dir, dlen, what);
+    ast_store *s = open_store(dir, AST_DIRECT_REQUIRE, 0, 0);
+    *id = alloc_random(s, AST_TIER_HOST, n, seed);
+    assert_int_equal(ast_store_move(s, id, 1, AST_TIER_NVME, &moved), 0);
+    record_path(s, *id, path, plen);
+    return s;
+}
+
 static void test_corrupt_record(void **state)
 {
     const size_t n = 10000;
@@ -818,11 +829,7 @@ static void test_corrupt_record(void **state)
     (void)state;
     NEED_NVME();
 
-    make_dir(dir, sizeof dir, "corrupt");
-    s = open_store(dir, AST_DIRECT_REQUIRE, 0, 0);
-    id = alloc_random(s, AST_TIER_HOST, n, 4242);
-    assert_int_equal(ast_store_move(s, &id, 1, AST_TIER_NVME, &moved), 0);
-    record_path(s, id, path, sizeof path);
+    s = store_with_record(dir, sizeof dir, "corrupt", n, 4242, &id, path, sizeof path);
     for (size_t i = 0; i < sizeof where / sizeof where[0]; i++) {
         flip_byte(path, where[i]);
         expect_load_fails(s, id, AST_ECORRUPT, path, cause[i]);
@@ -846,11 +853,7 @@ static void test_truncated_record(void **state)
     (void)state;
     NEED_NVME();
 
-    make_dir(dir, sizeof dir, "trunc");
-    s = open_store(dir, AST_DIRECT_REQUIRE, 0, 0);
-    id = alloc_random(s, AST_TIER_HOST, n, 31);
-    assert_int_equal(ast_store_move(s, &id, 1, AST_TIER_NVME, &moved), 0);
-    record_path(s, id, path, sizeof path);
+    s = store_with_record(dir, sizeof dir, "trunc", n, 31, &id, path, sizeof path);
     snprintf(save, sizeof save, "%s/saved", dir);
     close(open(save, O_CREAT | O_WRONLY, 0600));
     copy_file(path, save);

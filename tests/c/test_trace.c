@@ -16,6 +16,7 @@
 
 #include "asteria/errors.h"
 #include "asteria/trace.h"
+#include "test_helpers.h"
 
 static char tmpdir[1024];
 static int have_python = -1;
@@ -23,11 +24,7 @@ static int have_python = -1;
 static int setup(void **state)
 {
     (void)state;
-    const char *base = getenv("ASTERIA_TEST_TMPDIR");
-    if (!base || !*base)
-        base = "/tmp";
-    mkdir(base, 0777);
-    snprintf(tmpdir, sizeof tmpdir, "%s/trace.XXXXXX", base);
+    snprintf(tmpdir, sizeof tmpdir, "%s/trace.XXXXXX", test_tmp_root());
     if (!mkdtemp(tmpdir))
         return -1;
     if (have_python < 0) {
@@ -44,21 +41,6 @@ static int teardown(void **state)
     char cmd[1200];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
     return system(cmd) == 0 ? 0 : -1;
-}
-
-static char *slurp(const char *path)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *s = malloc((size_t)n + 1);
-    size_t got = fread(s, 1, (size_t)n, f);
-    s[got] = '\0';
-    fclose(f);
-    return s;
 }
 
 /* Runs a Python check on a trace file: 0 pass (or no Python), non-zero fail. */
