@@ -1,6 +1,7 @@
 /*
  * coherence.c - asteria._C.Coherence (coherence.h: the registry of replicated blocks).
- * May call: the public libasteria API and the Python C API, and common.h.
+ * May call: the public libasteria API and the Python C API, and common.h (handle.c's
+ * handle_raise and handle_message for a failure's message and last_error()).
  */
 #include "common.h"
 
@@ -31,12 +32,19 @@ static ast_coherence *coh_open(CoherenceObject *self, mod_state *st)
     return self->reg;
 }
 
-/* Raises the failure rc of the call just made on reg (BusyError for AST_EBUSY). */
+static int coherence_error(void *reg, char *buf, size_t len)
+{
+    return ast_coherence_last_error(reg, buf, len);
+}
+
+/* No guard: every call keeps the GIL (see above). A failure raises BusyError for AST_EBUSY. */
+static const handle_kind coherence_kind = {"coherence registry", coherence_error,
+                                           raise_busy_aware};
+
+/* Raises the failure rc of the call just made on reg, with its message. */
 static PyObject *coh_raise(mod_state *st, ast_coherence *reg, int rc)
 {
-    char err[ERRBUF_LEN] = "";
-    ast_coherence_last_error(reg, err, sizeof err);
-    return raise_busy_aware(st, rc, err);
+    return handle_raise(&coherence_kind, reg, st, rc);
 }
 
 /* A sequence of ints as a PyMem array of C ints (*n entries); -1 with an exception set. */
@@ -734,11 +742,7 @@ static PyObject *coherence_last_error(CoherenceObject *self, PyObject *unused)
 {
     mod_state *st = type_state(Py_TYPE(self));
     ast_coherence *reg = coh_open(self, st);
-    if (!reg)
-        return NULL;
-    char buf[ERRBUF_LEN] = "";
-    ast_coherence_last_error(reg, buf, sizeof buf);
-    return error_text(buf);
+    return reg ? handle_message(&coherence_kind, reg) : NULL;
 }
 
 static PyObject *coherence_get_closed(CoherenceObject *self, void *closure)

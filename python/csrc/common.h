@@ -1,10 +1,11 @@
 /*
  * common.h - what the files of asteria._C share: the module state, the guard that keeps a handle
  * alive across calls that released the GIL, the error mapping and the argument converters
- * (errors.c), the config conversion (config.c) and each bound type's spec. One file per bound
- * type: config.c, runtime.c, store.c, shadow.c, coherence.c; module.c puts them together;
- * testing.c is the separate test-only module asteria._C_testing. Internal to the extension (the
- * module's symbols are hidden: python/CMakeLists.txt).
+ * (errors.c), the calls on a handle inside its guard (handle.c), the config conversion
+ * (config.c) and each bound type's spec. One file per bound type: config.c, runtime.c,
+ * store.c, shadow.c, coherence.c; module.c puts them together; testing.c is the separate
+ * test-only module asteria._C_testing. Internal to the extension (the module's symbols are
+ * hidden: python/CMakeLists.txt).
  *
  * The binding's rules (GIL, locking, fork, signals) are in module.c's header comment; each
  * file follows them.
@@ -129,6 +130,39 @@ PyObject *raise_exc(PyObject *exc);
 PyObject *raise_wrong_type(const char *expected, PyObject *o);
 int dict_set_steal(PyObject *d, const char *key, PyObject *v);
 void close_in_dealloc(int (*close)(PyObject *), PyObject *self);
+/* ---- handle.c: the calls made on a handle ---- */
+/* What the calls on a handle need of its type. */
+typedef struct {
+    const char *what; /* names the handle in AST_ESHUTDOWN's message: "runtime", "store", ... */
+    /* The handle's ast_*_last_error (with or without the GIL: the callers say). */
+    int (*last_error)(void *h, char *buf, size_t len);
+    /* Raises the failure rc of a call on the handle, err the message read after it; NULL. */
+    PyObject *(*raise)(mod_state *st, int rc, const char *err);
+} handle_kind;
+
+/* guard_enter / guard_open of handle h (open while h is not NULL). */
+int handle_enter(const handle_kind *k, guard *g, const void *h, mod_state *st);
+int handle_open(const handle_kind *k, guard *g, const void *h, mod_state *st);
+/* fn(h, arg) with the GIL released, on a handle entered with handle_enter; on failure, if err
+ * is not NULL, the handle's message is read into err (ERRBUF_LEN bytes) before the GIL is taken
+ * back (another thread's call may set a newer one). Returns fn's rc. */
+int handle_run(const handle_kind *k, void *h, int (*fn)(void *h, void *arg), void *arg, char *err);
+/* handle_enter, handle_run, guard_leave: 0 with *rc fn's result (err as handle_run), or -1
+ * with AST_ESHUTDOWN raised (closed). */
+int handle_try(const handle_kind *k, guard *g, void *h, mod_state *st,
+               int (*fn)(void *h, void *arg), void *arg, int *rc, char *err);
+/* A call that may block or compute: handle_try, a failure raised by k->raise with its message.
+ * 0, or -1 with the exception raised. */
+int handle_call(const handle_kind *k, guard *g, void *h, mod_state *st,
+                int (*fn)(void *h, void *arg), void *arg);
+/* With the GIL held, right after a call on h failed with rc: raises it with the handle's
+ * message. NULL. */
+PyObject *handle_raise(const handle_kind *k, void *h, mod_state *st, int rc);
+/* last_error() of a handle as str: read with the GIL held (the caller checked h open), or
+ * inside its guard with the GIL released (a store's or a shadow's mutex may be held across
+ * I/O). */
+PyObject *handle_message(const handle_kind *k, void *h);
+PyObject *handle_message_released(const handle_kind *k, guard *g, void *h, mod_state *st);
 /* ---- dlpack.c: tensor views as DLPack capsules ---- */
 #define VIEW_MAX_DIMS 8
 typedef struct {

@@ -2,57 +2,39 @@
  * runtime.c - asteria._C.Runtime (runtime.h: the worker pool, jobs, waits, trace events); the
  * completions it returns are Results (result.c).
  * May call: the public libasteria API and the Python C API, and common.h (config.c's
- * config_apply and config_to_dict for the config a Runtime takes and reports).
+ * config_apply and config_to_dict for the config a Runtime takes and reports; handle.c's calls
+ * for every call on the runtime but wait, whose signal checks need the thread state).
  */
 #include "common.h"
 
 /* ---- Runtime ------------------------------------------------------------------------------------ */
 
-static int rt_enter(RuntimeObject *self, mod_state *st)
+static int runtime_error(void *rt, char *buf, size_t len)
 {
-    return guard_enter(&self->g, self->rt != NULL, st, "runtime");
+    return ast_runtime_last_error(rt, buf, len);
 }
 
-static void rt_leave(RuntimeObject *self) { guard_leave(&self->g); }
+/* The runtime's last_error is shared and kept across successes: detail_for keeps it only if it
+ * names this failure's code. */
+static PyObject *runtime_raise(mod_state *st, int rc, const char *err)
+{
+    return raise_ast_error(st, rc, detail_for(rc, err));
+}
+
+static const handle_kind runtime_kind = {"runtime", runtime_error, runtime_raise};
 
 /* For calls that keep the GIL: the runtime, or NULL with AST_ESHUTDOWN raised. */
 static ast_runtime *rt_open(RuntimeObject *self, mod_state *st)
 {
-    if (guard_open(&self->g, self->rt != NULL, st, "runtime") < 0)
+    if (handle_open(&runtime_kind, &self->g, self->rt, st) < 0)
         return NULL;
     return self->rt;
 }
 
-/* Raises the failure rc of a call just made on rt, with the GIL held, and its message. */
-static PyObject *rt_raise(mod_state *st, ast_runtime *rt, int rc)
+/* A call that may block or compute (handle_call): 0, or -1 with the exception raised. */
+static int rt_call(RuntimeObject *self, mod_state *st, int (*fn)(void *rt, void *arg), void *arg)
 {
-    char err[ERRBUF_LEN] = "";
-    ast_runtime_last_error(rt, err, sizeof err);
-    return raise_ast_error(st, rc, detail_for(rc, err));
-}
-
-/* A call that may block or compute: fn(rt, arg) inside the handle guard with the GIL released,
- * the message of a failure read before the GIL is taken back (another thread's call may set a
- * newer one). Returns 0, or -1 with the exception raised. */
-static int rt_call(RuntimeObject *self, mod_state *st, int (*fn)(ast_runtime *rt, void *arg),
-                   void *arg)
-{
-    if (rt_enter(self, st) < 0)
-        return -1;
-    ast_runtime *rt = self->rt;
-    char err[ERRBUF_LEN] = "";
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = fn(rt, arg);
-    if (rc < 0)
-        ast_runtime_last_error(rt, err, sizeof err);
-    Py_END_ALLOW_THREADS
-    rt_leave(self);
-    if (rc < 0) {
-        raise_ast_error(st, rc, detail_for(rc, err));
-        return -1;
-    }
-    return 0;
+    return handle_call(&runtime_kind, &self->g, self->rt, st, fn, arg);
 }
 
 static PyObject *runtime_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
@@ -169,7 +151,7 @@ typedef struct {
     uint64_t handle;
 } register_call;
 
-static int do_register(ast_runtime *rt, void *arg)
+static int do_register(void *rt, void *arg)
 {
     register_call *c = arg;
     return ast_runtime_register(rt, c->ptr, c->nbytes, &c->handle);
@@ -190,7 +172,7 @@ static PyObject *runtime_register(RuntimeObject *self, PyObject *args, PyObject 
 PyDoc_STRVAR(runtime_unregister_doc,
              "unregister(handle)\n--\n\nForget a registered buffer (AST_EBUSY while a job uses it).");
 
-static int do_unregister(ast_runtime *rt, void *arg)
+static int do_unregister(void *rt, void *arg)
 {
     return ast_runtime_unregister(rt, *(const uint64_t *)arg);
 }
@@ -223,7 +205,7 @@ typedef struct {
     uint64_t ticket;
 } submit_call;
 
-static int do_submit(ast_runtime *rt, void *arg)
+static int do_submit(void *rt, void *arg)
 {
     submit_call *c = arg;
     return ast_runtime_submit(rt, &c->req, &c->ticket);
@@ -261,20 +243,19 @@ PyDoc_STRVAR(runtime_cancel_doc,
              "result, status AST_ECANCELED, is still collected by poll/wait); False if it runs or "
              "finished.");
 
+static int do_cancel(void *rt, void *arg)
+{
+    return ast_runtime_cancel(rt, *(const uint64_t *)arg);
+}
+
 static PyObject *runtime_cancel(RuntimeObject *self, PyObject *arg)
 {
     mod_state *st = type_state(Py_TYPE(self));
     uint64_t ticket;
-    if (!conv_u64(arg, &ticket))
-        return NULL;
-    if (rt_enter(self, st) < 0)
-        return NULL;
-    ast_runtime *rt = self->rt;
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ast_runtime_cancel(rt, ticket);
-    Py_END_ALLOW_THREADS
-    rt_leave(self);
+    if (!conv_u64(arg, &ticket) ||
+        handle_try(&runtime_kind, &self->g, self->rt, st, do_cancel, &ticket, &rc, NULL) < 0)
+        return NULL;
     if (rc == 0)
         Py_RETURN_TRUE;
     if (rc == AST_EBUSY || rc == AST_ENOENT)
@@ -290,7 +271,7 @@ typedef struct {
     size_t n;
 } poll_call;
 
-static int do_poll(ast_runtime *rt, void *arg)
+static int do_poll(void *rt, void *arg)
 {
     poll_call *c = arg;
     return ast_runtime_poll(rt, c->buf, POLL_CHUNK, &c->n);
@@ -362,7 +343,7 @@ static PyObject *runtime_wait(RuntimeObject *self, PyObject *args, PyObject *kwd
         }
         timeout_ns = t * 1e9 >= 9.2e18 ? INT64_MAX : (int64_t)(t * 1e9);
     }
-    if (rt_enter(self, st) < 0)
+    if (handle_enter(&runtime_kind, &self->g, self->rt, st) < 0)
         return NULL;
     ast_runtime *rt = self->rt;
     ast_result res;
@@ -375,7 +356,7 @@ static PyObject *runtime_wait(RuntimeObject *self, PyObject *args, PyObject *kwd
     if (rc < 0 && rc != AST_EINTR)
         ast_runtime_last_error(rt, err, sizeof err);
     PyEval_RestoreThread(ts);
-    rt_leave(self);
+    guard_leave(&self->g);
     if (rc == AST_EINTR) /* a signal handler raised: its exception is set */
         return NULL;
     if (rc == AST_ENOENT)
@@ -451,11 +432,7 @@ PyDoc_STRVAR(runtime_last_error_doc,
 static PyObject *runtime_last_error(RuntimeObject *self, PyObject *unused)
 {
     ast_runtime *rt = rt_open(self, type_state(Py_TYPE(self)));
-    if (!rt)
-        return NULL;
-    char buf[ERRBUF_LEN] = "";
-    ast_runtime_last_error(rt, buf, sizeof buf);
-    return error_text(buf);
+    return rt ? handle_message(&runtime_kind, rt) : NULL;
 }
 
 /* ---- Runtime: trace -------------------------------------------------------------------------- */
@@ -618,7 +595,7 @@ static PyObject *runtime_trace_event(RuntimeObject *self, PyObject *args, PyObje
      * Python strings, which the recorder copies. */
     int rc = ast_runtime_trace_event(rt, &ev);
     if (rc < 0)
-        return rt_raise(st, rt, rc);
+        return handle_raise(&runtime_kind, rt, st, rc);
     Py_RETURN_NONE;
 }
 
@@ -642,7 +619,7 @@ static PyObject *runtime_trace_name_lane(RuntimeObject *self, PyObject *args, Py
         return NULL;
     int rc = ast_runtime_trace_name_lane(rt, lane, name);
     if (rc < 0)
-        return rt_raise(st, rt, rc);
+        return handle_raise(&runtime_kind, rt, st, rc);
     Py_RETURN_NONE;
 }
 
@@ -652,7 +629,7 @@ PyDoc_STRVAR(runtime_trace_write_doc,
              "AsteriaError (AST_ESTATE) without a trace; the mapped OSError (naming the path) if "
              "the file cannot be written.");
 
-static int do_trace_write(ast_runtime *rt, void *arg) { return ast_runtime_trace_write(rt, arg); }
+static int do_trace_write(void *rt, void *arg) { return ast_runtime_trace_write(rt, arg); }
 
 static PyObject *runtime_trace_write(RuntimeObject *self, PyObject *args, PyObject *kwds)
 {
