@@ -164,36 +164,17 @@ static void coherence_close_impl(CoherenceObject *self)
     self->reg = NULL;
 }
 
-static int coherence_traverse(CoherenceObject *self, visitproc visit, void *arg)
-{
-    Py_VISIT(Py_TYPE(self));
-    return 0;
-}
-
 static void coherence_dealloc(CoherenceObject *self)
 {
-    PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
     coherence_close_impl(self);
-    type_free(tp, self);
-    Py_DECREF(tp);
+    heap_free(self);
 }
 
 static PyObject *coherence_close(CoherenceObject *self, PyObject *unused)
 {
     coherence_close_impl(self);
     Py_RETURN_NONE;
-}
-
-static PyObject *coherence_enter(CoherenceObject *self, PyObject *unused)
-{
-    return Py_NewRef((PyObject *)self);
-}
-
-static PyObject *coherence_exit(CoherenceObject *self, PyObject *args)
-{
-    coherence_close_impl(self);
-    Py_RETURN_FALSE;
 }
 
 PyDoc_STRVAR(coherence_register_block_doc,
@@ -771,8 +752,8 @@ static PyMethodDef coherence_methods[] = {
      PyDoc_STR("last_error()\n--\n\nThe registry's last error message ('' if none).")},
     {"close", (PyCFunction)coherence_close, METH_NOARGS,
      PyDoc_STR("close()\n--\n\nFree the registry. Idempotent; also done on deallocation.")},
-    {"__enter__", (PyCFunction)coherence_enter, METH_NOARGS, NULL},
-    {"__exit__", (PyCFunction)coherence_exit, METH_VARARGS, NULL},
+    {"__enter__", ctx_enter, METH_NOARGS, NULL},
+    {"__exit__", ctx_exit, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 
@@ -793,7 +774,7 @@ PyDoc_STRVAR(coherence_doc,
 static PyType_Slot coherence_slots[] = {
     {Py_tp_new, coherence_new},
     {Py_tp_dealloc, coherence_dealloc},
-    {Py_tp_traverse, coherence_traverse},
+    {Py_tp_traverse, type_traverse},
     {Py_tp_methods, coherence_methods},
     {Py_tp_getset, coherence_getset},
     {Py_tp_doc, (void *)coherence_doc},

@@ -83,15 +83,18 @@ typedef struct {
     guard g;
 } RuntimeObject;
 
-
 static inline mod_state *type_state(PyTypeObject *tp) { return PyType_GetModuleState(tp); }
 static inline PyObject *type_alloc(PyTypeObject *tp)
 {
     return ((allocfunc)PyType_GetSlot(tp, Py_tp_alloc))(tp, 0);
 }
-static inline void type_free(PyTypeObject *tp, void *self)
+/* The end of a bound type's dealloc: frees self (the type's tp_free) and drops the reference
+ * the instance held to its heap type. */
+static inline void heap_free(void *self)
 {
+    PyTypeObject *tp = Py_TYPE(self);
     ((freefunc)PyType_GetSlot(tp, Py_tp_free))(self);
+    Py_DECREF(tp);
 }
 /* Length and (borrowed) items of PySequence_Fast's result, a list or a tuple. */
 static inline Py_ssize_t fast_len(PyObject *seq)
@@ -130,6 +133,13 @@ PyObject *raise_exc(PyObject *exc);
 PyObject *raise_wrong_type(const char *expected, PyObject *o);
 int dict_set_steal(PyObject *d, const char *key, PyObject *v);
 void close_in_dealloc(int (*close)(PyObject *), PyObject *self);
+/* The tp_traverse of a bound type: an instance holds no Python object but its heap type. */
+int type_traverse(PyObject *self, visitproc visit, void *arg);
+/* __enter__ of a bound type (its __exit__ closes it): self. */
+PyObject *ctx_enter(PyObject *self, PyObject *unused);
+/* __exit__ of a bound type: its close() (the types are final: always the type's own), then
+ * False; close's exception propagates. */
+PyObject *ctx_exit(PyObject *self, PyObject *args);
 /* ---- handle.c: the calls made on a handle ---- */
 /* What the calls on a handle need of its type. */
 typedef struct {

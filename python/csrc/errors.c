@@ -419,3 +419,20 @@ void close_in_dealloc(int (*close)(PyObject *), PyObject *self)
         PyErr_WriteUnraisable(NULL);
     PyErr_Restore(t, v, tb);
 }
+
+int type_traverse(PyObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+PyObject *ctx_enter(PyObject *self, PyObject *unused) { return Py_NewRef(self); }
+
+PyObject *ctx_exit(PyObject *self, PyObject *args)
+{
+    PyObject *r = PyObject_CallMethod(self, "close", NULL);
+    if (!r)
+        return NULL;
+    Py_DECREF(r);
+    Py_RETURN_FALSE;
+}

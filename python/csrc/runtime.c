@@ -96,23 +96,14 @@ static int runtime_close_impl(RuntimeObject *self)
     return 0;
 }
 
-static int runtime_traverse(RuntimeObject *self, visitproc visit, void *arg)
-{
-    Py_VISIT(Py_TYPE(self));
-    return 0;
-}
-
-
 static int runtime_close_obj(PyObject *self) { return runtime_close_impl((RuntimeObject *)self); }
 
 static void runtime_dealloc(RuntimeObject *self)
 {
-    PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
     close_in_dealloc(runtime_close_obj, (PyObject *)self);
     guard_fini(&self->g);
-    type_free(tp, self);
-    Py_DECREF(tp);
+    heap_free(self);
 }
 
 PyDoc_STRVAR(runtime_close_doc,
@@ -127,18 +118,6 @@ static PyObject *runtime_close(RuntimeObject *self, PyObject *unused)
     if (runtime_close_impl(self) < 0)
         return NULL;
     Py_RETURN_NONE;
-}
-
-static PyObject *runtime_enter(RuntimeObject *self, PyObject *unused)
-{
-    return Py_NewRef((PyObject *)self);
-}
-
-static PyObject *runtime_exit(RuntimeObject *self, PyObject *args)
-{
-    if (runtime_close_impl(self) < 0)
-        return NULL;
-    Py_RETURN_FALSE;
 }
 
 PyDoc_STRVAR(runtime_register_doc,
@@ -437,10 +416,13 @@ static PyObject *runtime_last_error(RuntimeObject *self, PyObject *unused)
 
 /* ---- Runtime: trace -------------------------------------------------------------------------- */
 
-static const struct {
+/* A name and the code it stands for: trace kinds and lanes. */
+typedef struct {
     const char *name;
-    ast_trace_kind kind;
-} kind_table[] = {
+    int code;
+} named_code;
+
+static const named_code kind_table[] = {
     {"instant", AST_TRACE_CUSTOM_INSTANT},   {"span", AST_TRACE_CUSTOM_SPAN},
     {"job_queued", AST_TRACE_JOB_QUEUED},    {"job_started", AST_TRACE_JOB_STARTED},
     {"job_done", AST_TRACE_JOB_DONE},        {"job_run", AST_TRACE_JOB_RUN},
@@ -451,10 +433,7 @@ static const struct {
 };
 #define N_KINDS (sizeof kind_table / sizeof kind_table[0])
 
-static const struct {
-    const char *name;
-    int lane;
-} lane_table[] = {
+static const named_code lane_table[] = {
     {"train", AST_TRACE_LANE_TRAIN},
     {"shadow", AST_TRACE_LANE_SHADOW},
     {"coherence", AST_TRACE_LANE_COHERENCE},
@@ -462,22 +441,37 @@ static const struct {
 };
 #define N_LANES (sizeof lane_table / sizeof lane_table[0])
 
-static int parse_kind(PyObject *o, ast_trace_kind *out)
+/* o as an int in [lo, hi] or a name of table (n entries): 0 with *out set, 1 if it is neither
+ * (nothing raised), -1 with the int conversion's exception set. */
+static int parse_named(PyObject *o, const named_code *table, size_t n, long lo, long hi,
+                       int *out)
 {
     if (PyLong_Check(o)) {
         long v = PyLong_AsLong(o);
         if (v == -1 && PyErr_Occurred())
             return -1;
-        if (v >= 0 && v < AST_TRACE_KIND_COUNT) {
-            *out = (ast_trace_kind)v;
+        if (v >= lo && v <= hi) {
+            *out = (int)v;
             return 0;
         }
     } else if (PyUnicode_Check(o)) {
-        for (size_t i = 0; i < N_KINDS; i++)
-            if (!PyUnicode_CompareWithASCIIString(o, kind_table[i].name)) {
-                *out = kind_table[i].kind;
+        for (size_t i = 0; i < n; i++)
+            if (!PyUnicode_CompareWithASCIIString(o, table[i].name)) {
+                *out = table[i].code;
                 return 0;
             }
+    }
+    return 1;
+}
+
+static int parse_kind(PyObject *o, ast_trace_kind *out)
+{
+    int code;
+    int rc = parse_named(o, kind_table, N_KINDS, 0, AST_TRACE_KIND_COUNT - 1, &code);
+    if (rc <= 0) {
+        if (rc == 0)
+            *out = (ast_trace_kind)code;
+        return rc;
     }
     PyErr_Format(PyExc_ValueError,
                  "unknown trace kind %R; allowed: instant, span, job_queued, job_started, "
@@ -489,21 +483,9 @@ static int parse_kind(PyObject *o, ast_trace_kind *out)
 
 static int parse_lane(PyObject *o, int *out)
 {
-    if (PyLong_Check(o)) {
-        long v = PyLong_AsLong(o);
-        if (v == -1 && PyErr_Occurred())
-            return -1;
-        if (v >= AST_TRACE_LANE_MIN && v <= INT32_MAX - 1000) {
-            *out = (int)v;
-            return 0;
-        }
-    } else if (PyUnicode_Check(o)) {
-        for (size_t i = 0; i < N_LANES; i++)
-            if (!PyUnicode_CompareWithASCIIString(o, lane_table[i].name)) {
-                *out = lane_table[i].lane;
-                return 0;
-            }
-    }
+    int rc = parse_named(o, lane_table, N_LANES, AST_TRACE_LANE_MIN, INT32_MAX - 1000, out);
+    if (rc <= 0)
+        return rc;
     PyErr_Format(PyExc_ValueError,
                  "unknown trace lane %R; allowed: 'train', 'shadow', 'coherence', 'nvme', a "
                  "worker index >= 0, or a named lane in [%d, -1]",
@@ -709,8 +691,8 @@ static PyMethodDef runtime_methods[] = {
     {"trace_write", (PyCFunction)(void (*)(void))runtime_trace_write,
      METH_VARARGS | METH_KEYWORDS, runtime_trace_write_doc},
     {"close", (PyCFunction)runtime_close, METH_NOARGS, runtime_close_doc},
-    {"__enter__", (PyCFunction)runtime_enter, METH_NOARGS, NULL},
-    {"__exit__", (PyCFunction)runtime_exit, METH_VARARGS, NULL},
+    {"__enter__", ctx_enter, METH_NOARGS, NULL},
+    {"__exit__", ctx_exit, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 
@@ -733,7 +715,7 @@ PyDoc_STRVAR(runtime_doc,
 static PyType_Slot runtime_slots[] = {
     {Py_tp_new, runtime_new},
     {Py_tp_dealloc, runtime_dealloc},
-    {Py_tp_traverse, runtime_traverse},
+    {Py_tp_traverse, type_traverse},
     {Py_tp_repr, runtime_repr},
     {Py_tp_methods, runtime_methods},
     {Py_tp_getset, runtime_getset},

@@ -186,21 +186,13 @@ static int shadow_close_impl(ShadowObject *self)
 
 static int shadow_close_obj(PyObject *self) { return shadow_close_impl((ShadowObject *)self); }
 
-static int shadow_traverse(ShadowObject *self, visitproc visit, void *arg)
-{
-    Py_VISIT(Py_TYPE(self));
-    return 0;
-}
-
 static void shadow_dealloc(ShadowObject *self)
 {
-    PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
     close_in_dealloc(shadow_close_obj, (PyObject *)self);
     guard_fini(&self->g);
     PyMem_Free(self->tickets);
-    type_free(tp, self);
-    Py_DECREF(tp);
+    heap_free(self);
 }
 
 PyDoc_STRVAR(shadow_close_doc,
@@ -213,17 +205,6 @@ static PyObject *shadow_close(ShadowObject *self, PyObject *unused)
 {
     shadow_close_impl(self);
     Py_RETURN_NONE;
-}
-
-static PyObject *shadow_enter(ShadowObject *self, PyObject *unused)
-{
-    return Py_NewRef((PyObject *)self);
-}
-
-static PyObject *shadow_exit(ShadowObject *self, PyObject *args)
-{
-    shadow_close_impl(self);
-    Py_RETURN_FALSE;
 }
 
 PyDoc_STRVAR(shadow_snapshot_doc,
@@ -773,8 +754,8 @@ static PyMethodDef shadow_methods[] = {
     {"stats", (PyCFunction)shadow_stats, METH_NOARGS, shadow_stats_doc},
     {"last_error", (PyCFunction)shadow_last_error, METH_NOARGS, shadow_last_error_doc},
     {"close", (PyCFunction)shadow_close, METH_NOARGS, shadow_close_doc},
-    {"__enter__", (PyCFunction)shadow_enter, METH_NOARGS, NULL},
-    {"__exit__", (PyCFunction)shadow_exit, METH_VARARGS, NULL},
+    {"__enter__", ctx_enter, METH_NOARGS, NULL},
+    {"__exit__", ctx_exit, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 
@@ -797,7 +778,7 @@ PyDoc_STRVAR(shadow_doc,
 static PyType_Slot shadow_slots[] = {
     {Py_tp_new, shadow_new},
     {Py_tp_dealloc, shadow_dealloc},
-    {Py_tp_traverse, shadow_traverse},
+    {Py_tp_traverse, type_traverse},
     {Py_tp_methods, shadow_methods},
     {Py_tp_getset, shadow_getset},
     {Py_tp_doc, (void *)shadow_doc},

@@ -261,15 +261,8 @@ static int store_close_impl(StoreObject *self)
 
 static int store_close_obj(PyObject *self) { return store_close_impl((StoreObject *)self); }
 
-static int store_traverse(StoreObject *self, visitproc visit, void *arg)
-{
-    Py_VISIT(Py_TYPE(self));
-    return 0;
-}
-
 static void store_dealloc(StoreObject *self)
 {
-    PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
     /* Buffers hold a reference to their store: none can be alive here. */
     close_in_dealloc(store_close_obj, (PyObject *)self);
@@ -279,8 +272,7 @@ static void store_dealloc(StoreObject *self)
         PyMem_Free(AST__CONTAINER_OF(x, pin, node));
     }
     ast__htable_free(&self->pins);
-    type_free(tp, self);
-    Py_DECREF(tp);
+    heap_free(self);
 }
 
 PyDoc_STRVAR(store_close_doc,
@@ -293,18 +285,6 @@ static PyObject *store_close(StoreObject *self, PyObject *unused)
     if (store_close_impl(self) < 0)
         return NULL;
     Py_RETURN_NONE;
-}
-
-static PyObject *store_enter(StoreObject *self, PyObject *unused)
-{
-    return Py_NewRef((PyObject *)self);
-}
-
-static PyObject *store_exit(StoreObject *self, PyObject *args)
-{
-    if (store_close_impl(self) < 0)
-        return NULL;
-    Py_RETURN_FALSE;
 }
 
 PyDoc_STRVAR(store_alloc_doc,
@@ -718,8 +698,8 @@ static PyMethodDef store_methods[] = {
      store_view_doc},
     {"exports", (PyCFunction)store_exports, METH_VARARGS, store_exports_doc},
     {"close", (PyCFunction)store_close, METH_NOARGS, store_close_doc},
-    {"__enter__", (PyCFunction)store_enter, METH_NOARGS, NULL},
-    {"__exit__", (PyCFunction)store_exit, METH_VARARGS, NULL},
+    {"__enter__", ctx_enter, METH_NOARGS, NULL},
+    {"__exit__", ctx_exit, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 
@@ -738,7 +718,7 @@ PyDoc_STRVAR(store_doc,
 static PyType_Slot store_slots[] = {
     {Py_tp_new, store_new},
     {Py_tp_dealloc, store_dealloc},
-    {Py_tp_traverse, store_traverse},
+    {Py_tp_traverse, type_traverse},
     {Py_tp_methods, store_methods},
     {Py_tp_getset, store_getset},
     {Py_tp_doc, (void *)store_doc},
@@ -756,7 +736,6 @@ PyType_Spec store_spec = {
 
 static void blockbuf_dealloc(BlockBufferObject *self)
 {
-    PyTypeObject *tp = Py_TYPE(self);
     StoreObject *s = self->store;
     pin *p = pin_find(&s->pins, self->id);
     if (p) {
@@ -765,8 +744,7 @@ static void blockbuf_dealloc(BlockBufferObject *self)
     }
     s->exports--;
     Py_DECREF(s);
-    type_free(tp, self);
-    Py_DECREF(tp);
+    heap_free(self);
 }
 
 static int blockbuf_getbuffer(BlockBufferObject *self, Py_buffer *view, int flags)
