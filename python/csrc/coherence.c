@@ -607,6 +607,26 @@ static int xchg_copy(ast_coherence *reg, long long step, void *buf, size_t n, in
     return rc;
 }
 
+/* The exchange of step over view, export's (this rank's vector written into it) or import's
+ * (the all-reduced one read from it): its length checked, then the call, through an aligned
+ * copy for an import or an unaligned buffer (bytearray storage is malloc'd; a foreign buffer
+ * may not be aligned). 0, or -1 with the exception raised. */
+static int xchg_view(mod_state *st, ast_coherence *reg, long long step, Py_buffer *view,
+                     int export, const char *what)
+{
+    size_t n;
+    if (xchg_len(reg, view->len, what, &n) < 0)
+        return -1;
+    int rc;
+    if (!export || ((uintptr_t)view->buf % sizeof(int64_t)) != 0)
+        rc = xchg_copy(reg, step, view->buf, n, export);
+    else
+        rc = ast_coherence_versions_export(reg, step, view->buf, n);
+    if (rc < 0)
+        coh_raise(st, reg, rc);
+    return rc ? -1 : 0;
+}
+
 PyDoc_STRVAR(coherence_versions_export_doc,
              "versions_export(step, out=None)\n--\n\nWrite this rank's exchange vector for step "
              "(int64, 3 per block in ascending block id order) into out, a writable C-contiguous "
@@ -639,19 +659,11 @@ static PyObject *coherence_versions_export(CoherenceObject *self, PyObject *args
         Py_DECREF(out);
         return NULL;
     }
-    size_t n;
-    int rc = 0;
-    if (xchg_len(reg, view.len, "versions_export", &n) < 0)
-        rc = 1;
-    else if (((uintptr_t)view.buf % sizeof(int64_t)) != 0)
-        /* bytearray storage is malloc'd; a foreign buffer may not be aligned */
-        rc = xchg_copy(reg, step, view.buf, n, 1);
-    else
-        rc = ast_coherence_versions_export(reg, step, view.buf, n);
+    int rc = xchg_view(st, reg, step, &view, 1, "versions_export");
     PyBuffer_Release(&view);
-    if (rc) {
+    if (rc < 0) {
         Py_DECREF(out);
-        return rc < 0 ? coh_raise(st, reg, rc) : NULL;
+        return NULL;
     }
     return out;
 }
@@ -673,19 +685,14 @@ static PyObject *coherence_versions_import(CoherenceObject *self, PyObject *args
         PyBuffer_Release(&view);
         return NULL;
     }
-    size_t n;
-    int rc = 0;
-    if (!PyBuffer_IsContiguous(&view, 'C')) {
+    int rc = -1;
+    if (!PyBuffer_IsContiguous(&view, 'C'))
         PyErr_SetString(PyExc_ValueError, "versions_import: vec must be C-contiguous");
-        rc = 1;
-    } else if (xchg_len(reg, view.len, "versions_import", &n) < 0) {
-        rc = 1;
-    } else {
-        rc = xchg_copy(reg, step, view.buf, n, 0);
-    }
+    else
+        rc = xchg_view(st, reg, step, &view, 0, "versions_import");
     PyBuffer_Release(&view);
-    if (rc)
-        return rc < 0 ? coh_raise(st, reg, rc) : NULL;
+    if (rc < 0)
+        return NULL;
     Py_RETURN_NONE;
 }
 
