@@ -383,39 +383,39 @@ static PyObject *shadow_ticket_call(ShadowObject *self, PyObject *arg, int what)
 PyDoc_STRVAR(shadow_snapshot_query_doc,
              "snapshot_query(ticket)\n--\n\nTrue once the snapshot copy has landed, False while "
              "in flight.");
-
-static PyObject *shadow_snapshot_query(ShadowObject *self, PyObject *arg)
-{
-    return shadow_ticket_call(self, arg, 0);
-}
-
 PyDoc_STRVAR(shadow_snapshot_wait_doc,
              "snapshot_wait(ticket)\n--\n\nBlock (GIL released, no spinning) until the copy has "
              "landed; returns the staged host pointer (int), valid until snapshot_release.");
-
-static PyObject *shadow_snapshot_wait(ShadowObject *self, PyObject *arg)
-{
-    return shadow_ticket_call(self, arg, 1);
-}
-
 PyDoc_STRVAR(shadow_snapshot_event_doc,
              "snapshot_event(ticket)\n--\n\nThe cudaEvent_t (int) recorded after the snapshot "
              "copy, for the main stream to wait on before overwriting the source; 0 on the host "
              "path.");
-
-static PyObject *shadow_snapshot_event(ShadowObject *self, PyObject *arg)
-{
-    return shadow_ticket_call(self, arg, 2);
-}
-
 PyDoc_STRVAR(shadow_snapshot_release_doc,
              "snapshot_release(ticket)\n--\n\nGive the snapshot slot back; its host pointer must "
              "not be read afterwards.");
 
-static PyObject *shadow_snapshot_release(ShadowObject *self, PyObject *arg)
-{
-    return shadow_ticket_call(self, arg, 3);
-}
+/* The methods of one int argument, each a `what` of one of the two dispatchers (name,
+ * dispatcher, what): a function shadow_<name> and a method row with shadow_<name>_doc. C has
+ * no closures, so a row per method is the one way to bind one function for several names. */
+#define SHADOW_TICKET_METHODS(X)                                                                  \
+    X(snapshot_query, shadow_ticket_call, 0)                                                      \
+    X(snapshot_wait, shadow_ticket_call, 1)                                                       \
+    X(snapshot_event, shadow_ticket_call, 2)                                                      \
+    X(snapshot_release, shadow_ticket_call, 3)
+#define SHADOW_KEY_METHODS(X)                                                                     \
+    X(lookup, shadow_key_arg, 0)                                                                  \
+    X(prefetch_wait, shadow_key_arg, 1)                                                           \
+    X(ready_event, shadow_key_arg, 2)                                                             \
+    X(release, shadow_key_arg, 3)
+#define SHADOW_ARG_DEFINE(name, call, what)                                                       \
+    static PyObject *shadow_##name(ShadowObject *self, PyObject *arg)                             \
+    {                                                                                             \
+        return call(self, arg, what);                                                             \
+    }
+#define SHADOW_ARG_METHOD_DEF(name, call, what)                                                   \
+    {#name, (PyCFunction)shadow_##name, METH_O, shadow_##name##_doc},
+
+SHADOW_TICKET_METHODS(SHADOW_ARG_DEFINE)
 
 PyDoc_STRVAR(shadow_prefetch_doc,
              "prefetch(host_ptr, nbytes, key)\n--\n\nCopy nbytes at host_ptr into the prefetch "
@@ -522,37 +522,16 @@ PyDoc_STRVAR(shadow_lookup_doc,
              "lookup(key)\n--\n\n(device_ptr, nbytes, ready) of key's slot, ready True once its "
              "copy completed (the pointer is usable in stream order before that); None if key "
              "is not staged.");
-
-static PyObject *shadow_lookup(ShadowObject *self, PyObject *arg)
-{
-    return shadow_key_arg(self, arg, 0);
-}
-
 PyDoc_STRVAR(shadow_prefetch_wait_doc,
              "prefetch_wait(key)\n--\n\nBlock (GIL released) until key's copy has completed.");
-
-static PyObject *shadow_prefetch_wait(ShadowObject *self, PyObject *arg)
-{
-    return shadow_key_arg(self, arg, 1);
-}
-
 PyDoc_STRVAR(shadow_ready_event_doc,
              "ready_event(key)\n--\n\nThe slot's ready cudaEvent_t as an int (0 on the host "
              "path), valid until release; torch.cuda.Event cannot wrap it, wait on it with "
              "cudaStreamWaitEvent.");
-
-static PyObject *shadow_ready_event(ShadowObject *self, PyObject *arg)
-{
-    return shadow_key_arg(self, arg, 2);
-}
-
 PyDoc_STRVAR(shadow_release_doc,
              "release(key)\n--\n\nRelease key's slot now (no reads of it pending).");
 
-static PyObject *shadow_release(ShadowObject *self, PyObject *arg)
-{
-    return shadow_key_arg(self, arg, 3);
-}
+SHADOW_KEY_METHODS(SHADOW_ARG_DEFINE)
 
 PyDoc_STRVAR(shadow_release_after_doc,
              "release_after(key, stream)\n--\n\nRelease key's slot once the work queued so far on "
@@ -733,17 +712,10 @@ static PyMethodDef shadow_methods[] = {
      shadow_snapshot_doc},
     {"snapshot_gather", (PyCFunction)(void (*)(void))shadow_snapshot_gather,
      METH_VARARGS | METH_KEYWORDS, shadow_snapshot_gather_doc},
-    {"snapshot_query", (PyCFunction)shadow_snapshot_query, METH_O, shadow_snapshot_query_doc},
-    {"snapshot_wait", (PyCFunction)shadow_snapshot_wait, METH_O, shadow_snapshot_wait_doc},
-    {"snapshot_event", (PyCFunction)shadow_snapshot_event, METH_O, shadow_snapshot_event_doc},
-    {"snapshot_release", (PyCFunction)shadow_snapshot_release, METH_O,
-     shadow_snapshot_release_doc},
+    SHADOW_TICKET_METHODS(SHADOW_ARG_METHOD_DEF)
     {"prefetch", (PyCFunction)(void (*)(void))shadow_prefetch, METH_VARARGS | METH_KEYWORDS,
      shadow_prefetch_doc},
-    {"lookup", (PyCFunction)shadow_lookup, METH_O, shadow_lookup_doc},
-    {"prefetch_wait", (PyCFunction)shadow_prefetch_wait, METH_O, shadow_prefetch_wait_doc},
-    {"ready_event", (PyCFunction)shadow_ready_event, METH_O, shadow_ready_event_doc},
-    {"release", (PyCFunction)shadow_release, METH_O, shadow_release_doc},
+    SHADOW_KEY_METHODS(SHADOW_ARG_METHOD_DEF)
     {"release_after", (PyCFunction)(void (*)(void))shadow_release_after,
      METH_VARARGS | METH_KEYWORDS, shadow_release_after_doc},
     {"slot_view", (PyCFunction)(void (*)(void))shadow_slot_view, METH_VARARGS | METH_KEYWORDS,
