@@ -16,7 +16,10 @@
  *    call that takes the store's or the shadow's mutex (a store move holds it across its whole
  *    batched I/O). Inside those regions only C locals are touched; their memory is on the stack
  *    or from malloc; strings are copied out of Python objects first. Coherence calls keep
- *    the GIL: the registry's lock is held only for a short, non-blocking table update.
+ *    the GIL: the registry's lock is held only for a short, non-blocking table update. The
+ *    calls on an open handle go through handle.c (handle_call, handle_try, handle_run), which
+ *    also reads a failure's message before the GIL is taken back; Runtime.wait (its signal
+ *    checks need the thread state), creates and destroys release it themselves.
  *  - A handle's destroy must not race with other calls on it. Each object has a `guard`: a
  *    call that runs with the GIL released is counted in guard.inflight (pthread mutex `lock`,
  *    condition `idle`); the count is raised while the GIL is held, after checking `closed`.
