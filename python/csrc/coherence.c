@@ -1,6 +1,7 @@
 /*
  * coherence.c - asteria._C.Coherence (coherence.h: the registry of replicated blocks).
- * May call: the public libasteria API and the Python C API, and common.h.
+ * May call: the public libasteria API and the Python C API, and common.h (handle.c's
+ * handle_raise and handle_message for a failure's message and last_error()).
  */
 #include "common.h"
 
@@ -31,12 +32,19 @@ static ast_coherence *coh_open(CoherenceObject *self, mod_state *st)
     return self->reg;
 }
 
-/* Raises the failure rc of the call just made on reg (BusyError for AST_EBUSY). */
+static int coherence_error(void *reg, char *buf, size_t len)
+{
+    return ast_coherence_last_error(reg, buf, len);
+}
+
+/* No guard: every call keeps the GIL (see above). A failure raises BusyError for AST_EBUSY. */
+static const handle_kind coherence_kind = {"coherence registry", coherence_error,
+                                           raise_busy_aware};
+
+/* Raises the failure rc of the call just made on reg, with its message. */
 static PyObject *coh_raise(mod_state *st, ast_coherence *reg, int rc)
 {
-    char err[ERRBUF_LEN] = "";
-    ast_coherence_last_error(reg, err, sizeof err);
-    return raise_busy_aware(st, rc, err);
+    return handle_raise(&coherence_kind, reg, st, rc);
 }
 
 /* A sequence of ints as a PyMem array of C ints (*n entries); -1 with an exception set. */
@@ -156,36 +164,17 @@ static void coherence_close_impl(CoherenceObject *self)
     self->reg = NULL;
 }
 
-static int coherence_traverse(CoherenceObject *self, visitproc visit, void *arg)
-{
-    Py_VISIT(Py_TYPE(self));
-    return 0;
-}
-
 static void coherence_dealloc(CoherenceObject *self)
 {
-    PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
     coherence_close_impl(self);
-    type_free(tp, self);
-    Py_DECREF(tp);
+    heap_free(self);
 }
 
 static PyObject *coherence_close(CoherenceObject *self, PyObject *unused)
 {
     coherence_close_impl(self);
     Py_RETURN_NONE;
-}
-
-static PyObject *coherence_enter(CoherenceObject *self, PyObject *unused)
-{
-    return Py_NewRef((PyObject *)self);
-}
-
-static PyObject *coherence_exit(CoherenceObject *self, PyObject *args)
-{
-    coherence_close_impl(self);
-    Py_RETURN_FALSE;
 }
 
 PyDoc_STRVAR(coherence_register_block_doc,
@@ -618,6 +607,26 @@ static int xchg_copy(ast_coherence *reg, long long step, void *buf, size_t n, in
     return rc;
 }
 
+/* The exchange of step over view, export's (this rank's vector written into it) or import's
+ * (the all-reduced one read from it): its length checked, then the call, through an aligned
+ * copy for an import or an unaligned buffer (bytearray storage is malloc'd; a foreign buffer
+ * may not be aligned). 0, or -1 with the exception raised. */
+static int xchg_view(mod_state *st, ast_coherence *reg, long long step, Py_buffer *view,
+                     int export, const char *what)
+{
+    size_t n;
+    if (xchg_len(reg, view->len, what, &n) < 0)
+        return -1;
+    int rc;
+    if (!export || ((uintptr_t)view->buf % sizeof(int64_t)) != 0)
+        rc = xchg_copy(reg, step, view->buf, n, export);
+    else
+        rc = ast_coherence_versions_export(reg, step, view->buf, n);
+    if (rc < 0)
+        coh_raise(st, reg, rc);
+    return rc ? -1 : 0;
+}
+
 PyDoc_STRVAR(coherence_versions_export_doc,
              "versions_export(step, out=None)\n--\n\nWrite this rank's exchange vector for step "
              "(int64, 3 per block in ascending block id order) into out, a writable C-contiguous "
@@ -650,19 +659,11 @@ static PyObject *coherence_versions_export(CoherenceObject *self, PyObject *args
         Py_DECREF(out);
         return NULL;
     }
-    size_t n;
-    int rc = 0;
-    if (xchg_len(reg, view.len, "versions_export", &n) < 0)
-        rc = 1;
-    else if (((uintptr_t)view.buf % sizeof(int64_t)) != 0)
-        /* bytearray storage is malloc'd; a foreign buffer may not be aligned */
-        rc = xchg_copy(reg, step, view.buf, n, 1);
-    else
-        rc = ast_coherence_versions_export(reg, step, view.buf, n);
+    int rc = xchg_view(st, reg, step, &view, 1, "versions_export");
     PyBuffer_Release(&view);
-    if (rc) {
+    if (rc < 0) {
         Py_DECREF(out);
-        return rc < 0 ? coh_raise(st, reg, rc) : NULL;
+        return NULL;
     }
     return out;
 }
@@ -684,19 +685,14 @@ static PyObject *coherence_versions_import(CoherenceObject *self, PyObject *args
         PyBuffer_Release(&view);
         return NULL;
     }
-    size_t n;
-    int rc = 0;
-    if (!PyBuffer_IsContiguous(&view, 'C')) {
+    int rc = -1;
+    if (!PyBuffer_IsContiguous(&view, 'C'))
         PyErr_SetString(PyExc_ValueError, "versions_import: vec must be C-contiguous");
-        rc = 1;
-    } else if (xchg_len(reg, view.len, "versions_import", &n) < 0) {
-        rc = 1;
-    } else {
-        rc = xchg_copy(reg, step, view.buf, n, 0);
-    }
+    else
+        rc = xchg_view(st, reg, step, &view, 0, "versions_import");
     PyBuffer_Release(&view);
-    if (rc)
-        return rc < 0 ? coh_raise(st, reg, rc) : NULL;
+    if (rc < 0)
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -734,11 +730,7 @@ static PyObject *coherence_last_error(CoherenceObject *self, PyObject *unused)
 {
     mod_state *st = type_state(Py_TYPE(self));
     ast_coherence *reg = coh_open(self, st);
-    if (!reg)
-        return NULL;
-    char buf[ERRBUF_LEN] = "";
-    ast_coherence_last_error(reg, buf, sizeof buf);
-    return error_text(buf);
+    return reg ? handle_message(&coherence_kind, reg) : NULL;
 }
 
 static PyObject *coherence_get_closed(CoherenceObject *self, void *closure)
@@ -767,8 +759,8 @@ static PyMethodDef coherence_methods[] = {
      PyDoc_STR("last_error()\n--\n\nThe registry's last error message ('' if none).")},
     {"close", (PyCFunction)coherence_close, METH_NOARGS,
      PyDoc_STR("close()\n--\n\nFree the registry. Idempotent; also done on deallocation.")},
-    {"__enter__", (PyCFunction)coherence_enter, METH_NOARGS, NULL},
-    {"__exit__", (PyCFunction)coherence_exit, METH_VARARGS, NULL},
+    {"__enter__", ctx_enter, METH_NOARGS, NULL},
+    {"__exit__", ctx_exit, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 
@@ -789,7 +781,7 @@ PyDoc_STRVAR(coherence_doc,
 static PyType_Slot coherence_slots[] = {
     {Py_tp_new, coherence_new},
     {Py_tp_dealloc, coherence_dealloc},
-    {Py_tp_traverse, coherence_traverse},
+    {Py_tp_traverse, type_traverse},
     {Py_tp_methods, coherence_methods},
     {Py_tp_getset, coherence_getset},
     {Py_tp_doc, (void *)coherence_doc},

@@ -1,10 +1,11 @@
 /*
  * common.h - what the files of asteria._C share: the module state, the guard that keeps a handle
  * alive across calls that released the GIL, the error mapping and the argument converters
- * (errors.c), the config conversion (config.c) and each bound type's spec. One file per bound
- * type: config.c, runtime.c, store.c, shadow.c, coherence.c; module.c puts them together;
- * testing.c is the separate test-only module asteria._C_testing. Internal to the extension (the
- * module's symbols are hidden: python/CMakeLists.txt).
+ * (errors.c), the calls on a handle inside its guard (handle.c), the config conversion
+ * (config.c) and each bound type's spec. One file per bound type: config.c, runtime.c,
+ * store.c, shadow.c, coherence.c; module.c puts them together; testing.c is the separate
+ * test-only module asteria._C_testing. Internal to the extension (the module's symbols are
+ * hidden: python/CMakeLists.txt).
  *
  * The binding's rules (GIL, locking, fork, signals) are in module.c's header comment; each
  * file follows them.
@@ -82,15 +83,18 @@ typedef struct {
     guard g;
 } RuntimeObject;
 
-
 static inline mod_state *type_state(PyTypeObject *tp) { return PyType_GetModuleState(tp); }
 static inline PyObject *type_alloc(PyTypeObject *tp)
 {
     return ((allocfunc)PyType_GetSlot(tp, Py_tp_alloc))(tp, 0);
 }
-static inline void type_free(PyTypeObject *tp, void *self)
+/* The end of a bound type's dealloc: frees self (the type's tp_free) and drops the reference
+ * the instance held to its heap type. */
+static inline void heap_free(void *self)
 {
+    PyTypeObject *tp = Py_TYPE(self);
     ((freefunc)PyType_GetSlot(tp, Py_tp_free))(self);
+    Py_DECREF(tp);
 }
 /* Length and (borrowed) items of PySequence_Fast's result, a list or a tuple. */
 static inline Py_ssize_t fast_len(PyObject *seq)
@@ -129,6 +133,46 @@ PyObject *raise_exc(PyObject *exc);
 PyObject *raise_wrong_type(const char *expected, PyObject *o);
 int dict_set_steal(PyObject *d, const char *key, PyObject *v);
 void close_in_dealloc(int (*close)(PyObject *), PyObject *self);
+/* The tp_traverse of a bound type: an instance holds no Python object but its heap type. */
+int type_traverse(PyObject *self, visitproc visit, void *arg);
+/* __enter__ of a bound type (its __exit__ closes it): self. */
+PyObject *ctx_enter(PyObject *self, PyObject *unused);
+/* __exit__ of a bound type: its close() (the types are final: always the type's own), then
+ * False; close's exception propagates. */
+PyObject *ctx_exit(PyObject *self, PyObject *args);
+/* ---- handle.c: the calls made on a handle ---- */
+/* What the calls on a handle need of its type. */
+typedef struct {
+    const char *what; /* names the handle in AST_ESHUTDOWN's message: "runtime", "store", ... */
+    /* The handle's ast_*_last_error (with or without the GIL: the callers say). */
+    int (*last_error)(void *h, char *buf, size_t len);
+    /* Raises the failure rc of a call on the handle, err the message read after it; NULL. */
+    PyObject *(*raise)(mod_state *st, int rc, const char *err);
+} handle_kind;
+
+/* guard_enter / guard_open of handle h (open while h is not NULL). */
+int handle_enter(const handle_kind *k, guard *g, const void *h, mod_state *st);
+int handle_open(const handle_kind *k, guard *g, const void *h, mod_state *st);
+/* fn(h, arg) with the GIL released, on a handle entered with handle_enter; on failure, if err
+ * is not NULL, the handle's message is read into err (ERRBUF_LEN bytes) before the GIL is taken
+ * back (another thread's call may set a newer one). Returns fn's rc. */
+int handle_run(const handle_kind *k, void *h, int (*fn)(void *h, void *arg), void *arg, char *err);
+/* handle_enter, handle_run, guard_leave: 0 with *rc fn's result (err as handle_run), or -1
+ * with AST_ESHUTDOWN raised (closed). */
+int handle_try(const handle_kind *k, guard *g, void *h, mod_state *st,
+               int (*fn)(void *h, void *arg), void *arg, int *rc, char *err);
+/* A call that may block or compute: handle_try, a failure raised by k->raise with its message.
+ * 0, or -1 with the exception raised. */
+int handle_call(const handle_kind *k, guard *g, void *h, mod_state *st,
+                int (*fn)(void *h, void *arg), void *arg);
+/* With the GIL held, right after a call on h failed with rc: raises it with the handle's
+ * message. NULL. */
+PyObject *handle_raise(const handle_kind *k, void *h, mod_state *st, int rc);
+/* last_error() of a handle as str: read with the GIL held (the caller checked h open), or
+ * inside its guard with the GIL released (a store's or a shadow's mutex may be held across
+ * I/O). */
+PyObject *handle_message(const handle_kind *k, void *h);
+PyObject *handle_message_released(const handle_kind *k, guard *g, void *h, mod_state *st);
 /* ---- dlpack.c: tensor views as DLPack capsules ---- */
 #define VIEW_MAX_DIMS 8
 typedef struct {

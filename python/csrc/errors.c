@@ -1,7 +1,9 @@
 /*
  * errors.c - the one mapping from AST_E* codes to Python exceptions, the argument
  * converters (an op is parsed against libasteria's own op table: ast_op_name / ast_op_count, so
- * the binding keeps no list of ops), and the guard of a handle (see module.c for the rules).
+ * the binding keeps no list of ops), the guard of a handle (see module.c for the rules; handle.c
+ * makes the calls inside it), and what every bound type shares: tp_traverse, __enter__ and
+ * __exit__ (type_traverse, ctx_enter, ctx_exit).
  * May call: the public libasteria API and the Python C API, and common.h.
  */
 #include "common.h"
@@ -418,4 +420,21 @@ void close_in_dealloc(int (*close)(PyObject *), PyObject *self)
     if (close(self) < 0)
         PyErr_WriteUnraisable(NULL);
     PyErr_Restore(t, v, tb);
+}
+
+int type_traverse(PyObject *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+PyObject *ctx_enter(PyObject *self, PyObject *unused) { return Py_NewRef(self); }
+
+PyObject *ctx_exit(PyObject *self, PyObject *args)
+{
+    PyObject *r = PyObject_CallMethod(self, "close", NULL);
+    if (!r)
+        return NULL;
+    Py_DECREF(r);
+    Py_RETURN_FALSE;
 }

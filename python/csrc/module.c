@@ -16,7 +16,10 @@
  *    call that takes the store's or the shadow's mutex (a store move holds it across its whole
  *    batched I/O). Inside those regions only C locals are touched; their memory is on the stack
  *    or from malloc; strings are copied out of Python objects first. Coherence calls keep
- *    the GIL: the registry's lock is held only for a short, non-blocking table update.
+ *    the GIL: the registry's lock is held only for a short, non-blocking table update. The
+ *    calls on an open handle go through handle.c (handle_call, handle_try, handle_run), which
+ *    also reads a failure's message before the GIL is taken back; Runtime.wait (its signal
+ *    checks need the thread state), creates and destroys release it themselves.
  *  - A handle's destroy must not race with other calls on it. Each object has a `guard`: a
  *    call that runs with the GIL released is counted in guard.inflight (pthread mutex `lock`,
  *    condition `idle`); the count is raised while the GIL is held, after checking `closed`.
@@ -192,24 +195,20 @@ static int mod_exec(PyObject *m)
 {
     mod_state *st = PyModule_GetState(m);
 
-    st->runtime_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &runtime_spec, NULL);
-    if (!st->runtime_type || PyModule_AddType(m, st->runtime_type) < 0)
-        return -1;
-    st->config_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &config_spec, NULL);
-    if (!st->config_type || PyModule_AddType(m, st->config_type) < 0)
-        return -1;
-    st->store_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &store_spec, NULL);
-    if (!st->store_type || PyModule_AddType(m, st->store_type) < 0)
-        return -1;
-    st->blockbuf_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &blockbuf_spec, NULL);
-    if (!st->blockbuf_type || PyModule_AddType(m, st->blockbuf_type) < 0)
-        return -1;
-    st->shadow_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &shadow_spec, NULL);
-    if (!st->shadow_type || PyModule_AddType(m, st->shadow_type) < 0)
-        return -1;
-    st->coherence_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &coherence_spec, NULL);
-    if (!st->coherence_type || PyModule_AddType(m, st->coherence_type) < 0)
-        return -1;
+    /* The bound heap types, each made from its file's spec, in module state and in the module. */
+    const struct {
+        PyTypeObject **type;
+        PyType_Spec *spec;
+    } types[] = {
+        {&st->runtime_type, &runtime_spec}, {&st->config_type, &config_spec},
+        {&st->store_type, &store_spec},     {&st->blockbuf_type, &blockbuf_spec},
+        {&st->shadow_type, &shadow_spec},   {&st->coherence_type, &coherence_spec},
+    };
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
+        *types[i].type = (PyTypeObject *)PyType_FromModuleAndSpec(m, types[i].spec, NULL);
+        if (!*types[i].type || PyModule_AddType(m, *types[i].type) < 0)
+            return -1;
+    }
     st->result_type = PyStructSequence_NewType(&result_desc);
     if (!st->result_type || PyModule_AddType(m, st->result_type) < 0)
         return -1;
@@ -280,20 +279,32 @@ static int mod_exec(PyObject *m)
     return 0;
 }
 
+/* mod_state holds references only: this many. */
+enum { STATE_REFS = sizeof(mod_state) / sizeof(PyObject *) };
+
+/* Every reference in st, what traverse visits and clear drops. */
+static void state_refs(const mod_state *st, PyObject *refs[STATE_REFS])
+{
+    PyObject *all[] = {
+        (PyObject *)st->runtime_type,  (PyObject *)st->config_type,
+        (PyObject *)st->result_type,   (PyObject *)st->store_type,
+        (PyObject *)st->blockbuf_type, (PyObject *)st->shadow_type,
+        (PyObject *)st->coherence_type, st->asteria_error,
+        st->busy_error,
+    };
+    _Static_assert(sizeof all == sizeof(mod_state), "state_refs lists every field of mod_state");
+    memcpy(refs, all, sizeof all);
+}
+
 static int mod_traverse(PyObject *m, visitproc visit, void *arg)
 {
     mod_state *st = PyModule_GetState(m);
     if (!st)
         return 0;
-    Py_VISIT(st->runtime_type);
-    Py_VISIT(st->config_type);
-    Py_VISIT(st->result_type);
-    Py_VISIT(st->store_type);
-    Py_VISIT(st->blockbuf_type);
-    Py_VISIT(st->shadow_type);
-    Py_VISIT(st->coherence_type);
-    Py_VISIT(st->asteria_error);
-    Py_VISIT(st->busy_error);
+    PyObject *refs[STATE_REFS];
+    state_refs(st, refs);
+    for (size_t i = 0; i < STATE_REFS; i++)
+        Py_VISIT(refs[i]);
     return 0;
 }
 
@@ -302,15 +313,12 @@ static int mod_clear(PyObject *m)
     mod_state *st = PyModule_GetState(m);
     if (!st)
         return 0;
-    Py_CLEAR(st->runtime_type);
-    Py_CLEAR(st->config_type);
-    Py_CLEAR(st->result_type);
-    Py_CLEAR(st->store_type);
-    Py_CLEAR(st->blockbuf_type);
-    Py_CLEAR(st->shadow_type);
-    Py_CLEAR(st->coherence_type);
-    Py_CLEAR(st->asteria_error);
-    Py_CLEAR(st->busy_error);
+    /* Emptied before anything is dropped, as Py_CLEAR does one field at a time. */
+    PyObject *refs[STATE_REFS];
+    state_refs(st, refs);
+    memset(st, 0, sizeof *st);
+    for (size_t i = 0; i < STATE_REFS; i++)
+        Py_XDECREF(refs[i]);
     return 0;
 }
 

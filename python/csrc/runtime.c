@@ -2,57 +2,39 @@
  * runtime.c - asteria._C.Runtime (runtime.h: the worker pool, jobs, waits, trace events); the
  * completions it returns are Results (result.c).
  * May call: the public libasteria API and the Python C API, and common.h (config.c's
- * config_apply and config_to_dict for the config a Runtime takes and reports).
+ * config_apply and config_to_dict for the config a Runtime takes and reports; handle.c's calls
+ * for every call on the runtime but wait, whose signal checks need the thread state).
  */
 #include "common.h"
 
 /* ---- Runtime ------------------------------------------------------------------------------------ */
 
-static int rt_enter(RuntimeObject *self, mod_state *st)
+static int runtime_error(void *rt, char *buf, size_t len)
 {
-    return guard_enter(&self->g, self->rt != NULL, st, "runtime");
+    return ast_runtime_last_error(rt, buf, len);
 }
 
-static void rt_leave(RuntimeObject *self) { guard_leave(&self->g); }
+/* The runtime's last_error is shared and kept across successes: detail_for keeps it only if it
+ * names this failure's code. */
+static PyObject *runtime_raise(mod_state *st, int rc, const char *err)
+{
+    return raise_ast_error(st, rc, detail_for(rc, err));
+}
+
+static const handle_kind runtime_kind = {"runtime", runtime_error, runtime_raise};
 
 /* For calls that keep the GIL: the runtime, or NULL with AST_ESHUTDOWN raised. */
 static ast_runtime *rt_open(RuntimeObject *self, mod_state *st)
 {
-    if (guard_open(&self->g, self->rt != NULL, st, "runtime") < 0)
+    if (handle_open(&runtime_kind, &self->g, self->rt, st) < 0)
         return NULL;
     return self->rt;
 }
 
-/* Raises the failure rc of a call just made on rt, with the GIL held, and its message. */
-static PyObject *rt_raise(mod_state *st, ast_runtime *rt, int rc)
+/* A call that may block or compute (handle_call): 0, or -1 with the exception raised. */
+static int rt_call(RuntimeObject *self, mod_state *st, int (*fn)(void *rt, void *arg), void *arg)
 {
-    char err[ERRBUF_LEN] = "";
-    ast_runtime_last_error(rt, err, sizeof err);
-    return raise_ast_error(st, rc, detail_for(rc, err));
-}
-
-/* A call that may block or compute: fn(rt, arg) inside the handle guard with the GIL released,
- * the message of a failure read before the GIL is taken back (another thread's call may set a
- * newer one). Returns 0, or -1 with the exception raised. */
-static int rt_call(RuntimeObject *self, mod_state *st, int (*fn)(ast_runtime *rt, void *arg),
-                   void *arg)
-{
-    if (rt_enter(self, st) < 0)
-        return -1;
-    ast_runtime *rt = self->rt;
-    char err[ERRBUF_LEN] = "";
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = fn(rt, arg);
-    if (rc < 0)
-        ast_runtime_last_error(rt, err, sizeof err);
-    Py_END_ALLOW_THREADS
-    rt_leave(self);
-    if (rc < 0) {
-        raise_ast_error(st, rc, detail_for(rc, err));
-        return -1;
-    }
-    return 0;
+    return handle_call(&runtime_kind, &self->g, self->rt, st, fn, arg);
 }
 
 static PyObject *runtime_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
@@ -114,23 +96,14 @@ static int runtime_close_impl(RuntimeObject *self)
     return 0;
 }
 
-static int runtime_traverse(RuntimeObject *self, visitproc visit, void *arg)
-{
-    Py_VISIT(Py_TYPE(self));
-    return 0;
-}
-
-
 static int runtime_close_obj(PyObject *self) { return runtime_close_impl((RuntimeObject *)self); }
 
 static void runtime_dealloc(RuntimeObject *self)
 {
-    PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
     close_in_dealloc(runtime_close_obj, (PyObject *)self);
     guard_fini(&self->g);
-    type_free(tp, self);
-    Py_DECREF(tp);
+    heap_free(self);
 }
 
 PyDoc_STRVAR(runtime_close_doc,
@@ -147,18 +120,6 @@ static PyObject *runtime_close(RuntimeObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-static PyObject *runtime_enter(RuntimeObject *self, PyObject *unused)
-{
-    return Py_NewRef((PyObject *)self);
-}
-
-static PyObject *runtime_exit(RuntimeObject *self, PyObject *args)
-{
-    if (runtime_close_impl(self) < 0)
-        return NULL;
-    Py_RETURN_FALSE;
-}
-
 PyDoc_STRVAR(runtime_register_doc,
              "register(ptr, nbytes)\n--\n\nDeclare host memory [ptr, ptr+nbytes) that jobs may "
              "read or write. Returns a handle for unregister().");
@@ -169,7 +130,7 @@ typedef struct {
     uint64_t handle;
 } register_call;
 
-static int do_register(ast_runtime *rt, void *arg)
+static int do_register(void *rt, void *arg)
 {
     register_call *c = arg;
     return ast_runtime_register(rt, c->ptr, c->nbytes, &c->handle);
@@ -190,7 +151,7 @@ static PyObject *runtime_register(RuntimeObject *self, PyObject *args, PyObject 
 PyDoc_STRVAR(runtime_unregister_doc,
              "unregister(handle)\n--\n\nForget a registered buffer (AST_EBUSY while a job uses it).");
 
-static int do_unregister(ast_runtime *rt, void *arg)
+static int do_unregister(void *rt, void *arg)
 {
     return ast_runtime_unregister(rt, *(const uint64_t *)arg);
 }
@@ -223,7 +184,7 @@ typedef struct {
     uint64_t ticket;
 } submit_call;
 
-static int do_submit(ast_runtime *rt, void *arg)
+static int do_submit(void *rt, void *arg)
 {
     submit_call *c = arg;
     return ast_runtime_submit(rt, &c->req, &c->ticket);
@@ -261,20 +222,19 @@ PyDoc_STRVAR(runtime_cancel_doc,
              "result, status AST_ECANCELED, is still collected by poll/wait); False if it runs or "
              "finished.");
 
+static int do_cancel(void *rt, void *arg)
+{
+    return ast_runtime_cancel(rt, *(const uint64_t *)arg);
+}
+
 static PyObject *runtime_cancel(RuntimeObject *self, PyObject *arg)
 {
     mod_state *st = type_state(Py_TYPE(self));
     uint64_t ticket;
-    if (!conv_u64(arg, &ticket))
-        return NULL;
-    if (rt_enter(self, st) < 0)
-        return NULL;
-    ast_runtime *rt = self->rt;
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ast_runtime_cancel(rt, ticket);
-    Py_END_ALLOW_THREADS
-    rt_leave(self);
+    if (!conv_u64(arg, &ticket) ||
+        handle_try(&runtime_kind, &self->g, self->rt, st, do_cancel, &ticket, &rc, NULL) < 0)
+        return NULL;
     if (rc == 0)
         Py_RETURN_TRUE;
     if (rc == AST_EBUSY || rc == AST_ENOENT)
@@ -290,7 +250,7 @@ typedef struct {
     size_t n;
 } poll_call;
 
-static int do_poll(ast_runtime *rt, void *arg)
+static int do_poll(void *rt, void *arg)
 {
     poll_call *c = arg;
     return ast_runtime_poll(rt, c->buf, POLL_CHUNK, &c->n);
@@ -362,7 +322,7 @@ static PyObject *runtime_wait(RuntimeObject *self, PyObject *args, PyObject *kwd
         }
         timeout_ns = t * 1e9 >= 9.2e18 ? INT64_MAX : (int64_t)(t * 1e9);
     }
-    if (rt_enter(self, st) < 0)
+    if (handle_enter(&runtime_kind, &self->g, self->rt, st) < 0)
         return NULL;
     ast_runtime *rt = self->rt;
     ast_result res;
@@ -375,7 +335,7 @@ static PyObject *runtime_wait(RuntimeObject *self, PyObject *args, PyObject *kwd
     if (rc < 0 && rc != AST_EINTR)
         ast_runtime_last_error(rt, err, sizeof err);
     PyEval_RestoreThread(ts);
-    rt_leave(self);
+    guard_leave(&self->g);
     if (rc == AST_EINTR) /* a signal handler raised: its exception is set */
         return NULL;
     if (rc == AST_ENOENT)
@@ -451,19 +411,18 @@ PyDoc_STRVAR(runtime_last_error_doc,
 static PyObject *runtime_last_error(RuntimeObject *self, PyObject *unused)
 {
     ast_runtime *rt = rt_open(self, type_state(Py_TYPE(self)));
-    if (!rt)
-        return NULL;
-    char buf[ERRBUF_LEN] = "";
-    ast_runtime_last_error(rt, buf, sizeof buf);
-    return error_text(buf);
+    return rt ? handle_message(&runtime_kind, rt) : NULL;
 }
 
 /* ---- Runtime: trace -------------------------------------------------------------------------- */
 
-static const struct {
+/* A name and the code it stands for: trace kinds and lanes. */
+typedef struct {
     const char *name;
-    ast_trace_kind kind;
-} kind_table[] = {
+    int code;
+} named_code;
+
+static const named_code kind_table[] = {
     {"instant", AST_TRACE_CUSTOM_INSTANT},   {"span", AST_TRACE_CUSTOM_SPAN},
     {"job_queued", AST_TRACE_JOB_QUEUED},    {"job_started", AST_TRACE_JOB_STARTED},
     {"job_done", AST_TRACE_JOB_DONE},        {"job_run", AST_TRACE_JOB_RUN},
@@ -474,10 +433,7 @@ static const struct {
 };
 #define N_KINDS (sizeof kind_table / sizeof kind_table[0])
 
-static const struct {
-    const char *name;
-    int lane;
-} lane_table[] = {
+static const named_code lane_table[] = {
     {"train", AST_TRACE_LANE_TRAIN},
     {"shadow", AST_TRACE_LANE_SHADOW},
     {"coherence", AST_TRACE_LANE_COHERENCE},
@@ -485,22 +441,37 @@ static const struct {
 };
 #define N_LANES (sizeof lane_table / sizeof lane_table[0])
 
-static int parse_kind(PyObject *o, ast_trace_kind *out)
+/* o as an int in [lo, hi] or a name of table (n entries): 0 with *out set, 1 if it is neither
+ * (nothing raised), -1 with the int conversion's exception set. */
+static int parse_named(PyObject *o, const named_code *table, size_t n, long lo, long hi,
+                       int *out)
 {
     if (PyLong_Check(o)) {
         long v = PyLong_AsLong(o);
         if (v == -1 && PyErr_Occurred())
             return -1;
-        if (v >= 0 && v < AST_TRACE_KIND_COUNT) {
-            *out = (ast_trace_kind)v;
+        if (v >= lo && v <= hi) {
+            *out = (int)v;
             return 0;
         }
     } else if (PyUnicode_Check(o)) {
-        for (size_t i = 0; i < N_KINDS; i++)
-            if (!PyUnicode_CompareWithASCIIString(o, kind_table[i].name)) {
-                *out = kind_table[i].kind;
+        for (size_t i = 0; i < n; i++)
+            if (!PyUnicode_CompareWithASCIIString(o, table[i].name)) {
+                *out = table[i].code;
                 return 0;
             }
+    }
+    return 1;
+}
+
+static int parse_kind(PyObject *o, ast_trace_kind *out)
+{
+    int code;
+    int rc = parse_named(o, kind_table, N_KINDS, 0, AST_TRACE_KIND_COUNT - 1, &code);
+    if (rc <= 0) {
+        if (rc == 0)
+            *out = (ast_trace_kind)code;
+        return rc;
     }
     PyErr_Format(PyExc_ValueError,
                  "unknown trace kind %R; allowed: instant, span, job_queued, job_started, "
@@ -512,21 +483,9 @@ static int parse_kind(PyObject *o, ast_trace_kind *out)
 
 static int parse_lane(PyObject *o, int *out)
 {
-    if (PyLong_Check(o)) {
-        long v = PyLong_AsLong(o);
-        if (v == -1 && PyErr_Occurred())
-            return -1;
-        if (v >= AST_TRACE_LANE_MIN && v <= INT32_MAX - 1000) {
-            *out = (int)v;
-            return 0;
-        }
-    } else if (PyUnicode_Check(o)) {
-        for (size_t i = 0; i < N_LANES; i++)
-            if (!PyUnicode_CompareWithASCIIString(o, lane_table[i].name)) {
-                *out = lane_table[i].lane;
-                return 0;
-            }
-    }
+    int rc = parse_named(o, lane_table, N_LANES, AST_TRACE_LANE_MIN, INT32_MAX - 1000, out);
+    if (rc <= 0)
+        return rc;
     PyErr_Format(PyExc_ValueError,
                  "unknown trace lane %R; allowed: 'train', 'shadow', 'coherence', 'nvme', a "
                  "worker index >= 0, or a named lane in [%d, -1]",
@@ -618,7 +577,7 @@ static PyObject *runtime_trace_event(RuntimeObject *self, PyObject *args, PyObje
      * Python strings, which the recorder copies. */
     int rc = ast_runtime_trace_event(rt, &ev);
     if (rc < 0)
-        return rt_raise(st, rt, rc);
+        return handle_raise(&runtime_kind, rt, st, rc);
     Py_RETURN_NONE;
 }
 
@@ -642,7 +601,7 @@ static PyObject *runtime_trace_name_lane(RuntimeObject *self, PyObject *args, Py
         return NULL;
     int rc = ast_runtime_trace_name_lane(rt, lane, name);
     if (rc < 0)
-        return rt_raise(st, rt, rc);
+        return handle_raise(&runtime_kind, rt, st, rc);
     Py_RETURN_NONE;
 }
 
@@ -652,7 +611,7 @@ PyDoc_STRVAR(runtime_trace_write_doc,
              "AsteriaError (AST_ESTATE) without a trace; the mapped OSError (naming the path) if "
              "the file cannot be written.");
 
-static int do_trace_write(ast_runtime *rt, void *arg) { return ast_runtime_trace_write(rt, arg); }
+static int do_trace_write(void *rt, void *arg) { return ast_runtime_trace_write(rt, arg); }
 
 static PyObject *runtime_trace_write(RuntimeObject *self, PyObject *args, PyObject *kwds)
 {
@@ -732,8 +691,8 @@ static PyMethodDef runtime_methods[] = {
     {"trace_write", (PyCFunction)(void (*)(void))runtime_trace_write,
      METH_VARARGS | METH_KEYWORDS, runtime_trace_write_doc},
     {"close", (PyCFunction)runtime_close, METH_NOARGS, runtime_close_doc},
-    {"__enter__", (PyCFunction)runtime_enter, METH_NOARGS, NULL},
-    {"__exit__", (PyCFunction)runtime_exit, METH_VARARGS, NULL},
+    {"__enter__", ctx_enter, METH_NOARGS, NULL},
+    {"__exit__", ctx_exit, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 
@@ -756,7 +715,7 @@ PyDoc_STRVAR(runtime_doc,
 static PyType_Slot runtime_slots[] = {
     {Py_tp_new, runtime_new},
     {Py_tp_dealloc, runtime_dealloc},
-    {Py_tp_traverse, runtime_traverse},
+    {Py_tp_traverse, type_traverse},
     {Py_tp_repr, runtime_repr},
     {Py_tp_methods, runtime_methods},
     {Py_tp_getset, runtime_getset},

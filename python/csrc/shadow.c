@@ -1,7 +1,8 @@
 /*
  * shadow.c - asteria._C.Shadow (shadow.h: the snapshot and prefetch rings, on a CUDA
  * stream or the host path).
- * May call: the public libasteria API and the Python C API, and common.h.
+ * May call: the public libasteria API and the Python C API, and common.h (handle.c's calls for
+ * every call that takes the shadow's mutex: each runs with the GIL released).
  */
 #include "common.h"
 
@@ -29,9 +30,26 @@ typedef struct {
     uint64_t views;  /* live views (GIL held) */
 } ShadowObject;
 
+static int shadow_error(void *sh, char *buf, size_t len)
+{
+    return ast_shadow_last_error(sh, buf, len);
+}
+
+/* Raises the failure of a shadow call: the message the call left, if it is this code's. */
+static PyObject *shadow_raise(mod_state *st, int rc, const char *err)
+{
+    const char *d = detail_for(rc, err);
+    /* last_error is per handle and kept across successes: use it only if it names this code. */
+    if (d == err && err[0])
+        d = NULL;
+    return raise_busy_aware(st, rc, d);
+}
+
+static const handle_kind shadow_kind = {"shadow", shadow_error, shadow_raise};
+
 static int sh_enter(ShadowObject *self, mod_state *st)
 {
-    return guard_enter(&self->g, self->sh != NULL, st, "shadow");
+    return handle_enter(&shadow_kind, &self->g, self->sh, st);
 }
 
 static ast_shadow_ticket *ticket_find(ShadowObject *self, uint64_t id)
@@ -168,21 +186,13 @@ static int shadow_close_impl(ShadowObject *self)
 
 static int shadow_close_obj(PyObject *self) { return shadow_close_impl((ShadowObject *)self); }
 
-static int shadow_traverse(ShadowObject *self, visitproc visit, void *arg)
-{
-    Py_VISIT(Py_TYPE(self));
-    return 0;
-}
-
 static void shadow_dealloc(ShadowObject *self)
 {
-    PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
     close_in_dealloc(shadow_close_obj, (PyObject *)self);
     guard_fini(&self->g);
     PyMem_Free(self->tickets);
-    type_free(tp, self);
-    Py_DECREF(tp);
+    heap_free(self);
 }
 
 PyDoc_STRVAR(shadow_close_doc,
@@ -197,27 +207,6 @@ static PyObject *shadow_close(ShadowObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-static PyObject *shadow_enter(ShadowObject *self, PyObject *unused)
-{
-    return Py_NewRef((PyObject *)self);
-}
-
-static PyObject *shadow_exit(ShadowObject *self, PyObject *args)
-{
-    shadow_close_impl(self);
-    Py_RETURN_FALSE;
-}
-
-/* Raises the failure of a shadow call: the message the call left, if it is this code's. */
-static PyObject *shadow_raise(mod_state *st, int rc, const char *err)
-{
-    const char *d = detail_for(rc, err);
-    /* last_error is per handle and kept across successes: use it only if it names this code. */
-    if (d == err && err[0])
-        d = NULL;
-    return raise_busy_aware(st, rc, d);
-}
-
 PyDoc_STRVAR(shadow_snapshot_doc,
              "snapshot(src_ptr, nbytes, wait_event_ptr=0)\n--\n\nCopy nbytes at src_ptr (device "
              "memory on the CUDA path, host memory on the host path) into the snapshot ring,\n"
@@ -225,31 +214,41 @@ PyDoc_STRVAR(shadow_snapshot_doc,
              "CUDA path only). Returns the ticket (int). BusyError when the ring is full\n"
              "(release snapshots); ValueError for a size above the ring capacity. GIL released.");
 
+typedef struct {
+    const ast_shadow_piece *pc;
+    int npc;
+    void *ev;
+    ast_shadow_ticket t;
+} snapshot_call;
+
+static int do_snapshot(void *sh, void *arg)
+{
+    snapshot_call *c = arg;
+    return ast_shadow_snapshotv(sh, c->pc, c->npc, c->ev, &c->t);
+}
+
+static int do_snapshot_release(void *sh, void *arg)
+{
+    return ast_shadow_snapshot_release(sh, arg);
+}
+
 /* Issues the snapshot of the pieces (entered with sh_enter; leaves the guard). */
 static PyObject *snapshot_issue(ShadowObject *self, mod_state *st, const ast_shadow_piece *pc,
                                 int npc, void *ev)
 {
-    ast_shadow *sh = self->sh;
-    ast_shadow_ticket t;
+    snapshot_call c = {pc, npc, ev, {0}};
     char err[ERRBUF_LEN] = "";
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ast_shadow_snapshotv(sh, pc, npc, ev, &t);
-    if (rc < 0)
-        ast_shadow_last_error(sh, err, sizeof err);
-    Py_END_ALLOW_THREADS
-    if (rc == 0 && ticket_add(self, &t) < 0) {
+    int rc = handle_run(&shadow_kind, self->sh, do_snapshot, &c, err);
+    if (rc == 0 && ticket_add(self, &c.t) < 0) {
         /* No room to remember it: give the slot back rather than leak it. */
-        Py_BEGIN_ALLOW_THREADS
-        ast_shadow_snapshot_release(sh, &t);
-        Py_END_ALLOW_THREADS
+        handle_run(&shadow_kind, self->sh, do_snapshot_release, &c.t, NULL);
         guard_leave(&self->g);
         return NULL;
     }
     guard_leave(&self->g);
     if (rc < 0)
         return shadow_raise(st, rc, err);
-    return PyLong_FromUnsignedLongLong(t.id);
+    return PyLong_FromUnsignedLongLong(c.t.id);
 }
 
 static PyObject *shadow_snapshot(ShadowObject *self, PyObject *args, PyObject *kwds)
@@ -317,7 +316,38 @@ done:
     return out;
 }
 
-/* Snapshot calls that take a ticket: 0 query, 1 wait, 2 event, 3 release. */
+/* Snapshot calls that take a ticket: 0 query, 1 wait, 2 event, 3 release. The call reads the
+ * message itself: a query's AST_EBUSY (in flight) is an answer, not a failure. */
+typedef struct {
+    int what;
+    ast_shadow_ticket *t;
+    void *ev;
+    char err[ERRBUF_LEN];
+} ticket_call;
+
+static int do_ticket(void *sh, void *arg)
+{
+    ticket_call *c = arg;
+    int rc;
+    switch (c->what) {
+    case 0:
+        rc = ast_shadow_snapshot_query(sh, c->t);
+        break;
+    case 1:
+        rc = ast_shadow_snapshot_wait(sh, c->t);
+        break;
+    case 2:
+        rc = ast_shadow_snapshot_event(sh, c->t, &c->ev);
+        break;
+    default:
+        rc = ast_shadow_snapshot_release(sh, c->t);
+        break;
+    }
+    if (rc < 0 && !(c->what == 0 && rc == AST_EBUSY))
+        ast_shadow_last_error(sh, c->err, sizeof c->err);
+    return rc;
+}
+
 static PyObject *shadow_ticket_call(ShadowObject *self, PyObject *arg, int what)
 {
     mod_state *st = type_state(Py_TYPE(self));
@@ -329,29 +359,11 @@ static PyObject *shadow_ticket_call(ShadowObject *self, PyObject *arg, int what)
         guard_leave(&self->g);
         return NULL;
     }
-    ast_shadow *sh = self->sh;
-    void *ev = NULL;
-    char err[ERRBUF_LEN] = "";
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    switch (what) {
-    case 0:
-        rc = ast_shadow_snapshot_query(sh, &t);
-        break;
-    case 1:
-        rc = ast_shadow_snapshot_wait(sh, &t);
-        break;
-    case 2:
-        rc = ast_shadow_snapshot_event(sh, &t, &ev);
-        break;
-    default:
-        rc = ast_shadow_snapshot_release(sh, &t);
-        break;
-    }
-    if (rc < 0 && !(what == 0 && rc == AST_EBUSY))
-        ast_shadow_last_error(sh, err, sizeof err);
-    Py_END_ALLOW_THREADS
+    ticket_call c = {what, &t, NULL, ""};
+    int rc = handle_run(&shadow_kind, self->sh, do_ticket, &c, NULL);
     guard_leave(&self->g);
+    void *ev = c.ev;
+    const char *err = c.err;
     if (what == 3 && (rc == 0 || rc == AST_ENOENT)) {
         ast_shadow_ticket *e = ticket_find(self, id);
         if (e)
@@ -371,39 +383,39 @@ static PyObject *shadow_ticket_call(ShadowObject *self, PyObject *arg, int what)
 PyDoc_STRVAR(shadow_snapshot_query_doc,
              "snapshot_query(ticket)\n--\n\nTrue once the snapshot copy has landed, False while "
              "in flight.");
-
-static PyObject *shadow_snapshot_query(ShadowObject *self, PyObject *arg)
-{
-    return shadow_ticket_call(self, arg, 0);
-}
-
 PyDoc_STRVAR(shadow_snapshot_wait_doc,
              "snapshot_wait(ticket)\n--\n\nBlock (GIL released, no spinning) until the copy has "
              "landed; returns the staged host pointer (int), valid until snapshot_release.");
-
-static PyObject *shadow_snapshot_wait(ShadowObject *self, PyObject *arg)
-{
-    return shadow_ticket_call(self, arg, 1);
-}
-
 PyDoc_STRVAR(shadow_snapshot_event_doc,
              "snapshot_event(ticket)\n--\n\nThe cudaEvent_t (int) recorded after the snapshot "
              "copy, for the main stream to wait on before overwriting the source; 0 on the host "
              "path.");
-
-static PyObject *shadow_snapshot_event(ShadowObject *self, PyObject *arg)
-{
-    return shadow_ticket_call(self, arg, 2);
-}
-
 PyDoc_STRVAR(shadow_snapshot_release_doc,
              "snapshot_release(ticket)\n--\n\nGive the snapshot slot back; its host pointer must "
              "not be read afterwards.");
 
-static PyObject *shadow_snapshot_release(ShadowObject *self, PyObject *arg)
-{
-    return shadow_ticket_call(self, arg, 3);
-}
+/* The methods of one int argument, each a `what` of one of the two dispatchers (name,
+ * dispatcher, what): a function shadow_<name> and a method row with shadow_<name>_doc. C has
+ * no closures, so a row per method is the one way to bind one function for several names. */
+#define SHADOW_TICKET_METHODS(X)                                                                  \
+    X(snapshot_query, shadow_ticket_call, 0)                                                      \
+    X(snapshot_wait, shadow_ticket_call, 1)                                                       \
+    X(snapshot_event, shadow_ticket_call, 2)                                                      \
+    X(snapshot_release, shadow_ticket_call, 3)
+#define SHADOW_KEY_METHODS(X)                                                                     \
+    X(lookup, shadow_key_arg, 0)                                                                  \
+    X(prefetch_wait, shadow_key_arg, 1)                                                           \
+    X(ready_event, shadow_key_arg, 2)                                                             \
+    X(release, shadow_key_arg, 3)
+#define SHADOW_ARG_DEFINE(name, call, what)                                                       \
+    static PyObject *shadow_##name(ShadowObject *self, PyObject *arg)                             \
+    {                                                                                             \
+        return call(self, arg, what);                                                             \
+    }
+#define SHADOW_ARG_METHOD_DEF(name, call, what)                                                   \
+    {#name, (PyCFunction)shadow_##name, METH_O, shadow_##name##_doc},
+
+SHADOW_TICKET_METHODS(SHADOW_ARG_DEFINE)
 
 PyDoc_STRVAR(shadow_prefetch_doc,
              "prefetch(host_ptr, nbytes, key)\n--\n\nCopy nbytes at host_ptr into the prefetch "
@@ -412,65 +424,78 @@ PyDoc_STRVAR(shadow_prefetch_doc,
              "BusyError when the ring is full (release keys); AsteriaError (AST_ESTATE)\n"
              "if key is already staged. GIL released.");
 
+typedef struct {
+    void *src, *dev;
+    size_t nbytes;
+    uint64_t key;
+} prefetch_call;
+
+static int do_prefetch(void *sh, void *arg)
+{
+    prefetch_call *c = arg;
+    return ast_shadow_prefetch(sh, c->src, c->nbytes, c->key, &c->dev);
+}
+
 static PyObject *shadow_prefetch(ShadowObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"host_ptr", "nbytes", "key", NULL};
     mod_state *st = type_state(Py_TYPE(self));
-    void *src, *dev = NULL;
-    size_t nbytes;
-    uint64_t key;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&O&O&:prefetch", kwlist, conv_ptr, &src,
-                                     conv_size, &nbytes, conv_u64, &key) ||
-        sh_enter(self, st) < 0)
+    prefetch_call c = {NULL, NULL, 0, 0};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&O&O&:prefetch", kwlist, conv_ptr, &c.src,
+                                     conv_size, &c.nbytes, conv_u64, &c.key) ||
+        handle_call(&shadow_kind, &self->g, self->sh, st, do_prefetch, &c) < 0)
         return NULL;
-    ast_shadow *sh = self->sh;
-    char err[ERRBUF_LEN] = "";
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ast_shadow_prefetch(sh, src, nbytes, key, &dev);
-    if (rc < 0)
-        ast_shadow_last_error(sh, err, sizeof err);
-    Py_END_ALLOW_THREADS
-    guard_leave(&self->g);
-    if (rc < 0)
-        return shadow_raise(st, rc, err);
-    return PyLong_FromVoidPtr(dev);
+    return PyLong_FromVoidPtr(c.dev);
 }
 
 /* Prefetch calls that take a key: 0 lookup, 1 wait, 2 ready event, 3 release, 4 release after
- * stream. */
+ * stream. The call reads the message itself: a lookup's AST_EBUSY (in flight) and AST_ENOENT
+ * (not staged) are answers, not failures. */
+typedef struct {
+    int what;
+    uint64_t key;
+    uintptr_t stream;
+    void *p;
+    size_t n;
+    char err[ERRBUF_LEN];
+} key_call;
+
+static int do_key(void *sh, void *arg)
+{
+    key_call *c = arg;
+    int rc;
+    switch (c->what) {
+    case 0:
+        rc = ast_shadow_lookup(sh, c->key, &c->p, &c->n);
+        break;
+    case 1:
+        rc = ast_shadow_prefetch_wait(sh, c->key);
+        break;
+    case 2:
+        rc = ast_shadow_ready_event(sh, c->key, &c->p);
+        break;
+    case 3:
+        rc = ast_shadow_release(sh, c->key);
+        break;
+    default:
+        rc = ast_shadow_release_after(sh, c->key, c->stream);
+        break;
+    }
+    if (rc < 0 && !(c->what == 0 && (rc == AST_EBUSY || rc == AST_ENOENT)))
+        ast_shadow_last_error(sh, c->err, sizeof c->err);
+    return rc;
+}
+
 static PyObject *shadow_key_call(ShadowObject *self, uint64_t key, int what, uintptr_t stream)
 {
     mod_state *st = type_state(Py_TYPE(self));
-    if (sh_enter(self, st) < 0)
-        return NULL;
-    ast_shadow *sh = self->sh;
-    void *p = NULL;
-    size_t n = 0;
-    char err[ERRBUF_LEN] = "";
+    key_call c = {what, key, stream, NULL, 0, ""};
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    switch (what) {
-    case 0:
-        rc = ast_shadow_lookup(sh, key, &p, &n);
-        break;
-    case 1:
-        rc = ast_shadow_prefetch_wait(sh, key);
-        break;
-    case 2:
-        rc = ast_shadow_ready_event(sh, key, &p);
-        break;
-    case 3:
-        rc = ast_shadow_release(sh, key);
-        break;
-    default:
-        rc = ast_shadow_release_after(sh, key, stream);
-        break;
-    }
-    if (rc < 0 && !(what == 0 && (rc == AST_EBUSY || rc == AST_ENOENT)))
-        ast_shadow_last_error(sh, err, sizeof err);
-    Py_END_ALLOW_THREADS
-    guard_leave(&self->g);
+    if (handle_try(&shadow_kind, &self->g, self->sh, st, do_key, &c, &rc, NULL) < 0)
+        return NULL;
+    void *p = c.p;
+    size_t n = c.n;
+    const char *err = c.err;
     if (what == 0) {
         if (rc == AST_ENOENT)
             Py_RETURN_NONE;
@@ -497,37 +522,16 @@ PyDoc_STRVAR(shadow_lookup_doc,
              "lookup(key)\n--\n\n(device_ptr, nbytes, ready) of key's slot, ready True once its "
              "copy completed (the pointer is usable in stream order before that); None if key "
              "is not staged.");
-
-static PyObject *shadow_lookup(ShadowObject *self, PyObject *arg)
-{
-    return shadow_key_arg(self, arg, 0);
-}
-
 PyDoc_STRVAR(shadow_prefetch_wait_doc,
              "prefetch_wait(key)\n--\n\nBlock (GIL released) until key's copy has completed.");
-
-static PyObject *shadow_prefetch_wait(ShadowObject *self, PyObject *arg)
-{
-    return shadow_key_arg(self, arg, 1);
-}
-
 PyDoc_STRVAR(shadow_ready_event_doc,
              "ready_event(key)\n--\n\nThe slot's ready cudaEvent_t as an int (0 on the host "
              "path), valid until release; torch.cuda.Event cannot wrap it, wait on it with "
              "cudaStreamWaitEvent.");
-
-static PyObject *shadow_ready_event(ShadowObject *self, PyObject *arg)
-{
-    return shadow_key_arg(self, arg, 2);
-}
-
 PyDoc_STRVAR(shadow_release_doc,
              "release(key)\n--\n\nRelease key's slot now (no reads of it pending).");
 
-static PyObject *shadow_release(ShadowObject *self, PyObject *arg)
-{
-    return shadow_key_arg(self, arg, 3);
-}
+SHADOW_KEY_METHODS(SHADOW_ARG_DEFINE)
 
 PyDoc_STRVAR(shadow_release_after_doc,
              "release_after(key, stream)\n--\n\nRelease key's slot once the work queued so far on "
@@ -570,6 +574,13 @@ PyDoc_STRVAR(shadow_slot_view_doc,
              "contents are the slot's until\nrelease(key). The view keeps the Shadow alive and "
              "its rings allocated (see close). FileNotFoundError if key is not staged.");
 
+/* A lookup whose failure message nobody reads. */
+static int do_lookup(void *sh, void *arg)
+{
+    key_call *c = arg;
+    return ast_shadow_lookup(sh, c->key, &c->p, &c->n);
+}
+
 static PyObject *shadow_slot_view(ShadowObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"key", "dtype", "shape", NULL};
@@ -579,16 +590,13 @@ static PyObject *shadow_slot_view(ShadowObject *self, PyObject *args, PyObject *
     view_spec v;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&OO:slot_view", kwlist, conv_u64, &key,
                                      &dtype, &shape) ||
-        view_spec_parse(dtype, shape, &v) < 0 || sh_enter(self, st) < 0)
+        view_spec_parse(dtype, shape, &v) < 0)
         return NULL;
     ast_shadow *sh = self->sh;
-    void *p = NULL;
-    size_t n = 0;
+    key_call c = {0, key, 0, NULL, 0, ""};
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ast_shadow_lookup(sh, key, &p, &n);
-    Py_END_ALLOW_THREADS
-    guard_leave(&self->g);
+    if (handle_try(&shadow_kind, &self->g, sh, st, do_lookup, &c, &rc, NULL) < 0)
+        return NULL;
     if (rc == AST_ENOENT) {
         char msg[96];
         snprintf(msg, sizeof msg, "slot_view: key %" PRIu64 " is not staged", key);
@@ -598,7 +606,7 @@ static PyObject *shadow_slot_view(ShadowObject *self, PyObject *args, PyObject *
         return raise_ast_error(st, rc, NULL);
     char what[64];
     snprintf(what, sizeof what, "prefetch slot %" PRIu64, key);
-    return shadow_view(self, p, n, ast_shadow_is_cuda(sh), &v, what);
+    return shadow_view(self, c.p, c.n, ast_shadow_is_cuda(sh), &v, what);
 }
 
 PyDoc_STRVAR(shadow_snapshot_view_doc,
@@ -619,7 +627,7 @@ static PyObject *shadow_snapshot_view(ShadowObject *self, PyObject *args, PyObje
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&OO:snapshot_view", kwlist, conv_u64, &id,
                                      &dtype, &shape) ||
         view_spec_parse(dtype, shape, &v) < 0 ||
-        guard_open(&self->g, self->sh != NULL, st, "shadow") < 0 || ticket_get(self, st, id, &t) < 0)
+        handle_open(&shadow_kind, &self->g, self->sh, st) < 0 || ticket_get(self, st, id, &t) < 0)
         return NULL;
     char what[64];
     snprintf(what, sizeof what, "snapshot ticket %" PRIu64, id);
@@ -633,7 +641,7 @@ PyDoc_STRVAR(shadow_stream_handle_doc,
 static PyObject *shadow_stream_handle(ShadowObject *self, PyObject *unused)
 {
     mod_state *st = type_state(Py_TYPE(self));
-    if (guard_open(&self->g, self->sh != NULL, st, "shadow") < 0)
+    if (handle_open(&shadow_kind, &self->g, self->sh, st) < 0)
         return NULL;
     uintptr_t h = 0;
     int rc = ast_shadow_stream_handle(self->sh, &h);
@@ -650,18 +658,15 @@ PyDoc_STRVAR(shadow_stats_doc,
              "and ring occupancy (ring_* for the prefetch ring, snapshot_* for the snapshot "
              "ring), is_cuda, device, priority.");
 
+static int do_stats(void *sh, void *arg) { return ast_shadow_stats_get(sh, arg); }
+
 static PyObject *shadow_stats(ShadowObject *self, PyObject *unused)
 {
     mod_state *st = type_state(Py_TYPE(self));
-    if (sh_enter(self, st) < 0)
-        return NULL;
-    ast_shadow *sh = self->sh;
     ast_shadow_stats s;
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ast_shadow_stats_get(sh, &s);
-    Py_END_ALLOW_THREADS
-    guard_leave(&self->g);
+    if (handle_try(&shadow_kind, &self->g, self->sh, st, do_stats, &s, &rc, NULL) < 0)
+        return NULL;
     if (rc < 0)
         return raise_ast_error(st, rc, NULL);
     PyObject *d = PyDict_New();
@@ -687,21 +692,12 @@ PyDoc_STRVAR(shadow_last_error_doc,
 
 static PyObject *shadow_last_error(ShadowObject *self, PyObject *unused)
 {
-    mod_state *st = type_state(Py_TYPE(self));
-    if (sh_enter(self, st) < 0)
-        return NULL;
-    ast_shadow *sh = self->sh;
-    char buf[ERRBUF_LEN] = "";
-    Py_BEGIN_ALLOW_THREADS
-    ast_shadow_last_error(sh, buf, sizeof buf);
-    Py_END_ALLOW_THREADS
-    guard_leave(&self->g);
-    return error_text(buf);
+    return handle_message_released(&shadow_kind, &self->g, self->sh, type_state(Py_TYPE(self)));
 }
 
 static PyObject *shadow_get_is_cuda(ShadowObject *self, void *closure)
 {
-    if (guard_open(&self->g, self->sh != NULL, type_state(Py_TYPE(self)), "shadow") < 0)
+    if (handle_open(&shadow_kind, &self->g, self->sh, type_state(Py_TYPE(self))) < 0)
         return NULL;
     return PyBool_FromLong(ast_shadow_is_cuda(self->sh));
 }
@@ -716,17 +712,10 @@ static PyMethodDef shadow_methods[] = {
      shadow_snapshot_doc},
     {"snapshot_gather", (PyCFunction)(void (*)(void))shadow_snapshot_gather,
      METH_VARARGS | METH_KEYWORDS, shadow_snapshot_gather_doc},
-    {"snapshot_query", (PyCFunction)shadow_snapshot_query, METH_O, shadow_snapshot_query_doc},
-    {"snapshot_wait", (PyCFunction)shadow_snapshot_wait, METH_O, shadow_snapshot_wait_doc},
-    {"snapshot_event", (PyCFunction)shadow_snapshot_event, METH_O, shadow_snapshot_event_doc},
-    {"snapshot_release", (PyCFunction)shadow_snapshot_release, METH_O,
-     shadow_snapshot_release_doc},
+    SHADOW_TICKET_METHODS(SHADOW_ARG_METHOD_DEF)
     {"prefetch", (PyCFunction)(void (*)(void))shadow_prefetch, METH_VARARGS | METH_KEYWORDS,
      shadow_prefetch_doc},
-    {"lookup", (PyCFunction)shadow_lookup, METH_O, shadow_lookup_doc},
-    {"prefetch_wait", (PyCFunction)shadow_prefetch_wait, METH_O, shadow_prefetch_wait_doc},
-    {"ready_event", (PyCFunction)shadow_ready_event, METH_O, shadow_ready_event_doc},
-    {"release", (PyCFunction)shadow_release, METH_O, shadow_release_doc},
+    SHADOW_KEY_METHODS(SHADOW_ARG_METHOD_DEF)
     {"release_after", (PyCFunction)(void (*)(void))shadow_release_after,
      METH_VARARGS | METH_KEYWORDS, shadow_release_after_doc},
     {"slot_view", (PyCFunction)(void (*)(void))shadow_slot_view, METH_VARARGS | METH_KEYWORDS,
@@ -737,8 +726,8 @@ static PyMethodDef shadow_methods[] = {
     {"stats", (PyCFunction)shadow_stats, METH_NOARGS, shadow_stats_doc},
     {"last_error", (PyCFunction)shadow_last_error, METH_NOARGS, shadow_last_error_doc},
     {"close", (PyCFunction)shadow_close, METH_NOARGS, shadow_close_doc},
-    {"__enter__", (PyCFunction)shadow_enter, METH_NOARGS, NULL},
-    {"__exit__", (PyCFunction)shadow_exit, METH_VARARGS, NULL},
+    {"__enter__", ctx_enter, METH_NOARGS, NULL},
+    {"__exit__", ctx_exit, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 
@@ -761,7 +750,7 @@ PyDoc_STRVAR(shadow_doc,
 static PyType_Slot shadow_slots[] = {
     {Py_tp_new, shadow_new},
     {Py_tp_dealloc, shadow_dealloc},
-    {Py_tp_traverse, shadow_traverse},
+    {Py_tp_traverse, type_traverse},
     {Py_tp_methods, shadow_methods},
     {Py_tp_getset, shadow_getset},
     {Py_tp_doc, (void *)shadow_doc},

@@ -1,9 +1,11 @@
 /*
  * store.c - asteria._C.Store (store.h: host, pinned, UVM and NVMe blocks) and the
  * BlockBuffer exports of its blocks.
- * May call: the public libasteria API and the Python C API, common.h, and util.h (the pins'
- * hash table; python/CMakeLists.txt compiles util.c into the module when libasteria is a shared
- * library, which does not export its internals).
+ * May call: the public libasteria API and the Python C API, common.h (handle.c's calls for
+ * every call on the store: each takes the store's mutex, which a move holds across its I/O, so
+ * each runs with the GIL released), and util.h (the pins' hash table; python/CMakeLists.txt
+ * compiles util.c into the module when libasteria is a shared library, which does not export
+ * its internals).
  */
 #include "common.h"
 #include "util.h"
@@ -81,9 +83,14 @@ static void pin_put(ast__htable *t, pin *p)
     PyMem_Free(p);
 }
 
+static int store_error(void *s, char *buf, size_t len) { return ast_store_last_error(s, buf, len); }
+
+/* A store's failures: BusyError for AST_EBUSY, the message as the store left it. */
+static const handle_kind store_kind = {"store", store_error, raise_busy_aware};
+
 static int st_enter(StoreObject *self, mod_state *st)
 {
-    return guard_enter(&self->g, self->s != NULL, st, "store");
+    return handle_enter(&store_kind, &self->g, self->s, st);
 }
 
 static int parse_tier(PyObject *o, ast_tier *out)
@@ -98,6 +105,15 @@ static int parse_tier(PyObject *o, ast_tier *out)
                  "unknown tier %R; allowed: 'host', 'host_pinned', 'device', 'uvm', 'nvme'", o);
     return -1;
 }
+
+/* One block as a call on the store takes or gives it (alloc: tier and nbytes in, id out;
+ * describe: id in, the rest out). */
+typedef struct {
+    uint64_t id;
+    ast_tier tier;
+    size_t nbytes;
+    void *ptr;
+} block_call;
 
 static PyObject *tier_str(ast_tier t)
 {
@@ -245,15 +261,8 @@ static int store_close_impl(StoreObject *self)
 
 static int store_close_obj(PyObject *self) { return store_close_impl((StoreObject *)self); }
 
-static int store_traverse(StoreObject *self, visitproc visit, void *arg)
-{
-    Py_VISIT(Py_TYPE(self));
-    return 0;
-}
-
 static void store_dealloc(StoreObject *self)
 {
-    PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
     /* Buffers hold a reference to their store: none can be alive here. */
     close_in_dealloc(store_close_obj, (PyObject *)self);
@@ -263,8 +272,7 @@ static void store_dealloc(StoreObject *self)
         PyMem_Free(AST__CONTAINER_OF(x, pin, node));
     }
     ast__htable_free(&self->pins);
-    type_free(tp, self);
-    Py_DECREF(tp);
+    heap_free(self);
 }
 
 PyDoc_STRVAR(store_close_doc,
@@ -279,54 +287,35 @@ static PyObject *store_close(StoreObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-static PyObject *store_enter(StoreObject *self, PyObject *unused)
-{
-    return Py_NewRef((PyObject *)self);
-}
-
-static PyObject *store_exit(StoreObject *self, PyObject *args)
-{
-    if (store_close_impl(self) < 0)
-        return NULL;
-    Py_RETURN_FALSE;
-}
-
 PyDoc_STRVAR(store_alloc_doc,
              "alloc(tier, nbytes)\n--\n\nA new zero-filled block of nbytes on tier ('host', "
              "'host_pinned', 'device', 'uvm', 'nvme'); returns its id (never 0). The CUDA tiers "
              "raise AsteriaError (AST_ENODEV) without a device; 'nvme' needs nvme_dir.");
 
+static int do_alloc(void *s, void *arg)
+{
+    block_call *c = arg;
+    return ast_store_alloc(s, c->tier, c->nbytes, &c->id);
+}
+
 static PyObject *store_alloc(StoreObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"tier", "nbytes", NULL};
-    mod_state *st = type_state(Py_TYPE(self));
     PyObject *tier_o;
-    size_t nbytes;
-    ast_tier tier;
+    block_call c = {0, AST_TIER_HOST, 0, NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO&:alloc", kwlist, &tier_o, conv_size,
-                                     &nbytes) ||
-        parse_tier(tier_o, &tier) < 0)
+                                     &c.nbytes) ||
+        parse_tier(tier_o, &c.tier) < 0 ||
+        handle_call(&store_kind, &self->g, self->s, type_state(Py_TYPE(self)), do_alloc, &c) < 0)
         return NULL;
-    if (st_enter(self, st) < 0)
-        return NULL;
-    ast_store *s = self->s;
-    uint64_t id = 0;
-    char err[ERRBUF_LEN] = "";
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ast_store_alloc(s, tier, nbytes, &id);
-    if (rc < 0)
-        ast_store_last_error(s, err, sizeof err);
-    Py_END_ALLOW_THREADS
-    guard_leave(&self->g);
-    if (rc < 0)
-        return raise_busy_aware(st, rc, err);
-    return PyLong_FromUnsignedLongLong(id);
+    return PyLong_FromUnsignedLongLong(c.id);
 }
 
 PyDoc_STRVAR(store_free_doc,
              "free(id)\n--\n\nFree a block (its record file too). BusyError while buffers over it "
              "are alive.");
+
+static int do_free(void *s, void *arg) { return ast_store_free(s, *(const uint64_t *)arg); }
 
 static PyObject *store_free(StoreObject *self, PyObject *arg)
 {
@@ -340,14 +329,8 @@ static PyObject *store_free(StoreObject *self, PyObject *arg)
         guard_leave(&self->g);
         return NULL;
     }
-    ast_store *s = self->s;
     char err[ERRBUF_LEN] = "";
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ast_store_free(s, id);
-    if (rc < 0)
-        ast_store_last_error(s, err, sizeof err);
-    Py_END_ALLOW_THREADS
+    int rc = handle_run(&store_kind, self->s, do_free, &id, err);
     guard_leave(&self->g);
     pins_unmark(self, &id, 1);
     if (rc < 0)
@@ -355,40 +338,26 @@ static PyObject *store_free(StoreObject *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
-/* Tier, size and pointer of a block in one call (GIL released); rc 0 or the failure. */
-static int store_describe(StoreObject *self, uint64_t id, ast_tier *tier, size_t *nbytes,
-                          void **ptr, char *err, size_t len)
+/* A block's tier, size and address, read in one call (GIL released). */
+static int do_describe(void *s, void *arg)
 {
-    ast_store *s = self->s;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ast_store_tier(s, id, tier);
+    block_call *c = arg;
+    int rc = ast_store_tier(s, c->id, &c->tier);
     if (!rc)
-        rc = ast_store_size(s, id, nbytes);
+        rc = ast_store_size(s, c->id, &c->nbytes);
     if (!rc)
-        *ptr = ast_store_data(s, id);
-    if (rc < 0)
-        ast_store_last_error(s, err, len);
-    Py_END_ALLOW_THREADS
+        c->ptr = ast_store_data(s, c->id);
     return rc;
 }
 
-/* The tier, size and address of the block whose id is arg (the argument of data_ptr, size
- * and tier). Returns 0, or -1 with a Python exception set. */
-static int describe_arg(StoreObject *self, PyObject *arg, ast_tier *tier, size_t *n, void **p)
+/* The block whose id is arg, described (the argument of data_ptr, size and tier). Returns 0,
+ * or -1 with a Python exception set. */
+static int describe_arg(StoreObject *self, PyObject *arg, block_call *c)
 {
     mod_state *st = type_state(Py_TYPE(self));
-    uint64_t id;
-    if (!conv_u64(arg, &id) || st_enter(self, st) < 0)
+    if (!conv_u64(arg, &c->id))
         return -1;
-    char err[ERRBUF_LEN] = "";
-    int rc = store_describe(self, id, tier, n, p, err, sizeof err);
-    guard_leave(&self->g);
-    if (rc < 0) {
-        raise_busy_aware(st, rc, err);
-        return -1;
-    }
-    return 0;
+    return handle_call(&store_kind, &self->g, self->s, st, do_describe, c);
 }
 
 PyDoc_STRVAR(store_data_ptr_doc,
@@ -398,38 +367,28 @@ PyDoc_STRVAR(store_data_ptr_doc,
 
 static PyObject *store_data_ptr(StoreObject *self, PyObject *arg)
 {
-    ast_tier tier;
-    size_t n = 0;
-    void *p = NULL;
-    if (describe_arg(self, arg, &tier, &n, &p) < 0)
+    block_call c = {0, AST_TIER_HOST, 0, NULL};
+    if (describe_arg(self, arg, &c) < 0)
         return NULL;
-    if (!p)
+    if (!c.ptr)
         Py_RETURN_NONE;
-    return PyLong_FromVoidPtr(p);
+    return PyLong_FromVoidPtr(c.ptr);
 }
 
 PyDoc_STRVAR(store_size_doc, "size(id)\n--\n\nThe block's size in bytes.");
 
 static PyObject *store_size(StoreObject *self, PyObject *arg)
 {
-    ast_tier tier;
-    size_t n = 0;
-    void *p = NULL;
-    if (describe_arg(self, arg, &tier, &n, &p) < 0)
-        return NULL;
-    return PyLong_FromSize_t(n);
+    block_call c = {0, AST_TIER_HOST, 0, NULL};
+    return describe_arg(self, arg, &c) < 0 ? NULL : PyLong_FromSize_t(c.nbytes);
 }
 
 PyDoc_STRVAR(store_tier_doc, "tier(id)\n--\n\nThe block's tier name.");
 
 static PyObject *store_tier(StoreObject *self, PyObject *arg)
 {
-    ast_tier tier;
-    size_t n = 0;
-    void *p = NULL;
-    if (describe_arg(self, arg, &tier, &n, &p) < 0)
-        return NULL;
-    return tier_str(tier);
+    block_call c = {0, AST_TIER_HOST, 0, NULL};
+    return describe_arg(self, arg, &c) < 0 ? NULL : tier_str(c.tier);
 }
 
 PyDoc_STRVAR(store_move_doc,
@@ -439,6 +398,18 @@ PyDoc_STRVAR(store_move_doc,
              "(AsteriaError AST_ECORRUPT for a damaged record, naming block and file) whose "
              "message carries the store's error, with .moved the number of blocks that did move. "
              "BusyError, before anything moves, if a listed block has live buffers.");
+
+typedef struct {
+    const uint64_t *ids;
+    ast_tier dst;
+    size_t n, moved;
+} move_call;
+
+static int do_move(void *s, void *arg)
+{
+    move_call *c = arg;
+    return ast_store_move(s, c->ids, c->n, c->dst, &c->moved);
+}
 
 static PyObject *store_move(StoreObject *self, PyObject *args, PyObject *kwds)
 {
@@ -474,18 +445,13 @@ static PyObject *store_move(StoreObject *self, PyObject *args, PyObject *kwds)
         free(ids);
         return NULL;
     }
-    ast_store *s = self->s;
-    size_t moved = 0;
+    move_call c = {ids, dst, n, 0};
     char err[ERRBUF_LEN] = "";
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ast_store_move(s, ids, n, dst, &moved);
-    if (rc < 0)
-        ast_store_last_error(s, err, sizeof err);
-    Py_END_ALLOW_THREADS
+    int rc = handle_run(&store_kind, self->s, do_move, &c, err);
     guard_leave(&self->g);
     pins_unmark(self, ids, n);
     free(ids);
+    size_t moved = c.moved;
     if (rc == 0)
         return PyLong_FromSize_t(moved);
     char detail[ERRBUF_LEN + 64];
@@ -509,18 +475,15 @@ PyDoc_STRVAR(store_stats_doc,
              "'nvme_writes', 'nvme_reads' (records), 'nvme_direct': True (O_DIRECT), False "
              "(buffered fallback) or None (no NVMe tier)}.");
 
+static int do_stats(void *s, void *arg) { return ast_store_stats_get(s, arg); }
+
 static PyObject *store_stats(StoreObject *self, PyObject *unused)
 {
     mod_state *st = type_state(Py_TYPE(self));
-    if (st_enter(self, st) < 0)
-        return NULL;
-    ast_store *s = self->s;
     ast_store_stats ss;
     int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ast_store_stats_get(s, &ss);
-    Py_END_ALLOW_THREADS
-    guard_leave(&self->g);
+    if (handle_try(&store_kind, &self->g, self->s, st, do_stats, &ss, &rc, NULL) < 0)
+        return NULL;
     if (rc < 0)
         return raise_busy_aware(st, rc, NULL);
     PyObject *d = PyDict_New(), *bytes = PyDict_New(), *blocks = PyDict_New();
@@ -555,25 +518,25 @@ PyDoc_STRVAR(store_record_path_doc,
              "record_path(id)\n--\n\nPath of the record file of a block on NVMe (AsteriaError "
              "AST_ESTATE on another tier).");
 
+typedef struct {
+    uint64_t id;
+    char path[AST_PATH_MAX + 64];
+} record_path_call;
+
+static int do_record_path(void *s, void *arg)
+{
+    record_path_call *c = arg;
+    return ast_store_record_path(s, c->id, c->path, sizeof c->path);
+}
+
 static PyObject *store_record_path(StoreObject *self, PyObject *arg)
 {
     mod_state *st = type_state(Py_TYPE(self));
-    uint64_t id;
-    if (!conv_u64(arg, &id) || st_enter(self, st) < 0)
+    record_path_call c;
+    if (!conv_u64(arg, &c.id) ||
+        handle_call(&store_kind, &self->g, self->s, st, do_record_path, &c) < 0)
         return NULL;
-    ast_store *s = self->s;
-    char path[AST_PATH_MAX + 64];
-    char err[ERRBUF_LEN] = "";
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ast_store_record_path(s, id, path, sizeof path);
-    if (rc < 0)
-        ast_store_last_error(s, err, sizeof err);
-    Py_END_ALLOW_THREADS
-    guard_leave(&self->g);
-    if (rc < 0)
-        return raise_busy_aware(st, rc, err);
-    return PyUnicode_DecodeFSDefault(path);
+    return PyUnicode_DecodeFSDefault(c.path);
 }
 
 PyDoc_STRVAR(store_last_error_doc,
@@ -581,16 +544,7 @@ PyDoc_STRVAR(store_last_error_doc,
 
 static PyObject *store_last_error(StoreObject *self, PyObject *unused)
 {
-    mod_state *st = type_state(Py_TYPE(self));
-    if (st_enter(self, st) < 0)
-        return NULL;
-    ast_store *s = self->s;
-    char buf[ERRBUF_LEN] = "";
-    Py_BEGIN_ALLOW_THREADS
-    ast_store_last_error(s, buf, sizeof buf);
-    Py_END_ALLOW_THREADS
-    guard_leave(&self->g);
-    return error_text(buf);
+    return handle_message_released(&store_kind, &self->g, self->s, type_state(Py_TYPE(self)));
 }
 
 /* A new BlockBuffer over block id, pinning it: the export behind buffer() and view(). Refuses
@@ -617,13 +571,12 @@ static BlockBufferObject *store_export(StoreObject *self, mod_state *st, uint64_
     }
     p->exports++;
     self->exports++;
-    ast_tier tier;
-    size_t n = 0;
-    void *ptr = NULL;
+    block_call c = {id, AST_TIER_HOST, 0, NULL};
     char err[ERRBUF_LEN] = "";
-    int rc = store_describe(self, id, &tier, &n, &ptr, err, sizeof err);
+    int rc = handle_run(&store_kind, self->s, do_describe, &c, err);
     guard_leave(&self->g);
-    if (rc == 0 && ((host_only && tier == AST_TIER_DEVICE) || tier == AST_TIER_NVME || !ptr)) {
+    ast_tier tier = c.tier;
+    if (rc == 0 && ((host_only && tier == AST_TIER_DEVICE) || tier == AST_TIER_NVME || !c.ptr)) {
         snprintf(err, sizeof err, "%s: block %" PRIu64 " is on tier %s; %s", what, id,
                  ast_tier_name(tier), host_only ? "buffers need a host-addressable tier (host, "
                  "host_pinned, uvm)" : "views need a block in memory (not on NVMe)");
@@ -642,8 +595,8 @@ static BlockBufferObject *store_export(StoreObject *self, mod_state *st, uint64_
     }
     b->store = (StoreObject *)Py_NewRef((PyObject *)self);
     b->id = id;
-    b->ptr = ptr;
-    b->nbytes = n;
+    b->ptr = c.ptr;
+    b->nbytes = c.nbytes;
     b->tier = tier;
     return b;
 }
@@ -745,8 +698,8 @@ static PyMethodDef store_methods[] = {
      store_view_doc},
     {"exports", (PyCFunction)store_exports, METH_VARARGS, store_exports_doc},
     {"close", (PyCFunction)store_close, METH_NOARGS, store_close_doc},
-    {"__enter__", (PyCFunction)store_enter, METH_NOARGS, NULL},
-    {"__exit__", (PyCFunction)store_exit, METH_VARARGS, NULL},
+    {"__enter__", ctx_enter, METH_NOARGS, NULL},
+    {"__exit__", ctx_exit, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 
@@ -765,7 +718,7 @@ PyDoc_STRVAR(store_doc,
 static PyType_Slot store_slots[] = {
     {Py_tp_new, store_new},
     {Py_tp_dealloc, store_dealloc},
-    {Py_tp_traverse, store_traverse},
+    {Py_tp_traverse, type_traverse},
     {Py_tp_methods, store_methods},
     {Py_tp_getset, store_getset},
     {Py_tp_doc, (void *)store_doc},
@@ -783,7 +736,6 @@ PyType_Spec store_spec = {
 
 static void blockbuf_dealloc(BlockBufferObject *self)
 {
-    PyTypeObject *tp = Py_TYPE(self);
     StoreObject *s = self->store;
     pin *p = pin_find(&s->pins, self->id);
     if (p) {
@@ -792,8 +744,7 @@ static void blockbuf_dealloc(BlockBufferObject *self)
     }
     s->exports--;
     Py_DECREF(s);
-    type_free(tp, self);
-    Py_DECREF(tp);
+    heap_free(self);
 }
 
 static int blockbuf_getbuffer(BlockBufferObject *self, Py_buffer *view, int flags)
