@@ -146,7 +146,7 @@ def test_state_hooks_follow_from_each_methods_state():
 
 # The parts of the interface table in docs/architecture.md: the names a part is reached through
 # from the package's other files, its class, and the files that are the part itself.
-DOCS = PKG.parents[1] / "docs" / "architecture.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 PARTS = {
     "run": (r"_?run", "asteria.optim.run:Run", {"optim/run.py"}),
     "method": (r"_?method", "asteria.optim.method:Method",

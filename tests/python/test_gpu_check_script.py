@@ -130,6 +130,25 @@ def test_the_global_timeout_leaves_the_stages_before_it_and_ends_the_hung_one(tm
         pytest.fail(f"the hung stage's process {pid} outlived the check")
 
 
+# train_smoke.py run as a stage that hangs after its "sync" check (its check records, then
+# sleeps), so the stage's timeout lands mid-way wherever the machine's speed puts the polling.
+HANG_AFTER_SYNC = """
+import sys, time
+sys.path.insert(0, sys.argv.pop(1))
+import train_smoke
+record = train_smoke.stage_record
+def hanging(rec, out, tag):
+    write, check = record(rec, out, tag)
+    def check_then_hang(name, ok, detail):
+        check(name, ok, detail)
+        if name == "sync":
+            time.sleep(600)
+    return write, check_then_hang
+train_smoke.stage_record = hanging
+sys.exit(train_smoke.main(sys.argv[1:]))
+"""
+
+
 def _smoke(tmp_path, *, timeout_s=None):
     out = tmp_path / "smoke.json"
     import asteria  # the package under test (installed, or a dev build), not the source tree
@@ -139,13 +158,15 @@ def _smoke(tmp_path, *, timeout_s=None):
         p for p in (pkg_root, os.environ.get("PYTHONPATH")) if p))
     cmd = [sys.executable, os.path.join(ROOT, "tests", "gpu", "train_smoke.py"), "--device",
            "cpu", "--out", str(out)]
+    if timeout_s is not None:  # the stage hangs once "sync" is recorded, until its SIGTERM
+        cmd[1:2] = ["-c", HANG_AFTER_SYNC, os.path.join(ROOT, "tests", "gpu")]
     if timeout_s is None:
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
     else:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
         deadline = time.monotonic() + 120
-        # SIGTERM once the first training run has been recorded (a stage's timeout mid-way)
+        # SIGTERM once the first training run has been recorded (the stage hangs there)
         while time.monotonic() < deadline and proc.poll() is None:
             try:
                 if "sync" in json.loads(out.read_text()).get("checks", {}):
