@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from typing import Any, NoReturn, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -13,7 +13,6 @@ import collections
 import gc
 
 import pytest
-import torch
 
 from asteria import SOAP, attach, detach, hooks
 from models import loss_and_grad, make_model, optimizer_makers, require_c_extension

@@ -14,7 +14,7 @@
 import pytest
 import torch
 
-from asteria import SOAP, Shampoo, attach, detach
+from asteria import SOAP, attach, detach
 from models import (loss_and_grad, make_model, optimizer_makers, require_c_extension,
                     train_hooked)
 

@@ -14,15 +14,11 @@
 
 import os
 import shutil
-import sys
 import textwrap
 
 import pytest
 import torch
 
-import asteria
-
-from asteria import SOAP, attach
 from asteria.tiers.residency import Residency, TieredStateError
 from models import deterministic_runtime as rt
 from models import (loss_and_grad, make_model, optimizer_makers, params_of,
