@@ -53,17 +53,17 @@ Schedule (DESIGN.md, "Staleness"). Steps are counted per ``step()`` call (t = 1,
    KeyboardInterrupt leaves the run on the trajectory of an uninterrupted one.
  - After ``max_failures`` failed refreshes in a row of one factor the step raises (or, with
    ``on_failure="keep"``, warns), naming the parameter and the cause, in every mode.
- - ``staleness="auto"`` (``mode="async"``): S is chosen once: 0 where 1.5x a REFRESH round's
-   time fits the measured forward and backward (an S = 0 round runs during the next forward
-   and backward, ``defers``), else the fewest steps that cover it, at least 1 and at most the
-   smallest ``precondition_frequency`` of the groups. SOAP and KL-Shampoo choose it when their first REFRESH round is submitted,
-   from the cost model's prediction of that round: the model has measured the first-step
-   eigendecompositions (the INIT round) and the steps since. Shampoo (no INIT round) runs its
-   first REFRESH round at S = that frequency (the largest S allowed, so it does not stall) and
-   chooses at its install, from the larger of its measured time (submit to last job's end)
-   and the prediction. From then on S is fixed. It is stored in every preconditioned parameter's state
-   (``staleness.auto``, -1 before the choice), so a resumed run keeps it: the trajectory is a
-   pure function of the inputs and that S (timing picks S once; it never moves S again).
+ - ``staleness="auto"`` (``mode="async"``): S is chosen once: 0 where 1.5x a REFRESH round's time
+   fits the measured forward and backward (an S = 0 round runs during the next forward and
+   backward, ``defers``), else the fewest steps that cover it, at least 1 and at most the smallest
+   ``precondition_frequency`` of the groups. SOAP and KL-Shampoo choose it when their first REFRESH
+   round is submitted, from the cost model's prediction of that round: the model has measured the
+   first-step eigendecompositions (the INIT round) and the steps since. Shampoo (no INIT round)
+   runs its first REFRESH round at S = that frequency (the largest S allowed, so it does not stall)
+   and chooses at its install, from the larger of its measured time (submit to last job's end) and
+   the prediction. From then on S is fixed. It is stored in every preconditioned parameter's state
+   (``staleness.auto``, -1 before the choice), so a resumed run keeps it: the trajectory is a pure
+   function of the inputs and that S (timing picks S once; it never moves S again).
  - ``precondition_frequency="auto"`` (``mode="async"``; config.py refuses it in sync mode,
    with ``fsdp_blocking="global"``, and ``check_engine`` with replicated parameters: each rank
    would choose from its own timings). One f serves every group that asks for "auto". Before

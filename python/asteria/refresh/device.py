@@ -212,7 +212,6 @@ class DeviceEngine(Engine):
         except Exception:
             pass
 
-
     # ---- the runner thread ------------------------------------------------------------------
     def _run(self) -> None:
         while True:

@@ -456,7 +456,6 @@ class HostPoolEngine(Engine):
         if self._closed:
             raise RuntimeError("HostPoolEngine is closed")
 
-
     def _poll(self) -> None:
         for res in self._rt.poll():
             self._collect(res)

@@ -315,7 +315,6 @@ class ReplicatedEngine(Engine):
         if self._proto.error is not None:
             raise CoherenceError(str(self._proto.error)) from self._proto.error
 
-
     def _channel(self, link: _Link, staleness: int) -> Channel:
         key = (link.ranks, staleness)
         ch = self._channels.get(key)
