@@ -67,7 +67,8 @@ def test_parts_are_built_from_the_record_not_the_optimizer():
     assert list(inspect.signature(Placement).parameters) == ["run", "method", "writes"]
     assert list(inspect.signature(Checkpoint).parameters) == ["run", "method", "schedule",
                                                               "placement"]
-    for name in ("schedule.py", "placement.py", "checkpoint.py", "method.py", "_writes.py"):
+    for name in ("schedule.py", "placement.py", "packing.py", "checkpoint.py", "method.py",
+                 "_writes.py"):
         assert "weakref.ref(opt)" not in (PKG / "optim" / name).read_text(), name
 
 
@@ -257,3 +258,30 @@ def test_the_interface_table_lists_exactly_what_each_part_offers_and_is_used_thr
         assert not absent, f"{part}: listed in the table but not offered: {sorted(absent)}"
         unused = listed - set(used) - DECLARED
         assert not unused, f"{part}: listed but no other file uses it: {sorted(unused)}"
+
+
+def test_a_method_reaches_its_blocks_through_the_declared_protocol():
+    """A method's view of its blocks is ``placement.BlockAccess``: every name a method's file
+    calls on its placement is one of the protocol's, every one of them is the placement's own
+    call with the protocol's signature, and every one is used by some method."""
+    import inspect
+
+    from asteria.optim.placement import BlockAccess, Placement
+
+    protocol = {n for n in vars(BlockAccess) if not n.startswith("_")}
+    assert protocol
+    ref = re.compile(rf"(?<![\w])(?:self\.)?({PARTS['placement'][0]})\.([A-Za-z_]\w*)")
+    used = {}
+    for rel in sorted(PARTS["method"][2]):
+        text = (PKG / rel).read_text()
+        modules, text = imported_names(text), code_only(text)
+        for m in ref.finditer(text):
+            if m.group(1) not in modules:
+                used.setdefault(m.group(2), f"{rel}:{text.count(chr(10), 0, m.start()) + 1}")
+    outside = {n: where for n, where in used.items() if n not in protocol}
+    assert not outside, f"a method calls its placement outside BlockAccess: {outside}"
+    for name in protocol:
+        mine = getattr(Placement, name, None)
+        assert callable(mine), name
+        assert inspect.signature(mine) == inspect.signature(getattr(BlockAccess, name)), name
+    assert not protocol - set(used), sorted(protocol - set(used))

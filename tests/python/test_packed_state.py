@@ -1,4 +1,4 @@
-"""Packed state (``asteria.optim.placement``, "Packed state"): the device state of a stack of
+"""Packed state (``asteria.optim.packing``, used by the placement): the device state of a stack of
 same-shape blocks lives in one buffer per name, the members' entries its slices, so the step
 updates it in place with no stack copied in or out.
 
@@ -6,7 +6,7 @@ updates it in place with no stack copied in or out.
    the step stacks none of them (torch.stack is watched during ``_step_blocks``);
  - a parameter skipped (non-finite gradient), one without a gradient, a group added and a
    load_state_dict in between leave the run bitwise that of an optimizer that never packs
-   (``placement.PACK = False``), in mode "sync" and "async";
+   (``packing.PACK = False``), in mode "sync" and "async";
  - a saved state dict is no larger than one of the same state unpacked (torch.save writes a
    view's whole storage: a pack must not outlive its members' use of it);
  - the steady state looks at no member's layout: a pack is recognised by its slice objects
@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from asteria import SOAP, Shampoo
-from asteria.optim import placement as placement_mod
+from asteria.optim import packing as packing_mod
 from asteria.optim.schedule import Schedule
 from asteria.optim._blocking import make_layout
 from models import loss_and_grad, make_model, optimizer_makers, require_c_extension
@@ -127,7 +127,7 @@ def trajectory(name, mode, pack, monkeypatch):
     """Losses, parameters and final state of a run that changes its stacks' membership:
     a skipped parameter (step 4), one without a gradient (step 6), a group added (step 7),
     a load_state_dict of a saved state dict (step 9)."""
-    monkeypatch.setattr(placement_mod, "PACK", pack)
+    monkeypatch.setattr(packing_mod, "PACK", pack)
     model = make_model("mlp")
     ws = weights(model)
     torch.manual_seed(5)
@@ -228,18 +228,18 @@ def test_steady_state_walks_no_member(name, monkeypatch):
         calls = {"_slices_of": 0, "same_memory": 0}  # made by the step's kernels' stacks
         inside = []
         for fn in calls:
-            real = getattr(placement_mod, fn)
+            real = getattr(packing_mod, fn)
 
             def counted(*args, _fn=fn, _real=real):
                 calls[_fn] += bool(inside)
                 return _real(*args)
 
-            monkeypatch.setattr(placement_mod, fn, counted)
+            monkeypatch.setattr(packing_mod, fn, counted)
         _mark_inside_step_blocks(monkeypatch, opt, inside)
         train(opt, model, range(10, 14))  # a refresh comes due and is installed in here
         monkeypatch.undo()
         assert calls == {"_slices_of": 0, "same_memory": 0}
-        assert not opt.placement.handed  # nothing handed out outlives its _step_blocks
+        assert not opt.placement.packing.handed  # nothing handed out outlives its _step_blocks
     finally:
         opt.close()
 
@@ -247,7 +247,7 @@ def test_steady_state_walks_no_member(name, monkeypatch):
 def replaced_entry_run(name, mode, pack, monkeypatch):
     """Losses and parameters of a run whose step state is replaced between steps: a member's
     entry set through the proxy (step 5), the state reloaded from its own state dict (step 8)."""
-    monkeypatch.setattr(placement_mod, "PACK", pack)
+    monkeypatch.setattr(packing_mod, "PACK", pack)
     model = make_model("mlp")
     ws = weights(model)
     opt = MAKERS[name](model.parameters(), RUNTIMES[mode])

@@ -1,30 +1,33 @@
 """Where an Asteria optimizer's state lives (``opt.placement``): the placement plan, the Residency
-of roots and eigenbases outside the device, and the block accessors a method uses so that the
-kernels see exactly the tensors of the all-device path.
+of roots and eigenbases outside the device with its staging through the ring, and a method's
+view of its blocks (``BlockAccess``), through which the kernels see exactly the tensors of the
+all-device path.
 
 Owns: the plan, the residency, the map from a parameter to its tiered keys, the staging of
-stacks through the ring in chunks that fit it, the packs of device state (``packs``) and the
-record of the packed stacks handed to the ``step_blocks`` running now (``handed``). The
-Residency is its own: the others use the calls it offers for tiered state (``off_device``,
-``held`` / ``held_names`` / ``read`` / ``write`` / ``drop`` for the state proxy;
-``export_tiered`` / ``clear_tiered`` / ``restore_tiered`` for the checkpoint part;
-``prepare``, ``stage``, ``end_step``, ``stats``, ``closer`` for the optimizer). Built with what
-it uses (``Placement(run, method, writes)``). May call: torch, ``asteria.tiers.plan``,
-``asteria.tiers.residency``, the run record (config, parameter index, layouts, the state), the
-method's ``state_spec``, the ``PendingWrites`` (settled before packs move or blocks migrate);
-``_layout`` (key names). Single-threaded (the training thread and the hooks it runs on that
-thread).
+stacks through the ring in chunks that fit it, and the packing of its device state
+(``packing``: a ``packing.Packing``, which nothing else calls). The Residency is its own: the
+others use the calls it offers. A method: ``BlockAccess`` (declared below, the only calls
+soap.py, one_sided_soap.py, shampoo.py, kl_shampoo.py and method.py make on it; checked by
+tests/python/test_composition.py); the schedule: ``owned``, ``on_nvme``, ``is_state``; the
+state proxy: ``off_device``, ``owned``, ``held`` / ``held_names`` / ``read`` / ``write`` /
+``drop``; the checkpoint part: ``export_tiered`` / ``clear_tiered`` / ``restore_tiered`` /
+``end_step``; the optimizer: the plan's and the step's calls (docs/architecture.md's table of
+the parts lists them all). Built with what it uses (``Placement(run, method, writes)``). May
+call: torch, ``asteria.tiers.plan`` (the planner), ``asteria.tiers.residency``, ``packing``, the
+run record (config, parameter index, layouts, the state), the method's ``state_spec``, the
+``PendingWrites`` (settled before blocks migrate); ``_layout`` (key names). Single-threaded (the
+training thread and the hooks it runs on that thread).
 
-Placement (``asteria.tiers.plan``, ``asteria.tiers.residency``): at construction the planner assigns a
-tier to every piece of state. Factors and moments always live in ``self.state`` on the
+Tiers (``asteria.tiers.plan``, ``asteria.tiers.residency``): at construction the planner assigns
+a tier to every piece of state. Factors and moments always live in ``self.state`` on the
 parameter's device. In ``mode="async"`` roots / eigenbases normally live in a ``Residency``
 (host, pinned, UVM or NVMe blocks) instead of ``self.state``; every access goes through
-``stack`` / ``unstack`` / ``root_*`` so the kernels see exactly the tensors they would see
-with everything on the device (the same values, stacked the same way: results are bitwise
-those of the all-device path). A step with a residency runs in two phases: ``prepare`` (NVMe
-reads and writes, ring prefetches) before anything is mutated, so an I/O failure raises with
-the parameters, the state and the step counter untouched; then the usual step, streaming
-preconditioned stacks through the staging ring in chunks that fit it.
+``BlockAccess`` (``stack`` / ``unstack`` / ``root_*``) so the kernels see exactly the tensors
+they would see with everything on the device (the same values, stacked the same way: results
+are bitwise those of the all-device path). A step with a residency runs in two phases:
+``prepare`` (NVMe reads and writes, ring prefetches) before anything is mutated, so an I/O
+failure raises with the parameters, the state and the step counter untouched; then the usual
+step, streaming preconditioned stacks through the staging ring in chunks that fit it.
 
 Reduced-precision tiers (``tier_dtype="bfloat16"``): the residency keeps the blocks narrowed;
 ``stack`` widens the borrowed ones as it stacks them, so the kernels see the stored value,
@@ -32,19 +35,12 @@ rounded, in the state's dtype. A value used before it is stored (SOAP's new basi
 is re-expressed in at install) is rounded the same way first (``as_stored``): the step
 always uses the basis the state holds.
 
-Packed state: the device-resident state of a stack of same-shape blocks (the moments, factors
-and device roots / bases that a step reads and updates) is kept in one buffer per name, each
-member's entry a slice of it, so that the step's kernels work on the state in place: no
-stack copied in, nothing copied back (``stack(view=True)``, used by the subclasses'
-``step_blocks`` only). When the members' tensors are not such slices (the first step, a
-parameter skipped or without a gradient, a load, an added group, a tensor replaced), the
-stack is copied as before and the entries are re-pointed at its slices; a former pack's other
-members get private copies then, so no stale buffer stays alive (torch.save writes a view's
-whole storage). Everything else that takes a stack (installs, jobs, ``out=``) gets a copy, as
-before. Values are those of the copying path, bit for bit. The steady state costs no walk over
-the members' layouts: entries that are still the very slice objects a pack was made of (at the
-same memory) are that pack (``_whole_pack``), and the ``unstack`` of a stack handed out
-packed to the ``step_blocks`` running now writes nothing (``handed``).
+Packed state (``packing``): the step's read of the device state it updates in place
+(``stack(view=True)``, a method's ``step_blocks`` only) is, where every member's tensor lives
+on the device, the packed buffer the members' entries are slices of: no copy in, nothing to
+write back. Residency-owned blocks are always copied (borrowed from the ring) and ``unstack``
+writes them back; everything else that takes a stack (installs, jobs, ``out=``) gets a copy.
+Values are those of the copying path, bit for bit.
 """
 
 from __future__ import annotations
@@ -52,83 +48,59 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections import defaultdict
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Protocol, Sequence
 
 import torch
 
-from asteria.tiers import plan as _placement
-from asteria.tiers import residency as _tiered_mod
+from asteria.tiers import plan as planner
+from asteria.tiers.residency import Residency
 from asteria.optim import _layout as K
-from asteria.optim._state import _ParamState, _States, local, real
+from asteria.optim import packing
+from asteria.optim._state import _ParamState, local, real
 
 
-#: Keep the device-resident state of a stack of same-shape blocks packed in one buffer, so
-#: that the step reads and updates it in place (``Placement.stack(view=True)``). Tests
-#: flip it off to compare against a run whose every step copies.
-PACK = True
+class BlockAccess(Protocol):
+    """A method's view of its blocks (``Method.placement``): all a method may call on the
+    placement. ``members``: [(param, j)], the blocks of a stack of same-shape blocks, in order;
+    ``field`` and ``dim`` name each member's entry ``b{j}.{field}`` (``b{j}.{field}{dim}`` for a
+    per-dimension field); ``name``: a full key. Wherever a block lives, what these give and
+    take are the all-device path's tensors."""
 
+    def stack(self, members: list, field: str, dim: Optional[int] = None,
+              out: Optional[torch.Tensor] = None, view: bool = False) -> torch.Tensor:
+        """The members' entries stacked: a copy (into ``out`` when given), which the caller may
+        keep, donate to a job or write freely. ``view=True`` (``step_blocks``' reads of the
+        state it updates in place): the stack may be the state itself (the packed buffer of
+        the device-resident entries): it is handed back with ``unstack``."""
 
-def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Are a and b the same memory, seen the same way?"""
-    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
-            and a.stride() == b.stride() and a.device == b.device)
+    def stack_dims(self, members: list, field: str, has: Sequence[bool],
+                   view: bool = False) -> list:
+        """``stack`` of a per-dimension field for each dimension i where ``has[i]`` (else None)."""
 
+    def unstack(self, members: list, field: str, x: torch.Tensor,
+                dim: Optional[int] = None) -> None:
+        """Write a stack back into the members' entries (nothing to write for the state
+        itself, a packed stack from ``stack(view=True)``)."""
 
-def _slices_of(ts: list) -> Optional[torch.Tensor]:
-    """The stack that ts are, in order, the consecutive slices x[a], x[a + 1], ... of (a
-    contiguous packed buffer, or the exact part of it), else None."""
-    t0 = ts[0]
-    base = t0._base
-    if base is None or base.dim() != t0.dim() + 1 or not base.is_contiguous():
-        return None
-    shape = base.shape[1:]
-    step = base.stride(0)
-    start = t0.storage_offset() - base.storage_offset()
-    if step == 0 or start % step:
-        return None
-    a, n = start // step, len(ts)
-    if a + n > base.shape[0]:
-        return None
-    strides = base.stride()[1:]
-    at = t0.storage_offset()
-    for t in ts:
-        if (t._base is not base or t.storage_offset() != at or t.shape != shape
-                or t.stride() != strides):
-            return None
-        at += step
-    return base if a == 0 and n == base.shape[0] else base[a:a + n]
+    def unstack_dims(self, members: list, field: str, stacks: Sequence) -> None:
+        """``unstack`` of each per-dimension stack ``stack_dims`` gave (None: no factor there)."""
 
+    def root_has(self, p: torch.Tensor, name: str) -> bool:
+        """Does p hold the root / eigenbasis ``name`` (set once, by ``root_set``)?"""
 
-def _whole_pack(packs: dict, ts: list) -> Optional[torch.Tensor]:
-    """The pack that ts are, in order, all the slices of, recognised without looking at their
-    layout: the same tensor objects ``Placement.repack`` made, at the same memory (the
-    steady state: nothing re-pointed or replaced them since), else None."""
-    base = ts[0]._base
-    got = packs.get(id(base)) if base is not None else None
-    if got is None or got[0]() is not base or len(got[2]) != len(ts):
-        return None
-    for t, (ref, ptr) in zip(ts, got[2]):
-        if ref() is not t or t.data_ptr() != ptr:
-            return None
-    return base
+    def root_set(self, p: torch.Tensor, name: str, value: torch.Tensor) -> None:
+        """Set a root / eigenbasis (creating it on first set)."""
 
+    def root_for_job(self, p: torch.Tensor, name: str):
+        """A root / eigenbasis as a REFRESH job input (the engine copies it at submit): a
+        tensor, or a ``residency.OnNvme`` read when the job's stack is made."""
 
-def _release(packs: dict, base, keep: set, state) -> None:
-    """A pack being replaced: its members not in ``keep`` ({(id(param), name)}) that still
-    hold their slice of it get a private copy, so nothing keeps the old buffer alive (memory,
-    and torch.save, which writes a view's whole storage)."""
-    if base is None:
-        return
-    got = packs.pop(id(base), None)
-    if got is None or got[0]() is not base:
-        return
-    for p, name in got[1]:
-        if (id(p), name) in keep:
-            continue
-        st = state.get(p)
-        cur = dict.get(st, name) if isinstance(st, dict) else None
-        if isinstance(cur, torch.Tensor) and cur._base is base:
-            dict.__setitem__(st, name, cur.clone())
+    def as_stored(self, p: torch.Tensor, name: str, value: torch.Tensor) -> torch.Tensor:
+        """``value`` as the block ``name`` of p will hold it once written: rounded through the
+        tier dtype when the block lives outside the device narrowed (else value itself)."""
+
+    def chunks(self, members: list) -> list:
+        """Split a stack's members so that each chunk's staged blocks fit the ring."""
 
 
 def close_all(engine, close_residency) -> None:
@@ -143,62 +115,194 @@ def close_all(engine, close_residency) -> None:
 
 
 class Placement:
-    """The placement part of an ``AsteriaOptimizer`` (``opt.placement``)."""
+    """The placement part of an ``AsteriaOptimizer`` (``opt.placement``), a method's
+    ``BlockAccess``."""
 
     def __init__(self, run, method, writes) -> None:
         self.run = run
         self.method = method
-        self.writes = writes  # settled before packs move or blocks migrate
+        self.writes = writes  # settled before blocks migrate
         self.plan = None     # the placement plan (asteria.tiers.plan)
         self._residency = None   # the Residency of the blocks outside the device, if any
         self._final_stats: Optional[dict] = None  # its last stats, once closed
         self.tkeys: dict = {}  # param index -> its tiered state keys
         self.kinds: dict = {}  # (param index, name) -> the kind of state it is
-        # id(stack) -> (stack, members, field, dim) of the packed stacks handed to the
-        # step_blocks running now (``packed``); emptied when it returns (``handed_back``)
-        self.handed: dict = {}
-        # id(pack) -> (weakref to it, [(param, name)] of its members, [(weakref, ptr)] of
-        # their slices): the packs of device state (``repack``)
-        self.packs: dict = {}
+        self.packing = packing.Packing(run, writes)  # the packs of the device state
 
+    # ---- a method's view of its blocks (BlockAccess) ----------------------------------------
+    def stack(self, members: list, field: str, dim: Optional[int] = None,
+              out: Optional[torch.Tensor] = None, view: bool = False) -> torch.Tensor:
+        """``BlockAccess.stack``. ``view=True`` where no member is owned by the residency: the
+        packed buffer (``packing``). Residency-owned blocks are borrowed from the ring and
+        copied, widened as they are stacked when they are stored narrowed."""
+        if out is None and view and packing.PACK and not self._any_owned(members, field, dim):
+            return self.packing.packed(members, field, dim)
+        if self._residency is not None:
+            keys = [(self.run.pindex[p], K.key(j, field, dim)) for p, j in members]
+            owned = [self._residency.owns(k) for k in keys]
+            if any(owned):
+                mine = [k for k, o in zip(keys, owned) if o]
+                staged = iter(self._residency.borrow(mine))
+                try:
+                    parts = [next(staged) if o else self.run.state[p][K.key(j, field, dim)]
+                             for (p, j), o in zip(members, owned)]
+                    wide = self._residency.dtype_of(mine[0])
+                    if out is None and any(x.dtype != wide for x in parts):
+                        # narrowed blocks: widened as they are stacked (one pass)
+                        out = torch.empty((len(parts),) + tuple(parts[0].shape), dtype=wide,
+                                          device=parts[0].device)
+                    return torch.stack(parts, out=out)
+                finally:
+                    self._residency.give_back(mine)
+        return torch.stack([self.run.state[p][K.key(j, field, dim)] for p, j in members], out=out)
+
+    def stack_dims(self, members: list, field: str, has: Sequence[bool],
+                   view: bool = False) -> list:
+        return [self.stack(members, field, i, view=view) if h else None
+                for i, h in enumerate(has)]
+
+    def unstack(self, members: list, field: str, x: torch.Tensor,
+                dim: Optional[int] = None) -> None:
+        """``BlockAccess.unstack``: a stack handed out packed for these very members needs no
+        look at them at all, and a member whose tensor is already its slice of x no copy."""
+        if self.packing.take_back(x, members, field, dim):
+            return
+        for (p, j), xi in zip(members, x.unbind(0)):
+            name = K.key(j, field, dim)
+            if self.owned(p, name):
+                self._residency.write(self._key(p, name), xi)
+            else:
+                t = self.run.state[p][name]
+                if not packing.same_memory(t, xi):
+                    t.copy_(xi)
+
+    def unstack_dims(self, members: list, field: str, stacks: Sequence) -> None:
+        for i, x in enumerate(stacks):
+            if x is not None:
+                self.unstack(members, field, x, dim=i)
+
+    def root_has(self, p: torch.Tensor, name: str) -> bool:
+        if self.owned(p, name):
+            return self._residency.has(self._key(p, name))
+        return name in self.run.state[p]
+
+    def root_set(self, p: torch.Tensor, name: str, value: torch.Tensor) -> None:
+        if self.owned(p, name):
+            self._residency.write(self._key(p, name), value)
+            return
+        st = self.run.state[p]
+        if name in st:
+            st[name].copy_(value)
+        else:
+            st[name] = value.to(device=local(p).device, copy=True)
+
+    def root_for_job(self, p: torch.Tensor, name: str):
+        if self.owned(p, name):
+            return self._residency.job_input(self._key(p, name))
+        return self.run.state[p][name]
+
+    def as_stored(self, p: torch.Tensor, name: str, value: torch.Tensor) -> torch.Tensor:
+        if not self.owned(p, name):
+            return value
+        narrow = planner.stored_dtype(self.run.cfg.tier_dtype, value.dtype)
+        return value if narrow == value.dtype else value.to(narrow).to(value.dtype)
+
+    def chunks(self, members: list) -> list:
+        """``BlockAccess.chunks`` (the optimizer's step too): one chunk without a residency."""
+        if self._residency is None or not members:
+            return [members]
+        cap = self.plan.ring_bytes
+        if cap >= 2 * self.plan.ring_min:
+            cap //= 2  # two chunks fit: the next one is copied in while this one is used
+        chunks, cur, used = [], [], 0
+        for m in members:
+            cost = self._residency.chunk_cost(self._member_keys(*m))
+            if cur and used + cost > cap:
+                chunks.append(cur)
+                cur, used = [], 0
+            cur.append(m)
+            used += cost
+        chunks.append(cur)
+        return chunks
+
+    # ---- the schedule -----------------------------------------------------------------------
+    def owned(self, p: torch.Tensor, name: str) -> bool:
+        """Does the residency own p's block ``name`` (the plan puts it outside the device)?"""
+        return self._residency is not None and self._residency.owns((self.run.pindex[p], name))
+
+    def on_nvme(self, members: list) -> bool:
+        """Are some of these members' [(param, j)] blocks NVMe-homed?"""
+        return self._residency is not None and any(
+            self._residency.plan.tier(k) == "nvme" for p, j in members
+            for k in self._member_keys(p, j))
+
+    def is_state(self, members: list, field: str, dim: Optional[int], x: torch.Tensor) -> bool:
+        """Is the stack x the members' ``b{j}.{field}[{dim}]`` itself (a packed stack from
+        ``stack(view=True)``: writing x writes the state)?"""
+        return self.packing.is_state(members, field, dim, x)
+
+    # ---- the tiered state as the state proxy and the checkpoint use it ----------------------
     @property
     def off_device(self) -> bool:
         """Does some state live outside the device (a residency holds it)?"""
         return self._residency is not None
 
-    def closer(self):
-        """What the optimizer's finalizer calls to close the residency (``close_all``); None
-        while there is none. It holds the residency, not this placement."""
-        return None if self._residency is None else self._residency.close
+    def held(self, p: torch.Tensor, name: str) -> bool:
+        """Does the residency hold p's block ``name`` (a virtual entry of ``optimizer.state``)?"""
+        return self._residency is not None and self._residency.has((self.run.pindex[p], name))
 
-    def handed_back(self) -> None:
-        """The ``step_blocks`` that was handed packed stacks returned: they are the state's
-        again, and an ``unstack`` of them writes as usual."""
-        self.handed.clear()
+    def held_names(self, p: torch.Tensor) -> list:
+        """The names of p's blocks the residency holds."""
+        if self._residency is None:
+            return []
+        return [k[1] for k in self.tkeys.get(self.run.pindex[p], ()) if self._residency.has(k)]
 
-    def entries(self) -> list:
-        out = []
-        for group in self.run.param_groups:
-            for p in group["params"]:
-                lp = real(p)
-                pidx = self.run.pindex[p]
-                itemsize = lp.element_size()
-                if lp.numel() == 0 or self.run.is_adamw(p, group):
-                    spec = [(n, "moments", tuple(lp.shape), lp.dtype) for n in K.ADAMW_MOMENTS]
-                else:
-                    spec = self.method.state_spec(p, group, self.run.layout(p, group))
-                for name, kind, shape, dtype in spec:
-                    itemsize = torch.empty((), dtype=dtype).element_size()
-                    out.append(_placement.StateEntry(pidx, name, kind,
-                                                     int(torch.Size(shape).numel()) * itemsize,
-                                                     lp.device, dtype))
+    def read(self, p: torch.Tensor, name: str) -> torch.Tensor:
+        """A held block as a fresh tensor on p's device (never a live view)."""
+        key = self._key(p, name)
+        return self._residency.materialize([key])[key]
+
+    def write(self, p: torch.Tensor, name: str, value: torch.Tensor) -> None:
+        """Write an owned block (``owned``) into the residency."""
+        self._residency.write(self._key(p, name), value)
+
+    def drop(self, p: torch.Tensor, name: str) -> None:
+        """Free a held block."""
+        self._residency.drop(self._key(p, name))
+
+    def export_tiered(self) -> dict:
+        """{param: {name: tensor}} of every held block, as the all-device path has them (the
+        checkpoint's form)."""
+        params = self.run.by_index()
+        out: dict = defaultdict(dict)
+        if self._residency is not None:
+            for (pidx, name), v in self._residency.materialize(self._residency.keys()).items():
+                out[params[pidx]][name] = v
         return out
 
+    def clear_tiered(self) -> None:
+        """Drop every held block (a load replaces them)."""
+        if self._residency is not None:
+            self._residency.clear()
+
+    def restore_tiered(self, p: torch.Tensor, st: dict) -> None:
+        """Move the blocks of a loaded state ``st`` (a plain dict of p's state, changed in
+        place) that the residency owns into it."""
+        if self._residency is not None:
+            for name in [n for n in dict.keys(st) if self.owned(p, n)]:
+                self.write(p, name, dict.pop(st, name))
+
+    def end_step(self) -> None:
+        """After a step (or a load): NVMe-homed blocks go back to NVMe (best effort)."""
+        if self._residency is not None:
+            self._residency.end_step()
+
+    # ---- the optimizer: the plan, the step, close, stats ------------------------------------
     def make_plan(self):
         """Plan the placement of every state tensor (construction, ``add_param_group``)."""
-        entries = self.entries()
+        entries = self._entries()
         self.kinds = {e.key: e.kind for e in entries}
-        plan = _placement.make_plan(self.run.cfg, entries)
+        plan = planner.make_plan(self.run.cfg, entries)
         plan.log()
         return plan
 
@@ -219,8 +323,7 @@ class Placement:
                 place = _me()
                 return place.describe_key(key) if place is not None else f"block {key!r}"
 
-            self._residency = _tiered_mod.Residency(plan, self.run.cfg, tracer=tracer,
-                                                describe=describe)
+            self._residency = Residency(plan, self.run.cfg, tracer=tracer, describe=describe)
             return True
         if self._residency is not None:
             self._residency.plan = plan
@@ -246,198 +349,10 @@ class Placement:
                 dict.__setitem__(self.run.state[p], key[1], value)
         self._residency.end_step()
 
-    def describe_key(self, key) -> str:
-        pidx, name = key
-        kind = {"roots": "root", "eigenbases": "eigenbasis"}.get(self.kinds.get(key), "state")
-        return f"{kind} block {name!r} of {self.run.describe(pidx)}"
-
-    def key(self, p: torch.Tensor, name: str) -> tuple:
-        return (self.run.pindex[p], name)
-
-    def owned(self, p: torch.Tensor, name: str) -> bool:
-        return self._residency is not None and self._residency.owns((self.run.pindex[p], name))
-
-    def root_has(self, p: torch.Tensor, name: str) -> bool:
-        if self.owned(p, name):
-            return self._residency.has(self.key(p, name))
-        return name in self.run.state[p]
-
-    def root_set(self, p: torch.Tensor, name: str, value: torch.Tensor) -> None:
-        """Set a root / eigenbasis (creating it on first set)."""
-        if self.owned(p, name):
-            self._residency.write(self.key(p, name), value)
-            return
-        st = self.run.state[p]
-        if name in st:
-            st[name].copy_(value)
-        else:
-            st[name] = value.to(device=local(p).device, copy=True)
-
-    def as_stored(self, p: torch.Tensor, name: str, value: torch.Tensor) -> torch.Tensor:
-        """``value`` as the block ``name`` of p will hold it once written: rounded through the
-        tier dtype when the block lives outside the device narrowed (else value itself)."""
-        if not self.owned(p, name):
-            return value
-        narrow = _placement.stored_dtype(self.run.cfg.tier_dtype, value.dtype)
-        return value if narrow == value.dtype else value.to(narrow).to(value.dtype)
-
-    def root_for_job(self, p: torch.Tensor, name: str):
-        """A root / eigenbasis as a REFRESH job input (the engine copies it at submit): a
-        tensor, or a ``residency.OnNvme`` read when the job's stack is made."""
-        if self.owned(p, name):
-            return self._residency.job_input(self.key(p, name))
-        return self.run.state[p][name]
-
-    def member_keys(self, p: torch.Tensor, j: int) -> list:
-        return [k for k in self.tkeys.get(self.run.pindex[p], ()) if K.block_of(k[1]) == j]
-
-    def on_nvme(self, members: list) -> bool:
-        """Are some of these members' [(param, j)] blocks NVMe-homed?"""
-        return self._residency is not None and any(
-            self._residency.plan.tier(k) == "nvme" for p, j in members
-            for k in self.member_keys(p, j))
-
-    def chunks(self, members: list) -> list:
-        """Split a stack's members so that each chunk's staged blocks fit the ring."""
-        if self._residency is None or not members:
-            return [members]
-        cap = self.plan.ring_bytes
-        if cap >= 2 * self.plan.ring_min:
-            cap //= 2  # two chunks fit: the next one is copied in while this one is used
-        chunks, cur, used = [], [], 0
-        for m in members:
-            cost = self._residency.chunk_cost(self.member_keys(*m))
-            if cur and used + cost > cap:
-                chunks.append(cur)
-                cur, used = [], 0
-            cur.append(m)
-            used += cost
-        chunks.append(cur)
-        return chunks
-
-    def stack(self, members: list, field: str, dim: Optional[int] = None,
-               out: Optional[torch.Tensor] = None, view: bool = False) -> torch.Tensor:
-        """The members' ``b{j}.{field}`` (``b{j}.{field}{dim}`` for a per-dimension field)
-        stacked: a copy (into ``out`` when given), which the caller may keep, donate to a job or
-        write freely.
-
-        ``view=True`` (the step's reads of the state it updates in place): where every member's
-        tensor lives on the device (none owned by the residency), the packed buffer itself
-        when the members' tensors are its consecutive slices in this order (no copy: writes
-        to it are writes to the state); otherwise the members are stacked as above and each
-        member's entry is re-pointed at its slice of the new stack, so that the next step's
-        read is zero-copy. Residency-owned blocks are always copied (borrowed from the ring);
-        ``unstack`` writes them back. See "Packed state" in the module docstring."""
-        if out is None and view and PACK and not self.any_owned(members, field, dim):
-            return self.packed(members, field, dim)
-        if self._residency is not None:
-            keys = [(self.run.pindex[p], K.key(j, field, dim)) for p, j in members]
-            owned = [self._residency.owns(k) for k in keys]
-            if any(owned):
-                mine = [k for k, o in zip(keys, owned) if o]
-                staged = iter(self._residency.borrow(mine))
-                try:
-                    parts = [next(staged) if o else self.run.state[p][K.key(j, field, dim)]
-                             for (p, j), o in zip(members, owned)]
-                    wide = self._residency.dtype_of(mine[0])
-                    if out is None and any(x.dtype != wide for x in parts):
-                        # narrowed blocks: widened as they are stacked (one pass)
-                        out = torch.empty((len(parts),) + tuple(parts[0].shape), dtype=wide,
-                                          device=parts[0].device)
-                    return torch.stack(parts, out=out)
-                finally:
-                    self._residency.give_back(mine)
-        return torch.stack([self.run.state[p][K.key(j, field, dim)] for p, j in members], out=out)
-
-    def any_owned(self, members: list, field: str, dim: Optional[int]) -> bool:
-        if self._residency is None:
-            return False
-        return any(self._residency.owns((self.run.pindex[p], K.key(j, field, dim)))
-                   for p, j in members)
-
-    def packed(self, members: list, field: str, dim: Optional[int]) -> torch.Tensor:
-        """The device-resident members' ``b{j}.{field}[{dim}]`` as one packed stack that the
-        state entries are slices of (see ``stack(view=True)``). The stack is recorded as
-        handed out (``handed``): ``unstack`` of it, with these members, has nothing to
-        write."""
-
-        def key(j):
-            return K.key(j, field, dim)
-
-        state = self.run.state
-        states = [state[p] for p, _ in members]
-        if isinstance(state, _States) and state.unsettled():  # its reads settle them
-            ts = [st[key(j)] for st, (_, j) in zip(states, members)]
-        else:  # nothing to settle, no entry in the residency: the proxy's read is the dict's
-            ts = [dict.__getitem__(st, key(j)) for st, (_, j) in zip(states, members)]
-        x = _whole_pack(self.packs, ts)
-        if x is None:
-            x = _slices_of(ts)
-        if x is None:
-            x = self.repack(members, key, states, ts)
-        self.handed[id(x)] = (x, members, field, dim)
-        return x
-
-    def repack(self, members: list, key, states: list, ts: list) -> torch.Tensor:
-        """Stack ts into a new pack and re-point the members' entries at its slices."""
-        if self.writes:  # slices of packs are about to move: no worker may still write one
-            self.writes.settle_all()
-        x = torch.stack(ts)
-        self.handed.clear()  # entries are re-pointed below: earlier records may not hold
-        packs = self.packs
-        mine = {(id(p), key(j)) for p, j in members}
-        for t in ts:  # a former pack's other members keep private copies (no stale buffer)
-            _release(packs, t._base, mine, self.run.state)
-        entries, slices = [], []
-        for st, (p, j), xi in zip(states, members, x.unbind(0)):
-            dict.__setitem__(st, key(j), xi)  # not through the proxy: no tier, no settle
-            entries.append((p, key(j)))
-            slices.append((weakref.ref(xi), xi.data_ptr()))  # weak: the entry owns its slice
-        for ident in [i for i, (ref, _, _) in packs.items() if ref() is None]:
-            del packs[ident]  # packs nothing holds any more (no callback: no cycle)
-        packs[id(x)] = (weakref.ref(x), entries, slices)
-        return x
-
-    def is_state(self, members: list, field: str, dim: Optional[int], x: torch.Tensor) -> bool:
-        """Is the stack x the members' ``b{j}.{field}[{dim}]`` itself (a packed stack from
-        ``stack(view=True)``: writing x writes the state)?"""
-        handed = self.handed.get(id(x))
-        if handed is not None and handed[0] is x:  # the steady state: no member looked at
-            return True
-        # a stack packed in this very step (the first, or the first after a load) is not on
-        # record as handed out: its slices are the entries all the same
-        state = self.run.state
-        return all(same_memory(dict.__getitem__(state[p], K.key(j, field, dim)), xi)
-                   for (p, j), xi in zip(members, x.unbind(0)))
-
-    def stack_dims(self, members: list, field: str, has: Sequence[bool],
-                    view: bool = False) -> list:
-        return [self.stack(members, field, i, view=view) if h else None
-                for i, h in enumerate(has)]
-
-    def unstack(self, members: list, field: str, x: torch.Tensor,
-                 dim: Optional[int] = None) -> None:
-        """Write a stack back into the members' ``b{j}.{field}[{dim}]``; a member whose tensor
-        is already its slice of x (a packed stack from ``stack(view=True)``) needs nothing,
-        and a stack handed out packed for these very members needs no look at them at all."""
-        handed = self.handed.pop(id(x), None)
-        if (handed is not None and handed[0] is x and handed[1] is members
-                and handed[2:] == (field, dim)):
-            return
-        for (p, j), xi in zip(members, x.unbind(0)):
-            name = K.key(j, field, dim)
-            if self.owned(p, name):
-                self._residency.write(self.key(p, name), xi)
-            else:
-                t = self.run.state[p][name]
-                if not same_memory(t, xi):
-                    t.copy_(xi)
-
-    def unstack_dims(self, members: list, field: str, stacks: Sequence) -> None:
-        """``unstack`` of each per-dimension stack ``stack_dims`` gave (None: no factor there)."""
-        for i, x in enumerate(stacks):
-            if x is not None:
-                self.unstack(members, field, x, dim=i)
+    def closer(self):
+        """What the optimizer's finalizer calls to close the residency (``close_all``); None
+        while there is none. It holds the residency, not this placement."""
+        return None if self._residency is None else self._residency.close
 
     def prepare(self, work: list, in_flight: list) -> None:
         """Phase A of a step with a residency: NVMe blocks read back (verified) and written out
@@ -465,6 +380,28 @@ class Placement:
         # the step consumes the last parameters first (see _precond_step)
         self._residency.prefetch([k for pidx in reversed(order[:nstep])
                                   for k in self.tkeys.get(pidx, ())], reason="step")
+
+    def stage(self, member_lists: list, reason: str) -> None:
+        """Stage the blocks of these lists of members [(param, j)] into the ring, in order
+        (as far as it has room)."""
+        self._residency.prefetch([k for c in member_lists for m in c
+                                  for k in self._member_keys(*m)], reason=reason)
+
+    def handed_back(self) -> None:
+        """The ``step_blocks`` that was handed packed stacks returned: they are the state's
+        again, and an ``unstack`` of them writes as usual."""
+        self.packing.handed_back()
+
+    def prefetch(self, params: Iterable, reason: str = "") -> int:
+        """Stage the roots / eigenbases of params into the ring (as far as it has room)."""
+        if self.run.closed or self._residency is None:
+            return 0
+        return self._residency.prefetch(self._keys_of(params), reason=reason)
+
+    def fetch_early(self, params: Iterable) -> None:
+        """Read params' NVMe-resident blocks back into host memory (never raises)."""
+        if not self.run.closed and self._residency is not None:
+            self._residency.fetch_early(self._keys_of(params))
 
     def detier(self) -> Optional[dict]:
         """At close: the optimizer's state with the tiered roots / eigenbases as plain tensors
@@ -495,86 +432,12 @@ class Placement:
             plain[params[pidx]][name] = v
         return plain
 
-    # ---- the tiered state as the state proxy, the step and the checkpoint use it ------------
-    def held(self, p: torch.Tensor, name: str) -> bool:
-        """Does the residency hold p's block ``name`` (a virtual entry of ``optimizer.state``)?"""
-        return self._residency is not None and self._residency.has((self.run.pindex[p], name))
-
-    def held_names(self, p: torch.Tensor) -> list:
-        """The names of p's blocks the residency holds."""
-        if self._residency is None:
-            return []
-        return [k[1] for k in self.tkeys.get(self.run.pindex[p], ()) if self._residency.has(k)]
-
-    def read(self, p: torch.Tensor, name: str) -> torch.Tensor:
-        """A held block as a fresh tensor on p's device (never a live view)."""
-        key = self.key(p, name)
-        return self._residency.materialize([key])[key]
-
-    def write(self, p: torch.Tensor, name: str, value: torch.Tensor) -> None:
-        """Write an owned block (``owned``) into the residency."""
-        self._residency.write(self.key(p, name), value)
-
-    def drop(self, p: torch.Tensor, name: str) -> None:
-        """Free a held block."""
-        self._residency.drop(self.key(p, name))
-
-    def export_tiered(self) -> dict:
-        """{param: {name: tensor}} of every held block, as the all-device path has them (the
-        checkpoint's form)."""
-        params = self.run.by_index()
-        out: dict = defaultdict(dict)
-        if self._residency is not None:
-            for (pidx, name), v in self._residency.materialize(self._residency.keys()).items():
-                out[params[pidx]][name] = v
-        return out
-
-    def clear_tiered(self) -> None:
-        """Drop every held block (a load replaces them)."""
-        if self._residency is not None:
-            self._residency.clear()
-
-    def restore_tiered(self, p: torch.Tensor, st: dict) -> None:
-        """Move the blocks of a loaded state ``st`` (a plain dict of p's state, changed in
-        place) that the residency owns into it."""
-        if self._residency is not None:
-            for name in [n for n in dict.keys(st) if self.owned(p, n)]:
-                self.write(p, name, dict.pop(st, name))
-
-    def end_step(self) -> None:
-        """After a step (or a load): NVMe-homed blocks go back to NVMe (best effort)."""
-        if self._residency is not None:
-            self._residency.end_step()
-
-    def stage(self, member_lists: list, reason: str) -> None:
-        """Stage the blocks of these lists of members [(param, j)] into the ring, in order
-        (as far as it has room)."""
-        self._residency.prefetch([k for c in member_lists for m in c
-                                  for k in self.member_keys(*m)], reason=reason)
-
     def stats(self) -> Optional[dict]:
         """The residency's counters (bytes per tier, copies, NVMe traffic; its last ones once
         closed), or None: nothing was ever tiered."""
         if self._residency is not None:
             return self._residency.stats()
         return None if self._final_stats is None else dict(self._final_stats)
-
-    def keys_of(self, params: Iterable) -> list:
-        if self._residency is None:
-            return []
-        return [k for p in params if p in self.run.pindex
-                for k in self.tkeys.get(self.run.pindex[p], ()) if self._residency.has(k)]
-
-    def prefetch(self, params: Iterable, reason: str = "") -> int:
-        """Stage the roots / eigenbases of params into the ring (as far as it has room)."""
-        if self.run.closed or self._residency is None:
-            return 0
-        return self._residency.prefetch(self.keys_of(params), reason=reason)
-
-    def fetch_early(self, params: Iterable) -> None:
-        """Read params' NVMe-resident blocks back into host memory (never raises)."""
-        if not self.run.closed and self._residency is not None:
-            self._residency.fetch_early(self.keys_of(params))
 
     def decisions(self) -> list[str]:
         """The planner's decisions, in plain words."""
@@ -593,3 +456,46 @@ class Placement:
                 "planned_bytes": dict(plan.planned_bytes), "peak_bytes": dict(plan.peak_bytes),
                 "peak_total": sum(plan.peak_bytes.values()), "peak_parts": dict(plan.peak_parts),
                 "ring_bytes": plan.ring_bytes, "snapshot_ring_bytes": plan.snapshot_ring_bytes}
+
+    # ---- its own ----------------------------------------------------------------------------
+    def describe_key(self, key) -> str:
+        """A block's key in words, for the residency's messages."""
+        pidx, name = key
+        kind = {"roots": "root", "eigenbases": "eigenbasis"}.get(self.kinds.get(key), "state")
+        return f"{kind} block {name!r} of {self.run.describe(pidx)}"
+
+    def _entries(self) -> list:
+        """The planner's entry for every piece of state of every parameter."""
+        out = []
+        for group in self.run.param_groups:
+            for p in group["params"]:
+                lp = real(p)
+                pidx = self.run.pindex[p]
+                if lp.numel() == 0 or self.run.is_adamw(p, group):
+                    spec = [(n, "moments", tuple(lp.shape), lp.dtype) for n in K.ADAMW_MOMENTS]
+                else:
+                    spec = self.method.state_spec(p, group, self.run.layout(p, group))
+                for name, kind, shape, dtype in spec:
+                    itemsize = torch.empty((), dtype=dtype).element_size()
+                    out.append(planner.StateEntry(pidx, name, kind,
+                                                  int(torch.Size(shape).numel()) * itemsize,
+                                                  lp.device, dtype))
+        return out
+
+    def _key(self, p: torch.Tensor, name: str) -> tuple:
+        return (self.run.pindex[p], name)
+
+    def _member_keys(self, p: torch.Tensor, j: int) -> list:
+        return [k for k in self.tkeys.get(self.run.pindex[p], ()) if K.block_of(k[1]) == j]
+
+    def _any_owned(self, members: list, field: str, dim: Optional[int]) -> bool:
+        if self._residency is None:
+            return False
+        return any(self._residency.owns((self.run.pindex[p], K.key(j, field, dim)))
+                   for p, j in members)
+
+    def _keys_of(self, params: Iterable) -> list:
+        if self._residency is None:
+            return []
+        return [k for p in params if p in self.run.pindex
+                for k in self.tkeys.get(self.run.pindex[p], ()) if self._residency.has(k)]
