@@ -117,7 +117,7 @@ int ast_linalg_gram_ema_batched(ast_dtype dt, int batch, int n, int n1, const vo
     return run(AST_OP_GRAM_EMA, dt, batch, &o, failed_index);
 }
 
-/* ---- former names ----------------------------------------------------------------------------- */
+/* ---- former names --------------------------------------------------------------------------- */
 
 int ast_linalg_newton_inv_root(ast_dtype dt, int n, const void *a, int p, double eps,
                                int max_iter, double tol, void *x)

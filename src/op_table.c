@@ -99,7 +99,7 @@ static int op_spans(const ast__op *op, const ast_refresh *r, size_t bytes[AST__A
     return 0;
 }
 
-/* ---- the checks of a request (check) and of every call (validate), per op -------------------- */
+/* ---- the checks of a request (check) and of every call (validate), per op --------------- */
 
 static int check_root(const ast_refresh *r, size_t bytes[AST__ARG_COUNT], char *msg, size_t len)
 {
@@ -243,7 +243,7 @@ static int validate_gram_ema(const ast__op_args *o, const size_t count[AST__ARG_
     return 0;
 }
 
-/* ---- the table --------------------------------------------------------------------------------- */
+/* ---- the table ------------------------------------------------------------------------------ */
 
 enum { NONE = AST__ARG_NONE, OPT = AST__ARG_OPTIONAL, REQ = AST__ARG_REQUIRED };
 enum {
