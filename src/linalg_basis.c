@@ -10,7 +10,7 @@
  * Owns: nothing that outlives a call; each call allocates its own workspace (linalg_prim.h) and
  * frees it before returning, so any thread may call in concurrently with no lock.
  * May call: the typed primitives of linalg_prim.h only (through them LAPACK and CBLAS). Called by
- * the kernels in linalg.c, on inputs already known finite.
+ * the kernels in linalg_kernels.c, on inputs already known finite.
  */
 #include "linalg_basis.h"
 

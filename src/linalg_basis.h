@@ -1,7 +1,8 @@
 /*
- * linalg_basis.h - canonical bases of null spaces, for the host REFRESH kernels (linalg.c):
- * eigh's eigenvectors and a QR refresh's Q_new where the factor is rank-deficient. Internal
- * (ast__ prefix; not installed, not in asteria.map). Implemented by linalg_basis.c.
+ * linalg_basis.h - canonical bases of null spaces, for the host REFRESH kernels
+ * (linalg_kernels.c): eigh's eigenvectors and a QR refresh's Q_new where the factor is
+ * rank-deficient. Internal (ast__ prefix; not installed, not in asteria.map). Implemented by
+ * linalg_basis.c.
  */
 #ifndef ASTERIA_LINALG_BASIS_H
 #define ASTERIA_LINALG_BASIS_H

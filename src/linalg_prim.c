@@ -3,11 +3,13 @@
  * double instances of ast__kern, the workspace allocation, the Householder QR.
  *
  * Owns: two constant tables (one per dtype), written once by AST__LINALG_TYPED so the kernels
- * and the canonical bases are written once over ast__kern and never name a type. No state: each
- * call allocates its own workspace and frees it before returning, so any thread may call in
- * concurrently with no lock.
+ * and the canonical bases are written once over ast__kern and never name a type; with them the
+ * public ast_dtype_size, and ast_linalg_init (asteria/linalg.h), which pins OpenBLAS to one
+ * thread once (a pthread_once flag, the only state). Otherwise each call allocates its own
+ * workspace and frees it before returning, so any thread may call in concurrently with no lock.
  *
- * May call: LAPACKE (?syevd, ?geqrf, ?orgqr, ?lange) and CBLAS (?gemm, ?syrk, ?dot, ?scal) only.
+ * May call: LAPACKE (?syevd, ?geqrf, ?orgqr, ?lange), CBLAS (?gemm, ?syrk, ?dot, ?scal) and
+ * OpenBLAS's thread count only: the one file of libasteria that names them.
  * Column-major ("cm") buffers are the ones handed to LAPACK.
  */
 #include "linalg_prim.h"
@@ -16,6 +18,7 @@
 
 #include <float.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 
 #define WS_ALIGN 64
@@ -193,6 +196,18 @@ const ast__kern *ast__kern_for(ast_dtype dt)
     }
     return NULL;
 }
+
+size_t ast_dtype_size(ast_dtype dt)
+{
+    const ast__kern *K = ast__kern_for(dt);
+    return K ? K->es : 0;
+}
+
+static pthread_once_t init_once = PTHREAD_ONCE_INIT;
+
+static void init_once_fn(void) { openblas_set_num_threads(1); }
+
+void ast_linalg_init(void) { pthread_once(&init_once, init_once_fn); }
 
 /* ---- workspace ------------------------------------------------------------------------------- */
 

@@ -4,9 +4,10 @@
  * and the Householder QR that the kernels and the canonical bases share. Internal (ast__ prefix;
  * not installed, not in asteria.map).
  *
- * Implemented by linalg_prim.c; used by linalg.c (the kernels and their dispatch) and
- * linalg_basis.c (the canonical bases of null spaces). Everything here is constant or allocates
- * per call: any thread may call it, with no lock.
+ * Implemented by linalg_prim.c; used by linalg_kernels.c (the kernels), linalg_basis.c (the
+ * canonical bases of null spaces), op_run.c (the kernels' dispatch) and op_table.c (the checks
+ * of a call). Everything here is constant or allocates per call: any thread may call it, with
+ * no lock.
  */
 #ifndef ASTERIA_LINALG_PRIM_H
 #define ASTERIA_LINALG_PRIM_H
@@ -21,8 +22,8 @@
 #ifdef BLAS_SYMBOL_PREFIX
 /* An OpenBLAS whose symbols carry a prefix (scipy-openblas32 from PyPI, which the glibc 2.28
  * wheel links: docs/install.md; its pkg-config Cflags define BLAS_SYMBOL_PREFIX and its headers
- * declare the prefixed names). Every BLAS / LAPACKE name libasteria calls (linalg.c and
- * linalg_prim.c, the two files that call them, both through this header): */
+ * declare the prefixed names). Every BLAS / LAPACKE name libasteria calls (linalg_prim.c, the
+ * one file that calls them, through this header): */
 #define AST__BLAS_CAT(p, n) p##n
 #define AST__BLAS_PASTE(p, n) AST__BLAS_CAT(p, n)
 #define AST__BLAS_NAME(n) AST__BLAS_PASTE(BLAS_SYMBOL_PREFIX, n)

@@ -1,22 +1,25 @@
 /*
- * op_table.c - the REFRESH op table (op_table.h): one constant entry per ast_op (runtime.h), its
- * name, which of a request's pointers it takes and the shape each spans, takes_basis and
- * in_place, the check of its own arguments and the run function a pool worker calls; and the
- * request-wide checks (ast__op_check) and the ops' public description (ast_op_info_get,
- * ast_op_name, ast_op_count).
+ * op_table.c - the REFRESH op table (op_table.h): one constant row per ast_op (runtime.h), all
+ * of the op: its name, which of a request's pointers it takes and the shape each spans,
+ * takes_basis and in_place, the checks of a request's own arguments (check_*, with the reason
+ * in words) and of every call's (validate_*), and its kernel (linalg_kernels.h). Also the
+ * request-wide checks (ast__op_check), the call a request asks for (ast__op_args_of) and the
+ * ops' public description (ast_op_info_get, ast_op_name, ast_op_count).
  *
  * Owns: the table, constant, so any thread may read it with no lock; nothing else.
- * May call: the batched entry points of asteria/linalg.h (each run function is one call, or one
- * per block) and util.h's message formatter. Read by runtime.c (validate and run a request)
- * and by linalg.c, whose per-block kernels take their buffer shapes and in_place from here.
+ * May call: nothing at run time but the element size of a dtype (linalg_prim.h) and util.h's
+ * message formatter; the rows hold the kernels' addresses, which only the dispatch (op_run.c)
+ * calls. Read by runtime.c (validate a request), by op_run.c (run a row) and by linalg.c (the
+ * row of each direct entry point).
  */
 #include "op_table.h"
 
 #include "asteria/errors.h"
-#include "asteria/linalg.h"
+#include "linalg_kernels.h"
 #include "util.h"
 
 #include <float.h>
+#include <limits.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -39,48 +42,23 @@ static int bytes_of(size_t *out, size_t a, size_t b, size_t c, size_t d)
     return 0;
 }
 
-int ast__overlaps(const void *a, size_t alen, const void *b, size_t blen)
+/* Returns 1 if the byte spans [a, a + alen) and [b, b + blen) share a byte, else 0. */
+static int overlaps(const void *a, size_t alen, const void *b, size_t blen)
 {
     uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
     return x < y + blen && y < x + alen;
 }
 
-size_t ast__shape_elems(int shape, size_t n, size_t n1)
-{
-    switch (shape) {
-    case AST_SHAPE_NN:
-        return n * n;
-    case AST_SHAPE_N:
-    case AST_SHAPE_PERM:
-        return n;
-    case AST_SHAPE_NN1:
-        return n * n1;
-    case AST_SHAPE_N1N1:
-        return n1 * n1;
-    case AST_SHAPE_PAIR_NN:
-        return 2 * n * n;
-    case AST_SHAPE_PAIR_N1N1:
-        return 2 * n1 * n1;
-    default:
-        return 0;
-    }
-}
+/* The size of one element of a buffer of shape sh in a call of dtype size es. */
+static size_t elem_size(int sh, size_t es) { return sh == AST_SHAPE_PERM ? sizeof(int64_t) : es; }
 
-/* Sets bytes[i] to the span of each pointer op takes, from its shape, for r's batch, n, n1 and
- * dtype (0 for the others). Returns -1 if a span overflows a size_t. */
-static int op_spans(const ast__op *op, const ast_refresh *r, size_t bytes[AST__ARG_COUNT])
+int ast__op_counts(const ast__op *op, size_t batch, size_t n, size_t n1, size_t es,
+                   size_t count[AST__ARG_COUNT])
 {
-    const size_t batch = (size_t)r->batch, n = (size_t)r->n;
-    const size_t n1 = r->n1 > 0 ? (size_t)r->n1 : 0;
     for (int i = 0; i < AST__ARG_COUNT; i++) {
-        const int sh = op->shape[i];
-        const size_t es = sh == AST_SHAPE_PERM ? sizeof(int64_t) : ast_dtype_size(r->dtype);
-        /* the factors of each span, so bytes_of can see an overflow of the product */
-        size_t a = 1, b = 1;
-        switch (sh) {
-        case AST_SHAPE_NONE:
-            bytes[i] = 0;
-            continue;
+        /* the factors of each count, so bytes_of can see an overflow of the product */
+        size_t a = 0, b = 1, span;
+        switch (op->shape[i]) {
         case AST_SHAPE_NN:
             a = n, b = n;
             break;
@@ -101,11 +79,27 @@ static int op_spans(const ast__op *op, const ast_refresh *r, size_t bytes[AST__A
             a = 2 * n1, b = n1;
             break;
         }
-        if (bytes_of(&bytes[i], batch, a, b, es))
+        if (bytes_of(&count[i], a, b, 1, 1) ||
+            bytes_of(&span, batch, count[i], elem_size(op->shape[i], es), 1))
             return -1;
     }
     return 0;
 }
+
+/* Sets bytes[i] to the span of each pointer op takes, from its shape, for r's batch, n, n1 and
+ * dtype (0 for the others). Returns -1 if a span overflows a size_t. */
+static int op_spans(const ast__op *op, const ast_refresh *r, size_t bytes[AST__ARG_COUNT])
+{
+    const size_t batch = (size_t)r->batch, es = ast_dtype_size(r->dtype);
+    size_t count[AST__ARG_COUNT];
+    if (ast__op_counts(op, batch, (size_t)r->n, r->n1 > 0 ? (size_t)r->n1 : 0, es, count))
+        return -1;
+    for (int i = 0; i < AST__ARG_COUNT; i++)
+        bytes[i] = batch * count[i] * elem_size(op->shape[i], es);
+    return 0;
+}
+
+/* ---- the checks of a request (check) and of every call (validate), per op --------------- */
 
 static int check_root(const ast_refresh *r, size_t bytes[AST__ARG_COUNT], char *msg, size_t len)
 {
@@ -119,7 +113,7 @@ static int check_newton(const ast_refresh *r, size_t bytes[AST__ARG_COUNT], char
                         size_t len)
 {
     int rc = check_root(r, bytes, msg, len);
-    if (rc == 0 && r->p != (double)(int)r->p)
+    if (rc == 0 && (r->p > INT_MAX || r->p != (double)(int)r->p))
         return ast__errorf(msg, len, AST_EINVAL, "newton_root needs an integer p, got %g", r->p);
     return rc;
 }
@@ -157,11 +151,11 @@ static int check_gram_ema(const ast_refresh *r, size_t bytes[AST__ARG_COUNT], ch
                            r->p, r->eps);
     const size_t g = bytes[AST__ARG_IN0], lb = bytes[AST__ARG_OUT0], rb = bytes[AST__ARG_OUT1];
     const char *clash = NULL;
-    if (r->out0 && r->in0 && ast__overlaps(r->out0, lb, r->in0, g))
+    if (r->out0 && r->in0 && overlaps(r->out0, lb, r->in0, g))
         clash = "out0 (L) overlaps in0 (G)";
-    else if (r->out1 && r->in0 && ast__overlaps(r->out1, rb, r->in0, g))
+    else if (r->out1 && r->in0 && overlaps(r->out1, rb, r->in0, g))
         clash = "out1 (R) overlaps in0 (G)";
-    else if (r->out0 && r->out1 && ast__overlaps(r->out0, lb, r->out1, rb))
+    else if (r->out0 && r->out1 && overlaps(r->out0, lb, r->out1, rb))
         clash = "out0 (L) overlaps out1 (R)";
     if (clash)
         return ast__errorf(msg, len, AST_EINVAL,
@@ -171,57 +165,85 @@ static int check_gram_ema(const ast_refresh *r, size_t bytes[AST__ARG_COUNT], ch
     return 0;
 }
 
-static int run_eigh(const ast_refresh *r, int *failed_index)
+/* The square ops run LAPACK, whose 32-bit workspace sizes bound n. */
+static int validate_eigh(const ast__op_args *o, const size_t count[AST__ARG_COUNT], int batch,
+                         const ast__kern *K)
 {
-    return ast_linalg_eigh_batched(r->dtype, r->batch, r->n, r->in0, r->out1, r->out0,
-                                   failed_index);
+    (void)count, (void)batch, (void)K;
+    return o->n <= AST__LINALG_NMAX && (o->out0 || o->out1) ? 0 : AST_EINVAL;
 }
 
-static int run_inv_root(const ast_refresh *r, int *failed_index)
+static int validate_inv_root(const ast__op_args *o, const size_t count[AST__ARG_COUNT],
+                             int batch, const ast__kern *K)
 {
-    return ast_linalg_inv_root_batched(r->dtype, r->batch, r->n, r->in0, r->p, r->eps, r->out0,
-                                       failed_index);
+    (void)count, (void)batch, (void)K;
+    return o->n <= AST__LINALG_NMAX && o->out0 && o->p > 0 && o->p <= DBL_MAX && o->eps >= 0 &&
+                   o->eps <= DBL_MAX
+               ? 0
+               : AST_EINVAL;
 }
 
-/* The Newton root has no batched entry point: one call per block. */
-static int run_newton(const ast_refresh *r, int *failed_index)
+/* p is an integer: the direct call takes an int, a request's is checked by check_newton. */
+static int validate_newton(const ast__op_args *o, const size_t count[AST__ARG_COUNT], int batch,
+                           const ast__kern *K)
 {
-    const size_t stride = (size_t)r->n * (size_t)r->n * ast_dtype_size(r->dtype);
-    int rc = 0;
-    *failed_index = -1;
-    for (int b = 0; b < r->batch && !rc; b++) {
-        rc = ast_linalg_newton_inv_root(r->dtype, r->n, (const char *)r->in0 + b * stride,
-                                        (int)r->p, r->eps, NEWTON_MAX_ITER, NEWTON_TOL,
-                                        (char *)r->out0 + b * stride);
-        if (rc)
-            *failed_index = b;
-    }
-    return rc;
+    (void)count, (void)batch, (void)K;
+    return o->n <= AST__LINALG_NMAX && o->out0 && o->p >= 1 && o->p <= INT_MAX && o->eps >= 0 &&
+                   o->eps <= DBL_MAX && o->max_iter >= 0 && o->tol > 0 && o->tol <= DBL_MAX
+               ? 0
+               : AST_EINVAL;
 }
 
-static int run_soap_qr(const ast_refresh *r, int *failed_index)
+/* The refreshes write Q_new from F and Q: it may overlap neither. */
+static int validate_kl_qr(const ast__op_args *o, const size_t count[AST__ARG_COUNT], int batch,
+                          const ast__kern *K)
 {
-    return ast_linalg_soap_refresh_batched(r->dtype, r->batch, r->n, r->in0, r->in1, r->out0,
-                                           (int64_t *)r->out1, failed_index);
+    const size_t span = (size_t)batch * count[AST__ARG_IN0] * K->es;
+    if (o->n > AST__LINALG_NMAX || !o->in1 || !o->out0 || overlaps(o->out0, span, o->in0, span) ||
+        overlaps(o->out0, span, o->in1, span))
+        return AST_EINVAL;
+    return 0;
 }
 
-static int run_kl_qr(const ast_refresh *r, int *failed_index)
+static int validate_soap_qr(const ast__op_args *o, const size_t count[AST__ARG_COUNT], int batch,
+                            const ast__kern *K)
 {
-    return ast_linalg_qr_refresh_batched(r->dtype, r->batch, r->n, r->in0, r->in1, r->out0,
-                                         failed_index);
+    return o->out1 ? validate_kl_qr(o, count, batch, K) : AST_EINVAL;
 }
 
-static int run_rotate(const ast_refresh *r, int *failed_index)
+/* soap_rotate calls no LAPACK routine: any n, n1 (the dispatch has checked that every span is
+ * addressable); the output may not overlap any input. */
+static int validate_rotate(const ast__op_args *o, const size_t count[AST__ARG_COUNT], int batch,
+                           const ast__kern *K)
 {
-    return ast_linalg_soap_rotate_batched(r->dtype, r->batch, r->n, r->n1, r->in0, r->in1,
-                                          r->in2, r->out0, failed_index);
+    if (o->n1 < 1 || !o->out0 || (!o->in1 && !o->in2))
+        return AST_EINVAL;
+    const size_t b = (size_t)batch, es = K->es, out = b * count[AST__ARG_OUT0] * es;
+    if (overlaps(o->out0, out, o->in0, b * count[AST__ARG_IN0] * es) ||
+        (o->in1 && overlaps(o->out0, out, o->in1, b * count[AST__ARG_IN1] * es)) ||
+        (o->in2 && overlaps(o->out0, out, o->in2, b * count[AST__ARG_IN2] * es)))
+        return AST_EINVAL;
+    return 0;
 }
 
-static int run_gram_ema(const ast_refresh *r, int *failed_index)
+/* gram_ema: as soap_rotate, any n, n1; L and R are updated in place, so neither may overlap G
+ * or the other; beta and alpha finite in the type. */
+static int validate_gram_ema(const ast__op_args *o, const size_t count[AST__ARG_COUNT], int batch,
+                             const ast__kern *K)
 {
-    return ast_linalg_gram_ema_batched(r->dtype, r->batch, r->n, r->n1, r->in0, r->p, r->eps,
-                                       r->out0, r->out1, failed_index);
+    if (o->n1 < 1 || (!o->out0 && !o->out1) || !(fabs(o->p) <= K->maxval) ||
+        !(fabs(o->eps) <= K->maxval))
+        return AST_EINVAL;
+    const size_t b = (size_t)batch, es = K->es, g = b * count[AST__ARG_IN0] * es;
+    const size_t l = b * count[AST__ARG_OUT0] * es, r = b * count[AST__ARG_OUT1] * es;
+    if ((o->out0 && overlaps(o->out0, l, o->in0, g)) ||
+        (o->out1 && overlaps(o->out1, r, o->in0, g)) ||
+        (o->out0 && o->out1 && overlaps(o->out0, l, o->out1, r)))
+        return AST_EINVAL;
+    return 0;
 }
+
+/* ---- the table ------------------------------------------------------------------------------ */
 
 enum { NONE = AST__ARG_NONE, OPT = AST__ARG_OPTIONAL, REQ = AST__ARG_REQUIRED };
 enum {
@@ -234,25 +256,25 @@ enum {
     S_PAIR_N1N1 = AST_SHAPE_PAIR_N1N1
 };
 
-/* args and shape: in0, in1, in2, out0, out1; then takes_basis, in_place. The eigen ops have
- * always accepted an in1 of the factor's size (range-checked, not read); it stays accepted so no
- * caller breaks. */
+/* Per op: its name; args and shape: in0, in1, in2, out0, out1; takes_basis, in_place; the checks
+ * of a request and of every call; the kernel. The eigen ops have always accepted an in1 of the
+ * factor's size (range-checked, not read); it stays accepted so no caller breaks. */
 static const ast__op op_table[] = {
     [AST_OP_EIGH] = {"eigh", {REQ, OPT, NONE, REQ, OPT}, {S_NN, S_NN, 0, S_NN, S_N}, 0, 0, NULL,
-                     run_eigh},
+                     validate_eigh, ast__k_eigh},
     [AST_OP_INV_ROOT] = {"inv_root", {REQ, OPT, NONE, REQ, NONE}, {S_NN, S_NN, 0, S_NN, 0}, 0, 0,
-                         check_root, run_inv_root},
+                         check_root, validate_inv_root, ast__k_inv_root},
     [AST_OP_NEWTON_ROOT] = {"newton_root", {REQ, OPT, NONE, REQ, NONE}, {S_NN, S_NN, 0, S_NN, 0},
-                            0, 0, check_newton, run_newton},
+                            0, 0, check_newton, validate_newton, ast__k_newton_root},
     [AST_OP_SOAP_QR] = {"soap_qr", {REQ, REQ, NONE, REQ, REQ}, {S_NN, S_NN, 0, S_NN, S_PERM}, 1,
-                        0, NULL, run_soap_qr},
+                        0, NULL, validate_soap_qr, ast__k_soap_qr},
     [AST_OP_KL_QR] = {"kl_qr", {REQ, REQ, NONE, REQ, NONE}, {S_NN, S_NN, 0, S_NN, 0}, 1, 0, NULL,
-                      run_kl_qr},
+                      validate_kl_qr, ast__k_kl_qr},
     [AST_OP_SOAP_ROTATE] = {"soap_rotate", {REQ, OPT, OPT, REQ, NONE},
                             {S_NN1, S_PAIR_NN, S_PAIR_N1N1, S_NN1, 0}, 0, 0, check_rotate,
-                            run_rotate},
+                            validate_rotate, ast__k_soap_rotate},
     [AST_OP_GRAM_EMA] = {"gram_ema", {REQ, NONE, NONE, OPT, OPT}, {S_NN1, 0, 0, S_NN, S_N1N1}, 0,
-                         1, check_gram_ema, run_gram_ema},
+                         1, check_gram_ema, validate_gram_ema, ast__k_gram_ema},
 };
 /* Codes run from 1; slot 0 is no op. */
 #define OP_SLOTS ((int)(sizeof op_table / sizeof op_table[0]))
@@ -316,6 +338,17 @@ int ast__op_check(const ast_refresh *req, const ast__op **op, size_t bytes[AST__
     if (rc == 0)
         *op = o;
     return rc;
+}
+
+ast__op_args ast__op_args_of(const ast__op *op, const ast_refresh *req)
+{
+    /* an eigen op's in1 is accepted, not read (op_table[]); Python's Op.reads says the same */
+    const int reads = op->takes_basis || op->shape[AST__ARG_IN0] == AST_SHAPE_NN1;
+    ast__op_args o = {.n = req->n, .n1 = req->n1, .in0 = req->in0,
+                      .in1 = reads ? req->in1 : NULL, .in2 = reads ? req->in2 : NULL,
+                      .out0 = req->out0, .out1 = req->out1, .p = req->p, .eps = req->eps,
+                      .max_iter = NEWTON_MAX_ITER, .tol = NEWTON_TOL};
+    return o;
 }
 
 int ast_op_info_get(int op, ast_op_info *out)

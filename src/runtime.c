@@ -9,12 +9,12 @@
  * count every executor reaches (docs/departures.md).
  *
  * Ops: the runtime knows none by name. ast_runtime_submit checks a request with the op table
- * (op_table.h, op_table.c: ast__op_check, then each pointer against the entry's args and
- * the registered buffers) and a worker runs it with the entry's run function. A new op changes
- * nothing here.
+ * (op_table.h, op_table.c: ast__op_check, then each pointer against the row's args and the
+ * registered buffers) and a worker runs the row through the dispatch (op_run.h), as a direct
+ * call of asteria/linalg.h does. A new op changes nothing here.
  *
- * May call: the pool, the op table (and through it linalg), the trace recorder, config and
- * util.h.
+ * May call: the pool, the op table, the dispatch (and through it the kernels; ast_linalg_init
+ * and ast_linalg_last_retried), the trace recorder, config and util.h.
  *
  * Trace events are recorded where the runtime already is: "job queued" in submit (stamped
  * before the pool sees the job, so it precedes the pool's started_ns); "job started", the
@@ -35,6 +35,7 @@
 #include "asteria/linalg.h"
 #include "asteria/pool.h"
 #include "asteria/trace.h"
+#include "op_run.h"
 #include "op_table.h"
 #include "testing.h"
 #include "util.h"
@@ -58,7 +59,7 @@ typedef struct rbuf {
 typedef struct rjob {
     struct rjob *prev, *next; /* rt->live list: jobs whose completion is not yet drained */
     ast_refresh req;
-    const ast__op *op;             /* req.op's entry in the op table (op_table.h) */
+    const ast__op *op;             /* req.op's row in the op table (op_table.h) */
     uint64_t bufs[AST__ARG_COUNT]; /* the buffers it holds a reference on, one per pointer */
     int nbufs;
     int failed_index;
@@ -84,8 +85,10 @@ struct ast_runtime {
     _Atomic int job_delay_ms; /* test hook, testing.h */
 };
 
-/* Sets rt's last error under rt->mu and returns code (util's one setter). */
+/* Sets rt's last error under rt->mu and returns code (util's one setter); _LOCKED: for a caller
+ * that holds rt->mu. */
 #define RT_ERROR(rt, code, ...) ast__set_error(&(rt)->err, &(rt)->mu, (code), __VA_ARGS__)
+#define RT_ERROR_LOCKED(rt, code, ...) ast__set_error(&(rt)->err, NULL, (code), __VA_ARGS__)
 
 int ast_runtime_create(const ast_config *cfg, ast_runtime **out, char *errbuf, size_t len)
 {
@@ -280,14 +283,14 @@ static int job_run(void *ctx)
 {
     rjob *j = ctx;
     const ast_refresh *r = &j->req;
-    int rc;
     j->failed_index = -1;
     if (j->delay_ms > 0) {
         struct timespec d = {j->delay_ms / 1000, (long)(j->delay_ms % 1000) * 1000000L};
         while (nanosleep(&d, &d) != 0)
             ;
     }
-    rc = j->op->run(r, &j->failed_index);
+    const ast__op_args args = ast__op_args_of(j->op, r);
+    int rc = ast__op_run(j->op, r->dtype, &args, r->batch, &j->failed_index);
     j->retried = ast_linalg_last_retried();
     return rc;
 }
@@ -319,16 +322,13 @@ int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket
     for (int i = 0; i < AST__ARG_COUNT; i++) {
         if (!ptrs[i]) {
             if (op->args[i] == AST__ARG_REQUIRED) {
-                pthread_mutex_unlock(&rt->mu);
-                free(j);
-                return RT_ERROR(rt, AST_EINVAL, "submit: %s is required for op %d", names[i],
-                                (int)req->op);
+                rc = RT_ERROR_LOCKED(rt, AST_EINVAL, "submit: %s is required for op %d", names[i],
+                                     (int)req->op);
+                goto refuse;
             }
             continue;
         }
         if (op->args[i] == AST__ARG_NONE) {
-            pthread_mutex_unlock(&rt->mu);
-            free(j);
             /* in2 is the one pointer few ops take: the message says which. */
             char only[256] = "";
             if (i == AST__ARG_IN2) {
@@ -336,16 +336,16 @@ int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket
                 int k = ast__op_list(takers, sizeof takers, i);
                 snprintf(only, sizeof only, " (only %s take%s in2)", takers, k == 1 ? "s" : "");
             }
-            return RT_ERROR(rt, AST_EINVAL, "submit: %s must be NULL for op %d%s", names[i],
-                            (int)req->op, only);
+            rc = RT_ERROR_LOCKED(rt, AST_EINVAL, "submit: %s must be NULL for op %d%s", names[i],
+                                 (int)req->op, only);
+            goto refuse;
         }
         rbuf *b = find_range_locked(rt, ptrs[i], sizes[i]);
         if (!b) {
-            pthread_mutex_unlock(&rt->mu);
-            free(j);
-            return RT_ERROR(rt, AST_ERANGE,
-                            "submit: %s [%p, +%zu bytes) is not inside a registered buffer",
-                            names[i], ptrs[i], sizes[i]);
+            rc = RT_ERROR_LOCKED(rt, AST_ERANGE,
+                                 "submit: %s [%p, +%zu bytes) is not inside a registered buffer",
+                                 names[i], ptrs[i], sizes[i]);
+            goto refuse;
         }
         held[nheld++] = b;
     }
@@ -384,6 +384,11 @@ int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket
         ast_trace_event(rt->trace, &ev);
     }
     return 0;
+
+refuse: /* with rt->mu held and the refusal recorded: nothing is held yet but j */
+    pthread_mutex_unlock(&rt->mu);
+    free(j);
+    return rc;
 }
 
 int ast_runtime_cancel(ast_runtime *rt, uint64_t ticket)

@@ -108,25 +108,39 @@ static pthread_mutex_t registry_mtx = PTHREAD_MUTEX_INITIALIZER;
 static ast_store *stores;
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 
-static const char *const TIER_NAMES[AST_TIER_COUNT] = {"host", "host_pinned", "device", "uvm",
-                                                        "nvme"};
+/* Every tier with its name, in the order tiers are listed to users (ast_tier_listed): the one
+ * list of the tier names. asteria._C.tiers() hands it to Python, where the package's tier list
+ * (asteria.config.TIERS) and the optimizer's per-tier stats keys are made from it. */
+static const struct tier_row {
+    ast_tier tier;
+    const char *name;
+} TIERS[AST_TIER_COUNT] = {{AST_TIER_DEVICE, "device"}, {AST_TIER_HOST_PINNED, "host_pinned"},
+                           {AST_TIER_HOST, "host"}, {AST_TIER_UVM, "uvm"}, {AST_TIER_NVME, "nvme"}};
 
 const char *ast_tier_name(ast_tier t)
 {
-    return (unsigned)t < AST_TIER_COUNT ? TIER_NAMES[t] : NULL;
+    for (int i = 0; i < AST_TIER_COUNT; i++)
+        if (TIERS[i].tier == t)
+            return TIERS[i].name;
+    return NULL;
 }
 
 int ast_tier_parse(const char *name, ast_tier *out)
 {
     if (!name || !out)
         return AST_EINVAL;
-    for (int t = 0; t < AST_TIER_COUNT; t++) {
-        if (strcmp(name, TIER_NAMES[t]) == 0) {
-            *out = (ast_tier)t;
+    for (int i = 0; i < AST_TIER_COUNT; i++) {
+        if (strcmp(name, TIERS[i].name) == 0) {
+            *out = TIERS[i].tier;
             return 0;
         }
     }
     return AST_EINVAL;
+}
+
+ast_tier ast_tier_listed(int i)
+{
+    return i >= 0 && i < AST_TIER_COUNT ? TIERS[i].tier : AST_TIER_COUNT;
 }
 
 void ast_store_opts_init(ast_store_opts *o)

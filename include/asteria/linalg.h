@@ -7,7 +7,10 @@
  *
  * Public API: a program that runs refreshes on threads of its own, or on ast_pool workers
  * without a runtime (examples/pool_stream.c), calls these directly; the runtime's pool jobs
- * (ast_runtime_submit) run the same batched entry points, one per ast_op.
+ * (ast_runtime_submit) run the same ops the same way. Each op (ast_op, asteria/runtime.h) has
+ * ast_linalg_<op> (one block) and ast_linalg_<op>_batched; three keep former names too
+ * (ast_linalg_newton_inv_root, ast_linalg_soap_refresh*, ast_linalg_qr_refresh*), the same
+ * calls.
  *
  * Conventions
  *  - Matrices are dense, ROW-MAJOR (torch's layout), no padding; square n x n except the
@@ -89,10 +92,18 @@ int ast_linalg_inv_root_batched(ast_dtype dt, int batch, int n, const void *a, d
 /* Coupled-Newton inverse p-th root of (A + eps I) (Higham / Guo-Higham iteration), p a positive
  * integer, A symmetric positive (semi)definite. Stops when ||M - I||_inf < tol, or earlier with
  * AST_ENOCONV once the iteration stalls or diverges, or after max_iter iterations.
- * RETURN VALUE: 0 on convergence; AST_EINVAL (unknown dt, n out of range, a or x NULL, p < 1,
- * eps not a finite value >= 0, max_iter < 0, tol not a finite value > 0); AST_ENOMEM;
- * AST_ENOCONV (max_iter reached, a stall or a divergence; an indefinite A ends here or in
- * AST_ENONFINITE); AST_ENONFINITE (NaN/Inf in A or an iterate, A + eps I == 0). */
+ * RETURN VALUE (both variants): 0 on convergence; AST_EINVAL (unknown dt, n out of range,
+ * batch < 0, a or x NULL, p < 1, eps not a finite value >= 0, max_iter < 0, tol not a finite
+ * value > 0); AST_ENOMEM; AST_ENOCONV (max_iter reached, a stall or a divergence; an indefinite
+ * A ends here or in AST_ENONFINITE); AST_ENONFINITE (NaN/Inf in A or an iterate,
+ * A + eps I == 0). */
+int ast_linalg_newton_root(ast_dtype dt, int n, const void *a, int p, double eps, int max_iter,
+                           double tol, void *x);
+int ast_linalg_newton_root_batched(ast_dtype dt, int batch, int n, const void *a, int p,
+                                   double eps, int max_iter, double tol, void *x,
+                                   int *failed_index);
+/* The former name of ast_linalg_newton_root, the same call.
+ * RETURN VALUE: as ast_linalg_newton_root's. */
 int ast_linalg_newton_inv_root(ast_dtype dt, int n, const void *a, int p, double eps,
                                int max_iter, double tol, void *x);
 
@@ -104,16 +115,27 @@ int ast_linalg_newton_inv_root(ast_dtype dt, int n, const void *a, int p, double
  * RETURN VALUE (both variants): 0; AST_EINVAL (unknown dt, n out of range, batch < 0, f, q,
  * q_new or perm NULL, q_new overlapping f or q); AST_ENOMEM; AST_ENOCONV; AST_ENONFINITE
  * (NaN/Inf in F, Q or the result). */
+int ast_linalg_soap_qr(ast_dtype dt, int n, const void *f, const void *q, void *q_new,
+                       int64_t *perm);
+int ast_linalg_soap_qr_batched(ast_dtype dt, int batch, int n, const void *f, const void *q,
+                               void *q_new, int64_t *perm, int *failed_index);
+/* The former names of ast_linalg_soap_qr and ast_linalg_soap_qr_batched, the same calls.
+ * RETURN VALUE: as theirs. */
 int ast_linalg_soap_refresh(ast_dtype dt, int n, const void *f, const void *q, void *q_new,
                             int64_t *perm);
 int ast_linalg_soap_refresh_batched(ast_dtype dt, int batch, int n, const void *f, const void *q,
                                     void *q_new, int64_t *perm, int *failed_index);
 
 /* KL-Shampoo's refresh: Q_new = qr(F Q).Q (no sorting; dependent columns as in
- * ast_linalg_soap_refresh).
+ * ast_linalg_soap_qr).
  * RETURN VALUE (both variants): 0; AST_EINVAL (unknown dt, n out of range, batch < 0, f, q or
  * q_new NULL, q_new overlapping f or q); AST_ENOMEM; AST_ENOCONV; AST_ENONFINITE (NaN/Inf in
  * F, Q or the result). */
+int ast_linalg_kl_qr(ast_dtype dt, int n, const void *f, const void *q, void *q_new);
+int ast_linalg_kl_qr_batched(ast_dtype dt, int batch, int n, const void *f, const void *q,
+                             void *q_new, int *failed_index);
+/* The former names of ast_linalg_kl_qr and ast_linalg_kl_qr_batched, the same calls.
+ * RETURN VALUE: as theirs. */
 int ast_linalg_qr_refresh(ast_dtype dt, int n, const void *f, const void *q, void *q_new);
 int ast_linalg_qr_refresh_batched(ast_dtype dt, int batch, int n, const void *f, const void *q,
                                   void *q_new, int *failed_index);

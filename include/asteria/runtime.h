@@ -5,8 +5,8 @@
  * stats counters, the last-error message and, when config.trace is set, a trace recorder
  * (trace.h) whose file is written at destroy.
  *
- * A REFRESH request names an operation (ast_op; src/op_table.c keeps one table of them: name,
- * argument checks, run function) and host pointers (in0..in2, out0, out1) that must lie inside
+ * A REFRESH request names an operation (ast_op; src/op_table.c keeps one row per op: name,
+ * argument checks, kernel) and host pointers (in0..in2, out0, out1) that must lie inside
  * buffers registered with ast_runtime_register (AST_ERANGE otherwise), so a job never touches
  * memory its owner has not declared. Outputs are written only when the job succeeds. A
  * completion reports its job's own status, however often that block failed before: the runtime
@@ -87,9 +87,10 @@ typedef enum ast_op {
     AST_OP_GRAM_EMA = 7
 } ast_op;
 
-/* The REFRESH ops are one table in src/op_table.c (name, properties, argument checks, run
- * function), which ast_runtime_submit reads; a new op is its value above, its entry there and
- * its kernel with its direct entry points (asteria/linalg.h, src/linalg.c). */
+/* The REFRESH ops are one table in src/op_table.c, a row per op (name, properties, argument
+ * checks, kernel), which ast_runtime_submit reads and a pool worker runs; a new op is its value
+ * above, its kernel (src/linalg_kernels.c), its row there and its direct entry points named after
+ * it (asteria/linalg.h, src/linalg.c). */
 /* Returns the name of op ("eigh", "inv_root", ...: a static string), or NULL for a code that
  * names no op. */
 const char *ast_op_name(int op);

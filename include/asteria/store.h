@@ -45,10 +45,15 @@ typedef enum ast_tier {
     AST_TIER_COUNT = 5
 } ast_tier;
 
-/* Returns "host", "host_pinned", "device", "uvm" or "nvme"; NULL for an unknown tier. */
+/* Returns the tier's name, "device", "host_pinned", "host", "uvm" or "nvme"; NULL for an unknown
+ * tier. */
 const char *ast_tier_name(ast_tier t);
 /* Parses a tier name into *out. Returns 0; AST_EINVAL for an unknown name or NULL arguments. */
 int ast_tier_parse(const char *name, ast_tier *out);
+/* Returns the i-th tier (0 <= i < AST_TIER_COUNT) in the order tiers are listed to users:
+ * device, host_pinned, host, uvm, nvme (asteria._C.tiers() hands the names out in it, and the
+ * Python package's tier list and messages follow it); AST_TIER_COUNT for any other i. */
+ast_tier ast_tier_listed(int i);
 
 typedef enum ast_direct_policy {
     AST_DIRECT_REQUIRE = 0,  /* refuse (AST_ENOTSUP) a directory whose filesystem lacks O_DIRECT */

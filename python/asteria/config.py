@@ -21,8 +21,29 @@ import math
 import os
 from typing import Any, Mapping, Optional, Union
 
+from asteria import _C
+
 PLACEMENT_KINDS = ("factors", "roots", "eigenbases", "moments")
-TIERS = ("device", "host_pinned", "host", "uvm", "nvme")
+
+
+def _tiers() -> tuple:
+    """libasteria's memory tiers (``_C.tiers()``, src/store.c's one list), in the order they are
+    listed to users; refuses to import if they are not the tiers this package's tier code (the
+    planner's rules, tiers/plan.py; the residency's staging, tiers/residency.py) is written for,
+    so a tier added, renamed or dropped on one side only is found here (docs/architecture.md,
+    "A tier")."""
+    c_tiers = tuple(_C.tiers())
+    python_tiers = {"device", "host_pinned", "host", "uvm", "nvme"}  # compared, never listed
+    if set(c_tiers) != python_tiers or len(c_tiers) != len(python_tiers):
+        raise ImportError(f"asteria.config and libasteria's tiers disagree: C has "
+                          f"{list(c_tiers)}, the Python tier code is written for "
+                          f"{sorted(python_tiers)}; a tier is added in both "
+                          f"(docs/architecture.md, 'A tier')")
+    return c_tiers
+
+
+#: the memory tiers, libasteria's (``_C.tiers()``), in the order they are listed to users
+TIERS = _tiers()
 #: storage dtypes of the tiers outside the device ("float32": every block in its state's dtype)
 TIER_DTYPES = ("float32", "bfloat16")
 #: how replicated blocks reach every replica (docs/distributed.md, "Who sends what")

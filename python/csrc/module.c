@@ -157,12 +157,29 @@ static PyObject *mod_ops(PyObject *m, PyObject *unused)
     return out;
 }
 
+/* libasteria's tier names (ast_tier_listed, ast_tier_name), in the order tiers are listed to
+ * users: the one source of asteria.config.TIERS. */
+static PyObject *mod_tiers(PyObject *m, PyObject *unused)
+{
+    (void)m, (void)unused;
+    PyObject *out = PyTuple_New(AST_TIER_COUNT);
+    for (int i = 0; out && i < AST_TIER_COUNT; i++) {
+        PyObject *name = PyUnicode_FromString(ast_tier_name(ast_tier_listed(i)));
+        if (!name || PyTuple_SetItem(out, i, name) < 0) /* steals name, even on failure */
+            Py_CLEAR(out);
+    }
+    return out;
+}
+
 static PyMethodDef mod_methods[] = {
     {"ops", mod_ops, METH_NOARGS,
      PyDoc_STR("ops()\n--\n\nlibasteria's REFRESH op table: {name: {'code', 'takes_basis', "
                "'in_place', 'operands': {slot: (need, shape)}}}, slot one of in0, in1, in2, "
                "out0, out1 (the ones the op takes), need 'optional' or 'required', shape one of "
                "nn, n, perm, nn1, n1n1, pair_nn, pair_n1n1 (per batch entry).")},
+    {"tiers", mod_tiers, METH_NOARGS,
+     PyDoc_STR("tiers()\n--\n\nlibasteria's memory tiers (Store's), as a tuple of names in the "
+               "order they are listed to users, the device first.")},
     {"strerror", mod_strerror, METH_O,
      PyDoc_STR("strerror(code)\n--\n\nThe message of an AST_E* code.")},
     {"err_name", mod_err_name, METH_O,

@@ -101,8 +101,15 @@ static int parse_tier(PyObject *o, ast_tier *out)
     if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_ValueError))
         return -1;
     PyErr_Clear();
-    PyErr_Format(PyExc_ValueError,
-                 "unknown tier %R; allowed: 'host', 'host_pinned', 'device', 'uvm', 'nvme'", o);
+    /* the names from libasteria's table, in ast_tier's order */
+    char allowed[128] = "";
+    size_t used = 0;
+    for (int t = 0; t < AST_TIER_COUNT && used < sizeof allowed; t++) {
+        int w = snprintf(allowed + used, sizeof allowed - used, "%s'%s'", t ? ", " : "",
+                         ast_tier_name((ast_tier)t));
+        used = w < 0 ? sizeof allowed : used + (size_t)w;
+    }
+    PyErr_Format(PyExc_ValueError, "unknown tier %R; allowed: %s", o, allowed);
     return -1;
 }
 

@@ -1004,7 +1004,7 @@ static void test_qr_refresh_restatement(void **state)
 
 /* ---- batched --------------------------------------------------------------------------------- */
 
-typedef enum bop { B_EIGH, B_ROOT, B_SOAP, B_QR } bop;
+typedef enum bop { B_EIGH, B_ROOT, B_SOAP, B_QR, B_NEWTON } bop;
 
 /* vec: w for eigh, perm for SOAP. */
 static int call_single(bop op, ast_dtype dt, int n, const void *a, const void *q, void *m,
@@ -1016,9 +1016,11 @@ static int call_single(bop op, ast_dtype dt, int n, const void *a, const void *q
     case B_ROOT:
         return ast_linalg_inv_root(dt, n, a, 2, 1e-4, m);
     case B_SOAP:
-        return ast_linalg_soap_refresh(dt, n, a, q, m, vec);
+        return ast_linalg_soap_qr(dt, n, a, q, m, vec);
     case B_QR:
-        return ast_linalg_qr_refresh(dt, n, a, q, m);
+        return ast_linalg_kl_qr(dt, n, a, q, m);
+    case B_NEWTON:
+        return ast_linalg_newton_root(dt, n, a, 2, 1e-4, 50, 1e-5, m);
     }
     return -100;
 }
@@ -1032,9 +1034,11 @@ static int call_batched(bop op, ast_dtype dt, int batch, int n, const void *a, c
     case B_ROOT:
         return ast_linalg_inv_root_batched(dt, batch, n, a, 2, 1e-4, m, fi);
     case B_SOAP:
-        return ast_linalg_soap_refresh_batched(dt, batch, n, a, q, m, vec, fi);
+        return ast_linalg_soap_qr_batched(dt, batch, n, a, q, m, vec, fi);
     case B_QR:
-        return ast_linalg_qr_refresh_batched(dt, batch, n, a, q, m, fi);
+        return ast_linalg_kl_qr_batched(dt, batch, n, a, q, m, fi);
+    case B_NEWTON:
+        return ast_linalg_newton_root_batched(dt, batch, n, a, 2, 1e-4, 50, 1e-5, m, fi);
     }
     return -100;
 }
@@ -1048,7 +1052,7 @@ static void test_batched(void **state)
     const size_t nn = N * N;
     rng_seed(12);
     for (size_t d = 0; d < 2; d++)
-        for (int op = B_EIGH; op <= B_QR; op++) {
+        for (int op = B_EIGH; op <= B_NEWTON; op++) {
             const ast_dtype dt = dtypes[d];
             const size_t es = ast_dtype_size(dt);
             const size_t vb = op == B_SOAP ? N * sizeof(int64_t) : N * es;
@@ -1110,6 +1114,54 @@ static void test_batched(void **state)
             assert_true(sentinel_intact(m, nn * es));
             free_all(a64, q64, a, q, m, v, m1, v1, NULL);
         }
+}
+
+/* The former names (ast_linalg_soap_refresh*, ast_linalg_qr_refresh*,
+ * ast_linalg_newton_inv_root) are the op-named calls: the same results bitwise, the same
+ * refusals. */
+static void test_former_names(void **state)
+{
+    (void)state;
+    enum { N = 9 };
+    const size_t nn = N * N;
+    rng_seed(21);
+    double lam[N], q[N * N];
+    for (int i = 0; i < N; i++)
+        lam[i] = 1 + 4 * urand();
+    double *f = rand_with_spectrum(N, lam, NULL);
+    rand_orthogonal(N, q);
+    double *m0 = dalloc(nn), *m1 = dalloc(nn);
+    int64_t p0[N], p1[N];
+    int fi0 = 99, fi1 = 99;
+
+    assert_int_equal(ast_linalg_soap_refresh(AST_F64, N, f, q, m0, p0), 0);
+    assert_int_equal(ast_linalg_soap_qr(AST_F64, N, f, q, m1, p1), 0);
+    assert_memory_equal(m0, m1, nn * sizeof *m0);
+    assert_memory_equal(p0, p1, sizeof p0);
+    assert_int_equal(ast_linalg_soap_refresh_batched(AST_F64, 1, N, f, q, m0, p0, &fi0), 0);
+    assert_int_equal(ast_linalg_soap_qr_batched(AST_F64, 1, N, f, q, m1, p1, &fi1), 0);
+    assert_memory_equal(m0, m1, nn * sizeof *m0);
+    assert_int_equal(fi0, fi1);
+
+    assert_int_equal(ast_linalg_qr_refresh(AST_F64, N, f, q, m0), 0);
+    assert_int_equal(ast_linalg_kl_qr(AST_F64, N, f, q, m1), 0);
+    assert_memory_equal(m0, m1, nn * sizeof *m0);
+    assert_int_equal(ast_linalg_qr_refresh_batched(AST_F64, 1, N, f, q, m0, &fi0), 0);
+    assert_int_equal(ast_linalg_kl_qr_batched(AST_F64, 1, N, f, q, m1, &fi1), 0);
+    assert_memory_equal(m0, m1, nn * sizeof *m0);
+
+    assert_int_equal(ast_linalg_newton_inv_root(AST_F64, N, f, 4, 1e-6, 50, 1e-8, m0), 0);
+    assert_int_equal(ast_linalg_newton_root(AST_F64, N, f, 4, 1e-6, 50, 1e-8, m1), 0);
+    assert_memory_equal(m0, m1, nn * sizeof *m0);
+
+    assert_int_equal(ast_linalg_soap_refresh(AST_F64, N, f, q, f, p0), AST_EINVAL);
+    assert_int_equal(ast_linalg_qr_refresh(AST_F64, N, f, NULL, m0), AST_EINVAL);
+    assert_int_equal(ast_linalg_newton_inv_root(AST_F64, N, f, 0, 1e-6, 50, 1e-8, m0),
+                     AST_EINVAL);
+    assert_int_equal(ast_linalg_newton_root_batched(AST_F64, -1, N, f, 2, 0, 50, 1e-8, m0, &fi0),
+                     AST_EINVAL);
+    assert_int_equal(fi0, 0);
+    free_all(f, m0, m1, NULL);
 }
 
 /* ---- SOAP's m re-expression (soap_rotate) -------------------------------------------------- */
@@ -1805,6 +1857,7 @@ int main(void)
         cmocka_unit_test(test_soap_refresh_converges),
         cmocka_unit_test(test_qr_refresh_restatement),
         cmocka_unit_test(test_batched),
+        cmocka_unit_test(test_former_names),
         cmocka_unit_test(test_retry_f64),
         cmocka_unit_test(test_soap_rotate_restatement),
         cmocka_unit_test(test_soap_rotate_same_basis_is_identity),

@@ -282,6 +282,23 @@ static void test_tier_names(void **state)
     assert_int_equal(ast_tier_parse(NULL, &t), AST_EINVAL);
 }
 
+/* The listing order holds every tier once, device first (the order users read them in). */
+static void test_tier_listing_order(void **state)
+{
+    (void)state;
+    int seen[AST_TIER_COUNT] = {0};
+    for (int i = 0; i < AST_TIER_COUNT; i++) {
+        const ast_tier t = ast_tier_listed(i);
+        assert_true((unsigned)t < AST_TIER_COUNT);
+        assert_int_equal(seen[t]++, 0);
+        assert_non_null(ast_tier_name(t));
+    }
+    assert_int_equal(ast_tier_listed(0), AST_TIER_DEVICE);
+    assert_int_equal(ast_tier_listed(AST_TIER_COUNT - 1), AST_TIER_NVME);
+    assert_int_equal(ast_tier_listed(-1), AST_TIER_COUNT);
+    assert_int_equal(ast_tier_listed(AST_TIER_COUNT), AST_TIER_COUNT);
+}
+
 static void test_host_tier(void **state)
 {
     ast_store *s = open_store(NULL, AST_DIRECT_REQUIRE, 0, 0);
@@ -1208,6 +1225,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tier_names),
+        cmocka_unit_test(test_tier_listing_order),
         cmocka_unit_test(test_host_tier),
         cmocka_unit_test(test_block_table),
         cmocka_unit_test(test_cuda_tiers_absent),

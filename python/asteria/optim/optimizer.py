@@ -52,7 +52,7 @@ import torch
 
 from asteria.refresh import select as _select
 from asteria.refresh.capacity import report_lines
-from asteria.config import RuntimeConfig
+from asteria.config import TIERS, RuntimeConfig
 from asteria.optim import _layout as K
 from asteria.optim import functional as F
 from asteria.optim._blocking import experts_of
@@ -65,11 +65,11 @@ from asteria.optim.run import Run
 from asteria.optim.schedule import CHOOSE_F_AT, Schedule
 
 
-#: the keys asteria_stats() reports in every mode (zero where a mode has no such thing)
-STATS_KEYS = ("bytes_device", "bytes_host", "bytes_host_pinned", "bytes_uvm", "bytes_nvme",
-              "jobs_queued", "jobs_running", "jobs_done", "barrier_waits", "barrier_wait_ns",
-              "bytes_h2d", "bytes_d2h", "bytes_nvme_read", "bytes_nvme_written",
-              "nvme_read_MBps", "nvme_write_MBps")
+#: the keys asteria_stats() reports in every mode (zero where a mode has no such thing): the
+#: bytes of each tier (config.TIERS, libasteria's), then the rest
+STATS_KEYS = tuple(f"bytes_{t}" for t in TIERS) + (
+    "jobs_queued", "jobs_running", "jobs_done", "barrier_waits", "barrier_wait_ns", "bytes_h2d",
+    "bytes_d2h", "bytes_nvme_read", "bytes_nvme_written", "nvme_read_MBps", "nvme_write_MBps")
 
 
 class AsteriaOptimizer(torch.optim.Optimizer):

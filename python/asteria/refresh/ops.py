@@ -9,8 +9,9 @@ too. Every executor and the cost model read an op's fields (``Op.takes_basis``,
 ``Op.in_place``, ``Op.rectangular``, ``Op.outputs``, ``Op.operand_elems``) and never name an
 op: the torch executors run the references, the C pool takes the code and sizes its buffers
 from the operands, the replicated executor sizes its transfers with ``output_spec``.
-Adding an op: its ``ast_op`` value in include/asteria/runtime.h, its kernel in src/linalg.c, its
-op-table entry in src/op_table.c, its reference and FLOP count here (docs/architecture.md, "A REFRESH op").
+Adding an op: its ``ast_op`` value in include/asteria/runtime.h, its kernel in
+src/linalg_kernels.c, its row in src/op_table.c, its direct entry points in src/linalg.c, its
+reference and FLOP count here (docs/architecture.md, "A REFRESH op").
 May call: torch, ``asteria._C`` (the op table, at import).
 
 Operations (names mirror ``ast_op`` in include/asteria/runtime.h):
@@ -149,7 +150,7 @@ def _eigh(f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def null_floor(w: torch.Tensor) -> torch.Tensor:
     """The floor under the eigenvalues ``w`` (..., n) of an inverse root: n eps_m max(w, 0),
     (..., 1). Eigenvalues below it are rounding noise, on which LAPACKs disagree; raised to it
-    they give a rank-deficient factor's null space one root value (src/linalg.c)."""
+    they give a rank-deficient factor's null space one root value (src/linalg_kernels.c)."""
     n = w.shape[-1]
     return n * torch.finfo(w.dtype).eps * w.amax(dim=-1, keepdim=True).clamp(min=0.0)
 
@@ -211,7 +212,7 @@ def gram_ema(g: torch.Tensor, l: Optional[torch.Tensor], r: Optional[torch.Tenso
     """SOAP's factor EMAs for G (batch, n, n1): (beta L + alpha G G^T, beta R + alpha G^T G)
     as new tensors, L (batch, n, n), R (batch, n1, n1). A None factor is not updated and None
     stands in its place; not both. The inputs are not modified (the C pool's op updates L and
-    R in place, src/linalg.c)."""
+    R in place, src/linalg_kernels.c)."""
     if l is None and r is None:
         raise ValueError("gram_ema needs L, R or both; got neither")
     gt = g.transpose(-1, -2)

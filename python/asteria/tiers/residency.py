@@ -689,7 +689,9 @@ class Residency:
         if self._closed:
             return dict(self._final_stats)
         st = self.store.stats()
-        out = {f"bytes_{t}": st["bytes"][t] for t in ("host", "host_pinned", "uvm", "nvme")}
+        # every store tier's bytes (the store's names, libasteria's) but the device's, which
+        # the optimizer counts itself (its state on the device and this ring)
+        out = {f"bytes_{t}": n for t, n in st["bytes"].items() if t != "device"}
         out["bytes_device_ring"] = self.plan.ring_bytes if self.shadow is not None else 0
         out["bytes_nvme_read"] = st["nvme_bytes_read"]
         out["bytes_nvme_written"] = st["nvme_bytes_written"]
