@@ -401,7 +401,7 @@ def test_newton_root(rt, dtype):
     assert run(rt, "newton_root", dtype, f, out0=x, p=p, eps=eps).status == 0
     wl, v = np.linalg.eigh(f.astype(np.float64))
     ref = (v * (wl + eps)[:, None, :] ** (-1.0 / p)) @ v.transpose(0, 2, 1)
-    # not rounding: the iteration stops at NEWTON_TOL = 1e-6 (src/linalg.c), times cond 3
+    # not rounding: the iteration stops at NEWTON_TOL = 1e-6 (src/op_table.c), times cond 3
     np.testing.assert_allclose(x, ref, rtol=1e-4, atol=1e-4)
 
 

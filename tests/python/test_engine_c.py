@@ -116,7 +116,7 @@ def test_newton_root(eng):
     f = sym(2, 12, torch.float64, seed=4, eigs=torch.linspace(2.0, 1.0, 12))
     res = submit_wait(eng, "newton_root", f, p=2, eps=1e-8)
     assert res.status == 0
-    # not rounding: the iteration stops at NEWTON_TOL = 1e-6 (src/linalg.c), times cond 2
+    # not rounding: the iteration stops at NEWTON_TOL = 1e-6 (src/op_table.c), times cond 2
     torch.testing.assert_close(res.outputs[0], ref_inv_root(f, 2, 1e-8), rtol=1e-5, atol=1e-5)
 
 
