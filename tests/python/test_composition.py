@@ -58,6 +58,7 @@ def test_parts_are_built_from_the_record_not_the_optimizer():
     reference to the optimizer."""
     import inspect
 
+    from asteria.optim.background import BackgroundJobs
     from asteria.optim.checkpoint import Checkpoint
     from asteria.optim.placement import Placement
     from asteria.optim.schedule import Schedule
@@ -67,7 +68,8 @@ def test_parts_are_built_from_the_record_not_the_optimizer():
     assert list(inspect.signature(Placement).parameters) == ["run", "method", "writes"]
     assert list(inspect.signature(Checkpoint).parameters) == ["run", "method", "schedule",
                                                               "placement"]
-    for name in ("schedule.py", "placement.py", "checkpoint.py", "method.py", "_writes.py"):
+    assert list(inspect.signature(BackgroundJobs).parameters) == ["run"]
+    for name in ("schedule.py", "placement.py", "checkpoint.py", "method.py", "background.py"):
         assert "weakref.ref(opt)" not in (PKG / "optim" / name).read_text(), name
 
 
@@ -158,6 +160,9 @@ PARTS = {
                   {"optim/placement.py"}),
     "checkpoint": (r"_?checkpoint|codec", "asteria.optim.checkpoint:Checkpoint",
                    {"optim/checkpoint.py"}),
+    # the placement and the schedule hold it as what still writes state
+    "background": (r"background|writes", "asteria.optim.background:BackgroundJobs",
+                   {"optim/background.py"}),
 }
 # What a method declares for the base to read (method.py derives the hooks from them): offered
 # by every method and read by the base, not by the other parts.
@@ -235,9 +240,11 @@ def offered(part):
 
 def test_the_pattern_of_a_use_finds_what_it_is_for():
     ref = re.compile(rf"(?<![\w])(?:(?:self|opt|own|o)\.)?({PARTS['schedule'][0]})\.(\w+)")
-    hits = ["self.schedule.settle()", "sched.capacity", "opt.schedule.delay", "schedule.offload("]
+    hits = ["self.schedule.settle()", "sched.capacity", "opt.schedule.delay",
+            "schedule.frequency("]
     misses = ["self.reschedule.x", "schedule_x.y", "my_sched.y"]
-    assert [ref.search(s).group(2) for s in hits] == ["settle", "capacity", "delay", "offload"]
+    assert [ref.search(s).group(2) for s in hits] == ["settle", "capacity", "delay",
+                                                      "frequency"]
     assert not any(ref.search(s) for s in misses)
     assert imported_names("from asteria.optim import placement\nimport a.b as c") == {
         "placement", "c"}
@@ -257,3 +264,19 @@ def test_the_interface_table_lists_exactly_what_each_part_offers_and_is_used_thr
         assert not absent, f"{part}: listed in the table but not offered: {sorted(absent)}"
         unused = listed - set(used) - DECLARED
         assert not unused, f"{part}: listed but no other file uses it: {sorted(unused)}"
+
+
+def test_the_kernels_call_nothing_back():
+    """``functional`` is pure math (torch's ``adam()``: lists of tensors in, nothing called
+    back): no kernel takes a callable, so none waits on a scheduler in disguise. A method that
+    must wait for a tensor (SOAP's m, re-expressed on a worker) waits between two kernels."""
+    import inspect
+
+    from asteria.optim import functional
+
+    text = (PKG / "optim" / "functional.py").read_text()
+    assert "Callable" not in text and "callable(" not in text
+    for name, fn in inspect.getmembers(functional, inspect.isfunction):
+        if fn.__module__ == functional.__name__:
+            for param in inspect.signature(fn).parameters.values():
+                assert "Callable" not in str(param.annotation), (name, param.name)

@@ -11,7 +11,7 @@ Residency is its own: the others use the calls it offers for tiered state (``off
 ``prepare``, ``stage``, ``end_step``, ``stats``, ``closer`` for the optimizer). Built with what
 it uses (``Placement(run, method, writes)``). May call: torch, ``asteria.tiers.plan``,
 ``asteria.tiers.residency``, the run record (config, parameter index, layouts, the state), the
-method's ``state_spec``, the ``PendingWrites`` (settled before packs move or blocks migrate);
+method's ``state_spec``, the ``BackgroundJobs`` (settled before packs move or blocks migrate);
 ``_layout`` (key names). Single-threaded (the training thread and the hooks it runs on that
 thread).
 
