@@ -171,7 +171,7 @@ DECLARED = {"STATE", "EXTRA_OUTPUTS"}
 
 def interface_table():
     """{part: names} from the table's third column: every backticked identifier but class names
-    (``PendingWrites``, ``LocalBlocking``: what a name holds, not a name of the part)."""
+    (``BackgroundJobs``, ``LocalBlocking``: what a name holds, not a name of the part)."""
     rows = {}
     for line in DOCS.read_text().splitlines():
         m = re.match(r"\|\s*`opt\.(\w+)`[^|]*\|[^|]*\|(.*)\|\s*$", line)

@@ -1,8 +1,9 @@
 """The background jobs (asteria.optim.background): "job J writes state (p, K); a read of K waits
 for it", on a stand-in engine: settle one key, settle all, due jobs started once (also when a
-signal lands in the start), an interrupted wait that leaves the job registered, a failed job
-redone with its fallback, the engine block keys and counters a job kind declares, the rule of
-``on_worker`` with a kind's typed runtime switch, no reference to the owner."""
+signal lands in the start), an interrupted wait that leaves the job registered, outputs written
+where the job declares, a failed job redone with the op's torch reference, the engine block keys
+and counters a job kind declares, the rule of ``on_worker`` with a kind's typed runtime switch,
+no reference to the owner."""
 
 import gc
 import types
@@ -21,12 +22,14 @@ class Engine:
 
     def __init__(self):
         self.submitted = []
+        self.batch = []
         self.waited = []
         self.interrupt = False
         self.fail = set()
 
     def submit(self, op, f, q, *, b, p, eps, block, version, deadline, snapshot_step, opts):
         self.submitted.append((op, block, version, deadline, snapshot_step, opts.donate))
+        self.batch.append(f.shape[0])
         return len(self.submitted)
 
     def wait(self, ticket):
@@ -36,7 +39,9 @@ class Engine:
         self.waited.append(ticket)
         if ticket in self.fail:
             return types.SimpleNamespace(status=-7, error="AST_ENONFINITE", outputs=None)
-        return types.SimpleNamespace(status=0, error=None, outputs=(f"result {ticket}",))
+        return types.SimpleNamespace(status=0, error=None,
+                                     outputs=(torch.full((self.batch[ticket - 1], 1, 2),
+                                                         float(ticket)),))
 
 
 class Placement:
@@ -52,8 +57,8 @@ class Placement:
 
 class Owner:
     """Stands for an optimizer: its run record (the engine, the counters) and its background
-    jobs, bound to its placement; ``applied`` logs what the jobs write, as a method's closures
-    write the state."""
+    jobs, bound to its placement; ``job`` declares one whose output goes into a (2,) tensor
+    per member, as a method's jobs write the state's entries."""
 
     def __init__(self, interrupting=False):
         self.run = types.SimpleNamespace(engine=Engine(), counters={k: 0 for k in COUNTERS},
@@ -62,14 +67,17 @@ class Owner:
         self.background = (Interrupting if interrupting else BackgroundJobs)(self.run)
         self.placement = Placement()
         self.background.bind(self.placement)
-        self.applied = []
 
     def job(self, keys, kind=ROTATION):
-        applied = self.applied
-        return WorkerJob(kind, members=[(p, 0) for p in dict.fromkeys(p for p, _ in keys)],
-                         keys=keys, inputs=(None, None, None),
-                         apply_outputs=lambda out: applied.append((keys, out[0])),
-                         fallback=lambda: ("fallback",))
+        members = [(p, 0) for p in dict.fromkeys(p for p, _ in keys)]
+        x = torch.full((len(members), 1, 2), -1.0)
+        return WorkerJob(kind, members=members, keys=keys, inputs=(x, None, None),
+                         into=([torch.zeros(2) for _ in members],))
+
+
+def written(job):
+    """What the job wrote into its members' entries: one value per member (0: nothing)."""
+    return [float(t[0]) for t in job.into[0]]
 
 
 class Interrupting(BackgroundJobs):
@@ -95,24 +103,25 @@ def test_settle_waits_for_the_job_of_that_key_only():
     assert (a.ticket, b.ticket) == (1, 2)
     assert w and len(w) == 3 and ("q", "b0.exp_avg") in w
     w.settle("p", "b0.Q0")  # nothing writes it
-    assert o.applied == []
+    assert written(a) == [0, 0] and written(b) == [0]
     w.settle("q", "b0.exp_avg")
-    assert o.run.engine.waited == [1] and o.applied == [(a.keys, "result 1")]
+    assert o.run.engine.waited == [1] and written(a) == [1, 1] and written(b) == [0]
     assert ("p", "b0.exp_avg") not in w and ("p", "b0.GG0") in w
     w.settle_all()
-    assert o.run.engine.waited == [1, 2] and not w and len(w) == 0
+    assert o.run.engine.waited == [1, 2] and not w and len(w) == 0 and written(b) == [2]
 
 
 def test_an_interrupted_wait_leaves_the_job_registered():
     o = Owner()
     w = o.background
-    w.offload(o.job([("p", "b0.exp_avg")]))
+    job = o.job([("p", "b0.exp_avg")])
+    w.offload(job)
     o.run.engine.interrupt = True
     with pytest.raises(KeyboardInterrupt):
         w.settle_all()
-    assert ("p", "b0.exp_avg") in w and o.applied == []
+    assert ("p", "b0.exp_avg") in w and written(job) == [0]
     w.settle("p", "b0.exp_avg")
-    assert o.run.engine.waited == [1] and len(o.applied) == 1 and not w
+    assert o.run.engine.waited == [1] and written(job) == [1] and not w
 
 
 @pytest.mark.parametrize("lands", ["none", "after_submit"])
@@ -133,23 +142,24 @@ def test_due_jobs_start_once_in_order_before_any_settle(lands):
         assert w.due == [first, second] and ("p", "b0.GG0") in w
     w.settle("q", "b0.GG0")  # starts what is due first, each once
     assert len(o.run.engine.submitted) == 2 and w.due == []
-    assert [k for k, _ in o.applied] == [second.keys]
+    assert written(first) == [0] and written(second) == [2]
     w.settle_all()
     assert len(o.run.engine.submitted) == 2
-    assert [k for k, _ in o.applied] == [second.keys, first.keys]
+    assert written(first) == [1] and written(second) == [2]
     assert o.run.counters["factor_emas_submitted"] == 2
 
 
-def test_a_failed_job_is_redone_with_its_fallback_and_counted():
+def test_a_failed_job_is_redone_with_the_ops_reference_and_counted():
     o = Owner()
     w = o.background
-    job = o.job([("p", "b0.exp_avg")])
+    job = o.job([("p", "b0.exp_avg"), ("q", "b0.exp_avg")])
     w.offload(job)
     o.run.engine.fail.add(job.ticket)
     with pytest.warns(RuntimeWarning, match="re-expressing SOAP's first moment on a worker "
                                             "failed .AST_ENONFINITE.; done on the training"):
         w.settle("p", "b0.exp_avg")
-    assert o.applied == [(job.keys, "fallback")] and not w
+    # soap_rotate's reference with no basis pair: the identity, x itself
+    assert written(job) == [-1, -1] and not w
     assert o.run.counters["rotation_failures"] == 1 and o.run.counters["rotations_submitted"] == 1
 
 
@@ -187,6 +197,22 @@ def test_every_declared_kind_counts_from_zero_in_every_optimizer():
         assert o.run.counters[name] == 0
     opt = KLShampoo([torch.nn.Parameter(torch.zeros(3, 3))], runtime={"mode": "sync"})
     assert opt.asteria_stats()["rotations_submitted"] == 0
+
+
+def test_outputs_go_where_the_job_declares():
+    o = Owner()
+    w = o.background
+    stack, elsewhere = torch.zeros(2, 1, 2), torch.zeros(2, 1, 2)
+    job = WorkerJob(ROTATION, members=[("p", 0), ("q", 0)], keys=[("p", "b0.exp_avg")],
+                    inputs=(stack, None, None), into=(elsewhere,))
+    w.offload(job)
+    w.settle_all()
+    assert torch.equal(elsewhere, torch.ones(2, 1, 2))  # a whole output: copied
+    job = WorkerJob(ROTATION, members=[("p", 0)], keys=[("p", "b0.exp_avg")],
+                    inputs=(stack, None, None), into=(None,))
+    w.offload(job)
+    w.settle_all()  # an output no state takes: nothing written
+    assert torch.equal(stack, torch.zeros(2, 1, 2))
 
 
 def test_a_kind_names_a_known_op_and_counters_of_its_own():

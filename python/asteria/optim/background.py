@@ -5,11 +5,13 @@ Owns, end to end: whether a declared job may run on a worker (``on_worker``, the
 starting it now or once the step's stacks have all run (``offload``, ``start_due``), its engine
 block keys and versions, the record of the jobs in flight by the (parameter, state key) each
 writes ("job J writes state (p, K); a read of K waits for it"), the waits (``settle``,
-``settle_all``), applying a result, or for a job that failed its torch fallback, and the counts
-of jobs submitted and failed. A method declares its job kinds (``JobKind``: op, counter names,
-what it does, the runtime switch it obeys; declaring one registers it in ``KINDS``, so its
-counters exist in every optimizer from the start) and its jobs (``WorkerJob``: data, holding
-nothing that runs it). The optimizer layer knows no job kind.
+``settle_all``), writing a job's outputs where it declares them, or for a job that failed
+redoing it with the op's torch reference (``asteria.refresh.ops``: the same math, on the
+training thread), and the counts of jobs submitted and failed. A method declares its job kinds
+(``JobKind``: op, counter names, what it does, the runtime switch it obeys; declaring one
+registers it in ``KINDS``, so its counters exist in every optimizer from the start) and its
+jobs (``WorkerJob``: data, tensors and numbers; nothing in it runs or calls back). The
+optimizer layer knows no job kind.
 
 Built with the run record (``BackgroundJobs(run)``: engine, config, step counter, parameter
 index, counters), then bound to the placement (``bind``, held weakly: the placement holds this
@@ -31,7 +33,7 @@ members, a version per submission); the schedule's REFRESH rounds number theirs 
 job of one never supersedes a queued job of the other in the pool.
 
 May call: the run's engine (``submit``, ``wait``), the placement's ``is_state`` and ``on_nvme``,
-the jobs' ``apply_outputs`` and ``fallback``, ``asteria.refresh.ops``. Holds the optimizer's
+``asteria.refresh.ops`` (an op's layout and torch reference). Holds the optimizer's
 ``Run`` record, never the optimizer (the state proxy's rule, ``_state``: no cycle through it).
 Single-threaded (the training thread); the engine's workers never see these objects.
 """
@@ -90,16 +92,16 @@ class WorkerJob:
     """One piece of a method's step for a worker, as the method declares it: its ``kind``, the
     blocks ``members`` [(param, j)] and the state ``keys`` [(param, state key)] it writes, the
     op's operands ``inputs`` (f, q, b) and ``p`` / ``eps``, which operands are made for the job
-    (``donate``), ``apply_outputs`` (the op's outputs -> written into the state) and
-    ``fallback`` (the same math with torch, for a job that fails: () -> the outputs).
-    ``ticket``: the engine's, once started (None while it is only due)."""
+    (``donate``) and ``into``: per output of the op, the state it is written into (a tensor:
+    the whole output, unless the op wrote it there in place; a list: one tensor per batch
+    entry, the entry reshaped to it; None: not written). ``ticket``: the engine's, once
+    started (None while it is only due)."""
 
     kind: JobKind
     members: list
     keys: list
     inputs: tuple
-    apply_outputs: Callable[[tuple], None]
-    fallback: Callable[[], tuple]
+    into: tuple
     donate: tuple = ()
     p: float = 0.0
     eps: float = 0.0
@@ -227,16 +229,26 @@ class BackgroundJobs:
             self._finish(job)
 
     def _finish(self, job: WorkerJob) -> None:
-        """Wait for a job and apply its result; a failed one is redone here with torch (the
-        same math: the state must not keep what the job was to replace)."""
+        """Wait for a job and write its outputs; a failed one has written nothing and is redone
+        here with the op's torch reference on the same inputs (the same math: the state must
+        not keep what the job was to replace)."""
         res = self._run.engine.wait(job.ticket)  # an interrupted wait leaves it registered
         for k in job.keys:
             if self._jobs.get(k) is job:
                 del self._jobs[k]
-        if res.status == 0:
-            job.apply_outputs(res.outputs)
-            return
-        self._run.counters[job.kind.failed] += 1
-        warnings.warn(f"Asteria: {job.kind.what} on a worker failed ({res.error}); done on the "
-                      f"training thread instead", RuntimeWarning, stacklevel=3)
-        job.apply_outputs(job.fallback())
+        outputs = res.outputs
+        if res.status:
+            self._run.counters[job.kind.failed] += 1
+            warnings.warn(f"Asteria: {job.kind.what} on a worker failed ({res.error}); done on "
+                          f"the training thread instead", RuntimeWarning, stacklevel=3)
+            f, q, b = job.inputs
+            outputs = OPS[job.kind.op].reference(f, q, job.p, job.eps, b)
+        for out, into in zip(outputs, job.into):
+            if out is None or into is None:
+                continue
+            if isinstance(into, torch.Tensor):
+                if out.data_ptr() != into.data_ptr():
+                    into.copy_(out)
+            else:
+                for i, dst in enumerate(into):
+                    dst.copy_(out[i].reshape(dst.shape))

@@ -6,10 +6,10 @@ soap_project / soap_moments + soap_update, soap_install), the scheduling in ``sc
 pieces of SOAP's math may run on the pool's workers while the next forward and backward run
 (docs/departures.md); SOAP declares their kinds (``ROTATION``, ``FACTOR_EMAS``: op, counters,
 runtime switch) and each job as a ``background.WorkerJob`` (operands, the state keys it writes,
-how its outputs are written, its torch fallback), and hands it to the background-jobs part
-(``background``), which decides in one rule whether it runs on a worker (``on_worker``),
-starts it and applies it (``offload``): at an install, m's re-expression in the new basis
-(``soap_rotate``; an install deferred to the next step's start, S = 0, too: that step runs the
+the state its outputs go into), and hands it to the background-jobs part (``background``),
+which decides in one rule whether it runs on a worker (``on_worker``), starts it and writes
+its outputs (``offload``): at an install, m's re-expression in the new basis (``soap_rotate``;
+an install deferred to the next step's start, S = 0, too: that step runs the
 projection half first and waits for m's job, ``wait_for_moment``, only between the halves);
 with runtime ``factor_emas="workers"``, on a step whose factors no REFRESH reads at its end,
 the factor EMAs L, R (``gram_ema``, in place in the packed state), made due in the stack's
@@ -39,7 +39,6 @@ from asteria.optim.background import JobKind, WorkerJob
 from asteria.optim.method import (INIT, Field, Method, check_eigenbasis, is_int,
                                   register, require, shampoo_beta)
 from asteria.optim.optimizer import AsteriaOptimizer
-from asteria.refresh.ops import soap_rotate
 
 
 def factor_emas_on_workers(cfg: RuntimeConfig) -> bool:
@@ -181,17 +180,12 @@ class SOAPMethod(Method):
         identity side) are given to it; its output is written into the members' m."""
         x = m.reshape(m.shape[0], m.shape[1], -1)
         a, b = (list(pairs) + [None] * (2 - len(pairs)))[:2]
-        shape = tuple(m.shape[1:])
-
-        def write_m(outputs):
-            for i, (p, j) in enumerate(members):
-                dst = dict.__getitem__(self.state[p], K.key(j, "exp_avg"))
-                dst.copy_(outputs[0][i].reshape(shape))
-
+        # the entries themselves: a reader of them waits for the job (nothing re-points them
+        # before it, the placement settles jobs first)
+        into = [dict.__getitem__(self.state[p], K.key(j, "exp_avg")) for p, j in members]
         return WorkerJob(ROTATION, members=list(members),
                          keys=[(p, K.key(j, "exp_avg")) for p, j in members],
-                         inputs=(x, a, b), donate=("f", "q", "b"), apply_outputs=write_m,
-                         fallback=lambda: soap_rotate(x, a, b))
+                         inputs=(x, a, b), into=(into,), donate=("f", "q", "b"))
 
     def factor_emas_offloaded(self, group: dict, members: list, g: torch.Tensor,
                               factors: list, steps: list) -> bool:
@@ -211,26 +205,15 @@ class SOAPMethod(Method):
     def factor_ema_job(self, members: list, g: torch.Tensor, factors: list,
                        beta: float) -> WorkerJob:
         """L = beta L + (1 - beta) G G^T, R = beta R + (1 - beta) G^T G as a ``gram_ema`` job,
-        in the state's own factor memory (``factors``: the packed stacks; None: no factor);
-        ``g`` (a stack made for this step) is given to it. Started after the group's last
-        stack, so that it does not compete with the step for the memory bus."""
-
-        def write_factors(outputs):  # the job wrote the factors where they are
-            for f, out in zip(factors, outputs):
-                if f is not None and out is not None and out.data_ptr() != f.data_ptr():
-                    f.copy_(out)
-
-        def redo():  # a failed job has written nothing: the update here, in place
-            for i, f in enumerate(factors):
-                if f is not None:
-                    F.ema_gram(f, g, i, beta, 1.0 - beta)
-            return tuple(factors)
-
+        in the state's own factor memory (``factors``: the packed stacks; None: no factor),
+        which the op updates in place; ``g`` (a stack made for this step) is given to it.
+        Started after the group's last stack, so that it does not compete with the step for
+        the memory bus."""
         return WorkerJob(FACTOR_EMAS, members=list(members),
                          keys=[(p, K.key(j, "GG", i)) for p, j in members
                                for i, f in enumerate(factors) if f is not None],
-                         inputs=(g, factors[0], factors[1]), p=beta, eps=1.0 - beta,
-                         donate=("f",), apply_outputs=write_factors, fallback=redo)
+                         inputs=(g, factors[0], factors[1]), into=(factors[0], factors[1]),
+                         p=beta, eps=1.0 - beta, donate=("f",))
 
 
 def _stacks_of(state, placement, outputs: dict):
