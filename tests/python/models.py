@@ -85,8 +85,8 @@ def on_thread_soap():
     class OnThreadSOAP(SOAP):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            # the schedule's one predicate says no to every job a method declares
-            self.schedule.on_worker = lambda *a, **kw: False
+            # the one rule of the background jobs says no to every job a method declares
+            self.background.on_worker = lambda *a, **kw: False
 
     return OnThreadSOAP
 

@@ -58,6 +58,7 @@ def test_parts_are_built_from_the_record_not_the_optimizer():
     reference to the optimizer."""
     import inspect
 
+    from asteria.optim.background import BackgroundJobs
     from asteria.optim.checkpoint import Checkpoint
     from asteria.optim.placement import Placement
     from asteria.optim.schedule import Schedule
@@ -67,8 +68,9 @@ def test_parts_are_built_from_the_record_not_the_optimizer():
     assert list(inspect.signature(Placement).parameters) == ["run", "method", "writes"]
     assert list(inspect.signature(Checkpoint).parameters) == ["run", "method", "schedule",
                                                               "placement"]
+    assert list(inspect.signature(BackgroundJobs).parameters) == ["run"]
     for name in ("schedule.py", "placement.py", "packing.py", "checkpoint.py", "method.py",
-                 "_writes.py"):
+                 "background.py"):
         assert "weakref.ref(opt)" not in (PKG / "optim" / name).read_text(), name
 
 
@@ -159,6 +161,9 @@ PARTS = {
                   {"optim/placement.py"}),
     "checkpoint": (r"_?checkpoint|codec", "asteria.optim.checkpoint:Checkpoint",
                    {"optim/checkpoint.py"}),
+    # the placement and the schedule hold it as what still writes state
+    "background": (r"background|writes", "asteria.optim.background:BackgroundJobs",
+                   {"optim/background.py"}),
 }
 # What a method declares for the base to read (method.py derives the hooks from them): offered
 # by every method and read by the base, not by the other parts.
@@ -167,7 +172,7 @@ DECLARED = {"STATE", "EXTRA_OUTPUTS"}
 
 def interface_table():
     """{part: names} from the table's third column: every backticked identifier but class names
-    (``PendingWrites``, ``LocalBlocking``: what a name holds, not a name of the part)."""
+    (``BackgroundJobs``, ``LocalBlocking``: what a name holds, not a name of the part)."""
     rows = {}
     for line in DOCS.read_text().splitlines():
         m = re.match(r"\|\s*`opt\.(\w+)`[^|]*\|[^|]*\|(.*)\|\s*$", line)
@@ -236,9 +241,11 @@ def offered(part):
 
 def test_the_pattern_of_a_use_finds_what_it_is_for():
     ref = re.compile(rf"(?<![\w])(?:(?:self|opt|own|o)\.)?({PARTS['schedule'][0]})\.(\w+)")
-    hits = ["self.schedule.settle()", "sched.capacity", "opt.schedule.delay", "schedule.offload("]
+    hits = ["self.schedule.settle()", "sched.capacity", "opt.schedule.delay",
+            "schedule.frequency("]
     misses = ["self.reschedule.x", "schedule_x.y", "my_sched.y"]
-    assert [ref.search(s).group(2) for s in hits] == ["settle", "capacity", "delay", "offload"]
+    assert [ref.search(s).group(2) for s in hits] == ["settle", "capacity", "delay",
+                                                      "frequency"]
     assert not any(ref.search(s) for s in misses)
     assert imported_names("from asteria.optim import placement\nimport a.b as c") == {
         "placement", "c"}
@@ -285,3 +292,19 @@ def test_a_method_reaches_its_blocks_through_the_declared_protocol():
         assert callable(mine), name
         assert inspect.signature(mine) == inspect.signature(getattr(BlockAccess, name)), name
     assert not protocol - set(used), sorted(protocol - set(used))
+
+
+def test_the_kernels_call_nothing_back():
+    """``functional`` is pure math (torch's ``adam()``: lists of tensors in, nothing called
+    back): no kernel takes a callable, so none waits on a scheduler in disguise. A method that
+    must wait for a tensor (SOAP's m, re-expressed on a worker) waits between two kernels."""
+    import inspect
+
+    from asteria.optim import functional
+
+    text = (PKG / "optim" / "functional.py").read_text()
+    assert "Callable" not in text and "callable(" not in text
+    for name, fn in inspect.getmembers(functional, inspect.isfunction):
+        if fn.__module__ == functional.__name__:
+            for param in inspect.signature(fn).parameters.values():
+                assert "Callable" not in str(param.annotation), (name, param.name)

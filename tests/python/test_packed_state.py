@@ -27,7 +27,7 @@ import torch
 
 from asteria import SOAP, Shampoo
 from asteria.optim import packing as packing_mod
-from asteria.optim.schedule import Schedule
+from asteria.optim.background import BackgroundJobs
 from asteria.optim._blocking import make_layout
 from models import loss_and_grad, make_model, optimizer_makers, require_c_extension
 
@@ -284,9 +284,9 @@ def test_offloaded_factor_emas_follow_the_packs(run, monkeypatch):
     follow the on-thread ones to rounding: a job never writes a pack its entries have left."""
     want = run("soap", "async", True, monkeypatch)
     jobs = []
-    real = Schedule.start_job
-    monkeypatch.setattr(Schedule, "start_job",
-                        lambda self, job: (job.op == "gram_ema" and jobs.append(1))
+    real = BackgroundJobs.start
+    monkeypatch.setattr(BackgroundJobs, "start",
+                        lambda self, job: (job.kind.op == "gram_ema" and jobs.append(1))
                         or real(self, job))
     got = run("soap", "async-workers", True, monkeypatch)
     assert len(jobs) >= 5  # not vacuous

@@ -1,4 +1,5 @@
-"""SOAP's factor EMAs on the C workers (SOAPMethod.factor_ema_job, run by Schedule.offload).
+"""SOAP's factor EMAs on the C workers (SOAPMethod.factor_ema_job, run by
+BackgroundJobs.offload).
 
 L = b L + (1 - b) G G^T and R = b R + (1 - b) G^T G (DESIGN.md, b = shampoo_beta). In mode
 "async" with runtime ``factor_emas="workers"`` (the default is "thread") on CPU parameters, a
@@ -26,7 +27,7 @@ import pytest
 import torch
 
 from asteria.optim import SOAP
-from asteria.optim.schedule import Schedule
+from asteria.optim.background import BackgroundJobs
 from asteria.refresh.engine import SubmitOptions
 from models import assert_params_close, assert_resumes_bitwise, lockstep_tol, loss_and_grad, \
     make_model, on_thread_soap, params_of, require_c_extension, run
@@ -60,10 +61,10 @@ def test_factor_after_an_offloaded_step_is_the_ema():
                 before = [opt.state[w][f"b0.GG{i}"].clone() for i in (0, 1)]
                 g = w.grad.clone()
             opt.step()
-        assert (w, "b0.GG0") in opt.schedule.writes and (w, "b0.GG1") in opt.schedule.writes
+        assert (w, "b0.GG0") in opt.background and (w, "b0.GG1") in opt.background
         want = [0.9 * before[0] + 0.1 * g @ g.T, 0.9 * before[1] + 0.1 * g.T @ g]
         got = [opt.state[w]["b0.GG0"], opt.state[w]["b0.GG1"]]  # waits for the worker
-        assert (w, "b0.GG0") not in opt.schedule.writes
+        assert (w, "b0.GG0") not in opt.background
         for a, b, f in zip(got, want, before):
             tol = 2 * gram_tol(g, f, 0.9, 0.1)  # the worker's syrk and torch's products round
             torch.testing.assert_close(a, b, rtol=0, atol=tol)
@@ -73,20 +74,20 @@ def test_factor_after_an_offloaded_step_is_the_ema():
 
 
 class CountingSOAP(SOAP):
-    """Logs every factor-EMA job its schedule starts: (blocks, their step counts)."""
+    """Logs every factor-EMA job its background-jobs part starts: (blocks, their step counts)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.offloaded_at = []
-        start = self.schedule.start_job
+        start = self.background.start
 
         def logged(job):
-            if job.op == "gram_ema":
+            if job.kind.op == "gram_ema":
                 self.offloaded_at.append((len(job.members),
                                           [self.state[p]["step"] for p, _ in job.members]))
             start(job)
 
-        self.schedule.start_job = logged
+        self.background.start = logged
 
 
 def test_offloaded_steps_are_those_no_refresh_reads():
@@ -106,7 +107,7 @@ def test_offloaded_steps_are_those_no_refresh_reads():
     assert opt.offloaded_at == [(n2d, [k] * n2d) for k in counts]
     assert st["factor_emas_submitted"] == len(counts)
     assert st["factor_ema_failures"] == 0
-    assert not opt.schedule.writes  # close() waited for the last ones
+    assert not opt.background  # close() waited for the last ones
 
 
 @pytest.mark.parametrize("kind", ["mlp", "block"])
@@ -131,7 +132,7 @@ def test_factors_stay_on_the_training_thread_unless_asked(runtime):
 def test_checkpoint_after_an_offloaded_step_resumes_bitwise():
     # state_dict() waits for the factor EMAs in flight
     assert_resumes_bitwise("mlp", make(), 12, F + 2, in_flight=lambda opt: any(
-        k[1].startswith("b0.GG") for k in opt.schedule.writes))
+        k[1].startswith("b0.GG") for k in opt.background))
 
 
 def test_failed_job_is_redone_on_the_training_thread():
@@ -159,9 +160,9 @@ def test_failed_job_is_redone_on_the_training_thread():
                 loss_and_grad(m, "mlp", t)
                 o.step()
         jobs = opt.asteria_stats()["factor_emas_submitted"] - submitted
-        assert jobs >= 1 and len(opt.schedule.writes) >= 2 * jobs
+        assert jobs >= 1 and len(opt.background) >= 2 * jobs
         with pytest.warns(RuntimeWarning, match="done on the training thread"):
-            opt.schedule.writes.settle_all()
+            opt.background.settle_all()
         assert opt.asteria_stats()["factor_ema_failures"] == jobs
         for (p, f0), q in zip(before.items(), [q for q in ref_model.parameters()
                                                if q.dim() == 2]):
@@ -183,24 +184,24 @@ def test_an_interrupt_at_the_start_starts_the_job_once(lands, monkeypatch):
     full, _ = run("mlp", make(), steps)
     model = make_model("mlp")
     opt = make()(model.parameters())
-    real = Schedule.start_job
+    real = BackgroundJobs.start
 
     def interrupted(self, job):
-        if job.op != "gram_ema":
+        if job.kind.op != "gram_ema":
             return real(self, job)
         if lands == "after":
             real(self, job)
-        monkeypatch.setattr(Schedule, "start_job", real)  # once
+        monkeypatch.setattr(BackgroundJobs, "start", real)  # once
         raise KeyboardInterrupt
 
     try:
         for t in range(1, steps + 1):
             loss_and_grad(model, "mlp", t)
             if t == cut:
-                monkeypatch.setattr(Schedule, "start_job", interrupted)
+                monkeypatch.setattr(BackgroundJobs, "start", interrupted)
                 with pytest.raises(KeyboardInterrupt):
                     opt.step()
-                assert opt.schedule.writes.due  # left to start
+                assert opt.background.due  # left to start
             else:
                 opt.step()
             assert all(torch.equal(a, b) for a, b in zip(params_of(model), full[t - 1])), t

@@ -1,5 +1,5 @@
 """SOAP's m re-expression at install on the C workers (SOAPMethod.rotation_job, run by
-Schedule.offload).
+BackgroundJobs.offload).
 
 At an install, m_new = Q_L,new^T (Q_L,old m Q_R,old^T) Q_R,new (DESIGN.md). In mode "async" on
 CPU parameters the training thread only permutes v and installs Q; a ``soap_rotate`` job
@@ -86,12 +86,12 @@ def test_state_after_install_is_the_reexpressed_moment():
             opt.step()
             if t == F + 2 + 1:
                 del opt.method.install_chunk
-                assert (w, "b0.exp_avg") in opt.schedule.writes, "no rotation left in flight"
+                assert (w, "b0.exp_avg") in opt.background, "no rotation left in flight"
                 q0n, q1n = pending[(0, 0)][0], pending[(0, 1)][0]
                 m = m_after_update["m"]
                 want = q0n.T @ (before["b0.Q0"] @ m @ before["b0.Q1"].T) @ q1n
                 got = opt.state[w]["b0.exp_avg"]  # waits for the worker
-                assert (w, "b0.exp_avg") not in opt.schedule.writes
+                assert (w, "b0.exp_avg") not in opt.background
                 torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
                 assert torch.equal(opt.state[w]["b0.Q0"], q0n)
     finally:
@@ -100,7 +100,7 @@ def test_state_after_install_is_the_reexpressed_moment():
 
 def test_checkpoint_at_an_install_step_resumes_bitwise():
     # state_dict() waits for the rotation in flight
-    assert_resumes_bitwise("mlp", make(), 14, F + 2 + 1, in_flight=lambda opt: opt.schedule.writes)
+    assert_resumes_bitwise("mlp", make(), 14, F + 2 + 1, in_flight=lambda opt: opt.background)
 
 
 def test_sync_mode_rotates_on_the_training_thread():
@@ -170,7 +170,7 @@ def test_deferred_rotation_of_a_parameter_the_step_skips_is_taken_before_the_ste
                     first.grad = None
                 opt.step()
                 if t == 5:
-                    assert not opt.schedule.writes, "a rotation left in flight past the step"
+                    assert not opt.background, "a rotation left in flight past the step"
             return params_of(model), {k: v.clone() for k, v in opt.state[first].items()
                                       if isinstance(v, torch.Tensor)}
         finally:

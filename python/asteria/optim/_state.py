@@ -9,11 +9,12 @@ complex tensor's real view, the one home of that mapping). Holds its optimizer w
 state must never own the optimizer (with the cycle collector off, as OLMo-core trains, a cycle
 would keep the optimizer, its workers and buffers alive). Every read or write of an entry
 first settles what still changes it: an install deferred to the next use (``schedule``) and the
-job that writes that key (``opt.schedule.writes``, ``_writes.PendingWrites``); ``ensure_proxy``
+job that writes that key (``opt.background``, ``background.BackgroundJobs``); ``ensure_proxy``
 says when ``optimizer.state`` needs the proxy. May call: torch, ``_layout``, the public parts of
 the optimizer it belongs to (through a weak reference): ``run`` (shard tags), ``schedule``
-(``writes``, ``deferred``, ``settle_deferred``) and the placement's calls for tiered state
-(``off_device``, ``owned``, ``held``, ``held_names``, ``read``, ``write``, ``drop``).
+(``deferred``, ``settle_deferred``), ``background`` (``settle``) and the placement's calls for
+tiered state (``off_device``, ``owned``, ``held``, ``held_names``, ``read``, ``write``,
+``drop``).
 Single-threaded (the training thread).
 """
 
@@ -184,11 +185,11 @@ class _ParamState(dict):
 
     def _settle(self, opt, k) -> None:
         """Before a read or write of k: the work that still changes it is done (an install
-        deferred to the next use; a job that writes k, ``opt.schedule.writes``)."""
+        deferred to the next use; a job that writes k, ``opt.background``)."""
         if opt.schedule.deferred:
             opt.schedule.settle_deferred()
-        if opt.schedule.writes:
-            opt.schedule.writes.settle(self._p, k)
+        if opt.background:
+            opt.background.settle(self._p, k)
 
     def __getitem__(self, k):
         if self._tag is not None:
@@ -196,7 +197,7 @@ class _ParamState(dict):
             if k == _layout.LOCAL_ONLY and self._marked():
                 return marker(self._tag)
         opt = self._opt
-        if opt.schedule.writes or opt.schedule.deferred:
+        if opt.background or opt.schedule.deferred:
             self._settle(opt, k)
         if not self._held(k, opt):
             return dict.__getitem__(self, k)
@@ -241,7 +242,7 @@ class _ParamState(dict):
             if k == _layout.LOCAL_ONLY:
                 raise KeyError(f"{self._ext(k)!r} is not set: it marks the state of a shard and "
                                f"follows from the shard layout")
-        if opt.schedule.writes or opt.schedule.deferred:
+        if opt.background or opt.schedule.deferred:
             self._settle(opt, k)
         place = opt.placement
         if place.off_device and isinstance(v, torch.Tensor) and place.owned(self._p, k):
@@ -252,7 +253,7 @@ class _ParamState(dict):
     def pop(self, k, *default):
         k = self._int(k)
         opt = self._opt
-        if opt.schedule.writes or opt.schedule.deferred:
+        if opt.background or opt.schedule.deferred:
             self._settle(opt, k)
         if not self._held(k, opt):
             return dict.pop(self, k, *default)
@@ -263,7 +264,7 @@ class _ParamState(dict):
     def __delitem__(self, k):
         k = self._int(k)
         opt = self._opt
-        if opt.schedule.writes or opt.schedule.deferred:
+        if opt.background or opt.schedule.deferred:
             self._settle(opt, k)
         if not self._held(k, opt):
             dict.__delitem__(self, k)
@@ -308,7 +309,7 @@ class _States(defaultdict):
         """Is there work that a read of some entry must settle first (a job that writes state,
         an install deferred to the next use)?"""
         opt = self._owner()
-        return opt is not None and bool(opt.schedule.writes or opt.schedule.deferred)
+        return opt is not None and bool(opt.background or opt.schedule.deferred)
 
     def __reduce__(self):
         return (dict, (dict(self.items()),))
@@ -317,7 +318,7 @@ class _States(defaultdict):
 def ensure_proxy(opt) -> None:
     """Give ``opt.state`` the proxy where it needs one: with a residency (virtual entries),
     per-shard key names, or ``mode="async"`` (reads that must wait for a job that writes the
-    state, ``schedule.writes``, or an install deferred to the next use)."""
+    state, ``background``, or an install deferred to the next use)."""
     run = opt.run
     if ((opt.placement.off_device or run.tags or run.is_async)
             and not isinstance(opt.state, _States)):

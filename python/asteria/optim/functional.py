@@ -16,7 +16,7 @@ Conventions
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
@@ -136,29 +136,51 @@ def soap_init(g: torch.Tensor, has_factor: Sequence[bool], *,
     return out
 
 
-def soap_step(w: torch.Tensor, g: torch.Tensor,
-              exp_avg: Union[torch.Tensor, Callable[[], torch.Tensor]],
+def soap_step(w: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor,
               exp_avg_sq: torch.Tensor, factors: Mats, bases: Mats, steps: Sequence[int], *,
               lr: float, beta1: float, beta2: float, shampoo_beta: float, eps: float,
               weight_decay: float, correct_bias: bool, normalize_grads: bool) -> torch.Tensor:
     """One later SOAP step: L/R update with the current gradient, moments in the rotated
-    basis, parameter update. The REFRESH (k % f == 0) is the caller's business. ``w``: the
-    stack of weight blocks, or the list of the blocks themselves (each updated in place).
-    ``exp_avg``: m, or a function that returns it, called once, as late as the math allows
-    (after the factor updates and the gradient's projection, which do not read it: m may
-    still be in the making elsewhere, an install's re-expression on a worker). Returns m."""
-    ws = w if isinstance(w, list) else None
-    # the factors' update reads only g (the bases are separate tensors): first, so that what
-    # makes m has until after the projection
+    basis, parameter update; its two halves one after the other (``soap_project``, then
+    ``soap_moments`` and ``soap_update``: a caller whose m may still be in the making waits for
+    it between them). The REFRESH (k % f == 0) is the caller's business. ``w``: the stack of
+    weight blocks, or the list of the blocks themselves (each updated in place). Returns m."""
+    gp = soap_project(g, factors, bases, shampoo_beta=shampoo_beta)
+    soap_moments(exp_avg, exp_avg_sq, gp, beta1=beta1, beta2=beta2)
+    del gp
+    soap_update(w, exp_avg, exp_avg_sq, bases, steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                weight_decay=weight_decay, correct_bias=correct_bias,
+                normalize_grads=normalize_grads)
+    return exp_avg
+
+
+def soap_project(g: torch.Tensor, factors: Mats, bases: Mats, *,
+                 shampoo_beta: float) -> torch.Tensor:
+    """The half of a SOAP step that reads neither moment: the factors' update with the
+    current gradient (L = b L + (1-b) G G^T, ...; in place, the bases are separate tensors),
+    then the gradient projected into the eigenbases (returned)."""
     for i, f in enumerate(factors):
         if f is not None:
             ema_gram(f, g, i, shampoo_beta, 1.0 - shampoo_beta)
-    gp = project(g, bases)
-    if callable(exp_avg):
-        exp_avg = exp_avg()
+    return project(g, bases)
+
+
+def soap_moments(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, gp: torch.Tensor, *,
+                 beta1: float, beta2: float) -> None:
+    """The update half's start: m and v, in the rotated basis, take the projected gradient
+    ``gp`` (``soap_project``'s), in place. The caller lets go of ``gp`` after it."""
     exp_avg.lerp_(gp, 1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(gp, gp, value=1.0 - beta2)
-    del gp
+
+
+def soap_update(w: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, bases: Mats,
+                steps: Sequence[int], *, lr: float, beta1: float, beta2: float, eps: float,
+                weight_decay: float, correct_bias: bool, normalize_grads: bool) -> None:
+    """The parameter update of a SOAP step from its moments (``soap_moments``'): the Adam
+    direction m / (sqrt(v) + eps) projected back from the eigenbases, with bias correction and
+    weight decay. ``w``: the stack of weight blocks, or the list of the blocks themselves
+    (each updated in place)."""
+    ws = w if isinstance(w, list) else None
     x = exp_avg_sq.sqrt().add_(eps)
     x = torch.div(exp_avg, x, out=x)  # m / (sqrt(v) + eps), in the one temporary
     if correct_bias:
@@ -200,7 +222,6 @@ def soap_step(w: torch.Tensor, g: torch.Tensor,
         w_stack.add_(w_stack, alpha=-lr * weight_decay)
         for wi, new in zip(ws or (), w_stack.unbind(0)):
             wi.copy_(new)
-    return exp_avg
 
 
 def soap_install(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, old_bases: Mats,

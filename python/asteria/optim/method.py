@@ -15,9 +15,10 @@ A method is held by its optimizer (``opt.method``) and by the parts that call it
 optimizer binds it (``bind``) to what it reaches, weakly (it is the leaf of the parts: no cycle),
 by these names: ``state`` (``optimizer.state``), ``placement`` (its block accessors:
 ``stack`` / ``unstack`` / ``root_*``, so the kernels see the tensors of the all-device path
-wherever a block lives), ``schedule`` (a job that writes state in the background, device-side
-counts), ``config`` (the runtime config), ``group_of`` and ``count`` (the run's counters), all
-from the optimizer's ``Run`` record (``run.py``) but the two parts. The step math itself is in
+wherever a block lives), ``schedule`` (a group's f, device-side counts), ``background`` (its
+jobs that write state in the background), ``config`` (the runtime config), ``group_of`` and
+``count`` (the run's counters), all from the optimizer's ``Run`` record (``run.py``) but the
+three parts. The step math itself is in
 ``functional``. Single-threaded (the training thread).
 """
 
@@ -149,14 +150,15 @@ class Method:
     def __init__(self) -> None:
         """Detached: its rules of a param group alone are used (the OLMo-core configs, the
         capacity planner) until an optimizer binds it (``bind``)."""
-        self._run = self._placement = self._schedule = lambda: None
+        self._run = self._placement = self._schedule = self._background = lambda: None
 
-    def bind(self, run, placement, schedule) -> None:
-        """Work for the optimizer of ``run``, through its placement and schedule, each held
-        weakly (they hold this method)."""
+    def bind(self, run, placement, schedule, background) -> None:
+        """Work for the optimizer of ``run``, through its placement, schedule and background
+        jobs, each held weakly (they hold this method, or what it makes)."""
         self._run = weakref.ref(run)
         self._placement = weakref.ref(placement)
         self._schedule = weakref.ref(schedule)
+        self._background = weakref.ref(background)
 
     @property
     def run(self):
@@ -174,9 +176,16 @@ class Method:
 
     @property
     def schedule(self):
-        """The schedule (``asteria.optim.schedule.Schedule``): background jobs that write state
-        (``on_worker``, ``offload``, ``writes``), device-side counts (``count_lazy``)."""
+        """The schedule (``asteria.optim.schedule.Schedule``): a group's f (``frequency``),
+        device-side counts (``count_lazy``)."""
         return self._schedule()
+
+    @property
+    def background(self):
+        """The background jobs (``asteria.optim.background.BackgroundJobs``): whether a declared
+        job may run on a worker (``on_worker``), starting it (``offload``), the waits for what
+        a job writes (``settle``)."""
+        return self._background()
 
     @property
     def config(self):
@@ -301,7 +310,7 @@ class Method:
         keys = [k for k in dict.keys(st)
                 if any((K.is_factor if f.per_dim else K.is_moment)(k, f.name) for f in zero)]
         for k in keys:
-            self.schedule.writes.settle(p, k)
+            self.background.settle(p, k)
         return [dict.__getitem__(st, k) for k in keys]
 
     def batch_tag(self, p: torch.Tensor, j: int) -> Any:

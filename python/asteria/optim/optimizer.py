@@ -6,8 +6,9 @@ share is one record it builds and fills, ``run`` (``run.Run``: config, engine, s
 parameter index and names, layouts, shard tags, counters, replicas); the parts are built with
 it and their exact collaborators, each in a room of its own (docs/architecture.md): ``method``
 (``method.Method``: the math, one subclass per method), ``schedule`` (``schedule.Schedule``: S,
-rounds, the bounded barrier, the jobs that still write state), ``placement``
-(``placement.Placement``: plan, residency, block accessors) and ``checkpoint``
+rounds, the bounded barrier), ``background`` (``background.BackgroundJobs``: a method's jobs
+that write state in the background), ``placement`` (``placement.Placement``: plan,
+residency, block accessors) and ``checkpoint``
 (``checkpoint.Checkpoint``: state dicts). A step flows one way: the optimizer asks the method
 for each stack's step (the method reads and writes state through the placement), then hands
 the refreshes due to the schedule, which asks the method for their inputs and, S steps later,
@@ -57,7 +58,7 @@ from asteria.optim import _layout as K
 from asteria.optim import functional as F
 from asteria.optim._blocking import experts_of
 from asteria.optim._state import _count, ensure_proxy, local, real, shard_tag
-from asteria.optim._writes import PendingWrites
+from asteria.optim.background import BackgroundJobs
 from asteria.optim.checkpoint import Checkpoint
 from asteria.optim.method import INIT, REFRESH
 from asteria.optim.placement import Placement, close_all
@@ -85,11 +86,12 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         # the record the parts share, and the parts, each given what it uses (no cycle: the
         # record holds this optimizer weakly, the method its collaborators)
         self.run = run = Run(self, RuntimeConfig.from_user(runtime), method)
-        writes = PendingWrites(run)
+        self.background = background = BackgroundJobs(run)
         self.method = method
-        self.placement = Placement(run, method, writes)
-        self.schedule = Schedule(run, method, self.placement, writes)
-        method.bind(run, self.placement, self.schedule)
+        self.placement = Placement(run, method, background)
+        background.bind(self.placement)
+        self.schedule = Schedule(run, method, self.placement, background)
+        method.bind(run, self.placement, self.schedule, background)
         self.checkpoint = Checkpoint(run, method, self.schedule, self.placement)
         super().__init__(params, defaults)
         try:
@@ -191,7 +193,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         # the jobs of the last step, then the installs deferred to this one (whose jobs run on
         # while this step works on state they do not write: see Schedule.step_start)
         self.schedule.step_start()
-        carried = list(self.schedule.writes)
+        carried = list(self.background)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -219,7 +221,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                 if pre:
                     due.extend(self._precond_step(group, pre))
             for p, key in carried:  # a parameter this step did not reach, too
-                self.schedule.writes.settle(p, key)
+                self.background.settle(p, key)
             self.schedule.step_end(due)
         finally:
             self.placement.end_step()
@@ -355,7 +357,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                     due.extend((REFRESH, p, j, dims) for (p, j), k in zip(members, steps)
                                if k % freq == 0)
         finally:  # the jobs the stacks that ran made (an interrupted step's too): started after
-            self.schedule.writes.start_due()  # the last one, not competing with the step for memory
+            self.background.start_due()  # the last one, not competing with the step for memory
         if glob:
             self.run.blocking.scatter()  # the new rows back to the ranks holding them
         # jobs are batched in parameter order, whatever order the step ran in
@@ -511,10 +513,9 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             return
         if detier:
             self.schedule.settle()  # a step end a signal interrupted: its installs are state
-        sched = own.get("schedule")
-        writes = sched.writes if sched is not None else None
-        if detier and writes:
-            writes.settle_all()
+        background = own.get("background")
+        if detier and background:
+            background.settle_all()
         run.closed = True
         if detier:
             plain = self.placement.detier()

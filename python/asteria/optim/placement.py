@@ -15,7 +15,7 @@ state proxy: ``off_device``, ``owned``, ``held`` / ``held_names`` / ``read`` / `
 the parts lists them all). Built with what it uses (``Placement(run, method, writes)``). May
 call: torch, ``asteria.tiers.plan`` (the planner), ``asteria.tiers.residency``, ``packing``, the
 run record (config, parameter index, layouts, the state), the method's ``state_spec``, the
-``PendingWrites`` (settled before blocks migrate); ``_layout`` (key names). Single-threaded (the
+``BackgroundJobs`` (settled before packs move or blocks migrate); ``_layout`` (key names). Single-threaded (the
 training thread and the hooks it runs on that thread).
 
 Tiers (``asteria.tiers.plan``, ``asteria.tiers.residency``): at construction the planner assigns

@@ -33,10 +33,10 @@ from asteria.optim._state import alive, real, shard_rows
 
 ADAMW = "adamw"  # a param group's "algorithm" that sends all its parameters to AdamW
 
-#: the counters behind asteria_stats() that exist from the start
+#: the counters behind asteria_stats() that exist from the start (and, added by the
+#: background-jobs part, those its declared job kinds name: ``background.JobKind``)
 COUNTERS = ("nonfinite_skipped", "refreshes_submitted", "refresh_failures", "installs",
-            "max_install_lag", "rotations_submitted", "rotation_failures",
-            "factor_emas_submitted", "factor_ema_failures")
+            "max_install_lag")
 
 
 class Run:

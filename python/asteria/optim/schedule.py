@@ -1,11 +1,11 @@
 """The staleness schedule of an Asteria optimizer (``opt.schedule``): snapshot at t, install at
-t + S, the bounded barrier, what a failed REFRESH does, and the jobs that write state in the
-background.
+t + S, the bounded barrier and what a failed REFRESH does.
 
 Owns: the rounds of REFRESH jobs in flight, the block keys and versions of the jobs it submits
-(a method's background jobs too: ``offload``), the one consecutive-failure count per
-factor, installs deferred to the next use, the ``PendingWrites`` of the jobs that still write
-state (``writes``), device-side counts (``count_lazy``), the step end (installs, then new
+(from 1; a method's background jobs number theirs, ``background``), the one consecutive-failure
+count per factor, installs deferred to the next use, when the background jobs that still write
+state are taken (``writes``: at a step's start, before a checkpoint; a ``BackgroundJobs``),
+device-side counts (``count_lazy``), the step end (installs, then new
 snapshots) and the wire form of the refreshes in flight (``wait_pending``, ``export_pending``,
 ``reset``, ``restore_pending``: the checkpoint part calls them and never sees a round). S is
 read from the runtime config here and nowhere else (``delay``), chosen here with
@@ -100,12 +100,11 @@ import torch
 from asteria.optim import _layout as K
 from asteria.optim._blocking import Layout
 from asteria.optim._state import _count, _States, local
-from asteria.optim._writes import PendingWrites
+from asteria.optim.background import BackgroundJobs
 from asteria.optim.method import INIT, REFRESH
 from asteria.refresh.capacity import Capacity
 from asteria.refresh.cost import JobSpec
 from asteria.refresh.engine import SubmitOptions
-from asteria.refresh.ops import OPS
 
 
 # The fixed state keys of a REFRESH in flight (present from a preconditioned parameter's state
@@ -194,12 +193,12 @@ def _stack_inputs(qs: list) -> torch.Tensor:
 class Schedule:
     """The schedule part of an ``AsteriaOptimizer`` (``opt.schedule``)."""
 
-    def __init__(self, run, method, placement, writes: PendingWrites) -> None:
+    def __init__(self, run, method, placement, writes: BackgroundJobs) -> None:
         self.run = run
         self.method = method
         self.placement = placement
-        # the engine jobs that still write state entries (a method registers its own); every
-        # reader of the state settles through it
+        # a method's background jobs that still write state: taken before a step starts and
+        # before a checkpoint (every other reader of the state settles them itself)
         self.writes = writes
         self.rounds: list[_Round] = []
         self.block_keys: dict[tuple, int] = {}
@@ -686,80 +685,6 @@ class Schedule:
             "Asteria: " + "; ".join(whats) + ". This step is complete and the state is "
             "consistent; runtime {'on_failure': 'keep'} keeps training with the previous "
             "preconditioner instead of raising")
-
-    def _submit_write(self, op: str, members: list, *args, **kwargs) -> int:
-        """Start a job that writes state in the background (a method's: SOAP's rotations and
-        factor EMAs) for the blocks ``members`` [(param, j)], due by the next step: its block
-        key is stable for its op and members, its version counts its submissions; ``args`` and
-        ``kwargs`` are the job's inputs and ``opts`` (``Engine.submit``). Returns the engine's
-        ticket; the caller registers the job with ``writes``."""
-        key = (op, tuple((self.run.pindex[p], j) for p, j in members))
-        block = self.block_keys.setdefault(key, len(self.block_keys) + 1)
-        version = self.versions[block] = self.versions.get(block, 0) + 1
-        return self.run.engine.submit(op, *args, block=block, version=version,
-                                      deadline=self.run.t + 1, snapshot_step=self.run.t,
-                                      **kwargs)
-
-    def on_worker(self, op: str, members: list, block_dims: int,
-                  dtype: Optional[torch.dtype] = None, in_place: tuple = (),
-                  policy: Optional[str] = None) -> bool:
-        """May a method's job of ``op`` that writes these members' [(param, j)] state in the
-        background (a ``WorkerJob``) run on a worker? The one rule: an executor that takes
-        inputs made for it (libasteria's pool, ``mode="async"``), rank-local (a replicated
-        block's state is updated by every replica itself, on its own thread), host parameters
-        (on a GPU the work is a few device matmuls, cheaper than the round trip), blocks the
-        op's layout takes (a rectangular op: at most 2 dims), a dtype the pool computes in
-        (``dtype``: float32 / float64), outputs written in place into the state itself
-        (``in_place``: [(field, dim, tensor)] of the members, each the placement's own memory
-        in the job's dtype, or the step's later write-back would overwrite the job's result)
-        and, for work the
-        runtime config may keep on the training thread (``policy``: ``"factor_emas"``), that
-        key set to ``"workers"``. A deferred install's jobs too (``settle_deferred``): the
-        next step starts them, works on the state they do not write, and waits for one only
-        where it reads what that one writes; where an install happens does not change which
-        kernel computes what (bitwise the same trajectory)."""
-        if policy is not None and getattr(self.run.cfg, policy) != "workers":
-            return False
-        if OPS[op].rectangular and block_dims > 2:
-            return False
-        if dtype is not None and dtype not in (torch.float32, torch.float64):
-            return False
-        return (self.takes_parts() and all(local(p).device.type == "cpu" for p, _ in members)
-                and all(x.dtype == dtype and x.is_contiguous()
-                        and self.placement.is_state(members, field, dim, x)
-                        for field, dim, x in in_place))
-
-    def offload(self, job, due: bool = False) -> None:
-        """Run a method's declared job (``_writes.WorkerJob``, which ``on_worker`` allowed) on
-        a worker: started now, or (``due``) once the step's stacks have all run
-        (``writes.start_due``). Its blocks on NVMe: one such job in flight (the previous one's
-        inputs and result are let go before this one's are made: memory for one job)."""
-        job.runner = self
-        if due:
-            self.writes.defer(job)
-            return
-        if self.placement.on_nvme(job.members):
-            self.writes.settle_all()
-        self.start_job(job)
-
-    def start_job(self, job) -> None:
-        """Submit a declared job (``offload``) and register what it writes."""
-        f, q, b = job.inputs
-        job.ticket = self._submit_write(job.op, job.members, f, q, b=b, p=job.p, eps=job.eps,
-                                       opts=SubmitOptions(host_outputs=True, donate=job.donate))
-        self.run.counters[job.counters[0]] += 1
-        self.writes.add(job)
-
-    def finish_job(self, job, res) -> None:
-        """Apply a job's result; a failed one is redone here with torch (the same math: the
-        state must not keep what the job was to replace)."""
-        if res.status == 0:
-            job.apply_outputs(res.outputs)
-            return
-        self.run.counters[job.counters[1]] += 1
-        warnings.warn(f"Asteria: {job.what} on a worker failed ({res.error}); done on the "
-                      f"training thread instead", RuntimeWarning, stacklevel=4)
-        job.apply_outputs(job.fallback())
 
     def takes_parts(self) -> bool:
         """May jobs be given inputs made for them, and inputs as parts (an executor that reads

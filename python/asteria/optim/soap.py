@@ -1,18 +1,20 @@
 """``asteria.SOAP``: Shampoo's eigenbasis with Adam in it (Vyas et al., ICLR 2025).
 
-Owns SOAP's hyperparameters, per-block state layout and the install of a refreshed basis; the
-math is in ``functional`` (soap_init / soap_step / soap_install), the scheduling in
-``schedule``. Two pieces of SOAP's math may run on the pool's workers while the next forward and
-backward run (docs/departures.md); SOAP declares each as a ``WorkerJob`` (op, operands, the
-state keys it writes, how its outputs are written, its torch fallback) and the schedule decides
-in one predicate whether it runs on a worker (``Schedule.on_worker``), starts it and applies it
-(``Schedule.offload``): at an install, m's re-expression in the new basis (``soap_rotate``; an
-install deferred to the next step's start, S = 0, too: that step updates the factors and
-projects the gradient first and reads m, waiting for the job, only then); with runtime
-``factor_emas="workers"``, on a step whose factors no REFRESH reads at its end, the factor EMAs
-L, R (``gram_ema``, in place in the packed state), made due in the stack's ``step_blocks`` and
-started once the group's stacks have all run. A read of what a job writes waits for it
-(``schedule.writes``).
+Owns SOAP's hyperparameters, per-block state layout, the install of a refreshed basis and the
+order of a stack's step: the math is in ``functional`` (soap_init, the step's two halves
+soap_project / soap_moments + soap_update, soap_install), the scheduling in ``schedule``. Two
+pieces of SOAP's math may run on the pool's workers while the next forward and backward run
+(docs/departures.md); SOAP declares their kinds (``ROTATION``, ``FACTOR_EMAS``: op, counters,
+runtime switch) and each job as a ``background.WorkerJob`` (operands, the state keys it writes,
+the state its outputs go into), and hands it to the background-jobs part (``background``),
+which decides in one rule whether it runs on a worker (``on_worker``), starts it and writes
+its outputs (``offload``): at an install, m's re-expression in the new basis (``soap_rotate``;
+an install deferred to the next step's start, S = 0, too: that step runs the
+projection half first and waits for m's job, ``wait_for_moment``, only between the halves);
+with runtime ``factor_emas="workers"``, on a step whose factors no REFRESH reads at its end,
+the factor EMAs L, R (``gram_ema``, in place in the packed state), made due in the stack's
+``step_blocks`` and started once the group's stacks have all run. A read of what a job writes
+waits for it (``background.settle``).
 
 State of a preconditioned parameter: ``step`` (k) and per block j ``b{j}.exp_avg`` (m),
 ``b{j}.exp_avg_sq`` (v), both in the rotated basis, and for every dimension i with a factor
@@ -29,23 +31,38 @@ from typing import Optional
 
 import torch
 
+from asteria.config import RuntimeConfig
 from asteria.optim import _layout as K
 from asteria.optim import functional as F
-from asteria.refresh.ops import soap_rotate
-from asteria.optim._writes import WorkerJob
 from asteria.optim._state import real
+from asteria.optim.background import JobKind, WorkerJob
 from asteria.optim.method import (INIT, Field, Method, check_eigenbasis, is_int,
                                   register, require, shampoo_beta)
 from asteria.optim.optimizer import AsteriaOptimizer
 
 
+def factor_emas_on_workers(cfg: RuntimeConfig) -> bool:
+    """Runtime ``factor_emas``: "workers" hands the factor EMAs to the pool ("thread", the
+    default, keeps them on the training thread)."""
+    return cfg.factor_emas == "workers"
+
+
+#: m re-expressed in a new basis at an install (``SOAPMethod.rotation_job``)
+ROTATION = JobKind("soap_rotate", submitted="rotations_submitted", failed="rotation_failures",
+                   what="re-expressing SOAP's first moment")
+#: a step's factor EMAs L, R (``SOAPMethod.factor_ema_job``), where the runtime asks for it
+FACTOR_EMAS = JobKind("gram_ema", submitted="factor_emas_submitted",
+                      failed="factor_ema_failures", what="updating SOAP's factors",
+                      switch=factor_emas_on_workers)
+
+
 class SOAPMethod(Method):
     """SOAP's math (``functional.soap_*``) and the two pieces of it a worker may do, declared
-    as ``WorkerJob``s (the schedule decides and runs them)."""
+    as ``WorkerJob``s (the background-jobs part decides and runs them)."""
 
     NAME = "soap"
     REFRESH_OP = ("soap_qr", 0.0)
-    weights_in_place = True  # soap_step updates a list of whole parameters where they are
+    weights_in_place = True  # soap_update updates a list of whole parameters where they are
     # m and v in the rotated basis; L, R, ... and their eigenbases (a fake step's factors are
     # zero, its bases the identity, from them)
     STATE = (Field("exp_avg", "moments", zeros=True),
@@ -78,32 +95,35 @@ class SOAPMethod(Method):
         factors = self.placement.stack_dims(members, "GG", has, view=True)
         bases = self.placement.stack_dims(members, "Q", has, view=True)
         offload = self.factor_emas_offloaded(group, members, g, factors, steps)
-
-        def moment():
-            # m may still be re-expressed on a worker (an install deferred to this step):
-            # read once soap_step has done what does not need it. Only a job that writes m is
-            # waited for: a settle of anything else would start the group's due factor EMAs
-            # before its last stack (PendingWrites.settle)
-            writes = self.schedule.writes
-            if writes:
-                for p, j in members:
-                    key = K.key(j, "exp_avg")
-                    if (p, key) in writes:
-                        writes.settle(p, key)
-            return self.placement.stack(members, "exp_avg", view=True)
-
-        m = F.soap_step(w, g, moment, v, [None] * len(factors) if offload else factors, bases,
-                        steps, lr=float(group["lr"]),
-                        beta1=group["betas"][0], beta2=group["betas"][1],
-                        shampoo_beta=shampoo_beta(group), eps=group["eps"],
-                        weight_decay=group["weight_decay"], correct_bias=group["correct_bias"],
-                        normalize_grads=group["normalize_grads"])
+        gp = F.soap_project(g, [None] * len(factors) if offload else factors, bases,
+                            shampoo_beta=shampoo_beta(group))
+        self.wait_for_moment(members)
+        m = self.placement.stack(members, "exp_avg", view=True)
+        beta1, beta2 = group["betas"]
+        F.soap_moments(m, v, gp, beta1=beta1, beta2=beta2)
+        del gp  # the projected gradient's memory is free for the update's temporaries
+        F.soap_update(w, m, v, bases, steps, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+                      eps=group["eps"], weight_decay=group["weight_decay"],
+                      correct_bias=group["correct_bias"],
+                      normalize_grads=group["normalize_grads"])
         self.placement.unstack(members, "exp_avg", m)
         self.placement.unstack(members, "exp_avg_sq", v)
         self.placement.unstack_dims(members, "GG", factors)
-        if offload:  # started once the group's stacks have all run (schedule.writes.start_due)
-            self.schedule.offload(self.factor_ema_job(list(members), g, list(factors),
-                                                      shampoo_beta(group)), due=True)
+        if offload:  # started once the group's stacks have all run (background.start_due)
+            self.background.offload(self.factor_ema_job(list(members), g, list(factors),
+                                                        shampoo_beta(group)), due=True)
+
+    def wait_for_moment(self, members: list) -> None:
+        """Between a step's halves: m may still be re-expressed on a worker (an install deferred
+        to this step), so its job is waited for and applied. Only a job that writes m is
+        waited for: a settle of anything else would start the group's due factor EMAs before
+        its last stack (``BackgroundJobs.settle``)."""
+        background = self.background
+        if background:
+            for p, j in members:
+                key = K.key(j, "exp_avg")
+                if (p, key) in background:
+                    background.settle(p, key)
 
     refresh_input = Method.eigenbasis_refresh_input
 
@@ -117,7 +137,7 @@ class SOAPMethod(Method):
 
     def install_chunk(self, members, has, outputs):
         m, v = self.placement.stack(members, "exp_avg"), self.placement.stack(members, "exp_avg_sq")
-        offload = self.schedule.on_worker("soap_rotate", members, len(has))
+        offload = self.background.on_worker(ROTATION, members, len(has))
         # offloaded: the old and new bases go straight into the rotation job's (B, 2, n, n)
         # pairs, which the worker reads in place (no stacks of their own, no snapshot)
         pairs = [torch.empty((len(members), 2, m.shape[i + 1], m.shape[i + 1]), dtype=m.dtype)
@@ -144,7 +164,7 @@ class SOAPMethod(Method):
             # v permuted here (cheap), m re-expressed by a worker while the next forward and
             # backward run; the next read of m waits for it
             F.soap_permute(v, perms)
-            self.schedule.offload(self.rotation_job(members, m, pairs))
+            self.background.offload(self.rotation_job(members, m, pairs))
         else:
             F.soap_install(m, v, old, new, perms)
             self.placement.unstack(members, "exp_avg", m)
@@ -160,61 +180,40 @@ class SOAPMethod(Method):
         identity side) are given to it; its output is written into the members' m."""
         x = m.reshape(m.shape[0], m.shape[1], -1)
         a, b = (list(pairs) + [None] * (2 - len(pairs)))[:2]
-        shape = tuple(m.shape[1:])
-
-        def write_m(outputs):
-            for i, (p, j) in enumerate(members):
-                dst = dict.__getitem__(self.state[p], K.key(j, "exp_avg"))
-                dst.copy_(outputs[0][i].reshape(shape))
-
-        return WorkerJob(op="soap_rotate", members=list(members),
+        # the entries themselves: a reader of them waits for the job (nothing re-points them
+        # before it, the placement settles jobs first)
+        into = [dict.__getitem__(self.state[p], K.key(j, "exp_avg")) for p, j in members]
+        return WorkerJob(ROTATION, members=list(members),
                          keys=[(p, K.key(j, "exp_avg")) for p, j in members],
-                         inputs=(x, a, b), donate=("f", "q", "b"), apply_outputs=write_m,
-                         fallback=lambda: soap_rotate(x, a, b),
-                         counters=("rotations_submitted", "rotation_failures"),
-                         what="re-expressing SOAP's first moment")
+                         inputs=(x, a, b), into=(into,), donate=("f", "q", "b"))
 
     def factor_emas_offloaded(self, group: dict, members: list, g: torch.Tensor,
                               factors: list, steps: list) -> bool:
         """Hand this step's L, R update to a worker (``factor_ema_job``)? On a step whose
         factors no REFRESH reads at its end (k % f != 0: it reads them at once), matrix blocks
         with a factor, the factor stacks updated in place as the state itself, where the
-        schedule allows (``Schedule.on_worker``, runtime ``factor_emas="workers"``)."""
+        rule allows (``BackgroundJobs.on_worker``, runtime ``factor_emas="workers"``)."""
         if g.dim() != 3 or all(f is None for f in factors):
             return False
         freq = self.schedule.frequency(group)
         if any(k % freq == 0 for k in steps):
             return False
-        return self.schedule.on_worker(
-            "gram_ema", members, 2, dtype=g.dtype, policy="factor_emas",
+        return self.background.on_worker(
+            FACTOR_EMAS, members, 2, dtype=g.dtype,
             in_place=tuple(("GG", i, f) for i, f in enumerate(factors) if f is not None))
 
     def factor_ema_job(self, members: list, g: torch.Tensor, factors: list,
                        beta: float) -> WorkerJob:
         """L = beta L + (1 - beta) G G^T, R = beta R + (1 - beta) G^T G as a ``gram_ema`` job,
-        in the state's own factor memory (``factors``: the packed stacks; None: no factor);
-        ``g`` (a stack made for this step) is given to it. Started after the group's last
-        stack, so that it does not compete with the step for the memory bus."""
-
-        def write_factors(outputs):  # the job wrote the factors where they are
-            for f, out in zip(factors, outputs):
-                if f is not None and out is not None and out.data_ptr() != f.data_ptr():
-                    f.copy_(out)
-
-        def redo():  # a failed job has written nothing: the update here, in place
-            for i, f in enumerate(factors):
-                if f is not None:
-                    F.ema_gram(f, g, i, beta, 1.0 - beta)
-            return tuple(factors)
-
-        return WorkerJob(op="gram_ema", members=list(members),
+        in the state's own factor memory (``factors``: the packed stacks; None: no factor),
+        which the op updates in place; ``g`` (a stack made for this step) is given to it.
+        Started after the group's last stack, so that it does not compete with the step for
+        the memory bus."""
+        return WorkerJob(FACTOR_EMAS, members=list(members),
                          keys=[(p, K.key(j, "GG", i)) for p, j in members
                                for i, f in enumerate(factors) if f is not None],
-                         inputs=(g, factors[0], factors[1]), p=beta, eps=1.0 - beta,
-                         donate=("f",), apply_outputs=write_factors,
-                         fallback=redo,
-                         counters=("factor_emas_submitted", "factor_ema_failures"),
-                         what="updating SOAP's factors")
+                         inputs=(g, factors[0], factors[1]), into=(factors[0], factors[1]),
+                         p=beta, eps=1.0 - beta, donate=("f",))
 
 
 def _stacks_of(state, placement, outputs: dict):
