@@ -52,8 +52,8 @@ def is_int(v: Any) -> bool:
 
 
 def check_common(group: dict, beta_max: Sequence[bool] = (False, False)) -> None:
-    """Checks every optimizer shares: lr, betas, weight decay, frequency, block size.
-    ``beta_max[i]`` allows betas[i] == 1."""
+    """Checks every optimizer shares: lr, betas, weight decay, block size, experts (the
+    frequency is the cadence's: ``cadence.check_frequency``). ``beta_max[i]`` allows betas[i] == 1."""
     lr = group["lr"]
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
         raise ValueError("Tensor lr must be 1-element")  # torch.optim's wording
@@ -68,10 +68,6 @@ def check_common(group: dict, beta_max: Sequence[bool] = (False, False)) -> None
         require(f"betas[{i}]", ok, b, f"a float in [0, {hi}")
     wd = group["weight_decay"]
     require("weight_decay", isinstance(wd, (int, float)) and wd >= 0.0, wd, "a float >= 0")
-    f = group["precondition_frequency"]
-    require("precondition_frequency",
-            (is_int(f) and f >= 1) or (isinstance(f, str) and f == "auto"), f,
-            'an integer >= 1, or "auto" (chosen from measured times, runtime mode "async")')
     bs = group["block_size"]
     require("block_size", bs is None or (is_int(bs) and bs >= 1), bs, "None or an integer >= 1")
     ne = group.get("num_experts")
