@@ -64,6 +64,10 @@ def test_choose_frequency_rule():
     assert C.choose_frequency(1.0, 0.100, 0.090, margin=1.0) == (10, 10)
     with pytest.raises(ValueError, match="step_s"):
         C.choose_frequency(1.0, 0.0, 0.0)
+    # its S alone, the rule of staleness="auto" too: no S = 0 window (None), no S = 0
+    assert C.choose_staleness(0.010, 0.100, 0.050) == 0
+    assert C.choose_staleness(0.010, 0.100, None) == 1
+    assert C.choose_staleness(1.0, 0.100, 0.090) == 15
     # the window of a round: the forward and backward at S = 0, else S steps
     assert C.window_s(0, 2.0, 1.5) == 1.5
     assert C.window_s(3, 2.0, 1.5) == 6.0

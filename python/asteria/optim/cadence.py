@@ -1,13 +1,13 @@
 """When refreshes run: the cadence of an Asteria optimizer (``opt.cadence``), its f and S.
 
-Owns: a param group's refresh frequency f (``precondition_frequency``) and the staleness S
-(the runtime's ``staleness``: steps from a snapshot to its install), each fixed (an integer)
-or ``"auto"`` (chosen once from measured times); the one check of the two keys against each
-other and the run (``check_frequency``: f an integer >= 1 or "auto", "auto" with mode "async"
-and local blocking, S <= f; ``Cadence.check_engine``: no "auto" f with replicated parameters); when the "auto"
-values are chosen and from what (``choose_s``, ``choose_f``: the capacity record's numbers
-under ``asteria.refresh.cost``'s rule, ``choose_staleness`` / ``choose_frequency``); the
-capacity record those numbers come from (``capacity``; the schedule feeds it its rounds and
+Owns: a param group's refresh frequency f (``precondition_frequency``) and the staleness S (the
+runtime's ``staleness``: steps from a snapshot to its install), each fixed (an integer) or
+``"auto"`` (chosen once from measured times); the one check of the two keys against each other
+and the run (``check_frequency``: f an integer >= 1 or "auto", "auto" with mode "async" and
+local blocking, S <= f; ``Cadence.check_engine``: no "auto" f with replicated parameters); when
+the "auto" values are chosen and from what (``choose_s``, ``choose_f``: the capacity record's
+numbers under ``asteria.refresh.cost``'s rule, ``choose_staleness`` / ``choose_frequency``);
+the capacity record those numbers come from (``capacity``; the schedule feeds it its rounds and
 step times); the state keys of the values chosen (``STATE_KEYS``: ``staleness.auto``,
 ``frequency.auto``), made (``fixed_state``), written at the choice and restored after a load
 (``reset``, ``restore``); the report of f and S (``stats``, ``plan_lines``); and the question
@@ -146,7 +146,7 @@ class Cadence:
         self.auto_f: Optional[int] = None  # precondition_frequency="auto": the f, once chosen
         self._capacity: Optional[Capacity] = None
 
-    # ---- the checks of f and S ------------------------------------------------------------------
+    # ---- the checks of f and S -------------------------------------------------------------------
     def check_engine(self) -> None:
         """Once the engine exists: ``precondition_frequency="auto"`` with replicated
         parameters (DDP, HSDP) is refused, as each rank would choose f from its own timings
@@ -156,7 +156,7 @@ class Cadence:
                 "precondition_frequency='auto' with replicated parameters (DDP / HSDP): each "
                 "rank would choose f from its own timings; allowed: an integer >= 1 there")
 
-    # ---- f ----------------------------------------------------------------------------------------
+    # ---- f ---------------------------------------------------------------------------------------
     @property
     def auto_frequency(self) -> bool:
         """Does a param group ask for ``precondition_frequency="auto"``?"""
@@ -186,7 +186,7 @@ class Cadence:
         whether it starts a refresh there."""
         return count % self.frequency(group) == 0
 
-    # ---- S ----------------------------------------------------------------------------------------
+    # ---- S ---------------------------------------------------------------------------------------
     @property
     def delay(self) -> int:
         """S: steps between a snapshot and its install (0 in sync mode)."""
@@ -210,7 +210,7 @@ class Cadence:
         refresh in flight from its creation on (the schedule's fixed keys)."""
         return self.delay > 0 or (self.run.is_async and self.run.cfg.staleness == AUTO)
 
-    # ---- the step end's question ----------------------------------------------------------------
+    # ---- the step end's question -----------------------------------------------------------------
     def due(self, end: StepEnd) -> list:
         """[(item, install step)] of the factors that start a refresh at this step end (the
         items of ``end.due``, in their order). First the choices this step end makes (an auto
@@ -301,7 +301,7 @@ class Cadence:
                             sizes[(int(d), dtype)] += 1
         return [JobSpec(op, dt, n, k, p=pw) for (n, dt), k in sizes.items()]
 
-    # ---- the capacity record ----------------------------------------------------------------------
+    # ---- the capacity record ---------------------------------------------------------------------
     @property
     def capacity(self) -> Capacity:
         """The capacity record of this optimizer's REFRESH work (asteria.refresh.capacity)."""
@@ -314,7 +314,7 @@ class Cadence:
         """Has the capacity record measured a round yet?"""
         return self._capacity is not None and bool(self._capacity.rounds)
 
-    # ---- state: the values chosen -------------------------------------------------------------
+    # ---- state: the values chosen ----------------------------------------------------------------
     def fixed_state(self, p, group: dict) -> None:
         """Add the cadence's keys of the fixed key set that p's state lacks (at creation, after
         a load): with precondition_frequency="auto" the f chosen, with staleness="auto" (mode
@@ -342,7 +342,7 @@ class Cadence:
         chosen = [c for c in chosen if c >= 1]
         self.auto_f = max(chosen) if chosen and self.auto_frequency else None
 
-    # ---- the report -----------------------------------------------------------------------------
+    # ---- the report ------------------------------------------------------------------------------
     def stats(self, defers: bool) -> dict:
         """The cadence's entries of ``asteria_stats()``: S as applied now, whether "auto" S
         and f were chosen yet, the f of the "auto" groups now, and the capacity report's

@@ -53,7 +53,8 @@ def is_int(v: Any) -> bool:
 
 def check_common(group: dict, beta_max: Sequence[bool] = (False, False)) -> None:
     """Checks every optimizer shares: lr, betas, weight decay, block size, experts (the
-    frequency is the cadence's: ``cadence.check_frequency``). ``beta_max[i]`` allows betas[i] == 1."""
+    frequency is the cadence's: ``cadence.check_frequency``). ``beta_max[i]`` allows
+    betas[i] == 1."""
     lr = group["lr"]
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
         raise ValueError("Tensor lr must be 1-element")  # torch.optim's wording

@@ -1,17 +1,18 @@
 """The cost model of the REFRESH work: how long a round takes on the lanes that run it.
 
-Owns: the FLOP count of a job (``flops``, from each op's count in ``asteria.refresh.ops``),
-the throughput measured per lane, op, dtype and size (``CostModel``), the prediction of a
-round's time on a number of workers or lanes (``makespan``, ``assign``, ``split_makespan``,
+Owns: the FLOP count of a job (``flops``, from each op's count in ``asteria.refresh.ops``), the
+throughput measured per lane, op, dtype and size (``CostModel``), the prediction of a round's
+time on a number of workers or lanes (``makespan``, ``assign``, ``split_makespan``,
 ``predict_round``), the smallest S and worker count that cover a round (``smallest_s``,
 ``smallest_workers``), the window a round has at a given S (``window_s``), the rule that
 chooses an "auto" S and f from a round's and a step's seconds (``choose_staleness``,
 ``choose_frequency``: the one place it is written; ``asteria.optim.cadence`` applies it to a
-run's measurements, ``asteria.plan`` to a model's) and the measurement of a machine's per-core rate (``calibrate``). One
-optimizer's record of its rounds and the capacity report are ``asteria.refresh.capacity``'s;
-the check of the prediction against the pool is benchmarks/cost_check.py's. May call: torch,
-``asteria.refresh.ops``, ``asteria.refresh.engine`` (JobTiming, Lane) and, for ``calibrate``
-only, ``asteria.refresh.host_pool``. Single-threaded (the training thread); executors hand it
+run's measurements, ``asteria.plan`` to a model's) and the measurement of a machine's per-core
+rate (``calibrate``). One optimizer's record of its rounds and the capacity report are
+``asteria.refresh.capacity``'s; the check of the prediction against the pool is
+benchmarks/cost_check.py's. May call: torch, ``asteria.refresh.ops``,
+``asteria.refresh.engine`` (JobTiming, Lane) and, for ``calibrate`` only,
+``asteria.refresh.host_pool``. Single-threaded (the training thread); executors hand it
 finished jobs through their ``observer`` on that thread.
 
 FLOPs per batch entry (n: the factor's size; real arithmetic, one multiply-add = 2 FLOPs; each
