@@ -92,8 +92,8 @@ def check_frequency(f: Union[int, str], cfg, where: str = "") -> None:
     S by construction, so none of those is checked. S's own range is checked with the other
     runtime keys (``RuntimeConfig``); "auto" with replicated parameters once the engine exists
     (``Cadence.check_engine``)."""
-    require("precondition_frequency", (is_int(f) and f >= 1) or (isinstance(f, str)
-                                                                  and f == AUTO), f,
+    ok = (is_int(f) and f >= 1) or (isinstance(f, str) and f == AUTO)
+    require("precondition_frequency", ok, f,
             'an integer >= 1, or "auto" (chosen from measured times, runtime mode "async")')
     if f == AUTO:
         where = f" ({where})" if where else ""
