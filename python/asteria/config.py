@@ -9,9 +9,9 @@ setting is read from the environment. The keys libasteria reads
 construction, to libasteria's validator (``ast_config_set``, via
 ``asteria._C.validate_config``), whose result (``c_config``, a ``_C.Config``) ``_C.Runtime``
 takes as it is. Every rejection is a ValueError naming the key and the allowed values. See the
-config table in README.md / DESIGN.md. ``check_frequency`` is the one check of a param group's
-``precondition_frequency`` against these keys (S <= f; "auto" needs mode "async" and local
-blocking); the value's own range is the method's check.
+config table in README.md / DESIGN.md. A param group's ``precondition_frequency`` is checked
+against these keys (S <= f; "auto" needs mode "async" and local blocking) with the value
+itself, by the cadence's ``check_frequency`` (``asteria.optim.cadence``).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _check_text(key: str, value: Any) -> None:
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
     mode: str = "async"
-    staleness: Union[int, str] = 5  # or "auto": the schedule picks S from measurements
+    staleness: Union[int, str] = 5  # or "auto": the cadence picks S from measurements
     install: str = "deterministic"
     workers: Optional[int] = None
     placement: Union[str, Mapping[str, str]] = "auto"
@@ -244,35 +244,3 @@ class RuntimeConfig:
                 value = os.fsdecode(value)
             out[key] = value
         return out
-
-    def check_frequency(self, precondition_frequency: Union[int, str], where: str = "") -> None:
-        """The one check of this config against a param group's ``precondition_frequency``
-        f (the optimizer's construction, ``add_param_group`` and ``load_state_dict`` call it for
-        every group; ``where`` names the group in the error). f = "auto" (chosen from measured
-        times by the schedule) needs ``mode="async"``: in sync mode every REFRESH stalls its
-        step, there is no window to fit; and local blocking, as staleness="auto" does (each
-        rank would choose its own f). S <= f: a refresh must be installed before the next one
-        is snapshotted. ``mode="sync"`` installs at once (S = 0 whatever the key says), "auto"
-        S stays within f and "auto" f is at least an integer S by construction, so none of
-        those is checked. The range of f itself (an integer >= 1, or "auto") is the method's
-        check (``method.check_common``); S's is checked at construction, with the others."""
-        if precondition_frequency == "auto":
-            where = f" ({where})" if where else ""
-            if self.mode != "async":
-                raise ValueError(
-                    f"precondition_frequency='auto'{where} needs runtime mode 'async' (f is "
-                    f"chosen so that a REFRESH round fits under the steps; sync mode runs it "
-                    f"inside the step); allowed in mode {self.mode!r}: an integer >= 1")
-            if self.fsdp_blocking != "local":
-                raise ValueError(
-                    f"precondition_frequency='auto'{where} needs runtime fsdp_blocking 'local' "
-                    f"(global blocking needs one f on every rank); allowed with "
-                    f"{self.fsdp_blocking!r}: an integer >= 1")
-            return
-        if self.mode == "sync" or self.staleness == "auto":
-            return
-        if self.staleness > precondition_frequency:
-            raise ValueError(
-                f"runtime key 'staleness': got {self.staleness}; allowed: 0 <= S <= "
-                f"precondition_frequency ({precondition_frequency})"
-                f"{' of ' + where if where else ''}")

@@ -1,6 +1,6 @@
 """precondition_frequency="auto": the value and its checks, the rule that picks f (and S) from
 a round's and a step's seconds (asteria.refresh.cost.choose_frequency), the choice a run makes
-from its capacity record at a parameter's second step, its one home (the schedule) and its
+from its capacity record at a parameter's second step, its one home (the cadence) and its
 place in the state dict, the reports, and the offline planner's S = 0 window, PCIe bytes and
 ``-f auto``.
 
@@ -64,6 +64,10 @@ def test_choose_frequency_rule():
     assert C.choose_frequency(1.0, 0.100, 0.090, margin=1.0) == (10, 10)
     with pytest.raises(ValueError, match="step_s"):
         C.choose_frequency(1.0, 0.0, 0.0)
+    # its S alone, the rule of staleness="auto" too: no S = 0 window (None), no S = 0
+    assert C.choose_staleness(0.010, 0.100, 0.050) == 0
+    assert C.choose_staleness(0.010, 0.100, None) == 1
+    assert C.choose_staleness(1.0, 0.100, 0.090) == 15
     # the window of a round: the forward and backward at S = 0, else S steps
     assert C.window_s(0, 2.0, 1.5) == 1.5
     assert C.window_s(3, 2.0, 1.5) == 6.0
@@ -109,7 +113,7 @@ def test_constructs_and_chooses_once(cls):
         st = opt.asteria_stats()
         assert st["frequency_auto_chosen"] and st["frequency_auto_f"] >= 1
         f = st["frequency_auto_f"]
-        assert opt.schedule.auto_f == f
+        assert opt.cadence.auto_f == f
         assert any(line.startswith("precondition_frequency 'auto': f = ")
                    for line in opt.asteria_plan())
         sd = opt.state_dict()
@@ -193,7 +197,7 @@ def test_auto_group_beside_an_integer_group_keeps_s_within_both():
         st = opt.asteria_stats()
         assert st["frequency_auto_chosen"] and st["frequency_auto_f"] >= 3
         assert st["staleness"] == 3  # the round wants more, the integer group allows 3
-        assert opt.schedule.frequency(opt.param_groups[0]) == 3
+        assert opt.cadence.frequency(opt.param_groups[0]) == 3
         sd = opt.state_dict()
         assert [g["precondition_frequency"] for g in sd["param_groups"]] == [3, "auto"]
         assert "frequency.auto" not in sd["state"][0]
@@ -210,7 +214,7 @@ def test_shampoo_chooses_at_its_second_step():
         train(model, opt, 1, start=2, fb_sleep=0.02)
         assert opt.asteria_stats()["frequency_auto_chosen"]
         # start_preconditioning_step=-1 is the f the run started with
-        assert opt.schedule.frequency(opt.param_groups[0], initial=True) == 1
+        assert opt.cadence.frequency(opt.param_groups[0], initial=True) == 1
     finally:
         opt.close()
 
@@ -237,7 +241,7 @@ def test_chosen_f_survives_a_checkpoint_bitwise():
             train(twin, opt2, 2 * f + 1, start=6)
             for a, b in zip(params_of(model), params_of(twin)):
                 assert torch.equal(a, b)
-            assert opt2.schedule.auto_f == f  # never chosen again
+            assert opt2.cadence.auto_f == f  # never chosen again
         finally:
             opt2.close()
     finally:

@@ -59,18 +59,20 @@ def test_parts_are_built_from_the_record_not_the_optimizer():
     import inspect
 
     from asteria.optim.background import BackgroundJobs
+    from asteria.optim.cadence import Cadence
     from asteria.optim.checkpoint import Checkpoint
     from asteria.optim.placement import Placement
     from asteria.optim.schedule import Schedule
 
     assert list(inspect.signature(Schedule).parameters) == ["run", "method", "placement",
-                                                            "writes"]
+                                                            "writes", "cadence"]
     assert list(inspect.signature(Placement).parameters) == ["run", "method", "writes"]
+    assert list(inspect.signature(Cadence).parameters) == ["run", "method"]
     assert list(inspect.signature(Checkpoint).parameters) == ["run", "method", "schedule",
-                                                              "placement"]
+                                                              "placement", "cadence"]
     assert list(inspect.signature(BackgroundJobs).parameters) == ["run"]
     for name in ("schedule.py", "placement.py", "packing.py", "checkpoint.py", "method.py",
-                 "background.py"):
+                 "background.py", "cadence.py"):
         assert "weakref.ref(opt)" not in (PKG / "optim" / name).read_text(), name
 
 
@@ -157,6 +159,7 @@ PARTS = {
                 "optim/shampoo.py", "optim/kl_shampoo.py"}),
     "schedule": (r"_?schedule|sched|runner", "asteria.optim.schedule:Schedule",
                  {"optim/schedule.py"}),
+    "cadence": (r"_?cadence", "asteria.optim.cadence:Cadence", {"optim/cadence.py"}),
     "placement": (r"_?placement|place", "asteria.optim.placement:Placement",
                   {"optim/placement.py"}),
     "checkpoint": (r"_?checkpoint|codec", "asteria.optim.checkpoint:Checkpoint",

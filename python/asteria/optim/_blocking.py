@@ -5,7 +5,8 @@ neighbouring dimensions while their product stays <= max_precond_dim) followed b
 ``block_size`` split into independent blocks of at most ``block_size`` per dimension (the edge
 blocks may be smaller), as Distributed Shampoo blocks large matrices; and the experts of a
 mixture-of-experts weight (``Experts``: the param group's ``num_experts``), each its own set of
-blocks. Calls only torch; no state.
+blocks; and the key a layout is cut by (``layout_key``: block size, merge_dims, max dim,
+experts of a param group, through its method's rules). Calls only torch; no state.
 
 Experts. A layer's experts are kept in one parameter, either as (E, d_in, d_out) (torchtitan) or
 with the expert dimension folded into the rows, (E * d_in, d_out) (OLMo-core's MoE MLP, so that
@@ -123,6 +124,13 @@ def experts_of(shape: Sequence[int], num_experts: int, local_rows: Optional[tupl
     rows = shape[1] if fold else shape[0] // num_experts
     lo = 0 if local_rows is None else int(local_rows[0])
     return Experts(rows=rows, row_offset=lo * shape[1] if fold else lo, fold=fold)
+
+
+def layout_key(method, group: dict) -> tuple:
+    """(block_size, merge_dims, max_dim, num_experts): what a parameter of ``group`` is cut
+    with, the method's rules applied (``make_layout``'s arguments; a global plan's key)."""
+    return (group["block_size"], method.merge_dims(group), method.max_dim(group),
+            group.get("num_experts"))
 
 
 def make_layout(shape: Sequence[int], block_size: Optional[int] = None,

@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from asteria.optim import _layout
-from asteria.optim._blocking import Layout, experts_of, make_layout
+from asteria.optim._blocking import Layout, experts_of, layout_key, make_layout
 from asteria.optim._state import local
 
 
@@ -283,8 +283,7 @@ class GlobalBlocking:
         its rows per rank, its owners. Deterministic: every rank computes the same plans."""
         _check_placement(p, pidx)
         mesh = p.device_mesh
-        hparams = (group["block_size"], method.merge_dims(group), method.max_dim(group),
-               group.get("num_experts"))
+        hparams = layout_key(method, group)
         full = _full_layout(p.shape, *hparams)
         size, me = mesh.size(), mesh.get_local_rank()
         m = p.shape[0]

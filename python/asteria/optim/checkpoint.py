@@ -4,12 +4,14 @@ in torch.optim's form and checked loads.
 Owns: the checkpoint form of the state (the optimizer's own key names; a refresh in flight
 stored as its results, not installed), the check of a loaded state dict against this
 optimizer, and the dtype each loaded tensor is kept in. Built with what it uses
-(``Checkpoint(run, method, schedule, placement)``); each part owns its own wire form and the
-checkpoint calls it: the schedule's refreshes in flight (``wait_pending``, ``export_pending``,
-``reset``, ``restore_pending``), the placement's tiered state (``export_tiered``,
-``clear_tiered``, ``restore_tiered``). May call: torch.optim's own state-dict code on the
-run's ``optimizer``, those calls, the method (``check``, ``state_spec``, ``output_specs``,
-``flag_keys``, ``has_factor``, ``fixed_state``), ``_layout`` (key names). Single-threaded (the
+(``Checkpoint(run, method, schedule, placement, cadence)``); each part owns its own wire form
+and the checkpoint calls it: the schedule's refreshes in flight (``wait_pending``,
+``export_pending``, ``reset``, ``restore_pending``), the placement's tiered state
+(``export_tiered``, ``clear_tiered``, ``restore_tiered``), the cadence's chosen f and S
+(``STATE_KEYS``, ``fixed_state``, ``reset``, ``restore``; ``delay``). May call: torch.optim's
+own state-dict code on the run's ``optimizer``, those calls, the method (``check``,
+``state_spec``, ``output_specs``, ``flag_keys``, ``has_factor``, ``fixed_state``),
+``cadence.check_frequency`` (a loaded group's f), ``_layout`` (key names). Single-threaded (the
 training thread).
 
 Checkpoints through torch.distributed.checkpoint (DCP).
@@ -68,6 +70,7 @@ import torch
 
 from asteria.optim import _layout as K
 from asteria.optim._state import _count, _ParamState, ensure_proxy, real, shown_state
+from asteria.optim.cadence import check_frequency
 
 
 #: group keys torch.optim itself puts into an optimizer's defaults or groups, none of them a
@@ -106,11 +109,12 @@ class Checkpoint:
     """The checkpoint part of an ``AsteriaOptimizer`` (``opt.checkpoint``): the optimizer's
     ``state_dict`` / ``load_state_dict`` are its."""
 
-    def __init__(self, run, method, schedule, placement) -> None:
+    def __init__(self, run, method, schedule, placement, cadence) -> None:
         self.run = run
         self.method = method
         self.schedule = schedule
         self.placement = placement
+        self.cadence = cadence
 
     def state_dict(self) -> dict:
         """torch.optim's state dict, with the same keys as the live state (the fixed key set):
@@ -146,7 +150,7 @@ class Checkpoint:
         for p, tiered in self.placement.export_tiered().items():
             sd["state"][index[p]].update(tiered)
         self.schedule.export_pending(sd["state"], index)
-        if self.schedule.delay > 0:  # fsdp_blocking="global": as every owner has it
+        if self.cadence.delay > 0:  # fsdp_blocking="global": as every owner has it
             self.run.blocking.sync_pending(sd["state"], index, (K.PENDING_IN, K.PENDING_AGE))
         for p, tag in self.run.tags.items():  # per-shard state: the shard's own key names
             st = sd["state"].get(index.get(p))
@@ -213,6 +217,7 @@ class Checkpoint:
         loaded, others = self.loaded_states(state_dict)
         # checked: from here on the optimizer changes
         self.schedule.reset()
+        self.cadence.reset()
         with _hooks_off(opt, "_optimizer_load_state_dict_pre_hooks"), \
                 _hooks_off(opt, "_optimizer_load_state_dict_post_hooks") as post_hooks:
             torch.optim.Optimizer.load_state_dict(
@@ -232,9 +237,9 @@ class Checkpoint:
             self.schedule.restore_pending(p, st)
             layout = self.run.layout(p, group)
             self.method.fixed_state(p, group, layout)
+            self.cadence.fixed_state(p, group)
             self.schedule.fixed_state(p, group, layout)
-        self.schedule.restore_auto_s()  # staleness="auto": the S the saved run chose stays
-        self.schedule.restore_auto_f()  # precondition_frequency="auto": so does its f
+        self.cadence.restore()  # an "auto" S and f the saved run chose stay
         self.placement.end_step()  # NVMe-homed blocks go back to NVMe (best effort)
         for hook in post_hooks.values():
             hook(opt)
@@ -267,8 +272,8 @@ class Checkpoint:
                                  f"optimizer (its keys: {sorted(k for k in saved if k != 'params')})")
             group = {k: v for k, v in saved.items() if k != "params"}
             self.method.check(group)
-            self.run.cfg.check_frequency(group["precondition_frequency"],
-                                         f"param group {gi} of the state dict")
+            check_frequency(group["precondition_frequency"], self.run.cfg,
+                            f"param group {gi} of the state dict")
             for i, p in zip(ids, live["params"]):
                 seen.add(i)
                 st = state.get(i)
@@ -307,8 +312,8 @@ class Checkpoint:
             tensors = {n: (tuple(shape), dt) for n, _, shape, dt in spec}
             # Shampoo's roots may be absent (a state dict from before the fixed key set)
             required = {n for n, kind, _, _ in spec if kind != "roots"} | {K.STEP}
-            # AUTO_S / AUTO_F: the S / f an "auto" run chose (kept by a resumed auto run)
-            flags |= {K.PENDING_IN, K.PENDING_AGE, K.AUTO_S, K.AUTO_F}
+            # the cadence's: the S / f an "auto" run chose (kept by a resumed auto run)
+            flags |= {K.PENDING_IN, K.PENDING_AGE, *self.cadence.STATE_KEYS}
             flags |= set(self.method.flag_keys(p, group, layout))
             for j, bshape in enumerate(layout.block_shapes):
                 for dim, has in enumerate(self.method.has_factor(bshape, group)):

@@ -53,8 +53,9 @@ def is_int(v: Any) -> bool:
 
 
 def check_common(group: dict, beta_max: Sequence[bool] = (False, False)) -> None:
-    """Checks every optimizer shares: lr, betas, weight decay, frequency, block size.
-    ``beta_max[i]`` allows betas[i] == 1."""
+    """Checks every optimizer shares: lr, betas, weight decay, block size, experts (the
+    frequency is the cadence's: ``cadence.check_frequency``). ``beta_max[i]`` allows
+    betas[i] == 1."""
     lr = group["lr"]
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
         raise ValueError("Tensor lr must be 1-element")  # torch.optim's wording
@@ -69,10 +70,6 @@ def check_common(group: dict, beta_max: Sequence[bool] = (False, False)) -> None
         require(f"betas[{i}]", ok, b, f"a float in [0, {hi}")
     wd = group["weight_decay"]
     require("weight_decay", isinstance(wd, (int, float)) and wd >= 0.0, wd, "a float >= 0")
-    f = group["precondition_frequency"]
-    require("precondition_frequency",
-            (is_int(f) and f >= 1) or (isinstance(f, str) and f == "auto"), f,
-            'an integer >= 1, or "auto" (chosen from measured times, runtime mode "async")')
     bs = group["block_size"]
     require("block_size", bs is None or (is_int(bs) and bs >= 1), bs, "None or an integer >= 1")
     ne = group.get("num_experts")
@@ -152,13 +149,14 @@ class Method:
         capacity planner) until an optimizer binds it (``bind``)."""
         self._run = self._placement = self._schedule = self._background = lambda: None
 
-    def bind(self, run, placement, schedule, background) -> None:
-        """Work for the optimizer of ``run``, through its placement, schedule and background
-        jobs, each held weakly (they hold this method, or what it makes)."""
+    def bind(self, run, placement, schedule, background, cadence) -> None:
+        """Work for the optimizer of ``run``, through its placement, schedule, background jobs
+        and cadence, each held weakly (they hold this method, or what it makes)."""
         self._run = weakref.ref(run)
         self._placement = weakref.ref(placement)
         self._schedule = weakref.ref(schedule)
         self._background = weakref.ref(background)
+        self._cadence = weakref.ref(cadence)
 
     @property
     def run(self):
@@ -176,9 +174,15 @@ class Method:
 
     @property
     def schedule(self):
-        """The schedule (``asteria.optim.schedule.Schedule``): a group's f (``frequency``),
-        device-side counts (``count_lazy``)."""
+        """The schedule (``asteria.optim.schedule.Schedule``): device-side counts
+        (``count_lazy``)."""
         return self._schedule()
+
+    @property
+    def cadence(self):
+        """The cadence (``asteria.optim.cadence.Cadence``): the due rule (``comes_due``) and a
+        group's f (``frequency``)."""
+        return self._cadence()
 
     @property
     def background(self):

@@ -5,7 +5,8 @@ through the method, the refreshes due), ``asteria_stats()``, close and copies. W
 share is one record it builds and fills, ``run`` (``run.Run``: config, engine, step counter,
 parameter index and names, layouts, shard tags, counters, replicas); the parts are built with
 it and their exact collaborators, each in a room of its own (docs/architecture.md): ``method``
-(``method.Method``: the math, one subclass per method), ``schedule`` (``schedule.Schedule``: S,
+(``method.Method``: the math, one subclass per method), ``cadence`` (``cadence.Cadence``: f
+and S, which factors refresh and when each is installed), ``schedule`` (``schedule.Schedule``:
 rounds, the bounded barrier), ``background`` (``background.BackgroundJobs``: a method's jobs
 that write state in the background), ``placement`` (``placement.Placement``: plan,
 residency, block accessors) and ``checkpoint``
@@ -52,18 +53,18 @@ from typing import Any, Iterable, Optional
 import torch
 
 from asteria.refresh import select as _select
-from asteria.refresh.capacity import report_lines
 from asteria.config import TIERS, RuntimeConfig
 from asteria.optim import _layout as K
 from asteria.optim import functional as F
 from asteria.optim._blocking import experts_of
 from asteria.optim._state import _count, ensure_proxy, local, real, shard_tag
 from asteria.optim.background import BackgroundJobs
+from asteria.optim.cadence import Cadence, check_frequency
 from asteria.optim.checkpoint import Checkpoint
 from asteria.optim.method import INIT, REFRESH
 from asteria.optim.placement import Placement, close_all
 from asteria.optim.run import Run
-from asteria.optim.schedule import CHOOSE_F_AT, Schedule
+from asteria.optim.schedule import Schedule
 
 
 #: the keys asteria_stats() reports in every mode (zero where a mode has no such thing): the
@@ -90,9 +91,10 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         self.method = method
         self.placement = Placement(run, method, background)
         background.bind(self.placement)
-        self.schedule = Schedule(run, method, self.placement, background)
-        method.bind(run, self.placement, self.schedule, background)
-        self.checkpoint = Checkpoint(run, method, self.schedule, self.placement)
+        self.cadence = Cadence(run, method)
+        self.schedule = Schedule(run, method, self.placement, background, self.cadence)
+        method.bind(run, self.placement, self.schedule, background, self.cadence)
+        self.checkpoint = Checkpoint(run, method, self.schedule, self.placement, self.cadence)
         super().__init__(params, defaults)
         try:
             self._replan()
@@ -109,7 +111,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         plan = self.placement.make_plan()
         if run.engine is None:
             run.engine = _select.make_engine(run.cfg, plan, run.params())
-        self.schedule.check_engine()
+        self.cadence.check_engine()
         if self.placement.apply(plan, run.engine.tracer):  # a residency was made now
             if self._finalizer is not None:  # the finalizer must close it too
                 self._finalizer.detach()
@@ -154,8 +156,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         merged = dict(self.defaults)
         merged.update({k: v for k, v in param_group.items() if k != "params"})
         self.method.check(merged)
-        self.run.cfg.check_frequency(merged["precondition_frequency"],
-                                     f"param group {len(self.param_groups)}")
+        check_frequency(merged["precondition_frequency"], self.run.cfg,
+                        f"param group {len(self.param_groups)}")
         if merged.get("num_experts") is not None:
             for i, p in enumerate(params):
                 if not (p.numel() == 0 or self.run.is_adamw(p, merged)):
@@ -292,6 +294,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
             if not st:
                 self.method.create_state(p, group, lay)
                 self.method.fixed_state(p, group, lay)
+                self.cadence.fixed_state(p, group)
                 self.schedule.fixed_state(p, group, lay)
                 if self.method.init_step:
                     phase = INIT
@@ -308,7 +311,6 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                 key = (phase, bshape, dtype, device, self.method.batch_tag(p, j))
                 stacks[key].append((p, j))
         due: list = []
-        freq = self.schedule.frequency(group)
         glob = [p for p in params if self.run.blocking.has(p)]
         glob_set = set(glob)
         grads, weights = self.run.blocking.gather(glob) if glob else ({}, {})  # the owned blocks
@@ -355,7 +357,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
                 dims = [i for i, h in enumerate(self.method.has_factor(bshape, group)) if h]
                 if dims:
                     due.extend((REFRESH, p, j, dims) for (p, j), k in zip(members, steps)
-                               if k % freq == 0)
+                               if self.cadence.comes_due(group, k))
         finally:  # the jobs the stacks that ran made (an interrupted step's too): started after
             self.background.start_due()  # the last one, not competing with the step for memory
         if glob:
@@ -443,19 +445,8 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         stats["bytes_device"] = dev
         stats.setdefault("install_waits", 0)
         stats.setdefault("install_wait_ns", 0)
-        # S as the schedule applies it now; with staleness="auto", whether it was chosen yet
-        stats["staleness"] = self.schedule.delay
-        stats["staleness_auto"] = self.run.cfg.staleness == "auto"
-        stats["staleness_auto_chosen"] = self.schedule.auto_s is not None
-        # precondition_frequency="auto": whether f was chosen yet, and the f its groups use now
-        stats["frequency_auto"] = self.schedule.auto_frequency
-        stats["frequency_auto_chosen"] = self.schedule.auto_f is not None
-        stats["frequency_auto_f"] = (self.schedule.auto_frequency_now()
-                                     if self.schedule.auto_frequency else None)
-        cap = self.schedule.capacity.summary(self.schedule.delay, self.schedule.defers())
-        for key in ("round_gflop", "predicted_round_s", "measured_round_s", "step_s", "fb_s",
-                    "window_s", "utilisation", "smallest_s", "smallest_workers"):
-            stats[f"capacity_{key}"] = cap.get(key)
+        # S as applied now, whether an "auto" S or f was chosen yet, the capacity figures
+        stats.update(self.cadence.stats(self.schedule.defers()))
         return stats
 
     def asteria_plan(self) -> list[str]:
@@ -466,22 +457,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
         lines = self.placement.decisions()
         # before the first round there is nothing measured to report: the planner's decisions
         # alone (as logged at construction)
-        sched = self.schedule
-        if self.run.is_async and sched.measured:
-            s = self.schedule.delay
-            auto = self.run.cfg.staleness == "auto"
-            if auto:
-                lines.append(f"staleness 'auto': S = {s} " + (
-                    "(chosen from the measured round time)" if self.schedule.auto_s is not None
-                    else "(0, to be chosen with precondition_frequency 'auto')"
-                    if sched.auto_frequency else
-                    "(the frequency, until a REFRESH round has been measured)"))
-            if sched.auto_frequency:
-                how = ("chosen from the measured round and step times" if sched.auto_f
-                       else f"until the choice, at a parameter's step {CHOOSE_F_AT}")
-                lines.append(f"precondition_frequency 'auto': f = "
-                             f"{sched.auto_frequency_now()} ({how})")
-            lines.extend(report_lines(sched.capacity.summary(s, sched.defers())))
+        lines.extend(self.cadence.plan_lines(self.schedule.defers()))
         return lines
 
     def close(self) -> None:
@@ -582,7 +558,7 @@ class AsteriaOptimizer(torch.optim.Optimizer):
     @property
     def capacity(self):
         """The capacity record of this optimizer's REFRESH work (asteria.refresh.capacity)."""
-        return self.schedule.capacity
+        return self.cadence.capacity
 
     def _asteria_prefetch(self, params: Iterable, reason: str = "") -> int:
         """Stage the roots / eigenbases of params into the ring (the hooks' call)."""

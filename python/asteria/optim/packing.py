@@ -7,7 +7,7 @@ methods' ``step_blocks`` only).
 Owns: the packs (``packs``) and the record of the packed stacks handed to the ``step_blocks``
 running now (``handed``). Built with what it uses (``Packing(run, writes)``), by the placement
 (``optim/placement.py``), which alone calls it. May call: torch, the run record's state (the
-``_state`` proxy: its reads settle what still writes an entry), the ``PendingWrites`` (settled
+``_state`` proxy: its reads settle what still writes an entry), the ``BackgroundJobs`` (settled
 before slices of packs move), ``_layout`` (key names). Single-threaded (the training thread).
 
 When the members' tensors are not such slices (the first step, a parameter skipped or without

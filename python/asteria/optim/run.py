@@ -27,7 +27,7 @@ import torch
 
 from asteria import distributed as _dist
 from asteria.config import RuntimeConfig
-from asteria.optim._blocking import Layout, experts_of, make_layout
+from asteria.optim._blocking import Layout, experts_of, layout_key, make_layout
 from asteria.optim._global import GlobalBlocking, LocalBlocking
 from asteria.optim._state import alive, real, shard_rows
 
@@ -121,9 +121,7 @@ class Run:
     def make_layout(self, p: torch.Tensor, group: dict) -> Layout:
         """p's blocks with group's hyperparameters: of its local tensor, or (globally blocked
         FSDP2 parameters) the blocks of the full parameter this rank owns."""
-        method = self._method
-        args = (group["block_size"], method.merge_dims(group), method.max_dim(group),
-                group.get("num_experts"))
+        args = layout_key(self._method, group)
         if self.blocking.has(p):
             return self.blocking.layout(p, *args)
         experts = None

@@ -1,5 +1,5 @@
-"""The staleness schedule of an Asteria optimizer (``opt.schedule``): snapshot at t, install at
-t + S, the bounded barrier and what a failed REFRESH does.
+"""The refresh rounds of an Asteria optimizer (``opt.schedule``): snapshot at a step end,
+install at the step the cadence names, the bounded barrier and what a failed REFRESH does.
 
 Owns: the rounds of REFRESH jobs in flight, the block keys and versions of the jobs it submits
 (from 1; a method's background jobs number theirs, ``background``), the one consecutive-failure
@@ -7,37 +7,35 @@ count per factor, installs deferred to the next use, when the background jobs th
 state are taken (``writes``: at a step's start, before a checkpoint; a ``BackgroundJobs``),
 device-side counts (``count_lazy``), the step end (installs, then new
 snapshots) and the wire form of the refreshes in flight (``wait_pending``, ``export_pending``,
-``reset``, ``restore_pending``: the checkpoint part calls them and never sees a round). S is
-read from the runtime config here and nowhere else (``delay``), chosen here with
-``staleness="auto"`` (``choose_s``), and given to the engine as each job's deadline t + S (a
-replicated engine's budget is ``deadline - snapshot_step``). A param group's f likewise:
-``frequency`` is the one reader of ``precondition_frequency`` for scheduling (the step's
-"due" rule, SOAP's factor offload, Shampoo's start, the ceiling of auto S), and the f that
-``precondition_frequency="auto"`` chose lives here (``auto_f``, ``choose_f``).
-Built with what it uses (``Schedule(run, method, placement, writes)``): the run record
-(``run.py``: engine, config, step counter, parameter index, counters, replicas). May call: the
-engine (``submit`` / ``ready`` / ``wait`` / ``step_end``), the capacity record
-(``asteria.refresh.capacity.Capacity``: every round's jobs, step and stall times), the method
-(``refresh_input``, ``install``, ``output_specs``, ``has_factor``, ``output_name``,
-``fixed_state``'s counterpart) and the placement's ``owned``. Single-threaded (the training
-thread); the engine's workers never see these objects.
+``reset``, ``restore_pending``: the checkpoint part calls them and never sees a round). Which
+factors refresh and when each is installed is the cadence's (``asteria.optim.cadence``: f and
+S, fixed or "auto"): at every step end the schedule asks it (``Cadence.due``) and submits what
+it is told, each job with its install step as the engine's deadline (a replicated engine's
+budget is ``deadline - snapshot_step``).
+Built with what it uses (``Schedule(run, method, placement, writes, cadence)``): the run
+record (``run.py``: engine, config, step counter, parameter index, counters, replicas). May
+call: the engine (``submit`` / ``ready`` / ``wait`` / ``step_end``), the cadence (``due``,
+``lags``, and its capacity record, ``asteria.refresh.capacity.Capacity``, which the schedule
+feeds every round's jobs, step and stall times), the method (``refresh_input``, ``install``,
+``output_specs``, ``has_factor``, ``output_name``) and the placement's ``owned``.
+Single-threaded (the training thread); the engine's workers never see these objects.
 
 Schedule (DESIGN.md, "Staleness"). Steps are counted per ``step()`` call (t = 1, 2, ...).
  - At the end of step t, first every round whose time has come is installed: its install step
-   t_snapshot + S has come (``install="deterministic"``: exactly then, waiting at the bounded
+   (t_snapshot + S) has come (``install="deterministic"``: exactly then, waiting at the bounded
    barrier if need be), or (``install="eager"``) all its jobs are ready. Then the factors that
-   came due in step t (k % f == 0 for their parameter) are snapshotted and submitted: one
-   batched job per (op, factor size, dtype, device), grouped over all same-shape blocks of all
-   parameters. A round whose install step is t (``mode="sync"``, or S = 0) is installed at once;
+   start a refresh (``Cadence.due``: those that came due in step t, k % f == 0 for their
+   parameter) are snapshotted and submitted: one batched job per (op, factor size, dtype,
+   device), grouped over all same-shape blocks of all parameters, one round per install
+   step. A round whose install step is t (``mode="sync"``, or S = 0) is installed at once;
    in ``mode="async"`` with a rank-local executor, an S = 0 round's install is carried out at
    the next use of the state instead (the next ``step()``'s start, a read of
    ``optimizer.state``, ``state_dict()``, ``close()``, ``add_param_group``): nothing changes
    the state in between, so the trajectory is the same (sync's), and the REFRESH runs during
    the next forward and backward rather than at a barrier in this step's end.
-   So a refresh always starts from the newest installed basis, and with 0 <= S <= f a parameter
-   never has two refreshes in flight. Each job carries a block key that is stable for its set of
-   (parameter, block, dimension) targets (the engine's traces and a replicated engine's owners
-   see one block across rounds).
+   So a refresh always starts from the newest installed basis. Each job carries a block key
+   that is stable for its set of (parameter, block, dimension) targets (the engine's traces
+   and a replicated engine's owners see one block across rounds).
  - The first-step eigendecomposition of SOAP and KL-Shampoo goes through the engine too, but is
    waited for at once whatever S is: before it no basis exists to precondition with. A factor
    that is c*I (the all-zero "fake step" of torch.distributed.checkpoint) gets the identity as
@@ -53,38 +51,8 @@ Schedule (DESIGN.md, "Staleness"). Steps are counted per ``step()`` call (t = 1,
    KeyboardInterrupt leaves the run on the trajectory of an uninterrupted one.
  - After ``max_failures`` failed refreshes in a row of one factor the step raises (or, with
    ``on_failure="keep"``, warns), naming the parameter and the cause, in every mode.
- - ``staleness="auto"`` (``mode="async"``): S is chosen once: 0 where 1.5x a REFRESH round's time
-   fits the measured forward and backward (an S = 0 round runs during the next forward and
-   backward, ``defers``), else the fewest steps that cover it, at least 1 and at most the smallest
-   ``precondition_frequency`` of the groups. SOAP and KL-Shampoo choose it when their first REFRESH
-   round is submitted, from the cost model's prediction of that round: the model has measured the
-   first-step eigendecompositions (the INIT round) and the steps since. Shampoo (no INIT round)
-   runs its first REFRESH round at S = that frequency (the largest S allowed, so it does not stall)
-   and chooses at its install, from the larger of its measured time (submit to last job's end) and
-   the prediction. From then on S is fixed. It is stored in every preconditioned parameter's state
-   (``staleness.auto``, -1 before the choice), so a resumed run keeps it: the trajectory is a pure
-   function of the inputs and that S (timing picks S once; it never moves S again).
- - ``precondition_frequency="auto"`` (``mode="async"``; config.py refuses it in sync mode,
-   with ``fsdp_blocking="global"``, and ``check_engine`` with replicated parameters: each rank
-   would choose from its own timings). One f serves every group that asks for "auto". Before
-   the choice f is ``initial_frequency()``: max(1, S) for an integer S (S <= f), 1 with
-   ``staleness="auto"``, whose S is then 0 (sync's trajectory: every step's round runs during
-   the next forward and backward). f is chosen at the end of the step in which a
-   preconditioned parameter of such a group takes its second counted step (``step`` = 2: SOAP
-   and KL-Shampoo at the run's third step, after the first-step eigendecompositions and one
-   REFRESH round; Shampoo at its second), after that step end's installs and before its
-   snapshots, whose due factors are those of the new f. The rule is
-   ``asteria.refresh.cost.choose_frequency`` on the capacity record's numbers
-   (``Capacity.auto_f``): a round of every factor as the cost model prices it (measured rates:
-   the INIT round's, the first REFRESH rounds'), the step (median of the steps so far and the
-   one in progress), the forward and backward (a step's end to the next step's start). 1.5x
-   the round within the forward and backward: f = 1 with S = 0; else f = the fewest steps that
-   cover it, and with ``staleness="auto"`` S = f (never below an integer S; with an integer
-   S, S stays). Both auto: S is chosen here, at most the smallest integer f of the other
-   groups; ``choose_s`` leaves it alone. The choice step depends on step counts alone, and f
-   is stored in every preconditioned parameter's state of such a group (``frequency.auto``,
-   -1 before the choice), so the trajectory is a pure function of the inputs and that f, and a
-   resumed run keeps it (``restore_auto_f``).
+ - ``staleness="auto"`` and ``precondition_frequency="auto"``: the cadence chooses them
+   (``asteria.optim.cadence``), in ``Cadence.due``, at the step ends its module doc names.
 """
 
 from __future__ import annotations
@@ -92,7 +60,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from collections import Counter, defaultdict
+from collections import defaultdict
 from typing import Optional
 
 import torch
@@ -101,20 +69,18 @@ from asteria.optim import _layout as K
 from asteria.optim._blocking import Layout
 from asteria.optim._state import _count, _States, local
 from asteria.optim.background import BackgroundJobs
+from asteria.optim.cadence import StepEnd
 from asteria.optim.method import INIT, REFRESH
-from asteria.refresh.capacity import Capacity
 from asteria.refresh.cost import JobSpec
 from asteria.refresh.engine import SubmitOptions
 
 
 # The fixed state keys of a REFRESH in flight (present from a preconditioned parameter's state
-# creation on whenever S > 0; see "Checkpoints" in checkpoint.py's docstring; names in _layout):
-# K.PENDING_IN (steps until the install; NO_ROUND: nothing in flight), K.PENDING_AGE, and per
-# (block, dim) its outputs (K.pending_output) and their flag (K.pending_ok)
+# creation on whenever a refresh may be in flight at a step end, ``Cadence.lags``; see
+# "Checkpoints" in checkpoint.py's docstring; names in _layout): K.PENDING_IN (steps until the
+# install; NO_ROUND: nothing in flight), K.PENDING_AGE, and per (block, dim) its outputs
+# (K.pending_output) and their flag (K.pending_ok)
 NO_ROUND = -1
-AUTO = "auto"
-#: precondition_frequency="auto" is chosen when a parameter of such a group reaches this count
-CHOOSE_F_AT = 2
 
 
 @dataclasses.dataclass
@@ -193,10 +159,11 @@ def _stack_inputs(qs: list) -> torch.Tensor:
 class Schedule:
     """The schedule part of an ``AsteriaOptimizer`` (``opt.schedule``)."""
 
-    def __init__(self, run, method, placement, writes: BackgroundJobs) -> None:
+    def __init__(self, run, method, placement, writes: BackgroundJobs, cadence) -> None:
         self.run = run
         self.method = method
         self.placement = placement
+        self.cadence = cadence  # which factors refresh, and when each is installed
         # a method's background jobs that still write state: taken before a step starts and
         # before a checkpoint (every other reader of the state settles them itself)
         self.writes = writes
@@ -205,123 +172,14 @@ class Schedule:
         self.versions: dict[int, int] = {}
         self.zeros: dict = {}  # (dtype, device) -> the zero behind the placeholders
         self.unfinished_end: Optional[list] = None  # see step_end
+        self.starts: Optional[list] = None  # the cadence's answer at this step end (see due)
         self.deferred: list = []  # S = 0 rounds installed at the next use (see defers)
         self.settling = False     # a deferred install is running (its reads must not recurse)
         self.fail_streak: dict = {}  # (param index, block, dim) -> consecutive failures
         self.failed: list = []       # failures to raise at the end of this step
         self.lazy_counts: dict = {}  # name -> device tensor (see count_lazy)
-        self.auto_s: Optional[int] = None  # staleness="auto": the S chosen, once chosen
-        self.auto_f: Optional[int] = None  # precondition_frequency="auto": the f, once chosen
-        self._capacity: Optional[Capacity] = None
         self.stall_ns = 0  # this step end's time at the bounded barrier
-
-    @property
-    def delay(self) -> int:
-        """S: steps between a snapshot and its install (0 in sync mode)."""
-        if not self.run.is_async:
-            return 0
-        if self.run.cfg.staleness == AUTO:
-            cap = self.auto_ceiling()  # a group added later may lower it
-            if self.auto_s is None:  # both auto: S = 0 until f and S are chosen together
-                return 0 if self.auto_frequency else cap
-            return min(self.auto_s, cap)
-        return self.run.cfg.staleness
-
-    def auto_ceiling(self) -> int:
-        """The largest S allowed: the smallest precondition_frequency of the groups (as
-        ``frequency`` gives it)."""
-        return min((self.frequency(g) for g in self.run.param_groups), default=1)
-
-    # ---- precondition_frequency ----------------------------------------------------------------
-    @property
-    def auto_frequency(self) -> bool:
-        """Does a param group ask for ``precondition_frequency="auto"``?"""
-        return any(g["precondition_frequency"] == AUTO for g in self.run.param_groups)
-
-    def frequency(self, group: dict, initial: bool = False) -> int:
-        """The f a param group refreshes at: its integer, or for "auto" the f chosen
-        (``initial_frequency()`` before the choice, and always with ``initial``: the f the run
-        started with, Shampoo's start_preconditioning_step=-1)."""
-        f = group["precondition_frequency"]
-        if f != AUTO:
-            return f
-        return self.initial_frequency() if initial else self.auto_frequency_now()
-
-    def auto_frequency_now(self) -> int:
-        """The f of the groups with "auto": the one chosen, or ``initial_frequency()``."""
-        return self.initial_frequency() if self.auto_f is None else self.auto_f
-
-    def initial_frequency(self) -> int:
-        """f="auto" before its choice: max(1, S) for an integer S (S <= f), else 1."""
-        s = self.run.cfg.staleness
-        return 1 if s == AUTO else max(1, s)
-
-    def check_engine(self) -> None:
-        """Once the engine exists: ``precondition_frequency="auto"`` with replicated
-        parameters (DDP, HSDP) is refused, as each rank would choose f from its own timings
-        and the replicas of a block would refresh at different steps."""
-        if self.auto_frequency and self.run.engine.replicated:
-            raise ValueError(
-                "precondition_frequency='auto' with replicated parameters (DDP / HSDP): each "
-                "rank would choose f from its own timings; allowed: an integer >= 1 there")
-
-    def full_round(self) -> list:
-        """A REFRESH round of every factor of the preconditioned parameters, as the cost
-        model prices it: [JobSpec] per (factor size, dtype), the method's REFRESH op."""
-        op, pw = self.method.REFRESH_OP
-        sizes: Counter = Counter()
-        for group in self.run.param_groups:
-            for p in group["params"]:
-                if p.numel() == 0 or self.run.is_adamw(p, group):
-                    continue
-                dtype = self.method.state_dtype(p, group)
-                for shape in self.run.layout(p, group).block_shapes:
-                    for d, has in zip(shape, self.method.has_factor(shape, group)):
-                        if has:
-                            sizes[(int(d), dtype)] += 1
-        return [JobSpec(op, dt, n, k, p=pw) for (n, dt), k in sizes.items()]
-
-    def choose_f(self) -> None:
-        """precondition_frequency="auto": fix f (and with staleness="auto" S), once, at the
-        end of the step in which a parameter of such a group took its CHOOSE_F_AT-th step
-        (see the module doc), then drop the factors this step end would snapshot that the new
-        f does not make due."""
-        if self.auto_f is not None or not self.run.is_async or not self.auto_frequency:
-            return
-        auto = [p for g in self.run.param_groups if g["precondition_frequency"] == AUTO
-                for p in g["params"]]
-        states = self.run.state
-        # the preconditioned parameters' own entries (no settling read: nothing is due here)
-        steps = {p: _count(dict.__getitem__(st, K.STEP)) for p in auto
-                 for st in [dict.get(states, p)]
-                 if st is not None and dict.__contains__(st, K.AUTO_F)}
-        if max(steps.values(), default=0) < CHOOSE_F_AT:
-            return
-        # both auto: S is chosen with f, unless it was chosen before (an "auto" group added
-        # after an auto S was chosen for the integer groups: S stays, once chosen)
-        joint = self.run.cfg.staleness == AUTO and self.auto_s is None
-        fixed = self.auto_s if self.run.cfg.staleness == AUTO else self.run.cfg.staleness
-        chosen = self.capacity.auto_f(self.full_round(), fixed, self.stall_ns)
-        if chosen is None:
-            return
-        self.auto_f, s = chosen
-        if joint:
-            self.auto_s = min(s, self.auto_ceiling())
-        for p in steps:
-            states[p][K.AUTO_F] = self.auto_f
-        if joint:
-            for _, st in self.run.param_states():
-                if K.AUTO_S in st:
-                    st[K.AUTO_S] = self.auto_s
-        self.unfinished_end = [d for d in self.unfinished_end if d[0] != REFRESH
-                               or d[1] not in steps or steps[d[1]] % self.auto_f == 0]
-
-    def restore_auto_f(self) -> None:
-        """After a load: the f a saved auto run chose, if it chose one (and with
-        staleness="auto" too, its S: ``restore_auto_s``)."""
-        chosen = [int(st[K.AUTO_F]) for _, st in self.run.param_states() if K.AUTO_F in st]
-        chosen = [c for c in chosen if c >= 1]
-        self.auto_f = max(chosen) if chosen and self.auto_frequency else None
+        self.grouped: Optional[tuple] = None  # the last round's jobs as grouped (see group)
 
     def step_start(self) -> None:
         """A ``step()`` starts: the capacity record times the forward and backward before it;
@@ -331,48 +189,11 @@ class Schedule:
         write state (SOAP's m, on a worker) run on while the step works on state they do not
         write; the method's read of what they write waits for them (``SOAPMethod.step_blocks``)
         and the step takes the rest before its end."""
-        self.capacity.step_start()
+        self.cadence.capacity.step_start()
         self.writes.start_due()  # what an interrupted step left to start
         if self.writes:
             self.writes.settle_all()
         self.settle()
-
-    @property
-    def measured(self) -> bool:
-        """Has the capacity record measured a round yet?"""
-        return self._capacity is not None and bool(self._capacity.rounds)
-
-    @property
-    def capacity(self) -> Capacity:
-        """The capacity record of this optimizer's REFRESH work (asteria.refresh.capacity)."""
-        if self._capacity is None or self._capacity._engine is not self.run.engine:
-            self._capacity = Capacity(self.run.engine)
-        return self._capacity
-
-    def choose_s(self, jobs: Optional[list] = None) -> None:
-        """staleness="auto": fix S, once. Before the first REFRESH round is submitted
-        (``jobs``: its jobs), from the cost model's prediction of it if the model has measured
-        jobs already (SOAP's and KL-Shampoo's first-step eigendecompositions); else at the
-        install of the first REFRESH round, from its measured time."""
-        if self.run.cfg.staleness != AUTO or not self.run.is_async or self.auto_s is not None:
-            return
-        if self.auto_frequency:  # S is chosen with f (choose_f)
-            return
-        s = self.capacity.auto_s(self.auto_ceiling(), jobs, defers=self.defers())
-        if s is None:
-            return
-        self.auto_s = s
-        for _, st in self.run.param_states():
-            if K.AUTO_S in st:
-                st[K.AUTO_S] = s
-
-    def restore_auto_s(self) -> None:
-        """After a load: the S a saved auto run chose, if it chose one."""
-        if self.run.cfg.staleness != AUTO:
-            return
-        chosen = [int(st[K.AUTO_S]) for _, st in self.run.param_states() if K.AUTO_S in st]
-        chosen = [c for c in chosen if c >= 0]
-        self.auto_s = max(chosen) if chosen else None
 
     @property
     def eager(self) -> bool:
@@ -380,16 +201,11 @@ class Schedule:
 
     def fixed_state(self, p: torch.Tensor, group: dict, layout: Layout) -> None:
         """Add the schedule's keys of the fixed key set that p's state lacks (at creation,
-        after a load): with precondition_frequency="auto" the f chosen, with S > 0 (or
-        staleness="auto", whose S may be 0 only until it is chosen) the placeholders of a
-        REFRESH in flight."""
-        st = self.run.state[p]
-        if group["precondition_frequency"] == AUTO and K.AUTO_F not in st:
-            st[K.AUTO_F] = -1 if self.auto_f is None else self.auto_f
-        if self.delay <= 0 and not (self.run.is_async and self.run.cfg.staleness == AUTO):
+        after a load, after the cadence's): where a refresh may be in flight at a step end
+        (``Cadence.lags``), the placeholders of a REFRESH in flight."""
+        if not self.cadence.lags:
             return
-        if self.run.cfg.staleness == AUTO and K.AUTO_S not in st:
-            st[K.AUTO_S] = -1 if self.auto_s is None else self.auto_s
+        st = self.run.state[p]
         if K.PENDING_IN not in st:
             st[K.PENDING_IN], st[K.PENDING_AGE] = NO_ROUND, 0
         for j, shape in enumerate(layout.block_shapes):
@@ -452,20 +268,18 @@ class Schedule:
     def reset(self) -> None:
         """Before a load replaces the state: nothing in flight, pending or failing is kept (the
         jobs that write state are applied first; the refreshes in flight are dropped)."""
-        self.unfinished_end = None
+        self.unfinished_end = self.starts = self.grouped = None
         self.deferred = []  # its rounds are dropped below with the others
         self.writes.settle_all()
         for rnd in self.rounds:
             rnd.drop(self.run.engine)
         self.rounds = []
         self.fail_streak, self.failed = {}, []
-        self.auto_s = None  # the loaded state says which S an auto run chose
-        self.auto_f = None  # and which f
 
     def restore_pending(self, p: torch.Tensor, st: dict) -> None:
         """Take the refresh in flight out of p's loaded state ``st`` (a plain dict, changed in
         place; after ``reset``) and make it a round again: rounds are per (install step,
-        snapshot step). ``restore_auto_s`` once every parameter's state is back."""
+        snapshot step)."""
         install_in = _count(st.pop(K.PENDING_IN, NO_ROUND))
         age = _count(st.pop(K.PENDING_AGE, 0))
         outs: dict = defaultdict(dict)
@@ -516,22 +330,29 @@ class Schedule:
         for rnd in list(self.rounds):
             if rnd.install_step <= t or (self.eager and rnd.ready(self.run.engine)):
                 self.install_round(rnd)
-        self.choose_s()
-        self.choose_f()
-        for kind in (INIT, REFRESH):
-            items = [d for d in self.unfinished_end if d[0] == kind]
-            if not items:
-                continue
-            # a REFRESH round's install step is t + S, S known once its jobs are (auto)
-            rnd = self.submit(kind, items, t if kind == INIT else None)
+        init = [d for d in self.unfinished_end if d[0] == INIT]
+        if init:  # the first-step eigendecompositions: installed now, whatever S is
+            rnd = self.submit(INIT, init, t)
             self.rounds.append(rnd)
-            self.unfinished_end = [d for d in self.unfinished_end if d[0] != kind]
-            if rnd.install_step == t and kind == REFRESH and self.defers():
+            self.unfinished_end = [d for d in self.unfinished_end if d[0] != INIT]
+            self.install_round(rnd)
+        if self.starts is None:  # asked once per step end: an interrupted one keeps the answer
+            self.starts = self.cadence.due(StepEnd(t, self.unfinished_end, self.stall_ns,
+                                                   self.defers(), self.price))
+            self.unfinished_end = []
+        rounds: dict = {}  # install step -> its REFRESH items, one round each
+        for item, at in self.starts:
+            rounds.setdefault(at, []).append(item)
+        for at, items in rounds.items():
+            rnd = self.submit(REFRESH, items, at)
+            self.rounds.append(rnd)
+            self.starts = [x for x in self.starts if x[1] != at]
+            if rnd.install_step == t and self.defers():
                 self.deferred.append(rnd)
             elif rnd.install_step == t or (self.eager and rnd.ready(self.run.engine)):
                 self.install_round(rnd)
-        self.unfinished_end = None
-        self.capacity.step_end(self.stall_ns)
+        self.unfinished_end = self.starts = self.grouped = None
+        self.cadence.capacity.step_end(self.stall_ns)
         self.stall_ns = 0
         self.raise_failures()
 
@@ -569,20 +390,33 @@ class Schedule:
         # its barrier time counts in the next step end's stall; failures it records are raised
         # at the end of the next step, which completes first
 
-    def submit(self, kind: str, items: list, install_step: Optional[int]) -> _Round:
-        """Submit a round; ``install_step`` None: t + S, with S chosen first if auto."""
+    def group(self, kind: str, items: list) -> dict:
+        """A round's jobs: {(op, factor size, dtype, device, power, eps, replicas): [(param, j,
+        dim, F, Q)]} of the items [(kind, param, j, dims)], in their order. The last grouping
+        is kept until that round is submitted (the cadence may price it first: the method's
+        inputs are asked for once)."""
+        key = (kind, [(self.run.pindex[p], j, tuple(dims)) for _, p, j, dims in items])
+        if self.grouped is not None and self.grouped[0] == key:
+            return self.grouped[1]
         groups: dict = defaultdict(list)
         for _, p, j, dims in items:
             for dim in dims:
                 op, f, q, pw, eps = self.method.refresh_input(kind, p, j, dim)
-                key = (op, f.shape[-1], f.dtype, f.device, pw, eps, self.run.replicas(p))
-                groups[key].append((p, j, dim, f, q))
-        s = 0  # the S of this round: its results are installed at t + s
-        if install_step is None:
-            self.choose_s([JobSpec(k[0], k[2], int(k[1]), len(v), p=k[4])
-                           for k, v in groups.items()])
-            s = self.delay
-            install_step = self.run.t + s
+                k = (op, f.shape[-1], f.dtype, f.device, pw, eps, self.run.replicas(p))
+                groups[k].append((p, j, dim, f, q))
+        self.grouped = (key, groups)
+        return groups
+
+    def price(self, items: list) -> list:
+        """[JobSpec] of the REFRESH round these items would make (``StepEnd.price``)."""
+        return [JobSpec(k[0], k[2], int(k[1]), len(v), p=k[4])
+                for k, v in self.group(REFRESH, items).items()]
+
+    def submit(self, kind: str, items: list, install_step: int) -> _Round:
+        """Submit a round of items [(kind, param, j, dims)], to be installed at the end of step
+        ``install_step`` (the engine's deadline)."""
+        groups = self.group(kind, items)
+        self.grouped = None  # its inputs live as long as this round's submission only
         jobs, specs, submit_s = [], {}, {}
         start_ns = time.monotonic_ns()
         # libasteria's pool takes the factors as parts: its shadow snapshots them straight into
@@ -614,7 +448,7 @@ class Schedule:
             self.run.counters["refreshes_submitted"] += 1
             jobs.append(_Job(ticket, targets))
             specs[ticket] = JobSpec(op, fs[0].dtype, int(fs[0].shape[-1]), len(fs), p=pw)
-        self.capacity.round_submitted(kind, self.run.t, specs, start_ns, submit_s)
+        self.cadence.capacity.round_submitted(kind, self.run.t, specs, start_ns, submit_s)
         return _Round(kind, self.run.t, install_step, jobs)
 
     def install_round(self, rnd: _Round) -> None:

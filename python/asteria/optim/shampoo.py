@@ -84,7 +84,7 @@ class ShampooMethod(Method):
                  else None)
         start = group["start_preconditioning_step"]
         if start == -1:
-            start = self.schedule.frequency(group, initial=True)
+            start = self.cadence.frequency(group, initial=True)
         m1 = self.placement.stack(members, "momentum", view=True)
         vg = self.placement.stack(members, "grafting_v", view=True)
         F.shampoo_step(w, g, factors, roots, m1, vg, steps, [k >= start for k in steps],
@@ -105,7 +105,7 @@ class ShampooMethod(Method):
             ov = ov.get(order)
         root = float(2 * order if ov is None else ov)
         f = F.shampoo_root_input(st[K.key(j, "L", dim)], st["step"], group["betas"][1])
-        return "inv_root", f, None, root, float(group["epsilon"])
+        return self.REFRESH_OP[0], f, None, root, float(group["epsilon"])
 
     def install(self, kind, outputs):
         for p, outs in outputs.items():

@@ -190,13 +190,13 @@ class SOAPMethod(Method):
     def factor_emas_offloaded(self, group: dict, members: list, g: torch.Tensor,
                               factors: list, steps: list) -> bool:
         """Hand this step's L, R update to a worker (``factor_ema_job``)? On a step whose
-        factors no REFRESH reads at its end (k % f != 0: it reads them at once), matrix blocks
-        with a factor, the factor stacks updated in place as the state itself, where the
-        rule allows (``BackgroundJobs.on_worker``, runtime ``factor_emas="workers"``)."""
+        factors no REFRESH reads at its end (none comes due: ``Cadence.comes_due``; one that
+        does is read at once), matrix blocks with a factor, the factor stacks updated in place
+        as the state itself, where the rule allows (``BackgroundJobs.on_worker``, runtime
+        ``factor_emas="workers"``)."""
         if g.dim() != 3 or all(f is None for f in factors):
             return False
-        freq = self.schedule.frequency(group)
-        if any(k % freq == 0 for k in steps):
+        if any(self.cadence.comes_due(group, k) for k in steps):
             return False
         return self.background.on_worker(
             FACTOR_EMAS, members, 2, dtype=g.dtype,

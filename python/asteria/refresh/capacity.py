@@ -3,9 +3,10 @@
 Owns: ``Capacity`` (the rounds of one optimizer as submitted and as they finish, their
 predicted and measured times, step times net of barrier stalls, the forward and backward
 between a step's end and the next step's start (the window of an S = 0 round in mode
-"async"), busy time per lane, the S that ``staleness="auto"`` picks and the f (with S) that
-``precondition_frequency="auto"`` picks, by ``asteria.refresh.cost.choose_frequency``) with
-its ``RoundRecord`` per round, and ``report_lines`` (the capacity summary in plain words, for
+"async"), busy time per lane, and the seconds an "auto" S or f is chosen from: a round's, a
+step's, a forward and backward's (``times_for_s``, ``times_for_f``; the choice is the
+cadence's, ``asteria.optim.cadence``, by ``asteria.refresh.cost``'s rule)) with its
+``RoundRecord`` per round, and ``report_lines`` (the capacity summary in plain words, for
 ``asteria_plan()``). The predictions are the cost model's
 (``asteria.refresh.cost``), fed by the executor's ``observer``; an executor with a model of its
 own (``Engine.model``: the split executor's) shares it. May call: torch,
@@ -23,8 +24,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from asteria.refresh.cost import (AUTO_MARGIN, CostModel, JobSpec, choose_frequency,
-                                  predict_round, smallest_s, smallest_workers, window_s)
+from asteria.refresh.cost import (CostModel, JobSpec, predict_round, smallest_s,
+                                  smallest_workers, window_s)
 from asteria.refresh.engine import Engine, JobTiming, Lane
 
 
@@ -173,16 +174,13 @@ class Capacity:
         busy = sum(self._busy.values())
         return busy / (slots * elapsed) if elapsed > 0 and slots else None
 
-    def auto_s(self, f: int, jobs: Optional[Sequence[JobSpec]] = None,
-               defers: bool = False) -> Optional[int]:
-        """S for ``staleness="auto"``: 0 where an S = 0 round runs during the next forward and
-        backward (``defers``: mode "async", ``Schedule.defers``) and AUTO_MARGIN x a REFRESH
-        round's time fits the measured forward and backward (the rule of ``choose_frequency``);
-        else the fewest steps that cover it, at least 1, at most f; None while that cannot be
-        known. ``jobs``: the round about to be submitted, priced by the model if it has
-        measured any job on these lanes (the first-step eigendecompositions); without
+    def times_for_s(self, jobs: Optional[Sequence[JobSpec]] = None) -> Optional[tuple]:
+        """(round, step, forward and backward) seconds for ``staleness="auto"``, or None while
+        they cannot be known. ``jobs``: the round about to be submitted, priced by the model if
+        it has measured any job on these lanes (the first-step eigendecompositions); without
         ``jobs``: the last REFRESH round, once measured (the larger of its measured time and
-        its prediction)."""
+        its prediction). The step and the forward and backward: the medians measured (the
+        latter None before any)."""
         step = self.step_s()
         if not step:
             return None
@@ -195,20 +193,16 @@ class Capacity:
             if rec is None or rec.measured_s is None:
                 return None
             need = max(rec.measured_s, self.predict(rec))
-        fb = self.fb_s()
-        if defers and fb and AUTO_MARGIN * need <= min(fb, step):
-            return 0
-        return min(f, smallest_s(need, step, AUTO_MARGIN))
+        return need, step, self.fb_s()
 
-    def auto_f(self, jobs: Sequence[JobSpec], staleness: Optional[int],
-               stall_ns: int = 0) -> Optional[tuple]:
-        """(f, S) for ``precondition_frequency="auto"`` (``cost.choose_frequency``), or None
-        while no step has been timed or ``jobs`` is empty. ``jobs``: a round of every factor,
-        priced by the model (the larger of that and the last REFRESH round's measured time
-        where that round had as many factors); the step: the median of the steps measured
-        and of the one in progress (``stall_ns`` of it at the bounded barrier, excluded); the
-        forward and backward: the median measured (0 before any), at most the step.
-        ``staleness``: the S the run fixed, or None to choose it with f."""
+    def times_for_f(self, jobs: Sequence[JobSpec], stall_ns: int = 0) -> Optional[tuple]:
+        """(round, step, forward and backward) seconds for ``precondition_frequency="auto"``,
+        or None while no step has been timed or ``jobs`` is empty. ``jobs``: a round of every
+        factor, priced by the model (the larger of that and the last REFRESH round's measured
+        time where that round had as many factors); the step: the median of the steps
+        measured and of the one in progress (``stall_ns`` of it at the bounded barrier,
+        excluded); the forward and backward: the median measured (0 before any), at most the
+        step."""
         steps = list(self._steps)
         since = self._last_end_ns if self._last_end_ns is not None else self._start_ns
         if since is not None:
@@ -222,7 +216,7 @@ class Capacity:
         if (rec is not None and rec.measured_s is not None
                 and sum(j.batch for j in rec.jobs.values()) == entries):
             need = max(need, rec.measured_s)
-        return choose_frequency(need, step, min(self.fb_s() or 0.0, step), staleness)
+        return need, step, min(self.fb_s() or 0.0, step)
 
     def summary(self, staleness: int, defers: bool = False) -> dict:
         """The capacity report as numbers (None where not measured yet). ``defers``: an S = 0

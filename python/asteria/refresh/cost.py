@@ -1,16 +1,18 @@
 """The cost model of the REFRESH work: how long a round takes on the lanes that run it.
 
-Owns: the FLOP count of a job (``flops``, from each op's count in ``asteria.refresh.ops``),
-the throughput measured per lane, op, dtype and size (``CostModel``), the prediction of a
-round's time on a number of workers or lanes (``makespan``, ``assign``, ``split_makespan``,
+Owns: the FLOP count of a job (``flops``, from each op's count in ``asteria.refresh.ops``), the
+throughput measured per lane, op, dtype and size (``CostModel``), the prediction of a round's
+time on a number of workers or lanes (``makespan``, ``assign``, ``split_makespan``,
 ``predict_round``), the smallest S and worker count that cover a round (``smallest_s``,
-``smallest_workers``), the window a round has at a given S (``window_s``), the choice of
-``precondition_frequency="auto"`` from a round's and a step's seconds (``choose_frequency``)
-and the measurement of a machine's per-core rate (``calibrate``). One
-optimizer's record of its rounds and the capacity report are ``asteria.refresh.capacity``'s;
-the check of the prediction against the pool is benchmarks/cost_check.py's. May call: torch,
-``asteria.refresh.ops``, ``asteria.refresh.engine`` (JobTiming, Lane) and, for ``calibrate``
-only, ``asteria.refresh.host_pool``. Single-threaded (the training thread); executors hand it
+``smallest_workers``), the window a round has at a given S (``window_s``), the rule that
+chooses an "auto" S and f from a round's and a step's seconds (``choose_staleness``,
+``choose_frequency``: the one place it is written; ``asteria.optim.cadence`` applies it to a
+run's measurements, ``asteria.plan`` to a model's) and the measurement of a machine's per-core
+rate (``calibrate``). One optimizer's record of its rounds and the capacity report are
+``asteria.refresh.capacity``'s; the check of the prediction against the pool is
+benchmarks/cost_check.py's. May call: torch, ``asteria.refresh.ops``,
+``asteria.refresh.engine`` (JobTiming, Lane) and, for ``calibrate`` only,
+``asteria.refresh.host_pool``. Single-threaded (the training thread); executors hand it
 finished jobs through their ``observer`` on that thread.
 
 FLOPs per batch entry (n: the factor's size; real arithmetic, one multiply-add = 2 FLOPs; each
@@ -362,13 +364,24 @@ def choose_frequency(round_s: float, step_s: float, fb_s: float,
     round that the pool can keep up with."""
     if step_s <= 0:
         raise ValueError(f"choose_frequency: step_s={step_s!r}: allowed: seconds > 0")
-    need = margin * round_s
-    steps = smallest_s(round_s, step_s, margin)  # >= 1
+    s = choose_staleness(round_s, step_s, fb_s, margin)
     if staleness is None:
-        return (1, 0) if need <= fb_s else (steps, steps)
-    if staleness == 0 and need <= fb_s:
+        return (1, 0) if s == 0 else (s, s)
+    if staleness == 0 and s == 0:
         return 1, 0
-    return max(steps, staleness), staleness
+    return max(smallest_s(round_s, step_s, margin), staleness), staleness
+
+
+def choose_staleness(round_s: float, step_s: float, fb_s: Optional[float],
+                     margin: float = AUTO_MARGIN) -> int:
+    """The smallest S that hides a round (``staleness="auto"``, and the S of
+    ``choose_frequency``): 0 where ``margin`` x ``round_s`` fits the forward and backward
+    ``fb_s`` (the S = 0 window, ``window_s``; None: no such window, an S = 0 round's install
+    does not wait for the next step), else the fewest steps of ``step_s`` (> 0) that cover
+    it, at least 1."""
+    if fb_s is not None and margin * round_s <= fb_s:
+        return 0
+    return smallest_s(round_s, step_s, margin)
 
 
 # ---- calibration -------------------------------------------------------------------------------
