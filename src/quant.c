@@ -187,7 +187,7 @@ int ast_quant_quantize(ast_qtype t, size_t count, size_t block, const float *x, 
     static const char fn[] = "ast_quant_quantize";
     ast_quant_layout l;
     int rc = check_io(fn, t, count, block, q, qbytes, x, sizeof(float), &l);
-    if (rc)
+    if (rc || count == 0)
         return rc;
     /* Every block is checked before a byte is written: q is untouched on failure. */
     for (size_t b = 0; b < l.nblocks; b++) {
@@ -283,7 +283,7 @@ static int dequantize(const char *fn, ast_qtype t, size_t count, size_t block, c
 {
     ast_quant_layout l;
     int rc = check_io(fn, t, count, block, q, qbytes, x, bf16 ? 2 : 4, &l);
-    if (rc)
+    if (rc || count == 0)
         return rc;
     const unsigned char *in = q;
     if ((rc = check_scales(fn, in, &l)) != 0)
