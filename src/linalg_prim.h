@@ -22,8 +22,8 @@
 #ifdef BLAS_SYMBOL_PREFIX
 /* An OpenBLAS whose symbols carry a prefix (scipy-openblas32 from PyPI, which the glibc 2.28
  * wheel links: docs/install.md; its pkg-config Cflags define BLAS_SYMBOL_PREFIX and its headers
- * declare the prefixed names). Every BLAS / LAPACKE name libasteria calls (linalg_prim.c, the
- * one file that calls them, through this header): */
+ * declare the prefixed names). Every BLAS / LAPACKE name libasteria calls (linalg_prim.c and
+ * quant.c, the files that call them, both through this header): */
 #define AST__BLAS_CAT(p, n) p##n
 #define AST__BLAS_PASTE(p, n) AST__BLAS_CAT(p, n)
 #define AST__BLAS_NAME(n) AST__BLAS_PASTE(BLAS_SYMBOL_PREFIX, n)

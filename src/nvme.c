@@ -3,7 +3,8 @@
  *
  * Owns: an engine's ring, its staging arena and the record files of its store id. May call:
  * liburing, cuda_mem (staging device-side payloads), POSIX file calls, util.h (the clock, the
- * message formatter, a batch's first failure). errno and CQE results become AST_E* codes here
+ * message formatter, a batch's first failure), quant.h (the names and block sizes of a payload
+ * format). errno and CQE results become AST_E* codes here
  * through ast_err_from_errno. The fault injection that testing.h declares (ast__nvme_inject_fault,
  * the opts' faults) is implemented here, where the failing calls are.
  *
@@ -365,7 +366,41 @@ static void encode_header(const ast__nvme *n, const ast__nvme_io *io, unsigned c
     put_le(h + 16, io->block_id, 8);
     put_le(h + 24, io->generation, 8);
     put_le(h + 32, io->len, 8);
+    h[40] = (unsigned char)io->qtype;
+    put_le(h + 44, io->qblock, 4);
     put_le(h + 60, crc_of(0, h, 60), 4);
+}
+
+/* "raw bytes", "int8 in blocks of 64", or a foreign record's "payload type 9 (block size 0)". */
+static void describe_format(unsigned qtype, uint64_t qblock, char *buf, size_t len)
+{
+    const char *name = ast_qtype_name((ast_qtype)qtype);
+    if (qtype == AST_QTYPE_NONE && qblock == 0)
+        snprintf(buf, len, "raw bytes");
+    else if (name && qtype != AST_QTYPE_NONE)
+        snprintf(buf, len, "%s in blocks of %" PRIu64, name, qblock);
+    else
+        snprintf(buf, len, "payload type %u (block size %" PRIu64 ")", qtype, qblock);
+}
+
+/* 0 when io's payload type and block size are a format (nvme.h); else AST_EINVAL with why. The
+ * block sizes quant.c takes are the rule (ast_quant_layout_get). */
+static int check_format(const ast__nvme_io *io, char *why, size_t len)
+{
+    ast_quant_layout l;
+    char what[64];
+    describe_format((unsigned)io->qtype, io->qblock, what, sizeof what);
+    if (io->qtype == AST_QTYPE_NONE && io->qblock == 0)
+        return 0;
+    if (io->qtype == AST_QTYPE_NONE)
+        return ast__errorf(why, len, AST_EINVAL, "record format %s: raw bytes have block size 0",
+                           what);
+    if (ast_quant_layout_get(io->qtype, 0, io->qblock, &l) != 0) {
+        char msg[256];
+        ast_quant_last_error(msg, sizeof msg);
+        return ast__errorf(why, len, AST_EINVAL, "record format %s: %s", what, msg);
+    }
+    return 0;
 }
 
 /* Files of this store are "ast-<store id>-*"; close removes exactly those. */
@@ -835,6 +870,10 @@ static void start_record(struct batch *b, size_t i)
                         "the io_uring ring failed earlier (%s)", strerror(-n->broken));
         return;
     }
+    if (check_format(io, path, sizeof path) != 0) {
+        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_EINVAL, "%s", path);
+        return;
+    }
     if (b->writing && io->in_place) {
         if (path_of(n, io->block_id, ".rec", path, sizeof path) != 0) {
             ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_EINVAL, "path too long");
@@ -940,6 +979,13 @@ static void check_header(struct batch *b, size_t i)
     else if (gen != io->generation)
         ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_EFOREIGN, "stale record: generation %"
                         PRIu64 ", expected %" PRIu64, gen, io->generation);
+    else if (h[40] != (unsigned)io->qtype || get_le(h + 44, 4) != io->qblock) {
+        char found[64], want[64];
+        describe_format(h[40], get_le(h + 44, 4), found, sizeof found);
+        describe_format((unsigned)io->qtype, io->qblock, want, sizeof want);
+        ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_EFOREIGN, "record holds %s, expected %s",
+                        found, want);
+    }
     else if (plen != io->len)
         ast__batch_fail(&b->fail, i, &b->recs[i].err, AST_ECORRUPT, "record payload is %" PRIu64
                         " bytes, the block has %zu", plen, io->len);

@@ -5,18 +5,28 @@
  * aligned buffers registered with the ring. Knows nothing of tiers or accounting (store.c does).
  *
  * Record file <dir>/ast-<store id>-<block id>.rec (ids as 16 hex digits), little-endian (format
- * 2: format 1 had zlib's crc32 where format 2 has CRC-32C; a format-1 record is refused):
+ * 3: format 2 had no payload type, format 1 had zlib's crc32 where the later ones have CRC-32C;
+ * a record of another format version is refused, naming the version found and the one read):
  *
  *   offset 0   header, 64 bytes
- *      0 u32 magic "ASTR"        4 u16 format version (2)     6 u16 header size (64)
+ *      0 u32 magic "ASTR"        4 u16 format version (3)     6 u16 header size (64)
  *      8 u64 store id           16 u64 block id              24 u64 generation
- *     32 u64 payload length     40 u8[20] zero                60 u32 crc32c of bytes 0..59
+ *     32 u64 payload length     40 u8 payload type            41 u8[3] zero
+ *     44 u32 payload block size 48 u8[12] zero                60 u32 crc32c of bytes 0..59
  *   offset 64  payload
  *   then       trailer, 8 bytes: u32 crc32c of header + payload, u32 magic "RTSA"
  *   then       zeros up to a multiple of AST__NVME_ALIGN (the file's size)
  *
+ * Payload type and block size (ast__nvme_io.qtype, .qblock) say what the payload holds: an
+ * ast_qtype of asteria/quant.h, AST_QTYPE_NONE (0) with block size 0 for raw bytes (every block
+ * of the store's own), or AST_QTYPE_INT8 / AST_QTYPE_INT4 with the values per scale of the
+ * quantized form, so a quantized basis is never widened with another layout than it was
+ * written in.
+ *
  * The header's own CRC separates "damaged" from "someone else's": a header that fails it is
- * AST_ECORRUPT; an intact header of another store, block or generation is AST_EFOREIGN; a file
+ * AST_ECORRUPT, and so is one of another format version or header size; an intact header of
+ * another store, block or generation, or of another payload type or block size than the reader
+ * expects, is AST_EFOREIGN (the message names the one found and the one expected); a file
  * shorter or longer than the record it should hold is AST_ECORRUPT; a payload that fails the
  * record CRC is AST_ECORRUPT.
  *
@@ -55,6 +65,7 @@
 #ifndef ASTERIA_NVME_H
 #define ASTERIA_NVME_H
 
+#include "asteria/quant.h"
 #include "asteria/store.h"
 
 #include <stddef.h>
@@ -63,7 +74,7 @@
 #define AST__NVME_ALIGN 4096u   /* logical block size: offsets, lengths, buffers, file sizes */
 #define AST__NVME_HEADER 64u
 #define AST__NVME_TRAILER 8u
-#define AST__NVME_VERSION 2u
+#define AST__NVME_VERSION 3u
 #define AST__NVME_MAX_DEPTH 1024u
 /* Host blocks of at least this many bytes are allocated framed (ast__nvme_io.framed): the cost
  * is at most one 4 KiB page and a header per block (6% at this size, less above). */
@@ -131,6 +142,11 @@ typedef struct ast__nvme_io {
     int fd;         /* read: an open descriptor of the record, left open (-1: open it by path);
                        write, out: the new record's descriptor when the engine was adopted
                        (the record has no name), else -1 */
+    ast_qtype qtype; /* write: what the payload holds, recorded in the header; read: what it
+                        must hold (AST_EFOREIGN otherwise). AST_QTYPE_NONE: raw bytes */
+    uint32_t qblock; /* the quantized form's values per scale (ast_quant_layout_get's block);
+                        0 with AST_QTYPE_NONE. A type or block size of neither kind fails the
+                        record with AST_EINVAL before its file is touched */
 } ast__nvme_io;
 
 typedef struct ast__nvme_xfer {

@@ -7,6 +7,7 @@
 #include "asteria/errors.h"
 #include "asteria/linalg.h"
 #include "asteria/pool.h"
+#include "asteria/quant.h"
 #include "asteria/runtime.h"
 #include "asteria/shadow.h"
 #include "asteria/store.h"

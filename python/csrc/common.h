@@ -200,6 +200,10 @@ PyObject *config_to_dict(const ast_config *c);
 /* ---- result.c ---- */
 /* A new Result (st->result_type) holding r; NULL with an exception set. */
 PyObject *make_result(mod_state *st, const ast_result *r);
+/* ---- quant.c: the quantized-basis kernels (module functions) ---- */
+/* Adds quant_layout, quant_quantize, quant_dequantize, quant_rectify and the QUANT_* constants
+ * to the module. 0, or -1 with an exception. */
+int quant_module_add(PyObject *m);
 /* ---- module.c ---- */
 /* asteria._C's definition: how testing.c recognises this module's objects. */
 extern struct PyModuleDef asteria_module_def;

@@ -1,7 +1,7 @@
 /*
  * module.c - asteria._C: the CPython binding of libasteria's runtime (runtime.h, errors.h, trace
- * events through the runtime), block store (store.h), shadow copy engine (shadow.h) and
- * coherence registry (coherence.h).
+ * events through the runtime), block store (store.h), shadow copy engine (shadow.h),
+ * coherence registry (coherence.h) and quantized-basis kernels (quant.h, csrc/quant.c).
  *
  * Owns: the Runtime, Config, Store, BlockBuffer, Shadow and Coherence heap types, the Result
  * struct-sequence type, the AsteriaError and BusyError exceptions and the one mapping from AST_E*
@@ -293,7 +293,7 @@ static int mod_exec(PyObject *m)
         add_int(m, "COH_XCHG_STRIDE", AST_COH_XCHG_STRIDE) ||
         PyModule_AddStringConstant(m, "__version__", ASTERIA_VERSION_STRING) < 0)
         return -1;
-    return 0;
+    return quant_module_add(m);
 }
 
 /* mod_state holds references only: this many. */
