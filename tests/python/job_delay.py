@@ -79,7 +79,7 @@ def set_job_stretch(runtime: Any, factor: float, ops: Optional[Sequence[str]] = 
     the worker sleeps (factor - 1) x its compute before the job is done, burning no CPU).
     ``factor`` 1..1000 (1: no stretch); ValueError outside that range or for a name that is no
     op, TypeError for another object."""
-    testing_module().set_job_stretch(runtime, float(factor), None if ops is None else list(ops))
+    testing_module().set_job_stretch(runtime, factor, ops)
 
 
 def job_stretch_totals(runtime: Any) -> tuple[int, int]:
