@@ -10,6 +10,10 @@ Factor 1 takes the job's old path (nothing timed, nothing slept); the outputs an
 optimizer's trajectory with deterministic installs are bitwise those of an unstretched run.
 """
 
+import importlib.util
+import json
+import os
+import sys
 import time
 
 import pytest
@@ -138,3 +142,49 @@ def test_a_sync_optimizer_has_nothing_to_stretch():
         assert stretch_jobs(opt, 2.0) == 0
     finally:
         opt.close()
+
+
+def _load_bench(name):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "benchmarks",
+                                                                     f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.main_env_only
+@pytest.mark.timeout(120)
+def test_bench_convergence_round_steps(tmp_path):
+    """bench_convergence.py --round-steps: the calibration's two passes (unstretched, then at
+    R over the first's R), the stretch every Asteria run with a worker pool got, and each such
+    run's measured R; the sync run refreshes inline, unstretched. Structure only: the Rs are
+    this machine's."""
+    bc = _load_bench("bench_convergence")
+    for bad in (["--round-steps", "0"], ["--round-steps", "5", "--settings", "optimizer-bound"]):
+        with pytest.raises(SystemExit):
+            bc.parse_args(["--quick"] + bad)
+    bc.main(["--quick", "--no-plot", "--out-dir", str(tmp_path), "--settings", "users",
+             "--seeds", "0", "--runs", "adamw,asteria-soap-async,asteria-soap-sync",
+             "--lrs", "adamw=3e-3", "--lrs", "asteria-soap-async=1e-2",
+             "--lrs", "asteria-soap-sync=1e-2", "--extend", "0", "--profile-steps", "0",
+             "--gemm-reps", "1", "--round-steps", "3"])
+    data = json.loads((tmp_path / "bench_convergence.json").read_text())
+    assert data["settings"]["round_steps"] == 3
+    cal = data["setting_results"]["users"]["round_steps"]
+    assert cal["asked"] == 3 and cal["calibrated_on"] == "asteria-soap-async"
+    assert cal["stretched_ops"] == [o.name for o in OPS.values() if not o.rectangular]
+    first = cal["passes"][0]
+    assert first["job_stretch"] == 1 and first["R"] == first["round_s"] / first["step_s"]
+    if first["R"] < 3:
+        assert cal["passes"][1]["job_stretch"] == pytest.approx(3 / first["R"])
+    k = cal["job_stretch"]
+    assert k >= 1
+    for r in data["setting_results"]["users"]["runs"]:
+        if r["optimizer"] == "asteria-soap-async" and k > 1:
+            rs = r["round_steps"]
+            assert rs["job_stretch"] == k and rs["R"] > 0
+            assert min(rs["R_per_round"]) <= rs["R"] <= max(rs["R_per_round"])
+        else:  # AdamW, native SOAP in mode "sync": nothing stretched
+            assert "round_steps" not in r
