@@ -36,7 +36,8 @@ int ast__runtime_set_job_delay(ast_runtime *rt, int delay_ms);
  * signal) before the pool sees the job return: its completion, its result and its done_ns come
  * no sooner, so done_ns - started_ns >= factor x c. The sleep burns no CPU: W workers compute
  * as W cores 1/factor as fast would. factor 1 (the default) takes the job's old path (no clock
- * read, no sleep). The outputs do not depend on it. Returns 0 on success; AST_EINVAL when rt
+ * read, no sleep). The outputs do not depend on it. Call it while no submit to rt is under way:
+ * a submit reads the factor and the mask apart. Returns 0 on success; AST_EINVAL when rt
  * is NULL, factor is not a finite number in 1..AST__JOB_STRETCH_MAX, or ops has a bit that
  * names no op (valid: bits 1..ast_op_count()). */
 int ast__runtime_set_job_stretch(ast_runtime *rt, double factor, unsigned ops);
