@@ -59,11 +59,22 @@ the other torch ops and the interpreter.
 
 Training: one torch thread pinned to the first core; Asteria's worker pool on the others.
 
+The host users have (--round-steps R, users setting): where users train (OLMo-2 1B on 8 GPUs)
+a REFRESH round of all factors takes R >= 10 steps of host worker time (docs/capacity.md,
+"The users' R on this machine"). This machine's core computes a round far faster than its
+step, so each REFRESH job of an Asteria run with a worker pool holds its worker k x its compute
+(the test-only job stretch, common.stretch_refresh_jobs: the pool at 1/k of a core, burning no
+CPU), k calibrated so a round takes R steps (calibrate_round_steps); per-step worker jobs
+(soap_rotate, gram_ema: GPU work in users' runs) and inline refreshes (native SOAP in mode
+"sync", the third-party SOAPs) run at the core's full speed, as a GPU's would in the step.
+Each stretched run records the R it measured: round time over median step.
+
 Writes benchmarks/results/bench_convergence.{json,png}.
 
     python3 benchmarks/bench_convergence.py            # default: about an hour on 2 cores
     python3 benchmarks/bench_convergence.py --settings users --seeds 0 --runs adamw,asteria-soap-async
     python3 benchmarks/bench_convergence.py --quick --out-dir /tmp/x   # seconds
+    python3 benchmarks/bench_convergence.py --settings users --round-steps 10   # then 30
 
 The helpers above "this benchmark" (problem set-up, the timed curve, smoothing, the optimizer
 factories) are shared with bench_third_party.py and bench_staleness.py.
@@ -389,6 +400,8 @@ class Curve:
         # a millisecond for the users' model)
         self.snapshots: list = [(0, 0.0, self._weights())] if val_every else []
         self.lr_at, self.stop_below = lr_at, stop_below
+        self.job_stretch = 1.0  # its REFRESH jobs' stretch (make_curve, --round-steps)
+        self.rounds_s: list[float] = []  # with a stretch: each REFRESH round's measured time
         self.ends: list[float] = []
         self.cpu_ends: list[float] = []  # training-thread CPU time + barrier waits, cumulative
         self.kinds: list[Optional[str]] = []
@@ -424,6 +437,10 @@ class Curve:
         if self.stats_fn is not None:
             now = self.stats_fn()
             self.kinds.append(step_kind(self.last, now))
+            rnd = now.get("capacity_measured_round_s")
+            if self.job_stretch != 1.0 and rnd and rnd != self.last.get(
+                    "capacity_measured_round_s"):
+                self.rounds_s.append(rnd)
             wait_s = (now.get("barrier_wait_ns", 0) - self.last.get("barrier_wait_ns", 0)) / 1e9
             self.last = now
         else:
@@ -526,13 +543,18 @@ def make_curve(name: str, lr: float, problem: Problem, args, pin: dict, log: com
     copies every ``args.val_every`` steps for its held-out loss (Curve.val_curve)."""
     model = problem.model()
     opt, kw = make_with_wide_mask(lambda: build(name, model, lr, args, pin["worker_cpus"]))
+    stretch = getattr(args, "job_stretch", 1.0)
+    stretched = common.stretch_refresh_jobs(opt, stretch) > 0
     log(f"run {name} lr {lr:g} seed {problem.seed}"
+        + (f" (REFRESH jobs stretched x{stretch:.2f})" if stretched else "")
         + (f" (stops at loss {stop_below:.4f}" if stop_below is not None else "")
         + (f", or after {budget_s:.0f} s)" if budget_s else ")" if stop_below is not None else ""))
     c = Curve(model, opt, problem, args.steps, window=args.window, label=name, log=log,
               log_every=args.log_every, budget_s=budget_s, warmup=args.warmup,
               lr_at=warmup_cosine(lr, args.steps), stop_below=stop_below,
               val_every=getattr(args, "val_every", 0) if stop_below is None else 0)
+    if stretched:
+        c.job_stretch = stretch
     return c, kw
 
 
@@ -543,6 +565,9 @@ def finish_run(name: str, lr: float, problem: Problem, c: Curve, kw: dict,
     closed."""
     r["memory"] = common.tier_bytes(c.opt, "cpu")
     stats = close(c.opt)
+    if c.job_stretch != 1.0:  # --round-steps: the round in steps this run measured
+        r["round_steps"] = dict(common.round_steps(stats, c.rounds_s) or {"R": None},
+                                job_stretch=c.job_stretch)
     r["val"] = c.val_curve(problem)
     r.update(optimizer=name, lr=lr, seed=problem.seed,
              kwargs={k: (v if not isinstance(v, tuple) else list(v)) for k, v in kw.items()},
@@ -584,6 +609,9 @@ def train_lockstep(names: list, lrs: dict, problem: Problem, args, pin: dict,
     results = run_curves([c for _, c, _ in made])
     out = [finish_run(name, lrs[name], problem, c, kw, r)
            for (name, c, kw), r in zip(made, results)]
+    for r in out:
+        if "round_steps" in r:
+            log(f"  {r['optimizer']} seed {problem.seed}: {round_steps_line(r['round_steps'])}")
     del made
     gc.collect()
     return out
@@ -595,6 +623,8 @@ def sweep_entry(r: dict, target: Optional[float], adamw: Optional[dict],
          "final_smoothed": r["smoothed"][-1], "wall_s": r["wall_s"],
          "cpu_s": r["cpu_time_s"][-1], "median_step_ms": r["summary"]["median_ms"],
          "foreign_cores_avg": r["cpu"].get("foreign_cores_avg"), "disturbed": r["disturbed"]}
+    if "round_steps" in r:
+        e["round_steps"] = r["round_steps"]
     if target is not None and adamw:
         e.update(time_to_target(r, target, adamw["wall_s"], steps, adamw["cpu_s"]))
     return e
@@ -685,7 +715,105 @@ def run_setting(setting: str, args, pin: dict, log: common.Progress) -> dict[str
         f" tokens a step = {info['tokens_over_widest']:.0f}x the widest layer "
         f"({info['widest_layer_dim']}); {args.steps} steps; optimizers {', '.join(names)}; "
         f"seeds {seeds}; load {common.loadavg()}")
-    return compare(setting, preset, info, names, problems, args, pin, log)
+    args.job_stretch = 1.0
+    cal = None
+    if setting == "users" and args.round_steps:
+        cal = calibrate_round_steps(problems[seeds[0]], names, args, pin, log)
+        args.job_stretch = cal["job_stretch"]
+    try:
+        out = compare(setting, preset, info, names, problems, args, pin, log)
+    finally:
+        args.job_stretch = 1.0
+    if cal is not None:
+        out["round_steps"] = cal
+    return out
+
+
+def calibrate_round_steps(problem: Problem, names: list, args, pin: dict,
+                          log: common.Progress) -> dict[str, Any]:
+    """The host users have, on this machine (--round-steps R): the job stretch k that makes
+    a REFRESH round take R steps. R at a stretch is a round's time (submit to its last job's
+    end) over the median step (barrier stalls excluded; ``common.round_steps``), measured on
+    the first Asteria run of ``names`` with a worker pool (mode "async"), at its grid's middle
+    lr, over 2f + S + 2 steps. First unstretched (R1); then at k1 = R / R1 (R2); a round's time
+    is its compute, which the stretch multiplies, plus what it does not (the dispatch, the
+    snapshots' submits), so R(k) = a + b k through the two, and k = (R - a) / b (at least 1;
+    k1 where R2 does not exceed R1, or where R1 reaches R already). Every Asteria run with a
+    worker pool then holds its workers on each REFRESH job k x its compute
+    (``common.stretch_refresh_jobs``): a host 1/k as fast, with the same GPU-side step. Runs
+    without a pool (native SOAP in mode "sync", the third-party SOAPs) refresh inline, at the
+    core's full speed, as a GPU would in the step. Each stretched run records the R it
+    measured ("round_steps" of its result)."""
+    want = args.round_steps
+    for name in names:
+        if not name.startswith("asteria"):
+            continue
+        grid = sorted(args.grids[name])
+        lr = grid[len(grid) // 2]
+        passes = []
+        for k in (1.0, None):
+            if k is None:  # the second pass, at the first one's estimate
+                if passes[0]["R"] >= want:
+                    break
+                k = want / passes[0]["R"]
+            got = _calibration_pass(name, lr, k, problem, args, pin, log)
+            if got is None:  # a sync run: nothing to stretch
+                break
+            passes.append(got)
+        if not passes:
+            continue
+        if len(passes) == 1:
+            k = 1.0
+        else:
+            (r1, _), (r2, k1) = [(p["R"], p["job_stretch"]) for p in passes]
+            b = (r2 - r1) / (k1 - 1.0)
+            k = max(1.0, (want - (r1 - b)) / b) if b > 0 else k1
+        log(f"  job stretch x{k:.2f}")
+        return {"asked": want, "job_stretch": k, "calibrated_on": name,
+                "calibration_lr": lr, "passes": passes, "stretched_ops": common.refresh_ops(),
+                "rule": "R(k) = a + b k through an unstretched pass and one at R / R(1); "
+                        "k = (R - a) / b, at least 1; each stretched run's R: the median of "
+                        "its measured rounds over its median step"}
+    raise ValueError(f"--round-steps: no Asteria run with a worker pool (mode 'async') among "
+                     f"{', '.join(names)}")
+
+
+def _calibration_pass(name: str, lr: float, k: float, problem: Problem, args, pin: dict,
+                      log: common.Progress) -> Optional[dict[str, Any]]:
+    """One pass of calibrate_round_steps: ``name`` at lr ``lr`` with its REFRESH jobs stretched
+    ``k``x, 2f + S + 2 steps; ``common.round_steps`` of its last measured round, with the
+    stretch and the steps. None for a run without a worker pool."""
+    model = problem.model()
+    opt, kw = make_with_wide_mask(lambda: model_optimizer(name, model, lr, args,
+                                                          pin["worker_cpus"]))
+    rt = kw.get("runtime") or {}
+    if rt.get("mode") != "async":
+        close(opt)
+        return None
+    common.stretch_refresh_jobs(opt, k)
+    steps = min(len(problem.batches),
+                2 * kw["precondition_frequency"] + int(rt.get("staleness") or 0) + 2)
+    log(f"--round-steps {args.round_steps:g}: calibrating on {name} lr {lr:g}, {steps} steps, "
+        f"REFRESH jobs stretched x{k:.2f}")
+    c = Curve(model, opt, problem, steps, window=args.window, label=f"{name} (calibration)",
+              log=log, log_every=args.log_every, lr_at=warmup_cosine(lr, args.steps))
+    run_curves([c])
+    got = common.round_steps(close(opt))
+    if got is None:
+        raise RuntimeError(f"--round-steps: {name} measured no REFRESH round in {steps} steps; "
+                           f"give more --steps")
+    log(f"  last round {got['round_s'] * 1e3:.1f} ms = R {got['R']:.2f} steps of "
+        f"{got['step_s'] * 1e3:.1f} ms")
+    return dict(got, job_stretch=k, steps=steps)
+
+
+def round_steps_line(rs: dict) -> str:
+    """A stretched run's measured round in words (its result's "round_steps")."""
+    if rs.get("R") is None:
+        return f"no REFRESH round measured (job stretch x{rs['job_stretch']:.2f})"
+    return (f"a REFRESH round took R = {rs['R']:.1f} steps ({rs['round_s']:.2f} s over a "
+            f"median step of {rs['step_s'] * 1e3:.1f} ms) at job stretch "
+            f"x{rs['job_stretch']:.2f}")
 
 
 def compare(setting: str, preset: str, info: dict, names: list, problems: dict, args,
@@ -1069,6 +1197,7 @@ def run(args, argv) -> dict[str, Any]:
                      "frequency": args.frequency,
                      "staleness": args.staleness, "install": "deterministic",
                      "workers": args.workers, "torch_threads": args.threads,
+                     "round_steps": args.round_steps,
                      "schedule": SCHEDULE,
                      "adamw_betas": list(ADAMW_BETAS), "soap_hp": SOAP_HP,
                      "weight_decay": WEIGHT_DECAY, "quick": args.quick,
@@ -1244,6 +1373,14 @@ def print_table(data: dict) -> None:
                       f"{n} " + (", ".join(f"{t} {b}" for t, b in m["tiers"].items() if b)
                                  or "none found") + f" ({m['source']})"
                       for n, m in mem.items()))
+        rs = s.get("round_steps")
+        if rs:
+            print(f"host 1/{rs['job_stretch']:.2f} as fast (--round-steps {rs['asked']:g}, "
+                  f"calibrated on {rs['calibrated_on']}: unstretched R = "
+                  f"{rs['passes'][0]['R']:.2f}); measured R per run: " + "; ".join(
+                      f"{r['optimizer']} s{r['seed']} "
+                      + common.fmt(r["round_steps"].get("R"), ".1f")
+                      for r in s["runs"] if "round_steps" in r))
         print()
     lim = data.get("step_limit")
     if lim:
@@ -1364,6 +1501,10 @@ def parse_args(argv: Optional[Sequence[str]]):
                     help="profile this many steps of AdamW and Asteria SOAP (16; --quick 0)")
     ap.add_argument("--heavyball-compile", action="store_true",
                     help="keep heavyball's torch.compile (minutes of CPU autotuning)")
+    ap.add_argument("--round-steps", type=float, default=None, metavar="R",
+                    help="the users setting on a host 1/k as fast: k chosen so a REFRESH round "
+                         "of the first Asteria async run takes R steps (calibrate_round_steps); "
+                         "each stretched run records the R it measured")
     args = common.parse_quick(ap, argv, lambda q: dict(
         steps=24 if q else 300, warmup=4 if q else 10, frequency=4 if q else 10,
         staleness=0, window=4 if q else 20, log_every=12 if q else 50, val_every=6 if q else 20,
@@ -1379,6 +1520,10 @@ def parse_args(argv: Optional[Sequence[str]]):
     args.bound_seeds = [int(s) for s in args.bound_seeds.split(",") if s.strip()]
     if not args.seeds or not args.bound_seeds:
         ap.error("need at least one seed")
+    if args.round_steps is not None and (not args.round_steps > 0
+                                         or "users" not in args.settings):
+        ap.error(f"--round-steps {args.round_steps:g}: need R > 0 and the users setting in "
+                 f"--settings")
     check_procedure_args(ap, args, GRIDS)
     return args
 

@@ -5,12 +5,14 @@ with the load, ``start_run``), the step-time statistics (percentile, summary), w
 default to benchmarks/results/), the printed tables' cells and header (``fmt``,
 ``print_header``), PNG plotting through matplotlib's Agg backend (``write_png``, ``try_plot``),
 progress lines, CPU pinning of the training thread, the optimizer-state bytes per memory tier, a
-benchmark's command line end and ``main`` (``parse_quick``, ``make_main``), and the
+slower host for the REFRESH jobs (``stretch_refresh_jobs``, ``round_steps``), a benchmark's
+command line end and ``main`` (``parse_quick``, ``make_main``), and the
 multi-process benchmarks: the torchrun launcher, its scratch directory and the per-rank results
 (``launch_torchrun``, ``scratch_dir``, ``read_ranks``), the options, model and timed steps of
 a job that trains an MLP (``add_mlp_job_args``, ``mlp_job_net``, ``mlp_job_steps``), and a
 rank's start and end (``init_gloo``, ``launcher_env``, ``finish_rank``).
-May call: the standard library, torch, and (lazily, where present) asteria and matplotlib. Nothing
+May call: the standard library, torch, (lazily, where present) asteria and matplotlib, and
+tests/python/job_delay.py (lazily, for the job stretch). Nothing
 here needs numpy or matplotlib at import time: the GPU machine may lack them.
 
 Tiers are those of DESIGN.md ("store"): device, host_pinned, host, uvm, nvme. "device" is the
@@ -559,6 +561,55 @@ def tier_bytes(optimizer, train_device, stats: Optional[dict] = None) -> dict[st
 def pick_runtime_counters(stats: dict) -> dict[str, Any]:
     return {k: stats[k] for k in RUNTIME_COUNTERS if k in stats}
 
+
+
+# ---- a slower host: the test-only job stretch -----------------------------------------------------
+
+def _job_hooks():
+    """tests/python/job_delay.py: the one loader of asteria._C_testing (libasteria's test hooks,
+    never imported by the package), whose job stretch the ``round_steps`` settings use."""
+    here = os.path.join(ROOT, "tests", "python")
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import job_delay
+
+    return job_delay
+
+
+def refresh_ops() -> list[str]:
+    """The ops a REFRESH round runs on the host workers (eigendecompositions, roots, QR power
+    steps): every op but the rectangular ones (``soap_rotate``, ``gram_ema``), which are
+    per-step work that a GPU run does on the GPU."""
+    from asteria.refresh.ops import OPS
+
+    return [o.name for o in OPS.values() if not o.rectangular]
+
+
+def stretch_refresh_jobs(optimizer, factor: float) -> int:
+    """Every REFRESH job (``refresh_ops``) that ``optimizer``'s runtimes run from now on holds
+    its worker ``factor`` times as long as it computed (``set_job_stretch``,
+    tests/python/job_delay.py): the worker pool computes as cores 1/``factor`` as fast would,
+    burning no more CPU. Returns the runtimes stretched: 0 for a torch optimizer or an Asteria
+    one in mode "sync" (its refresh runs inline, at the core's full speed)."""
+    if factor == 1.0 or not hasattr(optimizer, "asteria_stats"):
+        return 0
+    return _job_hooks().stretch_jobs(optimizer, factor, refresh_ops())
+
+
+def round_steps(stats: dict, rounds_s: Sequence[float] = ()) -> Optional[dict[str, Any]]:
+    """R, a REFRESH round's time (its submit to its last job's end) over the median step
+    (barrier stalls excluded), from ``asteria_stats()``' capacity record: {"R", "round_s",
+    "step_s"}, the round being the last one measured, or with ``rounds_s`` (the measured time
+    of each round of a run) their median, and then also "R_per_round". None before a round
+    was measured (or for a torch optimizer)."""
+    step = stats.get("capacity_step_s")
+    rnd = percentile(rounds_s, 50) if rounds_s else stats.get("capacity_measured_round_s")
+    if not rnd or not step:
+        return None
+    out = {"R": rnd / step, "round_s": rnd, "step_s": step}
+    if rounds_s:
+        out["R_per_round"] = [x / step for x in rounds_s]
+    return out
 
 # ---- the timed training loop -------------------------------------------------------------------
 

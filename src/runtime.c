@@ -25,8 +25,9 @@
  * Locking: rt->mu guards buffers[], the live-job list and err. It is never held while calling
  * into the pool's blocking functions, while a job computes, or while calling into the trace
  * recorder (which has its own mutex and never calls back), so there is no lock order to keep.
- * Jobs run on pool workers and touch only their own rjob and the buffers whose references they
- * hold, so they take no runtime lock. Stats counters that jobs or callers bump concurrently are
+ * Jobs run on pool workers and touch only their own rjob, the buffers whose references they
+ * hold and (a stretched job, testing.h) the runtime's atomic stretch totals, so they take no
+ * runtime lock. Stats counters that jobs or callers bump concurrently are
  * C11 atomics. rt->trace is set at creation and freed at destroy only.
  */
 #include "asteria/runtime.h"
@@ -40,6 +41,7 @@
 #include "testing.h"
 #include "util.h"
 
+#include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -65,6 +67,8 @@ typedef struct rjob {
     int failed_index;
     int retried;
     int delay_ms; /* rt->job_delay_ms at submit (testing.h) */
+    double stretch;          /* its op's job stretch at submit, 1: none (testing.h) */
+    struct ast_runtime *rt;  /* its runtime, for the stretch totals */
 } rjob;
 
 struct ast_runtime {
@@ -83,6 +87,11 @@ struct ast_runtime {
     _Atomic uint64_t bytes_registered;
     _Atomic int64_t max_install_lag, last_install_step;
     _Atomic int job_delay_ms; /* test hook, testing.h */
+    /* test hook, testing.h: the job stretch (factor, op mask; set while no submit runs) and
+     * its totals */
+    _Atomic double job_stretch;
+    _Atomic unsigned job_stretch_ops;
+    _Atomic uint64_t stretch_compute_ns, stretch_slept_ns;
 };
 
 /* Sets rt's last error under rt->mu and returns code (util's one setter); _LOCKED: for a caller
@@ -113,6 +122,7 @@ int ast_runtime_create(const ast_config *cfg, ast_runtime **out, char *errbuf, s
     rt->next_handle = 1;
     atomic_init(&rt->max_install_lag, -1);
     atomic_init(&rt->last_install_step, -1);
+    atomic_init(&rt->job_stretch, 1.0);
     if (pthread_mutex_init(&rt->mu, NULL)) {
         free(rt);
         return ast__errorf(errbuf, len, AST_ENOMEM, "ast_runtime_create: no mutex");
@@ -187,6 +197,32 @@ int ast__runtime_set_job_delay(ast_runtime *rt, int delay_ms)
         return AST_EINVAL;
     atomic_store(&rt->job_delay_ms, delay_ms);
     return 0;
+}
+
+int ast__runtime_set_job_stretch(ast_runtime *rt, double factor, unsigned ops)
+{
+    unsigned all = (2u << ast_op_count()) - 2u; /* bits 1..ast_op_count() */
+    if (!rt || !(factor >= 1.0 && factor <= AST__JOB_STRETCH_MAX) || (ops & ~all))
+        return AST_EINVAL;
+    atomic_store(&rt->job_stretch_ops, ops);
+    atomic_store(&rt->job_stretch, factor);
+    return 0;
+}
+
+int ast__runtime_job_stretch_totals(ast_runtime *rt, uint64_t *compute_ns, uint64_t *slept_ns)
+{
+    if (!rt || !compute_ns || !slept_ns)
+        return AST_EINVAL;
+    *compute_ns = atomic_load(&rt->stretch_compute_ns);
+    *slept_ns = atomic_load(&rt->stretch_slept_ns);
+    return 0;
+}
+
+/* The stretch a job of op submitted now gets: the runtime's factor where ops takes op, else 1. */
+static double stretch_of(ast_runtime *rt, int op)
+{
+    unsigned ops = atomic_load(&rt->job_stretch_ops);
+    return !ops || (ops >> op & 1u) ? atomic_load(&rt->job_stretch) : 1.0;
 }
 
 int ast_runtime_last_error(ast_runtime *rt, char *buf, size_t len)
@@ -279,6 +315,22 @@ static void unlink_locked(ast_runtime *rt, rjob *j)
     j->prev = j->next = NULL;
 }
 
+/* Holds the worker after a stretched job's compute, begun at t0 (testing.h): a sleep to an
+ * absolute deadline, so a signal's wake-up only resumes it, and the job returns no sooner. */
+static void stretch_hold(rjob *j, uint64_t t0)
+{
+    uint64_t t1 = ast__now_ns(), c = t1 - t0;
+    double want = (double)c * (j->stretch - 1.0);
+    uint64_t until = t1 + (uint64_t)want;
+    if ((double)(until - t1) < want)
+        until++; /* rounded up: the hold is never short of factor x c */
+    struct timespec d = {(time_t)(until / 1000000000u), (long)(until % 1000000000u)};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &d, NULL) == EINTR)
+        ;
+    atomic_fetch_add(&j->rt->stretch_compute_ns, c);
+    atomic_fetch_add(&j->rt->stretch_slept_ns, ast__now_ns() - t1);
+}
+
 static int job_run(void *ctx)
 {
     rjob *j = ctx;
@@ -290,8 +342,11 @@ static int job_run(void *ctx)
             ;
     }
     const ast__op_args args = ast__op_args_of(j->op, r);
+    uint64_t t0 = j->stretch > 1.0 ? ast__now_ns() : 0;
     int rc = ast__op_run(j->op, r->dtype, &args, r->batch, &j->failed_index);
     j->retried = ast_linalg_last_retried();
+    if (j->stretch > 1.0)
+        stretch_hold(j, t0);
     return rc;
 }
 
@@ -314,6 +369,8 @@ int ast_runtime_submit(ast_runtime *rt, const ast_refresh *req, uint64_t *ticket
     j->op = op;
     j->failed_index = -1;
     j->delay_ms = atomic_load(&rt->job_delay_ms);
+    j->stretch = stretch_of(rt, req->op);
+    j->rt = rt;
     const void *const ptrs[AST__ARG_COUNT] = {req->in0, req->in1, req->in2, req->out0, req->out1};
     static const char *const names[AST__ARG_COUNT] = {"in0", "in1", "in2", "out0", "out1"};
     pthread_mutex_lock(&rt->mu);

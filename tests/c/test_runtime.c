@@ -2,7 +2,7 @@
  * (soap_rotate's and gram_ema's submit validation and runs through the pool too), the op table
  * (ast_op_name, the wording of its submit checks), a failing block's own status on every
  * failure (no failure streak), barrier stats, shutdown with jobs pending, the runtime's trace,
- * waits that check between slices (ast_runtime_wait_check). */
+ * waits that check between slices (ast_runtime_wait_check), the test-only job stretch. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -948,6 +948,75 @@ static void test_wait_check(void **state)
     free(q);
 }
 
+/* One eigh job of f (n x n float64) into q on rt, waited for: its result, and in *waited_ns the
+ * time from before the submit to the wait's return. */
+static ast_result eigh_once(ast_runtime *rt, double *f, double *q, int n, uint64_t *waited_ns)
+{
+    uint64_t hf, hq, t;
+    assert_int_equal(ast_runtime_register(rt, f, sizeof(double) * n * n, &hf), 0);
+    assert_int_equal(ast_runtime_register(rt, q, sizeof(double) * n * n, &hq), 0);
+    ast_refresh r = {.op = AST_OP_EIGH, .dtype = AST_F64, .n = n, .batch = 1, .in0 = f,
+                     .out0 = q, .block = 1, .version = 1, .deadline = 1};
+    ast_result res;
+    uint64_t t0 = mono_ns();
+    assert_int_equal(ast_runtime_submit(rt, &r, &t), 0);
+    assert_int_equal(ast_runtime_wait(rt, t, -1, &res), 0);
+    *waited_ns = mono_ns() - t0;
+    assert_int_equal(res.status, 0);
+    assert_int_equal(ast_runtime_unregister(rt, hq), 0);
+    assert_int_equal(ast_runtime_unregister(rt, hf), 0);
+    return res;
+}
+
+/* The job stretch (testing.h): bad arguments refused; factor 1 runs no stretch; a stretched
+ * job holds its worker at least factor x its compute, in the pool's stamps and before the wait
+ * returns, with the same bits out; ops outside the mask are not stretched. Bounds only: a sleep
+ * lasts at least its deadline, however loaded the machine. */
+static void test_job_stretch(void **state)
+{
+    (void)state;
+    ast_runtime *rt = make_rt(1);
+    uint64_t comp = 1, slept = 1, waited;
+    assert_int_equal(ast__runtime_set_job_stretch(NULL, 2.0, 0), AST_EINVAL);
+    assert_int_equal(ast__runtime_set_job_stretch(rt, 0.5, 0), AST_EINVAL);
+    assert_int_equal(ast__runtime_set_job_stretch(rt, NAN, 0), AST_EINVAL);
+    assert_int_equal(ast__runtime_set_job_stretch(rt, AST__JOB_STRETCH_MAX + 1, 0), AST_EINVAL);
+    assert_int_equal(ast__runtime_set_job_stretch(rt, 2.0, 1u), AST_EINVAL); /* bit 0: no op */
+    assert_int_equal(ast__runtime_set_job_stretch(rt, 2.0, 2u << ast_op_count()), AST_EINVAL);
+    assert_int_equal(ast__runtime_job_stretch_totals(rt, NULL, &slept), AST_EINVAL);
+    assert_int_equal(ast__runtime_job_stretch_totals(NULL, &comp, &slept), AST_EINVAL);
+    const int n = 96;
+    double *f = malloc(sizeof(double) * n * n), *q1 = calloc((size_t)n * n, sizeof(double));
+    double *q3 = calloc((size_t)n * n, sizeof(double));
+    spd(f, n, 5);
+    assert_int_equal(ast__runtime_set_job_stretch(rt, 1.0, 0), 0);
+    eigh_once(rt, f, q1, n, &waited);
+    assert_int_equal(ast__runtime_job_stretch_totals(rt, &comp, &slept), 0);
+    assert_int_equal(comp, 0);
+    assert_int_equal(slept, 0);
+
+    assert_int_equal(ast__runtime_set_job_stretch(rt, 3.0, 1u << AST_OP_EIGH), 0);
+    ast_result res = eigh_once(rt, f, q3, n, &waited);
+    assert_int_equal(ast__runtime_job_stretch_totals(rt, &comp, &slept), 0);
+    assert_true(comp > 0);
+    assert_true(slept >= 2 * comp);
+    assert_true(res.done_ns - res.started_ns >= comp + slept);
+    assert_true(waited >= comp + slept);
+    assert_memory_equal(q1, q3, sizeof(double) * n * n);
+
+    /* an op outside the mask runs unstretched */
+    assert_int_equal(ast__runtime_set_job_stretch(rt, 3.0, 1u << AST_OP_INV_ROOT), 0);
+    eigh_once(rt, f, q3, n, &waited);
+    uint64_t comp2, slept2;
+    assert_int_equal(ast__runtime_job_stretch_totals(rt, &comp2, &slept2), 0);
+    assert_int_equal(comp2, comp);
+    assert_int_equal(slept2, slept);
+    ast_runtime_destroy(rt, NULL, 0);
+    free(f);
+    free(q1);
+    free(q3);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -967,6 +1036,7 @@ int main(void)
         cmocka_unit_test(test_trace_job_order_and_caller_events),
         cmocka_unit_test(test_trace_uncollected_and_write_errors),
         cmocka_unit_test(test_wait_check),
+        cmocka_unit_test(test_job_stretch),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -38,11 +38,16 @@
 #      and the GPU's energy per step from NVML (energy counter, else sampled power; null with
 #      the reason without pynvml); async S=0 checked against sync f=1's trajectory. JSON:
 #      train_f1.json.
-#   8. benchmarks/gpu_bench.py: sync SOAP vs Asteria SOAP (S=5) vs AdamW on a ~150M GPT (step
+#   8. benchmarks/gpu_microbench.py (torch only: runs without Asteria's build): torch.linalg.eigh,
+#      torch.linalg.qr, a QR power step qr(L Q) and the drift score's GEMMs Q^T L Q in float32
+#      "highest" against TF32, n = 1024..8192, batch 1 and 16, within a share of the time left
+#      (sizes that would not fit it or the GPU's memory skipped, with the reason); JSON
+#      gpu_microbench.json, the device rates the planner reads.
+#   9. benchmarks/gpu_bench.py: sync SOAP vs Asteria SOAP (S=5) vs AdamW on a ~150M GPT (step
 #      time, memory); JSON gpu_bench.json.
-#   9. benchmarks/gpu_bench.py --convergence: the users'-regime comparison on the same GPT
+#  10. benchmarks/gpu_bench.py --convergence: the users'-regime comparison on the same GPT
 #      (65,536 tokens a step) until AdamW's final loss; JSON gpu_convergence.json.
-#  10. tests/gpu/capacity_stage.sh: REFRESH round time host-only vs host + device executor and
+#  11. tests/gpu/capacity_stage.sh: REFRESH round time host-only vs host + device executor and
 #      install waits on the ~150M model.
 # Everything runs under one global timeout (ASTERIA_GPU_TOTAL_S, default 470 s < 8 min, build
 # included); each stage has its own, and the benchmarks share what is left after stage 7. Logs
@@ -550,11 +555,28 @@ else
   sed -n 's/^\[train-f1\] /    /p' "$LOGS/train-f1.log"
 fi
 
-# ---- 8. step-time benchmark --------------------------------------------------------------------
-# What is left (less 45 s for the summary and teardown) is shared: the convergence stage (9)
-# gets 60%, at most 200 s; the step-time benchmark the rest, at most 210 s.
-# (the capacity stage (10) keeps CAP_SHARE seconds of its own)
+# ---- 8. the GPU's REFRESH kernels (the planner's device rates) ---------------------------------
+# (the capacity stage (11) keeps CAP_SHARE seconds of its own, from here on)
 CAP_SHARE=100
+# 20% of what is left (less 45 s for the summary and teardown), at most 60 s of measurements;
+# its limit adds 30 s for python's and CUDA's start. The benchmarks share the rest.
+MICRO_S=$((($(left) - 45 - CAP_SHARE) * 2 / 10))
+[ "$MICRO_S" -gt 60 ] && MICRO_S=60
+if [ "$MICRO_S" -lt 15 ]; then
+  say "skipped: GPU microbenchmark ($(left)s left of the global ${TOTAL_S}s)"
+  note gpu-microbench skipped "out of time ($(left)s left)"
+  FAILED=1
+else
+  say "GPU microbenchmark (eigh, qr, QR power step, score GEMMs; highest vs TF32): ${MICRO_S}s budget"
+  stage gpu-microbench $((MICRO_S + 30)) "$PY" "$ROOT/benchmarks/gpu_microbench.py" \
+    --out "$RESULTS/gpu_microbench.json" --budget-s "$MICRO_S" || FAILED=1
+  note gpu-microbench "$STAGE_STATUS" "$RESULTS/gpu_microbench.json" "$STAGE_S" "$LOGS/gpu-microbench.log"
+  tail -n 6 "$LOGS/gpu-microbench.log" | sed 's/^/    /'
+fi
+
+# ---- 9. step-time benchmark --------------------------------------------------------------------
+# What is left (less 45 s for the summary and teardown) is shared: the convergence stage (10)
+# gets 60%, at most 200 s; the step-time benchmark the rest, at most 210 s.
 AVAIL=$(($(left) - 45 - CAP_SHARE))
 CONV_SHARE=$((AVAIL * 6 / 10))
 [ "$CONV_SHARE" -gt 200 ] && CONV_SHARE=200
@@ -585,7 +607,7 @@ else
     --out "$RESULTS/gpu_bench.json" "${BENCH_ARGS_COMMON[@]}"
 fi
 
-# ---- 9. convergence in the users' regime ---------------------------------------------------------
+# ---- 10. convergence in the users' regime ---------------------------------------------------------
 CONV_TOTAL=$(($(left) - 40 - CAP_SHARE))
 [ "$CONV_TOTAL" -gt 200 ] && CONV_TOTAL=200
 if [ "$CONV_TOTAL" -lt 90 ]; then
@@ -598,7 +620,7 @@ else
     --total-budget-s "$CONV_TOTAL" --out "$RESULTS/gpu_convergence.json" "${BENCH_ARGS_COMMON[@]}"
 fi
 
-# ---- 10. capacity: REFRESH rounds host-only vs host + device executor ---------------------------
+# ---- 11. capacity: REFRESH rounds host-only vs host + device executor ---------------------------
 CAP_TOTAL=$(($(left) - 25))
 [ "$CAP_TOTAL" -gt 150 ] && CAP_TOTAL=150
 if [ -z "$PYPATH" ] || [ "$CAP_TOTAL" -lt 60 ]; then

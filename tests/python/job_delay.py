@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import sys
-from typing import Any
+from typing import Any, Optional, Sequence
 
 from asteria import _C
 
@@ -69,4 +69,30 @@ def delay_jobs(obj: Any, delay_ms: int) -> int:
                          "mode='async' runs jobs on libasteria's runtime")
     for rt in runtimes:
         set_job_delay(rt, delay_ms)
+    return len(runtimes)
+
+
+def set_job_stretch(runtime: Any, factor: float, ops: Optional[Sequence[str]] = None) -> None:
+    """A host 1/``factor`` as fast on this one: every job of an op named in ``ops`` (None: every
+    op) submitted to ``runtime`` (an ``asteria._C.Runtime``) afterwards holds its worker
+    ``factor`` times as long as it computed (``ast__runtime_set_job_stretch``, src/testing.h:
+    the worker sleeps (factor - 1) x its compute before the job is done, burning no CPU).
+    ``factor`` 1..1000 (1: no stretch); ValueError outside that range or for a name that is no
+    op, TypeError for another object."""
+    testing_module().set_job_stretch(runtime, factor, ops)
+
+
+def job_stretch_totals(runtime: Any) -> tuple[int, int]:
+    """(compute_ns, slept_ns) of ``runtime``'s stretched jobs so far: their computes' wall time
+    and the sleeps that stretched them (each at least (factor - 1) x its compute)."""
+    return testing_module().job_stretch_totals(runtime)
+
+
+def stretch_jobs(obj: Any, factor: float, ops: Optional[Sequence[str]] = None) -> int:
+    """Applies the job stretch to every runtime of ``obj`` (an optimizer right after its
+    construction, an engine); returns how many (0: a sync-mode optimizer, which runs no job on
+    a runtime)."""
+    runtimes = runtimes_of(obj)
+    for rt in runtimes:
+        set_job_stretch(rt, factor, ops)
     return len(runtimes)

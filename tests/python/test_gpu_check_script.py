@@ -365,3 +365,102 @@ def test_train_f1_energy_meter_says_why_not(monkeypatch):
     assert meter.stop(5) == {"method": None, "per_step_j": None, "reason": meter.reason}
     cpu = train_f1.EnergyMeter("cpu")
     assert cpu.method is None and "no GPU" in cpu.reason
+
+
+# ---- stage 8: benchmarks/gpu_microbench.py, its logic on the CPU -------------------------------
+
+MICROBENCH = os.path.join(ROOT, "benchmarks", "gpu_microbench.py")
+
+
+def _microbench(*args, timeout=120):
+    return subprocess.run([sys.executable, MICROBENCH, *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _stage_args(results, budget):
+    """The arguments run.sh's gpu-microbench stage gives the script, its variables set."""
+    import re
+    import shlex
+
+    text = open(os.path.join(ROOT, "tests", "gpu", "run.sh")).read()
+    m = re.search(r'stage gpu-microbench [^\n]*"\$ROOT/benchmarks/gpu_microbench\.py" \\\n'
+                  r'\s*(.*?) \|\| FAILED=1', text)
+    assert m, "run.sh has no gpu-microbench stage running benchmarks/gpu_microbench.py"
+    return [a.replace("$RESULTS", str(results)).replace("$MICRO_S", str(budget))
+            for a in shlex.split(m.group(1))]
+
+
+@pytest.mark.timeout(300)
+def test_gpu_microbench_logic_on_the_cpu(tmp_path):
+    """run.sh's stage arguments, on the CPU at tiny sizes: every op, size, batch and precision
+    measured (a budget no tiny size spends), the JSON the header documents."""
+    args = _stage_args(tmp_path, 120)
+    r = _microbench(*args, "--device", "cpu", "--sizes", "16,24", "--batches", "1,2")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rec = json.loads((tmp_path / "gpu_microbench.json").read_text())
+    assert rec["schema"] == "asteria.gpu_microbench/1" and rec["state"] == "passed"
+    assert rec["device"] == "cpu" and rec["device_name"] and rec["torch"] and rec["date"]
+    assert rec["dtype"] == "float32" and rec["budget_s"] == 120 and rec["memory"] is None
+    assert rec["ops"] == ["eigh", "qr", "qr_power_step", "score_gemm"]
+    assert rec["precisions"] == ["highest", "tf32"]
+    want = {(op, n, b, p) for op in rec["ops"] for n in (16, 24) for b in (1, 2)
+            for p in rec["precisions"]}
+    got = [(e["op"], e["n"], e["batch"], e["precision"]) for e in rec["results"]]
+    assert sorted(got) == sorted(want) and rec["skipped"] == []
+    assert all(e["ms"] > 0 and 0 < e["ms_min"] <= e["ms"] and e["reps"] >= 1
+               for e in rec["results"])
+    # one factor at every size before the batches
+    assert [e["batch"] for e in rec["results"]] == sorted(e["batch"] for e in rec["results"])
+
+
+def test_gpu_microbench_skips_what_does_not_fit_its_budget(tmp_path):
+    out = tmp_path / "m.json"
+    r = _microbench("--device", "cpu", "--sizes", "16", "--batches", "1", "--ops", "eigh,qr",
+                    "--budget-s", "1e-9", "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rec = json.loads(out.read_text())
+    assert rec["state"] == "passed" and rec["results"] == []
+    assert [(s["op"], s["precision"]) for s in rec["skipped"]] == [
+        ("eigh", "highest"), ("qr", "highest"), ("eigh", "tf32"), ("qr", "tf32")]
+    assert all(s["reason"].startswith("would not fit the budget") for s in rec["skipped"])
+
+
+def test_gpu_microbench_bad_arguments_and_no_gpu(tmp_path):
+    for bad in (["--sizes", "0"], ["--ops", "eig"], ["--precisions", "fp16"],
+                ["--budget-s", "0"]):
+        r = _microbench("--device", "cpu", "--out", str(tmp_path / "x.json"), *bad)
+        assert r.returncode == 2, (bad, r.stderr)
+        assert bad[0] in r.stderr and ("allowed" in r.stderr or "need" in r.stderr), r.stderr
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    r = _microbench("--out", str(tmp_path / "m.json"))
+    assert r.returncode == 77, r.stdout + r.stderr
+    assert "[gpu-microbench] no GPU: skipped" in r.stdout
+
+
+@pytest.mark.timeout(300)
+def test_gpu_microbench_terminated_leaves_what_it_measured(tmp_path):
+    """The stage's timeout (SIGTERM) during a long measurement: the JSON keeps the ones before
+    it and says "timed out"."""
+    out = tmp_path / "m.json"
+    proc = subprocess.Popen([sys.executable, MICROBENCH, "--device", "cpu", "--sizes",
+                             "16,1024", "--batches", "1", "--ops", "eigh", "--precisions",
+                             "highest", "--budget-s", "600", "--rep-s", "60", "--max-reps",
+                             "100", "--out", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if json.loads(out.read_text())["results"]:  # n=16 done: n=1024 takes a minute
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stdout[-3000:]
+    rec = json.loads(out.read_text())
+    assert rec["state"] == "timed out" and "signal 15" in rec["error"]
+    assert [e["n"] for e in rec["results"]] == [16]
