@@ -15,8 +15,8 @@ The names (the serialized form; checkpoints hold exactly these strings):
    ``b{j}.{field}{i}`` (a per-dimension entry: factor ``b0.GG1``, basis ``b0.Q1``, root
    ``b0.Linv1``), ``b{j}.pending{i}.{n}`` (output n of the refresh in flight of dimension i;
    with ``refresh_policy="drift"`` its ``b{j}.pending_in{i}``, ``b{j}.pending_age{i}``, and the
-   factor's ``b{j}.basis_age{i}``, ``b{j}.drift{i}``), and flags: ``b{j}.pending{i}_ok`` (those outputs are a result), ``b{j}.Linv{i}_set`` (a root
-   was installed);
+   factor's ``b{j}.basis_age{i}``, ``b{j}.drift{i}``), and flags: ``b{j}.pending{i}_ok``
+   (those outputs are a result), ``b{j}.Linv{i}_set`` (a root was installed);
  - a DTensor shard's copy of any key: ``{key}@shard{i}of{n}[_{i}of{n}...]`` (``tagged``);
  - the first key of a state under a shard's tag, ``LOCAL_ONLY`` tagged (below): a marker whose
    name states what a checkpoint of per-shard state can resume on, and the remedy.

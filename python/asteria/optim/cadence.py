@@ -1,4 +1,6 @@
-"""When refreshes run: the cadence of an Asteria optimizer (``opt.cadence``), its f and S.
+"""When refreshes run: the cadence of an Asteria optimizer (``opt.cadence``), its f and S, and
+its refresh policy (which of the factors that came due start: all of them as one round, or
+each on its own within a budget).
 
 Owns: a param group's refresh frequency f (``precondition_frequency``) and the staleness S (the
 runtime's ``staleness``: steps from a snapshot to its install), each fixed (an integer) or
@@ -13,13 +15,19 @@ step times); the state keys of the values chosen (``STATE_KEYS``: ``staleness.au
 (``reset``, ``restore``); the report of f and S (``stats``, ``plan_lines``); and the question
 the schedule asks at every step end, ``due``: which of the factors that came due start a
 refresh now, and at which step each one is installed. S and f are read here and nowhere else
-(``delay``, ``frequency``); the schedule submits and installs what ``due`` says.
+(``delay``, ``frequency``); the schedule submits and installs what ``due`` says. With
+``refresh_policy="drift"`` (below) also: the budget, d, ``max_age`` and ``skip_threshold`` as
+applied (``budget``, ``delay``, ``max_age``), the choice of an "auto" budget and d
+(``choose_drift``), each factor's installed basis's snapshot step (``basis``; in a state dict
+its age, ``export_state``) and its sketch at its last start (the state's ``b{j}.drift{dim}``),
+and the report of the decisions (``PolicyReport``).
 Built with what it uses (``Cadence(run, method)``): the run record (``run.py``: config, engine,
 step counter, param groups and state). May call: the capacity record
-(``asteria.refresh.capacity.Capacity``: ``times_for_s``, ``times_for_f``, ``summary``), the
-cost model's rule (``asteria.refresh.cost``), the method's declarations for pricing a round
-(``REFRESH_OP``, ``state_dtype``, ``has_factor``), ``_layout`` (key names). Single-threaded
-(the training thread); the engine's workers never see these objects.
+(``asteria.refresh.capacity.Capacity``: ``times_for_s``, ``times_for_f``, ``summary``,
+``model.observed``), the cost model's rules (``asteria.refresh.cost``), the drift score
+(``asteria.optim.drift``), the method's declarations for pricing a round (``REFRESH_OP``,
+``state_dtype``, ``has_factor``), ``_layout`` (key names), and what a ``StepEnd`` hands it.
+Single-threaded (the training thread); the engine's workers never see these objects.
 
 The due rule. A factor comes due at the end of a step that brings its parameter's step count
 k to a multiple of its group's f (``comes_due``: the optimizer collects those, SOAP asks it
@@ -61,6 +69,31 @@ stays). Both auto: S is chosen here, at most the smallest integer f of the other
 every preconditioned parameter's state of such a group (``frequency.auto``, -1 before the
 choice), so the trajectory is a pure function of the inputs and that f, and a resumed run
 keeps it (``restore``).
+
+``refresh_policy="drift"``: refresh per factor, continuously, stalest first (docs/capacity.md,
+"Refresh per factor"). The unit is the factor (parameter, block, dimension), not the round:
+at a step end (``drift_due``) the candidates are the factors that came due (f's rule: every
+step with f = 1) and have no refresh in flight (``StepEnd.in_flight``, the schedule's). A
+candidate whose basis would grow older than ``max_age`` if it waited for its next chance
+starts (forced); the others are ordered by priority, the drift score (``asteria.optim.drift``:
+the change of the factor since its last start, from fixed random probes) times the age of its
+basis in steps (ties by parameter, block, dimension), and start while their FLOPs fit the
+room, budget x a full round's FLOPs x max(d, 1) less the FLOPs in flight (the first beyond it
+when the room is positive and none started yet); below ``skip_threshold`` a factor skips.
+Each starter is installed d steps later (``install_delay``), on its own: one round per step
+end, and a parameter's factors in flight with different install steps, which the schedule's
+wire form stores per factor. S is not read
+(a factor in flight never starts again), f must be an integer (``check_frequency``), and an
+integer ``max_age`` must be reachable (``age_floor``, ``check_max_age``). Every decision reads
+step counts, factor values, FLOP counts and values stored in the state: the same seed gives
+the same trajectory whatever the machine's timing, replicas (DDP, HSDP) take the same
+decisions, and with ``fsdp_blocking="global"`` each block's owner decides for its factors
+alone (its budget is a round of its own factors). With a budget of 1 and d = S no score is
+read and every factor that came due starts: the round policy's trajectory. "auto" budget and
+d (mode "async"; refused with replicated parameters and global blocking) are chosen once
+(``choose_drift``), stored in the state (``refresh_budget.auto``, ``install_delay.auto``) and
+kept by a resumed run; before the choice the budget is a whole round and d is
+``PROVISIONAL_DELAY``; in sync mode d = 0 and an "auto" budget is a whole round.
 """
 
 from __future__ import annotations
@@ -432,10 +465,11 @@ class Cadence:
         step end (docs/capacity.md, "Refresh per factor"). The candidates are the factors that
         came due (f's rule) with no refresh in flight; those whose basis would grow older than
         ``max_age`` if they waited for their next chance start whatever the budget (forced);
-        the others, by drift score (highest first, ties by parameter, block, dimension), while
-        their cost fits the room: budget x a full round's FLOPs x max(d, 1), less the FLOPs
-        of the refreshes in flight (the workers' backlog stays what d was chosen for; what a
-        step leaves unused is not carried). The first of them starts even beyond the room
+        the others, by priority (the drift score times the basis's age in steps, highest
+        first, ties by parameter, block, dimension), while their cost fits the room: budget x
+        a full round's FLOPs x max(d, 1), less the FLOPs of the refreshes in flight (the
+        workers' backlog stays what d was chosen for; what a step leaves unused is not
+        carried). The first of them starts even beyond the room
         when the room is positive and nothing started yet (so a factor larger than a step's
         budget is never blocked); one whose score is below ``skip_threshold`` skips. Every
         decision reads step counts, factor values and FLOP counts only: replicas agree, and
@@ -490,7 +524,9 @@ class Cadence:
             self.report.score_s += time.perf_counter() - t0
             self.report.scored += len(free)
             scores, sketches = dict(zip(free, vals)), dict(zip(free, ys))
-            free.sort(key=lambda k: (-scores[k], order(k)))
+            # the drift weighted by the steps the basis has served it (docs/capacity.md: by
+            # the drift alone, noisy factors take the budget and the others wait for max_age)
+            free.sort(key=lambda k: (-scores[k] * max(1, t - self.basis.get(k, t)), order(k)))
         else:
             free.sort(key=order)
         started = list(forced)
