@@ -469,9 +469,9 @@ class Cadence:
         first, ties by parameter, block, dimension), while their cost fits the room: budget x
         a full round's FLOPs x max(d, 1), less the FLOPs of the refreshes in flight (the
         workers' backlog stays what d was chosen for; what a step leaves unused is not
-        carried). The first of them starts even beyond the room
-        when the room is positive and nothing started yet (so a factor larger than a step's
-        budget is never blocked); one whose score is below ``skip_threshold`` skips. Every
+        carried). The first of them starts even beyond the room when the room is positive and
+        nothing started yet (so a factor larger than a step's budget is never blocked); one
+        whose score is below ``skip_threshold`` skips. Every
         decision reads step counts, factor values and FLOP counts only: replicas agree, and
         the trajectory does not depend on the machine's timing."""
         t = end.t
@@ -497,7 +497,7 @@ class Cadence:
         return out
 
     def select(self, t: int, cands: list, flight: dict, end: StepEnd) -> list:
-        """The candidates that start (``drift_due``), forced first, then by score."""
+        """The candidates that start (``drift_due``), forced first, then by priority."""
         d = self.delay
         total = self.round_flops()
         tol = 1e-9 * total  # sums of the same FLOPs in another order
@@ -683,13 +683,15 @@ class Cadence:
                                                   device=device)
 
     def reset(self) -> None:
-        """Before a load replaces the state: the loaded state says which S and f an auto run
-        chose (``restore``)."""
+        """Before a load replaces the state: the loaded state says which S, f, budget and d an
+        auto run chose and how old each factor's basis is (``restore``); the report starts
+        again."""
         self.auto_s = None
         self.auto_f = None
         self.auto_budget = None
         self.auto_delay = None
         self.basis = {}
+        self.report = PolicyReport()
 
     def restore(self) -> None:
         """After a load, once every parameter's state is back: the S and f a saved auto run
