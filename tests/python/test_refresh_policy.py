@@ -421,4 +421,10 @@ def test_two_ranks_replicas_agree_and_owners_decide(tmp_path):
         # each rank decides for the factors of its own blocks, and every block has one owner
         assert all(g["decided_own_only"] and g["started"] > 0 for g in glob), glob
         assert glob[0]["reproducible"] and glob[0]["moved"] > 1e-3
+        local = [res[r]["fsdp_local"][name] for r in range(2)]
+        assert all(x["reproducible"] and x["started"] > 0 for x in local), local
+    for name in ("soap", "shampoo"):
+        hsdp = [res[r]["hsdp"][name] for r in range(2)]
+        assert all(x["replicas_equal"] and x["decisions_equal"] for x in hsdp), hsdp
+        assert hsdp[0]["engine"] == "ReplicatedEngine" and hsdp[0]["waiting"] > 0
     assert all(res[r]["ddp_auto_raises"]["raised"] for r in range(2))

@@ -7,9 +7,10 @@ owner, which alone decides for them).
 
 Checks: ``ddp`` (each optimizer, a budget of a third of a round, d = 2: the replicas' state
 and their decisions bitwise equal), ``ddp_auto_raises`` (an "auto" budget or d with replicated
-parameters: ValueError at construction), ``fsdp_global`` (each optimizer: the ranks decide for
-disjoint sets of global blocks, their own; two runs under different job delays give the same
-full parameters bit for bit). Each rank writes OUT/rank<r>.json and ends through
+parameters: ValueError at construction), ``hsdp`` (a replicate x shard mesh of 2 x 1: replicas
+again, through FSDP2), ``fsdp_global`` (each optimizer: the ranks decide for disjoint sets of
+global blocks, their own; two runs under different job delays give the same full parameters
+bit for bit), ``fsdp_local`` (per-shard blocks: reproducible under other job delays). Each rank writes OUT/rank<r>.json and ends through
 ``asteria.rank_exit.exit_rank`` (common.run_checks).
 """
 
@@ -121,7 +122,8 @@ def check_fsdp_global() -> dict:
                 delay_jobs(opt, delay)
             logs.append(record(opt))
             for t in range(1, STEPS + 1):
-                C.train_step(model, opt, *C.local_batch(t, dist.get_rank(), dist.get_world_size()))
+                C.train_step(model, opt, *C.local_batch(t, dist.get_rank(),
+                                                         dist.get_world_size()))
             st = opt.asteria_stats()
             opt.close()
             full = C.full_params(model)
@@ -136,6 +138,61 @@ def check_fsdp_global() -> dict:
                      "reproducible": C.all_true(digests[0] == digests[1]),
                      "moved": max(float((a - b).abs().max())
                                   for a, b in zip(full, start.parameters()))}
+        dist.barrier()
+    return out
+
+
+def check_fsdp_local() -> dict:
+    """FSDP2 with the default per-shard blocks: each rank decides for its own shard's factors
+    (nothing to agree on); two runs under different job delays give the same full parameters
+    bit for bit."""
+    out = {}
+    for name in OPTS:
+        digests = []
+        for delay in (0, 7):
+            model = fsdp_model()
+            opt = make_opt(name, model.parameters(), DRIFT)
+            if delay:
+                delay_jobs(opt, delay)
+            for t in range(1, STEPS + 1):
+                C.train_step(model, opt, *C.local_batch(t, dist.get_rank(),
+                                                         dist.get_world_size()))
+            st = opt.asteria_stats()
+            opt.close()
+            digests.append(C.digest(C.full_params(model)))
+        out[name] = {"reproducible": C.all_true(digests[0] == digests[1]),
+                     "started": st["refresh_started"], "waiting": st["refresh_waiting"]}
+        dist.barrier()
+    return out
+
+
+def check_hsdp() -> dict:
+    """HSDP over a (replicate 2) x (shard 1) mesh: the two ranks are replicas of every shard
+    (the replicated engine): their state and decisions bitwise equal."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1),
+                            mesh_dim_names=("replicate", "shard"))
+    out = {}
+    for name in ("soap", "shampoo"):
+        model = C.make_model()
+        for blk in model.blocks:
+            fully_shard(blk, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = make_opt(name, model.parameters(), DRIFT)
+        log = record(opt)
+        for t in range(1, STEPS + 1):
+            C.train_step(model, opt, *C.local_batch(t, dist.get_rank(), dist.get_world_size()))
+        vec = C.flat_state(model, opt)
+        st = opt.asteria_stats()
+        replicated = type(opt.run.engine).__name__
+        opt.close()
+        decisions = torch.tensor(log, dtype=torch.float64).reshape(-1)
+        out[name] = {"replicas_equal": C.all_true(C.gather_equal(vec)),
+                     "decisions_equal": C.all_true(C.gather_equal(decisions)),
+                     "engine": replicated, "started": st["refresh_started"],
+                     "waiting": st["refresh_waiting"]}
         dist.barrier()
     return out
 
