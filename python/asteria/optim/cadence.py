@@ -803,9 +803,9 @@ class Cadence:
         gflop = self.round_flops() / 1e9
         lines = [
             f"refresh_policy 'drift': the factors that come due start stalest first (drift "
-            f"score), within refresh_budget = {self.budget:.4g} of a full round "
+            f"score x basis age), within refresh_budget = {self.budget:.4g} of a full round "
             f"({gflop:.3g} GFLOP) per step{how('refresh_budget', self.auto_budget)}; each is "
-            f"installed install_delay d = {self.delay} steps after its start"
+            f"installed install_delay d = {self.delay} step(s) after its start"
             f"{how('install_delay', self.auto_delay)}",
             f"refresh_policy 'drift': no basis older than max_age = {self.max_age} steps"
             + (" ('auto': ceil(4 / budget) + d)" if cfg.max_age == AUTO else "")
