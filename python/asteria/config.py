@@ -2,7 +2,8 @@
 
 ``RuntimeConfig.from_user`` accepts ``None``, a plain dict or a ``RuntimeConfig``. Each key has
 one validator. The optimizer's keys (mode, staleness, install, placement, the budgets, nvme_dir,
-max_failures, on_failure, fsdp_blocking, tier_dtype, factor_emas, refresh_device and the
+max_failures, on_failure, fsdp_blocking, tier_dtype, factor_emas, refresh_device, the refresh
+policy's refresh_policy, refresh_budget, install_delay, max_age, skip_threshold, and the
 distributed keys ranks_per_node, coherence_timeout_s, coherence_topology) are checked here; no
 setting is read from the environment. The keys libasteria reads
 (``_C.config_keys()``: workers, cpuset, pin, trace) are handed over once, at
@@ -48,6 +49,8 @@ TIERS = _tiers()
 TIER_DTYPES = ("float32", "bfloat16")
 #: how replicated blocks reach every replica (docs/distributed.md, "Who sends what")
 COHERENCE_TOPOLOGIES = ("hier", "flat")
+#: which factors start a refresh at a step end (asteria.optim.cadence, docs/capacity.md)
+REFRESH_POLICIES = ("round", "drift")
 
 
 def _check_text(key: str, value: Any) -> None:
@@ -115,6 +118,26 @@ class RuntimeConfig:
     #: among node representatives) or "flat" (one broadcast among all replicas: the baseline);
     #: Python only
     coherence_topology: str = "hier"
+    #: which factors start a refresh at a step end (asteria.optim.cadence): "round" (every
+    #: factor that came due, installed together S steps later) or "drift" (the factors that came
+    #: due, stalest first by a drift score, within ``refresh_budget``, each installed
+    #: ``install_delay`` steps after its start; docs/capacity.md, "Refresh per factor"); Python
+    #: only
+    refresh_policy: str = "round"
+    #: "drift": the share of a full round's cost (the cost model's FLOPs of every factor) that
+    #: may start per step, a number in (0, 1], or "auto" (chosen once from the measured round
+    #: and step times; stored in the state dict); Python only
+    refresh_budget: Union[float, str] = "auto"
+    #: "drift": d, steps from a factor's refresh start to its install, an integer >= 0, or
+    #: "auto" (chosen with the budget; stored in the state dict); Python only
+    install_delay: Union[int, str] = "auto"
+    #: "drift": no basis gets older than this many steps (a factor that would is started
+    #: whatever its score and the budget), an integer >= 1, or "auto": ceil(4 / budget) + d;
+    #: Python only
+    max_age: Union[int, str] = "auto"
+    #: "drift": None, or a number >= 0: a factor whose drift score is below it skips its
+    #: refresh (max_age still forces it); Python only
+    skip_threshold: Optional[float] = None
 
     def __post_init__(self) -> None:
         self._validate()
@@ -186,6 +209,33 @@ class RuntimeConfig:
              ", ".join(f'"{v}"' for v in COHERENCE_TOPOLOGIES))
         need("tier_dtype", isinstance(self.tier_dtype, str) and self.tier_dtype in TIER_DTYPES,
              ", ".join(f'"{d}"' for d in TIER_DTYPES))
+        need("refresh_policy", isinstance(self.refresh_policy, str)
+             and self.refresh_policy in REFRESH_POLICIES,
+             ", ".join(f'"{v}"' for v in REFRESH_POLICIES))
+        b = self.refresh_budget
+        need("refresh_budget", b == "auto" or (isinstance(b, (int, float))
+                                              and not isinstance(b, bool) and math.isfinite(b)
+                                              and 0 < b <= 1),
+             '"auto" (chosen once from the measured round and step times), or a number in '
+             '(0, 1]: the share of a full round that may start per step')
+        need("install_delay", self.install_delay == "auto"
+             or (is_int(self.install_delay) and self.install_delay >= 0),
+             '"auto" (chosen once with refresh_budget), or an integer d >= 0: steps from a '
+             "factor's refresh start to its install")
+        need("max_age", self.max_age == "auto" or (is_int(self.max_age) and self.max_age >= 1),
+             '"auto" (ceil(4 / refresh_budget) + install_delay), or an integer >= 1: steps')
+        th = self.skip_threshold
+        need("skip_threshold", th is None or (isinstance(th, (int, float))
+                                             and not isinstance(th, bool) and math.isfinite(th)
+                                             and th >= 0),
+             "None, or a number >= 0: a factor whose drift score is below it skips")
+        if self.refresh_policy == "drift" and self.mode == "async":
+            # each rank would choose its own from its own measurements, and a checkpoint keeps
+            # one rank's copy of a value every rank saves under one name
+            for key in ("refresh_budget", "install_delay"):
+                need(key, self.fsdp_blocking == "local" or getattr(self, key) != "auto",
+                     f'a value, not "auto", with fsdp_blocking="global" (one {key} on every '
+                     f'rank)')
         # each rank would choose its own S from its own measurements: the owners of one
         # parameter's blocks would install at different steps
         need("fsdp_blocking", self.fsdp_blocking == "local" or self.staleness != "auto"

@@ -8,13 +8,15 @@ the standard library. No state; safe from any thread.
 The names (the serialized form; checkpoints hold exactly these strings):
  - per parameter: ``step``; the AdamW path's ``exp_avg``, ``exp_avg_sq``; with S > 0 the refresh
    in flight ``pending.install_in``, ``pending.age``; with ``staleness="auto"``
-   ``staleness.auto``; in a group with ``precondition_frequency="auto"`` ``frequency.auto``
-   (constants below);
+   ``staleness.auto``; in a group with ``precondition_frequency="auto"`` ``frequency.auto``;
+   with ``refresh_policy="drift"`` and "auto" values ``refresh_budget.auto``,
+   ``install_delay.auto`` (constants below);
  - per block j (``Key``): ``b{j}.{field}`` (a block's moment: ``b0.exp_avg``, ``b0.momentum``),
    ``b{j}.{field}{i}`` (a per-dimension entry: factor ``b0.GG1``, basis ``b0.Q1``, root
-   ``b0.Linv1``), ``b{j}.pending{i}.{n}`` (output n of the refresh in flight of dimension i),
-   and flags: ``b{j}.pending{i}_ok`` (those outputs are a result), ``b{j}.Linv{i}_set`` (a root
-   was installed);
+   ``b0.Linv1``), ``b{j}.pending{i}.{n}`` (output n of the refresh in flight of dimension i;
+   with ``refresh_policy="drift"`` its ``b{j}.pending_in{i}``, ``b{j}.pending_age{i}``, and the
+   factor's ``b{j}.basis_age{i}``, ``b{j}.drift{i}``), and flags: ``b{j}.pending{i}_ok``
+   (those outputs are a result), ``b{j}.Linv{i}_set`` (a root was installed);
  - a DTensor shard's copy of any key: ``{key}@shard{i}of{n}[_{i}of{n}...]`` (``tagged``);
  - the first key of a state under a shard's tag, ``LOCAL_ONLY`` tagged (below): a marker whose
    name states what a checkpoint of per-shard state can resume on, and the remedy.
@@ -35,6 +37,8 @@ PENDING_IN = "pending.install_in"  # steps until the install of the refresh in f
 PENDING_AGE = "pending.age"        # steps since its snapshot
 AUTO_S = "staleness.auto"          # the S that staleness="auto" chose (-1: not yet)
 AUTO_F = "frequency.auto"          # the f that precondition_frequency="auto" chose (-1: not yet)
+AUTO_BUDGET = "refresh_budget.auto"  # the budget refresh_budget="auto" chose (-1: not yet)
+AUTO_DELAY = "install_delay.auto"    # the d install_delay="auto" chose (-1: not yet)
 #: The marker that heads the state of a parameter sharded over several ranks with
 #: fsdp_blocking="local" (value: the shard count). Its name is a sentence because a resume at
 #: another world size shows it and nothing else: torch.distributed.checkpoint's load planner
@@ -45,6 +49,10 @@ LOCAL_ONLY = ("fsdp_blocking=local(resumes_only_at_the_saved_world_size;"
               "use_fsdp_blocking=global_to_resume_at_another)")
 
 PENDING = "pending"  # the field of a refresh in flight's outputs and their flag
+PENDING_IN_FIELD = "pending_in"    # refresh_policy="drift": per factor, steps until its install
+PENDING_AGE_FIELD = "pending_age"  # ... and steps since its snapshot
+BASIS_AGE = "basis_age"  # refresh_policy="drift": steps since the installed basis's snapshot
+DRIFT = "drift"          # refresh_policy="drift": the factor's probes at its last refresh start
 OK = "_ok"           # flag: the pending outputs of (block, dimension) are a result
 SET = "_set"         # flag: a root was installed (Shampoo's ``b{j}.Linv{i}_set``)
 _FLAGS = (OK, SET)
@@ -120,6 +128,27 @@ def pending_output(block: int, dim: int, output: int) -> str:
 def pending_ok(block: int, dim: int) -> str:
     """``b{block}.pending{dim}_ok``: 1 if the pending outputs of (block, dim) are a result."""
     return _format(block, PENDING, dim, None, OK)
+
+
+def pending_in(block: int, dim: int) -> str:
+    """``b{block}.pending_in{dim}``: steps until the install of this factor's refresh in flight
+    (refresh_policy="drift": factors of one parameter in flight with their own install steps)."""
+    return _format(block, PENDING_IN_FIELD, dim, None, "")
+
+
+def pending_age(block: int, dim: int) -> str:
+    """``b{block}.pending_age{dim}``: steps since the snapshot of that refresh."""
+    return _format(block, PENDING_AGE_FIELD, dim, None, "")
+
+
+def basis_age(block: int, dim: int) -> str:
+    """``b{block}.basis_age{dim}``: steps since the snapshot of the factor's installed basis."""
+    return _format(block, BASIS_AGE, dim, None, "")
+
+
+def drift(block: int, dim: int) -> str:
+    """``b{block}.drift{dim}``: the factor times the drift probes at its last refresh start."""
+    return _format(block, DRIFT, dim, None, "")
 
 
 def set_flag(block: int, field: str, dim: int) -> str:

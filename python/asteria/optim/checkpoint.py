@@ -7,8 +7,9 @@ optimizer, and the dtype each loaded tensor is kept in. Built with what it uses
 (``Checkpoint(run, method, schedule, placement, cadence)``); each part owns its own wire form
 and the checkpoint calls it: the schedule's refreshes in flight (``wait_pending``,
 ``export_pending``, ``reset``, ``restore_pending``), the placement's tiered state
-(``export_tiered``, ``clear_tiered``, ``restore_tiered``), the cadence's chosen f and S
-(``STATE_KEYS``, ``fixed_state``, ``reset``, ``restore``; ``delay``). May call: torch.optim's
+(``export_tiered``, ``clear_tiered``, ``restore_tiered``), the cadence's chosen values and
+per-factor ages and sketches (``STATE_KEYS``, ``fixed_state``, ``reset``, ``restore``,
+``export_state``, ``factor_keys``; ``delay``, ``per_factor``). May call: torch.optim's
 own state-dict code on the run's ``optimizer``, those calls, the method (``check``,
 ``state_spec``, ``output_specs``, ``flag_keys``, ``has_factor``, ``fixed_state``),
 ``cadence.check_frequency`` (a loaded group's f), ``_layout`` (key names). Single-threaded (the
@@ -150,7 +151,9 @@ class Checkpoint:
         for p, tiered in self.placement.export_tiered().items():
             sd["state"][index[p]].update(tiered)
         self.schedule.export_pending(sd["state"], index)
-        if self.cadence.delay > 0:  # fsdp_blocking="global": as every owner has it
+        self.cadence.export_state(sd["state"], index)
+        if self.cadence.delay > 0 and not self.cadence.per_factor:
+            # fsdp_blocking="global": as every owner has it (per factor: the block's owner's)
             self.run.blocking.sync_pending(sd["state"], index, (K.PENDING_IN, K.PENDING_AGE))
         for p, tag in self.run.tags.items():  # per-shard state: the shard's own key names
             st = sd["state"].get(index.get(p))
@@ -318,7 +321,11 @@ class Checkpoint:
             for j, bshape in enumerate(layout.block_shapes):
                 for dim, has in enumerate(self.method.has_factor(bshape, group)):
                     if has:
-                        flags.add(K.pending_ok(j, dim))
+                        flags |= {K.pending_ok(j, dim), K.pending_in(j, dim),
+                                  K.pending_age(j, dim)}
+                        mine, kept = self.cadence.factor_keys(int(bshape[dim]), j, dim)
+                        flags |= mine
+                        tensors.update(kept)
                         for i, (oshape, dt) in enumerate(
                                 self.method.output_specs(p, group, bshape[dim])):
                             tensors[K.pending_output(j, dim, i)] = (tuple(oshape), dt)

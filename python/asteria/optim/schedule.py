@@ -180,6 +180,9 @@ class Schedule:
         self.lazy_counts: dict = {}  # name -> device tensor (see count_lazy)
         self.stall_ns = 0  # this step end's time at the bounded barrier
         self.grouped: Optional[tuple] = None  # the last round's jobs as grouped (see group)
+        # refresh per factor (Cadence.per_factor): the results installed since the last step
+        # end, [((param, j, dim), snapshot step)], for the cadence's basis ages
+        self.installed: list = []
 
     def step_start(self) -> None:
         """A ``step()`` starts: the capacity record times the forward and backward before it;
@@ -202,16 +205,21 @@ class Schedule:
     def fixed_state(self, p: torch.Tensor, group: dict, layout: Layout) -> None:
         """Add the schedule's keys of the fixed key set that p's state lacks (at creation,
         after a load, after the cadence's): where a refresh may be in flight at a step end
-        (``Cadence.lags``), the placeholders of a REFRESH in flight."""
+        (``Cadence.lags``), the placeholders of a REFRESH in flight: its install step and age
+        per parameter, or per factor where each factor starts and installs on its own
+        (``Cadence.per_factor``: ``b{j}.pending_in{dim}``, ``b{j}.pending_age{dim}``)."""
         if not self.cadence.lags:
             return
         st = self.run.state[p]
-        if K.PENDING_IN not in st:
+        per_factor = self.cadence.per_factor
+        if K.PENDING_IN not in st and not per_factor:
             st[K.PENDING_IN], st[K.PENDING_AGE] = NO_ROUND, 0
         for j, shape in enumerate(layout.block_shapes):
             for dim, has in enumerate(self.method.has_factor(shape, group)):
                 if not has:
                     continue
+                if per_factor and K.pending_in(j, dim) not in st:
+                    st[K.pending_in(j, dim)], st[K.pending_age(j, dim)] = NO_ROUND, 0
                 ok = K.pending_ok(j, dim)
                 if ok not in st:
                     st[ok] = 0
@@ -243,7 +251,9 @@ class Schedule:
     def export_pending(self, states: dict, index: dict) -> None:
         """Write the refreshes in flight (``wait_pending`` first) into a state dict's
         ``states`` ({index[param]: its state, a copy}): real zeros for the placeholders, then
-        each round's results with ``pending.install_in`` / ``pending.age`` and their flags."""
+        each round's results with ``pending.install_in`` / ``pending.age`` (per factor,
+        ``b{j}.pending_in{dim}`` / ``b{j}.pending_age{dim}``, where factors start on their own:
+        ``Cadence.per_factor``) and their flags."""
         for i, st in list(states.items()):
             if isinstance(st, dict) and K.PENDING_IN in st:
                 # real zeros for the placeholders (a checkpoint writes them)
@@ -252,12 +262,17 @@ class Schedule:
                     if isinstance(v, torch.Tensor) and K.is_pending_output(k):
                         st[k] = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
         t = self.run.t
+        per_factor = self.cadence.per_factor
         for rnd in self.rounds:
             for p, outs in rnd.outputs.items():
                 st = dict(states[index[p]])
-                st[K.PENDING_IN] = rnd.install_step - t
-                st[K.PENDING_AGE] = t - rnd.snapshot_step
+                if not per_factor:
+                    st[K.PENDING_IN] = rnd.install_step - t
+                    st[K.PENDING_AGE] = t - rnd.snapshot_step
                 for (j, dim), out in outs.items():
+                    if per_factor:  # a failed one too: the factor is in flight until then
+                        st[K.pending_in(j, dim)] = rnd.install_step - t
+                        st[K.pending_age(j, dim)] = t - rnd.snapshot_step
                     if out is None:  # the job failed: nothing to install
                         continue
                     for i, tensor in enumerate(out):
@@ -275,33 +290,44 @@ class Schedule:
             rnd.drop(self.run.engine)
         self.rounds = []
         self.fail_streak, self.failed = {}, []
+        self.installed = []
 
     def restore_pending(self, p: torch.Tensor, st: dict) -> None:
-        """Take the refresh in flight out of p's loaded state ``st`` (a plain dict, changed in
-        place; after ``reset``) and make it a round again: rounds are per (install step,
-        snapshot step)."""
+        """Take the refreshes in flight out of p's loaded state ``st`` (a plain dict, changed in
+        place; after ``reset``) and make them rounds again: rounds are per (install step,
+        snapshot step), read per parameter or, where saved so, per factor."""
         install_in = _count(st.pop(K.PENDING_IN, NO_ROUND))
         age = _count(st.pop(K.PENDING_AGE, 0))
         outs: dict = defaultdict(dict)
         oks: dict = {}
+        when: dict = {}  # (block, dim) -> (install_in, age): saved per factor
         for k in list(dict.keys(st)):
+            key = K.Key.parse(k)
             if K.is_pending_output(k):
-                key = K.Key.parse(k)
                 outs[(key.block, key.dim)][key.output] = st.pop(k)
             elif K.is_pending_ok(k):
-                key = K.Key.parse(k)
                 oks[(key.block, key.dim)] = _count(st.pop(k))
-        if install_in == NO_ROUND:
-            return
+            elif key is not None and key.field in (K.PENDING_IN_FIELD, K.PENDING_AGE_FIELD):
+                i = 0 if key.field == K.PENDING_IN_FIELD else 1
+                when.setdefault((key.block, key.dim), [NO_ROUND, 0])[i] = _count(st.pop(k))
         t = self.run.t
-        rnd = next((r for r in self.rounds if r.install_step == t + install_in
-                    and r.snapshot_step == t - age), None)
-        if rnd is None:
-            rnd = _Round(REFRESH, t - age, t + install_in, [], outputs={})
-            self.rounds.append(rnd)
         # without a flag (a state dict from before the fixed key set): present = a result
-        rnd.outputs[p] = {key: tuple(v[n] for n in sorted(v))
-                          for key, v in outs.items() if oks.get(key, 1)}
+        results = {key: tuple(v[n] for n in sorted(v))
+                   for key, v in outs.items() if oks.get(key, 1)}
+        rounds: dict = defaultdict(dict)  # (install_in, age) -> {(j, dim): result or None}
+        if install_in != NO_ROUND:  # saved per parameter
+            rounds[(install_in, age)] = {key: out for key, out in results.items()
+                                         if key not in when}
+        for key, (inn, ago) in when.items():
+            if inn != NO_ROUND:  # None: its job failed, nothing to install
+                rounds[(inn, ago)][key] = results.get(key)
+        for (inn, ago), mine in rounds.items():
+            rnd = next((r for r in self.rounds if r.install_step == t + inn
+                        and r.snapshot_step == t - ago), None)
+            if rnd is None:
+                rnd = _Round(REFRESH, t - ago, t + inn, [], outputs={})
+                self.rounds.append(rnd)
+            rnd.outputs[p] = mine
 
     def in_flight(self) -> list:
         """The parameters of the refreshes in flight (an install at a step end writes them)."""
@@ -338,8 +364,10 @@ class Schedule:
             self.install_round(rnd)
         if self.starts is None:  # asked once per step end: an interrupted one keeps the answer
             self.starts = self.cadence.due(StepEnd(t, self.unfinished_end, self.stall_ns,
-                                                   self.defers(), self.price))
+                                                   self.defers(), self.price, self.flight,
+                                                   self.installed, self.factor))
             self.unfinished_end = []
+            self.installed = []
         rounds: dict = {}  # install step -> its REFRESH items, one round each
         for item, at in self.starts:
             rounds.setdefault(at, []).append(item)
@@ -412,6 +440,26 @@ class Schedule:
         return [JobSpec(k[0], k[2], int(k[1]), len(v), p=k[4])
                 for k, v in self.group(REFRESH, items).items()]
 
+    def flight(self) -> dict:
+        """{(param, j, dim): (snapshot step, install step)} of the REFRESH results in flight
+        (``StepEnd.in_flight``)."""
+        out = {}
+        for rnd in self.rounds:
+            if rnd.kind != REFRESH:
+                continue
+            when = (rnd.snapshot_step, rnd.install_step)
+            for job in rnd.jobs:
+                for p, j, dim in job.targets:
+                    out[(p, j, dim)] = when
+            for p, outs in (rnd.outputs or {}).items():
+                for j, dim in outs:
+                    out[(p, j, dim)] = when
+        return out
+
+    def factor(self, p: torch.Tensor, j: int, dim: int) -> torch.Tensor:
+        """The factor a REFRESH of (p, j, dim) would take now (``StepEnd.factor``)."""
+        return self.method.refresh_input(REFRESH, p, j, dim)[1]
+
     def submit(self, kind: str, items: list, install_step: int) -> _Round:
         """Submit a round of items [(kind, param, j, dims)], to be installed at the end of step
         ``install_step`` (the engine's deadline)."""
@@ -464,6 +512,10 @@ class Schedule:
             counters["install_wait_ns"] = counters.get("install_wait_ns", 0) + waited
         outputs = rnd.resolve(self.run.engine)
         self.method.install(rnd.kind, outputs)
+        if rnd.kind == REFRESH and self.cadence.per_factor:
+            self.installed.extend(((p, j, dim), rnd.snapshot_step)
+                                  for p, outs in outputs.items()
+                                  for (j, dim), out in outs.items() if out is not None)
         self.run.counters["refresh_failures"] += rnd.failed
         self.count_failures(rnd)
         lag = self.run.t - rnd.snapshot_step

@@ -418,3 +418,44 @@ def calibrate(ops: Sequence[str] = ("soap_qr", "eigh"), sizes: Sequence[int] = (
     finally:
         eng.close()
     return model
+
+
+# ---- refresh per factor (refresh_policy="drift") -------------------------------------------------
+
+def choose_refresh_budget(round_s: float, step_s: float, fb_s: Optional[float],
+                          largest_s: float, budget: Optional[float] = None,
+                          delay: Optional[int] = None,
+                          margin: float = AUTO_MARGIN) -> tuple[float, int]:
+    """(budget, d) of ``refresh_policy="drift"``: the share of a full round that may start per
+    step and the steps from a factor's start to its install. ``round_s``: a round of every
+    factor; ``step_s``: a step, end to end (> 0); ``fb_s``: its forward and backward (the d = 0
+    window, ``window_s``; None: no such window); ``largest_s``: the longest single factor's
+    refresh alone; ``budget`` / ``delay``: the value the run fixed, or None to choose it.
+
+    The budgeted work is ``budget`` x ``round_s`` per step, and a factor's job is whole on one
+    worker. Both free: a whole round every step with d = 0 where ``margin`` x the round fits
+    the forward and backward (sync's trajectory); else budget = 1 / R with R the fewest steps
+    that cover ``margin`` x the round (the S of ``choose_staleness``: a round's worth of
+    factors every R steps, the pool busy at most 1 / margin of the time) and d the fewest
+    steps that cover ``margin`` x the larger of a step's work and the largest factor (1 unless
+    one factor alone takes longer than a step). The budget fixed: d as above, 0 where that
+    fits the forward and backward. d fixed: the budget whose work per step fits its window
+    (the forward and backward for d = 0, else a step), at most 1."""
+    if step_s <= 0:
+        raise ValueError(f"choose_refresh_budget: step_s={step_s!r}: allowed: seconds > 0")
+    if budget is None and delay is None and fb_s is not None and margin * round_s <= fb_s:
+        return 1.0, 0
+    if budget is None:
+        window = fb_s if delay == 0 and fb_s else step_s
+        budget = 1.0 / max(1, math.ceil(margin * round_s / window - 1e-9))
+    if delay is None:
+        work = max(budget * round_s, largest_s)
+        fits = fb_s is not None and margin * work <= fb_s
+        delay = 0 if fits else smallest_s(work, step_s, margin)
+    return float(budget), int(delay)
+
+
+def default_max_age(budget: float, delay: int) -> int:
+    """``max_age="auto"``: ceil(4 / budget) + d steps: four times the steps a round's worth of
+    factors takes at the budget, plus the install delay every basis carries."""
+    return math.ceil(4.0 / budget - 1e-9) + delay
