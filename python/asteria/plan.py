@@ -25,18 +25,38 @@ are added to the host round. The default, 50 GB/s, is a planning figure for PCIe
 GT/s x 16 lanes with 128b/130b encoding is 63 GB/s per direction (the PCI-SIG PCIe 5.0 base
 specification), and packet headers and flow control leave about 80% of that to large copies;
 it is not measured here. The device executor (``refresh_device``) computes on the device, with
-no transfer, at the device lane's rate of the cost model (``--device-gflops``, else the model's
-prior for an unmeasured device lane, labelled so); the table says where the round must run:
-"host" where the host workers' round with its transfers fits the window, "device" where only
-the device's fits (``refresh_device=True`` must take it), "host + device" where only the round
-divided among both (``--device-gflops``) fits, "neither" where none does.
+no transfer, at the device lane's rate (``device_rate``): given (``--device-gflops``), else
+measured by benchmarks/gpu_microbench.py (``--gpu-json``, by default ``GPU_JSON`` where it is
+present: tests/gpu/run.sh's place for it), else a published figure
+(``asteria.refresh.cost.DEVICE_PRIOR_GFLOPS``, labelled so); a line says which. The table says
+where the round must run: "host" where the host workers' round with its transfers fits the
+window, "device" where only the device's fits (``refresh_device=True`` must take it), "host +
+device" where only the round divided among both fits, "neither" where none does. The choices
+(``-f auto``, the policy) take the device lane only where its rate is given or measured.
 
 ``-f auto`` (``precondition_frequency="auto"``): the f the runtime would choose
 (``asteria.refresh.cost.choose_frequency``: 1.5x the round within the S = 0 window gives f = 1
 and S = 0; else the fewest steps that cover it, S as given or, with ``-S auto``, as small as
-hides it), from the round on the lanes given (the host workers, with their transfers, and
-with ``--device-gflops`` the round divided with the device or the device's alone, whichever
-gives the smaller f); the table's f, S and window columns are then the chosen ones.
+hides it), from the round that runs (one rank's, with several) on the lanes (the host
+workers, with their transfers; with a device rate given or measured, the round divided with
+the device or the device's alone, whichever gives the smaller f); the table's f, S and window
+columns are then the chosen ones. Without ``-S`` it chooses S too. It never chooses a setting
+it reports as not hidden: with an S given that no f hides, it says so ("none"), with the
+smallest S that hides the round and the policy below; with replicated parameters (DDP, HSDP
+over nodes), where the runtime refuses "auto", it says that.
+
+Refresh per factor (``refresh_policy="drift"``, ``drift_plan``): the budget and d that its
+"auto" values take by the runtime's rule (``policy_choice``), and the policy's steady state
+(``drift_steady_state``: the factors round-robin, the room and the in-flight rule of the
+runtime, the pool's slots): refreshes per factor per 100 steps, the mean and the largest age
+of the bases at step ends, and whether each step's work is done within d steps (else d is
+raised until it is); ``expected_ages`` is the closed form for equal factors. A table, a line
+per row.
+
+Tier dtypes (``tier_bytes``): per GPU and per ``tier_dtype`` (float32, bfloat16, int8, int4:
+eigenbases block-quantized in libasteria's layout, ``asteria.tiers.quant.layout``), the bytes
+of the roots / eigenbases in host memory (or on NVMe), of a round's installs over PCIe and the
+staging ring's time per step; ``--tier-dtype`` prices the round's installs in that form.
 
 Replicas (``--nodes``, ``--gpus-per-node``, ``--parallel``). In a distributed run each
 replicated factor has one owner, who computes it on its own host workers (docs/distributed.md
@@ -77,10 +97,11 @@ Owns: the presets (OLMo-2 1B and 7B, read from OLMo-core's model configs: built 
 device, no memory allocated, and their 2-D weights listed; embeddings and the output head take
 AdamW, as asteria.olmo routes them), the factor list of a set of shapes (the optimizers' own
 blocking, ``asteria.optim._blocking.make_layout``), the step time from tokens per step, the
-table, and the round of each replica set (``replica_round``). May call:
-``asteria.refresh.cost``, ``asteria.refresh.engine`` (lane names), ``asteria.optim._blocking``,
-``asteria._C`` (the coherence registry, for owners only; ``asteria.refresh.replicated`` for its
-entry ids), olmo_core (presets only), torch.
+table, the round of each replica set (``replica_round``), the -f auto verdict, the policy's
+steady state and the tiers' bytes. May call: ``asteria.refresh.cost``,
+``asteria.refresh.engine`` (lane names), ``asteria.optim._blocking``, ``asteria._C`` (the
+coherence registry, for owners only; ``asteria.refresh.replicated`` for its entry ids),
+``asteria.tiers.quant`` (the quantized layout), olmo_core (presets only), torch.
 
 Examples:
     python3 -m asteria.plan --preset olmo2-1b                        # calibrates here first
@@ -88,6 +109,8 @@ Examples:
         --tokens 65536 --tokens 524288 --gflops-per-core 20 --markdown
     python3 -m asteria.plan --shape 4096x4096 --shape 11008x4096 --step-time 1.5
     python3 -m asteria.plan --preset olmo2-7b --nodes 4 --gpus-per-node 8 --parallel hsdp
+    python3 -m asteria.plan --preset olmo2-1b --tokens 65536 --gpus-per-node 8 \
+        --parallel fsdp -f auto --gpu-json $OUT/gpu_microbench.json
 """
 
 from __future__ import annotations
@@ -170,7 +193,7 @@ def transfer_bytes(sizes: Counter, optimizer: str,
     return d2h, h2d
 
 
-# ---- the tiers' bytes ------------------------------------------------------------------------------
+# ---- the tiers' bytes ----------------------------------------------------------------------------
 
 #: the forms a root / eigenbasis outside the device may take (the runtime key tier_dtype):
 #: float32 as computed, bfloat16 narrowed, and libasteria's block-quantized formats
@@ -329,7 +352,7 @@ def calibrated(optimizer: str) -> tuple[C.CostModel, str]:
     return model, f"measured here for {op} (libasteria pool, 1 worker): {rates} GFLOP/s"
 
 
-# ---- refresh per factor (refresh_policy "drift") --------------------------------------------------
+# ---- refresh per factor (refresh_policy "drift") -------------------------------------------------
 
 def policy_choice(round_s: float, step_s: float, fb_s: Optional[float], largest_s: float,
                   margin: float = C.AUTO_MARGIN) -> tuple[float, int]:
@@ -360,7 +383,8 @@ def expected_ages(count: int, budget: float, delay: int) -> dict:
     steps, a share r = p - q of them the longer. A basis installed d steps after its start is
     d, d + 1, ... steps old at the step ends of its interval, so over time its age averages
     d + (E[p^2] / E[p] - 1) / 2 with E[p^2] = q^2 + r (2 q + 1), E[p] = p; at most
-    d + ceil(p) - 1. With budget x count an integer 1 / budget = p: d + (1 / budget - 1) / 2.
+    d + ceil(p) - 1. With 1 / budget an integer that divides count, p = 1 / budget: refreshes
+    100 x budget, age d + (1 / budget - 1) / 2 on average, d + 1 / budget - 1 at most.
     (Exact for d <= 1; with d >= 2 the room of d steps lets a step take a factor that the
     step before left, m is then budget x count on average.) Returns refreshes_per_100 (per
     factor per 100 steps), mean_age and max_age."""
@@ -382,22 +406,24 @@ def spread_order(sizes: Counter) -> list:
 def drift_steady_state(sizes: Counter, budget: float, delay: int, step_s: float, fb_s: float,
                        model: C.CostModel, optimizer: str, lanes: dict,
                        pcie_gbps: float = 0.0, tier_dtype: str = "float32") -> dict:
-    """refresh_policy "drift" in its steady state, simulated step by step: the factors of
-    ``sizes`` (``spread_order``) are the candidates of every step (f = 1, no skips) in round-robin
-    order, the stalest basis first (what equal drift scores give); those with a refresh in
-    flight wait; they start while their FLOPs fit the room, ``budget`` x a round's FLOPs x
-    max(d, 1) less the FLOPs in flight (the first of a step beyond it when the room is positive
-    and none started; after the first that does not fit none does), as the runtime's cadence
-    starts them, and install d steps later. It starts uniform: for the first cycle and d steps
-    the room is one step's budget, nothing carried, so the rule's room of d steps does not
-    start as one burst of d steps' work (all bases at step 0, none in flight). Each step's starts run on the ``lanes``' slots
-    (entries to the slot where they finish first, carried over from step to step, as the split
-    executor does) after their snapshots' copies, their installs' copies after them
-    (``pcie_gbps``; 0: none). Returns refreshes_per_100 (per factor per 100 steps, the mean),
-    mean_age and max_age (steps: at each step end, the step minus its installed basis's
-    snapshot step), started_per_step, latency_s (the longest a step's work took, copies
-    included), window_s (d steps, or the forward and backward for d = 0) and wait_s (the
-    longest any install waited past it: 0 is hidden)."""
+    """refresh_policy "drift" in its steady state, simulated step by step. The factors of
+    ``sizes`` (``spread_order``) are the candidates of every step (f = 1, no skips) in
+    round-robin order, the stalest basis first (what equal drift scores give); those with a
+    refresh in flight wait; they start while their FLOPs fit the room, ``budget`` x a round's
+    FLOPs x max(d, 1) less the FLOPs in flight (the first of a step beyond it when the room is
+    positive and none started; after the first that does not fit none does), as the
+    runtime's cadence starts them, and install d steps later. It starts uniform: for the
+    first cycle and d steps the room is one step's budget, nothing carried, so the rule's
+    room of d steps does not start as one burst of d steps' work (all bases at step 0, none
+    in flight). Each step's starts run on the ``lanes``' slots (entries to the slot where
+    they finish first, carried over from step to step, as the split executor does) after
+    their snapshots' copies, and their installs' copies after them (``pcie_gbps``; 0: none).
+
+    Returns refreshes_per_100 (per factor per 100 steps, the mean), mean_age and max_age
+    (steps: at each step end, the step minus its installed basis's snapshot step),
+    started_per_step, latency_s (the longest a step's work took, copies included), window_s
+    (d steps, or the forward and backward for d = 0) and wait_s (the longest any install
+    waited past it: 0 is hidden)."""
     op, p = method_of(optimizer).METHOD.REFRESH_OP
     order = spread_order(sizes)
     count = len(order)
