@@ -620,8 +620,7 @@ def render(head: list, lines: list, markdown: bool) -> str:
         out += ["| " + " | ".join(x) + " |" for x in lines]
         return "\n".join(out)
     widths = [max(len(h), *(len(x[i]) for x in lines)) for i, h in enumerate(head)]
-    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
-    out += ["  ".join(c.ljust(w) for c, w in zip(x, widths)).rstrip() for x in lines]
+    out = ["  ".join(c.ljust(w) for c, w in zip(x, widths)).rstrip() for x in [head] + lines]
     return "\n".join(out)
 
 
