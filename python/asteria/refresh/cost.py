@@ -7,7 +7,9 @@ time on a number of workers or lanes (``makespan``, ``assign``, ``split_makespan
 ``smallest_workers``), the window a round has at a given S (``window_s``), the rule that
 chooses an "auto" S and f from a round's and a step's seconds (``choose_staleness``,
 ``choose_frequency``: the one place it is written; ``asteria.optim.cadence`` applies it to a
-run's measurements, ``asteria.plan`` to a model's) and the measurement of a machine's per-core
+run's measurements, ``asteria.plan`` to a model's), the device lane's rate before it is measured
+(``DEVICE_PRIOR_GFLOPS``, a published figure) and from a GPU microbenchmark's JSON
+(``read_gpu_microbench``, ``add_gpu_microbench``), and the measurement of a machine's per-core
 rate (``calibrate``). One optimizer's record of its rounds and the capacity report are
 ``asteria.refresh.capacity``'s; the check of the prediction against the pool is
 benchmarks/cost_check.py's. May call: torch, ``asteria.refresh.ops``,
@@ -67,7 +69,15 @@ from asteria.refresh.ops import NEWTON_NOMINAL_ITERS, OPS  # noqa: F401
 
 SAMPLES = 9                  # per measured size: the last SAMPLES (see _typical)
 ASSUMED_GFLOPS = 5.0         # a lane with nothing measured and no base rate (labelled so)
-DEVICE_PRIOR_GFLOPS = 200.0  # a device lane before its first job: the split explores it
+#: a device lane before its first job (the split explores it from there; the planner prices
+#: the device executor with it): a published figure, not measured here (docs/capacity.md, "The
+#: device executor's rate"). One QR power step of SOAP (F Q, then QR) of a factor of size
+#: DEVICE_PRIOR_N takes 5 to 10 ms on an H100 in float32 (NVIDIA Emerging-Optimizers); the slow
+#: end, DEVICE_PRIOR_S, as a FLOP rate (DEVICE_PRIOR_GFLOPS, below ``flops``) for every op
+DEVICE_PRIOR_N = 2048
+DEVICE_PRIOR_S = 0.010
+DEVICE_PRIOR_SOURCE = (f"device prior: a published H100 figure, one QR power step of "
+                       f"n={DEVICE_PRIOR_N} in {DEVICE_PRIOR_S * 1e3:g} ms (not measured)")
 
 
 def flops(op: str, n: int, n1: int = 0, p: float = 0.0, sides: int = 2) -> float:
@@ -77,6 +87,9 @@ def flops(op: str, n: int, n1: int = 0, p: float = 0.0, sides: int = 2) -> float
     if op not in OPS:
         raise ValueError(f"unknown REFRESH op {op!r}; allowed: {', '.join(OPS)}")
     return OPS[op].flops(float(n), float(n1), p, sides)
+
+
+DEVICE_PRIOR_GFLOPS = flops("soap_qr", DEVICE_PRIOR_N) / DEVICE_PRIOR_S / 1e9  # 4.0 TFLOP/s
 
 
 def _typical(samples: Iterable[float]) -> float:
@@ -214,7 +227,7 @@ class CostModel:
         if lane in self.base_gflops:
             return self.base_gflops[lane] * 1e9, self.base_source or "base rate"
         if lane == Lane.DEVICE:
-            return DEVICE_PRIOR_GFLOPS * 1e9, "device prior (not measured yet)"
+            return DEVICE_PRIOR_GFLOPS * 1e9, DEVICE_PRIOR_SOURCE
         return ASSUMED_GFLOPS * 1e9, "assumed (nothing measured)"
 
     def measured(self, lane: str, op: str, dtype: Any) -> bool:
@@ -382,6 +395,82 @@ def choose_staleness(round_s: float, step_s: float, fb_s: Optional[float],
     if fb_s is not None and margin * round_s <= fb_s:
         return 0
     return smallest_s(round_s, step_s, margin)
+
+
+# ---- a GPU's measured rates (benchmarks/gpu_microbench.py) -------------------------------------
+
+GPU_MICROBENCH_SCHEMA = "asteria.gpu_microbench/1"
+#: the microbenchmark's ops the device lane is priced from: its op -> (the REFRESH op whose
+#: FLOPs it does, the REFRESH ops priced at its FLOP rate). A QR power step is SOAP's and
+#: KL-Shampoo's QR refresh itself; Shampoo's inverse root is an eigh and one GEMM, priced at
+#: eigh's rate (its GEMM runs faster than that: the price is an upper bound)
+GPU_MICROBENCH_OPS = {"qr_power_step": ("soap_qr", ("soap_qr", "kl_qr")),
+                      "eigh": ("eigh", ("eigh", "inv_root"))}
+GPU_MICROBENCH_PRECISIONS = ("highest", "tf32")
+
+
+def read_gpu_microbench(path: str) -> dict:
+    """The record benchmarks/gpu_microbench.py wrote at ``path`` (schema
+    ``GPU_MICROBENCH_SCHEMA``). ValueError naming the path and what is wrong: unreadable, not
+    JSON, another schema, no ``results`` list, a result without its fields."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            rec = json.load(fh)
+    except OSError as e:
+        raise ValueError(f"GPU microbenchmark JSON {path!r}: cannot read it: "
+                         f"{e.strerror or e}") from None
+    except ValueError as e:
+        raise ValueError(f"GPU microbenchmark JSON {path!r}: not JSON: {e}") from None
+    schema = rec.get("schema") if isinstance(rec, dict) else None
+    if schema != GPU_MICROBENCH_SCHEMA:
+        raise ValueError(f"GPU microbenchmark JSON {path!r}: schema {schema!r}; allowed: "
+                         f"{GPU_MICROBENCH_SCHEMA!r} (benchmarks/gpu_microbench.py --out)")
+    results = rec.get("results")
+    if not isinstance(results, list):
+        raise ValueError(f"GPU microbenchmark JSON {path!r}: 'results' is "
+                         f"{type(results).__name__}; allowed: a list of {{op, n, batch, "
+                         f"precision, ms}}")
+    for i, r in enumerate(results):
+        ok = (isinstance(r, dict) and isinstance(r.get("op"), str)
+              and isinstance(r.get("precision"), str)
+              and all(isinstance(r.get(k), int) and not isinstance(r.get(k), bool)
+                      and r[k] >= 1 for k in ("n", "batch"))
+              and isinstance(r.get("ms"), (int, float)) and not isinstance(r.get("ms"), bool)
+              and math.isfinite(r["ms"]) and r["ms"] > 0)
+        if not ok:
+            raise ValueError(f"GPU microbenchmark JSON {path!r}: results[{i}] = {r!r}; "
+                             f"allowed: {{op: str, n: int >= 1, batch: int >= 1, precision: "
+                             f"str, ms: a number > 0, ...}}")
+    return rec
+
+
+def add_gpu_microbench(model: CostModel, rec: dict, precision: str = "highest") -> list:
+    """Put a GPU microbenchmark's rates (``read_gpu_microbench``) on ``model``'s device lane:
+    per op of ``GPU_MICROBENCH_OPS`` and size n measured at ``precision``, one factor's seconds
+    at the largest batch measured (ms / batch: a round's batch of one size is one call on the
+    device executor), scaled to each REFRESH op it prices by their FLOPs. Returns
+    [(microbenchmark op, n, batch, seconds per factor)] of what it added (empty: nothing
+    usable at that precision)."""
+    if precision not in GPU_MICROBENCH_PRECISIONS:
+        raise ValueError(f"precision={precision!r}: allowed: "
+                         f"{', '.join(GPU_MICROBENCH_PRECISIONS)}")
+    best: dict = {}
+    for r in rec["results"]:
+        if r["op"] in GPU_MICROBENCH_OPS and r["precision"] == precision:
+            key = (r["op"], r["n"])
+            if key not in best or r["batch"] > best[key]["batch"]:
+                best[key] = r
+    added = []
+    for (op, n), r in sorted(best.items()):
+        seconds = r["ms"] / 1e3 / r["batch"]
+        src, targets = GPU_MICROBENCH_OPS[op]
+        for target in targets:
+            model.add(Lane.DEVICE, target, torch.float32, n,
+                      seconds * flops(target, n) / flops(src, n))
+        added.append((op, n, r["batch"], seconds))
+    return added
 
 
 # ---- calibration -------------------------------------------------------------------------------
