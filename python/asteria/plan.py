@@ -46,7 +46,7 @@ smallest S that hides the round and the policy below; with replicated parameters
 over nodes), where the runtime refuses "auto", it says that.
 
 Refresh per factor (``refresh_policy="drift"``, ``drift_plan``): the budget and d that its
-"auto" values take by the runtime's rule (``policy_choice``), and the policy's steady state
+"auto" values take by the runtime's rule (``cost.choose_refresh_budget``), and the policy's steady state
 (``drift_steady_state``: the factors round-robin, the room and the in-flight rule of the
 runtime, the pool's slots): refreshes per factor per 100 steps, the mean and the largest age
 of the bases at step ends, and whether each step's work is done within d steps (else d is
@@ -354,28 +354,6 @@ def calibrated(optimizer: str) -> tuple[C.CostModel, str]:
 
 # ---- refresh per factor (refresh_policy "drift") -------------------------------------------------
 
-def policy_choice(round_s: float, step_s: float, fb_s: Optional[float], largest_s: float,
-                  margin: float = C.AUTO_MARGIN) -> tuple[float, int]:
-    """(budget, d) that ``refresh_budget="auto"`` and ``install_delay="auto"`` take, by the
-    runtime's rule (the cadence's choice; docs/capacity.md "Refresh per factor"), from a round
-    of every factor (``round_s``), a step (``step_s`` > 0), its forward and backward (``fb_s``,
-    the d = 0 window; None: none) and the longest single factor (``largest_s``): a whole
-    round every step with d = 0 where ``margin`` x the round fits the forward and backward;
-    else budget 1 / K, K the fewest steps that cover ``margin`` x the round (the S ``-S auto``
-    chooses: a round's worth of factors every K steps, the workers busy at most 1 / margin of
-    the time), and d the fewest steps that cover ``margin`` x the larger of a step's work and
-    the longest factor, 0 where that fits the forward and backward."""
-    if step_s <= 0:
-        raise ValueError(f"policy_choice: step_s={step_s!r}: allowed: seconds > 0")
-    if fb_s is not None and margin * round_s <= fb_s:
-        return 1.0, 0
-    budget = 1.0 / max(1, math.ceil(margin * round_s / step_s - 1e-9))
-    work = max(budget * round_s, largest_s)
-    if fb_s is not None and margin * work <= fb_s:
-        return budget, 0
-    return budget, C.smallest_s(work, step_s, margin)
-
-
 def expected_ages(count: int, budget: float, delay: int) -> dict:
     """The round-robin steady state of ``count`` equal-cost factors at ``budget`` and d =
     ``delay`` (f = 1, no skips), exactly: m = max(1, floor(budget x count)) factors start per
@@ -503,7 +481,7 @@ def drift_plan(sizes: Counter, round_s: float, step_s: float, fb_s: float,
                model: C.CostModel, optimizer: str, lanes: dict, pcie_gbps: float = 0.0,
                tier_dtype: str = "float32") -> dict:
     """The planner's answer for refresh_policy "drift" on one rank's factors ``sizes`` whose
-    round takes ``round_s`` on ``lanes``: the budget and d of ``policy_choice`` (the runtime's
+    round takes ``round_s`` on ``lanes``: the budget and d of ``cost.choose_refresh_budget`` (the runtime's
     "auto"), then the steady state (``drift_steady_state``); where a step's work on whole
     factors still runs past d (more factors a step than slots), d is raised until it does
     not, and the rule's d is kept as ``rule_delay``. ``hidden`` False: no d up to the cycle's
@@ -516,7 +494,7 @@ def drift_plan(sizes: Counter, round_s: float, step_s: float, fb_s: float,
                     (pcie_gbps * 1e9) if pcie_gbps else 0.0)
 
     largest = max((one(n) for n in sizes), default=0.0)
-    budget, rule = policy_choice(round_s, step_s, fb_s, largest)
+    budget, rule = C.choose_refresh_budget(round_s, step_s, fb_s, largest)
     delay = rule
     limit = rule + math.ceil(1.0 / budget - 1e-9) + 1
     while True:

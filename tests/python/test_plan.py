@@ -179,29 +179,20 @@ def test_unequal_factors_refresh_about_every_1_over_b_steps():
         assert sim["max_age"] <= delay + math.ceil(1 / budget) + 2
 
 
-def test_policy_choice_by_hand():
+def test_the_runtimes_budget_rule_by_hand():
+    # the planner's (budget, d) are the runtime's: cost.choose_refresh_budget, with both free
     # a round within the forward and backward (1.5x): all of it every step, d = 0
-    assert plan.policy_choice(0.5, 1.0, 0.9, 0.1) == (1.0, 0)
+    assert C.choose_refresh_budget(0.5, 1.0, 0.9, 0.1) == (1.0, 0)
     # R = 11.3: budget 1/17 (1.5 R = 16.9); a step's work 1.14 s, the largest factor 1.4 s:
     # 1.5 x 1.4 = 2.1 s needs 2 steps of 1.71 s
-    b, d = plan.policy_choice(19.3, 1.71, 1.71, 1.4)
+    b, d = C.choose_refresh_budget(19.3, 1.71, 1.71, 1.4)
     assert b == pytest.approx(1 / 17) and d == 2
     # the largest factor alone longer than a step: d covers it
-    assert plan.policy_choice(100.0, 1.0, None, 2.5) == (pytest.approx(1 / 150), 4)
+    assert C.choose_refresh_budget(100.0, 1.0, None, 2.5) == (pytest.approx(1 / 150), 4)
     # a step's work within the forward and backward: d = 0
-    assert plan.policy_choice(30.0, 8.0, 8.0, 1.4) == (pytest.approx(1 / 6), 0)
+    assert C.choose_refresh_budget(30.0, 8.0, 8.0, 1.4) == (pytest.approx(1 / 6), 0)
     with pytest.raises(ValueError, match="step_s=0: allowed: seconds > 0"):
-        plan.policy_choice(1.0, 0, None, 0.1)
-
-
-def test_policy_choice_is_the_runtimes():
-    rule = getattr(C, "choose_refresh_budget", None)
-    if rule is None:
-        pytest.skip("the runtime's rule (cost.choose_refresh_budget) is not in this tree")
-    for r, st, share, big in itertools.product((0.01, 0.9, 5.0, 19.3, 323.0), (0.05, 1.71, 7.91),
-                                               (None, 0.5, 1.0), (0.0, 1.4, 3.0)):
-        fb = None if share is None else share * st
-        assert plan.policy_choice(r, st, fb, big) == rule(r, st, fb, big)
+        C.choose_refresh_budget(1.0, 0, None, 0.1)
 
 
 def test_d_is_raised_where_whole_factors_need_more_than_the_rule():
