@@ -308,7 +308,7 @@ class Placement:
     # ---- the optimizer: the plan, the step, close, stats ------------------------------------
     def make_plan(self):
         """Plan the placement of every state tensor (construction, ``add_param_group``)."""
-        planner.check_tier_dtype(self.run.cfg.tier_dtype, self.method.NAME,
+        planner.check_tier_dtype(self.run.cfg.tier_dtype,
                                  [f.name for f in self.method.STATE if f.kind == "roots"])
         entries = self._entries()
         self.kinds = {e.key: e.kind for e in entries}

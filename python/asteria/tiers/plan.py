@@ -141,16 +141,16 @@ def stored_format(tier_dtype: str, kind: str, dtype: torch.dtype, shape: Sequenc
     return Stored(narrow)
 
 
-def check_tier_dtype(tier_dtype: str, method: str, roots: Sequence[str]) -> None:
-    """Refuse a quantizing ``tier_dtype`` for a method that keeps roots (the names of its state
-    fields of kind "roots"): an inverse root is not orthogonal, so neither its entries are
-    bounded nor its quantization error can be pulled back by rectification."""
+def check_tier_dtype(tier_dtype: str, roots: Sequence[str]) -> None:
+    """Refuse a quantizing ``tier_dtype`` for a method that keeps roots (``roots``: the names
+    of its state fields of kind "roots", Shampoo's): an inverse root is not orthogonal, its
+    entries are not bounded, and rectification would not pull its quantization error back."""
     if tier_dtype in QUANTIZED and roots:
         raise ValueError(
-            f"runtime key 'tier_dtype': got {tier_dtype!r}; {method} keeps inverse roots "
-            f"({', '.join(roots)}), which are not orthogonal: the int8 / int4 tiers store "
-            f"eigenbases only (block-quantized, rectified where used); allowed for {method}: "
-            + ", ".join(f'"{t}"' for t in ("float32", "bfloat16")))
+            f"runtime key 'tier_dtype': got {tier_dtype!r}; Shampoo's inverse roots "
+            f"({', '.join(roots)}) are not orthogonal: the int8 / int4 tiers store eigenbases "
+            "only (block-quantized, rectified where used: SOAP, one-sided SOAP, KL-Shampoo); "
+            "allowed with inverse roots: " + ", ".join(f'"{t}"' for t in ("float32", "bfloat16")))
 
 
 @dataclasses.dataclass(frozen=True)
