@@ -1,7 +1,8 @@
 """The placement planner: which memory tier each piece of optimizer state lives in.
 
 Owns: the ``Plan`` of one optimizer and the rules that make it (DESIGN.md, "Tiered state").
-May call: torch, ``asteria._C`` (only to probe what the machine offers). No optimizer state.
+May call: torch, ``asteria._C`` (only to probe what the machine offers), ``asteria.tiers.quant``
+(the quantized layout's size). No optimizer state.
 
 State kinds and their life cycle
  - ``factors`` (Kronecker factors L, R / S_a, S_b, and KL-Shampoo's scales s) and ``moments``
@@ -76,6 +77,7 @@ import torch
 
 from asteria.config import (PLACEMENT_KINDS, TIER_QUANT_BLOCK, TIER_QUANT_MIN_DIM,
                             TIER_RECTIFY_STEPS)
+from asteria.tiers import quant
 
 log = logging.getLogger("asteria")
 
@@ -117,7 +119,6 @@ class Stored:
         """The bytes of a block of ``numel`` values in this form."""
         if self.qtype is None:
             return numel * _itemsize(self.dtype)
-        from asteria.tiers import quant
         return quant.layout(self.qtype, numel, self.block).nbytes
 
     def describe(self) -> str:

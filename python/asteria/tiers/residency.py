@@ -76,7 +76,9 @@ Stream ordering (CUDA; all on the parameters' device, ``plan.cuda_index``)
 
 Views: every tensor over store or ring memory comes from ``torch.from_dlpack`` on a capsule of
 ``asteria._C`` (``Store.view`` for host views and UVM blocks, ``Shadow.slot_view`` for ring
-slots), with the block's own dtype (bfloat16 included) and shape. A store view pins its block
+slots), with the block's stored dtype (bfloat16 included) and shape; a quantized block's bytes
+as int32 words (its size is a multiple of 4, quant.h; the views' dtypes have no byte type),
+reinterpreted as bytes in torch (``view(torch.uint8)``, no copy). A store view pins its block
 while it lives (move, free and the store's close raise BusyError: drop host views soon); a
 ring view keeps the shadow's rings allocated, even past ``close``, but its contents are the
 slot's only until the slot is released.
