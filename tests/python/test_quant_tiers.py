@@ -34,7 +34,7 @@ import pytest
 import torch
 from torch import nn
 
-from asteria import RuntimeConfig
+from asteria import RuntimeConfig, _C
 from asteria.optim import KLShampoo, OneSidedSOAP, Shampoo, SOAP
 from asteria.tiers.residency import TieredStateError
 from models import (DTYPE, F64, assert_lockstep, lockstep, lockstep_tol, params_of,
@@ -504,3 +504,73 @@ def test_shampoo_refuses_quantized_tiers(qtype, mode):
     assert "Shampoo's inverse roots (Linv) are not orthogonal" in msg
     assert 'allowed with inverse roots: "float32", "bfloat16"' in msg
     Shampoo(make_wide().parameters(), runtime={"mode": mode, "tier_dtype": "bfloat16"}).close()
+
+
+def test_a_basis_that_cannot_be_quantized_is_refused_naming_the_block():
+    w, opt = one_weight("int8")
+    w.grad = torch.randn(64, 64, generator=torch.Generator().manual_seed(4))
+    opt.step()
+    before = opt.state[w]["b0.Q0"]
+    with pytest.raises(ValueError) as ei:
+        opt.state[w]["b0.Q0"] = torch.full((64, 64), float("nan"))
+    msg = str(ei.value)
+    assert "eigenbasis block 'b0.Q0'" in msg and "int8 in blocks of 64" in msg
+    assert "NaN or Inf" in msg
+    del ei
+    assert torch.equal(opt.state[w]["b0.Q0"], before)  # nothing changed
+    opt.close()
+
+
+# ---- on a CUDA device: the ring carries the bytes, the device widens them -------------------------
+
+needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and _C.HAVE_CUDA),
+                                reason="needs a CUDA device that libasteria reaches")
+
+
+@needs_cuda
+@pytest.mark.parametrize("qtype", ["int8", "int4"])
+def test_cuda_step_uses_the_basis_widened_on_the_device_and_resumes_bitwise(qtype):
+    """A CUDA parameter's bases in pinned host memory: the basis a step stacks is the stored
+    one dequantized and rectified on the device (this file's restatement, run there: the same
+    operations on the same device give the same bits), only quantized bytes cross PCIe, and a
+    checkpoint resumes bitwise."""
+    dev = torch.device("cuda")
+    runtime = rt(qtype, placement={"eigenbases": "host_pinned"})
+
+    def run(steps, sd=None, w0=None):
+        w = nn.Parameter(torch.randn(96, 64, generator=torch.Generator().manual_seed(3)).to(dev)
+                         if w0 is None else w0.clone())
+        opt = SOAP([w], precondition_frequency=F, runtime=runtime)
+        if sd is not None:
+            opt.load_state_dict(copy.deepcopy(sd))
+        gen = torch.Generator().manual_seed(8)
+        out = []
+        for t in range(steps[-1]):
+            g = torch.randn(96, 64, generator=gen)
+            if t + 1 in steps:
+                w.grad = g.to(dev)
+                opt.step()
+                out.append(w.detach().clone())
+        return w, opt, out
+
+    w, opt, _ = run(range(1, 7))
+    stored_q = opt.state[w]["b0.Q0"]
+    used = opt.placement.stack([(w, 0)], "Q", 0)[0]
+    assert used.device.type == "cuda"
+    assert torch.equal(used, bjorck(stored_q.to(dev), STEPS[qtype]))
+    st = opt.asteria_stats()
+    assert st["bytes_host_pinned"] == layout_bytes(qtype, 96 * 96) + layout_bytes(qtype, 64 * 64)
+    assert opt.asteria_memory_plan()["transfer_bytes"]["per_step"] == st["bytes_host_pinned"]
+    sd, w_mid = copy.deepcopy(opt.state_dict()), w.detach().clone()
+    want = []
+    gen = torch.Generator().manual_seed(8)
+    for t in range(14):
+        g = torch.randn(96, 64, generator=gen)
+        if t >= 6:
+            w.grad = g.to(dev)
+            opt.step()
+            want.append(w.detach().clone())
+    opt.close()
+    _, opt2, got = run(range(7, 15), sd=sd, w0=w_mid)
+    opt2.close()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -236,8 +236,8 @@ def rectify_host(v: torch.Tensor, steps: int) -> List[List[float]]:
 def narrow(x: torch.Tensor, qtype: str, block: int = BLOCK_DEFAULT,
            out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The quantized form of ``x`` (any floating dtype: its values rounded to float32 first),
-    on x's device: libasteria's kernel for a CPU tensor (straight into ``out``, a block's
-    bytes), the torch kernel elsewhere; the same bytes either way."""
+    on x's device (``out`` when given): libasteria's kernel for a CPU tensor, the torch kernel
+    elsewhere; the same bytes either way."""
     x = x.detach().to(torch.float32)
     if x.device.type == "cpu":
         return quantize_host(x.contiguous(), qtype, block, out=out)

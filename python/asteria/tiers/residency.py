@@ -17,8 +17,9 @@ Data flow of one block (its plan gives a home tier: host, host_pinned, uvm or nv
    (stored dtype) are widened where they are stacked (``optim/placement.py``, ``stack``;
    ``dtype_of`` says to what). A quantized eigenbasis (int8 / int4): its bytes are the
    quantized form (the store's block format, so its NVMe records name it and a record of
-   another format is refused); a CPU value is quantized by libasteria straight into the
-   block, a CUDA one on its device and the bytes copied. Where it is used it is widened and
+   another format is refused); a CPU value is quantized by libasteria, a CUDA one on its
+   device, before the block is touched (a value with no quantized form changes nothing), and
+   the bytes copied in. Where it is used it is widened and
    rectified (``quant.widen``) on the device that uses it: ``borrow`` widens the ring slot's
    bytes on the step's device (so only quantized bytes cross PCIe), ``read_host`` / ``job_input``
    on the host for the refresh, ``as_stored`` a new basis on m's device exactly as the step
@@ -288,14 +289,16 @@ class Residency:
 
     # ---- writes ----------------------------------------------------------------------------------
     def write(self, key, value: torch.Tensor) -> None:
-        """Set a block's value (creating the block on first write)."""
+        """Set a block's value (creating the block on first write). A value a quantized block
+        cannot hold (NaN or Inf) raises ValueError naming the block before anything changes."""
+        fmt = self.plan.stored(key, value.dtype, value.shape)
+        q = self._quantized(key, fmt, value) if fmt.qtype else None
         blk = self._blocks.get(key)
         if blk is None or blk.shape != tuple(value.shape) or blk.dtype != value.dtype:
             if blk is not None:
                 self.drop(key)
             home = self.plan.tier(key)
-            blk = _Blk(key, home, value.shape, value.dtype,
-                       self.plan.stored(key, value.dtype, value.shape), value.device)
+            blk = _Blk(key, home, value.shape, value.dtype, fmt, value.device)
             blk.sid = self._alloc(blk, "host" if home == "nvme" else home)
             self._blocks[key] = blk
         else:
@@ -307,8 +310,8 @@ class Residency:
                 blk.sid = sid
         self._early.discard(key)
         view = self._host_view(blk)
-        if blk.fmt.qtype:
-            self._quantize_into(blk, value, view)
+        if q is not None:
+            view.view(torch.uint8).copy_(q)  # the quantized form's bytes (D2H from a device)
         else:
             view.copy_(value.reshape(view.shape))  # narrowed here (round to nearest even)
         del view
@@ -325,13 +328,13 @@ class Residency:
             self.store.set_format(sid, blk.fmt.qtype, blk.fmt.block)
         return sid
 
-    def _quantize_into(self, blk: _Blk, value: torch.Tensor, view: torch.Tensor) -> None:
-        fmt = blk.fmt
+    def _quantized(self, key, fmt: Stored, value: torch.Tensor) -> torch.Tensor:
+        """value's quantized form, where value is (libasteria's kernel on the host)."""
         try:
-            quant.narrow(value, fmt.qtype, fmt.block, out=view.view(torch.uint8))
+            return quant.narrow(value, fmt.qtype, fmt.block)
         except (ValueError, _C.AsteriaError) as exc:  # NaN or Inf: no quantized form
-            raise ValueError(f"asteria: {self._label(blk)} cannot be stored as "
-                             f"{fmt.describe()} (tier_dtype {fmt.qtype!r}): {exc}") from exc
+            raise ValueError(f"asteria: {self._describe(key)} cannot be stored as "
+                             f"{fmt.describe()} (tier_dtype {fmt.qtype!r}): {exc}") from None
 
     def as_stored(self, key, value: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``value`` on ``device`` as block ``key`` will hold it once written and as the step
