@@ -231,7 +231,7 @@ def test_quantized_storage_equals_restatement(name, tier, qtype, tmp_path):
     assert moved > 1e3 * lockstep_tol(STEPS_RUN)
 
 
-# ---- the format's error and the rectification, where the tiers use them ---------------------------
+# ---- the format's error and the rectification, where the tiers use them --------------------------
 
 def one_weight(qtype, n=MIN_DIM, dtype=torch.float32, **kw):
     w = nn.Parameter(torch.randn(n, n, dtype=dtype, generator=torch.Generator().manual_seed(3)))
@@ -521,7 +521,7 @@ def test_a_basis_that_cannot_be_quantized_is_refused_naming_the_block():
     opt.close()
 
 
-# ---- on a CUDA device: the ring carries the bytes, the device widens them -------------------------
+# ---- on a CUDA device: the ring carries the bytes, the device widens them ------------------------
 
 needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and _C.HAVE_CUDA),
                                 reason="needs a CUDA device that libasteria reaches")
@@ -574,3 +574,25 @@ def test_cuda_step_uses_the_basis_widened_on_the_device_and_resumes_bitwise(qtyp
     _, opt2, got = run(range(7, 15), sd=sd, w0=w_mid)
     opt2.close()
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_store_block_format_binding(tmp_path):
+    """asteria._C.Store.set_format / format: what the residency gives each quantized block."""
+    with _C.Store(nvme_dir=str(tmp_path), direct="fallback") as store:
+        sid = store.alloc("host", layout_bytes("int4", 64 * 64))
+        assert store.format(sid) == ("none", 0)
+        store.set_format(sid, "int4", BLOCK)
+        assert store.format(sid) == ("int4", BLOCK)
+        with pytest.raises(ValueError, match="unknown qtype 'int3'; allowed: 'none', 'int8'"):
+            store.set_format(sid, "int3", BLOCK)
+        with pytest.raises(ValueError, match="int8 in blocks of 63"):
+            store.set_format(sid, "int8", 63)
+        store.move([sid], "nvme")
+        with pytest.raises(_C.AsteriaError, match="is on nvme"):
+            store.set_format(sid, "int8", BLOCK)
+        with open(store.record_path(sid), "rb") as f:
+            head = f.read(HEADER)
+        assert head[40] == 2 and int.from_bytes(head[44:48], "little") == BLOCK
+        store.move([sid], "host")
+        store.set_format(sid, "none")
+        assert store.format(sid) == ("none", 0)

@@ -19,13 +19,13 @@ Data flow of one block (its plan gives a home tier: host, host_pinned, uvm or nv
    quantized form (the store's block format, so its NVMe records name it and a record of
    another format is refused); a CPU value is quantized by libasteria, a CUDA one on its
    device, before the block is touched (a value with no quantized form changes nothing), and
-   the bytes copied in. Where it is used it is widened and
-   rectified (``quant.widen``) on the device that uses it: ``borrow`` widens the ring slot's
-   bytes on the step's device (so only quantized bytes cross PCIe), ``read_host`` / ``job_input``
-   on the host for the refresh, ``as_stored`` a new basis on m's device exactly as the step
-   will. ``materialize`` (checkpoints, the state proxy) gives the stored value, dequantized
-   but not rectified: quantizing it again gives the same bytes (``asteria.tiers.quant``), so
-   a checkpoint resumes bit for bit.
+   the bytes copied in. Where it is used it is widened and rectified (``quant.widen``) on the
+   device that uses it: ``borrow`` widens the ring slot's bytes on the step's device (so only
+   quantized bytes cross PCIe), ``read_host`` / ``job_input`` on the host for the refresh,
+   ``as_stored`` a new basis on m's device exactly as the step will. ``materialize``
+   (checkpoints, the state proxy) gives the stored value, dequantized but not rectified:
+   quantizing it again gives the same bytes (``asteria.tiers.quant``), so a checkpoint
+   resumes bit for bit.
  - write (first-step eigenbasis, install of a refresh, load_state_dict): into the block's
    host memory in place; a block whose home is NVMe is written to fresh host memory and
    written through to NVMe at once (one block of host memory at a time, not every install of
@@ -151,7 +151,7 @@ class _Blk:
         self.fmt = fmt          # how it is stored: host memory, ring slots, NVMe records
         self.nbytes = fmt.nbytes(int(torch.Size(shape).numel()))
         # the elements of views of it: a quantized form is viewed as int32 words (its size is
-        # a multiple of 4: quant.h) and reinterpreted as its bytes (``_bytes``)
+        # a multiple of 4: quant.h), reinterpreted as its bytes where used (view(torch.uint8))
         self.sdtype = torch.int32 if fmt.qtype else fmt.dtype
         self.sshape = (self.nbytes // 4,) if fmt.qtype else self.shape
         self.device = device
