@@ -3,8 +3,9 @@
  *
  * Owns: the block table (id -> tier, size, memory, NVMe record generation), the counters behind
  * ast_store_stats, the store's NVMe engine (nvme.c) and its last-error message. May call:
- * cuda_mem.h (pinned, device and managed memory, copies), nvme.h (records), util.h (the block
- * table is an ast__htable; the last-error text and a move's first failure are util's), libc.
+ * cuda_mem.h (pinned, device and managed memory, copies), nvme.h (records), quant.h (the rule
+ * for a block's format: ast_quant_layout_get), util.h (the block table is an ast__htable; the
+ * last-error text and a move's first failure are util's), libc.
  * Implements the store's test hooks of testing.h (an open with faults armed, the engine).
  *
  * Locking: one mutex per store. Every public function holds it for its whole duration, the I/O
@@ -44,6 +45,11 @@
  * child may still read that inode, so the parent writes a new file and renames it over);
  * free and close remove it.
  *
+ * Formats: a block's format (blk.qtype, blk.qblock; raw bytes unless ast_store_set_format says
+ * otherwise) goes into the header of each record written for it and is what a read back
+ * expects (ast__nvme_io.qtype / .qblock): a record of another format is refused (AST_EFOREIGN,
+ * naming both). The store never looks inside the bytes.
+ *
  * Accounting: bytes[] counts block payload bytes (an NVMe record's header and padding are not
  * counted; nvme_bytes_written/read count everything the kernel transferred).
  * nvme_budget_bytes caps bytes[AST_TIER_NVME].
@@ -54,6 +60,7 @@
 #include "asteria/errors.h"
 #include "cuda_mem.h"
 #include "nvme.h"
+#include "asteria/quant.h"
 #include "testing.h"
 #include "util.h"
 
@@ -85,6 +92,8 @@ struct blk {
                       its current record; elsewhere: a stale one, rewritten in place next time) */
     int shared;    /* the named file's inode may be held by a forked child: the next write
                       makes a new file (tmp + rename) instead of rewriting it in place */
+    ast_qtype qtype;  /* what the bytes hold (ast_store_set_format); AST_QTYPE_NONE: raw */
+    uint32_t qblock;  /* its values per scale; 0 with AST_QTYPE_NONE */
     uint64_t mark; /* stamp of the last move batch that named it: catches duplicate ids */
 };
 
@@ -738,7 +747,8 @@ static size_t move_to_nvme(ast_store *s, struct blk **bl, const size_t *pos, siz
         ios[m] = (ast__nvme_io){.block_id = b->id, .generation = b->gen + 1, .data = b->ptr,
                                 .len = b->nbytes, .on_device = device_side(b->tier),
                                 .framed = framed(b->tier, b->nbytes),
-                                .in_place = b->named && !b->shared, .fd = -1};
+                                .in_place = b->named && !b->shared, .fd = -1,
+                                .qtype = b->qtype, .qblock = b->qblock};
         at[m++] = i;
     }
     if (m && ast__nvme_write(s->nvme, ios, m, &x, msg, sizeof msg) != 0)
@@ -787,7 +797,8 @@ static size_t move_from_nvme(ast_store *s, struct blk **bl, const size_t *pos, s
         }
         ios[m] = (ast__nvme_io){.block_id = b->id, .generation = b->gen, .data = p,
                                 .len = b->nbytes, .on_device = device_side(dst),
-                                .framed = framed(dst, b->nbytes), .owner = b->owner, .fd = b->rfd};
+                                .framed = framed(dst, b->nbytes), .owner = b->owner, .fd = b->rfd,
+                                .qtype = b->qtype, .qblock = b->qblock};
         at[m++] = i;
     }
     msg[0] = '\0';
@@ -901,6 +912,61 @@ out:
     free(bl);
     free(pos);
     return rc;
+}
+
+/* ---- formats ------------------------------------------------------------------------------ */
+
+int ast_store_set_format(ast_store *s, uint64_t id, ast_qtype qtype, uint32_t qblock)
+{
+    ast_quant_layout l;
+    struct blk *b;
+    int rc = 0;
+
+    if (!s)
+        return AST_EINVAL;
+    pthread_mutex_lock(&s->mu);
+    b = find(s, id, "set_format");
+    if (!b) {
+        rc = AST_ENOENT;
+    } else if (qtype == AST_QTYPE_NONE ? qblock != 0
+                                       : ast_quant_layout_get(qtype, 0, qblock, &l) != 0) {
+        const char *name = ast_qtype_name(qtype);
+        char why[160] = "raw bytes have block size 0";
+        if (qtype != AST_QTYPE_NONE)
+            ast_quant_last_error(why, sizeof why);
+        if (name)
+            rc = ast__set_error(&s->err, NULL, AST_EINVAL, "set_format: block %" PRIu64 ": %s "
+                                "in blocks of %" PRIu32 ": %s", id, name, qblock, why);
+        else
+            rc = ast__set_error(&s->err, NULL, AST_EINVAL, "set_format: block %" PRIu64 ": "
+                                "unknown payload type %d; allowed: none, int8, int4", id,
+                                (int)qtype);
+    } else if (b->tier == AST_TIER_NVME && (b->qtype != qtype || b->qblock != qblock)) {
+        rc = ast__set_error(&s->err, NULL, AST_ESTATE, "set_format: block %" PRIu64 " is on "
+                            "nvme: its record holds the bytes in their present format (move "
+                            "it back first)", id);
+    } else {
+        b->qtype = qtype;
+        b->qblock = qblock;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+int ast_store_format(ast_store *s, uint64_t id, ast_qtype *qtype, uint32_t *qblock)
+{
+    struct blk *b;
+
+    if (!s || !qtype || !qblock)
+        return AST_EINVAL;
+    pthread_mutex_lock(&s->mu);
+    b = find(s, id, "format");
+    if (b) {
+        *qtype = b->qtype;
+        *qblock = b->qblock;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return b ? 0 : AST_ENOENT;
 }
 
 /* ---- introspection ------------------------------------------------------------------------- */

@@ -16,6 +16,12 @@
  * record's size (at most 4 KiB more than the block) so that their I/O needs no staging copy;
  * ast_store_data() of such a block is 64-byte aligned.
  *
+ * Formats: a block holds raw bytes unless ast_store_set_format gives it a quantized format
+ * (asteria/quant.h: an eigenbasis block-quantized to int8 or int4). Its NVMe records name that
+ * format, and reading one back refuses a record of another format (AST_EFOREIGN) instead of
+ * handing bytes of another layout to a reader that would widen them wrongly. The store never
+ * interprets the bytes: the format is the writer's word, checked against the record's.
+ *
  * Fork: records and the io_uring ring belong to the process that opened the store. In a forked
  * child the store works on a copy: blocks keep their values (an NVME block reads back the
  * record as it was at the fork, even after the parent replaced it), new records get the
@@ -28,6 +34,8 @@
  */
 #ifndef ASTERIA_STORE_H
 #define ASTERIA_STORE_H
+
+#include "asteria/quant.h"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -115,6 +123,16 @@ int ast_store_tier(ast_store *s, uint64_t id, ast_tier *tier);
  * unknown tier), AST_ENOENT (unknown id), AST_EBUSY, the allocation codes of ast_store_alloc,
  * or an NVMe read's AST_EIO / AST_ECORRUPT / AST_EFOREIGN. */
 int ast_store_move(ast_store *s, const uint64_t *ids, size_t n, ast_tier dst, size_t *moved);
+/* Sets what block id's bytes hold: AST_QTYPE_NONE with qblock 0 (raw bytes, every new block's
+ * format) or AST_QTYPE_INT8 / AST_QTYPE_INT4 with the quantized form's values per scale
+ * (ast_quant_layout_get's block rule). Every record written for the block from now on carries
+ * it, and a read back expects it. Returns 0; AST_EINVAL (NULL s, a type or block size of
+ * neither kind); AST_ENOENT (unknown id); AST_ESTATE (the block is on NVME and the format
+ * differs: its record holds the present one; setting the same format is fine). */
+int ast_store_set_format(ast_store *s, uint64_t id, ast_qtype qtype, uint32_t qblock);
+/* *qtype / *qblock receive block id's format. Returns 0; AST_ENOENT for an unknown id;
+ * AST_EINVAL for NULL arguments. */
+int ast_store_format(ast_store *s, uint64_t id, ast_qtype *qtype, uint32_t *qblock);
 /* Copies the counters into out. Returns 0; AST_EINVAL for a NULL s or out. */
 int ast_store_stats_get(ast_store *s, ast_store_stats *out);
 /* Detail of the last failure on this store (thread-safe copy into buf). Returns 0; AST_EINVAL

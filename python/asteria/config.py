@@ -45,8 +45,18 @@ def _tiers() -> tuple:
 
 #: the memory tiers, libasteria's (``_C.tiers()``), in the order they are listed to users
 TIERS = _tiers()
-#: storage dtypes of the tiers outside the device ("float32": every block in its state's dtype)
-TIER_DTYPES = ("float32", "bfloat16")
+#: storage dtypes of the tiers outside the device ("float32": every block in its state's dtype;
+#: "bfloat16": wider blocks narrowed; "int8" / "int4": eigenbases block-quantized, tiers/plan.py)
+TIER_DTYPES = ("float32", "bfloat16", "int8", "int4")
+#: the quantized tiers' format (asteria/quant.h): values per float32 scale (4-bit Shampoo's 64)
+TIER_QUANT_BLOCK = 64
+#: Bjorck steps that rectify a quantized eigenbasis where it is widened: int8 leaves
+#: ||V^T V - I||_F ~ 0.3 (n = 1024), 2.4e-3 after one step, 1.7e-5 after two; int4 ~ 5, then
+#: 0.8, 3e-2, 6e-5, 1.5e-5 (measured on eigh bases, n = 1024 and 2048; docs/memory.md)
+TIER_RECTIFY_STEPS = {"int8": 2, "int4": 4}
+#: eigenbases smaller than n x n for this n stay in their dtype under int8 / int4: their bytes
+#: are few, and rectifying them at every step would cost more time than they save memory
+TIER_QUANT_MIN_DIM = 64
 #: how replicated blocks reach every replica (docs/distributed.md, "Who sends what")
 COHERENCE_TOPOLOGIES = ("hier", "flat")
 #: which factors start a refresh at a step end (asteria.optim.cadence, docs/capacity.md)
@@ -93,9 +103,11 @@ class RuntimeConfig:
     #: FSDP2 parameters: blocks cut from each rank's shard ("local"), or from the full
     #: parameter with one owner rank per block ("global", docs/distributed.md); Python only
     fsdp_blocking: str = "local"
-    #: the dtype roots / eigenbases are stored and moved in outside the device (host, pinned,
+    #: the form roots / eigenbases are stored and moved in outside the device (host, pinned,
     #: UVM, NVMe): "bfloat16" narrows wider blocks once when written and widens them where
-    #: used (tiers/plan.py, stored_dtype); "float32" keeps every block as it is; Python only
+    #: used; "int8" / "int4" block-quantize eigenbases of at least TIER_QUANT_MIN_DIM rows
+    #: (roots and smaller bases stay as they are), widened and rectified where used (tiers/
+    #: plan.py, stored_format); "float32" keeps every block as it is; Python only
     tier_dtype: str = "float32"
     #: where SOAP's factor EMAs (L, R) of host parameters run in mode "async": "thread" (the
     #: training thread, in the step) or "workers" (libasteria's pool, in place, during the next

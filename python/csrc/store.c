@@ -10,6 +10,8 @@
 #include "common.h"
 #include "util.h"
 
+#include "asteria/quant.h"
+
 /* ---- Store ---------------------------------------------------------------------------------------
  *
  * Buffers over blocks. Store.buffer(id) returns a BlockBuffer: a buffer-protocol object over a
@@ -521,6 +523,77 @@ fail:
     return NULL;
 }
 
+PyDoc_STRVAR(store_set_format_doc,
+             "set_format(id, qtype, block=0)\n--\n\nWhat the block's bytes hold: qtype 'none' "
+             "(raw bytes, block 0: every new block's format) or 'int8' / 'int4' with the quantized "
+             "form's values per scale (asteria/quant.h). Its NVMe records carry it and a read "
+             "back refuses a record of another format (AsteriaError AST_EFOREIGN). ValueError for "
+             "an unknown qtype; AsteriaError AST_EINVAL for a bad block size, AST_ESTATE for "
+             "another format while the block is on NVMe.");
+
+typedef struct {
+    uint64_t id;
+    ast_qtype qtype;
+    uint32_t qblock;
+} format_call;
+
+static int do_set_format(void *s, void *arg)
+{
+    format_call *c = arg;
+    return ast_store_set_format(s, c->id, c->qtype, c->qblock);
+}
+
+static int do_format(void *s, void *arg)
+{
+    format_call *c = arg;
+    return ast_store_format(s, c->id, &c->qtype, &c->qblock);
+}
+
+static PyObject *store_set_format(StoreObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"id", "qtype", "block", NULL};
+    PyObject *id_o, *qtype_o;
+    unsigned long block = 0;
+    format_call c = {0, AST_QTYPE_NONE, 0};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|k:set_format", kwlist, &id_o, &qtype_o,
+                                     &block) ||
+        !conv_u64(id_o, &c.id))
+        return NULL;
+    const char *name = PyUnicode_Check(qtype_o) ? utf8_no_nul(qtype_o, "qtype") : NULL;
+    if (!name) {
+        if (!PyErr_Occurred())
+            raise_wrong_type("qtype must be a str ('none', 'int8' or 'int4')", qtype_o);
+        return NULL;
+    }
+    if (ast_qtype_parse(name, &c.qtype) != 0) {
+        PyErr_Format(PyExc_ValueError, "unknown qtype %R; allowed: 'none', 'int8', 'int4'",
+                     qtype_o);
+        return NULL;
+    }
+    if (block > UINT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "block %lu; allowed: 0 (qtype 'none') or an even size "
+                     "2..%d", block, AST_QUANT_BLOCK_MAX);
+        return NULL;
+    }
+    c.qblock = (uint32_t)block;
+    if (handle_call(&store_kind, &self->g, self->s, type_state(Py_TYPE(self)), do_set_format,
+                    &c) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(store_format_doc,
+             "format(id)\n--\n\nThe block's format: (qtype, block), ('none', 0) for raw bytes.");
+
+static PyObject *store_format(StoreObject *self, PyObject *arg)
+{
+    format_call c = {0, AST_QTYPE_NONE, 0};
+    if (!conv_u64(arg, &c.id) ||
+        handle_call(&store_kind, &self->g, self->s, type_state(Py_TYPE(self)), do_format, &c) < 0)
+        return NULL;
+    return Py_BuildValue("(sk)", ast_qtype_name(c.qtype), (unsigned long)c.qblock);
+}
+
 PyDoc_STRVAR(store_record_path_doc,
              "record_path(id)\n--\n\nPath of the record file of a block on NVMe (AsteriaError "
              "AST_ESTATE on another tier).");
@@ -699,6 +772,9 @@ static PyMethodDef store_methods[] = {
      store_move_doc},
     {"stats", (PyCFunction)store_stats, METH_NOARGS, store_stats_doc},
     {"record_path", (PyCFunction)store_record_path, METH_O, store_record_path_doc},
+    {"set_format", (PyCFunction)(void (*)(void))store_set_format, METH_VARARGS | METH_KEYWORDS,
+     store_set_format_doc},
+    {"format", (PyCFunction)store_format, METH_O, store_format_doc},
     {"last_error", (PyCFunction)store_last_error, METH_NOARGS, store_last_error_doc},
     {"buffer", (PyCFunction)store_buffer, METH_O, store_buffer_doc},
     {"view", (PyCFunction)(void (*)(void))store_view, METH_VARARGS | METH_KEYWORDS,

@@ -11,6 +11,8 @@
  *   - ENOSPC: a 1 MiB tmpfs mount (real, from fallocate and, with the reservation disabled, from
  *     the write completions), injected -ENOSPC completions, and the store's nvme_budget_bytes.
  *   - corruption, truncation, foreign records: real (bytes flipped, files truncated or copied).
+ *   - formats (ast_store_set_format): each record's header names its block's format; a record
+ *     of another format (written through the engine, valid checksums) is refused naming both.
  *   - fork: a real fork(); parent and child do I/O at the same time.
  * Mounts are made in a private mount namespace (unshare(CLONE_NEWNS) at start), so they vanish
  * with the process even if it crashes; without the capability those sub-cases print a note.
@@ -18,6 +20,7 @@
  */
 #include "asteria/build_config.h"
 #include "asteria/errors.h"
+#include "asteria/quant.h"
 #include "asteria/store.h"
 #include "cuda_mem.h"
 #include "nvme.h"
@@ -952,6 +955,118 @@ static void test_foreign_record(void **state)
     rm_rf(dir);
 }
 
+/* ---- formats ------------------------------------------------------------------------------- */
+
+static void expect_format(ast_store *s, uint64_t id, ast_qtype t, uint32_t block)
+{
+    ast_qtype got = (ast_qtype)99;
+    uint32_t gb = 99;
+    assert_int_equal(ast_store_format(s, id, &got, &gb), 0);
+    assert_int_equal(got, t);
+    assert_int_equal(gb, block);
+}
+
+/* The record's header bytes 40 (payload type) and 44..47 (block size, little-endian). */
+static void expect_record_format(const char *path, unsigned t, uint32_t block)
+{
+    unsigned char h[64];
+    int fd = open(path, O_RDONLY);
+    assert_true(fd >= 0);
+    assert_int_equal(pread(fd, h, sizeof h, 0), (ssize_t)sizeof h);
+    close(fd);
+    assert_int_equal(h[40], t);
+    assert_int_equal((uint32_t)h[44] | (uint32_t)h[45] << 8 | (uint32_t)h[46] << 16 |
+                         (uint32_t)h[47] << 24,
+                     block);
+}
+
+static void test_formats(void **state)
+{
+    char dir[512], path[3][512];
+    const size_t n = 4096 + 4 * 64; /* an int8 form of 4096 values in blocks of 64 */
+    ast_store *s;
+    uint64_t ids[3];
+    size_t moved;
+    (void)state;
+
+    /* Host blocks: raw by default; bad formats are refused naming the block and the cause. */
+    s = open_store(NULL, AST_DIRECT_REQUIRE, 0, 0);
+    ids[0] = alloc_random(s, AST_TIER_HOST, n, 7);
+    expect_format(s, ids[0], AST_QTYPE_NONE, 0);
+    assert_int_equal(ast_store_set_format(s, ids[0], AST_QTYPE_NONE, 64), AST_EINVAL);
+    expect_error_mentions(s, "block size 0", NULL);
+    assert_int_equal(ast_store_set_format(s, ids[0], AST_QTYPE_INT8, 63), AST_EINVAL);
+    expect_error_mentions(s, "int8 in blocks of 63", NULL);
+    assert_int_equal(ast_store_set_format(s, ids[0], AST_QTYPE_INT4, 0), AST_EINVAL);
+    assert_int_equal(ast_store_set_format(s, ids[0], (ast_qtype)9, 64), AST_EINVAL);
+    expect_error_mentions(s, "unknown payload type 9", NULL);
+    assert_int_equal(ast_store_set_format(s, ids[0] + 100, AST_QTYPE_INT8, 64), AST_ENOENT);
+    assert_int_equal(ast_store_set_format(NULL, ids[0], AST_QTYPE_INT8, 64), AST_EINVAL);
+    assert_int_equal(ast_store_format(s, ids[0], NULL, NULL), AST_EINVAL);
+    expect_format(s, ids[0], AST_QTYPE_NONE, 0); /* failures changed nothing */
+    assert_int_equal(ast_store_set_format(s, ids[0], AST_QTYPE_INT4, 128), 0);
+    expect_format(s, ids[0], AST_QTYPE_INT4, 128);
+    ast_store_close(s);
+
+    NEED_NVME();
+    make_dir(dir, sizeof dir, "formats");
+    s = open_store(dir, AST_DIRECT_REQUIRE, 0, 0);
+    ids[0] = alloc_random(s, AST_TIER_HOST, n, 1);
+    ids[1] = alloc_random(s, AST_TIER_HOST, n, 2);
+    ids[2] = alloc_random(s, AST_TIER_HOST, n, 3);
+    assert_int_equal(ast_store_set_format(s, ids[0], AST_QTYPE_INT8, 64), 0);
+    assert_int_equal(ast_store_set_format(s, ids[1], AST_QTYPE_INT4, 64), 0);
+    assert_int_equal(ast_store_move(s, ids, 3, AST_TIER_NVME, &moved), 0);
+    for (int i = 0; i < 3; i++)
+        record_path(s, ids[i], path[i], sizeof path[i]);
+    expect_record_format(path[0], AST_QTYPE_INT8, 64);
+    expect_record_format(path[1], AST_QTYPE_INT4, 64);
+    expect_record_format(path[2], AST_QTYPE_NONE, 0);
+    /* On NVMe the format is the record's: the same one is fine, another is refused. */
+    assert_int_equal(ast_store_set_format(s, ids[0], AST_QTYPE_INT8, 64), 0);
+    assert_int_equal(ast_store_set_format(s, ids[0], AST_QTYPE_INT4, 64), AST_ESTATE);
+    expect_error_mentions(s, "is on nvme", NULL);
+    expect_format(s, ids[0], AST_QTYPE_INT8, 64);
+
+    /* A record of another format, intact (the engine wrote it, checksums and all), under the
+     * block's name and generation: refused naming both formats and the file; the block and
+     * its accounting stay as they were. */
+    {
+        unsigned char *bytes = malloc(n);
+        ast__nvme_io io = {.block_id = ids[0], .generation = 1, .data = bytes, .len = n,
+                           .in_place = 1, .fd = -1, .qtype = AST_QTYPE_INT4, .qblock = 64};
+        char err[256];
+        assert_non_null(bytes);
+        fill_random(bytes, n, 1);
+        assert_int_equal(ast__nvme_write(ast__store_nvme(s), &io, 1, NULL, err, sizeof err), 0);
+        expect_record_format(path[0], AST_QTYPE_INT4, 64);
+        expect_load_fails(s, ids[0], AST_EFOREIGN, path[0],
+                          "record holds int4 in blocks of 64, expected int8 in blocks of 64");
+        expect_acct(s, AST_TIER_NVME, 3 * n, 3);
+        io.qtype = AST_QTYPE_INT8; /* the same bytes in the block's format: loads */
+        assert_int_equal(ast__nvme_write(ast__store_nvme(s), &io, 1, NULL, err, sizeof err), 0);
+        free(bytes);
+    }
+    /* A damaged type byte fails the header's own checksum: damage, not a foreign record. */
+    flip_byte(path[1], 40);
+    expect_load_fails(s, ids[1], AST_ECORRUPT, path[1], "header");
+    flip_byte(path[1], 40);
+
+    assert_int_equal(ast_store_move(s, ids, 3, AST_TIER_HOST, &moved), 0);
+    for (int i = 0; i < 3; i++)
+        check_random(ast_store_data(s, ids[i]), n, (uint64_t)i + 1);
+    expect_format(s, ids[1], AST_QTYPE_INT4, 64); /* kept across moves */
+    /* Back on the host the format may change; the next record carries the new one. */
+    assert_int_equal(ast_store_set_format(s, ids[1], AST_QTYPE_NONE, 0), 0);
+    assert_int_equal(ast_store_move(s, &ids[1], 1, AST_TIER_NVME, &moved), 0);
+    expect_record_format(path[1], AST_QTYPE_NONE, 0);
+    assert_int_equal(ast_store_move(s, &ids[1], 1, AST_TIER_HOST, &moved), 0);
+    check_random(ast_store_data(s, ids[1]), n, 2);
+    ast_store_close(s);
+    assert_int_equal(count_files(dir, NULL), 0);
+    rm_rf(dir);
+}
+
 /* ---- threads ------------------------------------------------------------------------------- */
 
 struct worker {
@@ -1241,6 +1356,7 @@ int main(void)
         cmocka_unit_test(test_corrupt_record),
         cmocka_unit_test(test_truncated_record),
         cmocka_unit_test(test_foreign_record),
+        cmocka_unit_test(test_formats),
         cmocka_unit_test(test_threads),
         cmocka_unit_test(test_fork),
     };

@@ -271,13 +271,30 @@ def test_checkpoints_move_between_tier_dtypes():
     opt32.close()
 
 
-@pytest.mark.parametrize("value", ["fp8", "bf16", "float64", torch.bfloat16, None, 16])
+@pytest.mark.parametrize("value", ["fp8", "bf16", "float64", torch.bfloat16, None, 16, "uint8",
+                                   "int2", "INT8", torch.int8])
 def test_bad_value_names_key_value_and_allowed(value):
     with pytest.raises(ValueError) as ei:
         RuntimeConfig.from_user({"tier_dtype": value})
     msg = str(ei.value)
     assert "runtime key 'tier_dtype'" in msg and repr(value) in msg
-    assert '"float32"' in msg and '"bfloat16"' in msg
+    assert 'allowed: "float32", "bfloat16", "int8", "int4"' in msg
+
+
+@pytest.mark.parametrize("value", ["int8", "int4"])
+def test_quantized_values_are_accepted_once(value):
+    """The quantized tiers are values of the one key (tests/python/test_quant_tiers.py tests
+    what they do); the plan says what they quantize."""
+    assert RuntimeConfig.from_user({"tier_dtype": value}).tier_dtype == value
+    opt = SOAP(make_model("mlp").parameters(),
+               runtime={"mode": "async", "tier_dtype": value, "placement": {"eigenbases": "host"}})
+    plan = opt.asteria_memory_plan()
+    lines = [d for d in opt.asteria_plan() if d.startswith(f"tier_dtype {value!r}")]
+    opt.close()
+    # the mlp's 8 x 8 bases are below the quantized tiers' 64 x 64: kept as they are
+    assert plan["tier_dtype"] == value and plan["planned_bytes"]["host"] == BLOCKS * 8 * 8 * 8
+    assert lines == [f"tier_dtype {value!r}: no block outside the device is an eigenbasis of "
+                     "float32 / float64 of at least 64 x 64, nothing is quantized"]
 
 
 def test_default_is_float32():

@@ -31,9 +31,12 @@ step, streaming preconditioned stacks through the staging ring in chunks that fi
 
 Reduced-precision tiers (``tier_dtype="bfloat16"``): the residency keeps the blocks narrowed;
 ``stack`` widens the borrowed ones as it stacks them, so the kernels see the stored value,
-rounded, in the state's dtype. A value used before it is stored (SOAP's new basis, which m
-is re-expressed in at install) is rounded the same way first (``as_stored``): the step
-always uses the basis the state holds.
+rounded, in the state's dtype. Quantized tiers (``"int8"``, ``"int4"``): the residency keeps
+eigenbases block-quantized and ``borrow`` hands them out widened and rectified on the step's
+device. A value used before it is stored (SOAP's new basis, which m is re-expressed in at
+install) is made what the step will see first (``as_stored``, on the device that uses it): the
+step always uses the basis the state holds. Checkpoints and the state proxy see a quantized
+basis as stored (dequantized, not rectified), which a load stores again byte for byte.
 
 Packed state (``packing``): the step's read of the device state it updates in place
 (``stack(view=True)``, a method's ``step_blocks`` only) is, where every member's tensor lives
@@ -95,9 +98,13 @@ class BlockAccess(Protocol):
         """A root / eigenbasis as a REFRESH job input (the engine copies it at submit): a
         tensor, or a ``residency.OnNvme`` read when the job's stack is made."""
 
-    def as_stored(self, p: torch.Tensor, name: str, value: torch.Tensor) -> torch.Tensor:
-        """``value`` as the block ``name`` of p will hold it once written: rounded through the
-        tier dtype when the block lives outside the device narrowed (else value itself)."""
+    def as_stored(self, p: torch.Tensor, name: str, value: torch.Tensor,
+                  device: Optional[torch.device] = None) -> torch.Tensor:
+        """``value`` on ``device`` (default: value's) as the block ``name`` of p will hold it
+        once written and a step on that device will use it: rounded through the tier dtype
+        when the block lives outside the device narrowed, quantized, widened and rectified
+        when it lives there quantized (else value itself). Write ``value``, not this, to the
+        block: a quantized tier quantizes what it is given."""
 
     def chunks(self, members: list) -> list:
         """Split a stack's members so that each chunk's staged blocks fit the ring."""
@@ -201,11 +208,12 @@ class Placement:
             return self._residency.job_input(self._key(p, name))
         return self.run.state[p][name]
 
-    def as_stored(self, p: torch.Tensor, name: str, value: torch.Tensor) -> torch.Tensor:
+    def as_stored(self, p: torch.Tensor, name: str, value: torch.Tensor,
+                  device: Optional[torch.device] = None) -> torch.Tensor:
+        device = value.device if device is None else device
         if not self.owned(p, name):
-            return value
-        narrow = planner.stored_dtype(self.run.cfg.tier_dtype, value.dtype)
-        return value if narrow == value.dtype else value.to(narrow).to(value.dtype)
+            return value.to(device)
+        return self._residency.as_stored(self._key(p, name), value, device)
 
     def chunks(self, members: list) -> list:
         """``BlockAccess.chunks`` (the optimizer's step too): one chunk without a residency."""
@@ -300,6 +308,8 @@ class Placement:
     # ---- the optimizer: the plan, the step, close, stats ------------------------------------
     def make_plan(self):
         """Plan the placement of every state tensor (construction, ``add_param_group``)."""
+        planner.check_tier_dtype(self.run.cfg.tier_dtype,
+                                 [f.name for f in self.method.STATE if f.kind == "roots"])
         entries = self._entries()
         self.kinds = {e.key: e.kind for e in entries}
         plan = planner.make_plan(self.run.cfg, entries)
@@ -344,7 +354,8 @@ class Placement:
         for key in self._residency.keys():
             if not self._residency.owns(key):
                 p = params[key[0]]
-                value = self._residency.materialize([key])[key]
+                # as the step used it (a quantized basis rectified): it is used as it is now
+                value = self._residency.materialize([key], rectified=True)[key]
                 self._residency.drop(key)
                 dict.__setitem__(self.run.state[p], key[1], value)
         self._residency.end_step()
@@ -449,10 +460,13 @@ class Placement:
         peak (``peak_bytes``, ``peak_total``), the peak's parts by owner (``peak_parts``: the
         state, the snapshot ring, refresh results, rotated moments, the NVMe step cache, ...),
         the device staging ring (``ring_bytes``, included in device bytes) and the snapshot
-        ring (``snapshot_ring_bytes``), and ``tier_dtype``. Blocks outside the device count in
-        their stored dtype."""
+        ring (``snapshot_ring_bytes``), ``tier_dtype``, and the bytes over PCIe
+        (``transfer_bytes``: ``per_step`` staged into the ring, ``per_install`` one install of
+        every block outside the device; CUDA parameters only). Blocks outside the device count
+        in their stored form (narrowed, or quantized with its scales)."""
         plan = self.plan
         return {"mode": plan.mode, "tier_dtype": self.run.cfg.tier_dtype,
+                "transfer_bytes": dict(plan.transfer_bytes),
                 "planned_bytes": dict(plan.planned_bytes), "peak_bytes": dict(plan.peak_bytes),
                 "peak_total": sum(plan.peak_bytes.values()), "peak_parts": dict(plan.peak_parts),
                 "ring_bytes": plan.ring_bytes, "snapshot_ring_bytes": plan.snapshot_ring_bytes}
@@ -479,7 +493,7 @@ class Placement:
                     itemsize = torch.empty((), dtype=dtype).element_size()
                     out.append(planner.StateEntry(pidx, name, kind,
                                                   int(torch.Size(shape).numel()) * itemsize,
-                                                  lp.device, dtype))
+                                                  lp.device, dtype, shape=tuple(shape)))
         return out
 
     def _key(self, p: torch.Tensor, name: str) -> tuple:

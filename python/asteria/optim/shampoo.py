@@ -14,6 +14,11 @@ torch.distributed.checkpoint load needs); with S > 0 also the fixed keys of a re
 ``AsteriaOptimizer``). 1-D and 0-D parameters, and every parameter of a group with
 ``"algorithm": "adamw"``, are AdamW with betas (betas[0], grafting_beta2) and eps
 grafting_epsilon: Shampoo's betas[1] and epsilon belong to the factors.
+
+Runtime ``tier_dtype``: "float32" or "bfloat16". The quantized tiers ("int8", "int4") store
+orthogonal eigenbases, whose error Bjorck steps pull back; an inverse root is not orthogonal,
+so Shampoo refuses them (its ``Linv`` fields are of kind "roots": tiers/plan.py
+``check_tier_dtype``, at construction).
 """
 
 from __future__ import annotations

@@ -153,9 +153,10 @@ class SOAPMethod(Method):
             qs, ps = [], []
             for (p, j), q in zip(members, q_old.unbind(0)):
                 out = outputs[p].get((j, i))
-                # m is re-expressed in the basis as it will be stored (tier_dtype)
+                # m is re-expressed in the basis the steps will use: as it will be stored
+                # (tier_dtype), widened on m's device
                 qs.append(q if out is None else
-                          self.placement.as_stored(p, K.key(j, "Q", i), out[0].to(q.device)))
+                          self.placement.as_stored(p, K.key(j, "Q", i), out[0], q.device))
                 ps.append(torch.arange(q.shape[0], device=q.device) if out is None
                           else out[1].to(q.device))
             new.append(torch.stack(qs, out=None if pairs[i] is None else pairs[i][:, 1]))
@@ -169,9 +170,13 @@ class SOAPMethod(Method):
             F.soap_install(m, v, old, new, perms)
             self.placement.unstack(members, "exp_avg", m)
         self.placement.unstack(members, "exp_avg_sq", v)
-        for i, q in enumerate(new):
-            if q is not None:
-                self.placement.unstack(members, "Q", q, dim=i)
+        # the new bases as refreshed (``new`` holds them as the steps will see them, which a
+        # quantized tier would quantize a second time); a block without one keeps its basis
+        for p, j in members:
+            for i, q in enumerate(new):
+                out = None if q is None else outputs[p].get((j, i))
+                if out is not None:
+                    self.placement.root_set(p, K.key(j, "Q", i), out[0])
 
     # ---- the pieces a worker may do, declared ---------------------------------------------------
     def rotation_job(self, members: list, m: torch.Tensor, pairs: list) -> WorkerJob:

@@ -1,7 +1,8 @@
 """The placement planner: which memory tier each piece of optimizer state lives in.
 
 Owns: the ``Plan`` of one optimizer and the rules that make it (DESIGN.md, "Tiered state").
-May call: torch, ``asteria._C`` (only to probe what the machine offers). No optimizer state.
+May call: torch, ``asteria._C`` (only to probe what the machine offers), ``asteria.tiers.quant``
+(the quantized layout's size). No optimizer state.
 
 State kinds and their life cycle
  - ``factors`` (Kronecker factors L, R / S_a, S_b, and KL-Shampoo's scales s) and ``moments``
@@ -47,12 +48,19 @@ Rules (``mode="async"``)
     remaining ones (the LAST parameters: they are prefetched first in backward, so their
     NVMe read has the most time) go to "nvme". Exceeding it without ``nvme_dir`` is a
     ValueError. Explicit "nvme" places every block of that kind on NVMe.
- 5. storage dtype (``tier_dtype``): a block whose home is outside the device (host,
+ 5. stored format (``tier_dtype``): a block whose home is outside the device (host,
     host_pinned, uvm, nvme) is stored, staged through the ring and written to NVMe in
-    ``stored_dtype(tier_dtype, its dtype)``: "bfloat16" narrows wider floating blocks, a block
-    already that narrow (or narrower) stays as it is, "float32" keeps every block as it is.
-    Every byte figure of a block outside the device (budgets, ring, tiers, peaks) is in that
-    dtype; blocks on the device and refresh results keep the state's dtype.
+    ``stored_format(tier_dtype, its kind, dtype, shape)``: "bfloat16" narrows wider floating
+    blocks, a block already that narrow (or narrower) stays as it is; "int8" / "int4"
+    block-quantize float32 / float64 eigenbases of at least ``TIER_QUANT_MIN_DIM`` rows
+    (``asteria/quant.h``: codes and one float32 scale per ``TIER_QUANT_BLOCK`` values), which
+    are widened where used and rectified by ``TIER_RECTIFY_STEPS`` Bjorck steps (an eigenbasis
+    is orthogonal: its entries are bounded and the error can be pulled back), while roots
+    (Shampoo's inverse roots are not orthogonal: a method with roots refuses these values,
+    ``check_tier_dtype``), smaller bases, factors, moments and eigenvalues keep their dtype;
+    "float32" keeps every block as it is. Every byte figure of a block outside the device
+    (budgets, ring, tiers, peaks, transfers) is in that format; blocks on the device and
+    refresh results keep the state's dtype.
 ``mode="sync"`` is the native reference: everything on the parameter's device; a placement
 dict naming another tier is a ValueError, budgets are reported but not enforced.
 Every decision is written to ``Plan.decisions`` in plain words.
@@ -62,11 +70,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from asteria.config import PLACEMENT_KINDS
+from asteria.config import (PLACEMENT_KINDS, TIER_QUANT_BLOCK, TIER_QUANT_MIN_DIM,
+                            TIER_RECTIFY_STEPS)
+from asteria.tiers import quant
 
 log = logging.getLogger("asteria")
 
@@ -81,6 +92,8 @@ SNAPSHOT_RING_MIN = 64 << 10
 PREPARE_CHUNK = 16 << 20                     # NVMe bytes residency reads back at a time
 #: the narrowing tier dtypes (config.TIER_DTYPES; "float32" narrows nothing)
 _NARROW = {"bfloat16": torch.bfloat16}
+#: the quantizing ones (eigenbases only, rule 5)
+QUANTIZED = tuple(TIER_RECTIFY_STEPS)
 
 
 def align(n: int) -> int:
@@ -91,13 +104,54 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def stored_dtype(tier_dtype: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype a block of ``dtype`` is kept in outside the device under the runtime key
-    ``tier_dtype`` (rule 5): the narrow dtype for wider floating blocks, else ``dtype``."""
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """How a block is kept outside the device (rule 5): values of ``dtype``, or with ``qtype``
+    ("int8" / "int4") the quantized form of its values in blocks of ``block`` (``dtype`` is
+    then torch.uint8, the bytes), widened with ``steps`` Bjorck steps."""
+
+    dtype: torch.dtype
+    qtype: Optional[str] = None
+    block: int = 0
+    steps: int = 0
+
+    def nbytes(self, numel: int) -> int:
+        """The bytes of a block of ``numel`` values in this form."""
+        if self.qtype is None:
+            return numel * _itemsize(self.dtype)
+        return quant.layout(self.qtype, numel, self.block).nbytes
+
+    def describe(self) -> str:
+        return (f"{self.qtype} in blocks of {self.block}" if self.qtype
+                else str(self.dtype).removeprefix("torch."))
+
+
+def stored_format(tier_dtype: str, kind: str, dtype: torch.dtype, shape: Sequence[int]) -> Stored:
+    """The form a block of ``kind`` ("roots", "eigenbases", ...), ``dtype`` and ``shape`` is
+    kept in outside the device under the runtime key ``tier_dtype`` (rule 5)."""
+    steps = TIER_RECTIFY_STEPS.get(tier_dtype)
+    if steps is not None:
+        square = len(shape) == 2 and shape[0] == shape[1]
+        if (kind == "eigenbases" and dtype in (torch.float32, torch.float64) and square
+                and shape[0] >= TIER_QUANT_MIN_DIM):
+            return Stored(torch.uint8, tier_dtype, TIER_QUANT_BLOCK, steps)
+        return Stored(dtype)
     narrow = _NARROW.get(tier_dtype)
     if narrow is None or not dtype.is_floating_point or _itemsize(dtype) <= _itemsize(narrow):
-        return dtype
-    return narrow
+        return Stored(dtype)
+    return Stored(narrow)
+
+
+def check_tier_dtype(tier_dtype: str, roots: Sequence[str]) -> None:
+    """Refuse a quantizing ``tier_dtype`` for a method that keeps roots (``roots``: the names
+    of its state fields of kind "roots", Shampoo's): an inverse root is not orthogonal, its
+    entries are not bounded, and rectification would not pull its quantization error back."""
+    if tier_dtype in QUANTIZED and roots:
+        raise ValueError(
+            f"runtime key 'tier_dtype': got {tier_dtype!r}; Shampoo's inverse roots "
+            f"({', '.join(roots)}) are not orthogonal: the int8 / int4 tiers store eigenbases "
+            "only (block-quantized, rectified where used: SOAP, one-sided SOAP, KL-Shampoo); "
+            "allowed with inverse roots: " + ", ".join(f'"{t}"' for t in ("float32", "bfloat16")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +165,7 @@ class StateEntry:
     device: torch.device      # the parameter's device
     dtype: Optional[torch.dtype] = None  # None: nbytes everywhere
     host_nbytes: int = -1     # outside the device (rule 5); set by make_plan
+    shape: Optional[tuple] = None  # None: a root / eigenbasis is square (n x n from nbytes)
 
     @property
     def key(self) -> tuple[int, str]:
@@ -163,6 +218,16 @@ class Plan:
     #: the CUDA device of the first CUDA parameter (-1: the current one), where a residency's
     #: staging ring and stream go
     cuda_index: int = -1
+    tier_dtype: str = "float32"  # the runtime key (rule 5)
+    block_kind: dict = dataclasses.field(default_factory=dict)  # (pidx, name) -> kind, tiered
+    #: bytes over PCIe (CUDA parameters' blocks outside the device, in their stored form):
+    #: "per_step" staged host -> device through the ring, "per_install" one install of every
+    #: such block (written to its tier, and SOAP's new basis to the device for m)
+    transfer_bytes: dict = dataclasses.field(default_factory=dict)
+
+    def stored(self, key, dtype: torch.dtype, shape: Sequence[int]) -> Stored:
+        """The form block ``key`` (of ``dtype`` and ``shape``) is kept in outside the device."""
+        return stored_format(self.tier_dtype, self.block_kind.get(key, "roots"), dtype, shape)
 
     def tier(self, key) -> str:
         return self.block_tier.get(key, "device")
@@ -221,6 +286,7 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
     validated RuntimeConfig ``cfg``."""
     entries = [dataclasses.replace(e, host_nbytes=_host_nbytes(e, cfg.tier_dtype))
                for e in entries]
+    kinds = {e.key: e.kind for e in entries if e.kind in TIERED_KINDS}
     cuda_params = any(e.device.type == "cuda" for e in entries)
     caps = caps or Capabilities.probe(cuda_params)
     explicit = dict(cfg.placement) if isinstance(cfg.placement, Mapping) else {}
@@ -237,7 +303,7 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
     asked = [k for k, v in (("device_budget_bytes", dev_budget is not None),
                             ("host_budget_bytes", host_budget is not None),
                             ("nvme_dir", bool(cfg.nvme_dir)),
-                            (f"tier_dtype {cfg.tier_dtype!r}", cfg.tier_dtype in _NARROW))
+                            (f"tier_dtype {cfg.tier_dtype!r}", cfg.tier_dtype != "float32"))
               if v]
     spill_asked = bool(asked)
 
@@ -258,7 +324,8 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
         peak = {"device": sum(parts.values())}
         dec.append(_peak_line(peak, parts))
         return Plan(mode, {k: "device" for k in PLACEMENT_KINDS}, {}, 0, 0, 0, dec,
-                    {"device": total}, cuda_params, peak, parts)
+                    {"device": total}, cuda_params, peak, parts, tier_dtype=cfg.tier_dtype,
+                    block_kind=kinds, transfer_bytes={"per_step": 0, "per_install": 0})
 
     tiers = {k: "device" for k in DEVICE_KINDS}
     fixed = kind_bytes["factors"] + kind_bytes["moments"]
@@ -422,30 +489,58 @@ def make_plan(cfg: Any, entries: Sequence[StateEntry],
         t = block_tier.get(e.key, "device")
         planned[t] = planned.get(t, 0) + (e.nbytes if t == "device" else e.host_nbytes)
     planned["device"] = planned.get("device", 0) + ring
-    narrowed = [e for e in tiered_entries if block_tier[e.key] != "device"
-                and e.host_nbytes != e.nbytes]
-    if narrowed:
-        dec.append(f"tier_dtype {cfg.tier_dtype!r}: {len(narrowed)} root/eigenbasis blocks "
-                   f"outside the device stored and moved as {cfg.tier_dtype} "
-                   f"({_mib(sum(e.host_nbytes for e in narrowed))} instead of "
-                   f"{_mib(sum(e.nbytes for e in narrowed))}), widened to their state's dtype "
-                   "where the step and the refresh use them")
-    elif cfg.tier_dtype != "float32":
-        dec.append(f"tier_dtype {cfg.tier_dtype!r}: no block outside the device is wider, "
-                   "nothing is narrowed")
+    dec.extend(_format_lines(cfg.tier_dtype, [e for e in tiered_entries
+                                              if block_tier[e.key] != "device"]))
     peak, parts = _peaks(entries, block_tier, planned, snap, cuda_params, ring)
     dec.append(_peak_line(peak, parts))
     cuda_index = next((e.device.index for e in entries
                        if e.device.type == "cuda" and e.device.index is not None), -1)
+    off = [e for e in tiered_entries if block_tier[e.key] != "device" and e.device.type == "cuda"]
+    transfer = {"per_step": sum(e.host_nbytes for e in off
+                                if block_tier[e.key] in ("host", "host_pinned", "nvme")),
+                "per_install": sum(e.host_nbytes for e in off)}
     return Plan(mode, tiers, block_tier, ring, ring_min, snap, dec, planned, cuda_params, peak,
-                parts, cuda_index)
+                parts, cuda_index, tier_dtype=cfg.tier_dtype, block_kind=kinds,
+                transfer_bytes=transfer)
+
+
+def _shape(e: StateEntry) -> tuple:
+    if e.shape is not None:
+        return tuple(e.shape)
+    numel = e.nbytes // _itemsize(e.dtype)
+    n = math.isqrt(numel)
+    return (n, n) if n * n == numel else (numel,)
 
 
 def _host_nbytes(e: StateEntry, tier_dtype: str) -> int:
     if e.dtype is None or e.kind not in TIERED_KINDS:
         return e.nbytes
-    sd = stored_dtype(tier_dtype, e.dtype)
-    return e.nbytes // _itemsize(e.dtype) * _itemsize(sd)
+    return stored_format(tier_dtype, e.kind, e.dtype, _shape(e)).nbytes(
+        e.nbytes // _itemsize(e.dtype))
+
+
+def _format_lines(tier_dtype: str, outside: Sequence[StateEntry]) -> list:
+    """The decision lines of rule 5 for the blocks outside the device."""
+    if tier_dtype == "float32":
+        return []
+    changed = [e for e in outside if e.host_nbytes != e.nbytes]
+    if not changed:
+        return [f"tier_dtype {tier_dtype!r}: no block outside the device is "
+                + ("an eigenbasis of float32 / float64 of at least "
+                   f"{TIER_QUANT_MIN_DIM} x {TIER_QUANT_MIN_DIM}, nothing is quantized"
+                   if tier_dtype in QUANTIZED else "wider, nothing is narrowed")]
+    was, now = _mib(sum(e.nbytes for e in changed)), _mib(sum(e.host_nbytes for e in changed))
+    if tier_dtype not in QUANTIZED:
+        return [f"tier_dtype {tier_dtype!r}: {len(changed)} root/eigenbasis blocks outside the "
+                f"device stored and moved as {tier_dtype} ({now} instead of {was}), widened to "
+                "their state's dtype where the step and the refresh use them"]
+    kept = len(outside) - len(changed)
+    return [f"tier_dtype {tier_dtype!r}: {len(changed)} eigenbasis blocks outside the device "
+            f"stored and moved block-quantized ({tier_dtype}, one float32 scale per "
+            f"{TIER_QUANT_BLOCK} values: {now} instead of {was}), widened and rectified "
+            f"({TIER_RECTIFY_STEPS[tier_dtype]} Bjorck steps) where the step and the refresh "
+            "use them" + (f"; {kept} smaller or non-eigenbasis blocks kept in their dtype"
+                          if kept else "")]
 
 
 def _peaks(entries: Sequence[StateEntry], block_tier: dict, planned: dict, snap: int,

@@ -4,8 +4,16 @@ libasteria over CPU tensors.
 
 Owns: the format's torch kernels, which run on any device (``quantize``; ``dequantize``, the
 device side: it widens the quantized bytes after their host-to-device copy; ``rectify`` and
-``orth_error``), and the thin wrappers of libasteria's kernels for CPU tensors
-(``quantize_host``, ``dequantize_host``, ``rectify_host``: what a host worker writes and reads).
+``orth_error``), the thin wrappers of libasteria's kernels for CPU tensors
+(``quantize_host``, ``dequantize_host``, ``rectify_host``: what a host worker writes and reads),
+and what the tiers do with a basis (``narrow``: a basis of any floating dtype to its quantized
+form; ``widen``: the form to the basis the step uses, rectified).
+
+Quantizing a dequantized form gives its bytes back: the block's largest value widens to
+``fl(qmax s)``, and ``fl(fl(qmax s) / qmax)`` is ``s`` again for every scale that is itself a
+quotient ``fl(a / qmax)`` (checked over every float32 mantissa, tests/python/
+test_quant_tiers.py), so the scales and then the codes come back. A checkpoint that holds a
+quantized basis dequantized therefore restores its bytes exactly.
 The layout (sizes and offsets) and the block-size rule have one home, libasteria
 (``_C.quant_layout``); ``layout`` asks it.
 May call: torch, ``asteria._C``. No state, no locks: any thread.
@@ -221,3 +229,32 @@ def rectify_host(v: torch.Tensor, steps: int) -> List[List[float]]:
     if v.dim() < 2 or v.shape[-1] != v.shape[-2]:
         raise ValueError(f"v must be (..., n, n), not {tuple(v.shape)}")
     return _C.quant_rectify(v.detach().reshape(-1).numpy(), v.shape[-1], steps)
+
+
+# ---- a basis in the tiers (asteria.tiers.residency) ----------------------------------------------
+
+def narrow(x: torch.Tensor, qtype: str, block: int = BLOCK_DEFAULT,
+           out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The quantized form of ``x`` (any floating dtype: its values rounded to float32 first),
+    on x's device (``out`` when given): libasteria's kernel for a CPU tensor, the torch kernel
+    elsewhere; the same bytes either way."""
+    x = x.detach().to(torch.float32)
+    if x.device.type == "cpu":
+        return quantize_host(x.contiguous(), qtype, block, out=out)
+    q = quantize(x, qtype, block)
+    if out is None:
+        return q
+    out.copy_(q)
+    return out
+
+
+def widen(q: torch.Tensor, qtype: str, shape, block: int, steps: int,
+          dtype: torch.dtype) -> torch.Tensor:
+    """The n x n basis (``shape``) that the quantized form ``q`` stands for where it is used,
+    on q's device: dequantized to float32, ``steps`` Bjorck steps, then in ``dtype``. The one
+    computation the tiers use for it (the step's stacks, m's re-expression at an install, the
+    refresh's input): Bjorck steps agree between devices and libraries only to rounding, so
+    what must agree bit for bit is widened here, on one device."""
+    n = int(shape[-1])
+    v = dequantize(q.reshape(-1), qtype, n * n, block).view(n, n)
+    return rectify(v, steps).to(dtype)

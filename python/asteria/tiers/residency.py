@@ -5,15 +5,27 @@ Owns: one store, one shadow (prefetch ring; the snapshot ring is the engine's), 
 ``(param index, state name) -> _Blk``, the copy counters and the copy events written to the
 runtime's trace (on its ``TraceLane`` tracks) through the optimizer's one ``Tracer``, which it is
 given (``tracer=``: the engine's, asteria.refresh.engine, "The trace"); it builds none. May call: torch, ``asteria._C``,
-``asteria.tiers.plan``, ``asteria.refresh.engine`` (the trace lane names).
+``asteria.tiers.plan``, ``asteria.tiers.quant`` (quantized bases), ``asteria.refresh.engine``
+(the trace lane names).
 Single-threaded: the optimizer's training thread (and the hooks it runs on that thread).
 
 Data flow of one block (its plan gives a home tier: host, host_pinned, uvm or nvme)
- - stored dtype: every block is kept, copied and written to NVMe in
-   ``plan.stored_dtype(cfg.tier_dtype, its dtype)`` (narrowed once, at the write); what leaves
-   the residency for use (``read_host``, ``materialize``) is widened to the block's own dtype
-   here, and ``borrow``'s ring views (stored dtype) are widened where they are stacked
-   (``optim/placement.py``, ``stack``; ``dtype_of`` says to what).
+ - stored format: every block is kept, copied and written to NVMe in
+   ``plan.stored(key, its dtype, its shape)`` (tiers/plan.py rule 5; narrowed once, at the
+   write). A narrowed block: what leaves the residency for use (``read_host``,
+   ``materialize``) is widened to the block's own dtype here, and ``borrow``'s ring views
+   (stored dtype) are widened where they are stacked (``optim/placement.py``, ``stack``;
+   ``dtype_of`` says to what). A quantized eigenbasis (int8 / int4): its bytes are the
+   quantized form (the store's block format, so its NVMe records name it and a record of
+   another format is refused); a CPU value is quantized by libasteria, a CUDA one on its
+   device, before the block is touched (a value with no quantized form changes nothing), and
+   the bytes copied in. Where it is used it is widened and rectified (``quant.widen``) on the
+   device that uses it: ``borrow`` widens the ring slot's bytes on the step's device (so only
+   quantized bytes cross PCIe), ``read_host`` / ``job_input`` on the host for the refresh,
+   ``as_stored`` a new basis on m's device exactly as the step will. ``materialize``
+   (checkpoints, the state proxy) gives the stored value, dequantized but not rectified:
+   quantizing it again gives the same bytes (``asteria.tiers.quant``), so a checkpoint
+   resumes bit for bit.
  - write (first-step eigenbasis, install of a refresh, load_state_dict): into the block's
    host memory in place; a block whose home is NVMe is written to fresh host memory and
    written through to NVMe at once (one block of host memory at a time, not every install of
@@ -65,7 +77,9 @@ Stream ordering (CUDA; all on the parameters' device, ``plan.cuda_index``)
 
 Views: every tensor over store or ring memory comes from ``torch.from_dlpack`` on a capsule of
 ``asteria._C`` (``Store.view`` for host views and UVM blocks, ``Shadow.slot_view`` for ring
-slots), with the block's own dtype (bfloat16 included) and shape. A store view pins its block
+slots), with the block's stored dtype (bfloat16 included) and shape; a quantized block's bytes
+as int32 words (its size is a multiple of 4, quant.h; the views' dtypes have no byte type),
+reinterpreted as bytes in torch (``view(torch.uint8)``, no copy). A store view pins its block
 while it lives (move, free and the store's close raise BusyError: drop host views soon); a
 ring view keeps the shadow's rings allocated, even past ``close``, but its contents are the
 slot's only until the slot is released.
@@ -92,7 +106,8 @@ import torch
 
 from asteria import _C
 from asteria.refresh.engine import NO_TRACE, TraceLane
-from asteria.tiers.plan import PREPARE_CHUNK, Plan, align, stored_dtype
+from asteria.tiers import quant
+from asteria.tiers.plan import PREPARE_CHUNK, Plan, Stored, align
 
 log = logging.getLogger("asteria")
 
@@ -124,17 +139,21 @@ class TieredStateError(RuntimeError):
 
 
 class _Blk:
-    __slots__ = ("key", "home", "shape", "dtype", "sdtype", "nbytes", "device", "sid",
-                 "version", "slot", "slot_version", "slot_ptr", "slot_event", "consumed",
+    __slots__ = ("key", "home", "shape", "dtype", "fmt", "sdtype", "sshape", "nbytes", "device",
+                 "sid", "version", "slot", "slot_version", "slot_ptr", "slot_event", "consumed",
                  "read_event")
 
-    def __init__(self, key, home, shape, dtype, sdtype, device):
+    def __init__(self, key, home, shape, dtype, fmt: Stored, device):
         self.key = key
         self.home = home
         self.shape = tuple(shape)
         self.dtype = dtype      # the state's (what users of the block see)
-        self.sdtype = sdtype    # the stored one: host memory, ring slots, NVMe records
-        self.nbytes = int(torch.Size(shape).numel()) * sdtype.itemsize
+        self.fmt = fmt          # how it is stored: host memory, ring slots, NVMe records
+        self.nbytes = fmt.nbytes(int(torch.Size(shape).numel()))
+        # the elements of views of it: a quantized form is viewed as int32 words (its size is
+        # a multiple of 4: quant.h), reinterpreted as its bytes where used (view(torch.uint8))
+        self.sdtype = torch.int32 if fmt.qtype else fmt.dtype
+        self.sshape = (self.nbytes // 4,) if fmt.qtype else self.shape
         self.device = device
         self.sid = 0
         self.version = 0
@@ -270,32 +289,72 @@ class Residency:
 
     # ---- writes ----------------------------------------------------------------------------------
     def write(self, key, value: torch.Tensor) -> None:
-        """Set a block's value (creating the block on first write)."""
+        """Set a block's value (creating the block on first write). A value a quantized block
+        cannot hold (NaN or Inf) raises ValueError naming the block before anything changes."""
+        fmt = self.plan.stored(key, value.dtype, value.shape)
+        q = self._quantized(key, fmt, value) if fmt.qtype else None
         blk = self._blocks.get(key)
         if blk is None or blk.shape != tuple(value.shape) or blk.dtype != value.dtype:
             if blk is not None:
                 self.drop(key)
             home = self.plan.tier(key)
-            blk = _Blk(key, home, value.shape, value.dtype,
-                       stored_dtype(self._cfg.tier_dtype, value.dtype), value.device)
-            blk.sid = self.store.alloc("host" if home == "nvme" else home, blk.nbytes)
+            blk = _Blk(key, home, value.shape, value.dtype, fmt, value.device)
+            blk.sid = self._alloc(blk, "host" if home == "nvme" else home)
             self._blocks[key] = blk
         else:
             self._quiesce(blk)
             if self.store.tier(blk.sid) == "nvme":
                 # the record keeps the old value until the block is spilled again
-                sid = self.store.alloc("host", blk.nbytes)
+                sid = self._alloc(blk, "host")
                 self.store.free(blk.sid)
                 blk.sid = sid
         self._early.discard(key)
         view = self._host_view(blk)
-        view.copy_(value.reshape(view.shape))  # narrowed here (round to nearest even)
+        if q is not None:
+            view.view(torch.uint8).copy_(q)  # the quantized form's bytes (D2H from a device)
+        else:
+            view.copy_(value.reshape(view.shape))  # narrowed here (round to nearest even)
         del view
         if value.device.type == "cuda":
             self.counters["bytes_d2h"] += blk.nbytes
         blk.version += 1
         if blk.home == "nvme":
             self._write_out([blk])
+
+    def _alloc(self, blk: _Blk, tier: str) -> int:
+        """A store block for blk in tier, in blk's format."""
+        sid = self.store.alloc(tier, blk.nbytes)
+        if blk.fmt.qtype:
+            self.store.set_format(sid, blk.fmt.qtype, blk.fmt.block)
+        return sid
+
+    def _quantized(self, key, fmt: Stored, value: torch.Tensor) -> torch.Tensor:
+        """value's quantized form, where value is (libasteria's kernel on the host)."""
+        try:
+            return quant.narrow(value, fmt.qtype, fmt.block)
+        except (ValueError, _C.AsteriaError) as exc:  # NaN or Inf: no quantized form
+            raise ValueError(f"asteria: {self._describe(key)} cannot be stored as "
+                             f"{fmt.describe()} (tier_dtype {fmt.qtype!r}): {exc}") from None
+
+    def as_stored(self, key, value: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``value`` on ``device`` as block ``key`` will hold it once written and as the step
+        will see it there: rounded through a narrow dtype, or quantized (where value is, the
+        bytes moved) and widened and rectified on ``device`` by ``borrow``'s computation."""
+        fmt = self.plan.stored(key, value.dtype, value.shape)
+        if fmt.qtype:
+            q = quant.narrow(value, fmt.qtype, fmt.block).to(device)
+            return quant.widen(q, fmt.qtype, value.shape, fmt.block, fmt.steps, value.dtype)
+        if fmt.dtype != value.dtype:
+            value = value.to(fmt.dtype).to(value.dtype)
+        return value.to(device)
+
+    def _widened(self, blk: _Blk, raw: torch.Tensor, rectified: bool = True) -> torch.Tensor:
+        """A new tensor of blk's value from its stored elements ``raw`` (a view of its host
+        memory, a ring slot or a UVM block), on raw's device, in blk's dtype."""
+        if blk.fmt.qtype:
+            return quant.widen(raw.view(torch.uint8), blk.fmt.qtype, blk.shape, blk.fmt.block,
+                               blk.fmt.steps if rectified else 0, blk.dtype)
+        return raw.to(blk.dtype, copy=True)
 
     def drop(self, key) -> None:
         blk = self._blocks.pop(key, None)
@@ -310,13 +369,15 @@ class Residency:
 
     # ---- host reads (job inputs, checkpoints) ----------------------------------------------------
     def _host_view(self, blk: _Blk) -> torch.Tensor:
-        """A CPU tensor over the block's host memory; it pins the block while alive."""
-        return torch.from_dlpack(self.store.view(blk.sid, blk.sdtype, blk.shape))
+        """A CPU tensor over the block's host memory (its stored elements); it pins the block
+        while alive."""
+        return torch.from_dlpack(self.store.view(blk.sid, blk.sdtype, blk.sshape))
 
     def read_host(self, key, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The block's value as a CPU tensor in its own dtype, copied into ``out`` when given;
-        else a view of its host memory (drop it soon: it pins the block), or a widened copy of
-        a narrowed block, or for a block on NVMe a copy read back (verified) for this call, the
+        """The block's value as a CPU tensor in its own dtype, as the refresh uses it (a
+        quantized basis widened and rectified), copied into ``out`` when given; else a view of
+        its host memory (drop it soon: it pins the block), or a widened copy of a narrowed or
+        quantized block, or for a block on NVMe a copy read back (verified) for this call, the
         record written out again."""
         blk = self._blocks[key]
         on_nvme = self.store.tier(blk.sid) == "nvme"
@@ -324,9 +385,9 @@ class Residency:
             self._nvme_move([blk], "host", "read")
         view = self._host_view(blk)
         if out is not None:
-            out.copy_(view)
+            out.copy_(self._widened(blk, view) if blk.fmt.qtype else view)
         elif on_nvme or blk.sdtype != blk.dtype:
-            out = view.to(blk.dtype, copy=True)
+            out = self._widened(blk, view)
         else:
             return view
         del view
@@ -343,9 +404,11 @@ class Residency:
             return OnNvme(self, key, blk.shape, blk.dtype)
         return self.read_host(key)
 
-    def materialize(self, keys: Iterable) -> dict:
-        """Copies of blocks as tensors on their parameters' devices (checkpoints). Blocks on
-        NVMe are read back (verified) and written out again."""
+    def materialize(self, keys: Iterable, rectified: bool = False) -> dict:
+        """Copies of blocks as tensors on their parameters' devices: their stored values
+        (checkpoints, the state proxy), a quantized basis dequantized; ``rectified``: as the
+        step uses them (a block moving to the device). Blocks on NVMe are read back (verified)
+        and written out again."""
         keys = [k for k in keys if k in self._blocks]
         on_nvme = [self._blocks[k] for k in keys if self.store.tier(self._blocks[k].sid) == "nvme"]
         self._nvme_move(on_nvme, "host", "read")
@@ -353,7 +416,8 @@ class Residency:
         for k in keys:
             blk = self._blocks[k]
             v = self._host_view(blk)
-            out[k] = v.to(device=blk.device, dtype=blk.dtype, copy=True)
+            out[k] = (self._widened(blk, v, rectified).to(blk.device) if blk.fmt.qtype else
+                      v.to(device=blk.device, dtype=blk.dtype, copy=True))
             del v
         if not self._in_step:  # inside a step the blocks wait for its end
             self._spill(best_effort=True)
@@ -594,7 +658,8 @@ class Residency:
 
     def borrow(self, keys: list) -> list:
         """Device tensors of blocks for this chunk (ring slot views, or UVM views, in the
-        stored dtype); the caller stacks them (widening them to ``dtype_of``) and then calls
+        stored dtype; a quantized basis widened and rectified from them, a new tensor); the
+        caller stacks them (widening narrowed ones to ``dtype_of``) and then calls
         give_back(keys).
 
         Two phases: first every block of the chunk gets a slot (a block staged ahead is a hit;
@@ -626,18 +691,20 @@ class Residency:
         out = []
         for blk in blks:
             if blk.home == "uvm":
-                out.append(torch.from_dlpack(self.store.view(
-                    blk.sid, blk.sdtype, blk.shape, device=_cuda_index(blk.device))))
+                view = torch.from_dlpack(self.store.view(
+                    blk.sid, blk.sdtype, blk.sshape, device=_cuda_index(blk.device)))
+                out.append(self._widened(blk, view) if blk.fmt.qtype else view)
                 continue
             if self.cuda:
                 torch.cuda.current_stream(self._device).wait_event(blk.slot_event)
-            view = torch.from_dlpack(self.shadow.slot_view(blk.slot, blk.sdtype, blk.shape))
+            view = torch.from_dlpack(self.shadow.slot_view(blk.slot, blk.sdtype, blk.sshape))
             if view.device != blk.device:
                 # a ring on another device than the block's parameter (the planner never makes
                 # one for a CUDA parameter: tiers/plan.py rule 2): a copy there, never a view
                 # of the wrong device handed to the step
                 view = view.to(blk.device)
-            out.append(view)
+            # a quantized basis: widened on the step's device, queued behind the slot's copy
+            out.append(self._widened(blk, view) if blk.fmt.qtype else view)
             blk.consumed = True
         return out
 
