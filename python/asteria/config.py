@@ -48,8 +48,9 @@ TIERS = _tiers()
 #: storage dtypes of the tiers outside the device ("float32": every block in its state's dtype;
 #: "bfloat16": wider blocks narrowed; "int8" / "int4": eigenbases block-quantized, tiers/plan.py)
 TIER_DTYPES = ("float32", "bfloat16", "int8", "int4")
-#: the quantized tiers' format (asteria/quant.h): values per float32 scale (4-bit Shampoo's 64)
-TIER_QUANT_BLOCK = 64
+#: the quantized tiers' format (asteria/quant.h): values per float32 scale (4-bit Shampoo's 64),
+#: libasteria's default
+TIER_QUANT_BLOCK = _C.QUANT_BLOCK_DEFAULT
 #: Bjorck steps that rectify a quantized eigenbasis where it is widened: int8 leaves
 #: ||V^T V - I||_F ~ 0.3 (n = 1024), 2.4e-3 after one step, 1.7e-5 after two; int4 ~ 5, then
 #: 0.8, 3e-2, 6e-5, 1.5e-5 (measured on eigh bases, n = 1024 and 2048; docs/memory.md)

@@ -130,7 +130,8 @@ from asteria.optim.method import method_of
 from asteria.refresh import cost as C
 from asteria.refresh.engine import Lane
 from asteria.refresh.replicated import _ID_BITS
-from asteria.tiers import quant
+from asteria.config import TIER_DTYPES, TIER_QUANT_BLOCK
+from asteria.tiers.plan import QUANTIZED, check_tier_dtype, stored_format
 
 PRESETS = {"olmo2-1b": "olmo2_1B", "olmo2-7b": "olmo2_7B"}
 H200_BF16_TFLOPS = 989.0  # dense bf16 peak
@@ -195,11 +196,6 @@ def transfer_bytes(sizes: Counter, optimizer: str,
 
 # ---- the tiers' bytes ----------------------------------------------------------------------------
 
-#: the forms a root / eigenbasis outside the device may take (the runtime key tier_dtype):
-#: float32 as computed, bfloat16 narrowed, and libasteria's block-quantized formats
-TIER_DTYPES = ("float32", "bfloat16") + tuple(quant.QMAX)
-
-
 def output_kind(optimizer: str) -> str:
     """"eigenbases" or "roots": the kind of the method's REFRESH output."""
     return next(f.kind for f in method_of(optimizer).METHOD.STATE
@@ -208,18 +204,14 @@ def output_kind(optimizer: str) -> str:
 
 def stored_bytes(n: int, tier_dtype: str, kind: str = "eigenbases") -> int:
     """Bytes of one n x n float32 root or eigenbasis (``kind``) outside the device under
-    ``tier_dtype``: 4 or 2 a value, or block-quantized in blocks of ``quant.BLOCK_DEFAULT``
-    values with one float32 scale each, as libasteria lays it out (``quant.layout``).
-    ValueError for a quantized tier_dtype and roots: an inverse root is not orthogonal, the
-    runtime refuses it (its entries are not bounded, rectification cannot pull it back)."""
+    ``tier_dtype``, in the form the runtime keeps it (``tiers.plan.stored_format``: 4 or 2 a
+    value, or block-quantized as libasteria lays it out). ValueError for a tier_dtype the
+    runtime does not know, and for a quantized one with roots (``check_tier_dtype``: an
+    inverse root is not orthogonal)."""
     if tier_dtype not in TIER_DTYPES:
         raise ValueError(f"tier_dtype={tier_dtype!r}: allowed: {', '.join(TIER_DTYPES)}")
-    if tier_dtype in ("float32", "bfloat16"):
-        return n * n * (4 if tier_dtype == "float32" else 2)
-    if kind != "eigenbases":
-        raise ValueError(f"tier_dtype={tier_dtype!r} with {kind}: only eigenbases are "
-                         f"quantized; allowed for roots: float32, bfloat16")
-    return quant.layout(tier_dtype, n * n, quant.BLOCK_DEFAULT).nbytes
+    check_tier_dtype(tier_dtype, [kind] if kind == "roots" else [])
+    return stored_format(tier_dtype, kind, torch.float32, (n, n)).nbytes(n * n)
 
 
 def tier_bytes(held: Counter, optimizer: str, tier_dtype: str) -> Optional[dict]:
@@ -858,7 +850,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.fb_share is None:
         args.fb_share = 0.9 if args.step_time is not None else 1.0
     kind = output_kind(args.optimizer)
-    if args.tier_dtype in quant.QMAX and kind != "eigenbases":
+    if args.tier_dtype in QUANTIZED and kind != "eigenbases":
         ap.error(f"argument --tier-dtype: {args.tier_dtype!r} with --optimizer "
                  f"{args.optimizer} ({kind}): only eigenbases are quantized; allowed: "
                  f"float32, bfloat16")
@@ -958,7 +950,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"install copies the new basis to the device as stored (SOAP: with its sort order, "
           f"n int64); with no coherent host access (an H100 on x86) the staging ring copies "
           f"every basis to the device each step. int8 / int4: blocks of "
-          f"{quant.BLOCK_DEFAULT} values with one float32 scale each (libasteria's "
+          f"{TIER_QUANT_BLOCK} values with one float32 scale each (libasteria's "
           f"quant_layout), eigenbases only (Shampoo's roots are refused)")
     return 0
 
