@@ -63,6 +63,52 @@ static size_t as_block(PyObject *o, int *bad)
     return v;
 }
 
+/* The kernels convert runs: in's bytes into out's, count values of the format (t, block). */
+typedef int (*convert_fn)(ast_qtype t, size_t count, size_t block, const Py_buffer *in,
+                          const Py_buffer *out);
+
+static int do_quantize(ast_qtype t, size_t count, size_t block, const Py_buffer *in,
+                       const Py_buffer *out)
+{
+    return ast_quant_quantize(t, count, block, in->buf, out->buf, (size_t)out->len);
+}
+
+static int do_dequantize(ast_qtype t, size_t count, size_t block, const Py_buffer *in,
+                         const Py_buffer *out)
+{
+    return ast_quant_dequantize(t, count, block, in->buf, (size_t)in->len, out->buf);
+}
+
+static int do_dequantize_bf16(ast_qtype t, size_t count, size_t block, const Py_buffer *in,
+                              const Py_buffer *out)
+{
+    return ast_quant_dequantize_bf16(t, count, block, in->buf, (size_t)in->len, out->buf);
+}
+
+/* The body of quant_quantize and quant_dequantize once their arguments are parsed: the block
+ * (bo, or the default) and the qtype (qo) checked, the count taken from counted (values of es
+ * bytes, named what in an error), then fn with the GIL released. Releases in and out (counted
+ * is one of them); None, or NULL with the exception raised. */
+static PyObject *convert(PyObject *m, PyObject *qo, PyObject *bo, Py_buffer *in, Py_buffer *out,
+                         const Py_buffer *counted, size_t es, const char *what, convert_fn fn)
+{
+    PyObject *res = NULL;
+    ast_qtype t;
+    size_t count;
+    int bad, rc;
+    size_t block = as_block(bo, &bad);
+    if (bad || parse_qtype(qo, &t) < 0 || values_of(counted, es, what, &count) < 0)
+        goto done;
+    Py_BEGIN_ALLOW_THREADS
+    rc = fn(t, count, block, in, out);
+    Py_END_ALLOW_THREADS
+    res = rc ? raise_quant(m, rc) : Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(in);
+    PyBuffer_Release(out);
+    return res;
+}
+
 PyDoc_STRVAR(quant_layout_doc,
              "quant_layout(qtype, count, block=64)\n--\n\nThe quantized form of count float32 "
              "values in blocks of block: {'count', 'block', 'nblocks', 'value_bytes', "
@@ -102,25 +148,12 @@ PyDoc_STRVAR(quant_quantize_doc,
 static PyObject *quant_quantize(PyObject *m, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"qtype", "x", "out", "block", NULL};
-    PyObject *qo, *bo = NULL, *res = NULL;
+    PyObject *qo, *bo = NULL;
     Py_buffer x, out;
-    ast_qtype t;
-    size_t count;
-    int bad, rc;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oy*w*|O:quant_quantize", kwlist, &qo, &x, &out,
                                      &bo))
         return NULL;
-    size_t block = as_block(bo, &bad);
-    if (bad || parse_qtype(qo, &t) < 0 || values_of(&x, 4, "x", &count) < 0)
-        goto done;
-    Py_BEGIN_ALLOW_THREADS
-    rc = ast_quant_quantize(t, count, block, x.buf, out.buf, (size_t)out.len);
-    Py_END_ALLOW_THREADS
-    res = rc ? raise_quant(m, rc) : Py_NewRef(Py_None);
-done:
-    PyBuffer_Release(&x);
-    PyBuffer_Release(&out);
-    return res;
+    return convert(m, qo, bo, &x, &out, &x, 4, "x", do_quantize);
 }
 
 PyDoc_STRVAR(quant_dequantize_doc,
@@ -133,26 +166,14 @@ PyDoc_STRVAR(quant_dequantize_doc,
 static PyObject *quant_dequantize(PyObject *m, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"qtype", "q", "out", "block", "bfloat16", NULL};
-    PyObject *qo, *bo = NULL, *res = NULL;
+    PyObject *qo, *bo = NULL;
     Py_buffer q, out;
-    ast_qtype t;
-    size_t count;
-    int bad, rc, bf16 = 0;
+    int bf16 = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oy*w*|Op:quant_dequantize", kwlist, &qo, &q,
                                      &out, &bo, &bf16))
         return NULL;
-    size_t block = as_block(bo, &bad);
-    if (bad || parse_qtype(qo, &t) < 0 || values_of(&out, bf16 ? 2 : 4, "out", &count) < 0)
-        goto done;
-    Py_BEGIN_ALLOW_THREADS
-    rc = bf16 ? ast_quant_dequantize_bf16(t, count, block, q.buf, (size_t)q.len, out.buf)
-              : ast_quant_dequantize(t, count, block, q.buf, (size_t)q.len, out.buf);
-    Py_END_ALLOW_THREADS
-    res = rc ? raise_quant(m, rc) : Py_NewRef(Py_None);
-done:
-    PyBuffer_Release(&q);
-    PyBuffer_Release(&out);
-    return res;
+    return convert(m, qo, bo, &q, &out, &out, bf16 ? 2 : 4, "out",
+                   bf16 ? do_dequantize_bf16 : do_dequantize);
 }
 
 PyDoc_STRVAR(quant_rectify_doc,

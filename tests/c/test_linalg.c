@@ -26,6 +26,7 @@
 
 #include "ref_gram_ema.h"
 #include "ref_rotate.h"
+#include "test_helpers.h"
 
 #include <cblas.h>
 #include <lapacke.h>
@@ -39,7 +40,6 @@
 #define U32 0x1p-24
 #define U64 0x1p-53
 #define TOL_C 10.0
-#define PI 3.14159265358979323846
 #define SENTINEL 0xA5
 
 #define assert_le(x, bound)                                                                    \
@@ -53,26 +53,6 @@ static const ast_dtype dtypes[] = {AST_F64, AST_F32};
 
 static double uround(ast_dtype dt) { return dt == AST_F32 ? U32 : U64; }
 static double tol_for(ast_dtype dt, int n, double kappa) { return TOL_C * n * uround(dt) * kappa; }
-
-/* ---- deterministic random numbers (xorshift64*) ----------------------------------------- */
-
-static uint64_t rng_state;
-
-static void rng_seed(uint64_t s) { rng_state = s * 0x9e3779b97f4a7c15ULL + 1; }
-
-static double urand(void)
-{
-    rng_state ^= rng_state >> 12;
-    rng_state ^= rng_state << 25;
-    rng_state ^= rng_state >> 27;
-    return (double)((rng_state * 2685821657736338717ULL) >> 11) * 0x1p-53;
-}
-
-static double nrand(void)
-{
-    double u1 = urand(), u2 = urand();
-    return sqrt(-2 * log(u1 + 0x1p-60)) * cos(2 * PI * u2);
-}
 
 /* ---- buffers ------------------------------------------------------------------------------ */
 

@@ -19,6 +19,7 @@
 
 #include "asteria/errors.h"
 #include "asteria/quant.h"
+#include "test_helpers.h"
 
 #include <lapacke.h>
 #include <float.h>
@@ -28,7 +29,6 @@
 #include <string.h>
 
 #define U32 0x1p-24
-#define PI 3.14159265358979323846
 /* The rounding floor of ||V^T V - I||_F for an n x n float32 V (test_rectify_quadratic). */
 #define FLOOR(n) ((double)(n) * sqrt((double)(n)) * U32)
 
@@ -40,26 +40,6 @@
     } while (0)
 
 static const ast_qtype QTYPES[] = {AST_QTYPE_INT8, AST_QTYPE_INT4};
-
-/* ---- deterministic random numbers (xorshift64*) ----------------------------------------- */
-
-static uint64_t rng_state;
-
-static void rng_seed(uint64_t s) { rng_state = s * 0x9e3779b97f4a7c15ULL + 1; }
-
-static double urand(void)
-{
-    rng_state ^= rng_state >> 12;
-    rng_state ^= rng_state << 25;
-    rng_state ^= rng_state >> 27;
-    return (double)((rng_state * 2685821657736338717ULL) >> 11) * 0x1p-53;
-}
-
-static double nrand(void)
-{
-    double u1 = urand(), u2 = urand();
-    return sqrt(-2 * log(u1 + 0x1p-60)) * cos(2 * PI * u2);
-}
 
 static void *xalloc(size_t bytes)
 {
@@ -234,6 +214,18 @@ static void fill(float *x, size_t count, int kind)
     }
 }
 
+/* x quantized at the layout's size and widened into w: the quantized form (free it). */
+static unsigned char *round_trip(ast_qtype t, size_t count, size_t block, const float *x,
+                                 float *w)
+{
+    ast_quant_layout l;
+    assert_int_equal(ast_quant_layout_get(t, count, block, &l), 0);
+    unsigned char *q = xalloc(l.nbytes);
+    assert_int_equal(ast_quant_quantize(t, count, block, x, q, l.nbytes), 0);
+    assert_int_equal(ast_quant_dequantize(t, count, block, q, l.nbytes, w), 0);
+    return q;
+}
+
 static void test_restatement_and_bound(void **state)
 {
     (void)state;
@@ -287,11 +279,7 @@ static void test_bound_is_tight(void **state)
     float *x = xalloc(count * 4), *w = xalloc(count * 4);
     fill(x, count, 0);
     for (size_t ti = 0; ti < 2; ti++) {
-        ast_quant_layout l;
-        assert_int_equal(ast_quant_layout_get(QTYPES[ti], count, 64, &l), 0);
-        unsigned char *q = xalloc(l.nbytes);
-        assert_int_equal(ast_quant_quantize(QTYPES[ti], count, 64, x, q, l.nbytes), 0);
-        assert_int_equal(ast_quant_dequantize(QTYPES[ti], count, 64, q, l.nbytes, w), 0);
+        unsigned char *q = round_trip(QTYPES[ti], count, 64, x, w);
         double worst = check_bound(QTYPES[ti], count, 64, x, w, q);
         assert_true(worst > 0.49 && worst <= 0.5 + 1e-5);
         free(q);
@@ -558,17 +546,12 @@ static void test_quantized_basis_rectified(void **state)
     for (size_t i = 0; i < nn; i++)
         x[i] = (float)q[i];
     for (size_t ti = 0; ti < 2; ti++) {
-        ast_quant_layout l;
-        assert_int_equal(ast_quant_layout_get(QTYPES[ti], nn, 64, &l), 0);
-        unsigned char *b = xalloc(l.nbytes);
-        assert_int_equal(ast_quant_quantize(QTYPES[ti], nn, 64, x, b, l.nbytes), 0);
-        assert_int_equal(ast_quant_dequantize(QTYPES[ti], nn, 64, b, l.nbytes, w), 0);
+        free(round_trip(QTYPES[ti], nn, 64, x, w));
         assert_int_equal(ast_quant_rectify(1, n, w, 3, err), 0);
         assert_true(err[1] < err[0] && err[2] < err[1]);
         assert_le(err[3], FLOOR(n));
         print_message("[  INFO    ] %s n %d: ||V^T V - I||_F %.3e -> %.3e -> %.3e -> %.3e\n",
                       ast_qtype_name(QTYPES[ti]), n, err[0], err[1], err[2], err[3]);
-        free(b);
     }
     free(q), free(x), free(w);
 }

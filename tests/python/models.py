@@ -1,6 +1,6 @@
 """Test support: small float64 models with deterministic data, a lockstep driver that trains a
-model with an Asteria optimizer next to a copy trained by a reference, and the check that the
-C extension is there.
+model with an Asteria optimizer next to a copy trained by a reference, training over a range of
+steps and resuming it from a state_dict, and the check that the C extension is there.
 
 Numerics: a rank-deficient factor's null space gets a canonical basis (docs/departures.md), so
 SOAP and KL-Shampoo agree across executors and process counts there too (tests/python/
@@ -226,14 +226,39 @@ def params_of(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def train_steps(model: nn.Module, opt, steps, kind: str = "mlp",
+                grad_of=loss_and_grad) -> list[list[torch.Tensor]]:
+    """``opt.step()`` on the ``kind`` batches of each step in ``steps`` (``grad_of(model,
+    kind, t)`` sets the gradients: another set of models' loss_and_grad, as lockstep takes
+    it); the parameters after each step."""
+    out = []
+    for t in steps:
+        grad_of(model, kind, t)
+        opt.step()
+        out.append(params_of(model))
+    return out
+
+
 def train_mlp(model: nn.Module, opt, steps) -> list[list[torch.Tensor]]:
     """``opt.step()`` on the "mlp" batches of each step in ``steps``; the parameters after
     each step."""
-    out = []
-    for t in steps:
-        loss_and_grad(model, "mlp", t)
-        opt.step()
-        out.append(params_of(model))
+    return train_steps(model, opt, steps)
+
+
+def resume(kind: str, make_opt, runtime, params, state_dict, steps,
+           models=None) -> list[list[torch.Tensor]]:
+    """A fresh ``kind`` model holding ``params`` and a fresh ``make_opt(parameters,
+    runtime=runtime)`` loaded from a copy of ``state_dict``, trained (train_steps) over
+    ``steps`` and closed: the parameters after each step. ``models`` as for lockstep."""
+    make, grad_of = models or (make_model, loss_and_grad)
+    model = make(kind)
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), params):
+            p.copy_(v)
+    opt = make_opt(model.parameters(), runtime=runtime)
+    opt.load_state_dict(copy.deepcopy(state_dict))
+    out = train_steps(model, opt, steps, kind, grad_of)
+    opt.close()
     return out
 
 

@@ -38,7 +38,7 @@ from asteria import RuntimeConfig, _C
 from asteria.optim import KLShampoo, OneSidedSOAP, Shampoo, SOAP
 from asteria.tiers.residency import TieredStateError
 from models import (DTYPE, F64, assert_lockstep, lockstep, lockstep_tol, params_of,
-                    require_c_extension)
+                    require_c_extension, resume, train_steps)
 from reference import KLShampooRef, SOAPRef
 
 S = 2
@@ -197,12 +197,7 @@ def runtime_for(tier, qtype, tmp_path, name):
 
 
 def train(model, opt, steps):
-    out = []
-    for t in steps:
-        wide_grad(model, "wide", t)
-        opt.step()
-        out.append(params_of(model))
-    return out
+    return train_steps(model, opt, steps, "wide", wide_grad)
 
 
 # ---- every method and tier against the restatement -----------------------------------------------
@@ -451,14 +446,7 @@ def test_state_dict_holds_stored_values_and_resumes_bitwise(name, qtype, tmp_pat
         assert q.dtype == DTYPE and torch.equal(dequantized(q, qtype).to(DTYPE), q)
         assert orth(q) > orth(bjorck(q.float(), STEPS[qtype]))
     for runtime in (rt(qtype), runtime_for("nvme", qtype, tmp_path, name)):
-        model2 = make_wide()
-        with torch.no_grad():
-            for p, v in zip(model2.parameters(), params):
-                p.copy_(v)
-        opt2 = make_opt(model2.parameters(), runtime=runtime)
-        opt2.load_state_dict(copy.deepcopy(sd))
-        got = train(model2, opt2, range(split + 1, steps + 1))
-        opt2.close()
+        got = resume("wide", make_opt, runtime, params, sd, range(split + 1, steps + 1), WIDE)
         for t, (a, b) in enumerate(zip(got, want), split + 1):
             assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {t}"
 

@@ -27,7 +27,7 @@ import torch
 from asteria import RuntimeConfig
 from asteria.optim import SOAP
 from models import (assert_lockstep, batch, lockstep, make_model, optimizer_pairs, params_of,
-                    require_c_extension, run, train_mlp)
+                    require_c_extension, resume, run, train_mlp)
 from reference import KLShampooRef, SOAPRef, ShampooRef
 
 BF16 = torch.bfloat16
@@ -235,14 +235,7 @@ def test_state_dict_widened_and_resumes_bitwise(name, tmp_path):
         assert q.dtype == torch.float64 and torch.equal(q, rounded(q))
     assert any(bool((q != 0).any()) for q in blocks)
     for runtime in (rt(), nvme(tmp_path)):
-        model2 = make_model("mlp")
-        with torch.no_grad():
-            for p, v in zip(model2.parameters(), params):
-                p.copy_(v)
-        opt2 = make_opt(model2.parameters(), runtime=runtime)
-        opt2.load_state_dict(copy.deepcopy(sd))
-        got = train_mlp(model2, opt2, range(split + 1, steps + 1))
-        opt2.close()
+        got = resume("mlp", make_opt, runtime, params, sd, range(split + 1, steps + 1))
         for t, (a, b) in enumerate(zip(got, want), split + 1):
             assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {t}"
 

@@ -256,6 +256,12 @@ def env_rank_info() -> dict:
                                            "LOCAL_WORLD_SIZE", "WORLD_SIZE")}
 
 
+def checks_in(namespace: dict) -> dict:
+    """A per-rank script's checks for run_checks: its ``check_<name>`` functions (namespace:
+    its globals()) by <name>, in the order defined."""
+    return {n[len("check_"):]: f for n, f in namespace.items() if n.startswith("check_")}
+
+
 def run_checks(checks: dict, timeout: float) -> NoReturn:
     """A per-rank script's main: ``--checks`` (comma-separated names of ``checks``, all by
     default) run in order over a gloo process group with a barrier after each; each one's

@@ -221,11 +221,8 @@ def check_load_single() -> dict:
     return out
 
 
-CHECKS = {n[len("check_"):]: f for n, f in globals().items() if n.startswith("check_")}
-
-
 def main() -> None:
-    C.run_checks(CHECKS, timeout=120.0)
+    C.run_checks(C.checks_in(globals()), timeout=120.0)
 
 
 if __name__ == "__main__":

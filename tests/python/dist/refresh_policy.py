@@ -64,25 +64,35 @@ def moved(model, start) -> float:
                for a, b in zip(model.parameters(), start.parameters()))
 
 
+def rank_batch(t):
+    return C.local_batch(t, dist.get_rank(), dist.get_world_size())
+
+
+def replicas_run(name, module, model) -> tuple[dict, str]:
+    """``name`` with the drift policy trained through ``module`` (model itself or its wrapper)
+    on every rank: (whether the ranks' state and decisions are bitwise equal, with the stats'
+    refresh counts; the engine's type name)."""
+    opt = make_opt(name, module.parameters(), DRIFT)
+    log = record(opt)
+    C.train(module, opt, rank_batch, 1, STEPS)
+    vec = C.flat_state(model, opt)
+    st = opt.asteria_stats()
+    engine = type(opt.run.engine).__name__
+    opt.close()  # finishes the units in flight on every rank
+    decisions = torch.tensor(log, dtype=torch.float64).reshape(-1)
+    return {"replicas_equal": C.all_true(C.gather_equal(vec)),
+            "decisions_equal": C.all_true(C.gather_equal(decisions)),
+            "started": st["refresh_started"], "waiting": st["refresh_waiting"]}, engine
+
+
 def check_ddp() -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     out = {}
     for name in OPTS:
         model = C.make_model()
-        ddp = DDP(model)
-        opt = make_opt(name, ddp.parameters(), DRIFT)
-        log = record(opt)
-        for t in range(1, STEPS + 1):
-            C.train_step(ddp, opt, *C.local_batch(t, dist.get_rank(), dist.get_world_size()))
-        vec = C.flat_state(model, opt)
-        st = opt.asteria_stats()
-        opt.close()  # finishes the units in flight on every rank
-        decisions = torch.tensor(log, dtype=torch.float64).reshape(-1)
-        out[name] = {"replicas_equal": C.all_true(C.gather_equal(vec)),
-                     "decisions_equal": C.all_true(C.gather_equal(decisions)),
-                     "started": st["refresh_started"], "waiting": st["refresh_waiting"],
-                     "moved": moved(model, C.make_model())}
+        out[name], _ = replicas_run(name, DDP(model), model)
+        out[name]["moved"] = moved(model, C.make_model())
         dist.barrier()
     return out
 
@@ -111,22 +121,28 @@ def fsdp_model():
     return model
 
 
+def fsdp_run(name, runtime, delay, logs=None) -> tuple[list, dict]:
+    """``name`` on fsdp_model() with ``runtime``, its jobs delayed by ``delay`` (0: not): (the
+    full parameters after STEPS steps, the stats); its decisions (record) appended to ``logs``
+    when given."""
+    model = fsdp_model()
+    opt = make_opt(name, model.parameters(), runtime)
+    if delay:
+        delay_jobs(opt, delay)
+    if logs is not None:
+        logs.append(record(opt))
+    C.train(model, opt, rank_batch, 1, STEPS)
+    st = opt.asteria_stats()
+    opt.close()
+    return C.full_params(model), st
+
+
 def check_fsdp_global() -> dict:
     out = {}
     for name in OPTS:
         digests, logs = [], []
         for delay in (0, 7):
-            model = fsdp_model()
-            opt = make_opt(name, model.parameters(), dict(DRIFT, fsdp_blocking="global"))
-            if delay:
-                delay_jobs(opt, delay)
-            logs.append(record(opt))
-            for t in range(1, STEPS + 1):
-                C.train_step(model, opt, *C.local_batch(t, dist.get_rank(),
-                                                         dist.get_world_size()))
-            st = opt.asteria_stats()
-            opt.close()
-            full = C.full_params(model)
+            full, st = fsdp_run(name, dict(DRIFT, fsdp_blocking="global"), delay, logs)
             digests.append(C.digest(full))
         mine = sorted({(p, g, d) for _, p, g, d, _ in logs[0]})
         theirs = [None] * dist.get_world_size()
@@ -150,16 +166,8 @@ def check_fsdp_local() -> dict:
     for name in OPTS:
         digests = []
         for delay in (0, 7):
-            model = fsdp_model()
-            opt = make_opt(name, model.parameters(), DRIFT)
-            if delay:
-                delay_jobs(opt, delay)
-            for t in range(1, STEPS + 1):
-                C.train_step(model, opt, *C.local_batch(t, dist.get_rank(),
-                                                         dist.get_world_size()))
-            st = opt.asteria_stats()
-            opt.close()
-            digests.append(C.digest(C.full_params(model)))
+            full, st = fsdp_run(name, DRIFT, delay)
+            digests.append(C.digest(full))
         out[name] = {"reproducible": C.all_true(digests[0] == digests[1]),
                      "started": st["refresh_started"], "waiting": st["refresh_waiting"]}
         dist.barrier()
@@ -180,28 +188,14 @@ def check_hsdp() -> dict:
         for blk in model.blocks:
             fully_shard(blk, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        opt = make_opt(name, model.parameters(), DRIFT)
-        log = record(opt)
-        for t in range(1, STEPS + 1):
-            C.train_step(model, opt, *C.local_batch(t, dist.get_rank(), dist.get_world_size()))
-        vec = C.flat_state(model, opt)
-        st = opt.asteria_stats()
-        replicated = type(opt.run.engine).__name__
-        opt.close()
-        decisions = torch.tensor(log, dtype=torch.float64).reshape(-1)
-        out[name] = {"replicas_equal": C.all_true(C.gather_equal(vec)),
-                     "decisions_equal": C.all_true(C.gather_equal(decisions)),
-                     "engine": replicated, "started": st["refresh_started"],
-                     "waiting": st["refresh_waiting"]}
+        out[name], engine = replicas_run(name, model, model)
+        out[name]["engine"] = engine
         dist.barrier()
     return out
 
 
-CHECKS = {n[len("check_"):]: f for n, f in globals().items() if n.startswith("check_")}
-
-
 def main() -> None:
-    C.run_checks(CHECKS, timeout=120.0)
+    C.run_checks(C.checks_in(globals()), timeout=120.0)
 
 
 if __name__ == "__main__":
