@@ -38,6 +38,12 @@
 #      and the GPU's energy per step from NVML (energy counter, else sampled power; null with
 #      the reason without pynvml); async S=0 checked against sync f=1's trajectory. JSON:
 #      train_f1.json.
+#  7b. train-drift (tests/gpu/train_drift.py, at most 75 s): SOAP with the per-factor refresh
+#      policy (refresh_policy "drift", f=1) against native SOAP (mode sync) at f=10 on the same
+#      small model, 60 steps each: budget and d "auto" (the runtime's choice, recorded), and a
+#      fixed budget 0.25 with d=1 run twice (its rerun bitwise the same: deterministic
+#      installs). Step times, losses, refreshes per 100 steps, mean basis age, skipped share.
+#      JSON: train_drift.json.
 #   8. benchmarks/gpu_microbench.py (torch only: runs without Asteria's build): torch.linalg.eigh,
 #      torch.linalg.qr, a QR power step qr(L Q) and the drift score's GEMMs Q^T L Q in float32
 #      "highest" against TF32, n = 1024..8192, batch 1 and 16, within a share of the time left
@@ -50,7 +56,7 @@
 #  11. tests/gpu/capacity_stage.sh: REFRESH round time host-only vs host + device executor and
 #      install waits on the ~150M model.
 # Everything runs under one global timeout (ASTERIA_GPU_TOTAL_S, default 470 s < 8 min, build
-# included); each stage has its own, and the benchmarks share what is left after stage 7. Logs
+# included); each stage has its own, and the benchmarks share what is left after stages 7 and 7b. Logs
 # go to $OUT/gpu_logs (or build/gpu-logs). The summary, $OUT/gpu_check.json (or build/gpu-logs/), is
 # written when the check starts and again after every stage: a stage that fails or times out
 # leaves the record of those before it and its own error (its log's tail), and the global
@@ -553,6 +559,25 @@ else
     || FAILED=1
   note train-f1 "$STAGE_STATUS" "$RESULTS/train_f1.json" "$STAGE_S" "$LOGS/train-f1.log"
   sed -n 's/^\[train-f1\] /    /p' "$LOGS/train-f1.log"
+fi
+
+# ---- 7b. the per-factor refresh policy (drift) against native f=10 -----------------------------
+# a fixed limit: four runs of at most DRIFT_RUN_S each, set-up
+DRIFT_S=75
+DRIFT_RUN_S=12
+if [ -z "$PYPATH" ]; then
+  say "skipped: train-drift (Asteria not built)"
+  note train-drift failed "Asteria not built"
+  FAILED=1
+elif [ "$(left)" -lt $((DRIFT_S + 45)) ]; then
+  say "skipped: train-drift ($(left)s left of the global ${TOTAL_S}s)"
+  note train-drift skipped "out of time ($(left)s left)"
+  FAILED=1
+else
+  stage train-drift "$DRIFT_S" "$PY" "$ROOT/tests/gpu/train_drift.py" \
+    --out "$RESULTS/train_drift.json" --run-budget-s "$DRIFT_RUN_S" || FAILED=1
+  note train-drift "$STAGE_STATUS" "$RESULTS/train_drift.json" "$STAGE_S" "$LOGS/train-drift.log"
+  sed -n 's/^\[train-drift\] /    /p' "$LOGS/train-drift.log"
 fi
 
 # ---- 8. the GPU's REFRESH kernels (the planner's device rates) ---------------------------------

@@ -464,3 +464,186 @@ def test_gpu_microbench_terminated_leaves_what_it_measured(tmp_path):
     rec = json.loads(out.read_text())
     assert rec["state"] == "timed out" and "signal 15" in rec["error"]
     assert [e["n"] for e in rec["results"]] == [16]
+
+
+# ---- stage 7b: tests/gpu/train_drift.py, its logic on the CPU ----------------------------------
+
+TRAIN_DRIFT = os.path.join(ROOT, "tests", "gpu", "train_drift.py")
+DRIFT_STEPS = 12  # with WARMUP 5: native f=10's round at step 11 falls in the window
+
+
+def _gpu_module(name):
+    sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
+def _drift_env():
+    import asteria  # the package under test (installed, or a dev build), not the source tree
+
+    pkg_root = os.path.dirname(os.path.dirname(asteria.__file__))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (pkg_root, os.environ.get("PYTHONPATH")) if p))
+
+
+def _drift_stage():
+    """run.sh's train-drift stage: (its limit's and run budget's values, the arguments it
+    gives the script with $RESULTS left in, the JSON path its summary note reads)."""
+    import re
+    import shlex
+
+    text = open(os.path.join(ROOT, "tests", "gpu", "run.sh")).read()
+    m = re.search(r'stage train-drift "\$DRIFT_S" "\$PY" "\$ROOT/tests/gpu/train_drift\.py" \\\n'
+                  r'\s*(.*?) \|\| FAILED=1\n\s*note train-drift "\$STAGE_STATUS" "([^"]+)"', text)
+    assert m, "run.sh has no train-drift stage running tests/gpu/train_drift.py, noted"
+    limits = {k: int(re.search(rf"^{k}=(\d+)$", text, re.M).group(1))
+              for k in ("DRIFT_S", "DRIFT_RUN_S", "F1_S")}
+    # after the other training stage, before the benchmarks that share what is left
+    assert text.index("stage train-f1 ") < m.start() < text.index("stage gpu-microbench ")
+    return limits, shlex.split(m.group(1)), m.group(2)
+
+
+def test_train_drift_is_a_stage_of_run_sh():
+    train_drift = _gpu_module("train_drift")
+    limits, args, noted = _drift_stage()
+    assert args[:2] == ["--out", "$RESULTS/train_drift.json"] and noted == args[1]
+    assert args[2:] == ["--run-budget-s", "$DRIFT_RUN_S"]
+    # its four runs at their budget and the set-up fit the stage's limit
+    assert len(train_drift.RUNS) * limits["DRIFT_RUN_S"] + 20 <= limits["DRIFT_S"]
+
+
+@pytest.mark.timeout(400)
+def test_train_drift_logic_on_the_cpu(tmp_path):
+    """run.sh's stage arguments (a run budget no loaded 2-core machine spends), on the CPU
+    with train_f1's CPU model for DRIFT_STEPS steps: every check, the JSON the header
+    documents, its figures recomputed from the steps it recorded."""
+    import statistics
+
+    pytest.importorskip("asteria._C")
+    train_drift, train_f1 = _gpu_module("train_drift"), _gpu_module("train_f1")
+    _, args, _ = _drift_stage()
+    args = [a.replace("$RESULTS", str(tmp_path)).replace("$DRIFT_RUN_S", "300") for a in args]
+    r = subprocess.run([sys.executable, TRAIN_DRIFT, *args, "--device", "cpu", "--steps",
+                        str(DRIFT_STEPS)], env=_drift_env(), capture_output=True, text=True,
+                       timeout=380)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rec = json.loads((tmp_path / "train_drift.json").read_text())
+    assert rec["schema"] == "asteria.train_drift/1" and rec["state"] == "passed"
+    assert rec["device"] == "cpu" and rec["gpu"] is None and rec["torch"]
+    assert rec["fixed"] == {"refresh_budget": 0.25, "install_delay": 1}
+    assert rec["model"]["steps"] == DRIFT_STEPS and rec["model"]["warmup_steps"] == 5
+    fixed, rerun = "drift-b0.25-d1", "drift-b0.25-d1-rerun"
+    names = ["native-f10", "drift-auto", fixed, rerun]
+    assert list(rec["runs"]) == names
+    for name in names + ["drift-auto chosen", f"{fixed} as given", f"{fixed} rerun bitwise"]:
+        assert rec["checks"][name]["ok"], (name, rec["checks"][name])
+    runs = rec["runs"]
+    assert runs["native-f10"]["precondition_frequency"] == 10
+    assert runs["native-f10"]["runtime"] == {"mode": "sync"}
+    for name in names[1:]:
+        rt = runs[name]["runtime"]
+        assert runs[name]["precondition_frequency"] == 1
+        assert (rt["mode"], rt["refresh_policy"], rt["install"]) == (
+            "async", "drift", "deterministic")
+    assert runs["drift-auto"]["runtime"]["refresh_budget"] == "auto"
+    assert runs["drift-auto"]["runtime"]["install_delay"] == "auto"
+    assert runs[fixed]["runtime"] == runs[rerun]["runtime"]
+    assert runs[fixed]["runtime"]["refresh_device"] is False
+    factors = 2 * train_f1.SIZES["cpu"][1]  # square weights: two factors each
+    for name in names:
+        steps = runs[name]["steps"]
+        assert [s["step"] for s in steps] == list(range(1, DRIFT_STEPS + 1)), name
+        assert all(s["s"] > 0 and s["cpu_s"] >= 0 and s["loss"] > 0 for s in steps), name
+        refreshes = [s["refreshes"] for s in steps]
+        assert refreshes == sorted(refreshes), name
+        window = steps[train_drift.WARMUP:]
+        fig = runs[name]["figures"]
+        assert fig["factors"] == factors
+        assert runs[name]["median_step_s"] == statistics.median(s["s"] for s in window)
+        rate = window[-1]["refreshes"] - steps[train_drift.WARMUP - 1]["refreshes"]
+        if name == "native-f10":  # rounds, each every factor; their age steps since
+            assert refreshes[0] == 1 and refreshes[-1] == 2  # steps 1 and 11
+            assert [s["age_mean"] for s in window] == [5, 6, 7, 8, 9, 0, 1]
+            rate *= factors
+        assert fig["refreshes_per_100_steps"] == pytest.approx(100 * rate / len(window))
+        assert fig["refreshes_per_factor_per_100_steps"] == pytest.approx(
+            100 * rate / len(window) / factors)
+        assert fig["mean_basis_age"] == pytest.approx(
+            statistics.fmean(s["age_mean"] for s in window))
+        st = runs[name]["stats"]
+        if name == "native-f10":
+            assert st["refresh_policy"] == "round" and fig["refresh_budget"] is None
+            continue
+        assert st["refresh_policy"] == "drift" and fig["skipped_share"] == 0.0
+        assert st["refresh_skip_threshold"] is None
+        assert st["refresh_age_max_seen"] <= fig["max_age"] == st["refresh_max_age"]
+        assert sum(st["refresh_age_hist"].values()) == factors
+    auto = runs["drift-auto"]["figures"]
+    assert auto["budget_auto_chosen"] is True and auto["delay_auto_chosen"] is True
+    assert 0 < auto["refresh_budget"] <= 1 and auto["install_delay"] >= 0
+    fx = runs[fixed]["figures"]
+    assert (fx["refresh_budget"], fx["install_delay"]) == (0.25, 1)
+    assert fx["budget_auto_chosen"] is False and fx["delay_auto_chosen"] is False
+    # a quarter of a round a step: fewer than every factor every step; d=1: no basis younger
+    assert 0 < fx["refreshes_per_factor_per_100_steps"] < 100
+    assert min(s["age_mean"] for s in runs[fixed]["steps"][train_drift.WARMUP:]) >= 1
+    # the rerun, bit for bit
+    assert [s["loss"] for s in runs[fixed]["steps"]] == [s["loss"] for s in runs[rerun]["steps"]]
+    assert runs[fixed]["figures"] == runs[rerun]["figures"]
+    summary = rec["summary"]
+    assert set(summary["median_step_s"]) == set(names)
+    assert set(summary["step_time_ratio"]) == {f"{n}/native-f10" for n in names[1:]}
+    assert summary["step_time_ratio"][f"{fixed}/native-f10"] == pytest.approx(
+        summary["median_step_s"][fixed] / summary["median_step_s"]["native-f10"], rel=1e-3)
+    for key in ("refreshes_per_100_steps", "refreshes_per_factor_per_100_steps",
+                "mean_basis_age", "skipped_share", "refresh_budget", "install_delay",
+                "max_age"):
+        assert summary[key] == {n: runs[n]["figures"][key] for n in names}, key
+    assert summary["final_loss"]["native-f10"] == pytest.approx(statistics.fmean(
+        s["loss"] for s in runs["native-f10"]["steps"][-train_drift.FINAL_LOSS_STEPS:]))
+    assert "[train-drift] summary: " in r.stdout
+
+
+def test_train_drift_without_a_gpu_exits_77_and_refuses_bad_arguments(tmp_path):
+    import torch
+
+    out = str(tmp_path / "d.json")
+    for bad in (["--steps", "0"], ["--run-budget-s", "0"]):
+        r = subprocess.run([sys.executable, TRAIN_DRIFT, "--device", "cpu", "--out", out, *bad],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and bad[0] in r.stderr, (bad, r.stderr)
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    r = subprocess.run([sys.executable, TRAIN_DRIFT, "--out", out], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 77, r.stdout + r.stderr
+    assert "[train-drift] no GPU: skipped" in r.stdout
+
+
+@pytest.mark.timeout(300)
+def test_train_drift_terminated_leaves_its_json(tmp_path):
+    """The stage's timeout (SIGTERM) once its first run is recorded: the JSON keeps that run
+    and its check, and says "timed out"."""
+    pytest.importorskip("asteria._C")
+    out = tmp_path / "d.json"
+    proc = subprocess.Popen([sys.executable, TRAIN_DRIFT, "--device", "cpu", "--steps", "400",
+                             "--run-budget-s", "0.5", "--out", str(out)], env=_drift_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 200
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if "native-f10" in json.loads(out.read_text())["checks"]:
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stdout[-3000:]
+    rec = json.loads(out.read_text())
+    assert rec["state"] == "timed out" and "signal 15" in rec["error"], rec.get("error")
+    assert rec["checks"]["native-f10"]["ok"]
+    assert "stopped" in rec["runs"]["native-f10"]  # its budget stopped it, and said so
+    assert "drift-b0.25-d1 rerun bitwise" not in rec["checks"]
