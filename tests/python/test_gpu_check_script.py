@@ -11,7 +11,10 @@ the CPU with a stage forced to fail or to hang:
  - train_f1.py (stage 7) runs its logic on the CPU: f=1 S=0 on the host workers against native
    f=1 and f=10, its trajectory checks, energy null with the reason; without --device cpu and
    no GPU it exits 77; its NVML meter reads the energy counter, else integrates power samples,
-   else says why not (a stand-in NVML).
+   else says why not (a stand-in NVML);
+ - train_drift.py (stage 7b) runs its logic on the CPU: refresh_policy "drift" (budget and d
+   auto, and a fixed budget run twice, bitwise) against native f=10, its figures recomputed
+   from the recorded steps; without a GPU it exits 77, a SIGTERM leaves its JSON.
 
 The stage is forced with a stand-in `cmake` first on PATH (it answers --version, then fails or
 hangs), in a copy of tests/gpu: nothing of this checkout's build is touched."""
