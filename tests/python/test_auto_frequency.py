@@ -4,11 +4,13 @@ from its capacity record at a parameter's second step, its one home (the cadence
 place in the state dict, the reports, and the offline planner's S = 0 window, PCIe bytes and
 ``-f auto``.
 
-The runs are real: libasteria's pool on this machine's cores. A round that certainly fits the
-forward and backward comes from a small model whose forward and backward is given substance
-(a sleep between steps, as a training step has); a round that certainly does not, from the
-test-only job delay (every job sleeps first on its worker), so the model prices the round
-from jobs that took that long.
+The runs are real: libasteria's pool on this machine's cores. Where a test wants a known
+choice it holds the capacity record's clock (capacity_clock.py): each step's forward and
+backward lasts what the test says there, whatever the machine's load. A round that certainly
+fits the forward and backward comes from a small model (milliseconds) against 60 s of forward
+and backward; a round that certainly does not, from the test-only job delay (every job sleeps
+first on its worker, so the model prices the round from jobs that took at least that long)
+against steps of 5 ms.
 """
 
 import copy
@@ -21,6 +23,7 @@ import asteria
 from asteria import plan
 from asteria.optim import SOAP, KLShampoo, OneSidedSOAP, Shampoo
 from asteria.refresh import cost as C
+from capacity_clock import hold_capacity_clock
 from job_delay import delay_jobs
 from models import loss_and_grad, make_model, params_of, require_c_extension
 
@@ -37,11 +40,22 @@ def rt(staleness="auto", workers=2, **kw):
     return {"mode": "async", "staleness": staleness, "workers": workers, **kw}
 
 
-def train(model, opt, steps, start=1, fb_sleep=0.0, record=None):
+# seconds of forward and backward a step on the capacity record's clock: FB_FITS holds 1.5x any
+# round of these models (it would take a round of 40 s to break it); FB_SHORT is below 1.5x a
+# round whose jobs sleep 60 ms or more first
+FB_FITS, FB_SHORT = 60.0, 0.005
+
+
+def train(model, opt, steps, start=1, fb_sleep=0.0, record=None, clock=None, fb_s=0.0):
+    """``steps`` steps; ``fb_sleep``: a real sleep before each step (a forward and backward of
+    some substance); with ``clock`` (capacity_clock.StepClock) each forward and backward lasts
+    ``fb_s`` on the capacity record's clock instead."""
     for t in range(start, start + steps):
         loss_and_grad(model, "mlp", t)
         if fb_sleep:
-            time.sleep(fb_sleep)  # a forward and backward of some substance
+            time.sleep(fb_sleep)
+        if clock is not None:
+            clock.advance(fb_s)
         opt.step()
         if record is not None:
             record.append(opt.asteria_stats()["refreshes_submitted"])
@@ -138,19 +152,21 @@ def test_integer_frequency_has_no_auto_key():
 
 # ---- the choice in a run -----------------------------------------------------------------------
 
-def test_round_within_the_forward_and_backward_gives_f1_s0():
-    # a small model's round is a few milliseconds; the forward and backward takes 100 ms
+def test_round_within_the_forward_and_backward_gives_f1_s0(monkeypatch):
+    # a small model's round is a few milliseconds; the forward and backward takes 60 s (on the
+    # capacity record's clock)
+    clock = hold_capacity_clock(monkeypatch)
     model = make_model("mlp")
     opt = SOAP(model.parameters(), precondition_frequency="auto", runtime=rt())
     twin = make_model("mlp")
     ref = SOAP(twin.parameters(), precondition_frequency=1, runtime=rt(0))
     try:
-        train(model, opt, 8, fb_sleep=0.1)
+        train(model, opt, 8, clock=clock, fb_s=FB_FITS)
         train(twin, ref, 8)
         st = opt.asteria_stats()
         assert st["frequency_auto_chosen"], opt.asteria_plan()
         assert (st["frequency_auto_f"], st["staleness"]) == (1, 0), opt.asteria_plan()
-        assert st["capacity_fb_s"] >= 0.1 and st["capacity_window_s"] == st["capacity_fb_s"]
+        assert st["capacity_fb_s"] == FB_FITS and st["capacity_window_s"] == FB_FITS
         assert any("window at S=0 = the next forward and backward" in line
                    for line in opt.asteria_plan())
         # f = 1 and S = 0 from the first step on: the run of the integers f = 1, S = 0
@@ -162,18 +178,19 @@ def test_round_within_the_forward_and_backward_gives_f1_s0():
 
 
 @pytest.mark.parametrize("staleness", ["auto", 0, 2])
-def test_slow_round_gives_a_larger_f_used_from_then_on(staleness):
-    # every job sleeps 100 ms: the model prices a round at 100 ms or more against ~10 ms steps
+def test_slow_round_gives_a_larger_f_used_from_then_on(staleness, monkeypatch):
+    # every job sleeps 100 ms: the model prices a round at 50 ms or more against 5 ms steps
+    clock = hold_capacity_clock(monkeypatch)
     model = make_model("mlp")
     opt = SOAP(model.parameters(), precondition_frequency="auto", runtime=rt(staleness))
     try:
         delay_jobs(opt, 100)
         submitted: list = []
-        train(model, opt, 3, fb_sleep=0.005, record=submitted)
+        train(model, opt, 3, record=submitted, clock=clock, fb_s=FB_SHORT)
         st = opt.asteria_stats()
         assert st["frequency_auto_chosen"]
         f, s = st["frequency_auto_f"], st["staleness"]
-        assert f >= 3, opt.asteria_plan()  # 1.5 x 100 ms over steps of ~10 to 50 ms
+        assert f >= 3, opt.asteria_plan()  # 1.5 x 50 ms or more over steps of 5 ms or less
         assert s == (f if staleness == "auto" else staleness)
         train(model, opt, f + 2, start=4, record=submitted)
         # SOAP's count k is the step t - 1; after the choice (t = 3) a round only at k % f == 0
@@ -184,8 +201,9 @@ def test_slow_round_gives_a_larger_f_used_from_then_on(staleness):
         opt.close()
 
 
-def test_auto_group_beside_an_integer_group_keeps_s_within_both():
+def test_auto_group_beside_an_integer_group_keeps_s_within_both(monkeypatch):
     # both auto: S is chosen with f, and at most the integer group's f (S <= f for every group)
+    clock = hold_capacity_clock(monkeypatch)
     model = make_model("mlp")
     first, *rest = [p for p in model.parameters() if p.dim() == 2]
     others = [p for p in model.parameters() if p.dim() != 2]
@@ -193,7 +211,7 @@ def test_auto_group_beside_an_integer_group_keeps_s_within_both():
                 {"params": rest + others, "precondition_frequency": "auto"}], runtime=rt())
     try:
         delay_jobs(opt, 60)
-        train(model, opt, 4, fb_sleep=0.005)
+        train(model, opt, 4, clock=clock, fb_s=FB_SHORT)
         st = opt.asteria_stats()
         assert st["frequency_auto_chosen"] and st["frequency_auto_f"] >= 3
         assert st["staleness"] == 3  # the round wants more, the integer group allows 3
@@ -219,12 +237,13 @@ def test_shampoo_chooses_at_its_second_step():
         opt.close()
 
 
-def test_chosen_f_survives_a_checkpoint_bitwise():
+def test_chosen_f_survives_a_checkpoint_bitwise(monkeypatch):
+    clock = hold_capacity_clock(monkeypatch)
     model = make_model("mlp")
     opt = SOAP(model.parameters(), precondition_frequency="auto", runtime=rt())
     try:
         delay_jobs(opt, 60)
-        train(model, opt, 5, fb_sleep=0.005)
+        train(model, opt, 5, clock=clock, fb_s=FB_SHORT)
         st = opt.asteria_stats()
         f, s = st["frequency_auto_f"], st["staleness"]
         assert st["frequency_auto_chosen"] and f > 1

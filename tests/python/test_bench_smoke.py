@@ -126,7 +126,8 @@ def _restores(fn):
     return out
 
 
-@pytest.mark.timeout(120)
+# a hang guard: 37 s beside a load of 8 on 2 cores, past 120 s with 4 more CPU hogs
+@pytest.mark.timeout(600)
 def test_bench_convergence_quick(tmp_path):
     bc = load_bench("bench_convergence")
     _restores(lambda: bc.main(
@@ -317,6 +318,24 @@ def test_bench_exit_counts_each_launch(tmp_path):
     (run,) = data["runs"]["soap-async/none"]
     assert run["code"] == 0 and run["abort"] is False, run
     assert data["summary"] == {"soap-async/none": {"runs": 1, "nonzero": 0, "aborts": 0}}
+
+
+@pytest.mark.timeout(120)
+def test_bench_sigint_one_repeat(tmp_path):
+    """bench_sigint measures, per repeat, a SIGINT's way to a waiting thread, a handler's and a
+    timed wait's overshoot (the latencies test_sigint.py does not assert): one repeat, its JSON
+    and summary (the figures themselves are the machine's)."""
+    bs = load_bench("bench_sigint")
+    _restores(lambda: bs.main(["--repeats", "1", "--out-dir", str(tmp_path)]))
+    data = json.loads((tmp_path / "bench_sigint.json").read_text())
+    assert "--repeats 1" in data["command"] and data["machine"]["loadavg_end"]
+    assert set(data["summary"]) == set(data["samples_s"]) == {"interrupt", "handler",
+                                                               "timed_overshoot"}
+    for kind, xs in data["samples_s"].items():
+        assert len(xs) == 1 and xs[0] >= 0, (kind, xs)
+        assert data["summary"][kind]["n"] == 1
+    with pytest.raises(SystemExit):
+        bs.main(["--repeats", "0"])
 
 
 @pytest.mark.timeout(120)

@@ -325,7 +325,12 @@ def test_threads_racing_buffers_against_moves(nvme_store):
     done = threading.Event()
 
     def mover():
-        for _ in range(100):
+        # 100 trips, then on until a trip has gone through and a view has been seen (a loaded
+        # machine may starve either side of the race for a while), for at most 30 s
+        trips, deadline = 0, time.monotonic() + 30
+        while trips < 100 or (min(counts["moved"], counts["viewed"]) < 1
+                              and time.monotonic() < deadline):
+            trips += 1
             try:
                 s.move([b], "nvme")
                 s.move([b], "host")

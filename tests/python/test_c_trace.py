@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from asteria import _C
+from job_delay import set_job_delay
 
 N = 96
 
@@ -121,8 +122,11 @@ def test_barrier_span_uncollected_jobs_and_explicit_write(tmp_path):
     path, early = tmp_path / "t.json", tmp_path / "early.json"
     rt = _C.Runtime({"workers": 1, "pin": False, "trace": str(path)})
     keep = []
-    big = spd(5, 384)  # long enough that wait() blocks
-    t1, _, _ = submit_eigh(rt, big, 1, keep)
+    # the job delay orders the events whatever the machine's load: job 1 sleeps 0.5 s, so the
+    # wait below blocks; job 2 sleeps 2 s after it, so the snapshot is written before it ends
+    set_job_delay(rt, 500)
+    t1, _, _ = submit_eigh(rt, spd(5, 384), 1, keep)
+    set_job_delay(rt, 2000)
     t2, _, _ = submit_eigh(rt, spd(6), 2, keep)
     r1 = rt.wait(t1)
     stats = rt.stats()

@@ -11,6 +11,7 @@ import torch
 from asteria import _C
 from asteria.refresh.engine import Result, SubmitOptions
 from asteria.refresh.host_pool import HostPoolEngine, c_config
+from job_delay import set_job_delay
 from tolerance import rounding_tol
 
 
@@ -227,7 +228,9 @@ def test_nan_input_fails_without_outputs(eng):
 
 def test_cancel_queued_job(eng1):
     big = sym(8, 384, torch.float64, seed=40)
+    set_job_delay(eng1.runtime, 1000)  # it still runs 1 s after its start, whatever the load
     t_long = eng1.submit("eigh", big, **ids())
+    set_job_delay(eng1.runtime, 0)
     small = sym(1, 8, torch.float64, seed=41)
     t_small = eng1.submit("eigh", small, **ids())
     t0 = time.monotonic()
@@ -250,6 +253,7 @@ def test_cancel_queued_job(eng1):
 
 def test_wait_timeout_keeps_ticket(eng1):
     big = sym(8, 384, torch.float64, seed=42)
+    set_job_delay(eng1.runtime, 1000)  # not done at the wait below, whatever the load
     t = eng1.submit("eigh", big, **ids())
     with pytest.raises(TimeoutError):
         eng1.wait(t, timeout=0.0)

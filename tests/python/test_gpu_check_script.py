@@ -285,14 +285,25 @@ def test_train_f1_without_a_gpu_exits_77(tmp_path):
     assert "[train-f1] no GPU: skipped" in r.stdout
 
 
+class _Clock:
+    """``perf_counter()`` as train_f1 reads it (and the stand-in's energy counter), held by the
+    test: it moves only by ``now +=``."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def perf_counter(self):
+        return self.now
+
+
 class _FakeNVML:
-    """pynvml's calls the meter makes; power in W, the counter in mJ from the clock."""
+    """pynvml's calls the meter makes; power in W, the counter in mJ from ``clock``."""
 
     class NVMLError(Exception):
         pass
 
-    def __init__(self, watts, counter=True, init=True):
-        self.watts, self.counter, self.init = watts, counter, init
+    def __init__(self, watts, counter=True, init=True, clock=time):
+        self.watts, self.counter, self.init, self.clock = watts, counter, init, clock
         self.bus = None
         self.shut = False
 
@@ -316,7 +327,7 @@ class _FakeNVML:
     def nvmlDeviceGetTotalEnergyConsumption(self, handle):
         if not self.counter:
             raise self.NVMLError("Not Supported")
-        return int(time.perf_counter() * self.watts * 1e3)
+        return int(self.clock.perf_counter() * self.watts * 1e3)
 
     def nvmlDeviceGetPowerUsage(self, handle):
         return int(self.watts * 1e3)
@@ -336,18 +347,26 @@ def test_train_f1_energy_meter(monkeypatch, counter):
     props = types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0x3B, pci_device_id=0)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
-    nvml = _FakeNVML(250.0, counter=counter)
+    # the meter's clock and the counter's are one clock the test holds: a window of exactly
+    # 0.3 s, whatever the machine's load puts between the meter's reads
+    clock = _Clock()
+    monkeypatch.setattr(train_f1, "time", clock)
+    nvml = _FakeNVML(250.0, counter=counter, clock=clock)
     meter = train_f1.EnergyMeter("cuda", nvml=nvml)
     assert nvml.bus == b"00000000:3B:00.0"
     assert meter.method == ("total_energy_counter" if counter else "power_samples")
     assert meter.reason is None and meter.info["nvml_device"] == "Stand-in GPU"
     assert ("counter_unsupported" in meter.info) != counter
     meter.start()
-    time.sleep(0.3)
+    if not counter:  # the sampling thread's first two readings, however long they take
+        deadline = time.monotonic() + 30
+        while len(meter._samples) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    clock.now += 0.3
     e = meter.stop(10)
     meter.close()
     assert nvml.shut
-    assert e["method"] == meter.method and e["steps"] == 10
+    assert e["method"] == meter.method and e["steps"] == 10 and e["window_s"] == 0.3
     # 250 W over the window, counted or integrated
     assert e["energy_j"] == pytest.approx(250.0 * e["window_s"], rel=0.05)
     assert e["per_step_j"] == pytest.approx(e["energy_j"] / 10, rel=1e-3)

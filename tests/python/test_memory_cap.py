@@ -1,7 +1,7 @@
 """Training under a memory cap of the kernel (a memory cgroup, v1 or v2; benchmarks/memcap.py).
 
  - the cap itself: a child that allocates past it is killed by the kernel's OOM killer, one that
-   stays below completes, and the group's anonymous peak is measured;
+   stays below completes, and the group's peak is measured;
  - four 1024 x 1024 linear layers, SOAP with precondition_frequency 10, 12 steps, one torch
    thread, each run a fresh process (benchmarks/bench_memory_cap.py's worker): native SOAP
    (mode="sync") and Asteria (async, S=5, host_budget_bytes 1 MiB, nvme_dir) run in groups
@@ -77,7 +77,12 @@ def test_cap_kills_past_it_and_spares_below():
     assert big["killed_by_oom"] and big["returncode"] != 0 and "done" not in big["stdout"]
     small = memcap.run_capped(hog + [str(32 * MiB)], 96 * MiB, 60)
     assert small["returncode"] == 0 and not small["killed_by_oom"] and "done" in small["stdout"]
-    assert 32 * MiB <= small["anon_peak_bytes"] <= 96 * MiB
+    # the cap bounds what the group holds, sampled or not; the hog's 32 MiB are in the kernel's
+    # own peak of the group, which is never missed (the 20 ms samples of anonymous memory can
+    # miss its 0.5 s when the sampler is starved): that where the kernel keeps one
+    assert small["anon_peak_bytes"] <= 96 * MiB
+    peak = small["cgroup_peak_bytes"]
+    assert 32 * MiB <= (small["anon_peak_bytes"] if peak is None else peak) <= 96 * MiB
 
 
 @pytest.fixture(scope="module")

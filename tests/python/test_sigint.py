@@ -2,15 +2,19 @@
 
 Real SIGINT (os.kill from a timer thread), real worker pool. Runtime.wait wakes every 100 ms,
 takes the GIL and runs the signal handlers, so:
- - KeyboardInterrupt arrives within about 0.3 s of the signal, during a long eigendecomposition
-   (a real one, and one kept slow by the test-only job delay, job_delay.py);
+ - KeyboardInterrupt arrives during the wait, while the job still runs, during a long
+   eigendecomposition (a real one, and one kept slow by the test-only job delay, job_delay.py);
  - the interrupted wait leaves the job pending: waiting again returns its result, bitwise the
    result of an uninterrupted run, and afterwards no job, buffer registration or snapshot is
    left behind;
- - a handler that does not raise just runs, and the wait goes on; a timeout still ends the
-   wait on time;
+ - a handler that does not raise runs while the job is still pending, and the wait goes on; a
+   timeout still ends the wait, never before it;
  - an optimizer step interrupted at the bounded barrier and retried gives the parameters of an
    uninterrupted run, bitwise.
+The order of events is the test's: each job sleeps (the job delay) far longer than the signal's
+timer, or the signal waits for the job to start. How soon the signal is seen (within about one
+100 ms slice on an idle machine, more on a loaded one) is measured by
+benchmarks/bench_sigint.py, not asserted here.
 """
 
 import os
@@ -36,22 +40,23 @@ def _c_extension():
 
 @pytest.fixture
 def sigint():
-    """sigint(after): a real SIGINT to this process `after` seconds from now, from another
-    thread (Python's default handler: KeyboardInterrupt in the main thread). Returns a
-    function that reports when the signal was sent."""
+    """sigint(after, once=None): a real SIGINT to this process `after` seconds from now, from
+    another thread (Python's default handler: KeyboardInterrupt in the main thread); with
+    ``once``, not before ``once()`` is true as well (polled every millisecond, for at most
+    30 s)."""
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
     timers = []
-    sent = {}
 
-    def send():
-        sent["at"] = time.monotonic()
-        os.kill(os.getpid(), signal.SIGINT)
+    def arm(after, once=None):
+        def send():
+            deadline = time.monotonic() + 30
+            while once is not None and not once() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            os.kill(os.getpid(), signal.SIGINT)
 
-    def arm(after):
         t = threading.Timer(after, send)
         timers.append(t)
         t.start()
-        return lambda: sent["at"]
 
     yield arm
     for t in timers:
@@ -74,12 +79,12 @@ def assert_clean(eng):
     assert st["jobs_done"] == st["jobs_submitted"] and st["jobs_failed"] == 0
 
 
-def interrupted_wait(eng, ticket, sent_at):
-    """Waits on ticket until KeyboardInterrupt; returns seconds from the signal to the raise."""
+def interrupted_wait(eng, ticket):
+    """Waits on ticket until KeyboardInterrupt."""
     try:
         eng.wait(ticket)
     except KeyboardInterrupt:
-        return time.monotonic() - sent_at()
+        return
     pytest.fail("the wait ended without KeyboardInterrupt")
 
 
@@ -95,25 +100,23 @@ def slow_engine(delay_ms: int) -> HostPoolEngine:
 def test_sigint_interrupts_the_wait_and_the_result_survives(sigint, how):
     if how == "delay":  # a job that sleeps 1.5 s on its worker, then computes
         delay, f = DELAY_MS, spd(64)
-    else:  # an eigendecomposition: 1.7 s for n = 1536 on a loaded 2-core VM, less on others
+    else:  # an eigendecomposition: about 1 s for n = 1536 on a 2-core VM, more when loaded
         delay, f = 0, spd(1536, seed=1)
     with torch.no_grad():
         want = HostPoolEngine({"workers": 1})
         try:
-            t0 = time.monotonic()
             ref = want.wait(want.submit("eigh", f, block=1, version=1, deadline=1,
                                         snapshot_step=0))
-            job_s = time.monotonic() - t0
         finally:
             want.close()
-    # the signal arrives while the job runs, however fast this machine computes it
-    at = 0.2 if how == "delay" else min(0.2, job_s / 4)
     eng = slow_engine(delay)
     try:
         ticket = eng.submit("eigh", f, block=1, version=1, deadline=1, snapshot_step=0)
-        sent_at = sigint(at)
-        lag = interrupted_wait(eng, ticket, sent_at)
-        assert lag < 0.3, f"KeyboardInterrupt came {lag:.3f} s after SIGINT"
+        # the signal 0.2 s after the wait began (the main thread is in it by then), and not
+        # before the worker has started the job: the delayed one sleeps 1.5 s, the real one has
+        # its whole decomposition ahead
+        sigint(0.2, once=lambda: eng.runtime.stats()["jobs_running"] == 1)
+        interrupted_wait(eng, ticket)
         # a real job may end between the interrupt and this check; the delayed one may not
         assert not eng.ready(ticket) or how == "real_eigh"
         assert eng.stats()["bytes_registered"] > 0  # the job still holds its buffers
@@ -127,21 +130,21 @@ def test_sigint_interrupts_the_wait_and_the_result_survives(sigint, how):
 
 def test_sigint_during_a_timed_wait(sigint):
     """An interrupted wait with a timeout raises KeyboardInterrupt, not TimeoutError; a timed
-    wait without a signal ends on time (not rounded to the 100 ms wake-ups) with TimeoutError;
-    the job is still collected afterwards."""
+    wait without a signal ends with TimeoutError, never before its timeout (how soon after it:
+    bench_sigint.py's timed_overshoot); the job is still collected afterwards."""
     eng = slow_engine(DELAY_MS)
     try:
         ticket = eng.submit("eigh", spd(32), block=1, version=1, deadline=1, snapshot_step=0)
-        sent_at = sigint(0.15)
+        sigint(0.15)
         try:
             eng.wait(ticket, timeout=10.0)
             pytest.fail("no KeyboardInterrupt")
         except KeyboardInterrupt:
-            assert time.monotonic() - sent_at() < 0.3
+            assert not eng.ready(ticket)  # the job sleeps 1.5 s: interrupted, not timed out
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):
             eng.wait(ticket, timeout=0.25)
-        assert 0.24 <= time.monotonic() - t0 < 0.4
+        assert time.monotonic() - t0 >= 0.25
         assert eng.wait(ticket).status == 0
         assert_clean(eng)
     finally:
@@ -149,22 +152,21 @@ def test_sigint_during_a_timed_wait(sigint):
 
 
 def test_signal_handlers_run_during_the_wait():
-    """A handler that does not raise runs while the thread waits (within 100 ms of its signal),
+    """A handler that does not raise runs while the thread waits, with the job still pending
+    (it sleeps 1.5 s, the signal comes at 0.2 s; how soon the handler runs: bench_sigint.py),
     and the wait then goes on to the result."""
-    ran = []
-    old = signal.signal(signal.SIGUSR1, lambda *a: ran.append(time.monotonic()))
-    eng = slow_engine(800)
+    eng = slow_engine(DELAY_MS)
+    ran = []  # the runtime's finished jobs when the handler ran: 0 during the wait
+    old = signal.signal(signal.SIGUSR1,
+                        lambda *a: ran.append(eng.runtime.stats()["jobs_done"]))
     timer = None
     try:
         ticket = eng.submit("eigh", spd(32), block=1, version=1, deadline=1, snapshot_step=0)
-        sent = []
-        timer = threading.Timer(0.2, lambda: (sent.append(time.monotonic()),
-                                              os.kill(os.getpid(), signal.SIGUSR1)))
+        timer = threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGUSR1))
         timer.start()
         res = eng.wait(ticket)
-        done = time.monotonic()
         assert res.status == 0
-        assert len(ran) == 1 and ran[0] - sent[0] < 0.3 and ran[0] < done - 0.2
+        assert ran == [0], ran
         assert_clean(eng)
     finally:
         if timer is not None:
@@ -188,12 +190,12 @@ def test_runtime_wait_interrupted_keeps_the_ticket(sigint):
         hq = rt.register(q.data_ptr(), q.numel() * 8)
         ticket = rt.submit("eigh", "float64", n, 1, f.data_ptr(), None, q.data_ptr(), None,
                            block=1, version=1, deadline=1)
-        sent_at = sigint(0.1)
+        sigint(0.1)  # the job sleeps 1 s: both waits below find it pending
         try:
             rt.wait(ticket)
             pytest.fail("no KeyboardInterrupt")
         except KeyboardInterrupt:
-            assert time.monotonic() - sent_at() < 0.3
+            assert rt.stats()["jobs_done"] == 0
         with pytest.raises(_C.AsteriaError):
             rt.unregister(hq)  # AST_EBUSY: the job still uses it
         res = rt.wait(ticket)
@@ -245,12 +247,11 @@ def test_optimizer_step_interrupted_at_the_barrier(sigint):
             if t not in WAITING_STEPS:
                 opt.step()
                 continue
-            sent_at = sigint(0.15)
+            sigint(0.15)  # the step waits about 0.7 s at the barrier for its refresh
             try:
                 opt.step()
             except KeyboardInterrupt:
                 interrupted.append(t)
-                assert time.monotonic() - sent_at() < 0.3
             else:
                 time.sleep(0.3)  # let a late signal land here, not in the next step
         st = opt.asteria_stats()

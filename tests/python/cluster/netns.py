@@ -284,7 +284,8 @@ class Cluster:
 
     def link_stats(self, node: int) -> dict:
         """Node ``node``'s counters: eth0's tx / rx bytes (inter-node), lo's tx bytes
-        (intra-node), and per direction what its token bucket sent and dropped (``tc -s``)."""
+        (intra-node), and per direction what its token bucket sent and dropped and its rate in
+        bit/s (``tc -s``)."""
         def dev_bytes(ns, dev):
             info = json.loads(_run("ip", "-n", ns, "-j", "-s", "link", "show", "dev",
                                    dev).stdout)[0]["stats64"]
@@ -294,7 +295,7 @@ class Cluster:
             q = json.loads(_run("tc", "-n", ns, "-j", "-s", "qdisc", "show", "dev",
                                 dev).stdout)[0]
             return {"sent_bytes": q["bytes"], "dropped": q["drops"],
-                    "overlimits": q["overlimits"]}
+                    "overlimits": q["overlimits"], "rate_bits": 8 * q["options"]["rate"]}
 
         tx, rx = dev_bytes(self.ns(node), IFNAME)
         lo_tx, _ = dev_bytes(self.ns(node), "lo")

@@ -221,8 +221,8 @@ def check_hier_vs_flat():
 
 
 def check_window():
-    """S = 5 with a step that computes for 30 ms: every REFRESH's traffic is done before its
-    install step (no wait at the bounded barrier); S = 0 waits at every refresh."""
+    """S = 5 and S = 0 with a step that computes for 30 ms: each one's units, late units,
+    barrier waits and smallest window slack (test_distributed.py says what holds)."""
     out = {}
     for s in (5, 0):
         model, opt = ddp_run("soap", 16, {"mode": "async", "staleness": s, "workers": 1}, f=5,
