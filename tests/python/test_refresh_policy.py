@@ -37,6 +37,7 @@ from asteria.optim import _layout as K
 from asteria.optim.cadence import age_floor
 from asteria.optim.drift import PROBES, Probes
 from asteria.refresh import cost as C
+from capacity_clock import hold_capacity_clock
 from job_delay import delay_jobs, runtimes_of, set_job_delay
 from models import (assert_resumes_bitwise, loss_and_grad, make_model, optimizer_pairs,
                     params_of, require_c_extension, run)
@@ -178,15 +179,19 @@ def test_same_trajectory_whatever_the_timing(name):
     assert same(runs[0], runs[1]) and same(runs[0], runs[2])
 
 
-def test_auto_values_chosen_once_then_the_trajectory_is_theirs():
+def test_auto_values_chosen_once_then_the_trajectory_is_theirs(monkeypatch):
     """SOAP chooses an "auto" budget and d at its first REFRESH step end (from its first-step
     eigendecompositions' measured rate): a run given those values under another job delay is
-    the same bit for bit."""
+    the same bit for bit. The steps are the test's (capacity_clock.py): 4 ms of forward and
+    backward on the capacity record's clock, which stands still otherwise, so a round whose
+    jobs sleep 40 ms first (the job delay: a lower bound whatever the machine's load) does not
+    fit 1.5x in a step, nor does one factor: budget < 1 and d >= 1 by the rule."""
+    clock = hold_capacity_clock(monkeypatch)
     model = make_model(KIND)
     opt = SOAP(model.parameters(), precondition_frequency=1, runtime=drift())
     try:
         delay_jobs(opt, 40)  # slow jobs: a round does not fit a step
-        auto = train(model, opt, 1, 12, lambda t: time.sleep(0.004))
+        auto = train(model, opt, 1, 12, lambda t: clock.advance(0.004))
         st = opt.asteria_stats()
         assert st["refresh_budget_auto_chosen"] and st["install_delay_auto_chosen"]
         b, d = st["refresh_budget"], st["install_delay"]
