@@ -37,7 +37,7 @@ from asteria.optim import _layout as K
 from asteria.optim.cadence import age_floor
 from asteria.optim.drift import PROBES, Probes
 from asteria.refresh import cost as C
-from capacity_clock import hold_capacity_clock
+from asteria.refresh.capacity import Capacity
 from job_delay import delay_jobs, runtimes_of, set_job_delay
 from models import (assert_resumes_bitwise, loss_and_grad, make_model, optimizer_pairs,
                     params_of, require_c_extension, run)
@@ -180,22 +180,30 @@ def test_same_trajectory_whatever_the_timing(name):
 
 
 def test_auto_values_chosen_once_then_the_trajectory_is_theirs(monkeypatch):
-    """SOAP chooses an "auto" budget and d at its first REFRESH step end (from its first-step
-    eigendecompositions' measured rate): a run given those values under another job delay is
-    the same bit for bit. The steps are the test's (capacity_clock.py): 4 ms of forward and
-    backward on the capacity record's clock, which stands still otherwise, so a round whose
-    jobs sleep 40 ms first (the job delay: a lower bound whatever the machine's load) does not
-    fit 1.5x in a step, nor does one factor: budget < 1 and d >= 1 by the rule."""
-    clock = hold_capacity_clock(monkeypatch)
+    """SOAP chooses an "auto" budget and d at its first REFRESH step end, from the capacity
+    record's seconds: a run given those values under another job delay is the same bit for bit.
+    The seconds are the test's, injected where the cadence reads them (``times_for_f``, once
+    the real record has them): a full round of 1 s, its largest factor 10 ms, steps of 100 ms
+    with 90 ms of forward and backward, so the rule gives budget 1/15 and d = 1 whatever the
+    machine's load (test_choose_refresh_budget_rule)."""
+    real = Capacity.times_for_f
+
+    def held(self, jobs, stall_ns=0):
+        if real(self, jobs, stall_ns) is None:
+            return None
+        whole = len(jobs) > 1 or any(j.batch > 1 for j in jobs)
+        return (1.0 if whole else 0.010), 0.100, 0.090
+
+    monkeypatch.setattr(Capacity, "times_for_f", held)
     model = make_model(KIND)
     opt = SOAP(model.parameters(), precondition_frequency=1, runtime=drift())
     try:
-        delay_jobs(opt, 40)  # slow jobs: a round does not fit a step
-        auto = train(model, opt, 1, 12, lambda t: clock.advance(0.004))
+        delay_jobs(opt, 40)
+        auto = train(model, opt, 1, 12)
         st = opt.asteria_stats()
         assert st["refresh_budget_auto_chosen"] and st["install_delay_auto_chosen"]
         b, d = st["refresh_budget"], st["install_delay"]
-        assert b < 1.0 and d >= 1
+        assert (b, d) == (1.0 / 15, 1)
         sd = opt.state_dict()
         assert {v[K.AUTO_BUDGET] for v in sd["state"].values() if K.AUTO_BUDGET in v} == {b}
         assert {v[K.AUTO_DELAY] for v in sd["state"].values() if K.AUTO_DELAY in v} == {d}
