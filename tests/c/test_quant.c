@@ -18,6 +18,7 @@
 #include <cmocka.h>
 
 #include "asteria/errors.h"
+#include "asteria/linalg.h"
 #include "asteria/quant.h"
 #include "test_helpers.h"
 
@@ -558,6 +559,9 @@ static void test_quantized_basis_rectified(void **state)
 
 int main(void)
 {
+    /* OpenBLAS on one thread before this file's own BLAS / LAPACK calls (the references): its
+     * threads are not TSan's, and libasteria runs it so */
+    ast_linalg_init();
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_names),
         cmocka_unit_test(test_layout),
