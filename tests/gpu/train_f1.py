@@ -390,9 +390,7 @@ def main(argv=None) -> int:
     finally:
         if meter is not None:
             meter.close()
-        if train_smoke._TERMINATED and rec["state"] != "timed out":
-            rec["state"] = "timed out"
-            rec.setdefault("error", train_smoke._TERMINATED[0])
+        if train_smoke.terminated(rec):
             failed = True
         write()
     return 1 if failed else 0

@@ -193,6 +193,17 @@ def record_failure(rec: dict, exc: BaseException, tag: str) -> None:
     rec["error"] = (_TERMINATED[0] + "\n" if _TERMINATED else "") + traceback.format_exc(limit=8)
     print(f"[{tag}] FAILED: {type(exc).__name__}: {exc}", flush=True)
 
+
+def terminated(rec: dict) -> bool:
+    """At a stage's end: did its SIGTERM come though no exception said so (one swallowed on the
+    way up)? Then the record says "timed out", with the signal's message."""
+    if not _TERMINATED or rec["state"] == "timed out":
+        return False
+    rec["state"] = "timed out"
+    rec.setdefault("error", _TERMINATED[0])
+    return True
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -267,9 +278,7 @@ def main(argv=None) -> int:
         record_failure(rec, exc, "train-smoke")
         failed = True
     finally:
-        if _TERMINATED and rec["state"] != "timed out":  # the exception was swallowed on the way
-            rec["state"] = "timed out"
-            rec.setdefault("error", _TERMINATED[0])
+        if terminated(rec):
             failed = True
         write()
     return 1 if failed else 0

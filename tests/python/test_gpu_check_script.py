@@ -463,6 +463,21 @@ def test_gpu_microbench_bad_arguments_and_no_gpu(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def _terminate_once(proc, out, done, guard_s: float) -> str:
+    """SIGTERM to a stage's process once its JSON ``out`` says ``done`` (polled; ``guard_s``: a
+    hang guard), then its stdout once it ended."""
+    deadline = time.monotonic() + guard_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if done(json.loads(out.read_text())):
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    return proc.communicate(timeout=120)[0]
+
+
 def test_gpu_microbench_terminated_leaves_what_it_measured(tmp_path):
     """The stage's timeout (SIGTERM) during a long measurement: the JSON keeps the ones before
     it and says "timed out"."""
@@ -472,16 +487,8 @@ def test_gpu_microbench_terminated_leaves_what_it_measured(tmp_path):
                              "highest", "--budget-s", "600", "--rep-s", "60", "--max-reps",
                              "100", "--out", str(out)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if json.loads(out.read_text())["results"]:  # n=16 done: n=1024 takes a minute
-                break
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    stdout, _ = proc.communicate(timeout=120)
+    # n=16 done: n=1024 takes a minute
+    stdout = _terminate_once(proc, out, lambda rec: rec["results"], 120)
     assert proc.returncode == 1, stdout[-3000:]
     rec = json.loads(out.read_text())
     assert rec["state"] == "timed out" and "signal 15" in rec["error"]
@@ -653,16 +660,7 @@ def test_train_drift_terminated_leaves_its_json(tmp_path):
     proc = subprocess.Popen([sys.executable, TRAIN_DRIFT, "--device", "cpu", "--steps", "400",
                              "--run-budget-s", "0.5", "--out", str(out)], env=_drift_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 200
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if "native-f10" in json.loads(out.read_text())["checks"]:
-                break
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    stdout, _ = proc.communicate(timeout=120)
+    stdout = _terminate_once(proc, out, lambda rec: "native-f10" in rec["checks"], 200)
     assert proc.returncode == 1, stdout[-3000:]
     rec = json.loads(out.read_text())
     assert rec["state"] == "timed out" and "signal 15" in rec["error"], rec.get("error")
