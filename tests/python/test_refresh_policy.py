@@ -34,8 +34,8 @@ import torch
 from asteria import RuntimeConfig
 from asteria.optim import SOAP
 from asteria.optim import _layout as K
-from asteria.optim.cadence import age_floor
 from asteria.optim.drift import PROBES, Probes
+from asteria.optim.per_factor import age_floor
 from asteria.refresh import cost as C
 from asteria.refresh.capacity import Capacity
 from job_delay import delay_jobs, runtimes_of, set_job_delay
