@@ -9,10 +9,11 @@ chooses an "auto" S and f from a round's and a step's seconds (``choose_stalenes
 ``choose_frequency``: the one place it is written; ``asteria.optim.cadence`` applies it to a
 run's measurements, ``asteria.plan`` to a model's), the device lane's rate before it is measured
 (``DEVICE_PRIOR_GFLOPS``, a published figure) and from a GPU microbenchmark's JSON
-(``read_gpu_microbench``, ``add_gpu_microbench``), and the measurement of a machine's per-core
-rate (``calibrate``). One optimizer's record of its rounds and the capacity report are
-``asteria.refresh.capacity``'s; the check of the prediction against the pool is
-benchmarks/cost_check.py's. May call: torch, ``asteria.refresh.ops``,
+(``read_gpu_microbench``, ``add_gpu_microbench``; the ops each of its ops prices,
+``GPU_MICROBENCH_OPS``, read from the ops' fields: ``square_ops``, ``least_work``), and the
+measurement of a machine's per-core rate (``calibrate``). One optimizer's record of its rounds
+and the capacity report are ``asteria.refresh.capacity``'s; the check of the prediction against
+the pool is benchmarks/cost_check.py's. May call: torch, ``asteria.refresh.ops``,
 ``asteria.refresh.engine`` (JobTiming, Lane) and, for ``calibrate`` only,
 ``asteria.refresh.host_pool``. Single-threaded (the training thread); executors hand it
 finished jobs through their ``observer`` on that thread.
@@ -73,7 +74,7 @@ ASSUMED_GFLOPS = 5.0         # a lane with nothing measured and no base rate (la
 #: the device executor with it): a published figure, not measured here (docs/capacity.md, "The
 #: device executor's rate"). One QR power step of SOAP (F Q, then QR) of a factor of size
 #: DEVICE_PRIOR_N takes 5 to 10 ms on an H100 in float32 (NVIDIA Emerging-Optimizers); the slow
-#: end, DEVICE_PRIOR_S, as a FLOP rate (DEVICE_PRIOR_GFLOPS, below ``flops``) for every op
+#: end, DEVICE_PRIOR_S, as a FLOP rate for every op (DEVICE_PRIOR_GFLOPS, below ``least_work``)
 DEVICE_PRIOR_N = 2048
 DEVICE_PRIOR_S = 0.010
 DEVICE_PRIOR_SOURCE = (f"device prior: a published H100 figure, one QR power step of "
@@ -89,7 +90,21 @@ def flops(op: str, n: int, n1: int = 0, p: float = 0.0, sides: int = 2) -> float
     return OPS[op].flops(float(n), float(n1), p, sides)
 
 
-DEVICE_PRIOR_GFLOPS = flops("soap_qr", DEVICE_PRIOR_N) / DEVICE_PRIOR_S / 1e9  # 4.0 TFLOP/s
+def square_ops(takes_basis: bool) -> tuple:
+    """The square ops (F n x n: not ``Op.rectangular``) that take a basis (``Op.takes_basis``),
+    or those that do not, in the op table's order."""
+    return tuple(name for name, op in OPS.items()
+                 if not op.rectangular and op.takes_basis == takes_basis)
+
+
+def least_work(ops: Sequence[str], n: int) -> str:
+    """The op of ``ops`` with the fewest FLOPs on a factor of size n (the first of equals)."""
+    return min(ops, key=lambda op: flops(op, n))
+
+
+# a QR power step is the refresh of the square ops that take a basis: the least work of them
+DEVICE_PRIOR_GFLOPS = (flops(least_work(square_ops(True), DEVICE_PRIOR_N), DEVICE_PRIOR_N)
+                       / DEVICE_PRIOR_S / 1e9)  # 4.0 TFLOP/s
 
 
 def _typical(samples: Iterable[float]) -> float:
@@ -400,12 +415,30 @@ def choose_staleness(round_s: float, step_s: float, fb_s: Optional[float],
 # ---- a GPU's measured rates (benchmarks/gpu_microbench.py) -------------------------------------
 
 GPU_MICROBENCH_SCHEMA = "asteria.gpu_microbench/1"
-#: the microbenchmark's ops the device lane is priced from: its op -> (the REFRESH op whose
-#: FLOPs it does, the REFRESH ops priced at its FLOP rate). A QR power step is SOAP's and
-#: KL-Shampoo's QR refresh itself; Shampoo's inverse root is an eigh and one GEMM, priced at
-#: eigh's rate (its GEMM runs faster than that: the price is an upper bound)
-GPU_MICROBENCH_OPS = {"qr_power_step": ("soap_qr", ("soap_qr", "kl_qr")),
-                      "eigh": ("eigh", ("eigh", "inv_root"))}
+#: the microbenchmark's op that times one QR power step (torch.linalg.qr(F @ Q))
+GPU_MICROBENCH_QR_STEP = "qr_power_step"
+
+
+def _gpu_microbench_ops() -> dict:
+    """The microbenchmark's ops the device lane is priced from: its op -> (the REFRESH op
+    whose FLOPs it does, the REFRESH ops priced at its FLOP rate), read from the ops' fields.
+    The square ops that take a basis are priced from its QR power step, which is their refresh
+    (F Q, then QR); those without one from its eigendecomposition, the least work of them,
+    which it times whole (torch.linalg.eigh) and names as that op. The others run an
+    eigendecomposition and GEMMs (an inverse root: eigh, then Q diag(w) Q^T) or GEMMs alone
+    (coupled Newton), priced at the eigendecomposition's FLOP rate: a GEMM runs faster than
+    that, so the price is an upper bound. Each microbenchmark op does the FLOPs of the least
+    work of the ops it prices (``least_work``, at DEVICE_PRIOR_N: every square op's count grows
+    as n^3, so the least work is the same at every n)."""
+    out = {}
+    for takes_basis in (True, False):
+        ops = square_ops(takes_basis)
+        least = least_work(ops, DEVICE_PRIOR_N)
+        out[GPU_MICROBENCH_QR_STEP if takes_basis else least] = (least, ops)
+    return out
+
+
+GPU_MICROBENCH_OPS = _gpu_microbench_ops()
 GPU_MICROBENCH_PRECISIONS = ("highest", "tf32")
 
 
