@@ -5,8 +5,8 @@ per size n and batch: the rates the planner (asteria.plan) needs to price a devi
 Ops, on a batch of b symmetric positive definite n x n factors L (A A^T / n + I) and n x n
 matrices Q (Gaussian / sqrt(n): every op's cost is that of any dense operand):
 
-  eigh            torch.linalg.eigh(L): eigenvalues and eigenvectors (cuSOLVER on CUDA)
-  qr              torch.linalg.qr(Q): Q and R
+  linalg_eigh     torch.linalg.eigh(L): eigenvalues and eigenvectors (cuSOLVER on CUDA)
+  linalg_qr       torch.linalg.qr(Q): Q and R
   qr_power_step   torch.linalg.qr(L @ Q): one step of SOAP's QR refresh (a GEMM, then QR)
   score_gemm      B = Q^T (L Q) and the drift score r = ||B - diag(B)||_F / ||B||_F: two
                   GEMMs and the norms
@@ -66,7 +66,7 @@ SCHEMA = "asteria.gpu_microbench/1"
 TAG = "[gpu-microbench]"
 SIZES = (1024, 2048, 4096, 8192)
 BATCHES = (1, 16)
-OPS = ("eigh", "qr", "qr_power_step", "score_gemm")
+OPS = ("linalg_eigh", "linalg_qr", "qr_power_step", "score_gemm")
 PRECISIONS = {"highest": "highest", "tf32": "high"}  # ours -> torch.set_float32_matmul_precision
 #: b x n x n float32 tensors a measurement holds at its peak, at most (L, Q, L Q or B, the
 #: outputs, the solver's workspace): the memory check's estimate
@@ -89,8 +89,8 @@ def make_ops() -> dict[str, Callable]:
         off = B - torch.diag_embed(torch.diagonal(B, dim1=-2, dim2=-1))
         return torch.linalg.matrix_norm(off) / torch.linalg.matrix_norm(B)
 
-    return {"eigh": lambda L, Q: torch.linalg.eigh(L),
-            "qr": lambda L, Q: torch.linalg.qr(Q),
+    return {"linalg_eigh": lambda L, Q: torch.linalg.eigh(L),
+            "linalg_qr": lambda L, Q: torch.linalg.qr(Q),
             "qr_power_step": lambda L, Q: torch.linalg.qr(L @ Q),
             "score_gemm": score}
 

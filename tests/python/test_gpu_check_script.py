@@ -423,7 +423,7 @@ def test_gpu_microbench_logic_on_the_cpu(tmp_path):
     assert rec["schema"] == "asteria.gpu_microbench/1" and rec["state"] == "passed"
     assert rec["device"] == "cpu" and rec["device_name"] and rec["torch"] and rec["date"]
     assert rec["dtype"] == "float32" and rec["budget_s"] == 120 and rec["memory"] is None
-    assert rec["ops"] == ["eigh", "qr", "qr_power_step", "score_gemm"]
+    assert rec["ops"] == ["linalg_eigh", "linalg_qr", "qr_power_step", "score_gemm"]
     assert rec["precisions"] == ["highest", "tf32"]
     want = {(op, n, b, p) for op in rec["ops"] for n in (16, 24) for b in (1, 2)
             for p in rec["precisions"]}
@@ -437,13 +437,13 @@ def test_gpu_microbench_logic_on_the_cpu(tmp_path):
 
 def test_gpu_microbench_skips_what_does_not_fit_its_budget(tmp_path):
     out = tmp_path / "m.json"
-    r = _microbench("--device", "cpu", "--sizes", "16", "--batches", "1", "--ops", "eigh,qr",
+    r = _microbench("--device", "cpu", "--sizes", "16", "--batches", "1", "--ops", "linalg_eigh,linalg_qr",
                     "--budget-s", "1e-9", "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     rec = json.loads(out.read_text())
     assert rec["state"] == "passed" and rec["results"] == []
     assert [(s["op"], s["precision"]) for s in rec["skipped"]] == [
-        ("eigh", "highest"), ("qr", "highest"), ("eigh", "tf32"), ("qr", "tf32")]
+        ("linalg_eigh", "highest"), ("linalg_qr", "highest"), ("linalg_eigh", "tf32"), ("linalg_qr", "tf32")]
     assert all(s["reason"].startswith("would not fit the budget") for s in rec["skipped"])
 
 
@@ -483,7 +483,7 @@ def test_gpu_microbench_terminated_leaves_what_it_measured(tmp_path):
     it and says "timed out"."""
     out = tmp_path / "m.json"
     proc = subprocess.Popen([sys.executable, MICROBENCH, "--device", "cpu", "--sizes",
-                             "16,1024", "--batches", "1", "--ops", "eigh", "--precisions",
+                             "16,1024", "--batches", "1", "--ops", "linalg_eigh", "--precisions",
                              "highest", "--budget-s", "600", "--rep-s", "60", "--max-reps",
                              "100", "--out", str(out)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

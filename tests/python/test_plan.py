@@ -237,12 +237,12 @@ def row_(op, n, batch, ms, precision="highest"):
 def test_gpu_json_prices_the_device_lane(tmp_path):
     path = microbench(tmp_path, [
         row_("qr_power_step", 2048, 1, 9.0), row_("qr_power_step", 2048, 16, 64.0),
-        row_("qr_power_step", 2048, 16, 8.0, "tf32"), row_("eigh", 1024, 4, 36.0),
+        row_("qr_power_step", 2048, 16, 8.0, "tf32"), row_("linalg_eigh", 1024, 4, 36.0),
         row_("score_gemm", 2048, 1, 1.0), row_("qr", 2048, 1, 2.0)])
     m = C.CostModel()
     added = C.add_gpu_microbench(m, C.read_gpu_microbench(path))
     # the largest batch at "highest": 64 ms / 16 = 4 ms a factor; tf32 and other ops left out
-    assert added == [("eigh", 1024, 4, pytest.approx(9e-3)),
+    assert added == [("linalg_eigh", 1024, 4, pytest.approx(9e-3)),
                      ("qr_power_step", 2048, 16, pytest.approx(4e-3))]
     for op in ("soap_qr", "kl_qr"):
         assert m.entry_seconds(Lane.DEVICE, C.JobSpec(op, "float32", 2048, 1)) == \
@@ -277,7 +277,7 @@ def test_gpu_json_of_the_microbenchmark_itself(tmp_path, capsys):
     out = tmp_path / "m.json"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_microbench.py"),
                         "--device", "cpu", "--sizes", "16,32", "--batches", "1,2", "--ops",
-                        "qr_power_step,eigh", "--precisions", "highest", "--max-reps", "1",
+                        "qr_power_step,linalg_eigh", "--precisions", "highest", "--max-reps", "1",
                         "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     got = run(capsys, "--shape", "32x32", "--step-time", "1", "--gflops-per-core", "10",
@@ -291,11 +291,11 @@ def test_gpu_json_of_the_microbenchmark_itself(tmp_path, capsys):
      "schema 'other/1'; allowed: 'asteria.gpu_microbench/1'"),
     ([1, 2], "schema None; allowed: 'asteria.gpu_microbench/1'"),
     ({"schema": C.GPU_MICROBENCH_SCHEMA}, "'results' is NoneType; allowed: a list"),
-    ({"schema": C.GPU_MICROBENCH_SCHEMA, "results": [{"op": "eigh", "n": 0, "batch": 1,
+    ({"schema": C.GPU_MICROBENCH_SCHEMA, "results": [{"op": "linalg_eigh", "n": 0, "batch": 1,
                                                       "precision": "highest", "ms": 1.0}]},
      "results[0] = "),
-    ({"schema": C.GPU_MICROBENCH_SCHEMA, "results": [row_("eigh", 64, 1, 1.0, "tf32")]},
-     "no result of qr_power_step, eigh at precision 'highest'"),
+    ({"schema": C.GPU_MICROBENCH_SCHEMA, "results": [row_("linalg_eigh", 64, 1, 1.0, "tf32")]},
+     "no result of qr_power_step, linalg_eigh at precision 'highest'"),
 ])
 def test_gpu_json_refused_with_a_clear_message(capsys, tmp_path, content, msg):
     path = tmp_path / "bad.json"

@@ -79,15 +79,15 @@ an integer (``check_frequency``).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections import Counter
-from typing import Callable, Optional, Union
+from typing import Optional, Union
 
 from asteria.optim import _layout as K
 from asteria.optim._state import _count
 from asteria.optim.method import REFRESH, is_int, require
 from asteria.optim.per_factor import AUTO, DRIFT, PerFactor, check_max_age
+from asteria.optim.step_end import StepEnd
 from asteria.refresh.capacity import Capacity, report_lines
 from asteria.refresh.cost import JobSpec, choose_frequency, choose_staleness
 #: precondition_frequency="auto" is chosen when a parameter of such a group reaches this count
@@ -156,30 +156,6 @@ def full_round(run, method) -> list:
                     if has:
                         sizes[(int(d), dtype)] += 1
     return [JobSpec(op, dt, n, k, p=pw) for (n, dt), k in sizes.items()]
-
-
-@dataclasses.dataclass
-class StepEnd:
-    """A step end as the schedule asks the cadence about it (``Cadence.due``)."""
-
-    t: int
-    #: [(REFRESH, param, block j, dims)]: the factors whose step count made them due
-    #: (``Cadence.comes_due``), in the order the schedule batches them
-    due: list
-    #: this step end's time at the bounded barrier so far
-    stall_ns: int
-    #: does an S = 0 round run during the next forward and backward (``Schedule.defers``)?
-    defers: bool
-    #: [(REFRESH, param, j, dims)] -> [JobSpec]: the round these would make, as submitted
-    price: Callable[[list], list]
-    #: refresh_policy="drift": () -> {(param, j, dim): (snapshot step, install step)} of the
-    #: refreshes in flight after this step end's installs
-    in_flight: Callable[[], dict] = dict
-    #: refresh_policy="drift": [((param, j, dim), snapshot step)] of the results installed since
-    #: the last step end (a failed job's factor is not among them: its basis stays)
-    installed: list = dataclasses.field(default_factory=list)
-    #: refresh_policy="drift": (param, j, dim) -> the factor its refresh would take now
-    factor: Optional[Callable] = None
 
 
 class Cadence:

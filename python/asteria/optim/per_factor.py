@@ -51,18 +51,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
 from asteria.optim import _layout as K
 from asteria.optim._state import _count, local
 from asteria.optim.drift import PROBES, Probes
+from asteria.optim.step_end import StepEnd
 from asteria.refresh.capacity import Capacity
 from asteria.refresh.cost import JobSpec, choose_refresh_budget, default_max_age
-
-if TYPE_CHECKING:
-    from asteria.optim.cadence import StepEnd
 
 #: the keys' word for a value chosen from measured times
 AUTO = "auto"

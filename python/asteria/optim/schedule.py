@@ -69,7 +69,7 @@ from asteria.optim import _layout as K
 from asteria.optim._blocking import Layout
 from asteria.optim._state import _count, _States, local
 from asteria.optim.background import BackgroundJobs
-from asteria.optim.cadence import StepEnd
+from asteria.optim.step_end import StepEnd
 from asteria.optim.method import INIT, REFRESH
 from asteria.refresh.cost import JobSpec
 from asteria.refresh.engine import SubmitOptions

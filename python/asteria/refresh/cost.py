@@ -415,26 +415,27 @@ def choose_staleness(round_s: float, step_s: float, fb_s: Optional[float],
 # ---- a GPU's measured rates (benchmarks/gpu_microbench.py) -------------------------------------
 
 GPU_MICROBENCH_SCHEMA = "asteria.gpu_microbench/1"
-#: the microbenchmark's op that times one QR power step (torch.linalg.qr(F @ Q))
+#: the microbenchmark's ops (its own names) that time one QR power step (torch.linalg.qr(F @
+#: Q)) and one eigendecomposition (torch.linalg.eigh(F))
 GPU_MICROBENCH_QR_STEP = "qr_power_step"
+GPU_MICROBENCH_EIGH = "linalg_eigh"
 
 
 def _gpu_microbench_ops() -> dict:
     """The microbenchmark's ops the device lane is priced from: its op -> (the REFRESH op
     whose FLOPs it does, the REFRESH ops priced at its FLOP rate), read from the ops' fields.
     The square ops that take a basis are priced from its QR power step, which is their refresh
-    (F Q, then QR); those without one from its eigendecomposition, the least work of them,
-    which it times whole (torch.linalg.eigh) and names as that op. The others run an
-    eigendecomposition and GEMMs (an inverse root: eigh, then Q diag(w) Q^T) or GEMMs alone
-    (coupled Newton), priced at the eigendecomposition's FLOP rate: a GEMM runs faster than
-    that, so the price is an upper bound. Each microbenchmark op does the FLOPs of the least
-    work of the ops it prices (``least_work``, at DEVICE_PRIOR_N: every square op's count grows
-    as n^3, so the least work is the same at every n)."""
+    (F Q, then QR); those without one from its eigendecomposition (torch.linalg.eigh), which is
+    the least work of them. The others run an eigendecomposition and GEMMs (an inverse root:
+    eigh, then Q diag(w) Q^T) or GEMMs alone (coupled Newton), priced at the
+    eigendecomposition's FLOP rate: a GEMM runs faster than that, so the price is an upper
+    bound. Each microbenchmark op does the FLOPs of the least work of the ops it prices
+    (``least_work``, at DEVICE_PRIOR_N: every square op's count grows as n^3, so the least
+    work is the same at every n)."""
     out = {}
-    for takes_basis in (True, False):
+    for key, takes_basis in ((GPU_MICROBENCH_QR_STEP, True), (GPU_MICROBENCH_EIGH, False)):
         ops = square_ops(takes_basis)
-        least = least_work(ops, DEVICE_PRIOR_N)
-        out[GPU_MICROBENCH_QR_STEP if takes_basis else least] = (least, ops)
+        out[key] = (least_work(ops, DEVICE_PRIOR_N), ops)
     return out
 
 
