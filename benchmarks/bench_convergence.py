@@ -67,7 +67,10 @@ step, so each REFRESH job of an Asteria run with a worker pool holds its worker 
 CPU), k calibrated so a round takes R steps (calibrate_round_steps); per-step worker jobs
 (soap_rotate, gram_ema: GPU work in users' runs) and inline refreshes (native SOAP in mode
 "sync", the third-party SOAPs) run at the core's full speed, as a GPU's would in the step.
-Each stretched run records the R it measured: round time over median step.
+Each stretched run records the R it measured: round time over median step. With
+stretched jobs the timed runs go one after another, not in turns: a stretched job holds its
+worker for wall-clock time, so in turns a round would run on through the other runs' turns and
+end within fewer of its own run's steps than R (train_lockstep).
 
 Writes benchmarks/results/bench_convergence.{json,png}.
 
@@ -506,11 +509,11 @@ class Curve:
         }
 
 
-def run_curves(curves: Sequence[Curve]) -> list[dict[str, Any]]:
-    """Train the curves, taking turns of common.TURN_STEPS steps (common.run_loops); their
-    results, each with the machine's CPU use over the whole run."""
+def run_curves(curves: Sequence[Curve], turn: int = common.TURN_STEPS) -> list[dict[str, Any]]:
+    """Train the curves, taking turns of ``turn`` steps (common.run_loops); their results,
+    each with the machine's CPU use over the whole run."""
     cpu0 = common.cpu_snapshot()
-    common.run_loops([c.loop for c in curves])
+    common.run_loops([c.loop for c in curves], turn)
     cpu = common.cpu_delta(cpu0, common.cpu_snapshot())
     return [c.result(cpu) for c in curves]
 
@@ -681,7 +684,12 @@ def train_lockstep(names: list, lrs: dict, problem: Problem, args, pin: dict,
     """Every optimizer of ``names`` at its lr, each on its own copy of the model (same initial
     weights and batches), taking turns of common.TURN_STEPS steps for all steps: every
     optimizer's step i runs within seconds of the others', so the machine's drift over
-    minutes (docs/step_time_tail.md) reaches all of them alike. Each run's times are its own steps'."""
+    minutes (docs/step_time_tail.md) reaches all of them alike. Each run's times are its own steps'.
+    With stretched REFRESH jobs (--round-steps) they run one after another instead: a
+    stretched job holds its worker for wall-clock time, so in turns a round would go on
+    through the other runs' turns and end within fewer of its own run's steps than the R
+    asked (with six runs in turns of 10 steps, any round under 50 steps long would end before
+    the run's next turn)."""
     made = []
     for name in names:
         try:
@@ -689,9 +697,11 @@ def train_lockstep(names: list, lrs: dict, problem: Problem, args, pin: dict,
                                        stop_below=None, budget_s=None))
         except Exception as e:  # a missing library: the others still run
             log(f"run {name}: FAILED: {type(e).__name__}: {e}")
-    log(f"seed {problem.seed}: {', '.join(n for n, _, _ in made)} in lockstep, "
-        f"{args.steps} steps each; load {common.loadavg()}")
-    results = run_curves([c for _, c, _ in made])
+    alone = getattr(args, "job_stretch", 1.0) != 1.0
+    log(f"seed {problem.seed}: {', '.join(n for n, _, _ in made)} "
+        + ("one after another (stretched REFRESH jobs)" if alone else "in lockstep")
+        + f", {args.steps} steps each; load {common.loadavg()}")
+    results = run_curves([c for _, c, _ in made], args.steps if alone else common.TURN_STEPS)
     out = [finish_run(name, lrs[name], problem, c, kw, r)
            for (name, c, kw), r in zip(made, results)]
     for r in out:
@@ -1304,10 +1314,13 @@ def run(args, argv) -> dict[str, Any]:
                                   "not the other runs' turns in lockstep) from the start of its "
                                   "first step to the end of each step (batches prepared "
                                   "beforehand)",
-                     "timed_runs": "every optimizer at its tuned lr, in lockstep (turns of "
-                                   f"{common.TURN_STEPS} consecutive steps), all steps, per "
-                                   "seed; the sweep's times are those "
-                                   "of separate runs, one after another",
+                     "timed_runs": ("every optimizer at its tuned lr, one after another "
+                                    "(stretched REFRESH jobs: --round-steps)"
+                                    if args.round_steps else
+                                    "every optimizer at its tuned lr, in lockstep (turns of "
+                                    f"{common.TURN_STEPS} consecutive steps)")
+                                   + ", all steps, per seed; the sweep's times are those "
+                                     "of separate runs, one after another",
                      "disturbed_if_foreign_cores_above": DISTURBED_CORES},
         "why_settings_differ": WHY_SETTINGS_DIFFER,
         "setting_results": settings,
@@ -1480,7 +1493,7 @@ def print_table(data: dict) -> None:
             print(f"{head}{c['per']:>26}{common.fmt(q['time_ratio_mean'], '.2f'):>7}"
                   f"{common.fmt(q['cpu_time_ratio_mean'], '.2f'):>11}{c['finals']:>24}"
                   f"{c['val']:>25}")
-        print("(time ratio: own time in lockstep; cpu ratio: the training thread's CPU time plus barrier "
+        print("(time ratio: own time (in lockstep; with --round-steps one run after another); cpu ratio: the training thread's CPU time plus barrier "
               "waits, which other processes' load stretches far less; held-out: the loss on the "
               "corpus's held-out 10% of each run's weights at AdamW's own time for all steps)")
         mem = {r["optimizer"]: r["memory"] for r in s["runs"] if r["seed"] == s["seeds"][0]

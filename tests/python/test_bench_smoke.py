@@ -377,12 +377,16 @@ def test_bench_convergence_policy_runs_round_steps(tmp_path):
     lrs = [a for n in runs for a in ("--lrs", f"{n}={6e-3 if n == 'adamw' else 2e-2}")]
     _restores(lambda: bc.main(
         ["--quick", "--no-plot", "--out-dir", str(tmp_path), "--settings", "users",
-         "--seeds", "0", "--no-sweep", "--round-steps", "3", "--runs", ",".join(runs)] + lrs))
+         "--seeds", "0", "--no-sweep", "--round-steps", "20", "--runs", ",".join(runs)] + lrs))
     data = json.loads((tmp_path / "bench_convergence.json").read_text())
     users = data["setting_results"]["users"]
     assert data["settings"]["sweep"] is False and users["sweep"] == {}
     assert users["tuned_lr"] == {n: 6e-3 if n == "adamw" else 2e-2 for n in runs}
+    # a round of the quick model takes a few steps unstretched: R = 20 stretches it
     assert users["round_steps"]["calibrated_on"] == "asteria-soap-async-f4-s4"
+    assert users["round_steps"]["job_stretch"] > 1
+    assert data["settings"]["timed_runs"].startswith("every optimizer at its tuned lr, one "
+                                                     "after another")
     by = {r["optimizer"]: r for r in users["runs"]}
     assert set(by) == set(runs)
     assert by["asteria-soap-async-auto"]["kwargs"]["precondition_frequency"] == "auto"
