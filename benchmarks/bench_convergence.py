@@ -1350,7 +1350,7 @@ def plot_timed_runs(ax, s: dict, smoothing: str, colors: dict, title: str = "") 
                     label=f"{r['optimizer']} (lr {r['lr']:g})")
     if tt:
         ax.axhline(tt["target"], color="k", ls=":", lw=1, label="tuned AdamW's final loss")
-    ax.set(xlabel="time (s): the run's own steps, in lockstep with the others",
+    ax.set(xlabel="time (s): the run's own steps (in lockstep: not the others' turns)",
            ylabel=f"train loss ({smoothing})",
            title=f"{title}timed runs at the tuned lrs, seed {seed}")
     ax.set_ylim(top=min(3.5, ax.get_ylim()[1]))
