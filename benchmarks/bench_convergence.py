@@ -67,7 +67,10 @@ step, so each REFRESH job of an Asteria run with a worker pool holds its worker 
 CPU), k calibrated so a round takes R steps (calibrate_round_steps); per-step worker jobs
 (soap_rotate, gram_ema: GPU work in users' runs) and inline refreshes (native SOAP in mode
 "sync", the third-party SOAPs) run at the core's full speed, as a GPU's would in the step.
-Each stretched run records the R it measured: round time over median step.
+Each stretched run records the R it measured: round time over median step. With
+stretched jobs the timed runs go one after another, not in turns: a stretched job holds its
+worker for wall-clock time, so in turns a round would run on through the other runs' turns and
+end within fewer of its own run's steps than R (train_lockstep).
 
 Writes benchmarks/results/bench_convergence.{json,png}.
 
@@ -162,6 +165,19 @@ _VARIANT = re.compile(r"^(?P<base>" + "|".join(map(re.escape, VARIANT_BASES))
                       + r")-f(?P<f>[1-9][0-9]*)(?:-s(?P<s>[0-9]+))?$")
 
 
+#: Asteria SOAP runs named by their refresh policy rather than by f and S (mode "async", one
+#: worker; their lr grid is asteria-soap-async's): (precondition_frequency, runtime keys over
+#: async_runtime's). "asteria-soap-async-auto": f and S "auto" (chosen once from the measured
+#: round and step times, docs/capacity.md); "asteria-soap-drift": f=1, refresh_policy "drift"
+#: with its budget, install delay and max_age "auto" (docs/capacity.md, "Refresh per factor")
+POLICY_RUNS = {
+    "asteria-soap-async-auto": ("auto", {"staleness": "auto"}),
+    "asteria-soap-drift": (1, {"refresh_policy": "drift", "refresh_budget": "auto",
+                               "install_delay": "auto", "max_age": "auto"}),
+}
+POLICY_BASE = "asteria-soap-async"
+
+
 def variant(name: str) -> Optional[tuple[str, int, Optional[int]]]:
     """(base, f, S or None) of a run name "<base>-f<N>[-s<S>]", or None for any other name
     (ValueError if S > f). "asteria-soap-sync-f1" of RUNS is one: native SOAP at f=1."""
@@ -176,13 +192,15 @@ def variant(name: str) -> Optional[tuple[str, int, Optional[int]]]:
 
 
 def known_run(name: str, runs: Sequence[str] = RUNS) -> bool:
-    return name in runs or variant(name) is not None
+    return name in runs or name in POLICY_RUNS or variant(name) is not None
 
 
 def grid_of(name: str, grids: dict) -> tuple:
-    """A run's lr grid: its own, else (a variant) its base's."""
+    """A run's lr grid: its own, else (a variant, a policy run) its base's."""
     if name in grids:
         return grids[name]
+    if name in POLICY_RUNS:
+        return grids.get(POLICY_BASE, ())
     v = variant(name)
     return grids[v[0]] if v is not None else ()
 
@@ -316,6 +334,10 @@ def make_optimizer(name: str, params, lr: float, args, worker_cpus: Optional[str
         if name.endswith("-async"):
             stale = min(args.staleness if s is None else s, f)
             runtime = runtime or async_runtime(args, worker_cpus, staleness=stale)
+    elif name in POLICY_RUNS:
+        f, keys = POLICY_RUNS[name]
+        runtime = runtime or dict(async_runtime(args, worker_cpus), **keys)
+        name = POLICY_BASE
     elif name == "asteria-soap-async-s5":  # Asteria at f with S=5 (at most f)
         runtime = runtime or async_runtime(args, worker_cpus, staleness=min(5, f))
         name = "asteria-soap-async"
@@ -405,6 +427,9 @@ class Curve:
         self.ends: list[float] = []
         self.cpu_ends: list[float] = []  # training-thread CPU time + barrier waits, cumulative
         self.kinds: list[Optional[str]] = []
+        # refresh_policy "drift": the factors' mean basis age after each step end (the bases
+        # the next step uses; asteria_stats()' refresh_age_mean)
+        self.ages: list[float] = []
         self.stats_fn = getattr(opt, "asteria_stats", None)
         self.last = self.stats_fn() if self.stats_fn is not None else None
         self.loss_sum = 0.0
@@ -442,6 +467,8 @@ class Curve:
                     "capacity_measured_round_s"):
                 self.rounds_s.append(rnd)
             wait_s = (now.get("barrier_wait_ns", 0) - self.last.get("barrier_wait_ns", 0)) / 1e9
+            if "refresh_age_mean" in now:
+                self.ages.append(now["refresh_age_mean"])
             self.last = now
         else:
             self.kinds.append(None)
@@ -482,11 +509,11 @@ class Curve:
         }
 
 
-def run_curves(curves: Sequence[Curve]) -> list[dict[str, Any]]:
-    """Train the curves, taking turns of common.TURN_STEPS steps (common.run_loops); their
-    results, each with the machine's CPU use over the whole run."""
+def run_curves(curves: Sequence[Curve], turn: int = common.TURN_STEPS) -> list[dict[str, Any]]:
+    """Train the curves, taking turns of ``turn`` steps (common.run_loops); their results,
+    each with the machine's CPU use over the whole run."""
     cpu0 = common.cpu_snapshot()
-    common.run_loops([c.loop for c in curves])
+    common.run_loops([c.loop for c in curves], turn)
     cpu = common.cpu_delta(cpu0, common.cpu_snapshot())
     return [c.result(cpu) for c in curves]
 
@@ -558,12 +585,73 @@ def make_curve(name: str, lr: float, problem: Problem, args, pin: dict, log: com
     return c, kw
 
 
+def full_round_steps(opt) -> Optional[dict[str, Any]]:
+    """R of a whole REFRESH round of ``opt``'s factors as its cadence prices it when it
+    chooses an "auto" f or drift budget (``Capacity.times_for_f``: the cost model at the rates
+    this run measured, or its last measured round of every factor where that is longer) over
+    its median step: {"R", "round_s", "step_s"}; None without a worker pool (a torch
+    optimizer, mode "sync") or before a step was timed. A "drift" run submits a share of a
+    round a step, so its measured rounds (``round_steps``) are that share; this is its R."""
+    cad = getattr(opt, "cadence", None)
+    if cad is None or not cad.run.is_async:
+        return None
+    times = cad.capacity.times_for_f(cad.full_round(), 0)
+    if times is None:
+        return None
+    round_s, step_s, _ = times
+    return {"R": round_s / step_s, "round_s": round_s, "step_s": step_s}
+
+
+def refresh_record(kw: dict, stats: Optional[dict],
+                   ages: Sequence[float]) -> Optional[dict[str, Any]]:
+    """How often a run refreshed each factor and how old the basis a step used was:
+    "refreshes_per_factor_per_100" (steps) and "mean_age" / "max_age" in steps, the age of a
+    basis at a step end being that step minus its snapshot's step (the basis the next step
+    uses; docs/capacity.md, "Refresh per factor"); None for a run without factors (AdamW).
+    ``stats``: the run's last asteria_stats() (None for a torch optimizer); ``ages``: its mean
+    basis age after each step end (refresh_policy "drift" only).
+    "drift": measured, the refreshes started over the step ends and factors, the mean of
+    ``ages``. "round": from f and S (the chosen ones of an "auto" run; f = 1, S = 0 in the
+    three steps before the choice): every factor refreshed every f steps, installed S steps
+    after its snapshot (deterministic install), so its ages run S ... S + f - 1, mean
+    S + (f - 1) / 2 (``asteria.plan.expected_ages`` at budget 1/f, d = S); native SOAP (mode
+    "sync") and the third-party SOAPs refresh inline: S = 0."""
+    f = kw.get("precondition_frequency")
+    if f is None:
+        return None
+    stats = stats or {}
+    if stats.get("refresh_policy") == "drift":
+        count = sum(stats["refresh_age_hist"].values())
+        ends = stats["refresh_step_ends"]
+        return {"policy": "drift", "f": f, "budget": stats["refresh_budget"],
+                "install_delay": stats["install_delay"],
+                "max_age_bound": stats["refresh_max_age"], "factors": count,
+                "refreshes_per_factor_per_100": (100.0 * stats["refresh_started"]
+                                                 / (ends * count)) if ends and count else None,
+                "mean_age": sum(ages) / len(ages) if ages else None,
+                "max_age": stats["refresh_age_max_seen"],
+                "source": "measured: asteria_stats() after every step end"}
+    if f == "auto":
+        f = stats.get("frequency_auto_f")
+    s = stats.get("staleness", 0) if (kw.get("runtime") or {}).get("mode") == "async" else 0
+    if not isinstance(f, int) or not isinstance(s, int):
+        return {"policy": "round", "f": f, "S": s, "source": "f or S not chosen"}
+    return {"policy": "round", "f": f, "S": s, "refreshes_per_factor_per_100": 100.0 / f,
+            "mean_age": s + (f - 1) / 2, "max_age": s + f - 1,
+            "source": "from f and S: ages S ... S + f - 1"}
+
+
 def finish_run(name: str, lr: float, problem: Problem, c: Curve, kw: dict,
                r: dict) -> dict[str, Any]:
     """A trained curve's result with its optimizer's name, lr, seed, keyword arguments, runtime
-    counters and state bytes per tier at the end (common.tier_bytes); the optimizer is
-    closed."""
+    counters, state bytes per tier at the end (common.tier_bytes), its refreshes and basis
+    ages (refresh_record) and, with a worker pool, a whole round in steps (full_round_steps);
+    the optimizer is closed."""
     r["memory"] = common.tier_bytes(c.opt, "cpu")
+    r["refresh"] = refresh_record(kw, c.last, c.ages)
+    full = full_round_steps(c.opt)
+    if full is not None:
+        r["full_round"] = full
     stats = close(c.opt)
     if c.job_stretch != 1.0:  # --round-steps: the round in steps this run measured
         r["round_steps"] = dict(common.round_steps(stats, c.rounds_s) or {"R": None},
@@ -596,7 +684,12 @@ def train_lockstep(names: list, lrs: dict, problem: Problem, args, pin: dict,
     """Every optimizer of ``names`` at its lr, each on its own copy of the model (same initial
     weights and batches), taking turns of common.TURN_STEPS steps for all steps: every
     optimizer's step i runs within seconds of the others', so the machine's drift over
-    minutes (docs/step_time_tail.md) reaches all of them alike. Each run's times are its own steps'."""
+    minutes (docs/step_time_tail.md) reaches all of them alike. Each run's times are its own steps'.
+    With stretched REFRESH jobs (--round-steps) they run one after another instead: a
+    stretched job holds its worker for wall-clock time, so in turns a round would go on
+    through the other runs' turns and end within fewer of its own run's steps than the R
+    asked (with six runs in turns of 10 steps, any round under 50 steps long would end before
+    the run's next turn)."""
     made = []
     for name in names:
         try:
@@ -604,9 +697,11 @@ def train_lockstep(names: list, lrs: dict, problem: Problem, args, pin: dict,
                                        stop_below=None, budget_s=None))
         except Exception as e:  # a missing library: the others still run
             log(f"run {name}: FAILED: {type(e).__name__}: {e}")
-    log(f"seed {problem.seed}: {', '.join(n for n, _, _ in made)} in lockstep, "
-        f"{args.steps} steps each; load {common.loadavg()}")
-    results = run_curves([c for _, c, _ in made])
+    alone = getattr(args, "job_stretch", 1.0) != 1.0
+    log(f"seed {problem.seed}: {', '.join(n for n, _, _ in made)} "
+        + ("one after another (stretched REFRESH jobs)" if alone else "in lockstep")
+        + f", {args.steps} steps each; load {common.loadavg()}")
+    results = run_curves([c for _, c, _ in made], args.steps if alone else common.TURN_STEPS)
     out = [finish_run(name, lrs[name], problem, c, kw, r)
            for (name, c, kw), r in zip(made, results)]
     for r in out:
@@ -734,8 +829,10 @@ def calibrate_round_steps(problem: Problem, names: list, args, pin: dict,
     """The host users have, on this machine (--round-steps R): the job stretch k that makes
     a REFRESH round take R steps. R at a stretch is a round's time (submit to its last job's
     end) over the median step (barrier stalls excluded; ``common.round_steps``), measured on
-    the first Asteria run of ``names`` with a worker pool (mode "async"), at its grid's middle
-    lr, over 2f + S + 2 steps. First unstretched (R1); then at k1 = R / R1 (R2); a round's time
+    the first Asteria run of ``names`` with a worker pool (mode "async") that refreshes whole
+    rounds at a fixed f (not a POLICY_RUNS one: an "auto" f leaves the steps of its rounds
+    open, a "drift" run submits a share of a round a step), at its grid's middle lr, over
+    2f + S + 2 steps. First unstretched (R1); then at k1 = R / R1 (R2); a round's time
     is its compute, which the stretch multiplies, plus what it does not (the dispatch, the
     snapshots' submits), so R(k) = a + b k through the two, and k = (R - a) / b (at least 1;
     k1 where R2 does not exceed R1, or where R1 reaches R already). Every Asteria run with a
@@ -746,7 +843,7 @@ def calibrate_round_steps(problem: Problem, names: list, args, pin: dict,
     measured ("round_steps" of its result)."""
     want = args.round_steps
     for name in names:
-        if not name.startswith("asteria"):
+        if not name.startswith("asteria") or name in POLICY_RUNS:
             continue
         grid = sorted(args.grids[name])
         lr = grid[len(grid) // 2]
@@ -774,8 +871,8 @@ def calibrate_round_steps(problem: Problem, names: list, args, pin: dict,
                 "rule": "R(k) = a + b k through an unstretched pass and one at R / R(1); "
                         "k = (R - a) / b, at least 1; each stretched run's R: the median of "
                         "its measured rounds over its median step"}
-    raise ValueError(f"--round-steps: no Asteria run with a worker pool (mode 'async') among "
-                     f"{', '.join(names)}")
+    raise ValueError(f"--round-steps: no Asteria run with a worker pool (mode 'async') and a "
+                     f"fixed f among {', '.join(names)}; add one, e.g. asteria-soap-async-f10-s10")
 
 
 def _calibration_pass(name: str, lr: float, k: float, problem: Problem, args, pin: dict,
@@ -822,7 +919,11 @@ def compare(setting: str, preset: str, info: dict, names: list, problems: dict, 
     seed sweeps): the lr sweep, the timed lockstep runs per seed, each optimizer's time to
     tuned AdamW's final loss. ``make``: the Curve factory (make_curve)."""
     seeds = list(problems)
-    entries, tuned = sweep(names, problems[seeds[0]], args, pin, log, make)
+    if getattr(args, "no_sweep", False):  # the lrs of an earlier sweep, one per optimizer
+        entries, tuned = {}, {n: args.grids[n][0] for n in names}
+        log("no sweep: " + ", ".join(f"{n} at lr {lr:g}" for n, lr in tuned.items()))
+    else:
+        entries, tuned = sweep(names, problems[seeds[0]], args, pin, log, make)
     runs: list[dict] = []         # the timed runs at the tuned lrs, every seed
     per_seed: dict[int, dict] = {}
     timed = [n for n in names if n in tuned]
@@ -862,7 +963,7 @@ def compare(setting: str, preset: str, info: dict, names: list, problems: dict, 
             "tuned_at_edge_of_lrs_tried": {
                 n: lr in (min(e["lr"] for e in entries[n] if "error" not in e),
                           max(e["lr"] for e in entries[n] if "error" not in e))
-                for n, lr in tuned.items()},
+                for n, lr in tuned.items() if n in entries},
             "final_loss_at_equal_steps": {n: {str(r["seed"]): r["smoothed"][-1] for r in runs
                                               if r["optimizer"] == n} for n in timed},
             "sweep": entries, "time_to_adamw_final": per_seed,
@@ -1204,16 +1305,22 @@ def run(args, argv) -> dict[str, Any]:
                      "smoothing": f"trailing mean over {args.window} steps",
                      "window": args.window, "budget_x_adamw": args.budget,
                      "pinning": pin, "heavyball_compile": args.heavyball_compile,
-                     "lr_choice": "AdamW: lowest final loss on seed 0; others: fewest steps to "
-                                  "AdamW's final loss on seed 0 (then lowest loss)",
+                     "lr_choice": ("the one lr given per optimizer (--no-sweep: the tuned lr "
+                                   "of an earlier sweep)" if args.no_sweep else
+                                   "AdamW: lowest final loss on seed 0; others: fewest steps to "
+                                   "AdamW's final loss on seed 0 (then lowest loss)"),
+                     "sweep": not args.no_sweep,
                      "time_axis": "the run's own seconds (its steps and their bookkeeping, "
                                   "not the other runs' turns in lockstep) from the start of its "
                                   "first step to the end of each step (batches prepared "
                                   "beforehand)",
-                     "timed_runs": "every optimizer at its tuned lr, in lockstep (turns of "
-                                   f"{common.TURN_STEPS} consecutive steps), all steps, per "
-                                   "seed; the sweep's times are those "
-                                   "of separate runs, one after another",
+                     "timed_runs": ("every optimizer at its tuned lr, one after another "
+                                    "(stretched REFRESH jobs: --round-steps)"
+                                    if args.round_steps else
+                                    "every optimizer at its tuned lr, in lockstep (turns of "
+                                    f"{common.TURN_STEPS} consecutive steps)")
+                                   + ", all steps, per seed; the sweep's times are those "
+                                     "of separate runs, one after another",
                      "disturbed_if_foreign_cores_above": DISTURBED_CORES},
         "why_settings_differ": WHY_SETTINGS_DIFFER,
         "setting_results": settings,
@@ -1243,12 +1350,32 @@ def plot_timed_runs(ax, s: dict, smoothing: str, colors: dict, title: str = "") 
                     label=f"{r['optimizer']} (lr {r['lr']:g})")
     if tt:
         ax.axhline(tt["target"], color="k", ls=":", lw=1, label="tuned AdamW's final loss")
-    ax.set(xlabel="time (s): the run's own steps, in lockstep with the others",
+    ax.set(xlabel="time (s): the run's own steps (in lockstep: not the others' turns)",
            ylabel=f"train loss ({smoothing})",
            title=f"{title}timed runs at the tuned lrs, seed {seed}")
     ax.set_ylim(top=min(3.5, ax.get_ylim()[1]))
     ax.legend(fontsize=7)
     return seed
+
+
+def plot_steps_by_age(ax, s: dict) -> None:
+    """On ``ax``: each timed run of compare() result ``s`` (every seed), its steps to the
+    seed's target against the mean age of the basis its steps used (refresh_record)."""
+    marks = "osD^v"
+    for r in s["runs"]:
+        rec = r.get("refresh") or {}
+        tt = s["time_to_adamw_final"].get(r["seed"]) or s["time_to_adamw_final"].get(
+            str(r["seed"])) or {}
+        step = tt.get("runs", {}).get(r["optimizer"], {}).get("step")
+        if rec.get("mean_age") is None or step is None:
+            continue
+        i = s["seeds"].index(r["seed"])
+        ax.plot([rec["mean_age"]], [step], marks[i % len(marks)],
+                color=COLORS.get(r["optimizer"], POLICY_COLORS.get(r["optimizer"])),
+                label=f"{r['optimizer']}, seed {r['seed']}", ms=6)
+    ax.set(xlabel="mean age of the basis a step uses (steps)",
+           ylabel="steps to tuned AdamW's final loss",
+           title=f"{s['setting']}: steps to the target against the basis's age")
 
 
 def plot(data: dict, path: str) -> None:
@@ -1291,11 +1418,14 @@ def plot(data: dict, path: str) -> None:
         c.plot([e["lr"] for e in ok],
                [e["step"] if e.get("reached") else e["steps_run"] * 1.05 for e in ok],
                "o-", color=COLORS.get(n), label=n, ms=4)
-    c.axhline(data["settings"]["steps"], color="k", ls=":", lw=0.8,
-              label="AdamW's steps (above: not reached)")
-    c.set(xscale="log", xlabel="peak lr", ylabel="steps to tuned AdamW's final loss",
-          title=f"{first['setting']}: lr sweep (seed {seed}); AdamW tuned lr "
-                f"{first['tuned_lr'].get('adamw', float('nan')):g}")
+    if first["sweep"]:
+        c.axhline(data["settings"]["steps"], color="k", ls=":", lw=0.8,
+                  label="AdamW's steps (above: not reached)")
+        c.set(xscale="log", xlabel="peak lr", ylabel="steps to tuned AdamW's final loss",
+              title=f"{first['setting']}: lr sweep (seed {seed}); AdamW tuned lr "
+                    f"{first['tuned_lr'].get('adamw', float('nan')):g}")
+    else:  # --no-sweep: what the refresh policies gave, steps against the basis's age
+        plot_steps_by_age(c, first)
     c.legend(fontsize=7)
     m = first["model"]
     common.save_figure(fig, (a, b, c), path,
@@ -1305,6 +1435,7 @@ def plot(data: dict, path: str) -> None:
                        data["machine"], legend=False)
 
 
+POLICY_COLORS = {"asteria-soap-async-auto": "tab:purple", "asteria-soap-drift": "tab:green"}
 NAME_W = max(len(n) for n in RUNS) + 2  # the table's optimizer column
 
 
@@ -1362,7 +1493,7 @@ def print_table(data: dict) -> None:
             print(f"{head}{c['per']:>26}{common.fmt(q['time_ratio_mean'], '.2f'):>7}"
                   f"{common.fmt(q['cpu_time_ratio_mean'], '.2f'):>11}{c['finals']:>24}"
                   f"{c['val']:>25}")
-        print("(time ratio: own time in lockstep; cpu ratio: the training thread's CPU time plus barrier "
+        print("(time ratio: own time (in lockstep; with --round-steps one run after another); cpu ratio: the training thread's CPU time plus barrier "
               "waits, which other processes' load stretches far less; held-out: the loss on the "
               "corpus's held-out 10% of each run's weights at AdamW's own time for all steps)")
         mem = {r["optimizer"]: r["memory"] for r in s["runs"] if r["seed"] == s["seeds"][0]
@@ -1381,6 +1512,14 @@ def print_table(data: dict) -> None:
                       f"{r['optimizer']} s{r['seed']} "
                       + common.fmt(r["round_steps"].get("R"), ".1f")
                       for r in s["runs"] if "round_steps" in r))
+        recs = [r for r in s["runs"] if (r.get("refresh") or {}).get("mean_age") is not None]
+        if recs:
+            print("refreshes per factor per 100 steps, mean basis age (steps), whole round R: "
+                  + "; ".join(f"{r['optimizer']} s{r['seed']} "
+                              f"{r['refresh']['refreshes_per_factor_per_100']:.1f}, "
+                              f"{r['refresh']['mean_age']:.2f}, "
+                              + common.fmt((r.get("full_round") or {}).get("R"), ".1f")
+                              for r in recs))
         print()
     lim = data.get("step_limit")
     if lim:
@@ -1449,8 +1588,9 @@ def parse_runs(text: str, ap, runs: Sequence[str] = RUNS) -> list[str]:
         except ValueError as e:
             ap.error(str(e))
         if not ok:
-            ap.error(f"unknown optimizer {r!r}; allowed: {', '.join(runs)}, or "
-                     f"<base>-f<N>[-s<S>] with base one of {', '.join(VARIANT_BASES)}")
+            ap.error(f"unknown optimizer {r!r}; allowed: {', '.join(runs)}, "
+                     f"{', '.join(POLICY_RUNS)}, or <base>-f<N>[-s<S>] with base one of "
+                     f"{', '.join(VARIANT_BASES)}")
     extra = [r for r in names if r not in runs]
     return ["adamw"] + [r for r in runs if r in names and r != "adamw"] + extra
 
@@ -1460,7 +1600,7 @@ def check_procedure_args(ap, args, grids: dict, runs: Sequence[str] = RUNS) -> N
     the step counts checked (``ap``'s error)."""
     args.grids = dict(grids)
     for name in list(getattr(args, "runs", ())) + list(getattr(args, "bound_runs", ())):
-        if name not in args.grids and variant(name) is not None:
+        if name not in args.grids and (variant(name) is not None or name in POLICY_RUNS):
             args.grids[name] = grid_of(name, grids)
     for spec in args.lrs:
         name, _, lrs = spec.partition("=")
@@ -1501,6 +1641,9 @@ def parse_args(argv: Optional[Sequence[str]]):
                     help="profile this many steps of AdamW and Asteria SOAP (16; --quick 0)")
     ap.add_argument("--heavyball-compile", action="store_true",
                     help="keep heavyball's torch.compile (minutes of CPU autotuning)")
+    ap.add_argument("--no-sweep", action="store_true",
+                    help="no lr sweep: the timed runs only, each optimizer at the one lr of its "
+                         "grid (--lrs NAME=LR: the tuned lr of an earlier sweep)")
     ap.add_argument("--round-steps", type=float, default=None, metavar="R",
                     help="the users setting on a host 1/k as fast: k chosen so a REFRESH round "
                          "of the first Asteria async run takes R steps (calibrate_round_steps); "
@@ -1525,6 +1668,13 @@ def parse_args(argv: Optional[Sequence[str]]):
         ap.error(f"--round-steps {args.round_steps:g}: need R > 0 and the users setting in "
                  f"--settings")
     check_procedure_args(ap, args, GRIDS)
+    if args.no_sweep:
+        swept = ((args.runs if "users" in args.settings else [])
+                 + (args.bound_runs if "optimizer-bound" in args.settings else []))
+        many = sorted({n for n in swept if len(args.grids[n]) != 1})
+        if many:
+            ap.error(f"--no-sweep: {', '.join(many)} without a one-lr grid; give each "
+                     f"--lrs NAME=LR")
     return args
 
 

@@ -382,12 +382,64 @@ def test_bench_step_lockstep_every_step_runs(tmp_path):
     assert kinds[2:].count("refresh+install") >= len(kinds) - 4
 
 
+@pytest.mark.timeout(120)
+def test_bench_convergence_policy_runs_round_steps(tmp_path):
+    """The runs named by their refresh policy ("asteria-soap-async-auto": f and S "auto";
+    "asteria-soap-drift": refresh_policy "drift", its budget and d "auto") on a host stretched
+    to R steps a round (--round-steps, calibrated on the f=S run), without a sweep
+    (--no-sweep: each at its one lr); every run with factors records its refreshes per factor
+    per 100 steps and the mean age of the basis its steps used, every run with a worker pool
+    a whole round in steps."""
+    bc = load_bench("bench_convergence")
+    runs = ("adamw", "asteria-soap-sync", "asteria-soap-async-f4-s4", "asteria-soap-async-auto",
+            "asteria-soap-drift")
+    lrs = [a for n in runs for a in ("--lrs", f"{n}={6e-3 if n == 'adamw' else 2e-2}")]
+    _restores(lambda: bc.main(
+        ["--quick", "--no-plot", "--out-dir", str(tmp_path), "--settings", "users",
+         "--seeds", "0", "--no-sweep", "--round-steps", "20", "--runs", ",".join(runs)] + lrs))
+    data = json.loads((tmp_path / "bench_convergence.json").read_text())
+    users = data["setting_results"]["users"]
+    assert data["settings"]["sweep"] is False and users["sweep"] == {}
+    assert users["tuned_lr"] == {n: 6e-3 if n == "adamw" else 2e-2 for n in runs}
+    # a round of the quick model takes a few steps unstretched: R = 20 stretches it
+    assert users["round_steps"]["calibrated_on"] == "asteria-soap-async-f4-s4"
+    assert users["round_steps"]["job_stretch"] > 1
+    assert data["settings"]["timed_runs"].startswith("every optimizer at its tuned lr, one "
+                                                     "after another")
+    by = {r["optimizer"]: r for r in users["runs"]}
+    assert set(by) == set(runs)
+    assert by["asteria-soap-async-auto"]["kwargs"]["precondition_frequency"] == "auto"
+    assert by["asteria-soap-async-auto"]["kwargs"]["runtime"]["staleness"] == "auto"
+    rt = by["asteria-soap-drift"]["kwargs"]["runtime"]
+    assert by["asteria-soap-drift"]["kwargs"]["precondition_frequency"] == 1
+    assert (rt["mode"], rt["refresh_policy"], rt["refresh_budget"], rt["install_delay"]) == \
+        ("async", "drift", "auto", "auto")
+    assert by["adamw"]["refresh"] is None
+    # round policies: from f and S, every factor every f steps, ages S ... S + f - 1
+    assert by["asteria-soap-sync"]["refresh"]["refreshes_per_factor_per_100"] == 25.0
+    assert by["asteria-soap-sync"]["refresh"]["mean_age"] == 1.5
+    assert by["asteria-soap-async-f4-s4"]["refresh"]["mean_age"] == 4 + 1.5
+    auto = by["asteria-soap-async-auto"]["refresh"]
+    assert auto["f"] >= 1 and auto["mean_age"] == auto["S"] + (auto["f"] - 1) / 2
+    # drift: measured, within its budget's share and its age bound
+    dr = by["asteria-soap-drift"]["refresh"]
+    assert dr["policy"] == "drift" and 0 < dr["budget"] <= 1 and dr["factors"] > 0
+    assert 0 < dr["refreshes_per_factor_per_100"] <= 100
+    assert 0 <= dr["mean_age"] <= dr["max_age"] <= dr["max_age_bound"]
+    for name in runs[2:]:
+        assert by[name]["round_steps"]["job_stretch"] == users["round_steps"]["job_stretch"]
+        assert by[name]["full_round"]["R"] > 0
+    assert "full_round" not in by["asteria-soap-sync"]
+
+
 def test_bench_convergence_run_names():
     bc = load_bench("bench_convergence")
     assert bc.variant("asteria-soap-async-f1-s0") == ("asteria-soap-async", 1, 0)
     assert bc.variant("asteria-soap-sync-f10") == ("asteria-soap-sync", 10, None)
     assert bc.variant("asteria-soap-async") is None and bc.variant("adamw") is None
     assert bc.variant("asteria-soap-async-f0") is None
+    assert bc.variant("asteria-soap-drift") is None and bc.known_run("asteria-soap-drift")
+    assert bc.grid_of("asteria-soap-async-auto", bc.GRIDS) == bc.GRIDS["asteria-soap-async"]
     with pytest.raises(ValueError, match="staleness 3 > precondition_frequency 2"):
         bc.variant("asteria-soap-async-f2-s3")
     assert bc.at_time([0.0, 1.0, 3.0], [4.0, 2.0, 1.0], 2.0) == pytest.approx(1.5)
