@@ -106,6 +106,7 @@ from tinygpt import (SCHEDULE, CharData, GPTConfig, TinyGPT, n_params,  # noqa: 
                      warmup_cosine)
 
 import asteria  # noqa: E402
+from asteria.optim.cadence import full_round  # noqa: E402
 
 NAME = "bench_convergence"
 PRESETS = {
@@ -595,7 +596,7 @@ def full_round_steps(opt) -> Optional[dict[str, Any]]:
     cad = getattr(opt, "cadence", None)
     if cad is None or not cad.run.is_async:
         return None
-    times = cad.capacity.times_for_f(cad.full_round(), 0)
+    times = cad.capacity.times_for_f(full_round(cad.run, cad.method), 0)
     if times is None:
         return None
     round_s, step_s, _ = times
