@@ -666,4 +666,7 @@ def test_train_drift_terminated_leaves_its_json(tmp_path):
     assert rec["state"] == "timed out" and "signal 15" in rec["error"], rec.get("error")
     assert rec["checks"]["native-f10"]["ok"]
     assert "stopped" in rec["runs"]["native-f10"]  # its budget stopped it, and said so
-    assert "drift-b0.25-d1 rerun bitwise" not in rec["checks"]
+    # how far past native-f10's record the SIGTERM lands is the scheduler's to say: a later
+    # run's check recorded before it is a passed one (the stage's order is the code's)
+    bitwise = rec["checks"].get("drift-b0.25-d1 rerun bitwise")
+    assert bitwise is None or bitwise["ok"], bitwise
