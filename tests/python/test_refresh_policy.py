@@ -180,12 +180,13 @@ def test_same_trajectory_whatever_the_timing(name):
 
 
 def test_auto_values_chosen_once_then_the_trajectory_is_theirs(monkeypatch):
-    """SOAP chooses an "auto" budget and d at its first REFRESH step end, from the capacity
-    record's seconds: a run given those values under another job delay is the same bit for bit.
-    The seconds are the test's, injected where the cadence reads them (``times_for_f``, once
-    the real record has them): a full round of 1 s, its largest factor 10 ms, steps of 100 ms
-    with 90 ms of forward and backward, so the rule gives budget 1/15 and d = 1 whatever the
-    machine's load (test_choose_refresh_budget_rule)."""
+    """SOAP chooses an "auto" budget and d once (the step end after its first REFRESH round's
+    install), from the capacity record's seconds, and stores them in the state: a second run
+    under other job delays, which make every round's measured time another, is the same bit
+    for bit. The seconds are the test's, injected where the cadence reads them
+    (``times_for_f``, once the real record has them): a full round of 1 s, its largest factor
+    10 ms, steps of 100 ms with 90 ms of forward and backward, so the rule gives budget 1/15
+    and d = 1 whatever the machine's load (test_choose_refresh_budget_rule)."""
     real = Capacity.times_for_f
 
     def held(self, jobs, stall_ns=0):
@@ -195,28 +196,57 @@ def test_auto_values_chosen_once_then_the_trajectory_is_theirs(monkeypatch):
         return (1.0 if whole else 0.010), 0.100, 0.090
 
     monkeypatch.setattr(Capacity, "times_for_f", held)
+    runs = []
+    for delays in ([40], [0, 7, 1]):
+        model = make_model(KIND)
+        opt = SOAP(model.parameters(), precondition_frequency=1, runtime=drift())
+        try:
+            runs.append(train(model, opt, 1, 12, jitter(opt, delays)))
+            st = opt.asteria_stats()
+            assert st["refresh_budget_auto_chosen"] and st["install_delay_auto_chosen"]
+            b, d = st["refresh_budget"], st["install_delay"]
+            assert (b, d) == (1.0 / 15, 1)
+            sd = opt.state_dict()
+            assert {v[K.AUTO_BUDGET] for v in sd["state"].values()
+                    if K.AUTO_BUDGET in v} == {b}
+            assert {v[K.AUTO_DELAY] for v in sd["state"].values() if K.AUTO_DELAY in v} == {d}
+        finally:
+            opt.close()
+    assert same(*runs)
+
+
+def test_auto_budget_waits_for_a_measured_refresh_round(monkeypatch):
+    """An "auto" budget and d are chosen at the step end after the first REFRESH round's
+    install (a whole round, d = PROVISIONAL_DELAY), once that round is measured: priced by the
+    REFRESH op's own measured rate, not by the first-step eigendecompositions' rate applied to
+    another op's FLOPs. SOAP: INIT at step 1's end, the first REFRESH round started there,
+    installed (and measured) at step 2's end, the choice at step 3's end; the choice is the
+    rule's on the capacity record's numbers at that step end."""
+    seen = []
+    real = Capacity.times_for_f
+
+    def record(self, jobs, stall_ns=0):
+        out = real(self, jobs, stall_ns)
+        seen.append((len(self.measured_refresh_s()),
+                     self.model.sources(next(iter(self.lanes())), jobs)))
+        return out
+
     model = make_model(KIND)
     opt = SOAP(model.parameters(), precondition_frequency=1, runtime=drift())
     try:
-        delay_jobs(opt, 40)
-        auto = train(model, opt, 1, 12)
-        st = opt.asteria_stats()
-        assert st["refresh_budget_auto_chosen"] and st["install_delay_auto_chosen"]
-        b, d = st["refresh_budget"], st["install_delay"]
-        assert (b, d) == (1.0 / 15, 1)
-        sd = opt.state_dict()
-        assert {v[K.AUTO_BUDGET] for v in sd["state"].values() if K.AUTO_BUDGET in v} == {b}
-        assert {v[K.AUTO_DELAY] for v in sd["state"].values() if K.AUTO_DELAY in v} == {d}
+        chosen_after = None
+        for t in range(1, 6):
+            train(model, opt, t, t)
+            st = opt.asteria_stats()
+            if chosen_after is None and st["refresh_budget_auto_chosen"]:
+                chosen_after = t
+            if t == 1:
+                monkeypatch.setattr(Capacity, "times_for_f", record)
+        assert chosen_after == 3, chosen_after
+        # the one pricing of the choice saw a measured REFRESH round and the op's own rate
+        assert seen and seen[0][0] >= 1 and seen[0][1] == ["measured"], seen
     finally:
         opt.close()
-    model = make_model(KIND)
-    opt = SOAP(model.parameters(), precondition_frequency=1,
-               runtime=drift(refresh_budget=b, install_delay=d))
-    try:
-        given = train(model, opt, 1, 12, jitter(opt, [0, 7, 1]))
-    finally:
-        opt.close()
-    assert same(auto, given)
 
 
 def test_choose_refresh_budget_rule():

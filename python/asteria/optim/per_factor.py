@@ -66,8 +66,8 @@ from asteria.refresh.cost import JobSpec, choose_refresh_budget, default_max_age
 AUTO = "auto"
 DRIFT = "drift"  # refresh_policy: per factor, stalest first, within a budget
 #: refresh_policy="drift" with install_delay="auto": d until it is chosen (with the budget a
-#: whole round, the first round of a method without first-step eigendecompositions is
-#: measured at its install the next step end)
+#: whole round, the first REFRESH round is measured at its install the next step end, where
+#: the choice is made)
 PROVISIONAL_DELAY = 1
 #: the basis ages asteria_stats() counts in its histogram: [0, 1], [2, 3], [4, 7], ... (powers
 #: of two), the last bin open
@@ -309,15 +309,19 @@ class PerFactor:
             or (cfg.install_delay == AUTO and self.auto_delay is None))
 
     def choose(self, end: StepEnd, capacity: Capacity) -> None:
-        """Fix an "auto" budget and d, once, at the first step end with
-        factors due after the cost model has measured a job (SOAP's and KL-Shampoo's first-step
-        eigendecompositions: their first REFRESH step end, where an "auto" S is chosen;
-        Shampoo: the step end after its first round, at whose install it was measured), by
+        """Fix an "auto" budget and d, once, at the first step end with factors due after a
+        REFRESH round was measured (submit to its last job's end): the step end after the
+        first REFRESH round's install, which runs as a whole round with d =
+        ``PROVISIONAL_DELAY`` (SOAP and KL-Shampoo at their third step end, Shampoo at its
+        second). Not from the first-step eigendecompositions alone: the cost model would price
+        the REFRESH op (a QR power step, a Newton root) at the eigendecomposition's FLOP rate,
+        which the op's own rate differs from by up to 2x (docs/capacity.md, "Refresh per
+        factor"). By
         ``asteria.refresh.cost.choose_refresh_budget`` on ``capacity``'s prices of a
         full round and of its largest factor alone, the step and the forward and backward. An
         integer ``max_age`` bounds d (``age_floor``). Stored in every preconditioned
         parameter's state (``refresh_budget.auto``, ``install_delay.auto``)."""
-        if not self.choosing or not end.due or not capacity.model.observed:
+        if not self.choosing or not end.due or not capacity.measured_refresh_s():
             return
         full = self.full_round()
         times = capacity.times_for_f(full, end.stall_ns)
