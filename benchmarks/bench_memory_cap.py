@@ -12,6 +12,11 @@ read / written) and the planner's decisions:
                  (the host tier, asked for: placement {"eigenbases": "host"})
   asteria-nvme   the same with host_budget_bytes --host-budget and nvme_dir (a fresh directory
                  under --dir-parent): the eigenbases past the budget live on the NVMe tier
+The Asteria configurations keep their blocks at --tier-dtype (float32). --tier-dtypes D,...
+adds each of --tier-dtype-configs (asteria-nvme) at each other tier dtype D as a configuration
+of its own, named with the dtype (asteria-nvme-int8, asteria-host-int4, ...), and a table of
+float32 against them: the anonymous / group peaks, ru_maxrss, the planner's peak, the bytes on
+each tier and the NVMe bytes read and written per step.
 Part 2, the cap: a memory cgroup (benchmarks/memcap.py: cgroup v1 or v2, no swap) capped at
 --cap-bytes, or by default (choose_cap) halfway between asteria-nvme's and soap-native's cgroup
 peaks as measured uncapped (with --cap-margin-mib M: at most asteria-nvme's + M MiB): their
@@ -29,6 +34,7 @@ bench_memory_cap.png.
 
     python3 benchmarks/bench_memory_cap.py                 # the issue's setting: 4 x 2048^2
     python3 benchmarks/bench_memory_cap.py --quick --out-dir /tmp/x
+    python3 benchmarks/bench_memory_cap.py --tier-dtypes float32,int8,int4 --jobs 3
 """
 
 from __future__ import annotations
@@ -43,12 +49,29 @@ import tempfile
 import time
 from typing import Any, Optional, Sequence
 
+from asteria.config import TIER_DTYPES
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 NAME = "bench_memory_cap"
 CONFIGS = ("adamw", "soap-native", "asteria-host", "asteria-nvme")
 MiB = 1 << 20
+
+
+def split_config(name: str) -> tuple[str, Optional[str]]:
+    """("asteria-nvme", "int8") from "asteria-nvme-int8"; (name, None) without a dtype suffix."""
+    for dt in TIER_DTYPES:
+        if name.endswith("-" + dt) and name[:-len(dt) - 1] in CONFIGS:
+            return name[:-len(dt) - 1], dt
+    return name, None
+
+
+def dtype_configs(args) -> list[str]:
+    """The configurations --tier-dtypes adds: each of --tier-dtype-configs at each listed dtype
+    other than --tier-dtype (the plain configurations' own)."""
+    return [f"{base}-{dt}" for base in args.tier_dtype_configs for dt in args.tier_dtypes
+            if dt != args.tier_dtype]
 
 
 # ---- the worker (a fresh process per configuration) ------------------------------------------
@@ -68,7 +91,7 @@ def worker(spec: dict) -> dict[str, Any]:
         for lin in lins:
             lin.weight.copy_(torch.randn(width, width, generator=g) / width ** 0.5)
     params = [lin.weight for lin in lins]
-    name = spec["config"]
+    name, _ = split_config(spec["config"])
     if name == "adamw":
         opt = torch.optim.AdamW(params, lr=1e-3)
     else:
@@ -100,7 +123,7 @@ def worker(spec: dict) -> dict[str, Any]:
         opt.step()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
-    out: dict[str, Any] = {"config": name, "step_s": times, "losses": losses}
+    out: dict[str, Any] = {"config": spec["config"], "step_s": times, "losses": losses}
     if hasattr(opt, "asteria_stats"):
         st = opt.asteria_stats()
         out["stats"] = {k: v for k, v in st.items() if isinstance(v, (int, float))}
@@ -123,12 +146,12 @@ def worker(spec: dict) -> dict[str, Any]:
 # ---- the parent ------------------------------------------------------------------------------
 
 def spec_for(args, config: str, nvme_dir: str, params_out: Optional[str] = None) -> dict:
+    dt = split_config(config)[1] or getattr(args, "tier_dtype", "float32")
     return {"config": config, "width": args.width, "layers": args.layers, "batch": args.batch,
             "steps": args.steps, "freq": args.freq, "staleness": args.staleness,
             "seed": args.seed, "nvme_dir": nvme_dir, "host_budget": args.host_budget,
             "params_out": params_out,
-            "runtime_extra": ({"tier_dtype": args.tier_dtype}
-                              if getattr(args, "tier_dtype", "float32") != "float32" else {})}
+            "runtime_extra": {"tier_dtype": dt} if dt != "float32" else {}}
 
 
 def child_cmd(spec: dict) -> list[str]:
@@ -178,33 +201,40 @@ def run_uncapped(spec: dict, timeout: float) -> dict:
 
 
 def measure_uncapped(args, configs: Sequence[str], work: str, log,
-                     parallel: bool = False) -> dict[str, Any]:
+                     jobs: int = 1) -> dict[str, Any]:
     """Each of ``configs`` trained without a cap (run_uncapped), each its own process and group,
-    so peaks do not mix; ``parallel`` runs them side by side (peaks unaffected, step times
-    shared). asteria-nvme keeps its final parameters in ``work`` (``ref_params``), the capped
-    run's reference. Returns config -> result."""
+    so peaks do not mix; ``jobs`` of them at a time side by side (peaks unaffected, step times
+    shared). Each asteria-nvme configuration keeps its final parameters in ``work``
+    (``ref_params``), the capped run's reference. Returns config -> result."""
     specs = {}
     for cfg in configs:
         nvme = os.path.join(work, f"nvme-{cfg}")
         os.makedirs(nvme, exist_ok=True)
-        out = ref_params(work) if cfg == "asteria-nvme" else None
+        out = ref_params(work, cfg) if split_config(cfg)[0] == "asteria-nvme" else None
         specs[cfg] = spec_for(args, cfg, nvme, out)
-    from concurrent.futures import ThreadPoolExecutor
-    results: dict[str, Any] = {}
-    with ThreadPoolExecutor(max_workers=len(configs) if parallel else 1) as ex:
-        futs = {cfg: ex.submit(run_uncapped, specs[cfg], args.timeout) for cfg in configs}
-        for cfg in configs:
-            r = results[cfg] = futs[cfg].result()
-            log(f"{cfg:14s} ru_maxrss {r['ru_maxrss_bytes'] / MiB:8.1f} MiB, cgroup peak "
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+    done: dict[str, Any] = {}
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(configs)))) as ex:
+        futs = {ex.submit(run_uncapped, specs[cfg], args.timeout): cfg for cfg in configs}
+        for fut in as_completed(futs):  # each one's line as it ends: a long run's log has them
+            cfg = futs[fut]
+            r = done[cfg] = fut.result()
+            st = r.get("stats", {})
+            log(f"{cfg:18s} ru_maxrss {r['ru_maxrss_bytes'] / MiB:8.1f} MiB, cgroup peak "
                 f"{(r['cgroup_peak_bytes'] or 0) / MiB:8.1f} MiB, anon peak "
-                f"{(r['anon_peak_bytes'] or 0) / MiB:8.1f} MiB, median step "
-                f"{sorted(r['step_s'])[len(r['step_s']) // 2]:.3f} s")
-    return results
+                f"{(r['anon_peak_bytes'] or 0) / MiB:8.1f} MiB, planned "
+                f"{((r.get('memory_plan') or {}).get('peak_total') or 0) / MiB:.1f} MiB, NVMe "
+                f"{st.get('bytes_nvme', 0) / MiB:.1f} MiB, read / written per step "
+                f"{st.get('bytes_nvme_read', 0) / MiB / len(r['step_s']):.1f} / "
+                f"{st.get('bytes_nvme_written', 0) / MiB / len(r['step_s']):.1f} MiB, median "
+                f"step {sorted(r['step_s'])[len(r['step_s']) // 2]:.3f} s, final loss "
+                f"{r['losses'][-1]:.6f}")
+    return {cfg: done[cfg] for cfg in configs}
 
 
-def ref_params(work: str) -> str:
-    """Where the uncapped asteria-nvme run leaves its final parameters."""
-    return os.path.join(work, "asteria-nvme-uncapped.pt")
+def ref_params(work: str, config: str = "asteria-nvme") -> str:
+    """Where the uncapped run of ``config`` (an asteria-nvme one) leaves its final parameters."""
+    return os.path.join(work, f"{config}-uncapped.pt")
 
 
 def choose_cap(native_anon: int, asteria_anon: int,
@@ -227,16 +257,16 @@ def choose_cap(native_anon: int, asteria_anon: int,
 
 def run_capped_configs(args, cap: int, work: str, log,
                        configs: Sequence[str] = ("soap-native", "asteria-nvme"),
-                       tag: str = "capped") -> dict[str, Any]:
-    """Each of ``configs`` in a fresh memory cgroup capped at ``cap`` bytes (memcap.run_capped):
-    config -> whether the kernel's OOM killer ended it, the group's peaks, whether it completed,
-    its result, and for asteria-nvme whether its final parameters are bitwise equal to the
-    uncapped run's (``ref_params(work)``, from measure_uncapped)."""
+                       tag: str = "capped", jobs: int = 1) -> dict[str, Any]:
+    """Each of ``configs`` in a fresh memory cgroup capped at ``cap`` bytes (memcap.run_capped),
+    ``jobs`` at a time: config -> whether the kernel's OOM killer ended it, the group's peaks,
+    whether it completed, its result, and for each asteria-nvme configuration whether its final
+    parameters are bitwise equal to its uncapped run's (``ref_params``, from
+    measure_uncapped)."""
     import memcap
     import torch
 
-    runs: dict[str, Any] = {}
-    for cfg in configs:
+    def one(cfg: str) -> dict[str, Any]:
         nvme = os.path.join(work, f"nvme-{tag}-{cfg}")
         os.makedirs(nvme, exist_ok=True)
         out = os.path.join(work, f"{cfg}-{tag}.pt")
@@ -250,29 +280,34 @@ def run_capped_configs(args, cap: int, work: str, log,
         entry["stderr_tail"] = r["stderr"][-600:]
         if res is not None:
             entry["result"] = res
-            if cfg == "asteria-nvme" and os.path.exists(ref_params(work)):
-                ref, got = torch.load(ref_params(work)), torch.load(out)
+            ref_path = ref_params(work, cfg)
+            if split_config(cfg)[0] == "asteria-nvme" and os.path.exists(ref_path):
+                ref, got = torch.load(ref_path), torch.load(out)
                 entry["bitwise_equal_to_uncapped"] = (
                     len(ref) == len(got) and all(torch.equal(a, b) for a, b in zip(ref, got)))
-        runs[cfg] = entry
-        log(f"capped {cfg:14s} at {cap / MiB:.0f} MiB: rc {r['returncode']}, OOM-killed "
+        log(f"capped {cfg:18s} at {cap / MiB:.0f} MiB: rc {r['returncode']}, OOM-killed "
             f"{entry['killed_by_oom']}, group peak {(r['cgroup_peak_bytes'] or 0) / MiB:.0f} MiB")
-    return runs
+        return entry
+
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(configs)))) as ex:
+        return dict(zip(configs, ex.map(one, configs)))
 
 
-def run(args, argv) -> dict[str, Any]:
-    import common
+def measure(args, work: str, log) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Part 1 (uncapped, measure_uncapped), part 2 (the cap, run_capped_configs) and the
+    --tier-dtypes configurations (uncapped: after part 2, or with --parallel beside parts 1 and
+    2, each in its own group): (config -> result, the capped part)."""
     import memcap
+    from concurrent.futures import ThreadPoolExecutor
 
-    log, meta = common.start_run(NAME, __file__, argv)
-    os.makedirs(args.dir_parent, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="asteria-memcap-", dir=args.dir_parent)
-    eig_bytes = args.layers * 2 * args.width * args.width * 4
-    log(f"{args.layers} x {args.width}^2, batch {args.batch}, {args.steps} steps, f={args.freq}, "
-        f"S={args.staleness}; eigenbases {eig_bytes / MiB:.0f} MiB; load {common.loadavg()}")
+    extra = dtype_configs(args)
+    jobs = len(CONFIGS) + len(extra) if args.parallel else args.jobs
     capped: dict[str, Any] = {}
-    try:
-        results = measure_uncapped(args, CONFIGS, work, log, args.parallel)
+    with ThreadPoolExecutor(max_workers=1) as side:
+        beside = (side.submit(measure_uncapped, args, extra, work, log, jobs)
+                  if extra and args.parallel else None)
+        results = measure_uncapped(args, CONFIGS, work, log, jobs)
         kind, why = memcap.available()
         native, nv = results["soap-native"], results["asteria-nvme"]
         cap, how = args.cap_bytes or None, "--cap-bytes"
@@ -288,7 +323,25 @@ def run(args, argv) -> dict[str, Any]:
                 log(how)
         if kind is not None and cap is not None:
             capped = {"cgroup": kind, "cap_bytes": cap, "cap_rule": how,
-                      "runs": run_capped_configs(args, cap, work, log)}
+                      "runs": run_capped_configs(args, cap, work, log,
+                                                 jobs=2 if args.parallel else 1)}
+        if extra:
+            results.update(beside.result() if beside is not None
+                           else measure_uncapped(args, extra, work, log, jobs))
+    return results, capped
+
+
+def run(args, argv) -> dict[str, Any]:
+    import common
+
+    log, meta = common.start_run(NAME, __file__, argv)
+    os.makedirs(args.dir_parent, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="asteria-memcap-", dir=args.dir_parent)
+    eig_bytes = args.layers * 2 * args.width * args.width * 4
+    log(f"{args.layers} x {args.width}^2, batch {args.batch}, {args.steps} steps, f={args.freq}, "
+        f"S={args.staleness}; eigenbases {eig_bytes / MiB:.0f} MiB; load {common.loadavg()}")
+    try:
+        results, capped = measure(args, work, log)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     meta["machine"]["loadavg_end"] = list(os.getloadavg())
@@ -296,10 +349,41 @@ def run(args, argv) -> dict[str, Any]:
             "settings": {k: getattr(args, k) for k in ("width", "layers", "batch", "steps", "freq",
                                                        "staleness", "host_budget", "seed",
                                                        "cap_bytes", "cap_margin_mib",
-                                                       "tier_dtype", "quick")},
+                                                       "tier_dtype", "tier_dtypes",
+                                                       "tier_dtype_configs", "jobs", "parallel",
+                                                       "quick")},
             "eigenbasis_bytes": eig_bytes, "uncapped": results, "capped": capped,
-            "targets": targets(results, eig_bytes)}
+            "tier_dtypes": dtype_table(results, args), "targets": targets(results, eig_bytes)}
     return common.finish(data, NAME, args.out_dir, args.no_plot, print_table, plot, log)
+
+
+def dtype_table(results: dict, args) -> dict[str, Any]:
+    """Per configuration of --tier-dtype-configs, its runs at each tier dtype (the plain one at
+    --tier-dtype first): the peaks, the planner's, the bytes per tier and the NVMe bytes per
+    step. Empty without --tier-dtypes."""
+    if not dtype_configs(args):
+        return {}
+    table: dict[str, Any] = {}
+    for base in args.tier_dtype_configs:
+        rows = {}
+        for dt in [args.tier_dtype] + [d for d in args.tier_dtypes if d != args.tier_dtype]:
+            r = results.get(base if dt == args.tier_dtype else f"{base}-{dt}")
+            if r is None:
+                continue
+            st, mp, steps = r.get("stats", {}), r.get("memory_plan") or {}, len(r["step_s"])
+            rows[dt] = {"anon_peak_bytes": r.get("anon_peak_bytes"),
+                        "cgroup_peak_bytes": r.get("cgroup_peak_bytes"),
+                        "ru_maxrss_bytes": r["ru_maxrss_bytes"],
+                        "planned_peak_total_bytes": mp.get("peak_total"),
+                        "planned_peak_bytes": mp.get("peak_bytes"),
+                        "tier_bytes": {t: st.get(f"bytes_{t}", 0)
+                                       for t in ("device", "host", "host_pinned", "uvm", "nvme")},
+                        "nvme_read_bytes_per_step": st.get("bytes_nvme_read", 0) / steps,
+                        "nvme_written_bytes_per_step": st.get("bytes_nvme_written", 0) / steps,
+                        "median_step_s": sorted(r["step_s"])[steps // 2],
+                        "final_loss": r["losses"][-1]}
+        table[base] = rows
+    return table
 
 
 def targets(results: dict, eig_bytes: int) -> dict:
@@ -331,7 +415,8 @@ def targets(results: dict, eig_bytes: int) -> dict:
 def plot(data: dict, path: str) -> None:
     import common
     plt = common.pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    table = data.get("tier_dtypes") or {}
+    fig, axes = plt.subplots(1, 3 if table else 2, figsize=(16.5 if table else 11, 4.5))
     res = data["uncapped"]
     names = [c for c in CONFIGS if c in res]
     axes[0].bar(names, [res[c]["ru_maxrss_bytes"] / MiB for c in names],
@@ -356,18 +441,41 @@ def plot(data: dict, path: str) -> None:
         axes[1].legend(fontsize=7)
     else:
         axes[1].text(0.5, 0.5, cap.get("skipped", "no capped run"), ha="center", wrap=True)
+    if table:
+        plot_dtypes(axes[2], table)
     common.write_png(fig, path)
 
 
+def plot_dtypes(ax, table: dict) -> None:
+    """Each tier dtype's anonymous peak (bars) and NVMe bytes read per step (dots, right axis)."""
+    labels, peaks, reads = [], [], []
+    for base, rows in table.items():
+        for dt, row in rows.items():
+            labels.append(f"{base.replace('asteria-', '')}\n{dt}")
+            peaks.append((row["anon_peak_bytes"] or row["ru_maxrss_bytes"]) / MiB)
+            reads.append(row["nvme_read_bytes_per_step"] / MiB)
+    x = range(len(labels))
+    ax.bar(x, peaks, color="tab:green", label="anonymous peak")
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set(ylabel="anonymous peak, MiB", title="Tier dtypes: peak and NVMe reads")
+    ax.set_ylim(bottom=min(peaks) * 0.8)
+    tw = ax.twinx()
+    tw.plot(x, reads, "o", color="tab:purple", label="NVMe read per step")
+    tw.set(ylabel="NVMe MiB read per step")
+    tw.set_ylim(bottom=0)
+    ax.legend(loc="upper left", fontsize=7)
+    tw.legend(loc="upper right", fontsize=7)
+
+
 def print_table(data: dict) -> None:
-    print(f"{'config':16s}{'ru_maxrss MiB':>15s}{'cgroup MiB':>12s}{'anon MiB':>10s}"
+    print(f"{'config':20s}{'ru_maxrss MiB':>15s}{'cgroup MiB':>12s}{'anon MiB':>10s}"
           f"{'plan MiB':>10s}{'median step s':>15s}"
           f"{'host MiB':>10s}"
           f"{'nvme MiB':>10s}{'nvme rd MiB':>12s}{'nvme wr MiB':>12s}")
     for c, r in data["uncapped"].items():
         st = r.get("stats", {})
         steps = sorted(r["step_s"])
-        print(f"{c:16s}{r['ru_maxrss_bytes'] / MiB:15.1f}"
+        print(f"{c:20s}{r['ru_maxrss_bytes'] / MiB:15.1f}"
               f"{(r.get('cgroup_peak_bytes') or 0) / MiB:12.1f}"
               f"{(r.get('anon_peak_bytes') or 0) / MiB:10.1f}"
               f"{((r.get('memory_plan') or {}).get('peak_total') or 0) / MiB:10.1f}"
@@ -379,6 +487,18 @@ def print_table(data: dict) -> None:
     for c, r in cap.get("runs", {}).items():
         print(f"capped {c}: rc {r['returncode']} OOM-killed {r['killed_by_oom']} completed "
               f"{r['completed']} bitwise equal {r.get('bitwise_equal_to_uncapped')}")
+    for base, rows in (data.get("tier_dtypes") or {}).items():
+        print(f"\n{base} by tier dtype (MiB; NVMe per step):")
+        print(f"{'tier dtype':12s}{'anon peak':>11s}{'group peak':>12s}{'ru_maxrss':>11s}"
+              f"{'plan':>9s}{'host':>9s}{'nvme':>9s}{'rd/step':>9s}{'wr/step':>9s}"
+              f"{'final loss':>12s}")
+        for dt, w in rows.items():
+            print(f"{dt:12s}{(w['anon_peak_bytes'] or 0) / MiB:11.1f}"
+                  f"{(w['cgroup_peak_bytes'] or 0) / MiB:12.1f}{w['ru_maxrss_bytes'] / MiB:11.1f}"
+                  f"{(w['planned_peak_total_bytes'] or 0) / MiB:9.1f}"
+                  f"{w['tier_bytes']['host'] / MiB:9.1f}{w['tier_bytes']['nvme'] / MiB:9.1f}"
+                  f"{w['nvme_read_bytes_per_step'] / MiB:9.1f}"
+                  f"{w['nvme_written_bytes_per_step'] / MiB:9.1f}{w['final_loss']:12.6f}")
     print("targets:", json.dumps(data["targets"]))
 
 
@@ -397,20 +517,41 @@ def parse_args(argv: Optional[Sequence[str]]):
     ap.add_argument("--cap-margin-mib", type=float, default=0,
                     help="0: the cap halfway between native's and asteria-nvme's anonymous "
                          "peaks; else at most asteria-nvme's peak + this many MiB")
-    ap.add_argument("--tier-dtype", default="float32", choices=("float32", "bfloat16"),
-                    help="the Asteria runs' runtime tier_dtype")
+    ap.add_argument("--tier-dtype", default="float32", choices=TIER_DTYPES,
+                    help="the Asteria configurations' runtime tier_dtype")
+    ap.add_argument("--tier-dtypes", default="",
+                    help="comma-separated tier dtypes (of " + ", ".join(TIER_DTYPES) + "): each "
+                         "of --tier-dtype-configs also runs at each one other than --tier-dtype")
+    ap.add_argument("--tier-dtype-configs", default="asteria-nvme",
+                    help="comma-separated Asteria configurations --tier-dtypes applies to")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--dir-parent", default=None,
                     help="where nvme_dir goes (default benchmarks/results/tmp)")
     ap.add_argument("--parallel", action="store_true",
-                    help="part 1's configurations side by side (peaks unaffected, times shared)")
+                    help="part 1's configurations side by side, and part 2's, and the "
+                         "--tier-dtypes ones beside both (peaks unaffected, times shared)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="part 1's configurations this many at a time (as --parallel)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
     if args.worker is not None:
         return args
+    args.tier_dtypes = [d.strip() for d in args.tier_dtypes.split(",") if d.strip()]
+    for d in args.tier_dtypes:
+        if d not in TIER_DTYPES:
+            ap.error(f"--tier-dtypes: {d!r} is not a tier dtype; allowed: "
+                     + ", ".join(TIER_DTYPES))
+    args.tier_dtype_configs = [c.strip() for c in args.tier_dtype_configs.split(",")
+                               if c.strip()]
+    for c in args.tier_dtype_configs:
+        if not c.startswith("asteria-") or c not in CONFIGS:
+            ap.error(f"--tier-dtype-configs: {c!r} is not an Asteria configuration; allowed: "
+                     + ", ".join(c for c in CONFIGS if c.startswith("asteria-")))
+    if args.jobs < 1:
+        ap.error("--jobs: at least 1")
     import common
     q = args.quick
     common.fill_defaults(args, dict(width=512 if q else 2048, steps=21 if q else 31,

@@ -32,8 +32,10 @@
    Native SOAP and Asteria SOAP with host_budget_bytes 1 MiB + nvme_dir (its eigenbases on the
    NVMe tier) first run uncapped (their anonymous peaks), then under a cap between the two:
    native SOAP is OOM-killed, Asteria completes with parameters bitwise equal to its uncapped
-   run's. Where no memory cgroup can be made (no controller, no permission) the part says so
-   and is skipped.
+   run's. Asteria with tier_dtype "int8" (its eigenbases block-quantized on the NVMe tier) runs
+   the same way under the same cap: it completes, with a peak below float32 Asteria's, and
+   reads fewer NVMe bytes. Where no memory cgroup can be made (no controller, no permission)
+   the part says so and is skipped.
 
 Prints a table per part and writes examples/out/main.json (the three answers, the targets, the
 date, the commit, the machine and its load at the start and end of each part, and every step)
@@ -101,6 +103,10 @@ SPIKES = dict(d=256, layers=2, heads=4, context=64, batch=32, start=80, steps=10
 # 724-802 MiB: the cap goes halfway between them (part_memory).
 MEMORY = dict(width=1024, layers=6, batch=256, steps=16, freq=10, staleness=5,
               host_budget=1 << 20, tier_dtype="float32")
+#: part 3's runs (bench_memory_cap's configurations), uncapped and under the cap; the last is
+#: asteria-nvme with its eigenbases block-quantized to int8 on the tier
+MEMORY_CONFIGS = ("soap-native", "asteria-nvme", "asteria-nvme-int8")
+INT8 = MEMORY_CONFIGS[2]
 # --tiny: seconds, for the test suite; the answers then mean nothing, the logic is the same
 TINY_TIME = ["--steps", "12", "--d", "32", "--context", "32", "--batch", "4",
              "--val-batches", "1", "--log-every", "6"]
@@ -375,11 +381,23 @@ def status(entry: Optional[dict]) -> Optional[str]:
 def memory_summary(cap: Optional[int], runs: dict, uncapped: dict) -> dict[str, Any]:
     """The answer from the capped runs (bench_memory_cap.run_capped_configs) and the uncapped
     ones (measure_uncapped): each one's end, whether Asteria's capped parameters equal its
-    uncapped run's, and the peaks in MiB."""
-    nat, ast = runs.get("soap-native"), runs.get("asteria-nvme")
+    uncapped run's, and the peaks in MiB; for Asteria int8 (``asteria_int8``) its end, its
+    peaks, the NVMe bytes it read under the cap (float32 Asteria's beside them) and its final
+    loss."""
+    nat, ast, q8 = runs.get("soap-native"), runs.get("asteria-nvme"), runs.get(INT8)
 
     def mib(x):
         return None if x is None else round(x / MiB, 1)
+
+    def nvme_read(entry):
+        res = (entry or {}).get("result")
+        return None if res is None else mib(res.get("stats", {}).get("bytes_nvme_read"))
+
+    int8 = {"status": status(q8), "equal_uncapped": (q8 or {}).get("bitwise_equal_to_uncapped"),
+            "uncapped_peak_mib": mib(uncapped.get(INT8, {}).get("anon_peak_bytes")),
+            "capped_peak_mib": mib((q8 or {}).get("cgroup_peak_bytes")),
+            "nvme_read_mib": nvme_read(q8), "float32_nvme_read_mib": nvme_read(ast),
+            "final_loss": ((q8 or {}).get("result") or {}).get("losses", [None])[-1]}
 
     peaks = {"native_uncapped": mib(uncapped.get("soap-native", {}).get("anon_peak_bytes")),
              "asteria_uncapped": mib(uncapped.get("asteria-nvme", {}).get("anon_peak_bytes")),
@@ -387,7 +405,7 @@ def memory_summary(cap: Optional[int], runs: dict, uncapped: dict) -> dict[str, 
              "asteria_capped": mib((ast or {}).get("cgroup_peak_bytes"))}
     return {"cap_mib": mib(cap), "native": status(nat), "asteria": status(ast),
             "asteria_equal_uncapped": bool((ast or {}).get("bitwise_equal_to_uncapped")),
-            "peak_mib": peaks}
+            "peak_mib": peaks, "asteria_int8": int8}
 
 
 def memory_args(args) -> argparse.Namespace:
@@ -401,8 +419,9 @@ def memory_args(args) -> argparse.Namespace:
 
 
 def part_memory(args, log) -> tuple[dict, dict]:
-    """Native SOAP and Asteria SOAP (host_budget_bytes + nvme_dir) uncapped, then under a
-    memory cgroup cap between their needs: (the answer, details)."""
+    """Native SOAP, Asteria SOAP (host_budget_bytes + nvme_dir) and the same with tier_dtype
+    "int8" uncapped, then under a memory cgroup cap between native's and float32 Asteria's
+    needs: (the answer, details)."""
     margs = memory_args(args)
     eig = margs.layers * 2 * margs.width ** 2 * 4
     setting = {k: getattr(margs, k) for k in ("width", "layers", "batch", "steps", "freq",
@@ -411,7 +430,7 @@ def part_memory(args, log) -> tuple[dict, dict]:
                    f"{margs.width} x {margs.width}, tanh between, batch {margs.batch}")
     kind, why = memcap.available()
     empty = {"cap_mib": None, "native": None, "asteria": None, "asteria_equal_uncapped": None,
-             "peak_mib": None}
+             "peak_mib": None, "asteria_int8": None}
     if kind is None:
         log(f"memory: skipped, no memory cgroup can be made here: {why}")
         return {**empty, "skipped": f"no memory cgroup can be made here: {why}"}, \
@@ -422,8 +441,7 @@ def part_memory(args, log) -> tuple[dict, dict]:
     work = tempfile.mkdtemp(prefix="asteria-main-memory-", dir=margs.dir_parent)
     try:
         try:
-            uncapped = memory_bench.measure_uncapped(margs, ("soap-native", "asteria-nvme"),
-                                                     work, log)
+            uncapped = memory_bench.measure_uncapped(margs, MEMORY_CONFIGS, work, log)
         except RuntimeError as e:  # e.g. nvme_dir on a file system without O_DIRECT
             log(f"memory: an uncapped run failed: {e}")
             return {**empty, "skipped": f"an uncapped run failed: {str(e)[:300]}"}, \
@@ -441,7 +459,8 @@ def part_memory(args, log) -> tuple[dict, dict]:
             if cap is not None:
                 how = ("halfway between native SOAP's uncapped anonymous peak and asteria-nvme's "
                        "uncapped group peak")
-        runs = {} if cap is None else memory_bench.run_capped_configs(margs, cap, work, log)
+        runs = {} if cap is None else memory_bench.run_capped_configs(margs, cap, work, log,
+                                                                      MEMORY_CONFIGS)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     answer = memory_summary(cap, runs, uncapped)
@@ -477,18 +496,25 @@ def print_memory(answer: dict, details: dict) -> None:
     if answer.get("skipped") and answer.get("cap_mib") is None:
         print(f"skipped: {answer['skipped']}")
         return
-    p = answer["peak_mib"]
+    p, q8 = answer["peak_mib"], answer.get("asteria_int8") or {}
     hdr = (f"{'optimizer':<14}{'uncapped peak MiB':>19}{'capped at MiB':>15}{'capped peak MiB':>17}"
-           f"  {'under the cap':<16}{'params = uncapped':>18}")
+           f"  {'under the cap':<16}{'params = uncapped':>18}{'NVMe read MiB':>15}"
+           f"{'final loss':>12}")
     common.print_header(hdr)
-    for n, key in (("native_soap", "native"), ("asteria_soap", "asteria")):
-        eq = answer["asteria_equal_uncapped"] if key == "asteria" else None
-        print(f"{LABELS[n]:<14}{common.fmt(p[key + '_uncapped'], '.1f'):>19}"
-              f"{common.fmt(answer['cap_mib'], '.1f'):>15}"
-              f"{common.fmt(p[key + '_capped'], '.1f'):>17}"
-              f"  {answer[key] or '-':<16}{'-' if eq is None else str(eq):>18}")
-    print(f"(peaks: the group's anonymous memory uncapped, the group's own peak capped; cap: "
-          f"{answer.get('cap_rule')})")
+    rows = [("native SOAP", p["native_uncapped"], p["native_capped"], answer["native"], None,
+             None, None),
+            ("Asteria SOAP", p["asteria_uncapped"], p["asteria_capped"], answer["asteria"],
+             answer["asteria_equal_uncapped"], q8.get("float32_nvme_read_mib"),
+             (details["capped"].get("asteria-nvme", {}).get("run") or {}).get("final_loss")),
+            ("Asteria int8", q8.get("uncapped_peak_mib"), q8.get("capped_peak_mib"),
+             q8.get("status"), q8.get("equal_uncapped"), q8.get("nvme_read_mib"),
+             q8.get("final_loss"))]
+    for label, unc, capd, end, eq, rd, loss in rows:
+        print(f"{label:<14}{common.fmt(unc, '.1f'):>19}{common.fmt(answer['cap_mib'], '.1f'):>15}"
+              f"{common.fmt(capd, '.1f'):>17}  {end or '-':<16}{'-' if eq is None else str(eq):>18}"
+              f"{common.fmt(rd, '.1f'):>15}{common.fmt(loss, '.4f'):>12}")
+    print(f"(peaks: the group's anonymous memory uncapped, the group's own peak capped; NVMe "
+          f"read: over the capped run; cap: {answer.get('cap_rule')})")
 
 
 # ---- the job -----------------------------------------------------------------------------------
@@ -535,13 +561,22 @@ def targets(out: dict) -> dict[str, Any]:
                            "met": ok and mc["asteria_equal_uncapped"],
                            "note": "under the cap native SOAP is OOM-killed and Asteria "
                                    "completes, bitwise equal to its uncapped run"}
+        q8 = mc.get("asteria_int8") or {}
+        a_peak, q_peak = mc["peak_mib"]["asteria_capped"], q8.get("capped_peak_mib")
+        t["memory_cap_int8"] = {
+            "value": f"Asteria int8 {q8.get('status')}, capped peak {common.fmt(q_peak, '.1f')} "
+                     f"MiB against float32 Asteria's {common.fmt(a_peak, '.1f')} MiB",
+            "met": (q8.get("status") == "completed" and q_peak is not None
+                    and a_peak is not None and q_peak < a_peak),
+            "note": "under the same cap Asteria with tier_dtype int8 completes, its peak below "
+                    "float32 Asteria's"}
     return t
 
 
 def plot(out: dict, path: str) -> None:
     plt = common.pyplot()
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(19, 5.2),
-                                  gridspec_kw={"width_ratios": [1.2, 1.4, 0.9]})
+                                  gridspec_kw={"width_ratios": [1.2, 1.4, 1.1]})
     tl = out.get("time_to_loss")
     if tl:
         d = out["details"]["time_to_loss"]
@@ -579,29 +614,31 @@ def plot(out: dict, path: str) -> None:
     mc = out.get("memory_cap")
     c.set_title("3. Memory budget", fontsize=10)
     if mc and mc.get("peak_mib"):
-        p = mc["peak_mib"]
-        names = ["native SOAP\nuncapped", "Asteria\nuncapped", "native SOAP\ncapped",
-                 "Asteria\ncapped"]
-        vals = [p["native_uncapped"], p["asteria_uncapped"], p["native_capped"],
-                p["asteria_capped"]]
-        cols = ["tab:red", "tab:blue",
+        p, q8 = mc["peak_mib"], mc.get("asteria_int8") or {}
+        names = ["native SOAP\nuncapped", "Asteria\nuncapped", "Asteria\nint8\nuncapped",
+                 "native SOAP\ncapped", "Asteria\ncapped", "Asteria\nint8\ncapped"]
+        vals = [p["native_uncapped"], p["asteria_uncapped"], q8.get("uncapped_peak_mib"),
+                p["native_capped"], p["asteria_capped"], q8.get("capped_peak_mib")]
+        cols = ["tab:red", "tab:blue", "tab:cyan",
                 "tab:red" if mc["native"] == "OOM-killed" else "salmon",
-                "tab:blue" if mc["asteria"] == "completed" else "lightblue"]
-        c.bar(range(4), [v or 0 for v in vals], color=cols)
+                "tab:blue" if mc["asteria"] == "completed" else "lightblue",
+                "tab:cyan" if q8.get("status") == "completed" else "lightcyan"]
+        c.bar(range(6), [v or 0 for v in vals], color=cols)
         bottom = min(v for v in vals if v) * 0.8
         c.set_ylim(bottom=bottom)
         if mc["cap_mib"]:
             c.axhline(mc["cap_mib"], color="k", ls="--", lw=1, label=f"cap {mc['cap_mib']:.0f} MiB")
-            for i, what in ((2, mc["native"]), (3, mc["asteria"])):
-                txt = what + ("\nbitwise =\nuncapped" if i == 3 and mc["asteria_equal_uncapped"]
-                              else "")
+            for i, what, eq in ((3, mc["native"], False),
+                                (4, mc["asteria"], mc["asteria_equal_uncapped"]),
+                                (5, q8.get("status"), q8.get("equal_uncapped"))):
+                txt = (what or "-") + ("\nbitwise =\nuncapped" if eq else "")
                 c.text(i, (bottom + (vals[i] or bottom)) / 2, txt, ha="center", va="center",
-                       fontsize=8, color="white")
+                       fontsize=7, color="white")
             c.legend(fontsize=7)
         if not mc["cap_mib"]:
             c.text(0.5, 0.5, mc.get("skipped", ""), ha="center", va="center", wrap=True,
                    transform=c.transAxes, fontsize=8)
-        c.set_xticks(range(4), names, fontsize=8)
+        c.set_xticks(range(6), names, fontsize=7)
         c.set(ylabel="memory peak (MiB)")
     else:
         c.text(0.5, 0.5, (mc or {}).get("skipped", "not run"), ha="center", va="center",

@@ -1,7 +1,8 @@
 """Smoke tests of benchmarks/bench_step_time.py, bench_core_contention.py, bench_convergence.py,
 bench_staleness.py, bench_tier_dtype.py, bench_step_lockstep.py and examples/main_job.py (the main
 job, with examples/train_tiny.py as its first part): a --quick (or tiny) run into tmp_path
-writes a result file with the metadata and sane statistics. They run in this process through
+writes a result file with the metadata and sane statistics; bench_memory_cap.py's tier dtype
+configurations by their arguments. They run in this process through
 main(argv) (no second torch import), which restores the thread count and CPU affinity."""
 
 import importlib.util
@@ -537,8 +538,8 @@ def test_main_job_tiny(tmp_path):
     the three parts run, their tables print, main.json holds each answer under the keys the
     README names and main.png is written. No timing is asserted; what is checked is how each
     answer follows from what was measured. Part 3's cap is set above every peak here (the
-    tiny model's two peaks are too close for a cap between them), so both runs complete and
-    Asteria's capped parameters equal its uncapped run's."""
+    tiny model's two peaks are too close for a cap between them), so the three runs complete
+    and Asteria's capped parameters (float32 and int8 tiers) equal their uncapped runs'."""
     mj = load_example("main_job")
     t0 = time.perf_counter()
     out = _restores(lambda: mj.main(["--tiny", "--out-dir", str(tmp_path), "--mem-cap-mib",
@@ -631,10 +632,11 @@ def test_main_job_tiny(tmp_path):
 
     # part 3: the memory cap (or why it was skipped)
     mc = data["memory_cap"]
-    assert {"cap_mib", "native", "asteria", "asteria_equal_uncapped", "peak_mib"} <= set(mc)
+    assert {"cap_mib", "native", "asteria", "asteria_equal_uncapped", "peak_mib",
+            "asteria_int8"} <= set(mc)
     if mc.get("skipped"):
         assert mc["cap_mib"] is None and "cgroup" in mc["skipped"]
-        assert "memory_cap" not in data["targets"]
+        assert "memory_cap" not in data["targets"] and "memory_cap_int8" not in data["targets"]
     else:
         assert mc["cap_mib"] == 4096
         assert mc["native"] == mc["asteria"] == "completed"
@@ -646,6 +648,15 @@ def test_main_job_tiny(tmp_path):
         assert runs["asteria-nvme"]["nvme_mib"] > 0 and runs["soap-native"]["nvme_mib"] == 0
         # completing is not enough: the target asks for native SOAP to be killed
         assert data["targets"]["memory_cap"]["met"] is False
+        # the int8 tier: its own row, a quarter of the bytes (and scales) on NVMe and read
+        q8 = mc["asteria_int8"]
+        assert q8["status"] == "completed" and q8["equal_uncapped"] is True
+        assert q8["uncapped_peak_mib"] > 0 and q8["capped_peak_mib"] > 0
+        assert 0 < q8["nvme_read_mib"] < q8["float32_nvme_read_mib"]
+        assert math.isfinite(q8["final_loss"])
+        assert 0 < runs["asteria-nvme-int8"]["nvme_mib"] < runs["asteria-nvme"]["nvme_mib"]
+        assert data["targets"]["memory_cap_int8"]["met"] == (
+            q8["capped_peak_mib"] < p["asteria_capped"])
 
     # the targets follow from the figures
     t = data["targets"]
@@ -664,8 +675,8 @@ def test_main_job_tiny(tmp_path):
 @pytest.mark.timeout(HANG_GUARD_S)
 def test_main_job_memory_verdict_of_killed_runs(tmp_path):
     """Part 3's verdict from real capped runs (bench_memory_cap.run_capped_configs) where the
-    cap is below what importing torch takes: both are OOM-killed, nothing is compared, and the
-    target is not met."""
+    cap is below what importing torch takes: all three (native SOAP, Asteria at float32 and at
+    int8) are OOM-killed, nothing is compared, and neither target is met."""
     mj = load_example("main_job")
     if mj.memcap.available()[0] is None:
         pytest.skip(f"no memory cgroup can be made here: {mj.memcap.available()[1]}")
@@ -673,13 +684,44 @@ def test_main_job_memory_verdict_of_killed_runs(tmp_path):
     margs = mj.memory_args(args)
     os.makedirs(margs.dir_parent, exist_ok=True)
     cap = 64 << 20
-    runs = mj.memory_bench.run_capped_configs(margs, cap, str(tmp_path), lambda msg: None)
+    runs = mj.memory_bench.run_capped_configs(margs, cap, str(tmp_path), lambda msg: None,
+                                              mj.MEMORY_CONFIGS)
     v = mj.memory_summary(cap, runs, {})
     assert v["cap_mib"] == 64 and v["native"] == v["asteria"] == "OOM-killed"
     assert v["asteria_equal_uncapped"] is False
     assert v["peak_mib"]["native_uncapped"] is None and v["peak_mib"]["native_capped"] <= 64
+    q8 = v["asteria_int8"]
+    assert q8["status"] == "OOM-killed" and q8["capped_peak_mib"] <= 64
+    assert q8["nvme_read_mib"] is None and q8["final_loss"] is None
     t = mj.targets({"memory_cap": v})
-    assert t["memory_cap"]["met"] is False
+    assert t["memory_cap"]["met"] is False and t["memory_cap_int8"]["met"] is False
+
+
+def test_bench_memory_cap_tier_dtypes(capsys):
+    """bench_memory_cap.py --tier-dtypes: the dtypes from asteria's one list, each configuration
+    of --tier-dtype-configs at each dtype other than --tier-dtype, named with it and run with
+    it as its runtime's tier_dtype; a dtype or configuration not allowed is refused, naming the
+    option and what is allowed."""
+    from asteria.config import TIER_DTYPES
+
+    b = load_bench("bench_memory_cap")
+    args = b.parse_args(["--tier-dtypes", "float32,int8,int4", "--tier-dtype-configs",
+                         "asteria-nvme,asteria-host", "--out-dir", "/nonexistent"])
+    cfgs = b.dtype_configs(args)
+    assert cfgs == ["asteria-nvme-int8", "asteria-nvme-int4", "asteria-host-int8",
+                    "asteria-host-int4"]
+    assert [b.split_config(c) for c in cfgs[:2]] == [("asteria-nvme", "int8"),
+                                                    ("asteria-nvme", "int4")]
+    assert b.split_config("asteria-nvme") == ("asteria-nvme", None)
+    assert b.spec_for(args, cfgs[1], "/d")["runtime_extra"] == {"tier_dtype": "int4"}
+    assert b.spec_for(args, "asteria-nvme", "/d")["runtime_extra"] == {}
+    assert b.dtype_configs(b.parse_args(["--out-dir", "/nonexistent"])) == []
+    for argv, allowed in ((["--tier-dtypes", "int8,int2"], TIER_DTYPES),
+                          (["--tier-dtype-configs", "adamw"], ("asteria-host", "asteria-nvme"))):
+        with pytest.raises(SystemExit):
+            b.parse_args(argv)
+        err = capsys.readouterr().err
+        assert argv[0] in err and all(a in err for a in allowed), err
 
 
 def test_run_loops_takes_turns_of_consecutive_steps():
