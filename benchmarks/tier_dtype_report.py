@@ -188,6 +188,13 @@ def print_table(data: dict) -> None:
         print(f"{dtype}: targets met on every seed: {t['met']}")
 
 
+def _clip_top(ax, top: float = 3.0) -> None:
+    """Cut the first steps' high losses off an axis whose curves go below ``top``."""
+    lo, hi = ax.get_ylim()
+    if lo < top < hi:
+        ax.set_ylim(top=top)
+
+
 def plot(data: dict, path: str) -> None:
     plt = common.pyplot()
     rs = data["results"]
@@ -206,7 +213,7 @@ def plot(data: dict, path: str) -> None:
     w = data["settings"]["window"]
     a.set(xlabel="step", ylabel=f"train loss (trailing mean of {w})",
           title="Training loss (host tier), AdamW's final loss as lines")
-    a.set_ylim(top=min(3.0, a.get_ylim()[1]))
+    _clip_top(a)
     by = _by(rs)
     for r in host:
         f32 = by.get((r["seed"], "float32"))
@@ -232,7 +239,7 @@ def plot(data: dict, path: str) -> None:
             c.axvline(ps["adamw_wall_s"], color="k", lw=0.5, ls=styles.get(int(s), "-"))
     c.set(xlabel="the run's own time (s, in lockstep)", ylabel="held-out loss",
           title="Held-out loss; AdamW's time as lines")
-    c.set_ylim(top=min(3.0, c.get_ylim()[1]))
+    _clip_top(c)
     first = [r for r in rs if r["seed"] == seeds[0] and r["tier_dtype"]]
     labels = [f"{r['tier_dtype']}\n{r['tier']}" for r in first]
     bottom = [0.0] * len(first)
