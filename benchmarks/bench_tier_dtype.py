@@ -4,7 +4,8 @@ the users' regime, on two seeds.
 
 Every run trains examples/train_tiny.py's problem (bench_convergence.py's "users" setting:
 TinyGPT d=128, 2 layers, context 128, batch 64 = 8,192 tokens a step, 16x the widest layer),
-warm-up + cosine over all steps, each optimizer at its swept lr from bench_convergence's users
+warm-up + cosine over all steps (300: the schedule of the sweep; at 200 these lrs leave SOAP level
+with AdamW, docs/results.md), each optimizer at its swept lr from bench_convergence's users
 sweep (benchmarks/results/bench_convergence.json: AdamW's and Asteria SOAP async's tuned lr):
 AdamW, and Asteria SOAP async (f=10, S=5, deterministic install) with its eigenbases on the host
 tier (``placement={"eigenbases": "host"}``) in each tier dtype. Per seed the runs go in lockstep
@@ -38,7 +39,7 @@ bytes; int4 within 5%, 0.02, <= 0.14x.
 Writes benchmarks/results/bench_tier_dtype.{json,png} (the JSON after every seed too; --tiers
 nvme alone writes bench_tier_dtype_nvme.json).
 
-    python3 benchmarks/bench_tier_dtype.py              # 200 steps, 2 seeds x (5 + 4) runs
+    python3 benchmarks/bench_tier_dtype.py              # 300 steps, 2 seeds x (5 + 4) runs
     python3 benchmarks/bench_tier_dtype.py --tiers host --seeds 0 --out-dir /tmp/h0
     python3 benchmarks/bench_tier_dtype.py --merge /tmp/h0 /tmp/h1 /tmp/n0 /tmp/n1
     python3 benchmarks/bench_tier_dtype.py --quick --out-dir /tmp/x   # seconds
@@ -242,7 +243,8 @@ def run(args, argv) -> dict[str, Any]:
 
 def parse_args(argv: Optional[Sequence[str]]):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=None, help="steps per run (200; --quick 12)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="steps per run (300, the schedule the lrs were swept for; --quick 12)")
     ap.add_argument("--seeds", default="0,1", help="comma-separated seeds (>= 2 for the noise)")
     ap.add_argument("--tiers", default="host,nvme",
                     help=f"comma-separated tiers of the eigenbases, of {', '.join(TIER_CHOICES)}"
@@ -271,7 +273,7 @@ def parse_args(argv: Optional[Sequence[str]]):
     ap.add_argument("--train-cpu", type=int, default=None,
                     help="the training thread's core (default: the first allowed one)")
     args = common.parse_quick(ap, argv, lambda q: dict(
-        steps=12 if q else 200, warmup=2 if q else 10, model_size="tiny" if q else "users",
+        steps=12 if q else 300, warmup=2 if q else 10, model_size="tiny" if q else "users",
         window=4 if q else 20, val_every=4 if q else 20, log_every=6 if q else 50,
         out_dir=os.path.join(common.RESULTS_DIR, "tmp") if q else common.RESULTS_DIR))
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
