@@ -1,25 +1,47 @@
-"""Reduced-precision tier storage: Asteria SOAP with its eigenbases stored in float32 against
-bfloat16 (runtime key ``tier_dtype``), in the users' regime, at equal steps, on two seeds.
+"""Eigenbases stored in every tier dtype (runtime key ``tier_dtype``: float32, bfloat16, int8,
+int4; asteria.config.TIER_DTYPES), on the host tier and again on NVMe, against tuned AdamW, in
+the users' regime, on two seeds.
 
 Every run trains examples/train_tiny.py's problem (bench_convergence.py's "users" setting:
 TinyGPT d=128, 2 layers, context 128, batch 64 = 8,192 tokens a step, 16x the widest layer),
-warm-up + cosine, Asteria SOAP async S=5 with deterministic install, lr 1e-2, f=10. Its
-eigenbases live on the host tier (asked for: ``placement={"eigenbases": "host"}``). For each
-seed (initial weights and batches), one run per tier dtype; reported per run:
-  - bytes per tier (asteria_stats(), measured after the last step) and the planner's figures
-    (asteria_memory_plan(): steady state and peak per tier);
-  - final train loss (trailing mean of the last --window losses), the last step's loss, and the
-    validation loss (mean over --val-batches fixed validation batches);
-and per seed bfloat16 minus float32 for each loss. The noise level is float32's seed-to-seed
-spread (|seed 0 - seed 1| of each loss): a difference within it is within noise.
+warm-up + cosine over all steps (300: the schedule of the sweep; at 200 these lrs leave SOAP level
+with AdamW, docs/results.md), each optimizer at its swept lr from bench_convergence's users
+sweep (benchmarks/results/bench_convergence.json: AdamW's and Asteria SOAP async's tuned lr):
+AdamW, and Asteria SOAP async (f=10, S=5, deterministic install) with its eigenbases on the host
+tier (``placement={"eigenbases": "host"}``) in each tier dtype. Per seed the runs go in lockstep
+(bench_convergence.train_lockstep: turns of 10 steps, each on its own copy of the model, so the
+machine's drift reaches them alike; each run's clock counts its own steps). The same Asteria
+runs with every eigenbasis on NVMe (``host_budget_bytes=0``, ``nvme_dir`` under a temporary
+directory) follow, for all steps too (--tiers: "host", "nvme" or both; the parts may run as
+separate invocations into their own --out-dir and be joined with --merge).
 
-The NVMe tier holds the same blocks in the same dtype (its runs are bitwise the host runs:
-tests/python/test_nvme_training.py); a short run per dtype with every eigenbasis on NVMe
-(host_budget_bytes=0, --nvme-steps steps) records its bytes and I/O.
+Reported per run (tier_dtype_report.py computes the comparisons):
+  - steps to AdamW's final loss (the trailing mean of its last --window losses; the first step
+    whose trailing mean reaches it, bench_convergence.time_to_target) and the ratio to float32's
+    on the same seed and tier;
+  - the held-out loss (bench_convergence's: 8 batches of the corpus's held-out 10%, weights
+    copied every --val-every steps) at AdamW's own time for all its steps (interpolated on the
+    run's own clock, as bench_convergence's table) and at the last step (equal steps);
+  - optimizer-state bytes per tier (asteria_stats(), after the last step), the ratio of the tier
+    bytes (every tier but the device: the eigenbases, scales included) to float32's, the
+    planner's figures (asteria_memory_plan()), and bytes read from / written to NVMe per step;
+  - the orthogonality error ||V^T V - I||_F (Frobenius) of the stored eigenbases of at least
+    TIER_QUANT_MIN_DIM rows after the last step: the state after close() holds a quantized basis
+    as stored, dequantized but not rectified (docs/memory.md); measured as it is ("widened") and
+    after the configured TIER_RECTIFY_STEPS Bjorck steps (asteria.tiers.quant.rectify, the
+    steps' own computation; 0 steps for float32 / bfloat16); max and mean over the bases;
+  - an NVMe run's losses compared bit for bit with the host run's of its dtype and seed
+    (tests/python/test_nvme_training.py: they should be equal).
+The targets (issue "Eigenbases at 8 and 4 bits", tier_dtype_report.TARGETS) per seed: int8 within
+2% of float32's steps to AdamW's loss, within 0.01 of its held-out loss, at <= 0.27x its tier
+bytes; int4 within 5%, 0.02, <= 0.14x.
 
-Writes benchmarks/results/bench_tier_dtype.{json,png} (the JSON after every run too).
+Writes benchmarks/results/bench_tier_dtype.{json,png} (the JSON after every seed too; --tiers
+nvme alone writes bench_tier_dtype_nvme.json).
 
-    python3 benchmarks/bench_tier_dtype.py               # 200 steps x 4 runs; ~10-20 min
+    python3 benchmarks/bench_tier_dtype.py              # 300 steps, 2 seeds x (5 + 4) runs
+    python3 benchmarks/bench_tier_dtype.py --tiers host --seeds 0 --out-dir /tmp/h0
+    python3 benchmarks/bench_tier_dtype.py --merge /tmp/h0 /tmp/h1 /tmp/n0 /tmp/n1
     python3 benchmarks/bench_tier_dtype.py --quick --out-dir /tmp/x   # seconds
 """
 
@@ -27,8 +49,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
+import json
 import os
-import statistics
+import re
+import struct
 import sys
 import tempfile
 from typing import Any, Optional, Sequence
@@ -38,256 +63,235 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import common  # noqa: E402
-from bench_convergence import (SOAP_HP, async_runtime, build_problem, make_optimizer,  # noqa: E402
-                               make_with_wide_mask, placement, train_curve)
-from bench_staleness import val_loss  # noqa: E402
-from tinygpt import SCHEDULE, warmup_cosine  # noqa: E402
+import tier_dtype_report as report  # noqa: E402
+from bench_convergence import (SOAP_HP, async_runtime, build_problem, make_curve,  # noqa: E402
+                               make_optimizer, model_optimizer, placement, train_lockstep)
+from tinygpt import SCHEDULE  # noqa: E402
+
+from asteria.config import TIER_DTYPES, TIER_QUANT_MIN_DIM, TIER_RECTIFY_STEPS  # noqa: E402
+from asteria.tiers import quant  # noqa: E402
 
 NAME = "bench_tier_dtype"
-DTYPES = ("float32", "bfloat16")
-LR = 1e-2  # Asteria-SOAP async's tuned peak lr in the users' setting (bench_convergence.json)
+TIER_CHOICES = ("host", "nvme")
+SOAP = "asteria-soap-async"
+#: the swept lrs' home: bench_convergence's users sweep (AdamW's and Asteria SOAP async's)
+SWEEP_JSON = os.path.join(common.RESULTS_DIR, "bench_convergence.json")
+_BASIS = re.compile(r"^b\d+\.Q\d+$")
 
 
-def tier_figures(opt) -> dict[str, Any]:
-    stats = common.runtime_stats(opt)
-    return {"bytes": {t: int(stats.get(f"bytes_{t}", 0)) for t in common.TIERS},
-            "bytes_device_ring": int(stats.get("bytes_device_ring", 0)),
-            "bytes_h2d": int(stats.get("bytes_h2d", 0)),
-            "bytes_nvme_read": int(stats.get("bytes_nvme_read", 0)),
-            "bytes_nvme_written": int(stats.get("bytes_nvme_written", 0)),
-            "memory_plan": opt.asteria_memory_plan(),
-            "barrier_waits": int(stats.get("barrier_waits", 0)),
-            "barrier_wait_ms": int(stats.get("barrier_wait_ns", 0)) / 1e6}
+def swept_lrs(path: str = SWEEP_JSON) -> dict[str, float]:
+    """{"adamw": lr, SOAP: lr}: the tuned lrs of bench_convergence's users setting."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tuned = json.load(f)["setting_results"]["users"]["tuned_lr"]
+        return {"adamw": float(tuned["adamw"]), SOAP: float(tuned[SOAP])}
+    except (OSError, KeyError, ValueError) as e:
+        raise SystemExit(f"{path}: no users-setting tuned lr of adamw and {SOAP} ({e}); pass "
+                         f"--lr and --adamw-lr") from e
 
 
-def run_one(dtype: str, seed: int, problem, args, pin: dict, log) -> dict[str, Any]:
-    label = f"{dtype} seed {seed}"
-    model = problem.model()
-    rt = dict(async_runtime(args, pin["worker_cpus"]), tier_dtype=dtype,
-              placement={"eigenbases": "host"})  # "auto" keeps CPU eigenbases in place
-    opt, _ = make_with_wide_mask(lambda: make_optimizer("asteria-soap-async",
-                                                        model.parameters(), args.lr, args,
-                                                        None, runtime=rt))
-    load0 = common.loadavg()
-    log(f"run {label}: {args.steps} steps, lr {args.lr:g}, load {load0}")
-    r = train_curve(model, opt, problem, args.steps, window=args.window, label=label, log=log,
-                    log_every=args.log_every, warmup=args.warmup,
-                    lr_at=warmup_cosine(args.lr, args.steps))
-    figures = tier_figures(opt)
-    opt.close()
-    val = val_loss(model, problem, args.val_batches)
-    del opt, model
-    gc.collect()
-    measured = r["step_ms"][args.warmup:]
-    out = {"label": label, "tier_dtype": dtype, "seed": seed, "runtime": rt, "lr": args.lr,
-           "steps_run": r["steps_run"], "final_train_loss": r["smoothed"][-1],
-           "last_loss": r["losses"][-1], "val_loss": val, **figures,
-           "step_mean_ms": statistics.mean(measured) if measured else None,
-           "loadavg1_start": load0, "loadavg1_end": r["loadavg1_end"], "cpu": r["cpu"],
-           "losses": [round(x, 5) for x in r["losses"]]}
-    log(f"  {label}: train {out['final_train_loss']:.4f}, last {out['last_loss']:.4f}, val "
-        f"{val:.4f}; host {out['bytes']['host']} B, device {out['bytes']['device']} B; load "
-        f"{out['loadavg1_end']}, other processes {r['cpu'].get('foreign_cores_avg')} cores")
-    return out
+def run_name(dtype: str, tier: str) -> str:
+    return dtype if tier == "host" else f"{dtype}-nvme"
 
 
-def nvme_check(dtype: str, problem, args, pin: dict, log) -> dict[str, Any]:
-    """A short run with every eigenbasis on the NVMe tier: its bytes and I/O."""
-    model = problem.model()
-    with tempfile.TemporaryDirectory(dir=args.nvme_dir) as d:
-        rt = dict(async_runtime(args, pin["worker_cpus"]), tier_dtype=dtype, nvme_dir=d,
-                  host_budget_bytes=0)
-        opt, _ = make_with_wide_mask(lambda: make_optimizer("asteria-soap-async",
-                                                            model.parameters(), args.lr, args,
-                                                            None, runtime=rt))
-        r = train_curve(model, opt, problem, args.nvme_steps, window=1, label=f"nvme {dtype}",
-                        log=log, log_every=args.nvme_steps, lr_at=warmup_cosine(args.lr,
-                                                                               args.steps))
-        figures = tier_figures(opt)
-        opt.close()
-    out = {"tier_dtype": dtype, "steps": args.nvme_steps, "runtime": dict(rt, nvme_dir="<tmp>"),
-           "losses": [round(x, 5) for x in r["losses"]], **figures}
-    log(f"  nvme {dtype}: nvme {out['bytes']['nvme']} B, read {out['bytes_nvme_read']} B, "
-        f"written {out['bytes_nvme_written']} B in {args.nvme_steps} steps")
-    return out
+def split_name(name: str) -> tuple[str, str]:
+    """(tier dtype, tier) of a run name of run_name."""
+    return (name[:-5], "nvme") if name.endswith("-nvme") else (name, "host")
 
 
-def compare(results: list, seeds: list) -> dict[str, Any]:
-    by = {(r["tier_dtype"], r["seed"]): r for r in results}
-    out: dict[str, Any] = {"per_seed": {}, "noise": {}}
-    for s in seeds:
-        a, b = by.get(("float32", s)), by.get(("bfloat16", s))
-        if a is None or b is None:
+def losses_digest(losses: Sequence[float]) -> str:
+    """SHA-256 of the float64 losses' bytes: equal digests, bitwise equal losses."""
+    return hashlib.sha256(struct.pack(f"<{len(losses)}d", *losses)).hexdigest()
+
+
+def orthogonality(opt, dtype: str) -> Optional[dict[str, Any]]:
+    """||V^T V - I||_F of the stored eigenbases of at least TIER_QUANT_MIN_DIM rows of a closed
+    optimizer (its state: the stored basis, dequantized, not rectified), as stored and after
+    the tier dtype's Bjorck steps; None without bases."""
+    steps = TIER_RECTIFY_STEPS.get(dtype, 0)
+    before, after, sizes = [], [], []
+    for st in opt.state.values():
+        for k, v in st.items():
+            if (_BASIS.match(k) and torch.is_tensor(v) and v.dim() == 2
+                    and v.shape[0] == v.shape[1] >= TIER_QUANT_MIN_DIM):
+                v = v.detach().to("cpu", torch.float32)
+                before.append(float(quant.orth_error(v)))
+                after.append(float(quant.orth_error(quant.rectify(v, steps))))
+                sizes.append(int(v.shape[0]))
+    if not sizes:
+        return None
+    return {"norm": "Frobenius", "bases": len(sizes), "sizes": sizes, "bjorck_steps": steps,
+            "widened_max": max(before), "widened_mean": sum(before) / len(before),
+            "rectified_max": max(after), "rectified_mean": sum(after) / len(after)}
+
+
+class Maker:
+    """The Curve factory of train_lockstep (make_curve's arguments and result) for AdamW and
+    the tier-dtype runs; keeps each Asteria optimizer (for its state after close) and its
+    planner's figures at construction."""
+
+    def __init__(self, args, nvme_root: Optional[str]) -> None:
+        self.args, self.nvme_root = args, nvme_root
+        self.opts: dict[str, Any] = {}
+        self.plans: dict[str, dict] = {}
+        self.runtimes: dict[str, dict] = {}
+
+    def build(self, name: str, model, lr: float, args, worker_cpus: Optional[str]):
+        if name == "adamw":
+            return model_optimizer(name, model, lr, args, worker_cpus)
+        dtype, tier = split_name(name)
+        rt = dict(async_runtime(args, worker_cpus), tier_dtype=dtype)
+        if tier == "host":
+            rt["placement"] = {"eigenbases": "host"}  # "auto" keeps CPU eigenbases in place
+        else:
+            rt.update(nvme_dir=tempfile.mkdtemp(prefix=f"{name}-", dir=self.nvme_root),
+                      host_budget_bytes=0)
+        opt, kw = make_optimizer(SOAP, model.parameters(), lr, args, None, runtime=rt)
+        self.opts[name], self.plans[name] = opt, opt.asteria_memory_plan()
+        self.runtimes[name] = dict(rt, nvme_dir="<tmp>") if "nvme_dir" in rt else rt
+        return opt, kw
+
+    def __call__(self, name, lr, problem, args, pin, log, *, stop_below, budget_s):
+        c, kw = make_curve(name, lr, problem, args, pin, log, stop_below=stop_below,
+                           budget_s=budget_s, build=self.build)
+        self.opts[name + ".curve"] = c
+        return c, kw
+
+
+def run_seed(names: list, lrs: dict, problem, args, pin: dict, log, nvme_root) -> list:
+    make = Maker(args, nvme_root)
+    rs = train_lockstep(names, lrs, problem, args, pin, log, make)
+    for r in rs:
+        name = r["optimizer"]
+        c = make.opts.pop(name + ".curve")
+        r["losses_sha256"] = losses_digest(c.loop.losses)
+        r["label"] = f"{name} seed {problem.seed}"
+        r["val_final"] = r["val"]["loss"][-1]
+        if name == "adamw":
+            r.update(tier_dtype=None, tier=None)
             continue
-        out["per_seed"][s] = {
-            **{f"{k}_diff": b[k] - a[k] for k in ("final_train_loss", "last_loss", "val_loss")},
-            "host_bytes_float32": a["bytes"]["host"], "host_bytes_bfloat16": b["bytes"]["host"],
-            "tiered_bytes_saved": sum(a["bytes"][t] - b["bytes"][t]
-                                      for t in ("host", "host_pinned", "uvm", "nvme")),
-            "device_ring_bytes_saved": a["bytes_device_ring"] - b["bytes_device_ring"],
-            "planned_peak_total_saved": a["memory_plan"]["peak_total"]
-            - b["memory_plan"]["peak_total"]}
-    f32 = [by[("float32", s)] for s in seeds if ("float32", s) in by]
-    if len(f32) >= 2:
-        for k in ("final_train_loss", "last_loss", "val_loss"):
-            vals = [r[k] for r in f32]
-            out["noise"][k] = max(vals) - min(vals)
-        diffs = out["per_seed"].values()
-        out["within_noise"] = bool(diffs) and all(
-            abs(d[f"{k}_diff"]) <= out["noise"][k] for d in diffs
-            for k in ("final_train_loss", "val_loss"))
-    return out
+        dtype, tier = split_name(name)
+        opt = make.opts.pop(name)
+        mem, cnt, steps = r["memory"]["tiers"], r["runtime_counters"], r["steps_run"]
+        r.update(tier_dtype=dtype, tier=tier, runtime=make.runtimes[name],
+                 memory_plan=make.plans[name], orthogonality=orthogonality(opt, dtype),
+                 tier_bytes=sum(b for t, b in mem.items() if t != "device"),
+                 nvme_read_per_step=cnt.get("bytes_nvme_read", 0) / steps,
+                 nvme_written_per_step=cnt.get("bytes_nvme_written", 0) / steps)
+        o = r["orthogonality"] or {}
+        log(f"  {r['label']}: final {r['smoothed'][-1]:.4f}, held-out {r['val_final']:.4f}; "
+            f"tier bytes {r['tier_bytes']}, NVMe read {r['nvme_read_per_step']:.0f} B/step; "
+            f"||V^T V - I||_F max {o.get('widened_max', float('nan')):.3g} -> "
+            f"{o.get('rectified_max', float('nan')):.3g}")
+        del opt, c
+    del make
+    gc.collect()
+    return rs
 
 
 def run(args, argv) -> dict[str, Any]:
     log, meta = common.start_run(NAME, __file__, argv)
+    if args.merge:
+        data = report.merge(args.merge, meta)
+        return common.finish(data, NAME, args.out_dir, args.no_plot, report.print_table,
+                             report.plot, log)
     torch.set_num_threads(args.threads)
     pin = placement(args.train_cpu)
     cpu0 = common.cpu_snapshot()
+    lrs = {"adamw": args.adamw_lr, **{run_name(d, t): args.lr for d in TIER_DTYPES
+                                      for t in TIER_CHOICES}}
+    name = NAME if "host" in args.tiers else f"{NAME}_nvme"
+    settings = {"steps": args.steps, "warmup": args.warmup, "frequency": args.frequency,
+                "staleness": args.staleness, "install": "deterministic",
+                "lr": args.lr, "adamw_lr": args.adamw_lr, "lr_source": args.lr_source,
+                "schedule": SCHEDULE, "soap_hp": dict(SOAP_HP, lr=args.lr),
+                "workers": args.workers, "torch_threads": args.threads, "window": args.window,
+                "val_every": args.val_every, "seeds": args.seeds, "tiers": args.tiers,
+                "tier_dtypes": list(TIER_DTYPES), "rectify_steps": TIER_RECTIFY_STEPS,
+                "quant_min_dim": TIER_QUANT_MIN_DIM, "in_lockstep": True,
+                "quick": args.quick, "pinning": pin}
     results: list = []
-    nvme: list = []
     info = None
-    for seed in args.seeds:
-        problem = build_problem(args.model_size, args.steps, seed)
-        if info is None:
-            info = problem.describe()
-            log(f"TinyGPT {info['params'] / 1e6:.2f}M params, {info['tokens_per_step']} tokens "
-                f"a step = {info['tokens_over_widest']:.1f}x the widest layer; {args.steps} "
-                f"steps; tier dtypes {', '.join(DTYPES)}; seeds {args.seeds}; load "
-                f"{common.loadavg()}")
-        for dtype in DTYPES:
-            results.append(run_one(dtype, seed, problem, args, pin, log))
-            common.write_json({**meta, "complete": False, "model": info, "results": results},
-                              f"{NAME}.json", args.out_dir)
-        if seed == args.seeds[0] and args.nvme_steps:
-            nvme = [nvme_check(dtype, problem, args, pin, log) for dtype in DTYPES]
-        del problem
-        gc.collect()
+    with tempfile.TemporaryDirectory(dir=args.nvme_dir) as nvme_root:
+        for seed in args.seeds:
+            problem = build_problem(args.model_size, args.steps, seed)
+            if info is None:
+                info = problem.describe()
+                log(f"TinyGPT {info['params'] / 1e6:.2f}M params, {info['tokens_per_step']} "
+                    f"tokens a step = {info['tokens_over_widest']:.1f}x the widest layer; "
+                    f"{args.steps} steps; tier dtypes {', '.join(TIER_DTYPES)} on "
+                    f"{', '.join(args.tiers)}; seeds {args.seeds}; load {common.loadavg()}")
+            for tier in args.tiers:
+                names = (["adamw"] if tier == "host" else []) + [run_name(d, tier)
+                                                                 for d in TIER_DTYPES]
+                results += run_seed(names, lrs, problem, args, pin, log, nvme_root)
+                common.write_json({**meta, "complete": False, "settings": settings,
+                                   "model": info, "results": results}, f"{name}.json",
+                                  args.out_dir)
+            del problem
+            gc.collect()
     meta["machine"]["loadavg1_end"] = common.loadavg()
     meta["machine"]["loadavg_end"] = list(os.getloadavg())
     meta["cpu"] = common.cpu_delta(cpu0, common.cpu_snapshot())
-    data = {
-        **meta,
-        "complete": True,
-        "settings": {"steps": args.steps, "warmup": args.warmup, "frequency": args.frequency,
-                     "staleness": args.staleness, "install": "deterministic", "lr": args.lr,
-                     "schedule": SCHEDULE, "soap_hp": dict(SOAP_HP, lr=args.lr),
-                     "workers": args.workers, "torch_threads": args.threads,
-                     "window": args.window, "val_batches": args.val_batches, "seeds": args.seeds,
-                     "placement": "auto (eigenbases on the host tier)",
-                     "nvme_steps": args.nvme_steps, "quick": args.quick, "pinning": pin},
-        "model": info,
-        "results": results,
-        "nvme": nvme,
-        "comparison": compare(results, args.seeds),
-    }
-    return common.finish(data, NAME, args.out_dir, args.no_plot, print_table, plot, log)
-
-
-def plot(data: dict, path: str) -> None:
-    plt = common.pyplot()
-    rs = data["results"]
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(17, 4.8))
-    colors = {"float32": "tab:blue", "bfloat16": "tab:orange"}
-    styles = {s: ls for s, ls in zip(data["settings"]["seeds"], ("-", "--", ":", "-."))}
-    w = data["settings"]["window"]
-    for r in rs:
-        ls = r["losses"]
-        sm = [sum(ls[max(0, i - w + 1):i + 1]) / len(ls[max(0, i - w + 1):i + 1])
-              for i in range(len(ls))]
-        a.plot(range(1, len(sm) + 1), sm, styles.get(r["seed"], "-"),
-               color=colors[r["tier_dtype"]], label=r["label"])
-    a.set(xlabel="step", ylabel=f"train loss (trailing mean of {w})", title="Training loss")
-    a.set_ylim(top=min(4.5, a.get_ylim()[1]))
-    for s in data["settings"]["seeds"]:
-        f32 = next((r for r in rs if r["seed"] == s and r["tier_dtype"] == "float32"), None)
-        bf = next((r for r in rs if r["seed"] == s and r["tier_dtype"] == "bfloat16"), None)
-        if f32 and bf:
-            d = [x - y for x, y in zip(bf["losses"], f32["losses"])]
-            b.plot(range(1, len(d) + 1), d, styles.get(s, "-"), lw=0.8,
-                   label=f"seed {s}: bfloat16 - float32")
-    if len([r for r in rs if r["tier_dtype"] == "float32"]) >= 2:
-        f = [r for r in rs if r["tier_dtype"] == "float32"]
-        d = [x - y for x, y in zip(f[1]["losses"], f[0]["losses"])]
-        b.plot(range(1, len(d) + 1), d, color="tab:gray", lw=0.6, alpha=0.7,
-               label="float32: seed 1 - seed 0 (noise)")
-    b.axhline(0, color="k", lw=0.8)
-    b.set(xlabel="step", ylabel="per-step loss difference", title="bfloat16 storage vs float32")
-    labels = [r["label"] for r in rs]
-    tiers = ("device", "host", "nvme")
-    bottom = [0.0] * len(rs)
-    for t, col in zip(tiers, ("tab:green", "tab:blue", "tab:purple")):
-        vals = [r["bytes"][t] / 2 ** 20 for r in rs]
-        c.bar(labels, vals, bottom=bottom, color=col, label=t)
-        bottom = [x + y for x, y in zip(bottom, vals)]
-    c.set(ylabel="optimizer state (MiB)", title="Bytes per tier after the last step")
-    c.set_ylim(0, 1.15 * max(bottom))
-    c.tick_params(axis="x", labelrotation=20, labelsize=7)
-    m = data["model"]
-    common.save_figure(fig, (a, b, c), path,
-                       f"Asteria SOAP, eigenbases on the host tier in float32 vs bfloat16: "
-                       f"{m['params'] / 1e6:.2f}M-param TinyGPT, {m['tokens_per_step']} "
-                       f"tokens/step, {data['settings']['steps']} steps", data["machine"])
-
-
-def print_table(data: dict) -> None:
-    hdr = (f"{'run':<18}{'train':>9}{'last':>9}{'val':>9}{'device B':>11}{'host B':>10}"
-           f"{'ring B':>9}{'peak B':>11}{'load':>7}")
-    common.print_header(hdr)
-    for r in data["results"]:
-        print(f"{r['label']:<18}{r['final_train_loss']:>9.4f}{r['last_loss']:>9.4f}"
-              f"{r['val_loss']:>9.4f}{r['bytes']['device']:>11d}{r['bytes']['host']:>10d}"
-              f"{r['bytes_device_ring']:>9d}{r['memory_plan']['peak_total']:>11d}"
-              f"{r['loadavg1_end'] or 0:>7.2f}")
-    for r in data["nvme"]:
-        print(f"nvme {r['tier_dtype']}: nvme {r['bytes']['nvme']} B, host {r['bytes']['host']} "
-              f"B, read {r['bytes_nvme_read']} B, written {r['bytes_nvme_written']} B")
-    cmp_ = data["comparison"]
-    for s, d in cmp_["per_seed"].items():
-        print(f"seed {s}: bfloat16 - float32: train {d['final_train_loss_diff']:+.4f}, last "
-              f"{d['last_loss_diff']:+.4f}, val {d['val_loss_diff']:+.4f}; tier bytes saved "
-              f"{d['tiered_bytes_saved']}, ring {d['device_ring_bytes_saved']}")
-    if cmp_["noise"]:
-        n = cmp_["noise"]
-        print(f"float32 seed spread (noise): train {n['final_train_loss']:.4f}, last "
-              f"{n['last_loss']:.4f}, val {n['val_loss']:.4f}; within noise: "
-              f"{cmp_['within_noise']}")
+    data = report.analyse({**meta, "complete": True, "settings": settings, "model": info,
+                           "results": results})
+    if name != NAME:
+        return common.write_json(data, f"{name}.json", args.out_dir)
+    return common.finish(data, NAME, args.out_dir, args.no_plot, report.print_table,
+                         report.plot, log)
 
 
 def parse_args(argv: Optional[Sequence[str]]):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=None, help="steps per run (200; --quick 12)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="steps per run (300, the schedule the lrs were swept for; --quick 12)")
     ap.add_argument("--seeds", default="0,1", help="comma-separated seeds (>= 2 for the noise)")
+    ap.add_argument("--tiers", default="host,nvme",
+                    help=f"comma-separated tiers of the eigenbases, of {', '.join(TIER_CHOICES)}"
+                         " (host runs with AdamW, NVMe runs after them)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="DIR",
+                    help="join the JSONs of earlier invocations in these directories (their "
+                         "bench_tier_dtype.json / bench_tier_dtype_nvme.json) into --out-dir")
     ap.add_argument("--warmup", type=int, default=None,
-                    help="leading steps left out of the step-time mean (10; --quick 2)")
+                    help="leading steps left out of the step-time statistics (10; --quick 2)")
     ap.add_argument("--model-size", default=None, help="bench_convergence preset (users; "
                                                        "--quick tiny)")
     ap.add_argument("--frequency", type=int, default=10, help="precondition_frequency f")
     ap.add_argument("--staleness", type=int, default=5, help="staleness budget S")
-    ap.add_argument("--lr", type=float, default=LR, help="peak lr of every run")
+    ap.add_argument("--lr", type=float, default=None,
+                    help=f"peak lr of the SOAP runs (default: {SOAP}'s swept one)")
+    ap.add_argument("--adamw-lr", type=float, default=None,
+                    help="peak lr of AdamW (default: its swept one)")
     ap.add_argument("--window", type=int, default=None,
-                    help="trailing mean of the final train loss (20; --quick 4)")
-    ap.add_argument("--val-batches", type=int, default=None, help="validation batches (8; "
-                                                                  "--quick 2)")
-    ap.add_argument("--nvme-steps", type=int, default=None,
-                    help="steps of the NVMe-tier check per dtype (20; --quick 4; 0: none)")
+                    help="trailing mean of the losses (20; --quick 4)")
+    ap.add_argument("--val-every", type=int, default=None,
+                    help="steps between weight copies for the held-out loss (20; --quick 4)")
     ap.add_argument("--nvme-dir", default=None,
-                    help="parent of the NVMe check's directory (default: the system's tmp)")
+                    help="parent of the NVMe runs' directory (default: the system's tmp)")
     ap.add_argument("--workers", type=int, default=1, help="Asteria worker threads")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for training")
     ap.add_argument("--train-cpu", type=int, default=None,
                     help="the training thread's core (default: the first allowed one)")
     args = common.parse_quick(ap, argv, lambda q: dict(
-        steps=12 if q else 200, warmup=2 if q else 10, model_size="tiny" if q else "users",
-        window=4 if q else 20, val_batches=2 if q else 8, log_every=6 if q else 50,
-        nvme_steps=4 if q else 20,
+        steps=12 if q else 300, warmup=2 if q else 10, model_size="tiny" if q else "users",
+        window=4 if q else 20, val_every=4 if q else 20, log_every=6 if q else 50,
         out_dir=os.path.join(common.RESULTS_DIR, "tmp") if q else common.RESULTS_DIR))
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    args.tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
     args.heavyball_compile = False  # bench_convergence's factory reads it
+    bad = [t for t in args.tiers if t not in TIER_CHOICES]
+    if bad or not args.tiers:
+        ap.error(f"--tiers {','.join(args.tiers)}: allowed: {', '.join(TIER_CHOICES)}")
     if not 0 <= args.staleness <= args.frequency:
         ap.error(f"staleness {args.staleness}: need 0 <= S <= --frequency ({args.frequency})")
-    if args.steps < 2 or args.window < 1 or not args.seeds:
-        ap.error("need --steps >= 2, --window >= 1 and a seed")
+    if args.steps < 2 or args.window < 1 or args.val_every < 1 or not args.seeds:
+        ap.error("need --steps >= 2, --window >= 1, --val-every >= 1 and a seed")
+    if not args.merge:
+        swept = swept_lrs() if args.lr is None or args.adamw_lr is None else {}
+        args.lr_source = (f"{os.path.relpath(SWEEP_JSON, common.ROOT)}: users setting's "
+                          f"tuned_lr" if swept else "command line")
+        args.lr = swept.get(SOAP) if args.lr is None else args.lr
+        args.adamw_lr = swept.get("adamw") if args.adamw_lr is None else args.adamw_lr
     return args
 
 
