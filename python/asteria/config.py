@@ -51,10 +51,11 @@ TIER_DTYPES = ("float32", "bfloat16", "int8", "int4")
 #: the quantized tiers' format (asteria/quant.h): values per float32 scale (4-bit Shampoo's 64),
 #: libasteria's default
 TIER_QUANT_BLOCK = _C.QUANT_BLOCK_DEFAULT
-#: Bjorck steps that rectify a quantized eigenbasis where it is widened: int8 leaves
-#: ||V^T V - I||_F ~ 0.3 (n = 1024), 2.4e-3 after one step, 1.7e-5 after two; int4 ~ 5, then
-#: 0.8, 3e-2, 6e-5, 1.5e-5 (measured on eigh bases, n = 1024 and 2048; docs/memory.md)
-TIER_RECTIFY_STEPS = {"int8": 2, "int4": 4}
+#: Bjorck steps that rectify a quantized eigenbasis where it is widened: the fewest that leave
+#: ||V^T V - I||_F below the bfloat16 tier's (an unrectified bfloat16 basis, which trains as
+#: float32 does): 0.019 (n = 64) to 0.106 (n = 2048). int8 is 0.07-0.38 as stored, 6e-4-3.4e-3
+#: after one step; int4 1.2-6.9, then 0.2-1.1, then 8e-3-0.04 (eigh bases; docs/memory.md)
+TIER_RECTIFY_STEPS = {"int8": 1, "int4": 2}
 #: eigenbases smaller than n x n for this n stay in their dtype under int8 / int4: their bytes
 #: are few, and rectifying them at every step would cost more time than they save memory
 TIER_QUANT_MIN_DIM = 64

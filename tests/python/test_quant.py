@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from asteria import _C
+from asteria.config import TIER_RECTIFY_STEPS
 from asteria.tiers import quant as Q
 
 U = 2.0 ** -24
@@ -235,6 +236,21 @@ def test_quantized_basis_rectified_batch(qtype):
         assert e[1] < e[0] and e[2] < e[1]
         assert e[4] <= floor_of(n)
     assert bool((Q.orth_error(w) <= floor_of(n)).all())
+
+
+@pytest.mark.parametrize("n", [64, 256, 1024])
+def test_configured_steps_are_the_fewest_below_the_bfloat16_tier(n):
+    """TIER_RECTIFY_STEPS's rule: the fewest Bjorck steps after which a quantized eigenbasis is
+    nearer orthogonal than the same basis rounded to bfloat16, the bfloat16 tier's basis, which
+    is not rectified and trains as float32 does (docs/results.md, "Reduced-precision tiers")."""
+    gen = torch.Generator().manual_seed(n)
+    g = torch.randn(n, 4 * n, generator=gen, dtype=torch.float64)
+    basis = torch.linalg.eigh(g @ g.T)[1].float().contiguous()
+    bf16 = float(Q.orth_error(basis.to(torch.bfloat16).float()))
+    for qtype, k in TIER_RECTIFY_STEPS.items():
+        w = Q.dequantize_host(Q.quantize_host(basis, qtype), qtype, n * n).view(n, n)
+        errs = Q.rectify_host(w.contiguous(), k)[0]
+        assert errs[k] < bf16 <= errs[k - 1], (qtype, k, bf16, errs)
 
 
 def test_rectify_steps_zero_measures_only():
