@@ -20,6 +20,7 @@ from collections import Counter
 import pytest
 
 from asteria import plan
+from asteria.config import TIER_RECTIFY_STEPS
 from asteria.refresh import cost as C
 from asteria.refresh.engine import Lane
 from models import require_c_extension
@@ -347,8 +348,12 @@ def test_tier_bytes_per_gpu_and_installs():
     held = Counter({2048: 3, 768: 2})
     b = plan.tier_bytes(held, "soap", "int8")
     base = 3 * plan.stored_bytes(2048, "int8") + 2 * plan.stored_bytes(768, "int8")
-    assert b == {"host": base, "step_h2d": base, "bases": 5,
+    # every step widens each basis: TIER_RECTIFY_STEPS Bjorck steps of two n^3 products
+    widen = TIER_RECTIFY_STEPS["int8"] * 4 * (3 * 2048 ** 3 + 2 * 768 ** 3)
+    assert b == {"host": base, "step_h2d": base, "bases": 5, "widen_flops": widen,
                  "install_h2d": base + (3 * 2048 + 2 * 768) * 8}   # SOAP's sort order, int64
+    assert plan.tier_bytes(held, "soap", "bfloat16")["widen_flops"] == 0
+    assert plan.tier_bytes(Counter({63: 4}), "soap", "int4")["widen_flops"] == 0  # as it is
     assert plan.tier_bytes(held, "shampoo", "int4") is None        # roots: refused
     assert plan.tier_bytes(held, "shampoo", "bfloat16")["host"] == 2 * (3 * 2048 ** 2
                                                                         + 2 * 768 ** 2)
@@ -371,7 +376,12 @@ def test_tier_table_on_the_cli(capsys):
         assert r[2] == "40" and r[4] == f"{host / 1e9:.2f}"
         assert r[5] == f"{(host + 40 * 2048 * 8) / 1e9:.2f}"   # with SOAP's sort order
         assert r[6] == f"{host / 50e9:.3f}"                    # the ring, every step
-    assert "tier_dtype int4" in out
+        flops = 40 * TIER_RECTIFY_STEPS.get(r[3], 0) * 4 * 2048 ** 3
+        assert r[7] == f"{flops / 1e12:.1f}" and r[8] == f"{flops / 67e12:.3f}"
+    assert "tier_dtype int4" in out and "widen s/step at 67 TFLOP/s" in out
+    out = run(capsys, *shapes, "--step-time", "1", "--gflops-per-core", "10",
+              "--fp32-tflops", "20")
+    assert "widen s/step at 20 TFLOP/s" in out
     out = run(capsys, "--shape", "2048x2048", "--step-time", "1", "--gflops-per-core", "10",
               "--optimizer", "shampoo")
     assert "refused (roots)" in out
@@ -386,6 +396,7 @@ def test_tier_table_on_the_cli(capsys):
      "quantized; allowed: float32, bfloat16"),
     (["-S", "-1"], "argument -S/--staleness: '-1': allowed: an integer >= 0, or auto"),
     (["-f", "0"], "argument -f/--frequency: '0': allowed: an integer >= 1, or auto"),
+    (["--fp32-tflops", "0"], "argument --fp32-tflops: '0': allowed: TFLOP/s > 0"),
     (["-S", "auto"], "-S auto needs -f auto"),
     (["--device-gflops", "10", "--gpu-json", "none"],
      "argument --gpu-json: not allowed with argument --device-gflops"),

@@ -14,6 +14,11 @@ PCIe (``--pcie-gbps``, per direction; 0 leaves transfers out). The default, ``PC
 control leave about 80% of that to large copies; it is not measured here. The GPU
 microbenchmark's JSON is read by default from ``GPU_JSON``, where it is present.
 
+The widening of quantized bases (``--fp32-tflops``): the device's float32 matmul rate. The
+default, ``H200_FP32_TFLOPS`` = 67 TFLOP/s, is the published float32 peak of an H100 or H200
+SXM without tensor cores, what torch's float32 matmuls use unless TF32 is allowed; a peak, so
+the seconds it gives are a lower bound. Not measured here.
+
 Owns: the arguments, ``main``. May call: the planner's modules (``asteria.plan.*``),
 ``asteria.optim`` (the methods), ``asteria.refresh.cost``, ``asteria.refresh.engine`` (lane
 names), ``asteria.config`` (the tier dtypes), ``asteria.tiers.plan`` (the quantized ones).
@@ -26,7 +31,7 @@ import os
 from collections import Counter
 from typing import Optional, Sequence
 
-from asteria.config import TIER_DTYPES, TIER_QUANT_BLOCK
+from asteria.config import TIER_DTYPES, TIER_QUANT_BLOCK, TIER_RECTIFY_STEPS
 from asteria.optim import METHODS
 from asteria.optim.method import method_of
 from asteria.plan.rates import calibrated, device_rate
@@ -41,6 +46,9 @@ from asteria.refresh.engine import Lane
 from asteria.tiers.plan import QUANTIZED
 
 H200_BF16_TFLOPS = 989.0  # dense bf16 peak
+#: float32 peak without tensor cores (H100 / H200 SXM, published): torch's float32 matmuls
+#: by default (TF32 off), which widen a quantized tier's bases
+H200_FP32_TFLOPS = 67.0
 
 
 def frequency_arg(s: str):
@@ -79,6 +87,7 @@ def bounded_float(low: float, high: float, allowed: str):
 
 share_arg = bounded_float(0.0, 1.0, "a fraction in [0, 1]")
 rate_arg = bounded_float(0.0, float("inf"), "GB/s >= 0 (0: transfers left out)")
+tflops_arg = bounded_float(1e-9, float("inf"), "TFLOP/s > 0")
 
 
 PCIE_GBPS = 50.0  # PCIe 5.0 x16 per direction, a planning figure (module doc)
@@ -148,6 +157,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            "FLOPs, --mfu and --peak-tflops); repeatable")
     ap.add_argument("--mfu", type=float, default=0.4)
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS)
+    ap.add_argument("--fp32-tflops", type=tflops_arg, default=H200_FP32_TFLOPS,
+                    help=f"the device's float32 matmul rate, TFLOP/s, that prices the widening "
+                         f"of int8 / int4 bases each step (default {H200_FP32_TFLOPS:g}: an "
+                         "H100's or H200's float32 peak without tensor cores)")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("-f", "--frequency", type=frequency_arg, default=10,
                     help="precondition_frequency: an integer >= 1, or auto (chosen here as "
@@ -273,7 +286,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print()
     print(policy_note(rows, device))
     print()
-    print(fmt_tiers(tiers, args.pcie_gbps, args.markdown))
+    print(fmt_tiers(tiers, args.pcie_gbps, args.fp32_tflops, args.markdown))
     print()
     print(f"bytes per GPU (the rank holding the most; placement \"auto\", mode \"async\"): "
           f"every root / eigenbasis of its factors in host memory (on NVMe when spilled: the "
@@ -282,5 +295,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"n int64); with no coherent host access (an H100 on x86) the staging ring copies "
           f"every basis to the device each step. int8 / int4: blocks of "
           f"{TIER_QUANT_BLOCK} values with one float32 scale each (libasteria's "
-          f"quant_layout), eigenbases only (Shampoo's roots are refused)")
+          f"quant_layout), eigenbases only (Shampoo's roots are refused); every step widens "
+          f"each quantized basis on the device: {TIER_RECTIFY_STEPS['int8']} / "
+          f"{TIER_RECTIFY_STEPS['int4']} Bjorck steps (int8 / int4) of 4 n^3 FLOPs, priced at "
+          f"--fp32-tflops (a peak: a lower bound on the time)")
     return 0

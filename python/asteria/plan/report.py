@@ -79,19 +79,23 @@ def fmt_policy(rows: list, markdown: bool) -> str:
     return render(head, lines, markdown)
 
 
-def fmt_tiers(tiers: list, pcie_gbps: float, markdown: bool) -> str:
+def fmt_tiers(tiers: list, pcie_gbps: float, fp32_tflops: float, markdown: bool) -> str:
     """The table of one GPU's bytes per tier dtype: [(model, ranks, tier_dtype, tier_bytes)];
-    the staging ring's copies each step priced at ``pcie_gbps`` (0: left out)."""
+    the staging ring's copies each step priced at ``pcie_gbps`` (0: left out), and the step's
+    widening of quantized bases at ``fp32_tflops`` (float32 matmuls at that rate)."""
     head = ["model", "ranks", "bases/GPU", "tier_dtype", "host (or NVMe) GB/GPU",
-            "PCIe GB/round of installs", f"ring s/step at {pcie_gbps:g} GB/s"]
+            "PCIe GB/round of installs", f"ring s/step at {pcie_gbps:g} GB/s",
+            "widen TFLOP/step", f"widen s/step at {fp32_tflops:g} TFLOP/s"]
     lines = []
     for name, ranks, dt, b in tiers:
         if b is None:
-            lines.append([name, str(ranks), "-", dt, "refused (roots)", "-", "-"])
+            lines.append([name, str(ranks), "-", dt, "refused (roots)"] + ["-"] * 4)
             continue
         lines.append([name, str(ranks), str(b["bases"]), dt, f"{b['host'] / 1e9:.2f}",
                       f"{b['install_h2d'] / 1e9:.2f}",
-                      f"{b['step_h2d'] / (pcie_gbps * 1e9):.3f}" if pcie_gbps else "-"])
+                      f"{b['step_h2d'] / (pcie_gbps * 1e9):.3f}" if pcie_gbps else "-",
+                      f"{b['widen_flops'] / 1e12:.1f}",
+                      f"{b['widen_flops'] / (fp32_tflops * 1e12):.3f}"])
     return render(head, lines, markdown)
 
 

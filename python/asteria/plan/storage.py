@@ -10,7 +10,12 @@ the n x n basis or root as the tier stores it, ``stored_bytes``, and SOAP's sort
 int64); the bases and roots themselves live in host memory (placement "auto"), so the snapshot
 does not copy them: those bytes per round are ``transfer_bytes``.
 
-Owns: ``output_kind``, ``stored_bytes``, ``tier_bytes``, ``transfer_bytes``. May call:
+The compute a quantized tier adds (``widen_flops``): every step widens each quantized basis on
+the device, ``TIER_RECTIFY_STEPS`` Bjorck steps of two n x n products (4 n^3 FLOPs each), as the
+staging ring hands it out.
+
+Owns: ``output_kind``, ``stored_bytes``, ``tier_bytes``, ``transfer_bytes``, ``widen_flops``.
+May call:
 ``asteria.optim.method`` (a method's outputs and state kinds), ``asteria.config``
 (TIER_DTYPES), ``asteria.tiers.plan`` (the stored format, the tier dtype check), torch.
 """
@@ -22,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from asteria.config import TIER_DTYPES
+from asteria.config import TIER_DTYPES, TIER_QUANT_MIN_DIM, TIER_RECTIFY_STEPS
 from asteria.optim.method import method_of
 from asteria.tiers.plan import check_tier_dtype, stored_format
 
@@ -50,15 +55,26 @@ def tier_bytes(held: Counter, optimizer: str, tier_dtype: str) -> Optional[dict]
     shard's, replicated or not), placement "auto" in mode "async": ``host`` (the roots /
     eigenbases in host memory; the same payload on NVMe when spilled), ``install_h2d`` (a
     round's installs: the new bases as stored, plus the extra outputs), ``step_h2d`` (what the
-    staging ring copies to the device every step: every basis as stored). None where the
-    runtime refuses the dtype for the method (roots quantized)."""
+    staging ring copies to the device every step: every basis as stored), ``widen_flops``
+    (``widen_flops``: the step's rectification of them). None where the runtime refuses the
+    dtype for the method (roots quantized)."""
     kind = output_kind(optimizer)
     try:
         host = sum(k * stored_bytes(n, tier_dtype, kind) for n, k in held.items())
     except ValueError:
         return None
     return {"host": host, "install_h2d": transfer_bytes(held, optimizer, tier_dtype)[1],
-            "step_h2d": host, "bases": sum(held.values())}
+            "step_h2d": host, "bases": sum(held.values()),
+            "widen_flops": widen_flops(held, tier_dtype)}
+
+
+def widen_flops(held: Counter, tier_dtype: str) -> int:
+    """FLOPs one step spends rectifying the quantized bases of {size n: count} where it widens
+    them: ``TIER_RECTIFY_STEPS`` Bjorck steps ``V <- 1.5 V - 0.5 V (V^T V)``, 4 n^3 FLOPs each,
+    for each basis of at least ``TIER_QUANT_MIN_DIM`` rows (smaller ones stay as they are); 0
+    for float32 and bfloat16, which are widened by a cast."""
+    steps = TIER_RECTIFY_STEPS.get(tier_dtype, 0)
+    return sum(k * steps * 4 * n ** 3 for n, k in held.items() if n >= TIER_QUANT_MIN_DIM)
 
 
 def transfer_bytes(sizes: Counter, optimizer: str,
