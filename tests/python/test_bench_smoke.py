@@ -134,6 +134,7 @@ def _restores(fn):
 @pytest.mark.timeout(HANG_GUARD_S)
 def test_bench_convergence_quick(tmp_path):
     bc = load_bench("bench_convergence")
+    t0 = time.perf_counter()
     _restores(lambda: bc.main(
         ["--quick", "--no-plot", "--out-dir", str(tmp_path), "--runs",
          "adamw,asteria-soap-async,asteria-soap-sync,asteria-soap-sync-f1,asteria-soap-async-s5,"
@@ -141,6 +142,7 @@ def test_bench_convergence_quick(tmp_path):
          "--bound-runs", "adamw,asteria-soap-async",
          "--bound-seeds", "0", "--lrs", "adamw=3e-3,6e-3", "--gemm-reps", "2",
          "--profile-steps", "2"]))
+    wall = time.perf_counter() - t0
     data = json.loads((tmp_path / "bench_convergence.json").read_text())
     assert "--quick" in data["command"] and data["versions"]["asteria"]
     assert set(data["setting_results"]) == {"users", "optimizer-bound"}
@@ -215,8 +217,7 @@ def test_bench_convergence_quick(tmp_path):
                 assert all(v > t["target"] for v in run["smoothed"][:k])
                 assert r["time_s"] == run["time_s"][k]
                 assert r["time_ratio"] == pytest.approx(r["time_s"] / t["adamw_wall_s"])
-    # the lockstep runs are the sweep's runs, interleaved: same losses (deterministic), and
-    # each run's clock counts its own steps, not the others' turns
+    # the lockstep runs are the sweep's runs, interleaved: same losses (deterministic)
     for name, lr in users["tuned_lr"].items():
         timed = next(x for x in users["runs"] if x["optimizer"] == name and x["seed"] == 0)
         swept = next(e for e in users["sweep"][name] if e["seed"] == 0 and e["lr"] == lr)
@@ -224,9 +225,9 @@ def test_bench_convergence_quick(tmp_path):
             assert timed["final_loss"] == pytest.approx(swept["final_loss"], abs=1e-9)
         elif swept.get("reached"):
             assert users["time_to_adamw_final"]["0"]["runs"][name]["step"] == swept["step"]
-    for r in users["runs"]:
-        own = sum(r["step_ms"]) / 1e3
-        assert own <= r["time_s"][-1] < 1.5 * own + 0.5
+    # a run's clock: its own steps and their bookkeeping, disjoint spans of the one thread
+    assert all(sum(r["step_ms"]) / 1e3 <= r["time_s"][-1] for r in users["runs"])
+    assert sum(r["time_s"][-1] for r in users["runs"]) <= wall + 1e-5 * len(users["runs"])
     for r in users["runs"]:
         assert len(r["losses"]) == len(r["time_s"]) == len(r["step_kinds"]) == r["steps_run"]
         if r["optimizer"] == "asteria-soap-sync-f1":  # a refresh in every step
