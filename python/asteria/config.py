@@ -53,9 +53,11 @@ TIER_DTYPES = ("float32", "bfloat16", "int8", "int4")
 TIER_QUANT_BLOCK = _C.QUANT_BLOCK_DEFAULT
 #: Bjorck steps that rectify a quantized eigenbasis where it is widened: the fewest that leave
 #: ||V^T V - I||_F below the bfloat16 tier's (an unrectified bfloat16 basis, which trains as
-#: float32 does): 0.019 (n = 64) to 0.106 (n = 2048). int8 is 0.07-0.38 as stored, 6e-4-3.4e-3
-#: after one step; int4 1.2-6.9, then 0.2-1.1, then 8e-3-0.04 (eigh bases; docs/memory.md)
-TIER_RECTIFY_STEPS = {"int8": 1, "int4": 2}
+#: float32 does: 0.02 at n = 64 to 0.11 at n = 2048) for the bases training makes. int8: 0.07
+#: to 0.6 as stored, at most 0.013 after one step. int4: up to 5 (delocalized eigenvectors) or
+#: 8 (partly localized ones, as trained factors have) as stored, up to 0.19 after two steps,
+#: at most 3e-3 after three (docs/memory.md)
+TIER_RECTIFY_STEPS = {"int8": 1, "int4": 3}
 #: eigenbases smaller than n x n for this n stay in their dtype under int8 / int4: their bytes
 #: are few, and rectifying them at every step would cost more time than they save memory
 TIER_QUANT_MIN_DIM = 64

@@ -5,7 +5,7 @@
    restatement (reference.py) in which every basis of at least 64 x 64 is, where it is stored
    (first-step eigenbasis, each install), quantized by this file's own restatement of the
    format (asteria/quant.h: one float32 scale absmax / qmax per 64 values, codes rounded half
-   to even), dequantized and rectified by the Bjorck steps of its type (int8 1, int4 2); the
+   to even), dequantized and rectified by the Bjorck steps of its type (int8 1, int4 3); the
    step, the next refresh and SOAP's re-expression of m use that basis. Smaller bases, factors,
    moments and eigenvalues are untouched. Tolerances are test_tier_dtype.py's (models.
    lockstep_tol): the pool's LAPACK differs from torch's in the last bits of float64, which
@@ -45,7 +45,7 @@ S = 2
 F = 4
 BLOCK = 64
 QMAX = {"int8": 127, "int4": 7}
-STEPS = {"int8": 1, "int4": 2}
+STEPS = {"int8": 1, "int4": 3}
 MIN_DIM = 64
 TOKENS = 128  # rows per batch: more than any layer is wide (full-rank factors)
 HEADER = 64
