@@ -201,6 +201,57 @@ def test_slow_round_gives_a_larger_f_used_from_then_on(staleness, monkeypatch):
         opt.close()
 
 
+@pytest.mark.parametrize("cls", [SOAP, KLShampoo])
+@pytest.mark.parametrize("resumed", [False, True])
+def test_auto_is_the_run_of_the_f_it_chose_bitwise(cls, resumed, monkeypatch):
+    # SOAP and KL-Shampoo choose f at their first counted step (the run's second step), the
+    # REFRESH op timed by calibration jobs whose results are dropped: no basis is refreshed
+    # before the choice, so the run is the run of the integers f and S it chose, whatever they
+    # are. Resumed from a state dict saved before the choice, it calibrates at its choice, one
+    # step later (it times a forward and backward first), with no refresh in between.
+    clock = hold_capacity_clock(monkeypatch)
+    model = make_model("mlp")
+    opt = cls(model.parameters(), precondition_frequency="auto", runtime=rt())
+    try:
+        delay_jobs(opt, 100)  # the round priced at 50 ms or more against 5 ms steps
+        submitted: list = []
+        train(model, opt, 1, record=submitted, clock=clock, fb_s=FB_SHORT)
+        if resumed:
+            sd = copy.deepcopy(opt.state_dict())
+            opt.close()
+            opt = cls(model.parameters(), precondition_frequency="auto", runtime=rt())
+            opt.load_state_dict(sd)
+            delay_jobs(opt, 100)
+        train(model, opt, 1, start=2, record=submitted, clock=clock, fb_s=FB_SHORT)
+        assert opt.asteria_stats()["frequency_auto_chosen"] != resumed, opt.asteria_plan()
+        train(model, opt, 1, start=3, record=submitted, clock=clock, fb_s=FB_SHORT)
+        st = opt.asteria_stats()
+        assert st["frequency_auto_chosen"], opt.asteria_plan()
+        f, s = st["frequency_auto_f"], st["staleness"]
+        assert f >= 3 and s == f, opt.asteria_plan()
+        if resumed:  # the counts of the optimizer that took steps 2, 3, ... start from 0
+            submitted[1:] = [n + submitted[0] for n in submitted[1:]]
+        # the first-step eigendecompositions only: the calibration jobs are no refresh
+        assert submitted[2] == submitted[0]
+        assert st["installs"] == (0 if resumed else submitted[0])
+        steps = 2 * f + 3
+        later: list = []
+        train(model, opt, steps - 3, start=4, record=later)
+        submitted += [n + resumed * submitted[0] for n in later]
+        twin = make_model("mlp")
+        ref = cls(twin.parameters(), precondition_frequency=f, runtime=rt(s))
+        try:
+            twin_submitted: list = []
+            train(twin, ref, steps, record=twin_submitted)
+            assert submitted == twin_submitted
+            for a, b in zip(params_of(model), params_of(twin)):
+                assert torch.equal(a, b)
+        finally:
+            ref.close()
+    finally:
+        opt.close()
+
+
 def test_auto_group_beside_an_integer_group_keeps_s_within_both(monkeypatch):
     # both auto: S is chosen with f, and at most the integer group's f (S <= f for every group)
     clock = hold_capacity_clock(monkeypatch)

@@ -577,7 +577,7 @@ def test_main_job_tiny(tmp_path):
     tl = data["time_to_loss"]
     runs = {"adamw", "asteria_soap", "native_soap", "native_soap_f1"}
     assert set(tl) == runs | {"best_native", "asteria_time_over_best_native"}
-    # Asteria at the f it chose ("auto", chosen at its third step), native SOAP at 10 and 1
+    # Asteria at the f it chose ("auto", chosen at its second step), native SOAP at 10 and 1
     assert isinstance(tl["asteria_soap"]["frequency"], int) and tl["asteria_soap"]["frequency"] >= 1
     assert tl["native_soap"]["frequency"] == 10 and tl["native_soap_f1"]["frequency"] == 1
     assert tl["adamw"]["frequency"] is None

@@ -56,20 +56,30 @@ rank would choose from its own timings). One f serves every group that asks for 
 choice f is ``initial_frequency()``: max(1, S) for an integer S (S <= f), 1 with
 ``staleness="auto"``, whose S is then 0 (sync's trajectory: every step's round runs during the
 next forward and backward). f is chosen at the end of the step in which a preconditioned
-parameter of such a group takes its second counted step (``step`` = 2, ``CHOOSE_F_AT``: SOAP
-and KL-Shampoo at the run's third step, after the first-step eigendecompositions and one
-REFRESH round; Shampoo at its second), after that step end's installs and before its
-snapshots, whose due factors are those of the new f. The rule is
-``asteria.refresh.cost.choose_frequency`` on the capacity record's numbers
+parameter of such a group takes its ``choose_f_at``-th counted step (``CHOOSE_F_AT``), after
+that step end's installs and before its snapshots, whose due factors are those of the new f:
+- SOAP and KL-Shampoo choose at their first counted step (the run's second ``step()``), before
+  any REFRESH round. The REFRESH op is timed by calibration jobs instead (``calibrates``,
+  ``Schedule.calibrate``): one factor of each size and dtype, submitted after the first-step
+  eigendecompositions' install, run during the next forward and backward, waited for at the
+  choice, results dropped. So no basis is refreshed before the choice, and the run is the run
+  of the f (and S) it chose, bit for bit, whichever f that is (with ``factor_emas="thread"``:
+  the EMAs of the choice step are computed on the training thread, as with f = 1).
+  A run resumed from a state dict saved before the choice has no forward and backward timed
+  at that step end: it keeps its first basis (no refresh starts) and chooses at the next step
+  end, the run of the f it chose but for an f of 1 (whose refresh at the first count it
+  skipped).
+- Shampoo (no first step) chooses at its second counted step, from its first REFRESH round.
+The rule is ``asteria.refresh.cost.choose_frequency`` on the capacity record's numbers
 (``Capacity.times_for_f``): a round of every factor as the cost model prices it (measured
-rates: the INIT round's, the first REFRESH rounds'), the step (median of the steps so far and
-the one in progress), the forward and backward (a step's end to the next step's start). 1.5x
-the round within the forward and backward: f = 1 with S = 0; else f = the fewest steps that
-cover it, and with ``staleness="auto"`` S = f (never below an integer S; with an integer S, S
-stays). Both auto: S is chosen here, at most the smallest integer f of the other groups;
-``choose_s`` leaves it alone. The choice step depends on step counts alone, and f is stored in
-every preconditioned parameter's state of such a group (``frequency.auto``, -1 before the
-choice), so the trajectory is a pure function of the inputs and that f, and a resumed run
+rates: the INIT round's, the calibration jobs', the REFRESH rounds'), the step (median of the
+steps so far and the one in progress), the forward and backward (a step's end to the next
+step's start). 1.5x the round within the forward and backward: f = 1 with S = 0; else f = the
+fewest steps that cover it, and with ``staleness="auto"`` S = f (never below an integer S; with
+an integer S, S stays). Both auto: S is chosen here, at most the smallest integer f of the other
+groups; ``choose_s`` leaves it alone. The choice step depends on step counts alone, and f is
+stored in every preconditioned parameter's state of such a group (``frequency.auto``, -1 before
+the choice), so the trajectory is a pure function of the inputs and that f, and a resumed run
 keeps it (``restore``).
 
 ``refresh_policy="drift"``: refresh per factor, continuously, stalest first (docs/capacity.md,
@@ -90,8 +100,11 @@ from asteria.optim.per_factor import AUTO, DRIFT, PerFactor, check_max_age
 from asteria.optim.step_end import StepEnd
 from asteria.refresh.capacity import Capacity, report_lines
 from asteria.refresh.cost import JobSpec, choose_frequency, choose_staleness
-#: precondition_frequency="auto" is chosen when a parameter of such a group reaches this count
-CHOOSE_F_AT = 2
+#: precondition_frequency="auto" is chosen when a parameter of such a group reaches this step
+#: count, by ``Method.init_step``: SOAP and KL-Shampoo at their first counted step (the REFRESH
+#: op timed by calibration jobs submitted with the first-step eigendecompositions), Shampoo at
+#: its second (from its first REFRESH round: it has no first step to submit them with)
+CHOOSE_F_AT = {True: 1, False: 2}
 
 
 def check_frequency(f: Union[int, str], cfg, where: str = "") -> None:
@@ -305,13 +318,17 @@ class Cadence:
         steps = {p: _count(dict.__getitem__(st, K.STEP)) for p in auto
                  for st in [dict.get(states, p)]
                  if st is not None and dict.__contains__(st, K.AUTO_F)}
-        if max(steps.values(), default=0) < CHOOSE_F_AT:
+        if max(steps.values(), default=0) < self.choose_f_at:
             return end.due
+        if self.method.init_step:
+            end.calibrate()  # the REFRESH op's rates, timed without a REFRESH installed
         # both auto: S is chosen with f, unless it was chosen before (an "auto" group added
         # after an auto S was chosen for the integer groups: S stays, once chosen)
         joint = self.run.cfg.staleness == AUTO and self.auto_s is None
         fixed = self.auto_s if self.run.cfg.staleness == AUTO else self.run.cfg.staleness
         times = self.capacity.times_for_f(full_round(self.run, self.method), end.stall_ns)
+        if self.method.init_step and (times is None or self.capacity.fb_s() is None):
+            return []  # a run resumed before the choice: its first basis until it has them
         if times is None:
             return end.due
         self.auto_f, s = choose_frequency(*times, fixed)
@@ -327,6 +344,18 @@ class Cadence:
                 or d[1] not in steps or steps[d[1]] % self.auto_f == 0]
 
     # ---- refresh per factor (refresh_policy="drift") -------------------------------------------
+    @property
+    def choose_f_at(self) -> int:
+        """The step count of a parameter at which an "auto" f is chosen (``CHOOSE_F_AT``)."""
+        return CHOOSE_F_AT[bool(self.method.init_step)]
+
+    @property
+    def calibrates(self) -> bool:
+        """Is an "auto" f still to be chosen by a method whose REFRESH op is timed first by
+        calibration jobs (``Schedule.calibrate``: with the first-step eigendecompositions)?"""
+        return (self.auto_f is None and self.run.is_async and self.auto_frequency
+                and bool(self.method.init_step))
+
     @property
     def per_factor(self) -> bool:
         """refresh_policy="drift": does each factor start and install on its own? (The
@@ -437,7 +466,7 @@ class Cadence:
                 "(the frequency, until a REFRESH round has been measured)"))
         if self.auto_frequency:
             how = ("chosen from the measured round and step times" if self.auto_f
-                   else f"until the choice, at a parameter's step {CHOOSE_F_AT}")
+                   else f"until the choice, at a parameter's step {self.choose_f_at}")
             lines.append(f"precondition_frequency 'auto': f = "
                          f"{self.auto_frequency_now()} ({how})")
         lines.extend(report_lines(self.capacity.summary(s, defers)))

@@ -1,11 +1,12 @@
 """The refresh rounds of an Asteria optimizer (``opt.schedule``): snapshot at a step end,
 install at the step the cadence names, the bounded barrier and what a failed REFRESH does.
 
-Owns: the rounds of REFRESH jobs in flight, the block keys and versions of the jobs it submits
-(from 1; a method's background jobs number theirs, ``background``), the one consecutive-failure
-count per factor, installs deferred to the next use, when the background jobs that still write
-state are taken (``writes``: at a step's start, before a checkpoint; a ``BackgroundJobs``),
-device-side counts (``count_lazy``), the step end (installs, then new
+Owns: the rounds of REFRESH jobs in flight, the jobs that time the REFRESH op before an "auto"
+f is chosen (``calibrate``, ``calibrated``: results dropped), the block keys and versions of
+the jobs it submits (from 1; a method's background jobs number theirs, ``background``), the one
+consecutive-failure count per factor, installs deferred to the next use, when the background
+jobs that still write state are taken (``writes``: at a step's start, before a checkpoint; a
+``BackgroundJobs``), device-side counts (``count_lazy``), the step end (installs, then new
 snapshots) and the wire form of the refreshes in flight (``wait_pending``, ``export_pending``,
 ``reset``, ``restore_pending``: the checkpoint part calls them and never sees a round). Which
 factors refresh and when each is installed is the cadence's (``asteria.optim.cadence``: f and
@@ -71,6 +72,7 @@ from asteria.optim._state import _count, _States, local
 from asteria.optim.background import BackgroundJobs
 from asteria.optim.step_end import StepEnd
 from asteria.optim.method import INIT, REFRESH
+from asteria.refresh.capacity import CALIBRATION
 from asteria.refresh.cost import JobSpec
 from asteria.refresh.engine import SubmitOptions
 
@@ -183,6 +185,9 @@ class Schedule:
         # refresh per factor (Cadence.per_factor): the results installed since the last step
         # end, [((param, j, dim), snapshot step)], for the cadence's basis ages
         self.installed: list = []
+        # precondition_frequency="auto": the jobs that time the REFRESH op before the choice,
+        # results dropped (see calibrate)
+        self.calibration: Optional[_Round] = None
 
     def step_start(self) -> None:
         """A ``step()`` starts: the capacity record times the forward and backward before it;
@@ -286,6 +291,9 @@ class Schedule:
         self.unfinished_end = self.starts = self.grouped = None
         self.deferred = []  # its rounds are dropped below with the others
         self.writes.settle_all()
+        if self.calibration is not None:
+            self.calibration.drop(self.run.engine)
+            self.calibration = None
         for rnd in self.rounds:
             rnd.drop(self.run.engine)
         self.rounds = []
@@ -362,10 +370,14 @@ class Schedule:
             self.rounds.append(rnd)
             self.unfinished_end = [d for d in self.unfinished_end if d[0] != INIT]
             self.install_round(rnd)
+            if self.cadence.calibrates:
+                self.calibrate(init)
         if self.starts is None:  # asked once per step end: an interrupted one keeps the answer
-            self.starts = self.cadence.due(StepEnd(t, self.unfinished_end, self.stall_ns,
-                                                   self.defers(), self.price, self.flight,
-                                                   self.installed, self.factor))
+            due = self.unfinished_end
+            self.starts = self.cadence.due(StepEnd(t, due, self.stall_ns, self.defers(),
+                                                   self.price, self.flight, self.installed,
+                                                   self.factor,
+                                                   calibrate=lambda: self.calibrated(due)))
             self.unfinished_end = []
             self.installed = []
         rounds: dict = {}  # install step -> its REFRESH items, one round each
@@ -460,10 +472,41 @@ class Schedule:
         """The factor a REFRESH of (p, j, dim) would take now (``StepEnd.factor``)."""
         return self.method.refresh_input(REFRESH, p, j, dim)[1]
 
-    def submit(self, kind: str, items: list, install_step: int) -> _Round:
+    # ---- the calibration of an "auto" f (``Cadence.choose_f``) -------------------------------
+    def calibrate(self, items: list) -> None:
+        """Time the REFRESH op on one factor of each job of the round ``items`` [(kind, param,
+        j, dims)] would make (per op, factor size and dtype; their REFRESH inputs): jobs whose
+        results are dropped, so that the cost model has the op's rates when an "auto" f is
+        chosen, and no REFRESH is installed before the choice (the run is then the run of the
+        f chosen). Submitted with the first-step eigendecompositions, after their install;
+        they run during the next forward and backward. Not counted as refreshes."""
+        if self.calibration is not None or not items:
+            return
+        refresh = [(REFRESH, p, j, dims) for _, p, j, dims in items]
+        self.calibration = self.submit(REFRESH, refresh, self.run.t + 1, calibration=True)
+
+    def calibrated(self, items: list) -> None:
+        """The calibration jobs done, their times with the capacity record (``StepEnd.calibrate``):
+        waits for them (time at the bounded barrier), first submitting them from ``items`` if
+        none are in flight (a run resumed from a state dict saved before the choice), and
+        drops their results."""
+        if self.calibration is None:
+            self.calibrate(items)
+        if self.calibration is None:
+            return
+        t0 = time.monotonic_ns()
+        self.calibration.resolve(self.run.engine)  # a wait a signal interrupts is taken again
+        self.stall_ns += time.monotonic_ns() - t0
+        self.calibration = None
+
+    def submit(self, kind: str, items: list, install_step: int,
+               calibration: bool = False) -> _Round:
         """Submit a round of items [(kind, param, j, dims)], to be installed at the end of step
-        ``install_step`` (the engine's deadline)."""
+        ``install_step`` (the engine's deadline); with ``calibration``, one entry of each job
+        only, recorded as such, not as a round (``calibrate``)."""
         groups = self.group(kind, items)
+        if calibration:
+            groups = {k: v[:1] for k, v in groups.items()}
         self.grouped = None  # its inputs live as long as this round's submission only
         jobs, specs, submit_s = [], {}, {}
         start_ns = time.monotonic_ns()
@@ -493,10 +536,11 @@ class Schedule:
                                             deadline=install_step, snapshot_step=self.run.t,
                                             p=pw, eps=eps, opts=opts)
             submit_s[ticket] = (time.monotonic_ns() - t_sub) / 1e9
-            self.run.counters["refreshes_submitted"] += 1
+            self.run.counters["refreshes_submitted"] += not calibration
             jobs.append(_Job(ticket, targets))
             specs[ticket] = JobSpec(op, fs[0].dtype, int(fs[0].shape[-1]), len(fs), p=pw)
-        self.cadence.capacity.round_submitted(kind, self.run.t, specs, start_ns, submit_s)
+        self.cadence.capacity.round_submitted(CALIBRATION if calibration else kind, self.run.t,
+                                              specs, start_ns, submit_s)
         return _Round(kind, self.run.t, install_step, jobs)
 
     def install_round(self, rnd: _Round) -> None:

@@ -33,3 +33,6 @@ class StepEnd:
     installed: list = dataclasses.field(default_factory=list)
     #: refresh_policy="drift": (param, j, dim) -> the factor its refresh would take now
     factor: Optional[Callable] = None
+    #: precondition_frequency="auto": () -> None once the REFRESH op's calibration jobs are
+    #: done and their times are with the capacity record (``Schedule.calibrated``)
+    calibrate: Callable[[], None] = lambda: None

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from asteria.config import TIER_DTYPES, TIER_QUANT_MIN_DIM, TIER_RECTIFY_STEPS
+from asteria.config import TIER_DTYPES
 from asteria.optim.method import method_of
 from asteria.tiers.plan import check_tier_dtype, stored_format
 
@@ -70,11 +70,11 @@ def tier_bytes(held: Counter, optimizer: str, tier_dtype: str) -> Optional[dict]
 
 def widen_flops(held: Counter, tier_dtype: str) -> int:
     """FLOPs one step spends rectifying the quantized bases of {size n: count} where it widens
-    them: ``TIER_RECTIFY_STEPS`` Bjorck steps ``V <- 1.5 V - 0.5 V (V^T V)``, 4 n^3 FLOPs each,
-    for each basis of at least ``TIER_QUANT_MIN_DIM`` rows (smaller ones stay as they are); 0
-    for float32 and bfloat16, which are widened by a cast."""
-    steps = TIER_RECTIFY_STEPS.get(tier_dtype, 0)
-    return sum(k * steps * 4 * n ** 3 for n, k in held.items() if n >= TIER_QUANT_MIN_DIM)
+    them: the Bjorck steps ``V <- 1.5 V - 0.5 V (V^T V)`` of the form the tier keeps each basis
+    in (``stored_format``: ``TIER_RECTIFY_STEPS`` for a quantized one, none for a basis kept as
+    it is or narrowed by a cast), 4 n^3 FLOPs each."""
+    return sum(k * stored_format(tier_dtype, "eigenbases", torch.float32, (n, n)).steps
+               * 4 * n ** 3 for n, k in held.items())
 
 
 def transfer_bytes(sizes: Counter, optimizer: str,

@@ -29,6 +29,11 @@ from asteria.refresh.cost import (CostModel, JobSpec, predict_round, smallest_s,
 from asteria.refresh.engine import Engine, JobTiming, Lane
 
 
+#: the kind of the record of the jobs that time the REFRESH op before an "auto" f is chosen
+#: (``Schedule.calibrate``): their times feed the cost model, and they are no REFRESH round
+CALIBRATION = "calibration"
+
+
 @dataclasses.dataclass
 class RoundRecord:
     kind: str
