@@ -215,13 +215,12 @@ def test_auto_values_chosen_once_then_the_trajectory_is_theirs(monkeypatch):
     assert same(*runs)
 
 
-def test_auto_budget_waits_for_a_measured_refresh_round(monkeypatch):
-    """An "auto" budget and d are chosen at the step end after the first REFRESH round's
-    install (a whole round, d = PROVISIONAL_DELAY), once that round is measured: priced by the
-    REFRESH op's own measured rate, not by the first-step eigendecompositions' rate applied to
-    another op's FLOPs. SOAP: INIT at step 1's end, the first REFRESH round started there,
-    installed (and measured) at step 2's end, the choice at step 3's end; the choice is the
-    rule's on the capacity record's numbers at that step end."""
+def test_auto_budget_is_chosen_from_calibration_jobs(monkeypatch):
+    """SOAP chooses an "auto" budget and d at its first counted step end (the run's second),
+    before any REFRESH round: the REFRESH op timed by calibration jobs submitted with the
+    first-step eigendecompositions, whose results are dropped. So the pricing of the choice
+    saw no REFRESH round and the op's own measured rate, not the eigendecompositions' rate
+    applied to another op's FLOPs; and no REFRESH was submitted before it."""
     seen = []
     real = Capacity.times_for_f
 
@@ -231,22 +230,53 @@ def test_auto_budget_waits_for_a_measured_refresh_round(monkeypatch):
                      self.model.sources(next(iter(self.lanes())), jobs)))
         return out
 
+    monkeypatch.setattr(Capacity, "times_for_f", record)
     model = make_model(KIND)
     opt = SOAP(model.parameters(), precondition_frequency=1, runtime=drift())
     try:
-        chosen_after = None
-        for t in range(1, 6):
+        chosen_after, submitted = None, []
+        for t in range(1, 5):
             train(model, opt, t, t)
             st = opt.asteria_stats()
+            submitted.append(st["refreshes_submitted"])
             if chosen_after is None and st["refresh_budget_auto_chosen"]:
                 chosen_after = t
-            if t == 1:
-                monkeypatch.setattr(Capacity, "times_for_f", record)
-        assert chosen_after == 3, chosen_after
-        # the one pricing of the choice saw a measured REFRESH round and the op's own rate
-        assert seen and seen[0][0] >= 1 and seen[0][1] == ["measured"], seen
+        assert chosen_after == 2, chosen_after
+        # the one pricing of the choice: no REFRESH round measured, the op's own rate
+        assert seen and seen[0] == (0, ["measured"]), seen
+        assert submitted[0] == 1  # the first-step eigendecompositions (one job): no refresh
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("name", ["soap", "kl_shampoo"])
+def test_auto_whole_round_with_no_delay_is_the_round_policy_at_f1_s0(name, monkeypatch):
+    """Where a round fits the forward and backward (the rule's whole round every step, d = 0:
+    the seconds injected where the cadence reads them), "drift" with "auto" budget and d is
+    refresh_policy="round" at f = 1, S = 0 bit for bit: the choice comes before any REFRESH
+    round, so no provisional round installs a step late first."""
+    real = Capacity.times_for_f
+
+    def held(self, jobs, stall_ns=0):
+        if real(self, jobs, stall_ns) is None:
+            return None
+        whole = len(jobs) > 1 or any(j.batch > 1 for j in jobs)
+        return (0.010 if whole else 0.002), 0.100, 0.050
+
+    monkeypatch.setattr(Capacity, "times_for_f", held)
+    make = maker(name)
+    runs = []
+    for runtime in (drift(), {"mode": "async", "workers": 2, "staleness": 0}):
+        model = make_model(KIND)
+        opt = make(model.parameters(), runtime=runtime)
+        try:
+            runs.append(train(model, opt, 1, 8))
+            st = opt.asteria_stats()
+            if runtime.get("refresh_policy") == "drift":
+                assert (st["refresh_budget"], st["install_delay"]) == (1.0, 0)
+        finally:
+            opt.close()
+    assert same(*runs)
 
 
 def test_choose_refresh_budget_rule():

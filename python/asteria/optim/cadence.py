@@ -321,16 +321,16 @@ class Cadence:
         if max(steps.values(), default=0) < self.choose_f_at:
             return end.due
         if self.method.init_step:
+            if self.capacity.fb_s() is None:
+                return []  # a run resumed before the choice: its first basis until then
             end.calibrate()  # the REFRESH op's rates, timed without a REFRESH installed
         # both auto: S is chosen with f, unless it was chosen before (an "auto" group added
         # after an auto S was chosen for the integer groups: S stays, once chosen)
         joint = self.run.cfg.staleness == AUTO and self.auto_s is None
         fixed = self.auto_s if self.run.cfg.staleness == AUTO else self.run.cfg.staleness
         times = self.capacity.times_for_f(full_round(self.run, self.method), end.stall_ns)
-        if self.method.init_step and (times is None or self.capacity.fb_s() is None):
-            return []  # a run resumed before the choice: its first basis until it has them
         if times is None:
-            return end.due
+            return [] if self.method.init_step else end.due
         self.auto_f, s = choose_frequency(*times, fixed)
         if joint:
             self.auto_s = min(s, self.ceiling())
@@ -351,10 +351,12 @@ class Cadence:
 
     @property
     def calibrates(self) -> bool:
-        """Is an "auto" f still to be chosen by a method whose REFRESH op is timed first by
-        calibration jobs (``Schedule.calibrate``: with the first-step eigendecompositions)?"""
-        return (self.auto_f is None and self.run.is_async and self.auto_frequency
-                and bool(self.method.init_step))
+        """Is an "auto" f, or refresh_policy="drift"'s "auto" budget or d, still to be chosen
+        by a method whose REFRESH op is timed first by calibration jobs
+        (``Schedule.calibrate``: with the first-step eigendecompositions)?"""
+        pending = (self.policy.choosing if self.per_factor
+                   else self.auto_f is None and self.auto_frequency)
+        return pending and self.run.is_async and bool(self.method.init_step)
 
     @property
     def per_factor(self) -> bool:

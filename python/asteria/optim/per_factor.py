@@ -43,8 +43,9 @@ alone (its budget is a round of its own factors). With a budget of 1 and d = S n
 read and every factor that came due starts: the round policy's trajectory. "auto" budget and
 d (mode "async"; refused with replicated parameters and global blocking) are chosen once
 (``choose``), stored in the state (``refresh_budget.auto``, ``install_delay.auto``) and
-kept by a resumed run; before the choice the budget is a whole round and d is
-``PROVISIONAL_DELAY``; in sync mode d = 0 and an "auto" budget is a whole round.
+kept by a resumed run; before the choice (SOAP and KL-Shampoo choose before any REFRESH
+round) the budget is a whole round and d is ``PROVISIONAL_DELAY``; in sync mode d = 0 and an
+"auto" budget is a whole round.
 """
 
 from __future__ import annotations
@@ -65,9 +66,9 @@ from asteria.refresh.cost import JobSpec, choose_refresh_budget, default_max_age
 #: the keys' word for a value chosen from measured times
 AUTO = "auto"
 DRIFT = "drift"  # refresh_policy: per factor, stalest first, within a budget
-#: refresh_policy="drift" with install_delay="auto": d until it is chosen (with the budget a
-#: whole round, the first REFRESH round is measured at its install the next step end, where
-#: the choice is made)
+#: refresh_policy="drift" with install_delay="auto": d until it is chosen (Shampoo, or a run
+#: resumed before the choice: with the budget a whole round, the first REFRESH round is
+#: measured at its install the next step end, where the choice is made)
 PROVISIONAL_DELAY = 1
 #: the basis ages asteria_stats() counts in its histogram: [0, 1], [2, 3], [4, 7], ... (powers
 #: of two), the last bin open
@@ -309,19 +310,27 @@ class PerFactor:
             or (cfg.install_delay == AUTO and self.auto_delay is None))
 
     def choose(self, end: StepEnd, capacity: Capacity) -> None:
-        """Fix an "auto" budget and d, once, at the first step end with factors due after a
-        REFRESH round was measured (submit to its last job's end): the step end after the
-        first REFRESH round's install, which runs as a whole round with d =
-        ``PROVISIONAL_DELAY`` (SOAP and KL-Shampoo at their third step end, Shampoo at its
-        second). Not from the first-step eigendecompositions alone: the cost model would price
-        the REFRESH op (a QR power step, a Newton root) at the eigendecomposition's FLOP rate,
+        """Fix an "auto" budget and d, once, at the first step end with factors due once the
+        REFRESH op's rate is measured and a forward and backward timed. SOAP and KL-Shampoo: at
+        their first counted step end, before any REFRESH round, the op timed by the
+        calibration jobs submitted with the first-step eigendecompositions
+        (``StepEnd.calibrate``, ``Schedule.calibrate``: results dropped), so a choice of a
+        whole round with d = 0 is the round policy's f = 1, S = 0 trajectory bit for bit.
+        Shampoo (no first step): at the step end after its first REFRESH round's install (a
+        whole round, d = ``PROVISIONAL_DELAY``), from that round; so too a run resumed from a
+        state dict saved before the choice (no forward and backward timed at its first step
+        end). Not from the first-step eigendecompositions alone: the cost model would price the
+        REFRESH op (a QR power step, a Newton root) at the eigendecomposition's FLOP rate,
         which the op's own rate differs from by up to 2x (docs/capacity.md, "Refresh per
-        factor"). By
-        ``asteria.refresh.cost.choose_refresh_budget`` on ``capacity``'s prices of a
-        full round and of its largest factor alone, the step and the forward and backward. An
-        integer ``max_age`` bounds d (``age_floor``). Stored in every preconditioned
+        factor"). By ``asteria.refresh.cost.choose_refresh_budget`` on ``capacity``'s prices of
+        a full round and of its largest factor alone, the step and the forward and backward.
+        An integer ``max_age`` bounds d (``age_floor``). Stored in every preconditioned
         parameter's state (``refresh_budget.auto``, ``install_delay.auto``)."""
-        if not self.choosing or not end.due or not capacity.measured_refresh_s():
+        if not self.choosing or not end.due or capacity.fb_s() is None:
+            return
+        if self.method.init_step:
+            end.calibrate()  # the REFRESH op's rates (none if a round measured them already)
+        elif not capacity.measured_refresh_s():
             return
         full = self.full_round()
         times = capacity.times_for_f(full, end.stall_ns)

@@ -486,11 +486,14 @@ class Schedule:
         self.calibration = self.submit(REFRESH, refresh, self.run.t + 1, calibration=True)
 
     def calibrated(self, items: list) -> None:
-        """The calibration jobs done, their times with the capacity record (``StepEnd.calibrate``):
-        waits for them (time at the bounded barrier), first submitting them from ``items`` if
-        none are in flight (a run resumed from a state dict saved before the choice), and
-        drops their results."""
+        """The calibration jobs done, their times with the capacity record
+        (``StepEnd.calibrate``): waits for them (time at the bounded barrier), first
+        submitting them from ``items`` if none are in flight and no REFRESH round has measured
+        the op (a run resumed from a state dict saved before the choice), and drops their
+        results."""
         if self.calibration is None:
+            if self.cadence.capacity.measured_refresh_s():
+                return  # a REFRESH round has measured the op (a run resumed before the choice)
             self.calibrate(items)
         if self.calibration is None:
             return
