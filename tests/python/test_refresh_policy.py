@@ -179,6 +179,22 @@ def test_same_trajectory_whatever_the_timing(name):
     assert same(runs[0], runs[1]) and same(runs[0], runs[2])
 
 
+def hold_times(monkeypatch, round_s: float, largest_s: float, step_s: float,
+               fb_s: float) -> None:
+    """The seconds the cadence chooses an "auto" budget and d from (``Capacity.times_for_f``),
+    the test's once the real record has any: a full round's (or a batch-1 job's, the largest
+    factor's), the step's and the forward and backward's."""
+    real = Capacity.times_for_f
+
+    def held(self, jobs, stall_ns=0):
+        if real(self, jobs, stall_ns) is None:
+            return None
+        whole = len(jobs) > 1 or any(j.batch > 1 for j in jobs)
+        return (round_s if whole else largest_s), step_s, fb_s
+
+    monkeypatch.setattr(Capacity, "times_for_f", held)
+
+
 def test_auto_values_chosen_once_then_the_trajectory_is_theirs(monkeypatch):
     """SOAP chooses an "auto" budget and d once (the step end after its first REFRESH round's
     install), from the capacity record's seconds, and stores them in the state: a second run
@@ -187,15 +203,7 @@ def test_auto_values_chosen_once_then_the_trajectory_is_theirs(monkeypatch):
     (``times_for_f``, once the real record has them): a full round of 1 s, its largest factor
     10 ms, steps of 100 ms with 90 ms of forward and backward, so the rule gives budget 1/15
     and d = 1 whatever the machine's load (test_choose_refresh_budget_rule)."""
-    real = Capacity.times_for_f
-
-    def held(self, jobs, stall_ns=0):
-        if real(self, jobs, stall_ns) is None:
-            return None
-        whole = len(jobs) > 1 or any(j.batch > 1 for j in jobs)
-        return (1.0 if whole else 0.010), 0.100, 0.090
-
-    monkeypatch.setattr(Capacity, "times_for_f", held)
+    hold_times(monkeypatch, 1.0, 0.010, 0.100, 0.090)
     runs = []
     for delays in ([40], [0, 7, 1]):
         model = make_model(KIND)
@@ -255,15 +263,7 @@ def test_auto_whole_round_with_no_delay_is_the_round_policy_at_f1_s0(name, monke
     the seconds injected where the cadence reads them), "drift" with "auto" budget and d is
     refresh_policy="round" at f = 1, S = 0 bit for bit: the choice comes before any REFRESH
     round, so no provisional round installs a step late first."""
-    real = Capacity.times_for_f
-
-    def held(self, jobs, stall_ns=0):
-        if real(self, jobs, stall_ns) is None:
-            return None
-        whole = len(jobs) > 1 or any(j.batch > 1 for j in jobs)
-        return (0.010 if whole else 0.002), 0.100, 0.050
-
-    monkeypatch.setattr(Capacity, "times_for_f", held)
+    hold_times(monkeypatch, 0.010, 0.002, 0.100, 0.050)
     make = maker(name)
     runs = []
     for runtime in (drift(), {"mode": "async", "workers": 2, "staleness": 0}):
