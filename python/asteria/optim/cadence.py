@@ -232,6 +232,20 @@ class Cadence:
         whether it starts a refresh there."""
         return count % self.frequency(group) == 0
 
+    @property
+    def choose_f_at(self) -> int:
+        """The step count of a parameter at which an "auto" f is chosen (``CHOOSE_F_AT``)."""
+        return CHOOSE_F_AT[bool(self.method.init_step)]
+
+    @property
+    def calibrates(self) -> bool:
+        """Is an "auto" f, or refresh_policy="drift"'s "auto" budget or d, still to be chosen
+        by a method whose REFRESH op is timed first by calibration jobs
+        (``Schedule.calibrate``: with the first-step eigendecompositions)?"""
+        pending = (self.policy.choosing if self.per_factor
+                   else self.auto_f is None and self.auto_frequency)
+        return pending and self.run.is_async and bool(self.method.init_step)
+
     # ---- S ---------------------------------------------------------------------------------------
     @property
     def delay(self) -> int:
@@ -344,20 +358,6 @@ class Cadence:
                 or d[1] not in steps or steps[d[1]] % self.auto_f == 0]
 
     # ---- refresh per factor (refresh_policy="drift") -------------------------------------------
-    @property
-    def choose_f_at(self) -> int:
-        """The step count of a parameter at which an "auto" f is chosen (``CHOOSE_F_AT``)."""
-        return CHOOSE_F_AT[bool(self.method.init_step)]
-
-    @property
-    def calibrates(self) -> bool:
-        """Is an "auto" f, or refresh_policy="drift"'s "auto" budget or d, still to be chosen
-        by a method whose REFRESH op is timed first by calibration jobs
-        (``Schedule.calibrate``: with the first-step eigendecompositions)?"""
-        pending = (self.policy.choosing if self.per_factor
-                   else self.auto_f is None and self.auto_frequency)
-        return pending and self.run.is_async and bool(self.method.init_step)
-
     @property
     def per_factor(self) -> bool:
         """refresh_policy="drift": does each factor start and install on its own? (The
