@@ -252,6 +252,45 @@ def test_auto_is_the_run_of_the_f_it_chose_bitwise(cls, resumed, monkeypatch):
         opt.close()
 
 
+#: each job's sleep before it computes in the test below: a step of the "mlp" model computes
+#: for milliseconds, so a step read with the calibration wait in it is at least 4x the bound
+CALIBRATION_DELAY_MS = 2000
+
+
+@pytest.mark.parametrize("policy", ["round", "drift"])
+def test_the_choice_reads_the_step_without_the_calibration_wait(policy, monkeypatch):
+    # SOAP's "auto" f (and drift's "auto" budget) is chosen at its first counted step end,
+    # after waiting there for the calibration jobs. That wait is a stall, not the step's work:
+    # read into the step, it made the round look R times shorter against it, and the choice
+    # overcommitted the host (its installs then waited). The step the choice reads excludes it.
+    from asteria.refresh.capacity import Capacity
+
+    steps = []
+    real = Capacity.times_for_f
+
+    def record(self, jobs, stall_ns=0):
+        out = real(self, jobs, stall_ns)
+        if out is not None:
+            steps.append(out[1])
+        return out
+
+    monkeypatch.setattr(Capacity, "times_for_f", record)
+    model = make_model("mlp")
+    kw = ({"precondition_frequency": "auto", "runtime": rt()} if policy == "round" else
+          {"precondition_frequency": 1, "runtime": rt(refresh_policy="drift")})
+    opt = SOAP(model.parameters(), **kw)
+    try:
+        delay_jobs(opt, CALIBRATION_DELAY_MS)
+        train(model, opt, 2)
+        st = opt.asteria_stats()
+        assert st["frequency_auto_chosen" if policy == "round" else
+                  "refresh_budget_auto_chosen"], opt.asteria_plan()
+        # the choice's step: the forward and backward and the optimizer's own work only
+        assert steps and steps[0] < CALIBRATION_DELAY_MS / 1e3 / 4, steps
+    finally:
+        opt.close()
+
+
 def test_auto_group_beside_an_integer_group_keeps_s_within_both(monkeypatch):
     # both auto: S is chosen with f, and at most the integer group's f (S <= f for every group)
     clock = hold_capacity_clock(monkeypatch)

@@ -498,7 +498,8 @@ class Schedule:
         if self.calibration is None:
             return
         t0 = time.monotonic_ns()
-        self.calibration.resolve(self.run.engine)  # a wait a signal interrupts is taken again
+        # a wait a signal interrupts is taken again; the step the choice reads excludes it
+        self.cadence.capacity.stalled(lambda: self.calibration.resolve(self.run.engine))
         self.stall_ns += time.monotonic_ns() - t0
         self.calibration = None
 

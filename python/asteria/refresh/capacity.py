@@ -76,6 +76,9 @@ class Capacity:
         self._steps: deque = deque(maxlen=64)  # step seconds, barrier stalls excluded
         self._last_end_ns: Optional[int] = None
         self._start_ns: Optional[int] = None  # this step's start (``step_start``)
+        # this step's waits that ``stalled`` timed, on this record's clock (``times_for_f``
+        # excludes them from the step in progress; ``step_end`` is handed every stall)
+        self._stalled_ns = 0
         # seconds from a step's end to the next step's start: the forward and backward
         self._fb: deque = deque(maxlen=64)
         self._busy = defaultdict(float)   # lane -> busy seconds since the first job
@@ -141,6 +144,18 @@ class Capacity:
         if self._last_end_ns is not None:
             self._steps.append(max(0, now - self._last_end_ns - stall_ns) / 1e9)
         self._last_end_ns = now
+        self._stalled_ns = 0
+
+    def stalled(self, wait) -> None:
+        """``wait()``, timed as a stall of the step in progress (the calibration jobs' wait at
+        an "auto" choice, ``Schedule.calibrated``): the step ``times_for_f`` gives excludes
+        it, on this record's clock. The caller still hands it to ``step_end`` with the
+        step's other stalls."""
+        t0 = time.monotonic_ns()
+        try:
+            wait()
+        finally:
+            self._stalled_ns += max(0, time.monotonic_ns() - t0)
 
     # ---- views --------------------------------------------------------------------------------
     def lanes(self) -> dict:
@@ -205,13 +220,14 @@ class Capacity:
         or None while no step has been timed or ``jobs`` is empty. ``jobs``: a round of every
         factor, priced by the model (the larger of that and the last REFRESH round's measured
         time where that round had as many factors); the step: the median of the steps
-        measured and of the one in progress (``stall_ns`` of it at the bounded barrier,
-        excluded); the forward and backward: the median measured (0 before any), at most the
-        step."""
+        measured and of the one in progress (``stall_ns`` of it at the bounded barrier and
+        the waits ``stalled`` timed, excluded); the forward and backward: the median
+        measured (0 before any), at most the step."""
         steps = list(self._steps)
         since = self._last_end_ns if self._last_end_ns is not None else self._start_ns
         if since is not None:
-            steps.append(max(0, time.monotonic_ns() - since - stall_ns) / 1e9)
+            steps.append(max(0, time.monotonic_ns() - since - stall_ns - self._stalled_ns)
+                         / 1e9)
         step = statistics.median(steps) if steps else 0.0
         if not jobs or step <= 0:
             return None
