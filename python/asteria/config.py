@@ -48,9 +48,13 @@ TIERS = _tiers()
 #: storage dtypes of the tiers outside the device ("float32": every block in its state's dtype;
 #: "bfloat16": wider blocks narrowed; "int8" / "int4": eigenbases block-quantized, tiers/plan.py)
 TIER_DTYPES = ("float32", "bfloat16", "int8", "int4")
-#: the quantized tiers' format (asteria/quant.h): values per float32 scale (4-bit Shampoo's 64),
-#: libasteria's default
-TIER_QUANT_BLOCK = _C.QUANT_BLOCK_DEFAULT
+#: the quantized tiers' format (asteria/quant.h): values per float32 scale. int8: 4-bit
+#: Shampoo's 64, libasteria's default (0.266 of float32's bytes). int4: 128, so that its scales
+#: take 1 bit a value where 64 would take 1/2 bit more (0.133 of float32's bytes against 0.141):
+#: the wider block leaves a basis 1.0-1.4x farther from orthogonal as stored and at most 0.01
+#: after its 3 Bjorck steps (n <= 2048), far below the bfloat16 tier's (docs/memory.md,
+#: benchmarks/bench_quant_orth.py)
+TIER_QUANT_BLOCK = {"int8": _C.QUANT_BLOCK_DEFAULT, "int4": 2 * _C.QUANT_BLOCK_DEFAULT}
 #: Bjorck steps that rectify a quantized eigenbasis where it is widened: the fewest that leave
 #: ||V^T V - I||_F below the bfloat16 tier's (an unrectified bfloat16 basis, which trains as
 #: float32 does: 0.02 at n = 64 to 0.11 at n = 2048) for the bases training makes. int8: 0.07

@@ -329,6 +329,38 @@ def test_bench_tier_dtype_quick(tmp_path):
     assert all(t["met"] in (True, False) for t in data["targets"].values())
 
 
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_bench_quant_orth_quick(tmp_path):
+    """Every (qtype, block) on both kinds of basis: its bytes are the format's (a float32
+    scale per block, the codes padded to 4 bytes), each Bjorck step brings it nearer
+    orthogonal (e -> at most (3/4 + e/4) e^2 to float32's rounding floor), and at the tiers'
+    own block and step count it is nearer orthogonal than the bfloat16 tier's basis."""
+    from asteria.config import TIER_QUANT_BLOCK, TIER_RECTIFY_STEPS
+
+    bq = load_bench("bench_quant_orth")
+    _restores(lambda: bq.main(["--quick", "--no-plot", "--out-dir", str(tmp_path)]))
+    data = json.loads((tmp_path / "bench_quant_orth.json").read_text())
+    assert "--quick" in data["command"] and data["configured_block"] == TIER_QUANT_BLOCK
+    assert {(r["n"], r["kind"]) for r in data["rows"]} == {
+        (n, k) for n in data["sizes"] for k in data["kinds"]}
+    for r in data["rows"]:
+        n = r["n"]
+        assert len(r["forms"]) == 4  # int8, int4 x blocks 64, 128
+        for f in r["forms"]:
+            bits, b = (8 if f["qtype"] == "int8" else 4), f["block"]
+            codes = -(-n * n * bits // 8)
+            assert f["bytes_ratio"] == (-(-codes // 4) * 4 + 4 * -(-n * n // b)) / (4 * n * n)
+            e = f["orth_error"]
+            assert len(e) == data["max_steps"] + 1
+            floor = n ** 1.5 * 2.0 ** -24  # float32's rounding floor of ||V^T V - I||_F
+            for a, c in zip(e, e[1:]):  # A' = -(3/4) A^2 + (1/4) A^3, to rounding
+                assert c <= (0.75 + a / 4) * a * a + floor
+            assert e[1] < e[0]
+            if f["tiers_block"]:
+                assert b == TIER_QUANT_BLOCK[f["qtype"]]
+                assert e[TIER_RECTIFY_STEPS[f["qtype"]]] < r["bfloat16"]
+
+
 def test_bench_exit_counts_each_launch(tmp_path):
     """bench_exit launches the user's 2-rank script (no epilogue of ours) and records each
     launch's exit code: one launch of one case, its JSON and summary."""

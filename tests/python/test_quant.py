@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from asteria import _C
-from asteria.config import TIER_RECTIFY_STEPS
+from asteria.config import TIER_QUANT_BLOCK, TIER_RECTIFY_STEPS
 from asteria.tiers import quant as Q
 
 U = 2.0 ** -24
@@ -259,7 +259,9 @@ def test_configured_steps_are_the_fewest_below_the_bfloat16_tier():
         for basis in training_like_bases(n):
             bf16 = float(Q.orth_error(basis.to(torch.bfloat16).float()))
             for qtype, k in TIER_RECTIFY_STEPS.items():
-                w = Q.dequantize_host(Q.quantize_host(basis, qtype), qtype, n * n).view(n, n)
+                block = TIER_QUANT_BLOCK[qtype]  # as the tier stores it
+                w = Q.dequantize_host(Q.quantize_host(basis, qtype, block), qtype, n * n,
+                                      block).view(n, n)
                 errs[qtype].append((bf16, Q.rectify_host(w.contiguous(), k)[0]))
     for qtype, k in TIER_RECTIFY_STEPS.items():
         assert all(e[k] < bf16 for bf16, e in errs[qtype]), (qtype, errs[qtype])

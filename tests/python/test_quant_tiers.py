@@ -43,7 +43,8 @@ from reference import KLShampooRef, SOAPRef
 
 S = 2
 F = 4
-BLOCK = 64
+#: values per scale as the tiers store each type (config.TIER_QUANT_BLOCK, restated)
+BLOCK = {"int8": 64, "int4": 128}
 QMAX = {"int8": 127, "int4": 7}
 STEPS = {"int8": 1, "int4": 3}
 MIN_DIM = 64
@@ -60,16 +61,17 @@ def _c_extension():
 
 def layout_bytes(qtype: str, count: int) -> int:
     """asteria/quant.h's layout: the codes (one a byte, or two), zeros to a multiple of 4, one
-    float32 scale per block of 64."""
+    float32 scale per block of BLOCK[qtype]."""
     codes = count if qtype == "int8" else (count + 1) // 2
-    return (codes + 3) // 4 * 4 + 4 * math.ceil(count / BLOCK)
+    return (codes + 3) // 4 * 4 + 4 * math.ceil(count / BLOCK[qtype])
 
 
 def scales_and_codes(x: torch.Tensor, qtype: str):
-    """Per block of 64 values of x (float32, flat): s = absmax / qmax and the codes."""
-    qmax = QMAX[qtype]
+    """Per block of BLOCK[qtype] values of x (float32, flat): s = absmax / qmax and the
+    codes."""
+    qmax, block = QMAX[qtype], BLOCK[qtype]
     n = x.numel()
-    xb = torch.cat([x, x.new_zeros(-n % BLOCK)]).view(-1, BLOCK)
+    xb = torch.cat([x, x.new_zeros(-n % block)]).view(-1, block)
     s = xb.abs().amax(dim=1) / qmax
     codes = torch.round(xb / torch.where(s > 0, s, torch.ones_like(s))[:, None])
     return s, codes.clamp(-qmax, qmax)
@@ -249,7 +251,7 @@ def test_stored_value_within_half_a_step_and_rectified_as_the_math_says(qtype):
     s, codes = scales_and_codes(q.reshape(-1), qtype)
     # quant.h: |x - x'| <= s / 2 up to the division's rounding (qmax 2^-24 s) and the
     # multiply's (half an ulp of x', <= qmax s 2^-24)
-    bound = (s * (0.5 + 2 * QMAX[qtype] * 2.0 ** -24))[:, None].expand(-1, BLOCK).reshape(-1)
+    bound = (s * (0.5 + 2 * QMAX[qtype] * 2.0 ** -24))[:, None].expand(-1, BLOCK[qtype]).reshape(-1)
     err = (back - q).abs().reshape(-1)
     assert bool((err <= bound[:err.numel()]).all())
     assert float(err.max()) > 0.2 * float(s.max())  # the bound is not loose by orders
@@ -338,7 +340,7 @@ def test_stats_and_plan_count_the_quantized_bytes(qtype, tier, tmp_path):
                 assert n in kept and int.from_bytes(head[44:48], "little") == 0
             else:
                 assert head[40] == (1 if qtype == "int8" else 2)
-                assert int.from_bytes(head[44:48], "little") == BLOCK
+                assert int.from_bytes(head[44:48], "little") == BLOCK[qtype]
     opt.close()
 
 
@@ -570,18 +572,18 @@ def test_store_block_format_binding(tmp_path):
     with _C.Store(nvme_dir=str(tmp_path), direct="fallback") as store:
         sid = store.alloc("host", layout_bytes("int4", 64 * 64))
         assert store.format(sid) == ("none", 0)
-        store.set_format(sid, "int4", BLOCK)
-        assert store.format(sid) == ("int4", BLOCK)
+        store.set_format(sid, "int4", BLOCK["int4"])
+        assert store.format(sid) == ("int4", BLOCK["int4"])
         with pytest.raises(ValueError, match="unknown qtype 'int3'; allowed: 'none', 'int8'"):
-            store.set_format(sid, "int3", BLOCK)
+            store.set_format(sid, "int3", BLOCK["int4"])
         with pytest.raises(ValueError, match="int8 in blocks of 63"):
             store.set_format(sid, "int8", 63)
         store.move([sid], "nvme")
         with pytest.raises(_C.AsteriaError, match="is on nvme"):
-            store.set_format(sid, "int8", BLOCK)
+            store.set_format(sid, "int8", BLOCK["int8"])
         with open(store.record_path(sid), "rb") as f:
             head = f.read(HEADER)
-        assert head[40] == 2 and int.from_bytes(head[44:48], "little") == BLOCK
+        assert head[40] == 2 and int.from_bytes(head[44:48], "little") == BLOCK["int4"]
         store.move([sid], "host")
         store.set_format(sid, "none")
         assert store.format(sid) == ("none", 0)

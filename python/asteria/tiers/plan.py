@@ -53,9 +53,10 @@ Rules (``mode="async"``)
     ``stored_format(tier_dtype, its kind, dtype, shape)``: "bfloat16" narrows wider floating
     blocks, a block already that narrow (or narrower) stays as it is; "int8" / "int4"
     block-quantize float32 / float64 eigenbases of at least ``TIER_QUANT_MIN_DIM`` rows
-    (``asteria/quant.h``: codes and one float32 scale per ``TIER_QUANT_BLOCK`` values), which
-    are widened where used and rectified by ``TIER_RECTIFY_STEPS`` Bjorck steps (an eigenbasis
-    is orthogonal: its entries are bounded and the error can be pulled back), while roots
+    (``asteria/quant.h``: codes and one float32 scale per ``TIER_QUANT_BLOCK[qtype]``
+    values), which are widened where used and rectified by ``TIER_RECTIFY_STEPS`` Bjorck
+    steps (an eigenbasis is orthogonal: its entries are bounded and the error can be pulled
+    back), while roots
     (Shampoo's inverse roots are not orthogonal: a method with roots refuses these values,
     ``check_tier_dtype``), smaller bases, factors, moments and eigenvalues keep their dtype;
     "float32" keeps every block as it is. Every byte figure of a block outside the device
@@ -134,7 +135,7 @@ def stored_format(tier_dtype: str, kind: str, dtype: torch.dtype, shape: Sequenc
         square = len(shape) == 2 and shape[0] == shape[1]
         if (kind == "eigenbases" and dtype in (torch.float32, torch.float64) and square
                 and shape[0] >= TIER_QUANT_MIN_DIM):
-            return Stored(torch.uint8, tier_dtype, TIER_QUANT_BLOCK, steps)
+            return Stored(torch.uint8, tier_dtype, TIER_QUANT_BLOCK[tier_dtype], steps)
         return Stored(dtype)
     narrow = _NARROW.get(tier_dtype)
     if narrow is None or not dtype.is_floating_point or _itemsize(dtype) <= _itemsize(narrow):
@@ -537,10 +538,10 @@ def _format_lines(tier_dtype: str, outside: Sequence[StateEntry]) -> list:
     kept = len(outside) - len(changed)
     return [f"tier_dtype {tier_dtype!r}: {len(changed)} eigenbasis blocks outside the device "
             f"stored and moved block-quantized ({tier_dtype}, one float32 scale per "
-            f"{TIER_QUANT_BLOCK} values: {now} instead of {was}), widened and rectified "
-            f"({TIER_RECTIFY_STEPS[tier_dtype]} Bjorck steps) where the step and the refresh "
-            "use them" + (f"; {kept} smaller or non-eigenbasis blocks kept in their dtype"
-                          if kept else "")]
+            f"{TIER_QUANT_BLOCK[tier_dtype]} values: {now} instead of {was}), widened and "
+            f"rectified ({TIER_RECTIFY_STEPS[tier_dtype]} Bjorck steps) where the step and the "
+            "refresh use them"
+            + (f"; {kept} smaller or non-eigenbasis blocks kept in their dtype" if kept else "")]
 
 
 def _peaks(entries: Sequence[StateEntry], block_tier: dict, planned: dict, snap: int,
