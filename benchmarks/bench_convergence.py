@@ -177,6 +177,21 @@ POLICY_RUNS = {
                                "install_delay": "auto", "max_age": "auto"}),
 }
 POLICY_BASE = "asteria-soap-async"
+#: "asteria-soap-drift-b<N>": the drift run with its budget fixed at a round's worth every N
+#: steps (``refresh_budget`` 1/N; d and max_age "auto"): refresh per factor at the refresh
+#: work of the round policy at f = N, which the "auto" budget's margin leaves below
+_DRIFT_BUDGET = re.compile(r"^asteria-soap-drift-b(?P<n>[1-9][0-9]*)$")
+
+
+def policy_run(name: str) -> Optional[tuple]:
+    """(precondition_frequency, runtime keys) of a run named by its refresh policy
+    (POLICY_RUNS, or "asteria-soap-drift-b<N>"), or None for any other name."""
+    if name in POLICY_RUNS:
+        return POLICY_RUNS[name]
+    m = _DRIFT_BUDGET.match(name)
+    if m is None:
+        return None
+    return 1, dict(POLICY_RUNS["asteria-soap-drift"][1], refresh_budget=1.0 / int(m["n"]))
 
 
 def variant(name: str) -> Optional[tuple[str, int, Optional[int]]]:
@@ -193,14 +208,14 @@ def variant(name: str) -> Optional[tuple[str, int, Optional[int]]]:
 
 
 def known_run(name: str, runs: Sequence[str] = RUNS) -> bool:
-    return name in runs or name in POLICY_RUNS or variant(name) is not None
+    return name in runs or policy_run(name) is not None or variant(name) is not None
 
 
 def grid_of(name: str, grids: dict) -> tuple:
     """A run's lr grid: its own, else (a variant, a policy run) its base's."""
     if name in grids:
         return grids[name]
-    if name in POLICY_RUNS:
+    if policy_run(name) is not None:
         return grids.get(POLICY_BASE, ())
     v = variant(name)
     return grids[v[0]] if v is not None else ()
@@ -335,8 +350,8 @@ def make_optimizer(name: str, params, lr: float, args, worker_cpus: Optional[str
         if name.endswith("-async"):
             stale = min(args.staleness if s is None else s, f)
             runtime = runtime or async_runtime(args, worker_cpus, staleness=stale)
-    elif name in POLICY_RUNS:
-        f, keys = POLICY_RUNS[name]
+    elif policy_run(name) is not None:
+        f, keys = policy_run(name)
         runtime = runtime or dict(async_runtime(args, worker_cpus), **keys)
         name = POLICY_BASE
     elif name == "asteria-soap-async-s5":  # Asteria at f with S=5 (at most f)
@@ -844,7 +859,7 @@ def calibrate_round_steps(problem: Problem, names: list, args, pin: dict,
     measured ("round_steps" of its result)."""
     want = args.round_steps
     for name in names:
-        if not name.startswith("asteria") or name in POLICY_RUNS:
+        if not name.startswith("asteria") or policy_run(name) is not None:
             continue
         grid = sorted(args.grids[name])
         lr = grid[len(grid) // 2]
@@ -1590,8 +1605,8 @@ def parse_runs(text: str, ap, runs: Sequence[str] = RUNS) -> list[str]:
             ap.error(str(e))
         if not ok:
             ap.error(f"unknown optimizer {r!r}; allowed: {', '.join(runs)}, "
-                     f"{', '.join(POLICY_RUNS)}, or <base>-f<N>[-s<S>] with base one of "
-                     f"{', '.join(VARIANT_BASES)}")
+                     f"{', '.join(POLICY_RUNS)}, asteria-soap-drift-b<N>, or "
+                     f"<base>-f<N>[-s<S>] with base one of {', '.join(VARIANT_BASES)}")
     extra = [r for r in names if r not in runs]
     return ["adamw"] + [r for r in runs if r in names and r != "adamw"] + extra
 
@@ -1601,7 +1616,7 @@ def check_procedure_args(ap, args, grids: dict, runs: Sequence[str] = RUNS) -> N
     the step counts checked (``ap``'s error)."""
     args.grids = dict(grids)
     for name in list(getattr(args, "runs", ())) + list(getattr(args, "bound_runs", ())):
-        if name not in args.grids and (variant(name) is not None or name in POLICY_RUNS):
+        if name not in args.grids and (variant(name) is not None or policy_run(name) is not None):
             args.grids[name] = grid_of(name, grids)
     for spec in args.lrs:
         name, _, lrs = spec.partition("=")

@@ -494,6 +494,10 @@ def test_bench_convergence_run_names():
     assert bc.variant("asteria-soap-async-f0") is None
     assert bc.variant("asteria-soap-drift") is None and bc.known_run("asteria-soap-drift")
     assert bc.grid_of("asteria-soap-async-auto", bc.GRIDS) == bc.GRIDS["asteria-soap-async"]
+    f, keys = bc.policy_run("asteria-soap-drift-b10")
+    assert f == 1 and keys["refresh_budget"] == 0.1 and keys["install_delay"] == "auto"
+    assert keys["refresh_policy"] == "drift" and bc.known_run("asteria-soap-drift-b10")
+    assert bc.policy_run("asteria-soap-drift-b0") is None and not bc.known_run("asteria-soap-drift-b")
     with pytest.raises(ValueError, match="staleness 3 > precondition_frequency 2"):
         bc.variant("asteria-soap-async-f2-s3")
     assert bc.at_time([0.0, 1.0, 3.0], [4.0, 2.0, 1.0], 2.0) == pytest.approx(1.5)
