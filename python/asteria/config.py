@@ -48,13 +48,12 @@ TIERS = _tiers()
 #: storage dtypes of the tiers outside the device ("float32": every block in its state's dtype;
 #: "bfloat16": wider blocks narrowed; "int8" / "int4": eigenbases block-quantized, tiers/plan.py)
 TIER_DTYPES = ("float32", "bfloat16", "int8", "int4")
-#: the quantized tiers' format (asteria/quant.h): values per float32 scale. int8: 4-bit
-#: Shampoo's 64, libasteria's default (0.266 of float32's bytes). int4: 128, so that its scales
-#: take 1 bit a value where 64 would take 1/2 bit more (0.133 of float32's bytes against 0.141):
-#: the wider block leaves a basis 1.0-1.4x farther from orthogonal as stored and at most 0.01
-#: after its 3 Bjorck steps (n <= 2048), far below the bfloat16 tier's (docs/memory.md,
-#: benchmarks/bench_quant_orth.py)
-TIER_QUANT_BLOCK = {"int8": _C.QUANT_BLOCK_DEFAULT, "int4": 2 * _C.QUANT_BLOCK_DEFAULT}
+#: the quantized tiers' format (asteria/quant.h): values per float32 scale, per type. Both are
+#: 4-bit Shampoo's 64, libasteria's default (int8 0.266, int4 0.141 of float32's bytes). int4
+#: at 128 (0.133) trained worse: 1.16-1.17x float32's steps to AdamW's loss against 1.06-1.07x
+#: at 64, though its bases came back as near orthogonal after the 3 Bjorck steps (docs/results.md,
+#: "Reduced-precision and quantized tiers"; benchmarks/bench_quant_orth.py)
+TIER_QUANT_BLOCK = {"int8": _C.QUANT_BLOCK_DEFAULT, "int4": _C.QUANT_BLOCK_DEFAULT}
 #: Bjorck steps that rectify a quantized eigenbasis where it is widened: the fewest that leave
 #: ||V^T V - I||_F below the bfloat16 tier's (an unrectified bfloat16 basis, which trains as
 #: float32 does: 0.02 at n = 64 to 0.11 at n = 2048) for the bases training makes. int8: 0.07

@@ -44,7 +44,7 @@ from reference import KLShampooRef, SOAPRef
 S = 2
 F = 4
 #: values per scale as the tiers store each type (config.TIER_QUANT_BLOCK, restated)
-BLOCK = {"int8": 64, "int4": 128}
+BLOCK = {"int8": 64, "int4": 64}
 QMAX = {"int8": 127, "int4": 7}
 STEPS = {"int8": 1, "int4": 3}
 MIN_DIM = 64
