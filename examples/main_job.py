@@ -13,8 +13,10 @@
 2. Refresh spikes: a setting where native SOAP's refresh costs whole steps (a wider model, d=256
    with 1024-wide MLP factors, 2,048 tokens a step, 2x the widest layer; still a character GPT
    on the same corpus). Native SOAP (mode "sync": the refresh inline, every
-   precondition_frequency f=10 steps) and Asteria SOAP (mode "async", staleness S=4: its
-   refresh on one C worker on the other core, installed 4 steps later) continue the same run
+   precondition_frequency f=10 steps) and Asteria SOAP (mode "async", staleness "auto": its
+   refresh on one C worker on the other core, installed S steps later, S the fewest steps that
+   cover 1.5x the round this host measures: 4 on the AMD VM, 9 on a slower Intel one; a fixed
+   S=4 left every install waiting there) continue the same run
    from the same point, native SOAP's state after its first 80 steps, with the same batches,
    in lockstep. Native SOAP runs the rest of its warm-up + cosine schedule in 100 steps;
    Asteria, whose steps are cheaper (no refresh inline: about 0.76x native's mean step here),
@@ -96,7 +98,7 @@ TARGETS = {"native_max_over_median_min": 2.0, "asteria_max_over_median_max": 1.2
 # Asteria's steps are cheaper (no refresh inline), so in less time than native SOAP's 100 it
 # runs asteria_steps: the same continuation of the schedule, stretched over more steps.
 SPIKES = dict(d=256, layers=2, heads=4, context=64, batch=32, start=80, steps=100,
-              asteria_steps=110, warmup=10, frequency=10, staleness=4, lr=6e-3, seed=0,
+              asteria_steps=110, warmup=10, frequency=10, staleness="auto", lr=6e-3, seed=0,
               window=20)
 # Part 3: eigenbases 6 x 2 x 1024^2 x 4 B = 48 MiB; 16 steps (a refresh at step 10, its
 # install at 15). Uncapped anonymous peaks measured here: native SOAP 997-1132 MiB, Asteria
@@ -667,9 +669,9 @@ def parse_args(argv=None):
     ap.add_argument("--spike-asteria-steps", type=int, default=SPIKES["asteria_steps"],
                     help="part 2: Asteria's steps after the shared start (the same schedule "
                          "stretched over them; 0: as many as native SOAP's)")
-    ap.add_argument("--spike-staleness", type=int, default=SPIKES["staleness"],
+    ap.add_argument("--spike-staleness", type=_staleness_arg, default=SPIKES["staleness"],
                     help="Asteria's staleness budget S in part 2 (>= 1: the refresh overlaps "
-                         "the following steps)")
+                         "the following steps; \"auto\": chosen from the measured round)")
     ap.add_argument("--spike-lr", type=float, default=SPIKES["lr"], help="peak lr of part 2")
     ap.add_argument("--mem-cap-mib", type=float, default=0,
                     help="part 3's cap (0: chosen from the uncapped peaks)")
@@ -686,8 +688,8 @@ def parse_args(argv=None):
     for p in args.parts:
         if p not in PARTS:
             ap.error(f"unknown part {p!r}; allowed: {', '.join(PARTS)}")
-    if args.spike_staleness < 1 or args.spike_staleness > SPIKES["frequency"]:
-        ap.error(f"need 1 <= --spike-staleness <= {SPIKES['frequency']}")
+    if args.spike_staleness != "auto" and not 1 <= args.spike_staleness <= SPIKES["frequency"]:
+        ap.error(f"need 1 <= --spike-staleness <= {SPIKES['frequency']}, or \"auto\"")
     if args.spike_asteria_steps < 0:
         ap.error("--spike-asteria-steps: >= 0 (0: as many as --spike-steps)")
     if args.spike_start < 0 or args.spike_start % SPIKES["frequency"]:
@@ -695,6 +697,11 @@ def parse_args(argv=None):
     if args.nvme_parent is None:
         args.nvme_parent = os.path.join(args.out_dir, "tmp")
     return args
+
+
+def _staleness_arg(text: str):
+    """--spike-staleness: "auto" or an integer."""
+    return text if text == "auto" else int(text)
 
 
 def main(argv=None) -> dict[str, Any]:
