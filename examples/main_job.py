@@ -15,7 +15,7 @@
    on the same corpus). Native SOAP (mode "sync": the refresh inline, every
    precondition_frequency f=10 steps) and Asteria SOAP (mode "async", staleness "auto": its
    refresh on one C worker on the other core, installed S steps later, S the fewest steps that
-   cover 1.5x the round this host measures: 4 on the AMD VM, 9 on a slower Intel one; a fixed
+   cover 1.5x the round this host measures: 4 on the AMD VM, 9-10 on a slower Intel one; a fixed
    S=4 left every install waiting there) continue the same run
    from the same point, native SOAP's state after its first 80 steps, with the same batches,
    in lockstep. Native SOAP runs the rest of its warm-up + cosine schedule in 100 steps;
